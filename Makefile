@@ -1,0 +1,34 @@
+# pvegpu — every target sets up what it needs on a fresh machine (venv, Debian packages, twin root).
+SHELL := /bin/bash
+VENV  ?= .venv
+PY    := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: venv debs demo test test-unit bench twin-up twin-down clean
+
+venv: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	touch $@
+
+debs:
+	bash scripts/install-debs.sh
+
+# Main job on the built-in kpro6 twin: start it, preview (--dry), converge, converge again, host checks.
+demo: venv debs
+	bash scripts/demo.sh
+
+# All tests (what CI runs).
+test: venv debs
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+test-unit: venv
+	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
+
+bench: venv debs
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) .twin

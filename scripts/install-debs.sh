@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the tests and the twin need, only when missing.
+set -euo pipefail
+need=(debootstrap openssh-client graphviz ccache)
+missing=()
+for p in "${need[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  if [ "$(id -u)" != 0 ]; then
+    echo "pvegpu: need root to install Debian packages: ${missing[*]}" >&2; exit 1
+  fi
+  echo "pvegpu: installing Debian packages: ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get -qq update
+  DEBIAN_FRONTEND=noninteractive apt-get -qq install -y --no-install-recommends "${missing[@]}" >/dev/null
+fi
