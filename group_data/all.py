@@ -1,0 +1,30 @@
+"""Defaults for every pvegpu host spec.
+
+The spec loader (`spec.load`) merges `PVEGPU_DEFAULTS` *under* each host's own spec before
+validation, so a host file only states what differs. pyinfra also loads this file as host data
+(each upper-case name below becomes `host.data.<NAME>`); nothing here is secret.
+"""
+
+PVEGPU_DEFAULTS = {
+    "boot_loader": "auto",
+    "iommu": {
+        "vendor": "auto",
+        "passthrough": False,
+        # BAR space for 96 GB cards (incident 10); harmless elsewhere.
+        "params": ["pci=realloc"],
+        "acs_override": None,
+    },
+    "nvidia": None,
+    "kernel": None,
+    "gpus": {},
+    "containers": {},
+    "vms": {},
+    "nccl": {"profile": "auto", "overrides": {}, "services": []},
+    "reboot": {"allowed": False},
+    "guests": {"allow_stop": True},
+    "proxmox_api": None,
+}
+
+# Debian/PVE group that owns /dev/nvidia* inside containers (render group on PVE 8 is 104,
+# video is 44); used for `devN: ...,gid=` lines unless a container says otherwise.
+PVEGPU_DEVICE_GID = 44

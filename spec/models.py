@@ -1,0 +1,372 @@
+"""The typed host spec (pydantic v2).
+
+A spec file (`inventories/<site>.yml`) looks like::
+
+    hosts:
+      kpro6:
+        ssh: {hostname: kpro6.lab.example, user: root}
+        iommu: {vendor: amd, params: [pci=realloc]}
+        nvidia: {version: 595.71.05, ...}
+        gpus:
+          "0000:01:00.0": lxc
+          "0000:41:00.0": {role: "vm:300"}
+        containers: {200: {gpus: ["0000:01:00.0"]}}
+        vms: {300: {gpus: ["0000:41:00.0"], machine: q35}}
+
+Every model forbids unknown keys (typos are errors). Every string refuses newlines and NUL
+bytes, because spec values end up in shell commands and config files. Cross-field rules
+(GPU roles vs. containers/VMs, ID ranges) live in `HostSpec`'s validator. Defaults come from
+`group_data/all.py` (merged by `spec.load` before validation).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
+
+BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]$")
+DRIVER_VERSION_RE = re.compile(r"^\d{3}\.\d{1,3}(\.\d{1,3})?$")
+KERNEL_VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?(-[0-9A-Za-z][0-9A-Za-z.+~-]*)?$")
+NCCL_KEY_RE = re.compile(r"^NCCL_[A-Z0-9_]+$")
+NVREG_KEY_RE = re.compile(r"^NVreg_[A-Za-z0-9_]+$")
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+ROLE_RE = re.compile(r"^(lxc|host|unused|vm:(\d+))$")
+GUEST_ID_MIN, GUEST_ID_MAX = 100, 999_999_999
+
+
+def _no_control(value: str) -> str:
+    if "\n" in value or "\r" in value or "\x00" in value:
+        raise ValueError("must not contain a newline or NUL byte (it would end up in a shell command or config file)")
+    return value
+
+
+SafeStr = Annotated[str, AfterValidator(_no_control)]
+
+
+def _bdf(value: str) -> str:
+    _no_control(value)
+    if not BDF_RE.match(value):
+        hint = " (use lowercase hex)" if BDF_RE.match(value.lower()) else ""
+        raise ValueError(
+            f"{value!r} is not a PCI address{hint}; write domain:bus:device.function like '0000:01:00.0'"
+        )
+    return value
+
+
+Bdf = Annotated[str, AfterValidator(_bdf)]
+
+
+def _guest_id(value: int) -> int:
+    if not GUEST_ID_MIN <= value <= GUEST_ID_MAX:
+        raise ValueError(f"{value} is outside Proxmox's guest ID range {GUEST_ID_MIN}-{GUEST_ID_MAX}")
+    return value
+
+
+GuestId = Annotated[int, AfterValidator(_guest_id)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SshSpec(Strict):
+    """How pyinfra reaches the host (copied into pyinfra host data)."""
+
+    hostname: SafeStr
+    port: int = Field(22, ge=1, le=65535)
+    user: SafeStr = "root"
+    key: SafeStr | None = None
+
+
+class IommuSpec(Strict):
+    vendor: Literal["auto", "amd", "intel"] = "auto"
+    passthrough: bool = False  # adds iommu=pt; refused at preflight on SEV-SNP hosts
+    params: list[SafeStr] = Field(default_factory=list)  # extra cmdline params, e.g. pci=realloc
+    acs_override: SafeStr | None = None  # pcie_acs_override=<value>, e.g. "downstream,multifunction"
+
+    @field_validator("params")
+    @classmethod
+    def _params_are_words(cls, params: list[str]) -> list[str]:
+        for p in params:
+            if not p or any(c.isspace() for c in p):
+                raise ValueError(f"{p!r}: each cmdline parameter is one word without spaces, like 'pci=realloc'")
+        return params
+
+
+class SourceSpec(Strict):
+    """A source archive: fetched from `url` (https://, file:// or a plain local path) and checked."""
+
+    url: SafeStr
+    sha256: SafeStr
+
+    @field_validator("sha256")
+    @classmethod
+    def _sha(cls, v: str) -> str:
+        if not SHA256_RE.match(v):
+            raise ValueError("must be 64 lowercase hex characters (the archive's sha256)")
+        return v
+
+
+class KernelSourceSpec(Strict):
+    kind: Literal["proxmox-git", "tarball"] = "proxmox-git"
+    url: SafeStr
+    ref: SafeStr | None = None  # git ref for proxmox-git (pinned: a tag or commit)
+    sha256: SafeStr | None = None  # for tarball
+
+    @model_validator(mode="after")
+    def _pinned(self) -> KernelSourceSpec:
+        if self.kind == "proxmox-git" and not self.ref:
+            raise ValueError("a proxmox-git source needs 'ref' (a tag or commit) so builds are reproducible")
+        if self.kind == "tarball" and not (self.sha256 and SHA256_RE.match(self.sha256)):
+            raise ValueError("a tarball source needs 'sha256' (64 lowercase hex characters)")
+        return self
+
+
+class KernelSpec(Strict):
+    version: SafeStr  # the release the build produces, e.g. 6.14.8-2-pve
+    source: KernelSourceSpec
+    config_fragments: list[SafeStr] = Field(default_factory=list)  # CONFIG_X=y lines
+    jobs: Literal["auto"] | int = "auto"  # auto: min(cores, RAM/2GiB)
+    ccache: bool = True
+    trial_boot: bool = True
+    remove_old: bool = False
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, v: str) -> str:
+        if not KERNEL_VERSION_RE.match(v):
+            raise ValueError(f"{v!r} is not a kernel release; write it like '6.14.8-2-pve'")
+        return v
+
+
+class NvidiaSpec(Strict):
+    version: SafeStr
+    open: bool = True
+    modules_source: SourceSpec | None = None  # open-gpu-kernel-modules archive
+    installer: SourceSpec | None = None  # NVIDIA-Linux-x86_64-<ver>.run (user space + GSP firmware)
+    firmware: bool = True
+    uvm_disable_hmm: Literal["auto"] | bool = "auto"  # auto: on for Blackwell (incident 3)
+    nvreg: dict[SafeStr, int | SafeStr] = Field(default_factory=dict)
+    persistenced: bool = True
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, v: str) -> str:
+        if not DRIVER_VERSION_RE.match(v):
+            raise ValueError(f"{v!r} is not an NVIDIA driver version; write it like '595.71.05'")
+        return v
+
+    @field_validator("nvreg")
+    @classmethod
+    def _nvreg(cls, v: dict) -> dict:
+        for k in v:
+            if not NVREG_KEY_RE.match(k):
+                raise ValueError(f"{k!r}: nvidia module options are NVreg_* names, like 'NVreg_EnableGpuFirmware'")
+        return v
+
+
+class GpuSpec(Strict):
+    """What one GPU (by PCI address) is for.
+
+    role: `lxc` (host nvidia driver, shared into containers), `vm:<vmid>` (vfio-pci
+    passthrough), `host` (nvidia driver, host use only), `unused` (bound to vfio-pci so no
+    host process grabs it; set `unused_driver: none` to leave it unbound).
+    """
+
+    role: SafeStr
+    unused_driver: Literal["vfio-pci", "none"] = "vfio-pci"
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, v: str) -> str:
+        m = ROLE_RE.match(v)
+        if not m:
+            raise ValueError(f"{v!r} is not a role; allowed: 'lxc', 'vm:<vmid>', 'host', 'unused'")
+        if m.group(2):
+            _guest_id(int(m.group(2)))
+        return v
+
+    @property
+    def vmid(self) -> int | None:
+        m = ROLE_RE.match(self.role)
+        return int(m.group(2)) if m and m.group(2) else None
+
+    @property
+    def driver(self) -> str | None:
+        """The kernel driver this role binds to (None: leave unbound)."""
+        if self.role in ("lxc", "host"):
+            return "nvidia"
+        if self.role == "unused":
+            return None if self.unused_driver == "none" else "vfio-pci"
+        return "vfio-pci"
+
+
+def _nccl_keys(v: dict) -> dict:
+    for k in v:
+        if not NCCL_KEY_RE.match(k):
+            raise ValueError(f"{k!r} is not an NCCL variable; NCCL keys are NCCL_* in upper case, like 'NCCL_P2P_DISABLE'")
+    return v
+
+
+NcclOverrides = Annotated[dict[SafeStr, SafeStr | int], AfterValidator(_nccl_keys)]
+
+
+class ContainerSpec(Strict):
+    gpus: list[Bdf] = Field(default_factory=list)
+    nccl: NcclOverrides = Field(default_factory=dict)
+    userspace_driver: bool = True  # install the host's exact driver user space in the CT
+    gid: int | None = None  # group of /dev/nvidia* in the CT (default: PVEGPU_DEVICE_GID)
+
+
+class VmSpec(Strict):
+    gpus: list[Bdf] = Field(default_factory=list)
+    machine: Literal["q35", "i440fx"] = "q35"
+    allow_machine_change: bool = False  # opt-in: switch an i440fx VM to q35 for pcie=1
+
+
+class NcclSpec(Strict):
+    profile: Literal["auto", "none"] = "auto"
+    overrides: NcclOverrides = Field(default_factory=dict)
+    services: list[SafeStr] = Field(default_factory=list)  # systemd units that get a drop-in
+
+
+class RebootSpec(Strict):
+    allowed: bool = False
+
+
+class GuestPolicy(Strict):
+    allow_stop: bool = True  # may a rebind stop running guests that use the GPU?
+
+
+class ProxmoxApiSpec(Strict):
+    """Optional Proxmox API access; without it pvegpu uses `pvesh` over SSH.
+
+    The token comes from an environment variable or a file, never from the spec itself.
+    """
+
+    host: SafeStr
+    port: int = 8006
+    user: SafeStr = "root@pam"
+    token_name: SafeStr
+    token_env: SafeStr | None = None
+    token_file: SafeStr | None = None
+    verify_ssl: bool = True
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ProxmoxApiSpec:
+        if bool(self.token_env) == bool(self.token_file):
+            raise ValueError("set exactly one of 'token_env' (environment variable name) or 'token_file' (path)")
+        return self
+
+    def token(self) -> SecretStr:
+        """Read the token value; it stays wrapped in SecretStr (prints as '**********')."""
+        if self.token_env:
+            value = os.environ.get(self.token_env)
+            if value is None:
+                raise ValueError(f"environment variable {self.token_env} (proxmox_api.token_env) is not set")
+        else:
+            value = Path(self.token_file).expanduser().read_text().strip()
+        return SecretStr(value)
+
+
+class HostSpec(Strict):
+    ssh: SshSpec | None = None
+    node: SafeStr | None = None  # Proxmox node name; default: the host's name
+    boot_loader: Literal["auto", "grub", "systemd-boot"] = "auto"
+    iommu: IommuSpec = Field(default_factory=IommuSpec)
+    kernel: KernelSpec | None = None
+    nvidia: NvidiaSpec | None = None
+    gpus: dict[Bdf, GpuSpec] = Field(default_factory=dict)
+    containers: dict[GuestId, ContainerSpec] = Field(default_factory=dict)
+    vms: dict[GuestId, VmSpec] = Field(default_factory=dict)
+    nccl: NcclSpec = Field(default_factory=NcclSpec)
+    reboot: RebootSpec = Field(default_factory=RebootSpec)
+    guests: GuestPolicy = Field(default_factory=GuestPolicy)
+    proxmox_api: ProxmoxApiSpec | None = None
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _role_shorthand(cls, v):
+        # `"0000:01:00.0": lxc` is shorthand for `{role: lxc}`
+        if isinstance(v, dict):
+            return {k: ({"role": r} if isinstance(r, str) else r) for k, r in v.items()}
+        return v
+
+    @model_validator(mode="after")
+    def _cross_check(self) -> HostSpec:
+        errors: list[str] = []
+        both = set(self.containers) & set(self.vms)
+        for gid in sorted(both):
+            errors.append(f"@vms[{gid}]: ID {gid} is used by a container and a VM; Proxmox guest IDs are unique per cluster")
+
+        ct_of: dict[str, int] = {}
+        for ctid, ct in self.containers.items():
+            for bdf in ct.gpus:
+                where = f'containers[{ctid}].gpus'
+                if bdf in ct_of and ct_of[bdf] != ctid:
+                    errors.append(f'@{where}: GPU "{bdf}" is already given to container {ct_of[bdf]}; a GPU belongs to one container')
+                ct_of[bdf] = ctid
+                gpu = self.gpus.get(bdf)
+                if gpu is None:
+                    errors.append(f'@{where}: GPU "{bdf}" is not declared under gpus; add it with role lxc')
+                elif gpu.role != "lxc":
+                    errors.append(f'@{where}: GPU "{bdf}" has role {gpu.role!r}, but a container can only use GPUs with role lxc')
+            if len(ct.gpus) != len(set(ct.gpus)):
+                errors.append(f"@containers[{ctid}].gpus: lists a GPU twice")
+
+        vm_of: dict[str, int] = {}
+        for vmid, vm in self.vms.items():
+            for bdf in vm.gpus:
+                where = f"vms[{vmid}].gpus"
+                if bdf in vm_of and vm_of[bdf] != vmid:
+                    errors.append(f'@{where}: GPU "{bdf}" is already given to VM {vm_of[bdf]}')
+                vm_of[bdf] = vmid
+                gpu = self.gpus.get(bdf)
+                if gpu is None:
+                    errors.append(f'@{where}: GPU "{bdf}" is not declared under gpus; add it with role "vm:{vmid}"')
+                elif gpu.role != f"vm:{vmid}":
+                    errors.append(f'@{where}: GPU "{bdf}" has role {gpu.role!r}, but VM {vmid} can only use GPUs with role "vm:{vmid}"')
+
+        for bdf, gpu in self.gpus.items():
+            if gpu.vmid is not None:
+                if gpu.vmid not in self.vms:
+                    errors.append(f'@gpus["{bdf}"].role: VM {gpu.vmid} is not declared under vms; add it with this GPU')
+                elif bdf not in self.vms[gpu.vmid].gpus:
+                    errors.append(f'@gpus["{bdf}"].role: says "vm:{gpu.vmid}" but vms[{gpu.vmid}].gpus does not list it')
+                if bdf in ct_of:
+                    errors.append(f'@gpus["{bdf}"]: is given to VM {gpu.vmid} and to container {ct_of[bdf]}; one GPU, one role')
+
+        if errors:
+            raise ValueError("\n".join(errors))
+        return self
+
+    # -- derived views used by the plan layer ---------------------------------------------
+    def gpus_of_container(self, ctid: int) -> list[str]:
+        return list(self.containers[ctid].gpus)
+
+    def gpus_of_vm(self, vmid: int) -> list[str]:
+        return list(self.vms[vmid].gpus)
+
+
+class SpecFile(Strict):
+    hosts: dict[SafeStr, HostSpec]
+
+    @field_validator("hosts")
+    @classmethod
+    def _names(cls, v: dict) -> dict:
+        for name in v:
+            if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", name):
+                raise ValueError(f"{name!r}: host names are letters, digits, '.', '_' and '-'")
+        return v
