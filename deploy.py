@@ -3,17 +3,39 @@
     pyinfra inventories/kpro6.py deploy.py --dry    # preview
     pyinfra inventories/kpro6.py deploy.py          # converge
 
-The spec was validated when the inventory loaded (spec.load), before any connection. The
-stages of DESIGN.md section 2 run in order; a stage that is not built yet is absent, not faked.
+Flow (DESIGN.md section 1): the spec was validated when the inventory loaded (spec.load),
+before any connection. Here, per host: print a plan summary, run every stage's `preflight`
+(read-only checks over facts; any refusal stops the run before a single change), then each
+stage's `apply` in the order of DESIGN.md section 2. A stage module that does not exist yet is
+absent from the run, never faked.
+
+Stage protocol (one module per concern under operations/):
+    preflight(spec) -> list[str]   # refusals, in words; optional
+    apply(spec) -> None            # yields pyinfra operations; reports reboot reasons via plan.reboot
 """
 
+import importlib
+import importlib.util
+
 from pyinfra import host, logger
+from pyinfra.api.exceptions import DeployError
 
 from plan.summary import spec_summary
 
+STAGES = [
+    ("host kernel & IOMMU", "operations.boot"),
+    ("kernel", "operations.kernel"),
+    ("NVIDIA open driver", "operations.nvidia"),
+    ("module options", "operations.module_options"),
+    ("GPU assignment", "operations.gpus"),
+    ("guests", "operations.guests"),
+    ("NCCL environment", "operations.nccl"),
+    ("reboot policy", "operations.reboot"),
+]
+
 spec = host.data.get("pvegpu_spec")
 if spec is None:
-    raise SystemExit(
+    raise DeployError(
         f"pvegpu: host {host.name} has no spec (host data 'pvegpu_spec'); "
         "use an inventory from inventories/ that loads a .yml spec"
     )
@@ -21,8 +43,18 @@ if spec is None:
 for line in spec_summary(host.name, spec):
     logger.info(line)
 
-# Stages, in order (DESIGN.md section 2). Each is one module under operations/.
-STAGES = []  # filled as stages land: (name, callable(spec))
+stages = [
+    (name, importlib.import_module(mod)) for name, mod in STAGES if importlib.util.find_spec(mod) is not None
+]
 
-for _name, run_stage in STAGES:
-    run_stage(spec)
+refusals = []
+for name, module in stages:
+    if hasattr(module, "preflight"):
+        refusals += [f"[{name}] {r}" for r in module.preflight(spec)]
+if refusals:
+    raise DeployError(
+        f"pvegpu preflight refused host {host.name}; nothing was changed:\n  - " + "\n  - ".join(refusals)
+    )
+
+for name, module in stages:
+    module.apply(spec)

@@ -1,0 +1,69 @@
+"""Atomic, batched writes of the files pvegpu owns.
+
+`managed_file` compares against the state read once by `facts.files.ManagedFiles` and, only
+when content or mode differ, writes a temp file next to the target, keeps the previous
+version as `<path>.pvegpu-prev`, and renames into place (an interrupted write never leaves a
+half-written config). One remote command per changed file, none for an unchanged one.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import shlex
+
+from pyinfra import host
+from pyinfra.api import StringCommand, operation
+
+from facts.files import ManagedFiles
+
+
+def sha256_text(content: str) -> str:
+    return hashlib.sha256(content.encode()).hexdigest()
+
+
+def write_file_command(path: str, content: str, mode: str = "644", keep_previous: bool = True) -> str:
+    """The one shell command that writes `content` to `path` atomically."""
+    q = shlex.quote(path)
+    tmp = shlex.quote(path + ".pvegpu-tmp")
+    b64 = base64.b64encode(content.encode()).decode()
+    keep = f"if [ -f {q} ]; then cp -p {q} {shlex.quote(path + '.pvegpu-prev')}; fi; " if keep_previous else ""
+    return (
+        f"mkdir -p {shlex.quote(path.rsplit('/', 1)[0] or '/')} && "
+        f"printf %s {b64} | base64 -d > {tmp} && chmod {shlex.quote(mode)} {tmp} && "
+        f"{keep}mv -f {tmp} {q}"
+    )
+
+
+@operation()
+def managed_file(path: str, content: str, mode: str = "644", state: dict | None = None, keep_previous: bool = True):
+    """Make `path` hold exactly `content` with `mode`.
+
+    + path: absolute path on the host
+    + content: the full text (rendered from a template in templates/)
+    + mode: octal mode string, e.g. "644"
+    + state: this path's entry from `ManagedFiles` (read once per stage); fetched when omitted
+    + keep_previous: keep the old version as `<path>.pvegpu-prev`
+
+    .. code:: python
+
+        files_state = host.get_fact(ManagedFiles, paths=[path])
+        managed_file(name="nvidia options", path=path, content=text, state=files_state[path])
+    """
+    if state is None:
+        state = host.get_fact(ManagedFiles, paths=[path]).get(path)
+    if state and state["sha256"] == sha256_text(content) and state["mode"] == mode.lstrip("0"):
+        host.noop(f"{path} is up to date")
+        return
+    yield StringCommand(write_file_command(path, content, mode, keep_previous))
+
+
+@operation()
+def absent_file(path: str, state: dict | None = None):
+    """Remove a file pvegpu once wrote (no-op when it is already gone)."""
+    if state is None:
+        state = host.get_fact(ManagedFiles, paths=[path]).get(path)
+    if state is None:
+        host.noop(f"{path} is absent")
+        return
+    yield StringCommand(f"rm -f {shlex.quote(path)}")
