@@ -1,0 +1,802 @@
+"""Runtime of the digital twin: root cache, one overlay per twin, namespaces, sshd, reboots.
+
+On disk (paths relative to the repository root):
+
+    .cache/twin/root-<key>/          unpacked bookworm root, the overlay lowerdir (never written)
+    .cache/twin/root-<key>.tar.zst   the same root as a tarball (what CI caches)
+    .twin/<name>/upper, work         overlay upper/work dirs of one twin
+    .twin/<name>/root                the twin's root (overlay, mounted in the host namespace)
+    .twin/<name>/id_ed25519          per-twin client key (root login)
+    .twin/<name>/twin.json           {"name", "profile", "address", "port", "key", "pid", "root", ...}
+    .twin/<name>/uptime              what the twin reads as /proc/uptime (reset on each boot)
+    .twin/<name>/boots               one line per boot: "<unix-time> <boot-number>"
+    .twin/<name>/supervisor.log      supervisor and sshd output
+
+Per twin, one supervisor process runs as pid 1 of its own pid, mount and uts namespaces
+(`unshare --mount --pid --uts --fork --propagation private`). It mounts proc/sys/dev/run as
+TWIN-CONTRACT.md says, runs `chroot <root> /usr/sbin/sshd -D -e`, and serves reboot requests
+(`<root>/var/lib/twin/reboot-request`). Killing it takes every process and mount of the twin
+with it; `stop` then unmounts the overlay and checks nothing is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import errno
+import fcntl
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import ModuleType
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE_DIR = REPO / ".cache" / "twin"
+TWINS_DIR = REPO / ".twin"
+SSH_PORT = 2222
+DEFAULT_HARDWARE = "tests.twin.hardware"
+
+SUITE = "bookworm"
+COMPONENTS = ("main", "non-free", "non-free-firmware")
+# Installed with apt inside the debootstrapped minbase root (apt resolves dependencies better
+# than debootstrap --include). Everything a stage may run for real is here.
+PACKAGES = (
+    # login and the basic userland pyinfra's facts read
+    "openssh-server", "python3", "procps", "psmisc", "iproute2", "pciutils", "kmod", "file",
+    "less", "sudo", "ca-certificates",
+    # boot chain (files, config generation; nothing boots): initramfs, grub config, udev rules,
+    # systemd units (systemd-analyze verify; systemd does not run)
+    "initramfs-tools", "udev", "systemd", "grub2-common", "grub-pc-bin",
+    # building modules and kernels: real Debian 6.1 headers, compilers, kbuild's tools
+    "linux-headers-amd64", "build-essential", "gcc", "make", "dpkg-dev", "fakeroot", "dkms",
+    "ccache", "bc", "flex", "bison", "libelf-dev", "libssl-dev", "dwarves", "rsync", "cpio",
+    "xz-utils", "zstd", "debhelper", "perl",
+    # NVIDIA's 535 kernel module source (non-free). Bookworm has no nvidia-open-kernel-source:
+    # nvidia-kernel-source is the only 535 module tree in the suite.
+    "nvidia-kernel-source",
+)
+CACHE_FORMAT = 1  # bump when the way the root is configured changes
+
+
+class TwinError(RuntimeError):
+    """A twin could not be started, stopped or found."""
+
+
+class TwinLeak(TwinError):
+    """Something of a stopped twin is still there (mount or process)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Twin:
+    """A running twin, as written to `.twin/<name>/twin.json`."""
+
+    name: str
+    profile: str
+    address: str
+    port: int
+    key: str  # path of the private key for root@address
+    pid: int  # host pid of the supervisor (init of the twin's pid namespace)
+    root: str  # the twin's root as seen from the host
+
+    @property
+    def dir(self) -> Path:
+        return TWINS_DIR / self.name
+
+
+def log(msg: str) -> None:
+    print(f"twin: {msg}", file=sys.stderr, flush=True)
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        raise TwinError(
+            "the digital twin needs root (overlayfs, namespaces, chroot, mknod); "
+            "run as root, e.g. `sudo tests/twin/twinctl ...` (CI runs as root)"
+        )
+    for tool in ("unshare", "chroot", "mount", "umount", "ssh-keygen", "debootstrap"):
+        if not shutil.which(tool):
+            raise TwinError(f"the twin needs `{tool}` on this machine (make debs)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Root cache
+
+
+def cache_key() -> str:
+    spec = {"suite": SUITE, "components": COMPONENTS, "packages": sorted(PACKAGES),
+            "format": CACHE_FORMAT}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def debian_mirrors() -> tuple[str, str]:
+    """(archive, security) URIs from this machine's apt sources; Debian's defaults otherwise."""
+    archive, security = "http://deb.debian.org/debian", "http://deb.debian.org/debian-security"
+    texts = []
+    for path in [Path("/etc/apt/sources.list"), *Path("/etc/apt/sources.list.d").glob("*")]:
+        if path.is_file() and path.suffix in (".list", ".sources"):
+            texts.append(path.read_text(errors="replace"))
+    for uri in re.findall(r"(?:^URIs:\s*|^deb\s+(?:\[[^]]*\]\s+)?)(\S+)", "\n".join(texts), re.M):
+        if uri.rstrip("/").endswith("debian-security"):
+            security = uri.rstrip("/")
+        elif uri.rstrip("/").endswith("/debian"):
+            archive = uri.rstrip("/")
+    return archive, security
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=True, **kw)
+
+
+def _build_root(target: Path) -> None:
+    """debootstrap minbase into `target`, then apt-get install PACKAGES inside it."""
+    archive, security = debian_mirrors()
+    _run(["debootstrap", "--variant=minbase", f"--components={','.join(COMPONENTS)}",
+          SUITE, str(target), archive])
+    (target / "etc/apt/sources.list").unlink(missing_ok=True)
+    (target / "etc/apt/sources.list.d/debian.sources").write_text(
+        f"Types: deb\nURIs: {archive}\nSuites: {SUITE} {SUITE}-updates\n"
+        f"Components: {' '.join(COMPONENTS)}\n"
+        "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n\n"
+        f"Types: deb\nURIs: {security}\nSuites: {SUITE}-security\n"
+        f"Components: {' '.join(COMPONENTS)}\n"
+        "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
+    )
+    # Package scripts must never start daemons in the twin (a second sshd on :22 of every
+    # address would escape the twin's loopback address).
+    policy = target / "usr/sbin/policy-rc.d"
+    policy.write_text("#!/bin/sh\n# twin: no service starts from package scripts\nexit 101\n")
+    policy.chmod(0o755)
+    shutil.copy("/etc/resolv.conf", target / "etc/resolv.conf")  # only while building
+    script = (
+        "set -e\n"
+        f"mount -t proc proc {target}/proc\n"
+        f"mount --rbind /dev {target}/dev\n"
+        f"mount -t sysfs sysfs {target}/sys\n"
+        f"chroot {target} /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin "
+        "DEBIAN_FRONTEND=noninteractive LC_ALL=C.UTF-8 sh -c '"
+        "apt-get -q update && "
+        f"apt-get -q install -y --no-install-recommends {' '.join(PACKAGES)} && "
+        "apt-get clean'\n"
+    )
+    # Own mount+pid namespace: the build's mounts and any stray process die with it.
+    _run(["unshare", "--mount", "--pid", "--fork", "--propagation", "private",
+          "sh", "-c", script])
+    (target / "etc/resolv.conf").write_text("# twin: no network inside the twin\n")
+    for key_type in ("ed25519", "rsa", "ecdsa"):  # host keys: generated once, in the cache
+        if not (target / f"etc/ssh/ssh_host_{key_type}_key").exists():
+            raise TwinError(f"cache build: openssh-server did not generate {key_type} host key")
+    (target / "run/sshd").mkdir(parents=True, exist_ok=True)
+
+
+def ensure_root_cache() -> Path:
+    """Return the unpacked cached root (overlay lowerdir), building or unpacking it if needed.
+
+    Cold: debootstrap + apt (minutes, network to the Debian mirror). Warm tarball only: unpack.
+    """
+    require_root()
+    key = cache_key()
+    lower = CACHE_DIR / f"root-{key}"
+    tarball = CACHE_DIR / f"root-{key}.tar.zst"
+    if (lower / ".twin-complete").exists():
+        return lower
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    with open(CACHE_DIR / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent start waits for one build
+        if (lower / ".twin-complete").exists():
+            return lower
+        building = CACHE_DIR / f"root-{key}.building"
+        _remove_tree(building)
+        building.mkdir()
+        t0 = time.monotonic()
+        if tarball.exists():
+            log(f"unpacking cached root {tarball.name}")
+            _run(["tar", "-C", str(building), "--numeric-owner", "--xattrs", "-I", "zstd -T0",
+                  "-xpf", str(tarball)])
+        else:
+            log(f"building root cache {key} (debootstrap {SUITE} + {len(PACKAGES)} packages)")
+            _build_root(building)
+            part = tarball.with_suffix(".part")
+            _run(["tar", "-C", str(building), "--numeric-owner", "--xattrs", "-I", "zstd -T0 -3",
+                  "-cpf", str(part), "."])
+            part.rename(tarball)
+        (building / ".twin-complete").write_text(f"{key}\n")
+        _remove_tree(lower)
+        building.rename(lower)
+        log(f"root cache ready in {time.monotonic() - t0:.1f} s: {lower}")
+    return lower
+
+
+def _remove_tree(path: Path) -> None:
+    if not path.exists():
+        return
+    if any(m.startswith(str(path) + "/") or m == str(path) for m in host_mounts()):
+        raise TwinError(f"refusing to delete {path}: something is mounted below it")
+    shutil.rmtree(path)
+
+
+def host_mounts() -> list[str]:
+    """Mount points of this process's mount namespace, in mount order."""
+    points = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = line.split()[4]
+        points.append(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), point))
+    return points
+
+
+# ---------------------------------------------------------------------------------------------
+# Mounting (ctypes: the supervisor mounts a dozen things per boot; no fork per mount)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC = 0x2, 0x4, 0x8, 0x1000, 0x4000
+MNT_DETACH = 0x2
+
+
+def _mount(source: str, target: Path, fstype: str | None = None, flags: int = 0,
+           data: str | None = None) -> None:
+    rc = _libc.mount(source.encode(), str(target).encode(),
+                     fstype.encode() if fstype else None, ctypes.c_ulong(flags),
+                     data.encode() if data else None)
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {source} on {target} ({fstype or 'bind'}): {os.strerror(err)}")
+
+
+def _umount(target: str, flags: int = 0) -> None:
+    if _libc.umount2(target.encode(), flags) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"umount {target}: {os.strerror(err)}")
+
+
+def mounts_below(path: Path) -> list[str]:
+    """Mount points strictly below `path` in this mount namespace, deepest (latest) first."""
+    prefix = str(path).rstrip("/") + "/"
+    return [m for m in reversed(host_mounts()) if m.startswith(prefix)]
+
+
+def _unmount_tree(path: Path, including_self: bool = False) -> None:
+    points = mounts_below(path)
+    if including_self and str(path) in host_mounts():
+        points.append(str(path))
+    for point in points:
+        for attempt in range(20):
+            try:
+                _umount(point)
+                break
+            except OSError as e:
+                if e.errno == errno.EINVAL:  # already gone (covered mount went with its parent)
+                    break
+                if e.errno != errno.EBUSY or attempt == 19:
+                    raise
+                time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hardware hooks (tests.twin.hardware by default; a test may pass the path of a stand-in .py)
+
+
+def load_hardware(spec: str) -> ModuleType:
+    """Import the hardware module: a dotted module name or the path of a .py file."""
+    if spec.endswith(".py"):
+        module_spec = importlib.util.spec_from_file_location("twin_hardware_standin", spec)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        return module
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    return importlib.import_module(spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes
+
+
+def _ns(pid: int, kind: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/{'ns/' + kind}")
+    except OSError:
+        return None
+
+
+def _alive(pid: int, pid_ns: str | None = None) -> bool:
+    """True when `pid` runs (not a zombie) and, given `pid_ns`, is still in that namespace."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    if stat.rsplit(")", 1)[1].split()[0] == "Z":
+        return False
+    return pid_ns is None or _ns(pid, "pid") == pid_ns
+
+
+def twin_processes(spec: dict) -> list[int]:
+    """Host pids that belong to the twin: in its pid or mount namespace, or chrooted in its dir."""
+    tdir = str(TWINS_DIR / spec["name"]) + "/"
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        pid = int(entry)
+        if spec.get("pid_ns") and _ns(pid, "pid") == spec["pid_ns"] and _alive(pid):
+            found.append(pid)
+        elif spec.get("mnt_ns") and _ns(pid, "mnt") == spec["mnt_ns"] and _alive(pid):
+            found.append(pid)
+        else:
+            try:
+                if (os.readlink(f"/proc/{pid}/root") + "/").startswith(tdir) and _alive(pid):
+                    found.append(pid)
+            except OSError:
+                pass
+    return found
+
+
+def leftovers(name: str) -> dict:
+    """What of twin `name` still exists: {"mounts": [mount points], "processes": [host pids]}."""
+    tdir = TWINS_DIR / name
+    spec_file = tdir / "twin.json"
+    spec = json.loads(spec_file.read_text()) if spec_file.exists() else {"name": name}
+    mounts = [m for m in host_mounts() if m == str(tdir) or m.startswith(str(tdir) + "/")]
+    return {"mounts": mounts, "processes": twin_processes(spec)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Starting and stopping (host side)
+
+_spawned: dict[int, subprocess.Popen] = {}  # unshare processes this process started (to reap)
+
+
+def _read_spec(name: str) -> dict | None:
+    path = TWINS_DIR / name / "twin.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _write_spec(tdir: Path, spec: dict) -> None:
+    tmp = tdir / "twin.json.tmp"
+    tmp.write_text(json.dumps(spec, indent=2) + "\n")
+    tmp.rename(tdir / "twin.json")
+
+
+def running(name: str) -> bool:
+    spec = _read_spec(name)
+    return bool(spec and spec.get("pid") and _alive(spec["pid"], spec.get("pid_ns")))
+
+
+def status() -> list[dict]:
+    """Every twin with a directory under .twin/: its twin.json plus {"running": bool}."""
+    result = []
+    for spec_file in sorted(TWINS_DIR.glob("*/twin.json")):
+        spec = json.loads(spec_file.read_text())
+        spec["running"] = running(spec["name"])
+        result.append(spec)
+    return result
+
+
+def _pick_address() -> str:
+    taken = {s["address"] for s in status() if s["running"]}
+    for n in range(2, 255):
+        address = f"127.0.0.{n}"
+        if address in taken:
+            continue
+        with socket.socket() as probe:  # something else (a stale sshd) may hold it
+            try:
+                probe.bind((address, SSH_PORT))
+            except OSError:
+                continue
+        return address
+    raise TwinError("no free 127.0.0.N address for another twin")
+
+
+def _wait_for_sshd(address: str, pid: int, log_file: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            raise TwinError(f"twin supervisor died during start; log:\n{_tail(log_file)}")
+        try:
+            with socket.create_connection((address, SSH_PORT), timeout=1) as conn:
+                if conn.recv(64).startswith(b"SSH-2.0-"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise TwinError(f"sshd of the twin did not answer on {address}:{SSH_PORT} within "
+                    f"{timeout:.0f} s; log:\n{_tail(log_file)}")
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+SSHD_TWIN_CONFIG = """\
+# Written by the twin runtime. First value wins in sshd_config, and this file is included
+# before the rest, so these hold whatever the deploy does to /etc/ssh.
+ListenAddress {address}:{port}
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+UseDNS no
+PidFile /run/sshd.pid
+"""
+
+
+def _prepare_root(root: Path, name: str, address: str, key: Path) -> None:
+    ssh_dir = root / "root/.ssh"
+    ssh_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    authorized = ssh_dir / "authorized_keys"
+    authorized.write_text(key.with_suffix(".pub").read_text())
+    authorized.chmod(0o600)
+    (root / "etc/ssh/sshd_config.d").mkdir(parents=True, exist_ok=True)
+    (root / "etc/ssh/sshd_config.d/00-twin.conf").write_text(
+        SSHD_TWIN_CONFIG.format(address=address, port=SSH_PORT))
+    (root / "etc/hostname").write_text(f"{name}\n")
+    hosts = root / "etc/hosts"
+    hosts.write_text(f"127.0.0.1\tlocalhost\n{address}\t{name}\n")
+    (root / "var/lib/twin").mkdir(parents=True, exist_ok=True)
+
+
+def start(name: str, profile: str, address: str | None = None,
+          hardware: str = DEFAULT_HARDWARE) -> Twin:
+    """Start twin `name` with hardware `profile`; returns once its sshd answers.
+
+    `hardware` is the module providing install(root, profile) and render(root): a dotted
+    name or a .py path (tests use stand-ins). Raises TwinError; cleans up after itself.
+    """
+    require_root()
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,30}", name):
+        raise TwinError(f"twin name {name!r}: use 1-31 of a-z 0-9 -, starting alnum")
+    if address is not None and not re.fullmatch(r"127\.0\.0\.(\d+)", address):
+        raise TwinError(f"twin address {address!r}: must be 127.0.0.N (N >= 2)")
+    if address is not None and not 2 <= int(address.rsplit(".", 1)[1]) <= 254:
+        raise TwinError(f"twin address {address!r}: N must be 2..254 (127.0.0.1 is never used)")
+    t0 = time.monotonic()
+    lower = ensure_root_cache()
+    t_cache = time.monotonic() - t0
+    tdir = TWINS_DIR / name
+    TWINS_DIR.mkdir(exist_ok=True)
+    with open(TWINS_DIR / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # address choice and twin.json are one step
+        if running(name):
+            raise TwinError(f"twin {name} is already running (twinctl stop {name})")
+        if tdir.exists():
+            stop(name)  # stale leftovers of a crashed run
+        if address is None:
+            address = _pick_address()
+        elif any(s["running"] and s["address"] == address for s in status()):
+            raise TwinError(f"{address} is in use by another twin")
+        root, key = tdir / "root", tdir / "id_ed25519"
+        for sub in ("upper", "work", "root"):
+            (tdir / sub).mkdir(parents=True)
+        spec = {"name": name, "profile": profile, "address": address, "port": SSH_PORT,
+                "key": str(key), "pid": None, "root": str(root), "hardware": hardware,
+                "lower": str(lower)}
+        _write_spec(tdir, spec)
+    try:
+        _mount("overlay", root, "overlay", 0,
+               f"lowerdir={lower},upperdir={tdir / 'upper'},workdir={tdir / 'work'}")
+        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"root@twin-{name}",
+              "-f", str(key)])
+        _prepare_root(root, name, address, key)
+        (tdir / "uptime").write_text(f"{0:>12.2f} {0:>12.2f}\n")
+        load_hardware(hardware).install(root, profile)
+        log_file = tdir / "supervisor.log"
+        with open(log_file, "ab") as out:
+            proc = subprocess.Popen(
+                ["unshare", "--mount", "--pid", "--uts", "--fork", "--propagation", "private",
+                 "--kill-child=SIGKILL", sys.executable, "-m", "tests.twin.runtime",
+                 "supervise", str(tdir)],
+                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL,
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        _spawned[proc.pid] = proc
+        spec["unshare_pid"] = proc.pid
+        spec["pid"] = _child_of(proc)
+        spec["pid_ns"], spec["mnt_ns"] = _ns(spec["pid"], "pid"), _ns(spec["pid"], "mnt")
+        spec["started"] = time.time()
+        _write_spec(tdir, spec)
+        _wait_for_sshd(address, spec["pid"], log_file)
+    except BaseException:
+        try:
+            stop(name)
+        except Exception as cleanup_error:  # report the first error, keep the second visible
+            log(f"cleanup after failed start of {name} failed too: {cleanup_error}")
+        raise
+    log(f"{name} ({profile}) up on {address}:{SSH_PORT} in {time.monotonic() - t0:.2f} s "
+        f"(root cache {t_cache:.2f} s)")
+    return Twin(name=name, profile=profile, address=address, port=SSH_PORT, key=str(key),
+                pid=spec["pid"], root=str(root))
+
+
+def _child_of(proc: subprocess.Popen, timeout: float = 10.0) -> int:
+    """Host pid of the process `unshare --fork` forked (init of the new pid namespace)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        except OSError:
+            children = []
+        if children:
+            return int(children[0])
+        if proc.poll() is not None:
+            raise TwinError(f"unshare exited with {proc.returncode} before starting the twin")
+        time.sleep(0.01)
+    raise TwinError("unshare did not fork the twin's supervisor")
+
+
+def stop(name: str, keep: bool = False) -> None:
+    """Stop twin `name` by PID, unmount its overlay, check nothing is left, delete its dir.
+
+    Raises TwinLeak when a mount or process of the twin survives.
+    """
+    require_root()
+    tdir = TWINS_DIR / name
+    spec = _read_spec(name) or {"name": name}
+    pid = spec.get("pid")
+    if pid and _alive(pid, spec.get("pid_ns")):
+        os.kill(pid, signal.SIGTERM)  # supervisor unmounts and kills the twin's processes
+        if not _wait_until(lambda: not _alive(pid), 5.0):
+            log(f"{name}: supervisor {pid} ignored SIGTERM; SIGKILL")
+            os.kill(pid, signal.SIGKILL)  # the pid namespace dies with its init
+    unshare_pid = spec.get("unshare_pid")
+    if unshare_pid in _spawned:
+        _spawned.pop(unshare_pid).wait(timeout=10)
+    if not _wait_until(lambda: not twin_processes(spec), 5.0):
+        for leftover in twin_processes(spec):
+            os.kill(leftover, signal.SIGKILL)
+        _wait_until(lambda: not twin_processes(spec), 5.0)
+    if tdir.exists():
+        _unmount_tree(tdir, including_self=True)
+    left = leftovers(name)
+    if left["mounts"] or left["processes"]:
+        raise TwinLeak(f"twin {name} left {left} behind")
+    if not keep and tdir.exists():
+        shutil.rmtree(tdir)
+
+
+def _wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def spec_of(name: str) -> dict:
+    spec = _read_spec(name)
+    if not spec or not running(name):
+        raise TwinError(f"twin {name} is not running (twinctl status)")
+    return spec
+
+
+def ssh_command(name: str, command: list[str]) -> list[str]:
+    """The ssh command line that runs `command` as root in running twin `name`."""
+    spec = spec_of(name)
+    return ["ssh", "-i", spec["key"], "-p", str(spec["port"]), "-o", "BatchMode=yes",
+            "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+            "-o", "LogLevel=ERROR", f"root@{spec['address']}", *command]
+
+
+# ---------------------------------------------------------------------------------------------
+# Supervisor (runs as pid 1 of the twin's namespaces)
+
+REBOOT_REQUEST = "var/lib/twin/reboot-request"
+
+
+class Supervisor:
+    """Boots the twin (mounts + sshd), serves reboot requests, shuts down on SIGTERM."""
+
+    def __init__(self, tdir: Path):
+        self.dir = tdir
+        self.spec = json.loads((tdir / "twin.json").read_text())
+        self.root = Path(self.spec["root"])
+        self.sshd: int | None = None
+        self.boot_time = 0.0
+        self.boots = 0
+        self.stopping = False
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, self._request_stop)
+        signal.signal(signal.SIGINT, self._request_stop)
+        socket.sethostname(self.spec["name"])
+        self.boot()
+        uptime_fd = os.open(self.dir / "uptime", os.O_WRONLY)
+        while not self.stopping:
+            self.reap()
+            # fixed width, written in place: a reader never sees a half-written file
+            up = time.monotonic() - self.boot_time
+            os.pwrite(uptime_fd, f"{up:>12.2f} {up * 2:>12.2f}\n".encode(), 0)
+            if (self.root / REBOOT_REQUEST).exists():
+                self.reboot()
+            elif self.sshd is None:
+                log(f"{self.spec['name']}: sshd exited; starting it again")
+                time.sleep(0.5)
+                self.start_sshd()
+            time.sleep(0.1)
+        self.kill_all()
+        self.unmount_all()
+        log(f"{self.spec['name']}: shut down")
+
+    def _request_stop(self, *_):
+        self.stopping = True
+
+    def boot(self) -> None:
+        self.mount_all()
+        self.boot_time = time.monotonic()
+        self.start_sshd()
+        self.boots += 1
+        with open(self.dir / "boots", "a") as boots:
+            boots.write(f"{time.time():.3f} {self.boots}\n")
+        log(f"{self.spec['name']}: boot {self.boots} done")
+
+    def reboot(self) -> None:
+        log(f"{self.spec['name']}: reboot requested")
+        self.kill_all()
+        self.unmount_all()
+        try:
+            load_hardware(self.spec["hardware"]).render(self.root)
+        except Exception:  # keep the twin reachable; the log says why hardware is stale
+            log(f"{self.spec['name']}: render failed:\n{traceback.format_exc()}")
+        self.boot()
+        (self.root / REBOOT_REQUEST).unlink(missing_ok=True)
+
+    def start_sshd(self) -> None:
+        proc = subprocess.Popen(
+            ["chroot", str(self.root), "/usr/sbin/sshd", "-D", "-e"],
+            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
+            stdin=subprocess.DEVNULL)
+        self.sshd = proc.pid  # reaped by reap(), not by Popen
+
+    def reap(self) -> None:
+        """As pid 1, collect every exited process (orphans are reparented here)."""
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid == self.sshd:
+                self.sshd = None
+
+    def kill_all(self) -> None:
+        """SIGKILL every process of the twin but this one; wait until all are reaped."""
+        proc_dir = self.root / "proc"  # the namespace's own procfs
+        deadline = time.monotonic() + 10
+        while True:
+            pids = [int(p) for p in os.listdir(proc_dir) if p.isdigit() and p != "1"]
+            if not pids:
+                break
+            if time.monotonic() > deadline:
+                raise TwinError(f"processes {pids} of the twin would not die")
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.02)
+            self.reap()
+        self.sshd = None
+
+    def mount_all(self) -> None:
+        root, hw = self.root, self.root / "var/lib/twin/hw"
+        _mount("proc", root / "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        if (hw / "proc").is_dir():
+            for entry in sorted((hw / "proc").iterdir()):
+                target = root / "proc" / entry.name
+                if target.exists() and target.is_dir() == entry.is_dir():
+                    _mount(str(entry), target, flags=MS_BIND | MS_REC)
+                else:
+                    log(f"hw/proc/{entry.name}: no such {'dir' if entry.is_dir() else 'file'} "
+                        "in procfs to cover; skipped")
+        _mount(str(self.dir / "uptime"), root / "proc/uptime", flags=MS_BIND)
+        if (hw / "sys").is_dir():
+            _mount(str(hw / "sys"), root / "sys", flags=MS_BIND | MS_REC)
+        else:  # never show the machine's real sysfs in the twin
+            log("no rendered hw/sys; /sys is an empty tmpfs")
+            _mount("sysfs", root / "sys", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=755")
+        self.mount_dev(hw / "dev.json")
+        _mount("run", root / "run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=64m")
+        for sub in ("sshd", "lock"):
+            (root / "run" / sub).mkdir(mode=0o755, exist_ok=True)
+
+    def mount_dev(self, dev_json: Path) -> None:
+        dev = self.root / "dev"
+        _mount("dev", dev, "tmpfs", MS_NOSUID, "mode=755,size=16m")
+        basics = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8),
+                  "urandom": (1, 9), "tty": (5, 0)}
+        for node, (major, minor) in basics.items():
+            os.mknod(dev / node, 0o666 | 0o020000, os.makedev(major, minor))
+            os.chmod(dev / node, 0o666)
+        (dev / "pts").mkdir()
+        _mount("devpts", dev / "pts", "devpts", MS_NOSUID | MS_NOEXEC,
+               "newinstance,ptmxmode=0666,mode=620,gid=5")
+        os.symlink("pts/ptmx", dev / "ptmx")
+        (dev / "shm").mkdir()
+        _mount("shm", dev / "shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+        for fd, link in enumerate(("stdin", "stdout", "stderr")):
+            os.symlink(f"/proc/self/fd/{fd}", dev / link)
+        os.symlink("/proc/self/fd", dev / "fd")
+        nodes = json.loads(dev_json.read_text()) if dev_json.exists() else []
+        for node in nodes:
+            path = Path(node["path"])
+            if path.parts[:2] != ("/", "dev") or ".." in path.parts:
+                raise TwinError(f"hw/dev.json: {path} is not below /dev")
+            target = self.root / path.relative_to("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            mode = int(str(node.get("mode", "0666")), 8)
+            os.mknod(target, mode | 0o020000, os.makedev(node["major"], node["minor"]))
+            os.chmod(target, mode)
+
+    def unmount_all(self) -> None:
+        _unmount_tree(self.root)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line (tests/twin/twinctl runs this)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="twinctl", description="Digital twins of GPU hosts.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("start", help="start a twin")
+    p.add_argument("name")
+    p.add_argument("--profile", required=True)
+    p.add_argument("--address", help="127.0.0.N, N >= 2 (default: the first free one)")
+    p.add_argument("--hardware", default=DEFAULT_HARDWARE, help=argparse.SUPPRESS)
+    p = sub.add_parser("stop", help="stop a twin and remove its files")
+    p.add_argument("name")
+    p.add_argument("--keep", action="store_true", help="keep .twin/<name> (upper dir, logs)")
+    sub.add_parser("status", help="list twins")
+    sub.add_parser("cache", help="build or unpack the cached root")
+    p = sub.add_parser("busy", help="mark a GPU of a twin as held by a process")
+    p.add_argument("name")
+    p.add_argument("bdf")
+    p.add_argument("--holder", default="nvidia-persistenced")
+    p = sub.add_parser("ssh", help="run a command in a twin as root (twinctl ssh NAME -- CMD)")
+    p.add_argument("name")
+    p.add_argument("cmd", nargs=argparse.REMAINDER)
+    p = sub.add_parser("supervise", help=argparse.SUPPRESS)
+    p.add_argument("dir")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "supervise":
+            Supervisor(Path(args.dir)).run()
+        elif args.command == "start":
+            twin = start(args.name, args.profile, args.address, args.hardware)
+            print(json.dumps(dataclasses.asdict(twin)))
+        elif args.command == "stop":
+            stop(args.name, keep=args.keep)
+        elif args.command == "status":
+            for spec in status():
+                state = "running" if spec["running"] else "stopped"
+                print(f"{spec['name']}\t{spec['profile']}\t{spec['address']}:{spec['port']}"
+                      f"\t{state}\tpid={spec['pid']}")
+        elif args.command == "cache":
+            print(ensure_root_cache())
+        elif args.command == "busy":
+            spec = spec_of(args.name)
+            load_hardware(spec["hardware"]).busy(Path(spec["root"]), args.bdf, args.holder)
+        elif args.command == "ssh":
+            cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+            os.execvp("ssh", ssh_command(args.name, cmd))
+    except TwinError as e:
+        print(f"twinctl: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
