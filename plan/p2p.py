@@ -1,0 +1,426 @@
+"""P2P verdict for every GPU pair: possible or not, safe or not, and why, in words.
+
+The verdict weighs together what the facts say (no I/O here; callers pass the facts' data):
+
+- the driver's own answer (`GpuP2P` read/write: ``OK``, ``CNS``, ``GNS``, ``TNS``, ``NS``, ``DR``, ``U``),
+- the topology level (`GpuTopology` links: ``NV#``, ``PIX``, ``PXB``, ``PHB``, ``NODE``, ``SYS``;
+  derived from the PCI tree when the driver does not see a GPU),
+- root complexes and upstream bridges (`PciDevices`), ACS redirect on those bridges,
+- the IOMMU domain type of each GPU's group and SEV-SNP,
+- each GPU's role (a GPU passed to a VM is not the host's to use for P2P).
+
+The level alone decides nothing: EPYC often routes P2P between root complexes of one socket
+(the driver then answers ``OK``), a VM's virtual root ports do not, and ``OK`` through a
+translating IOMMU under SEV-SNP still corrupted data (INCIDENTS.md rows 7, 8, 9).
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+# What nvidia-smi's P2P status codes mean (its own legend).
+P2P_STATUS_WORDS = {
+    "OK": "OK",
+    "CNS": "chipset not supported",
+    "GNS": "GPU not supported",
+    "TNS": "topology not supported",
+    "NS": "not supported",
+    "DR": "disabled by regkey",
+    "U": "unknown",
+}
+
+# nvidia-smi topology levels in words (its own legend, shortened).
+LEVEL_WORDS = {
+    "PIX": "through at most one PCIe bridge (one switch)",
+    "PXB": "through several PCIe bridges, not through the host bridge",
+    "PHB": "through a PCIe host bridge (the CPU)",
+    "NODE": "across PCIe host bridges within one NUMA node",
+    "SYS": "across the CPU interconnect between NUMA nodes",
+}
+
+# QEMU's PCIe root port (vendor 1b36 = Red Hat/QEMU): seen inside a VM, never on bare metal.
+VIRTUAL_ROOT_PORT_IDS = {("1b36", "000c")}
+
+# ACS control flags that send peer traffic up to the root complex instead of across a switch.
+ACS_REDIRECT_FLAGS = ("ReqRedir", "CmpltRedir", "EgressCtrl")
+
+# IOMMU group types in /sys/kernel/iommu_groups/*/type, mapped to what they mean for P2P DMA.
+IOMMU_DOMAIN_KINDS = {
+    "DMA": "translated",
+    "DMA-FQ": "translated",
+    "translated": "translated",
+    "identity": "identity",
+    "passthrough": "identity",
+    "unmanaged": "vfio",  # owned by VFIO (a VM); the guest's mappings translate
+    "blocked": "blocked",
+    "off": "off",
+}
+
+CUDA_IOMMU_REFERENCE = (
+    "https://docs.nvidia.com/cuda/cuda-programming-guide/03-advanced/multi-gpu-systems.html"
+    "#host-iommu-hardware-pci-access-control-services-and-vms"
+)
+
+
+def _nvidia_gpu(device: dict) -> bool:
+    """An NVIDIA display/3D controller (class 03xxxx), i.e. a GPU and not its audio function."""
+    return (device.get("vendor") or "").lower() == "10de" and (device.get("class") or "").startswith("03")
+
+
+def _upstream_bridges(device: dict) -> list[str]:
+    """The device's upstream bridges, root port first (PciDevices ``bridges``)."""
+    return list(device.get("bridges") or [])
+
+
+def iommu_domain_kind(iommu: dict | None, group) -> str | None:
+    """What a GPU's IOMMU group does to its DMA: translated, identity, vfio, blocked, off, or None.
+
+    + iommu: the IOMMU fact, ``{"groups": {"12": "DMA-FQ", …}}`` (types as in sysfs)
+    + group: the device's ``iommu_group`` from PciDevices (``None`` when the IOMMU is off)
+    """
+    if iommu is None:
+        return None
+    if group is None:
+        return "off"
+    groups = iommu.get("groups", iommu)
+    raw = groups.get(str(group), groups.get(group)) if isinstance(groups, dict) else None
+    if raw is None:
+        return None
+    return IOMMU_DOMAIN_KINDS.get(str(raw).strip(), None)
+
+
+def sev_snp_enabled(sev: dict | bool | None) -> bool | None:
+    """SEV-SNP on (True), off (False) or unknown (None), from the SEV fact (``{"snp": True, …}``)."""
+    if sev is None or isinstance(sev, bool):
+        return sev
+    value = sev.get("snp", sev.get("sev_snp"))
+    return None if value is None else bool(value)
+
+
+def acs_redirect_flags(entry: dict | None) -> list[str] | None:
+    """ACS control flags of one bridge that send peer requests up to the root complex.
+
+    + entry: the PciAcs fact's value for the bridge,
+      ``{"status": "enabled", "redirect": True, "ctl": {"ReqRedir": True, …}}``
+
+    Returns the redirecting flags that are on (``[]`` when none or no ACS capability), or ``None``
+    when the state is unknown (no lspci, capabilities unreadable, bridge not listed).
+    """
+    if not entry or entry.get("status") == "unknown":
+        return None
+    ctl = entry.get("ctl") or {}
+    return [flag for flag in ACS_REDIRECT_FLAGS if ctl.get(flag)]
+
+
+def gpu_inventory(
+    *,
+    pci: dict | None = None,
+    nvidia_gpus: dict | None = None,
+    topology: dict | None = None,
+    roles: dict | None = None,
+) -> list[dict]:
+    """Every GPU the facts know of, in PCI order, with the driver's name for it when it has one.
+
+    Returns ``[{"bdf": "0000:01:00.0" | None, "name": "GPU0" | None, "model", "driver", "role",
+    "root", "bridges", "numa_node", "iommu_group", "visible"}]``. ``name`` is nvidia-smi's
+    (it numbers the GPUs bound to the nvidia driver in PCI bus order); ``visible`` says whether the
+    host's NVIDIA driver drives the GPU. Without PCI facts, the GPUs of the topology matrix.
+    """
+    pci = pci or {}
+    nvidia_gpus = nvidia_gpus or {}
+    roles = roles or {}
+    topo_names = [d for d in (topology or {}).get("devices", []) if d.startswith("GPU")]
+    bdfs = sorted({bdf for bdf, dev in pci.items() if _nvidia_gpu(dev)} | set(nvidia_gpus))
+    if not bdfs:
+        return [
+            {"bdf": None, "name": name, "model": None, "driver": "nvidia", "role": None,
+             "root": None, "bridges": [], "numa_node": None, "iommu_group": None, "visible": True}
+            for name in topo_names
+        ]
+    visible = [
+        bdf for bdf in bdfs
+        if bdf in nvidia_gpus or (pci.get(bdf, {}).get("driver") == "nvidia")
+    ]
+    # nvidia-smi numbers the GPUs it sees in PCI bus order; trust that only when the counts agree.
+    names = {}
+    if not topo_names or len(topo_names) == len(visible):
+        names = {bdf: f"GPU{index}" for index, bdf in enumerate(visible)}
+    gpus = []
+    for bdf in bdfs:
+        dev = pci.get(bdf, {})
+        gpus.append({
+            "bdf": bdf,
+            "name": names.get(bdf),
+            "model": nvidia_gpus.get(bdf, {}).get("model"),
+            "driver": dev.get("driver", "nvidia" if bdf in nvidia_gpus else None),
+            "role": roles.get(bdf),
+            "root": dev.get("root"),
+            "bridges": _upstream_bridges(dev),
+            "numa_node": dev.get("numa_node"),
+            "iommu_group": dev.get("iommu_group"),
+            "visible": bdf in visible,
+        })
+    return gpus
+
+
+def _label(gpu: dict) -> str:
+    if gpu["name"] and gpu["bdf"]:
+        return f"{gpu['name']} ({gpu['bdf']})"
+    return gpu["name"] or gpu["bdf"]
+
+
+def derived_level(a: dict, b: dict) -> str | None:
+    """nvidia-smi's level for two GPUs, derived from their PCI paths (for GPUs the driver does not see)."""
+    if not a["root"] or not b["root"]:
+        return None
+    if a["root"] != b["root"]:
+        if a["numa_node"] is not None and a["numa_node"] == b["numa_node"]:
+            return "NODE"
+        return "SYS"
+    common = 0
+    for x, y in zip(a["bridges"], b["bridges"]):
+        if x != y:
+            break
+        common += 1
+    if common == 0:
+        return "PHB"
+    if len(a["bridges"]) - common <= 1 and len(b["bridges"]) - common <= 1:
+        return "PIX"
+    return "PXB"
+
+
+def _path_bridges(a: dict, b: dict) -> list[str]:
+    """Bridges that peer traffic between a and b passes: those not shared above their meeting point."""
+    if a["root"] != b["root"]:
+        return a["bridges"] + b["bridges"]
+    shared = set(a["bridges"]) & set(b["bridges"])
+    return [x for x in a["bridges"] if x not in shared] + [x for x in b["bridges"] if x not in shared]
+
+
+def _driver_answer(matrix: dict | None, a: dict, b: dict) -> str | None:
+    if not matrix or not a["name"] or not b["name"]:
+        return None
+    return (matrix.get(a["name"]) or {}).get(b["name"])
+
+
+def _role_reason(gpu: dict) -> str | None:
+    role = gpu["role"] or ""
+    label = _label(gpu)
+    if role.startswith("vm:") or gpu["driver"] == "vfio-pci":
+        vm = f" to VM {role[3:]}" if role.startswith("vm:") else ""
+        return f"{label} is passed through{vm} (vfio-pci): the host's driver does not see it, so no host P2P with it"
+    if role == "unused":
+        return f"{label} is marked unused in the spec"
+    if not gpu["visible"]:
+        driver = gpu["driver"] or "no driver"
+        return f"{label} is not driven by the host's NVIDIA driver ({driver}), so no host P2P with it"
+    return None
+
+
+def _pair_verdict(a, b, *, topology, p2p_read, p2p_write, iommu, sev_snp, acs, pci) -> dict:
+    blocking: list[tuple[str, str]] = []  # (kind, sentence): make P2P impossible
+    unsafe: list[tuple[str, str]] = []    # make it unsafe even where it happens
+    notes: list[str] = []
+    la, lb = _label(a), _label(b)
+
+    level = None
+    if a["name"] and b["name"]:
+        level = ((topology or {}).get("links", {}).get(a["name"]) or {}).get(b["name"])
+    level_source = "driver" if level else None
+    if not level:
+        level = derived_level(a, b)
+        level_source = "pci" if level else None
+
+    for gpu in (a, b):
+        reason = _role_reason(gpu)
+        if reason:
+            blocking.append(("role", reason))
+    role_a, role_b = a["role"] or "", b["role"] or ""
+    if role_a.startswith("vm:") and role_a == role_b:
+        blocking.append((
+            "virtual_root_port",
+            f"{la} and {lb} both go to VM {role_a[3:]}, where each passthrough GPU sits on its own "
+            "virtual root port: P2P between them is impossible there too",
+        ))
+
+    answers = {}
+    for kind, matrix in (("read", p2p_read), ("write", p2p_write)):
+        code = _driver_answer(matrix, a, b)
+        answers[kind] = code
+        if code and code != "OK":
+            words = P2P_STATUS_WORDS.get(code, code)
+            blocking.append(("driver", f"the driver reports P2P {kind} between {la} and {lb} as {code} ({words})"))
+    driver_ok = answers["read"] == "OK" and answers["write"] in (None, "OK")
+
+    nvlink = bool(level and level.startswith("NV"))
+    domains = {gpu["bdf"]: iommu_domain_kind(iommu, gpu["iommu_group"]) for gpu in (a, b) if gpu["bdf"]}
+    translating = [gpu for gpu in (a, b) if gpu["bdf"] and domains.get(gpu["bdf"]) == "translated"]
+    snp = sev_snp_enabled(sev_snp)
+    pci = pci or {}
+
+    if nvlink:
+        notes.append(f"{la} and {lb} are joined by {level[2:]} bonded NVLinks: P2P does not cross PCIe or the IOMMU")
+    else:
+        if a["root"] and b["root"] and a["root"] != b["root"]:
+            if driver_ok and not translating:
+                notes.append(
+                    f"{la} and {lb} are on different root complexes ({a['root']}, {b['root']}); "
+                    "the driver reports P2P through the CPU as OK"
+                )
+            else:
+                blocking.append((
+                    "root_complex",
+                    f"{la} and {lb} are on different root complexes ({a['root']}, {b['root']}) with no P2P path",
+                ))
+        virtual_ports = [
+            bdf for bdf in (a["bridges"][:1] + b["bridges"][:1])
+            if (pci.get(bdf, {}).get("vendor"), pci.get(bdf, {}).get("device")) in VIRTUAL_ROOT_PORT_IDS
+        ]
+        if len(virtual_ports) == 2 and virtual_ports[0] != virtual_ports[1]:
+            blocking.append((
+                "virtual_root_port",
+                f"{la} and {lb} sit behind separate virtual root ports of this VM "
+                f"({virtual_ports[0]}, {virtual_ports[1]}): P2P between them is impossible",
+            ))
+        for bridge in _path_bridges(a, b):
+            if acs is None:
+                break
+            flags = acs_redirect_flags(acs.get(bridge))
+            if flags:
+                blocking.append((
+                    "acs",
+                    f"ACS on bridge {bridge} redirects peer requests to the root complex ({'+ '.join(flags)}+)",
+                ))
+            elif flags is None:
+                notes.append(f"ACS state of bridge {bridge} is unknown")
+        if translating:
+            which = " and ".join(f"{gpu['name'] or gpu['bdf']} (group {gpu['iommu_group']})" for gpu in translating)
+            blocking.append((
+                "iommu",
+                f"the IOMMU translates DMA for {which}: CUDA does not support PCIe P2P through a "
+                "translating IOMMU on bare-metal Linux",
+            ))
+        if translating and snp:
+            unsafe.append((
+                "sev_snp",
+                "SEV-SNP is on and the IOMMU translates GPU DMA: P2P DMA through it corrupted data "
+                "on such a host (NCCL hangs, wrong results)",
+            ))
+        identity = [gpu for gpu in (a, b) if gpu["bdf"] and domains.get(gpu["bdf"]) == "identity"]
+        blackwell = [gpu for gpu in identity if "blackwell" in (gpu["model"] or "").lower()]
+        if snp and blackwell:
+            unsafe.append((
+                "sev_snp_identity",
+                f"{_label(blackwell[0])} is a Blackwell GPU in an identity IOMMU domain on a SEV-SNP host: "
+                "such GPUs failed to boot (FSP error 0x177)",
+            ))
+        if iommu is None and (a["bdf"] or b["bdf"]):
+            notes.append("the IOMMU mode is unknown")
+        if snp is None and translating:
+            notes.append("whether SEV-SNP is on is unknown")
+
+    possible = not blocking
+    reasons = blocking + unsafe
+    if not reasons and possible:
+        how = LEVEL_WORDS.get(level or "", "over NVLink" if nvlink else "by an unknown path")
+        reasons = [("path", f"{la} and {lb} connect {how}" + (" and the driver reports P2P OK" if driver_ok else ""))]
+    return {
+        "a": a["bdf"] or a["name"],
+        "b": b["bdf"] or b["name"],
+        "names": [a["name"], b["name"]],
+        "possible": possible,
+        "safe": possible and not unsafe,
+        "level": level,
+        "level_source": level_source,
+        "driver_read": answers["read"],
+        "driver_write": answers["write"],
+        "reasons": [sentence for _, sentence in reasons],
+        "reason_kinds": [kind for kind, _ in reasons],
+        "notes": notes,
+    }
+
+
+REASON_KIND_WORDS = {
+    "role": "a GPU is not the host's (VM, unused, other driver)",
+    "virtual_root_port": "separate virtual root ports in a VM",
+    "driver": "the driver reports P2P unsupported",
+    "root_complex": "different root complexes with no P2P path",
+    "acs": "ACS redirect on an upstream bridge",
+    "iommu": "the IOMMU translates GPU DMA",
+    "sev_snp": "SEV-SNP with a translating IOMMU (P2P DMA corrupts data)",
+    "sev_snp_identity": "identity IOMMU domain for Blackwell GPUs on a SEV-SNP host",
+    "path": "a P2P path exists",
+}
+
+
+def summarize(pairs: list[dict]) -> str:
+    """One paragraph: how many pairs can use P2P safely, and the reasons that decide it, counted."""
+    if not pairs:
+        return "Fewer than two GPUs: no GPU pairs, nothing to decide about P2P."
+    usable = sum(1 for p in pairs if p["possible"] and p["safe"])
+    possible = sum(1 for p in pairs if p["possible"])
+    counts: dict[str, int] = {}
+    for pair in pairs:
+        for kind in dict.fromkeys(pair["reason_kinds"]):
+            counts[kind] = counts.get(kind, 0) + 1
+    n = len(pairs)
+    if possible == 0:
+        head = f"P2P is impossible for all {n} GPU pairs."
+    elif usable == n:
+        head = f"P2P is possible and safe for all {n} GPU pairs."
+    else:
+        head = f"P2P is possible for {possible} and safe for {usable} of {n} GPU pairs."
+    details = "; ".join(
+        f"{REASON_KIND_WORDS.get(kind, kind)}: {count} of {n}" for kind, count in counts.items()
+    )
+    return f"{head} Reasons: {details}."
+
+
+def p2p_verdict(
+    *,
+    pci: dict | None = None,
+    nvidia_gpus: dict | None = None,
+    topology: dict | None = None,
+    p2p_read: dict | None = None,
+    p2p_write: dict | None = None,
+    iommu: dict | None = None,
+    sev_snp: dict | bool | None = None,
+    acs: dict | None = None,
+    roles: dict | None = None,
+) -> dict:
+    """The P2P verdict for every GPU pair, from the facts' plain data.
+
+    + pci: PciDevices (per BDF: vendor, device, class, driver, numa_node, iommu_group, link, bars,
+      bridges, root)
+    + nvidia_gpus: NvidiaGpus (per BDF: model, minor, uuid, firmware)
+    + topology: GpuTopology; p2p_read / p2p_write: GpuP2P with kind ``r`` / ``w``
+    + iommu: IOMMU domain types per group; sev_snp: the SEV fact or a bool
+    + acs: ACS control per bridge BDF; roles: the spec's role per GPU BDF (``lxc``, ``vm:101``, …)
+
+    .. code:: python
+
+        {"pairs": [{"a": "0000:01:00.0", "b": "0000:41:00.0", "names": ["GPU0", "GPU1"],
+                    "possible": False, "safe": False, "level": "SYS", "level_source": "driver",
+                    "driver_read": "OK", "driver_write": None,
+                    "reasons": ["GPU0 (0000:01:00.0) and GPU1 (0000:41:00.0) are on different root
+                                 complexes (pci0000:00, pci0000:40) with no P2P path", …],
+                    "reason_kinds": ["root_complex", "iommu", "sev_snp"], "notes": []}],
+         "gpus": [...gpu_inventory...], "sev_snp": True, "summary": "P2P is impossible for all 28 …"}
+    """
+    gpus = gpu_inventory(pci=pci, nvidia_gpus=nvidia_gpus, topology=topology, roles=roles)
+    pairs = [
+        _pair_verdict(a, b, topology=topology, p2p_read=p2p_read, p2p_write=p2p_write,
+                      iommu=iommu, sev_snp=sev_snp, acs=acs, pci=pci)
+        for a, b in combinations(gpus, 2)
+    ]
+    for gpu in gpus:
+        gpu["iommu_domain"] = iommu_domain_kind(iommu, gpu["iommu_group"]) if gpu["bdf"] else None
+    return {"pairs": pairs, "gpus": gpus, "sev_snp": sev_snp_enabled(sev_snp), "summary": summarize(pairs)}
+
+
+def restrict_verdict(verdict: dict, gpus: list[str]) -> dict:
+    """The verdict for a subset of GPUs (e.g. one container's), named by BDF or nvidia-smi name."""
+    wanted = set(gpus)
+    pairs = [p for p in verdict["pairs"] if {p["a"], p["b"]} <= wanted]
+    kept = [g for g in verdict["gpus"] if (g["bdf"] or g["name"]) in wanted]
+    return {**verdict, "pairs": pairs, "gpus": kept, "summary": summarize(pairs)}

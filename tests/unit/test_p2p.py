@@ -1,0 +1,276 @@
+"""P2P verdict per GPU pair, on real driver outputs (tests/fixtures) and hand-built PCI trees
+that mirror kpro6 (8 GPUs, each on its own root complex, AMD EPYC, SEV-SNP, translating IOMMU)."""
+
+from pathlib import Path
+
+import pytest
+
+from facts.gpu import parse_p2p_matrix, parse_topo_matrix
+from plan.p2p import derived_level, p2p_verdict, restrict_verdict
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+KPRO6_ROOTS = ["00", "20", "40", "60", "80", "a0", "c0", "e0"]
+BLACKWELL = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
+
+
+def fixture_lines(relative: str) -> list[str]:
+    """A fixture's output lines, without its two header lines."""
+    return (FIXTURES / relative).read_text().splitlines()[2:]
+
+
+def pci_device(*, vendor, device, cls, root, bridges, driver=None, numa=None, group=None,
+               link=(32.0, 16, 32.0, 16), bars=None):
+    speed, width, max_speed, max_width = link
+    return {
+        "vendor": vendor, "device": device, "class": cls, "driver": driver, "numa_node": numa,
+        "iommu_group": group,
+        "link": {"speed": f"{speed} GT/s PCIe", "width": width,
+                 "max_speed": f"{max_speed} GT/s PCIe", "max_width": max_width},
+        "bars": bars or {}, "root": root, "bridges": bridges,
+    }
+
+
+def kpro6_pci(numa_of_root=lambda index: 0 if index < 4 else 1) -> dict:
+    """8 GPUs (+ their audio functions), each behind its own root port on its own root complex."""
+    pci = {}
+    for index, bus in enumerate(KPRO6_ROOTS):
+        root = f"pci0000:{bus}"
+        port = f"0000:{bus}:01.1"
+        gpu_bus = f"{int(bus, 16) + 1:02x}"
+        numa = numa_of_root(index)
+        pci[port] = pci_device(vendor="1022", device="14ab", cls="060400", root=root, bridges=[],
+                               driver="pcieport", numa=numa, group=30 + index)
+        pci[f"0000:{gpu_bus}:00.0"] = pci_device(
+            vendor="10de", device="2bb5", cls="030200", root=root, bridges=[port], driver="nvidia",
+            numa=numa, group=10 + index, bars={0: 64 << 20, 1: 128 << 30, 3: 32 << 20})
+        pci[f"0000:{gpu_bus}:00.1"] = pci_device(
+            vendor="10de", device="22e8", cls="040300", root=root, bridges=[port],
+            driver="snd_hda_intel", numa=numa, group=10 + index)
+    return pci
+
+
+def kpro6_gpu_bdfs() -> list[str]:
+    return [f"0000:{int(bus, 16) + 1:02x}:00.0" for bus in KPRO6_ROOTS]
+
+
+def kpro6_nvidia_gpus() -> dict:
+    return {bdf: {"model": BLACKWELL, "minor": i, "uuid": f"GPU-{i}", "firmware": "595.71.05"}
+            for i, bdf in enumerate(kpro6_gpu_bdfs())}
+
+
+def kpro6_topology() -> dict:
+    """What nvidia-smi topo -m says for kpro6: NODE within a socket, SYS across."""
+    names = [f"GPU{i}" for i in range(8)]
+    links = {a: {b: ("NODE" if (i < 4) == (j < 4) else "SYS") for j, b in enumerate(names) if b != a}
+             for i, a in enumerate(names)}
+    return {"devices": names, "links": links,
+            "cpu_affinity": {n: ("0-63" if i < 4 else "64-127") for i, n in enumerate(names)},
+            "numa_affinity": {n: ("0" if i < 4 else "1") for i, n in enumerate(names)},
+            "nics": {}}
+
+
+def all_codes(code: str, n: int = 8) -> dict:
+    names = [f"GPU{i}" for i in range(n)]
+    return {a: {b: code for b in names if b != a} for a in names}
+
+
+def kpro6_iommu(kind: str = "DMA-FQ") -> dict:
+    return {"groups": {str(group): kind for group in list(range(10, 18)) + list(range(30, 38))}}
+
+
+def kpro6_verdict(**changes) -> dict:
+    facts = dict(pci=kpro6_pci(), nvidia_gpus=kpro6_nvidia_gpus(), topology=kpro6_topology(),
+                 iommu=kpro6_iommu(), sev_snp={"snp": True})
+    facts.update(changes)
+    return p2p_verdict(**facts)
+
+
+@pytest.mark.parametrize("driver_answer", [None, "OK"])
+def test_kpro6_every_pair_impossible_with_root_complex_and_sev_snp_reasons(driver_answer):
+    verdict = kpro6_verdict(p2p_read=all_codes(driver_answer) if driver_answer else None)
+    pairs = verdict["pairs"]
+    assert len(pairs) == 28  # audio functions are not GPUs
+    for pair in pairs:
+        assert pair["possible"] is False and pair["safe"] is False
+        a_root = "pci0000:" + KPRO6_ROOTS[kpro6_gpu_bdfs().index(pair["a"])]
+        b_root = "pci0000:" + KPRO6_ROOTS[kpro6_gpu_bdfs().index(pair["b"])]
+        root_reason = next(r for r in pair["reasons"] if "different root complexes" in r)
+        assert f"({a_root}, {b_root}) with no P2P path" in root_reason
+        assert any("SEV-SNP is on" in r for r in pair["reasons"])
+        assert pair["driver_read"] == driver_answer
+    assert verdict["summary"].startswith("P2P is impossible for all 28 GPU pairs.")
+    assert "different root complexes with no P2P path: 28 of 28" in verdict["summary"]
+
+
+def test_kpro6_levels_come_from_the_driver_and_names_follow_pci_order():
+    pairs = {tuple(p["names"]): p for p in kpro6_verdict()["pairs"]}
+    assert pairs[("GPU0", "GPU1")]["level"] == "NODE"
+    assert pairs[("GPU0", "GPU7")]["level"] == "SYS"
+    assert pairs[("GPU0", "GPU7")]["a"] == "0000:01:00.0" and pairs[("GPU0", "GPU7")]["b"] == "0000:e1:00.0"
+
+
+def test_level_alone_decides_nothing_epyc_routes_between_root_complexes_when_driver_says_ok():
+    # Same 8 root complexes, but no SEV-SNP, IOMMU in identity mode, driver answers OK.
+    verdict = kpro6_verdict(p2p_read=all_codes("OK"), p2p_write=all_codes("OK"),
+                            iommu=kpro6_iommu("identity"), sev_snp={"snp": False})
+    assert all(p["possible"] and p["safe"] for p in verdict["pairs"])
+    assert all("different root complexes" in " ".join(p["notes"]) for p in verdict["pairs"])
+    assert verdict["summary"].startswith("P2P is possible and safe for all 28 GPU pairs.")
+
+
+def test_translating_iommu_blocks_pcie_p2p_even_without_sev_snp():
+    verdict = kpro6_verdict(p2p_read=all_codes("OK"), sev_snp={"snp": False})
+    pair = verdict["pairs"][0]
+    assert not pair["possible"]
+    assert pair["safe"] is False
+    assert "iommu" in pair["reason_kinds"] and "sev_snp" not in pair["reason_kinds"]
+
+
+def test_driver_refusal_is_reported_with_its_meaning():
+    verdict = kpro6_verdict(p2p_read=all_codes("CNS"), iommu=kpro6_iommu("identity"), sev_snp=False)
+    pair = verdict["pairs"][0]
+    assert not pair["possible"]
+    assert "the driver reports P2P read between GPU0 (0000:01:00.0) and GPU1 (0000:21:00.0) as CNS " \
+           "(chipset not supported)" in pair["reasons"]
+
+
+def test_blackwell_identity_domain_on_sev_snp_host_is_unsafe():
+    verdict = kpro6_verdict(p2p_read=all_codes("OK"), iommu=kpro6_iommu("identity"))
+    pair = verdict["pairs"][0]
+    assert pair["possible"] and not pair["safe"]
+    assert any("FSP error 0x177" in r for r in pair["reasons"])
+
+
+def test_nvlink_8x_h100_fixture_all_pairs_possible_and_safe():
+    topology = parse_topo_matrix(fixture_lines("topo-m/8x-h100-sxm-nv18-no-nics-stas00.txt"))
+    p2p_read = parse_p2p_matrix(fixture_lines("topo-p2p/8x-gpu-p2p-r-all-ok-stas00.txt"))
+    verdict = p2p_verdict(topology=topology, p2p_read=p2p_read)
+    assert len(verdict["pairs"]) == 28
+    assert {p["level"] for p in verdict["pairs"]} == {"NV18"}
+    assert all(p["possible"] and p["safe"] and p["driver_read"] == "OK" for p in verdict["pairs"])
+    assert "18 bonded NVLinks" in verdict["pairs"][0]["notes"][0]
+
+
+def test_pcie_8x_fixture_levels_and_driver_answers_per_pair():
+    topology = parse_topo_matrix(fixture_lines("topo-m/8x-pcie-gpu-dual-numa-pix-pairs-node-sys-no-nics.txt"))
+    lines = fixture_lines("topo-p2p/8x-pcie-gpu-dual-numa-p2p-r-and-w-all-ok.txt")
+    split = next(i for i, line in enumerate(lines) if "P2P Write" in line)
+    verdict = p2p_verdict(topology=topology, p2p_read=parse_p2p_matrix(lines[:split]),
+                          p2p_write=parse_p2p_matrix(lines[split:]))
+    levels = {tuple(p["names"]): p["level"] for p in verdict["pairs"]}
+    assert levels[("GPU0", "GPU1")] == "PIX" and levels[("GPU0", "GPU2")] == "NODE"
+    assert levels[("GPU3", "GPU4")] == "SYS"
+    assert all(p["possible"] and p["driver_write"] == "OK" for p in verdict["pairs"])
+
+
+def test_geforce_gns_fixture_makes_the_pair_impossible():
+    topology = parse_topo_matrix(fixture_lines("topo-m/2x-rtx5090-threadripper-3975wx-phb.txt"))
+    p2p = parse_p2p_matrix(fixture_lines("topo-p2p/2x-rtx5090-threadripper-3975wx-p2p-rw-gns.txt"))
+    (pair,) = p2p_verdict(topology=topology, p2p_read=p2p)["pairs"]
+    assert not pair["possible"]
+    assert pair["reason_kinds"] == ["driver"] and "GNS (GPU not supported)" in pair["reasons"][0]
+
+
+def test_gpus_passed_to_a_vm_are_not_the_hosts_and_lose_p2p_inside_the_vm():
+    pci = kpro6_pci()
+    nvidia_gpus = kpro6_nvidia_gpus()
+    vm_gpus = kpro6_gpu_bdfs()[:2]
+    for bdf in vm_gpus:
+        pci[bdf]["driver"] = "vfio-pci"
+        del nvidia_gpus[bdf]
+    roles = {bdf: "vm:101" for bdf in vm_gpus}
+    topology = kpro6_topology()  # the host's nvidia-smi now sees 6 GPUs
+    topology["devices"] = topology["devices"][:6]
+    verdict = kpro6_verdict(pci=pci, nvidia_gpus=nvidia_gpus, roles=roles, topology=topology)
+    vm_pair = next(p for p in verdict["pairs"] if {p["a"], p["b"]} == set(vm_gpus))
+    assert vm_pair["names"] == [None, None]
+    assert vm_pair["level"] == "NODE" and vm_pair["level_source"] == "pci"
+    assert "0000:01:00.0 is passed through to VM 101 (vfio-pci): the host's driver does not see it, " \
+           "so no host P2P with it" in vm_pair["reasons"]
+    assert "virtual_root_port" in vm_pair["reason_kinds"]
+    # nvidia-smi renumbers the GPUs it still sees, in PCI order.
+    named = {g["bdf"]: g["name"] for g in verdict["gpus"]}
+    assert named["0000:41:00.0"] == "GPU0" and named["0000:e1:00.0"] == "GPU5"
+
+
+def test_inside_a_vm_each_gpu_behind_its_own_virtual_root_port():
+    pci = {}
+    bdfs = []
+    for slot in range(2):
+        port = f"0000:00:1c.{slot}"
+        bdf = f"0000:0{slot + 1}:00.0"
+        pci[port] = pci_device(vendor="1b36", device="000c", cls="060400", root="pci0000:00",
+                               bridges=[], driver="pcieport")
+        pci[bdf] = pci_device(vendor="10de", device="2bb5", cls="030200", root="pci0000:00",
+                              bridges=[port], driver="nvidia")
+        bdfs.append(bdf)
+    (pair,) = p2p_verdict(pci=pci, iommu={"groups": {}}, p2p_read=all_codes("OK", 2))["pairs"]
+    assert not pair["possible"]
+    assert pair["reasons"] == [
+        "GPU0 (0000:01:00.0) and GPU1 (0000:02:00.0) sit behind separate virtual root ports of this VM "
+        "(0000:00:1c.0, 0000:00:1c.1): P2P between them is impossible"
+    ]
+    assert pair["level"] == "PHB"  # derived from sysfs: they meet at the host bridge
+
+
+def switch_pci() -> dict:
+    """Two GPUs behind one PCIe switch (root port -> upstream port -> two downstream ports)."""
+    pci = {}
+    rp, usp, dsp0, dsp1 = "0000:40:01.1", "0000:41:00.0", "0000:42:00.0", "0000:42:01.0"
+    for bdf, bridges in ((rp, []), (usp, [rp]), (dsp0, [rp, usp]), (dsp1, [rp, usp])):
+        pci[bdf] = pci_device(vendor="10b5", device="c010", cls="060400", root="pci0000:40",
+                              bridges=bridges, driver="pcieport", numa=0)
+    for bdf, dsp in (("0000:43:00.0", dsp0), ("0000:44:00.0", dsp1)):
+        pci[bdf] = pci_device(vendor="10de", device="2230", cls="030000", root="pci0000:40",
+                              bridges=[rp, usp, dsp], driver="nvidia", numa=0, group=None)
+    return pci
+
+
+def acs(redirect: bool) -> dict:
+    ctl = {"SrcValid": True, "ReqRedir": redirect, "CmpltRedir": redirect, "EgressCtrl": False}
+    return {"status": "enabled", "redirect": redirect, "ctl": ctl}
+
+
+def test_acs_redirect_on_a_switch_port_blocks_p2p_and_names_the_bridge():
+    pci = switch_pci()
+    bridges = {bdf: acs(bdf == "0000:42:01.0") for bdf, dev in pci.items() if dev["class"] == "060400"}
+    (pair,) = p2p_verdict(pci=pci, acs=bridges, iommu={"groups": {}})["pairs"]
+    assert not pair["possible"]
+    assert pair["reasons"] == [
+        "ACS on bridge 0000:42:01.0 redirects peer requests to the root complex (ReqRedir+ CmpltRedir+)"
+    ]
+    assert pair["level"] == "PIX"
+
+
+def test_switch_without_acs_redirect_is_possible_and_unknown_acs_is_noted():
+    pci = switch_pci()
+    bridges = {"0000:42:00.0": acs(False), "0000:42:01.0": {"status": "unknown", "redirect": None, "ctl": None}}
+    (pair,) = p2p_verdict(pci=pci, acs=bridges, iommu={"groups": {}})["pairs"]
+    assert pair["possible"] and pair["safe"]
+    assert pair["notes"] == ["ACS state of bridge 0000:42:01.0 is unknown"]
+    assert "through at most one PCIe bridge" in pair["reasons"][0]
+
+
+def gpu(root, bridges, numa=0):
+    return {"root": root, "bridges": bridges, "numa_node": numa}
+
+
+@pytest.mark.parametrize("a, b, level", [
+    (gpu("pci0000:40", ["r", "u", "d0"]), gpu("pci0000:40", ["r", "u", "d1"]), "PIX"),
+    (gpu("pci0000:40", ["r", "u", "d0", "u2", "d2"]), gpu("pci0000:40", ["r", "u", "d1"]), "PXB"),
+    (gpu("pci0000:40", ["r0"]), gpu("pci0000:40", ["r1"]), "PHB"),
+    (gpu("pci0000:40", ["r0"]), gpu("pci0000:60", ["r1"]), "NODE"),
+    (gpu("pci0000:40", ["r0"], 0), gpu("pci0000:80", ["r1"], 1), "SYS"),
+    (gpu("pci0000:40", ["r0"], None), gpu("pci0000:80", ["r1"], None), "SYS"),
+])
+def test_levels_derived_from_pci_paths(a, b, level):
+    assert derived_level(a, b) == level
+
+
+def test_restrict_verdict_keeps_only_the_containers_pairs():
+    verdict = kpro6_verdict()
+    mine = restrict_verdict(verdict, kpro6_gpu_bdfs()[:3])
+    assert len(mine["pairs"]) == 3 and len(mine["gpus"]) == 3
+    assert mine["summary"].startswith("P2P is impossible for all 3 GPU pairs.")
+    assert restrict_verdict(verdict, kpro6_gpu_bdfs()[:1])["summary"].startswith("Fewer than two GPUs")
