@@ -1,0 +1,500 @@
+"""Kernel, boot loader, IOMMU and SEV-SNP state of a host."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from pyinfra.api import FactBase
+
+SECTION = "@@ "
+VERSION = r"\d+\.\d+\.\d+"
+
+
+def split_sections(output_lines: list[str], marker: str = SECTION) -> dict[str, list[str]]:
+    """Lines after `@@ name` markers, by name (lines before the first marker are dropped)."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in output_lines:
+        if line.startswith(marker):
+            current = sections.setdefault(line[len(marker):].strip(), [])
+        elif current is not None:
+            current.append(line)
+    return sections
+
+
+def kernel_version_key(release: str) -> list:
+    """Sort key so 6.8.12-10-pve sorts after 6.8.12-9-pve."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", release) if part]
+
+
+def parse_cmdline_text(text: str) -> dict:
+    """`a=1 ro x="y z"` → raw, args (in order, repeats kept) and params (last value wins)."""
+    text = text.strip()
+    # Kernel quoting is double quotes only; backslashes (initrd=\EFI\…) are literal.
+    args = re.findall(r'(?:[^\s"]+|"[^"]*")+', text)
+    params: dict[str, str | None] = {}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        params[key.replace('"', "")] = value.replace('"', "") if sep else None
+    return {"raw": text, "args": args, "params": params}
+
+
+def parse_proc_cmdline(output_lines: list[str]) -> dict | None:
+    """Pure parser of /proc/cmdline (shape: see `KernelCmdline`)."""
+    for line in output_lines:
+        if line.strip():
+            return parse_cmdline_text(line)
+    return None
+
+
+def _shell_value(raw: str, variables: dict[str, str]) -> str:
+    """Value of a simple sh assignment's right side, as /etc/default/grub uses them."""
+    raw = raw.strip()
+
+    def expand(text: str) -> str:
+        return re.sub(r"\$\{?(\w+)\}?", lambda m: variables.get(m.group(1), ""), text)
+
+    if raw.startswith("'") and raw.endswith("'") and len(raw) >= 2:
+        return raw[1:-1]
+    if raw.startswith('"') and raw.endswith('"') and len(raw) >= 2:
+        return expand(raw[1:-1])
+    if raw.startswith("`"):
+        return raw  # command substitution: kept as written
+    return expand(raw.split("#", 1)[0].strip())
+
+
+def parse_grub_defaults(lines: list[str], variables: dict[str, str] | None = None) -> dict[str, str]:
+    """`GRUB_*=` assignments of /etc/default/grub (and grub.d snippets applied after it)."""
+    variables = dict(variables or {})
+    for line in lines:
+        match = re.match(r"^\s*(?:export\s+)?(GRUB_\w+)=(.*)$", line)
+        if match:
+            variables[match.group(1)] = _shell_value(match.group(2), variables)
+    return variables
+
+
+def parse_boot_loader(output_lines: list[str]) -> dict:
+    """Pure parser of `BootLoader.command` output (shape: see `BootLoader`)."""
+    sections = split_sections(output_lines)
+    esps = []
+    for line in sections.get("proxmox-boot-tool status", []):
+        match = re.match(r"^(\S+) is configured with: (\w[\w-]*)(?: \(versions: (.*)\))?", line.strip())
+        if match:
+            versions = [v.strip() for v in (match.group(3) or "").split(",") if v.strip()]
+            esps.append({"uuid": match.group(1), "mode": match.group(2), "versions": versions})
+    firmware_lines = [line.strip() for line in sections.get("firmware", []) if line.strip()]
+    firmware = firmware_lines[0] if firmware_lines else None
+
+    kernel_cmdline = next(
+        (line.strip() for line in sections.get("/etc/kernel/cmdline", [])
+         if line.strip() and not line.lstrip().startswith("#")),
+        None,
+    )
+    grub_lines = sections.get("/etc/default/grub", [])
+    grub = None
+    if grub_lines or any(name.startswith("/etc/default/grub.d/") for name in sections):
+        grub = parse_grub_defaults(grub_lines)
+        for name in sorted(n for n in sections if n.startswith("/etc/default/grub.d/")):
+            grub = parse_grub_defaults(sections[name], grub)
+
+    if esps:
+        loader = "systemd-boot" if esps[0]["mode"] == "uefi" else "grub"
+    elif grub is not None:
+        loader = "grub"
+    elif kernel_cmdline is not None:
+        loader = "systemd-boot"
+    else:
+        loader = "unknown"
+
+    if loader == "systemd-boot":
+        config_file, cmdline = "/etc/kernel/cmdline", kernel_cmdline
+    elif loader == "grub" and grub is not None:
+        config_file = "/etc/default/grub"
+        cmdline = " ".join(
+            part for part in (grub.get("GRUB_CMDLINE_LINUX", ""), grub.get("GRUB_CMDLINE_LINUX_DEFAULT", ""))
+            if part.strip()
+        ).strip()
+    else:
+        config_file, cmdline = None, None
+
+    if esps:
+        refresh = "proxmox-boot-tool refresh"
+    elif loader == "grub":
+        refresh = "update-grub"
+    else:
+        refresh = None
+    return {
+        "loader": loader,
+        "proxmox_boot_tool": bool(esps),
+        "firmware": firmware,
+        "esps": esps,
+        "config_file": config_file,
+        "cmdline": cmdline,
+        "params": parse_cmdline_text(cmdline)["params"] if cmdline is not None else None,
+        "refresh_command": refresh,
+        "grub": grub,
+        "kernel_cmdline": kernel_cmdline,
+    }
+
+
+def compiler_version(text: str | None) -> str | None:
+    """GCC version inside a compiler banner: `gcc-12 (Debian 12.2.0-14) 12.2.0` → `12.2.0`."""
+    if not text or "gcc" not in text.lower():
+        return None
+    versions = re.findall(VERSION, text)
+    return versions[-1] if versions else None
+
+
+def parse_kernel_toolchain(output_lines: list[str]) -> dict:
+    """Pure parser of `KernelToolchain.command` output (shape: see `KernelToolchain`)."""
+    running = None
+    headers = None
+    sections = split_sections(output_lines)
+    version_lines = sections.get("/proc/version", output_lines if not sections else [])
+    for line in version_lines:
+        match = re.match(r"^Linux version (\S+) \(([^)]*)\) \((.*)\) #", line)
+        if match:
+            compiler = re.split(r",\s+(?:GNU ld|LLD|ld)\b", match.group(3))[0].strip()
+            running = {"release": match.group(1), "compiler": compiler, "gcc": compiler_version(compiler)}
+            break
+    for name, lines in sections.items():
+        if not name.startswith("headers "):
+            continue
+        headers = {"path": name[len("headers "):], "compiler": None, "gcc": None}
+        for line in lines:
+            match = re.match(r'^CONFIG_CC_VERSION_TEXT="(.*)"\s*$', line)
+            if match:
+                headers["compiler"] = match.group(1)
+                headers["gcc"] = compiler_version(match.group(1))
+                break
+    return {"running": running, "headers": headers}
+
+
+def parse_proxmox_kernels(output_lines: list[str]) -> dict:
+    """Pure parser of `ProxmoxKernels.command` output (shape: see `ProxmoxKernels`)."""
+    sections = split_sections(output_lines)
+    lists: dict[str, list[str]] = {"manual": [], "automatic": [], "pinned": [], "next_boot": []}
+    current = None
+    headings = {
+        "Manually selected kernels:": "manual",
+        "Automatically selected kernels:": "automatic",
+        "Pinned kernel:": "pinned",
+        "Kernel pinned on next-boot:": "next_boot",
+    }
+    for line in sections.get("kernel list", []):
+        text = line.strip()
+        if text in headings:
+            current = headings[text]
+        elif current and text and text != "None.":
+            lists[current].append(text)
+
+    def first(name: str) -> str | None:
+        values = [line.strip() for line in sections.get(name, []) if line.strip()]
+        return values[0] if values else None
+
+    installed = sorted(
+        {line.strip() for line in sections.get("/boot", []) if line.strip()}, key=kernel_version_key
+    )
+    return {
+        "running": first("running"),
+        "installed": installed,
+        "manual": lists["manual"],
+        "automatic": lists["automatic"],
+        "pinned": first("pin") or (lists["pinned"][0] if lists["pinned"] else None),
+        "next_boot": first("next-boot-pin") or (lists["next_boot"][0] if lists["next_boot"] else None),
+    }
+
+
+IOMMU_TYPE_MODES = {"DMA": "translated", "DMA-FQ": "translated", "identity": "passthrough", "blocked": "blocked"}
+
+
+def parse_iommu(output_lines: list[str]) -> dict:
+    """Pure parser of IOMMU group listings (shape: see `IommuState`).
+
+    Reads the sysfs form `IommuState.command` prints (`/sys/kernel/iommu_groups/N/type: DMA`,
+    `/sys/kernel/iommu_groups/N/devices/<bdf>`) and the usual user-script listings
+    (`IOMMU Group N:` + indented lspci lines, or `IOMMU group N <bdf> …` per line).
+    """
+    groups: dict[int, dict] = {}
+    units: list[str] = []
+    current: int | None = None
+
+    def group(number: int) -> dict:
+        return groups.setdefault(number, {"type": None, "mode": None, "devices": []})
+
+    def add_device(number: int, address: str) -> None:
+        bdf = ("0000:" + address if address.count(":") == 1 else address).lower()
+        if bdf not in group(number)["devices"]:
+            group(number)["devices"].append(bdf)
+
+    bdf = r"(?:[0-9a-fA-F]{4}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
+    for line in output_lines:
+        match = re.match(r"^/sys/kernel/iommu_groups/(\d+)/type:\s*(\S*)\s*$", line)
+        if match:
+            kind = match.group(2) or None
+            entry = group(int(match.group(1)))
+            entry["type"], entry["mode"] = kind, IOMMU_TYPE_MODES.get(kind or "")
+            continue
+        match = re.match(rf"^/sys/kernel/iommu_groups/(\d+)/devices/({bdf})\s*$", line)
+        if match:
+            add_device(int(match.group(1)), match.group(2))
+            continue
+        match = re.match(r"^IOMMU unit (\S+)\s*$", line)
+        if match:
+            units.append(match.group(1))
+            continue
+        match = re.match(r"^\s*IOMMU [Gg]roup:?\s*(\d+):?\s*(.*)$", line)
+        if match:
+            current = int(match.group(1))
+            group(current)
+            rest = re.match(rf"^({bdf})\b", match.group(2))
+            if rest:
+                add_device(current, rest.group(1))
+            continue
+        match = re.match(rf"^\s+({bdf})\s", line)
+        if match and current is not None:
+            add_device(current, match.group(1))
+            continue
+        if line.strip() and not line[0].isspace():
+            current = None
+    groups = dict(sorted(groups.items()))
+    modes = {entry["mode"] for entry in groups.values() if entry["mode"]}
+    return {
+        "enabled": bool(groups) or bool(units),
+        "units": units,
+        "mode": (modes.pop() if len(modes) == 1 else "mixed") if modes else None,
+        "groups": groups,
+    }
+
+
+def parse_sev_snp(output_lines: list[str]) -> dict:
+    """Pure parser of kvm_amd SEV parameters and cpuinfo flag counts (shape: see `SevSnp`)."""
+    params: dict[str, str] = {}
+    flags: set[str] = set()
+    for line in output_lines:
+        match = re.match(r"^/sys/module/kvm_amd/parameters/(sev\w*):(.*)$", line.strip())
+        if match:
+            params[match.group(1)] = match.group(2).strip()
+            continue
+        match = re.match(r"^\d+\s+(sev|sev_es|sev_snp)$", line.strip())
+        if match:
+            flags.add(match.group(1))
+
+    def enabled(name: str) -> bool | None:
+        value = params.get(name)
+        return None if value is None else value in ("Y", "1")
+
+    return {
+        "cpu_flags": sorted(flags),
+        "kvm_sev": enabled("sev"),
+        "kvm_sev_snp": enabled("sev_snp"),
+        "enabled": bool(enabled("sev_snp")),
+    }
+
+
+def parse_module_parameters(output_lines: list[str]) -> dict[str, str]:
+    """`grep -H . /sys/module/<m>/parameters/*` lines → ``{"param": "value"}``."""
+    params: dict[str, str] = {}
+    for line in output_lines:
+        match = re.match(r"^/sys/module/[^/]+/parameters/([^:/]+):(.*)$", line)
+        if match:
+            params[match.group(1)] = match.group(2)
+    return params
+
+
+class KernelCmdline(FactBase):
+    """
+    The booted kernel command line, /proc/cmdline.
+
+    .. code:: python
+
+        {"raw": "BOOT_IMAGE=/boot/vmlinuz-6.8.12-4-pve ro quiet amd_iommu=on",
+         "args": ["BOOT_IMAGE=/boot/vmlinuz-6.8.12-4-pve", "ro", "quiet", "amd_iommu=on"],
+         "params": {"BOOT_IMAGE": "/boot/vmlinuz-6.8.12-4-pve", "ro": None, "quiet": None,
+                    "amd_iommu": "on"}}
+    """
+
+    command = "cat /proc/cmdline"
+
+    def process(self, output):
+        return parse_proc_cmdline(output)
+
+
+class BootLoader(FactBase):
+    """
+    Which boot loader a host uses and the kernel command line it is *configured* to boot with
+    (compare with `KernelCmdline` for "reboot pending").
+
+    .. code:: python
+
+        {"loader": "systemd-boot",           # systemd-boot | grub | unknown
+         "proxmox_boot_tool": True,          # ESPs managed by proxmox-boot-tool
+         "firmware": "uefi",                 # uefi | bios
+         "esps": [{"uuid": "5E1A-0D2B", "mode": "uefi", "versions": ["6.8.12-4-pve"]}],
+         "config_file": "/etc/kernel/cmdline",   # where the cmdline is configured
+         "cmdline": "root=ZFS=rpool/ROOT/pve-1 boot=zfs amd_iommu=on",
+         "params": {"root": "ZFS=rpool/ROOT/pve-1", "boot": "zfs", "amd_iommu": "on"},
+         "refresh_command": "proxmox-boot-tool refresh",   # or update-grub
+         "grub": {"GRUB_CMDLINE_LINUX_DEFAULT": "quiet", …} or None,
+         "kernel_cmdline": "root=ZFS=… boot=zfs" or None}
+
+    For GRUB the configured line is GRUB_CMDLINE_LINUX + GRUB_CMDLINE_LINUX_DEFAULT after
+    /etc/default/grub.d/*.cfg.
+    """
+
+    command = (
+        "echo '@@ proxmox-boot-tool status'; "
+        "if command -v proxmox-boot-tool >/dev/null 2>&1; then proxmox-boot-tool status 2>&1; fi; "
+        "echo '@@ firmware'; if [ -d /sys/firmware/efi ]; then echo uefi; else echo bios; fi; "
+        "echo '@@ /etc/kernel/cmdline'; cat /etc/kernel/cmdline 2>/dev/null; "
+        "echo '@@ /etc/default/grub'; cat /etc/default/grub 2>/dev/null; "
+        'for f in /etc/default/grub.d/*.cfg; do [ -r "$f" ] && { echo "@@ $f"; cat "$f"; }; done; '
+        "true"
+    )
+
+    def process(self, output):
+        return parse_boot_loader(output)
+
+
+class KernelToolchain(FactBase):
+    """
+    The GCC that built the running kernel (/proc/version) and, given a headers tree, the GCC
+    that tree was configured with (CONFIG_CC_VERSION_TEXT). Modules must be built with the
+    same compiler as their kernel (incident 1).
+
+    + headers: path of a headers tree, or a kernel release (→ /lib/modules/<release>/build)
+
+    .. code:: python
+
+        {"running": {"release": "6.8.12-4-pve",
+                     "compiler": "gcc (Debian 12.2.0-14) 12.2.0", "gcc": "12.2.0"},
+         "headers": {"path": "/usr/src/linux-headers-6.14.8-2-pve",
+                     "compiler": "gcc-12 (Debian 12.2.0-14) 12.2.0", "gcc": "12.2.0"}}
+
+    ``headers`` is ``None`` without the argument; its ``gcc`` is ``None`` when the tree has
+    no config.
+    """
+
+    def command(self, headers: str | None = None) -> str:
+        command = "echo '@@ /proc/version'; cat /proc/version"
+        if headers:
+            path = headers if headers.startswith("/") else f"/lib/modules/{headers}/build"
+            quoted = shlex.quote(path)
+            command += (
+                f"; echo {shlex.quote('@@ headers ' + path)}; "
+                f"grep -h '^CONFIG_CC_VERSION_TEXT=' {quoted}/include/config/auto.conf "
+                f"{quoted}/.config 2>/dev/null | head -n 1; true"
+            )
+        return command
+
+    def process(self, output):
+        return parse_kernel_toolchain(output)
+
+
+class ProxmoxKernels(FactBase):
+    """
+    Kernels installed and selected for boot (`proxmox-boot-tool kernel list`, /boot, pins).
+
+    .. code:: python
+
+        {"running": "6.8.12-4-pve",
+         "installed": ["6.8.4-2-pve", "6.8.12-4-pve"],     # /boot/vmlinuz-*, oldest first
+         "manual": [], "automatic": ["6.8.12-4-pve", "6.8.4-2-pve"],
+         "pinned": "6.8.12-4-pve" or None, "next_boot": "6.14.8-2-pve" or None}
+    """
+
+    command = (
+        "echo '@@ kernel list'; "
+        "if command -v proxmox-boot-tool >/dev/null 2>&1; then proxmox-boot-tool kernel list 2>/dev/null; fi; "
+        "echo '@@ /boot'; for f in /boot/vmlinuz-*; do [ -e \"$f\" ] && echo \"${f#/boot/vmlinuz-}\"; done; "
+        "echo '@@ running'; uname -r; "
+        "echo '@@ pin'; cat /etc/kernel/proxmox-boot-pin 2>/dev/null; "
+        "echo '@@ next-boot-pin'; cat /etc/kernel/next-boot-pin 2>/dev/null; "
+        "true"
+    )
+
+    def process(self, output):
+        return parse_proxmox_kernels(output)
+
+
+class IommuState(FactBase):
+    """
+    IOMMU on/off and, per group, its domain type and members
+    (DMA/DMA-FQ = translated, identity = passthrough; incidents 7 and 9).
+
+    .. code:: python
+
+        {"enabled": True,
+         "units": ["ivhd0"],                          # /sys/class/iommu
+         "mode": "translated",                        # translated | passthrough | mixed | None
+         "groups": {12: {"type": "DMA-FQ", "mode": "translated",
+                         "devices": ["0000:41:00.0", "0000:41:00.1"]}}}
+
+    A VM usually has no groups: ``enabled`` False.
+    """
+
+    command = (
+        "for g in /sys/kernel/iommu_groups/*; do "
+        '[ -d "$g" ] || continue; t=; { read -r t; } 2>/dev/null < "$g/type"; echo "$g/type: $t"; '
+        'for d in "$g"/devices/*; do [ -e "$d" ] && echo "$d"; done; '
+        "done; "
+        'for u in /sys/class/iommu/*; do [ -e "$u" ] && echo "IOMMU unit ${u##*/}"; done; '
+        "true"
+    )
+
+    @staticmethod
+    def default() -> dict:
+        return {"enabled": False, "units": [], "mode": None, "groups": {}}
+
+    def process(self, output):
+        return parse_iommu(output)
+
+
+class SevSnp(FactBase):
+    """
+    AMD SEV-SNP state: kvm_amd's parameters and the CPU's flags (incident 7: P2P DMA through
+    a translating IOMMU was corrupted with SEV-SNP on).
+
+    .. code:: python
+
+        {"cpu_flags": ["sev", "sev_es", "sev_snp"],   # of those three, present in /proc/cpuinfo
+         "kvm_sev": True, "kvm_sev_snp": True,         # None when kvm_amd is not loaded
+         "enabled": True}                              # kvm_amd sev_snp=Y
+    """
+
+    command = (
+        "grep -H . /sys/module/kvm_amd/parameters/sev* 2>/dev/null; "
+        "grep -o -w -E 'sev|sev_es|sev_snp' /proc/cpuinfo 2>/dev/null | sort | uniq -c; true"
+    )
+
+    @staticmethod
+    def default() -> dict:
+        return {"cpu_flags": [], "kvm_sev": None, "kvm_sev_snp": None, "enabled": False}
+
+    def process(self, output):
+        return parse_sev_snp(output)
+
+
+class ModuleParameters(FactBase):
+    """
+    A loaded module's parameters from /sys/module/<module>/parameters (e.g. nvidia_uvm's
+    uvm_disable_hmm, incident 3).
+
+    + module: module name, e.g. ``nvidia_uvm``
+
+    .. code:: python
+
+        {"uvm_disable_hmm": "Y", "uvm_perf_fault_coalesce": "1", …}   # {} when not loaded
+    """
+
+    def command(self, module: str) -> str:
+        directory = shlex.quote(f"/sys/module/{module}/parameters")
+        return f"grep -H . {directory}/* 2>/dev/null; true"
+
+    @staticmethod
+    def default() -> dict:
+        return {}
+
+    def process(self, output):
+        return parse_module_parameters(output)

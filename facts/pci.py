@@ -1,0 +1,225 @@
+"""PCI devices from sysfs (no pciutils needed) and ACS control on bridges."""
+
+from __future__ import annotations
+
+import re
+
+from pyinfra.api import FactBase
+
+BDF = r"(?:[0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
+SYSFS_ATTRIBUTES = (
+    "vendor device subsystem_vendor subsystem_device class revision numa_node local_cpulist "
+    "current_link_speed current_link_width max_link_speed max_link_width"
+)
+# Hex attributes reported without their 0x prefix.
+HEX_ATTRIBUTES = ("vendor", "device", "subsystem_vendor", "subsystem_device", "class", "revision")
+ACS_FLAGS = ("SrcValid", "TransBlk", "ReqRedir", "CmpltRedir", "UpstreamFwd", "EgressCtrl", "DirectTrans")
+# Flags that send peer traffic up to the root complex instead of across the switch.
+ACS_REDIRECT_FLAGS = ("ReqRedir", "CmpltRedir", "EgressCtrl")
+
+
+def full_bdf(address: str) -> str:
+    """`c1:00.0` → `0000:c1:00.0` (lspci without -D and user listings leave the domain out)."""
+    address = address.lower()
+    return address if address.count(":") == 2 else f"0000:{address}"
+
+
+def _int_or_none(value: str | None) -> int | None:
+    if value is None:
+        return None
+    value = value.strip()
+    return int(value) if re.fullmatch(r"-?\d+", value) else None
+
+
+def _new_pci_device(realpath: str) -> dict:
+    parts = [part for part in realpath.split("/") if part]
+    root = next((part for part in parts if re.fullmatch(r"pci[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}", part)), None)
+    chain = [part.lower() for part in parts if re.fullmatch(BDF, part)]
+    return {
+        "vendor": None,
+        "device": None,
+        "subsystem_vendor": None,
+        "subsystem_device": None,
+        "class": None,
+        "revision": None,
+        "driver": None,
+        "numa_node": None,
+        "local_cpulist": None,
+        "iommu_group": None,
+        "physfn": None,
+        "link": {"speed": None, "width": None, "max_speed": None, "max_width": None},
+        "bars": {},
+        "root": root,
+        "bridges": chain[:-1],
+    }
+
+
+def parse_pci_devices(output_lines: list[str]) -> dict[str, dict]:
+    """Pure parser of the sysfs listing `PciDevices.command` prints (shape: see `PciDevices`)."""
+    devices: dict[str, dict] = {}
+    current: dict | None = None
+    resource_index: int | None = None
+    for line in output_lines:
+        header = re.match(rf"^== ({BDF}) -> (\S+)\s*$", line)
+        if header:
+            current = devices[header.group(1).lower()] = _new_pci_device(header.group(2))
+            resource_index = None
+            continue
+        if current is None:
+            continue
+        if line.strip() == "resource:":
+            resource_index = 0
+            continue
+        if resource_index is not None:
+            match = re.match(r"^\s*0x([0-9a-fA-F]+)\s+0x([0-9a-fA-F]+)\s+0x([0-9a-fA-F]+)\s*$", line)
+            if match:
+                start, end = int(match.group(1), 16), int(match.group(2), 16)
+                # Lines 0-5 are the BARs; 6 is the ROM and later ones bridge windows.
+                if resource_index <= 5 and end > start:
+                    current["bars"][resource_index] = end - start + 1
+                resource_index += 1
+                continue
+            resource_index = None
+        link = re.match(r"^(driver|iommu_group|physfn) -> (\S+)\s*$", line)
+        if link:
+            name, target = link.group(1), link.group(2).rstrip("/").rsplit("/", 1)[-1]
+            if name == "iommu_group":
+                current[name] = _int_or_none(target)
+            else:
+                current[name] = target
+            continue
+        attribute = re.match(r"^([a-z_]+): ?(.*?)\s*$", line)
+        if not attribute:
+            continue
+        name, value = attribute.groups()
+        if name in HEX_ATTRIBUTES:
+            current[name] = value[2:].lower() if value.lower().startswith("0x") else value.lower()
+        elif name == "numa_node":
+            node = _int_or_none(value)
+            current[name] = node if node is not None and node >= 0 else None
+        elif name == "local_cpulist":
+            current[name] = value or None
+        elif name == "current_link_speed":
+            current["link"]["speed"] = value or None
+        elif name == "max_link_speed":
+            current["link"]["max_speed"] = value or None
+        elif name == "current_link_width":
+            current["link"]["width"] = _int_or_none(value)
+        elif name == "max_link_width":
+            current["link"]["max_width"] = _int_or_none(value)
+    return devices
+
+
+def parse_acs(output_lines: list[str]) -> dict[str, dict]:
+    """Pure parser of `bridge <bdf>` lines plus `lspci -vvv` text (shape: see `PciAcs`)."""
+    result: dict[str, dict] = {}
+    current: str | None = None
+
+    def unknown() -> dict:
+        return {"status": "unknown", "redirect": None, "ctl": None}
+
+    for line in output_lines:
+        bridge = re.match(rf"^bridge ({BDF})\s*$", line)
+        if bridge:
+            result.setdefault(full_bdf(bridge.group(1)), unknown())
+            current = None
+            continue
+        header = re.match(rf"^({BDF})\s+\S", line)
+        if header:
+            current = full_bdf(header.group(1))
+            # Seen by lspci with its capabilities readable: no ACSCtl line means no ACS capability.
+            result[current] = {"status": "absent", "redirect": False, "ctl": None}
+            continue
+        if current is None:
+            continue
+        if "Capabilities: <access denied>" in line:
+            result[current] = unknown()
+            continue
+        match = re.match(r"^\s*ACSCtl:\s*(.*)$", line)
+        if match:
+            ctl = {
+                flag: sign == "+"
+                for flag, sign in re.findall(r"(\w+)([+-])", match.group(1))
+                if flag in ACS_FLAGS
+            }
+            result[current] = {
+                "status": "enabled" if any(ctl.values()) else "disabled",
+                "redirect": any(ctl.get(flag, False) for flag in ACS_REDIRECT_FLAGS),
+                "ctl": ctl,
+            }
+    return result
+
+
+class PciDevices(FactBase):
+    """
+    Every PCI function, read from sysfs (works without pciutils, also in VMs).
+
+    .. code:: python
+
+        {"0000:41:00.0": {
+            "vendor": "10de", "device": "2bb5", "subsystem_vendor": "10de",
+            "subsystem_device": "204e", "class": "030200", "revision": "a1",
+            "driver": "nvidia",            # or None
+            "numa_node": 0,                # None for -1
+            "local_cpulist": "0-31",
+            "iommu_group": 12,             # None with the IOMMU off (and in most VMs)
+            "physfn": None,                # the PF's BDF for an SR-IOV VF
+            "link": {"speed": "32.0 GT/s PCIe", "width": 16,
+                     "max_speed": "32.0 GT/s PCIe", "max_width": 16},
+            "bars": {0: 67108864, 1: 137438953472, 3: 33554432},   # index -> bytes
+            "root": "pci0000:40",          # the root complex (host bridge)
+            "bridges": ["0000:40:01.1"],   # upstream bridges, root port first
+        }}
+    """
+
+    command = (
+        "for d in /sys/bus/pci/devices/*; do "
+        '[ -e "$d" ] || continue; '
+        'echo "== ${d##*/} -> $(readlink -f "$d")"; '
+        f"for a in {SYSFS_ATTRIBUTES}; do "
+        '[ -r "$d/$a" ] || continue; v=; { read -r v; } 2>/dev/null < "$d/$a"; echo "$a: $v"; '
+        "done; "
+        'for l in driver iommu_group physfn; do [ -e "$d/$l" ] && echo "$l -> $(readlink "$d/$l")"; done; '
+        'echo "resource:"; cat "$d/resource" 2>/dev/null; '
+        "done; true"
+    )
+
+    @staticmethod
+    def default() -> dict:
+        return {}
+
+    def process(self, output):
+        return parse_pci_devices(output)
+
+
+class PciAcs(FactBase):
+    """
+    ACS control of every PCI bridge (and of any function lspci shows ACS for).
+
+    .. code:: python
+
+        {"0000:40:01.1": {"status": "enabled",   # enabled | disabled | absent | unknown
+                          "redirect": True,      # ReqRedir/CmpltRedir/EgressCtrl set: P2P goes up
+                          "ctl": {"SrcValid": True, "TransBlk": False, "ReqRedir": True, …}},
+         "0000:00:01.0": {"status": "unknown", "redirect": None, "ctl": None}}
+
+    Bridges come from sysfs; ACS from `lspci -vvv` when installed and allowed to read
+    capabilities (root). Without lspci, or on "<access denied>", a bridge is "unknown".
+    """
+
+    command = (
+        "for d in /sys/bus/pci/devices/*; do "
+        'c=; { read -r c; } 2>/dev/null < "$d/class"; '
+        'case "$c" in 0x0604*) echo "bridge ${d##*/}";; esac; '
+        "done; "
+        "if command -v lspci >/dev/null 2>&1; then "
+        "lspci -D -vvv 2>/dev/null | grep -E '^[[:xdigit:]]|ACSCtl|access denied'; "
+        "fi; true"
+    )
+
+    @staticmethod
+    def default() -> dict:
+        return {}
+
+    def process(self, output):
+        return parse_acs(output)

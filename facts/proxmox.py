@@ -1,0 +1,221 @@
+"""Proxmox VE: version, guest configs (/etc/pve) and PCI resource mappings."""
+
+from __future__ import annotations
+
+import re
+
+from pyinfra.api import FactBase
+
+from facts.kernel import split_sections
+
+
+def parse_pve_version(output_lines: list[str]) -> dict | None:
+    """Pure parser of `pveversion` (shape: see `PveVersion`)."""
+    for line in output_lines:
+        match = re.match(r"^pve-manager/(\d+)\.(\d+)(?:\.(\d+))?\S*?(?:/\S+)?(?:\s+\(running kernel: ([^)]+)\))?", line.strip())
+        if match:
+            version = ".".join(part for part in match.groups()[:3] if part is not None)
+            return {
+                "version": version,
+                "major": int(match.group(1)),
+                "minor": int(match.group(2)),
+                "running_kernel": match.group(4),
+            }
+    return None
+
+
+def parse_device_entry(value: str) -> dict:
+    """`/dev/nvidia0,gid=44,mode=0666` (a CT's devN) → ``{"path": "/dev/nvidia0", "gid": "44", …}``."""
+    entry: dict[str, str] = {}
+    for index, part in enumerate(value.split(",")):
+        key, sep, item = part.partition("=")
+        if sep:
+            entry[key.strip()] = item.strip()
+        elif index == 0:
+            entry["path"] = part.strip()
+    return entry
+
+
+def parse_hostpci_entry(value: str) -> dict:
+    """`mapping=gpu0,pcie=1` or `0000:01:00.0;0000:01:00.1,pcie=1` → mapping, host BDFs, options."""
+    mapping = None
+    hosts: list[str] = []
+    options: dict[str, str] = {}
+    for index, part in enumerate(value.split(",")):
+        key, sep, item = part.partition("=")
+        if not sep and index == 0:
+            key, item = "host", part
+        if key == "host":
+            hosts = [h if h.count(":") == 2 or not re.match(r"^[0-9a-fA-F]{2}:", h) else f"0000:{h}"
+                     for h in item.strip().split(";") if h]
+        elif key == "mapping":
+            mapping = item.strip()
+        else:
+            options[key.strip()] = item.strip()
+    return {"mapping": mapping, "host": hosts, "pcie": options.get("pcie") == "1", "options": options}
+
+
+def parse_guest_config(lines: list[str], kind: str) -> dict:
+    """One /etc/pve/{lxc,qemu-server}/<id>.conf. Snapshot ([name]) and [pending] sections are
+    kept as raw lines, untouched."""
+    config: dict = {"options": {}, "lxc": [], "comments": [], "snapshots": {}}
+    if kind == "lxc":
+        config["devices"] = {}
+    else:
+        config["hostpci"] = {}
+    snapshot: list[str] | None = None
+    for line in lines:
+        section = re.match(r"^\[([^\]]+)\]\s*$", line)
+        if section:
+            snapshot = config["snapshots"].setdefault(section.group(1), [])
+            continue
+        if snapshot is not None:
+            snapshot.append(line)
+            continue
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("#"):
+            config["comments"].append(line)
+            continue
+        match = re.match(r"^([\w.\-]+)\s*[:=]\s?(.*?)\s*$", line)
+        if not match:
+            continue
+        key, value = match.groups()
+        if key.startswith("lxc."):
+            config["lxc"].append([key, value])
+        elif kind == "lxc" and re.fullmatch(r"dev\d+", key):
+            config["devices"][key] = parse_device_entry(value)
+        elif kind == "qemu" and re.fullmatch(r"hostpci\d+", key):
+            config["hostpci"][key] = parse_hostpci_entry(value)
+        else:
+            config["options"][key] = value
+    return config
+
+
+def parse_guest_configs(output_lines: list[str], kind: str) -> dict[int, dict]:
+    """`@@ /etc/pve/…/<id>.conf` sections → ``{id: config}``."""
+    configs: dict[int, dict] = {}
+    for name, lines in split_sections(output_lines).items():
+        match = re.search(r"(\d+)\.conf$", name)
+        if match:
+            configs[int(match.group(1))] = parse_guest_config(lines, kind)
+    return dict(sorted(configs.items()))
+
+
+def parse_pci_mappings(output_lines: list[str]) -> dict[str, dict]:
+    """Pure parser of /etc/pve/mapping/pci.cfg (shape: see `PciMappings`)."""
+    mappings: dict[str, dict] = {}
+    current: dict | None = None
+    for line in output_lines:
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if not line[0].isspace():
+            name = line.strip().split(":", 1)[-1].strip() if ": " in line else line.strip()
+            current = mappings.setdefault(name, {"map": [], "description": None, "mdev": False, "options": {}})
+            continue
+        if current is None:
+            continue
+        key, _, value = line.strip().partition(" ")
+        value = value.strip()
+        if key == "map":
+            current["map"].append(dict(
+                part.split("=", 1) for part in value.split(",") if "=" in part
+            ))
+        elif key == "description":
+            current["description"] = value
+        elif key == "mdev":
+            current["mdev"] = value in ("1", "true")
+        else:
+            current["options"][key] = value
+    return mappings
+
+
+def _config_files_command(directory: str) -> str:
+    return f'for f in {directory}/*.conf; do [ -r "$f" ] && {{ echo "@@ $f"; cat "$f"; }}; done; true'
+
+
+class PveVersion(FactBase):
+    """
+    The Proxmox VE version, from `pveversion`.
+
+    .. code:: python
+
+        {"version": "8.2.4", "major": 8, "minor": 2, "running_kernel": "6.8.12-1-pve"}
+
+    ``None`` on a host without Proxmox VE.
+    """
+
+    command = "pveversion 2>/dev/null || true"
+
+    def requires_command(self, *args, **kwargs) -> str:
+        return "pveversion"
+
+    def process(self, output):
+        return parse_pve_version(output)
+
+
+class LxcConfigs(FactBase):
+    """
+    Every container config on this node, /etc/pve/lxc/<ctid>.conf, parsed.
+
+    .. code:: python
+
+        {129: {"options": {"arch": "amd64", "cores": "8", "unprivileged": "1", …},
+               "devices": {"dev0": {"path": "/dev/nvidia0", "gid": "44"}},
+               "lxc": [["lxc.cgroup2.devices.allow", "c 195:* rwm"],      # raw, in file order
+                       ["lxc.mount.entry", "/dev/nvidia0 dev/nvidia0 none bind,optional,create=file"]],
+               "comments": ["#GPU container", "#dev1%3A /dev/nvidia1"],
+               "snapshots": {"before-driver": ["arch: amd64", …]}}}   # raw lines, untouched
+    """
+
+    command = _config_files_command("/etc/pve/lxc")
+
+    @staticmethod
+    def default() -> dict:
+        return {}
+
+    def process(self, output):
+        return parse_guest_configs(output, "lxc")
+
+
+class QemuConfigs(FactBase):
+    """
+    Every VM config on this node, /etc/pve/qemu-server/<vmid>.conf, parsed.
+
+    .. code:: python
+
+        {200: {"options": {"machine": "q35", "memory": "65536", …},
+               "hostpci": {"hostpci0": {"mapping": "gpu0", "host": [], "pcie": True,
+                                        "options": {"pcie": "1"}}},
+               "lxc": [], "comments": [], "snapshots": {}}}
+    """
+
+    command = _config_files_command("/etc/pve/qemu-server")
+
+    @staticmethod
+    def default() -> dict:
+        return {}
+
+    def process(self, output):
+        return parse_guest_configs(output, "qemu")
+
+
+class PciMappings(FactBase):
+    """
+    Cluster PCI resource mappings, /etc/pve/mapping/pci.cfg (incident 11).
+
+    .. code:: python
+
+        {"gpu0": {"map": [{"node": "kpro6", "path": "0000:01:00.0", "id": "10de:2bb5",
+                           "subsystem-id": "10de:204e", "iommugroup": "12"}],
+                  "description": "GPU 0", "mdev": False, "options": {}}}
+    """
+
+    command = "cat /etc/pve/mapping/pci.cfg 2>/dev/null || true"
+
+    @staticmethod
+    def default() -> dict:
+        return {}
+
+    def process(self, output):
+        return parse_pci_mappings(output)
