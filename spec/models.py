@@ -367,6 +367,6 @@ class SpecFile(Strict):
     @classmethod
     def _names(cls, v: dict) -> dict:
         for name in v:
-            if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", name):
-                raise ValueError(f"{name!r}: host names are letters, digits, '.', '_' and '-'")
+            if name != "@local" and not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", name):
+                raise ValueError(f"{name!r}: host names are letters, digits, '.', '_' and '-' (or '@local' for this machine)")
         return v

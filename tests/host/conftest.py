@@ -1,0 +1,111 @@
+"""Host checks (pytest-testinfra), parametrised from a pyinfra inventory.
+
+    pytest tests/host --inventory inventories/kpro6.py
+
+Hosts and their specs come from the same inventory files pyinfra uses (so the same YAML). Each
+check takes the `target` fixture:
+
+    target.name   inventory host name        target.spec  the validated HostSpec
+    target.host   a testinfra Host            target.run(cmd) -> (rc, stdout)
+
+Assertion messages are sentences about the host; a failing check is reported as that sentence
+(see pytest_runtest_makereport), not as a Python traceback.
+"""
+
+from __future__ import annotations
+
+import runpy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import testinfra
+
+
+def pytest_addoption(parser):
+    parser.addoption("--inventory", action="store", default=None,
+                     help="pyinfra inventory file whose hosts (and specs) the checks run against")
+
+
+def _inventory_hosts(path: str) -> list[tuple[str, dict]]:
+    namespace = runpy.run_path(path)
+    hosts: list[tuple[str, dict]] = []
+    for key, value in namespace.items():
+        if key.startswith("_") or not isinstance(value, (list, tuple)):
+            continue
+        for item in value:
+            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], dict) and "pvegpu_spec" in item[1]:
+                hosts.append(item)
+    return hosts
+
+
+@dataclass
+class Target:
+    name: str
+    data: dict
+    host: Any = field(repr=False)
+
+    @property
+    def spec(self):
+        return self.data["pvegpu_spec"]
+
+    def run(self, command: str) -> tuple[int, str]:
+        result = self.host.run(command)
+        return result.rc, result.stdout
+
+    def read(self, path: str) -> str | None:
+        """File content, or None when it does not exist."""
+        rc, out = self.run(f"cat {quote(path)} 2>/dev/null")
+        return out if rc == 0 else None
+
+
+def quote(value: str) -> str:
+    import shlex
+
+    return shlex.quote(value)
+
+
+def _testinfra_host(name: str, data: dict):
+    if name.startswith("@local"):
+        return testinfra.get_host("local://")
+    hostname = data.get("ssh_hostname", name)
+    user = data.get("ssh_user", "root")
+    port = data.get("ssh_port", 22)
+    kwargs = {}
+    if data.get("ssh_key"):
+        kwargs["ssh_identity_file"] = data["ssh_key"]
+    return testinfra.get_host(f"paramiko://{user}@{hostname}:{port}", **kwargs)
+
+
+_TARGETS: dict[str, Target] = {}
+
+
+def pytest_generate_tests(metafunc):
+    if "target" not in metafunc.fixturenames:
+        return
+    inventory = metafunc.config.getoption("--inventory")
+    if not inventory:
+        pytest.exit("host checks need --inventory <pyinfra inventory file>, e.g. inventories/kpro6.py", returncode=4)
+    hosts = _inventory_hosts(inventory)
+    metafunc.parametrize("target", [name for name, _ in hosts], indirect=True, ids=[name for name, _ in hosts])
+    for name, data in hosts:
+        _TARGETS.setdefault(name, Target(name, data, None))
+
+
+@pytest.fixture
+def target(request) -> Target:
+    t = _TARGETS[request.param]
+    if t.host is None:
+        t.host = _testinfra_host(t.name, t.data)
+    return t
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and call.excinfo is not None and call.excinfo.errisinstance(AssertionError):
+        message = str(call.excinfo.value).split("\nassert ")[0].strip()
+        if message:
+            report.longrepr = f"{item.nodeid}\n  HOST CHECK FAILED: {message}"
