@@ -1,0 +1,183 @@
+"""NCCL variables from the P2P verdict, RDMA devices and the spec; /etc/nccl.conf rendering."""
+
+import pytest
+
+from facts.gpu import parse_p2p_matrix, parse_topo_matrix
+from plan.nccl import (
+    NCCL_P2P_LEVELS,
+    NCCL_RULES,
+    nccl_environment,
+    nccl_plan,
+    render_nccl_conf,
+    safe_p2p_cutoff,
+)
+from plan.p2p import p2p_verdict
+from tests.unit.test_p2p import all_codes, fixture_lines, kpro6_gpu_bdfs, kpro6_verdict
+
+
+def nvlink_verdict() -> dict:
+    topology = parse_topo_matrix(fixture_lines("topo-m/8x-h100-sxm-nv18-dual-numa-ht-fragment.txt"))
+    p2p_read = parse_p2p_matrix(fixture_lines("topo-p2p/8x-gpu-p2p-r-all-ok-stas00.txt"))
+    return p2p_verdict(topology=topology, p2p_read=p2p_read)
+
+
+def pcie_8x(read_codes=None) -> tuple[dict, dict]:
+    """The 8-GPU PCIe fixture (PIX pairs, NODE within a socket, SYS across) and its verdict."""
+    topology = parse_topo_matrix(fixture_lines("topo-m/8x-pcie-gpu-dual-numa-pix-pairs-node-sys-no-nics.txt"))
+    p2p_read = read_codes or parse_p2p_matrix(fixture_lines("topo-p2p/8x-pcie-gpu-dual-numa-p2p-r-and-w-all-ok.txt"))
+    return topology, p2p_verdict(topology=topology, p2p_read=p2p_read)
+
+
+def cross_socket_refused() -> dict:
+    """Driver answers for the PCIe fixture where P2P across sockets (SYS) is not supported."""
+    topology, _ = pcie_8x()
+    return {a: {b: ("CNS" if level == "SYS" else "OK") for b, level in links.items() if b.startswith("GPU")}
+            for a, links in topology["links"].items()}
+
+
+def nccl_conf_values(text: str) -> dict:
+    """What NCCL itself reads from the file: '#' lines skipped, NAME=value split at the first '='."""
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("#") or "=" not in line:
+            continue
+        name, value = line.split("=", 1)
+        values[name] = value
+    return values
+
+
+def test_kpro6_disables_p2p_with_the_sev_snp_reason():
+    env = nccl_environment(kpro6_verdict(), rdma_devices=[], topology_nics={})
+    entry = env["NCCL_P2P_DISABLE"]
+    assert entry["value"] == "1" and entry["source"] == "rule"
+    assert "SEV-SNP is on and the IOMMU translates GPU DMA" in entry["reason"]
+    assert "#nccl-p2p-disable" in entry["reference"]
+    assert "NCCL_P2P_LEVEL" not in env
+
+
+def test_no_p2p_path_without_sev_snp_disables_p2p_with_the_path_reason():
+    verdict = kpro6_verdict(sev_snp={"snp": False}, iommu={"groups": {}})  # IOMMU off, no driver answer
+    entry = nccl_environment(verdict, rdma_devices=[])["NCCL_P2P_DISABLE"]
+    assert entry["value"] == "1"
+    assert "no safe P2P path" in entry["reason"] and "different root complexes" in entry["reason"]
+    assert "SEV-SNP" not in entry["reason"]
+
+
+def test_nvlink_8x_fixture_does_not_disable_p2p():
+    env = nccl_environment(nvlink_verdict(), rdma_devices=[], topology_nics={})
+    assert "NCCL_P2P_DISABLE" not in env and "NCCL_P2P_LEVEL" not in env
+
+
+def test_ib_disabled_without_rdma_devices_and_kept_with_them():
+    verdict = nvlink_verdict()
+    env = nccl_environment(verdict, rdma_devices=[], topology_nics={})
+    assert env["NCCL_IB_DISABLE"]["value"] == "1" and "no RDMA devices" in env["NCCL_IB_DISABLE"]["reason"]
+    assert "NCCL_IB_DISABLE" not in nccl_environment(verdict, rdma_devices=["mlx5_0"])
+    nics = parse_topo_matrix(fixture_lines("topo-m/4x-rtx6000ada-asus-esc8000a-e12-epyc-genoa-4nic.txt"))["nics"]
+    assert "NCCL_IB_DISABLE" not in nccl_environment(verdict, rdma_devices=[], topology_nics=nics)
+
+
+def test_p2p_level_stops_at_the_last_safe_level_never_beyond_the_topology():
+    _, verdict = pcie_8x(cross_socket_refused())
+    env = nccl_environment(verdict, rdma_devices=["mlx5_0"])
+    assert env["NCCL_P2P_LEVEL"]["value"] == "PHB"  # nvidia-smi NODE is NCCL's PHB
+    assert "farther than PHB" in env["NCCL_P2P_LEVEL"]["reason"] and "CNS" in env["NCCL_P2P_LEVEL"]["reason"]
+    assert "NCCL_P2P_DISABLE" not in env
+    # All pairs fine: no level at all (NCCL picks), and never a level beyond the farthest pair.
+    _, all_ok = pcie_8x()
+    assert "NCCL_P2P_LEVEL" not in nccl_environment(all_ok, rdma_devices=["mlx5_0"])
+    assert safe_p2p_cutoff(all_ok["pairs"]) == "SYS"
+
+
+def test_p2p_level_cutoff_when_only_switch_pairs_are_safe():
+    codes = cross_socket_refused()
+    for a, row in codes.items():
+        for b in row:
+            if {a, b} not in ({"GPU0", "GPU1"}, {"GPU2", "GPU3"}, {"GPU4", "GPU5"}, {"GPU6", "GPU7"}):
+                row[b] = "CNS"
+    _, verdict = pcie_8x(codes)
+    assert nccl_environment(verdict, rdma_devices=["x"])["NCCL_P2P_LEVEL"]["value"] == "PIX"
+
+
+def test_overrides_win_and_are_marked_with_what_they_replace():
+    spec = {"profile": "auto", "overrides": {"NCCL_P2P_DISABLE": "0", "NCCL_DEBUG": "WARN"}}
+    env = nccl_environment(kpro6_verdict(), rdma_devices=[], nccl=spec)
+    p2p = env["NCCL_P2P_DISABLE"]
+    assert p2p["value"] == "0" and p2p["source"] == "override"
+    assert p2p["replaces"]["value"] == "1" and "SEV-SNP" in p2p["replaces"]["reason"]
+    assert "P2P stays on against the facts" in p2p["warning"]
+    assert env["NCCL_DEBUG"] == {"value": "WARN", "reason": "set by the spec's NCCL overrides",
+                                 "source": "override", "replaces": None, "warning": None}
+    assert env["NCCL_IB_DISABLE"]["source"] == "rule"
+
+
+def test_override_of_p2p_level_beyond_the_safe_topology_is_applied_with_a_warning():
+    _, verdict = pcie_8x(cross_socket_refused())
+    env = nccl_environment(verdict, rdma_devices=["x"], nccl={"overrides": {"NCCL_P2P_LEVEL": "SYS"}})
+    assert env["NCCL_P2P_LEVEL"]["value"] == "SYS"
+    assert env["NCCL_P2P_LEVEL"]["warning"] == "SYS reaches beyond the farthest safe P2P level of this topology (PHB)"
+
+
+def test_profile_off_keeps_only_overrides():
+    env = nccl_environment(kpro6_verdict(), rdma_devices=[], nccl={"profile": "off", "overrides": {"NCCL_DEBUG": "INFO"}})
+    assert list(env) == ["NCCL_DEBUG"]
+    with pytest.raises(ValueError, match="NCCL profile 'fast' is unknown"):
+        nccl_environment(kpro6_verdict(), nccl={"profile": "fast"})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"P2P_DISABLE": "1"}, "nccl.overrides: 'P2P_DISABLE' is not an NCCL variable"),
+    ({"NCCL_DEBUG": "WARN\nNCCL_P2P_DISABLE=0"}, "the value of NCCL_DEBUG spans several lines"),
+])
+def test_overrides_that_cannot_be_nccl_conf_lines_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        nccl_environment(kpro6_verdict(), nccl={"overrides": overrides})
+
+
+def test_per_container_sets_follow_each_containers_gpus_and_overrides():
+    topology, verdict = pcie_8x(cross_socket_refused())
+    spec = {"overrides": {"NCCL_DEBUG": "WARN"},
+            "containers": {"101": {"NCCL_DEBUG": "INFO", "NCCL_MIN_NCHANNELS": "4"}}}
+    plan = nccl_plan(verdict, containers={"101": ["GPU0", "GPU1"], "102": ["GPU0", "GPU4"], "103": ["GPU3"]},
+                     rdma_devices=[], topology_nics=topology["nics"], nccl=spec)
+    host, cts = plan["host"], plan["containers"]
+    assert host["NCCL_P2P_LEVEL"]["value"] == "PHB" and host["NCCL_DEBUG"]["value"] == "WARN"
+    # 101: one PIX pair, safe -> no P2P variables; its own overrides on top of the host's.
+    assert "NCCL_P2P_DISABLE" not in cts["101"] and "NCCL_P2P_LEVEL" not in cts["101"]
+    assert cts["101"]["NCCL_DEBUG"]["value"] == "INFO"
+    assert cts["101"]["NCCL_DEBUG"]["reason"] == "set by the spec's NCCL overrides for container 101"
+    assert cts["101"]["NCCL_MIN_NCHANNELS"]["source"] == "override"
+    # 102: its only pair crosses sockets, where the driver refuses P2P.
+    assert cts["102"]["NCCL_P2P_DISABLE"]["value"] == "1" and "CNS" in cts["102"]["NCCL_P2P_DISABLE"]["reason"]
+    assert cts["102"]["NCCL_DEBUG"]["value"] == "WARN" and "NCCL_MIN_NCHANNELS" not in cts["102"]
+    # 103: one GPU, nothing to decide about P2P.
+    assert sorted(cts["103"]) == ["NCCL_DEBUG", "NCCL_IB_DISABLE"]
+
+
+def test_kpro6_containers_by_bdf_get_p2p_disabled_too():
+    bdfs = kpro6_gpu_bdfs()
+    plan = nccl_plan(kpro6_verdict(), containers={"129": bdfs[:4], "200": bdfs[4:]}, rdma_devices=[])
+    for env in plan["containers"].values():
+        assert env["NCCL_P2P_DISABLE"]["value"] == "1" and "SEV-SNP" in env["NCCL_P2P_DISABLE"]["reason"]
+
+
+def test_rendered_nccl_conf_is_what_nccl_reads_with_a_reason_above_each_line():
+    env = nccl_environment(kpro6_verdict(), rdma_devices=[], nccl={"overrides": {"NCCL_DEBUG": "WARN"}})
+    text = render_nccl_conf(env, scope="host kpro6")
+    assert nccl_conf_values(text) == {name: entry["value"] for name, entry in env.items()}
+    lines = text.splitlines()
+    settings = [i for i, line in enumerate(lines) if not line.startswith("#") and "=" in line]
+    assert [lines[i].split("=")[0] for i in settings] == sorted(env)  # deterministic order
+    for i in settings:
+        assert lines[i - 1].startswith("# ")
+    p2p_comment = lines[lines.index("NCCL_P2P_DISABLE=1") - 1]
+    assert "SEV-SNP" in p2p_comment
+    assert lines[lines.index("NCCL_DEBUG=WARN") - 1] == "# [override] set by the spec's NCCL overrides"
+    assert text == render_nccl_conf(dict(reversed(list(env.items()))), scope="host kpro6")
+
+
+def test_rule_table_rows_name_their_documentation():
+    for rule in NCCL_RULES:
+        assert rule.variable.startswith("NCCL_")
+        assert "docs.nvidia.com" in rule.source
+    assert NCCL_P2P_LEVELS[0] == "LOC" and NCCL_P2P_LEVELS[-1] == "SYS"
