@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The main job on the built-in kpro6 twin: start it, preview (--dry), converge, converge again
+# (must report no changes), host checks. The twin is stopped at the end (by PID, by twinctl).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+TWIN=${PVEGPU_DEMO_TWIN:-kpro6}
+cleanup() { $PY tests/twin/twinctl stop "$TWIN" >/dev/null 2>&1 || true; }
+trap cleanup EXIT
+$PY tests/twin/twinctl stop "$TWIN" >/dev/null 2>&1 || true
+$PY tests/twin/twinctl start "$TWIN" --profile kpro6
+export PVEGPU_TWINS=$TWIN
+echo "== preview (--dry): nothing changes"
+.venv/bin/pyinfra -y inventories/twin.py deploy.py --dry
+echo "== converge"
+.venv/bin/pyinfra -y inventories/twin.py deploy.py
+echo "== converge again: no changes expected"
+.venv/bin/pyinfra -y inventories/twin.py deploy.py | tee .twin/demo-second-run.log
+echo "== host checks"
+.venv/bin/pytest -q tests/host --inventory inventories/twin.py
