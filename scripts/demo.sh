@@ -3,12 +3,12 @@
 # (must report no changes), host checks. The twin is stopped at the end (by PID, by twinctl).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=.venv/bin/python
+TWINCTL=tests/twin/twinctl
 TWIN=${PVEGPU_DEMO_TWIN:-kpro6}
-cleanup() { $PY tests/twin/twinctl stop "$TWIN" >/dev/null 2>&1 || true; }
+cleanup() { $TWINCTL stop "$TWIN" >/dev/null 2>&1 || true; }
 trap cleanup EXIT
-$PY tests/twin/twinctl stop "$TWIN" >/dev/null 2>&1 || true
-$PY tests/twin/twinctl start "$TWIN" --profile kpro6
+$TWINCTL stop "$TWIN" >/dev/null 2>&1 || true
+$TWINCTL start "$TWIN" --profile kpro6
 export PVEGPU_TWINS=$TWIN
 echo "== preview (--dry): nothing changes"
 .venv/bin/pyinfra -y inventories/twin.py deploy.py --dry
