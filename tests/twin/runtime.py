@@ -388,7 +388,8 @@ def _pick_address() -> str:
         address = f"127.0.0.{n}"
         if address in taken:
             continue
-        with socket.socket() as probe:  # something else (a stale sshd) may hold it
+        with socket.socket() as probe:  # something else (a stale sshd) may listen there
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as sshd does
             try:
                 probe.bind((address, SSH_PORT))
             except OSError:
@@ -411,6 +412,13 @@ def _wait_for_sshd(address: str, pid: int, log_file: Path, timeout: float = 30.0
         time.sleep(0.05)
     raise TwinError(f"sshd of the twin did not answer on {address}:{SSH_PORT} within "
                     f"{timeout:.0f} s; log:\n{_tail(log_file)}")
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -490,7 +498,7 @@ def start(name: str, profile: str, address: str | None = None,
         _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"root@twin-{name}",
               "-f", str(key)])
         _prepare_root(root, name, address, key)
-        (tdir / "uptime").write_text(f"{0:>12.2f} {0:>12.2f}\n")
+        (tdir / "uptime").write_text("0.00 0.00".ljust(40) + "\n")
         load_hardware(hardware).install(root, profile)
         log_file = tdir / "supervisor.log"
         with open(log_file, "ab") as out:
@@ -610,14 +618,14 @@ class Supervisor:
     def run(self) -> None:
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
-        socket.sethostname(self.spec["name"])
         self.boot()
         uptime_fd = os.open(self.dir / "uptime", os.O_WRONLY)
         while not self.stopping:
             self.reap()
-            # fixed width, written in place: a reader never sees a half-written file
+            # written in place at a fixed length (padded after the numbers): a reader never
+            # sees an empty or half-written file
             up = time.monotonic() - self.boot_time
-            os.pwrite(uptime_fd, f"{up:>12.2f} {up * 2:>12.2f}\n".encode(), 0)
+            os.pwrite(uptime_fd, f"{up:.2f} {up * 2:.2f}".ljust(40).encode() + b"\n", 0)
             if (self.root / REBOOT_REQUEST).exists():
                 self.reboot()
             elif self.sshd is None:
@@ -633,6 +641,9 @@ class Supervisor:
         self.stopping = True
 
     def boot(self) -> None:
+        # like a real boot, the hostname comes from the root's /etc/hostname
+        hostname = _read_text(self.root / "etc/hostname").strip() or self.spec["name"]
+        socket.sethostname(hostname)
         self.mount_all()
         self.boot_time = time.monotonic()
         self.start_sshd()
@@ -695,6 +706,8 @@ class Supervisor:
         _mount("proc", root / "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         if (hw / "proc").is_dir():
             for entry in sorted((hw / "proc").iterdir()):
+                if entry.name == "uptime":
+                    continue  # the runtime's own, live file (below)
                 target = root / "proc" / entry.name
                 if target.exists() and target.is_dir() == entry.is_dir():
                     _mount(str(entry), target, flags=MS_BIND | MS_REC)
@@ -788,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
             print(ensure_root_cache())
         elif args.command == "busy":
             spec = spec_of(args.name)
-            load_hardware(spec["hardware"]).busy(Path(spec["root"]), args.bdf, args.holder)
+            load_hardware(spec["hardware"]).mark_busy(Path(spec["root"]), args.bdf, args.holder)
         elif args.command == "ssh":
             cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
             os.execvp("ssh", ssh_command(args.name, cmd))

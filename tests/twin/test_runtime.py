@@ -1,0 +1,330 @@
+"""The twin runtime: start/stop, SSH with pyinfra, several twins, reboots, clean teardown.
+
+Uses tests/twin/hardware.py and its profiles when they exist; otherwise (and where a test needs
+to count hardware calls) a small stand-in hardware module written to tmp_path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.twin import runtime
+from tests.twin.fixtures import pyinfra_inventory
+
+PYINFRA = Path(sys.executable).with_name("pyinfra")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+# Minimal hardware following TWIN-CONTRACT.md: profile file, nvidia-smi answering `topo -m`
+# from what render wrote, the contract's reboot, N GPU device nodes (kpro6: 8, others: 2).
+STANDIN_HARDWARE = '''
+import json
+from pathlib import Path
+
+NVIDIA_SMI = """#!/bin/sh
+[ "$1 $2" = "topo -m" ] && exec cat /var/lib/twin/hw/topo-m.txt
+echo "stand-in nvidia-smi: $*" >&2; exit 9
+"""
+REBOOT = """#!/bin/sh
+echo "$(date -Is) reboot $*" >> /var/lib/twin/reboot.log
+touch /var/lib/twin/reboot-request
+"""
+
+def install(root, profile):
+    twin = Path(root) / "var/lib/twin"
+    twin.mkdir(parents=True, exist_ok=True)
+    (twin / "profile.yml").write_text(f"name: {profile}\\n")
+    for path, text in (("usr/local/bin/nvidia-smi", NVIDIA_SMI), ("usr/local/sbin/reboot", REBOOT)):
+        (Path(root) / path).write_text(text)
+        (Path(root) / path).chmod(0o755)
+    render(root)
+
+def render(root):
+    twin = Path(root) / "var/lib/twin"
+    gpus = 8 if "kpro6" in (twin / "profile.yml").read_text() else 2
+    hw = twin / "hw"
+    (hw / "proc").mkdir(parents=True, exist_ok=True)
+    (hw / "proc/cmdline").write_text("BOOT_IMAGE=/boot/vmlinuz-6.1.0 root=/dev/sda1 quiet\\n")
+    (hw / "sys/bus/pci/devices").mkdir(parents=True, exist_ok=True)
+    nodes = [{"path": f"/dev/nvidia{i}", "major": 195, "minor": i} for i in range(gpus)]
+    (hw / "dev.json").write_text(json.dumps(nodes + [{"path": "/dev/nvidiactl", "major": 195, "minor": 255}]))
+    cols = "\\t".join(f"GPU{i}" for i in range(gpus))
+    rows = "".join(f"GPU{i}\\t" + "\\t".join(" X " if i == j else "SYS" for j in range(gpus)) + "\\n"
+                   for i in range(gpus))
+    (hw / "topo-m.txt").write_text(f"\\t\\x1b[4m{cols}\\tCPU Affinity\\x1b[0m\\n{rows}\\nLegend:\\n")
+
+def mark_busy(root, bdf, holder="nvidia-persistenced"):
+    path = Path(root) / "var/lib/twin/busy.json"
+    busy = json.loads(path.read_text()) if path.exists() else {}
+    busy[bdf] = holder
+    path.write_text(json.dumps(busy))
+'''
+
+# Wraps a hardware module and notes each call next to the twin's root (in .twin/<name>/).
+COUNTING_HARDWARE = '''
+import sys
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+from tests.twin.runtime import load_hardware
+inner = load_hardware({inner!r})
+
+def _note(root, what):
+    with open(Path(root).parent / "hardware-calls", "a") as calls:
+        calls.write(what + "\\n")
+
+def install(root, profile):
+    _note(root, "install")
+    inner.install(root, profile)
+
+def render(root):
+    _note(root, "render")
+    inner.render(root)
+'''
+
+
+def real_profiles() -> list[str]:
+    # the hardware helper's files appear while it works; use them once they are all there
+    here = runtime.REPO / "tests/twin"
+    profiles = here / "profiles"
+    if not (here / "hardware.py").exists() or not profiles.is_dir():
+        return []
+    from tests.twin import hardware
+    needed = [*getattr(hardware, "STANDIN_PATHS", {}), "twinstate.py"]
+    if not all((hardware.STANDINS_DIR / name).exists() for name in needed):
+        return []
+    names = sorted(p.stem for p in profiles.glob("*.yml"))
+    wanted = [p for p in ("kpro6", "intel2") if p in names]
+    return wanted if len(wanted) == 2 else names[:2]
+
+
+@pytest.fixture
+def hardware(tmp_path) -> tuple[str, list[str]]:
+    """(hardware module spec, two profile names): the real ones, else the stand-in."""
+    profiles = real_profiles()
+    if len(profiles) == 2:
+        return runtime.DEFAULT_HARDWARE, profiles
+    standin = tmp_path / "standin_hardware.py"
+    standin.write_text(STANDIN_HARDWARE)
+    return str(standin), ["kpro6", "intel2"]
+
+
+@pytest.fixture
+def counting_hardware(tmp_path, hardware) -> tuple[str, str]:
+    """(path of a hardware module that notes install/render calls, a profile)."""
+    spec, profiles = hardware
+    wrapper = tmp_path / "counting_hardware.py"
+    wrapper.write_text(COUNTING_HARDWARE.format(repo=str(runtime.REPO), inner=spec))
+    return str(wrapper), profiles[0]
+
+
+def ssh(twin: runtime.Twin, command: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(runtime.ssh_command(twin.name, [command]), capture_output=True,
+                          text=True, timeout=30, check=check)
+
+
+def pyinfra_facts(inventory: Path, *facts: str, **args: str) -> dict[str, dict]:
+    """Run `pyinfra INVENTORY fact ...` and parse its `--> Fact data for: X` JSON blocks."""
+    cmd = [str(PYINFRA), "-y", str(inventory), "fact", *facts,
+           *(f"{k}={v}" for k, v in args.items())]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr + run.stdout
+    out = run.stderr + run.stdout
+    # heading: "--> Fact data for: server.Command (command=...)"
+    return {m.group(1): json.loads(m.group(2))
+            for m in re.finditer(r"--> Fact data for: (\S+)[^\n]*\n(\{.*?\n\})", out, re.S)}
+
+
+def nvidia_minors(twin: runtime.Twin) -> list[int]:
+    nodes = json.loads((Path(twin.root) / "var/lib/twin/hw/dev.json").read_text())
+    return sorted(int(m.group(1)) for n in nodes if (m := re.fullmatch(r"/dev/nvidia(\d+)", n["path"])))
+
+
+def wait_for(predicate, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def boots(twin: runtime.Twin) -> int:
+    path = twin.dir / "boots"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.mark.twin
+def test_two_twins_pyinfra_reads_os_and_topology_then_nothing_is_left(twin_factory, hardware,
+                                                                     tmp_path):
+    spec, profiles = hardware
+    twins, seconds = [], []
+    for profile in profiles:
+        started = time.monotonic()
+        twins.append(twin_factory(profile, hardware=spec))
+        seconds.append(time.monotonic() - started)
+    print(f"cached starts: {', '.join(f'{s:.2f} s' for s in seconds)}")
+    assert max(seconds) < 10, "a start from the cached root must take seconds"
+    addresses = [t.address for t in twins]
+    assert len(set(addresses)) == 2
+    assert all(re.fullmatch(r"127\.0\.0\.(\d+)", a) and a != "127.0.0.1" for a in addresses)
+
+    inventory = pyinfra_inventory(twins, tmp_path / "inventory.py")
+    facts = pyinfra_facts(inventory, "server.Os")
+    assert facts["server.Os"] == {t.address: "Linux" for t in twins}
+    topo = pyinfra_facts(inventory, "server.Command", command="nvidia-smi topo -m")
+    for twin in twins:
+        minors = nvidia_minors(twin)
+        assert minors, f"{twin.profile} renders no /dev/nvidiaN"
+        header = ANSI.sub("", topo["server.Command"][twin.address].splitlines()[0])
+        assert re.findall(r"GPU\d+", header) == [f"GPU{i}" for i in range(len(minors))]
+
+    specs = [json.loads((t.dir / "twin.json").read_text()) for t in twins]
+    for spec_ in specs:  # supervisor and sshd at least, or the checks below prove nothing
+        assert len(runtime.twin_processes(spec_)) >= 2
+    assert any(m.startswith(str(twins[0].dir)) for m in runtime.host_mounts())
+    for twin in twins:
+        twin_factory.stop(twin)
+    for twin, spec_ in zip(twins, specs):
+        assert runtime.twin_processes(spec_) == []
+        assert not runtime._alive(spec_["pid"])
+        assert [m for m in runtime.host_mounts() if m.startswith(str(twin.dir))] == []
+        assert not twin.dir.exists()
+
+
+@pytest.mark.twin
+def test_reboot_kills_rerenders_and_sshd_comes_back(twin_factory, counting_hardware):
+    spec, profile = counting_hardware
+    twin = twin_factory(profile, hardware=spec)
+    calls = twin.dir / "hardware-calls"
+    assert calls.read_text().split() == ["install"]
+    before = ssh(twin, "touch /run/volatile /root/persistent; sleep 1.2; "
+                       "cut -d' ' -f1 /proc/uptime; cat /run/sshd.pid").stdout.split()
+    assert float(before[0]) >= 1.2
+    request = Path(twin.root) / runtime.REBOOT_REQUEST
+    reboot = Path(twin.root) / "usr/local/sbin/reboot"
+    if reboot.exists() and "reboot-request" in reboot.read_text(errors="replace"):
+        ssh(twin, "reboot")  # the hardware's stand-in asks the supervisor
+    else:
+        request.touch()
+    assert wait_for(lambda: boots(twin) == 2 and not request.exists())
+    assert calls.read_text().split() == ["install", "render"]
+    after = ssh(twin, "cut -d' ' -f1 /proc/uptime; cat /run/sshd.pid; "
+                      "ls /root/persistent /run/volatile 2>&1", check=False).stdout.split("\n")
+    assert float(after[0]) < float(before[0])
+    assert after[1] != before[1]  # a new sshd
+    listing = "\n".join(after[2:])
+    assert "/root/persistent" in listing  # the root persists
+    assert "'/run/volatile': No such file" in listing  # /run is a fresh tmpfs
+
+
+@pytest.mark.twin
+def test_pyinfra_server_reboot_reconnects(twin_factory, counting_hardware, tmp_path):
+    spec, profile = counting_hardware
+    twin = twin_factory(profile, hardware=spec)
+    inventory = pyinfra_inventory([twin], tmp_path / "inventory.py")
+    run = subprocess.run([str(PYINFRA), "-y", str(inventory), "server.reboot", "delay=2",
+                          "interval=0.5", "reboot_timeout=30"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr + run.stdout
+    assert boots(twin) == 2
+    assert (twin.dir / "hardware-calls").read_text().split() == ["install", "render"]
+    assert ssh(twin, "echo up").stdout == "up\n"
+
+
+@pytest.mark.twin
+def test_twinctl_start_status_ssh_busy_stop(twin_root_cache, hardware, tmp_path):
+    spec, profiles = hardware
+    twinctl = [str(runtime.REPO / "tests/twin/twinctl")]
+    name = f"ctl-{os.getpid()}"
+    address = "127.0.0.200"
+    try:
+        run = subprocess.run(twinctl + ["start", name, "--profile", profiles[0], "--address",
+                                        address, "--hardware", spec],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        assert json.loads(run.stdout)["address"] == address
+        status = subprocess.run(twinctl + ["status"], capture_output=True, text=True).stdout
+        assert re.search(rf"^{name}\t{profiles[0]}\t{address}:2222\trunning\t", status, re.M)
+        again = subprocess.run(twinctl + ["start", name, "--profile", profiles[0]],
+                               capture_output=True, text=True, timeout=60)
+        assert again.returncode == 1 and "already running" in again.stderr
+        out = subprocess.run(twinctl + ["ssh", name, "--", "cat", "/proc/1/comm"],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0 and out.stdout.strip() != "systemd"  # the supervisor is pid 1
+        root = Path(json.loads((runtime.TWINS_DIR / name / "twin.json").read_text())["root"])
+        bdf = "0000:01:00.0"
+        subprocess.run(twinctl + ["busy", name, bdf, "--holder", "python3"], check=True)
+        busy = json.loads((root / "var/lib/twin/busy.json").read_text())
+        assert busy == {bdf: "python3"}
+    finally:
+        subprocess.run(twinctl + ["stop", name], timeout=60)
+    assert not (runtime.TWINS_DIR / name).exists()
+    status = subprocess.run(twinctl + ["status"], capture_output=True, text=True).stdout
+    assert name not in status
+
+
+@pytest.mark.twin
+def test_teardown_after_a_failing_test_leaves_nothing(twin_root_cache, tmp_path):
+    standin = tmp_path / "standin_hardware.py"
+    standin.write_text(STANDIN_HARDWARE)
+    record = tmp_path / "started.json"
+    (tmp_path / "conftest.py").write_text(
+        "from tests.twin.fixtures import twin_factory, twin_root_cache  # noqa: F401\n")
+    (tmp_path / "test_fails.py").write_text(textwrap.dedent(f"""
+        import json
+        from pathlib import Path
+
+        def test_fails(twin_factory):
+            twin = twin_factory("kpro6", hardware={str(standin)!r})
+            spec = json.loads((twin.dir / "twin.json").read_text())
+            Path({str(record)!r}).write_text(json.dumps(spec))
+            assert False, "failing on purpose with a twin running"
+    """))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          str(tmp_path / "test_fails.py")], capture_output=True, text=True,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(runtime.REPO)},
+                         timeout=180)
+    assert "1 failed" in run.stdout, run.stdout + run.stderr
+    spec = json.loads(record.read_text())
+    assert runtime.twin_processes(spec) == []
+    tdir = runtime.TWINS_DIR / spec["name"]
+    assert [m for m in runtime.host_mounts() if m.startswith(str(tdir))] == []
+    assert not tdir.exists()
+
+
+def test_start_refuses_addresses_outside_the_twin_range(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("start checks root first")
+    for address in ("127.0.0.1", "10.0.0.2", "127.0.1.2", "127.0.0.255"):
+        with pytest.raises(runtime.TwinError, match="127.0.0"):
+            runtime.start("refused", "kpro6", address=address, hardware=str(tmp_path / "x.py"))
+    assert not (runtime.TWINS_DIR / "refused").exists()
+
+
+def test_not_root_is_refused_with_a_clear_message():
+    twinctl = str(runtime.REPO / "tests/twin/twinctl")
+    cmd = [twinctl, "start", "x", "--profile", "kpro6"]
+    if os.geteuid() == 0:  # drop to nobody to see what a non-root user sees
+        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1
+    assert "needs root" in run.stderr
+
+
+def test_cache_key_follows_suite_and_package_list(monkeypatch):
+    key = runtime.cache_key()
+    assert re.fullmatch(r"[0-9a-f]{16}", key)
+    monkeypatch.setattr(runtime, "PACKAGES", tuple(reversed(runtime.PACKAGES)))
+    assert runtime.cache_key() == key  # order does not matter
+    monkeypatch.setattr(runtime, "PACKAGES", runtime.PACKAGES + ("strace",))
+    assert runtime.cache_key() != key
+    monkeypatch.setattr(runtime, "SUITE", "trixie")
+    assert runtime.cache_key() != key
