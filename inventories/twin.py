@@ -3,8 +3,8 @@
     tests/twin/twinctl start kpro6 --profile kpro6
     pyinfra inventories/twin.py deploy.py --dry
 
-A host of twin.yml named N connects to the running twin N (`.twin/N/twin.json`, written by the
-twin runtime: loopback address, port, per-run key). Hosts whose twin is not running are left
+Each running twin N (`.twin/N/twin.json`, written by the twin runtime: loopback address,
+port, per-run key) is a host; its spec is twin.yml's host N, else the host named like its profile. Hosts whose twin is not running are left
 out; with none running, the run stops with a hint. PVEGPU_TWINS=a,b limits the hosts.
 """
 
@@ -23,6 +23,10 @@ def _twin_connection(name: str) -> dict | None:
     if not path.exists():
         return None
     twin = json.loads(path.read_text())
+    try:
+        os.kill(int(twin["pid"]), 0)  # a stopped twin may leave its twin.json behind
+    except (OSError, KeyError, ValueError):
+        return None
     return {
         "ssh_hostname": twin["address"],
         "ssh_port": int(twin["port"]),
@@ -35,13 +39,22 @@ def _twin_connection(name: str) -> dict | None:
 
 
 def _twin_hosts():
+    """One inventory host per running twin; its spec is twin.yml's host of the same name, else
+    the host named like the twin's profile (so a fleet of kpro6 twins shares the kpro6 spec)."""
     wanted = [n for n in os.environ.get("PVEGPU_TWINS", "").split(",") if n]
+    specs = dict(inventory_hosts(Path(__file__).with_suffix(".yml")))
     hosts = []
-    for name, data in inventory_hosts(Path(__file__).with_suffix(".yml")):
+    for twin_file in sorted((_REPO / ".twin").glob("*/twin.json")):
+        name = twin_file.parent.name
         conn = _twin_connection(name)
         if conn is None or (wanted and name not in wanted):
             continue
+        base = specs.get(name) or specs.get(conn["pvegpu_twin"].get("profile"))
+        if base is None:
+            continue
+        data = dict(base)
         data.update(conn)
+        data["pvegpu_node"] = conn["pvegpu_twin"].get("node") or base["pvegpu_node"]
         hosts.append((name, data))
     if not hosts:
         print("pvegpu: no twin is running; start one with: tests/twin/twinctl start kpro6 --profile kpro6", file=sys.stderr)

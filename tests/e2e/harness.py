@@ -1,0 +1,105 @@
+"""Helpers for whole-run tests against twins: run pyinfra, read its summary, count remote
+commands, and take a manifest of a twin's root to prove `--dry` changed nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import stat
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PYINFRA = str(Path(sys.executable).with_name("pyinfra"))
+PYTEST = str(Path(sys.executable).with_name("pytest"))
+
+# Written by sshd on every login (utmp/wtmp accounting) or by the twin runtime on every boot;
+# not configuration, and not something a deploy writes.
+VOLATILE = (
+    "var/log/wtmp", "var/log/btmp", "var/log/lastlog", "run/", "tmp/", "var/tmp/",
+    "var/lib/twin/uptime", "root/.cache/",
+)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@dataclass
+class PyinfraRun:
+    rc: int
+    output: str
+    totals: dict[str, int]  # {"success": changed ops, "error": n, "no_change": n}
+    remote_commands: int  # commands pyinfra sent (facts + operations), from --debug lines
+
+    @property
+    def changed(self) -> int:
+        return self.totals.get("success", 0)
+
+
+def parse_totals(output: str) -> dict[str, int]:
+    """pyinfra's "Grand total" row: Hosts, Success (changed), Error, No Change ('-' = 0)."""
+    for line in reversed(_ANSI.sub("", output).splitlines()):
+        if line.strip().startswith("Grand total"):
+            cols = line.split()[2:]
+            nums = [0 if c == "-" else int(c) for c in cols[:4]]
+            return dict(zip(("hosts", "success", "error", "no_change"), nums))
+    return {}
+
+
+def run_pyinfra(inventory: str, deploy: str = "deploy.py", *args: str, env: dict | None = None,
+                timeout: int = 1800) -> PyinfraRun:
+    """Run the pyinfra CLI like a user does (with --debug to count remote commands)."""
+    full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    proc = subprocess.run(
+        [PYINFRA, "-y", "--debug", inventory, deploy, *args],
+        cwd=REPO, capture_output=True, text=True, env=full_env, timeout=timeout,
+    )
+    out = proc.stdout + proc.stderr
+    commands = len(re.findall(r"Running command on ", out))
+    return PyinfraRun(proc.returncode, out, parse_totals(out), commands)
+
+
+def run_host_checks(inventory: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PYTEST, "-q", "-p", "no:cacheprovider", "tests/host", "--inventory", inventory],
+        cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=timeout,
+    )
+
+
+def root_manifest(root: str | Path, volatile: tuple[str, ...] = VOLATILE) -> dict[str, tuple]:
+    """{relative path: (type, mode, sha256 or link target)} for every entry under root,
+    not crossing into proc/sys/dev (the twin's rendered hardware mounts) and skipping VOLATILE."""
+    root = Path(root)
+    out: dict[str, tuple] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        if rel_dir == ".":
+            dirnames[:] = [d for d in dirnames if d not in ("proc", "sys", "dev")]
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, root)
+            if rel.startswith(volatile) or rel + "/" in volatile:
+                continue
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = ("l", os.readlink(path))
+            elif stat.S_ISREG(st.st_mode):
+                h = hashlib.sha256()
+                with open(path, "rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 20), b""):
+                        h.update(chunk)
+                out[rel] = ("f", stat.S_IMODE(st.st_mode), h.hexdigest())
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = ("d", stat.S_IMODE(st.st_mode))
+            else:
+                out[rel] = ("o", st.st_mode)
+    return out
+
+
+def manifest_diff(before: dict, after: dict) -> list[str]:
+    lines = []
+    for p in sorted(set(before) | set(after)):
+        if before.get(p) != after.get(p):
+            lines.append(f"{p}: {before.get(p)} -> {after.get(p)}")
+    return lines

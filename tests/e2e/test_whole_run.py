@@ -1,0 +1,38 @@
+"""Whole-run guarantees on fresh twins: --dry changes nothing, converge, a second converge
+reports no changes, host checks pass. Same on the GRUB/Intel twin."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import manifest_diff, root_manifest, run_host_checks, run_pyinfra
+
+pytestmark = [pytest.mark.twin]
+
+
+@pytest.mark.parametrize("profile", ["kpro6", "intel2"])
+def test_dry_converge_idempotent_checks(twin_factory, profile):
+    twin = twin_factory(profile, name=f"e2e-{profile}")
+    env = {"PVEGPU_TWINS": twin.name}
+    upper = Path(twin.root).parent / "upper"
+    assert upper.is_dir(), f"twin overlay upper dir missing: {upper}"
+
+    before = root_manifest(upper)
+    dry = run_pyinfra("inventories/twin.py", "deploy.py", "--dry", env=env)
+    assert dry.rc == 0, dry.output[-4000:]
+    assert f"pvegpu plan for {twin.name}" in dry.output
+    changed = manifest_diff(before, root_manifest(upper))
+    assert not changed, "--dry changed the twin:\n" + "\n".join(changed[:40])
+
+    first = run_pyinfra("inventories/twin.py", "deploy.py", env=env)
+    assert first.rc == 0, first.output[-6000:]
+
+    second = run_pyinfra("inventories/twin.py", "deploy.py", env=env)
+    assert second.rc == 0, second.output[-6000:]
+    assert second.totals.get("error", 0) == 0
+    assert second.changed == 0, "second run changed something:\n" + second.output[-6000:]
+
+    checks = run_host_checks("inventories/twin.py", env=env)
+    assert checks.returncode == 0, checks.stdout[-6000:] + checks.stderr[-2000:]
