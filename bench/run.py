@@ -1,0 +1,135 @@
+"""pvegpu benchmarks: prints a table of figures with their targets and writes bench/results.json.
+
+    make bench        (or: .venv/bin/python bench/run.py [--only NAME ...])
+
+Figures (issue 9):
+  converge_commands      remote commands of a no-change converge of the kpro6 twin   target <= 40
+  converge_vs_fact       its wall time / a bare `pyinfra <twin> fact server.Os`       target <= 3.0
+  fleet8_vs_1            no-change converge of 8 twins / of 1 twin (wall time)         target <= 1.5
+  ccache_warm_vs_cold    driver module rebuild with warm ccache / cold build           target <= 0.35
+  facts_commands         remote commands for the full hardware picture                 target <= 3
+Each figure is measured, never assumed; one that could not be measured is printed as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.e2e.harness import PYINFRA, run_pyinfra  # noqa: E402
+from tests.twin import runtime  # noqa: E402
+
+TARGETS = {
+    "converge_commands": ("<=", 40),
+    "converge_vs_fact": ("<=", 3.0),
+    "fleet8_vs_1": ("<=", 1.5),
+    "ccache_warm_vs_cold": ("<=", 0.35),
+    "facts_commands": ("<=", 3),
+}
+
+
+def _converge(names: list[str]) -> tuple[float, int, object]:
+    env = {"PVEGPU_TWINS": ",".join(names)}
+    t0 = time.monotonic()
+    run = run_pyinfra("inventories/twin.py", "deploy.py", env=env)
+    return time.monotonic() - t0, run.remote_commands, run
+
+
+def bench_converge(results: dict) -> None:
+    names = []
+    try:
+        twin = runtime.start("bench-kpro6", "kpro6")
+        names.append(twin.name)
+        env = {"PVEGPU_TWINS": twin.name}
+        first = run_pyinfra("inventories/twin.py", "deploy.py", env=env)  # converge (may reboot)
+        if first.rc != 0:
+            raise RuntimeError("converge failed:\n" + first.output[-3000:])
+        wall, commands, run = _converge([twin.name])
+        t0 = time.monotonic()
+        subprocess.run(
+            [PYINFRA, "-y", "--data", f"ssh_port={twin.port}", "--data", f"ssh_key={twin.key}",
+             "--data", "ssh_user=root", "--data", "ssh_known_hosts_file=/dev/null",
+             "--data", "ssh_strict_host_key_checking=no", twin.address, "fact", "server.Os"],
+            cwd=REPO, capture_output=True, check=True, timeout=300,
+        )
+        fact_wall = time.monotonic() - t0
+        results["converge_commands"] = {"value": commands, "changed_ops": run.changed, "wall_s": round(wall, 2)}
+        results["converge_vs_fact"] = {"value": round(wall / fact_wall, 2), "converge_s": round(wall, 2),
+                                       "fact_s": round(fact_wall, 2)}
+    finally:
+        for n in names:
+            runtime.stop(n)
+
+
+def bench_fleet(results: dict) -> None:
+    names = [f"bench-fleet-{i}" for i in range(1, 9)]
+    started = []
+    try:
+        for n in names:
+            runtime.start(n, "kpro6")
+            started.append(n)
+        first = run_pyinfra("inventories/twin.py", "deploy.py", env={"PVEGPU_TWINS": ",".join(names)})
+        if first.rc != 0:
+            raise RuntimeError("fleet converge failed:\n" + first.output[-3000:])
+        one, _, _ = _converge(names[:1])
+        eight, _, run8 = _converge(names)
+        results["fleet8_vs_1"] = {"value": round(eight / one, 2), "one_s": round(one, 2), "eight_s": round(eight, 2),
+                                  "changed_ops": run8.changed}
+    finally:
+        for n in started:
+            runtime.stop(n)
+
+
+def bench_script(results: dict, key: str, script: str) -> None:
+    path = REPO / "bench" / script
+    if not path.exists():
+        results[key] = {"value": None, "note": f"bench/{script} not present"}
+        return
+    proc = subprocess.run([sys.executable, str(path), "--json"], cwd=REPO, capture_output=True, text=True, timeout=1800)
+    try:
+        results[key] = json.loads(proc.stdout.strip().splitlines()[-1])
+    except Exception:
+        results[key] = {"value": None, "note": (proc.stdout + proc.stderr)[-500:]}
+
+
+BENCHES = {
+    "converge": bench_converge,
+    "fleet": bench_fleet,
+    "facts": lambda r: bench_script(r, "facts_commands", "facts_commands.py"),
+    "ccache": lambda r: bench_script(r, "ccache_warm_vs_cold", "driver_ccache.py"),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", nargs="*", choices=sorted(BENCHES))
+    args = ap.parse_args()
+    results: dict = {}
+    for name in args.only or BENCHES:
+        try:
+            BENCHES[name](results)
+        except Exception as e:  # report, keep measuring the rest
+            results[f"{name}_error"] = {"value": None, "note": str(e)[-800:]}
+    print(f"{'figure':24} {'value':>10}  {'target':>8}  ok")
+    for key, (op, target) in TARGETS.items():
+        value = results.get(key, {}).get("value")
+        ok = "-" if value is None else ("yes" if value <= target else "NO")
+        print(f"{key:24} {str(value):>10}  {op}{target:>6}  {ok}")
+    for key, val in results.items():
+        if key.endswith("_error"):
+            print(f"{key}: {val['note']}")
+    (REPO / "bench" / "results.json").write_text(json.dumps(
+        {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "targets": TARGETS, "results": results},
+        indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
