@@ -48,12 +48,9 @@ ACS_REDIRECT_FLAGS = ("ReqRedir", "CmpltRedir", "EgressCtrl")
 IOMMU_DOMAIN_KINDS = {
     "DMA": "translated",
     "DMA-FQ": "translated",
-    "translated": "translated",
     "identity": "identity",
-    "passthrough": "identity",
     "unmanaged": "vfio",  # owned by VFIO (a VM); the guest's mappings translate
     "blocked": "blocked",
-    "off": "off",
 }
 
 CUDA_IOMMU_REFERENCE = (
@@ -75,25 +72,25 @@ def _upstream_bridges(device: dict) -> list[str]:
 def iommu_domain_kind(iommu: dict | None, group) -> str | None:
     """What a GPU's IOMMU group does to its DMA: translated, identity, vfio, blocked, off, or None.
 
-    + iommu: the IOMMU fact, ``{"groups": {"12": "DMA-FQ", …}}`` (types as in sysfs)
+    + iommu: the IommuState fact, ``{"enabled": True, "groups": {12: {"type": "DMA-FQ", …}}}``
     + group: the device's ``iommu_group`` from PciDevices (``None`` when the IOMMU is off)
     """
     if iommu is None:
         return None
     if group is None:
         return "off"
-    groups = iommu.get("groups", iommu)
-    raw = groups.get(str(group), groups.get(group)) if isinstance(groups, dict) else None
-    if raw is None:
+    groups = iommu.get("groups") or {}
+    entry = groups.get(group, groups.get(str(group)))
+    if not entry or not entry.get("type"):
         return None
-    return IOMMU_DOMAIN_KINDS.get(str(raw).strip(), None)
+    return IOMMU_DOMAIN_KINDS.get(entry["type"])
 
 
 def sev_snp_enabled(sev: dict | bool | None) -> bool | None:
-    """SEV-SNP on (True), off (False) or unknown (None), from the SEV fact (``{"snp": True, …}``)."""
+    """SEV-SNP on (True), off (False) or unknown (None), from the SevSnp fact (``{"enabled": True, …}``)."""
     if sev is None or isinstance(sev, bool):
         return sev
-    value = sev.get("snp", sev.get("sev_snp"))
+    value = sev.get("enabled")
     return None if value is None else bool(value)
 
 
@@ -394,8 +391,8 @@ def p2p_verdict(
       bridges, root)
     + nvidia_gpus: NvidiaGpus (per BDF: model, minor, uuid, firmware)
     + topology: GpuTopology; p2p_read / p2p_write: GpuP2P with kind ``r`` / ``w``
-    + iommu: IOMMU domain types per group; sev_snp: the SEV fact or a bool
-    + acs: ACS control per bridge BDF; roles: the spec's role per GPU BDF (``lxc``, ``vm:101``, …)
+    + iommu: IommuState (domain type per group); sev_snp: SevSnp (or a bool)
+    + acs: PciAcs (ACS control per bridge BDF); roles: the spec's role per GPU BDF (``lxc``, ``vm:101``, …)
 
     .. code:: python
 

@@ -76,12 +76,14 @@ def all_codes(code: str, n: int = 8) -> dict:
 
 
 def kpro6_iommu(kind: str = "DMA-FQ") -> dict:
-    return {"groups": {str(group): kind for group in list(range(10, 18)) + list(range(30, 38))}}
+    """IommuState as on kpro6: every group of the GPUs and root ports has the same domain type."""
+    groups = {group: {"type": kind, "mode": None, "devices": []} for group in [*range(10, 18), *range(30, 38)]}
+    return {"enabled": True, "units": ["ivhd0"], "mode": None, "groups": groups}
 
 
 def kpro6_verdict(**changes) -> dict:
     facts = dict(pci=kpro6_pci(), nvidia_gpus=kpro6_nvidia_gpus(), topology=kpro6_topology(),
-                 iommu=kpro6_iommu(), sev_snp={"snp": True})
+                 iommu=kpro6_iommu(), sev_snp={"enabled": True})
     facts.update(changes)
     return p2p_verdict(**facts)
 
@@ -113,14 +115,14 @@ def test_kpro6_levels_come_from_the_driver_and_names_follow_pci_order():
 def test_level_alone_decides_nothing_epyc_routes_between_root_complexes_when_driver_says_ok():
     # Same 8 root complexes, but no SEV-SNP, IOMMU in identity mode, driver answers OK.
     verdict = kpro6_verdict(p2p_read=all_codes("OK"), p2p_write=all_codes("OK"),
-                            iommu=kpro6_iommu("identity"), sev_snp={"snp": False})
+                            iommu=kpro6_iommu("identity"), sev_snp={"enabled": False})
     assert all(p["possible"] and p["safe"] for p in verdict["pairs"])
     assert all("different root complexes" in " ".join(p["notes"]) for p in verdict["pairs"])
     assert verdict["summary"].startswith("P2P is possible and safe for all 28 GPU pairs.")
 
 
 def test_translating_iommu_blocks_pcie_p2p_even_without_sev_snp():
-    verdict = kpro6_verdict(p2p_read=all_codes("OK"), sev_snp={"snp": False})
+    verdict = kpro6_verdict(p2p_read=all_codes("OK"), sev_snp={"enabled": False})
     pair = verdict["pairs"][0]
     assert not pair["possible"]
     assert pair["safe"] is False
@@ -205,7 +207,7 @@ def test_inside_a_vm_each_gpu_behind_its_own_virtual_root_port():
         pci[bdf] = pci_device(vendor="10de", device="2bb5", cls="030200", root="pci0000:00",
                               bridges=[port], driver="nvidia")
         bdfs.append(bdf)
-    (pair,) = p2p_verdict(pci=pci, iommu={"groups": {}}, p2p_read=all_codes("OK", 2))["pairs"]
+    (pair,) = p2p_verdict(pci=pci, iommu={"enabled": False, "groups": {}}, p2p_read=all_codes("OK", 2))["pairs"]
     assert not pair["possible"]
     assert pair["reasons"] == [
         "GPU0 (0000:01:00.0) and GPU1 (0000:02:00.0) sit behind separate virtual root ports of this VM "
@@ -235,7 +237,7 @@ def acs(redirect: bool) -> dict:
 def test_acs_redirect_on_a_switch_port_blocks_p2p_and_names_the_bridge():
     pci = switch_pci()
     bridges = {bdf: acs(bdf == "0000:42:01.0") for bdf, dev in pci.items() if dev["class"] == "060400"}
-    (pair,) = p2p_verdict(pci=pci, acs=bridges, iommu={"groups": {}})["pairs"]
+    (pair,) = p2p_verdict(pci=pci, acs=bridges, iommu={"enabled": False, "groups": {}})["pairs"]
     assert not pair["possible"]
     assert pair["reasons"] == [
         "ACS on bridge 0000:42:01.0 redirects peer requests to the root complex (ReqRedir+ CmpltRedir+)"
@@ -246,7 +248,7 @@ def test_acs_redirect_on_a_switch_port_blocks_p2p_and_names_the_bridge():
 def test_switch_without_acs_redirect_is_possible_and_unknown_acs_is_noted():
     pci = switch_pci()
     bridges = {"0000:42:00.0": acs(False), "0000:42:01.0": {"status": "unknown", "redirect": None, "ctl": None}}
-    (pair,) = p2p_verdict(pci=pci, acs=bridges, iommu={"groups": {}})["pairs"]
+    (pair,) = p2p_verdict(pci=pci, acs=bridges, iommu={"enabled": False, "groups": {}})["pairs"]
     assert pair["possible"] and pair["safe"]
     assert pair["notes"] == ["ACS state of bridge 0000:42:01.0 is unknown"]
     assert "through at most one PCIe bridge" in pair["reasons"][0]
