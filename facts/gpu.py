@@ -25,11 +25,15 @@ def _none_if_na(value: str | None) -> str | None:
     return None if value in ("", "N/A") else value
 
 
-def _find_matrix_header(lines: list[str], require_affinity: bool) -> tuple[int, list[str]] | None:
-    """Index and device names of the first matrix header line (`GPU0 GPU1 … [CPU Affinity …]`)."""
+def _find_matrix_header(lines: list[str], affinity: bool | None) -> tuple[int, list[str]] | None:
+    """Index and device names of the first matrix header line (`GPU0 GPU1 … [CPU Affinity …]`).
+
+    ``affinity``: True = the header must have the affinity columns (topo -m), False = must not
+    (topo -p2p), None = either.
+    """
     for index, line in enumerate(lines):
         text = line.strip()
-        if require_affinity and "Affinity" not in text:
+        if affinity is not None and ("Affinity" in text) != affinity:
             continue
         for trailing in TOPO_TRAILING_HEADERS:
             text = text.replace(trailing, " ")
@@ -43,7 +47,7 @@ def _find_matrix_header(lines: list[str], require_affinity: bool) -> tuple[int, 
 def parse_topo_matrix(output_lines: list[str]) -> dict:
     """Pure parser of `nvidia-smi topo -m` (shape: see `GpuTopology`)."""
     lines = [strip_ansi(line) for line in output_lines]
-    found = _find_matrix_header(lines, require_affinity=True) or _find_matrix_header(lines, False)
+    found = _find_matrix_header(lines, affinity=True) or _find_matrix_header(lines, affinity=None)
     if not found:
         return GpuTopology.default()
     header_index, devices = found
@@ -94,7 +98,7 @@ def parse_topo_matrix(output_lines: list[str]) -> dict:
 def parse_p2p_matrix(output_lines: list[str]) -> dict[str, dict[str, str]]:
     """Pure parser of one `nvidia-smi topo -p2p <kind>` matrix (shape: see `GpuP2P`)."""
     lines = [strip_ansi(line) for line in output_lines]
-    found = _find_matrix_header(lines, require_affinity=False)
+    found = _find_matrix_header(lines, affinity=False)
     if not found:
         return {}
     header_index, devices = found

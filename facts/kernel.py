@@ -216,25 +216,27 @@ def parse_iommu(output_lines: list[str]) -> dict:
     `/sys/kernel/iommu_groups/N/devices/<bdf>`) and the usual user-script listings
     (`IOMMU Group N:` + indented lspci lines, or `IOMMU group N <bdf> …` per line).
     """
-    groups: dict[int, dict] = {}
+    types: dict[int, str | None] = {}
+    devices: dict[int, list[str]] = {}
     units: list[str] = []
     current: int | None = None
 
-    def group(number: int) -> dict:
-        return groups.setdefault(number, {"type": None, "mode": None, "devices": []})
+    def group(number: int) -> None:
+        types.setdefault(number, None)
+        devices.setdefault(number, [])
 
     def add_device(number: int, address: str) -> None:
+        group(number)
         bdf = ("0000:" + address if address.count(":") == 1 else address).lower()
-        if bdf not in group(number)["devices"]:
-            group(number)["devices"].append(bdf)
+        if bdf not in devices[number]:
+            devices[number].append(bdf)
 
     bdf = r"(?:[0-9a-fA-F]{4}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
     for line in output_lines:
         match = re.match(r"^/sys/kernel/iommu_groups/(\d+)/type:\s*(\S*)\s*$", line)
         if match:
-            kind = match.group(2) or None
-            entry = group(int(match.group(1)))
-            entry["type"], entry["mode"] = kind, IOMMU_TYPE_MODES.get(kind or "")
+            group(int(match.group(1)))
+            types[int(match.group(1))] = match.group(2) or None
             continue
         match = re.match(rf"^/sys/kernel/iommu_groups/(\d+)/devices/({bdf})\s*$", line)
         if match:
@@ -258,13 +260,16 @@ def parse_iommu(output_lines: list[str]) -> dict:
             continue
         if line.strip() and not line[0].isspace():
             current = None
-    groups = dict(sorted(groups.items()))
-    modes = {entry["mode"] for entry in groups.values() if entry["mode"]}
+    numbers = sorted(types)
+    group_modes = {n: IOMMU_TYPE_MODES.get(types[n] or "") for n in numbers}
+    modes = {mode for mode in group_modes.values() if mode}
     return {
-        "enabled": bool(groups) or bool(units),
+        "enabled": bool(numbers) or bool(units),
         "units": units,
         "mode": (modes.pop() if len(modes) == 1 else "mixed") if modes else None,
-        "groups": groups,
+        "groups": {n: types[n] for n in numbers},
+        "group_modes": group_modes,
+        "devices": {n: devices[n] for n in numbers},
     }
 
 
@@ -285,10 +290,14 @@ def parse_sev_snp(output_lines: list[str]) -> dict:
         value = params.get(name)
         return None if value is None else value in ("Y", "1")
 
+    snp = enabled("sev_snp")
+    if snp is None and "sev_snp" not in flags:
+        snp = False  # the CPU cannot do SNP; with the flag but no kvm_amd it stays unknown
     return {
         "cpu_flags": sorted(flags),
         "kvm_sev": enabled("sev"),
         "kvm_sev_snp": enabled("sev_snp"),
+        "snp": snp,
         "enabled": bool(enabled("sev_snp")),
     }
 
@@ -426,10 +435,11 @@ class IommuState(FactBase):
     .. code:: python
 
         {"enabled": True,
-         "units": ["ivhd0"],                          # /sys/class/iommu
-         "mode": "translated",                        # translated | passthrough | mixed | None
-         "groups": {12: {"type": "DMA-FQ", "mode": "translated",
-                         "devices": ["0000:41:00.0", "0000:41:00.1"]}}}
+         "units": ["ivhd0"],                       # /sys/class/iommu
+         "mode": "translated",                     # translated | passthrough | blocked | mixed | None
+         "groups": {12: "DMA-FQ"},                 # domain type as sysfs says (None if unknown)
+         "group_modes": {12: "translated"},
+         "devices": {12: ["0000:41:00.0", "0000:41:00.1"]}}
 
     A VM usually has no groups: ``enabled`` False.
     """
@@ -445,7 +455,7 @@ class IommuState(FactBase):
 
     @staticmethod
     def default() -> dict:
-        return {"enabled": False, "units": [], "mode": None, "groups": {}}
+        return {"enabled": False, "units": [], "mode": None, "groups": {}, "group_modes": {}, "devices": {}}
 
     def process(self, output):
         return parse_iommu(output)
@@ -460,7 +470,8 @@ class SevSnp(FactBase):
 
         {"cpu_flags": ["sev", "sev_es", "sev_snp"],   # of those three, present in /proc/cpuinfo
          "kvm_sev": True, "kvm_sev_snp": True,         # None when kvm_amd is not loaded
-         "enabled": True}                              # kvm_amd sev_snp=Y
+         "snp": True,      # kvm_amd's sev_snp; False when the CPU lacks the flag; else None
+         "enabled": True}  # kvm_amd sev_snp=Y
     """
 
     command = (
@@ -470,7 +481,7 @@ class SevSnp(FactBase):
 
     @staticmethod
     def default() -> dict:
-        return {"cpu_flags": [], "kvm_sev": None, "kvm_sev_snp": None, "enabled": False}
+        return {"cpu_flags": [], "kvm_sev": None, "kvm_sev_snp": None, "snp": False, "enabled": False}
 
     def process(self, output):
         return parse_sev_snp(output)

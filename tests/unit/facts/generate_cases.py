@@ -1,0 +1,207 @@
+"""Writes the fact test cases (pyinfra-testing YAML: command, output, fact) from the real
+fixture files in tests/fixtures/.
+
+Every case names its fixture file and the line ranges (1-based, inclusive, counted in the
+fixture file) its ``output`` carries; tests/unit/test_facts_traceability.py checks ``output``
+against those lines. Shell prompts and echoed commands are left out (a fact sees only a
+command's output); section markers (``@@ …``) are added where the fact's own command prints
+them. ``fact`` is what the parser returned when the case was written and was then checked by
+hand against the fixture: re-running this script keeps existing ``fact`` values unless
+``--update`` is given, so a parser change shows up as a failing test, not a silent rewrite.
+
+    .venv/bin/python tests/unit/facts/generate_cases.py [--update]
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import sys
+from pathlib import Path
+
+import yaml
+from pyinfra.api import StringCommand
+
+ROOT = Path(__file__).resolve().parents[3]
+FIXTURES = ROOT / "tests" / "fixtures"
+CASES_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+# Lines that are a shell prompt, an echoed command or an author's annotation, not output.
+PROMPT = re.compile(
+    r"^(\$ |\(base\) |/# |# cat |# output$|\[sudo\] password|root@\S+[#$]|\S+@\S+:\S*[#$] |"
+    r"\S+@\S+ > |nvidia-smi topo|cat /proc/cmdline; for d|\s+n=\$\{d#)"
+)
+
+
+def body_ranges(fixture: str, first: int = 3, last: int | None = None) -> list[list[int]]:
+    """Contiguous ranges of output lines of a fixture (header and prompt lines left out)."""
+    lines = (FIXTURES / fixture).read_text().splitlines()
+    last = last or len(lines)
+    ranges: list[list[int]] = []
+    for number in range(first, last + 1):
+        if PROMPT.match(lines[number - 1]):
+            continue
+        if ranges and ranges[-1][1] == number - 1:
+            ranges[-1][1] = number
+        else:
+            ranges.append([number, number])
+    return ranges
+
+
+def fixture_lines(fixture: str, ranges: list[list[int]]) -> list[str]:
+    lines = (FIXTURES / fixture).read_text().splitlines()
+    return [line for start, end in ranges for line in lines[start - 1:end]]
+
+
+def case(fact: str, name: str, fixture: str, ranges=None, args=None, sections=None, note=None) -> dict:
+    """One case. ``sections``: [(marker line, fixture, ranges)] for commands printing markers."""
+    return {"fact": fact, "name": name, "fixture": fixture, "ranges": ranges, "args": args,
+            "sections": sections, "note": note}
+
+
+TOPO_M = sorted(p.name for p in (FIXTURES / "topo-m").iterdir())
+CASES = [
+    *[case("gpu.GpuTopology", Path(name).stem, f"topo-m/{name}") for name in TOPO_M],
+    case("gpu.GpuTopology", "h200-vm-1gpu-ansi", "h200-vm/topo-m.txt"),
+    case("gpu.GpuP2P", "2x-rtx2080ti-autodl-p2p-p-ns", "topo-p2p/2x-rtx2080ti-autodl-p2p-p-ns.txt", args=["p"]),
+    case("gpu.GpuP2P", "2x-rtx3090-nvlink-p2p-ok-proxmox-lxc", "topo-p2p/2x-rtx3090-nvlink-p2p-ok-proxmox-lxc.txt",
+         args=["r"], note="the source does not say which -p2p letter it used; r is assumed"),
+    case("gpu.GpuP2P", "2x-rtx5090-threadripper-3975wx-p2p-rw-gns",
+         "topo-p2p/2x-rtx5090-threadripper-3975wx-p2p-rw-gns.txt", args=["rw"]),
+    case("gpu.GpuP2P", "5gpu-rtx50-epyc-p2p-p-all-ok-with-usage-error",
+         "topo-p2p/5gpu-rtx50-epyc-p2p-p-all-ok-patched-plus-usage-error-fragment.txt", args=["p"]),
+    case("gpu.GpuP2P", "8x-gpu-p2p-r-all-ok-stas00", "topo-p2p/8x-gpu-p2p-r-all-ok-stas00.txt", args=["r"]),
+    case("gpu.GpuP2P", "8x-pcie-gpu-dual-numa-p2p-r", "topo-p2p/8x-pcie-gpu-dual-numa-p2p-r-and-w-all-ok.txt",
+         ranges=[[7, 25]], args=["r"]),
+    case("gpu.GpuP2P", "8x-pcie-gpu-dual-numa-p2p-w", "topo-p2p/8x-pcie-gpu-dual-numa-p2p-r-and-w-all-ok.txt",
+         ranges=[[31, 49]], args=["w"]),
+    case("gpu.GpuP2P", "2x-rtx3090-epyc7302p-rewrapped-p2p-rw", "topo-m/2x-rtx3090-epyc7302p-h12ssl-node-rewrapped.txt",
+         ranges=[[21, 34]], args=["rw"], note="the topo -p2p rw block that follows topo -m in this paste"),
+    *[case("gpu.GpuP2P", f"h200-vm-p2p-{k}", f"h200-vm/topo-p2p-{k}.txt", args=[k]) for k in "rwnap"],
+    *[case("nvidia.NvidiaDriver", Path(p.name).stem, f"driver-version/{p.name}")
+      for p in sorted((FIXTURES / "driver-version").iterdir())],
+    case("nvidia.NvidiaDriver", "h200-vm-open-580", "h200-vm/driver-version.txt"),
+    case("nvidia.NvidiaGpus", "h200-vm-1gpu", "h200-vm/driver-gpus-information.txt"),
+    case("nvidia.NvidiaDriverParams", "h200-vm", "h200-vm/driver-params.txt"),
+    case("devices.CharDeviceMajors", "cuda-guide-grep-nvidia-imex-channels-234-nvswitch-509",
+         "proc-devices/cuda-guide-grep-nvidia-imex-channels-234-nvswitch-509.txt"),
+    case("devices.CharDeviceMajors", "desktop-550plus-naming-head50-no-uvm-yet",
+         "proc-devices/desktop-550plus-naming-head50-no-uvm-yet.txt"),
+    case("devices.CharDeviceMajors", "dra-driver-304-proc-devices-abridged-imex-channels",
+         "proc-devices/dra-driver-304-proc-devices-abridged-imex-channels.txt", ranges=[[12, 16]],
+         note="the cat /proc/devices part only; the ls -la /dev/nvidia-caps part before it is a listing"),
+    case("devices.CharDeviceMajors", "rtx5060-open-module-no-udev-nvidia-subset",
+         "proc-devices/rtx5060-open-module-no-udev-nvidia-subset.txt"),
+    case("devices.CharDeviceMajors", "h200-vm-uvm-238-block-devices-after", "h200-vm/proc-devices.txt"),
+    case("devices.NvidiaDeviceNodes", "ls-dev-nvidia-lxc-container-uvm-511",
+         "proc-devices/ls-dev-nvidia-lxc-container-uvm-511.txt"),
+    case("devices.NvidiaDeviceNodes", "ls-dev-nvidia-vm-uvm-234", "proc-devices/ls-dev-nvidia-vm-uvm-234.txt",
+         note="listed with the nv* glob, so /dev/nvram shows up too"),
+    case("devices.NvidiaDeviceNodes", "h200-vm-uvm-238-caps-dir", "h200-vm/ls-dev-nvidia.txt"),
+    *[case("kernel.KernelCmdline", Path(name).stem, f"cmdline/{name}") for name in (
+        "fedora-fsync-intel-iommu-pt-proc-cmdline.txt", "proxmox-fuji-pve-6.5.11-intel-iommu-on.txt",
+        "proxmox-suprox-pve-6.5.11-intel-iommu-pt.txt", "proxmox-systemd-boot-zfs-5.4.73-proc-cmdline.txt",
+        "truenas-scale-zfs-root-amd-and-intel-iommu.txt")],
+    case("kernel.KernelCmdline", "h200-vm", "h200-vm/proc-cmdline.txt"),
+    *[case("kernel.BootLoader", Path(name).stem, f"cmdline/{name}",
+           sections=[("@@ proxmox-boot-tool status", None, None), ("@@ firmware", None, None),
+                     ("@@ /etc/kernel/cmdline", None, None), ("@@ /etc/default/grub", f"cmdline/{name}", None)],
+           note="/etc/default/grub of a GRUB host without proxmox-boot-tool")
+      for name in ("asus-esc8000a-e12-etc-default-grub-amd-iommu-off.txt",
+                   "puget-wrx90-etc-default-grub-amd-iommu-off.txt",
+                   "proxmox-etc-default-grub-intel-sriov-kamilllooo.txt")],
+    *[case("kernel.BootLoader", f"proxmox-etc-kernel-cmdline-zfs-{which}",
+           "cmdline/proxmox-etc-kernel-cmdline-zfs-default-and-iommu.txt",
+           sections=[("@@ proxmox-boot-tool status", None, None), ("@@ firmware", None, None),
+                     ("@@ /etc/kernel/cmdline", "cmdline/proxmox-etc-kernel-cmdline-zfs-default-and-iommu.txt",
+                      [[line, line]]),
+                     ("@@ /etc/default/grub", None, None)],
+           note=f"the {which} /etc/kernel/cmdline of this systemd-boot host")
+      for which, line in (("default", 3), ("with-iommu", 5))],
+    case("kernel.KernelToolchain", "h200-vm-gcc-15", "h200-vm/proc-version.txt",
+         sections=[("@@ /proc/version", "h200-vm/proc-version.txt", None)]),
+    *[case("kernel.IommuState", Path(p.name).stem, f"iommu-groups/{p.name}")
+      for p in sorted((FIXTURES / "iommu-groups").iterdir())],
+    case("kernel.IommuState", "h200-vm-no-groups", "h200-vm/iommu-groups.txt"),
+    case("kernel.SevSnp", "h200-vm-intel-no-sev", "h200-vm/sev.txt"),
+    case("kernel.ModuleParameters", "h200-vm-nvidia-uvm", "h200-vm/uvm-params.txt", args=["nvidia_uvm"]),
+    case("kernel.ModuleParameters", "h200-vm-nvidia-not-listed", "h200-vm/nvidia-module-params.txt",
+         args=["nvidia"]),
+    case("cpu.CpuInfo", "h200-vm-intel-xeon", "h200-vm/cpuinfo-first.txt"),
+    case("pci.PciDevices", "h200-vm-sysfs", "h200-vm/sysfs-pci.txt"),
+    *[case("pci.PciAcs", Path(p.name).stem, f"lspci/{p.name}")
+      for p in sorted((FIXTURES / "lspci").iterdir()) if "lspci-tv" not in p.name],
+    case("pci.PciAcs", "h200-vm-no-lspci", "h200-vm/lspci-vvv.txt"),
+    *[case("proxmox.LxcConfigs", Path(name).stem, f"lxc-conf/{name}",
+           sections=[(f"@@ /etc/pve/lxc/{ctid}.conf", f"lxc-conf/{name}", None)], note=note)
+      for name, ctid, note in (
+          ("frigate-7640-intel-igpu-no-nvidia-negative.txt", 102, "CT id from its rootfs volume name"),
+          ("frigate-8652-2051-unprivileged-2x-nvidia-coral-idmap-fragment.txt", 2051, None),
+          ("pve-6006-gpuaas-privileged-nvidia-caps-loop.txt", 6006, None),
+          ("pve9-102-jellyfin-privileged-lxc-mount-entry-nvidia-caps-dir.txt", 102, None),
+          ("pve9-116-xtts-unprivileged-raw-lxc-nvidia-allow-a.txt", 116, None),
+          ("telmate-1138-gpu-and-coral-snippet.txt", 100, "the source names no CT id; 100 is assumed"),
+      )],
+]
+
+# Fixtures deliberately not used, and why (kept here so the choice is visible).
+SKIPPED = {
+    "proc-devices/ls-dev-char-nvidia-symlinks-uvm-234-caps-237.txt":
+        "a /dev/char symlink listing and bare `ls` names, not /proc/devices nor `ls -l` with numbers",
+    "cmdline/proxmox-systemd-boot-zfs-6.8.12-dmesg-command-line.txt":
+        "dmesg lines echoing the command line, not /proc/cmdline",
+    "lspci/*-lspci-tv.txt": "lspci -tv trees; the PCI tree comes from sysfs (PciDevices)",
+}
+
+
+def build(spec: dict) -> dict:
+    module_name, class_name = spec["fact"].rsplit(".", 1)
+    fact_class = getattr(importlib.import_module(f"facts.{module_name}"), class_name)
+    fact = fact_class()
+    args = spec["args"] or []
+    command = fact.command(*args) if callable(fact.command) else fact.command
+    data: dict = {"fixture": spec["fixture"]}
+    if spec["sections"]:
+        output: list[str] = []
+        used = []
+        for marker, fixture, ranges in spec["sections"]:
+            output.append(marker)
+            if fixture:
+                ranges = ranges or body_ranges(fixture)
+                used.append({"marker": marker, "fixture": fixture, "fixture_lines": ranges})
+                output.extend(fixture_lines(fixture, ranges))
+        data["sections"] = used
+    else:
+        ranges = spec["ranges"] or body_ranges(spec["fixture"])
+        data["fixture_lines"] = ranges
+        output = fixture_lines(spec["fixture"], ranges)
+    if spec["note"]:
+        data["note"] = spec["note"]
+    if args:
+        data["arg"] = args
+    data["command"] = StringCommand(command).get_raw_value()
+    requires = fact.requires_command(*args)
+    if requires:
+        data["requires_command"] = requires
+    data["output"] = output
+    result = fact.process(output) if output else fact.default()
+    data["fact"] = json.loads(json.dumps(result))
+    return data
+
+
+def main(update: bool) -> None:
+    for spec in CASES:
+        folder = CASES_DIR / spec["fact"]
+        folder.mkdir(exist_ok=True)
+        path = folder / f"{spec['name']}.yaml"
+        data = build(spec)
+        if path.exists() and not update:
+            data["fact"] = yaml.safe_load(path.read_text())["fact"]
+        path.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=200))
+        print(path.relative_to(ROOT))
+
+
+if __name__ == "__main__":
+    main(update="--update" in sys.argv)
