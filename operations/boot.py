@@ -1,0 +1,220 @@
+"""Stage 2, host kernel & IOMMU: the kernel command line in the file the boot loader really
+reads, vfio modules loaded early, nouveau blacklisted, initramfs regenerated when those change.
+
+Boot loaders (incident 13: editing /etc/default/grub on a systemd-boot/ZFS host does nothing):
+- systemd-boot (proxmox-boot-tool, UEFI): /etc/kernel/cmdline, one line; `proxmox-boot-tool refresh`.
+- GRUB: a drop-in /etc/default/grub.d/pvegpu.cfg that grub-mkconfig sources after
+  /etc/default/grub, then `update-grub` (or `proxmox-boot-tool refresh` on ESPs it manages).
+  A drop-in, not an edit of /etc/default/grub: that file is the admin's (and dpkg/ucf's), and a
+  file of our own can be compared, replaced atomically and removed without parsing shell.
+  Its value is recomputed every run from the files sourced *before* it, so an admin's edit
+  of /etc/default/grub still counts.
+
+Facts: one batched remote command (`BootStageFacts`) for the whole stage.
+"""
+
+from __future__ import annotations
+
+from pyinfra import host
+from pyinfra.api import FactBase, StringCommand, deploy, operation
+
+from facts.cpu import CpuInfo
+from facts.files import ManagedFiles
+from facts.hardware import SectionedProbe
+from facts.kernel import BootLoader, KernelCmdline, SevSnp, split_sections
+from facts.proxmox import PveVersion
+from operations.files import sha256_text, write_file_command
+from plan import boot as plan
+from plan.reboot import need_reboot
+from plan.render import render_template
+from spec.models import HostSpec
+
+VFIO_CONF = "/etc/modules-load.d/pvegpu-vfio.conf"
+NOUVEAU_CONF = "/etc/modprobe.d/pvegpu-blacklist-nouveau.conf"
+KERNEL_CMDLINE = "/etc/kernel/cmdline"
+STAGE_PATHS = [KERNEL_CMDLINE, plan.GRUB_DROPIN, VFIO_CONF, NOUVEAU_CONF]
+WATCHED_MODULES = ("vfio", "vfio_iommu_type1", "vfio_pci", "vfio_virqfd", "nouveau")
+INITRAMFS_COMMAND = "update-initramfs -u -k all"
+
+
+class GrubFiles(FactBase):
+    """/etc/default/grub and /etc/default/grub.d/*.cfg as grub-mkconfig sources them, in order.
+
+    .. code:: python
+
+        [["/etc/default/grub", ["GRUB_DEFAULT=0", 'GRUB_CMDLINE_LINUX_DEFAULT="quiet"', …]],
+         ["/etc/default/grub.d/pvegpu.cfg", [...]]]
+    """
+
+    command = 'for f in /etc/default/grub /etc/default/grub.d/*.cfg; do [ -r "$f" ] && { echo "@@ $f"; cat "$f"; }; done; true'
+
+    @staticmethod
+    def default() -> list:
+        return []
+
+    def process(self, output):
+        return [[path, lines] for path, lines in split_sections(output).items()]
+
+
+class LoadedModules(FactBase):
+    """Which of the modules this stage cares about are loaded (or built in): /sys/module/<name>.
+
+    .. code:: python
+
+        ["vfio", "vfio_iommu_type1", "vfio_pci"]
+    """
+
+    command = "for m in " + " ".join(WATCHED_MODULES) + '; do [ -d "/sys/module/$m" ] && echo "$m"; done; true'
+
+    @staticmethod
+    def default() -> list:
+        return []
+
+    def process(self, output):
+        return [line.strip() for line in output if line.strip()]
+
+
+class BootStageFacts(SectionedProbe):
+    """Everything this stage reads, in one remote command.
+
+    .. code:: python
+
+        {"boot_loader": <BootLoader>, "cmdline": <KernelCmdline>, "sev_snp": <SevSnp>,
+         "cpu": <CpuInfo>, "pve_version": <PveVersion>, "grub_files": <GrubFiles>,
+         "modules": <LoadedModules>, "files": <ManagedFiles of STAGE_PATHS>}
+    """
+
+    abstract = False
+    sections = {
+        "boot_loader": (BootLoader, ()),
+        "cmdline": (KernelCmdline, ()),
+        "sev_snp": (SevSnp, ()),
+        "cpu": (CpuInfo, ()),
+        "pve_version": (PveVersion, ()),
+        "grub_files": (GrubFiles, ()),
+        "modules": (LoadedModules, ()),
+        "files": (ManagedFiles, (STAGE_PATHS,)),
+    }
+
+
+def stage_facts() -> dict:
+    """The stage's facts, read once per host per run (preflight and apply share them)."""
+    cached = host.data.get("_pvegpu_boot_facts")
+    if cached is None:
+        cached = host.get_fact(BootStageFacts)
+        setattr(host.data, "_pvegpu_boot_facts", cached)
+    return cached
+
+
+def boot_plan(spec: HostSpec, facts: dict) -> dict:
+    """Files to write and what the next boot will change (pure given facts).
+
+    .. code:: python
+
+        {"loader": "systemd-boot", "cmdline_path": "/etc/kernel/cmdline",
+         "cmdline_content": "root=ZFS=… amd_iommu=on\\n", "refresh_command": "proxmox-boot-tool refresh",
+         "configured": "root=ZFS=… amd_iommu=on", "difference": {"missing": [...], "extra": [...]},
+         "modules": {"/etc/modules-load.d/pvegpu-vfio.conf": "…", "/etc/modprobe.d/…": "…"},
+         "modules_pending": ["vfio_pci is not loaded", …]}
+    """
+    loader_fact = facts["boot_loader"] or {}
+    loader = loader_fact.get("loader")
+    desired = plan.desired_params(spec, facts["cpu"])
+    if loader == "grub":
+        grub_files = [(path, lines) for path, lines in facts["grub_files"]]
+        values = plan.grub_dropin_values(grub_files, desired, spec)
+        configured = plan.grub_configured_cmdline(values, grub_files)
+        path = plan.GRUB_DROPIN
+        content = render_template(
+            "grub-pvegpu.cfg.j2", values={k: plan.sh_double_quoted(v) for k, v in values.items()}
+        )
+    else:
+        configured = plan.merge_cmdline(loader_fact.get("kernel_cmdline") or "", desired, spec)
+        path = KERNEL_CMDLINE
+        content = render_template("kernel-cmdline.j2", cmdline=configured)
+    booted = (facts["cmdline"] or {}).get("raw")
+    modules = plan.vfio_modules((facts["pve_version"] or {}).get("major"))
+    loaded = set(facts["modules"] or [])
+    pending = [f"{m} is not loaded yet" for m in modules if m not in loaded]
+    if "nouveau" in loaded:
+        pending.append("nouveau is loaded")
+    return {
+        "loader": loader,
+        "cmdline_path": path,
+        "cmdline_content": content,
+        "refresh_command": loader_fact.get("refresh_command") or ("update-grub" if loader == "grub" else "proxmox-boot-tool refresh"),
+        "configured": configured,
+        "difference": plan.cmdline_difference(configured, booted, loader or "systemd-boot"),
+        "modules": {
+            VFIO_CONF: render_template("modules-load-vfio.conf.j2", modules=modules),
+            NOUVEAU_CONF: render_template("blacklist-nouveau.conf.j2"),
+        },
+        "modules_pending": pending,
+    }
+
+
+def _up_to_date(content: str, mode: str, state: dict | None) -> bool:
+    return bool(state) and state["sha256"] == sha256_text(content) and state["mode"] == mode
+
+
+@operation()
+def kernel_cmdline(path: str, content: str, refresh_command: str, state: dict | None = None):
+    """Write the boot loader's cmdline file and refresh the boot entries, only when it changed.
+
+    + path: /etc/kernel/cmdline (systemd-boot) or /etc/default/grub.d/pvegpu.cfg (GRUB)
+    + content: the full file (templates/kernel-cmdline.j2 or grub-pvegpu.cfg.j2)
+    + refresh_command: `proxmox-boot-tool refresh` or `update-grub` (fixed words, not user input)
+    + state: the path's entry of `ManagedFiles` (None: missing)
+    """
+    mode = (state or {}).get("mode") or "644"  # keep the admin's mode on /etc/kernel/cmdline
+    if _up_to_date(content, mode, state):
+        host.noop(f"{path} already has the kernel command line")
+        return
+    yield StringCommand(write_file_command(path, content, mode))
+    yield StringCommand(refresh_command)
+
+
+@operation()
+def early_modules(files: dict[str, str], states: dict[str, dict | None], initramfs_command: str = INITRAMFS_COMMAND):
+    """Write the modules-load.d / modprobe.d files and regenerate the initramfs once if any changed.
+
+    + files: {path: content}
+    + states: `ManagedFiles` entries by path
+    """
+    changed = [(p, c) for p, c in files.items() if not _up_to_date(c, "644", states.get(p))]
+    if not changed:
+        host.noop("vfio early load and the nouveau blacklist are up to date")
+        return
+    for path, content in changed:
+        yield StringCommand(write_file_command(path, content, "644"))
+    yield StringCommand(initramfs_command)
+
+
+def preflight(spec: HostSpec) -> list[str]:
+    facts = stage_facts()
+    return plan.preflight_refusals(spec, facts["boot_loader"], facts["cpu"], facts["sev_snp"])
+
+
+@deploy("pvegpu: host kernel & IOMMU")
+def apply(spec: HostSpec) -> None:
+    facts = stage_facts()
+    p = boot_plan(spec, facts)
+    states = facts["files"] or {}
+    kernel_cmdline(
+        name=f"Kernel cmdline in {p['cmdline_path']} ({p['loader']})",
+        path=p["cmdline_path"],
+        content=p["cmdline_content"],
+        refresh_command=p["refresh_command"],
+        state=states.get(p["cmdline_path"]),
+    )
+    early_modules(
+        name="vfio early load, nouveau blacklist, initramfs",
+        files=p["modules"],
+        states=states,
+    )
+    described = plan.describe_difference(p["difference"])
+    if described:
+        need_reboot(host, "cmdline", f"{described} (configured in {p['cmdline_path']})")
+    if p["modules_pending"]:
+        need_reboot(host, "initramfs", "; ".join(p["modules_pending"]) + f" ({VFIO_CONF}, {NOUVEAU_CONF})")
+

@@ -1,0 +1,183 @@
+"""operations.boot: facts in, commands out (both boot loaders, foreign params kept, noop reasons)."""
+
+import base64
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from pyinfra.context import ctx_host, ctx_state
+from pyinfra_testing.util import FakeState, create_host, get_command_string
+
+from facts.kernel import parse_boot_loader, parse_proc_cmdline
+from operations import boot
+from operations.files import sha256_text
+from spec.models import HostSpec
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "cmdline"
+AMD = {"vendor": "amd", "model": "AMD EPYC 9354", "flags": ["svm", "sev_snp"], "virtualized": False, "processors": 64}
+INTEL = {"vendor": "intel", "model": "Xeon", "flags": ["vmx"], "virtualized": False, "processors": 8}
+PVE8 = {"version": "8.4.1", "major": 8, "minor": 4, "running_kernel": "6.8.12-1-pve"}
+
+
+def fixture_lines(name):
+    return [l for l in (FIXTURES / name).read_text().splitlines()[2:] if not l.startswith("$ ")]
+
+
+def run_op(op, *args, **kwargs):
+    """Commands an operation yields and its noop reason, on a fake host."""
+    state = FakeState()
+    fake = create_host(state)
+    with ctx_state.use(state), ctx_host.use(fake):
+        commands = [get_command_string(c) if not isinstance(c, str) else c for c in op._inner(*args, **kwargs)]
+    return commands, fake.noop_description
+
+
+def systemd_boot_facts(kernel_cmdline, booted, files=None, modules=()):
+    return {
+        "boot_loader": parse_boot_loader([
+            "@@ proxmox-boot-tool status",
+            "Re-executing '/usr/sbin/proxmox-boot-tool' in new private mount namespace..",
+            "System currently booted with uefi",
+            "5E1A-0D2B is configured with: uefi (versions: 6.8.12-1-pve)",
+            "@@ firmware", "uefi", "@@ /etc/kernel/cmdline", kernel_cmdline, "@@ /etc/default/grub",
+        ]),
+        "cmdline": parse_proc_cmdline([booted]),
+        "sev_snp": {"enabled": False},
+        "cpu": INTEL,
+        "pve_version": PVE8,
+        "grub_files": [],
+        "modules": list(modules),
+        "files": files or {},
+    }
+
+
+def grub_facts(grub_lines, booted, files=None, extra_files=()):
+    return {
+        "boot_loader": parse_boot_loader(["@@ firmware", "bios", "@@ /etc/default/grub"] + grub_lines),
+        "cmdline": parse_proc_cmdline([booted]),
+        "sev_snp": {"enabled": False},
+        "cpu": INTEL,
+        "pve_version": PVE8,
+        "grub_files": [["/etc/default/grub", grub_lines], *extra_files],
+        "modules": ["vfio", "vfio_iommu_type1", "vfio_pci"],
+        "files": files or {},
+    }
+
+
+def test_systemd_boot_writes_etc_kernel_cmdline_keeping_zfs_root_then_refreshes():
+    stock = "root=ZFS=rpool/ROOT/pve-1 boot=zfs"
+    booted = fixture_lines("proxmox-systemd-boot-zfs-6.8.12-dmesg-command-line.txt")[0].split("Command line: ", 1)[1]
+    spec = HostSpec(iommu={"passthrough": True, "params": ["pci=realloc"]})
+    p = boot.boot_plan(spec, systemd_boot_facts(stock, booted))
+    assert p["cmdline_path"] == "/etc/kernel/cmdline"
+    assert p["cmdline_content"] == "root=ZFS=rpool/ROOT/pve-1 boot=zfs intel_iommu=on iommu=pt pci=realloc\n"
+    # booted line has quiet and the i915 params the new config lacks, and lacks pci=realloc
+    assert p["difference"]["missing"] == ["pci=realloc"]
+    assert "quiet" in p["difference"]["extra"]
+    commands, noop = run_op(boot.kernel_cmdline, p["cmdline_path"], p["cmdline_content"], p["refresh_command"], None)
+    assert len(commands) == 2 and noop is None
+    assert "/etc/kernel/cmdline" in commands[0] and "base64 -d" in commands[0]
+    assert commands[1] == "proxmox-boot-tool refresh"
+    written = re.search(r"printf %s (\S+) \| base64 -d", commands[0]).group(1)
+    assert base64.b64decode(written).decode() == p["cmdline_content"]
+
+
+def test_grub_writes_a_dropin_and_runs_update_grub():
+    lines = fixture_lines("proxmox-etc-default-grub-intel-sriov-kamilllooo.txt")
+    booted = fixture_lines("proxmox-fuji-pve-6.5.11-intel-iommu-on.txt")[0]
+    spec = HostSpec(iommu={"params": ["pci=realloc"]})
+    p = boot.boot_plan(spec, grub_facts(lines, booted))
+    assert p["loader"] == "grub" and p["cmdline_path"] == "/etc/default/grub.d/pvegpu.cfg"
+    assert 'GRUB_CMDLINE_LINUX_DEFAULT="quiet intel_iommu=on i915.enable_guc=3 i915.max_vfs=7 pci=realloc"\n' in p["cmdline_content"]
+    assert p["difference"] == {"missing": ["i915.enable_guc=3", "i915.max_vfs=7", "pci=realloc"], "extra": []}
+    commands, _ = run_op(boot.kernel_cmdline, p["cmdline_path"], p["cmdline_content"], p["refresh_command"], None)
+    assert commands[1] == "update-grub" and "/etc/default/grub.d/pvegpu.cfg" in commands[0]
+
+
+def test_grub_dropin_is_sourced_by_sh_after_the_admins_file(tmp_path):
+    """What grub-mkconfig does: `. /etc/default/grub; for x in grub.d/*.cfg; . $x`."""
+    lines = fixture_lines("puget-wrx90-etc-default-grub-amd-iommu-off.txt")
+    spec = HostSpec(iommu={"params": ["pci=realloc"]})
+    facts = grub_facts(lines, "BOOT_IMAGE=/boot/vmlinuz-6.8 root=/dev/sda ro quiet")
+    facts["cpu"] = AMD
+    p = boot.boot_plan(spec, facts)
+    (tmp_path / "grub").write_text("\n".join(l for l in lines if not l.startswith("GRUB_DISTRIBUTOR")) + "\n")
+    (tmp_path / "pvegpu.cfg").write_text(p["cmdline_content"])
+    out = subprocess.run(["sh", "-c", f'. {tmp_path}/grub; . {tmp_path}/pvegpu.cfg; printf %s "$GRUB_CMDLINE_LINUX_DEFAULT"'],
+                         capture_output=True, text=True, check=True).stdout
+    assert out == p["configured"]
+    assert out.split()[:3] == ["amd_iommu=on", "pci=realloc", "isolcpus=0-3"]
+    assert out.endswith("default_hugepagesz=1G hugepagesz=1G hugepages=8")
+
+
+def test_no_change_is_a_noop_with_a_reason_and_no_reboot_reason():
+    configured = "root=ZFS=rpool/ROOT/pve-1 boot=zfs intel_iommu=on iommu=pt"
+    booted = fixture_lines("proxmox-systemd-boot-zfs-5.4.73-proc-cmdline.txt")[0]
+    spec = HostSpec(iommu={"passthrough": True})
+    facts = systemd_boot_facts(configured, booted, modules=["vfio", "vfio_iommu_type1", "vfio_pci"])
+    p = boot.boot_plan(spec, facts)
+    facts["files"] = {boot.KERNEL_CMDLINE: {"mode": "644", "sha256": sha256_text(configured + "\n")}}
+    facts["files"].update({path: {"mode": "644", "sha256": sha256_text(text)} for path, text in p["modules"].items()})
+    commands, noop = run_op(boot.kernel_cmdline, p["cmdline_path"], p["cmdline_content"], p["refresh_command"],
+                            facts["files"][boot.KERNEL_CMDLINE])
+    assert commands == [] and noop == "/etc/kernel/cmdline already has the kernel command line"
+    commands, noop = run_op(boot.early_modules, p["modules"], facts["files"])
+    assert commands == [] and noop == "vfio early load and the nouveau blacklist are up to date"
+    assert p["difference"] == {"missing": [], "extra": []} and p["modules_pending"] == []
+
+
+def test_admin_mode_of_etc_kernel_cmdline_is_kept():
+    content = "root=/dev/sda intel_iommu=on\n"
+    commands, noop = run_op(boot.kernel_cmdline, "/etc/kernel/cmdline", content, "proxmox-boot-tool refresh",
+                            {"mode": "600", "sha256": sha256_text(content)})
+    assert commands == [] and noop
+    commands, _ = run_op(boot.kernel_cmdline, "/etc/kernel/cmdline", content, "proxmox-boot-tool refresh",
+                         {"mode": "600", "sha256": "0" * 64})
+    assert "chmod 600" in commands[0]
+
+
+def test_early_modules_writes_changed_files_then_one_initramfs_update():
+    spec = HostSpec()
+    p = boot.boot_plan(spec, systemd_boot_facts("root=/dev/sda", "root=/dev/sda"))
+    assert p["modules"][boot.VFIO_CONF].splitlines()[-3:] == ["vfio", "vfio_iommu_type1", "vfio_pci"]
+    assert "blacklist nouveau" in p["modules"][boot.NOUVEAU_CONF]
+    states = {boot.NOUVEAU_CONF: {"mode": "644", "sha256": sha256_text(p["modules"][boot.NOUVEAU_CONF])}}
+    commands, noop = run_op(boot.early_modules, p["modules"], states)
+    assert len(commands) == 2 and boot.VFIO_CONF in commands[0] and commands[1] == "update-initramfs -u -k all"
+    assert p["modules_pending"] == [f"{m} is not loaded yet" for m in ("vfio", "vfio_iommu_type1", "vfio_pci")]
+
+
+def test_pve7_lists_vfio_virqfd():
+    facts = systemd_boot_facts("root=/dev/sda", "root=/dev/sda")
+    facts["pve_version"] = {"version": "7.4", "major": 7, "minor": 4, "running_kernel": "5.15.0-1-pve"}
+    assert "vfio_virqfd" in boot.boot_plan(HostSpec(), facts)["modules"][boot.VFIO_CONF].split()
+
+
+def test_grub_files_fact_lists_files_in_sourcing_order(tmp_path):
+    out = ["@@ /etc/default/grub", "GRUB_DEFAULT=0", "@@ /etc/default/grub.d/init-select.cfg", "X=1",
+           "@@ /etc/default/grub.d/pvegpu.cfg", "GRUB_CMDLINE_LINUX_DEFAULT=\"q\""]
+    assert boot.GrubFiles().process(out) == [
+        ["/etc/default/grub", ["GRUB_DEFAULT=0"]], ["/etc/default/grub.d/init-select.cfg", ["X=1"]],
+        ["/etc/default/grub.d/pvegpu.cfg", ['GRUB_CMDLINE_LINUX_DEFAULT="q"']]]
+
+
+def test_stage_probe_is_one_command_with_every_section():
+    command = boot.BootStageFacts().command
+    for key in boot.BootStageFacts.sections:
+        assert f"@@pvegpu-section {key}" in command
+    result = boot.BootStageFacts().process(
+        ["@@pvegpu-section modules", "vfio", "@@pvegpu-section files", "==> pvegpu-file /etc/kernel/cmdline", "MISSING"])
+    assert result["modules"] == ["vfio"] and result["files"] == {"/etc/kernel/cmdline": None}
+
+
+@pytest.mark.parametrize("loader", ["grub", "systemd-boot"])
+def test_sev_snp_host_refuses_passthrough_in_preflight(loader, monkeypatch):
+    facts = systemd_boot_facts("root=/dev/sda", "root=/dev/sda") if loader == "systemd-boot" else grub_facts(
+        ['GRUB_CMDLINE_LINUX_DEFAULT="quiet"'], "root=/dev/sda")
+    facts["cpu"] = AMD
+    facts["sev_snp"] = {"cpu_flags": ["sev_snp"], "kvm_sev": True, "kvm_sev_snp": True, "enabled": True}
+    monkeypatch.setattr(boot, "stage_facts", lambda: facts)
+    refusals = boot.preflight(HostSpec(iommu={"passthrough": True}))
+    assert len(refusals) == 1 and "SEV-SNP" in refusals[0]
+    assert boot.preflight(HostSpec()) == []
