@@ -1,0 +1,63 @@
+"""Every fact case's output is real: it equals the named fixture file's lines (section markers
+the fact's own command prints aside), and every fixture of the folders the facts read is used
+by a case or skipped with a written reason."""
+
+import fnmatch
+from pathlib import Path
+
+import pytest
+import yaml
+
+CASES = Path(__file__).parent / "facts"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+CASE_FILES = sorted(CASES.glob("*.*/*.yaml"))
+# Fixture folders whose every file must feed a fact case (or be skipped with a reason).
+COVERED_FOLDERS = ("topo-m", "topo-p2p", "driver-version", "proc-devices", "iommu-groups", "lxc-conf", "lspci", "h200-vm")
+SKIPPED_WITH_REASON = {
+    # from tests/unit/facts/generate_cases.py SKIPPED, plus h200-vm outputs no fact reads
+    "proc-devices/ls-dev-char-nvidia-symlinks-uvm-234-caps-237.txt",
+    "lspci/*-lspci-tv.txt",
+    "h200-vm/nvidia-smi*.txt",  # the default nvidia-smi table and -L/-q: no fact parses them
+    "h200-vm/query-*.txt",  # --query-gpu CSV: read by host checks, not facts
+    "h200-vm/meminfo.txt",
+    "h200-vm/modinfo-nvidia.txt",
+    "h200-vm/proc-modules.txt",
+    "h200-vm/sysfs-pci-tree.txt",  # the same tree PciDevices reads from sysfs-pci.txt
+    "h200-vm/torch-peer.txt",
+    "h200-vm/uname.txt",
+}
+
+
+def _fixture_lines(name: str, ranges: list) -> list[str]:
+    lines = (FIXTURES / name).read_text().splitlines()
+    return [line for start, end in ranges for line in lines[start - 1:end]]
+
+
+@pytest.mark.parametrize("path", CASE_FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_case_output_is_the_fixture(path):
+    case = yaml.safe_load(path.read_text())
+    assert (FIXTURES / case["fixture"]).is_file(), case["fixture"]
+    if "sections" in case:
+        expected = [line for section in case["sections"]
+                    for line in _fixture_lines(section["fixture"], section["fixture_lines"])]
+        markers = [line for line in case["output"] if line.startswith("@@ ")]
+        assert [line for line in case["output"] if not line.startswith("@@ ")] == expected
+        assert {s["marker"] for s in case["sections"]} <= set(markers)
+    else:
+        assert case["output"] == _fixture_lines(case["fixture"], case["fixture_lines"])
+    assert case["output"], "a case must feed some real output"
+
+
+def test_every_relevant_fixture_is_used_or_skipped_with_reason():
+    used = {yaml.safe_load(p.read_text())["fixture"] for p in CASE_FILES}
+    for case in CASE_FILES:
+        for section in yaml.safe_load(case.read_text()).get("sections", []):
+            used.add(section["fixture"])
+    missing = []
+    for folder in COVERED_FOLDERS:
+        for path in sorted((FIXTURES / folder).glob("*.txt")):
+            name = f"{folder}/{path.name}"
+            if name in used or any(fnmatch.fnmatch(name, pattern) for pattern in SKIPPED_WITH_REASON):
+                continue
+            missing.append(name)
+    assert missing == []
