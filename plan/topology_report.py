@@ -229,19 +229,16 @@ P2P_EDGE_STYLE = {
 
 
 def topology_dot(host: str, hardware: dict, verdict: dict) -> str:
-    """DOT source: NUMA node clusters ⊃ root complex clusters ⊃ bridges, GPUs, NICs; P2P edges
-    between GPUs colored by verdict (green usable, orange unsafe, red dashed impossible)."""
+    """DOT source: NUMA node clusters ⊃ root complex clusters ⊃ bridges, GPUs, NICs; below them a
+    row with one node per GPU and the P2P edges between GPUs colored by verdict (green usable,
+    orange unsafe, red dashed impossible), each edge's tooltip holding the reasons."""
     pci = hardware.get("pci_devices") or {}
-    # fdp, not dot: dot (2.43) fails ("trouble in init_rank") on many edges across nested clusters.
-    graph = graphviz.Graph(name=f"topology_{re.sub(r'[^0-9A-Za-z]', '_', host)}", engine="fdp")
+    graph = graphviz.Graph(name=f"topology_{re.sub(r'[^0-9A-Za-z]', '_', host)}")
     title = "\n".join([f"GPU topology of {host}", *textwrap.wrap(verdict["summary"], 110), P2P_LEGEND])
-    graph.attr(label=title, labelloc="t", fontname="Helvetica", layout="fdp")
+    graph.attr(label=title, labelloc="t", fontname="Helvetica")
     graph.attr("node", fontname="Helvetica", fontsize="10")
     graph.attr("edge", fontname="Helvetica", fontsize="9")
     gpus = {g["bdf"]: g for g in verdict["gpus"] if g["bdf"]}
-    gpu_node = {}
-    for gpu in verdict["gpus"]:
-        gpu_node[gpu["bdf"] or gpu["name"]] = _node_id("gpu", gpu["bdf"] or gpu["name"])
 
     def gpu_label(gpu: dict) -> str:
         dev = pci.get(gpu["bdf"], {}) if gpu["bdf"] else {}
@@ -253,7 +250,8 @@ def topology_dot(host: str, hardware: dict, verdict: dict) -> str:
             parts.append(f"role {gpu['role']}")
         return "\n".join(p for p in parts if p)
 
-    if pci and gpus:
+    in_tree = bool(pci and gpus)
+    if in_tree:
         tree = _tree(pci, sorted(gpus) + sorted(_network_devices(pci)))
         by_numa: dict = {}
         for root in tree:
@@ -268,17 +266,31 @@ def topology_dot(host: str, hardware: dict, verdict: dict) -> str:
                         root_id = _node_id("rc", root)
                         rc.node(root_id, root, shape="box", style="filled", fillcolor="white")
                         _dot_tree(rc, tree[root], root_id, pci, gpus, gpu_label)
-    else:
-        for gpu in verdict["gpus"]:
-            graph.node(gpu_node[gpu["bdf"] or gpu["name"]], gpu_label(gpu), shape="box3d")
 
-    for pair in verdict["pairs"]:
-        kind = "usable" if pair["possible"] and pair["safe"] else ("unsafe" if pair["possible"] else "impossible")
-        graph.edge(
-            gpu_node[pair["a"]], gpu_node[pair["b"]],
-            label=pair["level"] or "", tooltip="; ".join(pair["reasons"]),
-            **P2P_EDGE_STYLE[kind],
-        )
+    # P2P edges join a row of per-GPU nodes under the tree: dot (2.43) fails ("trouble in
+    # init_rank") on many non-ranking edges across nested clusters; edges inside one flat row work.
+    with graph.subgraph(name="cluster_p2p") as row:
+        row.attr(label="P2P between GPUs (hover an edge for the reasons)", color="gray40")
+        ids = []
+        for gpu in verdict["gpus"]:
+            key = gpu["bdf"] or gpu["name"]
+            node_id = _node_id("p2p", key)
+            ids.append(node_id)
+            if in_tree:
+                row.node(node_id, gpu["name"] or gpu["bdf"], shape="ellipse")
+                graph.edge(_node_id("gpu", key), node_id, style="dotted", color="gray70")
+            else:
+                row.node(node_id, gpu_label(gpu), shape="box3d", style="filled", fillcolor="palegreen")
+        with row.subgraph() as same_rank:
+            same_rank.attr(rank="same")
+            for node_id in ids:
+                same_rank.node(node_id)
+        for pair in verdict["pairs"]:
+            kind = "usable" if pair["possible"] and pair["safe"] else ("unsafe" if pair["possible"] else "impossible")
+            row.edge(
+                _node_id("p2p", pair["a"]), _node_id("p2p", pair["b"]),
+                label=pair["level"] or "", tooltip="; ".join(pair["reasons"]), **P2P_EDGE_STYLE[kind],
+            )
     return graph.source
 
 
