@@ -1,0 +1,379 @@
+"""What each guest's GPU configuration should be (pure: spec + facts in, lines out).
+
+Containers (`/etc/pve/lxc/<ctid>.conf`): the device lines for exactly the CT's GPUs, matched
+by BDF → *Device Minor* (`NvidiaGpus` fact; minors shift when GPUs move, so never by N), plus
+the control nodes every CUDA process needs. Two syntaxes (DESIGN.md §7):
+
+    PVE >= 8.1:  dev0: /dev/nvidia2,gid=44            (PVE resolves majors at CT start)
+    older:       lxc.cgroup2.devices.allow: c 195:* rwm      (majors from /proc/devices)
+                 lxc.mount.entry: /dev/nvidia2 dev/nvidia2 none bind,optional,create=file
+
+`merge_container_config` touches only the lines pvegpu owns (see `owned_line`), keeps every
+other line where it was, and leaves `[snapshot]` sections and commented lines byte-identical.
+
+VMs: one PCI resource mapping per GPU (`/etc/pve/mapping/pci.cfg`, id
+`pvegpu-<node>-<bdf>`), and `hostpciN: mapping=<id>,pcie=1` lines (pcie only on q35).
+
+Companion functions (decision): a GPU whose slot has other functions in the same IOMMU group
+(HDMI audio `.1`, USB-C `.2`, ...) is mapped as the whole device, path `0000:81:00` without a
+function — Proxmox then passes every function of the slot as one multifunction device, which
+is what the guest's driver expects. A single-function GPU is mapped by its full BDF.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+NVIDIA_MAJOR = 195
+# Nodes every CUDA process opens besides its GPUs (caps: MIG / fabric capabilities).
+CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+CAPS_NODES = ("/dev/nvidia-caps/nvidia-cap1", "/dev/nvidia-caps/nvidia-cap2")
+# /proc/devices names of the NVIDIA char majors (nvidia-uvm and nvidia-caps are dynamic).
+NVIDIA_MAJOR_NAMES = ("nvidia", "nvidiactl", "nvidia-modeset", "nvidia-uvm", "nvidia-caps",
+                      "nvidia-nvlink", "nvidia-nvswitch", "nvidia-caps-imex-channels")
+MOUNT_OPTIONS = "none bind,optional,create={kind}"
+SECTION_RE = re.compile(r"^\[[^\]]+\]\s*$")
+KEY_RE = re.compile(r"^([\w.\-]+)\s*:\s?(.*?)\s*$")
+DEV_KEY_RE = re.compile(r"^dev(\d+)$")
+ALLOW_RE = re.compile(r"^c\s+(\d+):(\S+)\s+\S+$")
+# Linux hands out dynamic char majors from 234-254, then 384-511 (fs/char_dev.c); only a
+# major from there can be a leftover of nvidia-uvm/nvidia-caps after a reboot.
+DYNAMIC_MAJORS = set(range(234, 255)) | set(range(384, 512))
+
+
+def pve_supports_dev_entries(pve_version: dict | None) -> bool:
+    """`devN:` passthrough entries exist since PVE 8.1 (`PveVersion` fact shape)."""
+    if not pve_version:
+        return False
+    return (pve_version["major"], pve_version["minor"]) >= (8, 1)
+
+
+def nvidia_majors(char_majors: dict[str, int]) -> set[int]:
+    """The char majors that belong to NVIDIA (from `CharDeviceMajors`), always including 195."""
+    return {NVIDIA_MAJOR} | {m for name, m in char_majors.items() if name in NVIDIA_MAJOR_NAMES}
+
+
+# ---------------------------------------------------------------- containers
+
+
+@dataclass
+class ContainerDevices:
+    """A CT's wanted device lines and anything that kept them from being complete.
+
+    `lines`: ``[("dev0", "/dev/nvidia0,gid=44"), ...]`` or ``[("lxc.mount.entry", "..."), ...]``
+    (the keys of the old syntax repeat). `problems`: sentences, e.g. a GPU without a minor.
+    """
+
+    ctid: int
+    gpu_nodes: list[str]
+    lines: list[tuple[str, str]]
+    problems: list[str] = field(default_factory=list)
+
+
+def gpu_nodes_for(bdfs: list[str], minors: dict[str, int | None]) -> tuple[list[str], list[str]]:
+    """`/dev/nvidiaN` of each BDF by its Device Minor, in minor order; and the BDFs without one."""
+    found, missing = [], []
+    for bdf in bdfs:
+        minor = minors.get(bdf)
+        (missing.append(bdf) if minor is None else found.append(minor))
+    return [f"/dev/nvidia{m}" for m in sorted(found)], missing
+
+
+def render_container_devices(ctid: int, bdfs: list[str], minors: dict[str, int | None],
+                             char_majors: dict[str, int], dev_entries: bool, gid: int,
+                             used_dev_indices: set[int] = frozenset()) -> ContainerDevices:
+    """The device lines a CT needs for exactly `bdfs`.
+
+    + minors: {bdf: Device Minor} (from `NvidiaGpus`: ``{bdf: v["minor"]}``)
+    + char_majors: `CharDeviceMajors` (old syntax only)
+    + dev_entries: PVE >= 8.1 `devN:` syntax, else raw `lxc.*` lines
+    + used_dev_indices: devN indices held by other (not ours) entries; ours take the lowest free
+    """
+    gpu_nodes, missing = gpu_nodes_for(bdfs, minors)
+    problems = [f"CT {ctid}: GPU {b} has no /dev/nvidia minor (not bound to the nvidia driver)"
+                for b in missing]
+    if not bdfs:
+        return ContainerDevices(ctid, [], [], problems)
+    nodes = gpu_nodes + list(CONTROL_NODES)
+    lines: list[tuple[str, str]] = []
+    if dev_entries:
+        free = (i for i in range(10_000) if i not in used_dev_indices)
+        for node in nodes + list(CAPS_NODES):
+            lines.append((f"dev{next(free)}", f"{node},gid={gid}"))
+        return ContainerDevices(ctid, gpu_nodes, lines, problems)
+    majors = [NVIDIA_MAJOR]
+    for name in ("nvidia-uvm", "nvidia-caps"):
+        if name in char_majors:
+            majors.append(char_majors[name])
+        else:
+            problems.append(f"CT {ctid}: {name} is not in /proc/devices, so its major is unknown "
+                            f"(is the module loaded?); its cgroup allow line is left out")
+    for major in majors:
+        lines.append(("lxc.cgroup2.devices.allow", f"c {major}:* rwm"))
+    for node in nodes:
+        lines.append(("lxc.mount.entry", f"{node} {node[1:]} {MOUNT_OPTIONS.format(kind='file')}"))
+    lines.append(("lxc.mount.entry", f"/dev/nvidia-caps dev/nvidia-caps {MOUNT_OPTIONS.format(kind='dir')}"))
+    return ContainerDevices(ctid, gpu_nodes, lines, problems)
+
+
+def _device_path(value: str) -> str:
+    return value.split(",", 1)[0].strip()
+
+
+def owned_line(key: str, value: str, majors: set[int], stale_majors_ok: bool) -> bool:
+    """Is `key: value` a GPU line pvegpu manages?
+
+    Ours: `devN` whose path is /dev/nvidia*; `lxc.*` lines that mention nvidia; cgroup allow
+    lines for an NVIDIA major (`majors`), or — when `stale_majors_ok` (the caller saw a dynamic
+    major that no driver has registered, in a config that uses nvidia) — the leftover of
+    nvidia-uvm's major before a reboot changed it (incident 4).
+    """
+    if DEV_KEY_RE.match(key):
+        return _device_path(value).startswith("/dev/nvidia")
+    if not key.startswith("lxc."):
+        return False
+    if "nvidia" in value:
+        return True
+    if key in ("lxc.cgroup2.devices.allow", "lxc.cgroup.devices.allow"):
+        match = ALLOW_RE.match(value.strip())
+        if match:
+            major = int(match.group(1))
+            return major in majors or stale_majors_ok
+    return False
+
+
+@dataclass
+class MergedConfig:
+    text: str
+    changed: bool
+    removed: list[str]
+    added: list[str]
+
+
+def split_config(text: str) -> tuple[list[str], list[str]]:
+    """(main section lines, the rest from the first `[section]` line on, verbatim)."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if SECTION_RE.match(line):
+            return lines[:i], lines[i:]
+    return lines, []
+
+
+def used_dev_indices(text: str, majors: set[int]) -> set[int]:
+    """devN indices of the main section held by entries that are not ours."""
+    used = set()
+    for line in split_config(text)[0]:
+        match = KEY_RE.match(line)
+        if match and DEV_KEY_RE.match(match.group(1)) and not owned_line(*match.groups(), majors, False):
+            used.add(int(DEV_KEY_RE.match(match.group(1)).group(1)))
+    return used
+
+
+def merge_container_config(text: str, wanted: list[tuple[str, str]], char_majors: dict[str, int]) -> MergedConfig:
+    """Put exactly `wanted` into a CT config, replacing the lines we own and nothing else.
+
+    Our lines go where our first line was (ordering stays stable from run to run); with none
+    yet, `devN` lines go before the first raw `lxc.` key and `lxc.*` lines after the last
+    line of the main section. Comments (including PVE's `#dev0%3A ...` disabled entries) and
+    everything from the first `[snapshot]` header on are kept byte for byte.
+    """
+    main, rest = split_config(text)
+    majors = nvidia_majors(char_majors)
+    registered = set(char_majors.values())
+    has_nvidia = any("nvidia" in line for line in main if not line.lstrip().startswith("#"))
+
+    def is_ours(line: str) -> bool:
+        if line.lstrip().startswith("#"):
+            return False
+        match = KEY_RE.match(line)
+        if not match:
+            return False
+        key, value = match.groups()
+        stale = False
+        allow = ALLOW_RE.match(value.strip())
+        if allow and registered and has_nvidia:
+            major = int(allow.group(1))
+            stale = major in DYNAMIC_MAJORS and major not in registered
+        return owned_line(key, value, majors, stale)
+
+    kept: list[str] = []
+    removed: list[str] = []
+    insert_at: int | None = None
+    for line in main:
+        if is_ours(line):
+            removed.append(line)
+            if insert_at is None:
+                insert_at = len(kept)
+            continue
+        kept.append(line)
+    new_lines = [f"{k}: {v}" for k, v in wanted]
+    if insert_at is None:
+        # after the last non-blank line (trailing blank lines stay last); devN before raw lxc.*
+        insert_at = max((i + 1 for i, l in enumerate(kept) if l.strip()), default=0)
+        if wanted and DEV_KEY_RE.match(wanted[0][0]):
+            insert_at = next((i for i, l in enumerate(kept) if l.startswith("lxc.")), insert_at)
+    merged_main = kept[:insert_at] + new_lines + kept[insert_at:]
+    out = "\n".join(merged_main + rest)
+    if text.endswith("\n") or not text:
+        out += "\n"
+    added = [l for l in new_lines if l not in removed]
+    gone = [l for l in removed if l not in new_lines]
+    return MergedConfig(out, out != text, gone, added)
+
+
+def config_gpu_nodes(text: str) -> list[str]:
+    """The /dev/nvidiaN GPU nodes a CT config passes (devN or mount entries), sorted."""
+    nodes = set()
+    for line in split_config(text)[0]:
+        if line.lstrip().startswith("#"):
+            continue
+        match = KEY_RE.match(line)
+        if not match:
+            continue
+        key, value = match.groups()
+        if DEV_KEY_RE.match(key):
+            path = _device_path(value)
+        elif key == "lxc.mount.entry":
+            path = value.split()[0] if value.split() else ""
+        else:
+            continue
+        if re.fullmatch(r"/dev/nvidia\d+", path):
+            nodes.add(path)
+    return sorted(nodes, key=lambda p: int(p[len("/dev/nvidia"):]))
+
+
+# ---------------------------------------------------------------- VMs
+
+
+def mapping_id(node: str, bdf: str) -> str:
+    """`pvegpu-kpro6-0000-81-00-0`: Proxmox mapping ids are [a-z][a-z0-9_-]*."""
+    slug = re.sub(r"[^a-z0-9]+", "-", f"{node}-{bdf}".lower()).strip("-")
+    return f"pvegpu-{slug}"
+
+
+def mapping_path(bdf: str, pci_devices: dict[str, dict]) -> str:
+    """The GPU's BDF, or its whole slot (`0000:81:00`) when other functions of the slot share
+    its IOMMU group (audio `.1` and friends; see the module docstring)."""
+    slot = bdf.rsplit(".", 1)[0]
+    group = pci_devices.get(bdf, {}).get("iommu_group")
+    siblings = [b for b, d in pci_devices.items()
+                if b != bdf and b.rsplit(".", 1)[0] == slot and d.get("iommu_group") == group]
+    return slot if siblings else bdf
+
+
+def render_mapping_entry(node: str, bdf: str, pci_devices: dict[str, dict]) -> dict[str, str]:
+    """One node's `map` entry for a GPU (key order as Proxmox writes them)."""
+    dev = pci_devices[bdf]
+    entry = {"id": f"{dev['vendor']}:{dev['device']}"}
+    if dev.get("iommu_group") is not None:
+        entry["iommugroup"] = str(dev["iommu_group"])
+    entry["node"] = node
+    entry["path"] = mapping_path(bdf, pci_devices)
+    if dev.get("subsystem_vendor") and dev.get("subsystem_device"):
+        entry["subsystem-id"] = f"{dev['subsystem_vendor']}:{dev['subsystem_device']}"
+    return entry
+
+
+def map_string(entry: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in entry.items())
+
+
+@dataclass
+class MappingChange:
+    """`action`: "create" or "set"; `maps`: every map entry the id should have (other nodes'
+    entries kept as they were)."""
+
+    id: str
+    action: str
+    maps: list[dict[str, str]]
+    reason: str
+
+
+def plan_mappings(node: str, vm_gpus: list[str], pci_devices: dict[str, dict],
+                  existing: dict[str, dict]) -> list[MappingChange]:
+    """Mapping creations/corrections for the GPUs given to VMs (`PciMappings` fact shape).
+
+    A mapping whose entry for this node differs from the hardware (id, subsystem-id, path,
+    IOMMU group) is rewritten: Proxmox refuses to start a VM on a stale one (incident 11).
+    """
+    changes = []
+    for bdf in sorted(vm_gpus):
+        wanted = render_mapping_entry(node, bdf, pci_devices)
+        mid = mapping_id(node, bdf)
+        current = existing.get(mid)
+        if current is None:
+            changes.append(MappingChange(mid, "create", [wanted], f"{bdf} has no mapping {mid}"))
+            continue
+        others = [m for m in current["map"] if m.get("node") != node]
+        mine = [m for m in current["map"] if m.get("node") == node]
+        if mine == [wanted]:
+            continue
+        if mine:
+            diffs = sorted(k for k in set(wanted) | set(mine[0]) if wanted.get(k) != mine[0].get(k))
+            reason = f"mapping {mid} does not match the hardware ({', '.join(diffs)})"
+        else:
+            reason = f"mapping {mid} has no entry for node {node}"
+        changes.append(MappingChange(mid, "set", others + [wanted], reason))
+    return changes
+
+
+def _is_q35(machine: str | None) -> bool:
+    return bool(machine) and "q35" in machine
+
+
+@dataclass
+class VmPlan:
+    vmid: int
+    set_options: dict[str, str]   # {"hostpci0": "mapping=...,pcie=1", "machine": "q35"}
+    delete: list[str]             # ["hostpci3"]
+    problems: list[str]
+    notes: list[str]
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.set_options or self.delete)
+
+
+def plan_vm(vmid: int, node: str, gpus: list[str], want_machine: str, allow_machine_change: bool,
+            config: dict | None, pci_devices: dict[str, dict], managed_bdfs: set[str]) -> VmPlan:
+    """hostpci lines for exactly the VM's GPUs (`QemuConfigs` entry as `config`).
+
+    Ours: hostpci entries whose mapping id is a pvegpu id, or whose raw host BDFs are GPUs the
+    spec manages (`managed_bdfs`); other passthrough devices keep their index. pcie=1 needs
+    q35: a VM on i440fx is reported, and switched only with `allow_machine_change`.
+    """
+    if config is None:
+        return VmPlan(vmid, {}, [], [f"VM {vmid} does not exist on this node; create it, then re-run"], [])
+    problems, notes = [], []
+    set_options: dict[str, str] = {}
+    machine = config["options"].get("machine")
+    q35 = _is_q35(machine)
+    if want_machine == "q35" and not q35 and gpus:
+        if allow_machine_change:
+            set_options["machine"] = "q35"
+            q35 = True
+            notes.append(f"VM {vmid}: machine {machine or 'i440fx (default)'} -> q35 for PCIe passthrough")
+        else:
+            problems.append(f"VM {vmid} runs machine {machine or 'i440fx (default)'}; PCIe passthrough "
+                            f"(pcie=1) needs q35: set vms.{vmid}.allow_machine_change: true to switch it, "
+                            f"or machine: i440fx to pass the GPUs as plain PCI")
+    ours = {}
+    for key, entry in config.get("hostpci", {}).items():
+        is_ours = (entry.get("mapping") or "").startswith("pvegpu-") or any(
+            h.rsplit(".", 1)[0] in {b.rsplit(".", 1)[0] for b in managed_bdfs} for h in entry.get("host", []))
+        if is_ours:
+            ours[key] = entry
+    taken = {int(k[len("hostpci"):]) for k in config.get("hostpci", {}) if k not in ours}
+    free = (i for i in range(10_000) if i not in taken)
+    wanted: dict[str, str] = {}
+    for bdf in sorted(gpus):
+        wanted[f"hostpci{next(free)}"] = f"mapping={mapping_id(node, bdf)}" + (",pcie=1" if q35 else "")
+    for key, value in wanted.items():
+        current = ours.get(key)
+        want_opts = {"pcie": "1"} if q35 else {}
+        if current is None or current.get("host") or current.get("mapping") != value.split(",")[0][len("mapping="):] \
+                or current.get("options", {}) != want_opts:
+            set_options[key] = value
+    delete = sorted(k for k in ours if k not in wanted)
+    return VmPlan(vmid, set_options, delete, problems, notes)

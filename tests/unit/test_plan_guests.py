@@ -1,0 +1,290 @@
+"""plan.guests: CT device lines (both PVE syntaxes) merged into real container configs, VM
+mappings and hostpci lines. Merge inputs are real configs from tests/fixtures/lxc-conf/."""
+
+from pathlib import Path
+
+import pytest
+
+from facts.devices import parse_char_majors
+from facts.nvidia import parse_gpu_information
+from facts.proxmox import parse_guest_config, parse_pci_mappings
+from plan.guests import (
+    config_gpu_nodes,
+    mapping_id,
+    merge_container_config,
+    plan_mappings,
+    plan_vm,
+    pve_supports_dev_entries,
+    render_container_devices,
+)
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+def fixture_lines(rel: str) -> list[str]:
+    """Output lines of a fixture: without the `# source:`/`# machine:` header (and prompts)."""
+    lines = (FIXTURES / rel).read_text().splitlines()[2:]
+    return [l for l in lines if not l.startswith("root@")]
+
+
+def fixture_text(rel: str) -> str:
+    return "\n".join(fixture_lines(rel)) + "\n"
+
+
+H200_MAJORS = parse_char_majors(fixture_lines("h200-vm/proc-devices.txt"))
+# The PVE 9 host of the jellyfin/xtts fixtures allowed 195, 511 (uvm) and 236 (caps).
+PVE9_MAJORS = {**{n: m for n, m in H200_MAJORS.items() if not n.startswith("nvidia")},
+               "nvidia": 195, "nvidiactl": 195, "nvidia-uvm": 511, "nvidia-caps": 236}
+KPRO6_MINORS = {"0000:01:00.0": 0, "0000:21:00.0": 1, "0000:41:00.0": 2, "0000:61:00.0": 3}
+
+
+def test_dev_entries_syntax_starts_at_pve_8_1():
+    assert not pve_supports_dev_entries(None)
+    assert not pve_supports_dev_entries({"major": 8, "minor": 0})
+    assert pve_supports_dev_entries({"major": 8, "minor": 1})
+    assert pve_supports_dev_entries({"major": 9, "minor": 0})
+
+
+def test_dev_entries_pick_minors_by_bdf_not_by_position():
+    ct = render_container_devices(200, ["0000:61:00.0", "0000:21:00.0"], KPRO6_MINORS, {}, True, 44)
+    assert ct.lines == [
+        ("dev0", "/dev/nvidia1,gid=44"),
+        ("dev1", "/dev/nvidia3,gid=44"),
+        ("dev2", "/dev/nvidiactl,gid=44"),
+        ("dev3", "/dev/nvidia-uvm,gid=44"),
+        ("dev4", "/dev/nvidia-uvm-tools,gid=44"),
+        ("dev5", "/dev/nvidia-caps/nvidia-cap1,gid=44"),
+        ("dev6", "/dev/nvidia-caps/nvidia-cap2,gid=44"),
+    ]
+    assert ct.problems == []
+
+
+def test_minor_from_real_driver_information():
+    minors = {b: g["minor"] for b, g in parse_gpu_information(fixture_lines("h200-vm/driver-gpus-information.txt")).items()}
+    ct = render_container_devices(129, ["0000:00:06.0"], minors, {}, True, 104)
+    assert ct.gpu_nodes == ["/dev/nvidia0"] and ct.lines[0] == ("dev0", "/dev/nvidia0,gid=104")
+
+
+def test_dev_entries_skip_indices_of_other_devices():
+    ct = render_container_devices(200, ["0000:01:00.0"], KPRO6_MINORS, {}, True, 44, used_dev_indices={0, 2})
+    assert [k for k, _ in ct.lines] == ["dev1", "dev3", "dev4", "dev5", "dev6", "dev7"]
+    assert len(ct.lines) == 6  # one GPU, ctl, uvm, uvm-tools, cap1, cap2
+
+
+def test_gpu_without_minor_is_a_problem_not_a_guess():
+    ct = render_container_devices(200, ["0000:01:00.0", "0000:81:00.0"], KPRO6_MINORS, {}, True, 44)
+    assert ct.gpu_nodes == ["/dev/nvidia0"]
+    assert ct.problems == ["CT 200: GPU 0000:81:00.0 has no /dev/nvidia minor (not bound to the nvidia driver)"]
+
+
+def test_old_syntax_uses_majors_from_real_proc_devices():
+    ct = render_container_devices(200, ["0000:41:00.0"], KPRO6_MINORS, H200_MAJORS, False, 44)
+    assert ct.lines == [
+        ("lxc.cgroup2.devices.allow", "c 195:* rwm"),
+        ("lxc.cgroup2.devices.allow", "c 238:* rwm"),   # nvidia-uvm on that host
+        ("lxc.cgroup2.devices.allow", "c 241:* rwm"),   # nvidia-caps
+        ("lxc.mount.entry", "/dev/nvidia2 dev/nvidia2 none bind,optional,create=file"),
+        ("lxc.mount.entry", "/dev/nvidiactl dev/nvidiactl none bind,optional,create=file"),
+        ("lxc.mount.entry", "/dev/nvidia-uvm dev/nvidia-uvm none bind,optional,create=file"),
+        ("lxc.mount.entry", "/dev/nvidia-uvm-tools dev/nvidia-uvm-tools none bind,optional,create=file"),
+        ("lxc.mount.entry", "/dev/nvidia-caps dev/nvidia-caps none bind,optional,create=dir"),
+    ]
+
+
+def test_old_syntax_without_uvm_loaded_reports_it():
+    majors = {"nvidia": 195, "nvidia-caps": 241}
+    ct = render_container_devices(200, ["0000:41:00.0"], KPRO6_MINORS, majors, False, 44)
+    assert ("lxc.cgroup2.devices.allow", "c 241:* rwm") in ct.lines
+    assert any("nvidia-uvm is not in /proc/devices" in p for p in ct.problems)
+
+
+def test_merge_old_syntax_into_real_jellyfin_config_replaces_only_nvidia_lines():
+    text = fixture_text("lxc-conf/pve9-102-jellyfin-privileged-lxc-mount-entry-nvidia-caps-dir.txt")
+    ct = render_container_devices(102, ["0000:21:00.0"], KPRO6_MINORS, PVE9_MAJORS, False, 44)
+    merged = merge_container_config(text, ct.lines, PVE9_MAJORS)
+    out = merged.text.splitlines()
+    # every non-GPU line, comments (incl. the escaped '#lxc.mount.entry%3A') kept in order
+    others = [l for l in text.splitlines() if "nvidia" not in l or l.startswith("#")]
+    others = [l for l in others if not l.startswith("lxc.cgroup2.devices.allow")]
+    assert [l for l in out if l in others] == others
+    assert "#lxc.mount.entry%3A /dev/nvidia-modeset dev/nvidia-modeset none bind,optional,create=file" in out
+    # GPU 1 instead of GPU 0; majors unchanged (same host)
+    assert merged.removed == ["lxc.mount.entry: /dev/nvidia0 dev/nvidia0 none bind,optional,create=file"]
+    assert merged.added == ["lxc.mount.entry: /dev/nvidia1 dev/nvidia1 none bind,optional,create=file"]
+    # our block sits where the old one was: right after "swap: 0"
+    assert out[out.index("swap: 0") + 1] == "lxc.cgroup2.devices.allow: c 195:* rwm"
+    assert config_gpu_nodes(merged.text) == ["/dev/nvidia1"]
+
+
+def test_merge_is_idempotent_on_its_own_output():
+    text = fixture_text("lxc-conf/pve-6006-gpuaas-privileged-nvidia-caps-loop.txt")
+    ct = render_container_devices(6006, ["0000:01:00.0", "0000:21:00.0"], KPRO6_MINORS, PVE9_MAJORS, False, 44)
+    once = merge_container_config(text, ct.lines, PVE9_MAJORS)
+    twice = merge_container_config(once.text, ct.lines, PVE9_MAJORS)
+    assert once.changed and not twice.changed and twice.text == once.text
+
+
+def test_stale_uvm_major_after_reboot_is_replaced_loop_devices_kept():
+    # 6006 allowed 235 and 510; now nvidia-uvm is 511, caps 236, and 235/510 are registered by nobody
+    text = fixture_text("lxc-conf/pve-6006-gpuaas-privileged-nvidia-caps-loop.txt")
+    ct = render_container_devices(6006, ["0000:01:00.0"], KPRO6_MINORS, PVE9_MAJORS, False, 44)
+    merged = merge_container_config(text, ct.lines, PVE9_MAJORS)
+    out = merged.text.splitlines()
+    assert "lxc.cgroup2.devices.allow: c 235:* rwm" not in out
+    assert "lxc.cgroup2.devices.allow: c 510:* rwm" not in out
+    assert "lxc.cgroup2.devices.allow: c 511:* rwm" in out
+    # not ours: the catch-all, block loop devices, loop-control (10:237, misc is registered)
+    for line in ("lxc.cgroup2.devices.allow: a", "lxc.cgroup2.devices.allow: b 7:* rwm",
+                 "lxc.cgroup2.devices.allow: c 10:237 rwm",
+                 "lxc.mount.entry: /dev/loop7 dev/loop7 none bind,optional,create=file",
+                 "lxc.init.cmd: /sbin/init systemd.unified_cgroup_hierarchy=0"):
+        assert line in out
+    assert out[:2] == ["#try running speedtest first then run the following", "#/var/lib/quickpod/update_scripts.sh"]
+    # modeset and the cap1/cap2 file mounts were ours: replaced by the caps dir mount
+    assert not any("nvidia-modeset" in l for l in out)
+    assert "lxc.mount.entry: /dev/nvidia-caps dev/nvidia-caps none bind,optional,create=dir" in out
+
+
+def test_non_nvidia_config_gets_dev_entries_before_raw_lxc_keys():
+    text = fixture_text("lxc-conf/frigate-7640-intel-igpu-no-nvidia-negative.txt")
+    ct = render_container_devices(102, ["0000:01:00.0"], KPRO6_MINORS, {}, True, 44)
+    merged = merge_container_config(text, ct.lines, PVE9_MAJORS)
+    out = merged.text.splitlines()
+    assert merged.removed == []
+    assert [l for l in out if not l.startswith("dev")] == text.splitlines()  # nothing else moved
+    assert out[out.index("unprivileged: 1") + 1] == "dev0: /dev/nvidia0,gid=44"
+    assert out.index("dev5: /dev/nvidia-caps/nvidia-cap2,gid=44") < out.index("lxc.cgroup2.devices.allow: c 226:0 rwm")
+
+
+def test_switch_to_dev_entries_removes_raw_lines_keeps_coral_and_idmap():
+    text = fixture_text("lxc-conf/frigate-8652-2051-unprivileged-2x-nvidia-coral-idmap-fragment.txt")
+    ct = render_container_devices(2051, ["0000:01:00.0"], KPRO6_MINORS, {}, True, 44)
+    merged = merge_container_config(text, ct.lines, PVE9_MAJORS)
+    out = merged.text.splitlines()
+    assert not any(l.startswith("lxc.") and "nvidia" in l for l in out)
+    assert "lxc.cgroup2.devices.allow: c 195:0 rwm" not in out
+    for line in ("lxc.cgroup2.devices.allow: c 120:0 rwm", "lxc.idmap: g 1001 101001 64535",
+                 "lxc.mount.entry: /lxc/102010/devices/apex_1 dev/apex_1 none bind,optional,create=file"):
+        assert line in out
+    assert config_gpu_nodes(merged.text) == ["/dev/nvidia0"]
+
+
+SNAPSHOT_CONFIG = """\
+#GPU box
+#dev1%3A /dev/nvidia1,gid=44
+arch: amd64
+dev0: /dev/nvidia0,gid=44
+dev1: /dev/dri/renderD128,gid=104
+dev2: /dev/nvidiactl,gid=44
+hostname: gpu
+parent: before-move
+lxc.apparmor.profile: unconfined
+
+[before-move]
+arch: amd64
+dev0: /dev/nvidia0,gid=44
+lxc.cgroup2.devices.allow: c 195:* rwm
+snaptime: 1700000000
+"""
+
+
+def test_snapshot_sections_and_disabled_entries_are_left_alone():
+    ct = render_container_devices(200, ["0000:21:00.0"], KPRO6_MINORS, {}, True, 44, used_dev_indices={1})
+    merged = merge_container_config(SNAPSHOT_CONFIG, ct.lines, {"nvidia": 195})
+    head, _, snap = merged.text.partition("[before-move]\n")
+    assert snap == SNAPSHOT_CONFIG.partition("[before-move]\n")[2]
+    assert head.splitlines()[:4] == ["#GPU box", "#dev1%3A /dev/nvidia1,gid=44", "arch: amd64", "dev0: /dev/nvidia1,gid=44"]
+    assert "dev1: /dev/dri/renderD128,gid=104" in head
+    assert head.count("/dev/nvidia") == 6 + 1  # our 6 entries + the commented one
+    assert head.endswith("lxc.apparmor.profile: unconfined\n\n")
+    assert parse_guest_config(merged.text.splitlines(), "lxc")["devices"]["dev3"]["path"] == "/dev/nvidia-uvm"
+
+
+def test_removing_all_gpus_removes_our_lines_only():
+    text = fixture_text("lxc-conf/pve9-116-xtts-unprivileged-raw-lxc-nvidia-allow-a.txt")
+    merged = merge_container_config(text, [], PVE9_MAJORS)
+    assert not [l for l in merged.text.splitlines() if "nvidia" in l and not l.startswith("tags:")]
+    assert "lxc.cgroup2.devices.allow: 511" not in merged.text
+    assert "lxc.cgroup2.devices.allow: a" in merged.text and "timezone: America/Toronto" in merged.text
+
+
+# ---------------------------------------------------------------- VMs
+
+PCI = {
+    "0000:81:00.0": {"vendor": "10de", "device": "2bb5", "subsystem_vendor": "10de", "subsystem_device": "204e",
+                     "class": "030000", "iommu_group": 40, "driver": "vfio-pci"},
+    "0000:81:00.1": {"vendor": "10de", "device": "22e8", "subsystem_vendor": "10de", "subsystem_device": "204e",
+                     "class": "040300", "iommu_group": 40, "driver": "vfio-pci"},
+    "0000:a1:00.0": {"vendor": "10de", "device": "2bb5", "subsystem_vendor": "10de", "subsystem_device": "204e",
+                     "class": "030000", "iommu_group": 50, "driver": "vfio-pci"},
+}
+
+PCI_CFG = """\
+pvegpu-kpro6-0000-81-00-0
+\tmap id=10de:2bb5,iommugroup=12,node=kpro6,path=0000:81:00,subsystem-id=10de:204e
+\tmap id=10de:2bb5,iommugroup=7,node=kpro5,path=0000:01:00.0,subsystem-id=10de:204e
+
+pvegpu-kpro6-0000-a1-00-0
+\tmap id=10de:2bb5,iommugroup=50,node=kpro6,path=0000:a1:00.0,subsystem-id=10de:204e
+"""
+
+
+def test_mapping_ids_are_proxmox_ids():
+    assert mapping_id("KPro6", "0000:81:00.0") == "pvegpu-kpro6-0000-81-00-0"
+
+
+def test_stale_mapping_is_corrected_other_nodes_kept_current_one_left():
+    existing = parse_pci_mappings(PCI_CFG.splitlines())
+    changes = plan_mappings("kpro6", ["0000:a1:00.0", "0000:81:00.0"], PCI, existing)
+    assert len(changes) == 1
+    (c,) = changes
+    assert (c.id, c.action) == ("pvegpu-kpro6-0000-81-00-0", "set")
+    assert "iommugroup" in c.reason
+    assert c.maps == [
+        {"id": "10de:2bb5", "iommugroup": "7", "node": "kpro5", "path": "0000:01:00.0", "subsystem-id": "10de:204e"},
+        {"id": "10de:2bb5", "iommugroup": "40", "node": "kpro6", "path": "0000:81:00", "subsystem-id": "10de:204e"},
+    ]
+
+
+def test_missing_mapping_is_created_single_function_by_bdf():
+    (c,) = plan_mappings("kpro6", ["0000:a1:00.0"], PCI, {})
+    assert c.action == "create" and c.maps[0]["path"] == "0000:a1:00.0"
+
+
+def _vm(text):
+    return parse_guest_config(text.splitlines(), "qemu")
+
+
+def test_vm_hostpci_lines_keep_other_devices_and_drop_moved_gpus():
+    config = _vm("machine: q35\nhostpci0: 0000:05:00.0,pcie=1\nhostpci1: mapping=pvegpu-kpro6-0000-81-00-0,pcie=1\n"
+                 "hostpci2: mapping=pvegpu-kpro6-0000-c1-00-0,pcie=1\nmemory: 65536\n")
+    plan = plan_vm(300, "kpro6", ["0000:81:00.0", "0000:a1:00.0"], "q35", False, config, PCI,
+                   {"0000:81:00.0", "0000:a1:00.0", "0000:c1:00.0"})
+    assert plan.set_options == {"hostpci2": "mapping=pvegpu-kpro6-0000-a1-00-0,pcie=1"}
+    assert plan.delete == [] and plan.problems == []
+    converged = _vm("machine: q35\nhostpci0: 0000:05:00.0,pcie=1\nhostpci1: mapping=pvegpu-kpro6-0000-81-00-0,pcie=1\n"
+                    "hostpci2: mapping=pvegpu-kpro6-0000-a1-00-0,pcie=1\n")
+    assert not plan_vm(300, "kpro6", ["0000:81:00.0", "0000:a1:00.0"], "q35", False, converged, PCI, set(PCI)).changed
+    shrunk = plan_vm(300, "kpro6", ["0000:81:00.0"], "q35", False, converged, PCI, set(PCI))
+    assert shrunk.delete == ["hostpci2"] and shrunk.set_options == {}
+
+
+def test_raw_hostpci_of_a_managed_gpu_is_replaced_by_the_mapping():
+    config = _vm("machine: pc-q35-8.1\nhostpci0: 0000:81:00,pcie=1,x-vga=1\n")
+    plan = plan_vm(300, "kpro6", ["0000:81:00.0"], "q35", False, config, PCI, {"0000:81:00.0"})
+    assert plan.set_options == {"hostpci0": "mapping=pvegpu-kpro6-0000-81-00-0,pcie=1"}
+
+
+@pytest.mark.parametrize("machine_line", ["", "machine: pc-i440fx-8.1\n"])
+def test_i440fx_vm_is_reported_or_switched_when_allowed(machine_line):
+    config = _vm(machine_line + "memory: 4096\n")
+    refused = plan_vm(300, "kpro6", ["0000:81:00.0"], "q35", False, config, PCI, set(PCI))
+    assert refused.problems and "needs q35" in refused.problems[0] and "allow_machine_change" in refused.problems[0]
+    assert refused.set_options == {"hostpci0": "mapping=pvegpu-kpro6-0000-81-00-0"}  # no pcie=1 on i440fx
+    allowed = plan_vm(300, "kpro6", ["0000:81:00.0"], "q35", True, config, PCI, set(PCI))
+    assert allowed.problems == []
+    assert allowed.set_options == {"machine": "q35", "hostpci0": "mapping=pvegpu-kpro6-0000-81-00-0,pcie=1"}
+
+
+def test_missing_vm_is_a_problem():
+    assert "does not exist" in plan_vm(300, "kpro6", ["0000:81:00.0"], "q35", False, None, PCI, set()).problems[0]
