@@ -1,0 +1,827 @@
+"""Hardware half of the digital twin: a profile (YAML) plus the configuration persisted in the
+twin's root become a rendered sysfs/procfs view, device nodes and the state the stand-ins read.
+
+Public API (see /work/notes/TWIN-CONTRACT.md):
+    install(root, profile)      once per fresh root: profile, stand-ins, /etc/pve seed, render
+    render(root)                one "boot": re-read persisted config, rewrite root/var/lib/twin/hw/
+    mark_busy(root, bdf, holder="nvidia-persistenced") / clear_busy(root, bdf=None)
+    load_profile(name_or_path) -> dict
+
+Profile shape (tests/twin/profiles/<name>.yml; every key below is used by render):
+    name, node                      profile name, Proxmox node name (hostname)
+    cpu: {vendor_id, model_name, family, model, stepping, microcode, mhz, cache_kb, sockets,
+          cores_per_socket, threads_per_core, flags: "fpu ... sev_snp", bugs, address_sizes}
+    numa_nodes: {0: "0-31,64-95", ...}          node -> cpulist
+    memory_kib: int  |  meminfo: "<verbatim /proc/meminfo>"
+    kernel: {release, version: "#1 SMP ...", builder: "build@proxmox", gcc, ld,
+             installed: [releases], pci_iov: bool (13/17-line `resource` vs 7/11)}
+    boot: {loader: systemd-boot|grub|none, cmdline: "<configured args>", root: "<root= for grub>"}
+    pve: {version, repoid, kernel_helper, ...} | null (not a Proxmox host)
+    iommu: {vendor: amd|intel|none, default_domain: DMA|DMA-FQ|identity, default_on: bool}
+    modules_loaded: [names loaded at boot before modules-load.d]
+    module_params: {module: {param: default}}   (/sys/module/<m>/parameters/<p>)
+    nvidia: {version, open, builder, build_date, gcc, cuda_version, params: {...},
+             nodes_at_boot: [uvm, caps]}          nodes a boot creates without any unit
+    char_devices / block_devices: [[major, name], ...] (base lists; nvidia majors added)
+    char_majors: {nvidia-uvm: 511, nvidia-caps: 510, vfio: 509, ...}
+    p2p: {r: OK, w: OK, n: NS, a: NS, p: OK, legend_dr: bool}
+    pci: [ {bdf, parent: <bridge bdf>|null, vendor, device, subsystem: "vvvv:dddd", class,
+            revision, numa_node, irq, bridge: root_port|switch_upstream|switch_downstream,
+            secondary_bus, link: {speed, width, max_speed, max_width},
+            bars: [{index, start, size, flags}], rom: {start, size},
+            iommu_group, driver, gpu: {name, uuid, serial, vbios, memory_mib, power_limit_w,
+            compute_cap}, nic: "mlx5_0"} ]
+    guests: {lxc: {vmid: "<pct.conf text>"}, qemu: {vmid: "<qm.conf text>"}}
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+PROFILES_DIR = HERE / "profiles"
+STANDINS_DIR = HERE / "standins"
+TWIN_DIR = "var/lib/twin"
+
+# stand-in source -> paths inside the twin root (one program may answer to several names)
+STANDIN_PATHS = {
+    "nvidia_smi.py": ["usr/local/bin/nvidia-smi"],
+    "proxmox.py": ["usr/local/sbin/pct", "usr/local/sbin/qm", "usr/local/sbin/pvesh",
+                   "usr/local/bin/pveversion"],
+    "boot.py": ["usr/local/sbin/proxmox-boot-tool", "usr/local/sbin/update-grub",
+                "usr/local/sbin/reboot", "usr/local/sbin/shutdown", "usr/local/bin/systemctl",
+                # the real names point at systemctl; absolute callers must reach the stand-in too
+                "usr/sbin/reboot", "usr/sbin/shutdown"],
+    "hostdev.py": ["usr/local/bin/fuser", "usr/local/bin/nvidia-modprobe", "usr/local/bin/uname"],
+}
+STANDIN_LIB = "usr/local/lib/twin/twinstate.py"
+
+BINDING_RULES = "etc/udev/rules.d/60-pvegpu-gpu-binding.rules"
+RULE_RE = re.compile(r'KERNEL=="(?P<bdf>[0-9a-fA-F:.]+)".*ATTR\{driver_override\}="(?P<drv>[^"]*)"')
+
+BASE_CHAR_DEVICES = [
+    [1, "mem"], [4, "/dev/vc/0"], [4, "tty"], [4, "ttyS"], [5, "/dev/tty"], [5, "/dev/console"],
+    [5, "/dev/ptmx"], [5, "ttyprintk"], [7, "vcs"], [10, "misc"], [13, "input"], [21, "sg"],
+    [29, "fb"], [89, "i2c"], [128, "ptm"], [136, "pts"], [180, "usb"], [189, "usb_device"],
+    [202, "cpu/msr"], [203, "cpu/cpuid"], [226, "drm"], [236, "ttyMAX"], [240, "hidraw"],
+    [241, "ttyDBC"], [242, "bsg"], [243, "watchdog"], [244, "remoteproc"], [245, "ptp"],
+    [246, "pps"], [247, "rtc"], [248, "dma_heap"], [249, "dax"], [250, "dimmctl"],
+    [251, "ndctl"], [252, "tpm"], [253, "tpm"], [254, "gpiochip"],
+]
+BASE_BLOCK_DEVICES = [[7, "loop"], [8, "sd"], [9, "md"], [65, "sd"], [66, "sd"], [67, "sd"],
+                      [128, "sd"], [230, "zvol"], [252, "device-mapper"], [253, "virtblk"],
+                      [254, "mdp"], [259, "blkext"]]
+
+# kernel resource flags (include/linux/ioport.h + PCI_BASE_ADDRESS bits) as seen in real sysfs
+BAR_FLAGS = {"mem32": 0x40200, "mem32pref": 0x42208, "mem64": 0x140204, "mem64pref": 0x14220C,
+             "io": 0x40101, "rom": 0x46200}
+
+MODULE_SYSFS_NAMES = {"vfio-pci": "vfio_pci"}
+
+
+# ---------------------------------------------------------------- profile + persisted config
+
+def load_profile(name_or_path) -> dict:
+    p = Path(name_or_path)
+    if not p.suffix:
+        p = PROFILES_DIR / f"{name_or_path}.yml"
+    with open(p) as f:
+        return yaml.safe_load(f)
+
+
+def _read(root: Path, rel: str) -> str | None:
+    try:
+        return (root / rel.lstrip("/")).read_text()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def _symlink(link: Path, target: str) -> None:
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    os.symlink(target, link)
+
+
+def _glob_text(root: Path, pattern: str) -> list[tuple[str, str]]:
+    out = []
+    for p in sorted(root.glob(pattern)):
+        if p.is_file():
+            out.append((p.name, p.read_text(errors="replace")))
+    return out
+
+
+def persisted_bindings(root: Path) -> dict[str, str]:
+    """{bdf: driver} from the udev driver_override rules (and driverctl overrides)."""
+    out: dict[str, str] = {}
+    text = _read(root, BINDING_RULES) or ""
+    for line in text.splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        m = RULE_RE.search(line)
+        if m:
+            out[_norm_bdf(m["bdf"])] = m["drv"]
+    for name, text in _glob_text(root, "etc/driverctl.d/pci-*"):
+        out[_norm_bdf(name[len("pci-"):])] = text.strip()
+    return out
+
+
+def modules_load(root: Path) -> list[str]:
+    """Module names listed in /etc/modules-load.d/*.conf and /etc/modules, '-' normalised."""
+    names = []
+    files = _glob_text(root, "etc/modules-load.d/*.conf")
+    etc_modules = _read(root, "etc/modules")
+    if etc_modules:
+        files.append(("modules", etc_modules))
+    for _, text in files:
+        for line in text.splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line and not line.startswith(";"):
+                names.append(line.split()[0].replace("-", "_"))
+    return names
+
+
+def modprobe_options(root: Path) -> dict[str, dict[str, str]]:
+    """{module: {param: value}} from `options` lines in modprobe.d (later files win)."""
+    files: dict[str, str] = {}
+    for d in ("lib/modprobe.d", "usr/lib/modprobe.d", "run/modprobe.d", "etc/modprobe.d"):
+        for name, text in _glob_text(root, f"{d}/*.conf"):
+            files[name] = text  # same name in a later dir overrides (modprobe.d(5))
+    opts: dict[str, dict[str, str]] = {}
+    for name in sorted(files):
+        for line in files[name].replace("\\\n", " ").splitlines():
+            words = line.split("#", 1)[0].split()
+            if len(words) >= 2 and words[0] == "options":
+                mod = words[1].replace("-", "_")
+                for kv in words[2:]:
+                    k, _, v = kv.partition("=")
+                    opts.setdefault(mod, {})[k] = v.strip('"')
+    return opts
+
+
+def installed_kernels(root: Path) -> list[str]:
+    rels = []
+    for p in (root / "boot").glob("vmlinuz-*"):
+        rel = p.name[len("vmlinuz-"):]
+        if (root / "lib/modules" / rel).is_dir():
+            rels.append(rel)
+    return sorted(rels, key=_version_key)
+
+
+def _version_key(rel: str):
+    return [int(x) if x.isdigit() else x for x in re.split(r"[.\-+~]", rel)]
+
+
+def booted_release(root: Path, profile: dict, consume_next_boot: bool) -> str:
+    installed = installed_kernels(root)
+    nxt = (_read(root, "etc/kernel/next-boot-pin") or "").strip()
+    if nxt and consume_next_boot:
+        (root / "etc/kernel/next-boot-pin").unlink()  # proxmox-boot-cleanup does this on boot
+    pin = (_read(root, "etc/kernel/proxmox-boot-pin") or "").strip()
+    for candidate in (nxt, pin):
+        if candidate and candidate in installed:
+            return candidate
+    if installed:
+        return installed[-1]
+    return profile["kernel"]["release"]
+
+
+def booted_cmdline(root: Path, profile: dict, release: str) -> str:
+    boot = profile["boot"]
+    loader = boot["loader"]
+    if loader == "systemd-boot":
+        args = (_read(root, f"{TWIN_DIR}/boot/cmdline") or boot["cmdline"]).strip()
+        return f"initrd=\\EFI\\proxmox\\{release}\\initrd.img-{release} {args}"
+    if loader == "grub":
+        cfg = _read(root, "boot/grub/grub.cfg") or ""
+        lines = [m.groups() for m in re.finditer(r"^\s*linux\s+(\S+)\s*(.*)$", cfg, re.M)]
+        for image, args in lines:
+            if image.endswith(f"vmlinuz-{release}"):
+                return f"BOOT_IMAGE={image} {args}".strip()
+        if lines:
+            return f"BOOT_IMAGE=/boot/vmlinuz-{release} {lines[0][1]}".strip()
+        return f"BOOT_IMAGE=/boot/vmlinuz-{release} {boot['cmdline']}".strip()
+    return boot["cmdline"]
+
+
+def _kernel_gcc(root: Path, profile: dict, release: str) -> str:
+    """CONFIG_CC_VERSION_TEXT of the booted kernel's headers when we have them."""
+    for rel in (f"usr/src/linux-headers-{release}/include/config/auto.conf",
+                f"usr/src/linux-headers-{release}/.config", f"lib/modules/{release}/build/.config",
+                f"boot/config-{release}"):
+        text = _read(root, rel)
+        if text:
+            m = re.search(r'^CONFIG_CC_VERSION_TEXT="(.*)"$', text, re.M)
+            if m:
+                return m.group(1)
+    return profile["kernel"]["gcc"]
+
+
+def _nvidia_module(root: Path, release: str) -> dict | None:
+    """version/license/gcc of an nvidia.ko installed for `release`, read from the ELF itself."""
+    base = root / "lib/modules" / release
+    if not base.is_dir():
+        return None
+    for p in sorted(base.rglob("nvidia.ko*")):
+        data = p.read_bytes()
+        if p.suffix in (".xz", ".zst", ".gz"):
+            continue  # compressed modules: we do not decompress, fall back to the profile
+        ver = re.search(rb"\x00version=([^\x00]+)\x00", data)
+        if not ver:
+            continue
+        lic = re.search(rb"\x00license=([^\x00]+)\x00", data)
+        gcc = re.search(rb"GCC: \(([^)]*)\) (\S+)\x00", data)
+        return {"version": ver.group(1).decode(),
+                "open": bool(lic and b"GPL" in lic.group(1)),
+                "gcc": f"gcc version {gcc.group(2).decode()} ({gcc.group(1).decode()})" if gcc else None,
+                "path": "/" + str(p.relative_to(root))}
+    return None
+
+
+def _boot_units_nvidia_modprobe(root: Path) -> list[str]:
+    """Command lines of nvidia-modprobe that an enabled unit or a udev rule runs at boot."""
+    cmds = []
+    for wants in sorted(root.glob("etc/systemd/system/*.wants/*")) + sorted(
+            root.glob("etc/systemd/system/*.requires/*")):
+        unit = wants
+        if wants.is_symlink():
+            target = os.readlink(wants)
+            unit = root / target.lstrip("/") if target.startswith("/") else wants.parent / target
+        try:
+            text = unit.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.strip().startswith("ExecStart") and "nvidia-modprobe" in line:
+                cmds.append(line.split("=", 1)[1])
+    for _, text in _glob_text(root, "etc/udev/rules.d/*.rules"):
+        for m in re.finditer(r'RUN\+="([^"]*nvidia-modprobe[^"]*)"', text):
+            cmds.append(m.group(1))
+    return cmds
+
+
+def _norm_bdf(bdf: str) -> str:
+    bdf = bdf.lower()
+    return bdf if bdf.count(":") == 2 else f"0000:{bdf}"
+
+
+def _cmdline_params(cmdline: str) -> dict[str, str]:
+    params = {}
+    for tok in cmdline.split():
+        if tok == "--":
+            break
+        k, _, v = tok.partition("=")
+        params[k] = v
+    return params
+
+
+def _truthy(v: str) -> bool:
+    return str(v).strip().lower() in ("1", "y", "yes", "true", "on")
+
+
+# ---------------------------------------------------------------- the boot computation
+
+def compute(root: Path, profile: dict, consume_next_boot: bool = False) -> dict:
+    """Everything a boot decides, as plain data (written to hw/state.json)."""
+    release = booted_release(root, profile, consume_next_boot)
+    cmdline = booted_cmdline(root, profile, release)
+    params = _cmdline_params(cmdline)
+
+    iommu_cfg = profile.get("iommu") or {"vendor": "none"}
+    vendor = iommu_cfg.get("vendor", "none")
+    if vendor == "none":
+        iommu_on = False
+    else:
+        flag = params.get(f"{vendor}_iommu", "")
+        iommu_on = "off" not in flag.split(",") and (iommu_cfg.get("default_on", True) or "on" in flag.split(","))
+    passthrough = params.get("iommu") == "pt" or params.get("iommu.passthrough") == "1"
+    if passthrough:
+        domain = "identity"
+    elif params.get("iommu.strict") == "1":
+        domain = "DMA"
+    elif params.get("iommu.strict") == "0":
+        domain = "DMA-FQ"
+    else:
+        domain = iommu_cfg.get("default_domain", "DMA")
+
+    options = modprobe_options(root)
+    loaded_extra = modules_load(root)
+    vfio_at_boot = "vfio_pci" in loaded_extra
+    bindings = persisted_bindings(root)
+    vfio_ids = {i.lower() for i in options.get("vfio_pci", {}).get("ids", "").split(",") if i}
+
+    drivers: dict[str, str | None] = {}
+    for dev in profile["pci"]:
+        bdf = dev["bdf"]
+        override = bindings.get(bdf)
+        default = dev.get("driver")
+        if override == "vfio-pci" or (override is None and f"{dev['vendor']}:{dev['device']}" in vfio_ids):
+            drv = "vfio-pci" if vfio_at_boot else None
+        elif override:
+            drv = override
+        else:
+            drv = default
+        drivers[bdf] = drv
+
+    # nvidia driver: the module for the booted kernel if we find one, else the profile's
+    nv = dict(profile.get("nvidia") or {})
+    module = _nvidia_module(root, release)
+    if module:
+        nv.update(version=module["version"], open=module["open"], module_path=module["path"])
+        if module["gcc"]:
+            nv["gcc"] = module["gcc"]
+    loaded = list(dict.fromkeys([m.replace("-", "_") for m in profile.get("modules_loaded", [])] + loaded_extra))
+    if any(d == "nvidia" for d in drivers.values()) and "nvidia" not in loaded:
+        loaded.append("nvidia")
+    if vfio_at_boot:
+        for m in ("vfio", "vfio_iommu_type1", "vfio_pci_core"):
+            if m not in loaded:
+                loaded.append(m)
+    nvidia_loaded = "nvidia" in loaded
+
+    majors = dict(profile.get("char_majors") or {})
+    boot_cmds = _boot_units_nvidia_modprobe(root)
+    at_boot = set(nv.get("nodes_at_boot") or [])
+    if any(re.search(r"(^|\s)(-u|--unified-memory)\b", c) for c in boot_cmds):
+        at_boot.add("uvm")  # nvidia-modprobe -u loads nvidia_uvm and makes its nodes
+        if nvidia_loaded and "nvidia_uvm" not in loaded:
+            loaded.append("nvidia_uvm")
+
+    module_params: dict[str, dict[str, str]] = {}
+    for mod, defaults in (profile.get("module_params") or {}).items():
+        if mod not in loaded:
+            continue
+        vals = {}
+        for k, default in defaults.items():
+            v = options.get(mod, {}).get(k)
+            default = str(default)
+            if v is None:
+                vals[k] = default
+            elif default in ("Y", "N"):
+                vals[k] = "Y" if _truthy(v) else "N"
+            else:
+                vals[k] = v
+        module_params[mod] = vals
+    # SEV-SNP needs a translating IOMMU: the kernel drops SNP with iommu=pt or the IOMMU off
+    if "kvm_amd" in module_params and "sev_snp" in module_params["kvm_amd"]:
+        if not iommu_on or passthrough:
+            module_params["kvm_amd"]["sev_snp"] = "N"
+
+    nv_params = dict((profile.get("nvidia") or {}).get("params") or {})
+    for k, v in options.get("nvidia", {}).items():
+        if k.startswith("NVreg_"):
+            nv_params[k[len("NVreg_"):]] = v
+
+    # GPUs, minors in BDF order among nvidia-bound ones
+    by_bdf = {d["bdf"]: d for d in profile["pci"]}
+    gpus = []
+    minor = 0
+    for dev in sorted((d for d in profile["pci"] if d.get("gpu")), key=lambda d: d["bdf"]):
+        drv = drivers[dev["bdf"]]
+        g = dict(dev["gpu"])
+        g.update(bdf=dev["bdf"], driver=drv, device_id=f"0x{dev['device'].upper()}{dev['vendor'].upper()}",
+                 subsystem_id="0x{1}{0}".format(*dev.get("subsystem", "0000:0000").upper().split(":")),
+                 numa_node=dev.get("numa_node", -1), link=dev.get("link") or {},
+                 irq=dev.get("irq", 0), minor=None, index=None)
+        if drv == "nvidia" and nvidia_loaded:
+            g["minor"] = g["index"] = minor
+            minor += 1
+        gpus.append(g)
+    for g in gpus:
+        g["cpu_affinity"], g["numa_affinity"] = _affinity(profile, g["numa_node"])
+    nics = [{"bdf": d["bdf"], "name": d["nic"], "driver": drivers[d["bdf"]]}
+            for d in sorted(profile["pci"], key=lambda d: d["bdf"]) if d.get("nic")]
+
+    endpoints = [g["bdf"] for g in gpus] + [n["bdf"] for n in nics]
+    topology = {f"{a} {b}": _level(by_bdf, a, b) for a in endpoints for b in endpoints if a != b}
+
+    # device nodes that exist after this boot
+    nodes: list[dict] = []
+    if nvidia_loaded:
+        nodes.append({"path": "/dev/nvidiactl", "major": 195, "minor": 255, "mode": 0o666})
+        if "nvidia_modeset" in loaded:
+            nodes.append({"path": "/dev/nvidia-modeset", "major": 195, "minor": 254, "mode": 0o666})
+        for g in gpus:
+            if g["minor"] is not None:
+                nodes.append({"path": f"/dev/nvidia{g['minor']}", "major": 195, "minor": g["minor"], "mode": 0o666})
+    if nvidia_loaded and "uvm" in at_boot and "nvidia-uvm" in majors:
+        u = majors["nvidia-uvm"]
+        nodes += [{"path": "/dev/nvidia-uvm", "major": u, "minor": 0, "mode": 0o666},
+                  {"path": "/dev/nvidia-uvm-tools", "major": u, "minor": 1, "mode": 0o666}]
+    if nvidia_loaded and "caps" in at_boot and "nvidia-caps" in majors:
+        c = majors["nvidia-caps"]
+        nodes += [{"path": "/dev/nvidia-caps/nvidia-cap1", "major": c, "minor": 1, "mode": 0o400},
+                  {"path": "/dev/nvidia-caps/nvidia-cap2", "major": c, "minor": 2, "mode": 0o444}]
+    vfio_groups = sorted({by_bdf[b].get("iommu_group") for b, d in drivers.items()
+                          if d == "vfio-pci" and iommu_on and by_bdf[b].get("iommu_group") is not None})
+    if "vfio" in loaded:
+        nodes.append({"path": "/dev/vfio/vfio", "major": 10, "minor": 196, "mode": 0o666})
+        for i, grp in enumerate(vfio_groups):
+            nodes.append({"path": f"/dev/vfio/{grp}", "major": majors.get("vfio", 509), "minor": i, "mode": 0o600})
+
+    return {
+        "profile": profile["name"], "node": profile.get("node", profile["name"]),
+        "booted_at": time.time(),
+        "boot": {"release": release, "cmdline": cmdline, "loader": profile["boot"]["loader"],
+                 "gcc": _kernel_gcc(root, profile, release)},
+        "iommu": {"enabled": iommu_on, "type": domain, "vendor": vendor},
+        "modules": loaded, "module_params": module_params,
+        "nvidia": {"loaded": nvidia_loaded, "version": nv.get("version"), "open": nv.get("open", True),
+                   "cuda_version": nv.get("cuda_version"), "gcc": nv.get("gcc"),
+                   "builder": nv.get("builder", ""), "build_date": nv.get("build_date", ""),
+                   "params": nv_params, "boot_modprobe": boot_cmds},
+        "gpus": gpus, "nics": nics, "topology": topology,
+        "p2p": profile.get("p2p") or {}, "char_majors": majors,
+        "drivers": drivers, "bindings": bindings, "vfio_at_boot": vfio_at_boot,
+        "dev_nodes": nodes, "pve": profile.get("pve"),
+    }
+
+
+def _affinity(profile: dict, numa: int) -> tuple[str, str]:
+    nodes = {int(k): v for k, v in (profile.get("numa_nodes") or {}).items()}
+    if numa is not None and numa >= 0 and numa in nodes:
+        return nodes[numa], str(numa)
+    return _all_cpus(profile), "0" if len(nodes) <= 1 else "N/A"
+
+
+def _all_cpus(profile: dict) -> str:
+    c = profile["cpu"]
+    return f"0-{c['sockets'] * c['cores_per_socket'] * c['threads_per_core'] - 1}"
+
+
+def _chain(by_bdf: dict, bdf: str) -> list[str]:
+    """[root complex, bridge, ..., bdf] from the top down."""
+    chain = [bdf]
+    while by_bdf[chain[0]].get("parent"):
+        chain.insert(0, by_bdf[chain[0]]["parent"])
+    chain.insert(0, "pci" + chain[0][:7])
+    return chain
+
+
+def _level(by_bdf: dict, a: str, b: str) -> str:
+    """nvidia-smi topo -m level between two endpoints, from the PCI tree and NUMA nodes."""
+    ca, cb = _chain(by_bdf, a)[:-1], _chain(by_bdf, b)[:-1]
+    if ca[0] != cb[0]:
+        na, nb = by_bdf[a].get("numa_node", -1), by_bdf[b].get("numa_node", -1)
+        return "NODE" if na == nb else "SYS"
+    common = 0
+    while common < min(len(ca), len(cb)) and ca[common] == cb[common]:
+        common += 1
+    if common == 1:
+        return "PHB"  # diverge at the host bridge: different root ports of one root complex
+    rest = ca[common:] + cb[common:]
+    if any(by_bdf[x].get("bridge") == "switch_upstream" for x in rest):
+        return "PXB"
+    return "PIX"
+
+
+# ---------------------------------------------------------------- rendering
+
+def render(root: Path) -> None:
+    """One boot: rewrite root/var/lib/twin/hw from profile.yml + persisted config."""
+    root = Path(root)
+    profile = load_profile(root / TWIN_DIR / "profile.yml")
+    state = compute(root, profile, consume_next_boot=True)
+    hw = root / TWIN_DIR / "hw"
+    if hw.exists():
+        shutil.rmtree(hw)
+    hw.mkdir(parents=True)
+    _render_sys(hw / "sys", profile, state)
+    _render_proc(hw / "proc", profile, state)
+    (hw / "dev.json").write_text(json.dumps(state["dev_nodes"], indent=1))
+    (hw / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
+
+
+def _resource_lines(dev: dict, profile: dict) -> str:
+    iov = profile["kernel"].get("pci_iov", True)
+    n = 13 if iov else 7
+    if dev.get("bridge") or dev.get("class", "").startswith("0604"):
+        n += 4
+    rows = [(0, 0, 0)] * n
+    for bar in dev.get("bars") or []:
+        size = _size(bar["size"])
+        start = _int(bar["start"])
+        rows[bar["index"]] = (start, start + size - 1, BAR_FLAGS[bar.get("flags", "mem64pref")])
+    if dev.get("rom"):
+        rom = dev["rom"]
+        rows[6] = (_int(rom["start"]), _int(rom["start"]) + _size(rom["size"]) - 1, BAR_FLAGS["rom"])
+    return "".join(f"0x{s:016x} 0x{e:016x} 0x{f:016x}\n" for s, e, f in rows)
+
+
+def _int(v) -> int:
+    return v if isinstance(v, int) else int(str(v), 0)
+
+
+def _size(v) -> int:
+    if isinstance(v, int):
+        return v
+    m = re.fullmatch(r"(\d+)([KMGT]?)", str(v))
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}[m.group(2)]
+
+
+def _dev_rel(by_bdf: dict, bdf: str) -> str:
+    return "devices/" + "/".join(_chain(by_bdf, bdf))
+
+
+def _render_sys(sys: Path, profile: dict, state: dict) -> None:
+    by_bdf = {d["bdf"]: d for d in profile["pci"]}
+    drivers = state["drivers"]
+    iommu_on = state["iommu"]["enabled"]
+    for dev in profile["pci"]:
+        bdf = dev["bdf"]
+        rel = _dev_rel(by_bdf, bdf)
+        d = sys / rel
+        d.mkdir(parents=True, exist_ok=True)
+        sv, sd = dev.get("subsystem", "0000:0000").split(":")
+        cls = dev["class"]
+        drv = drivers[bdf]
+        files = {
+            "vendor": f"0x{dev['vendor']}", "device": f"0x{dev['device']}",
+            "subsystem_vendor": f"0x{sv}", "subsystem_device": f"0x{sd}",
+            "class": f"0x{cls}", "revision": f"0x{dev.get('revision', '00')}",
+            "numa_node": str(dev.get("numa_node", -1)),
+            "local_cpulist": _affinity(profile, dev.get("numa_node", -1))[0],
+            "enable": "1" if drv else "0", "irq": str(dev.get("irq", 0)),
+            "resource": _resource_lines(dev, profile).rstrip("\n"),
+            "driver_override": state["bindings"].get(bdf, "(null)"),
+            "modalias": "pci:v0000{}d0000{}sv0000{}sd0000{}bc{}sc{}i{}".format(
+                dev["vendor"].upper(), dev["device"].upper(), sv.upper(), sd.upper(),
+                cls[0:2].upper(), cls[2:4].upper(), cls[4:6].upper()),
+            "uevent": "\n".join(([f"DRIVER={drv}"] if drv else []) + [
+                f"PCI_CLASS={int(cls, 16):X}", f"PCI_ID={dev['vendor'].upper()}:{dev['device'].upper()}",
+                f"PCI_SUBSYS_ID={sv.upper()}:{sd.upper()}", f"PCI_SLOT_NAME={bdf}",
+                f"MODALIAS=pci:v0000{dev['vendor'].upper()}d0000{dev['device'].upper()}sv0000{sv.upper()}"
+                f"sd0000{sd.upper()}bc{cls[0:2].upper()}sc{cls[2:4].upper()}i{cls[4:6].upper()}"]),
+        }
+        link = dev.get("link")
+        if link:
+            files.update(current_link_speed=link["speed"], current_link_width=str(link["width"]),
+                         max_link_speed=link.get("max_speed", link["speed"]),
+                         max_link_width=str(link.get("max_width", link["width"])))
+        if dev.get("bridge"):
+            files["secondary_bus_number"] = str(int(dev.get("secondary_bus", "0"), 16))
+        for name, text in files.items():
+            (d / name).write_text(text + "\n")
+        for bar in dev.get("bars") or []:
+            (d / f"resource{bar['index']}").write_text("")
+        bus_link = sys / "bus/pci/devices" / bdf
+        _symlink(bus_link, "../../../" + rel)
+        if drv:
+            drvdir = sys / "bus/pci/drivers" / drv
+            _symlink(d / "driver", "../" * (rel.count("/") + 1) + f"bus/pci/drivers/{drv}")
+            _symlink(drvdir / bdf, "../../../../" + rel)
+        grp = dev.get("iommu_group")
+        if iommu_on and grp is not None:
+            gdir = sys / "kernel/iommu_groups" / str(grp)
+            _symlink(d / "iommu_group", "../" * (rel.count("/") + 1) + f"kernel/iommu_groups/{grp}")
+            _symlink(gdir / "devices" / bdf, "../../../../" + rel)
+            _write(gdir / "type", state["iommu"]["type"] + "\n")
+            _write(gdir / "reserved_regions", "0x00000000fee00000 0x00000000feefffff msi\n")
+    # root complexes
+    for rc in {_chain(by_bdf, d["bdf"])[0] for d in profile["pci"]}:
+        _write(sys / "devices" / rc / "uevent", "")
+    # drivers of loaded modules exist even without devices
+    driver_of_module = {"nvidia": "nvidia", "vfio_pci": "vfio-pci", "snd_hda_intel": "snd_hda_intel",
+                        "mlx5_core": "mlx5_core", "nvme": "nvme"}
+    for mod in state["modules"]:
+        if mod in driver_of_module:
+            (sys / "bus/pci/drivers" / driver_of_module[mod]).mkdir(parents=True, exist_ok=True)
+    for drvdir in (sys / "bus/pci/drivers").glob("*"):
+        for f in ("bind", "unbind", "new_id", "remove_id"):
+            _write(drvdir / f, "")
+    _write(sys / "bus/pci/drivers_probe", "")
+    _write(sys / "bus/pci/rescan", "")
+    (sys / "kernel/iommu_groups").mkdir(parents=True, exist_ok=True)
+    # modules and their parameters
+    for mod in state["modules"]:
+        mdir = sys / "module" / mod
+        mdir.mkdir(parents=True, exist_ok=True)
+        _write(mdir / "initstate", "live\n")
+        for k, v in state["module_params"].get(mod, {}).items():
+            _write(mdir / "parameters" / k, f"{v}\n")
+    # NUMA + CPUs
+    nodes = profile.get("numa_nodes") or {}
+    for n, cpus in nodes.items():
+        _write(sys / f"devices/system/node/node{n}/cpulist", cpus + "\n")
+    _write(sys / "devices/system/node/online", _ranges(sorted(int(n) for n in nodes)) + "\n" if nodes else "0\n")
+    _write(sys / "devices/system/cpu/online", _all_cpus(profile) + "\n")
+    if profile["boot"]["loader"] == "systemd-boot" or profile["boot"].get("uefi"):
+        _write(sys / "firmware/efi/fw_platform_size", "64\n")
+
+
+def _ranges(nums: list[int]) -> str:
+    out, start = [], None
+    for i, n in enumerate(nums):
+        if start is None:
+            start = n
+        if i + 1 == len(nums) or nums[i + 1] != n + 1:
+            out.append(f"{start}-{n}" if n != start else str(n))
+            start = None
+    return ",".join(out)
+
+
+def _render_proc(proc: Path, profile: dict, state: dict) -> None:
+    k = profile["kernel"]
+    rel = state["boot"]["release"]
+    version_tail = k["version"] if rel == k["release"] else "#1 SMP PREEMPT_DYNAMIC"
+    _write(proc / "version", f"Linux version {rel} ({k.get('builder', 'build@proxmox')}) "
+           f"({state['boot']['gcc']}, {k.get('ld', 'GNU ld (GNU Binutils for Debian) 2.40')}) {version_tail}\n")
+    _write(proc / "cmdline", state["boot"]["cmdline"] + "\n")
+    _write(proc / "uptime", "5.00 4.00\n")  # fresh boot: pyinfra's server.reboot compares uptimes
+    _write(proc / "cpuinfo", _cpuinfo(profile))
+    _write(proc / "meminfo", profile.get("meminfo") or _meminfo(profile["memory_kib"]))
+    _write(proc / "devices", _proc_devices(profile, state))
+    _write(proc / "modules", "".join(
+        f"{m} {1048576 + 4096 * i} 0 - Live 0x0000000000000000{' (OE)' if m.startswith('nvidia') else ''}\n"
+        for i, m in enumerate(state["modules"])))
+    nv = state["nvidia"]
+    (proc / "driver").mkdir(exist_ok=True)
+    if nv["loaded"]:
+        if nv["open"]:
+            nvrm = (f"NVIDIA UNIX Open Kernel Module for x86_64  {nv['version']}  Release Build  "
+                    f"({nv['builder']})  {nv['build_date']}")
+        else:
+            nvrm = f"NVIDIA UNIX x86_64 Kernel Module  {nv['version']}  {nv['build_date']}"
+        _write(proc / "driver/nvidia/version", f"NVRM version: {nvrm}\nGCC version:  {nv['gcc']} \n")
+        _write(proc / "driver/nvidia/params", "".join(f"{k}: {v}\n" for k, v in nv["params"].items()))
+        (proc / "driver/nvidia/gpus").mkdir(parents=True, exist_ok=True)
+        for g in state["gpus"]:
+            if g["minor"] is None:
+                continue
+            _write(proc / f"driver/nvidia/gpus/{g['bdf']}/information",
+                   f"Model: \t\t {g['name']}\nIRQ:   \t\t {g['irq']}\nGPU UUID: \t {g['uuid']}\n"
+                   f"Video BIOS: \t {g['vbios'].lower()}\nBus Type: \t PCIe\nDMA Size: \t 52 bits\n"
+                   f"DMA Mask: \t 0xfffffffffffff\nBus Location: \t {g['bdf']}\n"
+                   f"Device Minor: \t {g['minor']}\nGPU Firmware: \t {nv['version']}\nGPU Excluded:\t No\n")
+
+
+def _cpuinfo(profile: dict) -> str:
+    c = profile["cpu"]
+    per_socket = c["cores_per_socket"] * c["threads_per_core"]
+    total = c["sockets"] * per_socket
+    blocks = []
+    for cpu in range(total):
+        # Linux numbers all first threads, then the siblings
+        thread = cpu // (c["sockets"] * c["cores_per_socket"])
+        core_lin = cpu % (c["sockets"] * c["cores_per_socket"])
+        socket, core = divmod(core_lin, c["cores_per_socket"])
+        apic = (socket * per_socket + core * c["threads_per_core"] + thread)
+        blocks.append(
+            f"processor\t: {cpu}\nvendor_id\t: {c['vendor_id']}\ncpu family\t: {c['family']}\n"
+            f"model\t\t: {c['model']}\nmodel name\t: {c['model_name']}\nstepping\t: {c['stepping']}\n"
+            f"microcode\t: {c.get('microcode', '0x1')}\ncpu MHz\t\t: {c.get('mhz', '2000.000')}\n"
+            f"cache size\t: {c.get('cache_kb', 1024)} KB\nphysical id\t: {socket}\nsiblings\t: {per_socket}\n"
+            f"core id\t\t: {core}\ncpu cores\t: {c['cores_per_socket']}\napicid\t\t: {apic}\n"
+            f"initial apicid\t: {apic}\nfpu\t\t: yes\nfpu_exception\t: yes\ncpuid level\t: {c.get('cpuid_level', 16)}\n"
+            f"wp\t\t: yes\nflags\t\t: {c['flags']}\nbugs\t\t: {c.get('bugs', '')}\n"
+            f"bogomips\t: {float(c.get('mhz', 2000)) * 2:.2f}\nclflush size\t: 64\ncache_alignment\t: 64\n"
+            f"address sizes\t: {c.get('address_sizes', '52 bits physical, 57 bits virtual')}\n"
+            f"power management:\n\n")
+    return "".join(blocks)
+
+
+def _meminfo(kib: int) -> str:
+    rows = [("MemTotal", kib), ("MemFree", kib * 9 // 10), ("MemAvailable", kib * 19 // 20),
+            ("Buffers", 204800), ("Cached", 4194304), ("SwapCached", 0), ("SwapTotal", 0),
+            ("SwapFree", 0), ("HugePages_Total", None), ("Hugepagesize", 2048)]
+    out = []
+    for k, v in rows:
+        if v is None:
+            out.append(f"{k + ':':<16}{0:>8}\n")
+        else:
+            out.append(f"{k + ':':<16}{v:>8} kB\n")
+    return "".join(out)
+
+
+def _proc_devices(profile: dict, state: dict) -> str:
+    chars = [list(x) for x in (profile.get("char_devices") or BASE_CHAR_DEVICES)]
+    names = {n for _, n in chars}
+    majors = state["char_majors"]
+    if state["nvidia"]["loaded"] and "nvidia" not in names:
+        chars += [[195, "nvidia"], [195, "nvidia-modeset"], [195, "nvidiactl"]]
+    wanted = {"nvidia-caps": state["nvidia"]["loaded"], "nvidia-nvlink": state["nvidia"]["loaded"],
+              "nvidia-uvm": "nvidia_uvm" in state["modules"], "vfio": "vfio" in state["modules"]}
+    for name, major in majors.items():
+        if wanted.get(name, True) and name not in names:
+            chars.append([major, name])
+    chars.sort(key=lambda x: x[0])  # the kernel lists by major
+    blocks = sorted(profile.get("block_devices") or BASE_BLOCK_DEVICES, key=lambda x: x[0])
+    return ("Character devices:\n" + "".join(f"{m:3d} {n}\n" for m, n in chars)
+            + "\nBlock devices:\n" + "".join(f"{m:3d} {n}\n" for m, n in blocks))
+
+
+# ---------------------------------------------------------------- install + busy
+
+def install(root: Path, profile: str) -> None:
+    """Prepare a fresh twin root for `profile` (a name under profiles/ or a path), then render."""
+    root = Path(root)
+    data = load_profile(profile)
+    twin = root / TWIN_DIR
+    twin.mkdir(parents=True, exist_ok=True)
+    src = Path(profile) if Path(profile).suffix else PROFILES_DIR / f"{profile}.yml"
+    shutil.copyfile(src, twin / "profile.yml")
+    (twin / "profile.json").write_text(json.dumps(data, indent=1))  # stand-ins have no pyyaml
+    for name, dests in STANDIN_PATHS.items():
+        if name == "proxmox.py" and not data.get("pve"):
+            dests = []  # not a Proxmox host
+        if name == "boot.py" and not data.get("pve"):
+            dests = [d for d in dests if "proxmox-boot-tool" not in d]
+        for dest in dests:
+            p = root / dest
+            p.parent.mkdir(parents=True, exist_ok=True)
+            if p.is_symlink() or p.exists():
+                p.unlink()  # /usr/sbin/reboot is a symlink to systemctl: never write through it
+            shutil.copyfile(STANDINS_DIR / name, p)
+            p.chmod(0o755)
+    lib = root / STANDIN_LIB
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(STANDINS_DIR / "twinstate.py", lib)
+    _seed_kernels(root, data)
+    _seed_boot(root, data)
+    if data.get("pve"):
+        _seed_pve(root, data)
+    render(root)
+
+
+def _seed_kernels(root: Path, data: dict) -> None:
+    for rel in data["kernel"].get("installed") or [data["kernel"]["release"]]:
+        (root / "lib/modules" / rel).mkdir(parents=True, exist_ok=True)
+        vm = root / "boot" / f"vmlinuz-{rel}"
+        if not vm.exists():
+            _write(vm, "")
+            _write(root / "boot" / f"initrd.img-{rel}", "")
+
+
+def _seed_boot(root: Path, data: dict) -> None:
+    boot = data["boot"]
+    if boot["loader"] == "systemd-boot":
+        if not (root / "etc/kernel/cmdline").exists():
+            _write(root / "etc/kernel/cmdline", boot["cmdline"] + "\n")
+        _write(root / "etc/kernel/proxmox-boot-uuids", boot.get("esp_uuid", "0E4E-3C5A") + "\n")
+        _write(root / TWIN_DIR / "boot/cmdline", boot["cmdline"] + "\n")
+    elif boot["loader"] == "grub":
+        default = root / "etc/default/grub"
+        if not default.exists():
+            _write(default, 'GRUB_DEFAULT=0\nGRUB_TIMEOUT=5\n'
+                   'GRUB_DISTRIBUTOR="Proxmox VE"\n'
+                   f'GRUB_CMDLINE_LINUX_DEFAULT="{boot.get("cmdline_default", "quiet")}"\n'
+                   f'GRUB_CMDLINE_LINUX="{boot.get("cmdline_linux", "")}"\n')
+        rels = sorted(data["kernel"].get("installed") or [data["kernel"]["release"]], key=_version_key)
+        _write(root / "boot/grub/grub.cfg", "".join(
+            f"menuentry 'Proxmox VE GNU/Linux, with Linux {r}' {{\n"
+            f"\tlinux\t/boot/vmlinuz-{r} root={boot['root']} ro {boot['cmdline_linux'] + ' ' if boot.get('cmdline_linux') else ''}"
+            f"{boot.get('cmdline_default', 'quiet')}\n\tinitrd\t/boot/initrd.img-{r}\n}}\n"
+            for r in reversed(rels)))
+
+
+def _seed_pve(root: Path, data: dict) -> None:
+    node = data.get("node", data["name"])
+    pve = root / "etc/pve"
+    for sub in ("lxc", "qemu-server"):
+        (pve / "nodes" / node / sub).mkdir(parents=True, exist_ok=True)
+        _symlink(pve / sub, f"nodes/{node}/{sub}")
+    _symlink(pve / "local", f"nodes/{node}")
+    (pve / "mapping").mkdir(parents=True, exist_ok=True)
+    if not (pve / "mapping/pci.cfg").exists():
+        _write(pve / "mapping/pci.cfg", "")
+    guests = data.get("guests") or {}
+    for kind, sub in (("lxc", "lxc"), ("qemu", "qemu-server")):
+        for vmid, text in (guests.get(kind) or {}).items():
+            p = pve / "nodes" / node / sub / f"{vmid}.conf"
+            if not p.exists():
+                _write(p, text if text.endswith("\n") else text + "\n")
+    _write(root / "etc/hostname", node + "\n")
+
+
+def _busy_path(root: Path) -> Path:
+    return Path(root) / TWIN_DIR / "busy.json"
+
+
+def mark_busy(root: Path, bdf: str, holder: str = "nvidia-persistenced") -> None:
+    """Record that `holder` holds the GPU at `bdf` ({bdf: holder} in busy.json)."""
+    path = _busy_path(root)
+    busy = json.loads(path.read_text()) if path.exists() else {}
+    busy[_norm_bdf(bdf)] = holder
+    _write(path, json.dumps(busy, indent=1))
+
+
+def clear_busy(root: Path, bdf: str | None = None) -> None:
+    """Forget one holder (or all)."""
+    path = _busy_path(root)
+    busy = json.loads(path.read_text()) if path.exists() else {}
+    if bdf is None:
+        busy = {}
+    else:
+        busy.pop(_norm_bdf(bdf), None)
+    _write(path, json.dumps(busy, indent=1))

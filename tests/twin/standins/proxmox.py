@@ -1,0 +1,610 @@
+#!/usr/bin/python3
+"""Twin stand-ins for the Proxmox CLIs, dispatched on the program name: pveversion, pct, qm, pvesh.
+
+State lives where Proxmox keeps it: /etc/pve/nodes/<node>/{lxc,qemu-server}/<id>.conf (pct.conf(5),
+qm.conf(5); [snapshot] sections preserved) and /etc/pve/mapping/pci.cfg. Guest run state is
+/var/lib/twin/guests.json; start/stop/shutdown/reboot append to /var/lib/twin/guests.log.
+Simplification: `pct exec` runs the command in the twin itself (the container shares the twin's root).
+Refused as Proxmox refuses: raw lxc.* keys through pct set / the API, starting a CT whose devN
+path does not exist, starting a VM whose PCI mapping does not match the hardware (ids, path,
+IOMMU group), pcie=1 without a q35 machine.
+"""
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.environ.get("TWIN_ROOT", "/"), "usr/local/lib/twin"))
+import twinstate as ts  # noqa: E402
+
+LXC_KEYS = {"arch", "cmode", "console", "cores", "cpulimit", "cpuunits", "debug", "description", "features",
+            "hookscript", "hostname", "lock", "memory", "nameserver", "onboot", "ostype", "protection",
+            "rootfs", "searchdomain", "startup", "swap", "tags", "template", "timezone", "tty",
+            "unprivileged", "entrypoint", "env"}
+LXC_INDEXED = re.compile(r"^(dev|mp|net|unused)\d+$")
+KINDS = {"lxc": ("lxc", "CT"), "qemu": ("qemu-server", "VM")}
+
+
+class ApiError(Exception):
+    """message (with an HTTP-like status first line when Proxmox prints one)."""
+
+
+def node():
+    return ts.state().get("node") or ts.profile().get("node") or "localhost"
+
+
+def conf_path(kind, vmid):
+    return f"/etc/pve/nodes/{node()}/{KINDS[kind][0]}/{vmid}.conf"
+
+
+def load(kind, vmid):
+    text = ts.read(conf_path(kind, vmid))
+    if text is None:
+        raise ApiError(f"Configuration file 'nodes/{node()}/{KINDS[kind][0]}/{vmid}.conf' does not exist")
+    return ts.parse_conf(text)
+
+
+def save(kind, vmid, conf):
+    ts.write(conf_path(kind, vmid), ts.format_conf(conf))
+
+
+def run_state():
+    return json.loads(ts.read("/var/lib/twin/guests.json", "{}") or "{}")
+
+
+def set_run_state(kind, vmid, status):
+    st = run_state()
+    st[f"{kind}/{vmid}"] = status
+    ts.write("/var/lib/twin/guests.json", json.dumps(st, indent=1, sort_keys=True))
+
+
+def status_of(kind, vmid):
+    return run_state().get(f"{kind}/{vmid}", "stopped")
+
+
+def guest_ids(kind):
+    d = ts.path(f"/etc/pve/nodes/{node()}/{KINDS[kind][0]}")
+    if not os.path.isdir(d):
+        return []
+    return sorted(int(f[:-5]) for f in os.listdir(d) if f.endswith(".conf") and f[:-5].isdigit())
+
+
+def upid(kind, action, vmid):
+    t = int(time.time())
+    return f"UPID:{node()}:{os.getpid():08X}:{t & 0xFFFFFFFF:08X}:{t:08X}:{'vz' if kind == 'lxc' else 'qm'}{action}:{vmid}:root@pam:"
+
+
+# ---------------------------------------------------------------- config changes
+
+def verify_params(kind, opts):
+    errors = []
+    for k, v in opts:
+        if kind == "lxc":
+            if k.startswith("lxc.") or not (k in LXC_KEYS or LXC_INDEXED.match(k)):
+                errors.append(f"{k}: property is not defined in schema and the schema does not allow additional properties")
+            elif k.startswith("dev"):
+                p = ts.prop_string(v)
+                path = p.get("path", p.get("_", ""))
+                if not path.startswith("/dev/"):
+                    errors.append(f"{k}: invalid format - value does not look like a valid device path")
+        elif kind == "qemu":
+            if k.startswith("lxc.") or k.startswith("hookscript."):
+                errors.append(f"{k}: property is not defined in schema and the schema does not allow additional properties")
+            elif re.match(r"^hostpci\d+$", k):
+                p = ts.prop_string(v)
+                if "mapping" in p:
+                    if p["mapping"] not in read_mappings():
+                        errors.append(f"{k}: PCI resource mapping '{p['mapping']}' not found")
+                elif not re.match(r"^([0-9a-fA-F]{4}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(\.[0-7])?$", p.get("_", "") or p.get("host", "")):
+                    errors.append(f"{k}: invalid format - value does not look like a valid PCI device id")
+    if errors:
+        raise ApiError("400 Parameter verification failed.\n" + "\n".join(errors))
+
+
+def update_config(kind, vmid, opts, delete):
+    conf = load(kind, vmid)
+    verify_params(kind, opts)
+    for k, v in opts:
+        if k == "description":
+            conf["description"] = [f"#{line}" for line in v.split("\n")]
+        else:
+            ts.conf_set(conf, k, v)
+    for k in delete:
+        if k == "description":
+            conf["description"] = []
+        ts.conf_delete(conf, k)
+    save(kind, vmid, conf)
+
+
+def config_dict(kind, vmid):
+    text = ts.read(conf_path(kind, vmid))
+    if text is None:
+        load(kind, vmid)  # raises
+    conf = ts.parse_conf(text)
+    out = {}
+    raw = []
+    for k, v in conf["keys"]:
+        if k.startswith("lxc."):
+            raw.append([k, v])
+        else:
+            out[k] = int(v) if re.fullmatch(r"-?\d+", v) else v
+    if conf["description"]:
+        out["description"] = "\n".join(line[1:] for line in conf["description"]) + "\n"
+    if raw:
+        out["lxc"] = raw
+    out["digest"] = ts.digest(text)
+    return out
+
+
+# ---------------------------------------------------------------- start checks
+
+def check_lxc_start(conf):
+    for k, v in conf["keys"]:
+        if re.match(r"^dev\d+$", k):
+            p = ts.prop_string(v)
+            path = p.get("path", p.get("_"))
+            full = ts.path(path)
+            if not os.path.exists(full):
+                raise ApiError(f"Device {path} does not exist")
+            mode = os.stat(full).st_mode
+            if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
+                raise ApiError(f"Path {path} is not a device")
+
+
+def sysfs_dev(bdf):
+    base = f"/var/lib/twin/hw/sys/bus/pci/devices/{bdf}"
+    if not os.path.isdir(ts.path(base)):
+        return None
+    attr = lambda a: (ts.read(f"{base}/{a}") or "").strip()  # noqa: E731
+    grp = os.path.join(ts.path(base), "iommu_group")
+    drv = os.path.join(ts.path(base), "driver")
+    return {"vendor": attr("vendor")[2:], "device": attr("device")[2:],
+            "subsystem_vendor": attr("subsystem_vendor")[2:], "subsystem_device": attr("subsystem_device")[2:],
+            "iommugroup": os.path.basename(os.readlink(grp)) if os.path.islink(grp) else None,
+            "driver": os.path.basename(os.readlink(drv)) if os.path.islink(drv) else None}
+
+
+def assert_mapping_valid(name, entry):
+    """PVE::Mapping::PCI::assert_valid: ids, subsystem-id, path and IOMMU group must match."""
+    for idx, path in enumerate(entry.get("path", "").split(";")):
+        if not re.search(r"\.[0-7]$", path):
+            path += ".0"
+        info = sysfs_dev(path if path.count(":") == 2 else "0000:" + path)
+        if info is None:
+            raise ApiError(f"pci device '{path}' not found")
+        correct = {"id": f"{info['vendor']}:{info['device']}", "iommugroup": info["iommugroup"],
+                   "subsystem-id": f"{info['subsystem_vendor']}:{info['subsystem_device']}"}
+        for prop in sorted(correct):
+            if prop == "iommugroup" and idx > 0:
+                continue
+            want, have = correct[prop], entry.get(prop)
+            if want is None and have is None:
+                continue
+            if want is not None and have is None:
+                raise ApiError(f"no '{prop}' for device '{path}'")
+            if want is None:
+                raise ApiError(f"'{prop}' configured but should not be")
+            if want.replace("0x", "") != have.replace("0x", ""):
+                raise ApiError(f"'{prop}' does not match for '{name}' ({want} != {have})")
+
+
+def check_qemu_start(conf):
+    machine = ts.conf_get(conf, "machine") or ""
+    groups = ts.path("/var/lib/twin/hw/sys/kernel/iommu_groups")
+    busy = ts.busy()
+    for k, v in conf["keys"]:
+        if not re.match(r"^hostpci\d+$", k):
+            continue
+        p = ts.prop_string(v)
+        if p.get("pcie") == "1" and "q35" not in machine:
+            raise ApiError("q35 machine model is not enabled")
+        if not (os.path.isdir(groups) and os.listdir(groups)):
+            raise ApiError("IOMMU not present")
+        if "mapping" in p:
+            maps = read_mappings().get(p["mapping"])
+            mine = [ts.prop_string(m) for m in (maps or {}).get("map", [])]
+            mine = [m for m in mine if m.get("node") == node()]
+            if not mine:
+                raise ApiError(f"PCI device mapping not found for '{p['mapping']}'")
+            assert_mapping_valid(p["mapping"], mine[0])
+            paths = mine[0]["path"].split(";")
+        else:
+            paths = [p.get("_") or p.get("host")]
+        for path in paths:
+            bdf = path if path.count(":") == 2 else "0000:" + path
+            if not re.search(r"\.[0-7]$", bdf):
+                bdf += ".0"
+            info = sysfs_dev(bdf)
+            if info is None:
+                raise ApiError(f"no PCI device found for '{path}'")
+            if info["driver"] == "nvidia" and bdf in busy:
+                raise ApiError(f"unable to unbind PCI device {bdf} from nvidia: in use by "
+                               f"{busy[bdf]['holder']} (pid {busy[bdf]['pid']})")
+
+
+def start(kind, vmid):
+    conf = load(kind, vmid)
+    label = KINDS[kind][1]
+    if status_of(kind, vmid) == "running":
+        raise ApiError(f"{label} {vmid} already running")
+    (check_lxc_start if kind == "lxc" else check_qemu_start)(conf)
+    set_run_state(kind, vmid, "running")
+    ts.log_guest("start", kind, vmid)
+
+
+def stop(kind, vmid, action="stop"):
+    load(kind, vmid)
+    if status_of(kind, vmid) != "running":
+        if action == "stop":
+            return  # stopping a stopped guest is a no-op in Proxmox too
+        raise ApiError(f"{KINDS[kind][1]} {vmid} not running")
+    set_run_state(kind, vmid, "stopped")
+    ts.log_guest(action, kind, vmid)
+
+
+def reboot(kind, vmid):
+    load(kind, vmid)
+    if status_of(kind, vmid) != "running":
+        raise ApiError(f"{KINDS[kind][1]} {vmid} not running")
+    conf = load(kind, vmid)
+    (check_lxc_start if kind == "lxc" else check_qemu_start)(conf)
+    ts.log_guest("reboot", kind, vmid)
+
+
+def create_guest(kind, vmid, opts):
+    if ts.read(conf_path(kind, vmid)) is not None:
+        raise ApiError(f"{KINDS[kind][1]} {vmid} already exists on node '{node()}'")
+    ts.write(conf_path(kind, vmid), "")
+    verify_params(kind, [(k, v) for k, v in opts if k not in ("ostemplate", "storage", "password")])
+    update_config(kind, vmid, [(k, v) for k, v in opts if k not in ("ostemplate", "storage", "password", "start")], [])
+
+
+# ---------------------------------------------------------------- PCI mappings
+
+def read_mappings():
+    """{id: {"map": [str], "description": str?, ...}} from /etc/pve/mapping/pci.cfg."""
+    out, cur = {}, None
+    for line in (ts.read("/etc/pve/mapping/pci.cfg") or "").splitlines():
+        if not line.strip():
+            cur = None
+            continue
+        if not line[0].isspace():
+            cur = line.strip()
+            out[cur] = {"map": []}
+        elif cur:
+            k, _, v = line.strip().partition(" ")
+            if k == "map":
+                out[cur]["map"].append(v)
+            else:
+                out[cur][k] = v
+    return out
+
+
+def write_mappings(maps):
+    text = ""
+    for mid, entry in maps.items():
+        text += f"{mid}\n"
+        for k in sorted(entry):
+            if k == "map":
+                text += "".join(f"\tmap {m}\n" for m in entry["map"])
+            else:
+                text += f"\t{k} {entry[k]}\n"
+        text += "\n"
+    ts.write("/etc/pve/mapping/pci.cfg", text)
+
+
+def check_map_strings(maps):
+    for m in maps:
+        p = ts.prop_string(m)
+        missing = [k for k in ("node", "path", "id") if k not in p]
+        if missing:
+            raise ApiError("400 Parameter verification failed.\nmap: invalid format - missing property '"
+                           + missing[0] + "'")
+
+
+# ---------------------------------------------------------------- pvesh
+
+def api(method, path, opts):
+    parts = [p for p in path.strip("/").split("/") if p]
+    single = {}
+    for k, v in opts:
+        single.setdefault(k, v)
+    if parts == ["version"] and method == "get":
+        pve = ts.profile().get("pve") or {}
+        return {"release": pve.get("release"), "repoid": pve.get("repoid"), "version": pve.get("version")}
+    if parts == ["nodes"] and method == "get":
+        return [{"node": node(), "status": "online", "type": "node", "id": f"node/{node()}", "level": "",
+                 "maxcpu": cpu_count(), "maxmem": mem_bytes(), "uptime": 5}]
+    if parts[:1] == ["nodes"] and len(parts) >= 2:
+        if parts[1] not in (node(), "localhost"):
+            raise ApiError(f"hostname lookup '{parts[1]}' failed - failed to get address info for: {parts[1]}: "
+                           "Name or service not known")
+        rest = parts[2:]
+        if not rest and method == "get":
+            return [{"name": n} for n in ("lxc", "qemu", "status", "version")]
+        if rest == ["status"] and method == "get":
+            return node_status()
+        if rest == ["version"] and method == "get":
+            return api("get", "/version", [])
+        if rest and rest[0] in KINDS:
+            return guest_api(method, rest[0], rest[1:], opts, single)
+    if parts[:3] == ["cluster", "mapping", "pci"]:
+        return mapping_api(method, parts[3:], opts, single)
+    raise ApiError(f"No '{method}' handler defined for '{path}'")
+
+
+def guest_api(method, kind, rest, opts, single):
+    if not rest:
+        if method == "get":
+            out = []
+            for vmid in guest_ids(kind):
+                c = config_dict(kind, vmid)
+                out.append({"vmid": vmid, "status": status_of(kind, vmid), "type": kind,
+                            "name": c.get("hostname") or c.get("name") or f"{'CT' if kind == 'lxc' else 'VM'}{vmid}",
+                            "cpus": c.get("cores", 1), "maxmem": int(c.get("memory", 512)) * 1048576})
+            return out
+        if method == "create":
+            vmid = single.get("vmid")
+            if not vmid:
+                raise ApiError("400 Parameter verification failed.\nvmid: property is missing and it is not optional")
+            create_guest(kind, int(vmid), [(k, v) for k, v in opts if k != "vmid"])
+            return upid(kind, "create", vmid)
+    vmid = int(rest[0])
+    sub = rest[1:]
+    if not sub and method == "get":
+        load(kind, vmid)
+        return [{"subdir": s} for s in ("config", "status", "snapshot")]
+    if sub == ["config"]:
+        if method == "get":
+            return config_dict(kind, vmid)
+        if method in ("set", "create"):
+            delete = [d for k, v in opts if k == "delete" for d in re.split(r"[,;\s]+", v) if d]
+            update_config(kind, vmid, [(k, v) for k, v in opts if k not in ("delete", "digest")], delete)
+            return None if method == "set" else upid(kind, "config", vmid)
+    if sub == ["status", "current"] and method == "get":
+        c = config_dict(kind, vmid)
+        return {"vmid": vmid, "status": status_of(kind, vmid), "type": kind,
+                "name": c.get("hostname") or c.get("name")}
+    if len(sub) == 2 and sub[0] == "status" and method == "create":
+        action = sub[1]
+        if action == "start":
+            start(kind, vmid)
+        elif action in ("stop", "shutdown"):
+            stop(kind, vmid, action)
+        elif action == "reboot":
+            reboot(kind, vmid)
+        else:
+            raise ApiError(f"No 'create' handler defined for 'status/{action}'")
+        return upid(kind, action, vmid)
+    raise ApiError(f"No '{method}' handler defined for '/nodes/{node()}/{kind}/{'/'.join(rest)}'")
+
+
+def mapping_api(method, rest, opts, single):
+    maps = read_mappings()
+    if not rest:
+        if method == "get":
+            return [dict(entry, id=mid) for mid, entry in maps.items()]
+        if method == "create":
+            mid = single.get("id")
+            if not mid:
+                raise ApiError("400 Parameter verification failed.\nid: property is missing and it is not optional")
+            if mid in maps:
+                raise ApiError(f"400 Parameter verification failed.\nid: pci mapping '{mid}' already defined")
+            new = [v for k, v in opts if k == "map"]
+            check_map_strings(new)
+            maps[mid] = {"map": new}
+            for k, v in opts:
+                if k not in ("id", "map"):
+                    maps[mid][k] = v
+            write_mappings(maps)
+            return None
+    else:
+        mid = rest[0]
+        if mid not in maps:
+            raise ApiError(f"PCI mapping '{mid}' not found")
+        if method == "get":
+            return dict(maps[mid], id=mid)
+        if method == "set":
+            new = [v for k, v in opts if k == "map"]
+            if new:
+                check_map_strings(new)
+                maps[mid]["map"] = new
+            for k, v in opts:
+                if k == "delete":
+                    for d in v.split(","):
+                        maps[mid].pop(d, None)
+                elif k not in ("map", "digest", "id"):
+                    maps[mid][k] = v
+            write_mappings(maps)
+            return None
+        if method == "delete":
+            del maps[mid]
+            write_mappings(maps)
+            return None
+    raise ApiError(f"No '{method}' handler defined for '/cluster/mapping/pci/{'/'.join(rest)}'")
+
+
+def cpu_count():
+    c = ts.profile().get("cpu") or {}
+    return c.get("sockets", 1) * c.get("cores_per_socket", 1) * c.get("threads_per_core", 1)
+
+
+def mem_bytes():
+    return int(ts.profile().get("memory_kib") or 0) * 1024
+
+
+def node_status():
+    st = ts.state()
+    pve = ts.profile().get("pve") or {}
+    boot = st.get("boot") or {}
+    kver = (ts.read("/var/lib/twin/hw/proc/version") or "").split()
+    return {"pveversion": f"pve-manager/{pve.get('version')}/{pve.get('repoid')}",
+            "kversion": f"Linux {boot.get('release')} {' '.join(kver[-4:])}",
+            "current-kernel": {"sysname": "Linux", "release": boot.get("release"), "machine": "x86_64"},
+            "boot-info": {"mode": "efi" if boot.get("loader") == "systemd-boot" else "legacy-bios", "secureboot": 0},
+            "cpuinfo": {"cpus": cpu_count(), "model": (ts.profile().get("cpu") or {}).get("model_name")},
+            "memory": {"total": mem_bytes()}, "uptime": 5}
+
+
+def parse_opts(args):
+    """['--key', 'v', '-k2', 'v2', '--k3=v3'] -> ([(key, v), ...], positionals)."""
+    opts, pos = [], []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a.startswith("-") and len(a) > 1 and not re.fullmatch(r"-\d+", a):
+            key = a.lstrip("-")
+            if "=" in key:
+                key, val = key.split("=", 1)
+            elif i + 1 < len(args):
+                val = args[i + 1]
+                i += 1
+            else:
+                val = "1"
+            opts.append((key, val))
+        else:
+            pos.append(a)
+        i += 1
+    return opts, pos
+
+
+def emit(result, fmt):
+    if result is None:
+        return
+    if fmt in ("json", "json-pretty"):
+        indent = 4 if fmt == "json-pretty" else None
+        sys.stdout.write(json.dumps(result, indent=indent, sort_keys=True,
+                                    separators=None if indent else (",", ":")) + "\n")
+    elif isinstance(result, str):
+        sys.stdout.write(result + "\n")
+    else:
+        sys.stdout.write(json.dumps(result, indent=2, sort_keys=True) + "\n")
+
+
+def pvesh(argv):
+    if not argv or argv[0] not in ("get", "set", "create", "delete", "ls"):
+        ts.die("ERROR: unknown command 'pvesh " + " ".join(argv[:1]) + "'", 255)
+    method = "get" if argv[0] == "ls" else argv[0]
+    if len(argv) < 2:
+        ts.die("400 not enough arguments", 255)
+    opts, _ = parse_opts(argv[2:])
+    fmt = "text"
+    keep = []
+    for k, v in opts:
+        if k == "output-format":
+            fmt = v
+        elif k in ("noborder", "noheader", "human-readable", "quiet"):
+            continue
+        else:
+            keep.append((k, v))
+    try:
+        emit(api(method, argv[1], keep), fmt)
+    except ApiError as e:
+        ts.die(str(e), 255)
+    return 0
+
+
+# ---------------------------------------------------------------- pct / qm
+
+def guest_cli(kind, argv):
+    label = KINDS[kind][1]
+    prog = "pct" if kind == "lxc" else "qm"
+    if not argv:
+        ts.die(f"ERROR: no command specified\nUSAGE: {prog} <COMMAND> [ARGS] [OPTIONS]", 255)
+    cmd, rest = argv[0], argv[1:]
+    try:
+        if cmd == "list":
+            ids = guest_ids(kind)
+            if kind == "lxc":
+                print(f"{'VMID':<10} {'Status':<10} {'Lock':<12} {'Name':<20}")
+                for vmid in ids:
+                    c = config_dict(kind, vmid)
+                    print(f"{vmid:<10} {status_of(kind, vmid):<10} {c.get('lock', ''):<12} {c.get('hostname', ''):<20}")
+            else:
+                print(f"{'VMID':>10} {'NAME':<20} {'STATUS':<10} {'MEM(MB)':>10} {'BOOTDISK(GB)':>12} {'PID':>10}")
+                for vmid in ids:
+                    c = config_dict(kind, vmid)
+                    print(f"{vmid:>10} {str(c.get('name', '')):<20} {status_of(kind, vmid):<10} "
+                          f"{c.get('memory', 512):>10} {0.0:>12.2f} {0:>10}")
+            return 0
+        if cmd == "exec" and kind == "lxc":
+            vmid = int(rest[0])
+            load(kind, vmid)
+            if status_of(kind, vmid) != "running":
+                raise ApiError(f"CT {vmid} not running")
+            command = rest[1:]
+            if command[:1] == ["--"]:
+                command = command[1:]
+            # simplification: the container shares the twin's root
+            return subprocess.call(command, cwd=ts.ROOT)
+        if not rest:
+            ts.die(f"400 not enough arguments\n{prog} {cmd} <vmid>", 255)
+        vmid = int(rest[0])
+        opts, _ = parse_opts(rest[1:])
+        if cmd == "config":
+            conf = load(kind, vmid)
+            for k, v in ts.parse_conf(ts.format_conf(conf))["keys"]:
+                print(f"{k}: {v}")
+            if conf["description"]:
+                print("description: " + "%0A".join(line[1:] for line in conf["description"]))
+            return 0
+        if cmd == "set":
+            delete = [d for k, v in opts if k == "delete" for d in re.split(r"[,;\s]+", v) if d]
+            raw = [k for k, _ in opts if k.startswith("lxc.")]
+            if raw:
+                raise ApiError(f"Unknown option: {raw[0]}\n400 unable to parse option\n{prog} set <vmid> [OPTIONS]")
+            update_config(kind, vmid, [(k, v) for k, v in opts if k not in ("delete", "digest")], delete)
+            return 0
+        if cmd == "create":
+            create_guest(kind, vmid, opts)
+            return 0
+        if cmd == "start":
+            start(kind, vmid)
+            return 0
+        if cmd in ("stop", "shutdown"):
+            stop(kind, vmid, cmd)
+            return 0
+        if cmd == "reboot":
+            reboot(kind, vmid)
+            return 0
+        if cmd == "status":
+            load(kind, vmid)
+            print(f"status: {status_of(kind, vmid)}")
+            return 0
+        if cmd == "destroy":
+            load(kind, vmid)
+            if status_of(kind, vmid) == "running":
+                raise ApiError(f"{label} {vmid} is running - destroy failed")
+            os.unlink(ts.path(conf_path(kind, vmid)))
+            return 0
+    except ApiError as e:
+        ts.die(str(e), 255)
+    ts.die(f"unknown command '{prog} {cmd}'", 255)
+
+
+def pveversion(argv):
+    pve = ts.profile().get("pve") or {}
+    rel = (ts.state().get("boot") or {}).get("release")
+    head = f"pve-manager/{pve.get('version')}/{pve.get('repoid')} (running kernel: {rel})"
+    if "-v" in argv or "--verbose" in argv:
+        pk = pve.get("packages") or {}
+        print(f"proxmox-ve: {pk.get('proxmox-ve', pve.get('version'))} (running kernel: {rel})")
+        print(f"pve-manager: {pve.get('version')} (running version: {pve.get('version')}/{pve.get('repoid')})")
+        for name, ver in pk.items():
+            if name != "proxmox-ve":
+                print(f"{name}: {ver}")
+        return 0
+    print(head)
+    return 0
+
+
+if __name__ == "__main__":
+    prog = os.path.basename(sys.argv[0])
+    handlers = {"pct": lambda a: guest_cli("lxc", a), "qm": lambda a: guest_cli("qemu", a),
+                "pvesh": pvesh, "pveversion": pveversion}
+    if prog not in handlers:
+        ts.die(f"proxmox stand-in: unknown program name {prog}", 127)
+    sys.exit(handlers[prog](sys.argv[1:]))

@@ -1,0 +1,141 @@
+"""Shared by the twin's stand-in programs (run by the twin's /usr/bin/python3, stdlib only).
+
+Installed as /usr/local/lib/twin/twinstate.py. Every path goes through `path()`, so a test can run
+a stand-in against a tmp root with TWIN_ROOT=/tmp/x instead of chrooting.
+"""
+import datetime
+import hashlib
+import json
+import os
+import re
+import sys
+
+ROOT = os.environ.get("TWIN_ROOT", "/")
+TWIN = "/var/lib/twin"
+
+
+def path(p):
+    return os.path.join(ROOT, p.lstrip("/"))
+
+
+def read(p, default=None):
+    try:
+        with open(path(p)) as f:
+            return f.read()
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return default
+
+
+def write(p, text):
+    full = path(p)
+    os.makedirs(os.path.dirname(full), exist_ok=True)
+    tmp = full + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, full)
+
+
+def state():
+    """hw/state.json written by tests.twin.hardware.render (the current boot)."""
+    return json.loads(read(f"{TWIN}/hw/state.json", "{}"))
+
+
+def profile():
+    return json.loads(read(f"{TWIN}/profile.json", "{}"))
+
+
+def busy():
+    """{bdf: holder} (or {bdf: {"holder":..., "pid":...}}) from busy.json."""
+    raw = json.loads(read(f"{TWIN}/busy.json", "{}") or "{}")
+    out = {}
+    for i, (bdf, v) in enumerate(sorted(raw.items())):
+        if isinstance(v, str):
+            v = {"holder": v}
+        v.setdefault("pid", 4100 + 17 * i)  # stable made-up pid per holder
+        out[bdf] = v
+    return out
+
+
+def now_iso():
+    return datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds")
+
+
+def log_guest(action, kind, vmid):
+    with open(path(f"{TWIN}/guests.log"), "a") as f:
+        f.write(f"{now_iso()} {action} {kind} {vmid}\n")
+
+
+def die(msg, code=255):
+    sys.stderr.write(msg if msg.endswith("\n") else msg + "\n")
+    sys.exit(code)
+
+
+# ---- Proxmox config files: pct.conf(5) / qm.conf(5) -------------------------------------
+
+def parse_conf(text):
+    """{"description": [comment lines], "keys": [(key, value)], "rest": "<[snapshot] sections verbatim>"}."""
+    desc, keys, rest = [], [], ""
+    lines = text.splitlines(True)
+    for i, line in enumerate(lines):
+        if line.startswith("["):
+            rest = "".join(lines[i:])
+            break
+        s = line.rstrip("\n")
+        if s.startswith("#"):
+            desc.append(s)
+        elif s.strip():
+            k, _, v = s.partition(":")
+            keys.append((k.strip(), v.strip()))
+    return {"description": desc, "keys": keys, "rest": rest}
+
+
+def format_conf(conf):
+    """PVE writes description comments, then sorted keys, then raw lxc.* keys in their order."""
+    plain = sorted((k, v) for k, v in conf["keys"] if not k.startswith("lxc."))
+    raw = [(k, v) for k, v in conf["keys"] if k.startswith("lxc.")]
+    body = "".join(f"{line}\n" for line in conf["description"])
+    body += "".join(f"{k}: {v}\n" for k, v in plain + raw)
+    if conf["rest"]:
+        body += "\n" + conf["rest"].lstrip("\n")
+    return body
+
+
+def conf_get(conf, key):
+    for k, v in conf["keys"]:
+        if k == key:
+            return v
+    return None
+
+
+def conf_set(conf, key, value):
+    for i, (k, _) in enumerate(conf["keys"]):
+        if k == key:
+            conf["keys"][i] = (key, value)
+            return
+    conf["keys"].append((key, value))
+
+
+def conf_delete(conf, key):
+    conf["keys"] = [(k, v) for k, v in conf["keys"] if k != key]
+
+
+def digest(text):
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+def prop_string(value):
+    """'a=1,b=2' or 'path,a=1' -> {"_": path, "a": "1", ...}."""
+    out = {}
+    for i, part in enumerate(value.split(",")):
+        if "=" in part:
+            k, v = part.split("=", 1)
+            out[k] = v
+        elif i == 0:
+            out["_"] = part
+        else:
+            out[part] = "1"
+    return out
+
+
+def version_key(rel):
+    return [int(x) if x.isdigit() else x for x in re.split(r"[.\-+~]", rel)]
