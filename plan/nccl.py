@@ -199,7 +199,7 @@ def nccl_environment(
     + verdict: `plan.p2p.p2p_verdict` (or `restrict_verdict` for a container's GPUs)
     + rdma_devices: names under /sys/class/infiniband (``[]`` when none)
     + topology_nics: GpuTopology ``nics``
-    + nccl: the spec's NCCL section, ``{"profile": "auto" | "off", "overrides": {NAME: value},
+    + nccl: the spec's NCCL section, ``{"profile": "auto" | "none", "overrides": {NAME: value},
       "containers": {"101": {NAME: value}}}``
     + container: the container id whose overrides apply last
 
@@ -212,8 +212,8 @@ def nccl_environment(
     """
     nccl = nccl or {}
     profile = nccl.get("profile", "auto")
-    if profile not in ("auto", "off"):
-        raise ValueError(f"NCCL profile {profile!r} is unknown: use 'auto' or 'off'")
+    if profile not in ("auto", "none"):
+        raise ValueError(f"NCCL profile {profile!r} is unknown: use 'auto' or 'none'")
     scope = {
         "pairs": verdict["pairs"],
         "rdma_devices": list(rdma_devices or []),
@@ -278,6 +278,21 @@ def nccl_plan(
         for ctid, gpus in sorted((containers or {}).items())
     }
     return {"host": host, "containers": per_container}
+
+
+def nccl_plan_for_spec(
+    verdict: dict, spec, *, rdma_devices: list[str] | None = None, topology_nics: dict | None = None
+) -> dict:
+    """`nccl_plan` for a validated HostSpec: its ``nccl`` section and each container's GPUs and
+    ``nccl`` overrides (containers without GPUs get no NCCL file)."""
+    containers = {str(ctid): list(ct.gpus) for ctid, ct in spec.containers.items() if ct.gpus}
+    nccl = {
+        "profile": spec.nccl.profile,
+        "overrides": dict(spec.nccl.overrides),
+        "containers": {str(ctid): dict(ct.nccl) for ctid, ct in spec.containers.items()},
+    }
+    return nccl_plan(verdict, containers=containers, rdma_devices=rdma_devices,
+                     topology_nics=topology_nics, nccl=nccl)
 
 
 def nccl_conf_lines(env: dict[str, dict]) -> list[dict]:

@@ -8,6 +8,7 @@ from plan.nccl import (
     NCCL_RULES,
     nccl_environment,
     nccl_plan,
+    nccl_plan_for_spec,
     render_nccl_conf,
     safe_p2p_cutoff,
 )
@@ -118,8 +119,8 @@ def test_override_of_p2p_level_beyond_the_safe_topology_is_applied_with_a_warnin
     assert env["NCCL_P2P_LEVEL"]["warning"] == "SYS reaches beyond the farthest safe P2P level of this topology (PHB)"
 
 
-def test_profile_off_keeps_only_overrides():
-    env = nccl_environment(kpro6_verdict(), rdma_devices=[], nccl={"profile": "off", "overrides": {"NCCL_DEBUG": "INFO"}})
+def test_profile_none_keeps_only_overrides():
+    env = nccl_environment(kpro6_verdict(), rdma_devices=[], nccl={"profile": "none", "overrides": {"NCCL_DEBUG": "INFO"}})
     assert list(env) == ["NCCL_DEBUG"]
     with pytest.raises(ValueError, match="NCCL profile 'fast' is unknown"):
         nccl_environment(kpro6_verdict(), nccl={"profile": "fast"})
@@ -181,3 +182,22 @@ def test_rule_table_rows_name_their_documentation():
         assert rule.variable.startswith("NCCL_")
         assert "docs.nvidia.com" in rule.source
     assert NCCL_P2P_LEVELS[0] == "LOC" and NCCL_P2P_LEVELS[-1] == "SYS"
+
+
+def test_plan_for_the_kpro6_spec_file_covers_its_gpu_containers():
+    from pathlib import Path
+
+    from spec.load import load_spec_file
+
+    spec = load_spec_file(Path(__file__).resolve().parents[2] / "inventories" / "kpro6.yml")["kpro6"]
+    roles = {bdf: gpu.role for bdf, gpu in spec.gpus.items()}
+    verdict = kpro6_verdict(roles=roles)
+    plan = nccl_plan_for_spec(verdict, spec, rdma_devices=[])
+    gpu_containers = sorted(str(ctid) for ctid, ct in spec.containers.items() if ct.gpus)
+    assert sorted(plan["containers"]) == gpu_containers and gpu_containers
+    for env in [plan["host"], *plan["containers"].values()]:
+        assert env["NCCL_P2P_DISABLE"]["value"] == "1"
+    vm_gpus = [bdf for bdf, role in roles.items() if role.startswith("vm:")]
+    for pair in verdict["pairs"]:
+        if pair["a"] in vm_gpus or pair["b"] in vm_gpus:
+            assert "role" in pair["reason_kinds"]
