@@ -1,0 +1,58 @@
+"""Stage 9, reboot policy (last): the one place that decides whether the host reboots.
+
+Stages report reasons with `plan.reboot.need_reboot` while their operations are generated.
+Here: no reasons → nothing. Reasons and `spec.reboot.allowed` → one `server.reboot`, then,
+when the kernel stage set a trial boot, pin the new release for good if it is the one
+running (else say so; the old kernel stays pinned). Reasons without permission → a
+"reboot pending" summary (logged as a warning, `--dry` included).
+"""
+
+from __future__ import annotations
+
+from pyinfra import host, logger
+from pyinfra.api import StringCommand, deploy, operation
+from pyinfra.operations import server
+
+from plan.kernel import pin_for_good_command, trial_boot_of
+from plan.reboot import pending_summary, reboot_reasons
+from spec.models import HostSpec
+
+REBOOT_TIMEOUT_S = 900  # a many-GPU host takes minutes through firmware and POST
+
+
+@operation()
+def pin_trial_kernel(release: str, pin_tool: str):
+    """After the reboot: pin `release` for good if the host came up on it, else fail saying so.
+
+    + release: the kernel release the trial boot selected
+    + pin_tool: "proxmox-boot-tool" or "grub"
+    """
+    yield StringCommand(pin_for_good_command(release, pin_tool))
+
+
+@deploy("pvegpu: reboot policy")
+def apply(spec: HostSpec) -> None:
+    reasons = reboot_reasons(host)
+    summary = pending_summary(host.name, reasons)
+    if not reasons:
+        logger.info(summary[0])
+        return
+    if not spec.reboot.allowed:
+        for line in summary + [f"{host.name}: reboot.allowed is false in the spec; reboot the host to apply"]:
+            logger.warning(line)
+        return
+    for line in summary:
+        logger.info(line)
+    server.reboot(
+        name="Reboot: " + "; ".join(f"{kind}: {detail}" for kind, detail in reasons),
+        delay=5,
+        interval=2,
+        reboot_timeout=REBOOT_TIMEOUT_S,
+    )
+    trial = trial_boot_of(host)
+    if trial:
+        pin_trial_kernel(
+            name=f"Pin kernel {trial['release']} for good if it came up",
+            release=trial["release"],
+            pin_tool=trial["pin_tool"],
+        )

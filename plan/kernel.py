@@ -1,0 +1,179 @@
+"""What the kernel stage does, from spec + facts (pure; no I/O except reading host.data).
+
+    build_jobs(cores, mem_total_kib)               -> 12     # -j: min(cores, RAM / 2 GiB), >= 1
+    build_id(kernel_spec, base_config)             -> "3f0c…"  # source + ref/sha + config, hashed
+    build_dir(kernel_spec, base_config)            -> "/var/lib/pvegpu/kernel-build/6.14.8-2-pve-3f0c1a2b3c4d"
+    kernel_decision(kernel_spec, facts, base_config) -> {"action": "build"|"install"|"trial"|"pin"|"done"|"failed-trial", "why": …}
+    package_globs(kind, release)                   -> ["linux-image-6.1.0-pvegpu_*.deb", …]
+    trial_pin_command(release, pin_tool) / pin_for_good_command(release, pin_tool)
+    build_progress(log_lines, total)               -> {"built": 812, "total": 1400, "last": "CC mm/slub.o"}
+
+Incident 14: `-j` = cores (128) with ~2 GiB per compile job killed a machine; jobs come from
+RAM as well. Incident 1: a kernel and its modules built by different GCCs left kpro6
+unbootable, so the build runs on the host with its own gcc and records it in a manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shlex
+from typing import Any
+
+from spec.models import KernelSpec
+
+GIB_KIB = 1024 * 1024
+PER_JOB_KIB = 2 * GIB_KIB
+BUILD_ROOT = "/var/lib/pvegpu/kernel-build"
+STATE_DIR = "/var/lib/pvegpu/kernel"  # manifests of installed builds, trial-boot marker
+TRIAL_MARKER = f"{STATE_DIR}/trial-boot"
+BUILD_UNIT = "pvegpu-kernel-build"
+# a kbuild output line that produced one object / target
+OBJECT_LINE = re.compile(r"^\s+(CC|AS|LD|AR|CC \[M\]|LD \[M\])\s+\S+")
+
+
+def build_jobs(cores: int | None, mem_total_kib: int | None, per_job_kib: int = PER_JOB_KIB) -> int:
+    """Parallel compile jobs: never more than cores, never more than RAM / ~2 GiB, at least 1."""
+    by_cores = cores if cores and cores > 0 else 1
+    by_mem = (mem_total_kib or 0) // per_job_kib
+    return max(1, min(by_cores, by_mem))
+
+
+def resolve_jobs(spec_jobs: int | str, cores: int | None, mem_total_kib: int | None) -> int:
+    if spec_jobs == "auto":
+        return build_jobs(cores, mem_total_kib)
+    return max(1, int(spec_jobs))
+
+
+def localversion(kernel: KernelSpec) -> str:
+    """LOCALVERSION for `make bindeb-pkg`: what follows the tree's own version in the release
+    (`6.1.192` + `-pvegpu-ci` = `6.1.192-pvegpu-ci`; empty when the spec names no suffix)."""
+    match = re.match(r"^\d+\.\d+(?:\.\d+)?(.*)$", kernel.version)
+    return match.group(1) if match else ""
+
+
+def build_id(kernel: KernelSpec, base_config: str = "running") -> str:
+    """What identifies a build: same id = same kernel, nothing to rebuild."""
+    source = kernel.source
+    identity = {
+        "version": kernel.version,
+        "kind": source.kind,
+        "url": source.url,
+        "ref": source.ref,
+        "sha256": source.sha256,
+        "base_config": base_config,
+        "fragments": list(kernel.config_fragments),
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def config_hash(kernel: KernelSpec, base_config: str = "running") -> str:
+    text = base_config + "\n" + "\n".join(kernel.config_fragments)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def build_dir(kernel: KernelSpec, base_config: str = "running") -> str:
+    return f"{BUILD_ROOT}/{kernel.version}-{build_id(kernel, base_config)[:12]}"
+
+
+def package_globs(kind: str, release: str) -> list[str]:
+    """The .debs a build leaves in its build dir (relative names, shell globs)."""
+    if kind == "proxmox-git":
+        # pve-kernel's `make deb`: proxmox-kernel-<rel>_*.deb, proxmox-headers-<rel>_*.deb
+        return [f"proxmox-kernel-{release}_*.deb", f"proxmox-headers-{release}_*.deb"]
+    return [f"linux-image-{release}_*.deb", f"linux-headers-{release}_*.deb"]
+
+
+def kernel_decision(kernel: KernelSpec, facts: dict, base_config: str = "running") -> dict:
+    """The one thing the stage does next, and why (in words).
+
+    `facts`: {"kernels": <ProxmoxKernels>, "installed_manifest": dict|None (for kernel.version),
+    "build": {"running": bool, "rc": int|None, "debs": [names], "manifest": dict|None},
+    "trial": release|None (TRIAL_MARKER content)}.
+
+    .. code:: python
+
+        {"action": "build", "why": "6.14.8-2-pve is not installed"}
+    """
+    release = kernel.version
+    kernels = facts.get("kernels") or {}
+    installed = release in (kernels.get("installed") or [])
+    wanted = build_id(kernel, base_config)
+    manifest = facts.get("installed_manifest") or {}
+    build = facts.get("build") or {}
+    running = kernels.get("running")
+    if installed and manifest.get("build_id") == wanted:
+        trial = facts.get("trial")
+        if running == release:
+            if kernels.get("pinned") != release:
+                return {"action": "pin", "why": f"{release} is running; pin it for good"}
+            return {"action": "done", "why": f"{release} (built from the same source and config) is installed, running and pinned"}
+        if trial == release and kernels.get("next_boot") != release:
+            return {"action": "failed-trial",
+                    "why": f"the trial boot of {release} came up on {running}; {kernels.get('pinned') or running} stays pinned"}
+        if not kernel.trial_boot:
+            return {"action": "done", "why": f"{release} is installed (trial_boot is off; not pinned)"}
+        if kernels.get("next_boot") == release:
+            return {"action": "await-reboot", "why": f"{release} is installed and pinned for the next boot only"}
+        return {"action": "trial", "why": f"{release} is installed but not booted yet"}
+    why = f"{release} is not installed" if not installed else f"{release} is installed but built from another source or config"
+    if build.get("running"):
+        return {"action": "attach", "why": f"{why}; a build is already running on the host: waiting for it"}
+    if build.get("rc") == 0 and (build.get("manifest") or {}).get("build_id") == wanted and build.get("debs"):
+        return {"action": "install", "why": f"{why}; the build of it finished earlier: installing"}
+    return {"action": "build", "why": why}
+
+
+def trial_pin_command(release: str, pin_tool: str) -> str:
+    """Boot `release` once, next boot only (the default stays on the old kernel)."""
+    q = shlex.quote(release)
+    if pin_tool == "proxmox-boot-tool":
+        return f"proxmox-boot-tool kernel pin {q} --next-boot"
+    # plain GRUB: a one-shot default (needs GRUB_DEFAULT=saved) by menu entry title
+    return f"grub-reboot {shlex.quote('Advanced options for Debian GNU/Linux>Debian GNU/Linux, with Linux ' + release)}"
+
+
+def pin_for_good_command(release: str, pin_tool: str) -> str:
+    """Pin `release` only when it is the one running; else say so and fail (old stays pinned)."""
+    q = shlex.quote(release)
+    if pin_tool == "proxmox-boot-tool":
+        pin = f"proxmox-boot-tool kernel pin {q}"
+    else:
+        pin = f"grub-set-default {shlex.quote('Advanced options for Debian GNU/Linux>Debian GNU/Linux, with Linux ' + release)}"
+    message = shlex.quote(f"pvegpu: the trial boot of {release} came up on ")
+    tail = shlex.quote("; the previous kernel stays pinned")
+    return (
+        f'if [ "$(uname -r)" = {q} ]; then {pin} && rm -f {shlex.quote(TRIAL_MARKER)}; '
+        f'else echo {message}"$(uname -r)"{tail} >&2; exit 1; fi'
+    )
+
+
+def build_progress(log_lines: list[str], total: int | None) -> dict:
+    """Objects built so far from a kbuild log (and the expected total, when known)."""
+    built = 0
+    last = None
+    for line in log_lines:
+        if OBJECT_LINE.match(line):
+            built += 1
+            last = line.strip()
+    return {"built": built, "total": total, "last": last}
+
+
+def describe_progress(progress: dict) -> str:
+    total = progress["total"]
+    share = f" of ~{total} ({min(100, 100 * progress['built'] // total)}%)" if total else ""
+    return f"{progress['built']} objects built{share}" + (f", last: {progress['last']}" if progress["last"] else "")
+
+
+# -- trial boot bookkeeping between the kernel stage and the reboot stage ---------------------
+_TRIAL_KEY = "_pvegpu_kernel_trial"
+
+
+def record_trial_boot(host: Any, release: str, pin_tool: str) -> None:
+    setattr(host.data, _TRIAL_KEY, {"release": release, "pin_tool": pin_tool})
+
+
+def trial_boot_of(host: Any) -> dict | None:
+    """{"release": "6.14.8-2-pve", "pin_tool": "proxmox-boot-tool"} when this run set a trial boot."""
+    return host.data.get(_TRIAL_KEY)
