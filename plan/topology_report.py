@@ -156,6 +156,8 @@ def topology_text(host: str, hardware: dict, verdict: dict, nccl_env: dict | Non
         lines.append("RDMA NICs the driver sees: " + ", ".join(f"{k}={v}" for k, v in sorted(topo_nics.items())))
     lines.append("")
 
+    if not gpus:
+        lines.append("No NVIDIA GPU found (no PCI device of vendor 10de, class 03, and none in nvidia-smi).")
     lines.append("P2P between GPUs (verdict/level; yes = possible and safe):")
     labels = [_gpu_label(g) for g in gpus]
     key = {frozenset((p["a"], p["b"])): p for p in verdict["pairs"]}

@@ -136,3 +136,22 @@ def test_nic_behind_the_gpus_switch_is_drawn_in_the_tree():
     assert "bridge_0000_41_00_0 -- nic_0000_45_00_0" in source
     assert "color=darkgreen" in source  # the two GPUs behind the switch: P2P usable
     assert "<svg" in graphviz.Source(source).pipe(format="svg").decode()
+
+
+def test_topology_deploy_file_on_this_machine_writes_the_report_and_queues_no_operation(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    pyinfra = Path(sys.executable).parent / "pyinfra"
+    run = subprocess.run(
+        [str(pyinfra), "-y", "@local", "topology.py"], cwd=repo, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PVEGPU_TOPOLOGY_OUT": str(tmp_path)},
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    text = (tmp_path / "@local.txt").read_text()
+    assert text.startswith("GPU topology of @local\n") and text in run.stdout
+    assert (tmp_path / "@local.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
+    assert re.search(r"Grand total\s+-\s+-\s+-\s+-\s", run.stderr)  # pyinfra's results table: no operation

@@ -1,0 +1,46 @@
+"""GPU topology report, read-only:
+
+    pyinfra inventories/kpro6.py topology.py      # hosts of an inventory (their spec gives GPU roles)
+    pyinfra @local topology.py                    # this machine
+
+For each host: reads the hardware facts (one batched remote command, plus the list of RDMA
+devices), and writes on this machine, under out/topology/, `<host>.txt` (root complexes,
+bridges, GPUs, NICs, links, BAR1, the P2P verdict per GPU pair with its reasons, the NCCL
+variables pvegpu would set) and `<host>.svg` (the same as a diagram), then prints the text.
+PVEGPU_TOPOLOGY_OUT=<dir> writes elsewhere.
+It queues no operation: nothing on the host changes.
+"""
+
+import os
+import re
+from pathlib import Path
+
+import graphviz
+from pyinfra import host
+from pyinfra.facts.files import FindLinks
+
+from facts.hardware import HardwareProbe
+from plan.nccl import nccl_environment, nccl_plan_for_spec
+from plan.topology_report import topology_dot, topology_text, verdict_from_hardware
+
+OUT = Path(os.environ.get("PVEGPU_TOPOLOGY_OUT") or Path(__file__).resolve().parent / "out" / "topology")
+
+hardware = host.get_fact(HardwareProbe)
+rdma_devices = sorted(Path(link).name for link in host.get_fact(FindLinks, path="/sys/class/infiniband", maxdepth=1) or [])
+spec = host.data.get("pvegpu_spec")
+roles = {bdf: gpu.role for bdf, gpu in spec.gpus.items()} if spec else None
+verdict = verdict_from_hardware(hardware, roles)
+topology_nics = (hardware.get("topology") or {}).get("nics")
+if spec:
+    nccl_env = nccl_plan_for_spec(verdict, spec, rdma_devices=rdma_devices, topology_nics=topology_nics)["host"]
+else:
+    nccl_env = nccl_environment(verdict, rdma_devices=rdma_devices, topology_nics=topology_nics)
+
+# Plain file writes: a deploy file runs inside the pyinfra process, on this machine.
+OUT.mkdir(parents=True, exist_ok=True)
+stem = re.sub(r"[^0-9A-Za-z@._-]", "_", host.name)
+text = topology_text(host.name, hardware, verdict, nccl_env)
+(OUT / f"{stem}.txt").write_text(text)
+(OUT / f"{stem}.svg").write_bytes(graphviz.Source(topology_dot(host.name, hardware, verdict)).pipe(format="svg"))
+print(text)
+print(f"Written: {OUT / stem}.txt and .svg")
