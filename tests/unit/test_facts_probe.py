@@ -94,3 +94,49 @@ def test_probe_equals_individual_facts_on_this_machine(probe):
             lines = _sh(command)
             expected = fact.process(lines) if lines else fact.default()
         assert batched[key] == _jsonable(expected), key
+
+
+PROBE_RUN = Path(__file__).parents[1] / "fixtures" / "h200-vm-probe"
+
+
+def _recorded_sections() -> dict[tuple[str, str], list[str]]:
+    """facts.txt of the device run: each fact's own command output, by (probe, section)."""
+    sections: dict[tuple[str, str], list[str]] = {}
+    current = None
+    for line in (PROBE_RUN / "facts.txt").read_text().splitlines()[2:]:
+        if line.startswith("#### "):
+            probe, key = line[5:].split()
+            current = sections.setdefault((probe, key), [])
+        elif current is not None:
+            current.append(line)
+    return sections
+
+
+@pytest.mark.parametrize("probe,recording", [(HardwareProbe, "hardware-probe.txt"),
+                                             (HostConfigProbe, "host-config-probe.txt")])
+def test_probe_on_the_gpu_machine_equals_each_fact_run_there(probe, recording):
+    """Recorded on the H200 VM in one device run: the probe's one command, and each fact's own."""
+    batched = _jsonable(probe().process((PROBE_RUN / recording).read_text().splitlines()[2:]))
+    singles = _recorded_sections()
+    for key, (fact_class, _) in probe.sections.items():
+        lines = singles[(probe.__name__, key)]
+        fact = fact_class()
+        # '##PYINFRA_NOCMD##' is pyinfra's marker for a missing required tool: the default.
+        expected = fact.default() if lines in ([], ["##PYINFRA_NOCMD##"]) else fact.process(lines)
+        assert batched[key] == _jsonable(expected), key
+
+
+def test_probe_on_the_gpu_machine_agrees_with_the_separate_recordings():
+    """The probe run and the lead's separate recording of the same VM kind say the same things."""
+    data = _jsonable(HardwareProbe().process((PROBE_RUN / "hardware-probe.txt").read_text().splitlines()[2:]))
+    assert data["nvidia_driver"] == _case("nvidia.NvidiaDriver/h200-vm-open-580")["fact"]
+    assert data["char_majors"] == _case("devices.CharDeviceMajors/h200-vm-uvm-238-block-devices-after")["fact"]
+    assert data["device_nodes"] == _case("devices.NvidiaDeviceNodes/h200-vm-uvm-238-caps-dir")["fact"]
+    assert data["topology"] == _case("gpu.GpuTopology/h200-vm-1gpu-ansi")["fact"]
+    assert data["iommu"] == _case("kernel.IommuState/h200-vm-no-groups")["fact"]
+    gpus = data["nvidia_gpus"]
+    assert list(gpus) == ["0000:00:06.0"] and gpus["0000:00:06.0"]["model"] == "NVIDIA H200"
+    assert gpus["0000:00:06.0"]["minor"] == 0 and gpus["0000:00:06.0"]["uuid"].startswith("GPU-")
+    gpu = data["pci_devices"]["0000:00:06.0"]
+    assert (gpu["vendor"], gpu["class"], gpu["driver"]) == ("10de", "030200", "nvidia")
+    assert gpu["bars"]["2"] == 256 * 2**30  # the H200's 256 GiB BAR

@@ -12,7 +12,7 @@ CASES = Path(__file__).parent / "facts"
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 CASE_FILES = sorted(CASES.glob("*.*/*.yaml"))
 # Fixture folders whose every file must feed a fact case (or be skipped with a reason).
-COVERED_FOLDERS = ("topo-m", "topo-p2p", "driver-version", "proc-devices", "iommu-groups", "lxc-conf", "lspci", "h200-vm")
+COVERED_FOLDERS = ("topo-m", "topo-p2p", "driver-version", "proc-devices", "iommu-groups", "lxc-conf", "lspci", "h200-vm", "h200-vm-probe")
 SKIPPED_WITH_REASON = {
     # from tests/unit/facts/generate_cases.py SKIPPED, plus h200-vm outputs no fact reads
     "proc-devices/ls-dev-char-nvidia-symlinks-uvm-234-caps-237.txt",
@@ -25,6 +25,7 @@ SKIPPED_WITH_REASON = {
     "h200-vm/sysfs-pci-tree.txt",  # the same tree PciDevices reads from sysfs-pci.txt
     "h200-vm/torch-peer.txt",
     "h200-vm/uname.txt",
+    "h200-vm-probe/facts.txt",  # each fact's own command on the same run: tests/unit/test_facts_probe.py
 }
 
 

@@ -144,6 +144,10 @@ CASES = [
           ("pve9-116-xtts-unprivileged-raw-lxc-nvidia-allow-a.txt", 116, None),
           ("telmate-1138-gpu-and-coral-snippet.txt", 100, "the source names no CT id; 100 is assumed"),
       )],
+    case("hardware.HardwareProbe", "h200-vm-one-command", "h200-vm-probe/hardware-probe.txt",
+         note="the probe's own single command, run on the H200 VM"),
+    case("hardware.HostConfigProbe", "h200-vm-one-command", "h200-vm-probe/host-config-probe.txt",
+         note="the probe's own single command, run on the H200 VM (no Proxmox there)"),
 ]
 
 # Fixtures deliberately not used, and why (kept here so the choice is visible).
