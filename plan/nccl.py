@@ -117,6 +117,8 @@ def _p2p_impossible(scope: dict) -> str | None:
     if not pairs or safe_p2p_cutoff(pairs) is not None:
         return None
     blocked = [p for p in pairs if not _usable(p)]
+    if not blocked:  # every pair usable, only a level unknown: nothing to disable
+        return None
     closest = min(blocked, key=lambda p: NCCL_P2P_LEVELS.index(nccl_level(p["level"]) or "SYS"))
     usable = sum(1 for p in pairs if _usable(p))
     return (

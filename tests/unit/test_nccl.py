@@ -201,3 +201,12 @@ def test_plan_for_the_kpro6_spec_file_covers_its_gpu_containers():
     for pair in verdict["pairs"]:
         if pair["a"] in vm_gpus or pair["b"] in vm_gpus:
             assert "role" in pair["reason_kinds"]
+
+
+def test_unknown_levels_disable_p2p_only_when_a_pair_is_unusable():
+    gpus = {f"0000:0{i}:00.0": {"model": "NVIDIA H200", "minor": i} for i in range(1, 3)}
+    usable = p2p_verdict(nvidia_gpus=gpus, p2p_read=all_codes("OK", 2))
+    assert usable["pairs"][0]["level"] is None and usable["pairs"][0]["possible"]
+    assert "NCCL_P2P_DISABLE" not in nccl_environment(usable, rdma_devices=[])
+    refused = p2p_verdict(nvidia_gpus=gpus, p2p_read=all_codes("NS", 2))
+    assert nccl_environment(refused, rdma_devices=[])["NCCL_P2P_DISABLE"]["value"] == "1"
