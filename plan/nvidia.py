@@ -1,0 +1,368 @@
+"""What the NVIDIA driver and module-options stages should do, from spec + facts (no I/O).
+
+Stage 4 (operations/nvidia.py) builds the open kernel modules for each target kernel release,
+installs user space and GSP firmware of the same version; stage 5 (operations/module_options.py)
+writes /etc/modprobe.d/pvegpu-nvidia.conf and the boot unit that makes /dev/nvidia-uvm*.
+
+Guards from the field (/work/shared/INCIDENTS.md):
+  1  modules built by another GCC than their kernel bricked a host -> `toolchain_for`
+  2  GSP firmware of another version panicked a boot             -> `firmware_problem`, `version_mismatches`
+  3  cuInit failed in LXC on Blackwell without uvm_disable_hmm=1  -> `uvm_disable_hmm`
+  6  CT user space != module version                             -> `version_mismatches`
+  14 -j = cores OOM-killed a build                                -> `build_jobs`
+"""
+
+from __future__ import annotations
+
+import re
+
+from plan.render import render_template
+
+GIB_KIB = 1024 * 1024
+GCC_VERSION_RE = re.compile(r"\b(\d+\.\d+\.\d+)\b")
+
+# Blackwell dies by PCI device-id range (vendor 10de), from NVIDIA's published device ids:
+# GB100/GB102 (B100, B200 10de:2901, GB200) 29xx; GB202 (RTX 5090 10de:2b85, RTX PRO 6000
+# Blackwell 10de:2bb1 / Server Edition 10de:2bb5) 2Bxx; GB203 (RTX 5080 10de:2c02) 2Cxx;
+# GB206/GB207 (RTX 5060 Ti 10de:2d04) 2Dxx; GB10 2Exx; GB205 (RTX 5070 10de:2f04) 2Fxx.
+# Hopper (H100 10de:2330, H200 10de:2335) is 23xx and Ada 26xx-28xx: both outside.
+BLACKWELL_DEVICE_RANGES = ((0x2900, 0x29FF), (0x2B00, 0x2FFF))
+# Model names the driver prints (/proc/driver/nvidia/gpus/*/information, nvidia-smi -L).
+BLACKWELL_NAME_RE = re.compile(r"Blackwell|\bG?B[123]00\b|\bRTX 50[0-9]0\b")
+NVIDIA_VENDOR = "10de"
+DISPLAY_CLASS_PREFIX = "03"  # 0300 VGA, 0302 3D controller
+
+
+# -- targets and parallelism ---------------------------------------------------------------
+
+def target_releases(running: str | None, kernel_stage: list[str] | None = None,
+                    explicit: list[str] | None = None) -> list[str]:
+    """Kernel releases the modules are built for: `explicit` when given, else the running one
+    plus any the kernel stage installs (it builds before the reboot into the new kernel).
+
+    >>> target_releases("6.8.12-4-pve", ["6.14.8-2-pve"])
+    ['6.8.12-4-pve', '6.14.8-2-pve']
+    """
+    wanted = list(explicit) if explicit else [r for r in [running, *(kernel_stage or [])] if r]
+    return list(dict.fromkeys(wanted))
+
+
+def build_jobs(cores: int, mem_total_kib: int, per_job_gib: int = 2) -> int:
+    """`make -j` from memory and cores: ~2 GiB per compile job, never more jobs than cores
+    (incident 14: -j128 with 2 GiB per job exhausted a host)."""
+    by_memory = mem_total_kib // (per_job_gib * GIB_KIB)
+    return max(1, min(cores, by_memory))
+
+
+# -- toolchain (incident 1) ----------------------------------------------------------------
+
+def gcc_version(banner: str | None) -> str | None:
+    """`gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0` -> `12.2.0` (the last x.y.z of the banner)."""
+    if not banner:
+        return None
+    found = GCC_VERSION_RE.findall(banner)
+    return found[-1] if found else None
+
+
+def _banner_tail(banner: str) -> str:
+    """A `--version` first line without the program name (`gcc-12 (Debian …) 12.2.0` -> `(Debian …) 12.2.0`)."""
+    return banner.strip().split(" ", 1)[1] if " " in banner.strip() else ""
+
+
+def _compiler_package(program: str, version: str | None) -> str:
+    if re.fullmatch(r"gcc-\d+", program):
+        return program
+    major = version.split(".")[0] if version else None
+    return f"gcc-{major}" if major else "gcc"
+
+
+def toolchain_for(release: str, cc_version_text: str | None, compilers: dict[str, str]) -> dict:
+    """Which compiler builds modules for `release`, or why none may.
+
+    `cc_version_text` is the headers' CONFIG_CC_VERSION_TEXT (the first line of `$CC --version`
+    of the compiler that built the kernel); `compilers` maps each installed gcc program to its
+    `--version` first line: ``{"gcc": "gcc (Debian 12.2.0-14+deb12u1) 12.2.0", "gcc-12": …}``.
+
+    Returns ``{"cc": "gcc-12", "note": str | None, "refusal": None}`` or
+    ``{"cc": None, "note": None, "refusal": "…which compiler to install…"}``.
+    The program the kernel named comes first, then `gcc`. An identical banner (less the program
+    name) is a match; the same GCC x.y.z with another distribution revision is accepted with a
+    note (Debian point releases keep the ABI; Proxmox kernels are built with an older revision
+    than most hosts carry); another x.y.z is refused.
+    """
+    if not cc_version_text:
+        return {"cc": None, "note": None,
+                "refusal": f"kernel {release}: its headers carry no CONFIG_CC_VERSION_TEXT, so the compiler "
+                           f"that built it is unknown; install its complete headers package"}
+    wanted_version = gcc_version(cc_version_text)
+    program = cc_version_text.split(" ", 1)[0]
+    if "gcc" not in program:
+        return {"cc": None, "note": None,
+                "refusal": f"kernel {release} was built with {cc_version_text!r}, not GCC; "
+                           f"pvegpu builds NVIDIA modules with the kernel's own GCC only"}
+    candidates = [c for c in dict.fromkeys([program, "gcc"]) if c in compilers]
+    for cc in candidates:
+        if _banner_tail(compilers[cc]) == _banner_tail(cc_version_text):
+            return {"cc": cc, "note": None, "refusal": None}
+    for cc in candidates:
+        if gcc_version(compilers[cc]) == wanted_version:
+            return {"cc": cc, "refusal": None,
+                    "note": f"kernel {release} was built with {cc_version_text!r}; using {compilers[cc]!r} "
+                            f"(same GCC {wanted_version}, other distribution revision)"}
+    have = "; ".join(f"{c}: {compilers[c]!r}" for c in compilers) or "no gcc at all"
+    package = _compiler_package(program, wanted_version)
+    return {"cc": None, "note": None,
+            "refusal": f"kernel {release} was built with {cc_version_text!r} but this host has {have}; "
+                       f"modules built by another compiler left a host unbootable (incident 1). "
+                       f"Install GCC {wanted_version} (apt install {package}) and run again"}
+
+
+# -- build or skip ------------------------------------------------------------------------
+
+def module_current(release: str, version: str, installed: dict | None) -> tuple[bool, str]:
+    """Whether the nvidia module `modinfo -k <release>` finds is `version` built for `release`.
+
+    `installed`: ``{"version": "535.309.01", "vermagic": "6.1.0-57-amd64 SMP preempt …",
+    "filename": "/lib/modules/…/nvidia.ko"}`` or None.
+    """
+    if not installed or not installed.get("version"):
+        return False, f"no nvidia module installed for {release}"
+    if installed["version"] != version:
+        return False, f"nvidia {installed['version']} is installed for {release}, want {version}"
+    vermagic = (installed.get("vermagic") or "").split()
+    if not vermagic or vermagic[0] != release:
+        return False, (f"nvidia {version} for {release} has vermagic "
+                       f"{installed.get('vermagic')!r}, built for another kernel")
+    return True, f"nvidia {version} is installed for {release} ({installed.get('filename')})"
+
+
+# -- versions of modules, firmware and user space (incidents 2, 6) -------------------------
+
+def firmware_problem(version: str, firmware: dict[str, list[str]], want_firmware: bool,
+                     installer_configured: bool) -> str | None:
+    """Refusal when GSP firmware of exactly `version` is needed, absent, and nothing will bring it.
+
+    `firmware`: version directory under /lib/firmware/nvidia -> its gsp*.bin files,
+    e.g. ``{"535.261.03": ["gsp_ga10x.bin", "gsp_tu10x.bin"]}``.
+    """
+    if not want_firmware or firmware.get(version) or installer_configured:
+        return None
+    others = sorted(v for v, files in firmware.items() if files)
+    found = f"found GSP firmware only for {', '.join(others)}" if others else "found no GSP firmware"
+    return (f"GSP firmware for {version} is missing under /lib/firmware/nvidia/{version}/ ({found}); "
+            f"modules of one version with firmware of another panicked a boot (incident 2). "
+            f"Configure nvidia.installer (the .run carries the firmware) or install firmware {version}")
+
+
+def version_mismatches(version: str, modules: dict[str, str | None], firmware_versions: list[str] | None,
+                       userspace_versions: list[str], want_firmware: bool = True) -> list[str]:
+    """Every component that is not `version`, in words (empty: all equal).
+
+    modules: release -> installed nvidia module version (None: none);
+    firmware_versions: versions with gsp*.bin present (None: firmware not checked);
+    userspace_versions: versions of libnvidia-ml.so.<ver> found.
+    """
+    problems = []
+    for release, have in modules.items():
+        if have != version:
+            problems.append(f"kernel {release}: nvidia module is {have or 'missing'}, want {version}")
+    if want_firmware and firmware_versions is not None and version not in firmware_versions:
+        problems.append(f"GSP firmware {version} is missing under /lib/firmware/nvidia/{version}/")
+    for have in userspace_versions:
+        if have != version:
+            problems.append(f"user space libnvidia-ml.so.{have} is not {version} "
+                            f"(driver/library version mismatch, incident 6)")
+    return problems
+
+
+# -- module options (incident 3) -----------------------------------------------------------
+
+def is_blackwell(device_id: str | None = None, model: str | None = None) -> bool:
+    """A Blackwell GPU, by PCI device id (hex, e.g. "2bb5") or by the model name the driver prints."""
+    if model and BLACKWELL_NAME_RE.search(model):
+        return True
+    if device_id:
+        try:
+            value = int(device_id, 16)
+        except ValueError:
+            return False
+        return any(lo <= value <= hi for lo, hi in BLACKWELL_DEVICE_RANGES)
+    return False
+
+
+def nvidia_gpu_ids(pci_devices: dict[str, dict]) -> dict[str, str]:
+    """BDF -> device id of every NVIDIA display-class function (GPUs, not their audio)."""
+    return {bdf: dev.get("device") or "" for bdf, dev in sorted(pci_devices.items())
+            if dev.get("vendor") == NVIDIA_VENDOR and str(dev.get("class") or "").startswith(DISPLAY_CLASS_PREFIX)}
+
+
+def uvm_disable_hmm(setting: bool | str, gpu_ids: dict[str, str], models: dict[str, str] | None = None) -> tuple[bool, str]:
+    """Whether to set `nvidia_uvm uvm_disable_hmm=1`, and why.
+
+    `setting` is the spec's True/False/"auto"; auto turns it on when any GPU is Blackwell
+    (by device id in `gpu_ids` {bdf: "2bb5"} or by model name in `models` {bdf: "NVIDIA …"}).
+    """
+    if setting is True:
+        return True, "spec sets nvidia.uvm_disable_hmm: true"
+    if setting is False:
+        return False, "spec sets nvidia.uvm_disable_hmm: false"
+    models = models or {}
+    blackwell = sorted(bdf for bdf in set(gpu_ids) | set(models)
+                       if is_blackwell(gpu_ids.get(bdf), models.get(bdf)))
+    if blackwell:
+        return True, (f"auto: Blackwell GPU(s) {', '.join(blackwell)}; CUDA init failed in LXC on "
+                      f"Blackwell with HMM on (incident 3)")
+    return False, "auto: no Blackwell GPU found"
+
+
+MODPROBE_SAFE_RE = re.compile(r"^[A-Za-z0-9_.,:;=+/@%-]*$")
+
+
+def modprobe_value(value: int | bool | str) -> str:
+    """One option value as modprobe.d reads it: bare when safe, else in double quotes.
+
+    kmod splits options at whitespace outside double quotes and has no escape for `"` itself,
+    so a value containing `"` or a backslash is refused (ValueError) rather than mangled.
+    """
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    text = str(value)
+    if '"' in text or "\\" in text or "\n" in text or "\r" in text or "\x00" in text:
+        raise ValueError(f"{text!r}: a modprobe option value cannot hold a double quote, backslash or newline")
+    return text if text and MODPROBE_SAFE_RE.match(text) else f'"{text}"'
+
+
+def modprobe_options(disable_hmm: bool, nvreg: dict[str, int | str]) -> dict[str, list[str]]:
+    """module -> ["key=value", …] for /etc/modprobe.d/pvegpu-nvidia.conf (sorted, stable)."""
+    options: dict[str, list[str]] = {}
+    if nvreg:
+        options["nvidia"] = [f"{key}={modprobe_value(nvreg[key])}" for key in sorted(nvreg)]
+    if disable_hmm:
+        options["nvidia_uvm"] = ["uvm_disable_hmm=1"]
+    return options
+
+
+def render_modprobe_conf(disable_hmm: bool, hmm_reason: str, nvreg: dict[str, int | str]) -> str:
+    """The text of /etc/modprobe.d/pvegpu-nvidia.conf."""
+    return render_template("modprobe-nvidia.conf.j2", options=modprobe_options(disable_hmm, nvreg),
+                           hmm_reason=hmm_reason)
+
+
+def render_nodes_unit() -> str:
+    """The text of /etc/systemd/system/pvegpu-nvidia-nodes.service (incident 5)."""
+    return render_template("nvidia-device-nodes.service.j2")
+
+
+# -- the driver stage's steps --------------------------------------------------------------
+
+def userspace_versions(paths: list[str]) -> list[str]:
+    """Versions of the NVML libraries found: `/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.535.309.01` -> `535.309.01`."""
+    found = []
+    for path in paths:
+        match = re.search(r"libnvidia-ml\.so\.(\d+\.\d+(?:\.\d+)?)$", path.strip())
+        if match and match.group(1) not in found:
+            found.append(match.group(1))
+    return sorted(found)
+
+
+def source_mismatch(what: str, source, checked: dict | None) -> str | None:
+    """Refusal when a local source (path or file://) does not have the spec's sha256.
+
+    `source` has `.url` and `.sha256` (spec.models.SourceSpec); `checked` is the fact's entry
+    ``{"cached": False, "sha256": "…"}`` (sha256 None: remote URL, checked after download).
+    """
+    if not source or not checked or checked.get("cached") or not checked.get("sha256"):
+        return None
+    if checked["sha256"] == source.sha256:
+        return None
+    return (f"{what} {source.url} has sha256 {checked['sha256']} but the spec says {source.sha256}; "
+            f"refusing to build or install from it (nothing was changed)")
+
+
+def driver_steps(version: str, releases: list[str], state: dict, *, modules_source=None,
+                 installer=None, want_firmware: bool = True, required: set[str] | None = None) -> dict:
+    """Everything the driver stage will do, decided from the host state before any change.
+
+    `modules_source`/`installer` are the spec's SourceSpec (or None).
+    `state` is the `NvidiaHostState` fact (see operations/nvidia.py for its shape); `releases`
+    the target kernel releases; `required` the releases whose missing headers are a refusal
+    (default: all; a release the kernel stage has not installed yet is only noted).
+
+    .. code:: python
+
+        {"jobs": 2, "ccache": True,
+         "releases": {"6.1.0-57-amd64": {"build": True, "reason": "no nvidia module installed …",
+                                         "cc": "gcc-12", "headers": True}},
+         "fetch_modules": True, "fetch_installer": False, "install_userspace": False,
+         "install_firmware": False, "verify": True,
+         "refusals": [], "notes": ["…"]}
+    """
+    required = set(releases) if required is None else required
+    refusals: list[str] = []
+    notes: list[str] = []
+    per_release: dict[str, dict] = {}
+    for release in releases:
+        info = state["releases"].get(release) or {}
+        current, reason = module_current(release, version, info.get("module"))
+        entry = {"build": False, "reason": reason, "cc": None, "headers": bool(info.get("headers"))}
+        per_release[release] = entry
+        if current:
+            continue
+        if not info.get("headers"):
+            message = (f"kernel {release}: no headers at /lib/modules/{release}/build to build nvidia {version} "
+                       f"against; install them (proxmox-headers-{release} on Proxmox, linux-headers-{release} on Debian)")
+            (refusals if release in required else notes).append(
+                message if release in required else message + "; skipped until they are there")
+            continue
+        toolchain = toolchain_for(release, info.get("cc_version_text"), state.get("compilers") or {})
+        if toolchain["refusal"]:
+            refusals.append(toolchain["refusal"])
+            continue
+        if toolchain["note"]:
+            notes.append(toolchain["note"])
+        if modules_source is None:
+            refusals.append(f"kernel {release}: {reason}, and nvidia.modules_source is not set; give the "
+                            f"open-gpu-kernel-modules archive (url + sha256) to build from")
+            continue
+        entry.update(build=True, cc=toolchain["cc"])
+
+    have_userspace = userspace_versions(state.get("userspace") or [])
+    installer_given = installer is not None
+    install_userspace = installer_given and have_userspace != [version]
+    if not installer_given and any(v != version for v in have_userspace):
+        refusals.append(f"user space {', '.join(have_userspace)} is installed but the modules are {version}; "
+                        f"containers and tools fail with 'driver/library version mismatch' (incident 6). "
+                        f"Configure nvidia.installer to install user space {version}")
+    if not installer_given and not have_userspace:
+        notes.append(f"no NVIDIA user space found; set nvidia.installer to install {version}'s")
+
+    firmware = state.get("firmware") or {}
+    problem = firmware_problem(version, firmware, want_firmware, installer_given)
+    if problem:
+        refusals.append(problem)
+    install_firmware = bool(want_firmware and installer_given and not firmware.get(version))
+
+    builds = any(e["build"] for e in per_release.values())
+    sources = state.get("sources") or {}
+    fetch_modules = modules_source is not None and builds
+    fetch_installer = install_userspace or install_firmware
+    for what, key, source, used in (("modules source", "modules", modules_source, fetch_modules),
+                                    ("installer", "installer", installer, fetch_installer)):
+        mismatch = source_mismatch(what, source, sources.get(key)) if used else None
+        if mismatch:
+            refusals.append(mismatch)
+    changes = builds or install_userspace or install_firmware
+    return {
+        "jobs": build_jobs(state.get("cores") or 1, state.get("mem_total_kib") or 0),
+        "ccache": bool(state.get("ccache")),
+        "releases": per_release,
+        "fetch_modules": fetch_modules,
+        "fetch_installer": fetch_installer,
+        "install_userspace": install_userspace,
+        "install_firmware": install_firmware,
+        "verify": changes,
+        "refusals": refusals,
+        "notes": notes,
+    }

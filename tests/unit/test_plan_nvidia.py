@@ -1,0 +1,265 @@
+"""Pure decisions of the NVIDIA driver and module-options stages (plan/nvidia.py), on real outputs."""
+
+from pathlib import Path
+
+import pytest
+
+from facts.kernel import parse_module_parameters
+from facts.nvidia import parse_driver_version, parse_gpu_information
+from plan import nvidia as nv
+from spec.models import SourceSpec
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+# Real banners: this build machine's `gcc --version | head -n1` / `gcc-12 --version | head -n1`
+# (Debian bookworm) and CONFIG_CC_VERSION_TEXT of Debian's linux-headers-6.1.0-57-amd64.
+BOOKWORM_GCC = "gcc (Debian 12.2.0-14+deb12u1) 12.2.0"
+BOOKWORM_GCC12 = "gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0"
+DEBIAN_61_CC_TEXT = "gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0"
+# Proxmox's kernels are built on the release's first GCC revision (as in kpro6's /proc/version).
+PVE_CC_TEXT = "gcc (Debian 12.2.0-14) 12.2.0"
+
+
+def fixture_lines(relpath: str) -> list[str]:
+    return (FIXTURES / relpath).read_text().splitlines()[2:]
+
+
+def test_targets_are_running_then_kernel_stage_without_duplicates():
+    assert nv.target_releases("6.8.12-4-pve", ["6.14.8-2-pve", "6.8.12-4-pve"]) == ["6.8.12-4-pve", "6.14.8-2-pve"]
+    assert nv.target_releases(None, []) == []
+    assert nv.target_releases("6.8.12-4-pve", ["6.14.8-2-pve"], explicit=["6.1.0-57-amd64"]) == ["6.1.0-57-amd64"]
+
+
+@pytest.mark.parametrize("cores,mem_kib,jobs", [
+    (2, 24683568, 2),      # this build machine (/proc/meminfo MemTotal)
+    (16, 131961788, 16),   # the H200 VM (tests/fixtures/h200-vm/meminfo.txt)
+    (128, 64 * 1024 * 1024, 32),  # 128 cores, 64 GiB: memory decides (incident 14)
+    (8, 1024 * 1024, 1),   # tiny VM: never zero
+])
+def test_jobs_from_memory_and_cores(cores, mem_kib, jobs):
+    assert nv.build_jobs(cores, mem_kib) == jobs
+
+
+def test_h200_meminfo_fixture_gives_jobs():
+    mem = next(int(line.split()[1]) for line in fixture_lines("h200-vm/meminfo.txt") if line.startswith("MemTotal:"))
+    assert nv.build_jobs(16, mem) == 16
+
+
+def test_gcc_version_from_real_banners():
+    assert nv.gcc_version(BOOKWORM_GCC) == "12.2.0"
+    assert nv.gcc_version(DEBIAN_61_CC_TEXT) == "12.2.0"
+    proc_version = fixture_lines("h200-vm/proc-version.txt")[0]  # "(gcc (GCC) 15.3.0, GNU ld … 2.46)"
+    assert nv.gcc_version(proc_version.split("(gcc ")[1].split(",")[0]) == "15.3.0"
+    driver = parse_driver_version(fixture_lines("driver-version/open-555.42.02-ubuntu2204-ec2-t4.txt"))
+    assert driver["gcc"] == "11.4.0"
+
+
+def test_toolchain_prefers_the_compiler_the_kernel_named():
+    result = nv.toolchain_for("6.1.0-57-amd64", DEBIAN_61_CC_TEXT, {"gcc": BOOKWORM_GCC, "gcc-12": BOOKWORM_GCC12})
+    assert result == {"cc": "gcc-12", "note": None, "refusal": None}
+
+
+def test_toolchain_plain_gcc_matches_when_banner_equal_less_program_name():
+    result = nv.toolchain_for("6.1.0-57-amd64", DEBIAN_61_CC_TEXT, {"gcc": BOOKWORM_GCC})
+    assert result["cc"] == "gcc" and result["refusal"] is None and result["note"] is None
+
+
+def test_toolchain_same_gcc_other_debian_revision_is_accepted_with_note():
+    result = nv.toolchain_for("6.14.8-2-pve", PVE_CC_TEXT, {"gcc": BOOKWORM_GCC, "gcc-12": BOOKWORM_GCC12})
+    assert result["cc"] == "gcc" and result["refusal"] is None
+    assert "same GCC 12.2.0" in result["note"]
+
+
+def test_toolchain_mismatch_refuses_and_names_the_compiler_to_install():
+    ubuntu_gcc13 = "gcc (Ubuntu 13.3.0-6ubuntu2~24.04) 13.3.0"  # version line of the 565 fixture's host
+    result = nv.toolchain_for("6.1.0-57-amd64", DEBIAN_61_CC_TEXT, {"gcc": ubuntu_gcc13})
+    assert result["cc"] is None
+    assert "apt install gcc-12" in result["refusal"]
+    assert "incident 1" in result["refusal"] and "13.3.0" in result["refusal"]
+    pve = nv.toolchain_for("6.14.8-2-pve", PVE_CC_TEXT, {"gcc": ubuntu_gcc13})
+    assert "GCC 12.2.0 (apt install gcc-12)" in pve["refusal"]
+
+
+def test_toolchain_unknown_or_clang_refuses():
+    assert "CONFIG_CC_VERSION_TEXT" in nv.toolchain_for("x", None, {"gcc": BOOKWORM_GCC})["refusal"]
+    clang = nv.toolchain_for("x", "Debian clang version 14.0.6", {"gcc": BOOKWORM_GCC})
+    assert "not GCC" in clang["refusal"]
+
+
+VERMAGIC_61 = "6.1.0-57-amd64 SMP preempt mod_unload modversions "
+
+
+def test_module_current_needs_version_and_vermagic_of_the_release():
+    mod = {"version": "535.309.01", "vermagic": VERMAGIC_61, "filename": "/lib/modules/6.1.0-57-amd64/updates/pvegpu-nvidia/nvidia.ko"}
+    assert nv.module_current("6.1.0-57-amd64", "535.309.01", mod)[0] is True
+    assert nv.module_current("6.1.0-57-amd64", "595.71.05", mod) == (
+        False, "nvidia 535.309.01 is installed for 6.1.0-57-amd64, want 595.71.05")
+    ok, why = nv.module_current("6.1.0-58-amd64", "535.309.01", mod)
+    assert not ok and "another kernel" in why
+    assert nv.module_current("6.1.0-57-amd64", "535.309.01", None)[0] is False
+
+
+def test_firmware_missing_for_version_is_refused_unless_installer_brings_it():
+    firmware = {"535.261.03": ["gsp_ga10x.bin", "gsp_tu10x.bin"]}
+    problem = nv.firmware_problem("535.309.01", firmware, want_firmware=True, installer_configured=False)
+    assert "found GSP firmware only for 535.261.03" in problem and "incident 2" in problem
+    assert nv.firmware_problem("535.309.01", firmware, True, installer_configured=True) is None
+    assert nv.firmware_problem("535.261.03", firmware, True, False) is None
+    assert nv.firmware_problem("535.309.01", {}, want_firmware=False, installer_configured=False) is None
+
+
+def test_version_mismatches_name_each_component():
+    # the Bazzite host: user space 570.153.02 against module 570.144, firmware for 570.144 absent
+    problems = nv.version_mismatches("570.144", {"6.14.8-2-pve": "570.144", "6.8.12-4-pve": None},
+                                     firmware_versions=[], userspace_versions=["570.153.02"])
+    assert problems == [
+        "kernel 6.8.12-4-pve: nvidia module is missing, want 570.144",
+        "GSP firmware 570.144 is missing under /lib/firmware/nvidia/570.144/",
+        "user space libnvidia-ml.so.570.153.02 is not 570.144 (driver/library version mismatch, incident 6)",
+    ]
+    assert nv.version_mismatches("570.144", {"r": "570.144"}, ["570.144"], ["570.144"]) == []
+
+
+def test_userspace_versions_from_library_names():
+    assert nv.userspace_versions([
+        "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
+        "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.595.71.05",
+        "/usr/lib64/libnvidia-ml.so.595.71.05",
+    ]) == ["595.71.05"]
+
+
+def test_blackwell_by_device_id_and_model():
+    assert nv.is_blackwell("2bb5")                      # RTX PRO 6000 Blackwell Server Edition (kpro6)
+    assert nv.is_blackwell("2901")                      # B200
+    assert not nv.is_blackwell("2335")                  # H200
+    assert nv.is_blackwell(model="NVIDIA RTX PRO 6000 Blackwell Server Edition")
+    assert nv.is_blackwell(model="NVIDIA GeForce RTX 5090")
+    assert not nv.is_blackwell("2204", "NVIDIA GeForce RTX 3090")
+
+
+def test_hmm_auto_is_off_on_the_real_h200_and_on_for_blackwell():
+    gpus = parse_gpu_information(fixture_lines("h200-vm/driver-gpus-information.txt"))
+    models = {bdf: g["model"] for bdf, g in gpus.items()}
+    assert models and all("H200" in m for m in models.values())
+    assert nv.uvm_disable_hmm("auto", {}, models) == (False, "auto: no Blackwell GPU found")
+    on, why = nv.uvm_disable_hmm("auto", {"0000:01:00.0": "2bb5", "0000:41:00.0": "2335"})
+    assert on and "0000:01:00.0" in why and "0000:41:00.0" not in why and "incident 3" in why
+    assert nv.uvm_disable_hmm(True, {}) == (True, "spec sets nvidia.uvm_disable_hmm: true")
+    assert nv.uvm_disable_hmm(False, {"0000:01:00.0": "2bb5"})[0] is False
+
+
+def test_nvidia_gpu_ids_skip_audio_functions():
+    pci = {"0000:01:00.0": {"vendor": "10de", "device": "2bb5", "class": "030200"},
+           "0000:01:00.1": {"vendor": "10de", "device": "22e8", "class": "040300"},
+           "0000:00:01.0": {"vendor": "1022", "device": "149f", "class": "060000"}}
+    assert nv.nvidia_gpu_ids(pci) == {"0000:01:00.0": "2bb5"}
+
+
+def test_h200_uvm_parameters_show_hmm_on():
+    params = parse_module_parameters(fixture_lines("h200-vm/uvm-params.txt"))
+    assert params["uvm_disable_hmm"] == "N"
+
+
+def test_modprobe_values_are_quoted_or_refused():
+    assert nv.modprobe_value(1) == "1"
+    assert nv.modprobe_value(True) == "1"
+    assert nv.modprobe_value("0x1") == "0x1"
+    assert nv.modprobe_value("RmMsg=:;EnableThing=1") == "RmMsg=:;EnableThing=1"
+    assert nv.modprobe_value("a b") == '"a b"'
+    assert nv.modprobe_value("") == '""'
+    for bad in ['a"b', "a\\b", "a\nb"]:
+        with pytest.raises(ValueError):
+            nv.modprobe_value(bad)
+
+
+def test_rendered_options_file():
+    text = nv.render_modprobe_conf(True, "spec sets nvidia.uvm_disable_hmm: true",
+                                   {"NVreg_EnableGpuFirmware": 1, "NVreg_RegistryDwords": "a=1; b=2"})
+    lines = [line for line in text.splitlines() if not line.startswith("#")]
+    assert lines == ['options nvidia NVreg_EnableGpuFirmware=1 NVreg_RegistryDwords="a=1; b=2"',
+                     "options nvidia_uvm uvm_disable_hmm=1"]
+    off = nv.render_modprobe_conf(False, "auto: no Blackwell GPU found", {})
+    assert not [line for line in off.splitlines() if line.startswith("options")]
+
+
+def test_rendered_unit_orders_before_guests():
+    unit = nv.render_nodes_unit()
+    assert "Before=pve-guests.service" in unit.splitlines()
+    assert "ExecStart=nvidia-modprobe -u -c=0" in unit.splitlines()
+    assert "WantedBy=multi-user.target" in unit.splitlines()
+
+
+# -- driver_steps on recorded state (outputs of NvidiaHostState in a bookworm root) ---------
+
+SHA = "04906a73457a207f25dc3dbbb7f8fdc1dc088cc334e6fb2eb9b1419b823bfaaa"
+SOURCE = SourceSpec(url="/usr/src/nvidia-kernel.tar.xz", sha256=SHA)
+
+
+def bookworm_state(module=None, firmware=None, userspace=None, source=None, compilers=None):
+    return {
+        "cores": 2, "mem_total_kib": 24683568, "running": "6.14.8-2-pve", "ccache": True,
+        "compilers": compilers or {"gcc": BOOKWORM_GCC, "gcc-12": BOOKWORM_GCC12},
+        "releases": {
+            "6.14.8-2-pve": {"headers": False, "cc_version_text": None, "module": None},
+            "6.1.0-57-amd64": {"headers": True, "cc_version_text": DEBIAN_61_CC_TEXT, "module": module},
+        },
+        "firmware": firmware or {}, "userspace": userspace or [],
+        "persistenced": {"binary": False, "unit": None, "enabled": False},
+        "sources": {"modules": source or {"cached": False, "sha256": SHA}},
+    }
+
+
+def steps(state, releases=("6.1.0-57-amd64",), **kw):
+    kw.setdefault("modules_source", SOURCE)
+    kw.setdefault("want_firmware", False)
+    return nv.driver_steps("535.309.01", list(releases), state, **kw)
+
+
+def test_steps_build_when_no_module_installed():
+    result = steps(bookworm_state())
+    assert result["refusals"] == []
+    assert result["releases"]["6.1.0-57-amd64"]["build"] is True
+    assert result["releases"]["6.1.0-57-amd64"]["cc"] == "gcc-12"
+    assert result["fetch_modules"] and result["verify"] and result["jobs"] == 2 and result["ccache"]
+
+
+def test_steps_skip_when_installed_version_and_vermagic_match():
+    result = steps(bookworm_state(module={"version": "535.309.01", "vermagic": VERMAGIC_61, "filename": "x"}))
+    assert result["releases"]["6.1.0-57-amd64"]["build"] is False
+    assert not result["fetch_modules"] and not result["verify"] and result["refusals"] == []
+
+
+def test_steps_refuse_local_checksum_mismatch():
+    result = steps(bookworm_state(source={"cached": False, "sha256": "f" * 64}))
+    assert any("has sha256 ffff" in r and "spec says " + SHA in r for r in result["refusals"])
+    # once the verified copy is cached, the original path is not re-read
+    assert steps(bookworm_state(source={"cached": True, "sha256": None}))["refusals"] == []
+
+
+def test_steps_refuse_toolchain_mismatch():
+    result = steps(bookworm_state(compilers={"gcc": "gcc (Debian 13.2.0-25) 13.2.0"}))
+    assert result["releases"]["6.1.0-57-amd64"]["build"] is False
+    assert any("apt install gcc-12" in r for r in result["refusals"])
+
+
+def test_steps_refuse_firmware_of_another_version():
+    result = steps(bookworm_state(firmware={"535.261.03": ["gsp_ga10x.bin"]}), want_firmware=True)
+    assert any("found GSP firmware only for 535.261.03" in r for r in result["refusals"])
+
+
+def test_steps_refuse_foreign_userspace_without_installer():
+    result = steps(bookworm_state(userspace=["/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.535.261.03"]))
+    assert any("incident 6" in r for r in result["refusals"])
+
+
+def test_steps_running_kernel_without_headers_refuses_but_kernel_stage_release_is_noted():
+    state = bookworm_state()
+    refused = steps(state, releases=("6.14.8-2-pve",))
+    assert any("proxmox-headers-6.14.8-2-pve" in r for r in refused["refusals"])
+    noted = steps(state, releases=("6.1.0-57-amd64", "6.14.8-2-pve"), required={"6.1.0-57-amd64"})
+    assert noted["refusals"] == [] and any("skipped until" in n for n in noted["notes"])
+
+
+def test_steps_without_modules_source_refuse_to_guess():
+    result = steps(bookworm_state(), modules_source=None)
+    assert any("modules_source is not set" in r for r in result["refusals"])
