@@ -35,7 +35,7 @@ def fuser(argv):
             continue
         found = True
         if verbose:
-            sys.stderr.write(f"{f + ':':<20} {'root':<10} {holder['pid']:>5} F.... {holder['holder'][:15]}\n")
+            sys.stderr.write(f"{f + ':':<20} {'root':<10}{holder['pid']:>5} F.... {holder['holder'][:15]}\n")
         else:
             sys.stderr.write(f"{f}:")
             sys.stdout.write(f" {holder['pid']}")

@@ -1,0 +1,238 @@
+"""The twin's stand-in programs, run against a tmp root through TWIN_ROOT (no chroot, no sshd)."""
+import json
+import os
+import stat
+import subprocess
+
+import pytest
+from proxmoxer import ProxmoxAPI
+
+from tests.twin import hardware
+
+
+@pytest.fixture(scope="module")
+def clean_kpro6(tmp_path_factory):
+    root = tmp_path_factory.mktemp("base") / "kpro6"
+    hardware.install(root, "kpro6")
+    return root
+
+
+@pytest.fixture
+def root(tmp_path, clean_kpro6):
+    dest = tmp_path / "kpro6"
+    subprocess.run(["cp", "-a", str(clean_kpro6), str(dest)], check=True)
+    return dest
+
+
+def run(root, prog, *args, check=False):
+    env = dict(os.environ, TWIN_ROOT=str(root))
+    for d in ("usr/local/sbin", "usr/local/bin"):
+        if (root / d / prog).exists():
+            r = subprocess.run([str(root / d / prog), *args], env=env, capture_output=True, text=True)
+            if check:
+                assert r.returncode == 0, r.stderr
+            return r
+    raise FileNotFoundError(prog)
+
+
+def guests_log(root):
+    p = root / "var/lib/twin/guests.log"
+    return [line.split(" ", 1)[1] for line in p.read_text().splitlines()] if p.exists() else []
+
+
+def write_ct(root, vmid, text):
+    (root / f"etc/pve/lxc/{vmid}.conf").write_text(text)
+
+
+# ---------------------------------------------------------------- pct
+
+def test_pct_start_refuses_missing_device_path(root):
+    run(root, "pct", "set", "200", "--dev0", "/dev/nvidia0,gid=44", "--dev1", "/dev/nvidia-uvm", check=True)
+    r = run(root, "pct", "start", "200")
+    assert r.returncode != 0 and "Device /dev/nvidia0 does not exist" in r.stderr
+    assert run(root, "pct", "status", "200").stdout == "status: stopped\n"
+    assert guests_log(root) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
+def test_pct_start_with_device_nodes_present(root):
+    for path, minor in (("dev/nvidia0", 0), ("dev/nvidia-uvm", 0)):
+        (root / path).parent.mkdir(exist_ok=True)
+        os.mknod(root / path, 0o666 | stat.S_IFCHR, os.makedev(195 if "uvm" not in path else 511, minor))
+    run(root, "pct", "set", "200", "--dev0", "/dev/nvidia0,gid=44", "--dev1", "/dev/nvidia-uvm", check=True)
+    run(root, "pct", "start", "200", check=True)
+    assert run(root, "pct", "status", "200").stdout == "status: running\n"
+    run(root, "pct", "reboot", "200", check=True)
+    run(root, "pct", "stop", "200", check=True)
+    assert guests_log(root) == ["start lxc 200", "reboot lxc 200", "stop lxc 200"]
+
+
+def test_pct_start_refuses_a_regular_file_as_device(root):
+    (root / "dev").mkdir(exist_ok=True)
+    (root / "dev/nvidia0").write_text("")
+    run(root, "pct", "set", "200", "--dev0", "/dev/nvidia0", check=True)
+    r = run(root, "pct", "start", "200")
+    assert r.returncode != 0 and "Path /dev/nvidia0 is not a device" in r.stderr
+
+
+def test_raw_lxc_keys_refused_through_pct_and_api(root):
+    r = run(root, "pct", "set", "200", "--lxc.cgroup2.devices.allow", "c 195:* rwm")
+    assert r.returncode != 0 and "Unknown option: lxc.cgroup2.devices.allow" in r.stderr
+    r = run(root, "pvesh", "set", "/nodes/kpro6/lxc/200/config", "--lxc.mount.entry", "/dev/nvidia0 dev/nvidia0 none bind",
+            "--output-format", "json")
+    assert r.returncode != 0
+    assert r.stderr.startswith("400 Parameter verification failed.\nlxc.mount.entry: property is not defined")
+    assert "lxc." not in (root / "etc/pve/lxc/200.conf").read_text()
+
+
+def test_pct_set_keeps_comments_raw_keys_and_snapshots(root):
+    write_ct(root, 201, "#GPU container\narch: amd64\nhostname: a\nlxc.cgroup2.devices.allow: c 195:* rwm\n"
+                        "memory: 512\n\n[snap1]\narch: amd64\nhostname: a\nsnaptime: 1700000000\n")
+    run(root, "pct", "set", "201", "--dev0", "/dev/nvidia0,gid=44", "--delete", "memory", check=True)
+    assert (root / "etc/pve/lxc/201.conf").read_text() == (
+        "#GPU container\narch: amd64\ndev0: /dev/nvidia0,gid=44\nhostname: a\n"
+        "lxc.cgroup2.devices.allow: c 195:* rwm\n\n[snap1]\narch: amd64\nhostname: a\nsnaptime: 1700000000\n")
+    cfg = json.loads(run(root, "pvesh", "get", "/nodes/kpro6/lxc/201/config", "--output-format", "json").stdout)
+    assert cfg["dev0"] == "/dev/nvidia0,gid=44" and cfg["lxc"] == [["lxc.cgroup2.devices.allow", "c 195:* rwm"]]
+    assert cfg["description"] == "GPU container\n" and "memory" not in cfg
+
+
+def test_pct_exec_runs_in_the_twin_when_running(root):
+    r = run(root, "pct", "exec", "200", "--", "true")
+    assert r.returncode != 0 and "CT 200 not running" in r.stderr
+
+
+# ---------------------------------------------------------------- PCI mappings + qm
+
+def gpu_map(bdf="0000:01:00.0", group=12, node="kpro6"):
+    return f"node={node},path={bdf},id=10de:2bb5,subsystem-id=10de:204e,iommugroup={group}"
+
+
+def test_pvesh_mapping_round_trip_and_vm_start(root):
+    run(root, "pvesh", "create", "/cluster/mapping/pci", "--id", "gpu0", "--map", gpu_map(),
+        "--description", "first GPU", check=True)
+    listed = json.loads(run(root, "pvesh", "get", "/cluster/mapping/pci", "--output-format", "json").stdout)
+    assert listed == [{"id": "gpu0", "map": [gpu_map()], "description": "first GPU"}]
+    assert (root / "etc/pve/mapping/pci.cfg").read_text() == (
+        f"gpu0\n\tdescription first GPU\n\tmap {gpu_map()}\n\n")
+    r = run(root, "pvesh", "create", "/cluster/mapping/pci", "--id", "gpu0", "--map", gpu_map())
+    assert r.returncode != 0 and "already defined" in r.stderr
+    run(root, "qm", "set", "300", "--hostpci0", "mapping=gpu0,pcie=1", check=True)
+    run(root, "qm", "start", "300", check=True)
+    run(root, "qm", "stop", "300", check=True)
+    assert guests_log(root) == ["start qemu 300", "stop qemu 300"]
+    # the hardware changed under the mapping: wrong IOMMU group, then wrong path
+    run(root, "pvesh", "set", "/cluster/mapping/pci/gpu0", "--map", gpu_map(group=99), check=True)
+    r = run(root, "qm", "start", "300")
+    assert r.returncode != 0 and "'iommugroup' does not match for 'gpu0' (12 != 99)" in r.stderr
+    run(root, "pvesh", "set", "/cluster/mapping/pci/gpu0", "--map", gpu_map(bdf="0000:02:00.0", group=12), check=True)
+    r = run(root, "qm", "start", "300")
+    assert r.returncode != 0 and "'id' does not match for 'gpu0'" in r.stderr
+    run(root, "pvesh", "delete", "/cluster/mapping/pci/gpu0", check=True)
+    assert json.loads(run(root, "pvesh", "get", "/cluster/mapping/pci", "--output-format", "json").stdout) == []
+
+
+def test_qm_refuses_pcie_without_q35_and_busy_gpu(root):
+    conf = root / "etc/pve/qemu-server/300.conf"
+    conf.write_text(conf.read_text().replace("machine: q35\n", ""))
+    run(root, "qm", "set", "300", "--hostpci0", "0000:01:00.0,pcie=1", check=True)
+    r = run(root, "qm", "start", "300")
+    assert r.returncode != 0 and "q35 machine model is not enabled" in r.stderr
+    run(root, "qm", "set", "300", "--machine", "q35", check=True)
+    hardware.mark_busy(root, "0000:01:00.0", "python3")
+    r = run(root, "qm", "start", "300")
+    assert r.returncode != 0 and "in use by python3" in r.stderr
+    hardware.clear_busy(root)
+    run(root, "qm", "start", "300", check=True)
+
+
+def test_qm_config_keeps_snapshot_sections(root):
+    conf = root / "etc/pve/qemu-server/300.conf"
+    conf.write_text(conf.read_text() + "\n[before-gpu]\nmemory: 1024\nsnaptime: 1700000000\n")
+    run(root, "qm", "set", "300", "--hostpci0", "0000:21:00.0,pcie=1", check=True)
+    text = conf.read_text()
+    assert text.endswith("\n\n[before-gpu]\nmemory: 1024\nsnaptime: 1700000000\n")
+    assert "hostpci0: 0000:21:00.0,pcie=1\n" in text.split("[before-gpu]")[0]
+
+
+def test_proxmoxer_command_backend_against_the_stand_ins(root, monkeypatch):
+    """proxmoxer's local backend sends the same `pvesh <cmd> <path> -k v --output-format json`
+    command lines as its SSH backends (both are CommandBaseSession)."""
+    monkeypatch.setenv("TWIN_ROOT", str(root))
+    monkeypatch.setenv("PATH", f"{root}/usr/local/sbin:{root}/usr/local/bin:" + os.environ["PATH"])
+    px = ProxmoxAPI(backend="local", service="PVE")
+    assert px.version.get()["version"] == "8.4.1"
+    assert [n["node"] for n in px.nodes.get()] == ["kpro6"]
+    assert {c["vmid"] for c in px.nodes("kpro6").lxc.get()} == {200}
+    px.nodes("kpro6").lxc(200).config.put(dev0="/dev/nvidia0,gid=44")
+    assert px.nodes("kpro6").lxc(200).config.get()["dev0"] == "/dev/nvidia0,gid=44"
+    px.cluster.mapping.pci.post(id="gpu1", map=gpu_map("0000:21:00.0", 15))
+    assert px.cluster.mapping.pci("gpu1").get()["map"] == [gpu_map("0000:21:00.0", 15)]
+    px.nodes("kpro6").qemu(300).config.put(hostpci0="mapping=gpu1,pcie=1")
+    task = px.nodes("kpro6").qemu(300).status.start.post()
+    assert task.startswith("UPID:kpro6:")
+    assert px.nodes("kpro6").qemu(300).status.current.get()["status"] == "running"
+    with pytest.raises(Exception, match="400"):
+        px.nodes("kpro6").lxc(200).config.put(**{"lxc.cgroup2.devices.allow": "c 195:* rwm"})
+
+
+def test_pveversion_reports_profile_version_and_booted_kernel(root):
+    assert run(root, "pveversion").stdout == "pve-manager/8.4.1/2a5fa54a8503f96d (running kernel: 6.14.8-2-pve)\n"
+    assert run(root, "pveversion", "-v").stdout.startswith("proxmox-ve: 8.4.0 (running kernel: 6.14.8-2-pve)\n"
+                                                           "pve-manager: 8.4.1 (running version: 8.4.1/")
+
+
+# ---------------------------------------------------------------- boot tools
+
+def test_proxmox_boot_tool_pin_next_boot_and_list(root):
+    assert "is configured with: uefi (versions: 6.8.12-11-pve, 6.14.8-2-pve)" in run(root, "proxmox-boot-tool", "status").stdout
+    r = run(root, "proxmox-boot-tool", "kernel", "pin", "6.99.0-1-pve")
+    assert r.returncode != 0 and "no kernel image found" in r.stderr
+    run(root, "proxmox-boot-tool", "kernel", "pin", "6.8.12-11-pve", "--next-boot", check=True)
+    listing = run(root, "proxmox-boot-tool", "kernel", "list").stdout
+    assert "Kernel pinned on next-boot:\n6.8.12-11-pve" in listing and "Pinned kernel:" not in listing
+    hardware.render(root)
+    assert run(root, "uname", "-r").stdout == "6.8.12-11-pve\n"
+    assert "next-boot" not in run(root, "proxmox-boot-tool", "kernel", "list").stdout  # consumed by the boot
+    hardware.render(root)
+    assert run(root, "uname", "-r").stdout == "6.14.8-2-pve\n"
+    run(root, "proxmox-boot-tool", "kernel", "pin", "6.8.12-11-pve", check=True)
+    run(root, "proxmox-boot-tool", "kernel", "unpin", check=True)
+    hardware.render(root)
+    assert run(root, "uname", "-r").stdout == "6.14.8-2-pve\n"
+
+
+def test_reboot_stand_ins_request_a_reboot(root):
+    run(root, "reboot", check=True)
+    assert (root / "var/lib/twin/reboot-request").exists()
+    (root / "var/lib/twin/reboot-request").unlink()
+    run(root, "shutdown", "-r", "now", check=True)
+    run(root, "systemctl", "reboot", check=True)
+    assert len((root / "var/lib/twin/reboot.log").read_text().splitlines()) == 3
+    assert os.path.realpath(root / "usr/sbin/reboot") == str(root / "usr/sbin/reboot")  # not a link to systemctl
+
+
+def test_busy_gpu_seen_by_fuser_and_nvidia_smi(root):
+    hardware.mark_busy(root, "0000:41:00.0", "nvidia-persistenced")
+    apps = run(root, "nvidia-smi", "--query-compute-apps=gpu_bus_id,pid,process_name", "--format=csv,noheader").stdout
+    pid = apps.split(", ")[1]
+    assert apps == f"00000000:41:00.0, {pid}, nvidia-persistenced\n"
+    (root / "dev").mkdir(exist_ok=True)
+    for n in range(3):
+        (root / f"dev/nvidia{n}").write_text("")
+    r = run(root, "fuser", "-v", "/dev/nvidia0", "/dev/nvidia1", "/dev/nvidia2")
+    assert r.returncode == 0
+    assert r.stderr.splitlines() == ["                     USER        PID ACCESS COMMAND",
+                                     f"/dev/nvidia2:        root      {pid:>5} F.... nvidia-persiste"]
+    assert "/dev/nvidia0:" not in r.stderr
+    assert run(root, "fuser", "/dev/nvidia0").returncode == 1
+
+
+def test_nvidia_modprobe_records_uvm_nodes(root):
+    run(root, "nvidia-modprobe", "-u", "-c=0", check=True)
+    rec = json.loads((root / "var/lib/twin/nvidia-modprobe.log").read_text().splitlines()[-1])
+    assert rec["nodes"] == [{"path": "/dev/nvidia-uvm", "major": 511, "minor": 0},
+                            {"path": "/dev/nvidia-uvm-tools", "major": 511, "minor": 1}]
+    if os.geteuid() == 0:
+        assert stat.S_ISCHR(os.stat(root / "dev/nvidia-uvm").st_mode)
+        assert os.major(os.stat(root / "dev/nvidia-uvm").st_rdev) == 511
