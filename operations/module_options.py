@@ -1,0 +1,130 @@
+"""Stage 5 — module options and device nodes at boot (DESIGN.md §2.5; incidents 3, 5).
+
+Writes, from templates:
+    /etc/modprobe.d/pvegpu-nvidia.conf            `options nvidia_uvm uvm_disable_hmm=1` (spec, or
+                                                   auto: on for Blackwell), `options nvidia NVreg_…`
+    /etc/systemd/system/pvegpu-nvidia-nodes.service  oneshot `nvidia-modprobe -u -c=0` + `nvidia-smi -L`,
+                                                   ordered before pve-guests.service, enabled by its
+                                                   multi-user.target wants link
+Then: `update-initramfs -u -k all` only when the options file changed, and a reboot reason when
+the loaded modules run with other values than the file sets (the reboot stage decides; a module
+reload is left to a person because it needs every GPU client stopped).
+
+No-change cost: the shared HardwareProbe, one ManagedFiles, one readlink.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from pyinfra import host
+from pyinfra.api import FactBase, StringCommand, deploy, operation
+
+from facts.files import ManagedFiles
+from facts.hardware import HardwareProbe
+from operations.files import managed_file, sha256_text
+from plan import nvidia as nvplan
+from plan.reboot import need_reboot
+
+MODPROBE_CONF = "/etc/modprobe.d/pvegpu-nvidia.conf"
+NODES_UNIT_NAME = "pvegpu-nvidia-nodes.service"
+NODES_UNIT = f"/etc/systemd/system/{NODES_UNIT_NAME}"
+NODES_WANTS_LINK = f"/etc/systemd/system/multi-user.target.wants/{NODES_UNIT_NAME}"
+
+
+class UnitLink(FactBase):
+    """Target of a symlink (e.g. a unit's wants link), or None when it is not a symlink.
+
+    .. code:: python
+
+        "/etc/systemd/system/pvegpu-nvidia-nodes.service"
+    """
+
+    def command(self, path: str) -> str:
+        return f"readlink {shlex.quote(path)} || true"
+
+    def process(self, output):
+        return output[0].strip() if output and output[0].strip() else None
+
+
+@operation()
+def update_initramfs(changed: bool):
+    """Rebuild the initramfs of every kernel so early-loaded modules see the new options."""
+    if not changed:
+        host.noop(f"{MODPROBE_CONF} unchanged; initramfs is current")
+        return
+    yield StringCommand("if command -v update-initramfs >/dev/null 2>&1; then update-initramfs -u -k all; fi")
+
+
+@operation()
+def link_unit(link: str, target: str, current: str | None):
+    """Enable a unit by its wants symlink (what `systemctl enable` does; systemd need not run)."""
+    if current == target:
+        host.noop(f"{link} -> {target}")
+        return
+    yield StringCommand(f"mkdir -p {shlex.quote(link.rsplit('/', 1)[0])} && ln -sfn {shlex.quote(target)} {shlex.quote(link)}")
+
+
+def loaded_differences(disable_hmm: bool, nvreg: dict, uvm_params: dict, nvidia_params: dict) -> list[str]:
+    """Options the loaded modules run with that differ from the file (empty when not loaded).
+
+    uvm_params: /sys/module/nvidia_uvm/parameters ({"uvm_disable_hmm": "N", …});
+    nvidia_params: /proc/driver/nvidia/params, names without the NVreg_ prefix.
+    """
+    differences = []
+    current = uvm_params.get("uvm_disable_hmm")
+    want = "Y" if disable_hmm else "N"
+    if current is not None and current != want:
+        differences.append(f"nvidia_uvm runs with uvm_disable_hmm={current}, {MODPROBE_CONF} sets {want}")
+    for key, value in sorted(nvreg.items()):
+        loaded = nvidia_params.get(key[len("NVreg_"):])
+        if loaded is not None and loaded.strip('"') != str(value):
+            differences.append(f"nvidia runs with {key}={loaded}, {MODPROBE_CONF} sets {value}")
+    return differences
+
+
+def desired(spec, hardware: dict) -> dict:
+    """The files and reasons for this host: {"conf", "unit", "disable_hmm", "hmm_reason"}."""
+    nv = spec.nvidia
+    gpu_ids = nvplan.nvidia_gpu_ids(hardware.get("pci_devices") or {})
+    models = {bdf: gpu.get("model") or "" for bdf, gpu in (hardware.get("nvidia_gpus") or {}).items()}
+    disable_hmm, reason = nvplan.uvm_disable_hmm(nv.uvm_disable_hmm, gpu_ids, models)
+    return {
+        "conf": nvplan.render_modprobe_conf(disable_hmm, reason, dict(nv.nvreg)),
+        "unit": nvplan.render_nodes_unit(),
+        "disable_hmm": disable_hmm,
+        "hmm_reason": reason,
+    }
+
+
+def preflight(spec) -> list[str]:
+    if spec.nvidia is None:
+        return []
+    refusals = []
+    for key, value in spec.nvidia.nvreg.items():
+        try:
+            nvplan.modprobe_value(value)
+        except ValueError as error:
+            refusals.append(f"nvidia.nvreg.{key}: {error}")
+    return refusals
+
+
+@deploy("Module options")
+def apply(spec) -> None:
+    if spec.nvidia is None:
+        return
+    hardware = host.get_fact(HardwareProbe)
+    want = desired(spec, hardware)
+    files = host.get_fact(ManagedFiles, paths=[MODPROBE_CONF, NODES_UNIT])
+    conf_state = files.get(MODPROBE_CONF)
+    conf_changed = not conf_state or conf_state["sha256"] != sha256_text(want["conf"])
+    managed_file(name=f"NVIDIA module options ({want['hmm_reason']})", path=MODPROBE_CONF,
+                 content=want["conf"], mode="644", state=conf_state)
+    managed_file(name="Unit creating /dev/nvidia-uvm* before guests", path=NODES_UNIT,
+                 content=want["unit"], mode="644", state=files.get(NODES_UNIT))
+    link_unit(name=f"Enable {NODES_UNIT_NAME}", link=NODES_WANTS_LINK, target=NODES_UNIT,
+              current=host.get_fact(UnitLink, path=NODES_WANTS_LINK))
+    update_initramfs(name="Update initramfs for new module options", changed=conf_changed)
+    for detail in loaded_differences(want["disable_hmm"], dict(spec.nvidia.nvreg),
+                                     hardware.get("uvm_params") or {}, hardware.get("nvidia_params") or {}):
+        need_reboot(host, "module options", detail)
