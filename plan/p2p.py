@@ -72,7 +72,7 @@ def _upstream_bridges(device: dict) -> list[str]:
 def iommu_domain_kind(iommu: dict | None, group) -> str | None:
     """What a GPU's IOMMU group does to its DMA: translated, identity, vfio, blocked, off, or None.
 
-    + iommu: the IommuState fact, ``{"enabled": True, "groups": {12: {"type": "DMA-FQ", …}}}``
+    + iommu: the IommuState fact, ``{"enabled": True, "groups": {12: "DMA-FQ", …}, …}``
     + group: the device's ``iommu_group`` from PciDevices (``None`` when the IOMMU is off)
     """
     if iommu is None:
@@ -80,18 +80,19 @@ def iommu_domain_kind(iommu: dict | None, group) -> str | None:
     if group is None:
         return "off"
     groups = iommu.get("groups") or {}
-    entry = groups.get(group, groups.get(str(group)))
-    if not entry or not entry.get("type"):
-        return None
-    return IOMMU_DOMAIN_KINDS.get(entry["type"])
+    kind = groups.get(group, groups.get(str(group)))
+    return IOMMU_DOMAIN_KINDS.get(kind) if kind else None
 
 
 def sev_snp_enabled(sev: dict | bool | None) -> bool | None:
-    """SEV-SNP on (True), off (False) or unknown (None), from the SevSnp fact (``{"enabled": True, …}``)."""
+    """SEV-SNP on (True), off (False) or unknown (None), from the SevSnp fact
+    (``{"snp": True, "enabled": True, …}``; ``snp`` is None when the CPU has the flag but kvm_amd
+    does not say)."""
     if sev is None or isinstance(sev, bool):
         return sev
-    value = sev.get("enabled")
-    return None if value is None else bool(value)
+    if "snp" in sev:
+        return None if sev["snp"] is None else bool(sev["snp"])
+    return None if sev.get("enabled") is None else bool(sev["enabled"])
 
 
 def acs_redirect_flags(entry: dict | None) -> list[str] | None:
@@ -187,9 +188,11 @@ def derived_level(a: dict, b: dict) -> str | None:
 
 
 def _path_bridges(a: dict, b: dict) -> list[str]:
-    """Bridges that peer traffic between a and b passes: those not shared above their meeting point."""
+    """Bridges whose ACS decides whether peer traffic between a and b turns below the root complex:
+    those not shared above their meeting point. None across root complexes: there the traffic
+    goes up through the CPU whatever ACS says."""
     if a["root"] != b["root"]:
-        return a["bridges"] + b["bridges"]
+        return []
     shared = set(a["bridges"]) & set(b["bridges"])
     return [x for x in a["bridges"] if x not in shared] + [x for x in b["bridges"] if x not in shared]
 

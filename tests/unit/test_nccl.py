@@ -57,7 +57,7 @@ def test_kpro6_disables_p2p_with_the_sev_snp_reason():
 
 
 def test_no_p2p_path_without_sev_snp_disables_p2p_with_the_path_reason():
-    verdict = kpro6_verdict(sev_snp={"enabled": False}, iommu={"enabled": False, "groups": {}})  # IOMMU off, no driver answer
+    verdict = kpro6_verdict(sev_snp={"snp": False, "enabled": False}, iommu={"enabled": False, "groups": {}})  # IOMMU off, no driver answer
     entry = nccl_environment(verdict, rdma_devices=[])["NCCL_P2P_DISABLE"]
     assert entry["value"] == "1"
     assert "no safe P2P path" in entry["reason"] and "different root complexes" in entry["reason"]

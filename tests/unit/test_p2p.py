@@ -77,13 +77,15 @@ def all_codes(code: str, n: int = 8) -> dict:
 
 def kpro6_iommu(kind: str = "DMA-FQ") -> dict:
     """IommuState as on kpro6: every group of the GPUs and root ports has the same domain type."""
-    groups = {group: {"type": kind, "mode": None, "devices": []} for group in [*range(10, 18), *range(30, 38)]}
-    return {"enabled": True, "units": ["ivhd0"], "mode": None, "groups": groups}
+    groups = {group: kind for group in [*range(10, 18), *range(30, 38)]}
+    mode = {"DMA-FQ": "translated", "identity": "passthrough"}[kind]
+    return {"enabled": True, "units": ["ivhd0"], "mode": mode, "groups": groups,
+            "group_modes": {group: mode for group in groups}, "devices": {}}
 
 
 def kpro6_verdict(**changes) -> dict:
     facts = dict(pci=kpro6_pci(), nvidia_gpus=kpro6_nvidia_gpus(), topology=kpro6_topology(),
-                 iommu=kpro6_iommu(), sev_snp={"enabled": True})
+                 iommu=kpro6_iommu(), sev_snp={"snp": True, "enabled": True})
     facts.update(changes)
     return p2p_verdict(**facts)
 
@@ -115,14 +117,14 @@ def test_kpro6_levels_come_from_the_driver_and_names_follow_pci_order():
 def test_level_alone_decides_nothing_epyc_routes_between_root_complexes_when_driver_says_ok():
     # Same 8 root complexes, but no SEV-SNP, IOMMU in identity mode, driver answers OK.
     verdict = kpro6_verdict(p2p_read=all_codes("OK"), p2p_write=all_codes("OK"),
-                            iommu=kpro6_iommu("identity"), sev_snp={"enabled": False})
+                            iommu=kpro6_iommu("identity"), sev_snp={"snp": False, "enabled": False})
     assert all(p["possible"] and p["safe"] for p in verdict["pairs"])
     assert all("different root complexes" in " ".join(p["notes"]) for p in verdict["pairs"])
     assert verdict["summary"].startswith("P2P is possible and safe for all 28 GPU pairs.")
 
 
 def test_translating_iommu_blocks_pcie_p2p_even_without_sev_snp():
-    verdict = kpro6_verdict(p2p_read=all_codes("OK"), sev_snp={"enabled": False})
+    verdict = kpro6_verdict(p2p_read=all_codes("OK"), sev_snp={"snp": False, "enabled": False})
     pair = verdict["pairs"][0]
     assert not pair["possible"]
     assert pair["safe"] is False
@@ -276,3 +278,32 @@ def test_restrict_verdict_keeps_only_the_containers_pairs():
     assert len(mine["pairs"]) == 3 and len(mine["gpus"]) == 3
     assert mine["summary"].startswith("P2P is impossible for all 3 GPU pairs.")
     assert restrict_verdict(verdict, kpro6_gpu_bdfs()[:1])["summary"].startswith("Fewer than two GPUs")
+
+
+def test_kpro6_twin_hardware_read_by_the_real_probe_gives_the_kpro6_verdict(tmp_path):
+    """The kpro6 twin profile rendered into a tmp root (no sshd needed) and read by HardwareProbe's
+    own command: its absolute /sys and /proc paths point at the rendered tree, nvidia-smi at the
+    twin's stand-in, and the printed paths are mapped back before the probe's parsers see them."""
+    import os
+    import subprocess
+
+    from facts.hardware import HardwareProbe
+    from tests.twin import hardware as twin_hardware
+
+    root = tmp_path / "kpro6"
+    twin_hardware.install(root, "kpro6")
+    hw = root / "var/lib/twin/hw"
+    command = (HardwareProbe().command.replace("/sys/", f"{hw}/sys/").replace("/proc/", f"{hw}/proc/")
+               .replace("nvidia-smi", str(root / "usr/local/bin/nvidia-smi")))
+    run = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TWIN_ROOT": str(root)})
+    facts = HardwareProbe().process(run.stdout.replace(str(hw), "").splitlines())
+    verdict = p2p_verdict(pci=facts["pci_devices"], nvidia_gpus=facts["nvidia_gpus"], topology=facts["topology"],
+                          p2p_read=facts["p2p_read"], p2p_write=facts["p2p_write"], iommu=facts["iommu"],
+                          sev_snp=facts["sev_snp"], acs=facts["pci_acs"])
+    assert len(verdict["pairs"]) == 28
+    for pair in verdict["pairs"]:
+        assert pair["driver_read"] == "OK"  # the driver says OK; the verdict still says no
+        assert not pair["possible"] and not pair["safe"]
+        assert pair["reason_kinds"][0] == "root_complex" and "sev_snp" in pair["reason_kinds"]
+    assert verdict["summary"].startswith("P2P is impossible for all 28 GPU pairs.")

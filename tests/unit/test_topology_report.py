@@ -24,7 +24,7 @@ from tests.unit.test_p2p import (
 
 def kpro6_hardware() -> dict:
     return {"pci_devices": kpro6_pci(), "nvidia_gpus": kpro6_nvidia_gpus(), "topology": kpro6_topology(),
-            "iommu": kpro6_iommu(), "sev_snp": {"enabled": True}, "p2p_read": {}, "p2p_write": {},
+            "iommu": kpro6_iommu(), "sev_snp": {"snp": True, "enabled": True}, "p2p_read": {}, "p2p_write": {},
             "pci_acs": {}, "nvidia_driver": {"version": "595.71.05", "open": True}}
 
 
@@ -127,7 +127,7 @@ def test_nic_behind_the_gpus_switch_is_drawn_in_the_tree():
     pci = switch_pci()
     pci["0000:45:00.0"] = pci_device(vendor="15b3", device="1021", cls="020700", root="pci0000:40",
                                      bridges=["0000:40:01.1", "0000:41:00.0"], driver="mlx5_core", numa=0)
-    hardware = {"pci_devices": pci, "iommu": {"enabled": False, "groups": {}}, "sev_snp": {"enabled": False}}
+    hardware = {"pci_devices": pci, "iommu": {"enabled": False, "groups": {}}, "sev_snp": {"snp": False, "enabled": False}}
     verdict = verdict_from_hardware(hardware)
     lines = topology_text("box", hardware, verdict).splitlines()
     usp = lines.index("      bridge 0000:41:00.0 10b5:c010, link 32.0 GT/s x16 (max 32.0 GT/s x16)")
