@@ -1,0 +1,286 @@
+"""Stage 3, kernel: build the spec's kernel on the host with its own gcc, install the .debs
+next to the running kernel, and trial-boot the new one (pinned for good only once it came up).
+
+A build takes an hour or more on a real host, so it runs detached: a transient systemd unit
+(`systemd-run --unit pvegpu-kernel-build`) where systemd runs, else `setsid nohup` (the twin
+has no running systemd). The deploy waits, printing progress from the build log; a re-run
+while the build runs attaches to it instead of starting a second one. The build dir holds
+build.sh, build.log, build.pid, build.rc (exit status), the .debs and manifest.json
+(compiler, source ref/sha, config hash); the manifest of an installed build is kept in
+/var/lib/pvegpu/kernel/<release>.json so a re-run skips what is already there.
+
+Facts: one batched remote command (`KernelStageFacts`).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+
+from pyinfra import host, logger
+from pyinfra.api import FactBase, FunctionCommand, StringCommand, deploy, operation
+
+from facts.hardware import SECTION_MARKER
+from facts.kernel import ProxmoxKernels
+from operations.files import write_file_command
+from plan import kernel as plan
+from plan.reboot import need_reboot
+from plan.render import render_template
+from spec.models import HostSpec, KernelSpec
+
+POLL_S = 10.0
+BUILD_TIMEOUT_S = 6 * 3600
+
+
+def base_config_of(kernel: KernelSpec) -> str:
+    """`running` (the booted kernel's /boot/config-*), `tinyconfig`/`defconfig`/`allnoconfig`,
+    or a path on the host. Read with getattr: the field belongs in KernelSpec (spec/ is the
+    lead's); until it is there every build starts from the running kernel's config."""
+    return getattr(kernel, "base_config", None) or "running"
+
+
+def parse_build_state(lines: list[str]) -> dict:
+    """Pure parser of the build-state section (shape: see `KernelStageFacts`)."""
+    state: dict = {"running": False, "rc": None, "debs": [], "manifest": None, "installed_manifest": None,
+                   "trial": None, "cores": None, "mem_total_kib": None, "systemd": False, "pbt": False,
+                   "log_objects": 0, "log_last": None}
+    for line in lines:
+        key, _, value = line.partition(" ")
+        value = value.strip()
+        if key == "running":
+            state["running"] = True
+        elif key == "rc" and value.lstrip("-").isdigit():
+            state["rc"] = int(value)
+        elif key == "deb" and value:
+            state["debs"].append(value)
+        elif key in ("manifest", "installed-manifest") and value:
+            try:
+                state[key.replace("-", "_")] = json.loads(value)
+            except ValueError:
+                pass  # a half-written manifest counts as none
+        elif key == "trial":
+            state["trial"] = value or None
+        elif key in ("cores", "mem_total_kib", "log_objects") and value.isdigit():
+            state[key] = int(value)
+        elif key == "systemd":
+            state["systemd"] = True
+        elif key == "pbt":
+            state["pbt"] = True
+        elif key == "log_last":
+            state["log_last"] = value or None
+    return state
+
+
+def build_state_command(build_dir: str, release: str) -> str:
+    d = shlex.quote(build_dir)
+    installed = shlex.quote(f"{plan.STATE_DIR}/{release}.json")
+    trial = shlex.quote(plan.TRIAL_MARKER)
+    return (
+        f"d={d}; "
+        'if [ -f "$d/build.pid" ] && p=$(cat "$d/build.pid") && [ -n "$p" ] && kill -0 "$p" 2>/dev/null '
+        '&& grep -q build.sh "/proc/$p/cmdline" 2>/dev/null; then echo running; fi; '
+        '[ -f "$d/build.rc" ] && echo "rc $(cat "$d/build.rc")"; '
+        'for f in "$d"/*.deb; do [ -e "$f" ] && echo "deb ${f##*/}"; done; '
+        '[ -f "$d/manifest.json" ] && echo "manifest $(tr -d \'\\n\' < "$d/manifest.json")"; '
+        f'[ -f {installed} ] && echo "installed-manifest $(tr -d \'\\n\' < {installed})"; '
+        f'[ -f {trial} ] && echo "trial $(cat {trial})"; '
+        'echo "cores $(nproc)"; awk \'/^MemTotal:/{print "mem_total_kib " $2}\' /proc/meminfo; '
+        "[ -d /run/systemd/system ] && echo systemd; "
+        "command -v proxmox-boot-tool >/dev/null 2>&1 && echo pbt; "
+        "true"
+    )
+
+
+class KernelStageFacts(FactBase):
+    """Everything the kernel stage reads, in one remote command.
+
+    + build_dir: the build dir of the spec'd build (plan.kernel.build_dir)
+    + release: the spec'd kernel release
+
+    .. code:: python
+
+        {"kernels": <ProxmoxKernels>,
+         "build": {"running": False, "rc": 0, "debs": ["linux-image-6.1.192-x_1_amd64.deb", …],
+                   "manifest": {...} or None, "installed_manifest": {...} or None,
+                   "trial": "6.1.192-x" or None, "cores": 2, "mem_total_kib": 24000000,
+                   "systemd": False, "pbt": True}}
+    """
+
+    def command(self, build_dir: str, release: str) -> str:
+        return (
+            f"echo '{SECTION_MARKER}kernels'; ( {ProxmoxKernels.command} ) 2>/dev/null; "
+            f"echo '{SECTION_MARKER}build'; ( {build_state_command(build_dir, release)} ) 2>/dev/null; true"
+        )
+
+    def process(self, output):
+        sections: dict[str, list[str]] = {"kernels": [], "build": []}
+        current = None
+        for line in output:
+            if line.startswith(SECTION_MARKER):
+                current = sections.setdefault(line[len(SECTION_MARKER):].strip(), [])
+            elif current is not None:
+                current.append(line)
+        return {"kernels": ProxmoxKernels().process(sections["kernels"]), "build": parse_build_state(sections["build"])}
+
+
+def start_build_command(build_dir: str, systemd: bool) -> str:
+    """Start build.sh detached; a no-op when it already runs (a re-run attaches instead)."""
+    d = shlex.quote(build_dir)
+    script = shlex.quote(f"{build_dir}/build.sh")
+    alive = (f'[ -f {d}/build.pid ] && p=$(cat {d}/build.pid) && kill -0 "$p" 2>/dev/null '
+             f'&& grep -q build.sh "/proc/$p/cmdline" 2>/dev/null')
+    if systemd:
+        start = (f"systemctl reset-failed {plan.BUILD_UNIT} 2>/dev/null; "
+                 f"systemd-run --unit {plan.BUILD_UNIT} --collect --property=KillMode=control-group "
+                 f"--working-directory={d} /bin/sh {script}")
+    else:
+        start = f"cd {d} && setsid nohup /bin/sh {script} > /dev/null 2>&1 < /dev/null &"
+    return f"if {alive}; then echo 'pvegpu: build already running, attaching'; else rm -f {d}/build.rc; {start} fi"
+
+
+def wait_for_build(state, host, build_dir: str, total: int | None, poll_s: float = POLL_S, timeout_s: float = BUILD_TIMEOUT_S):
+    """Follow a detached build until build.rc appears; log progress; False (op fails) on error."""
+    d = shlex.quote(build_dir)
+    probe = (f'cat {d}/build.rc 2>/dev/null || echo pending; '
+             f"grep -c -E '^\\s+(CC|AS|LD|AR|CC \\[M\\]|LD \\[M\\])\\s' {d}/build.log 2>/dev/null || true; "
+             f"tail -n 1 {d}/build.log 2>/dev/null")
+    deadline = time.monotonic() + timeout_s
+    last_report = ""
+    while time.monotonic() < deadline:
+        ok, output = host.run_shell_command(StringCommand(probe))
+        lines = output.stdout_lines if ok else []
+        status = lines[0].strip() if lines else "pending"
+        built = int(lines[1]) if len(lines) > 1 and lines[1].strip().isdigit() else 0
+        progress = plan.describe_progress({"built": built, "total": total, "last": lines[2].strip() if len(lines) > 2 else None})
+        if progress != last_report:
+            logger.info(f"{host.name}: kernel build: {progress}")
+            last_report = progress
+        if status != "pending":
+            if status == "0":
+                return True
+            _, tail = host.run_shell_command(StringCommand(f"tail -n 30 {d}/build.log"))
+            logger.error(f"{host.name}: kernel build failed (exit {status}); last lines of {build_dir}/build.log:\n"
+                         + "\n".join(tail.stdout_lines))
+            return False
+        time.sleep(poll_s)
+    logger.error(f"{host.name}: kernel build still running after {timeout_s:.0f} s; re-run the deploy to attach")
+    return False
+
+
+@operation()
+def build_kernel(build_dir: str, script: str, manifest_in: str, systemd: bool, total: int | None, start: bool = True):
+    """Write build.sh + manifest template, start the build detached (unless it runs), wait for it.
+
+    + build_dir: scratch dir of this build (plan.kernel.build_dir)
+    + script: rendered templates/kernel-build.sh.j2
+    + manifest_in: rendered templates/kernel-build-manifest.json.j2 (placeholders filled by build.sh)
+    + systemd: run as a transient systemd unit (else setsid nohup)
+    + total: objects of an earlier build of the same config, for progress (None: unknown)
+    + start: False to attach to a build that already runs
+    """
+    if start:
+        yield StringCommand(write_file_command(f"{build_dir}/build.sh", script, "755", keep_previous=False))
+        yield StringCommand(write_file_command(f"{build_dir}/manifest.json.in", manifest_in, "644", keep_previous=False))
+        yield StringCommand(start_build_command(build_dir, systemd))
+    yield FunctionCommand(wait_for_build, (build_dir, total), {})
+
+
+@operation()
+def install_kernel(build_dir: str, release: str, kind: str):
+    """dpkg -i the build's image + headers .debs (the running kernel stays installed) and keep
+    its manifest in /var/lib/pvegpu/kernel/<release>.json."""
+    d = shlex.quote(build_dir)
+    globs = " ".join(f"{d}/{g}" for g in plan.package_globs(kind, release))
+    manifest = shlex.quote(f"{plan.STATE_DIR}/{release}.json")
+    yield StringCommand(f"DEBIAN_FRONTEND=noninteractive dpkg -i {globs}")
+    yield StringCommand(f"mkdir -p {shlex.quote(plan.STATE_DIR)} && cp {d}/manifest.json {manifest}")
+
+
+@operation()
+def trial_boot(release: str, pin_tool: str):
+    """Select `release` for the next boot only and leave a marker the next run checks."""
+    yield StringCommand(plan.trial_pin_command(release, pin_tool))
+    yield StringCommand(write_file_command(plan.TRIAL_MARKER, release + "\n", "644", keep_previous=False))
+
+
+@operation()
+def pin_kernel(release: str, pin_tool: str):
+    """Pin `release` for good (it is running)."""
+    yield StringCommand(plan.pin_for_good_command(release, pin_tool))
+
+
+@operation()
+def remove_old_kernels(releases: list[str], kind: str):
+    """Purge the given releases' image packages (opt-in: spec.kernel.remove_old)."""
+    if not releases:
+        host.noop("no old kernels to remove")
+        return
+    prefix = "proxmox-kernel-" if kind == "proxmox-git" else "linux-image-"
+    packages = " ".join(shlex.quote(prefix + r) for r in releases)
+    yield StringCommand(f"DEBIAN_FRONTEND=noninteractive apt-get -y purge {packages}")
+
+
+def preflight(spec: HostSpec) -> list[str]:
+    k = spec.kernel
+    if k is None:
+        return []
+    if k.source.kind == "proxmox-git" and k.config_fragments:
+        return ["kernel.config_fragments apply to tarball builds; a proxmox-git build uses the Proxmox "
+                "kernel's own config (patch the repository or build from a tarball instead)"]
+    return []
+
+
+@deploy("pvegpu: kernel")
+def apply(spec: HostSpec) -> None:
+    k = spec.kernel
+    if k is None:
+        return
+    base = base_config_of(k)
+    build_dir = plan.build_dir(k, base)
+    facts = host.get_fact(KernelStageFacts, build_dir=build_dir, release=k.version)
+    build = facts["build"]
+    decision = plan.kernel_decision(
+        k, {"kernels": facts["kernels"], "installed_manifest": build["installed_manifest"],
+            "build": build, "trial": build["trial"]}, base)
+    pin_tool = "proxmox-boot-tool" if build["pbt"] else "grub"
+    action = decision["action"]
+    logger.info(f"{host.name}: kernel {k.version}: {decision['why']}")
+
+    if action in ("build", "attach"):
+        jobs = plan.resolve_jobs(k.jobs, build["cores"], build["mem_total_kib"])
+        context = dict(
+            build_dir=build_dir, build_dir_q=shlex.quote(build_dir), version=k.version, version_q=shlex.quote(k.version),
+            kind=k.source.kind, jobs=jobs, unit=plan.BUILD_UNIT, ccache=k.ccache, base_config=base,
+            base_config_q=shlex.quote(base), fragments=list(k.config_fragments),
+            url_q=shlex.quote(k.source.url), url_path_q=shlex.quote(k.source.url.removeprefix("file://")),
+            sha256_q=shlex.quote(k.source.sha256 or ""), ref_q=shlex.quote(k.source.ref or ""),
+            localversion_q=shlex.quote(plan.localversion(k)), pkgversion_q=shlex.quote("1"),
+        )
+        manifest_in = render_template(
+            "kernel-build-manifest.json.j2", build_id=plan.build_id(k, base), version=k.version, kind=k.source.kind,
+            url=k.source.url, ref=k.source.ref or k.source.sha256, base_config=base,
+            fragments=list(k.config_fragments), jobs=jobs)
+        total = (build["manifest"] or {}).get("objects") or None
+        build_kernel(
+            name=f"Build kernel {k.version} ({k.source.kind}, -j{jobs}, detached)",
+            build_dir=build_dir, script=render_template("kernel-build.sh.j2", **context), manifest_in=manifest_in,
+            systemd=build["systemd"], total=total, start=action == "build",
+        )
+    if action in ("build", "attach", "install"):
+        install_kernel(name=f"Install kernel {k.version} packages", build_dir=build_dir, release=k.version,
+                       kind=k.source.kind)
+    if action in ("build", "attach", "install", "trial") and k.trial_boot:
+        trial_boot(name=f"Trial boot {k.version} on the next boot only", release=k.version, pin_tool=pin_tool)
+        action = "await-reboot"
+    if action == "await-reboot":
+        plan.record_trial_boot(host, k.version, pin_tool)
+        need_reboot(host, "kernel", f"{k.version} is installed and selected for the next boot only (trial)")
+    elif action == "pin":
+        pin_kernel(name=f"Pin kernel {k.version} for good", release=k.version, pin_tool=pin_tool)
+    elif action == "failed-trial":
+        logger.warning(f"{host.name}: {decision['why']}")
+    if k.remove_old and action in ("done", "pin"):
+        running = facts["kernels"].get("running")
+        old = [r for r in facts["kernels"].get("installed", []) if r not in (k.version, running)]
+        remove_old_kernels(name="Remove old kernels", releases=old, kind=k.source.kind)

@@ -1,0 +1,178 @@
+"""operations.kernel / operations.reboot: facts in, commands out; the detach/attach logic and the
+build scripts run for real in a local shell (no host needed)."""
+
+import json
+import subprocess
+import time
+from types import SimpleNamespace
+
+from pyinfra.api import FunctionCommand
+from pyinfra.context import ctx_host, ctx_state
+from pyinfra_testing.util import FakeState, create_host, get_command_string
+
+from operations import kernel, reboot
+from plan import kernel as plan
+from plan.render import render_template
+from spec.models import KernelSpec
+
+TARBALL = {"kind": "tarball", "url": "file:///var/cache/linux-source-6.1.tar.xz", "sha256": "a" * 64}
+GIT = {"kind": "proxmox-git", "url": "git://git.proxmox.com/git/pve-kernel.git", "ref": "v6.14.8-2"}
+
+
+def run_op(op, *args, **kwargs):
+    state = FakeState()
+    fake = create_host(state)
+    with ctx_state.use(state), ctx_host.use(fake):
+        out = list(op._inner(*args, **kwargs))
+    return [c if isinstance(c, FunctionCommand) else get_command_string(c) for c in out], fake.noop_description
+
+
+def sh(cmd, **kw):
+    return subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, **kw)
+
+
+def script_for(k: KernelSpec, base="running", jobs=4):
+    return render_template(
+        "kernel-build.sh.j2", build_dir="/b", build_dir_q="/b", version=k.version, version_q=k.version,
+        kind=k.source.kind, jobs=jobs, unit=plan.BUILD_UNIT, ccache=k.ccache, base_config=base, base_config_q=base,
+        fragments=list(k.config_fragments), url_q=k.source.url, url_path_q=k.source.url.removeprefix("file://"),
+        sha256_q=k.source.sha256 or "", ref_q=k.source.ref or "", localversion_q=plan.localversion(k), pkgversion_q="1")
+
+
+def test_tarball_script_verifies_sha_configures_and_runs_bindeb_pkg():
+    k = KernelSpec(version="6.1.192-pvegpu-ci", source=TARBALL, config_fragments=["CONFIG_64BIT=y", "CONFIG_MODULES=y"])
+    text = script_for(k, base="tinyconfig", jobs=2)
+    assert sh(f"sh -n /dev/stdin <<'EOF'\n{text}\nEOF").returncode == 0
+    assert "sha256sum -c -" in text and "make tinyconfig" in text
+    assert "CONFIG_64BIT=y\nCONFIG_MODULES=y\n" in text and "merge_config.sh -m .config pvegpu.config" in text
+    assert 'make -j2 CC="ccache gcc" LOCALVERSION=-pvegpu-ci KDEB_PKGVERSION=1 bindeb-pkg' in text
+    assert "cp /var/cache/linux-source-6.1.tar.xz source.tar.part" in text
+    running = script_for(KernelSpec(version="6.1.192-x", source=TARBALL, ccache=False))
+    assert 'cp "/boot/config-$(uname -r)" .config' in running and "ccache" not in running
+
+
+def test_proxmox_git_script_follows_the_pve_kernel_readme():
+    k = KernelSpec(version="6.14.8-2-pve", source=GIT)
+    text = script_for(k, jobs=12)
+    assert sh(f"sh -n /dev/stdin <<'EOF'\n{text}\nEOF").returncode == 0
+    order = ["git checkout --force v6.14.8-2", "make build-dir-fresh", "mk-build-deps -ir", "DEB_BUILD_OPTIONS=parallel=12 make deb"]
+    positions = [text.index(s) for s in order]
+    assert positions == sorted(positions)
+    assert 'PVE_KERNEL_CC="ccache gcc"' in text
+
+
+def test_manifest_is_json_once_build_sh_fills_it(tmp_path):
+    k = KernelSpec(version="6.1.192-x", source=TARBALL)
+    text = render_template("kernel-build-manifest.json.j2", build_id=plan.build_id(k), version=k.version, kind="tarball",
+                           url=k.source.url, ref=k.source.sha256, base_config="running", fragments=['CONFIG_X="a b"'], jobs=2)
+    (tmp_path / "manifest.json.in").write_text(text)
+    (tmp_path / "build.log").write_text("  CC      init/main.o\n  LD      vmlinux.o\n")
+    # the tail of build.sh that fills the manifest, run for real
+    tail = script_for(k).split("compiler=$(gcc", 1)[1].split('echo "pvegpu: build of', 1)[0]
+    r = sh(f"cd {tmp_path} && source_sha=abc config_sha=def; compiler=$(gcc{tail}")
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["build_id"] == plan.build_id(k) and manifest["objects"] == 2
+    assert manifest["compiler"].startswith("gcc") and manifest["config_sha256"] == "def"
+
+
+def test_build_state_read_from_a_real_build_dir(tmp_path):
+    d = tmp_path / "b"
+    d.mkdir()
+    (d / "build.rc").write_text("0\n")
+    (d / "linux-image-6.1.192-x_1_amd64.deb").write_text("")
+    (d / "manifest.json").write_text('{\n "build_id": "abc",\n "objects": 7\n}\n')
+    out = sh(kernel.build_state_command(str(d), "6.1.192-x")).stdout.splitlines()
+    state = kernel.parse_build_state(out)
+    assert state["running"] is False and state["rc"] == 0
+    assert state["debs"] == ["linux-image-6.1.192-x_1_amd64.deb"]
+    assert state["manifest"] == {"build_id": "abc", "objects": 7}
+    assert state["cores"] >= 1 and state["mem_total_kib"] > 0
+
+
+def test_stage_fact_splits_kernels_and_build():
+    out = ["@@pvegpu-section kernels", "@@ /boot", "6.1.0-57-amd64", "@@ running", "6.1.0-57-amd64",
+           "@@pvegpu-section build", "running", "cores 2", "mem_total_kib 24000000", "pbt", "trial 6.1.192-x"]
+    facts = kernel.KernelStageFacts().process(out)
+    assert facts["kernels"]["installed"] == ["6.1.0-57-amd64"] and facts["kernels"]["running"] == "6.1.0-57-amd64"
+    b = facts["build"]
+    assert b["running"] and b["pbt"] and not b["systemd"] and b["trial"] == "6.1.192-x" and b["cores"] == 2
+
+
+def test_detached_build_survives_and_a_second_start_attaches(tmp_path):
+    d = tmp_path / "b"
+    d.mkdir()
+    (d / "build.sh").write_text(
+        "set -eu\ncd \"$(dirname \"$0\")\"\necho $$ > build.pid\ntrap 'echo $? > build.rc' EXIT\n"
+        "echo '  CC      a.o' >> build.log\nsleep 2\necho '  CC      b.o' >> build.log\n")
+    first = sh(kernel.start_build_command(str(d), systemd=False), timeout=5)
+    assert first.returncode == 0
+    for _ in range(50):
+        if (d / "build.pid").exists():
+            break
+        time.sleep(0.1)
+    second = sh(kernel.start_build_command(str(d), systemd=False), timeout=5)
+    assert "attaching" in second.stdout
+    assert kernel.parse_build_state(sh(kernel.build_state_command(str(d), "x")).stdout.splitlines())["running"]
+
+    class LocalHost:
+        name = "local"
+
+        def run_shell_command(self, command):
+            r = sh(get_command_string(command))
+            return r.returncode == 0, SimpleNamespace(stdout_lines=r.stdout.splitlines())
+
+    assert kernel.wait_for_build(None, LocalHost(), str(d), 2, poll_s=0.2, timeout_s=20) is True
+    assert (d / "build.rc").read_text().strip() == "0"
+    assert (d / "build.log").read_text().count("CC") == 2
+    # a failing build makes the wait (and so the operation) fail
+    (d / "build.rc").write_text("2\n")
+    assert kernel.wait_for_build(None, LocalHost(), str(d), None, poll_s=0.1, timeout_s=5) is False
+
+
+def test_systemd_start_uses_a_transient_unit():
+    cmd = kernel.start_build_command("/var/lib/pvegpu/kernel-build/x", systemd=True)
+    assert "systemd-run --unit pvegpu-kernel-build --collect" in cmd and "nohup" not in cmd
+
+
+def test_build_op_writes_starts_and_waits_or_only_waits_when_attaching():
+    cmds, _ = run_op(kernel.build_kernel, "/b", "script", "{}", False, None, True)
+    assert "/b/build.sh" in cmds[0] and "/b/manifest.json.in" in cmds[1] and "setsid nohup" in cmds[2]
+    assert isinstance(cmds[3], FunctionCommand)
+    cmds, _ = run_op(kernel.build_kernel, "/b", "script", "{}", False, None, False)
+    assert len(cmds) == 1 and isinstance(cmds[0], FunctionCommand)
+
+
+def test_install_keeps_running_kernel_and_records_manifest():
+    cmds, _ = run_op(kernel.install_kernel, "/b", "6.14.8-2-pve", "proxmox-git")
+    assert cmds[0] == ("DEBIAN_FRONTEND=noninteractive dpkg -i /b/proxmox-kernel-6.14.8-2-pve_*.deb "
+                       "/b/proxmox-headers-6.14.8-2-pve_*.deb")
+    assert "apt-get" not in cmds[0] and "remove" not in cmds[0]
+    assert cmds[1] == "mkdir -p /var/lib/pvegpu/kernel && cp /b/manifest.json /var/lib/pvegpu/kernel/6.14.8-2-pve.json"
+
+
+def test_trial_boot_pins_next_boot_only_and_marks_it():
+    cmds, _ = run_op(kernel.trial_boot, "6.14.8-2-pve", "proxmox-boot-tool")
+    assert cmds[0] == "proxmox-boot-tool kernel pin 6.14.8-2-pve --next-boot"
+    assert "/var/lib/pvegpu/kernel/trial-boot" in cmds[1]
+    cmds, _ = run_op(kernel.trial_boot, "6.1.0-x", "grub")
+    assert cmds[0].startswith("grub-reboot ")
+
+
+def test_remove_old_is_a_noop_without_releases():
+    cmds, noop = run_op(kernel.remove_old_kernels, [], "tarball")
+    assert cmds == [] and noop == "no old kernels to remove"
+    cmds, _ = run_op(kernel.remove_old_kernels, ["6.1.0-57-amd64"], "tarball")
+    assert cmds == ["DEBIAN_FRONTEND=noninteractive apt-get -y purge linux-image-6.1.0-57-amd64"]
+
+
+def test_preflight_refuses_fragments_on_proxmox_git():
+    from spec.models import HostSpec
+    assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT, "config_fragments": ["CONFIG_X=y"]}))
+    assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT})) == []
+
+
+def test_reboot_stage_pins_only_if_the_new_release_runs():
+    cmds, _ = run_op(reboot.pin_trial_kernel, "6.14.8-2-pve", "proxmox-boot-tool")
+    assert cmds == [plan.pin_for_good_command("6.14.8-2-pve", "proxmox-boot-tool")]
+    assert cmds[0].startswith('if [ "$(uname -r)" = 6.14.8-2-pve ]; then proxmox-boot-tool kernel pin 6.14.8-2-pve')
