@@ -5,7 +5,7 @@ is one, otherwise to @local, counts every command pyinfra sends through the host
 `Host.run_shell_command`) while it loads the batched probes (facts.hardware), then loads every
 individual fact the probes cover, and checks both give identical data.
 
-    .venv/bin/python bench/facts_commands.py [--json] [--local]
+    .venv/bin/python bench/facts_commands.py [--json] [--local] [--twin NAME]
     .venv/bin/python bench/facts_commands.py --device-script out/facts-device.sh
         (writes a shell script that runs every fact command and both probes on a machine
          without pyinfra, e.g. the GPU machine; see tests/fixtures/h200-vm-facts/)
@@ -33,9 +33,9 @@ TARGET = 3
 PROBES = (HardwareProbe, HostConfigProbe)
 
 
-def running_twin() -> dict | None:
-    """The kpro6 twin's description when its supervisor is alive."""
-    path = REPO / ".twin" / "kpro6" / "twin.json"
+def running_twin(name: str = "kpro6") -> dict | None:
+    """A twin's description (.twin/<name>/twin.json) when its supervisor is alive."""
+    path = REPO / ".twin" / name / "twin.json"
     try:
         twin = json.loads(path.read_text())
         os.kill(int(twin["pid"]), 0)
@@ -131,13 +131,14 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", action="store_true", help="last line: the result as JSON")
     parser.add_argument("--local", action="store_true", help="measure @local even with a twin running")
+    parser.add_argument("--twin", default="kpro6", help="name of the running twin to measure (.twin/<name>)")
     parser.add_argument("--device-script", help="write the device script here and exit")
     options = parser.parse_args()
     if options.device_script:
         Path(options.device_script).parent.mkdir(parents=True, exist_ok=True)
         Path(options.device_script).write_text(device_script())
         return 0
-    twin = None if options.local else running_twin()
+    twin = None if options.local else running_twin(options.twin)
     result = measure(twin)
     verdict = "ok" if result["value"] <= TARGET and result["identical"] else "MISSED"
     print(f"{'figure':34} {'value':>8} {'target':>8}")
