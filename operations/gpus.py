@@ -1,0 +1,293 @@
+"""Stage 6, GPU assignment: per-address driver binding, persisted and (when safe) applied now.
+
+Persisted: `/etc/udev/rules.d/60-pvegpu-gpu-binding.rules` sets each function's
+`driver_override` on its "add" event; an initramfs hook carries the rule into the initramfs
+so it acts during early coldplug, before nvidia/vfio-pci probe (vfio-pci itself is loaded
+early by the boot stage's modules-load file; not duplicated here). `update-initramfs -u -k all`
+runs only when the rule or hook changed.
+
+Now (runtime rebind transaction), only when a GPU changes driver:
+  preflight: refuse when a moving GPU is held by a process (nvidia-smi compute apps, `fuser
+  -v /dev/nvidiaN`), naming the holder — nothing is changed; refuse when a guest using it is
+  running and `guests.allow_stop` is false.
+  apply: ONE remote script (`set -eu`): stop the running guests that use a moving GPU → check
+  holders again → per function: driver_override, unbind (the write runs in the background and
+  is abandoned after 30 s: unbind can hang in the kernel on some 595 drivers), drivers_probe,
+  verify the new driver. On any failure it prints every moving function's current driver and
+  exits non-zero; nothing after it runs. Guests it stopped are started by the guests stage,
+  after their configs match the new binding (PVE would otherwise rebind a VM's old GPU).
+
+Where sysfs cannot rebind (no real sysfs: the twin's /sys is a rendered tree, where writes to
+unbind/bind do nothing), the rebind is persisted only and reported as a reboot reason
+("gpu-binding"); the hardware takes the new binding at the next boot. The guests stage then
+renders CT device entries for the minors that boot will give (`plan.gpus.boot_minors`).
+On a real host the same run rebinds live.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from pyinfra import host, logger
+from pyinfra.api import FactBase, StringCommand, deploy, operation
+
+from facts.files import ManagedFiles
+from facts.hardware import HardwareProbe, HostConfigProbe
+from operations.files import managed_file, sha256_text
+from plan.gpus import (
+    Bindings,
+    RebindPlan,
+    boot_minors,
+    desired_bindings,
+    holders_of,
+    parse_compute_apps,
+    parse_fuser,
+    plan_rebind,
+)
+from plan.reboot import need_reboot
+from plan.render import render_template
+from spec.models import HostSpec
+
+RULES_PATH = "/etc/udev/rules.d/60-pvegpu-gpu-binding.rules"
+INITRAMFS_HOOK_PATH = "/etc/initramfs-tools/hooks/pvegpu-gpu-binding"
+UNBIND_TIMEOUT_S = 30
+_MEMO = "_pvegpu_gpu_stage"
+
+
+# ---------------------------------------------------------------- stage-local facts
+
+
+def parse_guest_state(lines: list[str]) -> dict:
+    """Output of `GuestRuntime.command` → ``{"sysfs_live": True, "status": {"lxc": {200:
+    "running"}, "qemu": {300: "stopped"}}}`` (`pct list` / `qm list` columns)."""
+    state = {"sysfs_live": False, "status": {"lxc": {}, "qemu": {}}}
+    section = None
+    for line in lines:
+        marker = re.match(r"^@@ (\w+)$", line.strip())
+        if marker:
+            section = marker.group(1)
+            continue
+        tokens = line.split()
+        if section == "sysfs":
+            state["sysfs_live"] = line.strip() == "sysfs"
+        elif section == "pct" and len(tokens) >= 2 and tokens[0].isdigit():
+            state["status"]["lxc"][int(tokens[0])] = tokens[1]
+        elif section == "qm" and len(tokens) >= 3 and tokens[0].isdigit():
+            state["status"]["qemu"][int(tokens[0])] = tokens[2]
+    return state
+
+
+class GuestRuntime(FactBase):
+    """
+    Whether /sys can rebind devices live, and which guests run.
+
+    .. code:: python
+
+        {"sysfs_live": True, "status": {"lxc": {200: "running"}, "qemu": {300: "stopped"}}}
+    """
+
+    command = ("echo '@@ sysfs'; stat -f -c %T /sys 2>/dev/null; "
+               "echo '@@ pct'; pct list 2>/dev/null; echo '@@ qm'; qm list 2>/dev/null; true")
+
+    @staticmethod
+    def default() -> dict:
+        return {"sysfs_live": False, "status": {"lxc": {}, "qemu": {}}}
+
+    def process(self, output):
+        return parse_guest_state(output)
+
+
+class GpuHolders(FactBase):
+    """
+    Processes holding GPUs: nvidia-smi compute apps (any GPU it sees) and `fuser -v` on the
+    given /dev/nvidiaN nodes.
+
+    .. code:: python
+
+        {"compute_apps": {"0000:81:00.0": ["python3 (pid 4242)"]},
+         "fuser": {"/dev/nvidia0": ["nvidia-persistenced (pid 812)"]}}
+    """
+
+    def command(self, nodes):
+        fuser = f"fuser -v {' '.join(shlex.quote(n) for n in nodes)} 2>&1" if nodes else "true"
+        return ("echo '@@ apps'; nvidia-smi --query-compute-apps=gpu_bus_id,pid,process_name "
+                f"--format=csv,noheader 2>/dev/null; echo '@@ fuser'; {fuser}; true")
+
+    @staticmethod
+    def default() -> dict:
+        return {"compute_apps": {}, "fuser": {}}
+
+    def process(self, output):
+        sections: dict[str, list[str]] = {"apps": [], "fuser": []}
+        current = None
+        for line in output:
+            if line.strip() in ("@@ apps", "@@ fuser"):
+                current = sections[line.strip()[3:]]
+            elif current is not None:
+                current.append(line)
+        return {"compute_apps": parse_compute_apps(sections["apps"]), "fuser": parse_fuser(sections["fuser"])}
+
+
+# ---------------------------------------------------------------- facts + plan, once per run
+
+
+def stage_facts(spec: HostSpec) -> dict:
+    """Facts and decisions of stages 6 and 7, read once per run (pyinfra 3 has no fact cache).
+
+    .. code:: python
+
+        {"hw": <HardwareProbe>, "cfg": <HostConfigProbe>, "runtime": <GuestRuntime>,
+         "node": "kpro6", "bindings": Bindings, "rebind": RebindPlan, "holders": {bdf: [..]},
+         "config_minors": {bdf: minor}}   # minors the guest configs must use
+    """
+    memo = host.data.get(_MEMO)
+    if memo is not None:
+        return memo
+    hw = host.get_fact(HardwareProbe)
+    cfg = host.get_fact(HostConfigProbe)
+    runtime = host.get_fact(GuestRuntime)
+    node = spec.node or host.data.get("pvegpu_node") or host.name
+    pci = hw["pci_devices"]
+    bindings = desired_bindings(spec, pci)
+    rebind = plan_rebind(spec, node, bindings, pci, hw["nvidia_gpus"], cfg["lxc_configs"], cfg["qemu_configs"],
+                         cfg["pci_mappings"], runtime["status"], runtime["sysfs_live"])
+    holders: dict[str, list[str]] = {}
+    if rebind.moves:
+        nodes = sorted({f"/dev/nvidia{hw['nvidia_gpus'][m.bdf]['minor']}" for m in rebind.moves
+                        if hw["nvidia_gpus"].get(m.bdf, {}).get("minor") is not None})
+        found = host.get_fact(GpuHolders, nodes=nodes)
+        holders = holders_of([m.bdf for m in rebind.moves], hw["nvidia_gpus"], found["compute_apps"], found["fuser"])
+    if rebind.moves and not rebind.live:
+        config_minors = boot_minors(bindings, pci)
+    else:
+        config_minors = {b: g["minor"] for b, g in hw["nvidia_gpus"].items() if g.get("minor") is not None}
+    memo = {"hw": hw, "cfg": cfg, "runtime": runtime, "node": node, "bindings": bindings,
+            "rebind": rebind, "holders": holders, "config_minors": config_minors}
+    setattr(host.data, _MEMO, memo)
+    return memo
+
+
+def binding_rules(bindings: Bindings) -> str:
+    """The udev rule file (only functions with a driver; 'leave unbound' gets no line)."""
+    return render_template("gpu-binding.rules.j2",
+                           bindings=[(b, d) for b, d in sorted(bindings.drivers.items()) if d])
+
+
+# ---------------------------------------------------------------- the rebind transaction
+
+
+def rebind_script(plan: RebindPlan, nvidia: dict[str, dict], timeout_s: int = UNBIND_TIMEOUT_S,
+                  sysfs: str = "/sys") -> str:
+    """The one shell script of a runtime rebind (see module docstring). Every value quoted;
+    `sysfs` is a parameter so tests can run the script against a scratch tree."""
+    q = shlex.quote
+    bdfs = " ".join(q(m.bdf) for m in plan.moves)
+    lines = [
+        "set -eu",
+        f"S={q(sysfs)}",
+        f"report() {{ for b in {bdfs}; do d=$(readlink \"$S/bus/pci/devices/$b/driver\" 2>/dev/null || true); "
+        'echo "pvegpu: $b is bound to ${d##*/}" >&2; done; }',
+        'fail() { echo "pvegpu: rebind stopped: $1" >&2; report; exit 1; }',
+        # A write to unbind can block in the kernel: run it in the background, detached from our
+        # output (a stuck writer must not keep the SSH channel open), and give up after the timeout.
+        f'sysfs_write() {{ ( echo "$2" > "$1" ) </dev/null >/dev/null 2>&1 & p=$!; n=0; while kill -0 $p 2>/dev/null; do '
+        f'n=$((n+1)); [ $n -le {timeout_s * 10} ] || fail "writing $2 to $1 did not finish in {timeout_s} s '
+        f'(pid $p is stuck in the kernel)"; sleep 0.1; done; wait $p || fail "writing $2 to $1 failed"; }}',
+    ]
+    for kind, gid in plan.stop:
+        tool = "pct" if kind == "lxc" else "qm"
+        lines.append(f"{tool} stop {q(str(gid))} || fail {q(f'could not stop {kind} {gid}')}")
+    nodes = [f"/dev/nvidia{nvidia[m.bdf]['minor']}" for m in plan.moves
+             if nvidia.get(m.bdf, {}).get("minor") is not None]
+    for node in nodes:
+        lines.append(f"if fuser -s {q(node)} 2>/dev/null; then fail \"{node} is held: "
+                     f"$(fuser -v {q(node)} 2>&1 | tail -n +2 | tr -s ' ' | tr '\\n' ';')\"; fi")
+    for m in plan.moves:
+        lines.append(
+            f"h=$(nvidia-smi --query-compute-apps=gpu_bus_id,pid,process_name --format=csv,noheader 2>/dev/null "
+            f"| grep -i {q(m.bdf[5:])} || true); [ -z \"$h\" ] || fail \"{m.bdf} is held by: $h\"")
+    for m in plan.moves:
+        dev = f"$S/bus/pci/devices/{m.bdf}"
+        if m.wanted:
+            lines.append(f"modprobe {q(m.wanted.replace('-', '_'))} || fail {q(f'cannot load {m.wanted}')}")
+        # "none" names no driver: a function meant to stay unbound is never probed again
+        lines.append(f"sysfs_write \"{dev}/driver_override\" {q(m.wanted or 'none')}")
+        if m.current:
+            lines.append(f"sysfs_write \"$S/bus/pci/drivers/\"{q(m.current)}/unbind {q(m.bdf)}")
+        if m.wanted:
+            lines.append(f"sysfs_write \"$S/bus/pci/drivers_probe\" {q(m.bdf)}")
+        want = m.wanted or ""
+        expected = m.wanted or "no driver"
+        lines.append(f"d=$(readlink \"{dev}/driver\" 2>/dev/null || true); [ \"${{d##*/}}\" = {q(want)} ] "
+                     f"|| fail {q(f'{m.bdf} is not bound to {expected} after the rebind')}")
+    lines.append("report")
+    return "\n".join(lines) + "\n"
+
+
+@operation()
+def rebind_gpus(plan: RebindPlan, nvidia: dict[str, dict]):
+    """Run the rebind transaction for `plan.moves` (one remote command).
+
+    + plan: `plan.gpus.RebindPlan` (live)
+    + nvidia: `NvidiaGpus` fact (minors of the GPUs leaving nvidia)
+    """
+    if not plan.moves:
+        host.noop("every GPU is bound to the driver its role needs")
+        return
+    yield StringCommand("sh", "-c", shlex.quote(rebind_script(plan, nvidia)))
+
+
+@operation()
+def refresh_initramfs(changed: list[str]):
+    """`update-initramfs -u -k all` when one of `changed` (paths) was rewritten this run."""
+    if not changed:
+        host.noop("GPU binding rules in the initramfs are current")
+        return
+    yield "update-initramfs -u -k all"
+
+
+# ---------------------------------------------------------------- stage protocol
+
+
+def preflight(spec: HostSpec) -> list[str]:
+    if not spec.gpus:
+        return []
+    facts = stage_facts(spec)
+    refusals = list(facts["bindings"].refusals)
+    rebind: RebindPlan = facts["rebind"]
+    for kind, gid in rebind.blocked:
+        refusals.append(f"{'CT' if kind == 'lxc' else 'VM'} {gid} is running and uses a GPU that changes driver, "
+                        f"but guests.allow_stop is false; stop it yourself or allow stopping")
+    for bdf, who in sorted(facts["holders"].items()):
+        refusals.append(f"GPU {bdf} must change driver but is held by {', '.join(who)}; stop that process "
+                        f"(nvidia-persistenced: systemctl stop nvidia-persistenced) and re-run")
+    return refusals
+
+
+@deploy("GPU assignment")
+def apply(spec: HostSpec) -> None:
+    if not spec.gpus:
+        return
+    facts = stage_facts(spec)
+    bindings: Bindings = facts["bindings"]
+    rebind: RebindPlan = facts["rebind"]
+    for line in rebind.dry_lines():
+        logger.info(f"{host.name}: {line}")
+    files = {
+        RULES_PATH: (binding_rules(bindings), "644"),
+        INITRAMFS_HOOK_PATH: (render_template("initramfs-gpu-binding-hook.j2", rules_path=RULES_PATH), "755"),
+    }
+    state = host.get_fact(ManagedFiles, paths=list(files))
+    changed = []
+    for path, (content, mode) in files.items():
+        current = state.get(path)
+        if not current or current["sha256"] != sha256_text(content) or current["mode"] != mode:
+            changed.append(path)
+        managed_file(name=f"GPU binding: {path}", path=path, content=content, mode=mode, state=current)
+    refresh_initramfs(name="GPU binding: update-initramfs", changed=changed)
+    if rebind.moves and rebind.live:
+        rebind_gpus(name="GPU binding: rebind transaction", plan=rebind, nvidia=facts["hw"]["nvidia_gpus"])
+    elif rebind.moves:
+        for m in rebind.moves:
+            need_reboot(host, "gpu-binding", f"{m} (persisted; this host cannot rebind through /sys now)")
