@@ -1,0 +1,476 @@
+"""Stage 4 — NVIDIA open driver: kernel modules built for each target kernel, GSP firmware and
+user space of exactly the same version (DESIGN.md §2.4; incidents 1, 2, 6, 14).
+
+Order on the host (each step runs only when the facts say it is needed, so a converged host
+costs two fact commands and no change):
+
+    fetch + sha256-check sources  ->  build modules per release (scratch dir)  ->  GSP firmware
+    ->  install modules + depmod per release  ->  user space (.run --no-kernel-modules)
+    ->  nvidia-persistenced  ->  verify module/firmware/user-space versions are equal
+
+A failed step stops the host there: a wrong checksum stops before any build, a failed build
+before any install. Refusals (toolchain, firmware, local checksum, version mismatch) come from
+`preflight` and stop the whole run before a single change.
+
+Host paths:
+    /var/cache/pvegpu/sources/<sha256>-<name>   verified source archives
+    /var/cache/pvegpu/ccache                    ccache of module builds (rebuilds are warm)
+    /var/tmp/pvegpu/nvidia-build/<ver>/<rel>/    scratch build trees (removed after install)
+    /lib/modules/<rel>/updates/pvegpu-nvidia/    installed modules (depmod prefers updates/)
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from pyinfra import host, logger
+from pyinfra.api import FactBase, StringCommand, deploy, operation
+
+from facts.files import ManagedFiles
+from operations.files import managed_file
+from plan import nvidia as nvplan
+from plan.render import render_template
+
+SOURCE_CACHE = "/var/cache/pvegpu/sources"
+CCACHE_DIR = "/var/cache/pvegpu/ccache"
+BUILD_ROOT = "/var/tmp/pvegpu/nvidia-build"
+MODULE_SUBDIR = "updates/pvegpu-nvidia"
+LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib")
+PERSISTENCED_UNIT = "/etc/systemd/system/nvidia-persistenced.service"
+PERSISTENCED_UNIT_DIRS = ("/etc/systemd/system", "/lib/systemd/system", "/usr/lib/systemd/system")
+WANTS_DIR = "/etc/systemd/system/multi-user.target.wants"
+SECTION = "@@ "
+# host data a kernel stage sets to the releases it installs (list of str)
+KERNEL_RELEASES_KEY = "pvegpu_kernel_releases"
+# host data that replaces the target releases (list of str), e.g. for a twin whose booted
+# kernel has no headers but whose Debian headers should be built against
+EXPLICIT_RELEASES_KEY = "pvegpu_nvidia_releases"
+
+
+# -- sources -------------------------------------------------------------------------------
+
+def source_name(url: str) -> str:
+    """A file name for a source URL or path: its last path segment, reduced to safe characters."""
+    last = re.split(r"[/?#]", url.rstrip("/").split("://", 1)[-1].split("?", 1)[0])[-1]
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", last) or "source"
+
+
+def cached_source(source) -> str:
+    """Where a verified copy of `source` (url, sha256) lives on the host."""
+    return f"{SOURCE_CACHE}/{source.sha256}-{source_name(source.url)}"
+
+
+def local_path(url: str) -> str | None:
+    """The host path of a local source (`/path` or `file:///path`), None for a remote URL."""
+    if url.startswith("file://"):
+        return url[len("file://"):]
+    if url.startswith("/"):
+        return url
+    return None
+
+
+def fetch_source_command(url: str, sha256: str, dest: str) -> str:
+    """Copy or download `url` to `dest`, moving it into place only when its sha256 matches.
+
+    A mismatch removes the partial file and exits 1 with a message naming both checksums.
+    """
+    q_dest, q_part = shlex.quote(dest), shlex.quote(dest + ".part")
+    path = local_path(url)
+    if path is not None:
+        get = f"cp -f {shlex.quote(path)} {q_part}"
+    else:
+        q_url = shlex.quote(url)
+        get = (f"if command -v curl >/dev/null 2>&1; then curl -fsSL --retry 3 -o {q_part} {q_url}; "
+               f"else wget -q -O {q_part} {q_url}; fi")
+    message = shlex.quote(f"pvegpu: checksum mismatch for {url}: the spec says {sha256}, the file has ")
+    tail = shlex.quote("; nothing was built or installed")
+    return (
+        f"set -e; [ -f {q_dest} ] && exit 0; mkdir -p {shlex.quote(dest.rsplit('/', 1)[0])}; "
+        f"rm -f {q_part}; {get}; got=$(sha256sum {q_part} | cut -d' ' -f1); "
+        f"if [ \"$got\" != {shlex.quote(sha256)} ]; then rm -f {q_part}; "
+        f"echo {message}\"$got\"{tail} >&2; exit 1; fi; mv -f {q_part} {q_dest}"
+    )
+
+
+# -- build and install ---------------------------------------------------------------------
+
+def build_dir(version: str, release: str) -> str:
+    return f"{BUILD_ROOT}/{version}/{release}"
+
+
+def build_command(archive: str, version: str, release: str, cc: str, jobs: int, ccache: bool) -> str:
+    """Unpack `archive` into a fresh scratch dir and build the modules for `release`.
+
+    Layouts: the open-gpu-kernel-modules archive (top `make modules`, modules land in
+    kernel-open/), an extracted .run (`kernel-open/`), and Debian's nvidia-*kernel-source
+    tarball (`modules/nvidia-kernel/`): the shallowest dir with a Kbuild. The built .ko files
+    are copied to <scratch>/out; the build log is <scratch>/build.log (its tail is printed on
+    failure). Nothing outside the scratch dir and the ccache is touched.
+    """
+    b = shlex.quote(build_dir(version, release))
+    syssrc = shlex.quote(f"/lib/modules/{release}/build")
+    compiler = f"ccache {cc}" if ccache else cc
+    env = f"CCACHE_DIR={shlex.quote(CCACHE_DIR)} " if ccache else ""
+    return (
+        f"set -e; B={b}; rm -rf \"$B\"; mkdir -p \"$B/src\" \"$B/out\"; "
+        f"{'mkdir -p ' + shlex.quote(CCACHE_DIR) + '; ' if ccache else ''}"
+        f"tar -xf {shlex.quote(archive)} -C \"$B/src\"; "
+        "top=\"$B/src\"; set -- \"$B\"/src/*; [ $# -eq 1 ] && [ -d \"$1\" ] && top=$1; "
+        "if [ -d \"$top/kernel-open\" ] && [ -d \"$top/src/nvidia\" ]; then mk=$top; ko=$top/kernel-open; "
+        "elif [ -f \"$top/kernel-open/Kbuild\" ]; then mk=$top/kernel-open; ko=$mk; "
+        "else kb=$(find \"$top\" -maxdepth 3 -name Kbuild | awk '{print length, $0}' | sort -n | head -n 1 | cut -d' ' -f2-); "
+        "[ -n \"$kb\" ] || { echo 'pvegpu: no NVIDIA kernel module tree (Kbuild) in the source archive' >&2; exit 1; }; "
+        "mk=${kb%/Kbuild}; ko=$mk; fi; "
+        f"echo \"pvegpu: building nvidia {version} for {release} in $mk with {compiler}, -j{int(jobs)}\"; "
+        f"if ! {env}make -C \"$mk\" -j{int(jobs)} modules SYSSRC={syssrc} CC={shlex.quote(compiler)} "
+        ">\"$B/build.log\" 2>&1; then tail -n 40 \"$B/build.log\" >&2; "
+        f"echo {shlex.quote(f'pvegpu: building nvidia {version} for {release} failed; installed modules are untouched')} >&2; exit 1; fi; "
+        "cp \"$ko\"/*.ko \"$B/out/\"; "
+        f"vm=$(modinfo -F vermagic \"$B/out/nvidia.ko\"); case \"$vm\" in {shlex.quote(release)}\\ *) ;; *) "
+        f"echo \"pvegpu: built nvidia.ko has vermagic '$vm', not {release}\" >&2; exit 1;; esac"
+    )
+
+
+def install_command(version: str, release: str) -> str:
+    """Swap the built modules into /lib/modules/<rel>/updates/pvegpu-nvidia and run depmod."""
+    b = shlex.quote(build_dir(version, release))
+    d = shlex.quote(f"/lib/modules/{release}/{MODULE_SUBDIR}")
+    return (
+        f"set -e; B={b}; D={d}; [ -f \"$B/out/nvidia.ko\" ] || "
+        f"{{ echo 'pvegpu: no built nvidia.ko in '\"$B/out\" >&2; exit 1; }}; "
+        "rm -rf \"$D.new\" \"$D.old\"; mkdir -p \"$D.new\"; install -m 644 \"$B\"/out/*.ko \"$D.new/\"; "
+        "if [ -d \"$D\" ]; then mv \"$D\" \"$D.old\"; fi; mv \"$D.new\" \"$D\"; rm -rf \"$D.old\"; "
+        f"depmod {shlex.quote(release)}; rm -rf \"$B\""
+    )
+
+
+def firmware_command(installer: str, version: str) -> str:
+    """GSP firmware of exactly `version` from the .run into /lib/firmware/nvidia/<ver>/."""
+    x = shlex.quote(f"{BUILD_ROOT}/{version}/run")
+    fw = shlex.quote(f"/lib/firmware/nvidia/{version}")
+    return (
+        f"set -e; X={x}; rm -rf \"$X\"; sh {shlex.quote(installer)} --extract-only --target \"$X\" >/dev/null; "
+        "set -- \"$X\"/firmware/gsp*.bin; [ -e \"$1\" ] || "
+        f"{{ echo {shlex.quote(f'pvegpu: the installer for {version} carries no GSP firmware')} >&2; exit 1; }}; "
+        f"mkdir -p {fw}; for f in \"$@\"; do install -m 644 \"$f\" {fw}/; done; rm -rf \"$X\""
+    )
+
+
+def verify_command(version: str, releases: list[str], firmware: bool) -> str:
+    """Exit 1 naming every component whose version is not `version` (incidents 2, 6)."""
+    v = shlex.quote(version)
+    parts = ["bad=0"]
+    for release in releases:
+        r = shlex.quote(release)
+        parts.append(
+            f"m=$(modinfo -k {r} -F version nvidia 2>/dev/null || true); "
+            f"[ \"$m\" = {v} ] || {{ echo \"pvegpu: kernel {release}: nvidia module is '${{m:-missing}}', want {version}\" >&2; bad=1; }}"
+        )
+    if firmware:
+        fw = shlex.quote(f"/lib/firmware/nvidia/{version}")
+        parts.append(f"set -- {fw}/gsp*.bin; [ -e \"$1\" ] || {{ echo \"pvegpu: GSP firmware {version} missing in {fw}\" >&2; bad=1; }}")
+    libs = " ".join(f"{d}/libnvidia-ml.so.*.*" for d in LIB_DIRS)
+    parts.append(
+        f"for f in {libs}; do [ -e \"$f\" ] || continue; case \"$f\" in *.so.{v}) ;; *) "
+        "echo \"pvegpu: user space $f is not " + version + "\" >&2; bad=1;; esac; done"
+    )
+    parts.append("[ $bad = 0 ] || { echo 'pvegpu: NVIDIA versions differ; the stage did not finish' >&2; exit 1; }")
+    return "; ".join(parts)
+
+
+# -- the stage-local fact ------------------------------------------------------------------
+
+class NvidiaHostState(FactBase):
+    """Everything the driver stage decides from, in one command.
+
+    + releases: target kernel releases
+    + sources: ``{"modules": (url, sha256), "installer": (url, sha256)}`` (configured ones)
+
+    .. code:: python
+
+        {"cores": 2, "mem_total_kib": 24576000, "running": "6.1.0-57-amd64", "ccache": True,
+         "compilers": {"gcc": "gcc (Debian 12.2.0-14+deb12u1) 12.2.0", "gcc-12": "gcc-12 (…) 12.2.0"},
+         "releases": {"6.1.0-57-amd64": {
+             "headers": True, "cc_version_text": "gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0",
+             "module": {"version": "535.309.01", "vermagic": "6.1.0-57-amd64 SMP …",
+                        "filename": "/lib/modules/6.1.0-57-amd64/updates/pvegpu-nvidia/nvidia.ko"}}},
+         "firmware": {"535.261.03": ["gsp_ga10x.bin", "gsp_tu10x.bin"]},
+         "userspace": ["/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.595.71.05"],
+         "persistenced": {"binary": True, "unit": "/lib/systemd/system/nvidia-persistenced.service",
+                          "enabled": False},
+         "sources": {"modules": {"cached": False, "sha256": "…"}}}   # sha256 of a local path
+
+    ``module`` is None when `modinfo -k <rel> nvidia` finds none.
+    """
+
+    def command(self, releases: list[str], sources: dict | None = None) -> str:
+        parts = [
+            f"echo '{SECTION}cores'; nproc",
+            f"echo '{SECTION}meminfo'; grep '^MemTotal:' /proc/meminfo",
+            f"echo '{SECTION}running'; uname -r",
+            f"echo '{SECTION}ccache'; command -v ccache || true",
+            f"echo '{SECTION}compilers'; for c in /usr/bin/gcc /usr/bin/gcc-[0-9]*; do "
+            "[ -x \"$c\" ] && echo \"${c##*/}: $(\"$c\" --version 2>/dev/null | head -n 1)\"; done",
+        ]
+        # the running release is always probed (named at run time), then each target
+        for release in ["$(uname -r)", *[shlex.quote(r) for r in releases]]:
+            parts.append(
+                f"r={release}; b=/lib/modules/$r/build; echo \"{SECTION}release $r\"; "
+                "[ -f \"$b/Makefile\" ] && echo 'headers: yes' || echo 'headers: no'; "
+                "grep -h '^CONFIG_CC_VERSION_TEXT=' \"$b/include/config/auto.conf\" \"$b/.config\" 2>/dev/null | head -n 1; "
+                "for k in version vermagic filename; do echo \"module $k: $(modinfo -k \"$r\" -F $k nvidia 2>/dev/null | head -n 1)\"; done"
+            )
+        parts.append(f"echo '{SECTION}firmware'; for f in /lib/firmware/nvidia/*/gsp*.bin*; do [ -e \"$f\" ] && echo \"$f\"; done")
+        libs = " ".join(f"{d}/libnvidia-ml.so.*" for d in LIB_DIRS)
+        parts.append(f"echo '{SECTION}userspace'; for f in {libs}; do [ -e \"$f\" ] && echo \"$f\"; done")
+        units = " ".join(f"{d}/nvidia-persistenced.service" for d in PERSISTENCED_UNIT_DIRS)
+        parts.append(
+            f"echo '{SECTION}persistenced'; command -v nvidia-persistenced >/dev/null 2>&1 && echo binary; "
+            f"for u in {units}; do [ -f \"$u\" ] && echo \"unit $u\"; done; "
+            f"[ -e {WANTS_DIR}/nvidia-persistenced.service ] && echo enabled"
+        )
+        for key, (url, sha256) in sorted((sources or {}).items()):
+            dest = shlex.quote(f"{SOURCE_CACHE}/{sha256}-{source_name(url)}")
+            path = local_path(url)
+            check = (f"elif [ -f {shlex.quote(path)} ]; then echo \"sha256 $(sha256sum < {shlex.quote(path)} | cut -d' ' -f1)\"; "
+                     if path else "")
+            parts.append(f"echo {shlex.quote(SECTION + 'source ' + key)}; if [ -f {dest} ]; then echo cached; "
+                         f"{check}else echo absent; fi")
+        return "; ".join(f"{{ {p}; }} 2>/dev/null" for p in parts) + "; true"
+
+    def process(self, output):
+        return parse_host_state(output)
+
+
+def parse_host_state(lines: list[str]) -> dict:
+    """Pure parser of `NvidiaHostState.command` output (shape: see the fact)."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in lines:
+        if line.startswith(SECTION):
+            current = sections.setdefault(line[len(SECTION):].strip(), [])
+        elif current is not None and line.strip():
+            current.append(line.rstrip())
+
+    def first(name: str) -> str | None:
+        return (sections.get(name) or [None])[0]
+
+    mem = re.search(r"(\d+)", first("meminfo") or "")
+    cores = first("cores")
+    compilers = {}
+    for line in sections.get("compilers", []):
+        name, _, banner = line.partition(": ")
+        if banner.strip():
+            compilers[name.strip()] = banner.strip()
+    releases = {}
+    for name, body in sections.items():
+        if not name.startswith("release "):
+            continue
+        info: dict = {"headers": False, "cc_version_text": None, "module": None}
+        module = {}
+        for line in body:
+            if line.startswith("headers: "):
+                info["headers"] = line.endswith("yes")
+            elif line.startswith("CONFIG_CC_VERSION_TEXT="):
+                info["cc_version_text"] = line.split("=", 1)[1].strip().strip('"')
+            elif line.startswith("module "):
+                key, _, value = line[len("module "):].partition(":")
+                module[key] = value.strip() or None
+        info["module"] = module if module.get("version") else None
+        releases[name[len("release "):]] = info
+    firmware: dict[str, list[str]] = {}
+    for path in sections.get("firmware", []):
+        match = re.match(r"^/lib/firmware/nvidia/([^/]+)/(gsp[^/]*)$", path)
+        if match:
+            firmware.setdefault(match.group(1), []).append(match.group(2))
+    pers = sections.get("persistenced", [])
+    sources = {}
+    for name, body in sections.items():
+        if name.startswith("source "):
+            value = body[0] if body else "absent"
+            sources[name[len("source "):]] = {
+                "cached": value == "cached",
+                "sha256": value.split(" ", 1)[1] if value.startswith("sha256 ") else None,
+            }
+    return {
+        "cores": int(cores) if cores and cores.isdigit() else 1,
+        "mem_total_kib": int(mem.group(1)) if mem else 0,
+        "running": first("running"),
+        "ccache": bool(first("ccache")),
+        "compilers": compilers,
+        "releases": releases,
+        "firmware": firmware,
+        "userspace": sections.get("userspace", []),
+        "persistenced": {
+            "binary": "binary" in pers,
+            "unit": next((line[5:] for line in pers if line.startswith("unit ")), None),
+            "enabled": "enabled" in pers,
+        },
+        "sources": sources,
+    }
+
+
+# -- operations ----------------------------------------------------------------------------
+
+@operation()
+def fetch_source(url: str, sha256: str, dest: str, cached: bool = False):
+    """Fetch a source archive to `dest` and check its sha256 before anything uses it.
+
+    + url: https://…, file:///path or /path on the host
+    + sha256: the archive's expected sha256 (64 hex)
+    + cached: the fact saw `dest` already (it is only ever renamed there after a check)
+    """
+    if cached:
+        host.noop(f"{dest} is already fetched and verified")
+        return
+    yield StringCommand(fetch_source_command(url, sha256, dest))
+
+
+@operation()
+def build_modules(archive: str, version: str, release: str, cc: str, jobs: int, ccache: bool,
+                  build: bool = True, reason: str = ""):
+    """Build the NVIDIA kernel modules for one kernel release in a scratch dir (not installed yet)."""
+    if not build:
+        host.noop(reason or f"nvidia {version} is current for {release}")
+        return
+    yield StringCommand(build_command(archive, version, release, cc, jobs, ccache))
+
+
+@operation()
+def install_modules(version: str, release: str, install: bool = True):
+    """Install the modules built for `release` and run depmod for that release."""
+    if not install:
+        host.noop(f"nvidia {version} modules for {release} are installed")
+        return
+    yield StringCommand(install_command(version, release))
+
+
+@operation()
+def install_firmware(installer: str, version: str, install: bool = True):
+    """GSP firmware of exactly the module version (incident 2)."""
+    if not install:
+        host.noop(f"GSP firmware {version} is present (or not wanted)")
+        return
+    yield StringCommand(firmware_command(installer, version))
+
+
+@operation()
+def install_userspace(installer: str, version: str, install: bool = True):
+    """NVIDIA user space of exactly the module version, without kernel modules (incident 6)."""
+    if not install:
+        host.noop(f"user space {version} is installed (or no installer configured)")
+        return
+    yield StringCommand(f"sh {shlex.quote(installer)} --silent --no-kernel-modules")
+
+
+@operation()
+def enable_unit(unit: str, enabled: bool, unit_path: str):
+    """Enable a unit for multi-user.target by its wants link (works with systemd not running)."""
+    if enabled:
+        host.noop(f"{unit} is enabled")
+        return
+    link = f"{WANTS_DIR}/{unit}"
+    yield StringCommand(f"mkdir -p {shlex.quote(WANTS_DIR)} && ln -sfn {shlex.quote(unit_path)} {shlex.quote(link)}")
+
+
+@operation()
+def verify_versions(version: str, releases: list[str], firmware: bool, run: bool = True):
+    """Refuse to finish when modules, firmware and user space are not all `version`."""
+    if not run:
+        host.noop(f"nvidia {version}: modules, firmware and user space unchanged and equal")
+        return
+    yield StringCommand(verify_command(version, releases, firmware))
+
+
+# -- stage protocol ------------------------------------------------------------------------
+
+def _releases(spec, state_running: str | None) -> tuple[list[str], set[str]]:
+    """Target releases and those whose missing headers are a refusal (the running kernel's)."""
+    explicit = host.data.get(EXPLICIT_RELEASES_KEY)
+    kernel_stage = list(host.data.get(KERNEL_RELEASES_KEY) or [])
+    if spec.kernel is not None and spec.kernel.version not in kernel_stage:
+        kernel_stage.append(spec.kernel.version)
+    releases = nvplan.target_releases(state_running, kernel_stage, explicit)
+    required = set(releases) if explicit else ({state_running} if state_running else set())
+    return releases, required
+
+
+def _sources(nv) -> dict:
+    return {key: (src.url, src.sha256) for key, src in
+            (("modules", nv.modules_source), ("installer", nv.installer)) if src is not None}
+
+
+def _state_and_steps(spec) -> tuple[dict, list[str], dict]:
+    nv = spec.nvidia
+    # One command: the running release is probed by name at run time, plus the kernel stage's.
+    extra = _releases(spec, None)[0]
+    state = host.get_fact(NvidiaHostState, releases=extra, sources=_sources(nv))
+    releases, required = _releases(spec, state["running"])
+    steps = nvplan.driver_steps(nv.version, releases, state, modules_source=nv.modules_source,
+                                installer=nv.installer, want_firmware=nv.firmware, required=required)
+    return state, releases, steps
+
+
+def preflight(spec) -> list[str]:
+    if spec.nvidia is None:
+        return []
+    if not spec.nvidia.open:
+        return ["nvidia.open is false: pvegpu builds NVIDIA's open kernel modules only (Blackwell needs them)"]
+    _, _, steps = _state_and_steps(spec)
+    return steps["refusals"]
+
+
+@deploy("NVIDIA open driver")
+def apply(spec) -> None:
+    if spec.nvidia is None:
+        return
+    nv = spec.nvidia
+    state, releases, steps = _state_and_steps(spec)
+    for note in steps["notes"]:
+        logger.info(f"{host.name}: nvidia: {note}")
+    modules_archive = cached_source(nv.modules_source) if nv.modules_source else None
+    installer = cached_source(nv.installer) if nv.installer else None
+    sources = state["sources"]
+    if nv.modules_source:
+        fetch_source(name=f"Fetch and verify NVIDIA modules source {source_name(nv.modules_source.url)}",
+                     url=nv.modules_source.url, sha256=nv.modules_source.sha256, dest=modules_archive,
+                     cached=not steps["fetch_modules"] or sources.get("modules", {}).get("cached", False))
+    if nv.installer:
+        fetch_source(name=f"Fetch and verify NVIDIA installer {source_name(nv.installer.url)}",
+                     url=nv.installer.url, sha256=nv.installer.sha256, dest=installer,
+                     cached=not steps["fetch_installer"] or sources.get("installer", {}).get("cached", False))
+    for release in releases:
+        entry = steps["releases"][release]
+        build_modules(name=f"Build nvidia {nv.version} for {release}", archive=modules_archive or "",
+                      version=nv.version, release=release, cc=entry["cc"] or "gcc", jobs=steps["jobs"],
+                      ccache=steps["ccache"], build=entry["build"], reason=entry["reason"])
+    install_firmware(name=f"GSP firmware {nv.version}", installer=installer or "", version=nv.version,
+                     install=steps["install_firmware"])
+    for release in releases:
+        install_modules(name=f"Install nvidia {nv.version} modules for {release}", version=nv.version,
+                        release=release, install=steps["releases"][release]["build"])
+    install_userspace(name=f"NVIDIA user space {nv.version}", installer=installer or "", version=nv.version,
+                      install=steps["install_userspace"])
+    if nv.persistenced:
+        _persistenced(state, will_install=steps["install_userspace"])
+    verify_versions(name=f"Check nvidia {nv.version}: modules, firmware, user space",
+                    version=nv.version, releases=[r for r in releases if steps["releases"][r]["build"]
+                                                  or (state["releases"].get(r) or {}).get("module")],
+                    firmware=nv.firmware, run=steps["verify"])
+
+
+def _persistenced(state: dict, will_install: bool) -> None:
+    pers = state["persistenced"]
+    unit = pers["unit"]
+    if unit is None and not (pers["binary"] or will_install):
+        logger.info(f"{host.name}: nvidia: nvidia-persistenced is not installed (it comes with the user space)")
+        return
+    if unit is None or unit == PERSISTENCED_UNIT:
+        files = host.get_fact(ManagedFiles, paths=[PERSISTENCED_UNIT])
+        managed_file(name="nvidia-persistenced unit", path=PERSISTENCED_UNIT,
+                     content=render_template("nvidia-persistenced.service.j2"), mode="644",
+                     state=files.get(PERSISTENCED_UNIT))
+        unit = PERSISTENCED_UNIT
+    enable_unit(name="Enable nvidia-persistenced", unit="nvidia-persistenced.service",
+                enabled=pers["enabled"], unit_path=unit)

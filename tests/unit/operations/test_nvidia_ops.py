@@ -1,0 +1,160 @@
+"""NVIDIA driver stage: its fact parsed from real output, and its shell commands run for real
+(checksum gate, version check); the build itself runs in tests/e2e/test_driver_build.py."""
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+from pyinfra.context import ctx_host, ctx_state
+from pyinfra_testing.util import FakeState, create_host
+
+from operations import nvidia as ops
+from plan import nvidia as nvplan
+from spec.models import SourceSpec
+
+# `NvidiaHostState(releases=["6.1.0-57-amd64"], sources={"modules": ("/usr/src/nvidia-kernel.tar.xz", …)})`
+# run in a Debian bookworm root (the twin's root: linux-headers-amd64 + nvidia-kernel-source),
+# before the first build and after it.
+RECORDED_BEFORE = """\
+@@ cores
+2
+@@ meminfo
+MemTotal:       24683568 kB
+@@ running
+6.18.44-fc-v1098
+@@ ccache
+/usr/bin/ccache
+@@ compilers
+gcc: gcc (Debian 12.2.0-14+deb12u1) 12.2.0
+gcc-12: gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0
+@@ release 6.18.44-fc-v1098
+headers: no
+module version: 
+module vermagic: 
+module filename: 
+@@ release 6.1.0-57-amd64
+headers: yes
+CONFIG_CC_VERSION_TEXT=gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0
+module version: 
+module vermagic: 
+module filename: 
+@@ firmware
+@@ userspace
+@@ persistenced
+@@ source modules
+sha256 04906a73457a207f25dc3dbbb7f8fdc1dc088cc334e6fb2eb9b1419b823bfaaa
+"""
+SHA = "04906a73457a207f25dc3dbbb7f8fdc1dc088cc334e6fb2eb9b1419b823bfaaa"
+
+
+def run_op(op, **kwargs):
+    state = FakeState()
+    fake = create_host(state)
+    with ctx_state.use(state), ctx_host.use(fake):
+        commands = [str(c.get_raw_value() if hasattr(c, "get_raw_value") else c) for c in op._inner(**kwargs)]
+    return commands, fake.noop_description
+
+
+def sh(command, env=None):
+    return subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env)
+
+
+def test_parse_recorded_state_before_first_build():
+    state = ops.parse_host_state(RECORDED_BEFORE.splitlines())
+    assert state["cores"] == 2 and state["mem_total_kib"] == 24683568 and state["ccache"] is True
+    assert state["running"] == "6.18.44-fc-v1098"
+    assert state["compilers"]["gcc-12"] == "gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0"
+    assert state["releases"]["6.1.0-57-amd64"] == {
+        "headers": True, "cc_version_text": "gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0", "module": None}
+    assert state["releases"]["6.18.44-fc-v1098"]["headers"] is False
+    assert state["sources"] == {"modules": {"cached": False, "sha256": SHA}}
+    assert state["firmware"] == {} and state["userspace"] == []
+    steps = nvplan.driver_steps("535.309.01", ["6.1.0-57-amd64"], state, want_firmware=False,
+                                modules_source=SourceSpec(url="/usr/src/nvidia-kernel.tar.xz", sha256=SHA))
+    assert steps["refusals"] == [] and steps["releases"]["6.1.0-57-amd64"]["cc"] == "gcc-12"
+
+
+def test_fact_command_runs_on_this_machine_and_parses():
+    fact = ops.NvidiaHostState()
+    out = sh(fact.command(["6.1.0-57-amd64"], {"modules": ("/nonexistent/x.tar.xz", SHA)})).stdout.splitlines()
+    state = fact.process(out)
+    assert state["cores"] == os.cpu_count()
+    assert state["running"] == os.uname().release
+    assert state["sources"]["modules"] == {"cached": False, "sha256": None}
+    assert "6.1.0-57-amd64" in state["releases"]
+
+
+def test_source_names_and_local_paths():
+    url = "https://github.com/NVIDIA/open-gpu-kernel-modules/archive/refs/tags/595.71.05.tar.gz"
+    assert ops.source_name(url) == "595.71.05.tar.gz"
+    assert ops.source_name("file:///srv/mirror/NVIDIA-Linux-x86_64-595.71.05.run") == "NVIDIA-Linux-x86_64-595.71.05.run"
+    assert ops.source_name("/x/a b;$(rm).tgz") == "a_b___rm_.tgz"
+    assert ops.local_path("file:///srv/a.run") == "/srv/a.run"
+    assert ops.local_path("/srv/a.run") == "/srv/a.run"
+    assert ops.local_path(url) is None
+    src = SourceSpec(url=url, sha256="a" * 64)
+    assert ops.cached_source(src) == f"{ops.SOURCE_CACHE}/{'a' * 64}-595.71.05.tar.gz"
+
+
+def test_fetch_checks_sha256_before_the_file_is_usable(tmp_path):
+    archive = tmp_path / "nvidia kernel.tar.xz"
+    archive.write_bytes(b"not really a tarball\n")
+    good = hashlib.sha256(archive.read_bytes()).hexdigest()
+    dest = tmp_path / "cache" / f"{good}-nvidia_kernel.tar.xz"
+
+    bad = sh(ops.fetch_source_command(f"file://{archive}", "0" * 64, str(dest)))
+    assert bad.returncode == 1
+    assert f"the spec says {'0' * 64}, the file has {good}; nothing was built or installed" in bad.stderr
+    assert not dest.exists() and not Path(str(dest) + ".part").exists()
+
+    ok = sh(ops.fetch_source_command(str(archive), good, str(dest)))
+    assert ok.returncode == 0, ok.stderr
+    assert dest.read_bytes() == archive.read_bytes()
+    archive.write_bytes(b"changed after verification\n")  # the verified copy is kept, not re-fetched
+    assert sh(ops.fetch_source_command(str(archive), good, str(dest))).returncode == 0
+    assert dest.read_bytes() == b"not really a tarball\n"
+
+
+def test_fetch_op_is_noop_when_cached():
+    commands, noop = run_op(ops.fetch_source, url="/a", sha256="b" * 64, dest="/c", cached=True)
+    assert commands == [] and noop == "/c is already fetched and verified"
+    commands, _ = run_op(ops.fetch_source, url="/a", sha256="b" * 64, dest="/c", cached=False)
+    assert commands == [ops.fetch_source_command("/a", "b" * 64, "/c")]
+
+
+def test_build_op_skips_with_the_reason():
+    reason = "nvidia 535.309.01 is installed for 6.1.0-57-amd64 (/lib/modules/…/nvidia.ko)"
+    commands, noop = run_op(ops.build_modules, archive="/a", version="535.309.01", release="6.1.0-57-amd64",
+                            cc="gcc-12", jobs=2, ccache=True, build=False, reason=reason)
+    assert commands == [] and noop == reason
+
+
+def test_build_command_uses_kernel_compiler_ccache_and_jobs():
+    command = ops.build_command("/var/cache/pvegpu/sources/x.tar.xz", "535.309.01", "6.1.0-57-amd64",
+                                "gcc-12", 3, ccache=True)
+    assert "-j3 modules SYSSRC=/lib/modules/6.1.0-57-amd64/build CC='ccache gcc-12'" in command
+    assert "CCACHE_DIR=/var/cache/pvegpu/ccache make" in command
+    assert "CC=gcc-12" in ops.build_command("/a", "1", "r", "gcc-12", 1, ccache=False)
+
+
+def fake_modinfo(tmp_path, version):
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    (bindir / "modinfo").write_text(f"#!/bin/sh\n[ -n '{version}' ] && echo '{version}'\n")
+    (bindir / "modinfo").chmod(0o755)
+    return {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
+
+
+def test_verify_passes_when_module_matches(tmp_path):
+    result = sh(ops.verify_command("535.309.01", ["6.1.0-57-amd64"], firmware=False), env=fake_modinfo(tmp_path, "535.309.01"))
+    assert result.returncode == 0, result.stderr
+
+
+def test_verify_refuses_to_finish_on_mismatch(tmp_path):
+    result = sh(ops.verify_command("535.309.01", ["6.1.0-57-amd64"], firmware=True), env=fake_modinfo(tmp_path, "535.261.03"))
+    assert result.returncode == 1
+    assert "kernel 6.1.0-57-amd64: nvidia module is '535.261.03', want 535.309.01" in result.stderr
+    if not list(Path("/lib/firmware/nvidia").glob("535.309.01/gsp*.bin")):
+        assert "GSP firmware 535.309.01 missing" in result.stderr
+    assert "the stage did not finish" in result.stderr
