@@ -236,3 +236,47 @@ def test_nvidia_modprobe_records_uvm_nodes(root):
     if os.geteuid() == 0:
         assert stat.S_ISCHR(os.stat(root / "dev/nvidia-uvm").st_mode)
         assert os.major(os.stat(root / "dev/nvidia-uvm").st_rdev) == 511
+
+
+# ---------------------------------------------------------------- in a running twin (root, sshd)
+
+@pytest.mark.twin
+def test_live_twin_rebinding_survives_reboot(twin_factory):
+    """Over SSH in a real twin: stand-ins answer, then a persisted binding + reboot changes the view."""
+    import time
+
+    from tests.twin import runtime
+
+    twin = twin_factory("kpro6")
+
+    def sh(cmd, check=True):
+        r = subprocess.run(runtime.ssh_command(twin.name, [cmd]), capture_output=True, text=True,
+                           timeout=60)
+        if check:
+            assert r.returncode == 0, (cmd, r.stdout, r.stderr)
+        return r
+
+    assert sh("nvidia-smi -L | wc -l").stdout.strip() == "8"
+    assert sh("uname -r").stdout == "6.14.8-2-pve\n"
+    assert sh("pveversion").stdout.startswith("pve-manager/8.4.1/")
+    assert sh("readlink /sys/bus/pci/devices/0000:21:00.0/driver").stdout.endswith("/nvidia\n")
+    assert sh("grep -c . /proc/driver/nvidia/gpus/*/information | wc -l").stdout.strip() == "8"
+    assert sh("test -c /dev/nvidia7 && ! test -e /dev/nvidia-uvm && echo ok").stdout == "ok\n"
+    r = sh("pct set 200 --dev0 /dev/nvidia-uvm && pct start 200", check=False)
+    assert "Device /dev/nvidia-uvm does not exist" in r.stderr
+    sh("nvidia-modprobe -u -c=0 && pct start 200 && pct status 200 && ls -l /dev/nvidia-uvm")
+    sh("mkdir -p /etc/udev/rules.d /etc/modules-load.d && printf '%s\\n' "
+       "'ACTION==\"add\", SUBSYSTEM==\"pci\", KERNEL==\"0000:21:00.0\", ATTR{driver_override}=\"vfio-pci\"' "
+       "> /etc/udev/rules.d/60-pvegpu-gpu-binding.rules && echo vfio-pci > /etc/modules-load.d/vfio.conf")
+    sh("reboot", check=False)  # the supervisor may cut this very session
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(1)
+        r = sh("readlink /sys/bus/pci/devices/0000:21:00.0/driver", check=False)
+        if r.returncode == 0 and r.stdout.endswith("/vfio-pci\n"):
+            break
+    else:
+        pytest.fail("twin did not come back with 21:00.0 on vfio-pci")
+    assert sh("nvidia-smi -L | wc -l").stdout.strip() == "7"
+    assert sh("test -c /dev/vfio/15 && ! test -e /dev/nvidia7 && ! test -e /dev/nvidia-uvm && echo ok").stdout == "ok\n"
+    assert sh("cat /proc/driver/nvidia/gpus/0000:41:00.0/information").stdout.count("Device Minor: \t 1\n") == 1
