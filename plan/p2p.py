@@ -364,10 +364,11 @@ def summarize(pairs: list[dict]) -> str:
         for kind in dict.fromkeys(pair["reason_kinds"]):
             counts[kind] = counts.get(kind, 0) + 1
     n = len(pairs)
+    every = "the only GPU pair" if n == 1 else f"all {n} GPU pairs"
     if possible == 0:
-        head = f"P2P is impossible for all {n} GPU pairs."
+        head = f"P2P is impossible for {every}."
     elif usable == n:
-        head = f"P2P is possible and safe for all {n} GPU pairs."
+        head = f"P2P is possible and safe for {every}."
     else:
         head = f"P2P is possible for {possible} and safe for {usable} of {n} GPU pairs."
     details = "; ".join(
