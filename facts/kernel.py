@@ -163,7 +163,8 @@ def parse_kernel_toolchain(output_lines: list[str]) -> dict:
             continue
         headers = {"path": name[len("headers "):], "compiler": None, "gcc": None}
         for line in lines:
-            match = re.match(r'^CONFIG_CC_VERSION_TEXT="(.*)"\s*$', line)
+            # auto.conf leaves the value unquoted, .config quotes it.
+            match = re.match(r'^CONFIG_CC_VERSION_TEXT="?(.*?)"?\s*$', line)
             if match:
                 headers["compiler"] = match.group(1)
                 headers["gcc"] = compiler_version(match.group(1))

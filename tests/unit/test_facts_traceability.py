@@ -3,6 +3,7 @@ the fact's own command prints aside), and every fixture of the folders the facts
 by a case or skipped with a written reason."""
 
 import fnmatch
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ CASES = Path(__file__).parent / "facts"
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 CASE_FILES = sorted(CASES.glob("*.*/*.yaml"))
 # Fixture folders whose every file must feed a fact case (or be skipped with a reason).
-COVERED_FOLDERS = ("topo-m", "topo-p2p", "driver-version", "proc-devices", "iommu-groups", "lxc-conf", "lspci", "h200-vm", "h200-vm-probe")
+COVERED_FOLDERS = ("topo-m", "topo-p2p", "driver-version", "proc-devices", "iommu-groups", "lxc-conf", "lspci", "h200-vm", "h200-vm-probe", "debian-headers")
 SKIPPED_WITH_REASON = {
     # from tests/unit/facts/generate_cases.py SKIPPED, plus h200-vm outputs no fact reads
     "proc-devices/ls-dev-char-nvidia-symlinks-uvm-234-caps-237.txt",
@@ -29,6 +30,11 @@ SKIPPED_WITH_REASON = {
 }
 
 
+@lru_cache(maxsize=None)
+def _load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
 def _fixture_lines(name: str, ranges: list) -> list[str]:
     lines = (FIXTURES / name).read_text().splitlines()
     return [line for start, end in ranges for line in lines[start - 1:end]]
@@ -36,7 +42,7 @@ def _fixture_lines(name: str, ranges: list) -> list[str]:
 
 @pytest.mark.parametrize("path", CASE_FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_case_output_is_the_fixture(path):
-    case = yaml.safe_load(path.read_text())
+    case = _load(path)
     assert (FIXTURES / case["fixture"]).is_file(), case["fixture"]
     if "sections" in case:
         expected = [line for section in case["sections"]
@@ -50,9 +56,9 @@ def test_case_output_is_the_fixture(path):
 
 
 def test_every_relevant_fixture_is_used_or_skipped_with_reason():
-    used = {yaml.safe_load(p.read_text())["fixture"] for p in CASE_FILES}
+    used = {_load(p)["fixture"] for p in CASE_FILES}
     for case in CASE_FILES:
-        for section in yaml.safe_load(case.read_text()).get("sections", []):
+        for section in _load(case).get("sections", []):
             used.add(section["fixture"])
     missing = []
     for folder in COVERED_FOLDERS:

@@ -122,6 +122,9 @@ CASES = [
       for which, line in (("default", 3), ("with-iommu", 5))],
     case("kernel.KernelToolchain", "h200-vm-gcc-15", "h200-vm/proc-version.txt",
          sections=[("@@ /proc/version", "h200-vm/proc-version.txt", None)]),
+    case("kernel.KernelToolchain", "debian-headers-6.1.0-57-amd64-unquoted-auto-conf",
+         "debian-headers/kernel-toolchain-headers-6.1.0-57-amd64.txt", args=["6.1.0-57-amd64"],
+         note="include/config/auto.conf writes CONFIG_CC_VERSION_TEXT unquoted"),
     *[case("kernel.IommuState", Path(p.name).stem, f"iommu-groups/{p.name}")
       for p in sorted((FIXTURES / "iommu-groups").iterdir())],
     case("kernel.IommuState", "h200-vm-no-groups", "h200-vm/iommu-groups.txt"),
