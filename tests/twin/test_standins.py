@@ -280,3 +280,17 @@ def test_live_twin_rebinding_survives_reboot(twin_factory):
     assert sh("nvidia-smi -L | wc -l").stdout.strip() == "7"
     assert sh("test -c /dev/vfio/15 && ! test -e /dev/nvidia7 && ! test -e /dev/nvidia-uvm && echo ok").stdout == "ok\n"
     assert sh("cat /proc/driver/nvidia/gpus/0000:41:00.0/information").stdout.count("Device Minor: \t 1\n") == 1
+
+
+@pytest.mark.twin
+def test_live_proxmoxer_over_ssh(twin_factory):
+    """proxmoxer's paramiko SSH backend runs `pvesh ... --output-format json` in the twin."""
+    twin = twin_factory("kpro6")
+    px = ProxmoxAPI(twin.address, backend="ssh_paramiko", user="root", private_key_file=str(twin.key),
+                    port=twin.port, service="PVE", timeout=30)
+    assert px.version.get()["release"] == "8.4"
+    assert [c["vmid"] for c in px.nodes("kpro6").lxc.get()] == [200]
+    px.cluster.mapping.pci.post(id="gpu0", map=gpu_map())
+    px.nodes("kpro6").qemu(300).config.put(hostpci0="mapping=gpu0,pcie=1")
+    assert px.nodes("kpro6").qemu(300).status.start.post().startswith("UPID:kpro6:")
+    assert px.nodes("kpro6").qemu(300).status.current.get()["status"] == "running"
