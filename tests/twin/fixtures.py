@@ -29,6 +29,8 @@ def twin_root_cache() -> Path:
     _skip_unless_root()
     started = time.monotonic()
     lower = runtime.ensure_root_cache()
+    for name in runtime.stop_orphans():
+        print(f"stopped twin {name} left by a killed test run")
     print(f"twin root cache: {lower} ready in {time.monotonic() - started:.1f} s")
     return lower
 
@@ -45,7 +47,8 @@ class TwinFactory:
             slug = re.sub(r"[^a-z0-9-]+", "-", Path(profile).stem.lower())[:12].strip("-")
             name = f"{slug or 'twin'}-{os.getpid()}-{len(self.names)}"
         self.names.append(name)
-        return runtime.start(name, profile, address=address, hardware=hardware)
+        return runtime.start(name, profile, address=address, hardware=hardware,
+                             owner=os.getpid())
 
     def stop(self, twin: runtime.Twin | str) -> None:
         runtime.stop(twin if isinstance(twin, str) else twin.name)

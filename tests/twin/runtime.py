@@ -372,6 +372,13 @@ def running(name: str) -> bool:
     return bool(spec and spec.get("pid") and _alive(spec["pid"], spec.get("pid_ns")))
 
 
+def _in_use(spec: dict) -> bool:
+    """Running, or being started by a live process (its address and name are taken)."""
+    if spec.get("pid"):
+        return _alive(spec["pid"], spec.get("pid_ns"))
+    return bool(spec.get("starter")) and _alive(spec["starter"])
+
+
 def status() -> list[dict]:
     """Every twin with a directory under .twin/: its twin.json plus {"running": bool}."""
     result = []
@@ -383,7 +390,7 @@ def status() -> list[dict]:
 
 
 def _pick_address() -> str:
-    taken = {s["address"] for s in status() if s["running"]}
+    taken = {s["address"] for s in status() if _in_use(s)}
     for n in range(2, 255):
         address = f"127.0.0.{n}"
         if address in taken:
@@ -457,11 +464,12 @@ def _prepare_root(root: Path, name: str, address: str, key: Path) -> None:
 
 
 def start(name: str, profile: str, address: str | None = None,
-          hardware: str = DEFAULT_HARDWARE) -> Twin:
+          hardware: str = DEFAULT_HARDWARE, owner: int | None = None) -> Twin:
     """Start twin `name` with hardware `profile`; returns once its sshd answers.
 
     `hardware` is the module providing install(root, profile) and render(root): a dotted
-    name or a .py path (tests use stand-ins). Raises TwinError; cleans up after itself.
+    name or a .py path (tests use stand-ins). `owner`: pid of a process whose death makes
+    the twin stale (see stop_orphans). Raises TwinError; cleans up after itself.
     """
     require_root()
     if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,30}", name):
@@ -477,20 +485,20 @@ def start(name: str, profile: str, address: str | None = None,
     TWINS_DIR.mkdir(exist_ok=True)
     with open(TWINS_DIR / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # address choice and twin.json are one step
-        if running(name):
+        if _in_use(_read_spec(name) or {}):
             raise TwinError(f"twin {name} is already running (twinctl stop {name})")
         if tdir.exists():
             stop(name)  # stale leftovers of a crashed run
         if address is None:
             address = _pick_address()
-        elif any(s["running"] and s["address"] == address for s in status()):
+        elif any(_in_use(s) and s["address"] == address for s in status()):
             raise TwinError(f"{address} is in use by another twin")
         root, key = tdir / "root", tdir / "id_ed25519"
         for sub in ("upper", "work", "root"):
             (tdir / sub).mkdir(parents=True)
         spec = {"name": name, "profile": profile, "address": address, "port": SSH_PORT,
                 "key": str(key), "pid": None, "root": str(root), "hardware": hardware,
-                "lower": str(lower)}
+                "lower": str(lower), "owner": owner, "starter": os.getpid()}
         _write_spec(tdir, spec)
     try:
         _mount("overlay", root, "overlay", 0,
@@ -573,6 +581,16 @@ def stop(name: str, keep: bool = False) -> None:
         shutil.rmtree(tdir)
 
 
+def stop_orphans() -> list[str]:
+    """Stop twins whose owner process is gone (a test run that was killed); their names."""
+    stopped = []
+    for spec in status():
+        if spec.get("owner") and not _alive(spec["owner"]):
+            stop(spec["name"])
+            stopped.append(spec["name"])
+    return stopped
+
+
 def _wait_until(predicate, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -647,6 +665,7 @@ class Supervisor:
         self.mount_all()
         self.boot_time = time.monotonic()
         self.start_sshd()
+        self.wait_for_sshd()  # a boot is done when the host answers on SSH
         self.boots += 1
         with open(self.dir / "boots", "a") as boots:
             boots.write(f"{time.time():.3f} {self.boots}\n")
@@ -654,14 +673,19 @@ class Supervisor:
 
     def reboot(self) -> None:
         log(f"{self.spec['name']}: reboot requested")
+        t0 = time.monotonic()
         self.kill_all()
         self.unmount_all()
+        t1 = time.monotonic()
         try:
             load_hardware(self.spec["hardware"]).render(self.root)
         except Exception:  # keep the twin reachable; the log says why hardware is stale
             log(f"{self.spec['name']}: render failed:\n{traceback.format_exc()}")
+        t2 = time.monotonic()
         self.boot()
         (self.root / REBOOT_REQUEST).unlink(missing_ok=True)
+        log(f"{self.spec['name']}: rebooted in {time.monotonic() - t0:.2f} s (shutdown "
+            f"{t1 - t0:.2f} s, render {t2 - t1:.2f} s)")
 
     def start_sshd(self) -> None:
         proc = subprocess.Popen(
@@ -669,6 +693,16 @@ class Supervisor:
             env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
             stdin=subprocess.DEVNULL)
         self.sshd = proc.pid  # reaped by reap(), not by Popen
+
+    def wait_for_sshd(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((self.spec["address"], self.spec["port"]), 1).close()
+                return
+            except OSError:
+                time.sleep(0.02)
+        log(f"{self.spec['name']}: sshd not listening after {timeout:.0f} s")
 
     def reap(self) -> None:
         """As pid 1, collect every exited process (orphans are reparented here)."""
@@ -749,7 +783,8 @@ class Supervisor:
                 raise TwinError(f"hw/dev.json: {path} is not below /dev")
             target = self.root / path.relative_to("/")
             target.parent.mkdir(parents=True, exist_ok=True)
-            mode = int(str(node.get("mode", "0666")), 8)
+            mode = node.get("mode", 0o666)  # an int, or an octal string like "0660"
+            mode = int(mode, 8) if isinstance(mode, str) else mode
             os.mknod(target, mode | 0o020000, os.makedev(node["major"], node["minor"]))
             os.chmod(target, mode)
 
