@@ -1,0 +1,126 @@
+"""operations.guests: facts in, commands out (fake host), on real config/proc fixtures."""
+
+import base64
+import re
+from pathlib import Path
+
+from pyinfra.context import ctx_host, ctx_state
+from pyinfra_testing.util import FakeState, create_host
+
+from facts.proxmox import parse_guest_config
+from operations.guests import ContainerGpuState, container_gpu_devices, pci_mappings, vm_hostpci
+from plan.guests import MappingChange, plan_vm
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+
+
+def body(rel):
+    return (FIXTURES / rel).read_text().splitlines()[2:]
+
+
+JELLYFIN = "\n".join(body("lxc-conf/pve9-102-jellyfin-privileged-lxc-mount-entry-nvidia-caps-dir.txt")) + "\n"
+IGPU = "\n".join(body("lxc-conf/frigate-7640-intel-igpu-no-nvidia-negative.txt")) + "\n"
+
+
+def state_output(configs, status):
+    out = []
+    for ctid, text in configs.items():
+        out += [f"@@pvegpu conf:/etc/pve/lxc/{ctid}.conf", *text.splitlines()]
+    out += ["@@pvegpu nvidia", *body("h200-vm/driver-gpus-information.txt")]
+    out += ["@@pvegpu majors", *body("h200-vm/proc-devices.txt")]
+    out += ["@@pvegpu pct", "VMID       Status     Lock         Name",
+            *[f"{i:<10} {s:<10} {'':<12} ct{i}" for i, s in status.items()]]
+    return out
+
+
+def test_container_state_fact_splits_real_outputs():
+    state = ContainerGpuState().process(state_output({102: JELLYFIN, 103: IGPU}, {102: "running", 103: "stopped"}))
+    assert state["configs"][102] == JELLYFIN and state["configs"][103] == IGPU
+    assert state["nvidia"]["0000:00:06.0"]["minor"] == 0
+    assert state["majors"]["nvidia-uvm"] == 238
+    assert state["status"] == {102: "running", 103: "stopped"}
+
+
+def run_op(op, facts=None, *args, **kwargs):
+    host = create_host(FakeState(), facts=facts or {})
+    with ctx_state.use(FakeState()), ctx_host.use(host):
+        commands = [str(c) for c in op._inner(*args, **kwargs)]
+    return commands, host.noop_description
+
+
+def written(command):
+    """The content a write_file_command writes, and its path."""
+    b64 = re.search(r"printf %s (\S+) \| base64 -d", command).group(1)
+    path = re.search(r"&& mv -f \S+ (\S+)$", command).group(1)
+    return path, base64.b64decode(b64).decode()
+
+
+def facts_for(configs, status):
+    return {"guests.ContainerGpuState": ContainerGpuState().process(state_output(configs, status))}
+
+
+def test_ct_gets_its_gpu_by_minor_and_a_running_ct_restarts():
+    facts = facts_for({102: JELLYFIN, 103: IGPU}, {102: "running", 103: "running"})
+    wanted = {102: {"gpus": ["0000:00:06.0"], "gid": 44}, 103: {"gpus": [], "gid": 44}}
+    commands, _ = run_op(container_gpu_devices, facts, wanted, False)
+    # 102 passes /dev/nvidia0 already; only its uvm/caps majors change (511/236 -> 238/241): rewrite, no restart
+    assert len(commands) == 1
+    path, text = written(commands[0])
+    assert path == "/etc/pve/lxc/102.conf"
+    assert "lxc.cgroup2.devices.allow: c 238:* rwm" in text and "c 511:* rwm" not in text
+    assert "mp1: /Data-Pool/partage/streaming,mp=/media/streaming" in text
+
+
+def test_new_gpu_set_on_a_running_ct_restarts_it_with_dev_entries():
+    facts = facts_for({103: IGPU}, {103: "running"})
+    commands, _ = run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True)
+    assert commands[1] == "pct stop 103 && pct start 103"
+    _, text = written(commands[0])
+    assert "dev0: /dev/nvidia0,gid=44" in text and "lxc.cgroup2.devices.allow: c 226:0 rwm" in text
+
+
+def test_converged_containers_are_a_noop():
+    facts = facts_for({103: IGPU}, {103: "running"})
+    commands, _ = run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True)
+    _, text = written(commands[0])
+    commands, noop = run_op(container_gpu_devices, facts_for({103: text}, {103: "running"}),
+                            {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True)
+    assert commands == [] and noop == "every container passes exactly its GPUs"
+
+
+def test_pending_boot_uses_boot_minors_and_does_not_restart():
+    facts = facts_for({103: IGPU}, {103: "running"})
+    commands, _ = run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:81:00.0"], "gid": 44}}, True,
+                         boot_minors={"0000:01:00.0": 0, "0000:81:00.0": 1})
+    assert len(commands) == 1 and "dev0: /dev/nvidia1,gid=44" in written(commands[0])[1]
+
+
+def test_ct_stopped_by_the_rebind_is_started_again():
+    facts = facts_for({103: IGPU}, {103: "stopped"})
+    commands, _ = run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True,
+                         start_after=[103])
+    assert commands[-1] == "pct start 103"
+
+
+def test_mapping_commands_quote_values():
+    change = MappingChange("pvegpu-kpro6-0000-81-00-0", "set",
+                           [{"id": "10de:2bb5", "iommugroup": "40", "node": "kpro6", "path": "0000:81:00"}], "stale")
+    commands, _ = run_op(pci_mappings, None, [change])
+    assert commands == ["pvesh set /cluster/mapping/pci/pvegpu-kpro6-0000-81-00-0 "
+                        "--map id=10de:2bb5,iommugroup=40,node=kpro6,path=0000:81:00"]
+    assert run_op(pci_mappings, None, [])[1] == "PCI resource mappings match the hardware"
+
+
+PCI = {"0000:81:00.0": {"vendor": "10de", "device": "2bb5", "iommu_group": 40},
+       "0000:a1:00.0": {"vendor": "10de", "device": "2bb5", "iommu_group": 50}}
+
+
+def test_vm_set_delete_and_start_after_rebind():
+    config = parse_guest_config(["machine: q35", "hostpci0: mapping=pvegpu-kpro6-0000-81-00-0,pcie=1",
+                                 "hostpci1: mapping=pvegpu-kpro6-0000-a1-00-0,pcie=1"], "qemu")
+    plan = plan_vm(300, "kpro6", ["0000:81:00.0"], "q35", False, config, PCI, set(PCI))
+    commands, _ = run_op(vm_hostpci, None, plan, start=True)
+    assert commands == ["qm set 300 --delete hostpci1", "qm start 300"]
+    plan = plan_vm(300, "kpro6", ["0000:81:00.0", "0000:a1:00.0"], "q35", False, config, PCI, set(PCI))
+    commands, noop = run_op(vm_hostpci, None, plan, restart=True)
+    assert commands == [] and noop == "VM 300 passes exactly its GPUs"
