@@ -12,13 +12,12 @@ from facts.kernel import split_sections
 def parse_pve_version(output_lines: list[str]) -> dict | None:
     """Pure parser of `pveversion` (shape: see `PveVersion`)."""
     for line in output_lines:
-        match = re.match(r"^pve-manager/(\d+)\.(\d+)(?:\.(\d+))?\S*?(?:/\S+)?(?:\s+\(running kernel: ([^)]+)\))?", line.strip())
+        match = re.search(r"pve-manager/((\d+)\.(\d+)[^/\s]*)(?:/\S+)?(?:\s+\(running kernel: ([^)]+)\))?", line)
         if match:
-            version = ".".join(part for part in match.groups()[:3] if part is not None)
             return {
-                "version": version,
-                "major": int(match.group(1)),
-                "minor": int(match.group(2)),
+                "version": match.group(1),  # 8.3.3, or 7.4-16 on PVE 7
+                "major": int(match.group(2)),
+                "minor": int(match.group(3)),
                 "running_kernel": match.group(4),
             }
     return None

@@ -13,7 +13,8 @@ CASES = Path(__file__).parent / "facts"
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 CASE_FILES = sorted(CASES.glob("*.*/*.yaml"))
 # Fixture folders whose every file must feed a fact case (or be skipped with a reason).
-COVERED_FOLDERS = ("topo-m", "topo-p2p", "driver-version", "proc-devices", "iommu-groups", "lxc-conf", "lspci", "h200-vm", "h200-vm-probe", "debian-headers")
+COVERED_FOLDERS = ("topo-m", "topo-p2p", "driver-version", "proc-devices", "iommu-groups", "lxc-conf", "lspci", "h200-vm", "h200-vm-probe", "debian-headers", "pveversion",
+                   "proxmox-boot-tool")
 SKIPPED_WITH_REASON = {
     # from tests/unit/facts/generate_cases.py SKIPPED, plus h200-vm outputs no fact reads
     "proc-devices/ls-dev-char-nvidia-symlinks-uvm-234-caps-237.txt",

@@ -147,6 +147,18 @@ CASES = [
           ("pve9-116-xtts-unprivileged-raw-lxc-nvidia-allow-a.txt", 116, None),
           ("telmate-1138-gpu-and-coral-snippet.txt", 100, "the source names no CT id; 100 is assumed"),
       )],
+    *[case("proxmox.PveVersion", Path(name).stem, f"pveversion/{name}") for name in (
+        "pve-8.3.3-debian-install-kernel-6.11.txt", "pve-9.1.7-prefixed-by-author.txt")],
+    *[case("kernel.ProxmoxKernels", name, f"proxmox-boot-tool/{fixture}",
+           sections=[("@@ kernel list", f"proxmox-boot-tool/{fixture}", ranges), ("@@ /boot", None, None),
+                     ("@@ running", None, None), ("@@ pin", None, None), ("@@ next-boot-pin", None, None)],
+           note="kernel list only; /boot, uname -r and the pin files are not in the source")
+      for name, fixture, ranges in (
+          ("kernel-list-pinned-6.8.4-2", "kernel-list-pinned-6.8.4-2.txt", None),
+          ("kernel-list-three-kernels-before-pin", "kernel-list-three-kernels-before-and-after-pin.txt", [[4, 10]]),
+          ("kernel-list-three-kernels-after-pin", "kernel-list-three-kernels-before-and-after-pin.txt", [[13, 22]]),
+          ("kernel-list-no-blank-lines-two-kernels", "kernel-list-no-blank-lines-two-kernels.txt", None),
+      )],
     case("hardware.HardwareProbe", "h200-vm-one-command", "h200-vm-probe/hardware-probe.txt",
          note="the probe's own single command, run on the H200 VM"),
     case("hardware.HostConfigProbe", "h200-vm-one-command", "h200-vm-probe/host-config-probe.txt",
