@@ -35,6 +35,7 @@ from plan.render import render_template
 SOURCE_CACHE = "/var/cache/pvegpu/sources"
 CCACHE_DIR = "/var/cache/pvegpu/ccache"
 BUILD_ROOT = "/var/tmp/pvegpu/nvidia-build"
+CCACHE_MASQUERADE = "/usr/lib/ccache"
 MODULE_SUBDIR = "updates/pvegpu-nvidia"
 LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib")
 PERSISTENCED_UNIT = "/etc/systemd/system/nvidia-persistenced.service"
@@ -110,8 +111,11 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
     """
     b = shlex.quote(build_dir(version, release))
     syssrc = shlex.quote(f"/lib/modules/{release}/build")
-    compiler = f"ccache {cc}" if ccache else cc
-    env = f"CCACHE_DIR={shlex.quote(CCACHE_DIR)} " if ccache else ""
+    # ccache by masquerade (/usr/lib/ccache/<cc> first on PATH): NVIDIA's conftest.sh runs
+    # "$CC" quoted, so CC="ccache gcc-12" makes every conftest fail.
+    compiler = cc
+    env = (f"PATH={CCACHE_MASQUERADE}:$PATH CCACHE_DIR={shlex.quote(CCACHE_DIR)} "
+           if ccache else "")
     return (
         f"set -e; B={b}; rm -rf \"$B\"; mkdir -p \"$B/src\" \"$B/out\"; "
         f"{'mkdir -p ' + shlex.quote(CCACHE_DIR) + '; ' if ccache else ''}"
@@ -122,7 +126,7 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
         "else kb=$(find \"$top\" -maxdepth 3 -name Kbuild | awk '{print length, $0}' | sort -n | head -n 1 | cut -d' ' -f2-); "
         "[ -n \"$kb\" ] || { echo 'pvegpu: no NVIDIA kernel module tree (Kbuild) in the source archive' >&2; exit 1; }; "
         "mk=${kb%/Kbuild}; ko=$mk; fi; "
-        f"echo \"pvegpu: building nvidia {version} for {release} in $mk with {compiler}, -j{int(jobs)}\"; "
+        f"echo \"pvegpu: building nvidia {version} for {release} in $mk with {compiler}{' (ccache)' if ccache else ''}, -j{int(jobs)}\"; "
         f"if ! {env}make -C \"$mk\" -j{int(jobs)} modules SYSSRC={syssrc} CC={shlex.quote(compiler)} "
         ">\"$B/build.log\" 2>&1; then tail -n 40 \"$B/build.log\" >&2; "
         f"echo {shlex.quote(f'pvegpu: building nvidia {version} for {release} failed; installed modules are untouched')} >&2; exit 1; fi; "
@@ -209,7 +213,7 @@ class NvidiaHostState(FactBase):
             f"echo '{SECTION}cores'; nproc",
             f"echo '{SECTION}meminfo'; grep '^MemTotal:' /proc/meminfo",
             f"echo '{SECTION}running'; uname -r",
-            f"echo '{SECTION}ccache'; command -v ccache || true",
+            f"echo '{SECTION}ccache'; command -v ccache >/dev/null && [ -d {CCACHE_MASQUERADE} ] && echo {CCACHE_MASQUERADE}",
             f"echo '{SECTION}compilers'; for c in /usr/bin/gcc /usr/bin/gcc-[0-9]*; do "
             "[ -x \"$c\" ] && echo \"${c##*/}: $(\"$c\" --version 2>/dev/null | head -n 1)\"; done",
         ]

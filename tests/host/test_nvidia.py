@@ -1,0 +1,113 @@
+"""Host checks of the NVIDIA driver and module-options stages (incidents 2, 3, 5, 6).
+
+Run: pytest tests/host --inventory inventories/<site>.py  (fixture `target` from conftest.py:
+.name, .spec (HostSpec), .host (testinfra), .run(cmd) -> (rc, stdout)).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from plan import nvidia as nvplan
+
+MODPROBE_CONF = "/etc/modprobe.d/pvegpu-nvidia.conf"
+NODES_UNIT = "/etc/systemd/system/pvegpu-nvidia-nodes.service"
+NODES_WANTS = "/etc/systemd/system/multi-user.target.wants/pvegpu-nvidia-nodes.service"
+
+
+def nvidia_spec(target):
+    if target.spec.nvidia is None:
+        pytest.skip(f"{target.name}: the spec manages no NVIDIA driver")
+    return target.spec.nvidia
+
+
+def needs_nvidia_driver(target) -> bool:
+    return any(gpu.driver == "nvidia" for gpu in target.spec.gpus.values())
+
+
+def host_gpu_ids(target) -> dict[str, str]:
+    _, out = target.run(
+        "for d in /sys/bus/pci/devices/*; do "
+        'echo "${d##*/} $(cat $d/vendor) $(cat $d/device) $(cat $d/class)"; done 2>/dev/null')
+    pci = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 4:
+            pci[parts[0]] = {"vendor": parts[1].removeprefix("0x"), "device": parts[2].removeprefix("0x"),
+                             "class": parts[3].removeprefix("0x")}
+    return nvplan.nvidia_gpu_ids(pci)
+
+
+def test_module_firmware_and_userspace_versions_are_equal(target):
+    nv = nvidia_spec(target)
+    _, release = target.run("uname -r")
+    release = release.strip()
+    _, module = target.run(f"modinfo -k {release} -F version nvidia 2>/dev/null")
+    module = module.strip()
+    assert module == nv.version, (
+        f"{target.name}: kernel {release} has nvidia module {module or 'none'}, but the spec wants {nv.version}")
+    _, loaded = target.run("cat /proc/driver/nvidia/version 2>/dev/null")
+    match = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", loaded)
+    if match:
+        assert match.group(1) == nv.version, (
+            f"{target.name}: the loaded NVIDIA driver is {match.group(1)}, the installed modules are {nv.version}; "
+            f"a reboot is pending")
+    if nv.firmware:
+        rc, _ = target.run(f"ls /lib/firmware/nvidia/{nv.version}/gsp*.bin")
+        assert rc == 0, (f"{target.name}: no GSP firmware for {nv.version} in /lib/firmware/nvidia/{nv.version}/; "
+                         f"firmware of another version panicked a boot (incident 2)")
+    _, libs = target.run("ls /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.* /usr/lib64/libnvidia-ml.so.* "
+                         "/usr/lib/libnvidia-ml.so.* 2>/dev/null")
+    versions = nvplan.userspace_versions(libs.split())
+    assert all(v == nv.version for v in versions), (
+        f"{target.name}: user space {', '.join(versions)} differs from the {nv.version} modules "
+        f"(driver/library version mismatch, incident 6)")
+
+
+def test_uvm_hmm_is_disabled_where_asked(target):
+    nv = nvidia_spec(target)
+    wanted, why = nvplan.uvm_disable_hmm(nv.uvm_disable_hmm, host_gpu_ids(target))
+    if not wanted:
+        pytest.skip(f"{target.name}: uvm_disable_hmm not asked ({why})")
+    rc, value = target.run("cat /sys/module/nvidia_uvm/parameters/uvm_disable_hmm")
+    assert rc == 0 and value.strip() == "Y", (
+        f"{target.name}: nvidia_uvm runs with uvm_disable_hmm={value.strip() or 'unloaded'} but should be Y "
+        f"({why}); CUDA init fails in containers without it")
+
+
+def test_modprobe_config_carries_the_option(target):
+    nv = nvidia_spec(target)
+    wanted, why = nvplan.uvm_disable_hmm(nv.uvm_disable_hmm, host_gpu_ids(target))
+    _, config = target.run("modprobe -c 2>/dev/null | grep -E '^options (nvidia|nvidia_uvm) '")
+    has = bool(re.search(r"^options nvidia_uvm .*\buvm_disable_hmm=1\b", config, re.M))
+    assert has == wanted, (
+        f"{target.name}: modprobe -c {'lacks' if wanted else 'has'} 'options nvidia_uvm uvm_disable_hmm=1' "
+        f"({why})")
+    for key, value in sorted(nv.nvreg.items()):
+        option = f"{key}={nvplan.modprobe_value(value)}"
+        assert re.search(rf"^options nvidia .*{re.escape(option)}", config, re.M), (
+            f"{target.name}: modprobe -c lacks 'options nvidia {option}' from the spec")
+
+
+def test_uvm_device_node_exists(target):
+    nvidia_spec(target)
+    if not needs_nvidia_driver(target):
+        pytest.skip(f"{target.name}: no GPU uses the nvidia driver")
+    node = target.host.file("/dev/nvidia-uvm")
+    assert node.exists and node.is_char_device, (
+        f"{target.name}: /dev/nvidia-uvm is missing; containers with GPUs will not start (incident 5)")
+
+
+def test_device_node_unit_is_enabled_before_guests(target):
+    nvidia_spec(target)
+    unit = target.host.file(NODES_UNIT)
+    assert unit.exists, f"{target.name}: {NODES_UNIT} is missing; /dev/nvidia-uvm is not made at boot (incident 5)"
+    link = target.host.file(NODES_WANTS)
+    assert link.is_symlink and link.linked_to == NODES_UNIT, (
+        f"{target.name}: pvegpu-nvidia-nodes.service is not enabled for multi-user.target")
+    before = [word for line in unit.content_string.splitlines() if line.startswith("Before=")
+              for word in line.split("=", 1)[1].split()]
+    assert "pve-guests.service" in before, (
+        f"{target.name}: pvegpu-nvidia-nodes.service is not ordered before pve-guests.service")
