@@ -4,7 +4,8 @@ Persisted: `/etc/udev/rules.d/60-pvegpu-gpu-binding.rules` sets each function's
 `driver_override` on its "add" event; an initramfs hook carries the rule into the initramfs
 so it acts during early coldplug, before nvidia/vfio-pci probe (vfio-pci itself is loaded
 early by the boot stage's modules-load file; not duplicated here). `update-initramfs -u -k all`
-runs only when the rule or hook changed.
+runs when the initramfs does not carry the current rule and hook yet (a stamp file records
+what the last successful run put there).
 
 Now (runtime rebind transaction), only when a GPU changes driver:
   preflight: refuse when a moving GPU is held by a process (nvidia-smi compute apps, `fuser
@@ -34,7 +35,7 @@ from pyinfra.api import FactBase, StringCommand, deploy, operation
 
 from facts.files import ManagedFiles
 from facts.hardware import HardwareProbe, HostConfigProbe
-from operations.files import managed_file, sha256_text
+from operations.files import managed_file, sha256_text, write_file_command
 from plan.gpus import (
     Bindings,
     RebindPlan,
@@ -51,6 +52,9 @@ from spec.models import HostSpec
 
 RULES_PATH = "/etc/udev/rules.d/60-pvegpu-gpu-binding.rules"
 INITRAMFS_HOOK_PATH = "/etc/initramfs-tools/hooks/pvegpu-gpu-binding"
+# Written only after update-initramfs succeeded: the initramfs holds the rules of this stamp
+# (a run that wrote the rules but failed in update-initramfs retries it next run).
+INITRAMFS_STAMP_PATH = "/var/lib/pvegpu/gpu-binding-initramfs.stamp"
 UNBIND_TIMEOUT_S = 30
 _MEMO = "_pvegpu_gpu_stage"
 
@@ -239,12 +243,16 @@ def rebind_gpus(plan: RebindPlan, nvidia: dict[str, dict]):
 
 
 @operation()
-def refresh_initramfs(changed: list[str]):
-    """`update-initramfs -u -k all` when one of `changed` (paths) was rewritten this run."""
-    if not changed:
+def refresh_initramfs(stamp: str, state: dict | None):
+    """`update-initramfs -u -k all` unless the initramfs already carries these rules.
+
+    + stamp: text naming the rule and hook contents (sha256s) the initramfs should carry
+    + state: `ManagedFiles` entry of INITRAMFS_STAMP_PATH
+    """
+    if state and state["sha256"] == sha256_text(stamp):
         host.noop("GPU binding rules in the initramfs are current")
         return
-    yield "update-initramfs -u -k all"
+    yield StringCommand("update-initramfs -u -k all && " + write_file_command(INITRAMFS_STAMP_PATH, stamp, "644", False))
 
 
 # ---------------------------------------------------------------- stage protocol
@@ -278,14 +286,11 @@ def apply(spec: HostSpec) -> None:
         RULES_PATH: (binding_rules(bindings), "644"),
         INITRAMFS_HOOK_PATH: (render_template("initramfs-gpu-binding-hook.j2", rules_path=RULES_PATH), "755"),
     }
-    state = host.get_fact(ManagedFiles, paths=list(files))
-    changed = []
+    state = host.get_fact(ManagedFiles, paths=[*files, INITRAMFS_STAMP_PATH])
     for path, (content, mode) in files.items():
-        current = state.get(path)
-        if not current or current["sha256"] != sha256_text(content) or current["mode"] != mode:
-            changed.append(path)
-        managed_file(name=f"GPU binding: {path}", path=path, content=content, mode=mode, state=current)
-    refresh_initramfs(name="GPU binding: update-initramfs", changed=changed)
+        managed_file(name=f"GPU binding: {path}", path=path, content=content, mode=mode, state=state.get(path))
+    stamp = "".join(f"{sha256_text(content)}  {path}\n" for path, (content, _) in files.items())
+    refresh_initramfs(name="GPU binding: update-initramfs", stamp=stamp, state=state.get(INITRAMFS_STAMP_PATH))
     if rebind.moves and rebind.live:
         rebind_gpus(name="GPU binding: rebind transaction", plan=rebind, nvidia=facts["hw"]["nvidia_gpus"])
     elif rebind.moves:

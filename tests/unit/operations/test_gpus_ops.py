@@ -166,6 +166,10 @@ def test_rebind_op_is_one_command_or_a_noop():
     assert commands == [] and "every GPU is bound" in noop
 
 
-def test_initramfs_refresh_only_after_a_change():
-    assert _run_op(refresh_initramfs, [])[0] == []
-    assert _run_op(refresh_initramfs, ["/etc/udev/rules.d/60-pvegpu-gpu-binding.rules"])[0] == ["update-initramfs -u -k all"]
+def test_initramfs_refresh_until_the_stamp_matches(tmp_path):
+    from operations.files import sha256_text
+    commands, _ = _run_op(refresh_initramfs, "abc  /etc/udev/rules.d/x\n", None)
+    assert len(commands) == 1 and str(commands[0]).startswith("update-initramfs -u -k all && ")
+    assert "/var/lib/pvegpu/gpu-binding-initramfs.stamp" in str(commands[0])
+    current = {"mode": "644", "sha256": sha256_text("abc  /etc/udev/rules.d/x\n")}
+    assert _run_op(refresh_initramfs, "abc  /etc/udev/rules.d/x\n", current)[0] == []
