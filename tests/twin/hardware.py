@@ -92,7 +92,7 @@ def load_profile(name_or_path) -> dict:
     if not p.suffix:
         p = PROFILES_DIR / f"{name_or_path}.yml"
     with open(p) as f:
-        return yaml.safe_load(f)
+        return yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 def _read(root: Path, rel: str) -> str | None:

@@ -203,8 +203,14 @@ def test_proxmox_boot_tool_pin_next_boot_and_list(root):
 
 
 def test_reboot_stand_ins_request_a_reboot(root):
+    import time
+
+    request = root / "var/lib/twin/reboot-request"
     run(root, "reboot", check=True)
-    assert (root / "var/lib/twin/reboot-request").exists()
+    deadline = time.monotonic() + 5
+    while not request.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert request.exists()
     (root / "var/lib/twin/reboot-request").unlink()
     run(root, "shutdown", "-r", "now", check=True)
     run(root, "systemctl", "reboot", check=True)

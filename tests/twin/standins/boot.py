@@ -12,6 +12,7 @@ the cmdline a systemd-boot ESP was last synced with in /var/lib/twin/boot/cmdlin
 import os
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.environ.get("TWIN_ROOT", "/"), "usr/local/lib/twin"))
 import twinstate  # noqa: E402
@@ -158,10 +159,19 @@ def update_grub(argv):
 
 
 def request_reboot(how):
+    """Log now; touch the request from a detached child a moment later, so the caller (often an
+    SSH session) gets its exit status before the supervisor kills sshd, as with a real reboot."""
     with open(twinstate.path("/var/lib/twin/reboot.log"), "a") as f:
         f.write(f"{twinstate.now_iso()} {how}\n")
-    with open(twinstate.path("/var/lib/twin/reboot-request"), "w") as f:
-        f.write(how + "\n")
+    if os.fork() == 0:
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        time.sleep(0.3)
+        with open(twinstate.path("/var/lib/twin/reboot-request"), "w") as f:
+            f.write(how + "\n")
+        os._exit(0)
     return 0
 
 
