@@ -15,6 +15,8 @@ Facts: one batched remote command (`BootStageFacts`) for the whole stage.
 
 from __future__ import annotations
 
+import shlex
+
 from pyinfra import host
 from pyinfra.api import FactBase, StringCommand, deploy, operation
 
@@ -157,9 +159,24 @@ def _up_to_date(content: str, mode: str, state: dict | None) -> bool:
     return bool(state) and state["sha256"] == sha256_text(content) and state["mode"] == mode
 
 
+def write_then_run(writes: list[tuple[str, str, str, bool]], then: str) -> str:
+    """One command: write the files, then run `then`; if anything fails, put the previous files
+    back (or remove new ones) so the next run sees the change again and retries `then`.
+
+    `writes`: [(path, content, mode, existed_before)].
+    """
+    write = " && ".join(write_file_command(path, content, mode) for path, content, mode, _ in writes)
+    restore = "; ".join(
+        f"mv -f {shlex.quote(path + '.pvegpu-prev')} {shlex.quote(path)}" if existed else f"rm -f {shlex.quote(path)}"
+        for path, _, _, existed in writes
+    )
+    return f"{{ {write} && {then}; }} || {{ rc=$?; {restore}; exit $rc; }}"
+
+
 @operation()
 def kernel_cmdline(path: str, content: str, refresh_command: str, state: dict | None = None):
-    """Write the boot loader's cmdline file and refresh the boot entries, only when it changed.
+    """Write the boot loader's cmdline file and refresh the boot entries, only when it changed
+    (one command: a failed refresh puts the previous file back, so a re-run retries it).
 
     + path: /etc/kernel/cmdline (systemd-boot) or /etc/default/grub.d/pvegpu.cfg (GRUB)
     + content: the full file (templates/kernel-cmdline.j2 or grub-pvegpu.cfg.j2)
@@ -170,8 +187,7 @@ def kernel_cmdline(path: str, content: str, refresh_command: str, state: dict | 
     if _up_to_date(content, mode, state):
         host.noop(f"{path} already has the kernel command line")
         return
-    yield StringCommand(write_file_command(path, content, mode))
-    yield StringCommand(refresh_command)
+    yield StringCommand(write_then_run([(path, content, mode, state is not None)], refresh_command))
 
 
 @operation()
@@ -185,9 +201,7 @@ def early_modules(files: dict[str, str], states: dict[str, dict | None], initram
     if not changed:
         host.noop("vfio early load and the nouveau blacklist are up to date")
         return
-    for path, content in changed:
-        yield StringCommand(write_file_command(path, content, "644"))
-    yield StringCommand(initramfs_command)
+    yield StringCommand(write_then_run([(p, c, "644", states.get(p) is not None) for p, c in changed], initramfs_command))
 
 
 def preflight(spec: HostSpec) -> list[str]:

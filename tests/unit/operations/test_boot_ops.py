@@ -76,9 +76,9 @@ def test_systemd_boot_writes_etc_kernel_cmdline_keeping_zfs_root_then_refreshes(
     assert p["difference"]["missing"] == ["pci=realloc"]
     assert "quiet" in p["difference"]["extra"]
     commands, noop = run_op(boot.kernel_cmdline, p["cmdline_path"], p["cmdline_content"], p["refresh_command"], None)
-    assert len(commands) == 2 and noop is None
+    assert len(commands) == 1 and noop is None
     assert "/etc/kernel/cmdline" in commands[0] and "base64 -d" in commands[0]
-    assert commands[1] == "proxmox-boot-tool refresh"
+    assert "&& proxmox-boot-tool refresh; }" in commands[0]
     written = re.search(r"printf %s (\S+) \| base64 -d", commands[0]).group(1)
     assert base64.b64decode(written).decode() == p["cmdline_content"]
 
@@ -92,7 +92,7 @@ def test_grub_writes_a_dropin_and_runs_update_grub():
     assert 'GRUB_CMDLINE_LINUX_DEFAULT="quiet intel_iommu=on i915.enable_guc=3 i915.max_vfs=7 pci=realloc"\n' in p["cmdline_content"]
     assert p["difference"] == {"missing": ["i915.enable_guc=3", "i915.max_vfs=7", "pci=realloc"], "extra": []}
     commands, _ = run_op(boot.kernel_cmdline, p["cmdline_path"], p["cmdline_content"], p["refresh_command"], None)
-    assert commands[1] == "update-grub" and "/etc/default/grub.d/pvegpu.cfg" in commands[0]
+    assert "&& update-grub; }" in commands[0] and "/etc/default/grub.d/pvegpu.cfg" in commands[0]
 
 
 def test_grub_dropin_is_sourced_by_sh_after_the_admins_file(tmp_path):
@@ -144,7 +144,8 @@ def test_early_modules_writes_changed_files_then_one_initramfs_update():
     assert "blacklist nouveau" in p["modules"][boot.NOUVEAU_CONF]
     states = {boot.NOUVEAU_CONF: {"mode": "644", "sha256": sha256_text(p["modules"][boot.NOUVEAU_CONF])}}
     commands, noop = run_op(boot.early_modules, p["modules"], states)
-    assert len(commands) == 2 and boot.VFIO_CONF in commands[0] and commands[1] == "update-initramfs -u -k all"
+    assert len(commands) == 1 and boot.VFIO_CONF in commands[0] and boot.NOUVEAU_CONF not in commands[0].split("||")[0]
+    assert "&& update-initramfs -u -k all; }" in commands[0]
     assert p["modules_pending"] == [f"{m} is not loaded yet" for m in ("vfio", "vfio_iommu_type1", "vfio_pci")]
 
 
@@ -181,3 +182,15 @@ def test_sev_snp_host_refuses_passthrough_in_preflight(loader, monkeypatch):
     refusals = boot.preflight(HostSpec(iommu={"passthrough": True}))
     assert len(refusals) == 1 and "SEV-SNP" in refusals[0]
     assert boot.preflight(HostSpec()) == []
+
+
+def test_failed_refresh_puts_previous_files_back(tmp_path):
+    """A failed update-initramfs must not leave the new files in place (the next run would noop)."""
+    old, new = tmp_path / "old.conf", tmp_path / "new.conf"
+    old.write_text("before\n")
+    cmd = boot.write_then_run([(str(old), "after\n", "644", True), (str(new), "fresh\n", "644", False)], "false")
+    assert subprocess.run(["sh", "-c", cmd]).returncode != 0
+    assert old.read_text() == "before\n" and not new.exists()
+    cmd = boot.write_then_run([(str(old), "after\n", "644", True), (str(new), "fresh\n", "644", False)], "true")
+    assert subprocess.run(["sh", "-c", cmd]).returncode == 0
+    assert old.read_text() == "after\n" and new.read_text() == "fresh\n"

@@ -1,0 +1,36 @@
+"""A deploy that runs only some stages (for stage end-to-end tests on twins).
+
+    PVEGPU_STAGES=operations.boot,operations.reboot pyinfra -y inventories/twin.py tests/e2e/stage_deploy.py
+
+Same protocol as deploy.py (all preflights, then the applies, in the given order).
+PVEGPU_E2E_KERNEL (JSON of a KernelSpec plus an optional "base_config") replaces the host
+spec's kernel: CI builds a tiny config of Debian's 6.1 source instead of a Proxmox kernel.
+"""
+
+import importlib
+import json
+import os
+
+from pyinfra import host
+from pyinfra.api.exceptions import DeployError
+
+from spec.models import KernelSpec
+
+
+class CiKernelSpec(KernelSpec):
+    """KernelSpec plus the base config the build starts from (see operations.kernel.base_config_of)."""
+
+    base_config: str = "running"
+
+
+spec = host.data.get("pvegpu_spec")
+kernel_json = os.environ.get("PVEGPU_E2E_KERNEL")
+if kernel_json:
+    spec = spec.model_copy(update={"kernel": CiKernelSpec(**json.loads(kernel_json))})
+
+modules = [importlib.import_module(m) for m in os.environ["PVEGPU_STAGES"].split(",") if m]
+refusals = [r for m in modules if hasattr(m, "preflight") for r in m.preflight(spec)]
+if refusals:
+    raise DeployError("preflight refused:\n  - " + "\n  - ".join(refusals))
+for m in modules:
+    m.apply(spec)
