@@ -5,6 +5,7 @@
 Same protocol as deploy.py (all preflights, then the applies, in the given order).
 PVEGPU_E2E_KERNEL (JSON of a KernelSpec plus an optional "base_config") replaces the host
 spec's kernel: CI builds a tiny config of Debian's 6.1 source instead of a Proxmox kernel.
+PVEGPU_E2E_IOMMU_PT=1 turns on iommu.passthrough (to see the SEV-SNP refusal).
 """
 
 import importlib
@@ -27,6 +28,9 @@ spec = host.data.get("pvegpu_spec")
 kernel_json = os.environ.get("PVEGPU_E2E_KERNEL")
 if kernel_json:
     spec = spec.model_copy(update={"kernel": CiKernelSpec(**json.loads(kernel_json))})
+
+if os.environ.get("PVEGPU_E2E_IOMMU_PT"):
+    spec = spec.model_copy(update={"iommu": spec.iommu.model_copy(update={"passthrough": True})})
 
 modules = [importlib.import_module(m) for m in os.environ["PVEGPU_STAGES"].split(",") if m]
 refusals = [r for m in modules if hasattr(m, "preflight") for r in m.preflight(spec)]
