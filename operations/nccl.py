@@ -1,0 +1,324 @@
+"""Stage 8 — NCCL environment (DESIGN.md §2.8; issue 8; INCIDENTS #7).
+
+From the P2P verdict (HardwareProbe), the RDMA devices and the spec, `plan.nccl` gives every
+NCCL variable with its reason. This stage logs them (they show in ``--dry``) and writes:
+
+    /etc/nccl.conf                                    on the host (templates/nccl.conf.j2)
+    /etc/nccl.conf inside each GPU container          through ``pct exec <ctid> -- sh -c '<atomic write>'``
+    /etc/systemd/system/<unit>.d/pvegpu-nccl.conf      ``Environment=`` lines for spec.nccl.services
+                                                      (templates/nccl-service-dropin.conf.j2); a
+                                                      drop-in of a service no longer listed is removed
+then ``systemctl daemon-reload`` only when a drop-in changed and systemd runs.
+
+Containers: their root filesystem is not the host's, so the file goes in through ``pct exec``,
+which needs the CT running. A stopped CT is skipped with a logged reason (its file is written on
+a run while it runs). A CT whose ``/`` is the host's ``/`` (same device:inode, as under the
+twin's ``pct`` stand-in, where ``pct exec`` runs in the twin itself) is skipped too: writing
+"its" /etc/nccl.conf would overwrite the host's.
+
+No-change cost: one remote command (`NcclState`: file states, RDMA list, systemd, drop-ins,
+CT run state and each running GPU CT's file) plus the HardwareProbe, which comes from the GPU
+stage's per-run memo when that stage read it (pyinfra 3 has no fact cache).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from pyinfra import host, logger
+from pyinfra.api import FactBase, StringCommand, deploy, operation
+
+from facts.files import ManagedFiles
+from facts.hardware import HardwareProbe
+from operations.files import absent_file, managed_file, sha256_text, write_file_command
+from plan.nccl import describe_nccl_environment, nccl_conf_lines, nccl_plan_for_spec, render_nccl_conf
+from plan.render import render_template
+from plan.topology_report import verdict_from_hardware
+
+NCCL_CONF = "/etc/nccl.conf"
+NCCL_CONF_MODE = "644"
+SYSTEMD_DIR = "/etc/systemd/system"
+DROPIN_NAME = "pvegpu-nccl.conf"
+_MARK = "@@pvegpu-nccl "
+
+# systemd unit names: letters, digits and ":-_.\@", with a unit type suffix (systemd.unit(5)).
+UNIT_TYPES = ("service", "socket", "device", "mount", "automount", "swap", "target", "path",
+              "timer", "slice", "scope")
+UNIT_NAME_RE = re.compile(r"^[A-Za-z0-9:_.\\@-]+$")
+
+
+def unit_name(service: str) -> str:
+    """The full unit name for a spec entry: ``vllm`` → ``vllm.service`` (as systemctl reads it).
+
+    Raises ValueError for what is not a unit name (a path, ``..``, spaces) — the name becomes a
+    directory under /etc/systemd/system.
+    """
+    if not UNIT_NAME_RE.match(service) or service.startswith(".") or ".." in service or len(service) > 255:
+        raise ValueError(f"{service!r} is not a systemd unit name (letters, digits, ':-_.\\@', like 'vllm.service')")
+    return service if service.rsplit(".", 1)[-1] in UNIT_TYPES and "." in service else f"{service}.service"
+
+
+def dropin_path(unit: str) -> str:
+    return f"{SYSTEMD_DIR}/{unit}.d/{DROPIN_NAME}"
+
+
+def systemd_assignment(name: str, value: str) -> str:
+    """One ``Environment=`` operand: double-quoted, with ``\\`` and ``"`` escaped and ``%``
+    doubled (systemd expands %-specifiers in Environment=; it does not expand ``$``)."""
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    return f'"{name}={escaped}"'
+
+
+def render_dropin(unit: str, env: dict[str, dict]) -> str:
+    lines = [{"comment": line["comment"], "assignment": systemd_assignment(line["name"], line["value"])}
+             for line in nccl_conf_lines(env)]
+    return render_template("nccl-service-dropin.conf.j2", path=dropin_path(unit), unit=unit, environment=lines)
+
+
+# ---------------------------------------------------------------- facts
+
+def _ct_probe(path: str) -> str:
+    q = shlex.quote(path)
+    return (f"stat -c %d:%i /; if [ -f {q} ]; then stat -c %a {q}; sha256sum < {q} | cut -d' ' -f1; "
+            f"else echo MISSING; fi")
+
+
+def parse_nccl_state(lines: list[str]) -> dict:
+    """`NcclState` output → the shape its docstring shows."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in lines:
+        if line.startswith(_MARK):
+            current = sections.setdefault(line[len(_MARK):].strip(), [])
+        elif current is not None:
+            current.append(line)
+    files = ManagedFiles().process(sections.get("files", []))
+    status = {}
+    for line in sections.get("pct", [])[1:]:  # header: VMID Status Lock Name
+        fields = line.split()
+        if len(fields) >= 2 and fields[0].isdigit():
+            status[int(fields[0])] = fields[1]
+    containers = {}
+    for key, body in sections.items():
+        m = re.match(r"^ct (\d+)$", key)
+        if not m:
+            continue
+        values = [v.strip() for v in body if v.strip()]
+        entry = {"root": values[0] if values else None, "file": None, "readable": False}
+        if len(values) >= 2 and values[1] == "MISSING":
+            entry["readable"] = True
+        elif len(values) >= 3 and re.match(r"^[0-7]{1,4}$", values[1]) and re.match(r"^[0-9a-f]{64}$", values[2]):
+            entry.update(readable=True, file={"mode": values[1], "sha256": values[2]})
+        containers[int(m.group(1))] = entry
+    root = [v.strip() for v in sections.get("root", []) if v.strip()]
+    return {
+        "files": files,
+        "rdma_devices": sorted(v.strip() for v in sections.get("rdma", []) if v.strip()),
+        "systemd_running": any(v.strip() == "running" for v in sections.get("systemd", [])),
+        "dropins": sorted(v.strip() for v in sections.get("dropins", []) if v.strip()),
+        "host_root": root[0] if root else None,
+        "pct": "pct" in sections,
+        "status": status,
+        "containers": containers,
+    }
+
+
+class NcclState(FactBase):
+    """Everything the NCCL stage compares against, in one remote command.
+
+    + paths: host files of the stage (/etc/nccl.conf and the drop-ins)
+    + ctids: the GPU containers; each running one is asked (``pct exec``) for its file
+
+    .. code:: python
+
+        {"files": {"/etc/nccl.conf": {"mode": "644", "sha256": "9f86…"}, "/etc/…/pvegpu-nccl.conf": None},
+         "rdma_devices": ["mlx5_0"],            # names under /sys/class/infiniband
+         "systemd_running": True,               # /run/systemd/system exists
+         "dropins": ["/etc/systemd/system/vllm.service.d/pvegpu-nccl.conf"],   # all pvegpu drop-ins present
+         "host_root": "64:5472336",             # device:inode of the host's /
+         "pct": True,                           # pct exists (a PVE host)
+         "status": {200: "running"},            # `pct list`
+         "containers": {200: {"root": "65:34", "readable": True,
+                              "file": {"mode": "644", "sha256": "…"} | None}}}   # running GPU CTs
+    """
+
+    def command(self, paths: list[str], ctids: list[int]) -> str:
+        ids = " ".join(shlex.quote(str(int(ctid))) for ctid in ctids)
+        probe = shlex.quote(_ct_probe(NCCL_CONF))
+        parts = [
+            f"echo '{_MARK}files'; {ManagedFiles().command(paths)}",
+            f"echo '{_MARK}rdma'; ls -1 /sys/class/infiniband 2>/dev/null",
+            f"echo '{_MARK}systemd'; if [ -d /run/systemd/system ]; then echo running; fi",
+            f"echo '{_MARK}dropins'; for f in {SYSTEMD_DIR}/*.d/{DROPIN_NAME}; do if [ -f \"$f\" ]; then echo \"$f\"; fi; done",
+            f"echo '{_MARK}root'; stat -c %d:%i /",
+        ]
+        if ids:
+            ct_loop = (
+                f"for id in {ids}; do "
+                "if printf '%s\\n' \"$pvegpu_cts\" | awk -v id=\"$id\" '$1 == id && $2 == \"running\" {f = 1} END {exit !f}'; "
+                f"then echo \"{_MARK}ct $id\"; pct exec \"$id\" -- sh -c {probe} 2>&1; fi; done; "
+            )
+        else:
+            ct_loop = ""
+        parts.append(
+            "if command -v pct >/dev/null 2>&1; then pvegpu_cts=$(pct list 2>/dev/null); "
+            f"echo '{_MARK}pct'; printf '%s\\n' \"$pvegpu_cts\"; {ct_loop}fi"
+        )
+        return "; ".join(parts) + "; true"
+
+    def process(self, output):
+        return parse_nccl_state(list(output))
+
+    @staticmethod
+    def default() -> dict:
+        return parse_nccl_state([])
+
+
+def hardware_facts(spec) -> dict:
+    """The HardwareProbe result: the GPU stage's per-run memo where that stage runs (its preflight
+    reads it), else read here."""
+    if spec.gpus:
+        from operations.gpus import stage_facts
+
+        return stage_facts(spec)["hw"]
+    return host.get_fact(HardwareProbe)
+
+
+# ---------------------------------------------------------------- operations
+
+@operation()
+def container_nccl_conf(ctid: int, content: str, state: dict, mode: str = NCCL_CONF_MODE):
+    """/etc/nccl.conf inside container `ctid`, written through `pct exec` (atomic temp+rename).
+
+    + ctid: the container
+    + content: the rendered file
+    + state: `NcclState` as a whole (run state, host root, the CT's file)
+    """
+    status = state["status"].get(ctid)
+    if not state["pct"]:
+        host.noop(f"CT {ctid}: no pct on this host (not a Proxmox VE node); its {NCCL_CONF} is not written")
+        return
+    if status is None:
+        host.noop(f"CT {ctid} does not exist on this node; its {NCCL_CONF} is written once it exists and runs")
+        return
+    if status != "running":
+        host.noop(f"CT {ctid} is {status}: pct exec needs it running, so its {NCCL_CONF} is written by a run while it runs")
+        return
+    ct = state["containers"].get(ctid) or {}
+    if not ct.get("readable"):
+        logger.warning(f"{host.name}: CT {ctid}: could not read its {NCCL_CONF} through pct exec; writing it")
+    elif ct.get("root") and ct["root"] == state["host_root"]:
+        host.noop(f"CT {ctid} shares the host's root filesystem (pct exec runs on the host's /, as in the twin); "
+                  f"writing its {NCCL_CONF} would overwrite the host's, so it is skipped")
+        return
+    current = ct.get("file")
+    if current and current["sha256"] == sha256_text(content) and current["mode"] == mode.lstrip("0"):
+        host.noop(f"CT {ctid}: {NCCL_CONF} is up to date")
+        return
+    script = write_file_command(NCCL_CONF, content, mode)
+    yield StringCommand(f"pct exec {shlex.quote(str(ctid))} -- sh -c {shlex.quote(script)}")
+
+
+@operation()
+def daemon_reload(changed: bool, systemd_running: bool):
+    """`systemctl daemon-reload` after a drop-in changed (only where systemd runs)."""
+    if not changed:
+        host.noop("NCCL drop-ins unchanged; no daemon-reload")
+        return
+    if not systemd_running:
+        host.noop("systemd is not running (no /run/systemd/system); units read the drop-ins when it starts")
+        return
+    yield StringCommand("systemctl daemon-reload")
+
+
+# ---------------------------------------------------------------- plan → operations
+
+def _changed(state: dict | None, content: str, mode: str) -> bool:
+    return not state or state["sha256"] != sha256_text(content) or state["mode"] != mode.lstrip("0")
+
+
+def desired(spec, hardware: dict, rdma_devices: list[str]) -> dict:
+    """What the stage should write, from facts and spec.
+
+    .. code:: python
+
+        {"plan": <plan.nccl.nccl_plan>, "host": "<nccl.conf text>",
+         "containers": {200: "<nccl.conf text>"},
+         "dropins": {"/etc/systemd/system/vllm.service.d/pvegpu-nccl.conf": ("vllm.service", "<text>")}}
+    """
+    roles = {bdf: gpu.role for bdf, gpu in spec.gpus.items()}
+    verdict = verdict_from_hardware(hardware, roles)
+    topology_nics = (hardware.get("topology") or {}).get("nics")
+    plan = nccl_plan_for_spec(verdict, spec, rdma_devices=rdma_devices, topology_nics=topology_nics)
+    dropins = {}
+    for service in spec.nccl.services:
+        unit = unit_name(service)
+        dropins[dropin_path(unit)] = (unit, render_dropin(unit, plan["host"]))
+    return {
+        "plan": plan,
+        "host": render_nccl_conf(plan["host"], "host"),
+        "containers": {int(ctid): render_nccl_conf(env, f"container {ctid}") for ctid, env in plan["containers"].items()},
+        "dropins": dropins,
+    }
+
+
+def stage_operations(want: dict, state: dict) -> list[tuple]:
+    """The stage's operations as ``(operation, kwargs)`` in order; `apply` calls them."""
+    # `{}` for a missing file: managed_file reads ManagedFiles again when given None
+    ops: list[tuple] = [(managed_file, dict(name=f"NCCL: {NCCL_CONF}", path=NCCL_CONF, content=want["host"],
+                                            mode=NCCL_CONF_MODE, state=state["files"].get(NCCL_CONF) or {}))]
+    for ctid, content in sorted(want["containers"].items()):
+        ops.append((container_nccl_conf, dict(name=f"NCCL: CT {ctid} {NCCL_CONF}", ctid=ctid,
+                                              content=content, state=state)))
+    dropins_changed = False
+    for path, (unit, content) in sorted(want["dropins"].items()):
+        current = state["files"].get(path)
+        dropins_changed |= _changed(current, content, "644")
+        ops.append((managed_file, dict(name=f"NCCL: environment of {unit}", path=path, content=content,
+                                       mode="644", state=current or {})))
+    for path in state["dropins"]:
+        if path not in want["dropins"]:
+            dropins_changed = True
+            ops.append((absent_file, dict(name=f"NCCL: remove {path} (service no longer in the spec)",
+                                          path=path, state={"present": True})))
+    if want["dropins"] or dropins_changed:
+        ops.append((daemon_reload, dict(name="NCCL: systemd daemon-reload", changed=dropins_changed,
+                                        systemd_running=state["systemd_running"])))
+    return ops
+
+
+def describe(want: dict) -> list[str]:
+    """The ``--dry`` lines: every variable per scope, with its reason."""
+    lines = []
+    scopes = [("host", want["plan"]["host"])] + [(f"CT {ctid}", env) for ctid, env in want["plan"]["containers"].items()]
+    for scope, env in scopes:
+        if not env:
+            lines.append(f"NCCL ({scope}): no variables (profile none, no overrides)")
+        lines += [f"NCCL ({scope}): {line}" for line in describe_nccl_environment(env)]
+    return lines
+
+
+# ---------------------------------------------------------------- stage protocol
+
+def preflight(spec) -> list[str]:
+    refusals = []
+    for service in spec.nccl.services:
+        try:
+            unit_name(service)
+        except ValueError as error:
+            refusals.append(f"nccl.services: {error}")
+    return refusals
+
+
+@deploy("NCCL environment")
+def apply(spec) -> None:
+    hardware = hardware_facts(spec)
+    ctids = sorted(int(ctid) for ctid, ct in spec.containers.items() if ct.gpus)
+    paths = [NCCL_CONF] + [dropin_path(unit_name(s)) for s in spec.nccl.services]
+    state = host.get_fact(NcclState, paths=paths, ctids=ctids)
+    want = desired(spec, hardware, state["rdma_devices"])
+    for line in describe(want):
+        (logger.warning if "WARNING:" in line else logger.info)(f"{host.name}: {line}")
+    for op, kwargs in stage_operations(want, state):
+        op(**kwargs)

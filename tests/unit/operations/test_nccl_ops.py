@@ -1,0 +1,264 @@
+"""NCCL stage: facts in, commands out (fake host); the state fact and the writes run in a real shell,
+a container's write through a `pct` that runs it chrooted in the container's own root, the
+drop-in checked by systemd-analyze."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from pyinfra.context import ctx_host, ctx_state
+from pyinfra_testing.util import FakeState, create_host
+
+from operations import nccl
+from operations.files import sha256_text
+from spec.load import load_spec_file
+from tests.unit.test_nccl import nccl_conf_values
+from tests.unit.test_topology_report import kpro6_hardware
+
+ROOT = Path(__file__).resolve().parents[3]
+PCT_HEADER = f"{'VMID':<10} {'Status':<10} {'Lock':<12} {'Name':<20}"  # pct list's header (PVE's format)
+
+
+def run_op(op, **kwargs):
+    """The commands an operation yields (as strings) and its noop reason, with a fake host."""
+    state = FakeState()
+    fake = create_host(state)
+    with ctx_state.use(state), ctx_host.use(fake):
+        commands = [str(c.get_raw_value() if hasattr(c, "get_raw_value") else c) for c in op._inner(**kwargs)]
+    return commands, fake.noop_description
+
+
+def sh(command, env=None):
+    return subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True, env=env).stdout
+
+
+def kpro6_spec(**nccl_changes):
+    spec = load_spec_file(ROOT / "inventories" / "kpro6.yml")["kpro6"]
+    if nccl_changes:
+        spec = spec.model_copy(update={"nccl": spec.nccl.model_copy(update=nccl_changes)})
+    return spec
+
+
+def pct_list(**status):
+    return [PCT_HEADER] + [f"{ctid:<10} {st:<10} {'':<12} {'llm':<20}" for ctid, st in status.items()]
+
+
+def state_for(want, *, ct_status="running", ct_root="65:34", systemd=True, dropins=None, converged=True):
+    """An NcclState as the fact returns it: converged (every file as wanted) or fresh (nothing written)."""
+    files = {nccl.NCCL_CONF: {"mode": "644", "sha256": sha256_text(want["host"])} if converged else None}
+    for path, (_, text) in want["dropins"].items():
+        files[path] = {"mode": "644", "sha256": sha256_text(text)} if converged else None
+    lines = ["@@pvegpu-nccl files"]
+    for path, entry in files.items():
+        lines += [f"==> pvegpu-file {path}", *([entry["mode"], entry["sha256"]] if entry else ["MISSING"])]
+    lines += ["@@pvegpu-nccl rdma", "@@pvegpu-nccl systemd", *(["running"] if systemd else []),
+              "@@pvegpu-nccl dropins", *(dropins if dropins is not None else (want["dropins"] if converged else [])),
+              "@@pvegpu-nccl root", "64:5472336",
+              "@@pvegpu-nccl pct", *pct_list(**{str(c): ct_status for c in want["containers"]})]
+    if ct_status == "running":
+        for ctid, text in want["containers"].items():
+            lines += [f"@@pvegpu-nccl ct {ctid}", ct_root,
+                      *(["644", sha256_text(text)] if converged else ["MISSING"])]
+    return nccl.NcclState().process(lines)
+
+
+def commands_of(ops):
+    out = []
+    for op, kwargs in ops:
+        kwargs = {k: v for k, v in kwargs.items() if k != "name"}
+        commands, noop = run_op(op, **kwargs)
+        out.append((op.__name__, commands, noop))
+    return out
+
+
+# ---------------------------------------------------------------- plan into files
+
+def test_kpro6_host_and_container_files_disable_p2p_with_the_sev_snp_reason():
+    want = nccl.desired(kpro6_spec(), kpro6_hardware(), rdma_devices=[])
+    host_values = nccl_conf_values(want["host"])
+    assert host_values == {"NCCL_IB_DISABLE": "1", "NCCL_P2P_DISABLE": "1"}
+    assert "# P2P DMA is unsafe on this host: SEV-SNP is on" in want["host"]
+    assert set(want["containers"]) == {200}
+    assert nccl_conf_values(want["containers"][200]) == {"NCCL_IB_DISABLE": "1", "NCCL_P2P_DISABLE": "1"}
+    assert "(container 200)" in want["containers"][200]
+    dry = nccl.describe(want)
+    assert any(line.startswith("NCCL (host): NCCL_P2P_DISABLE=1  — P2P DMA is unsafe") for line in dry)
+    assert any(line.startswith("NCCL (CT 200): NCCL_IB_DISABLE=1") for line in dry)
+
+
+def test_rdma_devices_keep_ib_and_services_get_the_host_variables_as_environment():
+    spec = kpro6_spec(services=["vllm", "ray-head.service"], overrides={"NCCL_DEBUG": "WARN"})
+    want = nccl.desired(spec, kpro6_hardware(), rdma_devices=["mlx5_0"])
+    assert "NCCL_IB_DISABLE" not in nccl_conf_values(want["host"])
+    assert sorted(want["dropins"]) == ["/etc/systemd/system/ray-head.service.d/pvegpu-nccl.conf",
+                                       "/etc/systemd/system/vllm.service.d/pvegpu-nccl.conf"]
+    unit, text = want["dropins"]["/etc/systemd/system/vllm.service.d/pvegpu-nccl.conf"]
+    assert unit == "vllm.service"
+    env_lines = [line for line in text.splitlines() if line.startswith("Environment=")]
+    assert env_lines == ['Environment="NCCL_DEBUG=WARN"', 'Environment="NCCL_P2P_DISABLE=1"']
+    assert "# [override] set by the spec's NCCL overrides" in text
+
+
+@pytest.mark.parametrize("service, unit", [("vllm", "vllm.service"), ("ray.socket", "ray.socket"),
+                                           ("getty@tty1.service", "getty@tty1.service"), ("a.b", "a.b.service")])
+def test_unit_names(service, unit):
+    assert nccl.unit_name(service) == unit
+
+
+@pytest.mark.parametrize("service", ["../../etc/passwd", "a/b", "x y", ".hidden", "a..b", ""])
+def test_paths_and_spaces_are_refused_as_unit_names(service):
+    with pytest.raises(ValueError, match="is not a systemd unit name"):
+        nccl.unit_name(service)
+
+
+def test_preflight_refuses_a_service_name_that_would_be_a_path():
+    refusals = nccl.preflight(kpro6_spec(services=["vllm", "../x"]))
+    assert refusals == ["nccl.services: '../x' is not a systemd unit name (letters, digits, ':-_.\\@', like 'vllm.service')"]
+    assert nccl.preflight(kpro6_spec(services=["vllm"])) == []
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze") or not Path("/lib/systemd/system/sysinit.target").exists(),
+                    reason="needs systemd-analyze and systemd's units")
+def test_dropin_with_awkward_values_passes_systemd_analyze_verify(tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree("/lib/systemd/system", root / "lib/systemd/system", symlinks=True)
+    unit_dir = root / "etc/systemd/system"
+    unit_dir.mkdir(parents=True)
+    (root / "usr/bin").mkdir(parents=True)
+    (root / "usr/bin/true").write_text("#!/bin/sh\n")
+    (root / "usr/bin/true").chmod(0o755)
+    (unit_dir / "vllm.service").write_text("[Unit]\nDescription=x\n[Service]\nExecStart=/usr/bin/true\n")
+    env = {"NCCL_DEBUG_SUBSYS": {"value": 'INIT,"x" 100% \\', "reason": "test", "source": "rule"}}
+    verify = ["systemd-analyze", "verify", "--man=no", f"--root={root}", "/etc/systemd/system/vllm.service"]
+    (unit_dir / "vllm.service.d").mkdir()
+    dropin = unit_dir / "vllm.service.d" / nccl.DROPIN_NAME
+    # the check can fail: the same value unescaped is reported
+    dropin.write_text('[Service]\nEnvironment="NCCL_DEBUG_SUBSYS=INIT,"x" 100% \\"\n')
+    bad = subprocess.run(verify, capture_output=True, text=True)
+    assert "Invalid syntax, ignoring" in bad.stderr, bad.stderr
+    dropin.write_text(nccl.render_dropin("vllm.service", env))
+    good = subprocess.run(verify, capture_output=True, text=True)
+    assert good.returncode == 0 and good.stderr == "", good.stderr
+    assert nccl.systemd_assignment("NCCL_DEBUG_SUBSYS", 'INIT,"x" 100% \\') == '"NCCL_DEBUG_SUBSYS=INIT,\\"x\\" 100%% \\\\"'
+
+
+# ---------------------------------------------------------------- the stage's operations
+
+def test_converged_host_every_operation_is_a_noop():
+    spec = kpro6_spec(services=["vllm"])
+    want = nccl.desired(spec, kpro6_hardware(), rdma_devices=[])
+    results = commands_of(nccl.stage_operations(want, state_for(want)))
+    assert [name for name, _, _ in results] == ["managed_file", "container_nccl_conf", "managed_file", "daemon_reload"]
+    assert all(commands == [] for _, commands, _ in results), results
+    assert [noop for _, _, noop in results] == [
+        "/etc/nccl.conf is up to date", "CT 200: /etc/nccl.conf is up to date",
+        "/etc/systemd/system/vllm.service.d/pvegpu-nccl.conf is up to date", "NCCL drop-ins unchanged; no daemon-reload"]
+
+
+def test_fresh_host_writes_host_container_dropin_and_reloads_systemd():
+    spec = kpro6_spec(services=["vllm"])
+    want = nccl.desired(spec, kpro6_hardware(), rdma_devices=[])
+    results = commands_of(nccl.stage_operations(want, state_for(want, converged=False)))
+    assert [len(c) for _, c, _ in results] == [1, 1, 1, 1]
+    host_write, ct_write, dropin_write, reload = (c[0] for _, c, _ in results)
+    assert host_write.endswith("mv -f /etc/nccl.conf.pvegpu-tmp /etc/nccl.conf")
+    assert ct_write.startswith("pct exec 200 -- sh -c 'mkdir -p /etc && printf %s ")
+    assert "vllm.service.d/pvegpu-nccl.conf" in dropin_write
+    assert reload == "systemctl daemon-reload"
+
+
+def test_service_dropped_from_the_spec_loses_its_dropin_and_reload_waits_for_systemd():
+    want = nccl.desired(kpro6_spec(), kpro6_hardware(), rdma_devices=[])
+    stale = "/etc/systemd/system/old.service.d/pvegpu-nccl.conf"
+    results = commands_of(nccl.stage_operations(want, state_for(want, dropins=[stale], systemd=False)))
+    assert results[-2][:2] == ("absent_file", [f"rm -f {stale}"])
+    assert results[-1] == ("daemon_reload", [],
+                           "systemd is not running (no /run/systemd/system); units read the drop-ins when it starts")
+
+
+@pytest.mark.parametrize("status, root, noop", [
+    ("stopped", "65:34", "CT 200 is stopped: pct exec needs it running, so its /etc/nccl.conf is written by a run while it runs"),
+    ("running", "64:5472336", "CT 200 shares the host's root filesystem (pct exec runs on the host's /, as in the twin); "
+                              "writing its /etc/nccl.conf would overwrite the host's, so it is skipped"),
+])
+def test_container_file_is_skipped_with_a_reason_when_pct_exec_cannot_reach_its_own_root(status, root, noop):
+    want = nccl.desired(kpro6_spec(), kpro6_hardware(), rdma_devices=[])
+    state = state_for(want, ct_status=status, ct_root=root, converged=False)
+    assert run_op(nccl.container_nccl_conf, ctid=200, content=want["containers"][200], state=state) == ([], noop)
+
+
+def test_missing_container_and_host_without_pct_are_noops():
+    state = nccl.NcclState().process(["@@pvegpu-nccl root", "64:2", "@@pvegpu-nccl pct", PCT_HEADER])
+    assert run_op(nccl.container_nccl_conf, ctid=201, content="x\n", state=state) == (
+        [], "CT 201 does not exist on this node; its /etc/nccl.conf is written once it exists and runs")
+    no_pct = nccl.NcclState().process(["@@pvegpu-nccl root", "64:2"])
+    assert run_op(nccl.container_nccl_conf, ctid=201, content="x\n", state=no_pct)[1].startswith("CT 201: no pct on this host")
+
+
+def test_state_fact_runs_in_a_real_shell(tmp_path):
+    """On this machine (no pct, maybe no systemd): the fact's own command, parsed by its process()."""
+    fact = nccl.NcclState()
+    conf = tmp_path / "nccl.conf"
+    conf.write_text("NCCL_IB_DISABLE=1\n")
+    out = sh(fact.command([str(conf), str(tmp_path / "none")], [200])).splitlines()
+    state = fact.process(out)
+    assert state["files"] == {str(conf): {"mode": "644", "sha256": sha256_text("NCCL_IB_DISABLE=1\n")},
+                              str(tmp_path / "none"): None}
+    rdma = sorted(os.listdir("/sys/class/infiniband")) if os.path.isdir("/sys/class/infiniband") else []
+    assert state["rdma_devices"] == rdma
+    assert state["systemd_running"] == os.path.isdir("/run/systemd/system")
+    st = os.stat("/")
+    assert state["host_root"] == f"{st.st_dev}:{st.st_ino}"
+    assert state["pct"] is bool(shutil.which("pct"))
+
+
+FAKE_PCT = """#!/bin/sh
+# pct for tests: `list` prints $FAKE_PCT/list; `exec ID -- CMD…` runs CMD chrooted in $FAKE_PCT/ct<ID>
+# (its own /, the host's /usr bound read-only into it), as a container's own root filesystem.
+case "$1" in
+list) cat "$FAKE_PCT/list" ;;
+exec) root="$FAKE_PCT/ct$2"; shift 3
+      exec unshare --mount sh -c 'mount --bind -o ro /usr "$0/usr" && exec chroot "$0" "$@"' "$root" "$@" ;;
+*) echo "fake pct: $1 not supported" >&2; exit 255 ;;
+esac
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root (mount namespace, chroot)")
+def test_container_file_goes_through_pct_exec_into_the_containers_own_root(tmp_path):
+    """Fact → op → write through `pct exec` → fact again: the CT's file lands in its root, not the
+    host's, and the second run is a noop."""
+    fake = tmp_path / "pct-state"
+    ct_root = fake / "ct200"
+    for sub in ("usr", "etc", "tmp"):
+        (ct_root / sub).mkdir(parents=True)
+    for link in ("bin", "lib", "lib64", "sbin"):
+        if Path(f"/{link}").is_symlink():
+            (ct_root / link).symlink_to(os.readlink(f"/{link}"))
+    (fake / "list").write_text("\n".join(pct_list(**{"200": "running"})) + "\n")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "pct").write_text(FAKE_PCT)
+    (bindir / "pct").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", FAKE_PCT=str(fake))
+
+    want = nccl.desired(kpro6_spec(), kpro6_hardware(), rdma_devices=[])
+    content = want["containers"][200]
+    fact = nccl.NcclState()
+    command = fact.command([str(tmp_path / "host-nccl.conf")], [200])
+    state = fact.process(sh(command, env).splitlines())
+    assert state["status"] == {200: "running"}
+    assert state["containers"][200]["readable"] and state["containers"][200]["file"] is None
+    assert state["containers"][200]["root"] != state["host_root"]
+
+    commands, _ = run_op(nccl.container_nccl_conf, ctid=200, content=content, state=state)
+    assert len(commands) == 1
+    sh(commands[0], env)
+    assert (ct_root / "etc" / "nccl.conf").read_text() == content
+    assert oct((ct_root / "etc" / "nccl.conf").stat().st_mode & 0o777) == "0o644"
+
+    again = fact.process(sh(command, env).splitlines())
+    assert run_op(nccl.container_nccl_conf, ctid=200, content=content, state=again) == (
+        [], "CT 200: /etc/nccl.conf is up to date")
