@@ -5,7 +5,8 @@
 Same protocol as deploy.py (all preflights, then the applies, in the given order).
 PVEGPU_E2E_KERNEL (JSON of a KernelSpec plus an optional "base_config") replaces the host
 spec's kernel: CI builds a tiny config of Debian's 6.1 source instead of a Proxmox kernel.
-PVEGPU_E2E_IOMMU_PT=1 turns on iommu.passthrough (to see the SEV-SNP refusal).
+PVEGPU_E2E_IOMMU_PT=1 turns on iommu.passthrough (to see the SEV-SNP refusal);
+PVEGPU_E2E_NO_REBOOT=1 turns reboot.allowed off (to see the state before the reboot).
 """
 
 import importlib
@@ -29,6 +30,8 @@ kernel_json = os.environ.get("PVEGPU_E2E_KERNEL")
 if kernel_json:
     spec = spec.model_copy(update={"kernel": CiKernelSpec(**json.loads(kernel_json))})
 
+if os.environ.get("PVEGPU_E2E_NO_REBOOT"):
+    spec = spec.model_copy(update={"reboot": spec.reboot.model_copy(update={"allowed": False})})
 if os.environ.get("PVEGPU_E2E_IOMMU_PT"):
     spec = spec.model_copy(update={"iommu": spec.iommu.model_copy(update={"passthrough": True})})
 

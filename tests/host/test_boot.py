@@ -1,0 +1,72 @@
+"""Host checks of the host kernel & IOMMU stage and the kernel stage: the booted cmdline has the
+spec's parameters, the IOMMU is on, nothing is waiting for a reboot, vfio loads early, nouveau
+stays out, and the spec'd kernel runs and is pinned."""
+
+from __future__ import annotations
+
+import pytest
+
+from facts.cpu import CpuInfo
+from facts.kernel import BootLoader, ProxmoxKernels, parse_cmdline_text
+from plan.boot import cmdline_difference, desired_params, describe_difference, vfio_modules
+
+
+def _cpu(target) -> dict:
+    _, out = target.run(CpuInfo.command)
+    return CpuInfo().process(out.splitlines()) or {}
+
+
+def _booted(target) -> str:
+    _, out = target.run("cat /proc/cmdline")
+    return out.strip()
+
+
+def test_booted_cmdline_has_the_spec_parameters(target):
+    wanted = desired_params(target.spec, _cpu(target))
+    booted = parse_cmdline_text(_booted(target))["args"]
+    missing = [w for w in wanted if w not in booted]
+    assert not missing, f"{target.name}: the running kernel was booted without {' '.join(missing)} (/proc/cmdline: {' '.join(booted)})"
+    if not target.spec.iommu.passthrough:
+        assert "iommu=pt" not in booted, f"{target.name}: booted with iommu=pt although the spec keeps the IOMMU translating"
+
+
+def test_iommu_is_on(target):
+    if _cpu(target).get("virtualized"):
+        pytest.skip(f"{target.name} is a VM: no IOMMU groups are expected")
+    rc, out = target.run("ls /sys/kernel/iommu_groups 2>/dev/null | wc -l")
+    groups = int(out.strip() or 0) if rc == 0 else 0
+    assert groups > 0, f"{target.name}: the IOMMU is off (no /sys/kernel/iommu_groups), so no GPU can be passed through"
+
+
+def test_no_reboot_pending_for_the_cmdline(target):
+    _, out = target.run(BootLoader.command)
+    loader = BootLoader().process(out.splitlines())
+    if loader["cmdline"] is None:
+        pytest.fail(f"{target.name}: no configured kernel cmdline found (boot loader {loader['loader']})")
+    diff = cmdline_difference(loader["cmdline"], _booted(target), loader["loader"])
+    assert diff == {"missing": [], "extra": []}, (
+        f"{target.name}: reboot pending: {describe_difference(diff)} (configured in {loader['config_file']})")
+
+
+def test_vfio_loaded_and_nouveau_not(target):
+    _, out = target.run("ls /sys/module")
+    loaded = set(out.split())
+    _, pve = target.run("pveversion 2>/dev/null")
+    major = int(pve.split("pve-manager/")[1].split(".")[0]) if "pve-manager/" in pve else None
+    missing = [m for m in vfio_modules(major) if m not in loaded]
+    assert not missing, f"{target.name}: {', '.join(missing)} not loaded; vfio-pci cannot claim passthrough GPUs at boot"
+    assert "nouveau" not in loaded, f"{target.name}: nouveau is loaded; it must stay blacklisted on a GPU host"
+
+
+def test_spec_kernel_runs_and_is_pinned(target):
+    kernel = target.spec.kernel
+    if kernel is None:
+        pytest.skip(f"{target.name}: the spec pins no kernel")
+    _, out = target.run(ProxmoxKernels.command)
+    kernels = ProxmoxKernels().process(out.splitlines())
+    assert kernels["running"] == kernel.version, (
+        f"{target.name}: runs kernel {kernels['running']}, but the spec says {kernel.version}")
+    if kernel.trial_boot:
+        assert kernels["pinned"] == kernel.version, (
+            f"{target.name}: kernel {kernel.version} runs but is not pinned (pinned: {kernels['pinned']}); "
+            "the next boot may pick another kernel")
