@@ -39,6 +39,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -241,7 +243,7 @@ def _nvidia_module(root: Path, release: str) -> dict | None:
         if not ver:
             continue
         lic = re.search(rb"\x00license=([^\x00]+)\x00", data)
-        gcc = re.search(rb"GCC: \(([^)]*)\) (\S+)\x00", data)
+        gcc = re.search(rb"GCC: \(([^)\x00]*)\) ([^\s\x00]+)\x00", data)
         return {"version": ver.group(1).decode(),
                 "open": bool(lic and b"GPL" in lic.group(1)),
                 "gcc": f"gcc version {gcc.group(2).decode()} ({gcc.group(1).decode()})" if gcc else None,
@@ -748,6 +750,7 @@ def install(root: Path, profile: str) -> None:
     lib.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(STANDINS_DIR / "twinstate.py", lib)
     _seed_kernels(root, data)
+    _seed_nvidia_install(root, data)
     _seed_boot(root, data)
     if data.get("pve"):
         _seed_pve(root, data)
@@ -761,6 +764,39 @@ def _seed_kernels(root: Path, data: dict) -> None:
         if not vm.exists():
             _write(vm, "")
             _write(root / "boot" / f"initrd.img-{rel}", "")
+
+
+def _seed_nvidia_install(root: Path, data: dict) -> None:
+    """The driver the profile's host already runs, as installed files: an nvidia.ko for the
+    booted release (an ELF whose .modinfo carries version/license/vermagic, so `modinfo -k`
+    and depmod read it like a real module; it holds no code), GSP firmware and user-space
+    library names of that version (Proxmox profiles only). A host converged earlier looks like this; a profile with
+    `nvidia.installed: false` leaves them out (a host before its first driver install)."""
+    nv = data.get("nvidia")
+    if not nv or nv.get("installed") is False or not data.get("pve"):  # recordings stay as recorded
+        return
+    release, version = data["kernel"]["release"], nv["version"]
+    moddir = root / "lib/modules" / release / "updates/pvegpu-nvidia"
+    if not (moddir / "nvidia.ko").exists():
+        moddir.mkdir(parents=True, exist_ok=True)
+        lic = "Dual MIT/GPL" if nv.get("open", True) else "NVIDIA"
+        fields = [f"version={version}", f"license={lic}", "name=nvidia",
+                  f"vermagic={release} SMP preempt mod_unload modversions "]
+        body = "".join(f.replace("\\", "\\\\").replace('"', '\\"') + "\\0" for f in fields)
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / "nvidia_modinfo.c"
+            src.write_text(f'__attribute__((section(".modinfo"), used)) static const char m[] = "{body}";\n')
+            subprocess.run(["gcc", "-c", str(src), "-o", str(moddir / "nvidia.ko")], check=True)
+        subprocess.run(["chroot", str(root), "/sbin/depmod", release], check=False,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if nv.get("open", True):
+        for fw in ("gsp_ga10x.bin", "gsp_tu10x.bin"):
+            p = root / "lib/firmware/nvidia" / version / fw
+            if not p.exists():
+                _write(p, f"twin placeholder: GSP firmware {version}\n")
+    lib = root / "usr/lib/x86_64-linux-gnu" / f"libnvidia-ml.so.{version}"
+    if not lib.exists():
+        _write(lib, f"twin placeholder: NVML {version}\n")
 
 
 def _seed_boot(root: Path, data: dict) -> None:
