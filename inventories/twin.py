@@ -25,7 +25,7 @@ def _twin_connection(name: str) -> dict | None:
     twin = json.loads(path.read_text())
     try:
         os.kill(int(twin["pid"]), 0)  # a stopped twin may leave its twin.json behind
-    except (OSError, KeyError, ValueError):
+    except (OSError, KeyError, ValueError, TypeError):  # stopped, or still starting (no pid yet)
         return None
     return {
         "ssh_hostname": twin["address"],

@@ -764,6 +764,10 @@ def _seed_kernels(root: Path, data: dict) -> None:
         if not vm.exists():
             _write(vm, "")
             _write(root / "boot" / f"initrd.img-{rel}", "")
+        cfg = root / "boot" / f"config-{rel}"
+        if not cfg.exists():  # an installed kernel ships its config; initramfs-tools reads it
+            _write(cfg, "CONFIG_BLK_DEV_INITRD=y\nCONFIG_RD_GZIP=y\nCONFIG_RD_ZSTD=y\nCONFIG_MODULES=y\n"
+                        "CONFIG_VFIO=m\nCONFIG_VFIO_PCI=m\nCONFIG_VFIO_IOMMU_TYPE1=m\n")
 
 
 def _seed_nvidia_install(root: Path, data: dict) -> None:
