@@ -1,0 +1,112 @@
+"""Host checks for GPU assignment and guests (stages 6-7): the same expectations the plan uses.
+
+    pytest tests/host --inventory inventories/kpro6.py
+"""
+
+from __future__ import annotations
+
+import re
+
+from facts.devices import parse_char_majors
+from facts.nvidia import parse_gpu_information
+from facts.pci import parse_pci_devices
+from facts.proxmox import parse_guest_config, parse_pci_mappings
+from facts.pci import PciDevices
+from facts.nvidia import NvidiaGpus
+from plan.gpus import desired_bindings
+from plan.guests import config_gpu_nodes, mapping_id, render_mapping_entry
+
+
+def _read(target, command):
+    rc, out = target.run(command)
+    return out.splitlines()
+
+
+def _pci(target):
+    return parse_pci_devices(_read(target, PciDevices.command))
+
+
+def _minors(target):
+    return {b: g["minor"] for b, g in parse_gpu_information(_read(target, NvidiaGpus.command)).items()}
+
+
+def _node(target):
+    return target.spec.node or target.name
+
+
+def test_each_gpu_is_bound_to_the_driver_its_role_needs(target):
+    pci = _pci(target)
+    wrong = []
+    for bdf, driver in sorted(desired_bindings(target.spec, pci).drivers.items()):
+        have = pci.get(bdf, {}).get("driver")
+        if have != driver:
+            role = target.spec.gpus[bdf].role if bdf in target.spec.gpus else "companion of a VM GPU"
+            wrong.append(f"{bdf} is bound to {have or 'nothing'} but its role {role} needs {driver or 'no driver'}")
+    assert not wrong, f"{target.name}: " + "; ".join(wrong)
+
+
+def test_each_container_passes_exactly_its_gpus_by_minor(target):
+    minors = _minors(target)
+    problems = []
+    for ctid, ct in sorted(target.spec.containers.items()):
+        text = target.read(f"/etc/pve/lxc/{ctid}.conf")
+        if text is None:
+            problems.append(f"CT {ctid} has no config")
+            continue
+        want = sorted((f"/dev/nvidia{minors[b]}" for b in ct.gpus if b in minors),
+                      key=lambda p: int(p[len("/dev/nvidia"):]))
+        missing = [b for b in ct.gpus if b not in minors]
+        if missing:
+            problems.append(f"CT {ctid}'s GPUs {', '.join(missing)} have no nvidia minor")
+        have = config_gpu_nodes(text)
+        if have != want:
+            problems.append(f"CT {ctid} passes {', '.join(have) or 'no GPU'} but its GPUs are {', '.join(want)}")
+    assert not problems, f"{target.name}: " + "; ".join(problems)
+
+
+def test_container_cgroup_majors_match_proc_devices(target):
+    majors = parse_char_majors(_read(target, "cat /proc/devices"))
+    allowed = {195} | {majors[n] for n in ("nvidia-uvm", "nvidia-caps") if n in majors}
+    problems = []
+    for ctid in sorted(target.spec.containers):
+        config = parse_guest_config((target.read(f"/etc/pve/lxc/{ctid}.conf") or "").splitlines(), "lxc")
+        for key, value in config["lxc"]:
+            m = re.match(r"^c\s+(\d+):", value) if key.endswith("devices.allow") else None
+            if m and int(m.group(1)) not in allowed and int(m.group(1)) not in majors.values():
+                problems.append(f"CT {ctid} allows char major {m.group(1)}, which no driver has now "
+                                f"(nvidia-uvm is {majors.get('nvidia-uvm')})")
+    assert not problems, f"{target.name}: " + "; ".join(problems)
+
+
+def test_vm_mappings_and_hostpci_match_the_hardware(target):
+    pci = _pci(target)
+    node = _node(target)
+    mappings = parse_pci_mappings((target.read("/etc/pve/mapping/pci.cfg") or "").splitlines())
+    problems = []
+    for vmid, vm in sorted(target.spec.vms.items()):
+        config = parse_guest_config((target.read(f"/etc/pve/qemu-server/{vmid}.conf") or "").splitlines(), "qemu")
+        used = sorted(e["mapping"] for e in config["hostpci"].values() if e.get("mapping"))
+        want = sorted(mapping_id(node, b) for b in vm.gpus)
+        if used != want:
+            problems.append(f"VM {vmid} maps {', '.join(used) or 'nothing'} but its GPUs need {', '.join(want)}")
+        for bdf in vm.gpus:
+            entry = [m for m in mappings.get(mapping_id(node, bdf), {}).get("map", []) if m.get("node") == node]
+            if bdf in pci and entry != [render_mapping_entry(node, bdf, pci)]:
+                problems.append(f"mapping {mapping_id(node, bdf)} does not match GPU {bdf} (ids, path or IOMMU group)")
+    assert not problems, f"{target.name}: " + "; ".join(problems)
+
+
+def test_nvidia_smi_in_each_running_container_lists_exactly_its_gpus(target):
+    minors = _minors(target)
+    problems = []
+    for ctid, ct in sorted(target.spec.containers.items()):
+        rc, status = target.run(f"pct status {ctid}")
+        if rc != 0 or "running" not in status:
+            continue  # a stopped CT is checked by its config above
+        rc, out = target.run(f"pct exec {ctid} -- nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader")
+        seen = sorted(f"{int(l.split(':', 1)[0], 16):04x}:{l.split(':', 1)[1]}".lower()
+                      for l in out.split() if ":" in l)
+        if rc != 0 or seen != sorted(b for b in ct.gpus if b in minors):
+            problems.append(f"nvidia-smi in CT {ctid} sees {', '.join(seen) or 'no GPU'} (rc {rc}) "
+                            f"but the CT is given {', '.join(sorted(ct.gpus))}")
+    assert not problems, f"{target.name}: " + "; ".join(problems)
