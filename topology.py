@@ -41,6 +41,12 @@ OUT.mkdir(parents=True, exist_ok=True)
 stem = re.sub(r"[^0-9A-Za-z@._-]", "_", host.name)
 text = topology_text(host.name, hardware, verdict, nccl_env)
 (OUT / f"{stem}.txt").write_text(text)
-(OUT / f"{stem}.svg").write_bytes(graphviz.Source(topology_dot(host.name, hardware, verdict)).pipe(format="svg"))
+dot_source = topology_dot(host.name, hardware, verdict)
+try:
+    (OUT / f"{stem}.svg").write_bytes(graphviz.Source(dot_source).pipe(format="svg"))
+    diagram = f"{OUT / stem}.svg"
+except graphviz.ExecutableNotFound:  # no Graphviz `dot` here (seen on the GPU machine): keep the source
+    (OUT / f"{stem}.dot").write_text(dot_source)
+    diagram = f"{OUT / stem}.dot (Graphviz `dot` is not installed; render it with: dot -Tsvg -O {OUT / stem}.dot)"
 print(text)
-print(f"Written: {OUT / stem}.txt and .svg")
+print(f"Written: {OUT / stem}.txt and {diagram}")
