@@ -30,5 +30,13 @@ test-unit: venv
 bench: venv debs
 	$(PY) bench/run.py
 
+# Start/stop the kpro6 twin by hand (then: PVEGPU_TWINS=kpro6 .venv/bin/pyinfra inventories/twin.py deploy.py --dry)
+twin-up: venv debs
+	tests/twin/twinctl start kpro6 --profile kpro6
+
+twin-down:
+	tests/twin/twinctl stop kpro6
+
 clean:
+	-for t in .twin/*/twin.json; do [ -e "$$t" ] && tests/twin/twinctl stop "$$(basename $$(dirname $$t))"; done
 	rm -rf $(VENV) .twin
