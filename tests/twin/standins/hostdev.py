@@ -11,6 +11,7 @@ import re
 import stat
 import sys
 
+sys.dont_write_bytecode = True  # leave no __pycache__ in the twin (a --dry run must change nothing)
 sys.path.insert(0, os.path.join(os.environ.get("TWIN_ROOT", "/"), "usr/local/lib/twin"))
 import twinstate  # noqa: E402
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+sys.dont_write_bytecode = True  # leave no __pycache__ in the twin (a --dry run must change nothing)
 sys.path.insert(0, os.path.join(os.environ.get("TWIN_ROOT", "/"), "usr/local/lib/twin"))
 import twinstate as ts  # noqa: E402
 
