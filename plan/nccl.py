@@ -260,15 +260,20 @@ def nccl_plan(
     rdma_devices: list[str] | None = None,
     topology_nics: dict | None = None,
     nccl: dict | None = None,
+    host_gpus: list[str] | None = None,
 ) -> dict:
     """NCCL variables for the host and for each GPU container.
 
     + containers: ``{"101": ["0000:01:00.0", "0000:41:00.0"]}`` — each container's GPUs by BDF;
       a container sees the bare-metal topology, restricted to its own GPUs
+    + host_gpus: the GPUs host processes can use (roles on the nvidia driver); None = all.
+      GPUs passed to VMs are not the host's, so pairs with them decide nothing for its NCCL
+      (and the host's file stays the same before and after the reboot that moves them)
 
     Returns ``{"host": {NAME: entry}, "containers": {"101": {NAME: entry}}}``.
     """
-    host = nccl_environment(verdict, rdma_devices=rdma_devices, topology_nics=topology_nics, nccl=nccl)
+    host_verdict = verdict if host_gpus is None else restrict_verdict(verdict, host_gpus)
+    host = nccl_environment(host_verdict, rdma_devices=rdma_devices, topology_nics=topology_nics, nccl=nccl)
     per_container = {
         str(ctid): nccl_environment(
             restrict_verdict(verdict, gpus),
@@ -293,8 +298,9 @@ def nccl_plan_for_spec(
         "overrides": dict(spec.nccl.overrides),
         "containers": {str(ctid): dict(ct.nccl) for ctid, ct in spec.containers.items()},
     }
+    host_gpus = [bdf for bdf, gpu in spec.gpus.items() if gpu.driver == "nvidia"] if spec.gpus else None
     return nccl_plan(verdict, containers=containers, rdma_devices=rdma_devices,
-                     topology_nics=topology_nics, nccl=nccl)
+                     topology_nics=topology_nics, nccl=nccl, host_gpus=host_gpus)
 
 
 def nccl_conf_lines(env: dict[str, dict]) -> list[dict]:

@@ -210,3 +210,28 @@ def test_unknown_levels_disable_p2p_only_when_a_pair_is_unusable():
     assert "NCCL_P2P_DISABLE" not in nccl_environment(usable, rdma_devices=[])
     refused = p2p_verdict(nvidia_gpus=gpus, p2p_read=all_codes("NS", 2))
     assert nccl_environment(refused, rdma_devices=[])["NCCL_P2P_DISABLE"]["value"] == "1"
+
+
+def test_host_file_ignores_pairs_with_gpus_passed_to_vms():
+    """One GPU for the host, one for a VM: no host pair exists, so the host file sets no P2P
+    variable — the same before and after the reboot that moves the VM's GPU to vfio-pci."""
+    from spec.load import validate_spec
+
+    topology, _ = pcie_8x()
+    keep = ["GPU0", "GPU1"]
+    topology = {**topology, "devices": keep,
+                "links": {a: {b: v for b, v in topology["links"][a].items() if b in keep} for a in keep}}
+    p2p_read = {a: {b: "OK" for b in keep if b != a} for a in keep}
+    pci = {"0000:19:00.0": {"class": "030000", "vendor": "10de", "driver": "nvidia", "root": "pci0000:00"},
+           "0000:1a:00.0": {"class": "030000", "vendor": "10de", "driver": "nvidia", "root": "pci0000:00"}}
+    nvidia = {"0000:19:00.0": {"minor": 0, "model": "A6000"}, "0000:1a:00.0": {"minor": 1, "model": "A6000"}}
+    roles = {"0000:19:00.0": "lxc", "0000:1a:00.0": "vm:301"}
+    verdict = p2p_verdict(topology=topology, p2p_read=p2p_read, pci=pci, nvidia_gpus=nvidia, roles=roles)
+    assert any(not p["possible"] for p in verdict["pairs"]), "the pair with the VM GPU is not usable"
+    spec = validate_spec({"hosts": {"h": {"gpus": {"0000:19:00.0": "lxc", "0000:1a:00.0": "vm:301"},
+                                          "containers": {201: {"gpus": ["0000:19:00.0"]}},
+                                          "vms": {301: {"gpus": ["0000:1a:00.0"]}}}}}, "x.yml")["h"]
+    plan = nccl_plan_for_spec(verdict, spec, rdma_devices=[])
+    assert "NCCL_P2P_DISABLE" not in plan["host"] and "NCCL_P2P_LEVEL" not in plan["host"]
+    # without the spec's roles (e.g. the topology report), the pair still counts
+    assert nccl_plan(verdict, rdma_devices=[])["host"]["NCCL_P2P_DISABLE"]["value"] == "1"
