@@ -152,6 +152,8 @@ def test_sshd_killed_mid_stage_then_rerun_converges(twin_factory):
             for p in changed if interrupted.get(p) not in (before.get(p), after.get(p))
             and not p.endswith(".pvegpu-prev")]
     assert not torn, "files neither old nor new after the kill:\n" + "\n".join(torn)
+    print("after the kill, new:", sorted(p for p in changed if interrupted.get(p) == after.get(p)),
+          "old:", sorted(p for p in changed if interrupted.get(p) == before.get(p)))
     leftovers = [p for p in after if p.endswith(".pvegpu-tmp")]
     assert not leftovers, f"temp files left after the re-run: {leftovers}"
     # nothing lost: the cmdline the host had before pvegpu is kept where the user finds it
