@@ -111,7 +111,8 @@ def kernel_decision(kernel: KernelSpec, facts: dict, base_config: str = "running
             return {"action": "done", "why": f"{release} (built from the same source and config) is installed, running and pinned"}
         if trial == release and kernels.get("next_boot") != release:
             return {"action": "failed-trial",
-                    "why": f"the trial boot of {release} came up on {running}; {kernels.get('pinned') or running} stays pinned"}
+                    "why": f"the trial boot of {release} came up on {running}; {kernels.get('pinned') or running} stays pinned "
+                           f"(look at the console/journal of that boot; rm {TRIAL_MARKER} to try again)"}
         if not kernel.trial_boot:
             return {"action": "done", "why": f"{release} is installed (trial_boot is off; not pinned)"}
         if kernels.get("next_boot") == release:
