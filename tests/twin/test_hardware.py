@@ -182,7 +182,7 @@ def test_intel2_switch_and_nics_in_topology(twin):
     assert "NIC0\tNODE\tNODE\t X \tPIX\t\t\t\t\n" in topo
     assert topo.endswith("NIC Legend:\n\n  NIC0: mlx5_0\n  NIC1: mlx5_1\n")
     assert hw(root, "proc/driver/nvidia/version").read_text().startswith(
-        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.172.08  ")
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.172.08  Release Build  (dvs-builder@")
     assert not hw(root, "sys/module/kvm_amd").exists()
     assert hw(root, "sys/kernel/iommu_groups/23/type").read_text() == "DMA-FQ\n"
 
