@@ -1,4 +1,5 @@
-"""Stage 4 — NVIDIA open driver: kernel modules built for each target kernel, GSP firmware and
+"""Stage 4 — NVIDIA driver: kernel modules (open, or the proprietary tree when nvidia.open is
+false and no GPU is Blackwell) built for each target kernel, GSP firmware and
 user space of exactly the same version (DESIGN.md §2.4; incidents 1, 2, 6, 14).
 
 Order on the host (each step runs only when the facts say it is needed, so a converged host
@@ -28,6 +29,7 @@ from pyinfra import host, logger
 from pyinfra.api import FactBase, StringCommand, deploy, operation
 
 from facts.files import ManagedFiles
+from facts.hardware import HardwareProbe
 from operations.files import managed_file
 from plan import nvidia as nvplan
 from plan.render import render_template
@@ -44,8 +46,8 @@ WANTS_DIR = "/etc/systemd/system/multi-user.target.wants"
 SECTION = "@@ "
 # host data a kernel stage sets to the releases it installs (list of str)
 KERNEL_RELEASES_KEY = "pvegpu_kernel_releases"
-# host data that replaces the target releases (list of str), e.g. for a twin whose booted
-# kernel has no headers but whose Debian headers should be built against
+# host data that replaces the target releases (list of str) when the spec's nvidia.releases
+# is not set, e.g. for a twin whose booted kernel has no headers
 EXPLICIT_RELEASES_KEY = "pvegpu_nvidia_releases"
 
 
@@ -105,12 +107,15 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
 
     Layouts: the open-gpu-kernel-modules archive (top `make modules`, modules land in
     kernel-open/), an extracted .run (`kernel-open/`), and Debian's nvidia-*kernel-source
-    tarball (`modules/nvidia-kernel/`): the shallowest dir with a Kbuild. The built .ko files
+    tarball (`modules/nvidia-kernel/`): the shallowest dir with a Kbuild. The kernel is named by
+    KERNEL_UNAME (as Debian's dkms.conf does), so NVIDIA's Makefile finds a split header
+    package itself: sources in /lib/modules/<rel>/source (Debian's -common), output in
+    .../build (-amd64); with SYSSRC=.../build alone every conftest compiled against the output
+    tree's empty include/ and failed (all features #undef, then `stdarg.h` not found). The built .ko files
     are copied to <scratch>/out; the build log is <scratch>/build.log (its tail is printed on
     failure). Nothing outside the scratch dir and the ccache is touched.
     """
     b = shlex.quote(build_dir(version, release))
-    syssrc = shlex.quote(f"/lib/modules/{release}/build")
     # ccache by masquerade (/usr/lib/ccache/<cc> first on PATH): NVIDIA's conftest.sh runs
     # "$CC" quoted, so CC="ccache gcc-12" makes every conftest fail.
     compiler = cc
@@ -127,7 +132,7 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
         "[ -n \"$kb\" ] || { echo 'pvegpu: no NVIDIA kernel module tree (Kbuild) in the source archive' >&2; exit 1; }; "
         "mk=${kb%/Kbuild}; ko=$mk; fi; "
         f"echo \"pvegpu: building nvidia {version} for {release} in $mk with {compiler}{' (ccache)' if ccache else ''}, -j{int(jobs)}\"; "
-        f"if ! {env}make -C \"$mk\" -j{int(jobs)} modules SYSSRC={syssrc} CC={shlex.quote(compiler)} "
+        f"if ! {env}make -C \"$mk\" -j{int(jobs)} modules KERNEL_UNAME={shlex.quote(release)} CC={shlex.quote(compiler)} "
         ">\"$B/build.log\" 2>&1; then tail -n 40 \"$B/build.log\" >&2; "
         f"echo {shlex.quote(f'pvegpu: building nvidia {version} for {release} failed; installed modules are untouched')} >&2; exit 1; fi; "
         "cp \"$ko\"/*.ko \"$B/out/\"; "
@@ -391,7 +396,7 @@ def verify_versions(version: str, releases: list[str], firmware: bool, run: bool
 
 def _releases(spec, state_running: str | None) -> tuple[list[str], set[str]]:
     """Target releases and those whose missing headers are a refusal (the running kernel's)."""
-    explicit = host.data.get(EXPLICIT_RELEASES_KEY)
+    explicit = spec.nvidia.releases or host.data.get(EXPLICIT_RELEASES_KEY)
     kernel_stage = list(host.data.get(KERNEL_RELEASES_KEY) or [])
     if spec.kernel is not None and spec.kernel.version not in kernel_stage:
         kernel_stage.append(spec.kernel.version)
@@ -419,13 +424,19 @@ def _state_and_steps(spec) -> tuple[dict, list[str], dict]:
 def preflight(spec) -> list[str]:
     if spec.nvidia is None:
         return []
+    refusals = []
     if not spec.nvidia.open:
-        return ["nvidia.open is false: pvegpu builds NVIDIA's open kernel modules only (Blackwell needs them)"]
+        # only then is the hardware probe needed here (module_options reads it anyway; facts are cached)
+        hardware = host.get_fact(HardwareProbe)
+        models = {bdf: gpu.get("model") or "" for bdf, gpu in (hardware.get("nvidia_gpus") or {}).items()}
+        problem = nvplan.open_modules_problem(False, nvplan.nvidia_gpu_ids(hardware.get("pci_devices") or {}), models)
+        if problem:
+            refusals.append(problem)
     _, _, steps = _state_and_steps(spec)
-    return steps["refusals"]
+    return refusals + steps["refusals"]
 
 
-@deploy("NVIDIA open driver")
+@deploy("NVIDIA driver")
 def apply(spec) -> None:
     if spec.nvidia is None:
         return

@@ -215,6 +215,22 @@ def uvm_disable_hmm(setting: bool | str, gpu_ids: dict[str, str], models: dict[s
     return False, "auto: no Blackwell GPU found"
 
 
+def open_modules_problem(open_modules: bool, gpu_ids: dict[str, str], models: dict[str, str] | None = None) -> str | None:
+    """Refusal when the spec builds NVIDIA's proprietary kernel modules for a host with Blackwell GPUs.
+
+    Blackwell is supported by the open kernel modules only; on older GPUs `open: false` builds
+    whatever tree `modules_source` holds (the twin builds Debian's 535 proprietary tree so).
+    """
+    if open_modules:
+        return None
+    models = models or {}
+    blackwell = sorted(bdf for bdf in set(gpu_ids) | set(models) if is_blackwell(gpu_ids.get(bdf), models.get(bdf)))
+    if not blackwell:
+        return None
+    return (f"nvidia.open is false but GPU(s) {', '.join(blackwell)} are Blackwell, which only NVIDIA's open "
+            f"kernel modules drive; set nvidia.open: true and give the open-gpu-kernel-modules archive")
+
+
 MODPROBE_SAFE_RE = re.compile(r"^[A-Za-z0-9_.,:;=+/@%-]*$")
 
 

@@ -160,6 +160,20 @@ class NvidiaSpec(Strict):
     uvm_disable_hmm: Literal["auto"] | bool = "auto"  # auto: on for Blackwell (incident 3)
     nvreg: dict[SafeStr, int | SafeStr] = Field(default_factory=dict)
     persistenced: bool = True
+    # kernel releases to build for; default: the running one plus the kernel stage's
+    releases: list[SafeStr] | None = None
+
+    @field_validator("releases")
+    @classmethod
+    def _releases(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("nvidia.releases is empty; leave it out to build for the running kernel and the kernel stage's")
+        for release in v:
+            if not KERNEL_VERSION_RE.match(release):
+                raise ValueError(f"{release!r} is not a kernel release; write it like '6.14.8-2-pve'")
+        return list(dict.fromkeys(v))
 
     @field_validator("version")
     @classmethod

@@ -263,3 +263,12 @@ def test_steps_running_kernel_without_headers_refuses_but_kernel_stage_release_i
 def test_steps_without_modules_source_refuse_to_guess():
     result = steps(bookworm_state(), modules_source=None)
     assert any("modules_source is not set" in r for r in result["refusals"])
+
+
+def test_proprietary_modules_refused_only_with_blackwell_gpus():
+    # kpro6: RTX PRO 6000 Blackwell Server Edition (10de:2bb5); intel2: RTX A6000 (10de:2230)
+    assert nv.open_modules_problem(True, {"0000:01:00.0": "2bb5"}) is None
+    assert nv.open_modules_problem(False, {"0000:01:00.0": "2230"}) is None
+    problem = nv.open_modules_problem(False, {"0000:01:00.0": "2230", "0000:41:00.0": "2bb5"})
+    assert "0000:41:00.0" in problem and "0000:01:00.0" not in problem and "nvidia.open: true" in problem
+    assert "0000:81:00.0" in nv.open_modules_problem(False, {}, {"0000:81:00.0": "NVIDIA B200"})

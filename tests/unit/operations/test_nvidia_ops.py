@@ -133,7 +133,7 @@ def test_build_op_skips_with_the_reason():
 def test_build_command_uses_kernel_compiler_ccache_and_jobs():
     command = ops.build_command("/var/cache/pvegpu/sources/x.tar.xz", "535.309.01", "6.1.0-57-amd64",
                                 "gcc-12", 3, ccache=True)
-    assert "-j3 modules SYSSRC=/lib/modules/6.1.0-57-amd64/build CC=gcc-12 " in command
+    assert "-j3 modules KERNEL_UNAME=6.1.0-57-amd64 CC=gcc-12 " in command
     assert "PATH=/usr/lib/ccache:$PATH CCACHE_DIR=/var/cache/pvegpu/ccache make" in command
     plain = ops.build_command("/a", "1", "r", "gcc-12", 1, ccache=False)
     assert "CC=gcc-12" in plain and "ccache" not in plain
