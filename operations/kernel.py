@@ -35,9 +35,8 @@ BUILD_TIMEOUT_S = 6 * 3600
 
 def base_config_of(kernel: KernelSpec) -> str:
     """`running` (the booted kernel's /boot/config-*), `tinyconfig`/`defconfig`/`allnoconfig`,
-    or a path on the host. Read with getattr: the field belongs in KernelSpec (spec/ is the
-    lead's); until it is there every build starts from the running kernel's config."""
-    return getattr(kernel, "base_config", None) or "running"
+    or a path on the host (spec field `kernel.base_config`)."""
+    return kernel.base_config or "running"
 
 
 def parse_build_state(lines: list[str]) -> dict:

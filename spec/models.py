@@ -138,10 +138,20 @@ class KernelSpec(Strict):
     version: SafeStr  # the release the build produces, e.g. 6.14.8-2-pve
     source: KernelSourceSpec
     config_fragments: list[SafeStr] = Field(default_factory=list)  # CONFIG_X=y lines
+    # the config the build starts from: the running kernel's (/boot/config-$(uname -r)), a make
+    # target (tinyconfig, defconfig, allnoconfig) or an absolute path to a config file
+    base_config: SafeStr = "running"
     jobs: Literal["auto"] | int = "auto"  # auto: min(cores, RAM/2GiB)
     ccache: bool = True
     trial_boot: bool = True
     remove_old: bool = False
+
+    @field_validator("base_config")
+    @classmethod
+    def _base_config(cls, v: str) -> str:
+        if v not in ("running", "tinyconfig", "defconfig", "allnoconfig") and not v.startswith("/"):
+            raise ValueError(f"{v!r}: use 'running', 'tinyconfig', 'defconfig', 'allnoconfig' or an absolute path")
+        return v
 
     @field_validator("version")
     @classmethod

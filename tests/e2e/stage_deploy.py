@@ -3,7 +3,7 @@
     PVEGPU_STAGES=operations.boot,operations.reboot pyinfra -y inventories/twin.py tests/e2e/stage_deploy.py
 
 Same protocol as deploy.py (all preflights, then the applies, in the given order).
-PVEGPU_E2E_KERNEL (JSON of a KernelSpec plus an optional "base_config") replaces the host
+PVEGPU_E2E_KERNEL (JSON of a KernelSpec, e.g. with base_config "tinyconfig") replaces the host
 spec's kernel: CI builds a tiny config of Debian's 6.1 source instead of a Proxmox kernel.
 PVEGPU_E2E_IOMMU_PT=1 turns on iommu.passthrough (to see the SEV-SNP refusal);
 PVEGPU_E2E_NO_REBOOT=1 turns reboot.allowed off (to see the state before the reboot).
@@ -19,16 +19,10 @@ from pyinfra.api.exceptions import DeployError
 from spec.models import KernelSpec
 
 
-class CiKernelSpec(KernelSpec):
-    """KernelSpec plus the base config the build starts from (see operations.kernel.base_config_of)."""
-
-    base_config: str = "running"
-
-
 spec = host.data.get("pvegpu_spec")
 kernel_json = os.environ.get("PVEGPU_E2E_KERNEL")
 if kernel_json:
-    spec = spec.model_copy(update={"kernel": CiKernelSpec(**json.loads(kernel_json))})
+    spec = spec.model_copy(update={"kernel": KernelSpec(**json.loads(kernel_json))})
 
 if os.environ.get("PVEGPU_E2E_NO_REBOOT"):
     spec = spec.model_copy(update={"reboot": spec.reboot.model_copy(update={"allowed": False})})

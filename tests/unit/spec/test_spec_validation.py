@@ -168,3 +168,12 @@ def test_valid_spec_fails_on_connection_not_on_spec(tmp_path):
     assert proc.returncode != 0
     assert "invalid host spec" not in out
     assert "Connecting to hosts" in out and ("Could not connect" in out or "Connection refused" in out or "No hosts remaining" in out)
+
+
+def test_kernel_base_config_is_a_known_target_or_a_path(tmp_path):
+    data = kpro6()
+    data["hosts"]["kpro6"]["kernel"]["base_config"] = "tinyconfig"
+    assert validate_spec(data, tmp_path / "x.yml")["kpro6"].kernel.base_config == "tinyconfig"
+    data["hosts"]["kpro6"]["kernel"]["base_config"] = "config-6.14"
+    msg = errors_of(data, tmp_path)
+    assert "hosts.kpro6.kernel.base_config: 'config-6.14': use 'running', 'tinyconfig'" in msg
