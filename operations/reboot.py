@@ -44,7 +44,8 @@ def apply(spec: HostSpec) -> None:
     for line in summary:
         logger.info(line)
     server.reboot(
-        name="Reboot: " + "; ".join(f"{kind}: {detail}" for kind, detail in reasons),
+        # the reasons themselves are logged above; the name stays one readable line
+        name=f"Reboot for {len(reasons)} reason(s): " + ", ".join(sorted({kind for kind, _ in reasons})),
         delay=5,
         interval=2,
         reboot_timeout=REBOOT_TIMEOUT_S,
