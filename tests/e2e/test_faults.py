@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import REPO, PyinfraRun, manifest_diff, root_manifest, run_host_checks, run_pyinfra
+from tests.e2e.harness import PYINFRA, REPO, PyinfraRun, manifest_diff, root_manifest, run_host_checks, run_pyinfra
 from tests.twin import runtime
 
 pytestmark = [pytest.mark.twin]
@@ -118,7 +118,7 @@ def test_sshd_killed_mid_stage_then_rerun_converges(twin_factory):
     before = managed_view(twin.root)
 
     env = {**os.environ, "PVEGPU_TWINS": twin.name}
-    proc = subprocess.Popen([str(Path(REPO / ".venv/bin/pyinfra")), "-y", INVENTORY, "deploy.py"], cwd=REPO,
+    proc = subprocess.Popen([PYINFRA, "-y", INVENTORY, "deploy.py"], cwd=REPO,
                             env={**env, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
