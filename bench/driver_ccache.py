@@ -2,9 +2,12 @@
 
     sudo .venv/bin/python bench/driver_ccache.py [--jobs N] [--json]
 
+--json prints one JSON line {"value": ratio, "cold_s", "warm_s", ...} (bench/run.py reads it).
+
 Runs the driver stage's own `build_command` (operations/nvidia.py) twice inside a throwaway
 overlay of the twin's cached Debian bookworm root (real 6.1 headers, gcc-12, ccache, Debian's
-535 NVIDIA module tree at /usr/src/nvidia-kernel.tar.xz): first with an empty ccache, then
+535 *proprietary* NVIDIA module tree, nvidia-kernel-source, at /usr/src/nvidia-kernel.tar.xz;
+bookworm has no open one): first with an empty ccache, then
 again — the command unpacks a fresh tree each time, so the second run is a rebuild after a
 full clean — with the ccache the first run filled. Prints both times and their ratio
 (target <= 0.35). Needs root (mount namespace, overlayfs, chroot); touches nothing outside
@@ -31,7 +34,8 @@ TARBALL = "/usr/src/nvidia-kernel.tar.xz"
 
 
 def headers_release(root: Path) -> str:
-    releases = sorted(p.name for p in (root / "lib/modules").iterdir() if (p / "build").exists())
+    """The release of the root's Debian headers (6.1.0-57-amd64 in the twin root)."""
+    releases = sorted(p.name for p in (root / "lib/modules").iterdir() if (root / f"usr/src/linux-headers-{p.name}/Makefile").exists())
     if not releases:
         raise SystemExit(f"no kernel headers under {root}/lib/modules")
     return releases[-1]
@@ -76,7 +80,7 @@ def run(jobs: int | None) -> dict:
             raise SystemExit(f"build failed:\n{done.stdout}{done.stderr}\n{log.read_text()[-3000:] if log.exists() else ''}")
     times = dict(re.findall(r"^(cold|warm) ([\d.]+)$", done.stdout, re.M))
     cold, warm = float(times["cold"]), float(times["warm"])
-    return {"benchmark": "driver_ccache", "release": release, "version": version, "jobs": jobs,
+    return {"value": round(warm / cold, 3), "benchmark": "driver_ccache", "release": release, "version": version, "jobs": jobs,
             "cold_s": round(cold, 1), "warm_s": round(warm, 1), "ratio": round(warm / cold, 3),
             "target_ratio": TARGET_RATIO, "ok": warm / cold <= TARGET_RATIO,
             "ccache": [line[5:] for line in done.stdout.splitlines() if line.startswith("stat ")]}

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Fetch Debian's NVIDIA 535 kernel-module source once and cache it under .cache/nvidia-src/.
-# Prints "<path> <sha256> <version>" of the module tarball (the stand-in for NVIDIA's
-# open-gpu-kernel-modules archive in tests and bench/driver_ccache.py).
+# Prints "<path> <sha256> <version>" of the module tarball.
 #
-# Bookworm has no nvidia-open-kernel-source (it starts in trixie, with 550.x); its 535 module
-# tree is nvidia-kernel-source (non-free), the same kbuild tree the .run carries under kernel/.
+# What this is: NVIDIA's *proprietary* kernel module tree (interface layer in source plus the
+# prebuilt nv-kernel.o), the same Kbuild tree the .run carries under kernel/. It is NOT the
+# open-gpu-kernel-modules tree: bookworm has no nvidia-open-kernel-source (it starts in trixie,
+# at 550.x). Tests and bench/driver_ccache.py build it (spec nvidia.open: false) because it goes
+# through the same Makefile/Kbuild/conftest path against real Debian headers. The twin root
+# already carries it at /usr/src/nvidia-kernel.tar.xz; this script is for a machine without one.
 # apt runs with a private sources list and state dir: the machine's own apt config is untouched.
 set -euo pipefail
 PKG=${PKG:-nvidia-kernel-source}
