@@ -38,6 +38,11 @@ SOURCE_CACHE = "/var/cache/pvegpu/sources"
 CCACHE_DIR = "/var/cache/pvegpu/ccache"
 BUILD_ROOT = "/var/tmp/pvegpu/nvidia-build"
 CCACHE_MASQUERADE = "/usr/lib/ccache"
+# NVIDIA's conftest.sh compiles every test with -DKBUILD_BASENAME="#conftest<pid>" (and
+# KBUILD_MODNAME): a new pid per build made every conftest a ccache miss on a rebuild. Only
+# the conftest values are left out of the hash (a conftest only asks "does it compile");
+# real objects keep their module name in the hash.
+CCACHE_IGNORE_OPTIONS = '-DKBUILD_BASENAME="#conftest* -DKBUILD_MODNAME="#conftest*'
 MODULE_SUBDIR = "updates/pvegpu-nvidia"
 LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib")
 PERSISTENCED_UNIT = "/etc/systemd/system/nvidia-persistenced.service"
@@ -120,7 +125,7 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
     # "$CC" quoted, so CC="ccache gcc-12" makes every conftest fail.
     compiler = cc
     env = (f"PATH={CCACHE_MASQUERADE}:$PATH CCACHE_DIR={shlex.quote(CCACHE_DIR)} "
-           if ccache else "")
+           f"CCACHE_IGNOREOPTIONS={shlex.quote(CCACHE_IGNORE_OPTIONS)} " if ccache else "")
     return (
         f"set -e; B={b}; rm -rf \"$B\"; mkdir -p \"$B/src\" \"$B/out\"; "
         f"{'mkdir -p ' + shlex.quote(CCACHE_DIR) + '; ' if ccache else ''}"

@@ -134,9 +134,28 @@ def test_build_command_uses_kernel_compiler_ccache_and_jobs():
     command = ops.build_command("/var/cache/pvegpu/sources/x.tar.xz", "535.309.01", "6.1.0-57-amd64",
                                 "gcc-12", 3, ccache=True)
     assert "-j3 modules KERNEL_UNAME=6.1.0-57-amd64 CC=gcc-12 " in command
-    assert "PATH=/usr/lib/ccache:$PATH CCACHE_DIR=/var/cache/pvegpu/ccache make" in command
+    assert ("PATH=/usr/lib/ccache:$PATH CCACHE_DIR=/var/cache/pvegpu/ccache "
+            "CCACHE_IGNOREOPTIONS='-DKBUILD_BASENAME=\"#conftest* -DKBUILD_MODNAME=\"#conftest*' make") in command
     plain = ops.build_command("/a", "1", "r", "gcc-12", 1, ccache=False)
     assert "CC=gcc-12" in plain and "ccache" not in plain
+
+
+def test_conftest_pid_in_cflags_does_not_defeat_ccache(tmp_path):
+    """Two builds' conftests differ only in -DKBUILD_BASENAME="#conftest<pid>": the second hits."""
+    # kernel headers expand KBUILD_MODNAME (module.h, printk.h), so it reaches the object
+    (tmp_path / "t.c").write_text("const char *modname = KBUILD_MODNAME;\n")
+    env = {**os.environ, "CCACHE_DIR": str(tmp_path / "cache"), "CCACHE_IGNOREOPTIONS": ops.CCACHE_IGNORE_OPTIONS}
+
+    def compile_with(pid, module=None):
+        name = module or f"#conftest{pid}"
+        subprocess.run(["ccache", "gcc", "-O2", f'-DKBUILD_BASENAME="{name}"', f'-DKBUILD_MODNAME="{name}"',
+                        "-c", str(tmp_path / "t.c"), "-o", str(tmp_path / "t.o")], check=True, env=env, cwd=tmp_path)
+        stats = subprocess.run(["ccache", "--print-stats"], capture_output=True, text=True, env=env).stdout
+        return {k: int(v) for k, v in (line.split("\t") for line in stats.splitlines()) if k.endswith(("_hit", "miss"))}
+
+    compile_with(383)
+    assert compile_with(29871)["direct_cache_hit"] == 1
+    assert compile_with(0, module="nvidia_uvm")["cache_miss"] == 2, "a real module name must stay in the hash"
 
 
 def fake_modinfo(tmp_path, version):
