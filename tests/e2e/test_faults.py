@@ -195,6 +195,9 @@ def test_interrupted_config_write_keeps_old_file_and_previous_version(twin_facto
                 seen.add(target.read_bytes())
             except FileNotFoundError:
                 seen.add(b"<missing>")
+            # yield: once pyinfra is imported in this process gevent may have patched threading,
+            # and a loop that never sleeps would starve the deploy (seen: a 13-minute hang in CI)
+            time.sleep(0.001)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
