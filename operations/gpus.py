@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 import shlex
 
+from facts.once import fact_once
 from pyinfra import host, logger
 from pyinfra.api import FactBase, StringCommand, deploy, operation
 
@@ -148,7 +149,7 @@ def stage_facts(spec: HostSpec) -> dict:
     memo = host.data.get(_MEMO)
     if memo is not None:
         return memo
-    hw = host.get_fact(HardwareProbe)
+    hw = fact_once(HardwareProbe)
     cfg = host.get_fact(HostConfigProbe)
     runtime = host.get_fact(GuestRuntime)
     node = spec.node or host.data.get("pvegpu_node") or host.name

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import shlex
 
+from facts.once import fact_once
 from pyinfra import host
 from pyinfra.api import FactBase, StringCommand, deploy, operation
 
@@ -113,7 +114,7 @@ def preflight(spec) -> list[str]:
 def apply(spec) -> None:
     if spec.nvidia is None:
         return
-    hardware = host.get_fact(HardwareProbe)
+    hardware = fact_once(HardwareProbe)
     want = desired(spec, hardware)
     files = host.get_fact(ManagedFiles, paths=[MODPROBE_CONF, NODES_UNIT])
     conf_state = files.get(MODPROBE_CONF)

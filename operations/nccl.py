@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 import shlex
 
+from facts.once import fact_once
 from pyinfra import host, logger
 from pyinfra.api import FactBase, StringCommand, deploy, operation
 
@@ -182,7 +183,7 @@ def hardware_facts(spec) -> dict:
         from operations.gpus import stage_facts
 
         return stage_facts(spec)["hw"]
-    return host.get_fact(HardwareProbe)
+    return fact_once(HardwareProbe)
 
 
 # ---------------------------------------------------------------- operations

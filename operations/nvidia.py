@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 import shlex
 
+from facts.once import fact_once
 from pyinfra import host, logger
 from pyinfra.api import FactBase, StringCommand, deploy, operation
 
@@ -419,7 +420,7 @@ def _state_and_steps(spec) -> tuple[dict, list[str], dict]:
     nv = spec.nvidia
     # One command: the running release is probed by name at run time, plus the kernel stage's.
     extra = _releases(spec, None)[0]
-    state = host.get_fact(NvidiaHostState, releases=extra, sources=_sources(nv))
+    state = fact_once(NvidiaHostState, releases=extra, sources=_sources(nv))
     releases, required = _releases(spec, state["running"])
     steps = nvplan.driver_steps(nv.version, releases, state, modules_source=nv.modules_source,
                                 installer=nv.installer, want_firmware=nv.firmware, required=required)
@@ -432,7 +433,7 @@ def preflight(spec) -> list[str]:
     refusals = []
     if not spec.nvidia.open:
         # only then is the hardware probe needed here (module_options reads it anyway; facts are cached)
-        hardware = host.get_fact(HardwareProbe)
+        hardware = fact_once(HardwareProbe)
         models = {bdf: gpu.get("model") or "" for bdf, gpu in (hardware.get("nvidia_gpus") or {}).items()}
         problem = nvplan.open_modules_problem(False, nvplan.nvidia_gpu_ids(hardware.get("pci_devices") or {}), models)
         if problem:
