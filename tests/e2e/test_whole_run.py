@@ -33,6 +33,8 @@ def test_dry_converge_idempotent_checks(twin_factory, profile):
     assert second.rc == 0, second.output[-6000:]
     assert second.totals.get("error", 0) == 0
     assert second.changed == 0, "second run changed something:\n" + second.output[-6000:]
+    # every fact round trip costs a user on a far host: the budget of issue 9
+    assert 0 < second.remote_commands <= 40, f"no-change converge sent {second.remote_commands} commands"
 
     checks = run_host_checks("inventories/twin.py", env=env)
     assert checks.returncode == 0, checks.stdout[-6000:] + checks.stderr[-2000:]
