@@ -16,6 +16,7 @@ before any install. Refusals (toolchain, firmware, local checksum, version misma
 Host paths:
     /var/cache/pvegpu/sources/<sha256>-<name>   verified source archives
     /var/cache/pvegpu/ccache                    ccache of module builds (rebuilds are warm)
+    /var/cache/pvegpu/nvidia-conftest/<key>.tar NVIDIA conftest results per (tree, headers, compiler)
     /var/tmp/pvegpu/nvidia-build/<ver>/<rel>/    scratch build trees (removed after install)
     /lib/modules/<rel>/updates/pvegpu-nvidia/    installed modules (depmod prefers updates/)
 """
@@ -44,6 +45,10 @@ CCACHE_MASQUERADE = "/usr/lib/ccache"
 # the conftest values are left out of the hash (a conftest only asks "does it compile");
 # real objects keep their module name in the hash.
 CCACHE_IGNORE_OPTIONS = '-DKBUILD_BASENAME="#conftest* -DKBUILD_MODNAME="#conftest*'
+# NVIDIA's conftest results (<tree>/conftest/, ~300 test compiles, most meant to fail, so
+# ccache cannot keep them) are kept per key; see conftest_key_command.
+CONFTEST_CACHE = "/var/cache/pvegpu/nvidia-conftest"
+CONFTEST_CACHE_KEEP = 16
 MODULE_SUBDIR = "updates/pvegpu-nvidia"
 LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib")
 PERSISTENCED_UNIT = "/etc/systemd/system/nvidia-persistenced.service"
@@ -108,7 +113,28 @@ def build_dir(version: str, release: str) -> str:
     return f"{BUILD_ROOT}/{version}/{release}"
 
 
-def build_command(archive: str, version: str, release: str, cc: str, jobs: int, ccache: bool) -> str:
+def conftest_key_command(archive: str, release: str, cc: str) -> str:
+    """Shell that prints the sha256 naming the conftest results of one build.
+
+    The results depend on the NVIDIA tree (its conftest.sh and Kbuild: the archive), the kernel
+    headers (the release's build and source trees, kbuild scripts included through their
+    symlinks: every file's path, size and mtime, plus include/config/auto.conf itself), the
+    compiler (its full `-v` banner and the driver and cc1 binaries' size and mtime) and the
+    machine. Any change there gives a new key, so a rebuild never reads stale results.
+    """
+    r, c = shlex.quote(release), shlex.quote(cc)
+    return (
+        f"( set +e; sha256sum < {shlex.quote(archive)}; echo {r}; uname -m; {c} -v 2>&1; "
+        f"stat -L -c '%n %s %Y' \"$(command -v {c})\" \"$({c} -print-prog-name=cc1)\"; "
+        f"cat /lib/modules/{r}/build/include/config/auto.conf; "
+        f"for d in /lib/modules/{r}/build /lib/modules/{r}/source; do [ -d \"$d\" ] || continue; "
+        "echo \"tree $d\"; ( cd -P \"$d\" && find -L . -type f -printf '%P %s %T@\\n' | LC_ALL=C sort ); done; "
+        ") 2>&1 | sha256sum | cut -c1-64"
+    )
+
+
+def build_command(archive: str, version: str, release: str, cc: str, jobs: int, ccache: bool,
+                  conftest_cache: bool = True) -> str:
     """Unpack `archive` into a fresh scratch dir and build the modules for `release`.
 
     Layouts: the open-gpu-kernel-modules archive (top `make modules`, modules land in
@@ -119,7 +145,13 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
     .../build (-amd64); with SYSSRC=.../build alone every conftest compiled against the output
     tree's empty include/ and failed (all features #undef, then `stdarg.h` not found). The built .ko files
     are copied to <scratch>/out; the build log is <scratch>/build.log (its tail is printed on
-    failure). Nothing outside the scratch dir and the ccache is touched.
+    failure). Nothing outside the scratch dir, the ccache and the conftest cache is touched.
+
+    conftest_cache: before `make`, restore <tree>/conftest/ from a previous successful build with
+    the same `conftest_key_command` key (mtimes kept, so NVIDIA's Kbuild finds every result
+    newer than conftest.sh and reruns only its always-run sanity checks and the uts_release
+    check, which rewrites nothing when the release is the same); after a successful build,
+    store this build's conftest/ under its key.
     """
     b = shlex.quote(build_dir(version, release))
     # ccache by masquerade (/usr/lib/ccache/<cc> first on PATH): NVIDIA's conftest.sh runs
@@ -137,13 +169,24 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
         "else kb=$(find \"$top\" -maxdepth 3 -name Kbuild | awk '{print length, $0}' | sort -n | head -n 1 | cut -d' ' -f2-); "
         "[ -n \"$kb\" ] || { echo 'pvegpu: no NVIDIA kernel module tree (Kbuild) in the source archive' >&2; exit 1; }; "
         "mk=${kb%/Kbuild}; ko=$mk; fi; "
-        f"echo \"pvegpu: building nvidia {version} for {release} in $mk with {compiler}{' (ccache)' if ccache else ''}, -j{int(jobs)}\"; "
+        + (f"key=$({conftest_key_command(archive, release, compiler)}); "
+           f"ct={shlex.quote(CONFTEST_CACHE)}/$key.tar; ct_note=; "
+           # a damaged archive is dropped with whatever it unpacked: the tests then run again
+           "if [ -f \"$ct\" ]; then if tar -C \"$ko\" -xf \"$ct\"; then ct_note=', conftest results restored'; "
+           "else rm -rf \"$ko/conftest\" \"$ct\"; fi; fi; "
+           if conftest_cache else "")
+        + f"echo \"pvegpu: building nvidia {version} for {release} in $mk with {compiler}{' (ccache)' if ccache else ''}, -j{int(jobs)}"
+        + ("$ct_note" if conftest_cache else "") + "\"; "
         f"if ! {env}make -C \"$mk\" -j{int(jobs)} modules KERNEL_UNAME={shlex.quote(release)} CC={shlex.quote(compiler)} "
         ">\"$B/build.log\" 2>&1; then tail -n 40 \"$B/build.log\" >&2; "
         f"echo {shlex.quote(f'pvegpu: building nvidia {version} for {release} failed; installed modules are untouched')} >&2; exit 1; fi; "
         "cp \"$ko\"/*.ko \"$B/out/\"; "
         f"vm=$(modinfo -F vermagic \"$B/out/nvidia.ko\"); case \"$vm\" in {shlex.quote(release)}\\ *) ;; *) "
         f"echo \"pvegpu: built nvidia.ko has vermagic '$vm', not {release}\" >&2; exit 1;; esac"
+        + ("; if [ ! -f \"$ct\" ] && [ -d \"$ko/conftest\" ]; then "
+           f"mkdir -p {shlex.quote(CONFTEST_CACHE)}; tar -C \"$ko\" -cf \"$ct.part\" conftest && mv -f \"$ct.part\" \"$ct\"; "
+           f"ls -1t {shlex.quote(CONFTEST_CACHE)}/*.tar | tail -n +{CONFTEST_CACHE_KEEP + 1} | xargs -r rm -f; fi"
+           if conftest_cache else "")
     )
 
 
