@@ -16,7 +16,7 @@ before any install. Refusals (toolchain, firmware, local checksum, version misma
 Host paths:
     /var/cache/pvegpu/sources/<sha256>-<name>   verified source archives
     /var/cache/pvegpu/ccache                    ccache of module builds (rebuilds are warm)
-    /var/cache/pvegpu/nvidia-conftest/<key>.tar NVIDIA conftest results per (tree, headers, compiler)
+    /var/cache/pvegpu/nvidia-conftest/<key>.tgz NVIDIA conftest results per (tree, headers, compiler)
     /var/tmp/pvegpu/nvidia-build/<ver>/<rel>/    scratch build trees (removed after install)
     /lib/modules/<rel>/updates/pvegpu-nvidia/    installed modules (depmod prefers updates/)
 """
@@ -113,7 +113,7 @@ def build_dir(version: str, release: str) -> str:
     return f"{BUILD_ROOT}/{version}/{release}"
 
 
-def conftest_key_command(archive: str, release: str, cc: str) -> str:
+def conftest_key_command(archive: str, release: str, cc: str, modules_dir: str = "/lib/modules") -> str:
     """Shell that prints the sha256 naming the conftest results of one build.
 
     The results depend on the NVIDIA tree (its conftest.sh and Kbuild: the archive), the kernel
@@ -122,12 +122,12 @@ def conftest_key_command(archive: str, release: str, cc: str) -> str:
     compiler (its full `-v` banner and the driver and cc1 binaries' size and mtime) and the
     machine. Any change there gives a new key, so a rebuild never reads stale results.
     """
-    r, c = shlex.quote(release), shlex.quote(cc)
+    r, c, m = shlex.quote(release), shlex.quote(cc), shlex.quote(modules_dir)
     return (
         f"( set +e; sha256sum < {shlex.quote(archive)}; echo {r}; uname -m; {c} -v 2>&1; "
         f"stat -L -c '%n %s %Y' \"$(command -v {c})\" \"$({c} -print-prog-name=cc1)\"; "
-        f"cat /lib/modules/{r}/build/include/config/auto.conf; "
-        f"for d in /lib/modules/{r}/build /lib/modules/{r}/source; do [ -d \"$d\" ] || continue; "
+        f"cat {m}/{r}/build/include/config/auto.conf; "
+        f"for d in {m}/{r}/build {m}/{r}/source; do [ -d \"$d\" ] || continue; "
         "echo \"tree $d\"; ( cd -P \"$d\" && find -L . -type f -printf '%P %s %T@\\n' | LC_ALL=C sort ); done; "
         ") 2>&1 | sha256sum | cut -c1-64"
     )
@@ -170,8 +170,8 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
         "[ -n \"$kb\" ] || { echo 'pvegpu: no NVIDIA kernel module tree (Kbuild) in the source archive' >&2; exit 1; }; "
         "mk=${kb%/Kbuild}; ko=$mk; fi; "
         + (f"key=$({conftest_key_command(archive, release, compiler)}); "
-           f"ct={shlex.quote(CONFTEST_CACHE)}/$key.tar; ct_note=; "
-           # a damaged archive is dropped with whatever it unpacked: the tests then run again
+           f"ct={shlex.quote(CONFTEST_CACHE)}/$key.tgz; ct_note=; "
+           # gzip checks length and CRC: a damaged archive is dropped with whatever it unpacked, and the tests run again
            "if [ -f \"$ct\" ]; then if tar -C \"$ko\" -xf \"$ct\"; then ct_note=', conftest results restored'; "
            "else rm -rf \"$ko/conftest\" \"$ct\"; fi; fi; "
            if conftest_cache else "")
@@ -184,8 +184,8 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
         f"vm=$(modinfo -F vermagic \"$B/out/nvidia.ko\"); case \"$vm\" in {shlex.quote(release)}\\ *) ;; *) "
         f"echo \"pvegpu: built nvidia.ko has vermagic '$vm', not {release}\" >&2; exit 1;; esac"
         + ("; if [ ! -f \"$ct\" ] && [ -d \"$ko/conftest\" ]; then "
-           f"mkdir -p {shlex.quote(CONFTEST_CACHE)}; tar -C \"$ko\" -cf \"$ct.part\" conftest && mv -f \"$ct.part\" \"$ct\"; "
-           f"ls -1t {shlex.quote(CONFTEST_CACHE)}/*.tar | tail -n +{CONFTEST_CACHE_KEEP + 1} | xargs -r rm -f; fi"
+           f"mkdir -p {shlex.quote(CONFTEST_CACHE)}; tar -C \"$ko\" -czf \"$ct.part\" conftest && mv -f \"$ct.part\" \"$ct\"; "
+           f"ls -1t {shlex.quote(CONFTEST_CACHE)}/*.tgz | tail -n +{CONFTEST_CACHE_KEEP + 1} | xargs -r rm -f; fi"
            if conftest_cache else "")
     )
 

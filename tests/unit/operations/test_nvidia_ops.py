@@ -136,8 +136,8 @@ def test_build_command_uses_kernel_compiler_ccache_and_jobs():
     assert "-j3 modules KERNEL_UNAME=6.1.0-57-amd64 CC=gcc-12 " in command
     assert ("PATH=/usr/lib/ccache:$PATH CCACHE_DIR=/var/cache/pvegpu/ccache "
             "CCACHE_IGNOREOPTIONS='-DKBUILD_BASENAME=\"#conftest* -DKBUILD_MODNAME=\"#conftest*' make") in command
-    plain = ops.build_command("/a", "1", "r", "gcc-12", 1, ccache=False)
-    assert "CC=gcc-12" in plain and "ccache" not in plain
+    plain = ops.build_command("/a", "1", "r", "gcc-12", 1, ccache=False, conftest_cache=False)
+    assert "CC=gcc-12" in plain and "ccache" not in plain and "conftest" not in plain
 
 
 def test_conftest_pid_in_cflags_does_not_defeat_ccache(tmp_path):
@@ -156,6 +156,103 @@ def test_conftest_pid_in_cflags_does_not_defeat_ccache(tmp_path):
     compile_with(383)
     assert compile_with(29871)["direct_cache_hit"] == 1
     assert compile_with(0, module="nvidia_uvm")["cache_miss"] == 2, "a real module name must stay in the hash"
+
+
+def conftest_key(archive, cc, modules_dir, release="6.1.0-57-amd64"):
+    command = ops.conftest_key_command(str(archive), release, cc, modules_dir=str(modules_dir))
+    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_conftest_key_changes_with_archive_headers_and_compiler(tmp_path):
+    archive = tmp_path / "nvidia.tar.xz"
+    archive.write_bytes(b"tree 1")
+    build = tmp_path / "modules/6.1.0-57-amd64/build"
+    (build / "include/config").mkdir(parents=True)
+    (build / "include/config/auto.conf").write_text("CONFIG_CC_VERSION_TEXT=\"gcc-12 (Debian 12.2.0-14) 12.2.0\"\n")
+    (build / "include/linux").mkdir()
+    (build / "include/linux/mm.h").write_text("struct page;\n")
+    modules = tmp_path / "modules"
+    key = conftest_key(archive, "gcc", modules)
+    assert len(key) == 64 and key == conftest_key(archive, "gcc", modules), "the key is stable"
+    archive.write_bytes(b"tree 2")
+    assert conftest_key(archive, "gcc", modules) != key, "another source archive"
+    archive.write_bytes(b"tree 1")
+    (build / "include/linux/mm.h").write_text("struct page; struct folio;\n")
+    assert conftest_key(archive, "gcc", modules) != key, "a changed kernel header"
+    (build / "include/linux/mm.h").write_text("struct page;\n")
+    os.utime(build / "include/linux/mm.h", (1, 1))
+    assert conftest_key(archive, "gcc", modules) != key, "a re-installed header (another mtime)"
+    os.utime(build / "include/linux/mm.h", (2, 2))
+    settled = conftest_key(archive, "gcc", modules)
+    (build / "include/config/auto.conf").write_text("CONFIG_CC_VERSION_TEXT=\"gcc-13\"\n")
+    os.utime(build / "include/config/auto.conf", (3, 3))
+    other = conftest_key(archive, "gcc", modules)
+    assert other != settled, "another kernel config"
+    assert conftest_key(archive, "gcc", modules, release="6.1.0-58-amd64") != other, "another release"
+    fake_cc = tmp_path / "bin/gcc-99"
+    fake_cc.parent.mkdir()
+    fake_cc.write_text("#!/bin/sh\necho 'gcc version 99.1.0'\n")
+    fake_cc.chmod(0o755)
+    assert conftest_key(archive, str(fake_cc), modules) != other, "another compiler"
+
+
+def fake_build_tools(tmp_path):
+    """A `make` that runs the conftest step only when conftest/ is absent, a `modinfo` for vermagic."""
+    bindir = tmp_path / "tools"
+    bindir.mkdir()
+    (bindir / "make").write_text(
+        "#!/bin/sh\nset -e\ncd \"$2\"\n"
+        "if [ -f conftest/functions.h ]; then echo reused >> \"$LOG\"; "
+        "else mkdir -p conftest; echo '#define NV_FOO_PRESENT' > conftest/functions.h; echo ran >> \"$LOG\"; fi\n"
+        "touch nvidia.ko\n")
+    (bindir / "modinfo").write_text("#!/bin/sh\necho '6.1.0-57-amd64 SMP preempt mod_unload modversions '\n")
+    for tool in ("make", "modinfo"):
+        (bindir / tool).chmod(0o755)
+    return {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "LOG": str(tmp_path / "conftest.log")}
+
+
+def test_build_restores_conftest_results_only_for_the_same_key(tmp_path, monkeypatch):
+    monkeypatch.setattr(ops, "BUILD_ROOT", str(tmp_path / "build"))
+    monkeypatch.setattr(ops, "CONFTEST_CACHE", str(tmp_path / "conftest-cache"))
+    tree = tmp_path / "tree/nvidia-kernel"
+    tree.mkdir(parents=True)
+    (tree / "Kbuild").write_text("obj-m += nvidia.o\n")
+    archive = tmp_path / "nvidia.tar"
+    subprocess.run(["tar", "-C", str(tmp_path / "tree"), "-cf", str(archive), "nvidia-kernel"], check=True)
+    env = fake_build_tools(tmp_path)
+
+    def build(cc="gcc", conftest_cache=True):
+        command = ops.build_command(str(archive), "535.309.01", "6.1.0-57-amd64", cc, 2, ccache=False,
+                                    conftest_cache=conftest_cache)
+        return subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, check=True).stdout
+
+    assert "restored" not in build()
+    assert len(list((tmp_path / "conftest-cache").glob("*.tgz"))) == 1, "a successful build stores its results"
+    assert "conftest results restored" in build()
+    assert "conftest results restored" not in build(cc="cc"), "another compiler runs the tests again"
+    build(conftest_cache=False)
+    assert (tmp_path / "conftest.log").read_text().split() == ["ran", "reused", "ran", "ran"]
+    assert len(list((tmp_path / "conftest-cache").glob("*.tgz"))) == 2
+
+
+def test_build_drops_a_damaged_conftest_archive(tmp_path, monkeypatch):
+    monkeypatch.setattr(ops, "BUILD_ROOT", str(tmp_path / "build"))
+    monkeypatch.setattr(ops, "CONFTEST_CACHE", str(tmp_path / "conftest-cache"))
+    tree = tmp_path / "tree/nvidia-kernel"
+    tree.mkdir(parents=True)
+    (tree / "Kbuild").write_text("obj-m += nvidia.o\n")
+    archive = tmp_path / "nvidia.tar"
+    subprocess.run(["tar", "-C", str(tmp_path / "tree"), "-cf", str(archive), "nvidia-kernel"], check=True)
+    env = fake_build_tools(tmp_path)
+    command = ops.build_command(str(archive), "535.309.01", "6.1.0-57-amd64", "gcc", 2, ccache=False)
+    subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, check=True)
+    [stored] = (tmp_path / "conftest-cache").glob("*.tgz")
+    stored.write_bytes(stored.read_bytes()[:-12])  # truncated: the last bytes never reached the disk
+    out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, check=True).stdout
+    assert "restored" not in out
+    assert (tmp_path / "conftest.log").read_text().split() == ["ran", "ran"]
+    assert stored.exists() and subprocess.run(["tar", "-tzf", str(stored)], capture_output=True).returncode == 0, \
+        "the rebuilt results replace the damaged archive"
 
 
 def fake_modinfo(tmp_path, version):
