@@ -102,6 +102,19 @@ def twin_pids(twin, *, comm: str | None = None, cmdline_has: str | None = None) 
     return found
 
 
+def log_is_still(twin, quiet_s: float):
+    """A predicate: true once the sshd log has not changed for `quiet_s` seconds."""
+    seen = {"lines": None, "since": time.monotonic()}
+
+    def still() -> bool:
+        lines = sshd_log_lines(twin)
+        if lines != seen["lines"]:
+            seen.update(lines=lines, since=time.monotonic())
+        return time.monotonic() - seen["since"] >= quiet_s
+
+    return still
+
+
 def wait_for(predicate, timeout: float, step: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -234,6 +247,9 @@ def test_invalid_spec_stops_before_any_connection(twin_factory, tmp_path):
     lines_before = sshd_log_lines(twin)
     twin_sh(twin, "true")
     assert wait_for(lambda: len(sshd_log_lines(twin)) > len(lines_before), timeout=5)
+    # that session logs several lines (Accepted, Received disconnect, Disconnected), the last
+    # ones late on a loaded machine: wait until the log is still for a while
+    assert wait_for(log_is_still(twin, quiet_s=1.5), timeout=30)
 
     lines_before = sshd_log_lines(twin)
     upper_before = upper_manifest(twin)
