@@ -1,17 +1,21 @@
-"""Benchmark: NVIDIA module build, cold vs. rebuilt from a clean tree with a warm ccache.
+"""Benchmark: NVIDIA module build, cold vs. rebuilt from a clean tree with warm caches.
 
-    sudo .venv/bin/python bench/driver_ccache.py [--jobs N] [--json]
+    sudo .venv/bin/python bench/driver_ccache.py [--jobs N] [--json] [--breakdown]
 
---json prints one JSON line {"value": ratio, "cold_s", "warm_s", ...} (bench/run.py reads it).
+--json prints one JSON line {"value": ratio, "cold_s", "warm_s", "runs": {...}, ...}
+(bench/run.py reads it).
 
-Runs the driver stage's own `build_command` (operations/nvidia.py) twice inside a throwaway
-overlay of the twin's cached Debian bookworm root (real 6.1 headers, gcc-12, ccache, Debian's
-535 *proprietary* NVIDIA module tree, nvidia-kernel-source, at /usr/src/nvidia-kernel.tar.xz;
-bookworm has no open one): first with an empty ccache, then
-again — the command unpacks a fresh tree each time, so the second run is a rebuild after a
-full clean — with the ccache the first run filled. Prints both times and their ratio
-(target <= 0.35). Needs root (mount namespace, overlayfs, chroot); touches nothing outside
-a temp dir.
+Runs the driver stage's own `build_command` (operations/nvidia.py) inside a throwaway overlay
+of the twin's cached Debian bookworm root (real 6.1 headers, gcc-12, ccache, Debian's 535
+*proprietary* NVIDIA module tree, nvidia-kernel-source, at /usr/src/nvidia-kernel.tar.xz;
+bookworm has no open one): first with an empty ccache and conftest cache, then again — the
+command unpacks a fresh tree each time, so the second run is a rebuild after a full clean —
+with the ccache and the conftest results the first run stored (as on a host). Prints both
+times, their ratio (target <= 0.35), each run's phases (conftest / compile / link, from the
+tree's mtimes), its ccache counters and the 1-min load average (sampled every 10 s; the
+numbers are only comparable at similar load). --breakdown adds, between the two, a rebuild
+with the ccache alone (conftest results not reused). Needs root (mount namespace, overlayfs,
+chroot); touches nothing outside a temp dir.
 """
 
 from __future__ import annotations

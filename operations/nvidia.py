@@ -113,18 +113,20 @@ def build_dir(version: str, release: str) -> str:
     return f"{BUILD_ROOT}/{version}/{release}"
 
 
-def conftest_key_command(archive: str, release: str, cc: str, modules_dir: str = "/lib/modules") -> str:
+def conftest_key_command(archive: str, release: str, cc: str, make_args: str = "",
+                         modules_dir: str = "/lib/modules") -> str:
     """Shell that prints the sha256 naming the conftest results of one build.
 
     The results depend on the NVIDIA tree (its conftest.sh and Kbuild: the archive), the kernel
     headers (the release's build and source trees, kbuild scripts included through their
     symlinks: every file's path, size and mtime, plus include/config/auto.conf itself), the
-    compiler (its full `-v` banner and the driver and cc1 binaries' size and mtime) and the
-    machine. Any change there gives a new key, so a rebuild never reads stale results.
+    compiler (its full `-v` banner and the driver and cc1 binaries' size and mtime), the
+    machine and `make_args` (the variables `make` gets). Any change there gives a new key, so a
+    rebuild never reads stale results.
     """
     r, c, m = shlex.quote(release), shlex.quote(cc), shlex.quote(modules_dir)
     return (
-        f"( set +e; sha256sum < {shlex.quote(archive)}; echo {r}; uname -m; {c} -v 2>&1; "
+        f"( set +e; sha256sum < {shlex.quote(archive)}; echo {r} {shlex.quote(make_args)}; uname -m; {c} -v 2>&1; "
         f"stat -L -c '%n %s %Y' \"$(command -v {c})\" \"$({c} -print-prog-name=cc1)\"; "
         f"cat {m}/{r}/build/include/config/auto.conf; "
         f"for d in {m}/{r}/build {m}/{r}/source; do [ -d \"$d\" ] || continue; "
@@ -157,6 +159,7 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
     # ccache by masquerade (/usr/lib/ccache/<cc> first on PATH): NVIDIA's conftest.sh runs
     # "$CC" quoted, so CC="ccache gcc-12" makes every conftest fail.
     compiler = cc
+    make_args = f"modules KERNEL_UNAME={shlex.quote(release)} CC={shlex.quote(compiler)}"
     env = (f"PATH={CCACHE_MASQUERADE}:$PATH CCACHE_DIR={shlex.quote(CCACHE_DIR)} "
            f"CCACHE_IGNOREOPTIONS={shlex.quote(CCACHE_IGNORE_OPTIONS)} " if ccache else "")
     return (
@@ -169,7 +172,7 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
         "else kb=$(find \"$top\" -maxdepth 3 -name Kbuild | awk '{print length, $0}' | sort -n | head -n 1 | cut -d' ' -f2-); "
         "[ -n \"$kb\" ] || { echo 'pvegpu: no NVIDIA kernel module tree (Kbuild) in the source archive' >&2; exit 1; }; "
         "mk=${kb%/Kbuild}; ko=$mk; fi; "
-        + (f"key=$({conftest_key_command(archive, release, compiler)}); "
+        + (f"key=$({conftest_key_command(archive, release, compiler, make_args)}); "
            f"ct={shlex.quote(CONFTEST_CACHE)}/$key.tgz; ct_note=; "
            # gzip checks length and CRC: a damaged archive is dropped with whatever it unpacked, and the tests run again
            "if [ -f \"$ct\" ]; then if tar -C \"$ko\" -xf \"$ct\"; then ct_note=', conftest results restored'; "
@@ -177,7 +180,7 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
            if conftest_cache else "")
         + f"echo \"pvegpu: building nvidia {version} for {release} in $mk with {compiler}{' (ccache)' if ccache else ''}, -j{int(jobs)}"
         + ("$ct_note" if conftest_cache else "") + "\"; "
-        f"if ! {env}make -C \"$mk\" -j{int(jobs)} modules KERNEL_UNAME={shlex.quote(release)} CC={shlex.quote(compiler)} "
+        f"if ! {env}make -C \"$mk\" -j{int(jobs)} {make_args} "
         ">\"$B/build.log\" 2>&1; then tail -n 40 \"$B/build.log\" >&2; "
         f"echo {shlex.quote(f'pvegpu: building nvidia {version} for {release} failed; installed modules are untouched')} >&2; exit 1; fi; "
         "cp \"$ko\"/*.ko \"$B/out/\"; "

@@ -158,8 +158,8 @@ def test_conftest_pid_in_cflags_does_not_defeat_ccache(tmp_path):
     assert compile_with(0, module="nvidia_uvm")["cache_miss"] == 2, "a real module name must stay in the hash"
 
 
-def conftest_key(archive, cc, modules_dir, release="6.1.0-57-amd64"):
-    command = ops.conftest_key_command(str(archive), release, cc, modules_dir=str(modules_dir))
+def conftest_key(archive, cc, modules_dir, release="6.1.0-57-amd64", make_args="modules CC=gcc"):
+    command = ops.conftest_key_command(str(archive), release, cc, make_args, modules_dir=str(modules_dir))
     return subprocess.run(["bash", "-c", command], capture_output=True, text=True, check=True).stdout.strip()
 
 
@@ -189,6 +189,7 @@ def test_conftest_key_changes_with_archive_headers_and_compiler(tmp_path):
     other = conftest_key(archive, "gcc", modules)
     assert other != settled, "another kernel config"
     assert conftest_key(archive, "gcc", modules, release="6.1.0-58-amd64") != other, "another release"
+    assert conftest_key(archive, "gcc", modules, make_args="modules CC=gcc NV_VERBOSE=1") != other, "other make variables"
     fake_cc = tmp_path / "bin/gcc-99"
     fake_cc.parent.mkdir()
     fake_cc.write_text("#!/bin/sh\necho 'gcc version 99.1.0'\n")
