@@ -69,7 +69,7 @@ def phases(listing: str, t0: float, t1: float) -> dict:
             files[path] = float(stamp)
     sources = {p.rsplit(".", 1)[0] for p in files if p.endswith((".c", ".S"))}
     conftest = max([t0] + [m for p, m in files.items() if "/conftest/" in p])
-    compiled = max([conftest] + [m for p, m in files.items() if p.endswith(".o") and p[:-2] in sources])
+    compiled = max([conftest] + [m for p, m in files.items() if p.endswith(".o") and not p.endswith(".mod.o") and p[:-2] in sources])
     linked = max([compiled] + [m for p, m in files.items() if p.endswith(".ko")])
     return {"conftest_s": round(conftest - t0, 1), "compile_s": round(compiled - conftest, 1),
             "link_s": round(linked - compiled, 1), "tail_s": round(t1 - linked, 1)}
