@@ -172,7 +172,7 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
         "else kb=$(find \"$top\" -maxdepth 3 -name Kbuild | awk '{print length, $0}' | sort -n | head -n 1 | cut -d' ' -f2-); "
         "[ -n \"$kb\" ] || { echo 'pvegpu: no NVIDIA kernel module tree (Kbuild) in the source archive' >&2; exit 1; }; "
         "mk=${kb%/Kbuild}; ko=$mk; fi; "
-        + (f"key=$({conftest_key_command(archive, release, compiler, make_args)}); "
+        + (f"key=$( {conftest_key_command(archive, release, compiler, make_args)} ); "
            f"ct={shlex.quote(CONFTEST_CACHE)}/$key.tgz; ct_note=; "
            # gzip checks length and CRC: a damaged archive is dropped with whatever it unpacked, and the tests run again
            "if [ -f \"$ct\" ]; then if tar -C \"$ko\" -xf \"$ct\"; then ct_note=', conftest results restored'; "

@@ -160,7 +160,7 @@ def test_conftest_pid_in_cflags_does_not_defeat_ccache(tmp_path):
 
 def conftest_key(archive, cc, modules_dir, release="6.1.0-57-amd64", make_args="modules CC=gcc"):
     command = ops.conftest_key_command(str(archive), release, cc, make_args, modules_dir=str(modules_dir))
-    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True).stdout.strip()
 
 
 def test_conftest_key_changes_with_archive_headers_and_compiler(tmp_path):
@@ -225,7 +225,7 @@ def test_build_restores_conftest_results_only_for_the_same_key(tmp_path, monkeyp
     def build(cc="gcc", conftest_cache=True):
         command = ops.build_command(str(archive), "535.309.01", "6.1.0-57-amd64", cc, 2, ccache=False,
                                     conftest_cache=conftest_cache)
-        return subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, check=True).stdout
+        return subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env, check=True).stdout
 
     assert "restored" not in build()
     assert len(list((tmp_path / "conftest-cache").glob("*.tgz"))) == 1, "a successful build stores its results"
@@ -246,10 +246,10 @@ def test_build_drops_a_damaged_conftest_archive(tmp_path, monkeypatch):
     subprocess.run(["tar", "-C", str(tmp_path / "tree"), "-cf", str(archive), "nvidia-kernel"], check=True)
     env = fake_build_tools(tmp_path)
     command = ops.build_command(str(archive), "535.309.01", "6.1.0-57-amd64", "gcc", 2, ccache=False)
-    subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, check=True)
+    subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env, check=True)
     [stored] = (tmp_path / "conftest-cache").glob("*.tgz")
     stored.write_bytes(stored.read_bytes()[:-12])  # truncated: the last bytes never reached the disk
-    out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, check=True).stdout
+    out = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env, check=True).stdout
     assert "restored" not in out
     assert (tmp_path / "conftest.log").read_text().split() == ["ran", "ran"]
     assert stored.exists() and subprocess.run(["tar", "-tzf", str(stored)], capture_output=True).returncode == 0, \
