@@ -52,7 +52,7 @@ def managed_file(path: str, content: str, mode: str = "644", state: dict | None 
     """
     if state is None:
         state = host.get_fact(ManagedFiles, paths=[path]).get(path)
-    if state and state["sha256"] == sha256_text(content) and state["mode"] == mode.lstrip("0"):
+    if state and state.get("sha256") == sha256_text(content) and state.get("mode") == mode.lstrip("0"):
         host.noop(f"{path} is up to date")
         return
     yield StringCommand(write_file_command(path, content, mode, keep_previous))

@@ -10,19 +10,19 @@ Then: `update-initramfs -u -k all` only when the options file changed, and a reb
 the loaded modules run with other values than the file sets (the reboot stage decides; a module
 reload is left to a person because it needs every GPU client stopped).
 
-No-change cost: the shared HardwareProbe, one ManagedFiles, one readlink.
+No-change cost: the shared HardwareProbe and one ManagedFiles (files + the wants link).
 """
 
 from __future__ import annotations
 
 import shlex
 
-from facts.once import fact_once
 from pyinfra import host
-from pyinfra.api import FactBase, StringCommand, deploy, operation
+from pyinfra.api import StringCommand, deploy, operation
 
 from facts.files import ManagedFiles
 from facts.hardware import HardwareProbe
+from facts.once import fact_once
 from operations.files import managed_file, sha256_text
 from plan import nvidia as nvplan
 from plan.reboot import need_reboot
@@ -31,21 +31,6 @@ MODPROBE_CONF = "/etc/modprobe.d/pvegpu-nvidia.conf"
 NODES_UNIT_NAME = "pvegpu-nvidia-nodes.service"
 NODES_UNIT = f"/etc/systemd/system/{NODES_UNIT_NAME}"
 NODES_WANTS_LINK = f"/etc/systemd/system/multi-user.target.wants/{NODES_UNIT_NAME}"
-
-
-class UnitLink(FactBase):
-    """Target of a symlink (e.g. a unit's wants link), or None when it is not a symlink.
-
-    .. code:: python
-
-        "/etc/systemd/system/pvegpu-nvidia-nodes.service"
-    """
-
-    def command(self, path: str) -> str:
-        return f"readlink {shlex.quote(path)} || true"
-
-    def process(self, output):
-        return output[0].strip() if output and output[0].strip() else None
 
 
 @operation()
@@ -116,15 +101,16 @@ def apply(spec) -> None:
         return
     hardware = fact_once(HardwareProbe)
     want = desired(spec, hardware)
-    files = host.get_fact(ManagedFiles, paths=[MODPROBE_CONF, NODES_UNIT])
+    # one command for the stage's files and the unit's wants link
+    files = host.get_fact(ManagedFiles, paths=[MODPROBE_CONF, NODES_UNIT, NODES_WANTS_LINK])
     conf_state = files.get(MODPROBE_CONF)
-    conf_changed = not conf_state or conf_state["sha256"] != sha256_text(want["conf"])
+    conf_changed = not conf_state or conf_state.get("sha256") != sha256_text(want["conf"])
     managed_file(name=f"NVIDIA module options ({want['hmm_reason']})", path=MODPROBE_CONF,
                  content=want["conf"], mode="644", state=conf_state)
     managed_file(name="Unit creating /dev/nvidia-uvm* before guests", path=NODES_UNIT,
                  content=want["unit"], mode="644", state=files.get(NODES_UNIT))
     link_unit(name=f"Enable {NODES_UNIT_NAME}", link=NODES_WANTS_LINK, target=NODES_UNIT,
-              current=host.get_fact(UnitLink, path=NODES_WANTS_LINK))
+              current=(files.get(NODES_WANTS_LINK) or {}).get("link"))
     update_initramfs(name="Update initramfs for new module options", changed=conf_changed)
     for detail in loaded_differences(want["disable_hmm"], dict(spec.nvidia.nvreg),
                                      hardware.get("uvm_params") or {}, hardware.get("nvidia_params") or {}):

@@ -28,3 +28,15 @@ def test_managed_files_fact_reads_state_in_one_command(tmp_path):
     out = run(fact.command([str(a), str(tmp_path / "missing")])).splitlines()
     state = fact.process(out)
     assert state == {str(a): {"mode": "640", "sha256": sha256_text("hello\n")}, str(tmp_path / "missing"): None}
+
+
+def test_managed_files_fact_reports_symlink_targets(tmp_path):
+    unit = tmp_path / "x.service"
+    unit.write_text("[Unit]\n")
+    link = tmp_path / "wants" / "x.service"
+    link.parent.mkdir()
+    link.symlink_to(unit)
+    fact = ManagedFiles()
+    state = fact.process(run(fact.command([str(link), str(unit)])).splitlines())
+    assert state[str(link)] == {"link": str(unit)}
+    assert state[str(unit)]["sha256"] == sha256_text("[Unit]\n")

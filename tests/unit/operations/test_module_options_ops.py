@@ -3,6 +3,8 @@ the rendered unit checked by systemd-analyze, and the reboot reasons from real p
 
 import shutil
 import subprocess
+
+from facts.files import ManagedFiles
 from pathlib import Path
 
 import pytest
@@ -38,11 +40,10 @@ def test_link_unit_creates_the_wants_link_and_is_noop_when_present(tmp_path):
     assert len(commands) == 1
     subprocess.run(["sh", "-c", commands[0]], check=True)
     assert Path(link).is_symlink() and str(Path(link).readlink()) == target
-    fact = mo.UnitLink()
-    out = subprocess.run(["sh", "-c", fact.command(link)], capture_output=True, text=True).stdout.splitlines()
-    assert fact.process(out) == target
-    assert fact.process(subprocess.run(["sh", "-c", fact.command(str(tmp_path / "none"))],
-                                       capture_output=True, text=True).stdout.splitlines()) is None
+    fact = ManagedFiles()  # the stage reads the link with its files, in one command
+    out = subprocess.run(["sh", "-c", fact.command([link, str(tmp_path / "none")])],
+                         capture_output=True, text=True).stdout.splitlines()
+    assert fact.process(out) == {link: {"link": target}, str(tmp_path / "none"): None}
     commands, noop = run_op(mo.link_unit, link=link, target=target, current=target)
     assert commands == [] and noop == f"{link} -> {target}"
 
