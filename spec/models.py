@@ -272,6 +272,8 @@ class RebootSpec(Strict):
 
 class GuestPolicy(Strict):
     allow_stop: bool = True  # may a rebind stop running guests that use the GPU?
+    # seconds a guest gets to shut down cleanly (qm/pct shutdown --timeout) before it is stopped
+    shutdown_timeout: int = Field(120, ge=1, le=3600)
 
 
 class ProxmoxApiSpec(Strict):
@@ -287,6 +289,9 @@ class ProxmoxApiSpec(Strict):
     token_env: SafeStr | None = None
     token_file: SafeStr | None = None
     verify_ssl: bool = True
+    # PEM file of the CA that signed the API's certificate (PVE's own: a copy of
+    # /etc/pve/pve-root-ca.pem); unset: the system's CAs
+    ca_file: SafeStr | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> ProxmoxApiSpec:
