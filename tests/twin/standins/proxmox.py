@@ -332,9 +332,21 @@ def api(method, path, opts):
             return api("get", "/version", [])
         if rest and rest[0] in KINDS:
             return guest_api(method, rest[0], rest[1:], opts, single)
+        if len(rest) == 3 and rest[0] == "tasks" and rest[2] == "status" and method == "get":
+            return task_status(rest[1])
     if parts[:3] == ["cluster", "mapping", "pci"]:
         return mapping_api(method, parts[3:], opts, single)
     raise ApiError(f"No '{method}' handler defined for '{path}'")
+
+
+def task_status(upid):
+    """Tasks run synchronously here (a failing one fails its request), so every task of this
+    node has ended with OK by the time a client asks."""
+    fields = upid.split(":")
+    if len(fields) < 8 or fields[0] != "UPID" or fields[1] != node():
+        raise ApiError(f"400 Parameter verification failed.\nupid: unable to parse worker upid '{upid}'")
+    return {"upid": upid, "node": fields[1], "pid": int(fields[2], 16), "starttime": int(fields[4], 16),
+            "type": fields[5], "id": fields[6], "user": fields[7], "status": "stopped", "exitstatus": "OK"}
 
 
 def guest_api(method, kind, rest, opts, single):
