@@ -29,6 +29,7 @@ STAGES = [
     ("module options", "operations.module_options"),
     ("GPU assignment", "operations.gpus"),
     ("guests", "operations.guests"),
+    ("container user space", "operations.containers"),
     ("NCCL environment", "operations.nccl"),
     ("reboot policy", "operations.reboot"),
 ]

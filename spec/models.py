@@ -250,7 +250,10 @@ NcclOverrides = Annotated[dict[SafeStr, SafeStr | int], AfterValidator(_nccl_key
 class ContainerSpec(Strict):
     gpus: list[Bdf] = Field(default_factory=list)
     nccl: NcclOverrides = Field(default_factory=dict)
-    userspace_driver: bool = True  # install the host's exact driver user space in the CT
+    # the host's exact NVIDIA user space (nvidia.installer, without kernel modules) in the CT:
+    # true = install it (needs nvidia.installer), false = the CT's own business,
+    # unset = install it when nvidia.installer is configured
+    userspace_driver: bool | None = None
     gid: int | None = None  # group of /dev/nvidia* in the CT (default: PVEGPU_DEVICE_GID)
 
 
@@ -367,6 +370,13 @@ class HostSpec(Strict):
                     errors.append(f'@{where}: GPU "{bdf}" is not declared under gpus; add it with role "vm:{vmid}"')
                 elif gpu.role != f"vm:{vmid}":
                     errors.append(f'@{where}: GPU "{bdf}" has role {gpu.role!r}, but VM {vmid} can only use GPUs with role "vm:{vmid}"')
+
+        for ctid, ct in self.containers.items():
+            if ct.userspace_driver is True and ct.gpus and (self.nvidia is None or self.nvidia.installer is None):
+                errors.append(
+                    f"@containers[{ctid}].userspace_driver: installing the host's NVIDIA user space in CT {ctid} "
+                    "needs nvidia.installer (the NVIDIA-Linux-x86_64-<version>.run of the host's driver and its "
+                    "sha256); set it, or leave userspace_driver out (or false) to manage the CT's driver libraries yourself")
 
         for bdf, gpu in self.gpus.items():
             if gpu.vmid is not None:

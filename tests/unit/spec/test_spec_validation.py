@@ -101,6 +101,9 @@ def test_defaults_come_from_group_data(tmp_path):
         (lambda d: d["iommu"]["params"].append("pci=realloc quiet"), "hosts.kpro6.iommu.params", "one word without spaces"),
         (lambda d: d.update(proxmox_api={"host": "127.0.0.1", "token_name": "t"}), "hosts.kpro6.proxmox_api",
          "exactly one of 'token_env'"),
+        # CT user space asked for explicitly, but nothing to install it from
+        (lambda d: d["nvidia"].pop("installer"), "hosts.kpro6.containers[200].userspace_driver",
+         "needs nvidia.installer"),
     ],
 )
 def test_invalid_input_is_refused_with_path(tmp_path, mutate, path, words):
@@ -177,3 +180,12 @@ def test_kernel_base_config_is_a_known_target_or_a_path(tmp_path):
     data["hosts"]["kpro6"]["kernel"]["base_config"] = "config-6.14"
     msg = errors_of(data, tmp_path)
     assert "hosts.kpro6.kernel.base_config: 'config-6.14': use 'running', 'tinyconfig'" in msg
+
+
+def test_container_userspace_unset_follows_the_installer(tmp_path):
+    data = kpro6()
+    h = data["hosts"]["kpro6"]
+    h["containers"][200].pop("userspace_driver")
+    h["nvidia"].pop("installer")
+    hosts = validate_spec(data, tmp_path / "x.yml")  # unset + no installer: valid, not managed
+    assert hosts["kpro6"].containers[200].userspace_driver is None

@@ -1,0 +1,189 @@
+"""Stage: container user space — the host's exact NVIDIA user space in each GPU container.
+
+After the guests stage gave each CT its device nodes (and restarted it when they changed), every
+running GPU container gets the user space of exactly the host's driver version (spec
+``nvidia.version``) from the host's verified installer (spec ``nvidia.installer``, cached on the
+host by sha256 like the NVIDIA stage does)::
+
+    pct push <ctid> <cached .run> /root/.pvegpu-NVIDIA-Linux-x86_64-<ver>.run
+    pct exec <ctid> -- sh <that> --silent --no-kernel-modules ...   (plan.containers.INSTALLER_FLAGS)
+    pct exec <ctid> -- rm -f <that>
+    then: libnvidia-ml.so.<ver> is there, and `nvidia-smi -L` works inside when the host runs <ver>
+
+A CT is managed when the spec gives it GPUs and ``userspace_driver`` is true, or unset with an
+installer configured. Stopped CTs are skipped with the reason (pct exec needs a running CT; a run
+while it runs installs it). No-change cost: one remote command (`ContainerUserspace`).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from pyinfra import host, logger
+from pyinfra.api import FactBase, StringCommand, deploy, operation
+
+from operations.gpus import parse_guest_state
+from operations.nvidia import cached_source, fetch_source_command
+from plan.containers import INSTALLER_FLAGS, LIB_DIRS, ct_installer_path, plan_userspace
+from spec.models import HostSpec
+
+_MARK = "@@pvegpu "
+
+# Run inside a CT by `pct exec <id> -- sh -c`: its root's identity, arch, glibc, NVML libraries.
+_CT_PROBE = (
+    'echo "root $(stat -c %d:%i /)"; echo "arch $(uname -m)"; '
+    "if [ -e /lib64/ld-linux-x86-64.so.2 ] || [ -e /lib/x86_64-linux-gnu/libc.so.6 ]; "
+    "then echo 'glibc yes'; else echo 'glibc no'; fi; "
+    f"for f in {' '.join(d + '/libnvidia-ml.so.*' for d in LIB_DIRS)}; do "
+    '[ -e "$f" ] && [ ! -L "$f" ] && echo "lib $f"; done; true'
+)
+
+
+def parse_container_userspace(lines: list[str]) -> dict:
+    """`ContainerUserspace` output → the dict documented on the fact."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in lines:
+        if line.startswith(_MARK):
+            current = sections.setdefault(line[len(_MARK):].strip(), [])
+        elif current is not None:
+            current.append(line)
+    containers = {}
+    for name, body in sections.items():
+        m = re.match(r"^ct (\d+)$", name)
+        if not m:
+            continue
+        ct: dict = {"libs": []}
+        for line in body:
+            key, _, value = line.partition(" ")
+            if key == "root":
+                ct["root"] = value.strip()
+            elif key == "arch":
+                ct["arch"] = value.strip()
+            elif key == "glibc":
+                ct["glibc"] = value.strip() == "yes"
+            elif key == "lib":
+                ct["libs"].append(value.strip())
+        if "root" in ct:  # else pct exec failed (its error text is in body)
+            containers[int(m.group(1))] = ct
+    driver = (sections.get("host-driver") or [""])[0].strip() or None
+    return {
+        "pct": "pct" in sections,
+        "host_root": (sections.get("root") or [""])[0].strip() or None,
+        "host_driver": driver,
+        "status": parse_guest_state(["@@ pct", *sections.get("pct", [])])["status"]["lxc"],
+        "containers": containers,
+    }
+
+
+class ContainerUserspace(FactBase):
+    """Run state of the GPU containers and, inside each running one, its NVML libraries, in one command.
+
+    + ctids: the containers to look into (``pct exec`` each running one)
+
+    .. code:: python
+
+        {"pct": True, "host_root": "64:2", "host_driver": "595.71.05",   # /proc/driver/nvidia/version
+         "status": {200: "running"},
+         "containers": {200: {"root": "65:34", "arch": "x86_64", "glibc": True,
+                              "libs": ["/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.595.71.05"]}}}
+    """
+
+    def command(self, ctids: list[int]) -> str:
+        ids = " ".join(shlex.quote(str(int(c))) for c in ctids)
+        loop = (
+            f"for id in {ids}; do "
+            "if printf '%s\\n' \"$pvegpu_cts\" | awk -v id=\"$id\" '$1 == id && $2 == \"running\" {f = 1} END {exit !f}'; "
+            f"then echo \"{_MARK}ct $id\"; pct exec \"$id\" -- sh -c {shlex.quote(_CT_PROBE)} 2>&1; fi; done; "
+        ) if ids else ""
+        return (
+            f"echo '{_MARK}root'; stat -c %d:%i /; "
+            f"echo '{_MARK}host-driver'; sed -n '1s/.*Module[^0-9]*\\([0-9][0-9.]*\\).*/\\1/p' "
+            "/proc/driver/nvidia/version 2>/dev/null; "
+            "if command -v pct >/dev/null 2>&1; then pvegpu_cts=$(pct list 2>/dev/null); "
+            f"echo '{_MARK}pct'; printf '%s\\n' \"$pvegpu_cts\"; {loop}fi; true"
+        )
+
+    def process(self, output):
+        return parse_container_userspace(list(output))
+
+    @staticmethod
+    def default() -> dict:
+        return parse_container_userspace([])
+
+
+def install_command(ctid: int, version: str, installer_url: str, sha256: str, cached: str,
+                    check_nvml: bool) -> str:
+    """One shell command: fetch+verify the installer on the host (if not cached), push it into the
+    CT, run it without kernel modules, remove it, check the library (and NVML when the host runs
+    `version`). Every value is quoted."""
+    q_ct, inside = shlex.quote(str(ctid)), ct_installer_path(version)
+    q_in = shlex.quote(inside)
+    flags = " ".join(INSTALLER_FLAGS)
+    lib_check = " || ".join(f"[ -e {shlex.quote(f'{d}/libnvidia-ml.so.{version}')} ]" for d in LIB_DIRS)
+    failed = shlex.quote(f"pvegpu: the NVIDIA {version} installer failed in CT {ctid} (exit ")
+    failed_tail = shlex.quote("); see /var/log/nvidia-installer.log inside it")
+    nolib = shlex.quote(f"pvegpu: after the install CT {ctid} has no libnvidia-ml.so.{version}")
+    nvml = shlex.quote(f"pvegpu: nvidia-smi fails in CT {ctid} after installing {version}: ")
+    parts = [
+        f"( {fetch_source_command(installer_url, sha256, cached)} )",
+        f"pct push {q_ct} {shlex.quote(cached)} {q_in} --perms 0700",
+        f"{{ pct exec {q_ct} -- sh {q_in} {flags}; rc=$?; pct exec {q_ct} -- rm -f {q_in}; "
+        f"[ $rc -eq 0 ] || {{ echo {failed}\"$rc\"{failed_tail} >&2; exit 1; }}; }}",
+        f"{{ pct exec {q_ct} -- sh -c {shlex.quote(lib_check)} || {{ echo {nolib} >&2; exit 1; }}; }}",
+    ]
+    if check_nvml:
+        parts.append(f"{{ out=$(pct exec {q_ct} -- nvidia-smi -L 2>&1) || {{ echo {nvml}\"$out\" >&2; exit 1; }}; }}")
+    return " && ".join(parts)
+
+
+@operation()
+def container_userspace(ctid: int, action: str, reason: str, version: str, installer_url: str = "",
+                        sha256: str = "", cached: str = "", check_nvml: bool = True):
+    """NVIDIA user space `version` in container `ctid` (a `plan.containers.CtUserspace` decision).
+
+    + installer_url, sha256: the spec's nvidia.installer; cached: its verified copy on the host
+    + check_nvml: the host runs `version` now, so `nvidia-smi -L` must work inside afterwards
+    """
+    if action != "install":
+        host.noop(reason)
+        return
+    yield StringCommand(install_command(ctid, version, installer_url, sha256, cached, check_nvml))
+
+
+def managed_containers(spec: HostSpec) -> dict:
+    """The spec's containers whose user space pvegpu installs (see the module docstring)."""
+    has_installer = spec.nvidia is not None and spec.nvidia.installer is not None
+    return {ctid: ct for ctid, ct in spec.containers.items()
+            if ct.gpus and has_installer and ct.userspace_driver is not False}
+
+
+# ---------------------------------------------------------------- stage protocol
+
+
+def preflight(spec: HostSpec) -> list[str]:
+    return []  # the spec load refuses userspace_driver: true without an installer
+
+
+@deploy("container user space")
+def apply(spec: HostSpec) -> None:
+    managed = managed_containers(spec)
+    unmanaged = sorted(c for c, ct in spec.containers.items() if ct.gpus and c not in managed)
+    if unmanaged and spec.nvidia is not None and spec.nvidia.installer is None:
+        logger.info(f"{host.name}: CT {', '.join(map(str, unmanaged))}: NVIDIA user space not managed "
+                    "(no nvidia.installer); the CT must bring exactly the host's driver version itself")
+    if not managed:
+        return
+    nv = spec.nvidia
+    state = host.get_fact(ContainerUserspace, ctids=sorted(managed))
+    for step in plan_userspace(nv.version, managed, state):
+        if step.action == "skip" and ("glibc" in step.reason or "x86_64" in step.reason or "answer" in step.reason):
+            logger.warning(f"{host.name}: {step.reason}")
+        elif step.action != "ok":
+            logger.info(f"{host.name}: {step.reason}")
+        container_userspace(name=f"CT {step.ctid}: NVIDIA user space {nv.version}", ctid=step.ctid,
+                            action=step.action, reason=step.reason, version=nv.version,
+                            installer_url=nv.installer.url, sha256=nv.installer.sha256,
+                            cached=cached_source(nv.installer),
+                            check_nvml=state.get("host_driver") == nv.version)

@@ -1,0 +1,155 @@
+"""Container user space stage: the fact and the install command run in a real shell against a `pct`
+that chroots into the container's own root (its /usr an overlay of the host's), with a small
+stand-in of NVIDIA's .run that honours the flags pvegpu passes."""
+
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from operations import containers
+from plan.containers import INSTALLER_FLAGS, plan_userspace
+from spec.models import ContainerSpec
+from tests.unit.operations.test_nccl_ops import pct_list, run_op
+
+VERSION = "595.71.05"
+
+FAKE_PCT = r"""#!/bin/sh
+# pct for tests: `list` prints $FAKE_PCT/list; `push ID SRC DST [--perms M]` copies into the CT's root;
+# `exec ID -- CMD…` runs CMD chrooted in $FAKE_PCT/ct<ID> with /usr an overlay of the host's /usr.
+echo "$*" >> "$FAKE_PCT/calls"
+root="$FAKE_PCT/ct$2"
+case "$1" in
+list) cat "$FAKE_PCT/list" ;;
+push) cp "$3" "$root$4" && { [ "$5" != --perms ] || chmod "$6" "$root$4"; } ;;
+exec) shift 3
+      exec unshare --mount sh -c 'mount -t overlay overlay -o "lowerdir=/usr,upperdir=$0/.usr-upper,workdir=$0/.usr-work" "$0/usr" && exec chroot "$0" "$@"' "$root" "$@" ;;
+*) echo "fake pct: $1 not supported" >&2; exit 255 ;;
+esac
+"""
+
+# A .run as far as pvegpu uses it: refuses to build modules, installs the NVML/CUDA libraries.
+TEST_RUN = r"""#!/bin/sh
+version=@VERSION@
+case " $* " in *" --no-kernel-modules "*) ;; *) echo "would build kernel modules" >&2; exit 1 ;; esac
+[ -n "$PVEGPU_TEST_INSTALLER_FAIL" ] && exit 3
+d=/usr/lib/x86_64-linux-gnu
+mkdir -p $d
+rm -f $d/libnvidia-ml.so.* $d/libcuda.so.*
+echo nvml > $d/libnvidia-ml.so.$version && ln -sf libnvidia-ml.so.$version $d/libnvidia-ml.so.1
+echo cuda > $d/libcuda.so.$version
+echo "$*" > /installer-flags
+"""
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                                reason="needs root (mount namespace, overlay, chroot)")
+
+
+@pytest.fixture
+def node(tmp_path):
+    """A fake node: CT 200 running with its own root; the installer at a local path."""
+    fake = tmp_path / "pct-state"
+    root = fake / "ct200"
+    for sub in ("usr", "etc", "root", "tmp", ".usr-upper", ".usr-work"):
+        (root / sub).mkdir(parents=True)
+    for link in ("bin", "lib", "lib64", "sbin"):
+        if Path(f"/{link}").is_symlink():
+            (root / link).symlink_to(os.readlink(f"/{link}"))
+    (fake / "list").write_text("\n".join(pct_list(**{"200": "running", "201": "stopped"})) + "\n")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "pct").write_text(FAKE_PCT)
+    (bindir / "pct").chmod(0o755)
+    run = tmp_path / f"NVIDIA-Linux-x86_64-{VERSION}.run"
+    run.write_text(TEST_RUN.replace("@VERSION@", VERSION))
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", FAKE_PCT=str(fake))
+    return {"fake": fake, "root": root, "env": env, "run": run,
+            "sha": hashlib.sha256(run.read_bytes()).hexdigest(), "cache": tmp_path / "cache"}
+
+
+def shell(command, env):
+    return subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env)
+
+
+def read_state(env, ctids=(200, 201)):
+    fact = containers.ContainerUserspace()
+    out = shell(fact.command(list(ctids)), env)
+    assert out.returncode == 0, out.stderr
+    return fact.process(out.stdout.splitlines())
+
+
+def test_fact_parses_stopped_and_missing_containers_and_host_driver():
+    fact = containers.ContainerUserspace()
+    state = fact.process(["@@pvegpu root", "64:2", "@@pvegpu host-driver", VERSION, "@@pvegpu pct",
+                          *pct_list(**{"200": "running", "201": "stopped"}), "@@pvegpu ct 200",
+                          "root 65:34", "arch x86_64", "glibc yes",
+                          f"lib /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.{VERSION}"])
+    assert state == {"pct": True, "host_root": "64:2", "host_driver": VERSION,
+                     "status": {200: "running", 201: "stopped"},
+                     "containers": {200: {"root": "65:34", "arch": "x86_64", "glibc": True,
+                                          "libs": [f"/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.{VERSION}"]}}}
+    # pct exec failed (its message instead of the probe): no answer, not an empty CT
+    failed = fact.process(["@@pvegpu pct", *pct_list(**{"200": "running"}), "@@pvegpu ct 200",
+                           "CT 200 not running"])
+    assert failed["containers"] == {} and failed["host_driver"] is None
+
+
+def test_install_command_quotes_values_and_passes_the_no_modules_flags():
+    commands, _ = run_op(containers.container_userspace, ctid=200, action="install", reason="r", version=VERSION,
+                         installer_url="/srv/it's here.run", sha256="a" * 64,
+                         cached="/var/cache/pvegpu/sources/x.run", check_nvml=False)
+    assert len(commands) == 1
+    cmd = commands[0]
+    assert "'/srv/it'\"'\"'s here.run'" in cmd
+    assert "pct push 200 /var/cache/pvegpu/sources/x.run" in cmd
+    assert f"sh /root/.pvegpu-NVIDIA-Linux-x86_64-{VERSION}.run {' '.join(INSTALLER_FLAGS)}" in cmd
+    assert "nvidia-smi" not in cmd  # the host does not run this version yet: NVML cannot work
+    assert run_op(containers.container_userspace, ctid=200, action="ok", reason="CT 200 has it",
+                  version=VERSION) == ([], "CT 200 has it")
+
+
+@needs_root
+def test_install_into_the_containers_own_root_then_nothing_to_do(node):
+    env = node["env"]
+    state = read_state(env)
+    assert state["status"] == {200: "running", 201: "stopped"}
+    assert state["containers"][200]["libs"] == [] and state["containers"][200]["root"] != state["host_root"]
+    cts = {200: ContainerSpec(gpus=["0000:01:00.0"]), 201: ContainerSpec(gpus=["0000:21:00.0"])}
+    steps = plan_userspace(VERSION, cts, state)
+    assert [(s.ctid, s.action) for s in steps] == [(200, "install"), (201, "skip")]
+
+    cached = str(node["cache"] / f"{node['sha']}-installer.run")
+    commands, _ = run_op(containers.container_userspace, ctid=200, action="install", reason=steps[0].reason,
+                         version=VERSION, installer_url=str(node["run"]), sha256=node["sha"], cached=cached,
+                         check_nvml=False)
+    done = shell(commands[0], env)
+    assert done.returncode == 0, done.stderr
+    upper = node["root"] / ".usr-upper/lib/x86_64-linux-gnu"
+    assert (upper / f"libnvidia-ml.so.{VERSION}").exists(), "installed in the CT's root"
+    assert not Path(f"/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.{VERSION}").exists(), "not in the host's /usr"
+    assert (node["root"] / "installer-flags").read_text().split() == list(INSTALLER_FLAGS)
+    assert not (node["root"] / f"root/.pvegpu-NVIDIA-Linux-x86_64-{VERSION}.run").exists(), "installer removed"
+
+    again = plan_userspace(VERSION, cts, read_state(env))
+    assert [(s.ctid, s.action) for s in again] == [(200, "ok"), (201, "skip")]
+
+
+@needs_root
+def test_failed_install_reports_removes_the_installer_and_bad_checksum_pushes_nothing(node):
+    env = dict(node["env"], PVEGPU_TEST_INSTALLER_FAIL="1")
+    cached = str(node["cache"] / f"{node['sha']}-installer.run")
+    cmd = containers.install_command(200, VERSION, str(node["run"]), node["sha"], cached, check_nvml=False)
+    failed = shell(cmd, env)
+    assert failed.returncode != 0
+    assert f"the NVIDIA {VERSION} installer failed in CT 200 (exit 3)" in failed.stderr
+    assert not (node["root"] / f"root/.pvegpu-NVIDIA-Linux-x86_64-{VERSION}.run").exists()
+
+    calls_before = (node["fake"] / "calls").read_text()
+    bad = containers.install_command(200, VERSION, str(node["run"]), "b" * 64,
+                                     str(node["cache"] / "other.run"), check_nvml=False)
+    refused = shell(bad, node["env"])
+    assert refused.returncode != 0 and "checksum mismatch" in refused.stderr
+    assert (node["fake"] / "calls").read_text() == calls_before, "nothing reached the container"
