@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from facts.devices import parse_char_majors
 from facts.nvidia import parse_gpu_information
 from facts.pci import parse_pci_devices
@@ -109,4 +111,57 @@ def test_nvidia_smi_in_each_running_container_lists_exactly_its_gpus(target):
         if rc != 0 or seen != sorted(b for b in ct.gpus if b in minors):
             problems.append(f"nvidia-smi in CT {ctid} sees {', '.join(seen) or 'no GPU'} (rc {rc}) "
                             f"but the CT is given {', '.join(sorted(ct.gpus))}")
+    assert not problems, f"{target.name}: " + "; ".join(problems)
+
+
+def _running_gpu_containers(target):
+    """{ctid: ContainerSpec} of the spec's GPU CTs that run now (pct exec needs a running CT)."""
+    rc, out = target.run("pct list 2>/dev/null")
+    running = {int(line.split()[0]) for line in out.splitlines()[1:]
+               if len(line.split()) > 1 and line.split()[0].isdigit() and line.split()[1] == "running"}
+    return {c: ct for c, ct in sorted(target.spec.containers.items()) if ct.gpus and c in running}
+
+
+def _bus_id(value: str) -> str:
+    """nvidia-smi's '00000000:01:00.0' → '0000:01:00.0' (lower case)."""
+    dom, _, rest = value.strip().partition(":")
+    return f"{int(dom, 16):04x}:{rest.lower()}"
+
+
+def test_nvidia_smi_in_each_running_container_sees_exactly_its_gpus(target):
+    cts = _running_gpu_containers(target)
+    if not cts:
+        pytest.skip(f"{target.name}: no GPU container runs (pct exec needs one running)")
+    problems = []
+    for ctid, ct in cts.items():
+        rc, out = target.run(f"pct exec {ctid} -- nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader 2>&1")
+        if rc != 0:
+            problems.append(f"nvidia-smi fails in CT {ctid}: {out.strip()[:300]}")
+            continue
+        seen = sorted(_bus_id(line) for line in out.splitlines() if line.strip())
+        if seen != sorted(ct.gpus):
+            problems.append(f"nvidia-smi in CT {ctid} sees {', '.join(seen) or 'no GPU'} but its GPUs are "
+                            f"{', '.join(sorted(ct.gpus))}")
+    assert not problems, f"{target.name}: " + "; ".join(problems)
+
+
+def test_each_managed_container_has_exactly_the_hosts_driver_user_space(target):
+    from operations.containers import managed_containers
+    from plan.containers import LIB_DIRS, installed_versions
+
+    managed = managed_containers(target.spec)
+    cts = {c: ct for c, ct in _running_gpu_containers(target).items() if c in managed}
+    if not cts:
+        pytest.skip(f"{target.name}: no running container whose NVIDIA user space pvegpu manages")
+    rc, out = target.run("cat /proc/driver/nvidia/version")
+    m = re.search(r"Module\D*(\d+\.\d+(?:\.\d+)?)", out)
+    host_version = m.group(1) if m else None
+    problems = []
+    for ctid in cts:
+        globs = " ".join(f"{d}/libnvidia-ml.so.*" for d in LIB_DIRS)
+        rc, out = target.run(f"pct exec {ctid} -- sh -c 'ls -1 {globs} 2>/dev/null; true'")
+        have = installed_versions(out.split())
+        if have != [host_version]:
+            problems.append(f"CT {ctid} has NVIDIA user space {', '.join(have) or 'none'} but the host runs "
+                            f"driver {host_version or 'none'}")
     assert not problems, f"{target.name}: " + "; ".join(problems)
