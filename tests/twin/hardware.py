@@ -2,7 +2,10 @@
 twin's root become a rendered sysfs/procfs view, device nodes and the state the stand-ins read.
 
 Public API (see /work/notes/TWIN-CONTRACT.md):
-    install(root, profile)      once per fresh root: profile, stand-ins, /etc/pve seed, render
+    install(root, profile)      once per fresh root: profile, stand-ins, /etc/pve seed, the twin's
+                                NVIDIA installer of the profile's driver version at
+                                /opt/nvidia/NVIDIA-Linux-x86_64-<version>.run (tests/twin/installer.py),
+                                render
     render(root)                one "boot": re-read persisted config, rewrite root/var/lib/twin/hw/
     mark_busy(root, bdf, holder="nvidia-persistenced") / clear_busy(root, bdf=None)
     load_profile(name_or_path) -> dict
@@ -45,6 +48,8 @@ import time
 from pathlib import Path
 
 import yaml
+
+from tests.twin import installer
 
 HERE = Path(__file__).resolve().parent
 PROFILES_DIR = HERE / "profiles"
@@ -751,6 +756,8 @@ def install(root: Path, profile: str) -> None:
     shutil.copyfile(STANDINS_DIR / "twinstate.py", lib)
     _seed_kernels(root, data)
     _seed_nvidia_install(root, data)
+    if (data.get("nvidia") or {}).get("version"):  # an operator's download of the host's driver
+        installer.build(data["nvidia"]["version"], root / "opt/nvidia")
     _seed_boot(root, data)
     if data.get("pve"):
         _seed_pve(root, data)

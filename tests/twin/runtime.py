@@ -12,11 +12,33 @@ On disk (paths relative to the repository root):
     .twin/<name>/boots               one line per boot: "<unix-time> <boot-number>"
     .twin/<name>/supervisor.log      supervisor and sshd output
 
+    .twin/<name>/ct/<id>/            one LXC container's files (see "Containers" below)
+
 Per twin, one supervisor process runs as pid 1 of its own pid, mount and uts namespaces
 (`unshare --mount --pid --uts --fork --propagation private`). It mounts proc/sys/dev/run as
 TWIN-CONTRACT.md says, runs `chroot <root> /usr/sbin/sshd -D -e`, and serves reboot requests
 (`<root>/var/lib/twin/reboot-request`). Killing it takes every process and mount of the twin
 with it; `stop` then unmounts the overlay and checks nothing is left.
+
+Containers (the pct stand-in, tests/twin/standins/proxmox.py, does the per-CT work). Each boot the
+supervisor also bind-mounts, in its own namespace (so they go with it, like the other mounts):
+
+    .twin/<name>/ct          -> <root>/var/lib/twin/ct       rw, a host-fs dir: overlayfs cannot
+                                                             take an upperdir on the twin's overlay
+    .cache/twin/root-<key>   -> <root>/var/lib/twin/ctbase   ro, pristine bookworm: every CT's lowerdir
+
+    ct/<id>/upper, work      the CT's own files (overlay upper/work): kept across `pct stop/start`
+                             and twin reboots, gone with `runtime.stop`
+    ct/<id>/root             mount point of the CT's root (mounted only inside a `pct exec`)
+    ct/<id>/devices.json     the CT's /dev nodes, snapshot by `pct start` from its config (devN:
+                             entries, or lxc.mount.entry + lxc.cgroup2.devices.allow) with the
+                             twin's majors/minors; dropped by `pct stop`/`shutdown`
+
+`pct exec <id> -- CMD` (and push/pull) runs `unshare --mount --uts --propagation private` in the
+twin: overlay(lower=ctbase, upper, work) on ct/<id>/root, a tmpfs /dev with the basic nodes plus
+devices.json's, the twin's /proc (rbind) and /sys (ro), a tmpfs /run holding /run/twin/ (the
+twin's /var/lib/twin, its stand-in library and nvidia-smi, read-only, for the NVIDIA user space
+that tests/twin/installer.py installs), then chroot. All of it vanishes with the command.
 """
 
 from __future__ import annotations
@@ -241,7 +263,8 @@ def host_mounts() -> list[str]:
 # Mounting (ctypes: the supervisor mounts a dozen things per boot; no fork per mount)
 
 _libc = ctypes.CDLL(None, use_errno=True)
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC = 0x2, 0x4, 0x8, 0x1000, 0x4000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = (
+    0x1, 0x2, 0x4, 0x8, 0x20, 0x1000, 0x4000)
 MNT_DETACH = 0x2
 
 
@@ -762,6 +785,17 @@ class Supervisor:
         _mount("run", root / "run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=64m")
         for sub in ("sshd", "lock"):
             (root / "run" / sub).mkdir(mode=0o755, exist_ok=True)
+        self.mount_containers()
+
+    def mount_containers(self) -> None:
+        """CT files (host fs, rw) and the pristine root every CT overlays (ro); module docstring."""
+        ct, base = self.root / "var/lib/twin/ct", self.root / "var/lib/twin/ctbase"
+        (self.dir / "ct").mkdir(exist_ok=True)
+        for point in (ct, base):
+            point.mkdir(parents=True, exist_ok=True)
+        _mount(str(self.dir / "ct"), ct, flags=MS_BIND)
+        _mount(self.spec["lower"], base, flags=MS_BIND)
+        _mount("none", base, flags=MS_BIND | MS_REMOUNT | MS_RDONLY)
 
     def mount_dev(self, dev_json: Path) -> None:
         dev = self.root / "dev"

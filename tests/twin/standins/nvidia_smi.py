@@ -4,8 +4,16 @@
 GPUs bound to anything but nvidia are invisible (as on a real host). Supported: (no args) table,
 -L, -i, topo -m, topo -p2p r|w|n|a|p, --query-gpu=... / --query-compute-apps=... with
 --format=csv[,noheader][,nounits], --version.
+
+In an LXC container (TWIN_CT=1, set by the /usr/bin/nvidia-smi that tests/twin/installer.py installs;
+TWIN_ROOT then points at the twin's state mounted in the CT) it answers as NVML does there, from the
+CT's own root: libnvidia-ml.so.1 missing -> exit 12; no /dev/nvidiactl or no driver -> exit 9;
+library version != /proc/driver/nvidia/version -> "Driver/library version mismatch", exit 18; else
+only GPUs whose /dev/nvidia<minor> exists, indexed 0.. in minor order.
 """
 import os
+import re
+import stat
 import sys
 import time
 
@@ -199,8 +207,50 @@ def table(st, gpus):
     return "".join(x + "\n" for x in out)
 
 
+NO_DRIVER = ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+             "Make sure that the latest NVIDIA driver is installed and running.\n\n")
+LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib")
+
+
+def container_view(st):
+    """(state with only this CT's GPUs, None) or (None, (message, exit code)) as NVML in a CT."""
+    lib = next((os.path.realpath(f"{d}/libnvidia-ml.so.1") for d in LIB_DIRS
+                if os.path.exists(f"{d}/libnvidia-ml.so.1")), None)
+    if lib is None:
+        return None, ("NVIDIA-SMI couldn't find libnvidia-ml.so library in your system. Please make sure that "
+                      "the NVIDIA Display Driver is properly installed and present in your system.\nPlease also "
+                      "try adding directory that contains libnvidia-ml.so to your system PATH.\n", 12)
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            driver = re.search(r"\s(\d+\.\d+(?:\.\d+)?)\s", f.read())
+    except OSError:
+        driver = None
+    if driver is None or not os.path.exists("/dev/nvidiactl"):
+        return None, (NO_DRIVER, 9)
+    m = re.search(r"\.so\.(\d+\.\d+(?:\.\d+)?)$", lib)
+    if m is None or m.group(1) != driver.group(1):
+        short = ".".join((m.group(1) if m else "0.0").split(".")[:2])
+        return None, (f"Failed to initialize NVML: Driver/library version mismatch\nNVML library version: {short}\n", 18)
+
+    def opened(minor):
+        try:
+            return stat.S_ISCHR(os.stat(f"/dev/nvidia{minor}").st_mode)
+        except OSError:
+            return False
+    mine = [dict(g) for g in visible(st) if opened(g["minor"])]
+    for i, g in enumerate(mine):
+        g["index"] = i
+    others = [g for g in st.get("gpus", []) if g.get("index") is None]
+    return dict(st, gpus=mine + others), None
+
+
 def main(argv):
     st = twinstate.state()
+    if os.environ.get("TWIN_CT") and "--version" not in argv:
+        st, failure = container_view(st)
+        if failure:
+            sys.stdout.write(failure[0])
+            return failure[1]
     if "--version" in argv:
         nv = st.get("nvidia") or {}
         sys.stdout.write(f"NVIDIA-SMI version  : {nv.get('version')}\nNVML version        : "

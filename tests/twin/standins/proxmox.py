@@ -4,7 +4,10 @@
 State lives where Proxmox keeps it: /etc/pve/nodes/<node>/{lxc,qemu-server}/<id>.conf (pct.conf(5),
 qm.conf(5); [snapshot] sections preserved) and /etc/pve/mapping/pci.cfg. Guest run state is
 /var/lib/twin/guests.json; start/stop/shutdown/reboot append to /var/lib/twin/guests.log.
-Simplification: `pct exec` runs the command in the twin itself (the container shares the twin's root).
+Containers have their own root: `pct exec/push/pull` work in /var/lib/twin/ct/<id>/root, an overlay
+of the pristine bookworm root (/var/lib/twin/ctbase) and the CT's own files, with a /dev holding the
+nodes its config passed through (snapshot at `pct start`: ct/<id>/devices.json); layout and mounts are
+described in tests/twin/runtime.py. Refused like Proxmox: exec/push/pull on a CT that is not running.
 Refused as Proxmox refuses: raw lxc.* keys through pct set / the API, starting a CT whose devN
 path does not exist, starting a VM whose PCI mapping does not match the hardware (ids, path,
 IOMMU group), pcie=1 without a q35 machine.
@@ -12,8 +15,8 @@ IOMMU group), pcie=1 without a q35 machine.
 import json
 import os
 import re
+import shlex
 import stat
-import subprocess
 import sys
 import time
 
@@ -232,6 +235,8 @@ def start(kind, vmid):
     if status_of(kind, vmid) == "running":
         raise ApiError(f"{label} {vmid} already running")
     (check_lxc_start if kind == "lxc" else check_qemu_start)(conf)
+    if kind == "lxc":
+        ct_boot(vmid, conf)
     set_run_state(kind, vmid, "running")
     ts.log_guest("start", kind, vmid)
 
@@ -242,6 +247,8 @@ def stop(kind, vmid, action="stop"):
         if action == "stop":
             return  # stopping a stopped guest is a no-op in Proxmox too
         raise ApiError(f"{KINDS[kind][1]} {vmid} not running")
+    if kind == "lxc":
+        ct_halt(vmid)
     set_run_state(kind, vmid, "stopped")
     ts.log_guest(action, kind, vmid)
 
@@ -252,6 +259,9 @@ def reboot(kind, vmid):
         raise ApiError(f"{KINDS[kind][1]} {vmid} not running")
     conf = load(kind, vmid)
     (check_lxc_start if kind == "lxc" else check_qemu_start)(conf)
+    if kind == "lxc":
+        ct_kill(vmid)
+        ct_boot(vmid, conf)
     ts.log_guest("reboot", kind, vmid)
 
 
@@ -261,6 +271,234 @@ def create_guest(kind, vmid, opts):
     ts.write(conf_path(kind, vmid), "")
     verify_params(kind, [(k, v) for k, v in opts if k not in ("ostemplate", "storage", "password")])
     update_config(kind, vmid, [(k, v) for k, v in opts if k not in ("ostemplate", "storage", "password", "start")], [])
+
+
+# ---------------------------------------------------------------- containers: own root, own /dev
+
+CT_DIR = "/var/lib/twin/ct"  # host-fs dir the runtime bind-mounts rw (overlay upper/work live here)
+CT_BASE = "/var/lib/twin/ctbase"  # the pristine bookworm root, ro: every CT's lowerdir
+CT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # lxc-attach --clear-env
+BASIC_NODES = (("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9),
+               ("tty", 5, 0))
+
+
+def twin_char_node(path):
+    """(major, minor, mode) of the char node `path` in the twin's /dev, else None."""
+    try:
+        st = os.stat(ts.path(path))
+        if stat.S_ISCHR(st.st_mode):
+            return os.major(st.st_rdev), os.minor(st.st_rdev), stat.S_IMODE(st.st_mode)
+    except OSError:
+        pass
+    for n in json.loads(ts.read("/var/lib/twin/hw/dev.json", "[]") or "[]"):  # TWIN_ROOT runs
+        if n["path"] == path and os.path.exists(ts.path(path)):
+            mode = n.get("mode", 0o666)
+            return n["major"], n["minor"], int(mode, 8) if isinstance(mode, str) else mode
+    return None
+
+
+def twin_nodes_below(path):
+    """Char nodes at or below `path` in the twin's /dev: [(path, major, minor, mode)]."""
+    full = ts.path(path)
+    if os.path.isdir(full) and not os.path.islink(full):
+        out = []
+        for name in sorted(os.listdir(full)):
+            out += twin_nodes_below(f"{path.rstrip('/')}/{name}")
+        return out
+    node = twin_char_node(path)
+    return [(path, *node)] if node else []
+
+
+def cgroup_allows(rules, major, minor):
+    """lxc.cgroup2.devices.allow rules ('a', 'c 195:* rwm', 'c 511:0 rw') cover char major:minor."""
+    for rule in rules:
+        words = rule.split()
+        if words[:1] == ["a"]:
+            return True
+        if len(words) >= 2 and words[0] in ("c", "a"):
+            want_major, _, want_minor = words[1].partition(":")
+            if want_major in ("*", str(major)) and want_minor in ("*", str(minor)):
+                return True
+    return False
+
+
+def ct_devices(vmid, conf):
+    """The nodes a start of CT `vmid` creates in its /dev, from both config syntaxes:
+    [{"path": "/dev/nvidia0", "major": 195, "minor": 0, "mode": 438, "uid": 0, "gid": 44}].
+
+    devN: <path>[,gid=,uid=,mode=]  (PVE >= 8.1: node plus cgroup access). Raw (older PVE):
+    lxc.mount.entry: /dev/X dev/X none bind,optional,create=file|dir  makes nodes; only those an
+    lxc.cgroup2.devices.allow rule covers are kept (the cgroup denies the others: NVML cannot open
+    them either, so they are left out rather than modelled as unopenable).
+    """
+    out = {}
+    rules = [v for k, v in conf["keys"] if k in ("lxc.cgroup2.devices.allow", "lxc.cgroup.devices.allow")]
+    for k, v in conf["keys"]:
+        if re.fullmatch(r"dev\d+", k):
+            p = ts.prop_string(v)
+            path = p.get("path", p.get("_"))
+            node = twin_char_node(path)
+            if node is None:
+                raise ApiError(f"Device {path} does not exist")
+            major, minor, mode = node
+            out[path] = {"path": path, "major": major, "minor": minor,
+                         "mode": int(p["mode"], 8) if "mode" in p else mode,
+                         "uid": int(p.get("uid", 0)), "gid": int(p.get("gid", 0))}
+        elif k == "lxc.mount.entry":
+            words = v.split()
+            if len(words) < 4 or "bind" not in words[3].split(","):
+                continue
+            src, dst, opts = words[0], words[1].strip("/"), words[3].split(",")
+            if not (src.startswith("/dev/") and (dst == "dev" or dst.startswith("dev/"))):
+                continue  # only /dev binds are modelled
+            nodes = twin_nodes_below(src)
+            if not nodes and "optional" not in opts:
+                raise ApiError(f"startup for container '{vmid}' failed")
+            for path, major, minor, mode in nodes:
+                inside = "/" + dst + path[len(src):]
+                if cgroup_allows(rules, major, minor):
+                    out[inside] = {"path": inside, "major": major, "minor": minor, "mode": mode,
+                                   "uid": 0, "gid": 0}
+    return sorted(out.values(), key=lambda d: d["path"])
+
+
+def ct_boot(vmid, conf):
+    """pct start: the CT's dirs exist, its /dev is decided now (a config change needs a restart)."""
+    base = ts.path(f"{CT_DIR}/{vmid}")
+    for sub in ("upper", "work", "root"):
+        os.makedirs(os.path.join(base, sub), exist_ok=True)
+    hostname = ts.conf_get(conf, "hostname") or f"CT{vmid}"
+    ts.write(f"{CT_DIR}/{vmid}/devices.json",
+             json.dumps({"vmid": vmid, "hostname": hostname, "devices": ct_devices(vmid, conf)}, indent=1))
+
+
+def ct_halt(vmid):
+    """pct stop/shutdown: every process of the CT ends, its /dev snapshot goes."""
+    ct_kill(vmid)
+    try:
+        os.unlink(ts.path(f"{CT_DIR}/{vmid}/devices.json"))
+    except FileNotFoundError:
+        pass
+
+
+def ct_kill(vmid):
+    """SIGKILL the processes chrooted in CT `vmid`'s root (what `pct exec` left running)."""
+    if ts.ROOT != "/":
+        return  # a TWIN_ROOT run on the build machine: this /proc is not the twin's
+    suffix = f"{CT_DIR}/{vmid}/root"
+    for _ in range(100):
+        pids = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != os.getpid():
+                try:
+                    if os.readlink(f"/proc/{entry}/root").endswith(suffix):
+                        pids.append(int(entry))
+                except OSError:  # gone, or a zombie
+                    pass
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.02)
+
+
+def ct_enter_script(vmid, snapshot):
+    """sh script (run under unshare --mount --uts) that builds CT `vmid`'s root and execs "$@" in it."""
+    d, q = f"{CT_DIR}/{vmid}", shlex.quote
+    r = f"{d}/root"
+    lines = [
+        "set -e",
+        f"[ -d {CT_BASE}/usr ] && mountpoint -q {CT_DIR} || {{ echo 'twin: {CT_DIR} and {CT_BASE} are not "
+        "mounted (the twin runtime mounts them at boot)' >&2; exit 255; }",
+        f"mount -t overlay overlay -o lowerdir={CT_BASE},upperdir={d}/upper,workdir={d}/work {r}",
+        f"hostname {q(snapshot['hostname'])} 2>/dev/null || true",
+        f"mount -t tmpfs -o mode=755,size=16m,nosuid dev {r}/dev",
+    ]
+    for name, major, minor in BASIC_NODES:
+        lines.append(f"mknod -m 666 {r}/dev/{name} c {major} {minor}")
+    lines += [f"mkdir {r}/dev/pts {r}/dev/shm",
+              f"mount -t devpts -o newinstance,ptmxmode=0666,mode=620,gid=5 devpts {r}/dev/pts",
+              f"ln -s pts/ptmx {r}/dev/ptmx",
+              f"mount -t tmpfs -o mode=1777,nosuid,nodev shm {r}/dev/shm",
+              f"ln -s /proc/self/fd {r}/dev/fd"]
+    for fd, name in enumerate(("stdin", "stdout", "stderr")):
+        lines.append(f"ln -s /proc/self/fd/{fd} {r}/dev/{name}")
+    for dev in snapshot["devices"]:
+        node = q(r + dev["path"])
+        lines.append(f"mkdir -p $(dirname {node}) && mknod -m {dev['mode']:o} {node} c {dev['major']} {dev['minor']}"
+                     f" && chown {dev['uid']}:{dev['gid']} {node}")
+    tw = f"{r}/run/twin/root"
+    lines += [
+        f"mount --rbind /proc {r}/proc",
+        f"mount --rbind /sys {r}/sys && mount -o remount,bind,ro {r}/sys",
+        f"mount -t tmpfs -o mode=755,size=16m,nosuid,nodev run {r}/run",
+        # the twin's state and nvidia-smi stand-in for the CT's /usr/bin/nvidia-smi (installer.py)
+        f"mkdir -p {tw}/var/lib/twin {tw}/usr/local/lib/twin {tw}/usr/local/bin",
+        f"mount --bind -o ro /var/lib/twin {tw}/var/lib/twin",
+        f"mount --bind -o ro /usr/local/lib/twin {tw}/usr/local/lib/twin",
+        f"touch {tw}/usr/local/bin/nvidia-smi && mount --bind -o ro /usr/local/bin/nvidia-smi {tw}/usr/local/bin/nvidia-smi",
+        f"echo '{{\"vmid\": {vmid}}}' > {r}/run/twin/ct.json",
+        f"exec chroot {r} /usr/bin/env -i PATH={CT_PATH} container=lxc HOME=/root ${{TERM:+TERM=$TERM}} \"$@\"",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def ct_cli(cmd, rest):
+    """pct exec <id> [--] CMD... | pct push <id> <file> <dest> [--perms M] [--user U] [--group G]
+    | pct pull <id> <path> <dest> [--perms M] [--user U] [--group G]: exec()s, exit status and
+    output are the command's."""
+    if not rest:
+        raise ApiError(f"400 not enough arguments\npct {cmd} <vmid>")
+    vmid = int(rest[0])
+    load("lxc", vmid)
+    if status_of("lxc", vmid) != "running":
+        raise ApiError(f"CT {vmid} not running" if cmd == "exec"
+                       else f"can only {cmd} files {'to' if cmd == 'push' else 'from'} a running CT")
+    if cmd == "exec":
+        command = rest[1:]
+        if command[:1] == ["--"]:
+            command = command[1:]
+        if not command:
+            raise ApiError("missing command")
+        return ct_execvp(vmid, command)
+    opts, pos = parse_opts(rest[1:])
+    if len(pos) != 2:
+        raise ApiError(f"400 wrong number of arguments\npct {cmd} <vmid> <file> <destination> [OPTIONS]")
+    opts = dict(opts)
+    src, dest = pos
+    owner = f"{opts.get('user', '')}:{opts.get('group', '')}" if "user" in opts or "group" in opts else ""
+    perms = opts.get("perms")
+    if perms is not None:
+        perms = f"{int(perms, 16 if perms.startswith('0x') else 8):o}"
+    if cmd == "push":
+        try:
+            fd = os.open(src, os.O_RDONLY)
+        except OSError as e:
+            raise ApiError(f"unable to open file '{src}' - {e.strerror}")
+        perms = perms or f"{stat.S_IMODE(os.fstat(fd).st_mode):o}"
+        script = 'cat > "$1" && chmod "$2" "$1" && { [ -z "$3" ] || chown "$3" "$1"; }'
+        os.dup2(fd, 0)
+        return ct_execvp(vmid, ["sh", "-c", script, "push", dest, perms, owner])
+    try:
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, int(perms or "644", 8))
+    except OSError as e:
+        raise ApiError(f"unable to open file '{dest}' - {e.strerror}")
+    os.dup2(fd, 1)
+    return ct_execvp(vmid, ["cat", "--", src])
+
+
+def ct_execvp(vmid, command):
+    snapshot = json.loads(ts.read(f"{CT_DIR}/{vmid}/devices.json", "null") or "null")
+    if snapshot is None:  # running per guests.json, but started before CTs had their own root
+        ct_boot(vmid, load("lxc", vmid))
+        snapshot = json.loads(ts.read(f"{CT_DIR}/{vmid}/devices.json"))
+    script = ct_enter_script(vmid, snapshot)
+    sys.stdout.flush()
+    os.execvp("unshare", ["unshare", "--mount", "--uts", "--propagation", "private", "--",
+                          "sh", "-c", script, "pct-exec", *command])
 
 
 # ---------------------------------------------------------------- PCI mappings
@@ -543,16 +781,8 @@ def guest_cli(kind, argv):
                     print(f"{vmid:>10} {str(c.get('name', '')):<20} {status_of(kind, vmid):<10} "
                           f"{c.get('memory', 512):>10} {0.0:>12.2f} {0:>10}")
             return 0
-        if cmd == "exec" and kind == "lxc":
-            vmid = int(rest[0])
-            load(kind, vmid)
-            if status_of(kind, vmid) != "running":
-                raise ApiError(f"CT {vmid} not running")
-            command = rest[1:]
-            if command[:1] == ["--"]:
-                command = command[1:]
-            # simplification: the container shares the twin's root
-            return subprocess.call(command, cwd=ts.ROOT)
+        if cmd in ("exec", "push", "pull") and kind == "lxc":
+            return ct_cli(cmd, rest)
         if not rest:
             ts.die(f"400 not enough arguments\n{prog} {cmd} <vmid>", 255)
         vmid = int(rest[0])
