@@ -11,12 +11,16 @@ Now (runtime rebind transaction), only when a GPU changes driver:
   preflight: refuse when a moving GPU is held by a process (nvidia-smi compute apps, `fuser
   -v /dev/nvidiaN`), naming the holder — nothing is changed; refuse when a guest using it is
   running and `guests.allow_stop` is false.
-  apply: ONE remote script (`set -eu`): stop the running guests that use a moving GPU → check
-  holders again → per function: driver_override, unbind (the write runs in the background and
-  is abandoned after 30 s: unbind can hang in the kernel on some 595 drivers), drivers_probe,
-  verify the new driver. On any failure it prints every moving function's current driver and
-  exits non-zero; nothing after it runs. Guests it stopped are started by the guests stage,
-  after their configs match the new binding (PVE would otherwise rebind a VM's old GPU).
+  apply: ONE remote script (`set -eu`): stop the running guests that use a moving GPU (a clean
+  `qm/pct shutdown --timeout <guests.shutdown_timeout>`, a hard `stop` only when that times
+  out) → check holders again → per function: driver_override, unbind (the write runs in the
+  background and is abandoned after 30 s: unbind can hang in the kernel on some 595 drivers),
+  drivers_probe, verify the new driver. On any failure it prints every moving function's
+  current driver and exits non-zero; nothing after it runs. With `proxmox_api` in the spec the
+  guests are shut down through the API first (`operations.proxmox`, one FunctionCommand each,
+  in the same operation) and the script starts at the holder check. Guests it stopped are
+  started by the guests stage, after their configs match the new binding (PVE would otherwise
+  rebind a VM's old GPU).
 
 Where sysfs cannot rebind (no real sysfs: the twin's /sys is a rendered tree, where writes to
 unbind/bind do nothing), the rebind is persisted only and reported as a reboot reason
@@ -47,6 +51,7 @@ from plan.gpus import (
     parse_fuser,
     plan_rebind,
 )
+from operations.proxmox import PveApi, api_of, guest_stop_commands, shutdown_shell
 from plan.reboot import need_reboot
 from plan.render import render_template
 from spec.models import HostSpec
@@ -57,6 +62,7 @@ INITRAMFS_HOOK_PATH = "/etc/initramfs-tools/hooks/pvegpu-gpu-binding"
 # (a run that wrote the rules but failed in update-initramfs retries it next run).
 INITRAMFS_STAMP_PATH = "/var/lib/pvegpu/gpu-binding-initramfs.stamp"
 UNBIND_TIMEOUT_S = 30
+SHUTDOWN_TIMEOUT_S = 120  # GuestPolicy.shutdown_timeout's default
 _MEMO = "_pvegpu_gpu_stage"
 
 
@@ -183,9 +189,10 @@ def binding_rules(bindings: Bindings) -> str:
 
 
 def rebind_script(plan: RebindPlan, nvidia: dict[str, dict], timeout_s: int = UNBIND_TIMEOUT_S,
-                  sysfs: str = "/sys") -> str:
+                  sysfs: str = "/sys", stop_guests: bool = True, shutdown_timeout: int = SHUTDOWN_TIMEOUT_S) -> str:
     """The one shell script of a runtime rebind (see module docstring). Every value quoted;
-    `sysfs` is a parameter so tests can run the script against a scratch tree."""
+    `sysfs` is a parameter so tests can run the script against a scratch tree; `stop_guests`
+    False when the guests were stopped through the API before it."""
     q = shlex.quote
     bdfs = " ".join(q(m.bdf) for m in plan.moves)
     lines = [
@@ -200,9 +207,8 @@ def rebind_script(plan: RebindPlan, nvidia: dict[str, dict], timeout_s: int = UN
         f'n=$((n+1)); [ $n -le {timeout_s * 10} ] || fail "writing $2 to $1 did not finish in {timeout_s} s '
         f'(pid $p is stuck in the kernel)"; sleep 0.1; done; wait $p || fail "writing $2 to $1 failed"; }}',
     ]
-    for kind, gid in plan.stop:
-        tool = "pct" if kind == "lxc" else "qm"
-        lines.append(f"{tool} stop {q(str(gid))} || fail {q(f'could not stop {kind} {gid}')}")
+    for kind, gid in (plan.stop if stop_guests else []):
+        lines.append(f"{shutdown_shell(kind, gid, shutdown_timeout)} || fail {q(f'could not stop {kind} {gid}')}")
     nodes = [f"/dev/nvidia{nvidia[m.bdf]['minor']}" for m in plan.moves
              if nvidia.get(m.bdf, {}).get("minor") is not None]
     for node in nodes:
@@ -231,16 +237,24 @@ def rebind_script(plan: RebindPlan, nvidia: dict[str, dict], timeout_s: int = UN
 
 
 @operation()
-def rebind_gpus(plan: RebindPlan, nvidia: dict[str, dict]):
-    """Run the rebind transaction for `plan.moves` (one remote command).
+def rebind_gpus(plan: RebindPlan, nvidia: dict[str, dict], api: PveApi | None = None,
+                shutdown_timeout: int = SHUTDOWN_TIMEOUT_S):
+    """Run the rebind transaction for `plan.moves` (one remote command; with `api`, a guest
+    shutdown through the Proxmox API before it for each guest in `plan.stop`).
 
     + plan: `plan.gpus.RebindPlan` (live)
     + nvidia: `NvidiaGpus` fact (minors of the GPUs leaving nvidia)
+    + api: `operations.proxmox.PveApi`, or None to stop guests with qm/pct in the script
+    + shutdown_timeout: seconds a guest gets to shut down before it is stopped hard
     """
     if not plan.moves:
         host.noop("every GPU is bound to the driver its role needs")
         return
-    yield StringCommand("sh", "-c", shlex.quote(rebind_script(plan, nvidia)))
+    if api is not None:
+        for kind, gid in plan.stop:
+            yield from guest_stop_commands(api, kind, gid, shutdown_timeout)
+    script = rebind_script(plan, nvidia, stop_guests=api is None, shutdown_timeout=shutdown_timeout)
+    yield StringCommand("sh", "-c", shlex.quote(script))
 
 
 @operation()
@@ -293,7 +307,8 @@ def apply(spec: HostSpec) -> None:
     stamp = "".join(f"{sha256_text(content)}  {path}\n" for path, (content, _) in files.items())
     refresh_initramfs(name="GPU binding: update-initramfs", stamp=stamp, state=state.get(INITRAMFS_STAMP_PATH))
     if rebind.moves and rebind.live:
-        rebind_gpus(name="GPU binding: rebind transaction", plan=rebind, nvidia=facts["hw"]["nvidia_gpus"])
+        rebind_gpus(name="GPU binding: rebind transaction", plan=rebind, nvidia=facts["hw"]["nvidia_gpus"],
+                    api=api_of(spec, facts["node"]), shutdown_timeout=spec.guests.shutdown_timeout)
     elif rebind.moves:
         for m in rebind.moves:
             need_reboot(host, "gpu-binding", f"{m} (persisted; this host cannot rebind through /sys now)")

@@ -6,13 +6,23 @@ atomically (`operations.files.write_file_command`). The CT operation reads its f
 configs, NVIDIA minors, char majors, run state: one command) when it runs — i.e. after the
 GPU stage's rebind transaction — because minors shift when GPUs change driver. While a
 rebind waits for the next boot, it uses the minors that boot will give
-(`plan.gpus.boot_minors`). A running CT is restarted (pct stop + pct start) only when its set
+(`plan.gpus.boot_minors`). A running CT is restarted (shutdown, then start) only when its set
 of GPU nodes changed and those nodes exist now; CTs the rebind stopped are started again.
 
-VMs: PCI resource mappings through `pvesh create|set /cluster/mapping/pci` (stale entries
-corrected from the hardware facts), hostpci lines through `qm set`; VMs the rebind stopped
-are started after their config matches, and a running VM whose GPUs changed is restarted
-(only when its GPUs are on vfio-pci now, not when that waits for a boot).
+VMs: PCI resource mappings (`/cluster/mapping/pci`; entries that no longer match the hardware
+corrected from the facts), hostpci lines (VM config); VMs the rebind stopped are started after
+their config matches, and a running VM whose GPUs changed is restarted (only when its GPUs
+are on vfio-pci now, not when that waits for a boot). Mappings pvegpu created (`pvegpu-*`,
+entries only for this node) that no VM in the spec uses and no VM config of the cluster
+references (snapshots and pending changes included, after this run's hostpci changes) are
+deleted, after the VM configs; mappings with other names are never touched, only reported
+when they point at the spec's GPUs.
+
+Every Proxmox write (mappings, VM configs, guest start/shutdown/stop) goes through the
+Proxmox API when the spec has `proxmox_api`, else over SSH with `pvesh`/`qm`/`pct`
+(`operations.proxmox`). A guest is stopped with a clean shutdown (`guests.shutdown_timeout`
+seconds), and hard-stopped only when that times out. CT configs are written as files either
+way (raw `lxc.*` keys cannot go through the API).
 """
 
 from __future__ import annotations
@@ -27,16 +37,28 @@ from facts.devices import CharDeviceMajors, parse_char_majors
 from facts.nvidia import NvidiaGpus, parse_gpu_information
 from operations.files import write_file_command
 from operations.gpus import parse_guest_state, stage_facts
+from operations.proxmox import (
+    PveApi,
+    PveWrite,
+    api_of,
+    guest_start_commands,
+    guest_stop_commands,
+    write_commands,
+)
 from plan.guests import (
+    MappingChange,
     config_gpu_nodes,
     map_string,
+    mapping_references,
     merge_container_config,
     nvidia_majors,
     plan_mappings,
+    plan_stale_mappings,
     plan_vm,
     pve_supports_dev_entries,
     render_container_devices,
     used_dev_indices,
+    vm_mappings_after,
 )
 from spec.models import HostSpec
 
@@ -94,13 +116,16 @@ class ContainerGpuState(FactBase):
 
 @operation()
 def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minors: dict[str, int] | None = None,
-                          start_after: list[int] | None = None):
+                          start_after: list[int] | None = None, api: PveApi | None = None,
+                          shutdown_timeout: int = 120):
     """Give each CT the device lines of exactly its GPUs; restart/start CTs as needed.
 
     + wanted: ``{200: {"gpus": ["0000:01:00.0"], "gid": 44}}``
     + dev_entries: PVE >= 8.1 `devN:` syntax, else raw `lxc.*` lines
     + boot_minors: minors to use while a rebind waits for a reboot (no restarts then)
     + start_after: CTs the rebind transaction stopped (started again here)
+    + api: `operations.proxmox.PveApi` for start/shutdown, or None for pct over SSH
+    + shutdown_timeout: seconds a CT gets to shut down before it is stopped hard
     """
     state = host.get_fact(ContainerGpuState)
     live_minors = {b: g["minor"] for b, g in state["nvidia"].items() if g.get("minor") is not None}
@@ -124,10 +149,9 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
             # /etc/pve is pmxcfs (cluster-replicated): no .pvegpu-prev copies next to the config
             yield StringCommand(write_file_command(f"{LXC_DIR}/{ctid}.conf", merged.text, "640", keep_previous=False))
         nodes_changed = config_gpu_nodes(text) != config_gpu_nodes(merged.text)
-        q = shlex.quote(str(ctid))
         if ctid in start_after and not running:
             changed_any = True
-            yield f"pct start {q}"
+            yield from guest_start_commands(api, "lxc", ctid)
         elif running and nodes_changed:
             if boot_minors is not None:
                 logger.info(f"{host.name}: CT {ctid} gets its new GPUs at the pending reboot")
@@ -135,59 +159,126 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
                 logger.warning(f"{host.name}: CT {ctid} keeps running: its device set is incomplete")
             else:
                 changed_any = True
-                yield f"pct stop {q} && pct start {q}"
+                yield from guest_stop_commands(api, "lxc", ctid, shutdown_timeout)
+                yield from guest_start_commands(api, "lxc", ctid)
     if not changed_any:
         host.noop("every container passes exactly its GPUs")
 
 
+def mapping_write(change: MappingChange) -> PveWrite:
+    """The API/pvesh write of one `MappingChange` (create, set or delete)."""
+    maps = tuple(("map", map_string(m)) for m in change.maps)
+    if change.action == "create":
+        return PveWrite("create", "/cluster/mapping/pci", (("id", change.id),) + maps)
+    if change.action == "set":
+        return PveWrite("set", f"/cluster/mapping/pci/{change.id}", maps)
+    return PveWrite("delete", f"/cluster/mapping/pci/{change.id}")
+
+
 @operation()
-def pci_mappings(changes: list):
-    """Create or correct PCI resource mappings (`plan.guests.MappingChange` list)."""
+def pci_mappings(changes: list, api: PveApi | None = None, unchanged: str = "PCI resource mappings match the hardware"):
+    """Create, correct or delete PCI resource mappings (`plan.guests.MappingChange` list).
+
+    + api: `operations.proxmox.PveApi`, or None for pvesh over SSH
+    """
     if not changes:
-        host.noop("PCI resource mappings match the hardware")
+        host.noop(unchanged)
         return
     for change in changes:
-        maps = " ".join(f"--map {shlex.quote(map_string(m))}" for m in change.maps)
-        mid = shlex.quote(change.id)
-        if change.action == "create":
-            yield f"pvesh create /cluster/mapping/pci --id {mid} {maps}"
-        else:
-            yield f"pvesh set /cluster/mapping/pci/{mid} {maps}"
+        yield from write_commands(api, mapping_write(change))
+
+
+def vm_config_write(node: str, plan) -> tuple[PveWrite, str]:
+    """One VM's config change as an API write and as the `qm set` line SSH runs."""
+    params = tuple(plan.set_options.items()) + ((("delete", ",".join(plan.delete)),) if plan.delete else ())
+    q = shlex.quote(str(plan.vmid))
+    shell = " ".join([f"qm set {q}", *(f"--{k} {shlex.quote(v)}" for k, v in params)])
+    return PveWrite("set", f"/nodes/{node}/qemu/{plan.vmid}/config", params), shell
 
 
 @operation()
-def vm_hostpci(plan, start: bool = False, restart: bool = False):
+def vm_hostpci(plan, start: bool = False, restart: bool = False, node: str = "localhost",
+               api: PveApi | None = None, shutdown_timeout: int = 120):
     """Apply one VM's hostpci/machine changes (`plan.guests.VmPlan`) and start or restart it.
 
     + start: the rebind transaction stopped this VM; start it after the config is right
     + restart: the VM runs and its GPUs changed (and the new ones are on vfio-pci now)
+    + node: the Proxmox node (API paths); api: `PveApi`, or None for qm over SSH
+    + shutdown_timeout: seconds the VM gets to shut down before it is stopped hard
     """
-    q = shlex.quote(str(plan.vmid))
     if plan.changed:
-        opts = " ".join(f"--{k} {shlex.quote(v)}" for k, v in plan.set_options.items())
-        delete = f" --delete {shlex.quote(','.join(plan.delete))}" if plan.delete else ""
-        yield f"qm set {q} {opts}{delete}".replace("  ", " ")
+        write, shell = vm_config_write(node, plan)
+        yield from write_commands(api, write, shell)
     if start:
-        yield f"qm start {q}"
+        yield from guest_start_commands(api, "qemu", plan.vmid)
     elif restart and plan.changed:
-        yield f"qm stop {q} && qm start {q}"
+        yield from guest_stop_commands(api, "qemu", plan.vmid, shutdown_timeout)
+        yield from guest_start_commands(api, "qemu", plan.vmid)
     if not plan.changed and not start:
         host.noop(f"VM {plan.vmid} passes exactly its GPUs")
+
+
+class VmMappingReferences(FactBase):
+    """
+    PCI mapping ids each VM config of the cluster references, in its main section and in
+    its snapshot/pending sections.
+
+    .. code:: python
+
+        {("kpro6", 300): {"main": ["pvegpu-kpro6-0000-81-00-0"], "sections": ["gpu0"]}}
+    """
+
+    command = ('for f in /etc/pve/nodes/*/qemu-server/*.conf; do [ -r "$f" ] && '
+               '{ echo "@@ $f"; grep -E "^\\[|mapping=" "$f"; }; done; true')
+
+    @staticmethod
+    def default() -> dict:
+        return {}
+
+    def process(self, output):
+        return parse_mapping_references(output)
+
+
+def parse_mapping_references(lines: list[str]) -> dict:
+    """`VmMappingReferences` output → its shape (see there)."""
+    refs: dict = {}
+    current = None
+    for line in lines:
+        marker = re.match(r"^@@ /etc/pve/nodes/([^/]+)/qemu-server/(\d+)\.conf$", line.strip())
+        if marker:
+            current = refs.setdefault((marker.group(1), int(marker.group(2))), {"main": [], "sections": []})
+            in_section = False
+            continue
+        if current is None:
+            continue
+        if line.startswith("["):
+            in_section = True
+            continue
+        for mid in re.findall(r"mapping=([A-Za-z0-9_.-]+)", line):
+            current["sections" if in_section else "main"].append(mid)
+    return refs
 
 
 # ---------------------------------------------------------------- stage protocol
 
 
 def preflight(spec: HostSpec) -> list[str]:
-    return []  # guest problems are reported while applying; the GPU stage refuses unsafe moves
+    # guest problems are reported while applying; the GPU stage refuses unsafe moves
+    if spec.proxmox_api is not None:
+        problem = api_of(spec, spec.node or host.data.get("pvegpu_node") or host.name).token_problem()
+        if problem:
+            return [problem]
+    return []
 
 
 @deploy("guests")
 def apply(spec: HostSpec) -> None:
-    if not spec.containers and not spec.vms:
+    if not spec.containers and not spec.vms and not spec.gpus:
         return
     facts = stage_facts(spec)
     hw, cfg, rebind, node = facts["hw"], facts["cfg"], facts["rebind"], facts["node"]
+    api = api_of(spec, node)
+    timeout = spec.guests.shutdown_timeout
     pending_boot = bool(rebind.moves) and not rebind.live
     stopped = {(k, i) for k, i in rebind.stop}
     default_gid = host.data.get("PVEGPU_DEVICE_GID") or DEFAULT_GID
@@ -199,14 +290,15 @@ def apply(spec: HostSpec) -> None:
             name="guests: container GPU devices", wanted=wanted,
             dev_entries=pve_supports_dev_entries(cfg["pve_version"]),
             boot_minors=facts["config_minors"] if pending_boot else None,
-            start_after=[i for k, i in stopped if k == "lxc"],
+            start_after=[i for k, i in stopped if k == "lxc"], api=api, shutdown_timeout=timeout,
         )
 
+    pci = hw["pci_devices"]
+    vm_gpus = [b for vm in spec.vms.values() for b in vm.gpus if b in pci]
+    planned_main: dict[int, set[str]] = {}
     if spec.vms:
-        pci = hw["pci_devices"]
-        vm_gpus = [b for vm in spec.vms.values() for b in vm.gpus if b in pci]
         pci_mappings(name="guests: PCI resource mappings",
-                     changes=plan_mappings(node, vm_gpus, pci, cfg["pci_mappings"]))
+                     changes=plan_mappings(node, vm_gpus, pci, cfg["pci_mappings"]), api=api)
         status = facts["runtime"]["status"]["qemu"]
         for vmid, vm in sorted(spec.vms.items()):
             plan = plan_vm(vmid, node, [b for b in vm.gpus if b in pci], vm.machine, vm.allow_machine_change,
@@ -217,7 +309,29 @@ def apply(spec: HostSpec) -> None:
                 logger.info(f"{host.name}: {line}")
             if cfg["qemu_configs"].get(vmid) is None:
                 continue
+            planned_main[vmid] = vm_mappings_after(cfg["qemu_configs"][vmid], plan)
             vm_gpus_moving = any(m.bdf in vm.gpus for m in rebind.moves)
             vm_hostpci(name=f"guests: VM {vmid} GPUs", plan=plan,
                        start=("qemu", vmid) in stopped,
-                       restart=status.get(vmid) == "running" and not (pending_boot and vm_gpus_moving))
+                       restart=status.get(vmid) == "running" and not (pending_boot and vm_gpus_moving),
+                       node=node, api=api, shutdown_timeout=timeout)
+    remove_stale_mappings(spec, node, vm_gpus, cfg["pci_mappings"], planned_main, api)
+
+
+def remove_stale_mappings(spec: HostSpec, node: str, vm_gpus: list[str], existing: dict[str, dict],
+                          planned_main: dict[int, set[str]], api: PveApi | None) -> None:
+    """Delete this node's `pvegpu-*` mappings nothing uses any more (after the VM configs);
+    report other mappings that point at the spec's GPUs. The cluster's VM configs are read
+    only when there is a candidate (no extra remote command otherwise)."""
+    stale = plan_stale_mappings(node, existing, vm_gpus, {}, set(spec.gpus), candidates_only=True)
+    references: dict[str, list[str]] = {}
+    if stale.delete:
+        references = mapping_references(host.get_fact(VmMappingReferences), node, planned_main)
+        stale = plan_stale_mappings(node, existing, vm_gpus, references, set(spec.gpus))
+    for line in stale.notes:
+        logger.warning(f"{host.name}: {line}")
+    for change in stale.delete:
+        logger.info(f"{host.name}: {change.reason}")
+    if stale.delete or any(m.startswith("pvegpu-") for m in existing):
+        pci_mappings(name="guests: stale pvegpu PCI mappings", changes=stale.delete, api=api,
+                     unchanged="no stale pvegpu PCI mapping")

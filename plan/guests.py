@@ -281,8 +281,8 @@ def map_string(entry: dict[str, str]) -> str:
 
 @dataclass
 class MappingChange:
-    """`action`: "create" or "set"; `maps`: every map entry the id should have (other nodes'
-    entries kept as they were)."""
+    """`action`: "create", "set" or "delete"; `maps`: every map entry the id should have (other
+    nodes' entries kept as they were; empty for delete)."""
 
     id: str
     action: str
@@ -377,3 +377,85 @@ def plan_vm(vmid: int, node: str, gpus: list[str], want_machine: str, allow_mach
             set_options[key] = value
     delete = sorted(k for k in ours if k not in wanted)
     return VmPlan(vmid, set_options, delete, problems, notes)
+
+
+def vm_mappings_after(config: dict, plan: VmPlan) -> set[str]:
+    """Mapping ids a VM's main section references once `plan` is applied (`QemuConfigs` entry)."""
+    entries = {k: e.get("mapping") for k, e in config.get("hostpci", {}).items()}
+    for key in plan.delete:
+        entries.pop(key, None)
+    for key, value in plan.set_options.items():
+        if key.startswith("hostpci"):
+            m = re.match(r"^mapping=([^,]+)", value)
+            entries[key] = m.group(1) if m else None
+    return {m for m in entries.values() if m}
+
+
+def mapping_references(found: dict, node: str, planned_main: dict[int, set[str]]) -> dict[str, list[str]]:
+    """{mapping id: ["VM 300 on kpro6", ...]} from `VmMappingReferences` (``{(node, vmid):
+    {"main": [ids], "sections": [ids]}}``); for this node's VMs in `planned_main` their main
+    section as this run leaves it. Snapshot/pending references always count."""
+    refs: dict[str, list[str]] = {}
+    for (where, vmid), found_ids in sorted(found.items()):
+        main = planned_main[vmid] if where == node and vmid in planned_main else set(found_ids["main"])
+        for mid in sorted(main):
+            refs.setdefault(mid, []).append(f"VM {vmid} on {where}")
+        for mid in sorted(set(found_ids["sections"])):
+            refs.setdefault(mid, []).append(f"a snapshot or pending change of VM {vmid} on {where}")
+    return refs
+
+
+@dataclass
+class StaleMappings:
+    """`delete`: pvegpu mappings to delete; `notes`: sentences about mappings left alone."""
+
+    delete: list[MappingChange]
+    notes: list[str]
+
+
+def _slot_paths(entry: dict[str, str]) -> set[str]:
+    return {p.rsplit(".", 1)[0] if p.count(".") else p for p in entry.get("path", "").split(";") if p}
+
+
+def plan_stale_mappings(node: str, existing: dict[str, dict], vm_gpus: list[str],
+                        references: dict[str, list[str]], managed_bdfs: set[str],
+                        candidates_only: bool = False) -> StaleMappings:
+    """Which of this node's `pvegpu-*` mappings (`PciMappings` shape) nothing uses any more.
+
+    A candidate: id starts with `pvegpu-`, every map entry is for this node (a mapping with no
+    entry: its id names this node), and no GPU in `vm_gpus` maps to it. It is deleted unless a
+    VM config references it (`references`, see `mapping_references`). Mappings with other
+    names are never deleted; one whose entry for this node passes a GPU of the spec
+    (`managed_bdfs`) is reported. `candidates_only`: skip the reference check (to decide
+    whether the VM configs need reading at all).
+    """
+    wanted = {mapping_id(node, b) for b in vm_gpus}
+    own_prefix = mapping_id(node, "")
+    delete, notes = [], []
+    managed_slots = {b.rsplit(".", 1)[0]: b for b in sorted(managed_bdfs)}
+    for mid, mapping in sorted(existing.items()):
+        entries = mapping.get("map", [])
+        if not mid.startswith("pvegpu-"):
+            for entry in entries:
+                hit = sorted(managed_slots[s] for s in _slot_paths(entry) if s in managed_slots)
+                if entry.get("node") == node and hit:
+                    notes.append(f"PCI mapping {mid} (not created by pvegpu) points at GPU(s) {', '.join(hit)} of "
+                                 f"the spec; pvegpu leaves it as it is (VMs in the spec use pvegpu-* mappings)")
+            continue
+        if mid in wanted:
+            continue
+        ours = all(e.get("node") == node for e in entries) if entries else mid.startswith(own_prefix + "-")
+        if not ours:
+            if any(e.get("node") == node for e in entries):
+                others = sorted({e.get("node") or "?" for e in entries if e.get("node") != node})
+                notes.append(f"PCI mapping {mid} is no longer used on {node} but also has entries for "
+                             f"{', '.join(others)}; left as it is")
+            continue
+        users = references.get(mid, [])
+        if users and not candidates_only:
+            notes.append(f"PCI mapping {mid} is not used by a VM of the spec but is referenced by "
+                         f"{'; '.join(users)}; kept (remove that reference, then re-run)")
+            continue
+        delete.append(MappingChange(mid, "delete", [], f"PCI mapping {mid} is stale (no VM of the spec uses it, "
+                                                       f"no VM config references it): deleting it"))
+    return StaleMappings(delete, notes)

@@ -11,11 +11,14 @@ from facts.proxmox import parse_guest_config, parse_pci_mappings
 from plan.guests import (
     config_gpu_nodes,
     mapping_id,
+    mapping_references,
     merge_container_config,
     plan_mappings,
+    plan_stale_mappings,
     plan_vm,
     pve_supports_dev_entries,
     render_container_devices,
+    vm_mappings_after,
 )
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -288,3 +291,63 @@ def test_i440fx_vm_is_reported_or_switched_when_allowed(machine_line):
 
 def test_missing_vm_is_a_problem():
     assert "does not exist" in plan_vm(300, "kpro6", ["0000:81:00.0"], "q35", False, None, PCI, set()).problems[0]
+
+
+# ---------------------------------------------------------------- stale pvegpu mappings
+
+
+def _mapping(*entries):
+    return {"map": [dict(e) for e in entries], "description": None, "mdev": False, "options": {}}
+
+
+STALE_EXISTING = {
+    "pvegpu-kpro6-0000-81-00-0": _mapping({"id": "10de:2bb5", "node": "kpro6", "path": "0000:81:00"}),
+    "pvegpu-kpro6-0000-a1-00-0": _mapping({"id": "10de:2bb5", "node": "kpro6", "path": "0000:a1:00"}),
+    "pvegpu-kpro6-0000-c1-00-0": _mapping({"id": "10de:2bb5", "node": "kpro6", "path": "0000:c1:00"}),
+    "pvegpu-pve2-0000-01-00-0": _mapping({"id": "10de:2bb5", "node": "pve2", "path": "0000:01:00.0"}),
+    "pvegpu-shared": _mapping({"node": "kpro6", "path": "0000:e1:00"}, {"node": "pve2", "path": "0000:e1:00"}),
+    "pvegpu-kpro6-empty": _mapping(),
+    "gpu0": _mapping({"id": "10de:2bb5", "node": "kpro6", "path": "0000:81:00.0"}),
+    "nic0": _mapping({"id": "15b3:1021", "node": "kpro6", "path": "0000:05:00.0"}),
+}
+
+
+def test_only_this_nodes_unused_unreferenced_pvegpu_mappings_are_deleted():
+    refs = {"pvegpu-kpro6-0000-a1-00-0": ["a snapshot or pending change of VM 300 on kpro6"]}
+    stale = plan_stale_mappings("kpro6", STALE_EXISTING, ["0000:c1:00.0"], refs,
+                                {"0000:81:00.0", "0000:c1:00.0", "0000:e1:00.0"})
+    assert [(c.id, c.action, c.maps) for c in stale.delete] == [
+        ("pvegpu-kpro6-0000-81-00-0", "delete", []), ("pvegpu-kpro6-empty", "delete", [])]
+    notes = "\n".join(stale.notes)
+    # referenced by a snapshot: kept, and said why
+    assert "pvegpu-kpro6-0000-a1-00-0 is not used by a VM of the spec but is referenced by a snapshot" in notes
+    # another node's pvegpu mapping: not ours, not mentioned; a shared one: left, said why
+    assert "pvegpu-pve2" not in notes and "pvegpu-shared is no longer used on kpro6 but also has entries for pve2" in notes
+    # a mapping with another name that points at a spec GPU: reported, never deleted; nic0: silent
+    assert "PCI mapping gpu0 (not created by pvegpu) points at GPU(s) 0000:81:00.0" in notes and "nic0" not in notes
+
+
+def test_candidates_only_skips_the_reference_check():
+    refs = {"pvegpu-kpro6-0000-81-00-0": ["VM 300 on kpro6"]}
+    assert "pvegpu-kpro6-0000-81-00-0" in [c.id for c in plan_stale_mappings(
+        "kpro6", STALE_EXISTING, [], refs, set(), candidates_only=True).delete]
+    assert "pvegpu-kpro6-0000-81-00-0" not in [c.id for c in plan_stale_mappings(
+        "kpro6", STALE_EXISTING, [], refs, set()).delete]
+
+
+def test_references_use_this_runs_hostpci_changes_for_our_vms():
+    config = parse_guest_config(["machine: q35", "hostpci0: mapping=pvegpu-kpro6-0000-81-00-0,pcie=1",
+                                 "hostpci1: mapping=pvegpu-kpro6-0000-a1-00-0,pcie=1",
+                                 "hostpci2: 0000:05:00.0"], "qemu")
+    pci = {"0000:81:00.0": {"vendor": "10de", "device": "2bb5", "iommu_group": 40},
+           "0000:a1:00.0": {"vendor": "10de", "device": "2bb5", "iommu_group": 50}}
+    plan = plan_vm(300, "kpro6", ["0000:a1:00.0"], "q35", False, config, pci, set(pci))
+    after = vm_mappings_after(config, plan)
+    assert after == {"pvegpu-kpro6-0000-a1-00-0"}
+    found = {("kpro6", 300): {"main": ["pvegpu-kpro6-0000-81-00-0", "pvegpu-kpro6-0000-a1-00-0"], "sections": []},
+             ("pve2", 300): {"main": ["pvegpu-kpro6-0000-81-00-0"], "sections": []},
+             ("kpro6", 301): {"main": [], "sections": ["pvegpu-kpro6-0000-c1-00-0"]}}
+    refs = mapping_references(found, "kpro6", {300: after})
+    assert refs == {"pvegpu-kpro6-0000-a1-00-0": ["VM 300 on kpro6"],
+                    "pvegpu-kpro6-0000-81-00-0": ["VM 300 on pve2"],
+                    "pvegpu-kpro6-0000-c1-00-0": ["a snapshot or pending change of VM 301 on kpro6"]}

@@ -111,7 +111,9 @@ def test_transaction_stops_guests_then_writes_override_unbind_probe(scratch):
     assert result.returncode == 1
     assert "0000:01:00.0 is not bound to vfio-pci after the rebind" in result.stderr
     assert "pvegpu: 0000:01:00.0 is bound to nvidia" in result.stderr
-    assert scratch["log"].read_text().splitlines() == ["pct stop 200", "qm stop 300", "modprobe vfio_pci"]
+    # guests shut down cleanly (the stubs succeed: no hard stop)
+    assert scratch["log"].read_text().splitlines() == ["pct shutdown 200 --timeout 120", "qm shutdown 300 --timeout 120",
+                                                       "modprobe vfio_pci"]
     dev = scratch["sysfs"] / "bus/pci/devices/0000:01:00.0"
     assert (dev / "driver_override").read_text() == "vfio-pci\n"
     assert (scratch["sysfs"] / "bus/pci/drivers/nvidia/unbind").read_text() == "0000:01:00.0\n"
@@ -126,6 +128,23 @@ def test_transaction_succeeds_when_the_kernel_binds(scratch):
     result = run_script(scratch, rebind_script(PLAN, NVIDIA, sysfs=str(scratch["sysfs"])))
     assert result.returncode == 0, result.stderr
     assert "pvegpu: 0000:81:00.0 is bound to nvidia" in result.stderr
+
+
+def test_guest_that_ignores_shutdown_is_stopped_hard_and_the_log_says_so(scratch):
+    (scratch["bin"] / "qm").write_text(f'#!/bin/sh\necho "qm $*" >> {scratch["log"]}\n[ "$1" != shutdown ]\n')
+    script = rebind_script(PLAN, NVIDIA, sysfs=str(scratch["sysfs"]), shutdown_timeout=9)
+    result = run_script(scratch, script)
+    assert scratch["log"].read_text().splitlines()[:4] == [
+        "pct shutdown 200 --timeout 9", "qm shutdown 300 --timeout 9", "qm stop 300", "modprobe vfio_pci"]
+    assert "pvegpu: VM 300 did not shut down within 9 s; stopping it" in result.stderr
+
+
+def test_guest_that_cannot_be_stopped_ends_the_transaction(scratch):
+    (scratch["bin"] / "qm").write_text(f'#!/bin/sh\necho "qm $*" >> {scratch["log"]}\nexit 1\n')
+    result = run_script(scratch, rebind_script(PLAN, NVIDIA, sysfs=str(scratch["sysfs"])))
+    assert result.returncode == 1 and "rebind stopped: could not stop qemu 300" in result.stderr
+    assert "modprobe" not in scratch["log"].read_text()
+    assert (scratch["sysfs"] / "bus/pci/devices/0000:01:00.0/driver_override").read_text() == "(null)\n"
 
 
 def test_held_gpu_stops_before_any_sysfs_write(scratch):
@@ -160,8 +179,8 @@ def _run_op(op, *args, **kwargs):
 
 
 def test_rebind_op_is_one_command_or_a_noop():
-    commands, _ = _run_op(rebind_gpus, PLAN, NVIDIA)
-    assert len(commands) == 1 and "qm stop 300" in str(commands[0])
+    commands, _ = _run_op(rebind_gpus, PLAN, NVIDIA, shutdown_timeout=45)
+    assert len(commands) == 1 and "qm shutdown 300 --timeout 45 ||" in str(commands[0])
     commands, noop = _run_op(rebind_gpus, RebindPlan([], [], [], True), NVIDIA)
     assert commands == [] and "every GPU is bound" in noop
 
@@ -173,3 +192,20 @@ def test_initramfs_refresh_until_the_stamp_matches(tmp_path):
     assert "/var/lib/pvegpu/gpu-binding-initramfs.stamp" in str(commands[0])
     current = {"mode": "644", "sha256": sha256_text("abc  /etc/udev/rules.d/x\n")}
     assert _run_op(refresh_initramfs, "abc  /etc/udev/rules.d/x\n", current)[0] == []
+
+
+def test_with_the_api_guests_shut_down_through_it_before_the_script(monkeypatch):
+    from pyinfra.api import FunctionCommand
+
+    from operations.proxmox import PveApi, api_guest_stop
+    from spec.models import ProxmoxApiSpec
+
+    monkeypatch.setenv("PVEGPU_UNIT_TOKEN", "unit-secret-value")
+    api = PveApi(ProxmoxApiSpec(host="127.0.0.1", token_name="pvegpu", token_env="PVEGPU_UNIT_TOKEN"), "kpro6")
+    commands, _ = _run_op(rebind_gpus, PLAN, NVIDIA, api=api, shutdown_timeout=30)
+    assert [type(c).__name__ for c in commands] == ["FunctionCommand", "FunctionCommand", "StringCommand"]
+    assert [c.args[1:] for c in commands[:2]] == [("lxc", 200, 30), ("qemu", 300, 30)]
+    assert all(c.function is api_guest_stop for c in commands[:2] if isinstance(c, FunctionCommand))
+    script = str(commands[2])
+    assert "shutdown" not in script and " stop " not in script and "drivers_probe" in script
+    assert "unit-secret-value" not in " ".join(repr(c) for c in commands)

@@ -8,7 +8,15 @@ from pyinfra.context import ctx_host, ctx_state
 from pyinfra_testing.util import FakeState, create_host
 
 from facts.proxmox import parse_guest_config
-from operations.guests import ContainerGpuState, container_gpu_devices, pci_mappings, vm_hostpci
+from operations.guests import (
+    ContainerGpuState,
+    VmMappingReferences,
+    container_gpu_devices,
+    pci_mappings,
+    vm_hostpci,
+)
+from operations.proxmox import PveApi, api_guest_start, api_guest_stop, api_write
+from spec.models import ProxmoxApiSpec
 from plan.guests import MappingChange, plan_vm
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
@@ -74,7 +82,8 @@ def test_ct_gets_its_gpu_by_minor_and_a_running_ct_restarts():
 def test_new_gpu_set_on_a_running_ct_restarts_it_with_dev_entries():
     facts = facts_for({103: IGPU}, {103: "running"})
     commands, _ = run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True)
-    assert commands[1] == "pct stop 103 && pct start 103"
+    assert commands[1].startswith("pct shutdown 103 --timeout 120 || {") and commands[1].endswith("pct stop 103; }")
+    assert commands[2] == "pct start 103"
     _, text = written(commands[0])
     assert "dev0: /dev/nvidia0,gid=44" in text and "lxc.cgroup2.devices.allow: c 226:0 rwm" in text
 
@@ -124,3 +133,65 @@ def test_vm_set_delete_and_start_after_rebind():
     plan = plan_vm(300, "kpro6", ["0000:81:00.0", "0000:a1:00.0"], "q35", False, config, PCI, set(PCI))
     commands, noop = run_op(vm_hostpci, None, plan, restart=True)
     assert commands == [] and noop == "VM 300 passes exactly its GPUs"
+
+
+def test_stale_mapping_is_deleted_with_pvesh():
+    change = MappingChange("pvegpu-kpro6-0000-81-00-0", "delete", [], "stale")
+    commands, _ = run_op(pci_mappings, None, [change])
+    assert commands == ["pvesh delete /cluster/mapping/pci/pvegpu-kpro6-0000-81-00-0"]
+
+
+def test_running_vm_whose_gpus_changed_shuts_down_then_starts():
+    config = parse_guest_config(["machine: q35", "hostpci0: mapping=pvegpu-kpro6-0000-81-00-0,pcie=1"], "qemu")
+    plan = plan_vm(300, "kpro6", ["0000:81:00.0", "0000:a1:00.0"], "q35", False, config, PCI, set(PCI))
+    commands, _ = run_op(vm_hostpci, None, plan, restart=True, shutdown_timeout=60)
+    assert commands[0] == "qm set 300 --hostpci1 mapping=pvegpu-kpro6-0000-a1-00-0,pcie=1"
+    assert commands[1].startswith("qm shutdown 300 --timeout 60 || {") and commands[2] == "qm start 300"
+
+
+def api_for_tests(monkeypatch):
+    monkeypatch.setenv("PVEGPU_UNIT_TOKEN", "unit-secret-value")
+    return PveApi(ProxmoxApiSpec(host="127.0.0.1", token_name="pvegpu", token_env="PVEGPU_UNIT_TOKEN"), "kpro6")
+
+
+def raw_op(op, facts=None, *args, **kwargs):
+    host = create_host(FakeState(), facts=facts or {})
+    with ctx_state.use(FakeState()), ctx_host.use(host):
+        return list(op._inner(*args, **kwargs))
+
+
+def test_with_the_api_vm_writes_and_power_actions_are_function_commands(monkeypatch):
+    api = api_for_tests(monkeypatch)
+    config = parse_guest_config(["machine: q35", "hostpci0: mapping=pvegpu-kpro6-0000-81-00-0,pcie=1",
+                                 "hostpci1: mapping=pvegpu-kpro6-0000-a1-00-0,pcie=1"], "qemu")
+    plan = plan_vm(300, "kpro6", ["0000:81:00.0"], "q35", False, config, PCI, set(PCI))
+    commands = raw_op(vm_hostpci, None, plan, restart=True, node="kpro6", api=api, shutdown_timeout=60)
+    assert [c.function for c in commands] == [api_write, api_guest_stop, api_guest_start]
+    write = commands[0].args[1]
+    assert (write.method, write.path, write.params) == ("set", "/nodes/kpro6/qemu/300/config", (("delete", "hostpci1"),))
+    assert commands[1].args[1:] == ("qemu", 300, 60)
+    mapping = raw_op(pci_mappings, None, [MappingChange("pvegpu-x", "create", [{"id": "10de:2bb5", "node": "kpro6",
+                                                                                 "path": "0000:81:00"}], "new")], api=api)
+    assert mapping[0].args[1].params == (("id", "pvegpu-x"), ("map", "id=10de:2bb5,node=kpro6,path=0000:81:00"))
+    assert "unit-secret-value" not in " ".join(repr(c) for c in commands + mapping)
+
+
+def test_with_the_api_a_ct_restart_shuts_down_then_starts_through_it(monkeypatch):
+    api = api_for_tests(monkeypatch)
+    facts = facts_for({103: IGPU}, {103: "running"})
+    commands = raw_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True,
+                      api=api, shutdown_timeout=15)
+    assert "/etc/pve/lxc/103.conf" in str(commands[0])  # the config file itself is written over SSH
+    assert [c.function for c in commands[1:]] == [api_guest_stop, api_guest_start]
+    assert commands[1].args[1:] == ("lxc", 103, 15)
+
+
+def test_mapping_references_fact_splits_main_and_snapshot_sections():
+    out = ["@@ /etc/pve/nodes/kpro6/qemu-server/300.conf", "hostpci0: mapping=pvegpu-kpro6-0000-81-00-0,pcie=1",
+           "[before-upgrade]", "hostpci0: mapping=pvegpu-kpro6-0000-a1-00-0,pcie=1",
+           "@@ /etc/pve/nodes/pve2/qemu-server/301.conf", "hostpci1: mapping=gpu0",
+           "@@ /etc/pve/nodes/pve2/qemu-server/302.conf"]
+    assert VmMappingReferences().process(out) == {
+        ("kpro6", 300): {"main": ["pvegpu-kpro6-0000-81-00-0"], "sections": ["pvegpu-kpro6-0000-a1-00-0"]},
+        ("pve2", 301): {"main": ["gpu0"], "sections": []},
+        ("pve2", 302): {"main": [], "sections": []}}

@@ -1,0 +1,208 @@
+"""Proxmox writes and guest power actions: through the Proxmox API when the spec has
+`proxmox_api`, else over SSH (`pvesh`, `qm`, `pct`) as root on the host.
+
+Through the API (proxmoxer's https backend), every write is a pyinfra `FunctionCommand` that
+runs on the machine running pyinfra at execution time, in order with the host's other
+commands; `--dry` runs none of them. The token is read from `token_env`/`token_file` inside
+that function, at the moment of the request, and never stored in an object, printed or put in
+an exception: `PveApi`'s repr names only the address and the token id, and every error is
+re-raised as `PveApiError` with the token masked and the original exception dropped.
+
+Reads stay over SSH (facts): each stage reads everything it decides on (configs, mappings,
+run states, hardware) in one remote command, parsed the same whether or not an API is
+configured; reading configs over the API would add a round trip per guest and a second
+parser, and the decisions would not change.
+
+Guest stop (`guest_stop_commands`): a clean `shutdown --timeout N` first; only when that fails
+(timed out) a hard `stop`, and the log says so.
+
+    PveWrite("create", "/cluster/mapping/pci", (("id", "pvegpu-kpro6-0000-81-00-0"),
+             ("map", "id=10de:2bb5,iommugroup=3,node=kpro6,path=0000:81:00"),))
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from dataclasses import dataclass
+
+from pyinfra import host, logger
+from pyinfra.api import FunctionCommand, StringCommand
+
+from spec.models import ProxmoxApiSpec
+
+KIND_TOOL = {"lxc": "pct", "qemu": "qm"}
+KIND_LABEL = {"lxc": "CT", "qemu": "VM"}
+HTTP_METHOD = {"get": "GET", "create": "POST", "set": "PUT", "delete": "DELETE"}
+REQUEST_TIMEOUT_S = 30
+TASK_SLACK_S = 60  # a task may take this long beyond its own timeout before we give up
+
+
+class PveApiError(RuntimeError):
+    """An API request failed (the message never holds the token)."""
+
+
+@dataclass(frozen=True)
+class PveWrite:
+    """One API write. `method`: create (POST), set (PUT) or delete (DELETE); `params`: pairs,
+    a key may repeat (`map`)."""
+
+    method: str
+    path: str
+    params: tuple[tuple[str, str], ...] = ()
+
+    def __str__(self) -> str:
+        args = " ".join(f"--{k} {v}" for k, v in self.params)
+        return f"{HTTP_METHOD[self.method]} {self.path}" + (f" {args}" if args else "")
+
+    def pvesh(self) -> str:
+        """The same write as a `pvesh` command line (every value quoted)."""
+        args = "".join(f" --{k} {shlex.quote(v)}" for k, v in self.params)
+        return f"pvesh {self.method} {shlex.quote(self.path)}{args}"
+
+    def data(self) -> dict[str, str | list[str]]:
+        out: dict[str, str | list[str]] = {}
+        for k, v in self.params:
+            if k in out:
+                prev = out[k]
+                out[k] = (prev if isinstance(prev, list) else [prev]) + [v]
+            else:
+                out[k] = v
+        return out
+
+
+class PveApi:
+    """Where the API is and which token to use; the token itself is read per request.
+
+    ``PveApi(spec.proxmox_api, "kpro6")``; repr: ``PveApi(https://10.0.0.5:8006, root@pam!pvegpu)``.
+    """
+
+    def __init__(self, spec: ProxmoxApiSpec, node: str):
+        self.spec = spec
+        self.node = node
+
+    def __repr__(self) -> str:
+        return f"PveApi(https://{self.spec.host}:{self.spec.port}, {self.spec.user}!{self.spec.token_name})"
+
+    __str__ = __repr__
+
+    def token_problem(self) -> str | None:
+        """A sentence when the token cannot be read (preflight), else None."""
+        try:
+            if not self.spec.token().get_secret_value():
+                return f"the Proxmox API token of {self!r} is empty"
+        except (ValueError, OSError) as e:
+            return f"cannot read the Proxmox API token of {self!r}: {e}"
+        return None
+
+    def _client(self, token: str):
+        from proxmoxer import ProxmoxAPI  # imported here: only API users need requests
+
+        verify = self.spec.ca_file if (self.spec.verify_ssl and self.spec.ca_file) else self.spec.verify_ssl
+        return ProxmoxAPI(self.spec.host, port=self.spec.port, user=self.spec.user, token_name=self.spec.token_name,
+                          token_value=token, verify_ssl=verify, timeout=REQUEST_TIMEOUT_S, backend="https")
+
+    def request(self, method: str, path: str, params: dict | None = None):
+        """One request; returns the reply's `data`. Raises `PveApiError` (token masked)."""
+        token = ""
+        try:
+            token = self.spec.token().get_secret_value()
+            resource = self._client(token)(path.strip("/"))
+            call = {"get": resource.get, "create": resource.post, "set": resource.put, "delete": resource.delete}[method]
+            return call(**(params or {}))
+        except Exception as e:  # noqa: BLE001 — every failure is re-raised without the token
+            detail = f"{type(e).__name__}: {e}"
+            errors = getattr(e, "errors", None)
+            if errors:
+                detail += f" ({errors})"
+            if token:
+                detail = detail.replace(token, "***")
+        raise PveApiError(f"Proxmox API {HTTP_METHOD[method]} {path} via {self!r} failed: {detail}")
+
+    def wait_task(self, upid: str, timeout_s: float) -> str:
+        """Wait for a task (`UPID:...`) to end; its exit status ("OK" or the error)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = self.request("get", f"/nodes/{self.node}/tasks/{upid}/status")
+            if status.get("status") != "running":
+                return str(status.get("exitstatus"))
+            if time.monotonic() > deadline:
+                return f"task {upid} still running after {timeout_s:.0f} s"
+            time.sleep(1)
+
+    def power(self, kind: str, gid: int, action: str, params: dict | None = None, task_timeout: float = 60) -> str:
+        """start/stop/shutdown a guest and wait for its task; its exit status."""
+        upid = self.request("create", f"/nodes/{self.node}/{kind}/{gid}/status/{action}", params)
+        if isinstance(upid, str) and upid.startswith("UPID:"):
+            return self.wait_task(upid, task_timeout)
+        return "OK"
+
+
+# ---------------------------------------------------------------- FunctionCommand bodies
+
+
+def api_write(api: PveApi, write: PveWrite) -> None:
+    """Run one `PveWrite` (a FunctionCommand body); a task it starts must end OK."""
+    result = api.request(write.method, write.path, write.data())
+    if isinstance(result, str) and result.startswith("UPID:"):
+        status = api.wait_task(result, REQUEST_TIMEOUT_S + TASK_SLACK_S)
+        if status != "OK":
+            raise PveApiError(f"{write} via {api!r}: task ended with {status}")
+
+
+def api_guest_stop(api: PveApi, kind: str, gid: int, timeout: int) -> None:
+    """Shut a guest down cleanly; stop it hard only when that fails (a FunctionCommand body)."""
+    label = f"{KIND_LABEL[kind]} {gid}"
+    try:
+        status = api.power(kind, gid, "shutdown", {"timeout": timeout, "forceStop": 0}, timeout + TASK_SLACK_S)
+    except PveApiError as e:
+        status = str(e)
+    if status == "OK":
+        logger.info(f"{host.name}: {label} shut down")
+        return
+    logger.warning(f"{host.name}: {label} did not shut down within {timeout} s ({status}); stopping it")
+    status = api.power(kind, gid, "stop", None, TASK_SLACK_S)
+    if status != "OK":
+        raise PveApiError(f"{label} could not be stopped via {api!r}: {status}")
+
+
+def api_guest_start(api: PveApi, kind: str, gid: int) -> None:
+    status = api.power(kind, gid, "start", None, TASK_SLACK_S)
+    if status != "OK":
+        raise PveApiError(f"{KIND_LABEL[kind]} {gid} could not be started via {api!r}: {status}")
+
+
+# ---------------------------------------------------------------- commands for operations
+
+
+def shutdown_shell(kind: str, gid: int, timeout: int) -> str:
+    """`qm shutdown 300 --timeout 120`, falling back to `qm stop` with a line on stderr and in
+    the host's syslog when the shutdown fails; non-zero only when the stop fails too."""
+    tool, q = KIND_TOOL[kind], shlex.quote(str(gid))
+    msg = shlex.quote(f"pvegpu: {KIND_LABEL[kind]} {gid} did not shut down within {timeout} s; stopping it")
+    return (f"{tool} shutdown {q} --timeout {int(timeout)} || {{ echo {msg} >&2; "
+            f"logger -t pvegpu {msg} 2>/dev/null || true; {tool} stop {q}; }}")
+
+
+def guest_stop_commands(api: PveApi | None, kind: str, gid: int, timeout: int) -> list:
+    if api is None:
+        return [StringCommand(shutdown_shell(kind, gid, timeout))]
+    return [FunctionCommand(api_guest_stop, (api, kind, gid, int(timeout)), {})]
+
+
+def guest_start_commands(api: PveApi | None, kind: str, gid: int) -> list:
+    if api is None:
+        return [StringCommand(f"{KIND_TOOL[kind]} start {shlex.quote(str(gid))}")]
+    return [FunctionCommand(api_guest_start, (api, kind, gid), {})]
+
+
+def write_commands(api: PveApi | None, write: PveWrite, shell: str | None = None) -> list:
+    """A write through the API, else over SSH: `shell` when given (`qm set ...`), else pvesh."""
+    if api is None:
+        return [StringCommand(shell or write.pvesh())]
+    return [FunctionCommand(api_write, (api, write), {})]
+
+
+def api_of(spec, node: str) -> PveApi | None:
+    """The host's `PveApi` when its spec has `proxmox_api`, else None (SSH)."""
+    return PveApi(spec.proxmox_api, node) if spec.proxmox_api is not None else None
