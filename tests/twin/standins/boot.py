@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/python3 -IS
 """Twin stand-ins for booting, dispatched on the program name:
 
 proxmox-boot-tool  status | refresh | kernel list | kernel pin <rel> [--next-boot] | kernel unpin [--next-boot]
@@ -10,7 +10,6 @@ State: pins in /etc/kernel/proxmox-boot-pin and /etc/kernel/next-boot-pin (as Pr
 the cmdline a systemd-boot ESP was last synced with in /var/lib/twin/boot/cmdline.
 """
 import os
-import subprocess
 import sys
 import time
 
@@ -134,6 +133,8 @@ def grub_defaults():
         files += [os.path.join(d, f) for f in sorted(os.listdir(d)) if f.endswith(".cfg")]
     script = "".join(f'[ -f "{f}" ] && . "{f}"\n' for f in files)
     script += 'printf "%s\\n%s\\n%s\\n" "$GRUB_CMDLINE_LINUX" "$GRUB_CMDLINE_LINUX_DEFAULT" "$GRUB_DEFAULT"\n'
+    import subprocess  # only update-grub needs it; proxmox-boot-tool status runs on every converge
+
     out = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True).stdout.split("\n")
     return out[0], out[1], out[2]
 

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/python3 -IS
 """Twin stand-ins for host device tools, dispatched on the program name:
 
 fuser            reports the busy.json holder of /dev/nvidia<minor> (psmisc output layout)

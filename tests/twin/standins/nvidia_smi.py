@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/python3 -IS
 """Twin stand-in for nvidia-smi: answers from hw/state.json in the real tool's formats.
 
 GPUs bound to anything but nvidia are invisible (as on a real host). Supported: (no args) table,

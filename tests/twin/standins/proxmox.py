@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/python3 -IS
 """Twin stand-ins for the Proxmox CLIs, dispatched on the program name: pveversion, pct, qm, pvesh.
 
 State lives where Proxmox keeps it: /etc/pve/nodes/<node>/{lxc,qemu-server}/<id>.conf (pct.conf(5),

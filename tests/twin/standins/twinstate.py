@@ -3,12 +3,13 @@
 Installed as /usr/local/lib/twin/twinstate.py. Every path goes through `path()`, so a test can run
 a stand-in against a tmp root with TWIN_ROOT=/tmp/x instead of chrooting.
 """
-import datetime
-import hashlib
 import json
 import os
 import re
 import sys
+
+# datetime and hashlib are imported where used: every stand-in imports this module, and each
+# run of one is a fresh interpreter (a real `uname -r` or `nvidia-smi -L` does not pay for them)
 
 ROOT = os.environ.get("TWIN_ROOT", "/")
 TWIN = "/var/lib/twin"
@@ -57,6 +58,8 @@ def busy():
 
 
 def now_iso():
+    import datetime
+
     return datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds")
 
 
@@ -120,6 +123,8 @@ def conf_delete(conf, key):
 
 
 def digest(text):
+    import hashlib
+
     return hashlib.sha1(text.encode()).hexdigest()
 
 
