@@ -9,8 +9,6 @@ from __future__ import annotations
 import re
 import textwrap
 
-import graphviz
-
 from plan.nccl import describe_nccl_environment
 from plan.p2p import p2p_verdict
 
@@ -234,6 +232,8 @@ def topology_dot(host: str, hardware: dict, verdict: dict) -> str:
     """DOT source: NUMA node clusters ⊃ root complex clusters ⊃ bridges, GPUs, NICs; below them a
     row with one node per GPU and the P2P edges between GPUs colored by verdict (green usable,
     orange unsafe, red dashed impossible), each edge's tooltip holding the reasons."""
+    import graphviz  # here, not at the top: every converge imports this module (NCCL stage), few draw
+
     pci = hardware.get("pci_devices") or {}
     graph = graphviz.Graph(name=f"topology_{re.sub(r'[^0-9A-Za-z]', '_', host)}")
     title = "\n".join([f"GPU topology of {host}", *textwrap.wrap(verdict["summary"], 110), P2P_LEGEND])
