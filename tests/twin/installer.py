@@ -16,7 +16,8 @@ Behaviour, for the flags pvegpu uses (run as `sh NVIDIA-Linux-x86_64-<v>.run ...
         (+ .so.1, .so), /usr/bin/nvidia-smi (a wrapper running the twin's nvidia-smi stand-in:
         the CT's view inside a twin container, the host's otherwise) and writes
         /var/log/nvidia-installer.log. Libraries are placeholders (text, not ELF).
-    without --no-kernel-modules   refused (exit 1): the twin builds no modules this way
+    without --no-kernel-modules   refused (exit 1) before anything is written: the twin builds
+        no modules this way
     --extract-only|-x [--target DIR]   the package tree into DIR (default ./NVIDIA-Linux-x86_64-<v>):
         firmware/gsp_ga10x.bin, firmware/gsp_tu10x.bin, the libraries, nvidia-smi
     --version|-v    "nvidia-installer:  version <v>"
@@ -74,14 +75,14 @@ if [ $extract = 1 ]; then
     say "Uncompressing NVIDIA Accelerated Graphics Driver for Linux-x86_64 $VERSION"
     exit 0
 fi
+if [ $kmods = 1 ]; then  # refused before anything is written
+    echo "ERROR: the pvegpu twin's NVIDIA installer cannot build kernel modules; run it with --no-kernel-modules (pvegpu builds the modules itself)" >&2
+    exit 1
+fi
 if [ "$(id -u)" != 0 ]; then echo 'ERROR: nvidia-installer must be run as root' >&2; exit 1; fi
 mkdir -p /var/log
 { echo "nvidia-installer log file '$LOG'"; echo "creation time: $(date)"; echo "installer version: $VERSION"
   echo "command line: $0 $ARGS"; } > "$LOG"
-if [ $kmods = 1 ]; then
-    msg="ERROR: the pvegpu twin's NVIDIA installer cannot build kernel modules; run it with --no-kernel-modules (pvegpu builds the modules itself)"
-    echo "$msg" >> "$LOG"; echo "$msg" >&2; exit 1
-fi
 tmp=$(mktemp -d) && unpack "$tmp" || { echo "ERROR: unable to extract $PKG" >&2; exit 1; }
 mkdir -p "$LIBDIR" /usr/bin
 for f in "$LIBDIR"/libnvidia-ml.so* "$LIBDIR"/libcuda.so*; do

@@ -32,7 +32,9 @@ supervisor also bind-mounts, in its own namespace (so they go with it, like the 
     ct/<id>/root             mount point of the CT's root (mounted only inside a `pct exec`)
     ct/<id>/devices.json     the CT's /dev nodes, snapshot by `pct start` from its config (devN:
                              entries, or lxc.mount.entry + lxc.cgroup2.devices.allow) with the
-                             twin's majors/minors; dropped by `pct stop`/`shutdown`
+                             twin's majors/minors; dropped by `pct stop`/`shutdown`; taken again
+                             by the first exec after a twin reboot (a CT still running then
+                             counts as started at boot, with that boot's nodes)
 
 `pct exec <id> -- CMD` (and push/pull) runs `unshare --mount --uts --propagation private` in the
 twin: overlay(lower=ctbase, upper, work) on ct/<id>/root, a tmpfs /dev with the basic nodes plus

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import stat
 import sys
 import time
@@ -369,7 +370,8 @@ def ct_boot(vmid, conf):
         os.makedirs(os.path.join(base, sub), exist_ok=True)
     hostname = ts.conf_get(conf, "hostname") or f"CT{vmid}"
     ts.write(f"{CT_DIR}/{vmid}/devices.json",
-             json.dumps({"vmid": vmid, "hostname": hostname, "devices": ct_devices(vmid, conf)}, indent=1))
+             json.dumps({"vmid": vmid, "hostname": hostname, "booted_at": ts.state().get("booted_at"),
+                         "devices": ct_devices(vmid, conf)}, indent=1))
 
 
 def ct_halt(vmid):
@@ -492,7 +494,9 @@ def ct_cli(cmd, rest):
 
 def ct_execvp(vmid, command):
     snapshot = json.loads(ts.read(f"{CT_DIR}/{vmid}/devices.json", "null") or "null")
-    if snapshot is None:  # running per guests.json, but started before CTs had their own root
+    if snapshot is None or snapshot.get("booted_at") != ts.state().get("booted_at"):
+        # still "running" across a twin reboot: it was started again at boot (onboot), so its
+        # /dev follows the config and the nodes of this boot
         ct_boot(vmid, load("lxc", vmid))
         snapshot = json.loads(ts.read(f"{CT_DIR}/{vmid}/devices.json"))
     script = ct_enter_script(vmid, snapshot)
@@ -822,6 +826,8 @@ def guest_cli(kind, argv):
             if status_of(kind, vmid) == "running":
                 raise ApiError(f"{label} {vmid} is running - destroy failed")
             os.unlink(ts.path(conf_path(kind, vmid)))
+            if kind == "lxc":  # its root filesystem goes with it
+                shutil.rmtree(ts.path(f"{CT_DIR}/{vmid}"), ignore_errors=True)
             return 0
     except ApiError as e:
         ts.die(str(e), 255)
