@@ -29,7 +29,10 @@ supervisor also bind-mounts, in its own namespace (so they go with it, like the 
 
     ct/<id>/upper, work      the CT's own files (overlay upper/work): kept across `pct stop/start`
                              and twin reboots, gone with `runtime.stop`
-    ct/<id>/root             mount point of the CT's root (mounted only inside a `pct exec`)
+    ct/<id>/root             the CT's root: overlay(lower=ctbase, upper, work), mounted in the
+                             twin by `pct start` (or the first exec after a twin reboot), once,
+                             as LXC does; `pct stop` and twin reboots unmount it. One overlay per
+                             CT: two on the same upper/work dirs corrupt each other
     ct/<id>/devices.json     the CT's /dev nodes, snapshot by `pct start` from its config (devN:
                              entries, or lxc.mount.entry + lxc.cgroup2.devices.allow) with the
                              twin's majors/minors; dropped by `pct stop`/`shutdown`; taken again
@@ -37,10 +40,10 @@ supervisor also bind-mounts, in its own namespace (so they go with it, like the 
                              counts as started at boot, with that boot's nodes)
 
 `pct exec <id> -- CMD` (and push/pull) runs `unshare --mount --uts --propagation private` in the
-twin: overlay(lower=ctbase, upper, work) on ct/<id>/root, a tmpfs /dev with the basic nodes plus
-devices.json's, the twin's /proc (rbind) and /sys (ro), a tmpfs /run holding /run/twin/ (the
-twin's /var/lib/twin, its stand-in library and nvidia-smi, read-only, for the NVIDIA user space
-that tests/twin/installer.py installs), then chroot. All of it vanishes with the command.
+twin and, on top of ct/<id>/root, mounts a tmpfs /dev with the basic nodes plus devices.json's,
+the twin's /proc (rbind) and /sys (ro), a tmpfs /run holding /run/twin/ (the twin's
+/var/lib/twin, its stand-in library and nvidia-smi, read-only, for the NVIDIA user space that
+tests/twin/installer.py installs), then chroots. Those mounts vanish with the command.
 """
 
 from __future__ import annotations

@@ -63,6 +63,8 @@ def test_exec_runs_in_the_cts_own_root_with_its_devices(twin):
     r = sh(twin, "pct exec 200 -- sh -c 'cat; echo err >&2; exit 3'", check=False, stdin="in\n")
     assert (r.returncode, r.stdout, r.stderr) == (3, "in\n", "err\n")
     sh(twin, "pct exec 200 -- touch /root/made-in-ct")
+    sh(twin, "for i in 1 2 3 4 5 6; do pct exec 200 -- sh -c \"echo $i > /tmp/p$i\" & done; wait")
+    assert sh(twin, "pct exec 200 -- sh -c 'cat /tmp/p*'").stdout == "1\n2\n3\n4\n5\n6\n"  # parallel execs
     assert not (Path(twin.root) / "root/made-in-ct").exists()
     assert sh(twin, "test -e /root/made-in-ct", check=False).returncode == 1
 

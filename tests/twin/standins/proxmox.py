@@ -4,20 +4,23 @@
 State lives where Proxmox keeps it: /etc/pve/nodes/<node>/{lxc,qemu-server}/<id>.conf (pct.conf(5),
 qm.conf(5); [snapshot] sections preserved) and /etc/pve/mapping/pci.cfg. Guest run state is
 /var/lib/twin/guests.json; start/stop/shutdown/reboot append to /var/lib/twin/guests.log.
-Containers have their own root: `pct exec/push/pull` work in /var/lib/twin/ct/<id>/root, an overlay
-of the pristine bookworm root (/var/lib/twin/ctbase) and the CT's own files, with a /dev holding the
-nodes its config passed through (snapshot at `pct start`: ct/<id>/devices.json); layout and mounts are
-described in tests/twin/runtime.py. Refused like Proxmox: exec/push/pull on a CT that is not running.
+Containers have their own root: `pct start` mounts /var/lib/twin/ct/<id>/root, an overlay of the
+pristine bookworm root (/var/lib/twin/ctbase) and the CT's own files, and snapshots the /dev nodes
+its config passes through (ct/<id>/devices.json); `pct exec/push/pull` run there with that /dev;
+`pct stop` ends its processes and unmounts it. Layout and mounts: tests/twin/runtime.py docstring.
+Refused like Proxmox: exec/push/pull on a CT that is not running.
 Refused as Proxmox refuses: raw lxc.* keys through pct set / the API, starting a CT whose devN
 path does not exist, starting a VM whose PCI mapping does not match the hardware (ids, path,
 IOMMU group), pcie=1 without a q35 machine.
 """
+import fcntl
 import json
 import os
 import re
 import shlex
 import shutil
 import stat
+import subprocess
 import sys
 import time
 
@@ -372,15 +375,43 @@ def ct_boot(vmid, conf):
     ts.write(f"{CT_DIR}/{vmid}/devices.json",
              json.dumps({"vmid": vmid, "hostname": hostname, "booted_at": ts.state().get("booted_at"),
                          "devices": ct_devices(vmid, conf)}, indent=1))
+    ct_mount(vmid)
 
 
 def ct_halt(vmid):
-    """pct stop/shutdown: every process of the CT ends, its /dev snapshot goes."""
+    """pct stop/shutdown: every process of the CT ends, its root is unmounted, its /dev snapshot goes."""
     ct_kill(vmid)
+    ct_umount(vmid)
     try:
         os.unlink(ts.path(f"{CT_DIR}/{vmid}/devices.json"))
     except FileNotFoundError:
         pass
+
+
+def ct_mount(vmid):
+    """Mount the CT's root once, in the twin, while it runs (as LXC does). Every exec shares this
+    overlay: two overlays on one upper/work dir corrupt each other (seen: parallel execs)."""
+    if ts.ROOT != "/":
+        return  # a TWIN_ROOT run on the build machine mounts nothing
+    d = f"{CT_DIR}/{vmid}"
+    with open(f"{d}/.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.ismount(f"{d}/root"):
+            return
+        if not (os.path.isdir(f"{CT_BASE}/usr") and os.path.ismount(CT_DIR)):
+            raise ApiError(f"twin: {CT_DIR} and {CT_BASE} are not mounted (the twin runtime mounts them at boot)")
+        r = subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                            f"lowerdir={CT_BASE},upperdir={d}/upper,workdir={d}/work", f"{d}/root"],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise ApiError(f"startup for container '{vmid}' failed: {r.stderr.strip()}")
+
+
+def ct_umount(vmid):
+    root = f"{CT_DIR}/{vmid}/root"
+    if ts.ROOT == "/" and os.path.ismount(root):
+        if subprocess.run(["umount", root], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", root], check=True)  # a dying exec's namespace still holds it
 
 
 def ct_kill(vmid):
@@ -408,14 +439,12 @@ def ct_kill(vmid):
 
 
 def ct_enter_script(vmid, snapshot):
-    """sh script (run under unshare --mount --uts) that builds CT `vmid`'s root and execs "$@" in it."""
-    d, q = f"{CT_DIR}/{vmid}", shlex.quote
-    r = f"{d}/root"
+    """sh script (run under unshare --mount --uts) that completes CT `vmid`'s mounted root with its
+    own /dev, /proc, /sys, /run (private to this exec) and execs "$@" in it."""
+    r, q = f"{CT_DIR}/{vmid}/root", shlex.quote
     lines = [
         "set -e",
-        f"[ -d {CT_BASE}/usr ] && mountpoint -q {CT_DIR} || {{ echo 'twin: {CT_DIR} and {CT_BASE} are not "
-        "mounted (the twin runtime mounts them at boot)' >&2; exit 255; }",
-        f"mount -t overlay overlay -o lowerdir={CT_BASE},upperdir={d}/upper,workdir={d}/work {r}",
+        f"mountpoint -q {r} || {{ echo 'twin: the root of CT {vmid} is not mounted' >&2; exit 255; }}",
         f"hostname {q(snapshot['hostname'])} 2>/dev/null || true",
         f"mount -t tmpfs -o mode=755,size=16m,nosuid dev {r}/dev",
     ]
@@ -499,6 +528,7 @@ def ct_execvp(vmid, command):
         # /dev follows the config and the nodes of this boot
         ct_boot(vmid, load("lxc", vmid))
         snapshot = json.loads(ts.read(f"{CT_DIR}/{vmid}/devices.json"))
+    ct_mount(vmid)
     script = ct_enter_script(vmid, snapshot)
     sys.stdout.flush()
     os.execvp("unshare", ["unshare", "--mount", "--uts", "--propagation", "private", "--",
@@ -827,6 +857,7 @@ def guest_cli(kind, argv):
                 raise ApiError(f"{label} {vmid} is running - destroy failed")
             os.unlink(ts.path(conf_path(kind, vmid)))
             if kind == "lxc":  # its root filesystem goes with it
+                ct_umount(vmid)
                 shutil.rmtree(ts.path(f"{CT_DIR}/{vmid}"), ignore_errors=True)
             return 0
     except ApiError as e:
