@@ -639,12 +639,27 @@ def spec_of(name: str) -> dict:
     return spec
 
 
+_SSH_OPTIONS = ["-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
+                "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
+
+
 def ssh_command(name: str, command: list[str]) -> list[str]:
     """The ssh command line that runs `command` as root in running twin `name`."""
     spec = spec_of(name)
-    return ["ssh", "-i", spec["key"], "-p", str(spec["port"]), "-o", "BatchMode=yes",
-            "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
-            "-o", "LogLevel=ERROR", f"root@{spec['address']}", *command]
+    return ["ssh", "-i", spec["key"], "-p", str(spec["port"]), *_SSH_OPTIONS,
+            f"root@{spec['address']}", *command]
+
+
+def scp_command(name: str, source: str, dest: str) -> list[str]:
+    """The scp command line that copies local file `source` to `dest` in running twin `name`."""
+    spec = spec_of(name)
+    return ["scp", "-q", "-i", spec["key"], "-P", str(spec["port"]), *_SSH_OPTIONS,
+            source, f"root@{spec['address']}:{dest}"]
+
+
+def twin_dir(name: str) -> Path:
+    """.twin/<name>: logs, key, twin.json, and ct/<id>/upper (a container's own files)."""
+    return TWINS_DIR / name
 
 
 # ---------------------------------------------------------------------------------------------

@@ -109,8 +109,9 @@ def test_devices_follow_the_config_at_start_and_files_survive_restart(twin):
     assert sh(twin, "pct exec 200 -- nvidia-smi -L").stdout == listed(twin, 2, 5)
 
 
-def test_installer_of_another_version_gives_the_nvml_mismatch(twin):
-    other = installer.build("570.172.08", Path(twin.root) / "root")
+def test_installer_of_another_version_gives_the_nvml_mismatch(twin, tmp_path):
+    other = installer.build("570.172.08", tmp_path)
+    subprocess.run(runtime.scp_command(twin.name, str(other), "/root/"), check=True, timeout=60)
     sh(twin, f"pct push 200 /root/{other.name} /root/other.run && pct exec 200 -- sh /root/other.run {FLAGS}")
     r = sh(twin, "pct exec 200 -- nvidia-smi -L", check=False)
     assert (r.returncode, r.stdout) == (
@@ -157,6 +158,7 @@ def test_ct_files_survive_a_twin_reboot_and_its_dev_follows_the_boot(twin):
     assert sh(twin, "pct status 200").stdout == "status: running\n"
     assert sh(twin, "pct exec 200 -- nvidia-smi -L").stdout == listed(twin, 2, 5, 6)
     assert sh(twin, "pct exec 200 -- ls /root").stdout == "NVIDIA.run\nmade-in-ct\nother.run\n"
+    assert (runtime.twin_dir(twin.name) / "ct/200/upper/root/other.run").is_file()  # the CT's own files
 
 
 def test_twin_stop_leaves_nothing_with_a_ct_command_running(twin):
