@@ -86,6 +86,7 @@ def parse_container_state(lines: list[str]) -> dict:
     return {"configs": dict(sorted(configs.items())),
             "nvidia": parse_gpu_information(sections.get("nvidia", [])),
             "majors": parse_char_majors(sections.get("majors", [])),
+            "caps": [line.strip() for line in sections.get("caps", []) if line.strip()],
             "status": status}
 
 
@@ -96,19 +97,21 @@ class ContainerGpuState(FactBase):
     .. code:: python
 
         {"configs": {200: "arch: amd64\\n..."}, "nvidia": {"0000:01:00.0": {"minor": 0, ...}},
-         "majors": {"nvidia": 195, "nvidia-uvm": 511, ...}, "status": {200: "running"}}
+         "majors": {"nvidia": 195, "nvidia-uvm": 511, ...}, "status": {200: "running"},
+         "caps": ["/dev/nvidia-caps/nvidia-cap1", ...]}   # the caps nodes that exist
     """
 
     command = (
         f'for f in {LXC_DIR}/*.conf; do [ -r "$f" ] && {{ echo "@@pvegpu conf:$f"; cat "$f"; }}; done; '
         f"echo '@@pvegpu nvidia'; {NvidiaGpus.command}; "
         f"echo '@@pvegpu majors'; {CharDeviceMajors.command}; "
+        "echo '@@pvegpu caps'; for f in /dev/nvidia-caps/*; do [ -e \"$f\" ] && echo \"$f\"; done; "
         "echo '@@pvegpu pct'; pct list 2>/dev/null; true"
     )
 
     @staticmethod
     def default() -> dict:
-        return {"configs": {}, "nvidia": {}, "majors": {}, "status": {}}
+        return {"configs": {}, "nvidia": {}, "majors": {}, "status": {}, "caps": []}
 
     def process(self, output):
         return parse_container_state(output)
@@ -139,7 +142,8 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
             logger.warning(f"{host.name}: CT {ctid} does not exist on this node; create it, then re-run")
             continue
         devices = render_container_devices(ctid, want["gpus"], minors, majors, dev_entries, want["gid"],
-                                           used_dev_indices(text, nvidia_majors(majors)))
+                                           used_dev_indices(text, nvidia_majors(majors)),
+                                           caps_present=state.get("caps"))
         for problem in devices.problems:
             logger.warning(f"{host.name}: {problem}")
         merged = merge_container_config(text, devices.lines, majors)

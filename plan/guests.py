@@ -82,13 +82,17 @@ def gpu_nodes_for(bdfs: list[str], minors: dict[str, int | None]) -> tuple[list[
 
 def render_container_devices(ctid: int, bdfs: list[str], minors: dict[str, int | None],
                              char_majors: dict[str, int], dev_entries: bool, gid: int,
-                             used_dev_indices: set[int] = frozenset()) -> ContainerDevices:
+                             used_dev_indices: set[int] = frozenset(),
+                             caps_present: list[str] | None = None) -> ContainerDevices:
     """The device lines a CT needs for exactly `bdfs`.
 
     + minors: {bdf: Device Minor} (from `NvidiaGpus`: ``{bdf: v["minor"]}``)
     + char_majors: `CharDeviceMajors` (old syntax only)
     + dev_entries: PVE >= 8.1 `devN:` syntax, else raw `lxc.*` lines
     + used_dev_indices: devN indices held by other (not ours) entries; ours take the lowest free
+    + caps_present: the /dev/nvidia-caps/* nodes that exist on the host (None: assume all). A
+      `devN:` entry whose path is missing stops the CT from starting ("Device … does not exist"),
+      and the caps nodes exist only once something (nvidia-modprobe -c, MIG) created them.
     """
     gpu_nodes, missing = gpu_nodes_for(bdfs, minors)
     problems = [f"CT {ctid}: GPU {b} has no /dev/nvidia minor (not bound to the nvidia driver)"
@@ -99,7 +103,8 @@ def render_container_devices(ctid: int, bdfs: list[str], minors: dict[str, int |
     lines: list[tuple[str, str]] = []
     if dev_entries:
         free = (i for i in range(10_000) if i not in used_dev_indices)
-        for node in nodes + list(CAPS_NODES):
+        caps = [n for n in CAPS_NODES if caps_present is None or n in caps_present]
+        for node in nodes + caps:
             lines.append((f"dev{next(free)}", f"{node},gid={gid}"))
         return ContainerDevices(ctid, gpu_nodes, lines, problems)
     majors = [NVIDIA_MAJOR]

@@ -62,6 +62,15 @@ def test_dev_entries_pick_minors_by_bdf_not_by_position():
     assert ct.problems == []
 
 
+def test_dev_entries_only_for_caps_nodes_that_exist():
+    # a devN path that does not exist stops `pct start` ("Device ... does not exist")
+    none = render_container_devices(200, ["0000:21:00.0"], KPRO6_MINORS, {}, True, 44, caps_present=[])
+    assert [v for _, v in none.lines if "caps" in v] == []
+    one = render_container_devices(200, ["0000:21:00.0"], KPRO6_MINORS, {}, True, 44,
+                                   caps_present=["/dev/nvidia-caps/nvidia-cap1"])
+    assert [v for _, v in one.lines if "caps" in v] == ["/dev/nvidia-caps/nvidia-cap1,gid=44"]
+
+
 def test_minor_from_real_driver_information():
     minors = {b: g["minor"] for b, g in parse_gpu_information(fixture_lines("h200-vm/driver-gpus-information.txt")).items()}
     ct = render_container_devices(129, ["0000:00:06.0"], minors, {}, True, 104)
