@@ -18,9 +18,7 @@ import json
 import os
 import re
 import shlex
-import shutil
 import stat
-import subprocess
 import sys
 import time
 
@@ -400,6 +398,8 @@ def ct_mount(vmid):
             return
         if not (os.path.isdir(f"{CT_BASE}/usr") and os.path.ismount(CT_DIR)):
             raise ApiError(f"twin: {CT_DIR} and {CT_BASE} are not mounted (the twin runtime mounts them at boot)")
+        import subprocess  # here, not at the top: pct list / qm list / pveversion run on every converge
+
         r = subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
                             f"lowerdir={CT_BASE},upperdir={d}/upper,workdir={d}/work", f"{d}/root"],
                            capture_output=True, text=True)
@@ -410,6 +410,8 @@ def ct_mount(vmid):
 def ct_umount(vmid):
     root = f"{CT_DIR}/{vmid}/root"
     if ts.ROOT == "/" and os.path.ismount(root):
+        import subprocess
+
         if subprocess.run(["umount", root], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", root], check=True)  # a dying exec's namespace still holds it
 
@@ -858,6 +860,8 @@ def guest_cli(kind, argv):
             os.unlink(ts.path(conf_path(kind, vmid)))
             if kind == "lxc":  # its root filesystem goes with it
                 ct_umount(vmid)
+                import shutil
+
                 shutil.rmtree(ts.path(f"{CT_DIR}/{vmid}"), ignore_errors=True)
             return 0
     except ApiError as e:
