@@ -114,6 +114,7 @@ def bench_fleet(results: dict) -> None:
             "cpu_s": {"one": {"runner": round(one["runner_cpu_s"], 2), "twins": round(one["twin_cpu_s"], 2)},
                       "eight": {"runner": round(eight["runner_cpu_s"], 2), "twins": round(eight["twin_cpu_s"], 2)}},
             "cores": cores, "floor_eight_s": round(floor, 2), "floor_ratio": round(floor / one["wall_s"], 2),
+            "cpu_ratio": round(floor / (one["runner_cpu_s"] + one["twin_cpu_s"]), 2),
             "loadavg": {"one": one["loadavg"], "eight": eight["loadavg"]},
         }
     finally:
@@ -183,7 +184,8 @@ def main() -> int:
         print(f"fleet8_vs_1: the 8-twin run needs {cpu['eight']['runner']} CPU-s of pyinfra and "
               f"{cpu['eight']['twins']} CPU-s inside the twins on {fleet['cores']} cores, so it takes at least "
               f"{fleet['floor_eight_s']} s here: {fleet['floor_ratio']}x the 1-twin run "
-              f"({fleet['one_s']} s; runner {cpu['one']['runner']}, twin {cpu['one']['twins']} CPU-s)")
+              f"({fleet['one_s']} s; runner {cpu['one']['runner']}, twin {cpu['one']['twins']} CPU-s); "
+              f"{fleet['cpu_ratio']}x its CPU seconds")
     doc = {"measured_at": now, "targets": TARGETS, "results": merged}
     if "machine" in old:
         doc["machine"] = old["machine"]
