@@ -23,6 +23,7 @@ import shlex
 from pyinfra import host, logger
 from pyinfra.api import FactBase, StringCommand, deploy, operation
 
+from facts.nvidia import NvidiaDriver, parse_driver_version
 from operations.gpus import parse_guest_state
 from operations.nvidia import cached_source, fetch_source_command
 from plan.containers import INSTALLER_FLAGS, LIB_DIRS, ct_installer_path, plan_userspace
@@ -67,7 +68,7 @@ def parse_container_userspace(lines: list[str]) -> dict:
                 ct["libs"].append(value.strip())
         if "root" in ct:  # else pct exec failed (its error text is in body)
             containers[int(m.group(1))] = ct
-    driver = (sections.get("host-driver") or [""])[0].strip() or None
+    driver = (parse_driver_version(sections.get("host-driver", [])) or {}).get("version")
     return {
         "pct": "pct" in sections,
         "host_root": (sections.get("root") or [""])[0].strip() or None,
@@ -99,8 +100,7 @@ class ContainerUserspace(FactBase):
         ) if ids else ""
         return (
             f"echo '{_MARK}root'; stat -c %d:%i /; "
-            f"echo '{_MARK}host-driver'; sed -n '1s/.*Module[^0-9]*\\([0-9][0-9.]*\\).*/\\1/p' "
-            "/proc/driver/nvidia/version 2>/dev/null; "
+            f"echo '{_MARK}host-driver'; {NvidiaDriver.command}; "
             "if command -v pct >/dev/null 2>&1; then pvegpu_cts=$(pct list 2>/dev/null); "
             f"echo '{_MARK}pct'; printf '%s\\n' \"$pvegpu_cts\"; {loop}fi; true"
         )

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from facts.devices import parse_char_majors
-from facts.nvidia import parse_gpu_information
+from facts.nvidia import NvidiaDriver, parse_driver_version, parse_gpu_information
 from facts.pci import parse_pci_devices
 from facts.proxmox import parse_guest_config, parse_pci_mappings
 from facts.pci import PciDevices
@@ -153,9 +153,8 @@ def test_each_managed_container_has_exactly_the_hosts_driver_user_space(target):
     cts = {c: ct for c, ct in _running_gpu_containers(target).items() if c in managed}
     if not cts:
         pytest.skip(f"{target.name}: no running container whose NVIDIA user space pvegpu manages")
-    rc, out = target.run("cat /proc/driver/nvidia/version")
-    m = re.search(r"Module\D*(\d+\.\d+(?:\.\d+)?)", out)
-    host_version = m.group(1) if m else None
+    rc, out = target.run(NvidiaDriver.command)
+    host_version = (parse_driver_version(out.splitlines()) or {}).get("version")
     problems = []
     for ctid in cts:
         globs = " ".join(f"{d}/libnvidia-ml.so.*" for d in LIB_DIRS)

@@ -83,7 +83,9 @@ def read_state(env, ctids=(200, 201)):
 
 def test_fact_parses_stopped_and_missing_containers_and_host_driver():
     fact = containers.ContainerUserspace()
-    state = fact.process(["@@pvegpu root", "64:2", "@@pvegpu host-driver", VERSION, "@@pvegpu pct",
+    nvrm = (f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {VERSION}  Release Build  "
+            "(dvs-builder@U16-I3-A03-02-4)  Mon May 13 17:10:33 UTC 2024")  # the real line's shape
+    state = fact.process(["@@pvegpu root", "64:2", "@@pvegpu host-driver", nvrm, "@@pvegpu pct",
                           *pct_list(**{"200": "running", "201": "stopped"}), "@@pvegpu ct 200",
                           "root 65:34", "arch x86_64", "glibc yes",
                           f"lib /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.{VERSION}"])
