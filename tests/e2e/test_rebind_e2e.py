@@ -112,13 +112,18 @@ def test_move_two_gpus_from_vm_to_ct_rebuilds_everything(twin_factory, tmp_path)
     ct = run.read("etc/pve/lxc/200.conf")
     assert [l for l in ct.splitlines() if re.match(r"^dev\d+: /dev/nvidia\d+,", l)] \
         == [f"dev{i}: /dev/nvidia{i},gid=44" for i in range(6)]
-    assert "dev6: /dev/nvidiactl,gid=44" in ct and "dev10: /dev/nvidia-caps/nvidia-cap2,gid=44" in ct
+    # the twin's kpro6 makes no /dev/nvidia-caps nodes at boot: no caps entries (pct start would fail)
+    assert "dev6: /dev/nvidiactl,gid=44" in ct and "dev8: /dev/nvidia-uvm-tools,gid=44" in ct and "nvidia-caps" not in ct
     vm = run.read("etc/pve/qemu-server/300.conf")
     assert sorted(l for l in vm.splitlines() if l.startswith("hostpci")) == [
         "hostpci0: mapping=pvegpu-kpro6-0000-c1-00-0,pcie=1", "hostpci1: mapping=pvegpu-kpro6-0000-e1-00-0,pcie=1"]
     cfg = run.read("etc/pve/mapping/pci.cfg")
     for b in BDFS[6:]:
         assert f"node=kpro6,path={b[:-2]}" in cfg
+    # the mappings of the GPUs that left the VM were pvegpu's and nothing references them: deleted
+    assert [l for l in cfg.splitlines() if l.startswith("pvegpu-")] == [
+        "pvegpu-kpro6-0000-c1-00-0", "pvegpu-kpro6-0000-e1-00-0"]
+    assert "PCI mapping pvegpu-kpro6-0000-81-00-0 is stale" in out
     # guests were stopped only where needed (the twin's guests were not running: nothing to stop)
     new_log = run.read("var/lib/twin/guests.log")[len(log_before):]
     assert all(" 200" in l or " 300" in l for l in new_log.splitlines())
