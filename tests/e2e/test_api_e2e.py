@@ -127,11 +127,9 @@ def test_api_converges_mappings_hostpci_and_guest_restarts(twin_factory, tmp_pat
             == [f"hostpci{i}: mapping=pvegpu-kpro6-{b.replace(':', '-').replace('.', '-')},pcie=1" for i, b in enumerate(vm)]
         run.start_api()  # the twin's reboot (GPUs to vfio-pci) ended it
 
-        # the spec has no nvidia stage (no unit makes the UVM and caps nodes at boot): make them
-        # as an admin would, then start both guests
-        caps = ("M=$(awk '$2 == \"nvidia-caps\" {print $1}' /proc/devices) && mkdir -p /dev/nvidia-caps && "
-                "mknod -m 400 /dev/nvidia-caps/nvidia-cap1 c $M 1 && mknod -m 444 /dev/nvidia-caps/nvidia-cap2 c $M 2")
-        for cmd in ("nvidia-modprobe -u -c=0", caps, "pct start 200", "qm start 300"):
+        # the spec has no nvidia stage (no unit makes the UVM nodes at boot): make them as an
+        # admin would, then start both guests
+        for cmd in ("nvidia-modprobe -u -c=0", "pct start 200", "qm start 300"):
             started = run.ssh(cmd)
             assert started.returncode == 0, started.stderr
         spec2 = run.spec(ct[:3], vm[:3], lxc_spare=ct[3:], unused=vm[3:])
