@@ -13,6 +13,9 @@ other line where it was, and leaves `[snapshot]` sections and commented lines by
 
 VMs: one PCI resource mapping per GPU (`/etc/pve/mapping/pci.cfg`, id
 `pvegpu-<node>-<bdf>`), and `hostpciN: mapping=<id>,pcie=1` lines (pcie only on q35).
+A `pvegpu-*` mapping of this node that no VM of the spec uses and no VM config of the
+cluster references any more is stale and deleted (`plan_stale_mappings`); other mappings are
+never deleted.
 
 Companion functions (decision): a GPU whose slot has other functions in the same IOMMU group
 (HDMI audio `.1`, USB-C `.2`, ...) is mapped as the whole device, path `0000:81:00` without a
