@@ -269,7 +269,7 @@ def parse_mapping_references(lines: list[str]) -> dict:
 def preflight(spec: HostSpec) -> list[str]:
     # guest problems are reported while applying; the GPU stage refuses unsafe moves
     if spec.proxmox_api is not None:
-        problem = api_of(spec, spec.node or host.data.get("pvegpu_node") or host.name).token_problem()
+        problem = api_of(spec, spec.node or host.data.get("pvegpu_node") or host.name).problem()
         if problem:
             return [problem]
     return []

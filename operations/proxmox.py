@@ -22,6 +22,7 @@ Guest stop (`guest_stop_commands`): a clean `shutdown --timeout N` first; only w
 
 from __future__ import annotations
 
+import importlib.util
 import shlex
 import time
 from dataclasses import dataclass
@@ -86,8 +87,11 @@ class PveApi:
 
     __str__ = __repr__
 
-    def token_problem(self) -> str | None:
-        """A sentence when the token cannot be read (preflight), else None."""
+    def problem(self) -> str | None:
+        """A sentence when the API cannot be used (preflight): the token cannot be read, or
+        proxmoxer's https backend lacks `requests` (it would exit the process). Else None."""
+        if importlib.util.find_spec("requests") is None:
+            return "proxmox_api needs the Python package requests (proxmoxer's https backend); install it"
         try:
             if not self.spec.token().get_secret_value():
                 return f"the Proxmox API token of {self!r} is empty"
@@ -96,6 +100,9 @@ class PveApi:
         return None
 
     def _client(self, token: str):
+        problem = self.problem() if importlib.util.find_spec("requests") is None else None
+        if problem:  # proxmoxer's https backend calls sys.exit(1) without requests
+            raise PveApiError(problem)
         from proxmoxer import ProxmoxAPI  # imported here: only API users need requests
 
         verify = self.spec.ca_file if (self.spec.verify_ssl and self.spec.ca_file) else self.spec.verify_ssl

@@ -189,10 +189,10 @@ def test_an_unverifiable_certificate_is_an_error(server, monkeypatch):
 def test_token_problems_are_sentences(monkeypatch, tmp_path):
     monkeypatch.delenv("PVEGPU_NO_SUCH_TOKEN", raising=False)
     api = PveApi(ProxmoxApiSpec(host="127.0.0.1", token_name="pvegpu", token_env="PVEGPU_NO_SUCH_TOKEN"), "n")
-    assert "PVEGPU_NO_SUCH_TOKEN" in api.token_problem() and "is not set" in api.token_problem()
+    assert "PVEGPU_NO_SUCH_TOKEN" in api.problem() and "is not set" in api.problem()
     (tmp_path / "t").write_text("secret\n")
     api = PveApi(ProxmoxApiSpec(host="127.0.0.1", token_name="pvegpu", token_file=str(tmp_path / "t")), "n")
-    assert api.token_problem() is None
+    assert api.problem() is None
 
 
 # ---------------------------------------------------------------- SSH form of the stop
@@ -211,3 +211,15 @@ def test_shutdown_shell_stops_hard_only_after_a_failed_shutdown(tmp_path, shutdo
     assert result.returncode == 0
     assert log.read_text().splitlines() == want
     assert ("VM 300 did not shut down within 5 s; stopping it" in result.stderr) == bool(shutdown_rc)
+
+
+def test_missing_requests_is_refused_not_an_exit(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "requests" else real(name, *a))
+    monkeypatch.setenv("PVEGPU_UNIT_TOKEN", "x")
+    api = PveApi(ProxmoxApiSpec(host="127.0.0.1", token_name="pvegpu", token_env="PVEGPU_UNIT_TOKEN"), "n")
+    assert "needs the Python package requests" in api.problem()
+    with pytest.raises(PveApiError, match="needs the Python package requests"):
+        api.request("get", "/version")
