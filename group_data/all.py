@@ -21,7 +21,7 @@ PVEGPU_DEFAULTS = {
     "vms": {},
     "nccl": {"profile": "auto", "overrides": {}, "services": []},
     "reboot": {"allowed": False},
-    "guests": {"allow_stop": True},
+    "guests": {"allow_stop": True, "shutdown_timeout": 120},
     "proxmox_api": None,
 }
 
