@@ -97,7 +97,8 @@ def test_pct_set_keeps_comments_raw_keys_and_snapshots(root):
     assert cfg["description"] == "GPU container\n" and "memory" not in cfg
 
 
-def test_pct_exec_runs_in_the_twin_when_running(root):
+def test_pct_exec_refuses_a_stopped_ct(root):
+    """(Running CTs: tests/twin/test_ct.py runs commands in their own roots.)"""
     r = run(root, "pct", "exec", "200", "--", "true")
     assert r.returncode != 0 and "CT 200 not running" in r.stderr
 
