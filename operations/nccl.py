@@ -12,9 +12,9 @@ then ``systemctl daemon-reload`` only when a drop-in changed and systemd runs.
 
 Containers: their root filesystem is not the host's, so the file goes in through ``pct exec``,
 which needs the CT running. A stopped CT is skipped with a logged reason (its file is written on
-a run while it runs). A CT whose ``/`` is the host's ``/`` (same device:inode, as under the
-twin's ``pct`` stand-in, where ``pct exec`` runs in the twin itself) is skipped too: writing
-"its" /etc/nccl.conf would overwrite the host's.
+a run while it runs). A CT whose ``/`` is the host's ``/`` (same device:inode: a ``pct`` that
+runs commands on the host itself) is skipped too: writing "its" /etc/nccl.conf would overwrite
+the host's.
 
 No-change cost: one remote command (`NcclState`: file states, RDMA list, systemd, drop-ins,
 CT run state and each running GPU CT's file) plus the HardwareProbe, which comes from the GPU
@@ -210,7 +210,7 @@ def container_nccl_conf(ctid: int, content: str, state: dict, mode: str = NCCL_C
     if not ct.get("readable"):
         logger.warning(f"{host.name}: CT {ctid}: could not read its {NCCL_CONF} through pct exec; writing it")
     elif ct.get("root") and ct["root"] == state["host_root"]:
-        host.noop(f"CT {ctid} shares the host's root filesystem (pct exec runs on the host's /, as in the twin); "
+        host.noop(f"CT {ctid} shares the host's root filesystem (pct exec runs on the host's /); "
                   f"writing its {NCCL_CONF} would overwrite the host's, so it is skipped")
         return
     current = ct.get("file")

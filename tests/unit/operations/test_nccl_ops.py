@@ -180,7 +180,7 @@ def test_service_dropped_from_the_spec_loses_its_dropin_and_reload_waits_for_sys
 
 @pytest.mark.parametrize("status, root, noop", [
     ("stopped", "65:34", "CT 200 is stopped: pct exec needs it running, so its /etc/nccl.conf is written by a run while it runs"),
-    ("running", "64:5472336", "CT 200 shares the host's root filesystem (pct exec runs on the host's /, as in the twin); "
+    ("running", "64:5472336", "CT 200 shares the host's root filesystem (pct exec runs on the host's /); "
                               "writing its /etc/nccl.conf would overwrite the host's, so it is skipped"),
 ])
 def test_container_file_is_skipped_with_a_reason_when_pct_exec_cannot_reach_its_own_root(status, root, noop):
