@@ -47,6 +47,10 @@ def test_container_gets_the_hosts_user_space_and_drift_is_fixed(twin_factory, tm
                              f"pct exec 200 -- ls /root/.pvegpu-NVIDIA-Linux-x86_64-{VERSION}.run")
     assert host_ls.returncode != 0, "the pushed installer is removed from the CT"
 
+    # the NCCL stage reached the same running CT's own root
+    assert "NCCL_" in ssh(twin.name, "pct exec 200 -- cat /etc/nccl.conf").stdout
+    assert (runtime.twin_dir(twin.name) / "ct/200/upper/etc/nccl.conf").is_file()
+
     again = run_pyinfra("inventories/twin.py", "deploy.py", env=env)
     assert again.rc == 0 and again.changed == 0, again.output[-4000:]
     checks = run_host_checks("inventories/twin.py", env=env)
