@@ -167,21 +167,46 @@ def _stat(pid: int) -> list[int]:
     return [int(x) for x in fields[11:15]]
 
 
-def twin_cpu(name: str) -> dict:
-    """{"sshd": CPU-s of the twin's sshd tree so far, "supervisor": its own loop}.
+def _tree(pid: int) -> list[int]:
+    """`pid` and its live descendants."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            todo += [int(c) for t in Path(f"/proc/{p}/task").iterdir()
+                     for c in (t / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
 
-    The supervisor (pid 1 of the twin) reaps sshd and orphans, so its cutime/cstime plus the
-    live children's own and reaped totals cover every process the twin ran."""
+
+def twin_cpu(name: str) -> dict:
+    """{"sshd": CPU-s the twin's processes used so far, "supervisor": its supervisor's own loop}.
+
+    Each live process of the twin counts its own time plus that of the children it reaped
+    (cutime/cstime); a child still alive (a session sshd that has not exited yet) counts
+    itself, so every process is counted once, whenever it is read."""
     spec = json.loads((REPO / ".twin" / name / "twin.json").read_text())
     sup = int(spec["pid"])
     u, s, cu, cs = _stat(sup)
     tree = cu + cs
-    for child in Path(f"/proc/{sup}/task/{sup}/children").read_text().split():
+    for pid in _tree(sup)[1:]:
         try:
-            tree += sum(_stat(int(child)))
-        except OSError:
+            tree += sum(_stat(pid))
+        except OSError:  # exited between the listing and the read: its parent's cutime has it
             pass
     return {"sshd": tree / TICK, "supervisor": (u + s) / TICK}
+
+
+def settle(names: list[str], timeout: float = 3.0) -> None:
+    """Wait until each twin is back to its supervisor and sshd listener (the sessions of the
+    run that just ended have exited), so a CPU reading taken next is complete."""
+    deadline = time.monotonic() + timeout
+    for name in names:
+        sup = int(json.loads((REPO / ".twin" / name / "twin.json").read_text())["pid"])
+        while len(_tree(sup)) > 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def _sshd_pid(name: str) -> int:
@@ -255,6 +280,7 @@ def measure(names: list[str], out_dir: Path) -> dict:
     load0 = loadavg()
     run = run_sampled(names, out_dir)
     load1 = loadavg()
+    settle(names)
     after = {n: twin_cpu(n) for n in names}
     per_twin = {n: round(after[n]["sshd"] - before[n]["sshd"], 3) for n in names}
     run["twin_cpu_s"] = round(sum(per_twin.values()), 3)
