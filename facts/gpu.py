@@ -187,3 +187,15 @@ class GpuP2P(FactBase):
 
     def process(self, output):
         return parse_p2p_matrix(output)
+
+
+def parse_bus_ids(output_lines: list[str]) -> list[str]:
+    """`nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader` → sorted BDFs as the spec writes
+    them: ``"00000000:01:00.0"`` → ``"0000:01:00.0"`` (NVML's 8-digit domain, lower case)."""
+    out = []
+    for line in output_lines:
+        value = line.strip().split(",")[0].strip()
+        match = re.match(r"^([0-9A-Fa-f]{4,8}):([0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7])$", value)
+        if match:
+            out.append(f"{int(match.group(1), 16):04x}:{match.group(2).lower()}")
+    return sorted(out)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from facts.gpu import parse_bus_ids
 from tests.e2e.harness import manifest_diff, root_manifest, run_host_checks, run_pyinfra
 from tests.twin import runtime
 
@@ -25,8 +26,7 @@ def ssh(name: str, command: str) -> subprocess.CompletedProcess:
 
 def smi_bus_ids(name: str) -> tuple[int, list[str]]:
     out = ssh(name, "pct exec 200 -- nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader")
-    ids = sorted(f"{int(line.split(':', 1)[0], 16):04x}:{line.split(':', 1)[1].lower()}"
-                 for line in out.stdout.split() if ":" in line) if out.returncode == 0 else []
+    ids = parse_bus_ids(out.stdout.splitlines()) if out.returncode == 0 else []
     return out.returncode, ids or [out.stdout + out.stderr]
 
 
@@ -91,7 +91,8 @@ def test_twin_inventory_pins_the_twin_installers_sha256(tmp_path):
     import hashlib
 
     from spec.load import load_spec_file
-    from tests.e2e.harness import REPO
+    from facts.gpu import parse_bus_ids
+from tests.e2e.harness import REPO
     from tests.twin import installer
 
     for name, spec in load_spec_file(REPO / "inventories" / "twin.yml").items():

@@ -10,6 +10,7 @@ import re
 import pytest
 
 from facts.devices import parse_char_majors
+from facts.gpu import parse_bus_ids
 from facts.nvidia import NvidiaDriver, parse_driver_version, parse_gpu_information
 from facts.pci import parse_pci_devices
 from facts.proxmox import parse_guest_config, parse_pci_mappings
@@ -122,12 +123,6 @@ def _running_gpu_containers(target):
     return {c: ct for c, ct in sorted(target.spec.containers.items()) if ct.gpus and c in running}
 
 
-def _bus_id(value: str) -> str:
-    """nvidia-smi's '00000000:01:00.0' → '0000:01:00.0' (lower case)."""
-    dom, _, rest = value.strip().partition(":")
-    return f"{int(dom, 16):04x}:{rest.lower()}"
-
-
 def test_nvidia_smi_in_each_running_container_sees_exactly_its_gpus(target):
     cts = _running_gpu_containers(target)
     if not cts:
@@ -138,7 +133,7 @@ def test_nvidia_smi_in_each_running_container_sees_exactly_its_gpus(target):
         if rc != 0:
             problems.append(f"nvidia-smi fails in CT {ctid}: {out.strip()[:300]}")
             continue
-        seen = sorted(_bus_id(line) for line in out.splitlines() if line.strip())
+        seen = parse_bus_ids(out.splitlines())
         if seen != sorted(ct.gpus):
             problems.append(f"nvidia-smi in CT {ctid} sees {', '.join(seen) or 'no GPU'} but its GPUs are "
                             f"{', '.join(sorted(ct.gpus))}")
