@@ -91,8 +91,7 @@ def test_twin_inventory_pins_the_twin_installers_sha256(tmp_path):
     import hashlib
 
     from spec.load import load_spec_file
-    from facts.gpu import parse_bus_ids
-from tests.e2e.harness import REPO
+    from tests.e2e.harness import REPO
     from tests.twin import installer
 
     for name, spec in load_spec_file(REPO / "inventories" / "twin.yml").items():
