@@ -243,3 +243,30 @@ def holders_of(bdfs: list[str], nvidia: dict[str, dict], compute_apps: dict[str,
         if found:
             result[bdf] = list(dict.fromkeys(found))
     return result
+
+
+def identity_domain_refusals(pci: dict[str, dict], iommu: dict, sev_snp: dict | None) -> list[str]:
+    """Incident 9: on a SEV-SNP host, a Blackwell GPU in an identity-mapped IOMMU domain fails its
+    FSP boot (error 0x177). pvegpu never sets a group's type; one switched by hand is refused here,
+    before any change, with how to undo it.
+
+    + pci: `PciDevices`; iommu: `IommuState` (``groups``: {group: domain type}); sev_snp: `SevSnp`
+    """
+    from plan.nvidia import is_blackwell
+
+    if not (sev_snp or {}).get("enabled"):
+        return []
+    types = (iommu or {}).get("groups") or {}
+    refusals = []
+    for bdf, dev in sorted(pci.items()):
+        if dev.get("vendor") != "10de" or not str(dev.get("class") or "").startswith("03"):
+            continue
+        group = dev.get("iommu_group")
+        if group is None or (types.get(int(group)) or "").lower() != "identity" or not is_blackwell(dev.get("device")):
+            continue
+        refusals.append(
+            f"GPU {bdf} (Blackwell) is in IOMMU group {group} with an identity domain on a SEV-SNP host: its "
+            "FSP boot fails there (error 0x177, incident 9). Set the group back to a translated domain "
+            f"(echo DMA-FQ > /sys/kernel/iommu_groups/{group}/type while unbound, or drop whatever set it, "
+            "e.g. iommu=pt) and re-run")
+    return refusals

@@ -159,3 +159,42 @@ def test_each_managed_container_has_exactly_the_hosts_driver_user_space(target):
             problems.append(f"CT {ctid} has NVIDIA user space {', '.join(have) or 'none'} but the host runs "
                             f"driver {host_version or 'none'}")
     assert not problems, f"{target.name}: " + "; ".join(problems)
+
+
+def _nvidia_gpus(pci: dict) -> dict:
+    """NVIDIA display/3D controllers (class 03xx) among the PCI devices."""
+    return {b: d for b, d in pci.items()
+            if (d.get("vendor") or "").lower() in ("10de", "0x10de") and str(d.get("class") or "").lower()
+            .removeprefix("0x").startswith("03")}
+
+
+def test_every_gpu_has_its_bar1(target):
+    """Incident 10: 96 GB cards came up without BAR1 ("BAR can't assign") when the BAR space
+    was too small (fix: pci=realloc)."""
+    gpus = _nvidia_gpus(_pci(target))
+    if not gpus:
+        pytest.skip(f"{target.name}: no NVIDIA GPU on the PCI bus")
+    missing = sorted(b for b, d in gpus.items() if not (d.get("bars") or {}).get(1))
+    assert not missing, (f"{target.name}: GPU {', '.join(missing)} has no BAR1 (its memory window); "
+                         "the BIOS/kernel could not place it: boot with pci=realloc or enable Above 4G decoding")
+
+
+def test_no_blackwell_gpu_uses_an_identity_iommu_domain_on_a_sev_snp_host(target):
+    """Incident 9: Blackwell FSP boot failed (0x177) with identity-mapped IOMMU domains on a
+    SEV-SNP host."""
+    from facts.kernel import IommuState, SevSnp
+    from plan.nvidia import is_blackwell
+
+    _, out = target.run(SevSnp.command)
+    if not SevSnp().process(out.splitlines()).get("enabled"):
+        pytest.skip(f"{target.name}: SEV-SNP is off")
+    pci = _pci(target)
+    blackwell = {b: d for b, d in _nvidia_gpus(pci).items() if is_blackwell(d.get("device"))}
+    if not blackwell:
+        pytest.skip(f"{target.name}: no Blackwell GPU")
+    _, out = target.run(IommuState.command)
+    types = IommuState().process(out.splitlines()).get("groups") or {}
+    bad = sorted(f"{b} (group {d.get('iommu_group')})" for b, d in blackwell.items()
+                 if d.get("iommu_group") is not None and (types.get(int(d["iommu_group"])) or "").lower() == "identity")
+    assert not bad, (f"{target.name}: Blackwell GPU {', '.join(bad)} has an identity IOMMU domain on a SEV-SNP "
+                     "host; its FSP boot fails there (0x177): set the group back to DMA/DMA-FQ")

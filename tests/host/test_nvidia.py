@@ -111,3 +111,20 @@ def test_device_node_unit_is_enabled_before_guests(target):
               for word in line.split("=", 1)[1].split()]
     assert "pve-guests.service" in before, (
         f"{target.name}: pvegpu-nvidia-nodes.service is not ordered before pve-guests.service")
+
+
+def test_loaded_module_was_built_by_the_running_kernels_compiler(target):
+    """Incident 1: modules built by another GCC than their kernel bricked a host."""
+    from facts.kernel import KernelToolchain
+    from facts.nvidia import NvidiaDriver, parse_driver_version
+
+    _, out = target.run(NvidiaDriver.command)
+    driver = parse_driver_version(out.splitlines())
+    if driver is None or not driver.get("gcc"):
+        pytest.skip(f"{target.name}: no NVIDIA module is loaded (or it names no compiler)")
+    _, out = target.run(KernelToolchain().command())
+    kernel_gcc = (KernelToolchain().process(out.splitlines()).get("running") or {}).get("gcc")
+    assert kernel_gcc, f"{target.name}: /proc/version names no GCC; the kernel's compiler is unknown"
+    assert driver["gcc"] == kernel_gcc, (
+        f"{target.name}: the loaded nvidia {driver['version']} module was built by gcc {driver['gcc']}, "
+        f"the running kernel by gcc {kernel_gcc}; rebuild the modules with the kernel's compiler")

@@ -144,3 +144,17 @@ def test_holders_from_nvidia_smi_and_fuser():
     held = holders_of(["0000:01:00.0", "0000:21:00.0", "0000:81:00.0"], NVIDIA, apps, fuser)
     assert held == {"0000:01:00.0": ["nvidia-persistenced (pid 812)", "python3 (pid 9001)"],
                     "0000:81:00.0": ["python3 (pid 4242)"]}
+
+
+def test_blackwell_in_identity_domain_on_sev_snp_host_is_refused():
+    from plan.gpus import identity_domain_refusals
+
+    pci = {"0000:01:00.0": {"vendor": "10de", "device": "2bb5", "class": "030200", "iommu_group": 12},
+           "0000:02:00.0": {"vendor": "10de", "device": "2230", "class": "030000", "iommu_group": 13},  # A6000
+           "0000:03:00.0": {"vendor": "15b3", "device": "101b", "class": "020700", "iommu_group": 14}}
+    iommu = {"groups": {12: "identity", 13: "identity", 14: "identity"}}
+    refusals = identity_domain_refusals(pci, iommu, {"enabled": True})
+    assert len(refusals) == 1 and "GPU 0000:01:00.0 (Blackwell) is in IOMMU group 12" in refusals[0]
+    assert "0x177" in refusals[0]
+    assert identity_domain_refusals(pci, iommu, {"enabled": False}) == []
+    assert identity_domain_refusals(pci, {"groups": {12: "DMA-FQ"}}, {"enabled": True}) == []
