@@ -7,9 +7,9 @@ writes /etc/modprobe.d/pvegpu-nvidia.conf and the boot unit that makes /dev/nvid
 
 Guards from the field (/work/shared/INCIDENTS.md):
   1  modules built by another GCC than their kernel bricked a host -> `toolchain_for`
-  2  GSP firmware of another version panicked a boot             -> `firmware_problem`, `version_mismatches`
+  2  GSP firmware of another version panicked a boot             -> `firmware_problem` (and operations.nvidia.verify_command)
   3  cuInit failed in LXC on Blackwell without uvm_disable_hmm=1  -> `uvm_disable_hmm`
-  6  CT user space != module version                             -> `version_mismatches`
+  6  user space != module version -> `driver_steps` on the host; plan.containers in each GPU CT
   14 -j = cores OOM-killed a build                                -> `build_jobs`
 """
 
@@ -153,27 +153,6 @@ def firmware_problem(version: str, firmware: dict[str, list[str]], want_firmware
     return (f"GSP firmware for {version} is missing under /lib/firmware/nvidia/{version}/ ({found}); "
             f"modules of one version with firmware of another panicked a boot (incident 2). "
             f"Configure nvidia.installer (the .run carries the firmware) or install firmware {version}")
-
-
-def version_mismatches(version: str, modules: dict[str, str | None], firmware_versions: list[str] | None,
-                       userspace_versions: list[str], want_firmware: bool = True) -> list[str]:
-    """Every component that is not `version`, in words (empty: all equal).
-
-    modules: release -> installed nvidia module version (None: none);
-    firmware_versions: versions with gsp*.bin present (None: firmware not checked);
-    userspace_versions: versions of libnvidia-ml.so.<ver> found.
-    """
-    problems = []
-    for release, have in modules.items():
-        if have != version:
-            problems.append(f"kernel {release}: nvidia module is {have or 'missing'}, want {version}")
-    if want_firmware and firmware_versions is not None and version not in firmware_versions:
-        problems.append(f"GSP firmware {version} is missing under /lib/firmware/nvidia/{version}/")
-    for have in userspace_versions:
-        if have != version:
-            problems.append(f"user space libnvidia-ml.so.{have} is not {version} "
-                            f"(driver/library version mismatch, incident 6)")
-    return problems
 
 
 # -- module options (incident 3) -----------------------------------------------------------

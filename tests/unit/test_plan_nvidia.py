@@ -108,18 +108,6 @@ def test_firmware_missing_for_version_is_refused_unless_installer_brings_it():
     assert nv.firmware_problem("535.309.01", {}, want_firmware=False, installer_configured=False) is None
 
 
-def test_version_mismatches_name_each_component():
-    # the Bazzite host: user space 570.153.02 against module 570.144, firmware for 570.144 absent
-    problems = nv.version_mismatches("570.144", {"6.14.8-2-pve": "570.144", "6.8.12-4-pve": None},
-                                     firmware_versions=[], userspace_versions=["570.153.02"])
-    assert problems == [
-        "kernel 6.8.12-4-pve: nvidia module is missing, want 570.144",
-        "GSP firmware 570.144 is missing under /lib/firmware/nvidia/570.144/",
-        "user space libnvidia-ml.so.570.153.02 is not 570.144 (driver/library version mismatch, incident 6)",
-    ]
-    assert nv.version_mismatches("570.144", {"r": "570.144"}, ["570.144"], ["570.144"]) == []
-
-
 def test_userspace_versions_from_library_names():
     assert nv.userspace_versions([
         "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
