@@ -12,7 +12,8 @@ host by sha256 like the NVIDIA stage does)::
 
 A CT is managed when the spec gives it GPUs and ``userspace_driver`` is true, or unset with an
 installer configured. Stopped CTs are skipped with the reason (pct exec needs a running CT; a run
-while it runs installs it). No-change cost: one remote command (`ContainerUserspace`).
+while it runs installs it). No-change cost: one remote command (`ContainerUserspace`); the CT run
+state is this run's `facts.guest_state.guest_state()` (read by the GPU stage).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import shlex
 from pyinfra import host, logger
 from pyinfra.api import FactBase, StringCommand, deploy, operation
 
+from facts.guest_state import guest_state, running_containers, with_ct_status
 from facts.nvidia import NvidiaDriver, parse_driver_version
-from operations.gpus import parse_guest_state
 from operations.nvidia import cached_source, fetch_source_command
 from plan.containers import INSTALLER_FLAGS, LIB_DIRS, ct_installer_path, plan_userspace
 from spec.models import HostSpec
@@ -70,39 +71,33 @@ def parse_container_userspace(lines: list[str]) -> dict:
             containers[int(m.group(1))] = ct
     driver = (parse_driver_version(sections.get("host-driver", [])) or {}).get("version")
     return {
-        "pct": "pct" in sections,
         "host_root": (sections.get("root") or [""])[0].strip() or None,
         "host_driver": driver,
-        "status": parse_guest_state(["@@ pct", *sections.get("pct", [])])["status"]["lxc"],
         "containers": containers,
     }
 
 
 class ContainerUserspace(FactBase):
-    """Run state of the GPU containers and, inside each running one, its NVML libraries, in one command.
+    """The host's root and driver version and, inside each given container, its NVML libraries,
+    in one command.
 
-    + ctids: the containers to look into (``pct exec`` each running one)
+    + ctids: the running containers to look into (``pct exec`` each; `container_userspace_state`
+      picks them from this run's guest state and adds it to the result)
 
     .. code:: python
 
-        {"pct": True, "host_root": "64:2", "host_driver": "595.71.05",   # /proc/driver/nvidia/version
-         "status": {200: "running"},
+        {"host_root": "64:2", "host_driver": "595.71.05",   # /proc/driver/nvidia/version
          "containers": {200: {"root": "65:34", "arch": "x86_64", "glibc": True,
                               "libs": ["/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.595.71.05"]}}}
     """
 
     def command(self, ctids: list[int]) -> str:
         ids = " ".join(shlex.quote(str(int(c))) for c in ctids)
-        loop = (
-            f"for id in {ids}; do "
-            "if printf '%s\\n' \"$pvegpu_cts\" | awk -v id=\"$id\" '$1 == id && $2 == \"running\" {f = 1} END {exit !f}'; "
-            f"then echo \"{_MARK}ct $id\"; pct exec \"$id\" -- sh -c {shlex.quote(_CT_PROBE)} 2>&1; fi; done; "
-        ) if ids else ""
+        loop = (f"for id in {ids}; do echo \"{_MARK}ct $id\"; "
+                f"pct exec \"$id\" -- sh -c {shlex.quote(_CT_PROBE)} 2>&1; done; ") if ids else ""
         return (
             f"echo '{_MARK}root'; stat -c %d:%i /; "
-            f"echo '{_MARK}host-driver'; {NvidiaDriver.command}; "
-            "if command -v pct >/dev/null 2>&1; then pvegpu_cts=$(pct list 2>/dev/null); "
-            f"echo '{_MARK}pct'; printf '%s\\n' \"$pvegpu_cts\"; {loop}fi; true"
+            f"echo '{_MARK}host-driver'; {NvidiaDriver.command}; {loop}true"
         )
 
     def process(self, output):
@@ -111,6 +106,13 @@ class ContainerUserspace(FactBase):
     @staticmethod
     def default() -> dict:
         return parse_container_userspace([])
+
+
+def container_userspace_state(ctids: list[int]) -> dict:
+    """`ContainerUserspace` of the running CTs of `ctids`, with this run's CT run state added
+    (`facts.guest_state.with_ct_status`): one remote command, no `pct list` of its own."""
+    guests = guest_state()
+    return with_ct_status(host.get_fact(ContainerUserspace, ctids=running_containers(guests, ctids)), guests)
 
 
 def install_command(ctid: int, version: str, installer_url: str, sha256: str, cached: str,
@@ -176,7 +178,7 @@ def apply(spec: HostSpec) -> None:
     if not managed:
         return
     nv = spec.nvidia
-    state = host.get_fact(ContainerUserspace, ctids=sorted(managed))
+    state = container_userspace_state(sorted(managed))
     for step in plan_userspace(nv.version, managed, state):
         if step.action == "skip" and ("glibc" in step.reason or "x86_64" in step.reason or "answer" in step.reason):
             logger.warning(f"{host.name}: {step.reason}")

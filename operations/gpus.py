@@ -34,11 +34,18 @@ from __future__ import annotations
 import re
 import shlex
 
-from facts.once import fact_once
 from pyinfra import host, logger
 from pyinfra.api import FactBase, StringCommand, deploy, operation
 
 from facts.files import ManagedFiles
+from facts.guest_state import (
+    GUEST_STATE_COMMAND,
+    GuestState,
+    guest_state_changes,
+    parse_guest_state,
+    remember_guest_state,
+)
+from facts.once import fact_once
 from facts.hardware import HardwareProbe, HostConfigProbe
 from operations.files import managed_file, sha256_text, write_file_command
 from plan.gpus import (
@@ -69,44 +76,38 @@ _MEMO = "_pvegpu_gpu_stage"
 # ---------------------------------------------------------------- stage-local facts
 
 
-def parse_guest_state(lines: list[str]) -> dict:
-    """Output of `GuestRuntime.command` → ``{"sysfs_live": True, "status": {"lxc": {200:
-    "running"}, "qemu": {300: "stopped"}}}`` (`pct list` / `qm list` columns)."""
-    state = {"sysfs_live": False, "status": {"lxc": {}, "qemu": {}}}
+def parse_guest_runtime(lines: list[str]) -> dict:
+    """Output of `GuestRuntime.command` → ``{"sysfs_live": True, "status": {"pct": True, "lxc":
+    {200: "running"}, "qemu": {300: "stopped"}}}`` ("status": a `facts.guest_state.GuestState`)."""
+    sysfs = []
     section = None
     for line in lines:
         marker = re.match(r"^@@ (\w+)$", line.strip())
         if marker:
             section = marker.group(1)
-            continue
-        tokens = line.split()
-        if section == "sysfs":
-            state["sysfs_live"] = line.strip() == "sysfs"
-        elif section == "pct" and len(tokens) >= 2 and tokens[0].isdigit():
-            state["status"]["lxc"][int(tokens[0])] = tokens[1]
-        elif section == "qm" and len(tokens) >= 3 and tokens[0].isdigit():
-            state["status"]["qemu"][int(tokens[0])] = tokens[2]
-    return state
+        elif section == "sysfs":
+            sysfs.append(line.strip())
+    return {"sysfs_live": sysfs[:1] == ["sysfs"], "status": parse_guest_state(lines)}
 
 
 class GuestRuntime(FactBase):
     """
-    Whether /sys can rebind devices live, and which guests run.
+    Whether /sys can rebind devices live, and which guests run (`GuestState` in the same command;
+    `stage_facts` keeps it as this run's `facts.guest_state.guest_state()`).
 
     .. code:: python
 
-        {"sysfs_live": True, "status": {"lxc": {200: "running"}, "qemu": {300: "stopped"}}}
+        {"sysfs_live": True, "status": {"pct": True, "lxc": {200: "running"}, "qemu": {300: "stopped"}}}
     """
 
-    command = ("echo '@@ sysfs'; stat -f -c %T /sys 2>/dev/null; "
-               "echo '@@ pct'; pct list 2>/dev/null; echo '@@ qm'; qm list 2>/dev/null; true")
+    command = f"echo '@@ sysfs'; stat -f -c %T /sys 2>/dev/null; {GUEST_STATE_COMMAND}; true"
 
     @staticmethod
     def default() -> dict:
-        return {"sysfs_live": False, "status": {"lxc": {}, "qemu": {}}}
+        return {"sysfs_live": False, "status": GuestState.default()}
 
     def process(self, output):
-        return parse_guest_state(output)
+        return parse_guest_runtime(list(output))
 
 
 class GpuHolders(FactBase):
@@ -158,6 +159,7 @@ def stage_facts(spec: HostSpec) -> dict:
     hw = fact_once(HardwareProbe)
     cfg = host.get_fact(HostConfigProbe)
     runtime = host.get_fact(GuestRuntime)
+    remember_guest_state(runtime["status"])  # the run's guest state: no stage reads pct/qm list again
     node = spec.node or host.data.get("pvegpu_node") or host.name
     pci = hw["pci_devices"]
     bindings = desired_bindings(spec, pci)
@@ -250,6 +252,7 @@ def rebind_gpus(plan: RebindPlan, nvidia: dict[str, dict], api: PveApi | None = 
     if not plan.moves:
         host.noop("every GPU is bound to the driver its role needs")
         return
+    guest_state_changes()  # it stops guests (through the API or in the script)
     if api is not None:
         for kind, gid in plan.stop:
             yield from guest_stop_commands(api, kind, gid, shutdown_timeout)

@@ -3,8 +3,9 @@
 Containers: `/etc/pve/lxc/<ctid>.conf` gets the device lines for exactly its GPUs
 (`plan.guests`); root writes the file directly (raw `lxc.*` keys cannot go through the API),
 atomically (`operations.files.write_file_command`). The CT operation reads its facts (all CT
-configs, NVIDIA minors, char majors, run state: one command) when it runs — i.e. after the
-GPU stage's rebind transaction — because minors shift when GPUs change driver. While a
+configs, NVIDIA minors, char majors: one command) when it runs — i.e. after the GPU stage's
+rebind transaction — because minors shift when GPUs change driver; the CT run state is this
+run's `facts.guest_state.guest_state()`, read again when the rebind stopped guests. While a
 rebind waits for the next boot, it uses the minors that boot will give
 (`plan.gpus.boot_minors`). A running CT is restarted (shutdown, then start) only when its set
 of GPU nodes changed and those nodes exist now; CTs the rebind stopped are started again.
@@ -34,9 +35,10 @@ from pyinfra import host, logger
 from pyinfra.api import FactBase, StringCommand, deploy, operation
 
 from facts.devices import CharDeviceMajors, parse_char_majors
+from facts.guest_state import guest_state
 from facts.nvidia import NvidiaGpus, parse_gpu_information
 from operations.files import write_file_command
-from operations.gpus import parse_guest_state, stage_facts
+from operations.gpus import stage_facts
 from operations.proxmox import (
     PveApi,
     PveWrite,
@@ -68,7 +70,7 @@ DEFAULT_GID = 44  # group_data/all.py PVEGPU_DEVICE_GID
 
 def parse_container_state(lines: list[str]) -> dict:
     """`ContainerGpuState` output → ``{"configs": {200: "<raw text>"}, "nvidia": <NvidiaGpus>,
-    "majors": <CharDeviceMajors>, "status": {200: "running"}}``."""
+    "majors": <CharDeviceMajors>, "caps": [...]}``."""
     sections: dict[str, list[str]] = {}
     current: list[str] | None = None
     for line in lines:
@@ -82,22 +84,21 @@ def parse_container_state(lines: list[str]) -> dict:
         m = re.match(r"^conf:.*/(\d+)\.conf$", name)
         if m:
             configs[int(m.group(1))] = "\n".join(body) + "\n" if body else ""
-    status = parse_guest_state(["@@ pct", *sections.get("pct", [])])["status"]["lxc"]
     return {"configs": dict(sorted(configs.items())),
             "nvidia": parse_gpu_information(sections.get("nvidia", [])),
             "majors": parse_char_majors(sections.get("majors", [])),
-            "caps": [line.strip() for line in sections.get("caps", []) if line.strip()],
-            "status": status}
+            "caps": [line.strip() for line in sections.get("caps", []) if line.strip()]}
 
 
 class ContainerGpuState(FactBase):
     """
-    Raw CT configs, NVIDIA minors, char majors and CT run state, in one command.
+    Raw CT configs, NVIDIA minors, char majors and the caps nodes, in one command (the CT run
+    state comes from `facts.guest_state.guest_state()`, read once per run).
 
     .. code:: python
 
         {"configs": {200: "arch: amd64\\n..."}, "nvidia": {"0000:01:00.0": {"minor": 0, ...}},
-         "majors": {"nvidia": 195, "nvidia-uvm": 511, ...}, "status": {200: "running"},
+         "majors": {"nvidia": 195, "nvidia-uvm": 511, ...},
          "caps": ["/dev/nvidia-caps/nvidia-cap1", ...]}   # the caps nodes that exist
     """
 
@@ -105,13 +106,12 @@ class ContainerGpuState(FactBase):
         f'for f in {LXC_DIR}/*.conf; do [ -r "$f" ] && {{ echo "@@pvegpu conf:$f"; cat "$f"; }}; done; '
         f"echo '@@pvegpu nvidia'; {NvidiaGpus.command}; "
         f"echo '@@pvegpu majors'; {CharDeviceMajors.command}; "
-        "echo '@@pvegpu caps'; for f in /dev/nvidia-caps/*; do [ -e \"$f\" ] && echo \"$f\"; done; "
-        "echo '@@pvegpu pct'; pct list 2>/dev/null; true"
+        "echo '@@pvegpu caps'; for f in /dev/nvidia-caps/*; do [ -e \"$f\" ] && echo \"$f\"; done; true"
     )
 
     @staticmethod
     def default() -> dict:
-        return {"configs": {}, "nvidia": {}, "majors": {}, "status": {}, "caps": []}
+        return {"configs": {}, "nvidia": {}, "majors": {}, "caps": []}
 
     def process(self, output):
         return parse_container_state(output)
@@ -131,6 +131,8 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
     + shutdown_timeout: seconds a CT gets to shut down before it is stopped hard
     """
     state = host.get_fact(ContainerGpuState)
+    # this run's CT run state; read again when an earlier operation started or stopped guests
+    status = guest_state()["lxc"]
     live_minors = {b: g["minor"] for b, g in state["nvidia"].items() if g.get("minor") is not None}
     minors = boot_minors if boot_minors is not None else live_minors
     majors = state["majors"]
@@ -147,7 +149,7 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
         for problem in devices.problems:
             logger.warning(f"{host.name}: {problem}")
         merged = merge_container_config(text, devices.lines, majors)
-        running = state["status"].get(ctid) == "running"
+        running = status.get(ctid) == "running"
         if merged.changed:
             changed_any = True
             # /etc/pve is pmxcfs (cluster-replicated): no .pvegpu-prev copies next to the config

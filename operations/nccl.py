@@ -16,9 +16,10 @@ a run while it runs). A CT whose ``/`` is the host's ``/`` (same device:inode: a
 runs commands on the host itself) is skipped too: writing "its" /etc/nccl.conf would overwrite
 the host's.
 
-No-change cost: one remote command (`NcclState`: file states, RDMA list, systemd, drop-ins,
-CT run state and each running GPU CT's file) plus the HardwareProbe, which comes from the GPU
-stage's per-run memo when that stage read it (pyinfra 3 has no fact cache).
+No-change cost: one remote command (`NcclState`: file states, RDMA list, systemd, drop-ins and
+each running GPU CT's file) plus the HardwareProbe, which comes from the GPU stage's per-run memo
+when that stage read it (pyinfra 3 has no fact cache); the CT run state is this run's
+`facts.guest_state.guest_state()` (read by the GPU stage).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pyinfra import host, logger
 from pyinfra.api import FactBase, StringCommand, deploy, operation
 
 from facts.files import ManagedFiles
+from facts.guest_state import guest_state, running_containers, with_ct_status
 from facts.hardware import HardwareProbe
 from operations.files import absent_file, managed_file, sha256_text, write_file_command
 from plan.nccl import describe_nccl_environment, nccl_conf_lines, nccl_plan_for_spec, render_nccl_conf
@@ -95,11 +97,6 @@ def parse_nccl_state(lines: list[str]) -> dict:
         elif current is not None:
             current.append(line)
     files = ManagedFiles().process(sections.get("files", []))
-    status = {}
-    for line in sections.get("pct", [])[1:]:  # header: VMID Status Lock Name
-        fields = line.split()
-        if len(fields) >= 2 and fields[0].isdigit():
-            status[int(fields[0])] = fields[1]
     containers = {}
     for key, body in sections.items():
         m = re.match(r"^ct (\d+)$", key)
@@ -119,8 +116,6 @@ def parse_nccl_state(lines: list[str]) -> dict:
         "systemd_running": any(v.strip() == "running" for v in sections.get("systemd", [])),
         "dropins": sorted(v.strip() for v in sections.get("dropins", []) if v.strip()),
         "host_root": root[0] if root else None,
-        "pct": "pct" in sections,
-        "status": status,
         "containers": containers,
     }
 
@@ -129,7 +124,8 @@ class NcclState(FactBase):
     """Everything the NCCL stage compares against, in one remote command.
 
     + paths: host files of the stage (/etc/nccl.conf and the drop-ins)
-    + ctids: the GPU containers; each running one is asked (``pct exec``) for its file
+    + ctids: the running GPU containers, each asked (``pct exec``) for its file (`nccl_state`
+      picks them from this run's guest state and adds it to the result)
 
     .. code:: python
 
@@ -138,10 +134,8 @@ class NcclState(FactBase):
          "systemd_running": True,               # /run/systemd/system exists
          "dropins": ["/etc/systemd/system/vllm.service.d/pvegpu-nccl.conf"],   # all pvegpu drop-ins present
          "host_root": "64:5472336",             # device:inode of the host's /
-         "pct": True,                           # pct exists (a PVE host)
-         "status": {200: "running"},            # `pct list`
          "containers": {200: {"root": "65:34", "readable": True,
-                              "file": {"mode": "644", "sha256": "…"} | None}}}   # running GPU CTs
+                              "file": {"mode": "644", "sha256": "…"} | None}}}   # the CTs asked
     """
 
     def command(self, paths: list[str], ctids: list[int]) -> str:
@@ -155,17 +149,7 @@ class NcclState(FactBase):
             f"echo '{_MARK}root'; stat -c %d:%i /",
         ]
         if ids:
-            ct_loop = (
-                f"for id in {ids}; do "
-                "if printf '%s\\n' \"$pvegpu_cts\" | awk -v id=\"$id\" '$1 == id && $2 == \"running\" {f = 1} END {exit !f}'; "
-                f"then echo \"{_MARK}ct $id\"; pct exec \"$id\" -- sh -c {probe} 2>&1; fi; done; "
-            )
-        else:
-            ct_loop = ""
-        parts.append(
-            "if command -v pct >/dev/null 2>&1; then pvegpu_cts=$(pct list 2>/dev/null); "
-            f"echo '{_MARK}pct'; printf '%s\\n' \"$pvegpu_cts\"; {ct_loop}fi"
-        )
+            parts.append(f"for id in {ids}; do echo \"{_MARK}ct $id\"; pct exec \"$id\" -- sh -c {probe} 2>&1; done")
         return "; ".join(parts) + "; true"
 
     def process(self, output):
@@ -174,6 +158,13 @@ class NcclState(FactBase):
     @staticmethod
     def default() -> dict:
         return parse_nccl_state([])
+
+
+def nccl_state(paths: list[str], ctids: list[int]) -> dict:
+    """`NcclState` of the running CTs of `ctids`, with this run's CT run state added
+    (`facts.guest_state.with_ct_status`): one remote command, no `pct list` of its own."""
+    guests = guest_state()
+    return with_ct_status(host.get_fact(NcclState, paths=paths, ctids=running_containers(guests, ctids)), guests)
 
 
 def hardware_facts(spec) -> dict:
@@ -194,7 +185,7 @@ def container_nccl_conf(ctid: int, content: str, state: dict, mode: str = NCCL_C
 
     + ctid: the container
     + content: the rendered file
-    + state: `NcclState` as a whole (run state, host root, the CT's file)
+    + state: `nccl_state()` as a whole (run state, host root, the CT's file)
     """
     status = state["status"].get(ctid)
     if not state["pct"]:
@@ -317,7 +308,7 @@ def apply(spec) -> None:
     hardware = hardware_facts(spec)
     ctids = sorted(int(ctid) for ctid, ct in spec.containers.items() if ct.gpus)
     paths = [NCCL_CONF] + [dropin_path(unit_name(s)) for s in spec.nccl.services]
-    state = host.get_fact(NcclState, paths=paths, ctids=ctids)
+    state = nccl_state(paths, ctids)
     want = desired(spec, hardware, state["rdma_devices"])
     for line in describe(want):
         (logger.warning if "WARNING:" in line else logger.info)(f"{host.name}: {line}")

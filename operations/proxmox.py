@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, StringCommand
 
+from facts.guest_state import guest_state_changes
 from spec.models import ProxmoxApiSpec
 
 KIND_TOOL = {"lxc": "pct", "qemu": "qm"}
@@ -192,12 +193,18 @@ def shutdown_shell(kind: str, gid: int, timeout: int) -> str:
 
 
 def guest_stop_commands(api: PveApi | None, kind: str, gid: int, timeout: int) -> list:
+    """The command that shuts guest `gid` down (see `shutdown_shell` / `api_guest_stop`). Called
+    by an operation right before it yields it: the run's guest state is read again after it."""
+    guest_state_changes()
     if api is None:
         return [StringCommand(shutdown_shell(kind, gid, timeout))]
     return [FunctionCommand(api_guest_stop, (api, kind, gid, int(timeout)), {})]
 
 
 def guest_start_commands(api: PveApi | None, kind: str, gid: int) -> list:
+    """The command that starts guest `gid`. Called by an operation right before it yields it:
+    the run's guest state is read again after it."""
+    guest_state_changes()
     if api is None:
         return [StringCommand(f"{KIND_TOOL[kind]} start {shlex.quote(str(gid))}")]
     return [FunctionCommand(api_guest_start, (api, kind, gid), {})]

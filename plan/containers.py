@@ -6,7 +6,8 @@ versions differ ("Driver/library version mismatch", INCIDENTS #6), so each GPU c
 exactly the host's version from the host's own NVIDIA-Linux-x86_64-<version>.run, run inside the
 container with ``--no-kernel-modules``.
 
-Input: the spec's containers and the `ContainerUserspace` fact::
+Input: the spec's containers and `operations.containers.container_userspace_state()` (the
+`ContainerUserspace` fact with the CT run state)::
 
     {"pct": True, "host_root": "64:2",
      "status": {200: "running", 201: "stopped"},
@@ -55,7 +56,7 @@ def plan_userspace(version: str, containers: dict, state: dict) -> list[CtUsersp
     + version: the host's driver version (spec nvidia.version)
     + containers: ``{ctid: ContainerSpec}`` (userspace_driver: None = managed, the spec checked
       that an installer exists when it is True; the caller drops containers it must not manage)
-    + state: the `ContainerUserspace` fact
+    + state: `operations.containers.container_userspace_state()`
     """
     steps = []
     for ctid in sorted(containers):

@@ -10,6 +10,7 @@ import shlex
 
 import pytest
 
+from facts.guest_state import GuestState, running_containers, with_ct_status
 from facts.hardware import HardwareProbe
 from operations import nccl
 
@@ -28,7 +29,10 @@ def planned(target) -> tuple[dict, dict]:
         hardware = HardwareProbe().process(_lines(target, HardwareProbe().command))
         ctids = sorted(int(c) for c, ct in spec.containers.items() if ct.gpus)
         paths = [nccl.NCCL_CONF] + [nccl.dropin_path(nccl.unit_name(s)) for s in spec.nccl.services]
-        state = nccl.NcclState().process(_lines(target, nccl.NcclState().command(paths, ctids)))
+        guests = GuestState().process(_lines(target, GuestState.command))
+        found = nccl.NcclState().process(
+            _lines(target, nccl.NcclState().command(paths, running_containers(guests, ctids))))
+        state = with_ct_status(found, guests)
         _PLANS[target.name] = (nccl.desired(spec, hardware, state["rdma_devices"]), state)
     return _PLANS[target.name]
 

@@ -13,7 +13,7 @@ import pytest
 from operations import containers
 from plan.containers import INSTALLER_FLAGS, plan_userspace
 from spec.models import ContainerSpec
-from tests.unit.operations.test_nccl_ops import pct_list, run_op
+from tests.unit.operations.test_nccl_ops import pct_list, read_in_shell, run_op
 
 VERSION = "595.71.05"
 
@@ -75,27 +75,25 @@ def shell(command, env):
 
 
 def read_state(env, ctids=(200, 201)):
-    fact = containers.ContainerUserspace()
-    out = shell(fact.command(list(ctids)), env)
-    assert out.returncode == 0, out.stderr
-    return fact.process(out.stdout.splitlines())
+    """`container_userspace_state` on the fake node: the guest state read first (the only
+    `pct list`), then only the running CT looked into."""
+    state, commands = read_in_shell(env, containers.container_userspace_state, list(ctids))
+    assert [c.count("pct list") for c in commands] == [1, 0] and "for id in 200; do" in commands[1]
+    return state
 
 
 def test_fact_parses_stopped_and_missing_containers_and_host_driver():
     fact = containers.ContainerUserspace()
     nvrm = (f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {VERSION}  Release Build  "
             "(dvs-builder@U16-I3-A03-02-4)  Mon May 13 17:10:33 UTC 2024")  # the real line's shape
-    state = fact.process(["@@pvegpu root", "64:2", "@@pvegpu host-driver", nvrm, "@@pvegpu pct",
-                          *pct_list(**{"200": "running", "201": "stopped"}), "@@pvegpu ct 200",
+    state = fact.process(["@@pvegpu root", "64:2", "@@pvegpu host-driver", nvrm, "@@pvegpu ct 200",
                           "root 65:34", "arch x86_64", "glibc yes",
                           f"lib /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.{VERSION}"])
-    assert state == {"pct": True, "host_root": "64:2", "host_driver": VERSION,
-                     "status": {200: "running", 201: "stopped"},
+    assert state == {"host_root": "64:2", "host_driver": VERSION,
                      "containers": {200: {"root": "65:34", "arch": "x86_64", "glibc": True,
                                           "libs": [f"/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.{VERSION}"]}}}
     # pct exec failed (its message instead of the probe): no answer, not an empty CT
-    failed = fact.process(["@@pvegpu pct", *pct_list(**{"200": "running"}), "@@pvegpu ct 200",
-                           "CT 200 not running"])
+    failed = fact.process(["@@pvegpu ct 200", "CT 200 not running"])
     assert failed["containers"] == {} and failed["host_driver"] is None
 
 

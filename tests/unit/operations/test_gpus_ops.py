@@ -11,8 +11,9 @@ from pyinfra_testing.util import FakeState, create_host
 
 from operations.gpus import (
     GpuHolders,
+    GuestRuntime,
     binding_rules,
-    parse_guest_state,
+    parse_guest_runtime,
     rebind_gpus,
     rebind_script,
     refresh_initramfs,
@@ -33,10 +34,24 @@ QM_LIST = """\
 
 def test_guest_runtime_parses_pct_qm_and_sysfs_type():
     out = ["@@ sysfs", "sysfs", "@@ pct", *PCT_LIST.splitlines(), "@@ qm", *QM_LIST.splitlines()]
-    assert parse_guest_state(out) == {"sysfs_live": True,
-                                      "status": {"lxc": {200: "running", 201: "stopped"}, "qemu": {300: "running"}}}
-    # the twin's /sys is a rendered tree on overlayfs: no live rebind there
-    assert parse_guest_state(["@@ sysfs", "overlayfs", "@@ pct", "@@ qm"])["sysfs_live"] is False
+    assert parse_guest_runtime(out) == {"sysfs_live": True, "status": {
+        "pct": True, "lxc": {200: "running", 201: "stopped"}, "qemu": {300: "running"}}}
+    # the twin's /sys is a rendered tree on overlayfs: no live rebind there; no pct: not a PVE node
+    assert parse_guest_runtime(["@@ sysfs", "overlayfs", "@@ qm"]) == {
+        "sysfs_live": False, "status": {"pct": False, "lxc": {}, "qemu": {}}}
+
+
+def test_guest_runtime_runs_pct_and_qm_list_in_a_real_shell(tmp_path):
+    """Its one command, with stub pct/qm printing PVE's list formats (the run's guest state comes from it)."""
+    for tool, listing in (("pct", PCT_LIST), ("qm", QM_LIST)):
+        (tmp_path / tool).write_text(f"#!/bin/sh\n[ \"$1\" = list ] && printf %s '{listing}'\n")
+        (tmp_path / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    out = subprocess.run(["sh", "-c", GuestRuntime.command], capture_output=True, text=True, env=env, check=True)
+    runtime = GuestRuntime().process(out.stdout.splitlines())
+    assert runtime["status"] == {"pct": True, "lxc": {200: "running", 201: "stopped"}, "qemu": {300: "running"}}
+    assert runtime["sysfs_live"] is (subprocess.run(["stat", "-f", "-c", "%T", "/sys"], capture_output=True,
+                                                    text=True).stdout.strip() == "sysfs")
 
 
 def test_holders_fact_splits_both_sources_and_quotes_nodes():

@@ -30,23 +30,22 @@ JELLYFIN = "\n".join(body("lxc-conf/pve9-102-jellyfin-privileged-lxc-mount-entry
 IGPU = "\n".join(body("lxc-conf/frigate-7640-intel-igpu-no-nvidia-negative.txt")) + "\n"
 
 
-def state_output(configs, status):
+def state_output(configs):
     out = []
     for ctid, text in configs.items():
         out += [f"@@pvegpu conf:/etc/pve/lxc/{ctid}.conf", *text.splitlines()]
     out += ["@@pvegpu nvidia", *body("h200-vm/driver-gpus-information.txt")]
     out += ["@@pvegpu majors", *body("h200-vm/proc-devices.txt")]
-    out += ["@@pvegpu pct", "VMID       Status     Lock         Name",
-            *[f"{i:<10} {s:<10} {'':<12} ct{i}" for i, s in status.items()]]
     return out
 
 
 def test_container_state_fact_splits_real_outputs():
-    state = ContainerGpuState().process(state_output({102: JELLYFIN, 103: IGPU}, {102: "running", 103: "stopped"}))
+    state = ContainerGpuState().process(state_output({102: JELLYFIN, 103: IGPU}))
     assert state["configs"][102] == JELLYFIN and state["configs"][103] == IGPU
     assert state["nvidia"]["0000:00:06.0"]["minor"] == 0
     assert state["majors"]["nvidia-uvm"] == 238
-    assert state["status"] == {102: "running", 103: "stopped"}
+    # the run state comes from facts.guest_state (one `pct list` per run), not from this command
+    assert "pct" not in ContainerGpuState.command and "status" not in state
 
 
 def run_op(op, facts=None, *args, **kwargs):
@@ -64,7 +63,9 @@ def written(command):
 
 
 def facts_for(configs, status):
-    return {"guests.ContainerGpuState": ContainerGpuState().process(state_output(configs, status))}
+    """The op's facts: CT configs and GPUs (`ContainerGpuState`), and `status` as `pct list` shows it."""
+    return {"guests.ContainerGpuState": ContainerGpuState().process(state_output(configs)),
+            "guest_state.GuestState": {"pct": True, "lxc": status, "qemu": {}}}
 
 
 def test_ct_gets_its_gpu_by_minor_and_a_running_ct_restarts():

@@ -11,6 +11,7 @@ import pytest
 from pyinfra.context import ctx_host, ctx_state
 from pyinfra_testing.util import FakeState, create_host
 
+from facts.guest_state import GuestState, with_ct_status
 from operations import nccl
 from operations.files import sha256_text
 from spec.load import load_spec_file
@@ -34,6 +35,33 @@ def sh(command, env=None):
     return subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True, env=env).stdout
 
 
+class ShellHost:
+    """A pyinfra host stand-in whose facts run their own command in a local shell (`env`: a PATH
+    with the test's pct) and go through their process(); `commands` lists what ran."""
+
+    name = "local"
+    noop_description = None
+
+    def __init__(self, env):
+        self.env, self.commands, self.data = env, [], {}
+
+    def noop(self, description):
+        self.noop_description = description
+
+    def get_fact(self, fact_cls, **kwargs):
+        fact = fact_cls()
+        command = fact.command(**kwargs) if callable(fact.command) else fact.command
+        self.commands.append(command)
+        return fact.process(sh(command, self.env).splitlines())
+
+
+def read_in_shell(env, read, *args):
+    """`read(*args)` (e.g. `nccl.nccl_state`) on a fresh `ShellHost`: its result and the commands it ran."""
+    shell_host = ShellHost(env)
+    with ctx_state.use(FakeState()), ctx_host.use(shell_host):
+        return read(*args), shell_host.commands
+
+
 def kpro6_spec(**nccl_changes):
     spec = load_spec_file(ROOT / "inventories" / "kpro6.yml")["kpro6"]
     if nccl_changes:
@@ -55,13 +83,13 @@ def state_for(want, *, ct_status="running", ct_root="65:34", systemd=True, dropi
         lines += [f"==> pvegpu-file {path}", *([entry["mode"], entry["sha256"]] if entry else ["MISSING"])]
     lines += ["@@pvegpu-nccl rdma", "@@pvegpu-nccl systemd", *(["running"] if systemd else []),
               "@@pvegpu-nccl dropins", *(dropins if dropins is not None else (want["dropins"] if converged else [])),
-              "@@pvegpu-nccl root", "64:5472336",
-              "@@pvegpu-nccl pct", *pct_list(**{str(c): ct_status for c in want["containers"]})]
+              "@@pvegpu-nccl root", "64:5472336"]
     if ct_status == "running":
         for ctid, text in want["containers"].items():
             lines += [f"@@pvegpu-nccl ct {ctid}", ct_root,
                       *(["644", sha256_text(text)] if converged else ["MISSING"])]
-    return nccl.NcclState().process(lines)
+    guests = GuestState().process(["@@ pct", *pct_list(**{str(c): ct_status for c in want["containers"]})])
+    return with_ct_status(nccl.NcclState().process(lines), guests)
 
 
 def commands_of(ops):
@@ -190,10 +218,11 @@ def test_container_file_is_skipped_with_a_reason_when_pct_exec_cannot_reach_its_
 
 
 def test_missing_container_and_host_without_pct_are_noops():
-    state = nccl.NcclState().process(["@@pvegpu-nccl root", "64:2", "@@pvegpu-nccl pct", PCT_HEADER])
+    found = nccl.NcclState().process(["@@pvegpu-nccl root", "64:2"])
+    state = with_ct_status(found, GuestState().process(["@@ pct", PCT_HEADER, "@@ qm"]))
     assert run_op(nccl.container_nccl_conf, ctid=201, content="x\n", state=state) == (
         [], "CT 201 does not exist on this node; its /etc/nccl.conf is written once it exists and runs")
-    no_pct = nccl.NcclState().process(["@@pvegpu-nccl root", "64:2"])
+    no_pct = with_ct_status(found, GuestState().process(["@@ qm"]))
     assert run_op(nccl.container_nccl_conf, ctid=201, content="x\n", state=no_pct)[1].startswith("CT 201: no pct on this host")
 
 
@@ -202,16 +231,17 @@ def test_state_fact_runs_in_a_real_shell(tmp_path):
     fact = nccl.NcclState()
     conf = tmp_path / "nccl.conf"
     conf.write_text("NCCL_IB_DISABLE=1\n")
-    out = sh(fact.command([str(conf), str(tmp_path / "none")], [200])).splitlines()
-    state = fact.process(out)
+    command = fact.command([str(conf), str(tmp_path / "none")], [])  # no running CT to look into
+    assert "pct" not in command  # the run state comes from facts.guest_state
+    state = fact.process(sh(command).splitlines())
     assert state["files"] == {str(conf): {"mode": "644", "sha256": sha256_text("NCCL_IB_DISABLE=1\n")},
                               str(tmp_path / "none"): None}
     rdma = sorted(os.listdir("/sys/class/infiniband")) if os.path.isdir("/sys/class/infiniband") else []
     assert state["rdma_devices"] == rdma
     assert state["systemd_running"] == os.path.isdir("/run/systemd/system")
     st = os.stat("/")
-    assert state["host_root"] == f"{st.st_dev}:{st.st_ino}"
-    assert state["pct"] is bool(shutil.which("pct"))
+    assert state["host_root"] == f"{st.st_dev}:{st.st_ino}" and state["containers"] == {}
+    assert GuestState().process(sh(GuestState.command).splitlines())["pct"] is bool(shutil.which("pct"))
 
 
 FAKE_PCT = """#!/bin/sh
@@ -246,10 +276,10 @@ def test_container_file_goes_through_pct_exec_into_the_containers_own_root(tmp_p
 
     want = nccl.desired(kpro6_spec(), kpro6_hardware(), rdma_devices=[])
     content = want["containers"][200]
-    fact = nccl.NcclState()
-    command = fact.command([str(tmp_path / "host-nccl.conf")], [200])
-    state = fact.process(sh(command, env).splitlines())
-    assert state["status"] == {200: "running"}
+    paths = [str(tmp_path / "host-nccl.conf")]
+    state, commands = read_in_shell(env, nccl.nccl_state, paths, [200])
+    assert [c.count("pct list") for c in commands] == [1, 0]  # GuestState, then NcclState
+    assert state["status"] == {200: "running"} and state["pct"]
     assert state["containers"][200]["readable"] and state["containers"][200]["file"] is None
     assert state["containers"][200]["root"] != state["host_root"]
 
@@ -259,6 +289,6 @@ def test_container_file_goes_through_pct_exec_into_the_containers_own_root(tmp_p
     assert (ct_root / "etc" / "nccl.conf").read_text() == content
     assert oct((ct_root / "etc" / "nccl.conf").stat().st_mode & 0o777) == "0o644"
 
-    again = fact.process(sh(command, env).splitlines())
+    again, _ = read_in_shell(env, nccl.nccl_state, paths, [200])
     assert run_op(nccl.container_nccl_conf, ctid=200, content=content, state=again) == (
         [], "CT 200: /etc/nccl.conf is up to date")

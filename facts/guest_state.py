@@ -1,0 +1,109 @@
+"""Run state of this node's guests (`pct list`, `qm list`), read once per host per run while
+nothing changes it.
+
+On a Proxmox VE node `pct list` and `qm list` are Perl programs (0.3-0.5 s each) and four
+stages need the CT run state, so `guest_state()` keeps one reading per host for the run. An
+operation that yields a command starting or stopping a guest calls `guest_state_changes()`
+right before it (`operations.proxmox.guest_stop_commands` / `guest_start_commands` do, and the
+GPU stage's rebind transaction); the next `guest_state()` while executing reads again.
+
+Why a reading taken while operations are generated may be used while they execute: pyinfra
+generates every operation (the stages' `apply()`, and each operation body up to its first
+command when it checks for changes) before it executes the first one, so nothing on the host
+changes in between. A command yielded while generating is not run, so only a yield while
+executing makes the reading stale. (The reboot stage's `server.reboot` restarts guests too;
+it runs last and nothing reads guest state after it.)
+
+The reading lives on the Host object, which exists for exactly one run (host.data hands out
+copies).
+
+    {"pct": True,                               # pct exists (a Proxmox VE node)
+     "lxc": {200: "running", 201: "stopped"},   # `pct list`
+     "qemu": {300: "running"}}                  # `qm list`
+"""
+
+from __future__ import annotations
+
+import re
+
+from pyinfra import host, state
+from pyinfra.api import FactBase
+
+# Also part of GuestRuntime's combined command (operations.gpus), which seeds the memo.
+GUEST_STATE_COMMAND = ("if command -v pct >/dev/null 2>&1; then echo '@@ pct'; pct list 2>/dev/null; fi; "
+                       "echo '@@ qm'; qm list 2>/dev/null")
+_MEMO_ATTR = "_pvegpu_guest_state"
+
+
+def parse_guest_state(lines: list[str]) -> dict:
+    """The `@@ pct` / `@@ qm` sections of `GUEST_STATE_COMMAND`'s output (other `@@ name`
+    sections are skipped) → the shape in the module docstring."""
+    parsed = {"pct": False, "lxc": {}, "qemu": {}}
+    section = None
+    for line in lines:
+        marker = re.match(r"^@@ (\w+)$", line.strip())
+        if marker:
+            section = marker.group(1)
+            parsed["pct"] |= section == "pct"
+            continue
+        tokens = line.split()
+        if section == "pct" and len(tokens) >= 2 and tokens[0].isdigit():  # VMID Status Lock Name
+            parsed["lxc"][int(tokens[0])] = tokens[1]
+        elif section == "qm" and len(tokens) >= 3 and tokens[0].isdigit():  # VMID NAME STATUS ...
+            parsed["qemu"][int(tokens[0])] = tokens[2]
+    return parsed
+
+
+class GuestState(FactBase):
+    """
+    Which guests this node has and whether they run (`pct list`, `qm list`).
+
+    .. code:: python
+
+        {"pct": True, "lxc": {200: "running"}, "qemu": {300: "stopped"}}
+    """
+
+    command = GUEST_STATE_COMMAND + "; true"
+
+    @staticmethod
+    def default() -> dict:
+        return {"pct": False, "lxc": {}, "qemu": {}}
+
+    def process(self, output):
+        return parse_guest_state(list(output))
+
+
+def guest_state() -> dict:
+    """This host's `GuestState`: the reading kept for this run, else read now (and kept)."""
+    current = getattr(host, _MEMO_ATTR, None)
+    if current is None:
+        current = host.get_fact(GuestState)
+        remember_guest_state(current)
+    return current
+
+
+def remember_guest_state(current: dict) -> None:
+    """Keep `current` (a `GuestState` just read, e.g. inside a combined fact) for this run."""
+    setattr(host, _MEMO_ATTR, current)
+
+
+def guest_state_changes() -> None:
+    """Call right before yielding a command that starts, stops or shuts down a guest: while
+    executing, the kept reading is dropped (while generating, nothing runs: it stays)."""
+    if state.is_executing:
+        setattr(host, _MEMO_ATTR, None)
+
+
+def running_containers(current: dict, ctids) -> list[int]:
+    """The CTs of `ctids` that `current` (a `GuestState`) shows running, sorted."""
+    return sorted(int(c) for c in ctids if current["lxc"].get(int(c)) == "running")
+
+
+def with_ct_status(found: dict, guests: dict) -> dict:
+    """A stage's fact about its CTs (`NcclState`, `ContainerUserspace`) plus the node's CT run
+    state from `guests` (a `GuestState`), the shape the stage decides on::
+
+        {**found, "pct": True,                  # pct exists (a Proxmox VE node)
+                  "status": {200: "running"}}   # `pct list`
+    """
+    return {**found, "pct": guests["pct"], "status": dict(guests["lxc"])}
