@@ -54,6 +54,7 @@ from plan.gpus import (
     boot_minors,
     desired_bindings,
     holders_of,
+    identity_domain_refusals,
     parse_compute_apps,
     parse_fuser,
     plan_rebind,
@@ -281,6 +282,8 @@ def preflight(spec: HostSpec) -> list[str]:
         return []
     facts = stage_facts(spec)
     refusals = list(facts["bindings"].refusals)
+    hw = facts["hw"]
+    refusals += identity_domain_refusals(hw.get("pci_devices") or {}, hw.get("iommu") or {}, hw.get("sev_snp"))
     rebind: RebindPlan = facts["rebind"]
     for kind, gid in rebind.blocked:
         refusals.append(f"{'CT' if kind == 'lxc' else 'VM'} {gid} is running and uses a GPU that changes driver, "
