@@ -52,12 +52,14 @@ def link_text(link: dict | None) -> str | None:
 
 
 def bar1_size(bars: dict | None) -> int | None:
-    """NVIDIA's BAR1 (the VRAM aperture): the second memory BAR in index order.
+    """NVIDIA's BAR1 (the VRAM aperture), None when it is not assigned (incident 10).
 
-    sysfs numbers BAR registers, and a 64-bit BAR0 takes two, so BAR1 sits at index 1 or 2.
+    sysfs numbers BAR registers, and a 64-bit BAR0 takes two, so BAR1 sits at index 1 (32-bit
+    BAR0) or 2 (64-bit BAR0, as on the H200: 16 MiB at 0, 256 GiB at 2, 32 MiB at 4); BAR3 is
+    never there, so a missing BAR1 is not mistaken for BAR3.
     """
-    sizes = [size for _, size in sorted((int(index), size) for index, size in (bars or {}).items())]
-    return sizes[1] if len(sizes) > 1 else None
+    bars = {int(index): size for index, size in (bars or {}).items()}
+    return bars.get(1) or bars.get(2) or None
 
 
 def human_bytes(size: int | None) -> str:

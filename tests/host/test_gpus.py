@@ -171,10 +171,12 @@ def _nvidia_gpus(pci: dict) -> dict:
 def test_every_gpu_has_its_bar1(target):
     """Incident 10: 96 GB cards came up without BAR1 ("BAR can't assign") when the BAR space
     was too small (fix: pci=realloc)."""
+    from plan.topology_report import bar1_size
+
     gpus = _nvidia_gpus(_pci(target))
     if not gpus:
         pytest.skip(f"{target.name}: no NVIDIA GPU on the PCI bus")
-    missing = sorted(b for b, d in gpus.items() if not (d.get("bars") or {}).get(1))
+    missing = sorted(b for b, d in gpus.items() if not bar1_size(d.get("bars")))
     assert not missing, (f"{target.name}: GPU {', '.join(missing)} has no BAR1 (its memory window); "
                          "the BIOS/kernel could not place it: boot with pci=realloc or enable Above 4G decoding")
 

@@ -155,3 +155,12 @@ def test_topology_deploy_file_on_this_machine_writes_the_report_and_queues_no_op
     assert text.startswith("GPU topology of @local\n") and text in run.stdout
     assert (tmp_path / "@local.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
     assert re.search(r"Grand total\s+-\s+-\s+-\s+-\s", run.stderr)  # pyinfra's results table: no operation
+
+
+def test_bar1_is_index_1_or_2_never_bar3():
+    # 32-bit BAR0: BAR1 at 1 (64-bit, upper half at 2), BAR3 at 3; 64-bit BAR0 (H200): BAR1 at 2, BAR3 at 4
+    assert bar1_size({0: 16 << 20, 1: 256 << 30, 3: 32 << 20}) == 256 << 30
+    assert bar1_size({0: 16 << 20, 2: 256 << 30, 4: 32 << 20}) == 256 << 30
+    # BAR1 could not be assigned (incident 10): BAR3 is not taken for it
+    assert bar1_size({0: 16 << 20, 4: 32 << 20}) is None
+    assert bar1_size({0: 16 << 20, 3: 32 << 20}) is None
