@@ -1,4 +1,4 @@
-"""Container user space on the kpro6 twin (issue 7 part 5): a running GPU container gets exactly
+"""Container user space on the kpro6 and intel2 twins (issue 7 part 5): a running GPU container gets exactly
 the host's NVIDIA user space from the host's installer, `nvidia-smi` inside sees exactly its GPUs,
 a drifted container (another version installed inside) is found, previewed without change, and
 fixed; a converged one is left alone."""
@@ -16,40 +16,44 @@ from tests.twin import runtime
 
 pytestmark = [pytest.mark.twin]
 
-VERSION = "595.71.05"  # inventories/twin.yml: kpro6's nvidia.version
-CT_GPUS = ["0000:01:00.0", "0000:21:00.0", "0000:41:00.0", "0000:61:00.0"]
+# inventories/twin.yml: each twin's GPU container, its GPUs and the host's nvidia.version
+CASES = {
+    "kpro6": (200, ["0000:01:00.0", "0000:21:00.0", "0000:41:00.0", "0000:61:00.0"], "595.71.05"),
+    "intel2": (201, ["0000:19:00.0"], "570.172.08"),
+}
 
 
 def ssh(name: str, command: str) -> subprocess.CompletedProcess:
     return subprocess.run(runtime.ssh_command(name, [command]), capture_output=True, text=True, timeout=120)
 
 
-def smi_bus_ids(name: str) -> tuple[int, list[str]]:
-    out = ssh(name, "pct exec 200 -- nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader")
+def smi_bus_ids(name: str, ctid: int) -> tuple[int, list[str]]:
+    out = ssh(name, f"pct exec {ctid} -- nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader")
     ids = parse_bus_ids(out.stdout.splitlines()) if out.returncode == 0 else []
     return out.returncode, ids or [out.stdout + out.stderr]
 
 
-def test_container_gets_the_hosts_user_space_and_drift_is_fixed(twin_factory, tmp_path):
-    twin = twin_factory("kpro6", name="ctu-kpro6")
+@pytest.mark.parametrize("profile", sorted(CASES))
+def test_container_gets_the_hosts_user_space_and_drift_is_fixed(twin_factory, tmp_path, profile):
+    ctid, ct_gpus, version = CASES[profile]
+    twin = twin_factory(profile, name=f"ctu-{profile}")
     env = {"PVEGPU_TWINS": twin.name}
     first = run_pyinfra("inventories/twin.py", "deploy.py", env=env)  # devices, bindings (reboots once)
     assert first.rc == 0, first.output[-4000:]
-    assert "CT 200 is stopped" in first.output, "a stopped CT is skipped with its reason"
+    assert f"CT {ctid} is stopped" in first.output, "a stopped CT is skipped with its reason"
 
-    assert ssh(twin.name, "pct start 200").returncode == 0
+    assert ssh(twin.name, f"pct start {ctid}").returncode == 0
     install = run_pyinfra("inventories/twin.py", "deploy.py", env=env)
     assert install.rc == 0, install.output[-4000:]
-    assert f"CT 200 has no NVIDIA user space; installing {VERSION}" in install.output
-    rc, ids = smi_bus_ids(twin.name)
-    assert rc == 0 and ids == CT_GPUS, ids
-    host_ls = ssh(twin.name, f"ls /root/.pvegpu-NVIDIA-Linux-x86_64-{VERSION}.run; "
-                             f"pct exec 200 -- ls /root/.pvegpu-NVIDIA-Linux-x86_64-{VERSION}.run")
+    assert f"CT {ctid} has no NVIDIA user space; installing {version}" in install.output
+    rc, ids = smi_bus_ids(twin.name, ctid)
+    assert rc == 0 and ids == ct_gpus, ids
+    host_ls = ssh(twin.name, f"pct exec {ctid} -- ls /root/.pvegpu-NVIDIA-Linux-x86_64-{version}.run")
     assert host_ls.returncode != 0, "the pushed installer is removed from the CT"
 
     # the NCCL stage reached the same running CT's own root
-    assert "NCCL_" in ssh(twin.name, "pct exec 200 -- cat /etc/nccl.conf").stdout
-    assert (runtime.twin_dir(twin.name) / "ct/200/upper/etc/nccl.conf").is_file()
+    assert f"/etc/nccl.conf (container {ctid})" in ssh(twin.name, f"pct exec {ctid} -- cat /etc/nccl.conf").stdout
+    assert (runtime.twin_dir(twin.name) / f"ct/{ctid}/upper/etc/nccl.conf").is_file()
 
     again = run_pyinfra("inventories/twin.py", "deploy.py", env=env)
     assert again.rc == 0 and again.changed == 0, again.output[-4000:]
@@ -63,17 +67,17 @@ def test_container_gets_the_hosts_user_space_and_drift_is_fixed(twin_factory, tm
 
     installer.build("580.95.05", Path(twin.root) / "root")  # the twin's root is visible from here
     other = "/root/NVIDIA-Linux-x86_64-580.95.05.run"
-    drift = ssh(twin.name, f"pct push 200 {other} /root/other.run && "
-                           "pct exec 200 -- sh /root/other.run --silent --no-kernel-modules && "
-                           f"pct exec 200 -- rm -f /root/other.run && rm -f {other}")
+    drift = ssh(twin.name, f"pct push {ctid} {other} /root/other.run && "
+                           f"pct exec {ctid} -- sh /root/other.run --silent --no-kernel-modules && "
+                           f"pct exec {ctid} -- rm -f /root/other.run && rm -f {other}")
     assert drift.returncode == 0, drift.stderr
-    rc, msg = smi_bus_ids(twin.name)
+    rc, msg = smi_bus_ids(twin.name, ctid)
     assert rc != 0 and "Driver/library version mismatch" in msg[0]
     broken = run_host_checks("inventories/twin.py", env=env)
     assert broken.returncode == 1
-    assert "CT 200 has NVIDIA user space 580.95.05 but the host runs driver 595.71.05" in broken.stdout
+    assert f"CT {ctid} has NVIDIA user space 580.95.05 but the host runs driver {version}" in broken.stdout
 
-    ct_dir = runtime.twin_dir(twin.name) / "ct/200/upper"
+    ct_dir = runtime.twin_dir(twin.name) / f"ct/{ctid}/upper"
     before = root_manifest(ct_dir)
     dry = run_pyinfra("inventories/twin.py", "deploy.py", "--dry", env=env)
     assert dry.rc == 0, dry.output[-4000:]
@@ -82,8 +86,8 @@ def test_container_gets_the_hosts_user_space_and_drift_is_fixed(twin_factory, tm
 
     fixed = run_pyinfra("inventories/twin.py", "deploy.py", env=env)
     assert fixed.rc == 0 and fixed.changed >= 1, fixed.output[-4000:]
-    rc, ids = smi_bus_ids(twin.name)
-    assert rc == 0 and ids == CT_GPUS, ids
+    rc, ids = smi_bus_ids(twin.name, ctid)
+    assert rc == 0 and ids == ct_gpus, ids
 
 
 def test_twin_inventory_pins_the_twin_installers_sha256(tmp_path):
