@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The main job on the built-in kpro6 twin: start it, preview (--dry), converge, converge again
-# (must report no changes), host checks. The twin is stopped at the end (by PID, by twinctl).
+# The main job on the built-in kpro6 twin: start it (and its GPU container), preview (--dry),
+# converge, converge again (must report no changes), host checks. The twin is stopped at the end (by PID, by twinctl).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TWINCTL=tests/twin/twinctl
@@ -9,6 +9,9 @@ cleanup() { $TWINCTL stop "$TWIN" >/dev/null 2>&1 || true; }
 trap cleanup EXIT
 $TWINCTL stop "$TWIN" >/dev/null 2>&1 || true
 $TWINCTL start "$TWIN" --profile kpro6
+# the LLM container runs, as on the real host: the converge gives it its GPUs and the host's
+# NVIDIA user space, and the checks run nvidia-smi inside it
+$TWINCTL ssh "$TWIN" -- pct start 200
 export PVEGPU_TWINS=$TWIN
 echo "== preview (--dry): nothing changes"
 .venv/bin/pyinfra -y inventories/twin.py deploy.py --dry

@@ -153,3 +153,22 @@ def test_failed_install_reports_removes_the_installer_and_bad_checksum_pushes_no
     refused = shell(bad, node["env"])
     assert refused.returncode != 0 and "checksum mismatch" in refused.stderr
     assert (node["fake"] / "calls").read_text() == calls_before, "nothing reached the container"
+
+
+@needs_root
+@pytest.mark.parametrize("smi_says, ok", [
+    ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.", True),  # nodes pending
+    ("Failed to initialize NVML: Driver/library version mismatch\nNVML library version: 580.95", False),
+])
+def test_after_install_only_a_version_mismatch_fails_the_run(node, smi_says, ok):
+    smi = node["root"] / ".usr-upper/local/bin/nvidia-smi"
+    smi.parent.mkdir(parents=True)
+    smi.write_text(f"#!/bin/sh\nprintf '%s\\n' '{smi_says}'\nexit 9\n")
+    smi.chmod(0o755)
+    cached = str(node["cache"] / f"{node['sha']}-installer.run")
+    cmd = containers.install_command(200, VERSION, str(node["run"]), node["sha"], cached, check_nvml=True)
+    done = shell(cmd, node["env"])
+    assert (done.returncode == 0) is ok, done.stderr
+    if not ok:
+        assert "pvegpu: nvidia-smi fails in CT 200 after installing 595.71.05" in done.stderr
+        assert "version mismatch" in done.stderr
