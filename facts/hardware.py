@@ -18,6 +18,7 @@ from facts.kernel import (
     ModuleParameters,
     ProxmoxKernels,
     SevSnp,
+    split_sections,
 )
 from facts.nvidia import NvidiaDriver, NvidiaDriverParams, NvidiaGpus
 from facts.pci import PciAcs, PciDevices
@@ -55,13 +56,7 @@ class SectionedProbe(FactBase):
         return {key: fact_class().default() for key, (fact_class, _) in cls.sections.items()}
 
     def process(self, output):
-        lines_by_key: dict[str, list[str]] = {}
-        current = None
-        for line in output:
-            if line.startswith(SECTION_MARKER):
-                current = lines_by_key.setdefault(line[len(SECTION_MARKER):].strip(), [])
-            elif current is not None:
-                current.append(line)
+        lines_by_key = split_sections(output, SECTION_MARKER)
         result = {}
         for key, (fact_class, _) in self.sections.items():
             fact = fact_class()

@@ -25,6 +25,7 @@ from pyinfra import host, logger
 from pyinfra.api import FactBase, StringCommand, deploy, operation
 
 from facts.guest_state import guest_state, running_containers, with_ct_status
+from facts.kernel import split_sections
 from facts.nvidia import NvidiaDriver, parse_driver_version
 from operations.nvidia import cached_source, fetch_source_command
 from plan.containers import INSTALLER_FLAGS, LIB_DIRS, ct_installer_path, plan_userspace
@@ -44,13 +45,7 @@ _CT_PROBE = (
 
 def parse_container_userspace(lines: list[str]) -> dict:
     """`ContainerUserspace` output → the dict documented on the fact."""
-    sections: dict[str, list[str]] = {}
-    current = None
-    for line in lines:
-        if line.startswith(_MARK):
-            current = sections.setdefault(line[len(_MARK):].strip(), [])
-        elif current is not None:
-            current.append(line)
+    sections = split_sections(lines, _MARK)
     containers = {}
     for name, body in sections.items():
         m = re.match(r"^ct (\d+)$", name)

@@ -22,7 +22,7 @@ from pyinfra import host, logger
 from pyinfra.api import FactBase, FunctionCommand, StringCommand, deploy, operation
 
 from facts.hardware import SECTION_MARKER
-from facts.kernel import ProxmoxKernels
+from facts.kernel import ProxmoxKernels, split_sections
 from operations.files import write_file_command
 from plan import kernel as plan
 from plan.reboot import need_reboot
@@ -113,14 +113,9 @@ class KernelStageFacts(FactBase):
         )
 
     def process(self, output):
-        sections: dict[str, list[str]] = {"kernels": [], "build": []}
-        current = None
-        for line in output:
-            if line.startswith(SECTION_MARKER):
-                current = sections.setdefault(line[len(SECTION_MARKER):].strip(), [])
-            elif current is not None:
-                current.append(line)
-        return {"kernels": ProxmoxKernels().process(sections["kernels"]), "build": parse_build_state(sections["build"])}
+        sections = split_sections(output, SECTION_MARKER)
+        return {"kernels": ProxmoxKernels().process(sections.get("kernels", [])),
+                "build": parse_build_state(sections.get("build", []))}
 
 
 def start_build_command(build_dir: str, systemd: bool) -> str:

@@ -34,6 +34,7 @@ from pyinfra.api import FactBase, StringCommand, deploy, operation
 from facts.files import ManagedFiles
 from facts.guest_state import guest_state, running_containers, with_ct_status
 from facts.hardware import HardwareProbe
+from facts.kernel import split_sections
 from operations.files import absent_file, managed_file, sha256_text, write_file_command
 from plan.nccl import describe_nccl_environment, nccl_conf_lines, nccl_plan_for_spec, render_nccl_conf
 from plan.render import render_template
@@ -89,13 +90,7 @@ def _ct_probe(path: str) -> str:
 
 def parse_nccl_state(lines: list[str]) -> dict:
     """`NcclState` output → the shape its docstring shows."""
-    sections: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in lines:
-        if line.startswith(_MARK):
-            current = sections.setdefault(line[len(_MARK):].strip(), [])
-        elif current is not None:
-            current.append(line)
+    sections = split_sections(lines, _MARK)
     files = ManagedFiles().process(sections.get("files", []))
     containers = {}
     for key, body in sections.items():

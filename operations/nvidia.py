@@ -32,6 +32,7 @@ from pyinfra.api import FactBase, StringCommand, deploy, operation
 
 from facts.files import ManagedFiles
 from facts.hardware import HardwareProbe
+from facts.kernel import split_sections
 from operations.files import managed_file
 from plan import nvidia as nvplan
 from plan.render import render_template
@@ -306,13 +307,8 @@ class NvidiaHostState(FactBase):
 
 def parse_host_state(lines: list[str]) -> dict:
     """Pure parser of `NvidiaHostState.command` output (shape: see the fact)."""
-    sections: dict[str, list[str]] = {}
-    current = None
-    for line in lines:
-        if line.startswith(SECTION):
-            current = sections.setdefault(line[len(SECTION):].strip(), [])
-        elif current is not None and line.strip():
-            current.append(line.rstrip())
+    sections = {name: [line.rstrip() for line in body if line.strip()]
+                for name, body in split_sections(lines, SECTION).items()}
 
     def first(name: str) -> str | None:
         return (sections.get(name) or [None])[0]
