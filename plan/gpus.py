@@ -252,17 +252,15 @@ def identity_domain_refusals(pci: dict[str, dict], iommu: dict, sev_snp: dict | 
 
     + pci: `PciDevices`; iommu: `IommuState` (``groups``: {group: domain type}); sev_snp: `SevSnp`
     """
-    from plan.nvidia import is_blackwell
+    from plan.nvidia import is_blackwell, nvidia_gpu_ids
 
     if not (sev_snp or {}).get("enabled"):
         return []
     types = (iommu or {}).get("groups") or {}
     refusals = []
-    for bdf, dev in sorted(pci.items()):
-        if dev.get("vendor") != "10de" or not str(dev.get("class") or "").startswith("03"):
-            continue
-        group = dev.get("iommu_group")
-        if group is None or (types.get(int(group)) or "").lower() != "identity" or not is_blackwell(dev.get("device")):
+    for bdf, device_id in nvidia_gpu_ids(pci).items():
+        group = pci[bdf].get("iommu_group")
+        if group is None or (types.get(int(group)) or "").lower() != "identity" or not is_blackwell(device_id):
             continue
         refusals.append(
             f"GPU {bdf} (Blackwell) is in IOMMU group {group} with an identity domain on a SEV-SNP host: its "

@@ -17,6 +17,7 @@ from facts.proxmox import parse_guest_config, parse_pci_mappings
 from facts.pci import PciDevices
 from facts.nvidia import NvidiaGpus
 from plan.gpus import desired_bindings
+from plan.nvidia import nvidia_gpu_ids
 from plan.guests import config_gpu_nodes, mapping_id, render_mapping_entry
 
 
@@ -145,19 +146,13 @@ def test_each_managed_container_has_exactly_the_hosts_driver_user_space(target):
     assert not problems, f"{target.name}: " + "; ".join(problems)
 
 
-def _nvidia_gpus(pci: dict) -> dict:
-    """NVIDIA display/3D controllers (class 03xx) among the PCI devices."""
-    return {b: d for b, d in pci.items()
-            if (d.get("vendor") or "").lower() in ("10de", "0x10de") and str(d.get("class") or "").lower()
-            .removeprefix("0x").startswith("03")}
-
-
 def test_every_gpu_has_its_bar1(target):
     """Incident 10: 96 GB cards came up without BAR1 ("BAR can't assign") when the BAR space
     was too small (fix: pci=realloc)."""
     from plan.topology_report import bar1_size
 
-    gpus = _nvidia_gpus(_pci(target))
+    pci = _pci(target)
+    gpus = {b: pci[b] for b in nvidia_gpu_ids(pci)}
     if not gpus:
         pytest.skip(f"{target.name}: no NVIDIA GPU on the PCI bus")
     missing = sorted(b for b, d in gpus.items() if not bar1_size(d.get("bars")))
@@ -175,7 +170,7 @@ def test_no_blackwell_gpu_uses_an_identity_iommu_domain_on_a_sev_snp_host(target
     if not SevSnp().process(out.splitlines()).get("enabled"):
         pytest.skip(f"{target.name}: SEV-SNP is off")
     pci = _pci(target)
-    blackwell = {b: d for b, d in _nvidia_gpus(pci).items() if is_blackwell(d.get("device"))}
+    blackwell = {b: pci[b] for b, device_id in nvidia_gpu_ids(pci).items() if is_blackwell(device_id)}
     if not blackwell:
         pytest.skip(f"{target.name}: no Blackwell GPU")
     _, out = target.run(IommuState.command)
