@@ -212,7 +212,9 @@ def fake_build_tools(tmp_path):
     return {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "LOG": str(tmp_path / "conftest.log")}
 
 
-def test_build_restores_conftest_results_only_for_the_same_key(tmp_path, monkeypatch):
+def conftest_build(tmp_path, monkeypatch):
+    """A one-Kbuild source archive, build and conftest cache dirs under tmp_path, fake make/modinfo:
+    (archive path, environment)."""
     monkeypatch.setattr(ops, "BUILD_ROOT", str(tmp_path / "build"))
     monkeypatch.setattr(ops, "CONFTEST_CACHE", str(tmp_path / "conftest-cache"))
     tree = tmp_path / "tree/nvidia-kernel"
@@ -221,6 +223,11 @@ def test_build_restores_conftest_results_only_for_the_same_key(tmp_path, monkeyp
     archive = tmp_path / "nvidia.tar"
     subprocess.run(["tar", "-C", str(tmp_path / "tree"), "-cf", str(archive), "nvidia-kernel"], check=True)
     env = fake_build_tools(tmp_path)
+    return archive, env
+
+
+def test_build_restores_conftest_results_only_for_the_same_key(tmp_path, monkeypatch):
+    archive, env = conftest_build(tmp_path, monkeypatch)
 
     def build(cc="gcc", conftest_cache=True):
         command = ops.build_command(str(archive), "535.309.01", "6.1.0-57-amd64", cc, 2, ccache=False,
@@ -237,14 +244,7 @@ def test_build_restores_conftest_results_only_for_the_same_key(tmp_path, monkeyp
 
 
 def test_build_drops_a_damaged_conftest_archive(tmp_path, monkeypatch):
-    monkeypatch.setattr(ops, "BUILD_ROOT", str(tmp_path / "build"))
-    monkeypatch.setattr(ops, "CONFTEST_CACHE", str(tmp_path / "conftest-cache"))
-    tree = tmp_path / "tree/nvidia-kernel"
-    tree.mkdir(parents=True)
-    (tree / "Kbuild").write_text("obj-m += nvidia.o\n")
-    archive = tmp_path / "nvidia.tar"
-    subprocess.run(["tar", "-C", str(tmp_path / "tree"), "-cf", str(archive), "nvidia-kernel"], check=True)
-    env = fake_build_tools(tmp_path)
+    archive, env = conftest_build(tmp_path, monkeypatch)
     command = ops.build_command(str(archive), "535.309.01", "6.1.0-57-amd64", "gcc", 2, ccache=False)
     subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env, check=True)
     [stored] = (tmp_path / "conftest-cache").glob("*.tgz")
