@@ -179,7 +179,7 @@ def apply(spec: HostSpec) -> None:
     nv = spec.nvidia
     state = container_userspace_state(sorted(managed))
     for step in plan_userspace(nv.version, managed, state):
-        if step.action == "skip" and ("glibc" in step.reason or "x86_64" in step.reason or "answer" in step.reason):
+        if step.warn:
             logger.warning(f"{host.name}: {step.reason}")
         elif step.action != "ok":
             logger.info(f"{host.name}: {step.reason}")

@@ -31,7 +31,6 @@ On a real host the same run rebinds live.
 
 from __future__ import annotations
 
-import re
 import shlex
 
 from pyinfra import host, logger
@@ -45,6 +44,7 @@ from facts.guest_state import (
     parse_guest_state,
     remember_guest_state,
 )
+from facts.kernel import split_sections
 from facts.once import fact_once
 from facts.hardware import HardwareProbe, HostConfigProbe
 from operations.files import managed_file, sha256_text, write_file_command
@@ -80,14 +80,7 @@ _MEMO = "_pvegpu_gpu_stage"
 def parse_guest_runtime(lines: list[str]) -> dict:
     """Output of `GuestRuntime.command` → ``{"sysfs_live": True, "status": {"pct": True, "lxc":
     {200: "running"}, "qemu": {300: "stopped"}}}`` ("status": a `facts.guest_state.GuestState`)."""
-    sysfs = []
-    section = None
-    for line in lines:
-        marker = re.match(r"^@@ (\w+)$", line.strip())
-        if marker:
-            section = marker.group(1)
-        elif section == "sysfs":
-            sysfs.append(line.strip())
+    sysfs = [line.strip() for line in split_sections(lines).get("sysfs", [])]
     return {"sysfs_live": sysfs[:1] == ["sysfs"], "status": parse_guest_state(lines)}
 
 

@@ -43,6 +43,7 @@ class CtUserspace:
     action: str
     reason: str
     have: tuple[str, ...] = ()
+    warn: bool = False  # a skip a later run will not fix by itself (the operator must act)
 
 
 def installed_versions(libs: list[str]) -> list[str]:
@@ -72,15 +73,18 @@ def plan_userspace(version: str, containers: dict, state: dict) -> list[CtUsersp
             steps.append(CtUserspace(ctid, "skip", f"CT {ctid} is {status}: its NVIDIA user space is checked and "
                                                    "installed by a run while it runs (pct exec needs it running)"))
         elif ct is None:
-            steps.append(CtUserspace(ctid, "skip", f"CT {ctid} did not answer through pct exec; re-run when it does"))
+            steps.append(CtUserspace(ctid, "skip", f"CT {ctid} did not answer through pct exec; re-run when it does",
+                                     warn=True))
         elif ct.get("root") and ct["root"] == state.get("host_root"):
             steps.append(CtUserspace(ctid, "skip", f"CT {ctid} shares the host's root filesystem; installing into it "
                                                    "would change the host's user space"))
         elif ct.get("arch") and ct["arch"] != "x86_64":
-            steps.append(CtUserspace(ctid, "skip", f"CT {ctid} is {ct['arch']}; the NVIDIA installer is for x86_64"))
+            steps.append(CtUserspace(ctid, "skip", f"CT {ctid} is {ct['arch']}; the NVIDIA installer is for x86_64",
+                                     warn=True))
         elif not ct.get("glibc", True):
             steps.append(CtUserspace(ctid, "skip", f"CT {ctid} has no glibc (musl, e.g. Alpine?); NVIDIA's user space "
-                                                   "needs glibc: use a glibc distribution or set userspace_driver: false"))
+                                                   "needs glibc: use a glibc distribution or set userspace_driver: false",
+                                     warn=True))
         else:
             have = tuple(installed_versions(ct.get("libs") or []))
             if have == (version,):

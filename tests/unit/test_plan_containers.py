@@ -49,3 +49,8 @@ def test_what_cannot_be_done_now_is_skipped_with_its_reason():
     assert {s.action for s in plan_userspace("595.71.05", CTS, state(pct=False))} == {"skip"}
     # running, but pct exec gave no answer
     assert "did not answer" in plan_userspace("595.71.05", CTS, state({200: "running"}))[0].reason
+
+
+def test_only_skips_the_operator_must_act_on_are_warnings():
+    steps = plan_userspace("595.71.05", CTS, state({200: "stopped", 201: "running"}, {201: ct(glibc=False)}))
+    assert [(s.ctid, s.warn) for s in steps] == [(200, False), (201, True)]
