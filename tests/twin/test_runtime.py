@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -309,12 +311,25 @@ def test_start_refuses_addresses_outside_the_twin_range(tmp_path):
     assert not (runtime.TWINS_DIR / "refused").exists()
 
 
-def test_not_root_is_refused_with_a_clear_message():
+def test_not_root_is_refused_with_a_clear_message(tmp_path):
     twinctl = str(runtime.REPO / "tests/twin/twinctl")
-    cmd = [twinctl, "start", "x", "--profile", "kpro6"]
     if os.geteuid() == 0:  # drop to nobody to see what a non-root user sees
-        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        # nobody may not be able to read this checkout (a `mktemp -d` clone is 0700): run a copy of
+        # twinctl and the runtime (stdlib only) from a directory anyone can read
+        world = Path(tempfile.mkdtemp(prefix="pvegpu-twinctl-", dir="/tmp"))
+        try:
+            for rel in ("tests/__init__.py", "tests/twin/__init__.py", "tests/twin/runtime.py", "tests/twin/twinctl"):
+                (world / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(runtime.REPO / rel, world / rel)
+            for d in (world, world / "tests", world / "tests/twin"):
+                d.chmod(0o755)
+            cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                   str(world / "tests/twin/twinctl"), "start", "x", "--profile", "kpro6"]
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd="/")
+        finally:
+            shutil.rmtree(world)
+    else:
+        run = subprocess.run([twinctl, "start", "x", "--profile", "kpro6"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 1
     assert "needs root" in run.stderr
 
