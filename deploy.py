@@ -10,6 +10,7 @@ stage's `apply` in the order of DESIGN.md section 2. A stage module that does no
 absent from the run, never faked.
 
 Stage protocol (one module per concern under operations/):
+    prefetch(spec) -> [(fact, kwargs)]  # facts it reads up front (all stages': one command); optional
     preflight(spec) -> list[str]   # refusals, in words; optional
     apply(spec) -> None            # yields pyinfra operations; reports reboot reasons via plan.reboot
 """
@@ -20,6 +21,7 @@ import importlib.util
 from pyinfra import host, logger
 from pyinfra.api.exceptions import DeployError
 
+from facts.once import prefetch
 from plan.summary import spec_summary
 
 STAGES = [
@@ -47,6 +49,10 @@ for line in spec_summary(host.name, spec):
 stages = [
     (name, importlib.import_module(mod)) for name, mod in STAGES if importlib.util.find_spec(mod) is not None
 ]
+
+# Every stage's up-front facts in one remote command (facts.once.prefetch); the stages then
+# find them with fact_once instead of one round trip each.
+prefetch([request for _, module in stages if hasattr(module, "prefetch") for request in module.prefetch(spec)])
 
 refusals = []
 for name, module in stages:

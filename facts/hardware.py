@@ -5,6 +5,8 @@ markers and hands every section to that fact's own parser, so both paths give id
 
 from __future__ import annotations
 
+import copy
+
 from pyinfra.api import FactBase
 
 from facts.cpu import CpuInfo
@@ -27,9 +29,26 @@ from facts.proxmox import LxcConfigs, PciMappings, PveVersion, QemuConfigs
 SECTION_MARKER = "@@pvegpu-section "
 
 
-def _fact_command(fact: FactBase, args: tuple) -> str:
-    command = fact.command(*args) if callable(fact.command) else fact.command
+def _fact_command(fact: FactBase, args: tuple, kwargs: dict | None = None) -> str:
+    kwargs = kwargs or {}
+    command = fact.command(*args, **kwargs) if callable(fact.command) else fact.command
     return str(command)
+
+
+def _section_run(fact_class: type[FactBase], args: tuple = (), kwargs: dict | None = None) -> str:
+    """A fact's own command as one section: stderr dropped, skipped where its program is missing."""
+    fact = fact_class()
+    run = f"( {_fact_command(fact, args, kwargs)} ) 2>/dev/null"
+    required = fact.requires_command(*args, **(kwargs or {}))
+    if required:
+        run = f"if command -v {required} >/dev/null 2>&1; then {run}; fi"
+    return run
+
+
+def _section_value(fact_class: type[FactBase], lines: list[str]):
+    fact = fact_class()
+    # Same rule as pyinfra's own fact loading: no output → the fact's default.
+    return fact.process(lines) if lines else fact.default()
 
 
 class SectionedProbe(FactBase):
@@ -40,15 +59,8 @@ class SectionedProbe(FactBase):
 
     @property
     def command(self) -> str:
-        parts = []
-        for key, (fact_class, args) in self.sections.items():
-            fact = fact_class()
-            inner = _fact_command(fact, args)
-            required = fact.requires_command(*args)
-            run = f"( {inner} ) 2>/dev/null"
-            if required:
-                run = f"if command -v {required} >/dev/null 2>&1; then {run}; fi"
-            parts.append(f"echo '{SECTION_MARKER}{key}'; {run}")
+        parts = [f"echo '{SECTION_MARKER}{key}'; {_section_run(fact_class, args)}"
+                 for key, (fact_class, args) in self.sections.items()]
         return "; ".join(parts) + "; true"
 
     @classmethod
@@ -57,13 +69,8 @@ class SectionedProbe(FactBase):
 
     def process(self, output):
         lines_by_key = split_sections(output, SECTION_MARKER)
-        result = {}
-        for key, (fact_class, _) in self.sections.items():
-            fact = fact_class()
-            lines = lines_by_key.get(key, [])
-            # Same rule as pyinfra's own fact loading: no output → the fact's default.
-            result[key] = fact.process(lines) if lines else fact.default()
-        return result
+        return {key: _section_value(fact_class, lines_by_key.get(key, []))
+                for key, (fact_class, _) in self.sections.items()}
 
 
 class HardwareProbe(SectionedProbe):
@@ -126,3 +133,63 @@ class HostConfigProbe(SectionedProbe):
         "qemu_configs": (QemuConfigs, ()),
         "pci_mappings": (PciMappings, ()),
     }
+
+
+def combined_probe(requests: list[tuple[type[FactBase], dict]]) -> type[FactBase]:
+    """A fact class that reads every fact of `requests` (``[(fact class, kwargs)]``) in one
+    remote command; its value is the list of their values, in order, each exactly what
+    ``host.get_fact(fact_class, **kwargs)`` returns.
+
+    A `SectionedProbe` (no kwargs) is flattened into its sections, and a section several
+    requests share (same fact, same arguments: e.g. `CpuInfo` in `HardwareProbe` and in the
+    boot stage's probe) is run once; each request gets its own copy of a shared value.
+    """
+    sections: dict[str, tuple[type[FactBase], tuple, dict]] = {}
+    ids: dict[tuple, str] = {}
+
+    def section(fact_class, args=(), kwargs=None) -> str:
+        identity = (fact_class.__module__, fact_class.__qualname__, repr(args), repr(sorted((kwargs or {}).items())))
+        if identity not in ids:
+            ids[identity] = f"c{len(ids)}"
+            sections[ids[identity]] = (fact_class, args, kwargs or {})
+        return ids[identity]
+
+    layout: list = []  # per request: {key: section} for a probe, else one section name
+    for fact_class, kwargs in requests:
+        if issubclass(fact_class, SectionedProbe) and not kwargs:
+            layout.append({key: section(fc, args) for key, (fc, args) in fact_class.sections.items()})
+        else:
+            layout.append(section(fact_class, (), kwargs))
+    uses: dict[str, int] = {}
+    for entry in layout:
+        for name in entry.values() if isinstance(entry, dict) else [entry]:
+            uses[name] = uses.get(name, 0) + 1
+
+    class CombinedProbe(FactBase):
+        __doc__ = "Facts " + ", ".join(fc.__name__ for fc, _ in requests) + " in one remote command."
+
+        @property
+        def command(self) -> str:
+            return "; ".join(f"echo '{SECTION_MARKER}{name}'; {_section_run(fc, args, kwargs)}"
+                             for name, (fc, args, kwargs) in sections.items()) + "; true"
+
+        @staticmethod
+        def default() -> list:
+            return CombinedProbe().process([])
+
+        def process(self, output):
+            lines_by_key = split_sections(list(output), SECTION_MARKER)
+            values = {name: _section_value(fc, lines_by_key.get(name, []))
+                      for name, (fc, _, _) in sections.items()}
+            seen: set[str] = set()
+
+            def value(name):
+                if uses[name] > 1 and name in seen:
+                    return copy.deepcopy(values[name])
+                seen.add(name)
+                return values[name]
+
+            return [{key: value(name) for key, name in entry.items()} if isinstance(entry, dict) else value(entry)
+                    for entry in layout]
+
+    return CombinedProbe

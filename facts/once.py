@@ -13,9 +13,41 @@ from pyinfra import host
 _MEMO = "_pvegpu_facts_once"
 
 
+def _key(fact_cls, kwargs: dict) -> tuple:
+    return (fact_cls.__module__, fact_cls.__name__, repr(sorted(kwargs.items())))
+
+
+def prefetch(requests) -> int:
+    """Read every fact of `requests` (``[(fact class, kwargs)]``) that this host has not read
+    yet in ONE remote command (`facts.hardware.combined_probe`: shared sections run once) and
+    keep each for `fact_once`. deploy.py calls it with what every stage's ``prefetch(spec)``
+    declares, before the preflights, so a no-change run reads the stages' facts in one round
+    trip instead of one per stage. Returns the number of remote commands it ran (0 or 1).
+    """
+    from facts.hardware import combined_probe
+
+    memo = dict(host.data.get(_MEMO) or {})
+    todo: dict[tuple, tuple] = {}
+    for fact_cls, kwargs in requests:
+        key = _key(fact_cls, kwargs)
+        if key not in memo:
+            todo.setdefault(key, (fact_cls, kwargs))
+    if not todo:
+        return 0
+    if len(todo) == 1:
+        (key, (fact_cls, kwargs)), = todo.items()
+        memo[key] = host.get_fact(fact_cls, **kwargs)
+    else:
+        values = host.get_fact(combined_probe(list(todo.values())))
+        memo.update(zip(todo, values))
+    setattr(host.data, _MEMO, memo)  # host.data hands out copies: assign back
+    return 1
+
+
 def fact_once(fact_cls, **kwargs):
-    """`host.get_fact(fact_cls, **kwargs)`, remembered for this host for the rest of the run."""
-    key = (fact_cls.__module__, fact_cls.__name__, repr(sorted(kwargs.items())))
+    """`host.get_fact(fact_cls, **kwargs)`, remembered for this host for the rest of the run
+    (or the value `prefetch` read for it)."""
+    key = _key(fact_cls, kwargs)
     memo = dict(host.data.get(_MEMO) or {})  # host.data hands out copies: assign back
     if key not in memo:
         memo[key] = host.get_fact(fact_cls, **kwargs)

@@ -172,15 +172,20 @@ class PciDevices(FactBase):
         }}
     """
 
+    # Shell builtins only (no program per device: a host with 8 GPUs has hundreds of PCI
+    # functions): `cd -P` resolves the sysfs links (the parser keeps only a link's last
+    # component), `read` reads the attributes and the resource table.
     command = (
         "for d in /sys/bus/pci/devices/*; do "
         '[ -e "$d" ] || continue; '
-        'echo "== ${d##*/} -> $(readlink -f "$d")"; '
+        'cd -P "$d" 2>/dev/null || continue; '
+        'echo "== ${d##*/} -> $PWD"; '
         f"for a in {SYSFS_ATTRIBUTES}; do "
-        '[ -r "$d/$a" ] || continue; v=; { read -r v; } 2>/dev/null < "$d/$a"; echo "$a: $v"; '
+        '[ -r "$a" ] || continue; v=; { read -r v; } 2>/dev/null < "$a"; echo "$a: $v"; '
         "done; "
-        'for l in driver iommu_group physfn; do [ -e "$d/$l" ] && echo "$l -> $(readlink "$d/$l")"; done; '
-        'echo "resource:"; cat "$d/resource" 2>/dev/null; '
+        'for l in driver iommu_group physfn; do '
+        '[ -e "$d/$l" ] && cd -P "$d/$l" 2>/dev/null && echo "$l -> $PWD"; done; '
+        'echo "resource:"; { while read -r r; do echo "$r"; done < "$d/resource"; } 2>/dev/null; '
         "done; true"
     )
 

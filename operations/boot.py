@@ -24,6 +24,7 @@ from facts.cpu import CpuInfo
 from facts.files import ManagedFiles
 from facts.hardware import SectionedProbe
 from facts.kernel import BootLoader, KernelCmdline, SevSnp, split_sections
+from facts.once import fact_once
 from facts.proxmox import PveVersion
 from operations.files import sha256_text, write_file_command
 from plan import boot as plan
@@ -101,11 +102,12 @@ class BootStageFacts(SectionedProbe):
 
 def stage_facts() -> dict:
     """The stage's facts, read once per host per run (preflight and apply share them)."""
-    cached = host.data.get("_pvegpu_boot_facts")
-    if cached is None:
-        cached = host.get_fact(BootStageFacts)
-        setattr(host.data, "_pvegpu_boot_facts", cached)
-    return cached
+    return fact_once(BootStageFacts)
+
+
+def prefetch(spec: HostSpec) -> list:
+    """The facts this stage reads (deploy.py reads every stage's in one command)."""
+    return [(BootStageFacts, {})]
 
 
 def boot_plan(spec: HostSpec, facts: dict) -> dict:

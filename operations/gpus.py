@@ -151,8 +151,8 @@ def stage_facts(spec: HostSpec) -> dict:
     if memo is not None:
         return memo
     hw = fact_once(HardwareProbe)
-    cfg = host.get_fact(HostConfigProbe)
-    runtime = host.get_fact(GuestRuntime)
+    cfg = fact_once(HostConfigProbe)
+    runtime = fact_once(GuestRuntime)
     remember_guest_state(runtime["status"])  # the run's guest state: no stage reads pct/qm list again
     node = spec.node or host.data.get("pvegpu_node") or host.name
     pci = hw["pci_devices"]
@@ -268,6 +268,16 @@ def refresh_initramfs(stamp: str, state: dict | None):
 
 
 # ---------------------------------------------------------------- stage protocol
+
+
+def stage_fact_requests() -> list:
+    """What `stage_facts` reads up front (the guests and NCCL stages read it too)."""
+    return [(HardwareProbe, {}), (HostConfigProbe, {}), (GuestRuntime, {})]
+
+
+def prefetch(spec: HostSpec) -> list:
+    """The facts this stage reads (deploy.py reads every stage's in one command)."""
+    return stage_fact_requests() if spec.gpus else []
 
 
 def preflight(spec: HostSpec) -> list[str]:

@@ -38,7 +38,7 @@ from facts.devices import CharDeviceMajors, parse_char_majors
 from facts.guest_state import guest_state
 from facts.nvidia import NvidiaGpus, parse_gpu_information
 from operations.files import write_file_command
-from operations.gpus import stage_facts
+from operations.gpus import stage_fact_requests, stage_facts
 from operations.proxmox import (
     PveApi,
     PveWrite,
@@ -266,6 +266,11 @@ def parse_mapping_references(lines: list[str]) -> dict:
 
 
 # ---------------------------------------------------------------- stage protocol
+
+
+def prefetch(spec: HostSpec) -> list:
+    """The facts this stage reads up front (deploy.py reads every stage's in one command)."""
+    return stage_fact_requests() if spec.containers or spec.vms or spec.gpus else []
 
 
 def preflight(spec: HostSpec) -> list[str]:

@@ -23,6 +23,7 @@ from pyinfra.api import FactBase, FunctionCommand, StringCommand, deploy, operat
 
 from facts.hardware import SECTION_MARKER
 from facts.kernel import ProxmoxKernels, split_sections
+from facts.once import fact_once
 from operations.files import write_file_command
 from plan import kernel as plan
 from plan.reboot import need_reboot
@@ -225,6 +226,14 @@ def preflight(spec: HostSpec) -> list[str]:
     return []
 
 
+def prefetch(spec: HostSpec) -> list:
+    """The facts this stage reads (deploy.py reads every stage's in one command)."""
+    k = spec.kernel
+    if k is None:
+        return []
+    return [(KernelStageFacts, {"build_dir": plan.build_dir(k, base_config_of(k)), "release": k.version})]
+
+
 @deploy("pvegpu: kernel")
 def apply(spec: HostSpec) -> None:
     k = spec.kernel
@@ -232,7 +241,7 @@ def apply(spec: HostSpec) -> None:
         return
     base = base_config_of(k)
     build_dir = plan.build_dir(k, base)
-    facts = host.get_fact(KernelStageFacts, build_dir=build_dir, release=k.version)
+    facts = fact_once(KernelStageFacts, build_dir=build_dir, release=k.version)
     build = facts["build"]
     decision = plan.kernel_decision(
         k, {"kernels": facts["kernels"], "installed_manifest": build["installed_manifest"],

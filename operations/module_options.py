@@ -31,6 +31,8 @@ MODPROBE_CONF = "/etc/modprobe.d/pvegpu-nvidia.conf"
 NODES_UNIT_NAME = "pvegpu-nvidia-nodes.service"
 NODES_UNIT = f"/etc/systemd/system/{NODES_UNIT_NAME}"
 NODES_WANTS_LINK = f"/etc/systemd/system/multi-user.target.wants/{NODES_UNIT_NAME}"
+# read in one fact: the stage's files and the unit's wants link
+STAGE_FILES = [MODPROBE_CONF, NODES_UNIT, NODES_WANTS_LINK]
 
 
 @operation()
@@ -83,6 +85,13 @@ def desired(spec, hardware: dict) -> dict:
     }
 
 
+def prefetch(spec) -> list:
+    """The facts this stage reads (deploy.py reads every stage's in one command)."""
+    if spec.nvidia is None:
+        return []
+    return [(HardwareProbe, {}), (ManagedFiles, {"paths": STAGE_FILES})]
+
+
 def preflight(spec) -> list[str]:
     if spec.nvidia is None:
         return []
@@ -102,7 +111,7 @@ def apply(spec) -> None:
     hardware = fact_once(HardwareProbe)
     want = desired(spec, hardware)
     # one command for the stage's files and the unit's wants link
-    files = host.get_fact(ManagedFiles, paths=[MODPROBE_CONF, NODES_UNIT, NODES_WANTS_LINK])
+    files = fact_once(ManagedFiles, paths=STAGE_FILES)
     conf_state = files.get(MODPROBE_CONF)
     conf_changed = not conf_state or conf_state.get("sha256") != sha256_text(want["conf"])
     managed_file(name=f"NVIDIA module options ({want['hmm_reason']})", path=MODPROBE_CONF,

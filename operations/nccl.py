@@ -288,6 +288,11 @@ def describe(want: dict) -> list[str]:
 
 # ---------------------------------------------------------------- stage protocol
 
+def prefetch(spec) -> list:
+    """The facts this stage reads up front (deploy.py reads every stage's in one command)."""
+    return [(HardwareProbe, {})]
+
+
 def preflight(spec) -> list[str]:
     refusals = []
     for service in spec.nccl.services:

@@ -469,6 +469,14 @@ def _state_and_steps(spec) -> tuple[dict, list[str], dict]:
     return state, releases, steps
 
 
+def prefetch(spec) -> list:
+    """The facts this stage reads (deploy.py reads every stage's in one command)."""
+    nv = spec.nvidia
+    if nv is None:
+        return []
+    return [(NvidiaHostState, {"releases": _releases(spec, None)[0], "sources": _sources(nv)}), (HardwareProbe, {})]
+
+
 def preflight(spec) -> list[str]:
     if spec.nvidia is None:
         return []

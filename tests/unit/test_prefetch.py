@@ -1,0 +1,63 @@
+"""facts.hardware.combined_probe / facts.once.prefetch: several stages' facts in one remote
+command, each value exactly what the fact gives on its own, shared sections run once."""
+
+from __future__ import annotations
+
+import subprocess
+
+from facts.cpu import CpuInfo
+from facts.files import ManagedFiles
+from facts.hardware import SECTION_MARKER, HardwareProbe, HostConfigProbe, combined_probe
+from facts.kernel import KernelCmdline
+from operations.boot import BootStageFacts
+
+PATHS = ["/etc/hostname", "/etc/pvegpu-does-not-exist"]
+REQUESTS = [(BootStageFacts, {}), (HardwareProbe, {}), (HostConfigProbe, {}), (ManagedFiles, {"paths": PATHS}),
+            (KernelCmdline, {})]
+
+
+def _run(command: str) -> list[str]:
+    return subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=120).stdout.splitlines()
+
+
+def _alone(fact_class, kwargs):
+    fact = fact_class()
+    command = fact.command(**kwargs) if callable(fact.command) else fact.command
+    lines = _run(str(command))
+    return fact.process(lines) if lines else fact.default()
+
+
+def test_shared_sections_run_once():
+    command = combined_probe(REQUESTS)().command
+    cpu_command = str(CpuInfo().command)
+    assert command.count(cpu_command) == 1  # CpuInfo is in BootStageFacts and in HardwareProbe
+    assert command.count(str(KernelCmdline().command)) == 1  # in both probes and asked for alone
+    sections = [line for line in command.split("; ") if line.startswith(f"echo '{SECTION_MARKER}")]
+    unique = {(fc, repr(a)) for probe in (BootStageFacts, HardwareProbe, HostConfigProbe)
+              for fc, a in probe.sections.values()}
+    assert len(sections) == len(unique) + 1  # + ManagedFiles; the lone KernelCmdline is shared
+
+
+def test_values_equal_each_fact_read_alone():
+    probe = combined_probe(REQUESTS)
+    values = probe().process(_run(probe().command))
+    assert len(values) == len(REQUESTS)
+    for (fact_class, kwargs), value in zip(REQUESTS, values):
+        assert value == _alone(fact_class, kwargs), fact_class.__name__
+    files = values[3]
+    assert files["/etc/pvegpu-does-not-exist"] is None and files["/etc/hostname"]["sha256"]
+
+
+def test_shared_values_are_separate_copies():
+    probe = combined_probe([(BootStageFacts, {}), (HardwareProbe, {})])
+    boot, hardware = probe().process(_run(probe().command))
+    assert boot["cpu"] == hardware["cpu"] and boot["cpu"] is not hardware["cpu"]
+    boot["cpu"]["mutated"] = True
+    assert "mutated" not in hardware["cpu"]
+
+
+def test_no_output_gives_each_default():
+    probe = combined_probe(REQUESTS)
+    values = probe().process([])
+    assert values[0] == BootStageFacts.default() and values[1] == HardwareProbe.default()
+    assert values[3] == ManagedFiles().default() and values[4] == KernelCmdline().default()
