@@ -22,6 +22,7 @@ from pyinfra import host, logger
 from pyinfra.api.exceptions import DeployError
 
 from facts.once import prefetch
+from operations.pyinfra_speedups import install as install_speedups
 from plan.summary import spec_summary
 
 STAGES = [
@@ -35,6 +36,8 @@ STAGES = [
     ("NCCL environment", "operations.nccl"),
     ("reboot policy", "operations.reboot"),
 ]
+
+install_speedups()  # pyinfra's operation order without reading source per frame (same order)
 
 spec = host.data.get("pvegpu_spec")
 if spec is None:

@@ -54,16 +54,63 @@ def _new_pci_device(realpath: str) -> dict:
     }
 
 
+def _set_resource(device: dict, index: int, line: str) -> bool:
+    """One line of a function's `resource` table (index = line number); False if not one."""
+    match = re.match(r"^\s*0x([0-9a-fA-F]+)\s+0x([0-9a-fA-F]+)\s+0x([0-9a-fA-F]+)\s*$", line)
+    if not match:
+        return False
+    start, end = int(match.group(1), 16), int(match.group(2), 16)
+    # Lines 0-5 are the BARs; 6 is the ROM and later ones bridge windows.
+    if index <= 5 and end > start:
+        device["bars"][index] = end - start + 1
+    return True
+
+
+def _set_attribute(device: dict, name: str, value: str) -> None:
+    if name in HEX_ATTRIBUTES:
+        device[name] = value[2:].lower() if value.lower().startswith("0x") else value.lower()
+    elif name == "numa_node":
+        node = _int_or_none(value)
+        device[name] = node if node is not None and node >= 0 else None
+    elif name == "local_cpulist":
+        device[name] = value or None
+    elif name == "current_link_speed":
+        device["link"]["speed"] = value or None
+    elif name == "max_link_speed":
+        device["link"]["max_speed"] = value or None
+    elif name == "current_link_width":
+        device["link"]["width"] = _int_or_none(value)
+    elif name == "max_link_width":
+        device["link"]["max_width"] = _int_or_none(value)
+
+
 def parse_pci_devices(output_lines: list[str]) -> dict[str, dict]:
-    """Pure parser of the sysfs listing `PciDevices.command` prints (shape: see `PciDevices`)."""
+    """Pure parser of the sysfs listing `PciDevices.command` prints (shape: see `PciDevices`):
+    `== BDF -> path` headers with their `driver|iommu_group|physfn -> target` links, then
+    `BDF/attribute:value` lines. Also reads the per-function form (`attribute: value` lines and a
+    `resource:` table under each header) that scripts/record-gpu-host.sh records."""
     devices: dict[str, dict] = {}
     current: dict | None = None
     resource_index: int | None = None
+    resource_of: dict[str, int] = {}  # BDF -> next resource line index (grep form)
     for line in output_lines:
         header = re.match(rf"^== ({BDF}) -> (\S+)\s*$", line)
         if header:
             current = devices[header.group(1).lower()] = _new_pci_device(header.group(2))
             resource_index = None
+            continue
+        grepped = re.match(rf"^({BDF})/([a-z_]+):(.*)$", line)
+        if grepped:  # the fact's own form: `BDF/attribute:value` (after every header)
+            bdf, name, value = grepped.group(1).lower(), grepped.group(2), grepped.group(3)
+            if bdf not in devices:
+                continue
+            if name == "resource":
+                index = resource_of.get(bdf, 0)
+                resource_of[bdf] = index + 1
+                _set_resource(devices[bdf], index, value)
+            else:
+                _set_attribute(devices[bdf], name, value.strip())
+            current, resource_index = None, None
             continue
         if current is None:
             continue
@@ -71,12 +118,7 @@ def parse_pci_devices(output_lines: list[str]) -> dict[str, dict]:
             resource_index = 0
             continue
         if resource_index is not None:
-            match = re.match(r"^\s*0x([0-9a-fA-F]+)\s+0x([0-9a-fA-F]+)\s+0x([0-9a-fA-F]+)\s*$", line)
-            if match:
-                start, end = int(match.group(1), 16), int(match.group(2), 16)
-                # Lines 0-5 are the BARs; 6 is the ROM and later ones bridge windows.
-                if resource_index <= 5 and end > start:
-                    current["bars"][resource_index] = end - start + 1
+            if _set_resource(current, resource_index, line):
                 resource_index += 1
                 continue
             resource_index = None
@@ -89,24 +131,8 @@ def parse_pci_devices(output_lines: list[str]) -> dict[str, dict]:
                 current[name] = target
             continue
         attribute = re.match(r"^([a-z_]+): ?(.*?)\s*$", line)
-        if not attribute:
-            continue
-        name, value = attribute.groups()
-        if name in HEX_ATTRIBUTES:
-            current[name] = value[2:].lower() if value.lower().startswith("0x") else value.lower()
-        elif name == "numa_node":
-            node = _int_or_none(value)
-            current[name] = node if node is not None and node >= 0 else None
-        elif name == "local_cpulist":
-            current[name] = value or None
-        elif name == "current_link_speed":
-            current["link"]["speed"] = value or None
-        elif name == "max_link_speed":
-            current["link"]["max_speed"] = value or None
-        elif name == "current_link_width":
-            current["link"]["width"] = _int_or_none(value)
-        elif name == "max_link_width":
-            current["link"]["max_width"] = _int_or_none(value)
+        if attribute:
+            _set_attribute(current, *attribute.groups())
     return devices
 
 
@@ -172,21 +198,20 @@ class PciDevices(FactBase):
         }}
     """
 
-    # Shell builtins only (no program per device: a host with 8 GPUs has hundreds of PCI
-    # functions): `cd -P` resolves the sysfs links (the parser keeps only a link's last
-    # component), `read` reads the attributes and the resource table.
+    # Two parts, no program per PCI function (a host with 8 GPUs has hundreds): shell builtins
+    # resolve each function's sysfs links (`cd -P`; the parser keeps only a link's last
+    # component), then ONE grep prints every attribute and resource table as `BDF/attr:value`.
     command = (
         "for d in /sys/bus/pci/devices/*; do "
         '[ -e "$d" ] || continue; '
         'cd -P "$d" 2>/dev/null || continue; '
         'echo "== ${d##*/} -> $PWD"; '
-        f"for a in {SYSFS_ATTRIBUTES}; do "
-        '[ -r "$a" ] || continue; v=; { read -r v; } 2>/dev/null < "$a"; echo "$a: $v"; '
-        "done; "
         'for l in driver iommu_group physfn; do '
         '[ -e "$d/$l" ] && cd -P "$d/$l" 2>/dev/null && echo "$l -> $PWD"; done; '
-        'echo "resource:"; { while read -r r; do echo "$r"; done < "$d/resource"; } 2>/dev/null; '
-        "done; true"
+        "done; "
+        "cd /sys/bus/pci/devices 2>/dev/null && grep -H -s '' "
+        + " ".join(f"*/{a}" for a in SYSFS_ATTRIBUTES.split())
+        + " */resource; true"
     )
 
     @staticmethod

@@ -270,19 +270,24 @@ class NvidiaHostState(FactBase):
         parts = [
             f"echo '{SECTION}cores'; nproc",
             f"echo '{SECTION}meminfo'; grep '^MemTotal:' /proc/meminfo",
-            f"echo '{SECTION}running'; uname -r",
+            f"echo '{SECTION}running'; k=$(uname -r); echo \"$k\"",
             f"echo '{SECTION}ccache'; command -v ccache >/dev/null && [ -d {CCACHE_MASQUERADE} ] && echo {CCACHE_MASQUERADE}",
             f"echo '{SECTION}compilers'; for c in /usr/bin/gcc /usr/bin/gcc-[0-9]*; do "
             "[ -x \"$c\" ] && echo \"${c##*/}: $(\"$c\" --version 2>/dev/null | head -n 1)\"; done",
         ]
-        # the running release is always probed (named at run time), then each target
-        for release in ["$(uname -r)", *[shlex.quote(r) for r in releases]]:
-            parts.append(
-                f"r={release}; b=/lib/modules/$r/build; echo \"{SECTION}release $r\"; "
-                "[ -f \"$b/Makefile\" ] && echo 'headers: yes' || echo 'headers: no'; "
-                "grep -h '^CONFIG_CC_VERSION_TEXT=' \"$b/include/config/auto.conf\" \"$b/.config\" 2>/dev/null | head -n 1; "
-                "for k in version vermagic filename; do echo \"module $k: $(modinfo -k \"$r\" -F $k nvidia 2>/dev/null | head -n 1)\"; done"
-            )
+        # the running release ($k, named at run time), then each target; each release once,
+        # one modinfo per release (its version/vermagic/filename lines)
+        targets = " ".join(['"$k"', *[shlex.quote(r) for r in releases]])
+        parts.append(
+            f"seen=; for r in {targets}; do "
+            '[ -n "$r" ] || continue; case " $seen " in *" $r "*) continue;; esac; seen="$seen $r"; '
+            f"b=/lib/modules/$r/build; echo \"{SECTION}release $r\"; "
+            "[ -f \"$b/Makefile\" ] && echo 'headers: yes' || echo 'headers: no'; "
+            "grep -h -m 1 '^CONFIG_CC_VERSION_TEXT=' \"$b/include/config/auto.conf\" \"$b/.config\" 2>/dev/null | head -n 1; "
+            "modinfo -k \"$r\" nvidia 2>/dev/null | while read -r key value; do "
+            'case "$key" in version:|vermagic:|filename:) echo "module $key $value";; esac; done; '
+            "done"
+        )
         parts.append(f"echo '{SECTION}firmware'; for f in /lib/firmware/nvidia/*/gsp*.bin*; do [ -e \"$f\" ] && echo \"$f\"; done")
         libs = " ".join(f"{d}/libnvidia-ml.so.*" for d in LIB_DIRS)
         parts.append(f"echo '{SECTION}userspace'; for f in {libs}; do [ -e \"$f\" ] && echo \"$f\"; done")

@@ -38,6 +38,7 @@ Profile shape (tests/twin/profiles/<name>.yml; every key below is used by render
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -68,6 +69,13 @@ STANDIN_PATHS = {
     "hostdev.py": ["usr/local/bin/fuser", "usr/local/bin/nvidia-modprobe", "usr/local/bin/uname"],
 }
 STANDIN_LIB = "usr/local/lib/twin/twinstate.py"
+# The Python stand-ins as modules (the stand-in server imports them) and as programs (run
+# directly where the server is not reachable); each program path gets the small client
+# (standins/client.c) when it can be built, else the Python program itself.
+STANDIN_LIB_DIR = "usr/local/lib/twin"
+STANDIN_SERVER = "standind.py"
+CLIENT_SOURCE = STANDINS_DIR / "client.c"
+CLIENT_CACHE = HERE.parents[1] / ".cache" / "twin"
 
 BINDING_RULES = "etc/udev/rules.d/60-pvegpu-gpu-binding.rules"
 RULE_RE = re.compile(r'KERNEL=="(?P<bdf>[0-9a-fA-F:.]+)".*ATTR\{driver_override\}="(?P<drv>[^"]*)"')
@@ -730,6 +738,54 @@ def _proc_devices(profile: dict, state: dict) -> str:
 
 # ---------------------------------------------------------------- install + busy
 
+def standin_client() -> Path | None:
+    """The stand-in client (standins/client.c) built static with this machine's cc, cached by
+    the source's hash; None where it cannot be built (the Python stand-ins are installed then)."""
+    source = CLIENT_SOURCE.read_bytes()
+    out = CLIENT_CACHE / f"standin-client-{hashlib.sha256(source).hexdigest()[:16]}"
+    if out.exists():
+        return out
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    CLIENT_CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    built = subprocess.run([compiler, "-O2", "-static", "-o", str(tmp), str(CLIENT_SOURCE)],
+                           capture_output=True, text=True)
+    if built.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        return None
+    os.replace(tmp, out)  # several test processes may build it at once: last rename wins
+    return out
+
+
+def install_standins(root: Path, data: dict) -> None:
+    """The stand-in programs of profile `data` into `root` (STANDIN_PATHS), their Python under
+    /usr/local/lib/twin (modules, programs in bin/, the server)."""
+    lib = root / STANDIN_LIB_DIR
+    (lib / "bin").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(STANDINS_DIR / "twinstate.py", root / STANDIN_LIB)
+    shutil.copyfile(STANDINS_DIR / STANDIN_SERVER, lib / STANDIN_SERVER)
+    client = standin_client()
+    for name, dests in STANDIN_PATHS.items():
+        if name == "proxmox.py" and not data.get("pve"):
+            dests = []  # not a Proxmox host
+        if name == "boot.py" and not data.get("pve"):
+            dests = [d for d in dests if "proxmox-boot-tool" not in d]
+        if dests:
+            shutil.copyfile(STANDINS_DIR / name, lib / name)
+        for dest in dests:
+            program = lib / "bin" / Path(dest).name
+            shutil.copyfile(STANDINS_DIR / name, program)
+            program.chmod(0o755)
+            p = root / dest
+            p.parent.mkdir(parents=True, exist_ok=True)
+            if p.is_symlink() or p.exists():
+                p.unlink()  # /usr/sbin/reboot is a symlink to systemctl: never write through it
+            shutil.copyfile(client or program, p)
+            p.chmod(0o755)
+
+
 def install(root: Path, profile: str) -> None:
     """Prepare a fresh twin root for `profile` (a name under profiles/ or a path), then render."""
     root = Path(root)
@@ -739,21 +795,7 @@ def install(root: Path, profile: str) -> None:
     src = Path(profile) if Path(profile).suffix else PROFILES_DIR / f"{profile}.yml"
     shutil.copyfile(src, twin / "profile.yml")
     (twin / "profile.json").write_text(json.dumps(data, indent=1))  # stand-ins have no pyyaml
-    for name, dests in STANDIN_PATHS.items():
-        if name == "proxmox.py" and not data.get("pve"):
-            dests = []  # not a Proxmox host
-        if name == "boot.py" and not data.get("pve"):
-            dests = [d for d in dests if "proxmox-boot-tool" not in d]
-        for dest in dests:
-            p = root / dest
-            p.parent.mkdir(parents=True, exist_ok=True)
-            if p.is_symlink() or p.exists():
-                p.unlink()  # /usr/sbin/reboot is a symlink to systemctl: never write through it
-            shutil.copyfile(STANDINS_DIR / name, p)
-            p.chmod(0o755)
-    lib = root / STANDIN_LIB
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(STANDINS_DIR / "twinstate.py", lib)
+    install_standins(root, data)
     _seed_kernels(root, data)
     _seed_nvidia_install(root, data)
     if (data.get("nvidia") or {}).get("version"):  # an operator's download of the host's driver

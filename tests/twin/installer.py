@@ -38,7 +38,7 @@ NVIDIA_SMI = """\
 # nvidia-smi from the pvegpu twin's NVIDIA installer: the twin's stand-in answers. Inside a twin
 # container `pct exec` mounts the twin's state and stand-in under /run/twin.
 if [ -e /run/twin/ct.json ]; then
-    exec env TWIN_ROOT=/run/twin/root TWIN_CT=1 /usr/bin/python3 /run/twin/root/usr/local/bin/nvidia-smi "$@"
+    exec env TWIN_ROOT=/run/twin/root TWIN_CT=1 /usr/bin/python3 /run/twin/root/usr/local/lib/twin/bin/nvidia-smi "$@"
 fi
 exec /usr/local/bin/nvidia-smi "$@"
 """

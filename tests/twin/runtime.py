@@ -666,6 +666,8 @@ def twin_dir(name: str) -> Path:
 # Supervisor (runs as pid 1 of the twin's namespaces)
 
 REBOOT_REQUEST = "var/lib/twin/reboot-request"
+STANDIN_SERVER = "usr/local/lib/twin/standind.py"  # tests/twin/standins/standind.py
+STANDIN_SOCKET = "run/twin/standins.sock"
 
 
 class Supervisor:
@@ -676,6 +678,8 @@ class Supervisor:
         self.spec = json.loads((tdir / "twin.json").read_text())
         self.root = Path(self.spec["root"])
         self.sshd: int | None = None
+        self.standins: int | None = None
+        self.standin_restarts = 0
         self.boot_time = 0.0
         self.boots = 0
         self.stopping = False
@@ -697,6 +701,10 @@ class Supervisor:
                 log(f"{self.spec['name']}: sshd exited; starting it again")
                 time.sleep(0.5)
                 self.start_sshd()
+            elif self.standins is None and self.standin_restarts < 3 and (self.root / STANDIN_SERVER).exists():
+                self.standin_restarts += 1  # the stand-ins run their own Python meanwhile (client.c)
+                log(f"{self.spec['name']}: stand-in server exited; starting it again")
+                self.start_standins()
             time.sleep(0.1)
         self.kill_all()
         self.unmount_all()
@@ -711,6 +719,8 @@ class Supervisor:
         socket.sethostname(hostname)
         self.mount_all()
         self.boot_time = time.monotonic()
+        if (self.root / STANDIN_SERVER).exists():
+            self.start_standins()
         self.start_sshd()
         self.wait_for_sshd()  # a boot is done when the host answers on SSH
         self.boots += 1
@@ -741,6 +751,19 @@ class Supervisor:
             stdin=subprocess.DEVNULL)
         self.sshd = proc.pid  # reaped by reap(), not by Popen
 
+    def start_standins(self) -> None:
+        """The stand-in server (tests/twin/standins/standind.py); up once its socket exists
+        (until then, or if it never comes, the stand-ins run their Python themselves)."""
+        socket_path = self.root / STANDIN_SOCKET
+        proc = subprocess.Popen(
+            ["chroot", str(self.root), "/usr/bin/python3", "-ISB", "/" + STANDIN_SERVER],
+            env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        self.standins = proc.pid  # reaped by reap(), not by Popen
+        deadline = time.monotonic() + 5
+        while not socket_path.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     def wait_for_sshd(self, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -762,6 +785,8 @@ class Supervisor:
                 return
             if pid == self.sshd:
                 self.sshd = None
+            if pid == self.standins:
+                self.standins = None
 
     def kill_all(self) -> None:
         """SIGKILL every process of the twin but this one; wait until all are reaped."""
@@ -781,6 +806,7 @@ class Supervisor:
             time.sleep(0.02)
             self.reap()
         self.sshd = None
+        self.standins = None
 
     def mount_all(self) -> None:
         root, hw = self.root, self.root / "var/lib/twin/hw"

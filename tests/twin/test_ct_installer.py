@@ -12,9 +12,9 @@ from tests.twin import hardware, installer
 # inventories/twin.yml pins these (nvidia.installer sha256): a change of the payload or the script
 # must show up here first. Versions: the profiles' drivers.
 PINNED = {
-    "595.71.05": "8370db708f12290566cac4dfad1281c7772447e8526104ff61678a602db1a954",  # kpro6
-    "570.172.08": "0f7bd8b88ce1f89bbfe14b62bd5b446199c69f95d2585c5371c7d7ba86e08c11",  # intel2
-    "580.159.04": "d6182e4971b0829beec190fd68798f1a54f33ad7c4e9d44f4c8b6a628ddeb6fd",  # h200-vm
+    "595.71.05": "9ff61d01282dfd5e21e4772fe36a317328d436fb5d5494b6cad94f3616521a92",  # kpro6
+    "570.172.08": "e5fdf357d62dbd75de1299df09ee6591831e29123eb4042cdcef4cc13ae2dfdc",  # intel2
+    "580.159.04": "5a30697160cfc04c1e979bd050ba439ed1ebb5ff3145988d18cb2997f8048ad8",  # h200-vm
 }
 
 

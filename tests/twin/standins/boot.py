@@ -193,11 +193,18 @@ def shutdown(argv):
     twinstate.die("twin: only 'shutdown -r' is supported (a twin cannot power off)", 1)
 
 
-if __name__ == "__main__":
-    prog = os.path.basename(sys.argv[0])
-    handlers = {"proxmox-boot-tool": proxmox_boot_tool, "update-grub": update_grub,
-                "reboot": lambda a: request_reboot("reboot " + " ".join(a)), "shutdown": shutdown,
-                "systemctl": systemctl}
-    if prog not in handlers:
+HANDLERS = {"proxmox-boot-tool": proxmox_boot_tool, "update-grub": update_grub,
+            "reboot": lambda a: request_reboot("reboot " + " ".join(a)), "shutdown": shutdown,
+            "systemctl": systemctl}
+PROGRAMS = tuple(HANDLERS)
+
+
+def main(prog, argv):
+    """Run stand-in `prog` (what the program was called as) with `argv`; its exit status."""
+    if prog not in HANDLERS:
         twinstate.die(f"boot stand-in: unknown program name {prog}", 127)
-    sys.exit(handlers[prog](sys.argv[1:]))
+    return HANDLERS[prog](argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(os.path.basename(sys.argv[0]), sys.argv[1:]))

@@ -110,9 +110,16 @@ def uname(argv):
     return 0
 
 
-if __name__ == "__main__":
-    prog = os.path.basename(sys.argv[0])
-    handler = {"fuser": fuser, "nvidia-modprobe": nvidia_modprobe, "uname": uname}.get(prog)
-    if handler is None:
+HANDLERS = {"fuser": fuser, "nvidia-modprobe": nvidia_modprobe, "uname": uname}
+PROGRAMS = tuple(HANDLERS)
+
+
+def main(prog, argv):
+    """Run stand-in `prog` (what the program was called as) with `argv`; its exit status."""
+    if prog not in HANDLERS:
         twinstate.die(f"hostdev stand-in: unknown program name {prog}", 127)
-    sys.exit(handler(sys.argv[1:]))
+    return HANDLERS[prog](argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(os.path.basename(sys.argv[0]), sys.argv[1:]))

@@ -244,7 +244,11 @@ def container_view(st):
     return dict(st, gpus=mine + others), None
 
 
-def main(argv):
+PROGRAMS = ("nvidia-smi",)
+
+
+def main(prog, argv):
+    """`nvidia-smi argv` (prog is always nvidia-smi); its exit status."""
     st = twinstate.state()
     if os.environ.get("TWIN_CT") and "--version" not in argv:
         st, failure = container_view(st)
@@ -314,4 +318,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main("nvidia-smi", sys.argv[1:]))

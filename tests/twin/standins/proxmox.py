@@ -885,10 +885,17 @@ def pveversion(argv):
     return 0
 
 
-if __name__ == "__main__":
-    prog = os.path.basename(sys.argv[0])
-    handlers = {"pct": lambda a: guest_cli("lxc", a), "qm": lambda a: guest_cli("qemu", a),
-                "pvesh": pvesh, "pveversion": pveversion}
-    if prog not in handlers:
+HANDLERS = {"pct": lambda a: guest_cli("lxc", a), "qm": lambda a: guest_cli("qemu", a),
+            "pvesh": pvesh, "pveversion": pveversion}
+PROGRAMS = tuple(HANDLERS)
+
+
+def main(prog, argv):
+    """Run stand-in `prog` (what the program was called as) with `argv`; its exit status."""
+    if prog not in HANDLERS:
         ts.die(f"proxmox stand-in: unknown program name {prog}", 127)
-    sys.exit(handlers[prog](sys.argv[1:]))
+    return HANDLERS[prog](argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(os.path.basename(sys.argv[0]), sys.argv[1:]))

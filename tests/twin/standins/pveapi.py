@@ -3,7 +3,7 @@
 
 Runs INSIDE the twin (chroot, stdlib only), so it sees the twin's /etc/pve and serves every
 request with the same functions the `pvesh` stand-in uses (`api()` of the proxmox stand-in,
-installed as /usr/local/sbin/pvesh): a write through the API and one through pvesh change the
+/usr/local/lib/twin/proxmox.py): a write through the API and one through pvesh change the
 same files the same way.
 
     python3 /usr/local/lib/twin/pveapi.py --listen 127.0.0.N [--port 8006]
@@ -44,8 +44,9 @@ PIDFILE = "/run/pveapi.pid"
 
 
 def load_proxmox_standin():
-    """The pvesh stand-in as a module (installed without a .py suffix)."""
-    path = os.path.join(os.environ.get("TWIN_ROOT", "/"), "usr/local/sbin/pvesh")
+    """The pvesh stand-in's Python as a module (/usr/local/lib/twin/proxmox.py; the program
+    /usr/local/sbin/pvesh is the stand-in client, tests/twin/standins/client.c)."""
+    path = os.path.join(os.environ.get("TWIN_ROOT", "/"), "usr/local/lib/twin/proxmox.py")
     loader = importlib.machinery.SourceFileLoader("proxmox_standin", path)
     spec = importlib.util.spec_from_loader("proxmox_standin", loader)
     module = importlib.util.module_from_spec(spec)

@@ -1,0 +1,67 @@
+"""A faster equivalent of one pyinfra internal, installed by deploy.py.
+
+pyinfra (3.10) orders operations by the call stack they were created from:
+`pyinfra.api.util.get_operation_order_from_stack` calls `inspect.stack()`, which for every frame
+reads its source line (`findsource` → `getmodule`, a scan of `sys.modules`), then `getframeinfo`
+again per frame, only to keep file names and line numbers. That is done for every operation on
+every host: in a no-change run of 8 twins it was the largest part of pyinfra's own CPU after
+imports (bench/fleet_profile.py). `operation_order_from_stack` returns the same list from the
+frames' code objects (`co_filename`, `f_lineno`), reading no source.
+
+`install()` replaces the function where pyinfra's operation module looks it up, only when that
+module has it under the expected name; tests/unit/test_pyinfra_speedups.py checks that both give
+the same list for the same stack and that a whole run keeps its operation order.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pyinfra
+
+# the modules (pyinfra.api's `operation` attribute is the decorator, not the module)
+_operation = importlib.import_module("pyinfra.api.operation")
+_util = importlib.import_module("pyinfra.api.util")
+
+ORIGINAL = getattr(_util, "get_operation_order_from_stack", None)
+
+
+def operation_order_from_stack(state) -> list:
+    """What `get_operation_order_from_stack(state)` returns when called from the same place,
+    without reading source files."""
+    frames = []
+    # from the caller: upstream's list starts at its own frame, which (in pyinfra) it skips
+    frame = sys._getframe(1)
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    frames.reverse()  # outermost first, as reversed(inspect.stack())
+
+    i = 0
+    # the *first* frame of the deploy file; with none, upstream keeps only its own last frame,
+    # which is pyinfra's and skipped: no frame here
+    if state.current_deploy_filename:
+        i = next((n for n, frame in enumerate(frames) if frame.f_code.co_filename == state.current_deploy_filename),
+                 len(frames))
+
+    line_numbers = []
+    if pyinfra.is_cli:
+        line_numbers.append(state.current_op_file_number)
+    for frame in frames[i:]:
+        if frame.f_code.co_filename.startswith(_util.PYINFRA_INSTALL_DIR):
+            continue
+        line_numbers.append(frame.f_lineno)
+    return line_numbers
+
+
+def install() -> bool:
+    """Use `operation_order_from_stack` in pyinfra's operation module; False if this pyinfra
+    has no such function there, or PVEGPU_PYINFRA_SPEEDUPS=0 (then nothing is changed)."""
+    if os.environ.get("PVEGPU_PYINFRA_SPEEDUPS") == "0":
+        return False
+    if ORIGINAL is None or getattr(_operation, "get_operation_order_from_stack", None) is not ORIGINAL:
+        return False
+    _operation.get_operation_order_from_stack = operation_order_from_stack
+    return True

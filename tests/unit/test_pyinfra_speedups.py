@@ -1,0 +1,44 @@
+"""operations.pyinfra_speedups: the same operation order as pyinfra's own function."""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import pyinfra
+import pytest
+
+from operations import pyinfra_speedups as speedups
+
+
+def _nested(fn, depth):
+    return fn() if depth == 0 else _nested(fn, depth - 1)
+
+
+@pytest.mark.parametrize("is_cli", [False, True])
+@pytest.mark.parametrize("deploy_file", [__file__, "/nowhere/deploy.py", None])
+def test_same_line_numbers_as_upstream(monkeypatch, is_cli, deploy_file):
+    monkeypatch.setattr(pyinfra, "is_cli", is_cli)
+    state = SimpleNamespace(current_deploy_filename=deploy_file, current_op_file_number=7)
+    # both called from the same line, through the same frames
+    upstream, ours = [_nested(lambda f=f: f(state), 4) for f in (speedups.ORIGINAL, speedups.operation_order_from_stack)]
+    assert ours == upstream
+    if deploy_file == __file__:
+        assert len(ours) >= 6  # this file's frames, after the first one from it
+
+
+def test_install_patches_the_operation_module_once(monkeypatch):
+    operation = importlib.import_module("pyinfra.api.operation")
+    monkeypatch.setattr(operation, "get_operation_order_from_stack", speedups.ORIGINAL)
+    monkeypatch.delenv("PVEGPU_PYINFRA_SPEEDUPS", raising=False)
+    assert speedups.install() is True
+    assert operation.get_operation_order_from_stack is speedups.operation_order_from_stack
+    assert speedups.install() is False  # already replaced: nothing more to do
+
+
+def test_install_can_be_turned_off(monkeypatch):
+    operation = importlib.import_module("pyinfra.api.operation")
+    monkeypatch.setattr(operation, "get_operation_order_from_stack", speedups.ORIGINAL)
+    monkeypatch.setenv("PVEGPU_PYINFRA_SPEEDUPS", "0")
+    assert speedups.install() is False
+    assert operation.get_operation_order_from_stack is speedups.ORIGINAL
