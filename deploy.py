@@ -11,6 +11,7 @@ absent from the run, never faked.
 
 Stage protocol (one module per concern under operations/):
     prefetch(spec) -> [(fact, kwargs)]  # facts it reads up front (all stages': one command); optional
+    prefetch_apply(spec) -> [(fact, kwargs)]  # same, after the preflights (may use their facts); optional
     preflight(spec) -> list[str]   # refusals, in words; optional
     apply(spec) -> None            # yields pyinfra operations; reports reboot reasons via plan.reboot
 """
@@ -65,6 +66,10 @@ if refusals:
     raise DeployError(
         f"pvegpu preflight refused host {host.name}; nothing was changed:\n  - " + "\n  - ".join(refusals)
     )
+
+# What the applies read once the run's state is known (e.g. which CTs run): one more command.
+prefetch([request for _, module in stages if hasattr(module, "prefetch_apply")
+          for request in module.prefetch_apply(spec)])
 
 for name, module in stages:
     module.apply(spec)

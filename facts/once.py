@@ -9,8 +9,18 @@ when an operation *executes* (after earlier operations changed the host) do not 
 from __future__ import annotations
 
 from pyinfra import host
+from pyinfra import state as pyinfra_state
 
 _MEMO = "_pvegpu_facts_once"
+
+
+def _store(memo: dict) -> None:
+    # pyinfra's HostData hands out copies and takes attribute assignment (a test's fake host
+    # may carry a plain dict)
+    if isinstance(host.data, dict):
+        host.data[_MEMO] = memo
+    else:
+        setattr(host.data, _MEMO, memo)
 
 
 def _key(fact_cls, kwargs: dict) -> tuple:
@@ -40,8 +50,17 @@ def prefetch(requests) -> int:
     else:
         values = host.get_fact(combined_probe(list(todo.values())))
         memo.update(zip(todo, values))
-    setattr(host.data, _MEMO, memo)  # host.data hands out copies: assign back
+    _store(memo)
     return 1
+
+
+def fact_prepared(fact_cls, **kwargs):
+    """For a fact read inside an operation's body: while pyinfra generates operations (nothing
+    has changed yet), `fact_once`'s value (a prefetched one too); while it executes them (an
+    earlier operation may have changed the host), a fresh `host.get_fact`."""
+    if pyinfra_state.is_executing:
+        return host.get_fact(fact_cls, **kwargs)
+    return fact_once(fact_cls, **kwargs)
 
 
 def fact_once(fact_cls, **kwargs):
@@ -51,5 +70,5 @@ def fact_once(fact_cls, **kwargs):
     memo = dict(host.data.get(_MEMO) or {})  # host.data hands out copies: assign back
     if key not in memo:
         memo[key] = host.get_fact(fact_cls, **kwargs)
-        setattr(host.data, _MEMO, memo)
+        _store(memo)
     return memo[key]

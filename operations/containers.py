@@ -26,6 +26,7 @@ from pyinfra.api import FactBase, StringCommand, deploy, operation
 
 from facts.guest_state import guest_state, running_containers, with_ct_status
 from facts.kernel import split_sections
+from facts.once import fact_once
 from facts.nvidia import NvidiaDriver, parse_driver_version
 from operations.nvidia import cached_source, fetch_source_command
 from plan.containers import INSTALLER_FLAGS, LIB_DIRS, ct_installer_path, plan_userspace
@@ -107,7 +108,16 @@ def container_userspace_state(ctids: list[int]) -> dict:
     """`ContainerUserspace` of the running CTs of `ctids`, with this run's CT run state added
     (`facts.guest_state.with_ct_status`): one remote command, no `pct list` of its own."""
     guests = guest_state()
-    return with_ct_status(host.get_fact(ContainerUserspace, ctids=running_containers(guests, ctids)), guests)
+    return with_ct_status(fact_once(ContainerUserspace, ctids=running_containers(guests, ctids)), guests)
+
+
+def prefetch_apply(spec: HostSpec) -> list:
+    """What `apply` reads, once the run's CT state is known (deploy.py reads every stage's in
+    one command after the preflights)."""
+    managed = managed_containers(spec)
+    if not managed:
+        return []
+    return [(ContainerUserspace, {"ctids": running_containers(guest_state(), sorted(managed))})]
 
 
 def install_command(ctid: int, version: str, installer_url: str, sha256: str, cached: str,

@@ -69,6 +69,8 @@ INITRAMFS_HOOK_PATH = "/etc/initramfs-tools/hooks/pvegpu-gpu-binding"
 # Written only after update-initramfs succeeded: the initramfs holds the rules of this stamp
 # (a run that wrote the rules but failed in update-initramfs retries it next run).
 INITRAMFS_STAMP_PATH = "/var/lib/pvegpu/gpu-binding-initramfs.stamp"
+# the stage's files (written in this order) and its initramfs stamp: one fact
+STAGE_FILES = [RULES_PATH, INITRAMFS_HOOK_PATH, INITRAMFS_STAMP_PATH]
 UNBIND_TIMEOUT_S = 30
 SHUTDOWN_TIMEOUT_S = 120  # GuestPolicy.shutdown_timeout's default
 _MEMO = "_pvegpu_gpu_stage"
@@ -277,7 +279,7 @@ def stage_fact_requests() -> list:
 
 def prefetch(spec: HostSpec) -> list:
     """The facts this stage reads (deploy.py reads every stage's in one command)."""
-    return stage_fact_requests() if spec.gpus else []
+    return stage_fact_requests() + [(ManagedFiles, {"paths": STAGE_FILES})] if spec.gpus else []
 
 
 def preflight(spec: HostSpec) -> list[str]:
@@ -310,7 +312,7 @@ def apply(spec: HostSpec) -> None:
         RULES_PATH: (binding_rules(bindings), "644"),
         INITRAMFS_HOOK_PATH: (render_template("initramfs-gpu-binding-hook.j2", rules_path=RULES_PATH), "755"),
     }
-    state = host.get_fact(ManagedFiles, paths=[*files, INITRAMFS_STAMP_PATH])
+    state = fact_once(ManagedFiles, paths=STAGE_FILES)
     for path, (content, mode) in files.items():
         managed_file(name=f"GPU binding: {path}", path=path, content=content, mode=mode, state=state.get(path))
     stamp = "".join(f"{sha256_text(content)}  {path}\n" for path, (content, _) in files.items())

@@ -159,7 +159,7 @@ def nccl_state(paths: list[str], ctids: list[int]) -> dict:
     """`NcclState` of the running CTs of `ctids`, with this run's CT run state added
     (`facts.guest_state.with_ct_status`): one remote command, no `pct list` of its own."""
     guests = guest_state()
-    return with_ct_status(host.get_fact(NcclState, paths=paths, ctids=running_containers(guests, ctids)), guests)
+    return with_ct_status(fact_once(NcclState, paths=paths, ctids=running_containers(guests, ctids)), guests)
 
 
 def hardware_facts(spec) -> dict:
@@ -288,6 +288,19 @@ def describe(want: dict) -> list[str]:
 
 # ---------------------------------------------------------------- stage protocol
 
+def stage_targets(spec) -> tuple[list[int], list[str]]:
+    """The CTs (with GPUs) and host paths the stage manages."""
+    ctids = sorted(int(ctid) for ctid, ct in spec.containers.items() if ct.gpus)
+    return ctids, [NCCL_CONF] + [dropin_path(unit_name(s)) for s in spec.nccl.services]
+
+
+def prefetch_apply(spec) -> list:
+    """What `apply` reads, once the run's CT state is known (deploy.py reads every stage's in
+    one command after the preflights)."""
+    ctids, paths = stage_targets(spec)
+    return [(NcclState, {"paths": paths, "ctids": running_containers(guest_state(), ctids)})]
+
+
 def prefetch(spec) -> list:
     """The facts this stage reads up front (deploy.py reads every stage's in one command)."""
     return [(HardwareProbe, {})]
@@ -306,8 +319,7 @@ def preflight(spec) -> list[str]:
 @deploy("NCCL environment")
 def apply(spec) -> None:
     hardware = hardware_facts(spec)
-    ctids = sorted(int(ctid) for ctid, ct in spec.containers.items() if ct.gpus)
-    paths = [NCCL_CONF] + [dropin_path(unit_name(s)) for s in spec.nccl.services]
+    ctids, paths = stage_targets(spec)
     state = nccl_state(paths, ctids)
     want = desired(spec, hardware, state["rdma_devices"])
     for line in describe(want):

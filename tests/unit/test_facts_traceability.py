@@ -24,7 +24,9 @@ SKIPPED_WITH_REASON = {
     "h200-vm/meminfo.txt",
     "h200-vm/modinfo-nvidia.txt",
     "h200-vm/proc-modules.txt",
-    "h200-vm/sysfs-pci-tree.txt",  # the same tree PciDevices reads from sysfs-pci.txt
+    "h200-vm/sysfs-pci-tree.txt",  # the same tree PciDevices reads from sysfs-pci-fact.txt
+    # scripts/record-gpu-host.sh's per-function form of the same sysfs: tests/unit/test_pci_forms.py
+    "h200-vm/sysfs-pci.txt",
     "h200-vm/torch-peer.txt",
     "h200-vm/uname.txt",
     "h200-vm-probe/facts.txt",  # each fact's own command on the same run: tests/unit/test_facts_probe.py

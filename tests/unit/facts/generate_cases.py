@@ -133,7 +133,7 @@ CASES = [
     case("kernel.ModuleParameters", "h200-vm-nvidia-not-listed", "h200-vm/nvidia-module-params.txt",
          args=["nvidia"]),
     case("cpu.CpuInfo", "h200-vm-intel-xeon", "h200-vm/cpuinfo-first.txt"),
-    case("pci.PciDevices", "h200-vm-sysfs", "h200-vm/sysfs-pci.txt"),
+    case("pci.PciDevices", "h200-vm-sysfs", "h200-vm/sysfs-pci-fact.txt"),
     *[case("pci.PciAcs", Path(p.name).stem, f"lspci/{p.name}")
       for p in sorted((FIXTURES / "lspci").iterdir()) if "lspci-tv" not in p.name],
     case("pci.PciAcs", "h200-vm-no-lspci", "h200-vm/lspci-vvv.txt"),
