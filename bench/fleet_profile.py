@@ -22,7 +22,8 @@ converges, of fleetprof-1 alone and of all N in one pyinfra run, and prints CPU 
 
 Then the bound: the 8-twin run needs R8 (runner) + T8 (twins) CPU seconds, all on this
 machine's cores, so its wall time is at least (R8 + T8) / cores; divided by the 1-twin wall
-time that is the best ratio this machine can show (printed as `floor_ratio`); divided by the
+time that is the best ratio this machine can show (printed as `floor_ratio`; `serial_floor_ratio`
+counts the runner's imports, which come first with nothing beside them, on one core); divided by the
 1-twin run's CPU seconds instead (as if it never waited) it is `cpu_ratio`, what the ratio
 tends to where both runs are CPU-bound. Wall times come with /proc/loadavg before and after:
 other work on the machine stretches wall times (and, less, CPU seconds through shared caches).
@@ -321,6 +322,10 @@ def report(one: dict, many: dict, costs: dict) -> dict:
     n = many["hosts"]
     total8 = many["runner_cpu_s"] + many["twin_cpu_s"] + many["supervisors_cpu_s"]
     floor_wall = total8 / cores
+    # the runner's imports come first and nothing runs beside them (one core); the rest can
+    # spread over all cores at best
+    imports8 = many["runner_parts"].get("imports", 0.0)
+    serial_floor = imports8 + (total8 - imports8) / cores
     out = {
         "cores": cores,
         "wall_s": {"1": one["wall_s"], str(n): many["wall_s"]},
@@ -337,6 +342,9 @@ def report(one: dict, many: dict, costs: dict) -> dict:
         # the same with the 1-twin run taken as pure CPU (wall = its CPU seconds, no waiting):
         # what the ratio tends to on a quiet machine where both runs are CPU-bound
         "cpu_ratio": round(floor_wall / (one["runner_cpu_s"] + one["twin_cpu_s"]), 2),
+        "imports_s": round(imports8, 2),
+        "serial_floor_wall_s": round(serial_floor, 2),
+        "serial_floor_ratio": round(serial_floor / one["wall_s"], 2),
         "loadavg": {"1": one["loadavg"], str(n): many["loadavg"]},
         "remote_commands_per_host": len(one["commands"]),
         "runner_parts": {"1": one["runner_parts"], str(n): many["runner_parts"]},
@@ -376,6 +384,8 @@ def print_report(r: dict) -> None:
           f"{r['runner_per_extra_host_s']:.3f})")
     print(f"       with the 1-twin run as pure CPU ({sum(r['cpu_s']['1'].values()):.2f} CPU-s, no waiting) "
           f"that is {r['cpu_ratio']}")
+    print(f"       with the runner's imports ({r['imports_s']:.2f} s, nothing beside them) first: wall >= "
+          f"{r['serial_floor_wall_s']:.2f} s => ratio >= {r['serial_floor_ratio']}")
 
 
 def main() -> int:

@@ -9,7 +9,6 @@ when an operation *executes* (after earlier operations changed the host) do not 
 from __future__ import annotations
 
 from pyinfra import host
-from pyinfra import state as pyinfra_state
 
 _MEMO = "_pvegpu_facts_once"
 
@@ -52,15 +51,6 @@ def prefetch(requests) -> int:
         memo.update(zip(todo, values))
     _store(memo)
     return 1
-
-
-def fact_prepared(fact_cls, **kwargs):
-    """For a fact read inside an operation's body: while pyinfra generates operations (nothing
-    has changed yet), `fact_once`'s value (a prefetched one too); while it executes them (an
-    earlier operation may have changed the host), a fresh `host.get_fact`."""
-    if pyinfra_state.is_executing:
-        return host.get_fact(fact_cls, **kwargs)
-    return fact_once(fact_cls, **kwargs)
 
 
 def fact_once(fact_cls, **kwargs):

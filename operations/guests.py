@@ -36,7 +36,6 @@ from pyinfra.api import FactBase, StringCommand, deploy, operation
 
 from facts.devices import CharDeviceMajors, parse_char_majors
 from facts.guest_state import guest_state
-from facts.once import fact_prepared
 from facts.nvidia import NvidiaGpus, parse_gpu_information
 from operations.files import write_file_command
 from operations.gpus import stage_fact_requests, stage_facts
@@ -131,7 +130,7 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
     + api: `operations.proxmox.PveApi` for start/shutdown, or None for pct over SSH
     + shutdown_timeout: seconds a CT gets to shut down before it is stopped hard
     """
-    state = fact_prepared(ContainerGpuState)
+    state = host.get_fact(ContainerGpuState)
     # this run's CT run state; read again when an earlier operation started or stopped guests
     status = guest_state()["lxc"]
     live_minors = {b: g["minor"] for b, g in state["nvidia"].items() if g.get("minor") is not None}
@@ -271,9 +270,8 @@ def parse_mapping_references(lines: list[str]) -> dict:
 
 def prefetch(spec: HostSpec) -> list:
     """The facts this stage reads up front (deploy.py reads every stage's in one command)."""
-    if not spec.containers and not spec.vms and not spec.gpus:
-        return []
-    return stage_fact_requests() + ([(ContainerGpuState, {})] if spec.containers else [])
+    # (ContainerGpuState is read inside its operation, which pyinfra runs when it executes)
+    return stage_fact_requests() if spec.containers or spec.vms or spec.gpus else []
 
 
 def preflight(spec: HostSpec) -> list[str]:
