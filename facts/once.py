@@ -29,9 +29,11 @@ def _key(fact_cls, kwargs: dict) -> tuple:
 def prefetch(requests) -> int:
     """Read every fact of `requests` (``[(fact class, kwargs)]``) that this host has not read
     yet in ONE remote command (`facts.hardware.combined_probe`: shared sections run once) and
-    keep each for `fact_once`. deploy.py calls it with what every stage's ``prefetch(spec)``
-    declares, before the preflights, so a no-change run reads the stages' facts in one round
-    trip instead of one per stage. Returns the number of remote commands it ran (0 or 1).
+    keep each for `fact_once`. deploy.py calls it twice: with what every stage's
+    ``prefetch(spec)`` declares before the preflights, and with their ``prefetch_apply(spec)``
+    (which may use the first round's facts) before the applies; a no-change run reads the
+    stages' facts in two round trips instead of one per stage and fact. Returns the number of
+    remote commands it ran (0 or 1).
     """
     from facts.hardware import combined_probe
 

@@ -3,6 +3,7 @@ command, each value exactly what the fact gives on its own, shared sections run 
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 from facts.cpu import CpuInfo
@@ -61,3 +62,24 @@ def test_no_output_gives_each_default():
     values = probe().process([])
     assert values[0] == BootStageFacts.default() and values[1] == HardwareProbe.default()
     assert values[3] == ManagedFiles().default() and values[4] == KernelCmdline().default()
+
+
+def test_prefetch_reads_once_and_fact_once_finds_every_value():
+    """On a host whose facts run in a local shell: one command for all requests, none after."""
+    from pyinfra.context import ctx_host, ctx_state
+    from pyinfra_testing.util import FakeState
+
+    from facts.once import fact_once, prefetch
+    from tests.unit.operations.test_nccl_ops import ShellHost
+
+    shell_host = ShellHost(dict(os.environ))
+    with ctx_state.use(FakeState()), ctx_host.use(shell_host):
+        assert prefetch(REQUESTS) == 1
+        assert len(shell_host.commands) == 1
+        values = [fact_once(fact_class, **kwargs) for fact_class, kwargs in REQUESTS]
+        assert len(shell_host.commands) == 1  # all found in the memo
+        assert prefetch(REQUESTS) == 0  # nothing left to read
+        assert prefetch([(ManagedFiles, {"paths": ["/etc/hostname"]})]) == 1  # new args: one plain read
+        assert shell_host.commands[-1] == ManagedFiles().command(paths=["/etc/hostname"])
+    for (fact_class, kwargs), value in zip(REQUESTS, values):
+        assert value == _alone(fact_class, kwargs), fact_class.__name__
