@@ -1,14 +1,18 @@
 """Host checks of the host kernel & IOMMU stage and the kernel stage: the booted cmdline has the
 spec's parameters, the IOMMU is on, nothing is waiting for a reboot, vfio loads early, nouveau
-stays out, and the spec'd kernel runs and is pinned."""
+stays out, the spec'd kernel runs and is pinned, and its build's -j fit the host's memory."""
 
 from __future__ import annotations
+
+import json
+import re
 
 import pytest
 
 from facts.cpu import CpuInfo
 from facts.kernel import BootLoader, ProxmoxKernels, parse_cmdline_text
 from plan.boot import cmdline_difference, desired_params, describe_difference, vfio_modules
+from plan.kernel import PER_JOB_KIB, STATE_DIR, build_jobs
 
 
 def _cpu(target) -> dict:
@@ -70,3 +74,28 @@ def test_spec_kernel_runs_and_is_pinned(target):
         assert kernels["pinned"] == kernel.version, (
             f"{target.name}: kernel {kernel.version} runs but is not pinned (pinned: {kernels['pinned']}); "
             "the next boot may pick another kernel")
+
+
+def test_kernel_build_jobs_fit_the_hosts_memory(target):
+    """Incident 14: a kernel build with -j = cores (128) and ~2 GiB per compile job took the
+    host down (OOM). The build of the kernel the spec pins records its -j (its manifest, kept
+    once installed): with `jobs: auto` it must not exceed min(cores, RAM / 2 GiB) here."""
+    kernel = target.spec.kernel
+    if kernel is None:
+        pytest.skip(f"{target.name}: the spec pins no kernel")
+    recorded = target.read(f"{STATE_DIR}/{kernel.version}.json")
+    if recorded is None:
+        pytest.skip(f"{target.name}: kernel {kernel.version} has no pvegpu build record (not built here)")
+    jobs = json.loads(recorded)["jobs"]
+    _, out = target.run("nproc; grep '^MemTotal:' /proc/meminfo")
+    cores = int(out.split()[0])
+    mem_kib = int(re.search(r"MemTotal:\s*(\d+)", out).group(1))
+    if kernel.jobs != "auto":
+        assert jobs == int(kernel.jobs), (
+            f"{target.name}: kernel {kernel.version} was built with -j{jobs}, but the spec sets jobs: {kernel.jobs}")
+        return
+    limit = build_jobs(cores, mem_kib)
+    assert jobs <= limit, (
+        f"{target.name}: kernel {kernel.version} was built with -j{jobs}; {cores} cores and "
+        f"{mem_kib // (1024 * 1024)} GiB of RAM allow -j{limit} at ~{PER_JOB_KIB // (1024 * 1024)} GiB per compile "
+        "job (a bigger -j risks the OOM of incident 14)")
