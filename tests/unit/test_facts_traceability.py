@@ -30,7 +30,7 @@ SKIPPED_WITH_REASON = {
     "h200-vm/torch-peer.txt",
     "h200-vm/uname.txt",
     "h200-vm-probe/facts.txt",  # each fact's own command on the same run: tests/unit/test_facts_probe.py
-    "h200-vm-probe/hardware-probe.txt",  # that run's probe (older PciDevices command): same test
+    "h200-vm-probe/combined-probe.txt",  # the same run's first prefetch round: tests/unit/test_prefetch.py
 }
 
 

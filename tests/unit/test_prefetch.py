@@ -83,3 +83,23 @@ def test_prefetch_reads_once_and_fact_once_finds_every_value():
         assert shell_host.commands[-1] == ManagedFiles().command(paths=["/etc/hostname"])
     for (fact_class, kwargs), value in zip(REQUESTS, values):
         assert value == _alone(fact_class, kwargs), fact_class.__name__
+
+
+def test_on_the_gpu_machine_the_combined_probe_equals_each_probe_of_the_same_run():
+    """Recorded on the H200 VM in one device run (tests/fixtures/h200-vm-probe/): the combined
+    command of the boot stage's probe and both hardware probes, and each probe's own command."""
+    from pathlib import Path
+
+    recorded = Path(__file__).resolve().parents[1] / "fixtures" / "h200-vm-probe"
+
+    def lines(name):
+        return [line for line in (recorded / name).read_text().splitlines()[2:]]
+
+    probe = combined_probe([(BootStageFacts, {}), (HardwareProbe, {}), (HostConfigProbe, {})])
+    boot, hardware, config = probe().process(lines("combined-probe.txt"))
+    assert hardware == HardwareProbe().process(lines("hardware-probe.txt"))
+    assert config == HostConfigProbe().process(lines("host-config-probe.txt"))
+    assert list(hardware["nvidia_gpus"]) == ["0000:00:06.0"] and hardware["pci_devices"]["0000:00:06.0"]["driver"] == "nvidia"
+    # the boot stage's sections it shares with the hardware probe: read once, the same values
+    assert boot["cpu"] == hardware["cpu"] and boot["cmdline"] == hardware["cmdline"] and boot["sev_snp"] == hardware["sev_snp"]
+    assert probe().command.count(str(CpuInfo().command)) == 1

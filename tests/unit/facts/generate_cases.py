@@ -159,7 +159,7 @@ CASES = [
           ("kernel-list-three-kernels-after-pin", "kernel-list-three-kernels-before-and-after-pin.txt", [[13, 22]]),
           ("kernel-list-no-blank-lines-two-kernels", "kernel-list-no-blank-lines-two-kernels.txt", None),
       )],
-    case("hardware.HardwareProbe", "h200-vm-one-command", "h200-vm-probe/hardware-probe-20261203.txt",
+    case("hardware.HardwareProbe", "h200-vm-one-command", "h200-vm-probe/hardware-probe.txt",
          note="the probe's own single command, run on the H200 VM"),
     case("hardware.HostConfigProbe", "h200-vm-one-command", "h200-vm-probe/host-config-probe.txt",
          note="the probe's own single command, run on the H200 VM (no Proxmox there)"),
