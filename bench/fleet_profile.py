@@ -184,14 +184,30 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
+def _supervisor(name: str) -> int:
+    """Pid of twin `name`'s supervisor (its twin.json)."""
+    return int(json.loads((REPO / ".twin" / name / "twin.json").read_text())["pid"])
+
+
+def _supervisor_child(name: str, file: str, needle: bytes) -> int | None:
+    """The first child of twin `name`'s supervisor whose /proc/<pid>/<file> holds `needle`."""
+    sup = _supervisor(name)
+    for child in Path(f"/proc/{sup}/task/{sup}/children").read_text().split():
+        try:
+            if needle in Path(f"/proc/{child}/{file}").read_bytes():
+                return int(child)
+        except OSError:  # exited meanwhile
+            pass
+    return None
+
+
 def twin_cpu(name: str) -> dict:
     """{"sshd": CPU-s the twin's processes used so far, "supervisor": its supervisor's own loop}.
 
     Each live process of the twin counts its own time plus that of the children it reaped
     (cutime/cstime); a child still alive (a session sshd that has not exited yet) counts
     itself, so every process is counted once, whenever it is read."""
-    spec = json.loads((REPO / ".twin" / name / "twin.json").read_text())
-    sup = int(spec["pid"])
+    sup = _supervisor(name)
     u, s, cu, cs = _stat(sup)
     tree = cu + cs
     for pid in _tree(sup)[1:]:
@@ -207,19 +223,17 @@ def settle(names: list[str], timeout: float = 3.0) -> None:
     run that just ended have exited), so a CPU reading taken next is complete."""
     deadline = time.monotonic() + timeout
     for name in names:
-        sup = int(json.loads((REPO / ".twin" / name / "twin.json").read_text())["pid"])
+        sup = _supervisor(name)
         idle = 3 if _standin_server(name) else 2  # supervisor, sshd listener, stand-in server
         while len(_tree(sup)) > idle and time.monotonic() < deadline:
             time.sleep(0.05)
 
 
 def _sshd_pid(name: str) -> int:
-    spec = json.loads((REPO / ".twin" / name / "twin.json").read_text())
-    sup = int(spec["pid"])
-    for child in Path(f"/proc/{sup}/task/{sup}/children").read_text().split():
-        if Path(f"/proc/{child}/comm").read_text().strip() == "sshd":
-            return int(child)
-    raise RuntimeError(f"twin {name}: no sshd")
+    pid = _supervisor_child(name, "comm", b"sshd\n")
+    if pid is None:
+        raise RuntimeError(f"twin {name}: no sshd")
+    return pid
 
 
 def in_twin(name: str, argv: list[str], strace_to: str | None = None) -> tuple[float, bytes]:
@@ -239,14 +253,7 @@ def in_twin(name: str, argv: list[str], strace_to: str | None = None) -> tuple[f
 
 def _standin_server(name: str) -> int | None:
     """Pid of twin `name`'s stand-in server (tests/twin/standins/standind.py), if it runs."""
-    sup = int(json.loads((REPO / ".twin" / name / "twin.json").read_text())["pid"])
-    for child in Path(f"/proc/{sup}/task/{sup}/children").read_text().split():
-        try:
-            if b"standind.py" in Path(f"/proc/{child}/cmdline").read_bytes():
-                return int(child)
-        except OSError:
-            pass
-    return None
+    return _supervisor_child(name, "cmdline", b"standind.py")
 
 
 def _server_ticks(server: int | None) -> int:

@@ -160,11 +160,6 @@ def combined_probe(requests: list[tuple[type[FactBase], dict]]) -> type[FactBase
             layout.append({key: section(fc, args) for key, (fc, args) in fact_class.sections.items()})
         else:
             layout.append(section(fact_class, (), kwargs))
-    uses: dict[str, int] = {}
-    for entry in layout:
-        for name in entry.values() if isinstance(entry, dict) else [entry]:
-            uses[name] = uses.get(name, 0) + 1
-
     class CombinedProbe(FactBase):
         __doc__ = "Facts " + ", ".join(fc.__name__ for fc, _ in requests) + " in one remote command."
 
@@ -183,8 +178,8 @@ def combined_probe(requests: list[tuple[type[FactBase], dict]]) -> type[FactBase
                       for name, (fc, _, _) in sections.items()}
             seen: set[str] = set()
 
-            def value(name):
-                if uses[name] > 1 and name in seen:
+            def value(name):  # a shared section's second and later users get copies
+                if name in seen:
                     return copy.deepcopy(values[name])
                 seen.add(name)
                 return values[name]

@@ -107,17 +107,19 @@ class ContainerUserspace(FactBase):
 def container_userspace_state(ctids: list[int]) -> dict:
     """`ContainerUserspace` of the running CTs of `ctids`, with this run's CT run state added
     (`facts.guest_state.with_ct_status`): one remote command, no `pct list` of its own."""
-    guests = guest_state()
-    return with_ct_status(fact_once(ContainerUserspace, ctids=running_containers(guests, ctids)), guests)
+    return with_ct_status(fact_once(ContainerUserspace, **_userspace_kwargs(ctids)), guest_state())
+
+
+def _userspace_kwargs(ctids: list[int]) -> dict:
+    """`ContainerUserspace`'s arguments: the running CTs of `ctids` (this run's guest state)."""
+    return {"ctids": running_containers(guest_state(), ctids)}
 
 
 def prefetch_apply(spec: HostSpec) -> list:
     """What `apply` reads, once the run's CT state is known (deploy.py reads every stage's in
     one command after the preflights)."""
     managed = managed_containers(spec)
-    if not managed:
-        return []
-    return [(ContainerUserspace, {"ctids": running_containers(guest_state(), sorted(managed))})]
+    return [(ContainerUserspace, _userspace_kwargs(sorted(managed)))] if managed else []
 
 
 def install_command(ctid: int, version: str, installer_url: str, sha256: str, cached: str,

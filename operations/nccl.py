@@ -158,8 +158,12 @@ class NcclState(FactBase):
 def nccl_state(paths: list[str], ctids: list[int]) -> dict:
     """`NcclState` of the running CTs of `ctids`, with this run's CT run state added
     (`facts.guest_state.with_ct_status`): one remote command, no `pct list` of its own."""
-    guests = guest_state()
-    return with_ct_status(fact_once(NcclState, paths=paths, ctids=running_containers(guests, ctids)), guests)
+    return with_ct_status(fact_once(NcclState, **_state_kwargs(paths, ctids)), guest_state())
+
+
+def _state_kwargs(paths: list[str], ctids: list[int]) -> dict:
+    """`NcclState`'s arguments: the host paths and the running CTs of `ctids` (this run's guest state)."""
+    return {"paths": paths, "ctids": running_containers(guest_state(), ctids)}
 
 
 def hardware_facts(spec) -> dict:
@@ -298,7 +302,7 @@ def prefetch_apply(spec) -> list:
     """What `apply` reads, once the run's CT state is known (deploy.py reads every stage's in
     one command after the preflights)."""
     ctids, paths = stage_targets(spec)
-    return [(NcclState, {"paths": paths, "ctids": running_containers(guest_state(), ctids)})]
+    return [(NcclState, _state_kwargs(paths, ctids))]
 
 
 def prefetch(spec) -> list:

@@ -463,11 +463,15 @@ def _sources(nv) -> dict:
             (("modules", nv.modules_source), ("installer", nv.installer)) if src is not None}
 
 
+def _state_kwargs(spec) -> dict:
+    """`NvidiaHostState`'s arguments: the running release is probed by name at run time, plus
+    the kernel stage's and the configured sources."""
+    return {"releases": _releases(spec, None)[0], "sources": _sources(spec.nvidia)}
+
+
 def _state_and_steps(spec) -> tuple[dict, list[str], dict]:
     nv = spec.nvidia
-    # One command: the running release is probed by name at run time, plus the kernel stage's.
-    extra = _releases(spec, None)[0]
-    state = fact_once(NvidiaHostState, releases=extra, sources=_sources(nv))
+    state = fact_once(NvidiaHostState, **_state_kwargs(spec))
     releases, required = _releases(spec, state["running"])
     steps = nvplan.driver_steps(nv.version, releases, state, modules_source=nv.modules_source,
                                 installer=nv.installer, want_firmware=nv.firmware, required=required)
@@ -476,10 +480,9 @@ def _state_and_steps(spec) -> tuple[dict, list[str], dict]:
 
 def prefetch(spec) -> list:
     """The facts this stage reads (deploy.py reads every stage's in one command)."""
-    nv = spec.nvidia
-    if nv is None:
+    if spec.nvidia is None:
         return []
-    return [(NvidiaHostState, {"releases": _releases(spec, None)[0], "sources": _sources(nv)}), (HardwareProbe, {})]
+    return [(NvidiaHostState, _state_kwargs(spec)), (HardwareProbe, {})]
 
 
 def preflight(spec) -> list[str]:

@@ -201,9 +201,7 @@ PROGRAMS = tuple(HANDLERS)
 
 def main(prog, argv):
     """Run stand-in `prog` (what the program was called as) with `argv`; its exit status."""
-    if prog not in HANDLERS:
-        twinstate.die(f"boot stand-in: unknown program name {prog}", 127)
-    return HANDLERS[prog](argv)
+    return twinstate.dispatch(HANDLERS, "boot", prog, argv)
 
 
 if __name__ == "__main__":

@@ -116,9 +116,7 @@ PROGRAMS = tuple(HANDLERS)
 
 def main(prog, argv):
     """Run stand-in `prog` (what the program was called as) with `argv`; its exit status."""
-    if prog not in HANDLERS:
-        twinstate.die(f"hostdev stand-in: unknown program name {prog}", 127)
-    return HANDLERS[prog](argv)
+    return twinstate.dispatch(HANDLERS, "hostdev", prog, argv)
 
 
 if __name__ == "__main__":

@@ -892,9 +892,7 @@ PROGRAMS = tuple(HANDLERS)
 
 def main(prog, argv):
     """Run stand-in `prog` (what the program was called as) with `argv`; its exit status."""
-    if prog not in HANDLERS:
-        ts.die(f"proxmox stand-in: unknown program name {prog}", 127)
-    return HANDLERS[prog](argv)
+    return ts.dispatch(HANDLERS, "proxmox", prog, argv)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,13 @@ def die(msg, code=255):
     sys.exit(code)
 
 
+def dispatch(handlers, kind, prog, argv):
+    """Run `handlers[prog](argv)` (a stand-in module's `main`): its exit status."""
+    if prog not in handlers:
+        die(f"{kind} stand-in: unknown program name {prog}", 127)
+    return handlers[prog](argv)
+
+
 # ---- Proxmox config files: pct.conf(5) / qm.conf(5) -------------------------------------
 
 def parse_conf(text):
