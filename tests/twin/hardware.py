@@ -68,7 +68,6 @@ STANDIN_PATHS = {
                 "usr/sbin/reboot", "usr/sbin/shutdown"],
     "hostdev.py": ["usr/local/bin/fuser", "usr/local/bin/nvidia-modprobe", "usr/local/bin/uname"],
 }
-STANDIN_LIB = "usr/local/lib/twin/twinstate.py"
 # The Python stand-ins as modules (the stand-in server imports them) and as programs (run
 # directly where the server is not reachable); each program path gets the small client
 # (standins/client.c) when it can be built, else the Python program itself.
@@ -764,7 +763,7 @@ def install_standins(root: Path, data: dict) -> None:
     /usr/local/lib/twin (modules, programs in bin/, the server)."""
     lib = root / STANDIN_LIB_DIR
     (lib / "bin").mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(STANDINS_DIR / "twinstate.py", root / STANDIN_LIB)
+    shutil.copyfile(STANDINS_DIR / "twinstate.py", lib / "twinstate.py")
     shutil.copyfile(STANDINS_DIR / STANDIN_SERVER, lib / STANDIN_SERVER)
     client = standin_client()
     for name, dests in STANDIN_PATHS.items():
