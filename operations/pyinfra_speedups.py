@@ -1,4 +1,4 @@
-"""A faster equivalent of one pyinfra internal, installed by deploy.py.
+"""Faster equivalents of two pyinfra internals, installed by deploy.py.
 
 pyinfra (3.10) orders operations by the call stack they were created from:
 `pyinfra.api.util.get_operation_order_from_stack` calls `inspect.stack()`, which for every frame
@@ -8,13 +8,19 @@ every host: in a no-change run of 8 twins it was the largest part of pyinfra's o
 imports (bench/fleet_profile.py). `operation_order_from_stack` returns the same list from the
 frames' code objects (`co_filename`, `f_lineno`), reading no source.
 
-`install()` replaces the function where pyinfra's operation module looks it up, only when that
-module has it under the expected name; tests/unit/test_pyinfra_speedups.py checks that both give
-the same list for the same stack and that a whole run keeps its operation order.
+`pyinfra.api.arguments.all_global_arguments` evaluates the type hints of the `AllArguments`
+TypedDict (`typing.get_type_hints`, some thirty annotations through its bases) on every call, and
+`pop_global_arguments` calls it for every operation and every fact on every host. The class never
+changes during a run: `global_arguments` evaluates it once and hands out a new list each call.
+
+`install()` replaces each function where pyinfra looks it up, only when the module still has
+pyinfra's own function under the expected name; tests/unit/test_pyinfra_speedups.py checks that
+both give the same result and that a whole run keeps its operation order.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -24,8 +30,10 @@ import pyinfra
 # the modules (pyinfra.api's `operation` attribute is the decorator, not the module)
 _operation = importlib.import_module("pyinfra.api.operation")
 _util = importlib.import_module("pyinfra.api.util")
+_arguments = importlib.import_module("pyinfra.api.arguments")
 
 ORIGINAL = getattr(_util, "get_operation_order_from_stack", None)
+ORIGINAL_ARGUMENTS = getattr(_arguments, "all_global_arguments", None)
 
 
 def operation_order_from_stack(state) -> list:
@@ -56,12 +64,28 @@ def operation_order_from_stack(state) -> list:
     return line_numbers
 
 
+@functools.cache
+def _global_arguments() -> tuple:
+    return tuple(ORIGINAL_ARGUMENTS())
+
+
+def global_arguments() -> list:
+    """What `all_global_arguments()` returns (a new list of (name, type) each call), with the
+    type hints evaluated once per process."""
+    return list(_global_arguments())
+
+
 def install() -> bool:
-    """Use `operation_order_from_stack` in pyinfra's operation module; False if this pyinfra
-    has no such function there, or PVEGPU_PYINFRA_SPEEDUPS=0 (then nothing is changed)."""
+    """Use `operation_order_from_stack` in pyinfra's operation module and `global_arguments` in
+    its arguments module; False if neither was replaced: this pyinfra has no such functions
+    there, they are replaced already, or PVEGPU_PYINFRA_SPEEDUPS=0 (then nothing is changed)."""
     if os.environ.get("PVEGPU_PYINFRA_SPEEDUPS") == "0":
         return False
-    if ORIGINAL is None or getattr(_operation, "get_operation_order_from_stack", None) is not ORIGINAL:
-        return False
-    _operation.get_operation_order_from_stack = operation_order_from_stack
-    return True
+    done = False
+    if ORIGINAL is not None and getattr(_operation, "get_operation_order_from_stack", None) is ORIGINAL:
+        _operation.get_operation_order_from_stack = operation_order_from_stack
+        done = True
+    if ORIGINAL_ARGUMENTS is not None and getattr(_arguments, "all_global_arguments", None) is ORIGINAL_ARGUMENTS:
+        _arguments.all_global_arguments = global_arguments  # pop_global_arguments looks it up here
+        done = True
+    return done

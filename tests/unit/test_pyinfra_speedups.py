@@ -42,3 +42,38 @@ def test_install_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("PVEGPU_PYINFRA_SPEEDUPS", "0")
     assert speedups.install() is False
     assert operation.get_operation_order_from_stack is speedups.ORIGINAL
+
+
+def test_global_arguments_equal_upstream_and_are_a_fresh_list():
+    upstream = speedups.ORIGINAL_ARGUMENTS()
+    assert speedups.global_arguments() == upstream
+    assert len(upstream) > 10 and "_sudo" in dict(upstream)
+    first = speedups.global_arguments()
+    first.clear()  # a caller changing its list changes nobody else's
+    assert speedups.global_arguments() == upstream
+
+
+def test_install_patches_the_arguments_module(monkeypatch):
+    arguments = importlib.import_module("pyinfra.api.arguments")
+    operation = importlib.import_module("pyinfra.api.operation")
+    monkeypatch.setattr(arguments, "all_global_arguments", speedups.ORIGINAL_ARGUMENTS)
+    monkeypatch.setattr(operation, "get_operation_order_from_stack", speedups.ORIGINAL)
+    monkeypatch.delenv("PVEGPU_PYINFRA_SPEEDUPS", raising=False)
+    assert speedups.install() is True
+    assert arguments.all_global_arguments is speedups.global_arguments
+    # pop_global_arguments (which looks the function up in its module) gives what it gave before
+    from pyinfra.api.arguments import pop_global_arguments
+    from pyinfra.api.config import Config
+    from pyinfra.api.state import State
+    from pyinfra.api.inventory import Inventory
+    from pyinfra.context import ctx_state
+
+    state = State(Inventory((["somehost"], {})), Config())
+    somehost = state.inventory.get_host("somehost")
+    with ctx_state.use(state):
+        kwargs = {"_sudo": True, "other": 1}
+        ours = pop_global_arguments(state, somehost, kwargs)
+        assert kwargs == {"other": 1}
+        monkeypatch.setattr(arguments, "all_global_arguments", speedups.ORIGINAL_ARGUMENTS)
+        theirs = pop_global_arguments(state, somehost, {"_sudo": True, "other": 1})
+    assert ours == theirs and ours[0]["_sudo"] is True
