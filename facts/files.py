@@ -6,11 +6,14 @@ instead read all their files' state at once with `ManagedFiles` and compare loca
 
 from __future__ import annotations
 
+import re
 import shlex
 
 from pyinfra.api import FactBase
 
 _MARK = "==> pvegpu-file "
+_MODES = "==> pvegpu-modes"  # then `stat -c '%a %n'` of every regular file
+_SUMS = "==> pvegpu-sums"  # then `sha256sum` of every regular file
 
 
 class ManagedFiles(FactBase):
@@ -25,31 +28,71 @@ class ManagedFiles(FactBase):
     """
 
     def command(self, paths):
-        parts = []
+        # Regular files are collected as the shell's arguments and read by one `stat` and one
+        # `sha256sum` for all of them (a program per file before: 3 per file); a symlink's
+        # target is one `readlink` (rare: the stages manage few links).
+        if not paths:
+            return "true"
         for p in paths:
-            q = shlex.quote(p)
-            parts.append(
-                f"echo {shlex.quote(_MARK + p)}; "
-                f"if [ -L {q} ]; then echo LINK; readlink {q}; "
-                f"elif [ -f {q} ]; then stat -c %a {q}; sha256sum < {q} | cut -d' ' -f1; else echo MISSING; fi"
-            )
-        return "; ".join(parts) or "true"
+            if "\n" in p or "\r" in p:
+                raise ValueError(f"ManagedFiles: a path with a line break cannot be read back: {p!r}")
+        quoted = " ".join(shlex.quote(p) for p in paths)
+        return (
+            f"set --; for f in {quoted}; do printf '%s\\n' {shlex.quote(_MARK)}\"$f\"; "
+            'if [ -L "$f" ]; then echo LINK; readlink -- "$f"; '
+            'elif [ -f "$f" ]; then echo FILE; set -- "$@" "$f"; else echo MISSING; fi; done; '
+            f"if [ $# -gt 0 ]; then echo {shlex.quote(_MODES)}; stat -c '%a %n' -- \"$@\"; "
+            f"echo {shlex.quote(_SUMS)}; sha256sum -- \"$@\"; fi"
+        )
 
     def process(self, output):
-        result: dict[str, dict | None] = {}
-        current = None
-        values: list[str] = []
-        for line in list(output) + [_MARK]:
+        blocks: dict[str, list[str]] = {}
+        modes: dict[str, str] = {}
+        sums: dict[str, str] = {}
+        current: list[str] | None = None
+        part = "blocks"
+        for line in output:
             if line.startswith(_MARK):
-                if current is not None:
-                    if len(values) >= 2 and values[0] == "LINK":
-                        result[current] = {"link": values[1]}
-                    elif len(values) >= 2 and values[0] != "MISSING":
-                        result[current] = {"mode": values[0], "sha256": values[1]}
-                    else:
-                        result[current] = None
-                current = line[len(_MARK):] or None
-                values = []
-            elif line.strip():
-                values.append(line.strip())
+                part = "blocks"
+                current = blocks.setdefault(line[len(_MARK):], []) if line[len(_MARK):] else None
+            elif line == _MODES:
+                part = "modes"
+            elif line == _SUMS:
+                part = "sums"
+            elif part == "modes":
+                mode, _, name = line.partition(" ")
+                modes[name] = mode
+            elif part == "sums":
+                digest, name = _sha256sum_line(line)
+                if name is not None:
+                    sums[name] = digest
+            elif current is not None and line.strip():
+                current.append(line.strip())
+        result: dict[str, dict | None] = {}
+        for path, values in blocks.items():
+            if len(values) >= 2 and values[0] == "LINK":
+                result[path] = {"link": values[1]}
+            elif values[:1] == ["FILE"]:
+                ok = path in modes and path in sums  # a file gone or unreadable since the test
+                result[path] = {"mode": modes[path], "sha256": sums[path]} if ok else None
+            elif len(values) >= 2 and values[0] != "MISSING":  # the per-file form (recordings)
+                result[path] = {"mode": values[0], "sha256": values[1]}
+            else:
+                result[path] = None
         return result
+
+
+def _sha256sum_line(line: str) -> tuple[str, str | None]:
+    """(digest, file name) of one line of GNU `sha256sum FILE...`: a name with a backslash or a
+    line break is escaped and the line starts with a backslash."""
+    escaped = line.startswith("\\")
+    if escaped:
+        line = line[1:]
+    digest, sep, name = line.partition("  ")
+    if not sep:
+        digest, sep, name = line.partition(" *")  # binary mode marker
+    if not sep:
+        return line, None
+    if escaped:
+        name = re.sub(r"\\(.)", lambda m: {"n": "\n", "r": "\r"}.get(m.group(1), m.group(1)), name)
+    return digest, name
