@@ -23,6 +23,10 @@ LIB = os.path.join(os.environ.get("TWIN_ROOT", "/"), "usr/local/lib/twin")
 SOCKET = "/run/twin/standins.sock"
 MODULES = ("boot", "hostdev", "nvidia_smi", "proxmox")
 MAX_REQUEST = 1 << 20
+# Imported by the stand-ins only inside functions (a stand-in run as its own program should not
+# pay for them on every call); the server imports them once so that no worker does: hashlib alone
+# maps libcrypto and reads openssl.cnf, ~5 ms of every `pct list` / `qm list` worker.
+PRELOAD = ("hashlib", "datetime", "shutil", "subprocess")
 
 
 def load_programs() -> dict:
@@ -35,6 +39,9 @@ def load_programs() -> dict:
         module = __import__(name)
         for prog in module.PROGRAMS:
             programs[prog] = module
+    for name in PRELOAD:
+        module = __import__(name)
+    __import__("hashlib").sha1(b"")  # OpenSSL's first use loads its configuration
     return programs
 
 
