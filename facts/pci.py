@@ -200,7 +200,9 @@ class PciDevices(FactBase):
 
     # Two parts, no program per PCI function (a host with 8 GPUs has hundreds): shell builtins
     # resolve each function's sysfs links (`cd -P`; the parser keeps only a link's last
-    # component), then ONE grep prints every attribute and resource table as `BDF/attr:value`.
+    # component), then ONE grep prints every attribute and resource table as `BDF/attr:value`;
+    # `-m 6` (per file) keeps a table's BAR lines 0-5, the only ones read (not the ROM, bridge
+    # windows and SR-IOV BARs: more than half of the lines on a GPU host).
     command = (
         "for d in /sys/bus/pci/devices/*; do "
         '[ -e "$d" ] || continue; '
@@ -209,7 +211,7 @@ class PciDevices(FactBase):
         'for l in driver iommu_group physfn; do '
         '[ -e "$d/$l" ] && cd -P "$d/$l" 2>/dev/null && echo "$l -> $PWD"; done; '
         "done; "
-        "cd /sys/bus/pci/devices 2>/dev/null && grep -H -s '' "
+        "cd /sys/bus/pci/devices 2>/dev/null && grep -H -s -m 6 '' "
         + " ".join(f"*/{a}" for a in SYSFS_ATTRIBUTES.split())
         + " */resource; true"
     )
@@ -235,6 +237,8 @@ class PciAcs(FactBase):
 
     Bridges come from sysfs; ACS from `lspci -vvv` when installed and allowed to read
     capabilities (root). Without lspci, or on "<access denied>", a bridge is "unknown".
+    `-n`: numeric IDs, only the address and the capability lines are read (names would cost
+    lspci a parse of the whole pci.ids database on every run).
     """
 
     command = (
@@ -243,7 +247,7 @@ class PciAcs(FactBase):
         'case "$c" in 0x0604*) echo "bridge ${d##*/}";; esac; '
         "done; "
         "if command -v lspci >/dev/null 2>&1; then "
-        "lspci -D -vvv 2>/dev/null | grep -E '^[[:xdigit:]]|ACSCtl|access denied'; "
+        "lspci -D -n -vvv 2>/dev/null | grep -E '^[[:xdigit:]]|ACSCtl|access denied'; "
         "fi; true"
     )
 

@@ -27,6 +27,10 @@ SKIPPED_WITH_REASON = {
     "h200-vm/sysfs-pci-tree.txt",  # the same tree PciDevices reads from sysfs-pci-fact.txt
     # scripts/record-gpu-host.sh's per-function form of the same sysfs: tests/unit/test_pci_forms.py
     "h200-vm/sysfs-pci.txt",
+    # lspci -D -vvv / -D -n -vvv of one run: both headers read the same, tests/unit/test_pci_forms.py
+    # (the fact's own command on that run is h200-vm/pci-acs-fact.txt)
+    "h200-vm/lspci-D-vvv.txt",
+    "h200-vm/lspci-D-n-vvv.txt",
     "h200-vm/torch-peer.txt",
     "h200-vm/uname.txt",
     "h200-vm-probe/facts.txt",  # each fact's own command on the same run: tests/unit/test_facts_probe.py

@@ -1,5 +1,6 @@
 """facts.pci.parse_pci_devices reads both listings of one machine's sysfs the same way: the
-fact's own output (link headers, then one grep of every attribute) and the per-function form
+fact's own output (link headers, then one grep of every attribute, each resource table cut to
+its BAR lines 0-5 by `grep -m 6`) and the per-function form
 scripts/record-gpu-host.sh records (attributes and a resource table under each header). Both
 were recorded on the H200 VM (tests/fixtures/h200-vm/)."""
 
@@ -29,3 +30,18 @@ def test_grep_lines_of_an_unlisted_function_are_ignored():
     devices = parse_pci_devices(lines)
     assert list(devices) == ["0000:00:01.0"]
     assert devices["0000:00:01.0"]["vendor"] == "8086" and devices["0000:00:01.0"]["bars"] == {0: 1 << 20}
+
+
+def test_lspci_numeric_and_named_headers_read_the_same():
+    """PciAcs runs `lspci -D -n -vvv`; both forms were recorded in one run on the H200 VM (lspci
+    carried in): only the headers differ, and the parser reads the address from either."""
+    from facts.pci import parse_acs
+
+    def lines(name):
+        return [line for line in (FIXTURES / name).read_text().splitlines() if not line.startswith("# ")]
+
+    named, numeric = lines("lspci-D-vvv.txt"), lines("lspci-D-n-vvv.txt")
+    assert named != numeric and len(named) == len(numeric)
+    assert parse_acs(named) == parse_acs(numeric)
+    assert len(parse_acs(numeric)) == 7 and parse_acs(numeric)["0000:00:06.0"]["status"] == "absent"
+

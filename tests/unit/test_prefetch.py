@@ -4,6 +4,7 @@ command, each value exactly what the fact gives on its own, shared sections run 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 from facts.cpu import CpuInfo
@@ -33,7 +34,7 @@ def test_shared_sections_run_once():
     cpu_command = str(CpuInfo().command)
     assert command.count(cpu_command) == 1  # CpuInfo is in BootStageFacts and in HardwareProbe
     assert command.count(str(KernelCmdline().command)) == 1  # in both probes and asked for alone
-    sections = [line for line in command.split("; ") if line.startswith(f"echo '{SECTION_MARKER}")]
+    sections = re.findall(f"echo '{SECTION_MARKER}c\\d+'", command)
     unique = {(fc, repr(a)) for probe in (BootStageFacts, HardwareProbe, HostConfigProbe)
               for fc, a in probe.sections.values()}
     assert len(sections) == len(unique) + 1  # + ManagedFiles; the lone KernelCmdline is shared
@@ -103,3 +104,19 @@ def test_on_the_gpu_machine_the_combined_probe_equals_each_probe_of_the_same_run
     # the boot stage's sections it shares with the hardware probe: read once, the same values
     assert boot["cpu"] == hardware["cpu"] and boot["cmdline"] == hardware["cmdline"] and boot["sev_snp"] == hardware["sev_snp"]
     assert probe().command.count(str(CpuInfo().command)) == 1
+
+
+def test_a_probe_hands_its_whole_output_over_in_one_write():
+    """The sections print in many small writes (each would be its own SSH packet for pyinfra to
+    decrypt and wake a reader for); the probe's command collects them and writes once."""
+    from facts.hardware import _one_write
+
+    script = "i=0; while [ $i -lt 200 ]; do echo \"line $i of the probe, padded to some length\"; " \
+             "[ $i = 100 ] && sleep 0.3; i=$((i+1)); done"
+    proc = subprocess.Popen(["sh", "-c", _one_write(script)], stdout=subprocess.PIPE)
+    first = os.read(proc.stdout.fileno(), 1 << 20)  # blocks until the first write
+    rest = proc.stdout.read()
+    proc.wait(timeout=30)
+    assert first.decode().splitlines() == [f"line {i} of the probe, padded to some length" for i in range(200)]
+    assert rest == b""
+    assert "dd bs=4M iflag=fullblock" in combined_probe(REQUESTS)().command and "dd " in HardwareProbe().command

@@ -137,6 +137,8 @@ CASES = [
     *[case("pci.PciAcs", Path(p.name).stem, f"lspci/{p.name}")
       for p in sorted((FIXTURES / "lspci").iterdir()) if "lspci-tv" not in p.name],
     case("pci.PciAcs", "h200-vm-no-lspci", "h200-vm/lspci-vvv.txt"),
+    case("pci.PciAcs", "h200-vm-lspci-n-no-bridges", "h200-vm/pci-acs-fact.txt",
+         note="the fact's own command with lspci carried in: numeric headers, no ACS capability, no bridge"),
     *[case("proxmox.LxcConfigs", Path(name).stem, f"lxc-conf/{name}",
            sections=[(f"@@ /etc/pve/lxc/{ctid}.conf", f"lxc-conf/{name}", None)], note=note)
       for name, ctid, note in (
