@@ -108,15 +108,20 @@ def test_on_the_gpu_machine_the_combined_probe_equals_each_probe_of_the_same_run
 
 def test_a_probe_hands_its_whole_output_over_in_one_write():
     """The sections print in many small writes (each would be its own SSH packet for pyinfra to
-    decrypt and wake a reader for); the probe's command collects them and writes once."""
+    decrypt and wake a reader for); the probe's command collects them and writes once, at the end:
+    nothing arrives before the script's last line was printed (here: after its pause)."""
+    import time
+
     from facts.hardware import _one_write
 
     script = "i=0; while [ $i -lt 200 ]; do echo \"line $i of the probe, padded to some length\"; " \
-             "[ $i = 100 ] && sleep 0.3; i=$((i+1)); done"
+             "[ $i = 100 ] && sleep 0.5; i=$((i+1)); done"
+    t0 = time.monotonic()
     proc = subprocess.Popen(["sh", "-c", _one_write(script)], stdout=subprocess.PIPE)
     first = os.read(proc.stdout.fileno(), 1 << 20)  # blocks until the first write
+    waited = time.monotonic() - t0
     rest = proc.stdout.read()
     proc.wait(timeout=30)
-    assert first.decode().splitlines() == [f"line {i} of the probe, padded to some length" for i in range(200)]
-    assert rest == b""
+    assert waited >= 0.5 and first  # unbuffered, lines 0-100 would arrive before the pause
+    assert (first + rest).decode().splitlines() == [f"line {i} of the probe, padded to some length" for i in range(200)]
     assert "dd bs=4M iflag=fullblock" in combined_probe(REQUESTS)().command and "dd " in HardwareProbe().command
