@@ -13,6 +13,7 @@ they are visible and attributed.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -319,14 +320,17 @@ def nccl_conf_lines(env: dict[str, dict]) -> list[dict]:
     return lines
 
 
-def render_nccl_conf(env: dict[str, dict], scope: str = "host") -> str:
-    """/etc/nccl.conf for one scope, rendered as pyinfra's files.template renders templates/nccl.conf.j2."""
+@functools.lru_cache(maxsize=4)
+def _compiled(text: str):
+    """The template compiled once per process (not per host and scope); a changed file is new text."""
     from jinja2 import Environment, StrictUndefined
 
-    template = Environment(undefined=StrictUndefined, keep_trailing_newline=True).from_string(
-        TEMPLATE.read_text()
-    )
-    return template.render(nccl_lines=nccl_conf_lines(env), nccl_scope=scope)
+    return Environment(undefined=StrictUndefined, keep_trailing_newline=True).from_string(text)
+
+
+def render_nccl_conf(env: dict[str, dict], scope: str = "host") -> str:
+    """/etc/nccl.conf for one scope, rendered as pyinfra's files.template renders templates/nccl.conf.j2."""
+    return _compiled(TEMPLATE.read_text()).render(nccl_lines=nccl_conf_lines(env), nccl_scope=scope)
 
 
 def describe_nccl_environment(env: dict[str, dict]) -> list[str]:
