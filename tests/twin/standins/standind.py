@@ -40,7 +40,7 @@ def load_programs() -> dict:
         for prog in module.PROGRAMS:
             programs[prog] = module
     for name in PRELOAD:
-        module = __import__(name)
+        __import__(name)
     __import__("hashlib").sha1(b"")  # OpenSSL's first use loads its configuration
     return programs
 
