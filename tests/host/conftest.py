@@ -7,6 +7,8 @@ check takes the `target` fixture:
 
     target.name   inventory host name        target.spec  the validated HostSpec
     target.host   a testinfra Host            target.run(cmd) -> (rc, stdout)
+    target.fact(FactClass, *args) -> the fact read on the host (its own command and parser;
+                  read once per host and arguments for the whole session)
 
 Assertion messages are sentences about the host; a failing check is reported as that sentence
 (see pytest_runtest_makereport), not as a Python traceback.
@@ -45,6 +47,7 @@ class Target:
     name: str
     data: dict
     host: Any = field(repr=False)
+    facts: dict = field(default_factory=dict, repr=False)
 
     @property
     def spec(self):
@@ -53,6 +56,16 @@ class Target:
     def run(self, command: str) -> tuple[int, str]:
         result = self.host.run(command)
         return result.rc, result.stdout
+
+    def fact(self, fact_class, *args):
+        """`fact_class` read on the host as pyinfra reads it (no output: the fact's default)."""
+        key = (fact_class, args)
+        if key not in self.facts:
+            fact = fact_class()
+            command = fact.command(*args) if callable(fact.command) else fact.command
+            lines = self.run(str(command))[1].splitlines()
+            self.facts[key] = fact.process(lines) if lines else fact.default()
+        return self.facts[key]
 
     def read(self, path: str) -> str | None:
         """File content, or None when it does not exist."""

@@ -26,7 +26,7 @@ def planned(target) -> tuple[dict, dict]:
     """``(want, state)``: what the NCCL stage would write on this host, and what the host has."""
     if target.name not in _PLANS:
         spec = target.spec
-        hardware = HardwareProbe().process(_lines(target, HardwareProbe().command))
+        hardware = target.fact(HardwareProbe)
         ctids = sorted(int(c) for c, ct in spec.containers.items() if ct.gpus)
         paths = [nccl.NCCL_CONF] + [nccl.dropin_path(nccl.unit_name(s)) for s in spec.nccl.services]
         guests = GuestState().process(_lines(target, GuestState.command))

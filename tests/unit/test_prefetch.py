@@ -118,6 +118,7 @@ def test_a_probe_hands_its_whole_output_over_in_one_write():
              "[ $i = 100 ] && sleep 0.5; i=$((i+1)); done"
     t0 = time.monotonic()
     proc = subprocess.Popen(["sh", "-c", _one_write(script)], stdout=subprocess.PIPE)
+    os.set_blocking(proc.stdout.fileno(), True)  # gevent's Popen (once pyinfra_cli was imported) makes it non-blocking
     first = os.read(proc.stdout.fileno(), 1 << 20)  # blocks until the first write
     waited = time.monotonic() - t0
     rest = proc.stdout.read()
