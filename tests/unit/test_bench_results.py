@@ -1,0 +1,47 @@
+"""bench/run.py keeps figures it did not measure: the other benches' on --only, and the one only a
+many-core machine can take on every run; --import-many-cores takes that figure from its file."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from bench import run as bench
+
+
+def _write(path, results):
+    path.write_text(json.dumps({"measured_at": "2026-12-01T00:00:00Z", "results": results}))
+
+
+def _main(monkeypatch, tmp_path, argv, benches):
+    results = tmp_path / "results.json"
+    monkeypatch.setattr(bench, "RESULTS", results)
+    monkeypatch.setattr(bench, "BENCHES", benches)
+    monkeypatch.setattr(sys, "argv", ["bench/run.py", *argv])
+    assert bench.main() == 0
+    return json.loads(results.read_text())["results"]
+
+
+MANY = {"value": 1.19, "machine": "16 cores", "measured_at": "2026-12-03T07:26:37Z"}
+
+
+def test_a_whole_run_keeps_the_many_core_figure_and_drops_the_rest(monkeypatch, tmp_path):
+    _write(tmp_path / "results.json", {"fleet8_vs_1_many_cores": MANY, "facts_commands": {"value": 9}})
+    got = _main(monkeypatch, tmp_path, [], {"converge": lambda r: r.update(converge_commands={"value": 3})})
+    assert got["fleet8_vs_1_many_cores"] == MANY
+    assert got["converge_commands"]["value"] == 3 and "facts_commands" not in got
+
+
+def test_only_keeps_every_figure_not_measured(monkeypatch, tmp_path):
+    _write(tmp_path / "results.json", {"fleet8_vs_1_many_cores": MANY, "facts_commands": {"value": 2}})
+    got = _main(monkeypatch, tmp_path, ["--only", "converge"],
+                {"converge": lambda r: r.update(converge_commands={"value": 3})})
+    assert got["fleet8_vs_1_many_cores"]["value"] == 1.19 and got["facts_commands"]["value"] == 2
+
+
+def test_import_takes_the_other_machines_figure(monkeypatch, tmp_path):
+    _write(tmp_path / "results.json", {"fleet8_vs_1": {"value": 1.76}})
+    other = tmp_path / "other.json"
+    _write(other, {"fleet8_vs_1": {"value": 1.19}, "fleet8_vs_1_many_cores": MANY})
+    got = _main(monkeypatch, tmp_path, ["--import-many-cores", str(other)], {})
+    assert got == {"fleet8_vs_1": {"value": 1.76}, "fleet8_vs_1_many_cores": MANY}
