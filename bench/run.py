@@ -177,12 +177,15 @@ def main() -> int:
                          "(bench/device_fleet.sh) and measure nothing")
     args = ap.parse_args()
     results: dict = {}
+    path = RESULTS
+    try:
+        old = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        old = {}
     if args.import_many_cores:
         other = json.loads(Path(args.import_many_cores).read_text())["results"]["fleet8_vs_1_many_cores"]
-        path = RESULTS
-        doc = json.loads(path.read_text())
-        doc["results"]["fleet8_vs_1_many_cores"] = other
-        path.write_text(json.dumps(doc, indent=2) + "\n")
+        old.setdefault("results", {})["fleet8_vs_1_many_cores"] = other
+        path.write_text(json.dumps(old, indent=2) + "\n")
         print(f"fleet8_vs_1_many_cores {other['value']} ({other.get('machine')}, {other['measured_at']})")
         return 0
     for name in args.only or BENCHES:
@@ -193,27 +196,16 @@ def main() -> int:
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     for val in results.values():
         val["measured_at"] = now
-    path = RESULTS
-    previous, old = {}, {}
-    if args.only and path.exists():  # a partial run keeps the other figures it did not measure
-        try:
-            old = json.loads(path.read_text())
-            previous = old.get("results", {})
-        except ValueError:
-            pass
+    previous = {}
+    if args.only:  # a partial run keeps the other figures it did not measure
+        previous = old.get("results", {})
         for val in previous.values():  # files written before figures carried their own time
             if isinstance(val, dict):
                 val.setdefault("measured_at", old.get("measured_at"))
         for name in args.only:  # an error of a bench measured now replaces its old figure
             previous.pop(f"{name}_error", None)
-    elif path.exists():  # a whole run keeps the one figure only another machine can take
-        try:
-            old = json.loads(path.read_text())
-        except ValueError:
-            old = {}
-        many = old.get("results", {}).get("fleet8_vs_1_many_cores")
-        if many:
-            previous = {"fleet8_vs_1_many_cores": many}
+    elif "fleet8_vs_1_many_cores" in old.get("results", {}):  # only another machine takes it
+        previous = {"fleet8_vs_1_many_cores": old["results"]["fleet8_vs_1_many_cores"]}
     merged = {**previous, **results}
     print(f"{'figure':24} {'value':>10}  {'target':>8}  ok")
     for key, (op, target) in TARGETS.items():

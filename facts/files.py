@@ -90,8 +90,6 @@ def _sha256sum_line(line: str) -> tuple[str, str | None]:
         line = line[1:]
     digest, sep, name = line.partition("  ")
     if not sep:
-        digest, sep, name = line.partition(" *")  # binary mode marker
-    if not sep:
         return line, None
     if escaped:
         name = re.sub(r"\\(.)", lambda m: {"n": "\n", "r": "\r"}.get(m.group(1), m.group(1)), name)

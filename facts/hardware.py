@@ -29,7 +29,8 @@ from facts.proxmox import LxcConfigs, PciMappings, PveVersion, QemuConfigs
 SECTION_MARKER = "@@pvegpu-section "
 
 
-def _fact_command(fact: FactBase, args: tuple, kwargs: dict | None = None) -> str:
+def fact_command(fact: FactBase, args: tuple = (), kwargs: dict | None = None) -> str:
+    """A fact's own command for these arguments, as the string pyinfra would run."""
     kwargs = kwargs or {}
     command = fact.command(*args, **kwargs) if callable(fact.command) else fact.command
     return str(command)
@@ -38,7 +39,7 @@ def _fact_command(fact: FactBase, args: tuple, kwargs: dict | None = None) -> st
 def _section_run(fact_class: type[FactBase], args: tuple = (), kwargs: dict | None = None) -> str:
     """A fact's own command as one section: stderr dropped, skipped where its program is missing."""
     fact = fact_class()
-    run = f"( {_fact_command(fact, args, kwargs)} ) 2>/dev/null"
+    run = f"( {fact_command(fact, args, kwargs)} ) 2>/dev/null"
     required = fact.requires_command(*args, **(kwargs or {}))
     if required:
         run = f"if command -v {required} >/dev/null 2>&1; then {run}; fi"
@@ -54,7 +55,15 @@ def _one_write(script: str) -> str:
     return f"{{ {script}; }} | dd bs=4M iflag=fullblock status=none"
 
 
-def _section_value(fact_class: type[FactBase], lines: list[str]):
+def _probe_command(sections) -> str:
+    """One command for ``[(name, fact class, args, kwargs)]``: each fact's own command after its
+    section marker, all output in one write."""
+    return _one_write("; ".join(f"echo '{SECTION_MARKER}{name}'; {_section_run(fc, args, kwargs)}"
+                                for name, fc, args, kwargs in sections) + "; true")
+
+
+def fact_value(fact_class: type[FactBase], lines: list[str]):
+    """What `fact_class` makes of these output lines."""
     fact = fact_class()
     # Same rule as pyinfra's own fact loading: no output → the fact's default.
     return fact.process(lines) if lines else fact.default()
@@ -68,9 +77,7 @@ class SectionedProbe(FactBase):
 
     @property
     def command(self) -> str:
-        parts = [f"echo '{SECTION_MARKER}{key}'; {_section_run(fact_class, args)}"
-                 for key, (fact_class, args) in self.sections.items()]
-        return _one_write("; ".join(parts) + "; true")
+        return _probe_command((key, fact_class, args, None) for key, (fact_class, args) in self.sections.items())
 
     @classmethod
     def default(cls) -> dict:
@@ -78,7 +85,7 @@ class SectionedProbe(FactBase):
 
     def process(self, output):
         lines_by_key = split_sections(output, SECTION_MARKER)
-        return {key: _section_value(fact_class, lines_by_key.get(key, []))
+        return {key: fact_value(fact_class, lines_by_key.get(key, []))
                 for key, (fact_class, _) in self.sections.items()}
 
 
@@ -174,8 +181,7 @@ def combined_probe(requests: list[tuple[type[FactBase], dict]]) -> type[FactBase
 
         @property
         def command(self) -> str:
-            return _one_write("; ".join(f"echo '{SECTION_MARKER}{name}'; {_section_run(fc, args, kwargs)}"
-                                        for name, (fc, args, kwargs) in sections.items()) + "; true")
+            return _probe_command((name, fc, args, kwargs) for name, (fc, args, kwargs) in sections.items())
 
         @staticmethod
         def default() -> list:
@@ -183,7 +189,7 @@ def combined_probe(requests: list[tuple[type[FactBase], dict]]) -> type[FactBase
 
         def process(self, output):
             lines_by_key = split_sections(list(output), SECTION_MARKER)
-            values = {name: _section_value(fc, lines_by_key.get(name, []))
+            values = {name: fact_value(fc, lines_by_key.get(name, []))
                       for name, (fc, _, _) in sections.items()}
             seen: set[str] = set()
 

@@ -59,12 +59,12 @@ class Target:
 
     def fact(self, fact_class, *args):
         """`fact_class` read on the host as pyinfra reads it (no output: the fact's default)."""
+        from facts.hardware import fact_command, fact_value
+
         key = (fact_class, args)
         if key not in self.facts:
-            fact = fact_class()
-            command = fact.command(*args) if callable(fact.command) else fact.command
-            lines = self.run(str(command))[1].splitlines()
-            self.facts[key] = fact.process(lines) if lines else fact.default()
+            lines = self.run(fact_command(fact_class(), args))[1].splitlines()
+            self.facts[key] = fact_value(fact_class, lines)
         return self.facts[key]
 
     def read(self, path: str) -> str | None:
