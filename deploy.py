@@ -6,8 +6,9 @@
 Flow (DESIGN.md section 1): the spec was validated when the inventory loaded (spec.load),
 before any connection. Here, per host: print a plan summary, run every stage's `preflight`
 (read-only checks over facts; any refusal stops the run before a single change), then each
-stage's `apply` in the order of DESIGN.md section 2. A stage module that does not exist yet is
-absent from the run, never faked.
+stage's `apply` in the order of DESIGN.md section 2 (`operations.STAGES`). A stage module that
+cannot be found stops the run before any connection (`operations.load_stages`): a typo must not
+silently drop a stage.
 
 Stage protocol (one module per concern under operations/):
     prefetch(spec) -> [(fact, kwargs)]  # facts it reads up front (all stages': one command); optional
@@ -16,27 +17,13 @@ Stage protocol (one module per concern under operations/):
     apply(spec) -> None            # yields pyinfra operations; reports reboot reasons via plan.reboot
 """
 
-import importlib
-import importlib.util
-
 from pyinfra import host, logger
 from pyinfra.api.exceptions import DeployError
 
 from facts.once import prefetch
-from operations.pyinfra_speedups import install as install_speedups
+from operations import MissingStage, load_stages
+from compat.pyinfra_speedups import install as install_speedups
 from plan.summary import spec_summary
-
-STAGES = [
-    ("host kernel & IOMMU", "operations.boot"),
-    ("kernel", "operations.kernel"),
-    ("NVIDIA open driver", "operations.nvidia"),
-    ("module options", "operations.module_options"),
-    ("GPU assignment", "operations.gpus"),
-    ("guests", "operations.guests"),
-    ("container user space", "operations.containers"),
-    ("NCCL environment", "operations.nccl"),
-    ("reboot policy", "operations.reboot"),
-]
 
 install_speedups()  # pyinfra's operation order without reading source per frame (same order)
 
@@ -50,9 +37,10 @@ if spec is None:
 for line in spec_summary(host.name, spec):
     logger.info(line)
 
-stages = [
-    (name, importlib.import_module(mod)) for name, mod in STAGES if importlib.util.find_spec(mod) is not None
-]
+try:
+    stages = load_stages()
+except MissingStage as e:
+    raise DeployError(str(e)) from None
 
 # Every stage's up-front facts in one remote command (facts.once.prefetch); the stages then
 # find them with fact_once instead of one round trip each.

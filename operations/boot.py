@@ -1,4 +1,4 @@
-"""Stage 2, host kernel & IOMMU: the kernel command line in the file the boot loader really
+"""Stage 1, host kernel & IOMMU: the kernel command line in the file the boot loader really
 reads, vfio modules loaded early, nouveau blacklisted, initramfs regenerated when those change.
 
 Boot loaders (incident 13: editing /etc/default/grub on a systemd-boot/ZFS host does nothing):

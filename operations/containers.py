@@ -1,4 +1,4 @@
-"""Stage: container user space — the host's exact NVIDIA user space in each GPU container.
+"""Stage 7, container user space — the host's exact NVIDIA user space in each GPU container.
 
 After the guests stage gave each CT its device nodes (and restarted it when they changed), every
 running GPU container gets the user space of exactly the host's driver version (spec

@@ -1,4 +1,4 @@
-"""Stage 6, GPU assignment: per-address driver binding, persisted and (when safe) applied now.
+"""Stage 5, GPU assignment: per-address driver binding, persisted and (when safe) applied now.
 
 Persisted: `/etc/udev/rules.d/60-pvegpu-gpu-binding.rules` sets each function's
 `driver_override` on its "add" event; an initramfs hook carries the rule into the initramfs

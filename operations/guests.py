@@ -1,4 +1,4 @@
-"""Stage 7, guests: CT device entries, VM PCI mappings and hostpci lines, guest restarts.
+"""Stage 6, guests: CT device entries, VM PCI mappings and hostpci lines, guest restarts.
 
 Containers: `/etc/pve/lxc/<ctid>.conf` gets the device lines for exactly its GPUs
 (`plan.guests`); root writes the file directly (raw `lxc.*` keys cannot go through the API),

@@ -1,4 +1,4 @@
-"""Stage 3, kernel: build the spec's kernel on the host with its own gcc, install the .debs
+"""Stage 2, kernel: build the spec's kernel on the host with its own gcc, install the .debs
 next to the running kernel, and trial-boot the new one (pinned for good only once it came up).
 
 A build takes an hour or more on a real host, so it runs detached: a transient systemd unit

@@ -1,4 +1,4 @@
-"""Stage 5 — module options and device nodes at boot (DESIGN.md §2.5; incidents 3, 5).
+"""Stage 4 — module options and device nodes at boot (DESIGN.md §2.4; incidents 3, 5).
 
 Writes, from templates:
     /etc/modprobe.d/pvegpu-nvidia.conf            `options nvidia_uvm uvm_disable_hmm=1` (spec, or

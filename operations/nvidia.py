@@ -1,6 +1,6 @@
-"""Stage 4 — NVIDIA driver: kernel modules (open, or the proprietary tree when nvidia.open is
+"""Stage 3 — NVIDIA driver: kernel modules (open, or the proprietary tree when nvidia.open is
 false and no GPU is Blackwell) built for each target kernel, GSP firmware and
-user space of exactly the same version (DESIGN.md §2.4; incidents 1, 2, 6, 14).
+user space of exactly the same version (DESIGN.md §2.3; incidents 1, 2, 6, 14).
 
 Order on the host (each step runs only when the facts say it is needed, so a converged host
 costs two fact commands and no change):

@@ -1,6 +1,6 @@
 """What the NVIDIA driver and module-options stages should do, from spec + facts (no I/O).
 
-Stage 4 (operations/nvidia.py) builds the kernel modules (NVIDIA's open tree; the proprietary
+Stage 3 (operations/nvidia.py) builds the kernel modules (NVIDIA's open tree; the proprietary
 one only with nvidia.open: false and no Blackwell GPU) for each target kernel release,
 installs user space and GSP firmware of the same version; stage 5 (operations/module_options.py)
 writes /etc/modprobe.d/pvegpu-nvidia.conf and the boot unit that makes /dev/nvidia-uvm*.

@@ -1,4 +1,4 @@
-"""operations.pyinfra_speedups keeps pyinfra's operation order: a --dry run of a twin gives the
+"""compat.pyinfra_speedups keeps pyinfra's operation order: a --dry run of a twin gives the
 same operations in the same order (pyinfra's `opOrder`/`opHash` debug lines) with the shim on
 and off (PVEGPU_PYINFRA_SPEEDUPS=0)."""
 

@@ -1,4 +1,4 @@
-"""operations.pyinfra_speedups: the same operation order as pyinfra's own function."""
+"""compat.pyinfra_speedups: the same operation order as pyinfra's own function."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pyinfra
 import pytest
 
-from operations import pyinfra_speedups as speedups
+from compat import pyinfra_speedups as speedups
 
 
 def _nested(fn, depth):
@@ -77,3 +77,38 @@ def test_install_patches_the_arguments_module(monkeypatch):
         monkeypatch.setattr(arguments, "all_global_arguments", speedups.ORIGINAL_ARGUMENTS)
         theirs = pop_global_arguments(state, somehost, {"_sudo": True, "other": 1})
     assert ours == theirs and ours[0]["_sudo"] is True
+
+
+def test_gate_passes_on_the_pinned_pyinfra():
+    # the pinned pyinfra (pyproject.toml) is the one the speedups were written for
+    assert pyinfra.__version__ == speedups.WRITTEN_FOR
+    assert speedups.gate_refusal() is None
+
+
+def test_gate_refuses_another_release_and_other_code():
+    assert "3.11.0" in speedups.gate_refusal(version="3.11.0")
+
+    def get_operation_order_from_stack(state):  # same name, other code
+        return []
+
+    refusal = speedups.gate_refusal(originals={"get_operation_order_from_stack": get_operation_order_from_stack,
+                                               "all_global_arguments": speedups.ORIGINAL_ARGUMENTS})
+    assert refusal and "get_operation_order_from_stack" in refusal
+    assert "no all_global_arguments" in speedups.gate_refusal(originals={"all_global_arguments": None})
+
+
+def test_refused_gate_runs_stock_pyinfra_and_logs_once(monkeypatch, caplog):
+    operation = importlib.import_module("pyinfra.api.operation")
+    arguments = importlib.import_module("pyinfra.api.arguments")
+    monkeypatch.setattr(operation, "get_operation_order_from_stack", speedups.ORIGINAL)
+    monkeypatch.setattr(arguments, "all_global_arguments", speedups.ORIGINAL_ARGUMENTS)
+    monkeypatch.delenv("PVEGPU_PYINFRA_SPEEDUPS", raising=False)
+    monkeypatch.setattr(pyinfra, "__version__", "9.9.9")
+    monkeypatch.setattr(speedups, "_gate_logged", False)
+    with caplog.at_level("WARNING", logger="pvegpu"):
+        assert speedups.install() is False
+        assert speedups.install() is False
+    assert operation.get_operation_order_from_stack is speedups.ORIGINAL
+    assert arguments.all_global_arguments is speedups.ORIGINAL_ARGUMENTS
+    said = [r.getMessage() for r in caplog.records if "speedups off" in r.getMessage()]
+    assert len(said) == 1 and "9.9.9" in said[0]

@@ -13,15 +13,20 @@ TypedDict (`typing.get_type_hints`, some thirty annotations through its bases) o
 `pop_global_arguments` calls it for every operation and every fact on every host. The class never
 changes during a run: `global_arguments` evaluates it once and hands out a new list each call.
 
-`install()` replaces each function where pyinfra looks it up, only when the module still has
-pyinfra's own function under the expected name; tests/unit/test_pyinfra_speedups.py checks that
-both give the same result and that a whole run keeps its operation order.
+`install()` replaces each function where pyinfra looks it up, only when the installed pyinfra is
+the release this was written for (`WRITTEN_FOR`) and the replaced function's source still has the
+sha256 it had there (`REPLACED_SOURCE_SHA256`): any other pyinfra runs stock, and the run logs
+once why. tests/unit/test_pyinfra_speedups.py checks that both give the same result, that the
+gate holds, and tests/e2e/test_speedups_e2e.py that a whole run keeps its operation order.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
+import inspect
+import logging
 import os
 import sys
 
@@ -34,6 +39,16 @@ _arguments = importlib.import_module("pyinfra.api.arguments")
 
 ORIGINAL = getattr(_util, "get_operation_order_from_stack", None)
 ORIGINAL_ARGUMENTS = getattr(_arguments, "all_global_arguments", None)
+
+# What the replacements were written against: pyinfra's release and the sha256 of each replaced
+# function's source text there. Either differs -> stock pyinfra (our copy may no longer match).
+WRITTEN_FOR = "3.10.0"
+REPLACED_SOURCE_SHA256 = {
+    "get_operation_order_from_stack": "f4807f61585570e091fd453c7552d9e2b49329555f07f395a8e8f1d2a398a0b2",
+    "all_global_arguments": "f7afbc472d78c5d2f0bb282994175647651e888543da001968d903cc4a26a5a1",
+}
+
+log = logging.getLogger("pvegpu")
 
 
 def operation_order_from_stack(state) -> list:
@@ -75,11 +90,46 @@ def global_arguments() -> list:
     return list(_global_arguments())
 
 
+def source_sha256(function) -> str | None:
+    """sha256 of a function's source text, None when it has none to read."""
+    try:
+        return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()
+    except (OSError, TypeError):
+        return None
+
+
+def gate_refusal(version: str | None = None, originals: dict | None = None) -> str | None:
+    """Why the speedups must not be installed on this pyinfra (None: they may): another release
+    than WRITTEN_FOR, or a replaced function missing or with other source."""
+    version = pyinfra.__version__ if version is None else version
+    if version != WRITTEN_FOR:
+        return f"pyinfra {version} is not {WRITTEN_FOR}, which they were written for"
+    if originals is None:
+        originals = {"get_operation_order_from_stack": ORIGINAL, "all_global_arguments": ORIGINAL_ARGUMENTS}
+    for name, function in originals.items():
+        if function is None:
+            return f"pyinfra has no {name}"
+        if source_sha256(function) != REPLACED_SOURCE_SHA256[name]:
+            return f"pyinfra's {name} is not the code they were written for"
+    return None
+
+
+_gate_logged = False
+
+
 def install() -> bool:
     """Use `operation_order_from_stack` in pyinfra's operation module and `global_arguments` in
-    its arguments module; False if neither was replaced: this pyinfra has no such functions
-    there, they are replaced already, or PVEGPU_PYINFRA_SPEEDUPS=0 (then nothing is changed)."""
+    its arguments module; False if neither was replaced: the gate refuses this pyinfra (logged
+    once per process), they are replaced already, or PVEGPU_PYINFRA_SPEEDUPS=0 (then nothing
+    is changed)."""
+    global _gate_logged
     if os.environ.get("PVEGPU_PYINFRA_SPEEDUPS") == "0":
+        return False
+    refusal = gate_refusal()
+    if refusal is not None:
+        if not _gate_logged:
+            log.warning("pvegpu: pyinfra speedups off, stock pyinfra runs: %s", refusal)
+            _gate_logged = True
         return False
     done = False
     if ORIGINAL is not None and getattr(_operation, "get_operation_order_from_stack", None) is ORIGINAL:
