@@ -103,6 +103,19 @@ def test_pct_exec_refuses_a_stopped_ct(root):
     assert r.returncode != 0 and "CT 200 not running" in r.stderr
 
 
+def test_qm_and_pct_list_print_what_proxmox_prints(root):
+    from facts.guest_state import parse_guest_state
+
+    conf = root / "etc/pve/qemu-server/300.conf"
+    conf.write_text("".join(line for line in conf.read_text().splitlines(True) if not line.startswith("name:")))
+    qm = run(root, "qm", "list", check=True).stdout.splitlines()
+    assert qm[0].split() == ["VMID", "NAME", "STATUS", "MEM(MB)", "BOOTDISK(GB)", "PID"]
+    assert qm[1].split()[:4] == ["300", "VM", "300", "stopped"]  # unnamed: "VM <vmid>"
+    pct = run(root, "pct", "list", check=True).stdout.splitlines()
+    assert pct[0].split() == ["VMID", "Status", "Lock", "Name"]
+    assert parse_guest_state(["@@ pct", *pct, "@@ qm", *qm])["qemu"] == {300: "stopped"}
+
+
 # ---------------------------------------------------------------- PCI mappings + qm
 
 def gpu_map(bdf="0000:01:00.0", group=12, node="kpro6"):

@@ -805,17 +805,23 @@ def guest_cli(kind, argv):
     try:
         if cmd == "list":
             ids = guest_ids(kind)
+            if not ids:
+                return 0  # no guests: not even the header (pct.pm / qm.pm list)
             if kind == "lxc":
+                # follows pve-container PVE/CLI/pct.pm list: "%-10s %-10s %-12s %-20s", name defaults to CT<id>
                 print(f"{'VMID':<10} {'Status':<10} {'Lock':<12} {'Name':<20}")
                 for vmid in ids:
                     c = config_dict(kind, vmid)
-                    print(f"{vmid:<10} {status_of(kind, vmid):<10} {c.get('lock', ''):<12} {c.get('hostname', ''):<20}")
+                    print(f"{vmid:<10} {status_of(kind, vmid):<10} {str(c.get('lock', '')):<12} "
+                          f"{str(c.get('hostname') or f'CT{vmid}'):<20}")
             else:
-                print(f"{'VMID':>10} {'NAME':<20} {'STATUS':<10} {'MEM(MB)':>10} {'BOOTDISK(GB)':>12} {'PID':>10}")
+                # follows qemu-server PVE/CLI/qm.pm list ("%10s %-20s %-10s %-10s %12.2f %-10s") and
+                # PVE/QemuServer.pm vmstatus(): an unnamed VM is "VM <vmid>"
+                print(f"{'VMID':>10} {'NAME':<20} {'STATUS':<10} {'MEM(MB)':<10} {'BOOTDISK(GB)':>12} {'PID':<10}")
                 for vmid in ids:
                     c = config_dict(kind, vmid)
-                    print(f"{vmid:>10} {str(c.get('name', '')):<20} {status_of(kind, vmid):<10} "
-                          f"{c.get('memory', 512):>10} {0.0:>12.2f} {0:>10}")
+                    print(f"{vmid:>10} {str(c.get('name') or f'VM {vmid}'):<20} {status_of(kind, vmid):<10} "
+                          f"{str(c.get('memory', 512)):<10} {0.0:>12.2f} {0:<10}")
             return 0
         if cmd in ("exec", "push", "pull") and kind == "lxc":
             return ct_cli(cmd, rest)
