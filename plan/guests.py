@@ -28,6 +28,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from spec.models import MAX_HOSTPCI_DEVICES
+
 NVIDIA_MAJOR = 195
 # Nodes every CUDA process opens besides its GPUs (caps: MIG / fabric capabilities).
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
@@ -376,7 +378,12 @@ def plan_vm(vmid: int, node: str, gpus: list[str], want_machine: str, allow_mach
     free = (i for i in range(10_000) if i not in taken)
     wanted: dict[str, str] = {}
     for bdf in sorted(gpus):
-        wanted[f"hostpci{next(free)}"] = f"mapping={mapping_id(node, bdf)}" + (",pcie=1" if q35 else "")
+        index = next(free)
+        if index >= MAX_HOSTPCI_DEVICES:  # qemu-server knows hostpci0..hostpci15 only
+            problems.append(f"VM {vmid}: no free hostpci line for GPU {bdf}: hostpci0-hostpci"
+                            f"{MAX_HOSTPCI_DEVICES - 1} are taken by other passthrough devices; free one")
+            continue
+        wanted[f"hostpci{index}"] = f"mapping={mapping_id(node, bdf)}" + (",pcie=1" if q35 else "")
     for key, value in wanted.items():
         current = ours.get(key)
         want_opts = {"pcie": "1"} if q35 else {}

@@ -281,6 +281,12 @@ def test_vm_hostpci_lines_keep_other_devices_and_drop_moved_gpus():
     assert shrunk.delete == ["hostpci2"] and shrunk.set_options == {}
 
 
+def test_vm_with_every_hostpci_line_taken_gets_no_hostpci16():
+    config = _vm("machine: q35\n" + "".join(f"hostpci{i}: 0000:{i + 0x10:02x}:00.0\n" for i in range(16)))
+    plan = plan_vm(300, "kpro6", ["0000:81:00.0"], "q35", False, config, PCI, {"0000:81:00.0"})
+    assert plan.set_options == {} and "no free hostpci line for GPU 0000:81:00.0" in plan.problems[0]
+
+
 def test_raw_hostpci_of_a_managed_gpu_is_replaced_by_the_mapping():
     config = _vm("machine: pc-q35-8.1\nhostpci0: 0000:81:00,pcie=1,x-vga=1\n")
     plan = plan_vm(300, "kpro6", ["0000:81:00.0"], "q35", False, config, PCI, {"0000:81:00.0"})
