@@ -58,7 +58,7 @@ def run_op(op, facts=None, *args, **kwargs):
 def written(command):
     """The content a write_file_command writes, and its path."""
     b64 = re.search(r"printf %s (\S+) \| base64 -d", command).group(1)
-    path = re.search(r"&& mv -f \S+ (\S+)$", command).group(1)
+    path = re.search(r"&& mv -f \S+ (\S+?)(?: \) 9>\S+)?$", command).group(1)
     return path, base64.b64decode(b64).decode()
 
 
@@ -196,3 +196,24 @@ def test_mapping_references_fact_splits_main_and_snapshot_sections():
         ("kpro6", 300): {"main": ["pvegpu-kpro6-0000-81-00-0"], "sections": ["pvegpu-kpro6-0000-a1-00-0"]},
         ("pve2", 301): {"main": ["gpu0"], "sections": []},
         ("pve2", 302): {"main": [], "sections": []}}
+
+
+def test_ct_config_is_written_under_the_proxmox_config_lock():
+    facts = facts_for({103: IGPU}, {103: "stopped"})
+    commands, _ = run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True)
+    # pve-container PVE/LXC/Config.pm config_file_lock(): the flock pct/the GUI hold for this CT's config
+    assert commands[0].startswith("mkdir -p /run/lock/lxc && ( flock -w 10 9 ||")
+    assert commands[0].endswith(") 9>/run/lock/lxc/pve-config-103.lock")
+    assert "is locked (" in commands[0]  # a lock: line appearing before we hold the flock stops the write
+
+
+def test_locked_ct_is_neither_written_nor_restarted():
+    import pytest
+    from pyinfra.api import OperationError
+
+    facts = facts_for({103: "lock: backup\n" + IGPU}, {103: "running"})
+    with pytest.raises(OperationError, match=r"CT 103 is locked \(backup\).*pct unlock 103"):
+        run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True)
+    # nothing to change: a lock is no reason to fail
+    converged = facts_for({103: "lock: backup\n" + IGPU}, {103: "running"})
+    assert run_op(container_gpu_devices, converged, {103: {"gpus": [], "gid": 44}}, True)[0] == []
