@@ -38,7 +38,7 @@ from facts.devices import CharDeviceMajors, parse_char_majors
 from facts.guest_state import guest_state
 from facts.nvidia import NvidiaGpus, parse_gpu_information
 from operations.files import write_file_command
-from plan.guest_control import CONFIG_LOCK_FILE, CONFIG_LOCK_TIMEOUT_S, config_lock, lock_refusal
+from plan.guest_control import CONFIG_LOCK_FILE, CONFIG_LOCK_TIMEOUT_S, config_lock, ha_resource, lock_refusal
 from operations.gpus import guest_control_refusals, stage_fact_requests, stage_facts
 from operations.proxmox import (
     PveApi,
@@ -118,6 +118,15 @@ class ContainerGpuState(FactBase):
         return parse_container_state(output)
 
 
+def ha_restart_refusal(kind: str, gid: int, sid: str) -> str:
+    """Why pvegpu does not restart an HA-managed guest, and what to do instead."""
+    label, tool = ("CT", "pct") if kind == "lxc" else ("VM", "qm")
+    return (f"{label} {gid} needs a restart for its new GPUs but is HA resource {sid}: `{tool} shutdown/start` "
+            f"would only queue requests with the HA manager, so pvegpu changes nothing for it. Stop it through HA "
+            f"(`ha-manager set {sid} --state stopped`, wait until it is stopped) or take it out of HA "
+            f"(`ha-manager remove {sid}`), re-run, then `ha-manager set {sid} --state started`")
+
+
 def locked_config_write(kind: str, gid: int, path: str, text: str) -> str:
     """Write a guest config the way Proxmox's tools do: holding the guest's config flock (so a
     GUI/API edit cannot interleave), and only while the config carries no `lock:` (checked under
@@ -136,7 +145,7 @@ def locked_config_write(kind: str, gid: int, path: str, text: str) -> str:
 @operation()
 def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minors: dict[str, int] | None = None,
                           start_after: list[int] | None = None, api: PveApi | None = None,
-                          shutdown_timeout: int = 120):
+                          shutdown_timeout: int = 120, ha: dict | None = None):
     """Give each CT the device lines of exactly its GPUs; restart/start CTs as needed.
 
     + wanted: ``{200: {"gpus": ["0000:01:00.0"], "gid": 44}}``
@@ -145,6 +154,7 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
     + start_after: CTs the rebind transaction stopped (started again here)
     + api: `operations.proxmox.PveApi` for start/shutdown, or None for pct over SSH
     + shutdown_timeout: seconds a CT gets to shut down before it is stopped hard
+    + ha: `HaResources`; a running HA-managed CT that would need a restart is refused (nothing written)
     """
     state = host.get_fact(ContainerGpuState)
     # this run's CT run state; read again when an earlier operation started or stopped guests
@@ -171,6 +181,11 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
         if lock and (merged.changed or ctid in start_after):
             # a backup/migration/snapshot holds it: neither its config nor its run state is ours to change
             locked.append(lock_refusal("lxc", ctid, lock.group(1), "write its config or stop/start it"))
+            continue
+        managed = ha_resource(ha or {}, "lxc", ctid)
+        if managed and running and boot_minors is None and not devices.problems \
+                and config_gpu_nodes(text) != config_gpu_nodes(merged.text):
+            locked.append(ha_restart_refusal("lxc", ctid, managed[0]))
             continue
         if merged.changed:
             changed_any = True
@@ -315,18 +330,25 @@ def preflight(spec: HostSpec) -> list[str]:
 
 def locked_vm_refusals(spec: HostSpec, facts: dict) -> list[str]:
     """VMs of the spec whose config this run would change (or that it would restart) while
-    their config carries a `lock:` (qm refuses both then: "VM is locked (backup)")."""
+    their config carries a `lock:` (qm refuses both then: "VM is locked (backup)"), and running
+    HA-managed VMs it would restart (qm would only queue HA requests)."""
     refusals = []
     cfg, pci = facts["cfg"], facts["hw"]["pci_devices"]
+    running = facts["runtime"]["status"]["qemu"]
+    pending_boot = bool(facts["rebind"].moves) and not facts["rebind"].live
     for vmid, vm in sorted(spec.vms.items()):
         config = cfg["qemu_configs"].get(vmid)
         lock = config_lock(config)
-        if not lock:
+        managed = ha_resource(facts["ha"], "qemu", vmid)
+        if config is None or not (lock or managed):
             continue
         plan = plan_vm(vmid, facts["node"], [b for b in vm.gpus if b in pci], vm.machine, vm.allow_machine_change,
                        config, pci, set(spec.gpus))
-        if plan.changed or ("qemu", vmid) in facts["rebind"].stop:
+        if lock and (plan.changed or ("qemu", vmid) in facts["rebind"].stop):
             refusals.append(lock_refusal("qemu", vmid, lock, "change its config or stop/start it"))
+        elif managed and plan.changed and running.get(vmid) == "running" \
+                and not (pending_boot and any(m.bdf in vm.gpus for m in facts["rebind"].moves)):
+            refusals.append(ha_restart_refusal("qemu", vmid, managed[0]))
     return refusals
 
 
@@ -354,6 +376,7 @@ def apply(spec: HostSpec) -> None:
             dev_entries=pve_supports_dev_entries(facts["packages"]),
             boot_minors=facts["config_minors"] if pending_boot else None,
             start_after=[i for k, i in stopped if k == "lxc"], api=api, shutdown_timeout=timeout,
+            ha=facts["ha"],
         )
 
     pci = hw["pci_devices"]

@@ -217,3 +217,17 @@ def test_locked_ct_is_neither_written_nor_restarted():
     # nothing to change: a lock is no reason to fail
     converged = facts_for({103: "lock: backup\n" + IGPU}, {103: "running"})
     assert run_op(container_gpu_devices, converged, {103: {"gpus": [], "gid": 44}}, True)[0] == []
+
+
+def test_running_ha_managed_ct_is_not_restarted_through_pct():
+    import pytest
+    from pyinfra.api import OperationError
+
+    facts = facts_for({103: IGPU}, {103: "running"})
+    ha = {"ct:103": {"type": "ct", "id": 103, "state": "started", "options": {}}}
+    with pytest.raises(OperationError, match=r"CT 103 needs a restart .* HA resource ct:103.*ha-manager remove ct:103"):
+        run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True, ha=ha)
+    # HA ignores it: pct restarts it as usual
+    ignored = {"ct:103": dict(ha["ct:103"], state="ignored")}
+    commands, _ = run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True, ha=ignored)
+    assert commands[2] == "pct start 103"
