@@ -31,6 +31,8 @@ def test_ha_lock_and_node_are_honoured_then_the_ct_converges(twin_factory, tmp_p
     node = {"value": "kpro6"}
     monkeypatch.setattr("tests.e2e.test_rebind_e2e.spec_yaml", lambda ct, vm: spec(node["value"]))
     assert ssh(twin.name, "pct start 200").returncode == 0
+    # the UVM nodes a devN entry needs (the twin boots without them; the NVIDIA stage makes them on a real run)
+    assert ssh(twin.name, "nvidia-modprobe -u -c=0").returncode == 0
     conf_before = run.read("etc/pve/lxc/200.conf")
 
     # HA resource ct:200, HA stack stalled: pvegpu refuses the restart and writes nothing
