@@ -231,3 +231,28 @@ def test_running_ha_managed_ct_is_not_restarted_through_pct():
     ignored = {"ct:103": dict(ha["ct:103"], state="ignored")}
     commands, _ = run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True, ha=ignored)
     assert commands[2] == "pct start 103"
+
+
+def test_locked_or_ha_managed_vm_is_refused_at_preflight_only_when_it_would_change():
+    from facts.proxmox import parse_guest_config
+    from operations.guests import locked_vm_refusals
+    from plan.gpus import RebindPlan
+    from spec.load import validate_spec
+
+    spec = validate_spec({"hosts": {"kpro6": {"gpus": {"0000:81:00.0": "vm:300"},
+                                              "vms": {300: {"gpus": ["0000:81:00.0"]}}}}}, "site.yml")["kpro6"]
+    pci = {"0000:81:00.0": {"vendor": "10de", "device": "2bb5", "class": "030200", "iommu_group": 40}}
+    converged = "machine: q35\nhostpci0: mapping=pvegpu-kpro6-0000-81-00-0,pcie=1\n"
+
+    def facts(text, running="running", ha=None):
+        return {"cfg": {"qemu_configs": {300: parse_guest_config(text.splitlines(), "qemu")}},
+                "hw": {"pci_devices": pci}, "node": "kpro6", "ha": ha or {},
+                "runtime": {"status": {"qemu": {300: running}}}, "rebind": RebindPlan([], [], [], True)}
+
+    assert locked_vm_refusals(spec, facts("lock: backup\n" + converged)) == []  # nothing to change
+    (refusal,) = locked_vm_refusals(spec, facts("lock: backup\nmachine: q35\n"))
+    assert refusal.startswith("VM 300 is locked (backup)") and "qm unlock 300" in refusal
+    ha = {"vm:300": {"type": "vm", "id": 300, "state": "started", "options": {}}}
+    (refusal,) = locked_vm_refusals(spec, facts("machine: q35\n", ha=ha))
+    assert "VM 300 needs a restart for its new GPUs but is HA resource vm:300" in refusal
+    assert locked_vm_refusals(spec, facts("machine: q35\n", running="stopped", ha=ha)) == []
