@@ -10,7 +10,9 @@ what the last successful run put there).
 Now (runtime rebind transaction), only when a GPU changes driver:
   preflight: refuse when a moving GPU is held by a process (nvidia-smi compute apps, `fuser
   -v /dev/nvidiaN`), naming the holder — nothing is changed; refuse when a guest using it is
-  running and `guests.allow_stop` is false.
+  running and `guests.allow_stop` is false, when such a guest's config is locked, when it is an
+  HA resource HA is not stopping, and when the spec's node is not the host's
+  (`plan.guest_control`); an HA resource HA is already stopping is waited for, not shut down.
   apply: ONE remote script (`set -eu`): stop the running guests that use a moving GPU (a clean
   `qm/pct shutdown --timeout <guests.shutdown_timeout>`, a hard `stop` only when that times
   out) → check holders again → per function: driver_override, unbind (the write runs in the
