@@ -319,7 +319,7 @@ class ProxmoxApiSpec(Strict):
 
 class HostSpec(Strict):
     ssh: SshSpec | None = None
-    node: SafeStr | None = None  # Proxmox node name; default: the host's name
+    node: SafeStr | None = None  # Proxmox node name; must be the host's (`uname -n` without the domain), which is the default
     boot_loader: Literal["auto", "grub", "systemd-boot"] = "auto"
     iommu: IommuSpec = Field(default_factory=IommuSpec)
     kernel: KernelSpec | None = None
