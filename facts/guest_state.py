@@ -49,8 +49,10 @@ def parse_guest_state(lines: list[str]) -> dict:
         tokens = line.split()
         if section == "pct" and len(tokens) >= 2 and tokens[0].isdigit():  # VMID Status Lock Name
             parsed["lxc"][int(tokens[0])] = tokens[1]
-        elif section == "qm" and len(tokens) >= 3 and tokens[0].isdigit():  # VMID NAME STATUS ...
-            parsed["qemu"][int(tokens[0])] = tokens[2]
+        elif section == "qm" and len(tokens) >= 6 and tokens[0].isdigit():
+            # VMID NAME STATUS MEM(MB) BOOTDISK(GB) PID, read from the right: an unnamed VM's NAME
+            # is two words (follows qemu-server PVE/QemuServer.pm vmstatus(): name defaults to "VM <vmid>")
+            parsed["qemu"][int(tokens[0])] = tokens[-4]
     return parsed
 
 

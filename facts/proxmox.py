@@ -23,6 +23,24 @@ def parse_pve_version(output_lines: list[str]) -> dict | None:
     return None
 
 
+def parse_pve_packages(output_lines: list[str]) -> dict[str, str]:
+    """Pure parser of `pveversion -v`: ``{"pve-manager": "8.4.11", "pve-container": "5.3.0", …}``
+    (one `package: version` per line, anything after the version dropped; "not correctly
+    installed" / "not installed" lines left out)."""
+    packages: dict[str, str] = {}
+    for line in output_lines:
+        match = re.match(r"^([a-z0-9][a-z0-9.+\-]*):\s+(\d[^\s#(]*)", line.strip())
+        if match:
+            packages.setdefault(match.group(1), match.group(2))
+    return packages
+
+
+def debian_version_key(version: str) -> tuple:
+    """A sort key for the upstream part of Debian versions such as `5.0.12` / `9.2.0-7`
+    (numbers compare as numbers; enough for Proxmox's own package versions)."""
+    return tuple(int(n) for n in re.findall(r"\d+", version.split("~")[0]))
+
+
 def parse_device_entry(value: str) -> dict:
     """`/dev/nvidia0,gid=44,mode=0666` (a CT's devN) → ``{"path": "/dev/nvidia0", "gid": "44", …}``."""
     entry: dict[str, str] = {}
@@ -151,6 +169,102 @@ class PveVersion(FactBase):
 
     def process(self, output):
         return parse_pve_version(output)
+
+
+class PvePackages(FactBase):
+    """
+    Versions of the Proxmox VE packages, from `pveversion -v`.
+
+    .. code:: python
+
+        {"proxmox-ve": "8.4.0", "pve-manager": "8.4.11", "pve-container": "5.3.0",
+         "qemu-server": "8.4.1", …}
+
+    ``{}`` on a host without Proxmox VE.
+    """
+
+    command = "pveversion -v 2>/dev/null || true"
+
+    def requires_command(self, *args, **kwargs) -> str:
+        return "pveversion"
+
+    @staticmethod
+    def default() -> dict:
+        return {}
+
+    def process(self, output):
+        return parse_pve_packages(output)
+
+
+def parse_node_name(output_lines: list[str]) -> str | None:
+    """`uname -n` → the Proxmox node name: the host name up to its first dot."""
+    # follows pve-common PVE/INotify.pm nodename(): uname's nodename with the domain part cut off
+    for line in output_lines:
+        if line.strip():
+            return line.strip().split(".", 1)[0] or None
+    return None
+
+
+class NodeName(FactBase):
+    """
+    The name this host has as a Proxmox node (`uname -n` without the domain).
+
+    .. code:: python
+
+        "kpro6"
+    """
+
+    command = "uname -n"
+
+    def process(self, output):
+        return parse_node_name(list(output))
+
+
+def parse_ha_resources(output_lines: list[str]) -> dict[str, dict]:
+    """Pure parser of /etc/pve/ha/resources.cfg (section config: `vm: 300` / `ct: 200` headers,
+    tab-indented `key value` lines) → ``{"vm:300": {"type": "vm", "id": 300, "state": "started",
+    "options": {...}}}``. A resource without `state` is `started` (pve-ha-manager
+    PVE/HA/Resources.pm: the state's default)."""
+    resources: dict[str, dict] = {}
+    current: dict | None = None
+    for line in output_lines:
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        header = re.match(r"^(\S+):\s*(\S+)\s*$", line)
+        if header and not line[0].isspace():
+            kind, name = header.group(1).lower(), header.group(2)
+            current = {"type": kind, "id": int(name) if name.isdigit() else name, "state": "started", "options": {}}
+            resources[f"{kind}:{name}"] = current
+            continue
+        if current is None:
+            continue
+        key, _, value = line.strip().partition(" ")
+        if key == "state":
+            # "enabled" is an old alias of "started" (PVE/HA/Config.pm)
+            current["state"] = "started" if value.strip() == "enabled" else value.strip()
+        else:
+            current["options"][key] = value.strip()
+    return resources
+
+
+class HaResources(FactBase):
+    """
+    The cluster's HA resources, /etc/pve/ha/resources.cfg.
+
+    .. code:: python
+
+        {"vm:300": {"type": "vm", "id": 300, "state": "started", "options": {"group": "gpu"}},
+         "ct:200": {"type": "ct", "id": 200, "state": "stopped", "options": {}}}
+    """
+
+    command = "cat /etc/pve/ha/resources.cfg 2>/dev/null || true"
+
+    @staticmethod
+    def default() -> dict:
+        return {}
+
+    def process(self, output):
+        return parse_ha_resources(list(output))
 
 
 class LxcConfigs(FactBase):

@@ -10,7 +10,9 @@ what the last successful run put there).
 Now (runtime rebind transaction), only when a GPU changes driver:
   preflight: refuse when a moving GPU is held by a process (nvidia-smi compute apps, `fuser
   -v /dev/nvidiaN`), naming the holder — nothing is changed; refuse when a guest using it is
-  running and `guests.allow_stop` is false.
+  running and `guests.allow_stop` is false, when such a guest's config is locked, when it is an
+  HA resource HA is not stopping, and when the spec's node is not the host's
+  (`plan.guest_control`); an HA resource HA is already stopping is waited for, not shut down.
   apply: ONE remote script (`set -eu`): stop the running guests that use a moving GPU (a clean
   `qm/pct shutdown --timeout <guests.shutdown_timeout>`, a hard `stop` only when that times
   out) → check holders again → per function: driver_override, unbind (the write runs in the
@@ -47,6 +49,7 @@ from facts.guest_state import (
 from facts.kernel import split_sections
 from facts.once import fact_once
 from facts.hardware import HardwareProbe, HostConfigProbe
+from facts.proxmox import HaResources, NodeName, PvePackages
 from operations.files import managed_file, sha256_text, write_file_command
 from plan.gpus import (
     Bindings,
@@ -59,7 +62,8 @@ from plan.gpus import (
     parse_fuser,
     plan_rebind,
 )
-from operations.proxmox import PveApi, api_of, guest_stop_commands, shutdown_shell
+from operations.proxmox import PveApi, api_of, guest_stop_commands, shutdown_shell, wait_stopped_shell
+from plan.guest_control import node_refusal, stop_checks
 from plan.reboot import need_reboot
 from plan.render import render_template
 from spec.models import HostSpec
@@ -147,7 +151,9 @@ def stage_facts(spec: HostSpec) -> dict:
 
         {"hw": <HardwareProbe>, "cfg": <HostConfigProbe>, "runtime": <GuestRuntime>,
          "node": "kpro6", "bindings": Bindings, "rebind": RebindPlan, "holders": {bdf: [..]},
-         "config_minors": {bdf: minor}}   # minors the guest configs must use
+         "config_minors": {bdf: minor},   # minors the guest configs must use
+         "host_node": "kpro6", "packages": <PvePackages>, "ha": <HaResources>,
+         "stop_refusals": [..], "ha_wait": [("qemu", 300, "vm:300")]}   # plan.guest_control
     """
     memo = host.data.get(_MEMO)
     if memo is not None:
@@ -156,7 +162,8 @@ def stage_facts(spec: HostSpec) -> dict:
     cfg = fact_once(HostConfigProbe)
     runtime = fact_once(GuestRuntime)
     remember_guest_state(runtime["status"])  # the run's guest state: no stage reads pct/qm list again
-    node = spec.node or host.data.get("pvegpu_node") or host.name
+    host_node = fact_once(NodeName)  # Proxmox's node name: the host's, not the spec's
+    node = host_node or spec.node or host.data.get("pvegpu_node") or host.name
     pci = hw["pci_devices"]
     bindings = desired_bindings(spec, pci)
     rebind = plan_rebind(spec, node, bindings, pci, hw["nvidia_gpus"], cfg["lxc_configs"], cfg["qemu_configs"],
@@ -171,8 +178,12 @@ def stage_facts(spec: HostSpec) -> dict:
         config_minors = boot_minors(bindings, pci)
     else:
         config_minors = {b: g["minor"] for b, g in hw["nvidia_gpus"].items() if g.get("minor") is not None}
+    ha = fact_once(HaResources)
+    stop_refusals, ha_wait = stop_checks(rebind.stop, cfg["lxc_configs"], cfg["qemu_configs"], ha)
     memo = {"hw": hw, "cfg": cfg, "runtime": runtime, "node": node, "bindings": bindings,
-            "rebind": rebind, "holders": holders, "config_minors": config_minors}
+            "rebind": rebind, "holders": holders, "config_minors": config_minors,
+            "host_node": host_node, "packages": fact_once(PvePackages), "ha": ha,
+            "stop_refusals": stop_refusals, "ha_wait": ha_wait}
     setattr(host.data, _MEMO, memo)
     return memo
 
@@ -187,10 +198,12 @@ def binding_rules(bindings: Bindings) -> str:
 
 
 def rebind_script(plan: RebindPlan, nvidia: dict[str, dict], timeout_s: int = UNBIND_TIMEOUT_S,
-                  sysfs: str = "/sys", stop_guests: bool = True, shutdown_timeout: int = SHUTDOWN_TIMEOUT_S) -> str:
+                  sysfs: str = "/sys", stop_guests: bool = True, shutdown_timeout: int = SHUTDOWN_TIMEOUT_S,
+                  ha_wait: list[tuple[str, int, str]] = ()) -> str:
     """The one shell script of a runtime rebind (see module docstring). Every value quoted;
     `sysfs` is a parameter so tests can run the script against a scratch tree; `stop_guests`
-    False when the guests were stopped through the API before it."""
+    False when the guests were stopped through the API before it; `ha_wait`: HA resources HA
+    is stopping (`plan.guest_control.stop_checks`): not shut down here, waited for."""
     q = shlex.quote
     bdfs = " ".join(q(m.bdf) for m in plan.moves)
     lines = [
@@ -205,8 +218,15 @@ def rebind_script(plan: RebindPlan, nvidia: dict[str, dict], timeout_s: int = UN
         f'n=$((n+1)); [ $n -le {timeout_s * 10} ] || fail "writing $2 to $1 did not finish in {timeout_s} s '
         f'(pid $p is stuck in the kernel)"; sleep 0.1; done; wait $p || fail "writing $2 to $1 failed"; }}',
     ]
+    waiting = {(kind, gid): sid for kind, gid, sid in ha_wait}
     for kind, gid in (plan.stop if stop_guests else []):
-        lines.append(f"{shutdown_shell(kind, gid, shutdown_timeout)} || fail {q(f'could not stop {kind} {gid}')}")
+        if (kind, gid) not in waiting:
+            lines.append(f"{shutdown_shell(kind, gid, shutdown_timeout)} || fail {q(f'could not stop {kind} {gid}')}")
+    for (kind, gid), sid in waiting.items():
+        lines.append(f"{wait_stopped_shell(kind, gid, shutdown_timeout)} || fail "
+                     + q(f"{'CT' if kind == 'lxc' else 'VM'} {gid} is still running: HA resource {sid} did not stop "
+                         f"it within {shutdown_timeout} s (ha-manager status; or take it out of HA: "
+                         f"ha-manager remove {sid})"))
     nodes = [f"/dev/nvidia{nvidia[m.bdf]['minor']}" for m in plan.moves
              if nvidia.get(m.bdf, {}).get("minor") is not None]
     for node in nodes:
@@ -236,7 +256,7 @@ def rebind_script(plan: RebindPlan, nvidia: dict[str, dict], timeout_s: int = UN
 
 @operation()
 def rebind_gpus(plan: RebindPlan, nvidia: dict[str, dict], api: PveApi | None = None,
-                shutdown_timeout: int = SHUTDOWN_TIMEOUT_S):
+                shutdown_timeout: int = SHUTDOWN_TIMEOUT_S, ha_wait: list | None = None):
     """Run the rebind transaction for `plan.moves` (one remote command; with `api`, a guest
     shutdown through the Proxmox API before it for each guest in `plan.stop`).
 
@@ -244,15 +264,19 @@ def rebind_gpus(plan: RebindPlan, nvidia: dict[str, dict], api: PveApi | None = 
     + nvidia: `NvidiaGpus` fact (minors of the GPUs leaving nvidia)
     + api: `operations.proxmox.PveApi`, or None to stop guests with qm/pct in the script
     + shutdown_timeout: seconds a guest gets to shut down before it is stopped hard
+    + ha_wait: ``[("qemu", 300, "vm:300")]`` HA resources HA is stopping: waited for, not shut down
     """
     if not plan.moves:
         host.noop("every GPU is bound to the driver its role needs")
         return
     guest_state_changes()  # it stops guests (through the API or in the script)
+    waiting = {(kind, gid) for kind, gid, _ in ha_wait or []}
     if api is not None:
         for kind, gid in plan.stop:
-            yield from guest_stop_commands(api, kind, gid, shutdown_timeout)
-    script = rebind_script(plan, nvidia, stop_guests=api is None, shutdown_timeout=shutdown_timeout)
+            if (kind, gid) not in waiting:
+                yield from guest_stop_commands(api, kind, gid, shutdown_timeout)
+    script = rebind_script(plan, nvidia, stop_guests=api is None, shutdown_timeout=shutdown_timeout,
+                           ha_wait=list(ha_wait or []))
     yield StringCommand("sh", "-c", shlex.quote(script))
 
 
@@ -274,7 +298,8 @@ def refresh_initramfs(stamp: str, state: dict | None):
 
 def stage_fact_requests() -> list:
     """What `stage_facts` reads up front (the guests and NCCL stages read it too)."""
-    return [(HardwareProbe, {}), (HostConfigProbe, {}), (GuestRuntime, {})]
+    return [(HardwareProbe, {}), (HostConfigProbe, {}), (GuestRuntime, {}), (NodeName, {}), (PvePackages, {}),
+            (HaResources, {})]
 
 
 def prefetch(spec: HostSpec) -> list:
@@ -290,6 +315,7 @@ def preflight(spec: HostSpec) -> list[str]:
     hw = facts["hw"]
     refusals += identity_domain_refusals(hw.get("pci_devices") or {}, hw.get("iommu") or {}, hw.get("sev_snp"))
     rebind: RebindPlan = facts["rebind"]
+    refusals += guest_control_refusals(spec, facts)
     for kind, gid in rebind.blocked:
         refusals.append(f"{'CT' if kind == 'lxc' else 'VM'} {gid} is running and uses a GPU that changes driver, "
                         f"but guests.allow_stop is false; stop it yourself or allow stopping")
@@ -297,6 +323,13 @@ def preflight(spec: HostSpec) -> list[str]:
         refusals.append(f"GPU {bdf} must change driver but is held by {', '.join(who)}; stop that process "
                         f"(nvidia-persistenced: systemctl stop nvidia-persistenced) and re-run")
     return refusals
+
+
+def guest_control_refusals(spec: HostSpec, facts: dict) -> list[str]:
+    """The node name and the guests the rebind would stop, checked as Proxmox would
+    (`plan.guest_control`): a wrong spec node, a locked guest, an HA resource HA is not stopping."""
+    refusal = node_refusal(spec.node, facts["host_node"], host.name)
+    return ([refusal] if refusal else []) + list(facts["stop_refusals"])
 
 
 @deploy("GPU assignment")
@@ -319,7 +352,8 @@ def apply(spec: HostSpec) -> None:
     refresh_initramfs(name="GPU binding: update-initramfs", stamp=stamp, state=state.get(INITRAMFS_STAMP_PATH))
     if rebind.moves and rebind.live:
         rebind_gpus(name="GPU binding: rebind transaction", plan=rebind, nvidia=facts["hw"]["nvidia_gpus"],
-                    api=api_of(spec, facts["node"]), shutdown_timeout=spec.guests.shutdown_timeout)
+                    api=api_of(spec, facts["node"]), shutdown_timeout=spec.guests.shutdown_timeout,
+                    ha_wait=facts["ha_wait"])
     elif rebind.moves:
         for m in rebind.moves:
             need_reboot(host, "gpu-binding", f"{m} (persisted; this host cannot rebind through /sys now)")

@@ -32,13 +32,14 @@ import re
 import shlex
 
 from pyinfra import host, logger
-from pyinfra.api import FactBase, StringCommand, deploy, operation
+from pyinfra.api import FactBase, OperationError, StringCommand, deploy, operation
 
 from facts.devices import CharDeviceMajors, parse_char_majors
 from facts.guest_state import guest_state
 from facts.nvidia import NvidiaGpus, parse_gpu_information
 from operations.files import write_file_command
-from operations.gpus import stage_fact_requests, stage_facts
+from plan.guest_control import CONFIG_LOCK_FILE, CONFIG_LOCK_TIMEOUT_S, config_lock, ha_resource, lock_refusal
+from operations.gpus import guest_control_refusals, stage_fact_requests, stage_facts
 from operations.proxmox import (
     PveApi,
     PveWrite,
@@ -117,18 +118,43 @@ class ContainerGpuState(FactBase):
         return parse_container_state(output)
 
 
+def ha_restart_refusal(kind: str, gid: int, sid: str) -> str:
+    """Why pvegpu does not restart an HA-managed guest, and what to do instead."""
+    label, tool = ("CT", "pct") if kind == "lxc" else ("VM", "qm")
+    return (f"{label} {gid} needs a restart for its new GPUs but is HA resource {sid}: `{tool} shutdown/start` "
+            f"would only queue requests with the HA manager, so pvegpu changes nothing for it. Stop it through HA "
+            f"(`ha-manager set {sid} --state stopped`, wait until it is stopped) or take it out of HA "
+            f"(`ha-manager remove {sid}`), re-run, then `ha-manager set {sid} --state started`")
+
+
+def locked_config_write(kind: str, gid: int, path: str, text: str) -> str:
+    """Write a guest config the way Proxmox's tools do: holding the guest's config flock (so a
+    GUI/API edit cannot interleave), and only while the config carries no `lock:` (checked under
+    that flock; a lock makes the command fail naming it)."""
+    lock = CONFIG_LOCK_FILE[kind].format(gid=gid)
+    q = shlex.quote
+    label = "CT" if kind == "lxc" else "VM"
+    locked = q(f"pvegpu: {label} {gid} is locked (") + '"$l"' + q(f"): its config is not written; re-run when the lock is gone")
+    return (f"mkdir -p {q(lock.rsplit('/', 1)[0])} && ( flock -w {CONFIG_LOCK_TIMEOUT_S} 9 || "
+            f"{{ echo {q(f'pvegpu: cannot get the config lock {lock} of {label} {gid} (held by another task)')} >&2; exit 1; }}; "
+            f"l=$(sed -n '/^\\[/q;s/^lock:[[:space:]]*//p' {q(path)} 2>/dev/null); "
+            f"[ -z \"$l\" ] || {{ echo {locked} >&2; exit 1; }}; "
+            f"{write_file_command(path, text, '640', keep_previous=False)} ) 9>{q(lock)}")
+
+
 @operation()
 def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minors: dict[str, int] | None = None,
                           start_after: list[int] | None = None, api: PveApi | None = None,
-                          shutdown_timeout: int = 120):
+                          shutdown_timeout: int = 120, ha: dict | None = None):
     """Give each CT the device lines of exactly its GPUs; restart/start CTs as needed.
 
     + wanted: ``{200: {"gpus": ["0000:01:00.0"], "gid": 44}}``
-    + dev_entries: PVE >= 8.1 `devN:` syntax, else raw `lxc.*` lines
+    + dev_entries: `devN:` syntax (pve-container >= 5.0.7), else raw `lxc.*` lines
     + boot_minors: minors to use while a rebind waits for a reboot (no restarts then)
     + start_after: CTs the rebind transaction stopped (started again here)
     + api: `operations.proxmox.PveApi` for start/shutdown, or None for pct over SSH
     + shutdown_timeout: seconds a CT gets to shut down before it is stopped hard
+    + ha: `HaResources`; a running HA-managed CT that would need a restart is refused (nothing written)
     """
     state = host.get_fact(ContainerGpuState)
     # this run's CT run state; read again when an earlier operation started or stopped guests
@@ -138,6 +164,7 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
     majors = state["majors"]
     start_after = set(start_after or [])
     changed_any = False
+    locked: list[str] = []
     for ctid, want in sorted(wanted.items()):
         text = state["configs"].get(ctid)
         if text is None:
@@ -150,10 +177,20 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
             logger.warning(f"{host.name}: {problem}")
         merged = merge_container_config(text, devices.lines, majors)
         running = status.get(ctid) == "running"
+        lock = re.search(r"^lock:\s*(\S+)", text.split("\n[", 1)[0], re.M)
+        if lock and (merged.changed or ctid in start_after):
+            # a backup/migration/snapshot holds it: neither its config nor its run state is ours to change
+            locked.append(lock_refusal("lxc", ctid, lock.group(1), "write its config or stop/start it"))
+            continue
+        managed = ha_resource(ha or {}, "lxc", ctid)
+        if managed and running and boot_minors is None and not devices.problems \
+                and config_gpu_nodes(text) != config_gpu_nodes(merged.text):
+            locked.append(ha_restart_refusal("lxc", ctid, managed[0]))
+            continue
         if merged.changed:
             changed_any = True
             # /etc/pve is pmxcfs (cluster-replicated): no .pvegpu-prev copies next to the config
-            yield StringCommand(write_file_command(f"{LXC_DIR}/{ctid}.conf", merged.text, "640", keep_previous=False))
+            yield StringCommand(locked_config_write("lxc", ctid, f"{LXC_DIR}/{ctid}.conf", merged.text))
         nodes_changed = config_gpu_nodes(text) != config_gpu_nodes(merged.text)
         if ctid in start_after and not running:
             changed_any = True
@@ -167,6 +204,8 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
                 changed_any = True
                 yield from guest_stop_commands(api, "lxc", ctid, shutdown_timeout)
                 yield from guest_start_commands(api, "lxc", ctid)
+    if locked:
+        raise OperationError("; ".join(locked))
     if not changed_any:
         host.noop("every container passes exactly its GPUs")
 
@@ -275,12 +314,42 @@ def prefetch(spec: HostSpec) -> list:
 
 
 def preflight(spec: HostSpec) -> list[str]:
-    # guest problems are reported while applying; the GPU stage refuses unsafe moves
+    # other guest problems are reported while applying; the GPU stage refuses unsafe moves
+    refusals: list[str] = []
     if spec.proxmox_api is not None:
         problem = api_of(spec, spec.node or host.data.get("pvegpu_node") or host.name).problem()
         if problem:
-            return [problem]
-    return []
+            refusals.append(problem)
+    if spec.containers or spec.vms or spec.gpus:
+        facts = stage_facts(spec)
+        if not spec.gpus:  # with GPUs, the GPU stage's preflight says it
+            refusals += guest_control_refusals(spec, facts)
+        refusals += locked_vm_refusals(spec, facts)
+    return refusals
+
+
+def locked_vm_refusals(spec: HostSpec, facts: dict) -> list[str]:
+    """VMs of the spec whose config this run would change (or that it would restart) while
+    their config carries a `lock:` (qm refuses both then: "VM is locked (backup)"), and running
+    HA-managed VMs it would restart (qm would only queue HA requests)."""
+    refusals = []
+    cfg, pci = facts["cfg"], facts["hw"]["pci_devices"]
+    running = facts["runtime"]["status"]["qemu"]
+    pending_boot = bool(facts["rebind"].moves) and not facts["rebind"].live
+    for vmid, vm in sorted(spec.vms.items()):
+        config = cfg["qemu_configs"].get(vmid)
+        lock = config_lock(config)
+        managed = ha_resource(facts["ha"], "qemu", vmid)
+        if config is None or not (lock or managed):
+            continue
+        plan = plan_vm(vmid, facts["node"], [b for b in vm.gpus if b in pci], vm.machine, vm.allow_machine_change,
+                       config, pci, set(spec.gpus))
+        if lock and (plan.changed or ("qemu", vmid) in facts["rebind"].stop):
+            refusals.append(lock_refusal("qemu", vmid, lock, "change its config or stop/start it"))
+        elif managed and plan.changed and running.get(vmid) == "running" \
+                and not (pending_boot and any(m.bdf in vm.gpus for m in facts["rebind"].moves)):
+            refusals.append(ha_restart_refusal("qemu", vmid, managed[0]))
+    return refusals
 
 
 @deploy("guests")
@@ -293,6 +362,10 @@ def apply(spec: HostSpec) -> None:
     timeout = spec.guests.shutdown_timeout
     pending_boot = bool(rebind.moves) and not rebind.live
     stopped = {(k, i) for k, i in rebind.stop}
+    for kind, gid, sid in facts["ha_wait"]:  # HA stopped them and keeps them stopped: not ours to start
+        stopped.discard((kind, gid))
+        logger.info(f"{host.name}: {'CT' if kind == 'lxc' else 'VM'} {gid} stays stopped: HA resource {sid} requests "
+                    f"that; start it with ha-manager set {sid} --state started")
     default_gid = host.data.get("PVEGPU_DEVICE_GID") or DEFAULT_GID
 
     if spec.containers:
@@ -300,9 +373,10 @@ def apply(spec: HostSpec) -> None:
                   for ctid, ct in spec.containers.items()}
         container_gpu_devices(
             name="guests: container GPU devices", wanted=wanted,
-            dev_entries=pve_supports_dev_entries(cfg["pve_version"]),
+            dev_entries=pve_supports_dev_entries(facts["packages"]),
             boot_minors=facts["config_minors"] if pending_boot else None,
             start_after=[i for k, i in stopped if k == "lxc"], api=api, shutdown_timeout=timeout,
+            ha=facts["ha"],
         )
 
     pci = hw["pci_devices"]

@@ -192,6 +192,13 @@ def shutdown_shell(kind: str, gid: int, timeout: int) -> str:
             f"logger -t pvegpu {msg} 2>/dev/null || true; {tool} stop {q}; }}")
 
 
+def wait_stopped_shell(kind: str, gid: int, timeout: int) -> str:
+    """Waits (up to `timeout` s) until `qm/pct status <gid>` says stopped; non-zero if it does not."""
+    tool, q = KIND_TOOL[kind], shlex.quote(str(gid))
+    return (f"( n=0; until {tool} status {q} 2>/dev/null | grep -qx 'status: stopped'; do "
+            f"n=$((n+1)); [ $n -le {int(timeout)} ] || exit 1; sleep 1; done )")
+
+
 def guest_stop_commands(api: PveApi | None, kind: str, gid: int, timeout: int) -> list:
     """The command that shuts guest `gid` down (see `shutdown_shell` / `api_guest_stop`). Called
     by an operation right before it yields it: the run's guest state is read again after it."""

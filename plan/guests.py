@@ -4,7 +4,7 @@ Containers (`/etc/pve/lxc/<ctid>.conf`): the device lines for exactly the CT's G
 by BDF → *Device Minor* (`NvidiaGpus` fact; minors shift when GPUs move, so never by N), plus
 the control nodes every CUDA process needs. Two syntaxes (DESIGN.md §7):
 
-    PVE >= 8.1:  dev0: /dev/nvidia2,gid=44            (PVE resolves majors at CT start)
+    pve-container >= 5.0.7:  dev0: /dev/nvidia2,gid=44   (PVE resolves majors at CT start)
     older:       lxc.cgroup2.devices.allow: c 195:* rwm      (majors from /proc/devices)
                  lxc.mount.entry: /dev/nvidia2 dev/nvidia2 none bind,optional,create=file
 
@@ -28,6 +28,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from spec.models import MAX_HOSTPCI_DEVICES
+
 NVIDIA_MAJOR = 195
 # Nodes every CUDA process opens besides its GPUs (caps: MIG / fabric capabilities).
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
@@ -45,11 +47,18 @@ ALLOW_RE = re.compile(r"^c\s+(\d+):(\S+)\s+\S+$")
 DYNAMIC_MAJORS = set(range(234, 255)) | set(range(384, 512))
 
 
-def pve_supports_dev_entries(pve_version: dict | None) -> bool:
-    """`devN:` passthrough entries exist since PVE 8.1 (`PveVersion` fact shape)."""
-    if not pve_version:
-        return False
-    return (pve_version["major"], pve_version["minor"]) >= (8, 1)
+# follows pve-container debian/changelog 5.0.7 ("allow passing raw device nodes through to
+# containers"): the `devN:` keys exist in the installed pve-container from that version on
+DEV_ENTRIES_PVE_CONTAINER = "5.0.7"
+
+
+def pve_supports_dev_entries(pve_packages: dict | None) -> bool:
+    """`devN:` passthrough entries: the installed pve-container is >= 5.0.7 (`PvePackages`
+    fact, `pveversion -v`); pve-manager's version does not decide it."""
+    from facts.proxmox import debian_version_key
+
+    version = (pve_packages or {}).get("pve-container")
+    return bool(version) and debian_version_key(version) >= debian_version_key(DEV_ENTRIES_PVE_CONTAINER)
 
 
 def nvidia_majors(char_majors: dict[str, int]) -> set[int]:
@@ -91,7 +100,7 @@ def render_container_devices(ctid: int, bdfs: list[str], minors: dict[str, int |
 
     + minors: {bdf: Device Minor} (from `NvidiaGpus`: ``{bdf: v["minor"]}``)
     + char_majors: `CharDeviceMajors` (old syntax only)
-    + dev_entries: PVE >= 8.1 `devN:` syntax, else raw `lxc.*` lines
+    + dev_entries: `devN:` syntax (pve-container >= 5.0.7), else raw `lxc.*` lines
     + used_dev_indices: devN indices held by other (not ours) entries; ours take the lowest free
     + caps_present: the /dev/nvidia-caps/* nodes that exist on the host (None: assume all). A
       `devN:` entry whose path is missing stops the CT from starting ("Device … does not exist"),
@@ -376,7 +385,12 @@ def plan_vm(vmid: int, node: str, gpus: list[str], want_machine: str, allow_mach
     free = (i for i in range(10_000) if i not in taken)
     wanted: dict[str, str] = {}
     for bdf in sorted(gpus):
-        wanted[f"hostpci{next(free)}"] = f"mapping={mapping_id(node, bdf)}" + (",pcie=1" if q35 else "")
+        index = next(free)
+        if index >= MAX_HOSTPCI_DEVICES:  # qemu-server knows hostpci0..hostpci15 only
+            problems.append(f"VM {vmid}: no free hostpci line for GPU {bdf}: hostpci0-hostpci"
+                            f"{MAX_HOSTPCI_DEVICES - 1} are taken by other passthrough devices; free one")
+            continue
+        wanted[f"hostpci{index}"] = f"mapping={mapping_id(node, bdf)}" + (",pcie=1" if q35 else "")
     for key, value in wanted.items():
         current = ours.get(key)
         want_opts = {"pcie": "1"} if q35 else {}

@@ -77,6 +77,10 @@ def _guest_id(value: int) -> int:
 GuestId = Annotated[int, AfterValidator(_guest_id)]
 
 
+# follows qemu-server PVE/QemuServer/PCI.pm $MAX_HOSTPCI_DEVICES: a VM config has hostpci0..hostpci15
+MAX_HOSTPCI_DEVICES = 16
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -315,7 +319,7 @@ class ProxmoxApiSpec(Strict):
 
 class HostSpec(Strict):
     ssh: SshSpec | None = None
-    node: SafeStr | None = None  # Proxmox node name; default: the host's name
+    node: SafeStr | None = None  # Proxmox node name; must be the host's (`uname -n` without the domain), which is the default
     boot_loader: Literal["auto", "grub", "systemd-boot"] = "auto"
     iommu: IommuSpec = Field(default_factory=IommuSpec)
     kernel: KernelSpec | None = None
@@ -360,6 +364,10 @@ class HostSpec(Strict):
 
         vm_of: dict[str, int] = {}
         for vmid, vm in self.vms.items():
+            if len(vm.gpus) > MAX_HOSTPCI_DEVICES:
+                errors.append(f"@vms[{vmid}].gpus: lists {len(vm.gpus)} GPUs, but a Proxmox VM has at most "
+                              f"{MAX_HOSTPCI_DEVICES} PCI passthrough lines (hostpci0-hostpci{MAX_HOSTPCI_DEVICES - 1}); "
+                              "each GPU takes one")
             for bdf in vm.gpus:
                 where = f"vms[{vmid}].gpus"
                 if bdf in vm_of and vm_of[bdf] != vmid:

@@ -59,7 +59,8 @@ def test_exec_runs_in_the_cts_own_root_with_its_devices(twin):
         "/usr/local/bin:\n\n/usr/local/sbin:\n"  # none of the twin's stand-ins
     assert sh(twin, "pct exec 200 -- hostname").stdout == "llm\n"
     nodes = sh(twin, "pct exec 200 -- sh -c 'cd /dev && stat -c \"%n %t:%T %g %a\" nvidia*'").stdout
-    assert nodes == "nvidia2 c3:2 44 666\nnvidia5 c3:5 0 666\nnvidiactl c3:ff 0 666\n"
+    # lxc-pve-prestart-hook: devN nodes are 0660 (no mode=), not the host node's 0666
+    assert nodes == "nvidia2 c3:2 44 660\nnvidia5 c3:5 0 660\nnvidiactl c3:ff 0 660\n"
     r = sh(twin, "pct exec 200 -- sh -c 'cat; echo err >&2; exit 3'", check=False, stdin="in\n")
     assert (r.returncode, r.stdout, r.stderr) == (3, "in\n", "err\n")
     sh(twin, "pct exec 200 -- touch /root/made-in-ct")
@@ -94,7 +95,7 @@ def test_devices_follow_the_config_at_start_and_files_survive_restart(twin):
     assert sh(twin, "pct exec 200 -- nvidia-smi -L").stdout == listed(twin, 2, 5)  # needs a restart
     sh(twin, "pct exec 200 -- sleep 600 >/dev/null 2>&1 &")
     sh(twin, "pct stop 200")
-    for cmd, message in (("exec 200 -- true", "CT 200 not running"),
+    for cmd, message in (("exec 200 -- true", "container '200' not running!"),  # pct.pm exec
                          ("push 200 /etc/hostname /root/x", "can only push files to a running CT"),
                          ("pull 200 /etc/hostname /tmp/x", "can only pull files from a running CT")):
         r = sh(twin, f"pct {cmd}", check=False)

@@ -59,9 +59,15 @@ def test_pct_start_with_device_nodes_present(root):
     for path, minor in (("dev/nvidia0", 0), ("dev/nvidia-uvm", 0)):
         (root / path).parent.mkdir(exist_ok=True)
         os.mknod(root / path, 0o666 | stat.S_IFCHR, os.makedev(195 if "uvm" not in path else 511, minor))
-    run(root, "pct", "set", "200", "--dev0", "/dev/nvidia0,gid=44", "--dev1", "/dev/nvidia-uvm", check=True)
+    run(root, "pct", "set", "200", "--dev0", "/dev/nvidia0,gid=44", "--dev1", "/dev/nvidia-uvm,mode=0666", check=True)
     run(root, "pct", "start", "200", check=True)
     assert run(root, "pct", "status", "200").stdout == "status: running\n"
+    # lxc-pve-prestart-hook: 0660 unless mode= (not the host node's 0666); owner mapped by the
+    # unprivileged CT's default idmap on the host, the CT's own ids inside
+    devices = {d["path"]: d for d in json.loads((root / "var/lib/twin/ct/200/devices.json").read_text())["devices"]}
+    assert (devices["/dev/nvidia0"]["mode"], devices["/dev/nvidia0"]["gid"]) == (0o660, 44)
+    assert (devices["/dev/nvidia0"]["host_uid"], devices["/dev/nvidia0"]["host_gid"]) == (100000, 100044)
+    assert devices["/dev/nvidia-uvm"]["mode"] == 0o666
     run(root, "pct", "reboot", "200", check=True)
     run(root, "pct", "stop", "200", check=True)
     assert guests_log(root) == ["start lxc 200", "reboot lxc 200", "stop lxc 200"]
@@ -100,7 +106,21 @@ def test_pct_set_keeps_comments_raw_keys_and_snapshots(root):
 def test_pct_exec_refuses_a_stopped_ct(root):
     """(Running CTs: tests/twin/test_ct.py runs commands in their own roots.)"""
     r = run(root, "pct", "exec", "200", "--", "true")
-    assert r.returncode != 0 and "CT 200 not running" in r.stderr
+    # pve-container src/PVE/CLI/pct.pm exec
+    assert r.returncode != 0 and "container '200' not running!" in r.stderr
+
+
+def test_qm_and_pct_list_print_what_proxmox_prints(root):
+    from facts.guest_state import parse_guest_state
+
+    conf = root / "etc/pve/qemu-server/300.conf"
+    conf.write_text("".join(line for line in conf.read_text().splitlines(True) if not line.startswith("name:")))
+    qm = run(root, "qm", "list", check=True).stdout.splitlines()
+    assert qm[0].split() == ["VMID", "NAME", "STATUS", "MEM(MB)", "BOOTDISK(GB)", "PID"]
+    assert qm[1].split()[:4] == ["300", "VM", "300", "stopped"]  # unnamed: "VM <vmid>"
+    pct = run(root, "pct", "list", check=True).stdout.splitlines()
+    assert pct[0].split() == ["VMID", "Status", "Lock", "Name"]
+    assert parse_guest_state(["@@ pct", *pct, "@@ qm", *qm])["qemu"] == {300: "stopped"}
 
 
 # ---------------------------------------------------------------- PCI mappings + qm
@@ -125,12 +145,91 @@ def test_pvesh_mapping_round_trip_and_vm_start(root):
     # the hardware changed under the mapping: wrong IOMMU group, then wrong path
     run(root, "pvesh", "set", "/cluster/mapping/pci/gpu0", "--map", gpu_map(group=99), check=True)
     r = run(root, "qm", "start", "300")
-    assert r.returncode != 0 and "'iommugroup' does not match for 'gpu0' (12 != 99)" in r.stderr
+    assert r.returncode != 0 and r.stderr == (
+        "PCI device mapping invalid (hardware probably changed): 'iommugroup' does not match for 'gpu0' (12 != 99)\n")
     run(root, "pvesh", "set", "/cluster/mapping/pci/gpu0", "--map", gpu_map(bdf="0000:02:00.0", group=12), check=True)
     r = run(root, "qm", "start", "300")
     assert r.returncode != 0 and "'id' does not match for 'gpu0'" in r.stderr
     run(root, "pvesh", "delete", "/cluster/mapping/pci/gpu0", check=True)
     assert json.loads(run(root, "pvesh", "get", "/cluster/mapping/pci", "--output-format", "json").stdout) == []
+
+
+def test_every_mapping_entry_of_the_node_is_checked_and_qm_set_takes_a_missing_mapping(root):
+    # qemu-server PVE/API2/Qemu.pm update_vm: no existence check for root; PCI.pm parse_hostpci at start
+    run(root, "qm", "set", "300", "--hostpci0", "mapping=nope,pcie=1", check=True)
+    r = run(root, "qm", "start", "300")
+    assert r.returncode != 0 and "PCI device mapping not found for 'nope'" in r.stderr
+    # two entries for this node: the second one no longer matches the hardware
+    run(root, "pvesh", "create", "/cluster/mapping/pci", "--id", "gpu0", "--map", gpu_map(),
+        "--map", gpu_map(bdf="0000:21:00.0", group=12), check=True)
+    run(root, "qm", "set", "300", "--hostpci0", "mapping=gpu0,pcie=1", check=True)
+    r = run(root, "qm", "start", "300")
+    assert r.returncode != 0
+    assert r.stderr.startswith("PCI device mapping invalid (hardware probably changed): 'iommugroup' does not match")
+
+
+def test_qm_shutdown_of_a_stopped_vm_succeeds_pct_refuses(root):
+    # qemu-server PVE/QemuServer.pm _do_vm_stop: no process, nothing to do; pve-container Status.pm: "not running"
+    assert run(root, "qm", "shutdown", "300").returncode == 0
+    assert run(root, "qm", "stop", "300").returncode == 0
+    for action in ("shutdown", "stop"):
+        r = run(root, "pct", action, "200")
+        assert r.returncode != 0 and r.stderr == "CT 200 not running\n"
+    assert guests_log(root) == []
+
+
+def test_a_locked_guest_is_neither_changed_nor_started_nor_stopped(root):
+    conf = root / "etc/pve/qemu-server/300.conf"
+    conf.write_text("lock: backup\n" + conf.read_text())
+    for args in (("set", "300", "--memory", "1024"), ("start", "300")):
+        r = run(root, "qm", *args)
+        assert r.returncode != 0 and r.stderr == "VM is locked (backup)\n"
+    ct = root / "etc/pve/lxc/200.conf"
+    ct.write_text(ct.read_text() + "lock: migrate\n")
+    r = run(root, "pct", "set", "200", "--dev0", "/dev/nvidia0")
+    assert r.returncode != 0 and r.stderr == "CT is locked (migrate)\n"
+    run(root, "qm", "unlock", "300", check=True)
+    run(root, "qm", "set", "300", "--memory", "1024", check=True)
+    assert "lock:" not in conf.read_text() and "memory: 1024" in conf.read_text()
+
+
+def test_config_writes_wait_for_the_guest_config_flock(root):
+    """The flock every Proxmox tool holds while it changes /etc/pve/qemu-server/300.conf
+    (qemu-server PVE/QemuConfig.pm config_file_lock): a `qm set` waits for its holder."""
+    import fcntl
+    import threading
+    import time
+
+    lock = root / "var/lock/qemu-server/lock-300.conf"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        threading.Timer(0.6, held.close).start()
+        started = time.monotonic()
+        run(root, "qm", "set", "300", "--memory", "2048", check=True)
+        assert time.monotonic() - started >= 0.5
+
+
+def test_ha_resource_shutdown_only_queues_a_request_and_the_crm_stops_it_later(root):
+    ha = root / "etc/pve/ha"
+    ha.mkdir(parents=True, exist_ok=True)
+    (ha / "resources.cfg").write_text("vm: 300\n\tstate started\n\nct: 200\n\tstate ignored\n")
+    (root / "var/lib/twin/ha.json").write_text('{"mode": "stalled"}')
+    run(root, "qm", "start", "300", check=True)  # HA: a start request; the stalled CRM does nothing
+    assert run(root, "qm", "status", "300").stdout == "status: stopped\n"
+    (root / "var/lib/twin/ha.json").write_text('{"mode": "active", "delay_s": 0}')
+    assert run(root, "qm", "status", "300").stdout == "status: running\n"  # the LRM started it
+    (root / "var/lib/twin/ha.json").write_text('{"mode": "stalled"}')
+    r = run(root, "qm", "shutdown", "300", "--timeout", "30", check=True)
+    assert r.stdout == "Requesting HA stop for VM 300\n"
+    assert (ha / "crm_commands").read_text() == "stop vm:300 30\n"
+    assert run(root, "qm", "status", "300").stdout == "status: running\n"  # queued, not done
+    (root / "var/lib/twin/ha.json").write_text('{"mode": "active", "delay_s": 0}')
+    assert run(root, "qm", "status", "300").stdout == "status: stopped\n"
+    assert "\tstate stopped\n" in (ha / "resources.cfg").read_text()  # PVE/HA/Manager.pm: stop -> stopped
+    assert guests_log(root) == ["ha-start qemu 300", "ha-stop qemu 300"]
+    # state ignored: HA leaves it alone, pct acts directly
+    assert run(root, "pct", "start", "200").stdout == ""
 
 
 def test_qm_refuses_pcie_without_q35_and_busy_gpu(root):

@@ -90,3 +90,18 @@ def test_guest_state_changes_drops_the_reading_only_while_executing():
     in_phase(host, True, guest_state_changes)
     in_phase(host, True, guest_state)
     assert host.guest_reads == 2
+
+
+# `qm list` as qemu-server's PVE/CLI/qm.pm prints it ("%10s %-20s %-10s %-10s %12.2f %-10s"): an
+# unnamed VM is listed under its default name "VM <vmid>" (two words), a long name overflows its column
+QM_LIST_UNNAMED = """\
+      VMID NAME                 STATUS     MEM(MB)    BOOTDISK(GB) PID       
+       300 gpu-vm               running    65536             64.00 12345     
+       301 VM 301               stopped    2048              32.00 0         
+       302 a-very-long-vm-name-beyond-twenty paused     512                0.00 777       
+"""
+
+
+def test_qm_list_with_an_unnamed_vm_reads_the_status_column():
+    parsed = parse_guest_state(["@@ qm", *QM_LIST_UNNAMED.splitlines()])
+    assert parsed["qemu"] == {300: "running", 301: "stopped", 302: "paused"}

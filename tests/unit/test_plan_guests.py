@@ -41,11 +41,20 @@ PVE9_MAJORS = {**{n: m for n, m in H200_MAJORS.items() if not n.startswith("nvid
 KPRO6_MINORS = {"0000:01:00.0": 0, "0000:21:00.0": 1, "0000:41:00.0": 2, "0000:61:00.0": 3}
 
 
-def test_dev_entries_syntax_starts_at_pve_8_1():
-    assert not pve_supports_dev_entries(None)
-    assert not pve_supports_dev_entries({"major": 8, "minor": 0})
-    assert pve_supports_dev_entries({"major": 8, "minor": 1})
-    assert pve_supports_dev_entries({"major": 9, "minor": 0})
+def test_dev_entries_syntax_follows_the_installed_pve_container():
+    from facts.proxmox import parse_pve_packages
+
+    assert not pve_supports_dev_entries(None) and not pve_supports_dev_entries({})
+    # pve-manager 8.1.3 with a pve-container from before devN (5.0.6): raw lxc.* lines
+    assert not pve_supports_dev_entries({"pve-manager": "8.1.3", "pve-container": "5.0.6"})
+    assert pve_supports_dev_entries({"pve-manager": "8.0.4", "pve-container": "5.0.7"})
+    assert pve_supports_dev_entries({"pve-container": "5.0.12"})  # numbers compare as numbers
+    # real `pveversion -v` output (tests/fixtures/pveversion)
+    fixture = Path(__file__).resolve().parents[1] / "fixtures/pveversion/pve-8.4.11-verbose-package-versions-ceph-reef.txt"
+    packages = parse_pve_packages(fixture.read_text().splitlines()[2:])
+    assert packages["pve-manager"] == "8.4.11" and packages["pve-container"] == "5.3.0"
+    assert packages["proxmox-ve"] == "8.4.0" and packages["pve-edk2-firmware"] == "4.2025.02-4~bpo12+1"
+    assert pve_supports_dev_entries(packages)
 
 
 def test_dev_entries_pick_minors_by_bdf_not_by_position():
@@ -279,6 +288,12 @@ def test_vm_hostpci_lines_keep_other_devices_and_drop_moved_gpus():
     assert not plan_vm(300, "kpro6", ["0000:81:00.0", "0000:a1:00.0"], "q35", False, converged, PCI, set(PCI)).changed
     shrunk = plan_vm(300, "kpro6", ["0000:81:00.0"], "q35", False, converged, PCI, set(PCI))
     assert shrunk.delete == ["hostpci2"] and shrunk.set_options == {}
+
+
+def test_vm_with_every_hostpci_line_taken_gets_no_hostpci16():
+    config = _vm("machine: q35\n" + "".join(f"hostpci{i}: 0000:{i + 0x10:02x}:00.0\n" for i in range(16)))
+    plan = plan_vm(300, "kpro6", ["0000:81:00.0"], "q35", False, config, PCI, {"0000:81:00.0"})
+    assert plan.set_options == {} and "no free hostpci line for GPU 0000:81:00.0" in plan.problems[0]
 
 
 def test_raw_hostpci_of_a_managed_gpu_is_replaced_by_the_mapping():

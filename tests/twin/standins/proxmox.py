@@ -101,9 +101,11 @@ def verify_params(kind, opts):
                 errors.append(f"{k}: property is not defined in schema and the schema does not allow additional properties")
             elif re.match(r"^hostpci\d+$", k):
                 p = ts.prop_string(v)
+                # follows qemu-server PVE/API2/Qemu.pm update_vm (check_hostpci_perm): for root only the
+                # format is checked; a mapping that does not exist fails at start (PCI.pm parse_hostpci)
                 if "mapping" in p:
-                    if p["mapping"] not in read_mappings():
-                        errors.append(f"{k}: PCI resource mapping '{p['mapping']}' not found")
+                    if not re.match(r"^[a-z][a-z0-9_-]+$", p["mapping"], re.I):
+                        errors.append(f"{k}: invalid format - invalid configuration ID '{p['mapping']}'")
                 elif not re.match(r"^([0-9a-fA-F]{4}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(\.[0-7])?$", p.get("_", "") or p.get("host", "")):
                     errors.append(f"{k}: invalid format - value does not look like a valid PCI device id")
     if errors:
@@ -111,8 +113,15 @@ def verify_params(kind, opts):
 
 
 def update_config(kind, vmid, opts, delete):
-    conf = load(kind, vmid)
-    verify_params(kind, opts)
+    with config_lock(kind, vmid):
+        conf = load(kind, vmid)
+        verify_params(kind, opts)
+        # follows qemu-server PVE/API2/Qemu.pm update_vm_api / pve-container API2/LXC/Config.pm: a locked config is not changed
+        check_lock(kind, conf)
+        _update_config(kind, vmid, conf, opts, delete)
+
+
+def _update_config(kind, vmid, conf, opts, delete):
     for k, v in opts:
         if k == "description":
             conf["description"] = [f"#{line}" for line in v.split("\n")]
@@ -173,28 +182,37 @@ def sysfs_dev(bdf):
             "driver": os.path.basename(os.readlink(drv)) if os.path.islink(drv) else None}
 
 
-def assert_mapping_valid(name, entry):
-    """PVE::Mapping::PCI::assert_valid: ids, subsystem-id, path and IOMMU group must match."""
+def assert_mapping_valid(name, entry, mapping_cfg=None):
+    """One map entry of this node against the hardware: id, subsystem-id, the first device's IOMMU
+    group and (given the mapping's own config) mdev must match."""
+    # follows pve-guest-common src/PVE/Mapping/PCI.pm assert_valid() (5.2.x: mdev checked too)
     for idx, path in enumerate(entry.get("path", "").split(";")):
-        if not re.search(r"\.[0-7]$", path):
-            path += ".0"
-        info = sysfs_dev(path if path.count(":") == 2 else "0000:" + path)
+        if not re.search(r"\.[0-9a-f]", path, re.I):
+            path += ".0"  # a whole device: its function 0 must exist
+        bdf = path if path.count(":") == 2 else "0000:" + path
+        info = sysfs_dev(bdf)
         if info is None:
             raise ApiError(f"pci device '{path}' not found")
         correct = {"id": f"{info['vendor']}:{info['device']}", "iommugroup": info["iommugroup"],
-                   "subsystem-id": f"{info['subsystem_vendor']}:{info['subsystem_device']}"}
+                   "subsystem-id": (f"{info['subsystem_vendor']}:{info['subsystem_device']}"
+                                    if info["subsystem_vendor"] and info["subsystem_device"] else None)}
+        configured = {k: entry.get(k) for k in correct}
+        if mapping_cfg is not None:
+            mdev_dir = ts.path(f"/var/lib/twin/hw/sys/bus/pci/devices/{bdf}/mdev_supported_types")
+            correct["mdev"] = "1" if os.path.isdir(mdev_dir) else "0"
+            configured["mdev"] = "1" if mapping_cfg.get("mdev") in ("1", "true") else "0"
         for prop in sorted(correct):
             if prop == "iommugroup" and idx > 0:
                 continue
-            want, have = correct[prop], entry.get(prop)
+            want, have = correct[prop], configured[prop]
             if want is None and have is None:
                 continue
             if want is not None and have is None:
-                raise ApiError(f"no '{prop}' for device '{path}'")
+                raise ApiError(f"missing expected property '{prop}' for device '{path}'")
             if want is None:
-                raise ApiError(f"'{prop}' configured but should not be")
+                raise ApiError(f"unexpected property '{prop}' configured for device '{path}'")
             if want.replace("0x", "") != have.replace("0x", ""):
-                raise ApiError(f"'{prop}' does not match for '{name}' ({want} != {have})")
+                raise ApiError(f"'{prop}' does not match for '{name}' ({want.replace('0x', '')} != {have.replace('0x', '')})")
 
 
 def check_qemu_start(conf):
@@ -215,7 +233,12 @@ def check_qemu_start(conf):
             mine = [m for m in mine if m.get("node") == node()]
             if not mine:
                 raise ApiError(f"PCI device mapping not found for '{p['mapping']}'")
-            assert_mapping_valid(p["mapping"], mine[0])
+            # follows qemu-server PVE/QemuServer/PCI.pm parse_hostpci(): every entry of this node is checked
+            for m in mine:
+                try:
+                    assert_mapping_valid(p["mapping"], m, maps)
+                except ApiError as e:
+                    raise ApiError(f"PCI device mapping invalid (hardware probably changed): {e}")
             paths = mine[0]["path"].split(";")
         else:
             paths = [p.get("_") or p.get("host")]
@@ -234,25 +257,223 @@ def check_qemu_start(conf):
 def start(kind, vmid):
     conf = load(kind, vmid)
     label = KINDS[kind][1]
-    if status_of(kind, vmid) == "running":
-        raise ApiError(f"{label} {vmid} already running")
-    (check_lxc_start if kind == "lxc" else check_qemu_start)(conf)
+    sid = ha_sid(kind, vmid)
+    if sid:
+        # follows qemu-server PVE/API2/Qemu.pm vm_start / pve-container API2/LXC/Status.pm vm_start:
+        # an HA resource is only asked to start (`ha-manager set <sid> --state started`)
+        print(f"Requesting HA start for {label} {vmid}")
+        ha_set_state(sid, "started")
+        return
+    with config_lock(kind, vmid):
+        conf = load(kind, vmid)
+        if status_of(kind, vmid) == "running":
+            raise ApiError(f"{label} {vmid} already running")
+        check_lock(kind, conf)
+        (check_lxc_start if kind == "lxc" else check_qemu_start)(conf)
+        boot_guest(kind, vmid, conf)
+
+
+def boot_guest(kind, vmid, conf, action="start"):
     if kind == "lxc":
         ct_boot(vmid, conf)
     set_run_state(kind, vmid, "running")
-    ts.log_guest("start", kind, vmid)
+    ts.log_guest(action, kind, vmid)
 
 
-def stop(kind, vmid, action="stop"):
-    load(kind, vmid)
-    if status_of(kind, vmid) != "running":
-        if action == "stop":
-            return  # stopping a stopped guest is a no-op in Proxmox too
-        raise ApiError(f"{KINDS[kind][1]} {vmid} not running")
+def stop(kind, vmid, action="stop", timeout=None):
+    conf = load(kind, vmid)
+    label = KINDS[kind][1]
+    running = status_of(kind, vmid) == "running"
+    if kind == "lxc" and not running:
+        # follows pve-container src/PVE/API2/LXC/Status.pm vm_stop/vm_shutdown: refused for a stopped CT
+        raise ApiError(f"CT {vmid} not running")
+    sid = ha_sid(kind, vmid)
+    if sid:
+        # follows qemu-server PVE/API2/Qemu.pm vm_shutdown/vm_stop and pve-container's: an HA resource
+        # is not stopped here, a stop request is queued for the HA manager (ha-manager crm-command stop)
+        print(f"Requesting HA stop for {label} {vmid}")
+        ha_queue(f"stop {sid} {0 if action == 'stop' else (timeout if timeout is not None else 60)}")
+        return
+    if not running:
+        return  # follows qemu-server PVE/QemuServer.pm _do_vm_stop(): no process, nothing to do, success
+    with config_lock(kind, vmid):
+        check_lock(kind, load(kind, vmid))
+        halt_guest(kind, vmid, action)
+
+
+def halt_guest(kind, vmid, action):
     if kind == "lxc":
         ct_halt(vmid)
     set_run_state(kind, vmid, "stopped")
     ts.log_guest(action, kind, vmid)
+
+
+# ---------------------------------------------------------------- config locks
+
+# follows pve-container PVE/LXC/Config.pm / qemu-server PVE/QemuConfig.pm config_file_lock()
+CONFIG_LOCK = {"lxc": "/run/lock/lxc/pve-config-{}.lock", "qemu": "/var/lock/qemu-server/lock-{}.conf"}
+
+
+class config_lock:
+    """The guest's config flock, waited for up to 10 s (pve-guest-common PVE/AbstractConfig.pm
+    lock_config() over PVE::Tools lock_file_full())."""
+
+    def __init__(self, kind, vmid, timeout=10):
+        self.name = CONFIG_LOCK[kind].format(vmid)
+        self.timeout = timeout
+
+    def __enter__(self):
+        full = ts.path(self.name)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        self.fh = open(full, "a")
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    self.fh.close()
+                    raise ApiError(f"can't lock file '{self.name}' - got timeout")
+                time.sleep(0.05)
+
+    def __exit__(self, *exc):
+        self.fh.close()
+
+
+def check_lock(kind, conf):
+    """pve-guest-common PVE/AbstractConfig.pm check_lock(): a `lock:` in the config refuses."""
+    lock = ts.conf_get(conf, "lock")
+    if lock:
+        raise ApiError(f"{KINDS[kind][1]} is locked ({lock})")
+
+
+# ---------------------------------------------------------------- HA (pve-ha-manager)
+
+HA_RESOURCES = "/etc/pve/ha/resources.cfg"
+HA_COMMANDS = "/etc/pve/ha/crm_commands"
+HA_DAEMON = "/var/lib/twin/ha.json"  # the twin's CRM/LRM: {"mode": "active"|"stalled", "delay_s": 1}
+
+
+def ha_read():
+    """resources.cfg as [(type, name, {key: value})] in file order."""
+    out = []
+    for line in (ts.read(HA_RESOURCES) or "").splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        m = re.match(r"^(\S+):\s*(\S+)\s*$", line)
+        if m and not line[0].isspace():
+            out.append((m.group(1).lower(), m.group(2), {}))
+        elif out:
+            k, _, v = line.strip().partition(" ")
+            out[-1][2][k] = v.strip()
+    return out
+
+
+def ha_write(resources):
+    ts.write(HA_RESOURCES, "\n".join(f"{t}: {n}\n" + "".join(f"\t{k} {v}\n" for k, v in opts.items())
+                                     for t, n, opts in resources))
+
+
+def ha_sid(kind, vmid):
+    """`vm:300`/`ct:200` when the guest is an HA resource HA does not ignore, else None."""
+    # follows pve-ha-manager src/PVE/HA/Config.pm vm_is_ha_managed(): vm:<id> or ct:<id>, state "ignored" = unmanaged
+    if not os.path.exists(ts.path(HA_RESOURCES)):
+        return None
+    for t, n, opts in ha_read():
+        if n == str(vmid) and t in ("vm", "ct") and opts.get("state") != "ignored":
+            return f"{t}:{n}"
+    return None
+
+
+def ha_set_state(sid, state):
+    resources = ha_read()
+    for t, n, opts in resources:
+        if f"{t}:{n}" == sid:
+            opts["state"] = state
+            ha_write(resources)
+            return
+    raise ApiError(f"resource '{sid}' is not HA managed")
+
+
+def ha_queue(command):
+    """pve-ha-manager PVE/HA/Config.pm queue_crm_commands(): one line appended to ha/crm_commands."""
+    ts.write(HA_COMMANDS, (ts.read(HA_COMMANDS) or "") + command + "\n")
+
+
+def ha_age(p):
+    try:
+        return time.time() - os.stat(ts.path(p)).st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def ha_step():
+    """What the HA stack would have done by now, run lazily by every pct/qm/pvesh/ha-manager call.
+    The CRM takes queued commands after `delay_s` (a `stop` sets the resource's requested state to
+    stopped: pve-ha-manager PVE/HA/Manager.pm), and the LRM brings each guest to its requested
+    state `delay_s` after resources.cfg last changed. mode "stalled" (no quorum, dead CRM): never."""
+    if not os.path.exists(ts.path(HA_RESOURCES)):
+        return
+    daemon = json.loads(ts.read(HA_DAEMON, "{}") or "{}")
+    if daemon.get("mode", "active") != "active":
+        return
+    delay = float(daemon.get("delay_s", 1))
+    commands = (ts.read(HA_COMMANDS) or "").split("\n")
+    if any(c.strip() for c in commands) and (ha_age(HA_COMMANDS) or 0) >= delay:
+        ts.write(HA_COMMANDS, "")
+        for c in commands:
+            words = c.split()
+            if words[:1] == ["stop"] and len(words) >= 2:
+                try:
+                    ha_set_state(words[1], "stopped")
+                except ApiError:
+                    pass
+    if (ha_age(HA_RESOURCES) or 0) < delay:
+        return
+    for t, n, opts in ha_read():
+        kind = "lxc" if t == "ct" else "qemu"
+        if not n.isdigit() or ts.read(conf_path(kind, int(n))) is None:
+            continue
+        want, have = opts.get("state", "started"), status_of(kind, int(n))
+        if want in ("stopped", "disabled") and have == "running":
+            halt_guest(kind, int(n), "ha-stop")
+        elif want in ("started", "enabled") and have != "running":
+            try:
+                conf = load(kind, int(n))
+                (check_lxc_start if kind == "lxc" else check_qemu_start)(conf)
+                boot_guest(kind, int(n), conf, "ha-start")
+            except ApiError:
+                pass  # real HA retries and then sets the service to "error"
+
+
+def ha_manager(argv):
+    """ha-manager crm-command stop <sid> <timeout> | set <sid> --state S | remove <sid> | status."""
+    try:
+        ha_step()
+        if argv[:2] == ["crm-command", "stop"] and len(argv) >= 4:
+            if argv[2] not in {f"{t}:{n}" for t, n, _ in ha_read()}:
+                raise ApiError(f"resource '{argv[2]}' is not HA managed")
+            ha_queue(f"stop {argv[2]} {argv[3]}")
+            return 0
+        if argv[:1] == ["set"] and len(argv) >= 2:
+            opts, _ = parse_opts(argv[2:])
+            for k, v in opts:
+                if k == "state":
+                    ha_set_state(argv[1], v)
+            return 0
+        if argv[:1] == ["remove"] and len(argv) >= 2:
+            rest = [r for r in ha_read() if f"{r[0]}:{r[1]}" != argv[1]]
+            ha_write(rest)
+            return 0
+        if argv[:1] == ["status"]:
+            for t, n, opts in ha_read():
+                kind = "lxc" if t == "ct" else "qemu"
+                print(f"service {t}:{n} ({node()}, {opts.get('state', 'started')}) {status_of(kind, int(n))}")
+            return 0
+    except ApiError as e:
+        ts.die(str(e), 255)
+    ts.die("ERROR: unknown command 'ha-manager " + " ".join(argv[:1]) + "'", 255)
 
 
 def reboot(kind, vmid):
@@ -279,7 +500,6 @@ def create_guest(kind, vmid, opts):
 
 CT_DIR = "/var/lib/twin/ct"  # host-fs dir the runtime bind-mounts rw (overlay upper/work live here)
 CT_BASE = "/var/lib/twin/ctbase"  # the pristine bookworm root, ro: every CT's lowerdir
-CT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # lxc-attach --clear-env
 BASIC_NODES = (("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9),
                ("tty", 5, 0))
 
@@ -342,10 +562,15 @@ def ct_devices(vmid, conf):
             node = twin_char_node(path)
             if node is None:
                 raise ApiError(f"Device {path} does not exist")
-            major, minor, mode = node
+            major, minor, _host_mode = node
+            uid, gid = int(p.get("uid", 0)), int(p.get("gid", 0))
+            # follows pve-container src/lxc-pve-prestart-hook (passthrough devices): mode 0660 unless
+            # mode= is given (never the host node's), owner uid=/gid= (default 0) mapped through the CT's
+            # idmap on the host; inside the CT (here: no user namespace) the node shows the CT's own ids
             out[path] = {"path": path, "major": major, "minor": minor,
-                         "mode": int(p["mode"], 8) if "mode" in p else mode,
-                         "uid": int(p.get("uid", 0)), "gid": int(p.get("gid", 0))}
+                         "mode": int(p["mode"], 8) if "mode" in p else 0o660,
+                         "uid": uid, "gid": gid,
+                         "host_uid": map_ct_id(conf, "u", uid), "host_gid": map_ct_id(conf, "g", gid)}
         elif k == "lxc.mount.entry":
             words = v.split()
             if len(words) < 4 or "bind" not in words[3].split(","):
@@ -362,6 +587,20 @@ def ct_devices(vmid, conf):
                     out[inside] = {"path": inside, "major": major, "minor": minor, "mode": mode,
                                    "uid": 0, "gid": 0}
     return sorted(out.values(), key=lambda d: d["path"])
+
+
+def map_ct_id(conf, which, ct_id):
+    """A CT uid/gid as the host sees it: lxc.idmap lines, else an unprivileged CT's default map
+    (0 -> 100000, 65536 ids), else (privileged) itself (pve-container PVE/LXC.pm map_ct_uid_to_host)."""
+    maps = [v.split() for k, v in conf["keys"] if k == "lxc.idmap"]
+    if not maps and ts.conf_get(conf, "unprivileged") == "1":
+        maps = [[which, "0", "100000", "65536"]]
+    if not maps:
+        return ct_id
+    for m in maps:
+        if len(m) == 4 and m[0] == which and int(m[1]) <= ct_id < int(m[1]) + int(m[3]):
+            return int(m[2]) + ct_id - int(m[1])
+    return 65534  # unmapped: nobody/nogroup
 
 
 def ct_boot(vmid, conf):
@@ -474,7 +713,9 @@ def ct_enter_script(vmid, snapshot):
         f"mount --bind -o ro /usr/local/lib/twin {tw}/usr/local/lib/twin",
         f"touch {tw}/usr/local/bin/nvidia-smi && mount --bind -o ro /usr/local/bin/nvidia-smi {tw}/usr/local/bin/nvidia-smi",
         f"echo '{{\"vmid\": {vmid}}}' > {r}/run/twin/ct.json",
-        f"exec chroot {r} /usr/bin/env -i PATH={CT_PATH} container=lxc HOME=/root ${{TERM:+TERM=$TERM}} \"$@\"",
+        # follows pve-container src/PVE/CLI/pct.pm exec: keep-env defaults to 1 on PVE 8 (lxc-attach
+        # --keep-env), only SSL_CERT_FILE/SSL_CERT_DIR are dropped (clean_environment)
+        f"exec chroot {r} /usr/bin/env -u SSL_CERT_FILE -u SSL_CERT_DIR container=lxc \"$@\"",
     ]
     return "\n".join(lines) + "\n"
 
@@ -488,7 +729,7 @@ def ct_cli(cmd, rest):
     vmid = int(rest[0])
     load("lxc", vmid)
     if status_of("lxc", vmid) != "running":
-        raise ApiError(f"CT {vmid} not running" if cmd == "exec"
+        raise ApiError(f"container '{vmid}' not running!" if cmd == "exec"
                        else f"can only {cmd} files {'to' if cmd == 'push' else 'from'} a running CT")
     if cmd == "exec":
         command = rest[1:]
@@ -660,7 +901,7 @@ def guest_api(method, kind, rest, opts, single):
         if action == "start":
             start(kind, vmid)
         elif action in ("stop", "shutdown"):
-            stop(kind, vmid, action)
+            stop(kind, vmid, action, int(single["timeout"]) if "timeout" in single else None)
         elif action == "reboot":
             reboot(kind, vmid)
         else:
@@ -788,6 +1029,7 @@ def pvesh(argv):
         else:
             keep.append((k, v))
     try:
+        ha_step()
         emit(api(method, argv[1], keep), fmt)
     except ApiError as e:
         ts.die(str(e), 255)
@@ -803,19 +1045,26 @@ def guest_cli(kind, argv):
         ts.die(f"ERROR: no command specified\nUSAGE: {prog} <COMMAND> [ARGS] [OPTIONS]", 255)
     cmd, rest = argv[0], argv[1:]
     try:
+        ha_step()
         if cmd == "list":
             ids = guest_ids(kind)
+            if not ids:
+                return 0  # no guests: not even the header (pct.pm / qm.pm list)
             if kind == "lxc":
+                # follows pve-container PVE/CLI/pct.pm list: "%-10s %-10s %-12s %-20s", name defaults to CT<id>
                 print(f"{'VMID':<10} {'Status':<10} {'Lock':<12} {'Name':<20}")
                 for vmid in ids:
                     c = config_dict(kind, vmid)
-                    print(f"{vmid:<10} {status_of(kind, vmid):<10} {c.get('lock', ''):<12} {c.get('hostname', ''):<20}")
+                    print(f"{vmid:<10} {status_of(kind, vmid):<10} {str(c.get('lock', '')):<12} "
+                          f"{str(c.get('hostname') or f'CT{vmid}'):<20}")
             else:
-                print(f"{'VMID':>10} {'NAME':<20} {'STATUS':<10} {'MEM(MB)':>10} {'BOOTDISK(GB)':>12} {'PID':>10}")
+                # follows qemu-server PVE/CLI/qm.pm list ("%10s %-20s %-10s %-10s %12.2f %-10s") and
+                # PVE/QemuServer.pm vmstatus(): an unnamed VM is "VM <vmid>"
+                print(f"{'VMID':>10} {'NAME':<20} {'STATUS':<10} {'MEM(MB)':<10} {'BOOTDISK(GB)':>12} {'PID':<10}")
                 for vmid in ids:
                     c = config_dict(kind, vmid)
-                    print(f"{vmid:>10} {str(c.get('name', '')):<20} {status_of(kind, vmid):<10} "
-                          f"{c.get('memory', 512):>10} {0.0:>12.2f} {0:>10}")
+                    print(f"{vmid:>10} {str(c.get('name') or f'VM {vmid}'):<20} {status_of(kind, vmid):<10} "
+                          f"{str(c.get('memory', 512)):<10} {0.0:>12.2f} {0:<10}")
             return 0
         if cmd in ("exec", "push", "pull") and kind == "lxc":
             return ct_cli(cmd, rest)
@@ -844,7 +1093,14 @@ def guest_cli(kind, argv):
             start(kind, vmid)
             return 0
         if cmd in ("stop", "shutdown"):
-            stop(kind, vmid, cmd)
+            timeout = dict(opts).get("timeout")
+            stop(kind, vmid, cmd, int(timeout) if timeout is not None else None)
+            return 0
+        if cmd == "unlock":  # qm/pct unlock: drop the config's lock: line
+            with config_lock(kind, vmid):
+                conf = load(kind, vmid)
+                ts.conf_delete(conf, "lock")
+                save(kind, vmid, conf)
             return 0
         if cmd == "reboot":
             reboot(kind, vmid)
@@ -886,7 +1142,7 @@ def pveversion(argv):
 
 
 HANDLERS = {"pct": lambda a: guest_cli("lxc", a), "qm": lambda a: guest_cli("qemu", a),
-            "pvesh": pvesh, "pveversion": pveversion}
+            "pvesh": pvesh, "pveversion": pveversion, "ha-manager": ha_manager}
 PROGRAMS = tuple(HANDLERS)
 
 

@@ -151,6 +151,8 @@ CASES = [
       )],
     *[case("proxmox.PveVersion", Path(name).stem, f"pveversion/{name}") for name in (
         "pve-8.3.3-debian-install-kernel-6.11.txt", "pve-9.1.7-prefixed-by-author.txt")],
+    case("proxmox.PvePackages", "pve-8.4.11-verbose-package-versions-ceph-reef",
+         "pveversion/pve-8.4.11-verbose-package-versions-ceph-reef.txt"),
     *[case("kernel.ProxmoxKernels", name, f"proxmox-boot-tool/{fixture}",
            sections=[("@@ kernel list", f"proxmox-boot-tool/{fixture}", ranges), ("@@ /boot", None, None),
                      ("@@ running", None, None), ("@@ pin", None, None), ("@@ next-boot-pin", None, None)],

@@ -224,3 +224,32 @@ def test_with_the_api_guests_shut_down_through_it_before_the_script(monkeypatch)
     script = str(commands[2])
     assert "shutdown" not in script and " stop " not in script and "drivers_probe" in script
     assert "unit-secret-value" not in " ".join(repr(c) for c in commands)
+
+
+def test_ha_resource_being_stopped_by_ha_is_waited_for_not_shut_down(scratch):
+    """plan.guest_control: VM 300 is HA resource vm:300 with requested state stopped: no `qm shutdown`
+    (it would only queue another HA request); the script waits until `qm status` says stopped."""
+    polls = scratch["bin"] / "polls"
+    (scratch["bin"] / "qm").write_text(
+        f'#!/bin/sh\necho "qm $*" >> {scratch["log"]}\n'
+        f'[ "$1" = status ] || exit 0\necho x >> {polls}\n'
+        f'[ $(wc -l < {polls}) -ge 2 ] && echo "status: stopped" || echo "status: running"\n')
+    _rebind_like_the_kernel(scratch["sysfs"], "0000:01:00.0", "vfio-pci")
+    _rebind_like_the_kernel(scratch["sysfs"], "0000:81:00.0", "nvidia")
+    script = rebind_script(PLAN, NVIDIA, sysfs=str(scratch["sysfs"]), ha_wait=[("qemu", 300, "vm:300")])
+    result = run_script(scratch, script)
+    assert result.returncode == 0, result.stderr
+    log = scratch["log"].read_text().splitlines()
+    assert log[:3] == ["pct shutdown 200 --timeout 120", "qm status 300", "qm status 300"]
+    assert not any(line.startswith("qm shutdown") or line.startswith("qm stop") for line in log)
+
+
+def test_ha_resource_that_ha_never_stops_ends_the_transaction_naming_it(scratch):
+    (scratch["bin"] / "qm").write_text(f'#!/bin/sh\necho "qm $*" >> {scratch["log"]}\necho "status: running"\n')
+    script = rebind_script(PLAN, NVIDIA, sysfs=str(scratch["sysfs"]), shutdown_timeout=1,
+                           ha_wait=[("qemu", 300, "vm:300")])
+    result = run_script(scratch, script)
+    assert result.returncode == 1
+    assert "VM 300 is still running: HA resource vm:300 did not stop it within 1 s" in result.stderr
+    assert "modprobe" not in scratch["log"].read_text()
+    assert (scratch["sysfs"] / "bus/pci/devices/0000:01:00.0/driver_override").read_text() == "(null)\n"

@@ -58,7 +58,7 @@ def run_op(op, facts=None, *args, **kwargs):
 def written(command):
     """The content a write_file_command writes, and its path."""
     b64 = re.search(r"printf %s (\S+) \| base64 -d", command).group(1)
-    path = re.search(r"&& mv -f \S+ (\S+)$", command).group(1)
+    path = re.search(r"&& mv -f \S+ (\S+?)(?: \) 9>\S+)?$", command).group(1)
     return path, base64.b64decode(b64).decode()
 
 
@@ -196,3 +196,63 @@ def test_mapping_references_fact_splits_main_and_snapshot_sections():
         ("kpro6", 300): {"main": ["pvegpu-kpro6-0000-81-00-0"], "sections": ["pvegpu-kpro6-0000-a1-00-0"]},
         ("pve2", 301): {"main": ["gpu0"], "sections": []},
         ("pve2", 302): {"main": [], "sections": []}}
+
+
+def test_ct_config_is_written_under_the_proxmox_config_lock():
+    facts = facts_for({103: IGPU}, {103: "stopped"})
+    commands, _ = run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True)
+    # pve-container PVE/LXC/Config.pm config_file_lock(): the flock pct/the GUI hold for this CT's config
+    assert commands[0].startswith("mkdir -p /run/lock/lxc && ( flock -w 10 9 ||")
+    assert commands[0].endswith(") 9>/run/lock/lxc/pve-config-103.lock")
+    assert "is locked (" in commands[0]  # a lock: line appearing before we hold the flock stops the write
+
+
+def test_locked_ct_is_neither_written_nor_restarted():
+    import pytest
+    from pyinfra.api import OperationError
+
+    facts = facts_for({103: "lock: backup\n" + IGPU}, {103: "running"})
+    with pytest.raises(OperationError, match=r"CT 103 is locked \(backup\).*pct unlock 103"):
+        run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True)
+    # nothing to change: a lock is no reason to fail
+    converged = facts_for({103: "lock: backup\n" + IGPU}, {103: "running"})
+    assert run_op(container_gpu_devices, converged, {103: {"gpus": [], "gid": 44}}, True)[0] == []
+
+
+def test_running_ha_managed_ct_is_not_restarted_through_pct():
+    import pytest
+    from pyinfra.api import OperationError
+
+    facts = facts_for({103: IGPU}, {103: "running"})
+    ha = {"ct:103": {"type": "ct", "id": 103, "state": "started", "options": {}}}
+    with pytest.raises(OperationError, match=r"CT 103 needs a restart .* HA resource ct:103.*ha-manager remove ct:103"):
+        run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True, ha=ha)
+    # HA ignores it: pct restarts it as usual
+    ignored = {"ct:103": dict(ha["ct:103"], state="ignored")}
+    commands, _ = run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True, ha=ignored)
+    assert commands[2] == "pct start 103"
+
+
+def test_locked_or_ha_managed_vm_is_refused_at_preflight_only_when_it_would_change():
+    from facts.proxmox import parse_guest_config
+    from operations.guests import locked_vm_refusals
+    from plan.gpus import RebindPlan
+    from spec.load import validate_spec
+
+    spec = validate_spec({"hosts": {"kpro6": {"gpus": {"0000:81:00.0": "vm:300"},
+                                              "vms": {300: {"gpus": ["0000:81:00.0"]}}}}}, "site.yml")["kpro6"]
+    pci = {"0000:81:00.0": {"vendor": "10de", "device": "2bb5", "class": "030200", "iommu_group": 40}}
+    converged = "machine: q35\nhostpci0: mapping=pvegpu-kpro6-0000-81-00-0,pcie=1\n"
+
+    def facts(text, running="running", ha=None):
+        return {"cfg": {"qemu_configs": {300: parse_guest_config(text.splitlines(), "qemu")}},
+                "hw": {"pci_devices": pci}, "node": "kpro6", "ha": ha or {},
+                "runtime": {"status": {"qemu": {300: running}}}, "rebind": RebindPlan([], [], [], True)}
+
+    assert locked_vm_refusals(spec, facts("lock: backup\n" + converged)) == []  # nothing to change
+    (refusal,) = locked_vm_refusals(spec, facts("lock: backup\nmachine: q35\n"))
+    assert refusal.startswith("VM 300 is locked (backup)") and "qm unlock 300" in refusal
+    ha = {"vm:300": {"type": "vm", "id": 300, "state": "started", "options": {}}}
+    (refusal,) = locked_vm_refusals(spec, facts("machine: q35\n", ha=ha))
+    assert "VM 300 needs a restart for its new GPUs but is HA resource vm:300" in refusal
+    assert locked_vm_refusals(spec, facts("machine: q35\n", running="stopped", ha=ha)) == []

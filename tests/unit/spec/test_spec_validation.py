@@ -73,6 +73,10 @@ def test_defaults_come_from_group_data(tmp_path):
         (lambda d: d["containers"].update({99: {}}), "hosts.kpro6.containers[99]", "outside Proxmox's guest ID range 100-999999999"),
         (lambda d: d["vms"].update({1000000000: {}}), "hosts.kpro6.vms[1000000000]", "outside Proxmox's guest ID range"),
         (lambda d: d["containers"].update({300: {}}), "hosts.kpro6.vms[300]", "used by a container and a VM"),
+        # more GPUs than a VM has hostpci lines (qemu-server PCI.pm: 16, hostpci0-hostpci15)
+        (lambda d: (d["gpus"].update({f"0000:{b:02x}:00.0": "vm:300" for b in range(0xd0, 0xdd)}),
+                    d["vms"][300]["gpus"].extend(f"0000:{b:02x}:00.0" for b in range(0xd0, 0xdd))),
+         "hosts.kpro6.vms[300].gpus", "at most 16 PCI passthrough lines (hostpci0-hostpci15)"),
         # versions
         (lambda d: d["nvidia"].update(version="595.71.05-1"), "hosts.kpro6.nvidia.version", "not an NVIDIA driver version"),
         (lambda d: d["nvidia"].update(version="latest"), "hosts.kpro6.nvidia.version", "like '595.71.05'"),
