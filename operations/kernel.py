@@ -43,7 +43,7 @@ def base_config_of(kernel: KernelSpec) -> str:
 def parse_build_state(lines: list[str]) -> dict:
     """Pure parser of the build-state section (shape: see `KernelStageFacts`)."""
     state: dict = {"running": False, "rc": None, "debs": [], "manifest": None, "installed_manifest": None,
-                   "trial": None, "cores": None, "mem_total_kib": None, "systemd": False, "pbt": False,
+                   "trial": None, "cores": None, "mem_total_kib": None, "systemd": False, "pbt": False, "esps": False,
                    "log_objects": 0, "log_last": None}
     for line in lines:
         key, _, value = line.partition(" ")
@@ -67,6 +67,8 @@ def parse_build_state(lines: list[str]) -> dict:
             state["systemd"] = True
         elif key == "pbt":
             state["pbt"] = True
+        elif key == "esps":
+            state["esps"] = True
         elif key == "log_last":
             state["log_last"] = value or None
     return state
@@ -88,6 +90,7 @@ def build_state_command(build_dir: str, release: str) -> str:
         'echo "cores $(nproc)"; awk \'/^MemTotal:/{print "mem_total_kib " $2}\' /proc/meminfo; '
         "[ -d /run/systemd/system ] && echo systemd; "
         "command -v proxmox-boot-tool >/dev/null 2>&1 && echo pbt; "
+        "[ -f /etc/kernel/proxmox-boot-uuids ] && echo esps; "
         "true"
     )
 
@@ -104,7 +107,8 @@ class KernelStageFacts(FactBase):
          "build": {"running": False, "rc": 0, "debs": ["linux-image-6.1.192-x_1_amd64.deb", …],
                    "manifest": {...} or None, "installed_manifest": {...} or None,
                    "trial": "6.1.192-x" or None, "cores": 2, "mem_total_kib": 24000000,
-                   "systemd": False, "pbt": True}}
+                   "systemd": False, "pbt": True,
+                   "esps": True}}   # /etc/kernel/proxmox-boot-uuids exists: pins need a refresh
     """
 
     def command(self, build_dir: str, release: str) -> str:
@@ -182,10 +186,16 @@ def build_kernel(build_dir: str, script: str, manifest_in: str, systemd: bool, t
 
 
 @operation()
-def install_kernel(build_dir: str, release: str, kind: str):
+def install_kernel(build_dir: str, release: str, kind: str, keep_default: str | None = None):
     """dpkg -i the build's image + headers .debs (the running kernel stays installed) and keep
-    its manifest in /var/lib/pvegpu/kernel/<release>.json."""
+    its manifest in /var/lib/pvegpu/kernel/<release>.json.
+
+    + keep_default: pin this (running) kernel first, so the ESP sync the package's postinst
+      runs keeps it the loader default (set where ESPs are listed and nothing is pinned)
+    """
     d = shlex.quote(build_dir)
+    if keep_default:
+        yield StringCommand(plan.keep_default_command(keep_default))
     globs = " ".join(f"{d}/{g}" for g in plan.package_globs(kind, release))
     manifest = shlex.quote(f"{plan.STATE_DIR}/{release}.json")
     yield StringCommand(f"DEBIAN_FRONTEND=noninteractive dpkg -i {globs}")
@@ -193,16 +203,17 @@ def install_kernel(build_dir: str, release: str, kind: str):
 
 
 @operation()
-def trial_boot(release: str, pin_tool: str):
-    """Select `release` for the next boot only and leave a marker the next run checks."""
-    yield StringCommand(plan.trial_pin_command(release, pin_tool))
+def trial_boot(release: str, pin_tool: str, esps: bool = False):
+    """Select `release` for the next boot only (pin, then refresh where ESPs are listed) and
+    leave a marker the next run checks (written last: a failed refresh leaves none)."""
+    yield StringCommand(plan.trial_pin_command(release, pin_tool, esps))
     yield StringCommand(write_file_command(plan.TRIAL_MARKER, release + "\n", "644", keep_previous=False))
 
 
 @operation()
-def pin_kernel(release: str, pin_tool: str):
-    """Pin `release` for good (it is running)."""
-    yield StringCommand(plan.pin_for_good_command(release, pin_tool))
+def pin_kernel(release: str, pin_tool: str, esps: bool = False):
+    """Pin `release` for good (it is running), refreshed where ESPs are listed."""
+    yield StringCommand(plan.pin_for_good_command(release, pin_tool, esps))
 
 
 @operation()
@@ -270,20 +281,24 @@ def apply(spec: HostSpec) -> None:
             build_dir=build_dir, script=render_template("kernel-build.sh.j2", **context), manifest_in=manifest_in,
             systemd=build["systemd"], total=total, start=action == "build",
         )
+    esps = build["esps"] and pin_tool == "proxmox-boot-tool"
+    running = facts["kernels"].get("running")
     if action in ("build", "attach", "install"):
-        install_kernel(name=f"Install kernel {k.version} packages", build_dir=build_dir, release=k.version,
-                       kind=k.source.kind)
+        keep = running if esps and k.trial_boot and not facts["kernels"].get("pinned") and running else None
+        install_kernel(name=f"Install kernel {k.version} packages" + (f" ({running} pinned as the default first)" if keep else ""),
+                       build_dir=build_dir, release=k.version, kind=k.source.kind, keep_default=keep)
     if action in ("build", "attach", "install", "trial") and k.trial_boot:
-        trial_boot(name=f"Trial boot {k.version} on the next boot only", release=k.version, pin_tool=pin_tool)
+        trial_boot(name=f"Trial boot {k.version} on the next boot only" + (" (pin + refresh)" if esps else ""),
+                   release=k.version, pin_tool=pin_tool, esps=esps)
         action = "await-reboot"
     if action == "await-reboot":
-        plan.record_trial_boot(host, k.version, pin_tool)
+        plan.record_trial_boot(host, k.version, pin_tool, esps)
         need_reboot(host, "kernel", f"{k.version} is installed and selected for the next boot only (trial)")
     elif action == "pin":
-        pin_kernel(name=f"Pin kernel {k.version} for good", release=k.version, pin_tool=pin_tool)
+        pin_kernel(name=f"Pin kernel {k.version} for good" + (" (pin + refresh)" if esps else ""),
+                   release=k.version, pin_tool=pin_tool, esps=esps)
     elif action == "failed-trial":
         logger.warning(f"{host.name}: {decision['why']}")
     if k.remove_old and action in ("done", "pin"):
-        running = facts["kernels"].get("running")
         old = [r for r in facts["kernels"].get("installed", []) if r not in (k.version, running)]
         remove_old_kernels(name="Remove old kernels", releases=old, kind=k.source.kind)

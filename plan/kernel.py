@@ -5,7 +5,8 @@
     build_dir(kernel_spec, base_config)            -> "/var/lib/pvegpu/kernel-build/6.14.8-2-pve-3f0c1a2b3c4d"
     kernel_decision(kernel_spec, facts, base_config) -> {"action": "build"|"install"|"trial"|"pin"|"done"|"failed-trial", "why": …}
     package_globs(kind, release)                   -> ["linux-image-6.1.0-pvegpu_*.deb", …]
-    trial_pin_command(release, pin_tool) / pin_for_good_command(release, pin_tool)
+    trial_pin_command(release, pin_tool, esps) / pin_for_good_command(release, pin_tool, esps)
+                                                   # + `proxmox-boot-tool refresh` where ESPs are listed
     build_progress(log_lines, total)               -> {"built": 812, "total": 1400, "last": "CC mm/slub.o"}
 
 Incident 14: `-j` = cores (128) with ~2 GiB per compile job killed a machine; jobs come from
@@ -110,12 +111,16 @@ def kernel_decision(kernel: KernelSpec, facts: dict, base_config: str = "running
                 return {"action": "pin", "why": f"{release} is running; pin it for good"}
             return {"action": "done", "why": f"{release} (built from the same source and config) is installed, running and pinned"}
         if trial == release and kernels.get("next_boot") != release:
+            # the next-boot pin is gone (proxmox-boot-cleanup clears it at every boot) and the
+            # host runs another kernel: the trial did not come up
             return {"action": "failed-trial",
                     "why": f"the trial boot of {release} came up on {running}; {kernels.get('pinned') or running} stays pinned "
                            f"(look at the console/journal of that boot; rm {TRIAL_MARKER} to try again)"}
         if not kernel.trial_boot:
             return {"action": "done", "why": f"{release} is installed (trial_boot is off; not pinned)"}
-        if kernels.get("next_boot") == release:
+        if kernels.get("next_boot") == release and trial == release:
+            # pinned and refreshed in one operation that writes the marker last: a pin whose
+            # refresh failed has no marker and is done again
             return {"action": "await-reboot", "why": f"{release} is installed and pinned for the next boot only"}
         return {"action": "trial", "why": f"{release} is installed but not booted yet"}
     why = f"{release} is not installed" if not installed else f"{release} is installed but built from another source or config"
@@ -126,20 +131,37 @@ def kernel_decision(kernel: KernelSpec, facts: dict, base_config: str = "running
     return {"action": "build", "why": why}
 
 
-def trial_pin_command(release: str, pin_tool: str) -> str:
-    """Boot `release` once, next boot only (the default stays on the old kernel)."""
+REFRESH = "proxmox-boot-tool refresh"
+
+
+def keep_default_command(running: str) -> str:
+    """Pin the running kernel for good before a new one is installed where ESPs are listed.
+
+    Without a pin, the ESP sync a kernel package's postinst runs (zz-proxmox-boot) sets the
+    loader default to `proxmox-*`, which systemd-boot resolves to the newest kernel: the new
+    one would become the default before its trial. With the pin it stays the fallback."""
+    return f"proxmox-boot-tool kernel pin {shlex.quote(running)}"
+
+
+def trial_pin_command(release: str, pin_tool: str, esps: bool = False) -> str:
+    """Boot `release` once, next boot only (the default stays on the old kernel).
+
+    proxmox-boot-tool with listed ESPs only writes the pin file; the loader default changes
+    at `refresh` (follows proxmox-kernel-helper proxmox-boot-tool pin_kernel()), so refresh
+    follows. Without ESPs, pin itself sets the GRUB default and runs update-grub."""
     q = shlex.quote(release)
     if pin_tool == "proxmox-boot-tool":
-        return f"proxmox-boot-tool kernel pin {q} --next-boot"
+        return f"proxmox-boot-tool kernel pin {q} --next-boot" + (f" && {REFRESH}" if esps else "")
     # plain GRUB: a one-shot default (needs GRUB_DEFAULT=saved) by menu entry title
     return f"grub-reboot {shlex.quote('Advanced options for Debian GNU/Linux>Debian GNU/Linux, with Linux ' + release)}"
 
 
-def pin_for_good_command(release: str, pin_tool: str) -> str:
-    """Pin `release` only when it is the one running; else say so and fail (old stays pinned)."""
+def pin_for_good_command(release: str, pin_tool: str, esps: bool = False) -> str:
+    """Pin `release` only when it is the one running (then refresh where ESPs are listed, so
+    the loader default is it); else say so and fail (old stays pinned)."""
     q = shlex.quote(release)
     if pin_tool == "proxmox-boot-tool":
-        pin = f"proxmox-boot-tool kernel pin {q}"
+        pin = f"proxmox-boot-tool kernel pin {q}" + (f" && {REFRESH}" if esps else "")
     else:
         pin = f"grub-set-default {shlex.quote('Advanced options for Debian GNU/Linux>Debian GNU/Linux, with Linux ' + release)}"
     message = shlex.quote(f"pvegpu: the trial boot of {release} came up on ")
@@ -171,10 +193,11 @@ def describe_progress(progress: dict) -> str:
 _TRIAL_KEY = "_pvegpu_kernel_trial"
 
 
-def record_trial_boot(host: Any, release: str, pin_tool: str) -> None:
-    setattr(host.data, _TRIAL_KEY, {"release": release, "pin_tool": pin_tool})
+def record_trial_boot(host: Any, release: str, pin_tool: str, esps: bool = False) -> None:
+    setattr(host.data, _TRIAL_KEY, {"release": release, "pin_tool": pin_tool, "esps": esps})
 
 
 def trial_boot_of(host: Any) -> dict | None:
-    """{"release": "6.14.8-2-pve", "pin_tool": "proxmox-boot-tool"} when this run set a trial boot."""
+    """{"release": "6.14.8-2-pve", "pin_tool": "proxmox-boot-tool", "esps": True} when this run
+    set a trial boot (esps: /etc/kernel/proxmox-boot-uuids lists ESPs, so pins need a refresh)."""
     return host.data.get(_TRIAL_KEY)

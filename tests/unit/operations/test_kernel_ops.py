@@ -160,6 +160,31 @@ def test_trial_boot_pins_next_boot_only_and_marks_it():
     assert cmds[0].startswith("grub-reboot ")
 
 
+def test_trial_boot_refreshes_where_esps_are_listed_and_marks_last():
+    cmds, _ = run_op(kernel.trial_boot, "6.14.8-2-pve", "proxmox-boot-tool", True)
+    assert cmds[0] == "proxmox-boot-tool kernel pin 6.14.8-2-pve --next-boot && proxmox-boot-tool refresh"
+    assert len(cmds) == 2 and "/var/lib/pvegpu/kernel/trial-boot" in cmds[1]
+
+
+def test_install_pins_the_running_kernel_first_where_nothing_is_pinned():
+    """A kernel package's postinst syncs the ESPs; with no pin the loader default becomes the
+    newest kernel (zz-proxmox-boot: default proxmox-*), so the running one is pinned first."""
+    cmds, _ = run_op(kernel.install_kernel, "/b", "6.14.11-9-bpo12-pve", "proxmox-git", "6.14.8-2-pve")
+    assert cmds[0] == "proxmox-boot-tool kernel pin 6.14.8-2-pve"
+    assert cmds[1].startswith("DEBIAN_FRONTEND=noninteractive dpkg -i ")
+
+
+def test_reboot_stage_pin_for_good_refreshes_where_esps_are_listed():
+    cmds, _ = run_op(reboot.pin_trial_kernel, "6.14.8-2-pve", "proxmox-boot-tool", True)
+    assert "proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool refresh && rm -f" in cmds[0]
+
+
+def test_build_state_reads_the_esp_list():
+    assert kernel.parse_build_state(["esps", "pbt"])["esps"] is True
+    assert kernel.parse_build_state(["pbt"])["esps"] is False
+    assert "[ -f /etc/kernel/proxmox-boot-uuids ] && echo esps" in kernel.build_state_command("/b", "6.14.8-2-pve")
+
+
 def test_remove_old_is_a_noop_without_releases():
     cmds, noop = run_op(kernel.remove_old_kernels, [], "tarball")
     assert cmds == [] and noop == "no old kernels to remove"
