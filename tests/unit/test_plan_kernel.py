@@ -73,8 +73,13 @@ def test_decisions_through_a_trial_boot():
     bid = build_id(k)
     assert kernel_decision(k, facts())["action"] == "build"
     assert kernel_decision(k, facts(build={"running": True}))["action"] == "attach"
-    done_build = {"running": False, "rc": 0, "debs": ["proxmox-kernel-6.14.8-2-pve_1_amd64.deb"], "manifest": {"build_id": bid}}
+    done_build = {"running": False, "rc": 0, "debs": ["proxmox-kernel-6.14.8-2-pve_1_amd64.deb",
+                                                      "proxmox-headers-6.14.8-2-pve_1_amd64.deb"], "manifest": {"build_id": bid}}
     assert kernel_decision(k, facts(build=done_build))["action"] == "install"
+    # a finished build whose packages carry another release is not installed
+    other = {**done_build, "debs": ["proxmox-kernel-6.14.8-2-bpo12-pve_6.14.8-2~bpo12+1_amd64.deb"]}
+    wrong = kernel_decision(k, facts(build=other))
+    assert wrong["action"] == "wrong-debs" and "proxmox-kernel-6.14.8-2-bpo12-pve_6.14.8-2~bpo12+1_amd64.deb" in wrong["why"]
     stale_build = {**done_build, "manifest": {"build_id": "other"}}
     assert kernel_decision(k, facts(build=stale_build))["action"] == "build"
     inst = ["6.8.12-4-pve", "6.14.8-2-pve"]

@@ -2,6 +2,7 @@
 build scripts run for real in a local shell (no host needed)."""
 
 import json
+import re
 import subprocess
 import time
 from types import SimpleNamespace
@@ -56,10 +57,12 @@ def test_proxmox_git_script_follows_the_pve_kernel_readme():
     k = KernelSpec(version="6.14.8-2-pve", source=GIT)
     text = script_for(k, jobs=12)
     assert sh(f"sh -n /dev/stdin <<'EOF'\n{text}\nEOF").returncode == 0
-    order = ["git checkout --force v6.14.8-2", "make build-dir-fresh", "mk-build-deps -ir", "DEB_BUILD_OPTIONS=parallel=12 make deb"]
+    order = ["git checkout --force v6.14.8-2", "pvegpu-kvname", "git submodule update", "make build-dir-fresh",
+             "mk-build-deps -ir", 'export PATH="/usr/lib/ccache:$PATH"', "dpkg-buildpackage --jobs=12 -b -uc -us"]
     positions = [text.index(s) for s in order]
     assert positions == sorted(positions)
-    assert 'PVE_KERNEL_CC="ccache gcc"' in text
+    # pve-kernel has no PVE_KERNEL_CC, and its `make deb` would run dpkg-buildpackage --jobs=auto
+    assert "PVE_KERNEL_CC" not in text and not re.search(r"^[^#]*make deb", text, re.M)
 
 
 def test_manifest_is_json_once_build_sh_fills_it(tmp_path):
@@ -192,9 +195,11 @@ def test_remove_old_is_a_noop_without_releases():
     assert cmds == ["DEBIAN_FRONTEND=noninteractive apt-get -y purge linux-image-6.1.0-57-amd64"]
 
 
-def test_preflight_refuses_fragments_on_proxmox_git():
+def test_preflight_refuses_fragments_on_proxmox_git(monkeypatch):
     from spec.models import HostSpec
     assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT, "config_fragments": ["CONFIG_X=y"]}))
+    monkeypatch.setattr(kernel, "stage_facts", lambda k: {
+        "kernels": {"running": "6.8.12-4-pve", "installed": []}, "build": kernel.parse_build_state([]), "source": None})
     assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT})) == []
 
 
