@@ -2,8 +2,11 @@
 next to the running kernel, and trial-boot the new one (pinned for good only once it came up).
 
 A build takes an hour or more on a real host, so it runs detached: a transient systemd unit
-(`systemd-run --unit pvegpu-kernel-build`) where systemd runs, else `setsid nohup` (the twin
-has no running systemd). The deploy waits, printing progress from the build log; a re-run
+(`systemd-run --unit pvegpu-kernel-build`, with MemoryMax= so an OOM kills the build and not the
+host) where systemd runs, else `setsid nohup` (the twin has no running systemd). For
+proxmox-git the release is pve-kernel's Makefile KVNAME at the pinned ref (preflight refuses a
+spec version that disagrees); pins are followed by `proxmox-boot-tool refresh` where ESPs are
+listed (the pin alone only writes the pin file there). The deploy waits, printing progress from the build log; a re-run
 while the build runs attaches to it instead of starting a second one. The build dir holds
 build.sh, build.log, build.pid, build.rc (exit status), the .debs and manifest.json
 (compiler, source ref/sha, config hash); the manifest of an installed build is kept in
