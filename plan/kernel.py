@@ -198,6 +198,7 @@ def kernel_decision(kernel: KernelSpec, facts: dict, base_config: str = "running
 
 
 REFRESH = "proxmox-boot-tool refresh"
+CLEANUP_UNIT = "proxmox-boot-cleanup.service"
 
 
 def keep_default_command(running: str) -> str:
@@ -228,6 +229,11 @@ def pin_for_good_command(release: str, pin_tool: str, esps: bool = False) -> str
     q = shlex.quote(release)
     if pin_tool == "proxmox-boot-tool":
         pin = f"proxmox-boot-tool kernel pin {q}" + (f" && {REFRESH}" if esps else "")
+        if esps:
+            # proxmox-boot-cleanup.service (unpin --next-boot + refresh) may still run right after
+            # the boot; its refresh must not land after ours: wait while it is activating
+            pin = (f"for _ in $(seq 60); do [ \"$(systemctl show -p ActiveState --value {CLEANUP_UNIT} "
+                   f"2>/dev/null)\" = activating ] || break; sleep 1; done; {pin}")
     else:
         pin = f"grub-set-default {shlex.quote('Advanced options for Debian GNU/Linux>Debian GNU/Linux, with Linux ' + release)}"
     message = shlex.quote(f"pvegpu: the trial boot of {release} came up on ")

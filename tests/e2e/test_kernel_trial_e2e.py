@@ -103,6 +103,22 @@ def seed_finished_build(root: Path, tmp: Path) -> None:
         "source_sha": KERNEL["source"]["ref"], "config_sha256": "0" * 64, "objects": 0}))
 
 
+def quiet_address() -> str | None:
+    """A high 127.0.0.N that is free now: twins started elsewhere on this machine (other
+    checkouts) take the lowest free address, and could grab ours while this twin reboots."""
+    import os
+    import socket
+    for n in [200 + (os.getpid() + i) % 50 for i in range(50)]:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((f"127.0.0.{n}", runtime.SSH_PORT))
+            except OSError:
+                continue
+        return f"127.0.0.{n}"
+    return None
+
+
 def loader_default(root: Path) -> str:
     lines = [line for line in (root / ESP / "loader/loader.conf").read_text().splitlines() if line.startswith("default ")]
     return lines[-1].split(None, 1)[1]
@@ -126,7 +142,7 @@ def converge(name: str, reboot_allowed: bool = False):
 
 
 def test_trial_kernel_boots_through_refresh_and_is_pinned_for_good(twin_factory, tmp_path):
-    twin = twin_factory("kpro6")
+    twin = twin_factory("kpro6", address=quiet_address())
     root = Path(twin.root)
     seed_finished_build(root, tmp_path)
     assert twin_run(twin.name, "uname", "-r").strip() == OLD
@@ -162,7 +178,7 @@ def test_trial_kernel_boots_through_refresh_and_is_pinned_for_good(twin_factory,
 
 
 def test_a_trial_that_does_not_come_up_leaves_the_old_default(twin_factory, tmp_path):
-    twin = twin_factory("kpro6")
+    twin = twin_factory("kpro6", address=quiet_address())
     root = Path(twin.root)
     seed_finished_build(root, tmp_path)
     (root / "var/lib/twin/boot").mkdir(parents=True, exist_ok=True)
