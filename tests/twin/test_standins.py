@@ -193,7 +193,9 @@ def loader_default(root):
 
 
 def test_proxmox_boot_tool_pin_next_boot_and_list(root):
-    assert "is configured with: uefi (versions: 6.8.12-11-pve, 6.14.8-2-pve)" in run(root, "proxmox-boot-tool", "status").stdout
+    # the versions synced onto the ESP, in `ls -1` order
+    assert "5A1C-9E27 is configured with: uefi (versions: 6.14.8-2-pve, 6.8.12-11-pve)" in run(
+        root, "proxmox-boot-tool", "status").stdout
     r = run(root, "proxmox-boot-tool", "kernel", "pin", "6.99.0-1-pve")
     assert r.returncode != 0 and "no kernel image found" in r.stderr
     before = (root / ESP / "loader/loader.conf").read_text()
@@ -247,11 +249,13 @@ def test_no_esp_list_means_no_esp_sync_and_a_hook_run_by_a_kernel_package(root):
     (root / "boot/vmlinuz-6.14.11-9-bpo12-pve").write_text("k")
     (root / "boot/initrd.img-6.14.11-9-bpo12-pve").write_text("i")
     (root / "lib/modules/6.14.11-9-bpo12-pve").mkdir(parents=True)
+    assert "6.14.11-9-bpo12-pve" not in run(root, "proxmox-boot-tool", "status").stdout  # in /boot, not on the ESP
     hook = str(root / "etc/kernel/postinst.d/zz-proxmox-boot")
     env = dict(os.environ, TWIN_ROOT=str(root), DEB_MAINT_PARAMS="configure")
     subprocess.run([hook, "6.14.11-9-bpo12-pve", "/boot/vmlinuz-6.14.11-9-bpo12-pve"], env=env, check=True,
                    capture_output=True)
     assert (root / ESP / "loader/entries/proxmox-6.14.11-9-bpo12-pve.conf").exists()
+    assert "6.14.11-9-bpo12-pve" in run(root, "proxmox-boot-tool", "status").stdout
     hardware.render(root)  # no pin: `default proxmox-*` boots the newest kernel
     assert run(root, "uname", "-r").stdout == "6.14.11-9-bpo12-pve\n"
     (root / "etc/kernel/proxmox-boot-uuids").unlink()

@@ -61,14 +61,32 @@ def esp_uuids():
     return [u.strip() for u in (twinstate.read(ESP_LIST) or "").splitlines() if u.strip()]
 
 
-def pbt_status():
-    print("Re-executing '/usr/sbin/proxmox-boot-tool' in new private mount namespace..")
-    # follows proxmox-boot-tool status(): no ESP list, nothing to report on
+def pbt_status(argv=()):
+    """follows proxmox-boot-tool status()/_status_detail(): per listed ESP, the kernel versions
+    synced onto it (its EFI/proxmox/ directories, as `ls -1` lists them), not those in /boot."""
+    quiet = "--quiet" in argv
     if not os.path.isfile(twinstate.path(ESP_LIST)):
+        if quiet:
+            return 2
         twinstate.die(f"E: {ESP_LIST} does not exist.", 2)
+    if quiet:
+        return 0
+    print("Re-executing '/usr/sbin/proxmox-boot-tool' in new private mount namespace..")
     print("System currently booted with uefi")
     for u in esp_uuids():
-        print(f"{u} is configured with: uefi (versions: {', '.join(kernels())})")
+        esp = twinstate.path(f"{ESP_ROOT}/{u}")
+        if not VFAT_UUID.search(u):
+            warn(f"WARN: {u} read from {ESP_LIST} does not look like a VFAT-UUID - skipping")
+            continue
+        if not os.path.isdir(esp):
+            warn(f"WARN: /dev/disk/by-uuid/{u} does not exist - clean '{ESP_LIST}'! - skipping")
+            continue
+        result = ""
+        if os.path.isfile(os.path.join(esp, LOADER_CONF)):
+            kdir = os.path.join(esp, PMX_ESP_DIR)
+            versions = sorted(os.listdir(kdir)) if os.path.isdir(kdir) else []
+            result = f"uefi (versions: {', '.join(versions)})"
+        print(f"{u} is configured with: {result}")
     return 0
 
 
@@ -246,7 +264,7 @@ def proxmox_boot_tool(argv):
         twinstate.die("USAGE: proxmox-boot-tool <commands> [ARGS]", 2)
     cmd = argv[0]
     if cmd == "status":
-        return pbt_status()
+        return pbt_status(argv[1:])
     if cmd == "refresh":
         return pbt_refresh(argv[1:])
     if cmd == "kernel":
