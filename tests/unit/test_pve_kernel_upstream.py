@@ -160,3 +160,28 @@ def test_preflight_refuses_rebuilding_a_release_whose_headers_are_installed(monk
     assert kernel.preflight(spec) == []
     facts["source"]["release"] = "6.14.11-8-bpo12-pve"
     assert "builds 6.14.11-8-bpo12-pve" in kernel.preflight(spec)[0]
+
+
+def test_build_script_checks_the_produced_deb_names(tmp_path):
+    """The loop after dpkg-buildpackage, run for real: packages of another release fail the build."""
+    text = script(RELEASE)
+    loop = text[text.index("for pkg in proxmox-kernel proxmox-headers; do"):text.index("cp ./*.deb ..")]
+    (tmp_path / "proxmox-kernel-6.14.11-9-pve_6.14.11-9_amd64.deb").write_text("")
+    r = subprocess.run(["sh", "-c", f"release={RELEASE}\n{loop}"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 4
+    assert f"produced ./proxmox-kernel-6.14.11-9-pve_6.14.11-9_amd64.deb but no proxmox-kernel-{RELEASE}_*.deb" in r.stderr
+    for pkg in ("proxmox-kernel", "proxmox-headers"):
+        (tmp_path / f"{pkg}-{RELEASE}_6.14.11-9~bpo12+1_amd64.deb").write_text("")
+    r = subprocess.run(["sh", "-c", f"release={RELEASE}\n{loop}"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_preflight_refuses_a_finished_build_of_another_release(monkeypatch):
+    k = KernelSpec(version=RELEASE, source={"kind": "proxmox-git", "url": "git://x/pve-kernel.git", "ref": REF})
+    build = kernel.parse_build_state(["rc 0", "deb proxmox-kernel-6.14.11-9-pve_6.14.11-9_amd64.deb"])
+    build["manifest"] = {"build_id": plan.build_id(k, "running")}
+    monkeypatch.setattr(kernel, "stage_facts", lambda _: {
+        "kernels": {"running": "6.14.8-2-pve", "installed": ["6.14.8-2-pve"]}, "build": build, "source": None})
+    monkeypatch.setattr(kernel, "host", SimpleNamespace(name="kpro6"))
+    refusals = kernel.preflight(HostSpec(kernel=k.model_dump()))
+    assert len(refusals) == 1 and "produced proxmox-kernel-6.14.11-9-pve_6.14.11-9_amd64.deb" in refusals[0]
