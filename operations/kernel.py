@@ -242,9 +242,15 @@ def install_kernel(build_dir: str, release: str, kind: str, keep_default: str | 
 
 
 @operation()
-def trial_boot(release: str, pin_tool: str, esps: bool = False):
+def trial_boot(release: str, pin_tool: str, esps: bool = False, keep_default: str | None = None):
     """Select `release` for the next boot only (pin, then refresh where ESPs are listed) and
-    leave a marker the next run checks (written last: a failed refresh leaves none)."""
+    leave a marker the next run checks (written last: a failed refresh leaves none).
+
+    + keep_default: pin this (running) kernel for good first, so a trial that fails falls back
+      to it after proxmox-boot-cleanup's refresh (set where ESPs are listed and nothing is pinned)
+    """
+    if keep_default:
+        yield StringCommand(plan.keep_default_command(keep_default))
     yield StringCommand(plan.trial_pin_command(release, pin_tool, esps))
     yield StringCommand(write_file_command(plan.TRIAL_MARKER, release + "\n", "644", keep_previous=False))
 
@@ -352,13 +358,16 @@ def apply(spec: HostSpec) -> None:
         )
     esps = build["esps"] and pin_tool == "proxmox-boot-tool"
     running = facts["kernels"].get("running")
+    # where nothing is pinned, the running kernel is pinned first: the ESP sync of a kernel
+    # package's postinst (and proxmox-boot-cleanup's refresh after a trial) would otherwise make
+    # `proxmox-*`, the newest kernel, the default (follows zz-proxmox-boot set_systemd_boot_default)
+    keep = running if esps and k.trial_boot and not facts["kernels"].get("pinned") and running else None
     if action in ("build", "attach", "install"):
-        keep = running if esps and k.trial_boot and not facts["kernels"].get("pinned") and running else None
         install_kernel(name=f"Install kernel {k.version} packages" + (f" ({running} pinned as the default first)" if keep else ""),
                        build_dir=build_dir, release=k.version, kind=k.source.kind, keep_default=keep)
     if action in ("build", "attach", "install", "trial") and k.trial_boot:
         trial_boot(name=f"Trial boot {k.version} on the next boot only" + (" (pin + refresh)" if esps else ""),
-                   release=k.version, pin_tool=pin_tool, esps=esps)
+                   release=k.version, pin_tool=pin_tool, esps=esps, keep_default=keep if action == "trial" else None)
         action = "await-reboot"
     if action == "await-reboot":
         plan.record_trial_boot(host, k.version, pin_tool, esps)

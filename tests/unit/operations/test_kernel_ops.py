@@ -169,6 +169,12 @@ def test_trial_boot_refreshes_where_esps_are_listed_and_marks_last():
     assert len(cmds) == 2 and "/var/lib/pvegpu/kernel/trial-boot" in cmds[1]
 
 
+def test_trial_of_an_installed_kernel_pins_the_running_one_first_where_asked():
+    cmds, _ = run_op(kernel.trial_boot, "6.14.11-9-bpo12-pve", "proxmox-boot-tool", True, "6.14.8-2-pve")
+    assert cmds[0] == "proxmox-boot-tool kernel pin 6.14.8-2-pve"
+    assert cmds[1] == "proxmox-boot-tool kernel pin 6.14.11-9-bpo12-pve --next-boot && proxmox-boot-tool refresh"
+
+
 def test_install_pins_the_running_kernel_first_where_nothing_is_pinned():
     """A kernel package's postinst syncs the ESPs; with no pin the loader default becomes the
     newest kernel (zz-proxmox-boot: default proxmox-*), so the running one is pinned first."""
