@@ -2,8 +2,11 @@
 next to the running kernel, and trial-boot the new one (pinned for good only once it came up).
 
 A build takes an hour or more on a real host, so it runs detached: a transient systemd unit
-(`systemd-run --unit pvegpu-kernel-build`) where systemd runs, else `setsid nohup` (the twin
-has no running systemd). The deploy waits, printing progress from the build log; a re-run
+(`systemd-run --unit pvegpu-kernel-build`, with MemoryMax= so an OOM kills the build and not the
+host) where systemd runs, else `setsid nohup` (the twin has no running systemd). For
+proxmox-git the release is pve-kernel's Makefile KVNAME at the pinned ref (preflight refuses a
+spec version that disagrees); pins are followed by `proxmox-boot-tool refresh` where ESPs are
+listed (the pin alone only writes the pin file there). The deploy waits, printing progress from the build log; a re-run
 while the build runs attaches to it instead of starting a second one. The build dir holds
 build.sh, build.log, build.pid, build.rc (exit status), the .debs and manifest.json
 (compiler, source ref/sha, config hash); the manifest of an installed build is kept in
@@ -43,7 +46,7 @@ def base_config_of(kernel: KernelSpec) -> str:
 def parse_build_state(lines: list[str]) -> dict:
     """Pure parser of the build-state section (shape: see `KernelStageFacts`)."""
     state: dict = {"running": False, "rc": None, "debs": [], "manifest": None, "installed_manifest": None,
-                   "trial": None, "cores": None, "mem_total_kib": None, "systemd": False, "pbt": False,
+                   "trial": None, "cores": None, "mem_total_kib": None, "systemd": False, "pbt": False, "esps": False, "headers_installed": False,
                    "log_objects": 0, "log_last": None}
     for line in lines:
         key, _, value = line.partition(" ")
@@ -67,6 +70,10 @@ def parse_build_state(lines: list[str]) -> dict:
             state["systemd"] = True
         elif key == "pbt":
             state["pbt"] = True
+        elif key == "esps":
+            state["esps"] = True
+        elif key == "headers-installed":
+            state["headers_installed"] = True
         elif key == "log_last":
             state["log_last"] = value or None
     return state
@@ -88,8 +95,31 @@ def build_state_command(build_dir: str, release: str) -> str:
         'echo "cores $(nproc)"; awk \'/^MemTotal:/{print "mem_total_kib " $2}\' /proc/meminfo; '
         "[ -d /run/systemd/system ] && echo systemd; "
         "command -v proxmox-boot-tool >/dev/null 2>&1 && echo pbt; "
+        "[ -f /etc/kernel/proxmox-boot-uuids ] && echo esps; "
+        f"dpkg-query -W -f='${{Status}}\\n' {shlex.quote('proxmox-headers-' + release)} 2>/dev/null "
+        "| grep -q ' ok installed' && echo headers-installed; "
         "true"
     )
+
+
+def source_makefile_command(url: str, ref: str) -> str:
+    """Print pve-kernel's Makefile at `ref` from a clone of `url` an earlier build left under
+    BUILD_ROOT (read-only: `git show`), after a `from <clone>` line; nothing when none has it."""
+    return (
+        f"for d in {shlex.quote(plan.BUILD_ROOT)}/*/src; do "
+        '[ -d "$d/.git" ] || continue; '
+        f'[ "$(git -C "$d" config --get remote.origin.url)" = {shlex.quote(url)} ] || continue; '
+        f'if git -C "$d" cat-file -e {shlex.quote(ref + ":Makefile")} 2>/dev/null; then '
+        f'echo "from $d"; git -C "$d" show {shlex.quote(ref + ":Makefile")}; break; fi; '
+        "done; true"
+    )
+
+
+def parse_source_makefile(lines: list[str]) -> dict | None:
+    """{"release": "6.14.11-9-bpo12-pve", "from": "/var/lib/pvegpu/kernel-build/…/src"} or None."""
+    if not lines or not lines[0].startswith("from "):
+        return None
+    return {"release": plan.release_from_makefile("\n".join(lines[1:])), "from": lines[0][len("from "):].strip()}
 
 
 class KernelStageFacts(FactBase):
@@ -97,6 +127,7 @@ class KernelStageFacts(FactBase):
 
     + build_dir: the build dir of the spec'd build (plan.kernel.build_dir)
     + release: the spec'd kernel release
+    + url, ref: a proxmox-git source: its Makefile at ref is read from an earlier clone, if any
 
     .. code:: python
 
@@ -104,31 +135,41 @@ class KernelStageFacts(FactBase):
          "build": {"running": False, "rc": 0, "debs": ["linux-image-6.1.192-x_1_amd64.deb", …],
                    "manifest": {...} or None, "installed_manifest": {...} or None,
                    "trial": "6.1.192-x" or None, "cores": 2, "mem_total_kib": 24000000,
-                   "systemd": False, "pbt": True}}
+                   "systemd": False, "pbt": True,
+                   "esps": True,    # /etc/kernel/proxmox-boot-uuids exists: pins need a refresh
+                   "headers_installed": False},   # proxmox-headers-<release> (pve-kernel Build-Conflicts)
+         "source": {"release": "6.14.11-9-bpo12-pve", "from": "<clone>"} or None}   # proxmox-git
     """
 
-    def command(self, build_dir: str, release: str) -> str:
+    def command(self, build_dir: str, release: str, url: str | None = None, ref: str | None = None) -> str:
+        source = (f"echo '{SECTION_MARKER}source'; ( {source_makefile_command(url, ref)} ) 2>/dev/null; "
+                  if url and ref else "")
         return (
             f"echo '{SECTION_MARKER}kernels'; ( {ProxmoxKernels.command} ) 2>/dev/null; "
-            f"echo '{SECTION_MARKER}build'; ( {build_state_command(build_dir, release)} ) 2>/dev/null; true"
+            f"echo '{SECTION_MARKER}build'; ( {build_state_command(build_dir, release)} ) 2>/dev/null; "
+            f"{source}true"
         )
 
     def process(self, output):
         sections = split_sections(output, SECTION_MARKER)
         return {"kernels": ProxmoxKernels().process(sections.get("kernels", [])),
-                "build": parse_build_state(sections.get("build", []))}
+                "build": parse_build_state(sections.get("build", [])),
+                "source": parse_source_makefile(sections.get("source", []))}
 
 
-def start_build_command(build_dir: str, systemd: bool) -> str:
-    """Start build.sh detached; a no-op when it already runs (a re-run attaches instead)."""
+def start_build_command(build_dir: str, systemd: bool, memory_max_kib: int | None = None) -> str:
+    """Start build.sh detached; a no-op when it already runs (a re-run attaches instead).
+    Under systemd the unit gets MemoryMax= (an OOM kills the build's cgroup, not the host)."""
     d = shlex.quote(build_dir)
     script = shlex.quote(f"{build_dir}/build.sh")
     alive = (f'[ -f {d}/build.pid ] && p=$(cat {d}/build.pid) && kill -0 "$p" 2>/dev/null '
              f'&& grep -q build.sh "/proc/$p/cmdline" 2>/dev/null')
     if systemd:
+        memory = (f"--property=MemoryMax={int(memory_max_kib)}K --property=MemorySwapMax=0 "
+                  if memory_max_kib else "")
         start = (f"systemctl reset-failed {plan.BUILD_UNIT} 2>/dev/null; "
                  f"systemd-run --unit {plan.BUILD_UNIT} --collect --property=KillMode=control-group "
-                 f"--working-directory={d} /bin/sh {script}")
+                 f"{memory}--working-directory={d} /bin/sh {script}")
     else:
         start = f"cd {d} && setsid nohup /bin/sh {script} > /dev/null 2>&1 < /dev/null &"
     return f"if {alive}; then echo 'pvegpu: build already running, attaching'; else rm -f {d}/build.rc; {start} fi"
@@ -164,7 +205,8 @@ def wait_for_build(state, host, build_dir: str, total: int | None, poll_s: float
 
 
 @operation()
-def build_kernel(build_dir: str, script: str, manifest_in: str, systemd: bool, total: int | None, start: bool = True):
+def build_kernel(build_dir: str, script: str, manifest_in: str, systemd: bool, total: int | None, start: bool = True,
+                 memory_max_kib: int | None = None):
     """Write build.sh + manifest template, start the build detached (unless it runs), wait for it.
 
     + build_dir: scratch dir of this build (plan.kernel.build_dir)
@@ -173,19 +215,26 @@ def build_kernel(build_dir: str, script: str, manifest_in: str, systemd: bool, t
     + systemd: run as a transient systemd unit (else setsid nohup)
     + total: objects of an earlier build of the same config, for progress (None: unknown)
     + start: False to attach to a build that already runs
+    + memory_max_kib: MemoryMax= of the systemd unit (plan.kernel.build_memory_max_kib)
     """
     if start:
         yield StringCommand(write_file_command(f"{build_dir}/build.sh", script, "755", keep_previous=False))
         yield StringCommand(write_file_command(f"{build_dir}/manifest.json.in", manifest_in, "644", keep_previous=False))
-        yield StringCommand(start_build_command(build_dir, systemd))
+        yield StringCommand(start_build_command(build_dir, systemd, memory_max_kib))
     yield FunctionCommand(wait_for_build, (build_dir, total), {})
 
 
 @operation()
-def install_kernel(build_dir: str, release: str, kind: str):
+def install_kernel(build_dir: str, release: str, kind: str, keep_default: str | None = None):
     """dpkg -i the build's image + headers .debs (the running kernel stays installed) and keep
-    its manifest in /var/lib/pvegpu/kernel/<release>.json."""
+    its manifest in /var/lib/pvegpu/kernel/<release>.json.
+
+    + keep_default: pin this (running) kernel first, so the ESP sync the package's postinst
+      runs keeps it the loader default (set where ESPs are listed and nothing is pinned)
+    """
     d = shlex.quote(build_dir)
+    if keep_default:
+        yield StringCommand(plan.keep_default_command(keep_default))
     globs = " ".join(f"{d}/{g}" for g in plan.package_globs(kind, release))
     manifest = shlex.quote(f"{plan.STATE_DIR}/{release}.json")
     yield StringCommand(f"DEBIAN_FRONTEND=noninteractive dpkg -i {globs}")
@@ -193,16 +242,23 @@ def install_kernel(build_dir: str, release: str, kind: str):
 
 
 @operation()
-def trial_boot(release: str, pin_tool: str):
-    """Select `release` for the next boot only and leave a marker the next run checks."""
-    yield StringCommand(plan.trial_pin_command(release, pin_tool))
+def trial_boot(release: str, pin_tool: str, esps: bool = False, keep_default: str | None = None):
+    """Select `release` for the next boot only (pin, then refresh where ESPs are listed) and
+    leave a marker the next run checks (written last: a failed refresh leaves none).
+
+    + keep_default: pin this (running) kernel for good first, so a trial that fails falls back
+      to it after proxmox-boot-cleanup's refresh (set where ESPs are listed and nothing is pinned)
+    """
+    if keep_default:
+        yield StringCommand(plan.keep_default_command(keep_default))
+    yield StringCommand(plan.trial_pin_command(release, pin_tool, esps))
     yield StringCommand(write_file_command(plan.TRIAL_MARKER, release + "\n", "644", keep_previous=False))
 
 
 @operation()
-def pin_kernel(release: str, pin_tool: str):
-    """Pin `release` for good (it is running)."""
-    yield StringCommand(plan.pin_for_good_command(release, pin_tool))
+def pin_kernel(release: str, pin_tool: str, esps: bool = False):
+    """Pin `release` for good (it is running), refreshed where ESPs are listed."""
+    yield StringCommand(plan.pin_for_good_command(release, pin_tool, esps))
 
 
 @operation()
@@ -216,6 +272,18 @@ def remove_old_kernels(releases: list[str], kind: str):
     yield StringCommand(f"DEBIAN_FRONTEND=noninteractive apt-get -y purge {packages}")
 
 
+def stage_facts(k: KernelSpec) -> dict:
+    base = base_config_of(k)
+    return fact_once(KernelStageFacts, **fact_args(k, base))
+
+
+def fact_args(k: KernelSpec, base: str) -> dict:
+    args = {"build_dir": plan.build_dir(k, base), "release": k.version}
+    if k.source.kind == "proxmox-git":
+        args.update(url=k.source.url, ref=k.source.ref)
+    return args
+
+
 def preflight(spec: HostSpec) -> list[str]:
     k = spec.kernel
     if k is None:
@@ -223,7 +291,24 @@ def preflight(spec: HostSpec) -> list[str]:
     if k.source.kind == "proxmox-git" and k.config_fragments:
         return ["kernel.config_fragments apply to tarball builds; a proxmox-git build uses the Proxmox "
                 "kernel's own config (patch the repository or build from a tarball instead)"]
-    return []
+    facts = stage_facts(k)
+    refusals = []
+    source = facts.get("source")
+    if source:
+        refusal = plan.release_refusal(k, source["release"], f"{host.name}:{source['from']}")
+        if refusal:
+            refusals.append(refusal)
+    decision = plan.kernel_decision(
+        k, {"kernels": facts["kernels"], "installed_manifest": facts["build"]["installed_manifest"],
+            "build": facts["build"], "trial": facts["build"]["trial"]}, base_config_of(k))
+    if decision["action"] == "wrong-debs":
+        refusals.append(decision["why"])
+    if k.source.kind == "proxmox-git" and decision["action"] == "build" and facts["build"].get("headers_installed"):
+        # pve-kernel debian/control: Build-Conflicts: proxmox-headers-<KVNAME>; mk-build-deps would remove them
+        refusals.append(f"proxmox-headers-{k.version} is installed and pve-kernel's debian/control Build-Conflicts "
+                        f"with it: building {k.version} again would remove the headers the NVIDIA stage builds "
+                        f"against; purge them first (apt-get purge proxmox-headers-{k.version}) or build another KREL")
+    return refusals
 
 
 def prefetch(spec: HostSpec) -> list:
@@ -231,7 +316,7 @@ def prefetch(spec: HostSpec) -> list:
     k = spec.kernel
     if k is None:
         return []
-    return [(KernelStageFacts, {"build_dir": plan.build_dir(k, base_config_of(k)), "release": k.version})]
+    return [(KernelStageFacts, fact_args(k, base_config_of(k)))]
 
 
 @deploy("pvegpu: kernel")
@@ -241,7 +326,7 @@ def apply(spec: HostSpec) -> None:
         return
     base = base_config_of(k)
     build_dir = plan.build_dir(k, base)
-    facts = fact_once(KernelStageFacts, build_dir=build_dir, release=k.version)
+    facts = stage_facts(k)
     build = facts["build"]
     decision = plan.kernel_decision(
         k, {"kernels": facts["kernels"], "installed_manifest": build["installed_manifest"],
@@ -269,21 +354,31 @@ def apply(spec: HostSpec) -> None:
             name=f"Build kernel {k.version} ({k.source.kind}, -j{jobs}, detached)",
             build_dir=build_dir, script=render_template("kernel-build.sh.j2", **context), manifest_in=manifest_in,
             systemd=build["systemd"], total=total, start=action == "build",
+            memory_max_kib=plan.build_memory_max_kib(build["mem_total_kib"], jobs),
         )
+    esps = build["esps"] and pin_tool == "proxmox-boot-tool"
+    running = facts["kernels"].get("running")
+    # where nothing is pinned, the running kernel is pinned first: the ESP sync of a kernel
+    # package's postinst (and proxmox-boot-cleanup's refresh after a trial) would otherwise make
+    # `proxmox-*`, the newest kernel, the default (follows zz-proxmox-boot set_systemd_boot_default)
+    keep = running if esps and k.trial_boot and not facts["kernels"].get("pinned") and running else None
     if action in ("build", "attach", "install"):
-        install_kernel(name=f"Install kernel {k.version} packages", build_dir=build_dir, release=k.version,
-                       kind=k.source.kind)
+        install_kernel(name=f"Install kernel {k.version} packages" + (f" ({running} pinned as the default first)" if keep else ""),
+                       build_dir=build_dir, release=k.version, kind=k.source.kind, keep_default=keep)
     if action in ("build", "attach", "install", "trial") and k.trial_boot:
-        trial_boot(name=f"Trial boot {k.version} on the next boot only", release=k.version, pin_tool=pin_tool)
+        trial_boot(name=f"Trial boot {k.version} on the next boot only" + (" (pin + refresh)" if esps else ""),
+                   release=k.version, pin_tool=pin_tool, esps=esps, keep_default=keep if action == "trial" else None)
         action = "await-reboot"
     if action == "await-reboot":
-        plan.record_trial_boot(host, k.version, pin_tool)
+        plan.record_trial_boot(host, k.version, pin_tool, esps)
         need_reboot(host, "kernel", f"{k.version} is installed and selected for the next boot only (trial)")
     elif action == "pin":
-        pin_kernel(name=f"Pin kernel {k.version} for good", release=k.version, pin_tool=pin_tool)
+        pin_kernel(name=f"Pin kernel {k.version} for good" + (" (pin + refresh)" if esps else ""),
+                   release=k.version, pin_tool=pin_tool, esps=esps)
     elif action == "failed-trial":
         logger.warning(f"{host.name}: {decision['why']}")
+    elif action == "wrong-debs":  # refused at preflight; nothing to do here
+        logger.error(f"{host.name}: kernel: {decision['why']}")
     if k.remove_old and action in ("done", "pin"):
-        running = facts["kernels"].get("running")
         old = [r for r in facts["kernels"].get("installed", []) if r not in (k.version, running)]
         remove_old_kernels(name="Remove old kernels", releases=old, kind=k.source.kind)

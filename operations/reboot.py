@@ -21,13 +21,14 @@ REBOOT_TIMEOUT_S = 900  # a many-GPU host takes minutes through firmware and POS
 
 
 @operation()
-def pin_trial_kernel(release: str, pin_tool: str):
+def pin_trial_kernel(release: str, pin_tool: str, esps: bool = False):
     """After the reboot: pin `release` for good if the host came up on it, else fail saying so.
 
     + release: the kernel release the trial boot selected
     + pin_tool: "proxmox-boot-tool" or "grub"
+    + esps: ESPs are listed (/etc/kernel/proxmox-boot-uuids): the pin is followed by a refresh
     """
-    yield StringCommand(pin_for_good_command(release, pin_tool))
+    yield StringCommand(pin_for_good_command(release, pin_tool, esps))
 
 
 @deploy("pvegpu: reboot policy")
@@ -56,4 +57,5 @@ def apply(spec: HostSpec) -> None:
             name=f"Pin kernel {trial['release']} for good if it came up",
             release=trial["release"],
             pin_tool=trial["pin_tool"],
+            esps=trial.get("esps", False),
         )

@@ -3,9 +3,12 @@
     build_jobs(cores, mem_total_kib)               -> 12     # -j: min(cores, RAM / 2 GiB), >= 1
     build_id(kernel_spec, base_config)             -> "3f0c…"  # source + ref/sha + config, hashed
     build_dir(kernel_spec, base_config)            -> "/var/lib/pvegpu/kernel-build/6.14.8-2-pve-3f0c1a2b3c4d"
-    kernel_decision(kernel_spec, facts, base_config) -> {"action": "build"|"install"|"trial"|"pin"|"done"|"failed-trial", "why": …}
+    kernel_decision(kernel_spec, facts, base_config) -> {"action": "build"|"install"|"trial"|"pin"|"done"|"failed-trial"|"wrong-debs", "why": …}
+    release_from_makefile(pve_kernel_makefile_text) -> "6.14.11-9-bpo12-pve"   # the release a ref builds
+    build_memory_max_kib(mem_total_kib, jobs)      -> MemoryMax= of the detached build
     package_globs(kind, release)                   -> ["linux-image-6.1.0-pvegpu_*.deb", …]
-    trial_pin_command(release, pin_tool) / pin_for_good_command(release, pin_tool)
+    trial_pin_command(release, pin_tool, esps) / pin_for_good_command(release, pin_tool, esps)
+                                                   # + `proxmox-boot-tool refresh` where ESPs are listed
     build_progress(log_lines, total)               -> {"built": 812, "total": 1400, "last": "CC mm/slub.o"}
 
 Incident 14: `-j` = cores (128) with ~2 GiB per compile job killed a machine; jobs come from
@@ -15,6 +18,7 @@ unbootable, so the build runs on the host with its own gcc and records it in a m
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import re
@@ -77,6 +81,64 @@ def build_dir(kernel: KernelSpec, base_config: str = "running") -> str:
     return f"{BUILD_ROOT}/{kernel.version}-{build_id(kernel, base_config)[:12]}"
 
 
+_MAKE_ASSIGN = re.compile(r"^(?:export\s+|override\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*(?::=|::=|\?=|=)\s*(.*?)\s*$")
+_MAKE_REF = re.compile(r"\$[({]([A-Za-z_][A-Za-z0-9_]*)[)}]")
+
+
+def makefile_variables(text: str) -> dict[str, str]:
+    """Top-level `NAME=value` assignments of a Makefile, each expanded from the others
+    (`$(NAME)`/`${NAME}`; `$(shell …)` and other functions expand to nothing). A variable
+    read, not a build: what `make --eval '…: ; @echo $(NAME)'` prints for plain variables."""
+    raw: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("\t") or line.lstrip().startswith("#"):
+            continue
+        match = _MAKE_ASSIGN.match(line)
+        if match:
+            raw[match.group(1)] = match.group(2).split(" #", 1)[0].strip()
+
+    def expand(value: str, depth: int = 0) -> str:
+        if depth > 20:
+            return value
+        value = re.sub(r"\$\((?:shell|wildcard|addsuffix|foreach|subst|filter)\b[^)]*\)", "", value)
+        return _MAKE_REF.sub(lambda m: expand(raw.get(m.group(1), ""), depth + 1), value)
+
+    return {name: expand(value) for name, value in raw.items()}
+
+
+def release_from_makefile(text: str) -> str | None:
+    """The kernel release pve-kernel's Makefile builds: KVNAME = KERNEL_MAJ.KERNEL_MIN.
+    KERNEL_PATCHLEVEL + -KREL + KREL_EXTRA + -pve (follows pve-kernel Makefile: on bookworm
+    branches KREL_EXTRA=-bpo12, so bookworm-6.14 at ad58d14 builds 6.14.11-9-bpo12-pve).
+    None when the text defines no KVNAME."""
+    value = makefile_variables(text).get("KVNAME")
+    return value or None
+
+
+def release_refusal(kernel: KernelSpec, source_release: str | None, where: str) -> str | None:
+    """The preflight refusal when spec kernel.version is not what the pinned source builds."""
+    if kernel.source.kind != "proxmox-git" or not source_release or source_release == kernel.version:
+        return None
+    return (f"kernel.version is {kernel.version}, but pve-kernel at ref {kernel.source.ref} builds {source_release} "
+            f"(KVNAME of its Makefile, read from {where}); set kernel.version: {source_release} or pin another ref")
+
+
+def build_memory_max_kib(mem_total_kib: int | None, jobs: int, per_job_kib: int = PER_JOB_KIB) -> int | None:
+    """MemoryMax= of the detached build unit: what its jobs need plus 2 GiB for the rest of the
+    build (linking, packaging), never more than RAM less max(2 GiB, 1/8): an OOM then kills
+    the build's cgroup, not the guests or sshd (incident 14). None when RAM is unknown."""
+    if not mem_total_kib:
+        return None
+    wanted = jobs * per_job_kib + 2 * GIB_KIB
+    ceiling = mem_total_kib - max(2 * GIB_KIB, mem_total_kib // 8)
+    return max(per_job_kib, min(wanted, ceiling))
+
+
+def debs_of_release(kind: str, release: str, debs: list[str]) -> bool:
+    """Did a build leave the packages of `release` (package_globs) among `debs`?"""
+    return all(any(fnmatch.fnmatch(d, g) for d in debs) for g in package_globs(kind, release))
+
+
 def package_globs(kind: str, release: str) -> list[str]:
     """The .debs a build leaves in its build dir (relative names, shell globs)."""
     if kind == "proxmox-git":
@@ -110,36 +172,68 @@ def kernel_decision(kernel: KernelSpec, facts: dict, base_config: str = "running
                 return {"action": "pin", "why": f"{release} is running; pin it for good"}
             return {"action": "done", "why": f"{release} (built from the same source and config) is installed, running and pinned"}
         if trial == release and kernels.get("next_boot") != release:
+            # the next-boot pin is gone (proxmox-boot-cleanup clears it at every boot) and the
+            # host runs another kernel: the trial did not come up
             return {"action": "failed-trial",
                     "why": f"the trial boot of {release} came up on {running}; {kernels.get('pinned') or running} stays pinned "
                            f"(look at the console/journal of that boot; rm {TRIAL_MARKER} to try again)"}
         if not kernel.trial_boot:
             return {"action": "done", "why": f"{release} is installed (trial_boot is off; not pinned)"}
-        if kernels.get("next_boot") == release:
+        if kernels.get("next_boot") == release and trial == release:
+            # pinned and refreshed in one operation that writes the marker last: a pin whose
+            # refresh failed has no marker and is done again
             return {"action": "await-reboot", "why": f"{release} is installed and pinned for the next boot only"}
         return {"action": "trial", "why": f"{release} is installed but not booted yet"}
     why = f"{release} is not installed" if not installed else f"{release} is installed but built from another source or config"
     if build.get("running"):
         return {"action": "attach", "why": f"{why}; a build is already running on the host: waiting for it"}
     if build.get("rc") == 0 and (build.get("manifest") or {}).get("build_id") == wanted and build.get("debs"):
+        if not debs_of_release(kernel.source.kind, release, build["debs"]):
+            return {"action": "wrong-debs",
+                    "why": f"the build finished but produced {', '.join(sorted(build['debs']))}, not the packages of "
+                           f"{release} ({', '.join(package_globs(kernel.source.kind, release))}); kernel.version must be "
+                           f"the release the source builds"}
         return {"action": "install", "why": f"{why}; the build of it finished earlier: installing"}
     return {"action": "build", "why": why}
 
 
-def trial_pin_command(release: str, pin_tool: str) -> str:
-    """Boot `release` once, next boot only (the default stays on the old kernel)."""
+REFRESH = "proxmox-boot-tool refresh"
+CLEANUP_UNIT = "proxmox-boot-cleanup.service"
+
+
+def keep_default_command(running: str) -> str:
+    """Pin the running kernel for good before a new one is installed where ESPs are listed.
+
+    Without a pin, the ESP sync a kernel package's postinst runs (zz-proxmox-boot) sets the
+    loader default to `proxmox-*`, which systemd-boot resolves to the newest kernel: the new
+    one would become the default before its trial. With the pin it stays the fallback."""
+    return f"proxmox-boot-tool kernel pin {shlex.quote(running)}"
+
+
+def trial_pin_command(release: str, pin_tool: str, esps: bool = False) -> str:
+    """Boot `release` once, next boot only (the default stays on the old kernel).
+
+    proxmox-boot-tool with listed ESPs only writes the pin file; the loader default changes
+    at `refresh` (follows proxmox-kernel-helper proxmox-boot-tool pin_kernel()), so refresh
+    follows. Without ESPs, pin itself sets the GRUB default and runs update-grub."""
     q = shlex.quote(release)
     if pin_tool == "proxmox-boot-tool":
-        return f"proxmox-boot-tool kernel pin {q} --next-boot"
+        return f"proxmox-boot-tool kernel pin {q} --next-boot" + (f" && {REFRESH}" if esps else "")
     # plain GRUB: a one-shot default (needs GRUB_DEFAULT=saved) by menu entry title
     return f"grub-reboot {shlex.quote('Advanced options for Debian GNU/Linux>Debian GNU/Linux, with Linux ' + release)}"
 
 
-def pin_for_good_command(release: str, pin_tool: str) -> str:
-    """Pin `release` only when it is the one running; else say so and fail (old stays pinned)."""
+def pin_for_good_command(release: str, pin_tool: str, esps: bool = False) -> str:
+    """Pin `release` only when it is the one running (then refresh where ESPs are listed, so
+    the loader default is it); else say so and fail (old stays pinned)."""
     q = shlex.quote(release)
     if pin_tool == "proxmox-boot-tool":
-        pin = f"proxmox-boot-tool kernel pin {q}"
+        pin = f"proxmox-boot-tool kernel pin {q}" + (f" && {REFRESH}" if esps else "")
+        if esps:
+            # proxmox-boot-cleanup.service (unpin --next-boot + refresh) may still run right after
+            # the boot; its refresh must not land after ours: wait while it is activating
+            pin = (f"for _ in $(seq 60); do [ \"$(systemctl show -p ActiveState --value {CLEANUP_UNIT} "
+                   f"2>/dev/null)\" = activating ] || break; sleep 1; done; {pin}")
     else:
         pin = f"grub-set-default {shlex.quote('Advanced options for Debian GNU/Linux>Debian GNU/Linux, with Linux ' + release)}"
     message = shlex.quote(f"pvegpu: the trial boot of {release} came up on ")
@@ -171,10 +265,11 @@ def describe_progress(progress: dict) -> str:
 _TRIAL_KEY = "_pvegpu_kernel_trial"
 
 
-def record_trial_boot(host: Any, release: str, pin_tool: str) -> None:
-    setattr(host.data, _TRIAL_KEY, {"release": release, "pin_tool": pin_tool})
+def record_trial_boot(host: Any, release: str, pin_tool: str, esps: bool = False) -> None:
+    setattr(host.data, _TRIAL_KEY, {"release": release, "pin_tool": pin_tool, "esps": esps})
 
 
 def trial_boot_of(host: Any) -> dict | None:
-    """{"release": "6.14.8-2-pve", "pin_tool": "proxmox-boot-tool"} when this run set a trial boot."""
+    """{"release": "6.14.8-2-pve", "pin_tool": "proxmox-boot-tool", "esps": True} when this run
+    set a trial boot (esps: /etc/kernel/proxmox-boot-uuids lists ESPs, so pins need a refresh)."""
     return host.data.get(_TRIAL_KEY)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests and the twin need, only when missing.
 set -euo pipefail
-need=(debootstrap openssh-client graphviz ccache zstd)
+need=(debootstrap openssh-client graphviz ccache zstd
+      git make dpkg-dev xz-utils)  # the pve-kernel tree tests: git, make and dpkg-buildpackage on it
 missing=()
 for p in "${need[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

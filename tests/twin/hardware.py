@@ -38,6 +38,7 @@ Profile shape (tests/twin/profiles/<name>.yml; every key below is used by render
 """
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -65,7 +66,9 @@ STANDIN_PATHS = {
     "boot.py": ["usr/local/sbin/proxmox-boot-tool", "usr/local/sbin/update-grub",
                 "usr/local/sbin/reboot", "usr/local/sbin/shutdown", "usr/local/bin/systemctl",
                 # the real names point at systemctl; absolute callers must reach the stand-in too
-                "usr/sbin/reboot", "usr/sbin/shutdown"],
+                "usr/sbin/reboot", "usr/sbin/shutdown",
+                # proxmox-kernel-helper's kernel hook: a kernel package's postinst runs it
+                "etc/kernel/postinst.d/zz-proxmox-boot", "etc/kernel/postrm.d/zz-proxmox-boot"],
     "hostdev.py": ["usr/local/bin/fuser", "usr/local/bin/nvidia-modprobe", "usr/local/bin/uname"],
 }
 # The Python stand-ins as modules (the stand-in server imports them) and as programs (run
@@ -197,14 +200,65 @@ def _version_key(rel: str):
     return [int(x) if x.isdigit() else x for x in re.split(r"[.\-+~]", rel)]
 
 
-def booted_release(root: Path, profile: dict, consume_next_boot: bool) -> str:
+ESP_LIST = "etc/kernel/proxmox-boot-uuids"
+ESP_ROOT = f"{TWIN_DIR}/esp"  # one dir per ESP UUID (tests/twin/standins/boot.py writes them)
+NO_BOOT = f"{TWIN_DIR}/boot/no-boot"  # releases that do not come up on this twin (a failing trial)
+
+
+def _entry_fields(text: str) -> dict:
+    fields = {}
+    for line in text.splitlines():
+        key, _, value = line.strip().partition(" ")
+        if key:
+            fields[key] = value.strip()
+    return fields
+
+
+def esp_boot_entry(root: Path) -> dict | None:
+    """The loader entry systemd-boot starts from the first listed ESP: loader.conf's `default`
+    (a glob such as `proxmox-*` picks the newest matching entry, as systemd-boot sorts entries
+    by version), else the newest entry. None when no ESP is listed or it holds no entries.
+    {"file": "proxmox-6.14.8-2-pve.conf", "version": "6.14.8-2-pve", "options": "root=…"}"""
+    uuids = [u.strip() for u in (_read(root, ESP_LIST) or "").splitlines() if u.strip()]
+    for uuid in uuids:
+        esp = root / ESP_ROOT / uuid
+        conf = _read(esp, "loader/loader.conf")
+        if conf is None:
+            continue
+        entries = {}
+        for p in (esp / "loader/entries").glob("*.conf"):
+            fields = _entry_fields(p.read_text())
+            entries[p.name] = {"file": p.name, "version": fields.get("version", p.stem), "options": fields.get("options", "")}
+        if not entries:
+            return None
+        default = None
+        for line in conf.splitlines():
+            if line.startswith("default "):
+                default = line.split(None, 1)[1].strip()
+        by_version = sorted(entries.values(), key=lambda e: _version_key(e["version"]), reverse=True)
+        matching = [e for e in by_version if default and fnmatch.fnmatch(e["file"], default)]
+        return (matching or by_version)[0]
+    return None
+
+
+def booted_release(root: Path, profile: dict, previous: str | None = None) -> str:
+    """What this boot runs. systemd-boot with listed ESPs: what the last ESP sync (refresh)
+    wrote as loader default, never the pin files. Otherwise (GRUB, no ESP): the next-boot pin,
+    the pin, the newest installed kernel. A release in NO_BOOT does not come up: the twin then
+    boots `previous` (what an operator picks from the boot menu after the failed attempt)."""
     installed = installed_kernels(root)
-    nxt = (_read(root, "etc/kernel/next-boot-pin") or "").strip()
-    if nxt and consume_next_boot:
-        (root / "etc/kernel/next-boot-pin").unlink()  # proxmox-boot-cleanup does this on boot
-    pin = (_read(root, "etc/kernel/proxmox-boot-pin") or "").strip()
-    for candidate in (nxt, pin):
+    no_boot = set((_read(root, NO_BOOT) or "").split())
+    entry = esp_boot_entry(root) if profile["boot"]["loader"] == "systemd-boot" else None
+    if entry is not None:
+        candidates = [entry["version"]]
+    else:
+        nxt = (_read(root, "etc/kernel/next-boot-pin") or "").strip()
+        pin = (_read(root, "etc/kernel/proxmox-boot-pin") or "").strip()
+        candidates = [nxt, pin] + list(reversed(installed))
+    for candidate in candidates:
         if candidate and candidate in installed:
+            if candidate in no_boot and previous and previous != candidate:
+                return previous
             return candidate
     if installed:
         return installed[-1]
@@ -215,8 +269,13 @@ def booted_cmdline(root: Path, profile: dict, release: str) -> str:
     boot = profile["boot"]
     loader = boot["loader"]
     if loader == "systemd-boot":
-        args = (_read(root, f"{TWIN_DIR}/boot/cmdline") or boot["cmdline"]).strip()
-        return f"initrd=\\EFI\\proxmox\\{release}\\initrd.img-{release} {args}"
+        # the options of the loader entry that booted (written by the last ESP sync)
+        args = boot["cmdline"]
+        for uuid in [u.strip() for u in (_read(root, ESP_LIST) or "").splitlines() if u.strip()][:1]:
+            entry = _read(root, f"{ESP_ROOT}/{uuid}/loader/entries/proxmox-{release}.conf")
+            if entry is not None:
+                args = _entry_fields(entry).get("options", "")
+        return f"initrd=\\EFI\\proxmox\\{release}\\initrd.img-{release} {args.strip()}"
     if loader == "grub":
         cfg = _read(root, "boot/grub/grub.cfg") or ""
         lines = [m.groups() for m in re.finditer(r"^\s*linux\s+(\S+)\s*(.*)$", cfg, re.M)]
@@ -306,9 +365,10 @@ def _truthy(v: str) -> bool:
 
 # ---------------------------------------------------------------- the boot computation
 
-def compute(root: Path, profile: dict, consume_next_boot: bool = False) -> dict:
-    """Everything a boot decides, as plain data (written to hw/state.json)."""
-    release = booted_release(root, profile, consume_next_boot)
+def compute(root: Path, profile: dict, previous: str | None = None) -> dict:
+    """Everything a boot decides, as plain data (written to hw/state.json). `previous`: the
+    release the boot before ran (where a release that does not come up falls back to)."""
+    release = booted_release(root, profile, previous)
     cmdline = booted_cmdline(root, profile, release)
     params = _cmdline_params(cmdline)
 
@@ -506,7 +566,9 @@ def render(root: Path) -> None:
     """One boot: rewrite root/var/lib/twin/hw from profile.yml + persisted config."""
     root = Path(root)
     profile = load_profile(root / TWIN_DIR / "profile.yml")
-    state = compute(root, profile, consume_next_boot=True)
+    before = _read(root, f"{TWIN_DIR}/hw/state.json")
+    previous = json.loads(before)["boot"]["release"] if before else None
+    state = compute(root, profile, previous)
     hw = root / TWIN_DIR / "hw"
     if hw.exists():
         shutil.rmtree(hw)
@@ -515,6 +577,20 @@ def render(root: Path) -> None:
     _render_proc(hw / "proc", profile, state)
     (hw / "dev.json").write_text(json.dumps(state["dev_nodes"], indent=1))
     (hw / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
+    boot_cleanup(root, profile)
+
+
+def boot_cleanup(root: Path, profile: dict) -> None:
+    """follows proxmox-kernel-helper proxmox-boot-cleanup.service: on a boot with a next-boot
+    pin, `proxmox-boot-tool kernel unpin --next-boot` then `refresh` (the twin's stand-in), so
+    the loader default goes back to the pin (or the newest kernel)."""
+    pbt = root / "usr/local/sbin/proxmox-boot-tool"
+    if not profile.get("pve") or not (root / "etc/kernel/next-boot-pin").exists() or not pbt.exists():
+        return
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "TWIN_ROOT": str(root)}
+    for argv in (["kernel", "unpin", "--next-boot"], ["refresh"]):
+        subprocess.run([str(root / STANDIN_LIB_DIR / "bin/proxmox-boot-tool"), *argv], env=env,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
 
 
 def _resource_lines(dev: dict, profile: dict) -> str:
@@ -770,7 +846,7 @@ def install_standins(root: Path, data: dict) -> None:
         if name == "proxmox.py" and not data.get("pve"):
             dests = []  # not a Proxmox host
         if name == "boot.py" and not data.get("pve"):
-            dests = [d for d in dests if "proxmox-boot-tool" not in d]
+            dests = [d for d in dests if "proxmox-boot-tool" not in d and "zz-proxmox-boot" not in d]
         if dests:
             shutil.copyfile(STANDINS_DIR / name, lib / name)
         for dest in dests:
@@ -856,8 +932,17 @@ def _seed_boot(root: Path, data: dict) -> None:
     if boot["loader"] == "systemd-boot":
         if not (root / "etc/kernel/cmdline").exists():
             _write(root / "etc/kernel/cmdline", boot["cmdline"] + "\n")
-        _write(root / "etc/kernel/proxmox-boot-uuids", boot.get("esp_uuid", "0E4E-3C5A") + "\n")
-        _write(root / TWIN_DIR / "boot/cmdline", boot["cmdline"] + "\n")
+        uuid = boot.get("esp_uuid", "0E4E-3C5A")
+        _write(root / "etc/kernel/proxmox-boot-uuids", uuid + "\n")
+        esp = root / ESP_ROOT / uuid
+        if not (esp / "loader/loader.conf").exists():  # as `proxmox-boot-tool init` + refresh left it
+            _write(esp / "loader/loader.conf", "timeout 3\ndefault proxmox-*\n")
+            for rel in data["kernel"].get("installed") or [data["kernel"]["release"]]:
+                _write(esp / "EFI/proxmox" / rel / f"vmlinuz-{rel}", "")
+                _write(esp / "EFI/proxmox" / rel / f"initrd.img-{rel}", "")
+                _write(esp / "loader/entries" / f"proxmox-{rel}.conf",
+                       f"title    Proxmox Virtual Environment\nversion  {rel}\noptions  {boot['cmdline']}\n"
+                       f"linux    /EFI/proxmox/{rel}/vmlinuz-{rel}\ninitrd   /EFI/proxmox/{rel}/initrd.img-{rel}\n")
     elif boot["loader"] == "grub":
         default = root / "etc/default/grub"
         if not default.exists():

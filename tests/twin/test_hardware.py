@@ -276,6 +276,7 @@ def test_grub_cmdline_follows_update_grub(twin):
 def add_kernel(root, rel, config_cc=None):
     (root / "boot").mkdir(exist_ok=True)
     (root / f"boot/vmlinuz-{rel}").write_text("")
+    (root / f"boot/initrd.img-{rel}").write_text("")
     (root / f"lib/modules/{rel}").mkdir(parents=True, exist_ok=True)
     if config_cc:
         hdr = root / f"usr/src/linux-headers-{rel}/include/config"
@@ -283,25 +284,47 @@ def add_kernel(root, rel, config_cc=None):
         (hdr / "auto.conf").write_text(f'CONFIG_CC_VERSION_TEXT="{config_cc}"\n')
 
 
-def test_booted_kernel_newest_pinned_and_next_boot(twin):
+def test_booted_kernel_is_what_the_last_refresh_wrote(twin):
     root = twin("kpro6")
-    add_kernel(root, "6.14.11-1-pve", config_cc="gcc (Debian 12.2.0-14+deb12u1) 12.2.0")
-    hardware.render(root)
-    assert state(root)["boot"]["release"] == "6.14.11-1-pve"
-    assert hw(root, "proc/version").read_text().startswith(
-        "Linux version 6.14.11-1-pve (build@proxmox) (gcc (Debian 12.2.0-14+deb12u1) 12.2.0, GNU ld")
     env = dict(os.environ, TWIN_ROOT=str(root))
     pbt = str(root / "usr/local/sbin/proxmox-boot-tool")
+    add_kernel(root, "6.14.11-1-pve", config_cc="gcc (Debian 12.2.0-14+deb12u1) 12.2.0")
+    hardware.render(root)
+    assert state(root)["boot"]["release"] == "6.14.8-2-pve"  # on /boot, not yet on the ESP
+    subprocess.run([pbt, "refresh"], env=env, check=True, capture_output=True)
+    hardware.render(root)
+    assert state(root)["boot"]["release"] == "6.14.11-1-pve"  # default proxmox-*: the newest entry
+    assert hw(root, "proc/version").read_text().startswith(
+        "Linux version 6.14.11-1-pve (build@proxmox) (gcc (Debian 12.2.0-14+deb12u1) 12.2.0, GNU ld")
     subprocess.run([pbt, "kernel", "pin", "6.8.12-11-pve", "--next-boot"], env=env, check=True, capture_output=True)
-    hardware.render(root)  # the trial boot consumes the next-boot pin
+    subprocess.run([pbt, "refresh"], env=env, check=True, capture_output=True)
+    hardware.render(root)  # the trial boot; the cleanup clears the next-boot pin and refreshes
     assert state(root)["boot"]["release"] == "6.8.12-11-pve"
     assert "6.8.12-11-pve" in hw(root, "proc/cmdline").read_text()
+    assert not (root / "etc/kernel/next-boot-pin").exists()
     hardware.render(root)
     assert state(root)["boot"]["release"] == "6.14.11-1-pve"
     subprocess.run([pbt, "kernel", "pin", "6.14.8-2-pve"], env=env, check=True, capture_output=True)
     hardware.render(root)
+    assert state(root)["boot"]["release"] == "6.14.11-1-pve"  # pinned, not refreshed
+    subprocess.run([pbt, "refresh"], env=env, check=True, capture_output=True)
     hardware.render(root)
     assert state(root)["boot"]["release"] == "6.14.8-2-pve"
+
+
+def test_a_kernel_that_does_not_come_up_falls_back_to_the_one_before(twin):
+    root = twin("kpro6")
+    env = dict(os.environ, TWIN_ROOT=str(root))
+    pbt = str(root / "usr/local/sbin/proxmox-boot-tool")
+    add_kernel(root, "6.14.11-1-pve")
+    (root / "var/lib/twin/boot").mkdir(parents=True, exist_ok=True)
+    (root / "var/lib/twin/boot/no-boot").write_text("6.14.11-1-pve\n")
+    for argv in (["kernel", "pin", "6.14.8-2-pve"], ["kernel", "pin", "6.14.11-1-pve", "--next-boot"], ["refresh"]):
+        subprocess.run([pbt, *argv], env=env, check=True, capture_output=True)
+    hardware.render(root)
+    assert state(root)["boot"]["release"] == "6.14.8-2-pve"
+    conf = (root / "var/lib/twin/esp/5A1C-9E27/loader/loader.conf").read_text()
+    assert "default proxmox-6.14.8-2-pve.conf" in conf  # the old default after the cleanup
 
 
 def test_nvidia_module_of_booted_kernel_sets_driver_version(twin):

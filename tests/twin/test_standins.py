@@ -284,22 +284,86 @@ def test_pveversion_reports_profile_version_and_booted_kernel(root):
 
 # ---------------------------------------------------------------- boot tools
 
+ESP = "var/lib/twin/esp/5A1C-9E27"
+
+
+def loader_default(root):
+    return [line for line in (root / ESP / "loader/loader.conf").read_text().splitlines() if line.startswith("default ")]
+
+
 def test_proxmox_boot_tool_pin_next_boot_and_list(root):
-    assert "is configured with: uefi (versions: 6.8.12-11-pve, 6.14.8-2-pve)" in run(root, "proxmox-boot-tool", "status").stdout
+    # the versions synced onto the ESP, in `ls -1` order
+    assert "5A1C-9E27 is configured with: uefi (versions: 6.14.8-2-pve, 6.8.12-11-pve)" in run(
+        root, "proxmox-boot-tool", "status").stdout
     r = run(root, "proxmox-boot-tool", "kernel", "pin", "6.99.0-1-pve")
     assert r.returncode != 0 and "no kernel image found" in r.stderr
-    run(root, "proxmox-boot-tool", "kernel", "pin", "6.8.12-11-pve", "--next-boot", check=True)
+    before = (root / ESP / "loader/loader.conf").read_text()
+    pinned = run(root, "proxmox-boot-tool", "kernel", "pin", "6.8.12-11-pve", "--next-boot", check=True)
+    # ESPs listed: the pin file only, and a hint (no terminal: no prompt, no refresh)
+    assert "Use the 'refresh' command" in pinned.stdout and "Pinned for next boot only." in pinned.stdout
+    assert (root / ESP / "loader/loader.conf").read_text() == before
     listing = run(root, "proxmox-boot-tool", "kernel", "list").stdout
     assert "Kernel pinned on next-boot:\n6.8.12-11-pve" in listing and "Pinned kernel:" not in listing
     hardware.render(root)
+    assert run(root, "uname", "-r").stdout == "6.14.8-2-pve\n", "a pin without refresh must not change what boots"
+    assert (root / "etc/kernel/next-boot-pin").exists() is False  # proxmox-boot-cleanup ran at that boot
+    run(root, "proxmox-boot-tool", "kernel", "pin", "6.8.12-11-pve", "--next-boot", check=True)
+    run(root, "proxmox-boot-tool", "refresh", check=True)
+    assert loader_default(root) == ["default proxmox-6.8.12-11-pve.conf"]
+    hardware.render(root)
     assert run(root, "uname", "-r").stdout == "6.8.12-11-pve\n"
-    assert "next-boot" not in run(root, "proxmox-boot-tool", "kernel", "list").stdout  # consumed by the boot
+    assert "next-boot" not in run(root, "proxmox-boot-tool", "kernel", "list").stdout  # cleared at boot
+    assert loader_default(root) == ["default proxmox-*"]  # and the cleanup's refresh put the default back
     hardware.render(root)
     assert run(root, "uname", "-r").stdout == "6.14.8-2-pve\n"
     run(root, "proxmox-boot-tool", "kernel", "pin", "6.8.12-11-pve", check=True)
+    run(root, "proxmox-boot-tool", "refresh", check=True)
+    assert loader_default(root) == ["default proxmox-6.8.12-11-pve.conf"]
     run(root, "proxmox-boot-tool", "kernel", "unpin", check=True)
+    run(root, "proxmox-boot-tool", "refresh", check=True)
     hardware.render(root)
     assert run(root, "uname", "-r").stdout == "6.14.8-2-pve\n"
+
+
+def test_proxmox_boot_tool_refresh_reads_kernel_cmdline_as_zz_proxmox_boot_does(root):
+    entry = root / ESP / "loader/entries/proxmox-6.14.8-2-pve.conf"
+    (root / "etc/kernel/cmdline").write_text("root=ZFS=rpool/ROOT/pve-1 boot=zfs amd_iommu=on\nignored=1\n")
+    run(root, "proxmox-boot-tool", "refresh", check=True)
+    assert "options  root=ZFS=rpool/ROOT/pve-1 boot=zfs amd_iommu=on\n" in entry.read_text()  # first line only
+    hardware.render(root)
+    assert (root / "var/lib/twin/hw/proc/cmdline").read_text().endswith(" root=ZFS=rpool/ROOT/pve-1 boot=zfs amd_iommu=on\n")
+    before = entry.read_text()
+    (root / "etc/kernel/cmdline").write_text("boot=zfs quiet\n")
+    r = run(root, "proxmox-boot-tool", "refresh")
+    assert r.returncode != 0 and "No root= parameter in /etc/kernel/cmdline found!" in r.stderr
+    assert entry.read_text() == before
+    (root / "etc/kernel/cmdline").unlink()  # falls back to the booted line without initrd=
+    r = run(root, "proxmox-boot-tool", "refresh", check=True)
+    assert "falling back to /proc/cmdline" in r.stderr
+    assert "options  root=ZFS=rpool/ROOT/pve-1 boot=zfs amd_iommu=on\n" in entry.read_text()
+    assert "initrd=" not in entry.read_text().split("options", 1)[1].splitlines()[0]
+
+
+def test_no_esp_list_means_no_esp_sync_and_a_hook_run_by_a_kernel_package(root):
+    (root / "boot/vmlinuz-6.14.11-9-bpo12-pve").write_text("k")
+    (root / "boot/initrd.img-6.14.11-9-bpo12-pve").write_text("i")
+    (root / "lib/modules/6.14.11-9-bpo12-pve").mkdir(parents=True)
+    assert "6.14.11-9-bpo12-pve" not in run(root, "proxmox-boot-tool", "status").stdout  # in /boot, not on the ESP
+    hook = str(root / "etc/kernel/postinst.d/zz-proxmox-boot")
+    env = dict(os.environ, TWIN_ROOT=str(root), DEB_MAINT_PARAMS="configure")
+    subprocess.run([hook, "6.14.11-9-bpo12-pve", "/boot/vmlinuz-6.14.11-9-bpo12-pve"], env=env, check=True,
+                   capture_output=True)
+    assert (root / ESP / "loader/entries/proxmox-6.14.11-9-bpo12-pve.conf").exists()
+    assert "6.14.11-9-bpo12-pve" in run(root, "proxmox-boot-tool", "status").stdout
+    hardware.render(root)  # no pin: `default proxmox-*` boots the newest kernel
+    assert run(root, "uname", "-r").stdout == "6.14.11-9-bpo12-pve\n"
+    (root / "etc/kernel/proxmox-boot-uuids").unlink()
+    entries = sorted(p.name for p in (root / ESP / "loader/entries").iterdir())
+    run(root, "proxmox-boot-tool", "kernel", "pin", "6.14.8-2-pve", check=True)
+    r = run(root, "proxmox-boot-tool", "refresh", check=True)
+    assert "skipping ESP sync" in r.stderr
+    assert sorted(p.name for p in (root / ESP / "loader/entries").iterdir()) == entries
+    assert loader_default(root) == ["default proxmox-*"]
 
 
 def test_reboot_stand_ins_request_a_reboot(root):

@@ -73,8 +73,13 @@ def test_decisions_through_a_trial_boot():
     bid = build_id(k)
     assert kernel_decision(k, facts())["action"] == "build"
     assert kernel_decision(k, facts(build={"running": True}))["action"] == "attach"
-    done_build = {"running": False, "rc": 0, "debs": ["proxmox-kernel-6.14.8-2-pve_1_amd64.deb"], "manifest": {"build_id": bid}}
+    done_build = {"running": False, "rc": 0, "debs": ["proxmox-kernel-6.14.8-2-pve_1_amd64.deb",
+                                                      "proxmox-headers-6.14.8-2-pve_1_amd64.deb"], "manifest": {"build_id": bid}}
     assert kernel_decision(k, facts(build=done_build))["action"] == "install"
+    # a finished build whose packages carry another release is not installed
+    other = {**done_build, "debs": ["proxmox-kernel-6.14.8-2-bpo12-pve_6.14.8-2~bpo12+1_amd64.deb"]}
+    wrong = kernel_decision(k, facts(build=other))
+    assert wrong["action"] == "wrong-debs" and "proxmox-kernel-6.14.8-2-bpo12-pve_6.14.8-2~bpo12+1_amd64.deb" in wrong["why"]
     stale_build = {**done_build, "manifest": {"build_id": "other"}}
     assert kernel_decision(k, facts(build=stale_build))["action"] == "build"
     inst = ["6.8.12-4-pve", "6.14.8-2-pve"]
@@ -120,3 +125,29 @@ def test_progress_from_a_kbuild_log():
     assert p == {"built": 4, "total": 8, "last": "LD [M]  fs/fuse/fuse.ko"}
     assert describe_progress(p) == "4 objects built of ~8 (50%), last: LD [M]  fs/fuse/fuse.ko"
     assert describe_progress(build_progress([], None)) == "0 objects built"
+
+
+def test_a_next_boot_pin_without_the_trial_marker_is_pinned_and_refreshed_again():
+    """The marker is written after pin + refresh: a pin whose refresh failed is not awaited."""
+    k = kernel()
+    inst = ["6.8.12-4-pve", "6.14.8-2-pve"]
+    d = kernel_decision(k, facts(inst, manifest_id=build_id(k), next_boot="6.14.8-2-pve"))
+    assert d["action"] == "trial"
+
+
+def test_pins_are_followed_by_refresh_where_esps_are_listed(tmp_path):
+    """proxmox-boot-tool pin only writes the pin file when /etc/kernel/proxmox-boot-uuids exists
+    (proxmox-kernel-helper pin_kernel()); the loader default changes at refresh."""
+    assert trial_pin_command("6.14.8-2-pve", "proxmox-boot-tool", esps=True) == (
+        "proxmox-boot-tool kernel pin 6.14.8-2-pve --next-boot && proxmox-boot-tool refresh")
+    assert trial_pin_command("6.14.8-2-pve", "proxmox-boot-tool", esps=False) == (
+        "proxmox-boot-tool kernel pin 6.14.8-2-pve --next-boot")  # no ESPs: pin runs update-grub itself
+    (tmp_path / "uname").write_text("#!/bin/sh\necho 6.14.8-2-pve\n")
+    (tmp_path / "proxmox-boot-tool").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/calls\n")
+    for f in ("uname", "proxmox-boot-tool"):
+        (tmp_path / f).chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    cmd = pin_for_good_command("6.14.8-2-pve", "proxmox-boot-tool", esps=True).replace(
+        "/var/lib/pvegpu/kernel/trial-boot", str(tmp_path / "marker"))
+    r = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and (tmp_path / "calls").read_text() == "kernel pin 6.14.8-2-pve\nrefresh\n"

@@ -6,10 +6,16 @@ update-grub        writes /boot/grub/grub.cfg from /etc/default/grub (grub-mkcon
                    devices inside the twin)
 reboot, shutdown -r, systemctl reboot   ask the twin's supervisor for a reboot (TWIN-CONTRACT)
 
+zz-proxmox-boot    the kernel hook (/etc/kernel/postinst.d, postrm.d) a kernel package's postinst runs
+
 State: pins in /etc/kernel/proxmox-boot-pin and /etc/kernel/next-boot-pin (as Proxmox keeps them);
-the cmdline a systemd-boot ESP was last synced with in /var/lib/twin/boot/cmdline.
+the ESPs of /etc/kernel/proxmox-boot-uuids under /var/lib/twin/esp/<uuid>/ (loader/loader.conf,
+loader/entries/proxmox-<rel>.conf, EFI/proxmox/<rel>/): written only by `refresh` and the hook,
+read by the twin's reboot. `kernel pin` on such a host writes the pin file only.
 """
 import os
+import re
+import shutil
 import sys
 import time
 
@@ -19,6 +25,23 @@ import twinstate  # noqa: E402
 
 PIN = "/etc/kernel/proxmox-boot-pin"
 NEXT = "/etc/kernel/next-boot-pin"
+ESP_LIST = "/etc/kernel/proxmox-boot-uuids"
+# The twin's ESPs: one directory per UUID of ESP_LIST, standing for /dev/disk/by-uuid/<uuid>
+# mounted (what systemd-boot reads at the twin's reboot: tests/twin/hardware.py esp_boot_entry).
+ESP_ROOT = "/var/lib/twin/esp"
+PMX_ESP_DIR = "EFI/proxmox"
+LOADER_CONF = "loader/loader.conf"
+VFAT_UUID = re.compile(r"[0-9a-fA-F]{4}-[0-9a-fA-F]{4}")
+
+
+def warn(msg):
+    sys.stderr.write(msg + "\n")
+
+
+def first_line(p):
+    """follows proxmox-kernel-helper functions get_first_line(): first line, "" when absent."""
+    text = twinstate.read(p)
+    return text.split("\n", 1)[0] if text else ""
 
 
 def kernels():
@@ -33,40 +56,148 @@ def kernels():
     return sorted(out, key=twinstate.version_key)
 
 
-def loader():
-    return (twinstate.profile().get("boot") or {}).get("loader", "none")
+def esp_uuids():
+    """follows functions loop_esp_list(): non-empty lines of ESP_LIST."""
+    return [u.strip() for u in (twinstate.read(ESP_LIST) or "").splitlines() if u.strip()]
 
 
-def pbt_status():
+def pbt_status(argv=()):
+    """follows proxmox-boot-tool status()/_status_detail(): per listed ESP, the kernel versions
+    synced onto it (its EFI/proxmox/ directories, as `ls -1` lists them), not those in /boot."""
+    quiet = "--quiet" in argv
+    if not os.path.isfile(twinstate.path(ESP_LIST)):
+        if quiet:
+            return 2
+        twinstate.die(f"E: {ESP_LIST} does not exist.", 2)
+    if quiet:
+        return 0
     print("Re-executing '/usr/sbin/proxmox-boot-tool' in new private mount namespace..")
-    if loader() != "systemd-boot":
-        twinstate.die("E: /etc/kernel/proxmox-boot-uuids does not exist.", 2)
-    uuid = (twinstate.read("/etc/kernel/proxmox-boot-uuids") or "").split()
     print("System currently booted with uefi")
-    for u in uuid:
-        print(f"{u} is configured with: uefi (versions: {', '.join(kernels())})")
+    for u in esp_uuids():
+        esp = twinstate.path(f"{ESP_ROOT}/{u}")
+        if not VFAT_UUID.search(u):
+            warn(f"WARN: {u} read from {ESP_LIST} does not look like a VFAT-UUID - skipping")
+            continue
+        if not os.path.isdir(esp):
+            warn(f"WARN: /dev/disk/by-uuid/{u} does not exist - clean '{ESP_LIST}'! - skipping")
+            continue
+        result = ""
+        if os.path.isfile(os.path.join(esp, LOADER_CONF)):
+            kdir = os.path.join(esp, PMX_ESP_DIR)
+            versions = sorted(os.listdir(kdir)) if os.path.isdir(kdir) else []
+            result = f"uefi (versions: {', '.join(versions)})"
+        print(f"{u} is configured with: {result}")
     return 0
 
 
-def pbt_refresh():
+def esp_cmdline():
+    """follows zz-proxmox-boot update_esps(): the first line of /etc/kernel/cmdline (it must
+    carry root=), else /proc/cmdline without its initrd= entries. None: refuse."""
+    if os.path.isfile(twinstate.path("/etc/kernel/cmdline")):
+        cmdline = first_line("/etc/kernel/cmdline")
+        if "root=" not in cmdline:
+            warn("No root= parameter in /etc/kernel/cmdline found!")
+            return None
+        return cmdline
+    warn("No /etc/kernel/cmdline found - falling back to /proc/cmdline")
+    # (/proc/cmdline is the rendered hw/proc/cmdline; outside a running twin read that file)
+    proc = (twinstate.read("/proc/cmdline") or twinstate.read("/var/lib/twin/hw/proc/cmdline") or "").strip()
+    return re.sub(r"\binitrd=[0-9a-zA-Z\\/.-]*\s*", "", proc).strip()
+
+
+def esp_sync(install_version=None):
+    """follows zz-proxmox-boot update_esps()/update_esp_func(): copy each kernel with an
+    initrd to every listed ESP, write its loader entry, point loader.conf's default at the
+    next-boot pin, else the pin, else `proxmox-*` (systemd-boot then takes the newest), and
+    drop kernels no longer installed. No ESP list: nothing is synced."""
+    if not os.path.isfile(twinstate.path(ESP_LIST)):
+        warn(f"No {ESP_LIST} found, skipping ESP sync.")
+        return 0
+    cmdline = esp_cmdline()
+    if cmdline is None:
+        return 1
+    boot_kvers = kernels()
+    if install_version and install_version not in boot_kvers and os.path.exists(twinstate.path(f"/boot/vmlinuz-{install_version}")):
+        boot_kvers.append(install_version)
+    for uuid in esp_uuids():
+        if not VFAT_UUID.search(uuid):
+            warn(f"WARN: {uuid} read from {ESP_LIST} does not look like a VFAT-UUID - skipping")
+            continue
+        esp = twinstate.path(f"{ESP_ROOT}/{uuid}")
+        dev = f"/dev/disk/by-uuid/{uuid}"
+        if not os.path.isdir(esp):
+            warn(f"WARN: {dev} does not exist - clean '{ESP_LIST}'! - skipping")
+            continue
+        if not os.path.isfile(os.path.join(esp, LOADER_CONF)):
+            warn(f"{dev} contains no loader.conf - skipping")
+            continue
+        warn(f"Copying and configuring kernels on {dev}")
+        os.makedirs(os.path.join(esp, "loader/entries"), exist_ok=True)
+        for kver in boot_kvers:
+            image, initrd = f"/boot/vmlinuz-{kver}", f"/boot/initrd.img-{kver}"
+            if not os.path.isfile(twinstate.path(image)):
+                warn(f"No linux-image {image} found - skipping")
+                continue
+            if not os.path.isfile(twinstate.path(initrd)):
+                warn(f"No initrd-image {initrd} found - skipping")
+                continue
+            warn(f"\tCopying kernel and creating boot-entry for {kver}")
+            live = os.path.join(esp, PMX_ESP_DIR, kver)
+            os.makedirs(live, exist_ok=True)
+            for src in (image, initrd):
+                shutil.copy2(twinstate.path(src), live)
+            with open(os.path.join(esp, f"loader/entries/proxmox-{kver}.conf"), "w") as f:
+                f.write(f"title    Proxmox Virtual Environment\nversion  {kver}\noptions  {cmdline}\n"
+                        f"linux    /{PMX_ESP_DIR}/{kver}/vmlinuz-{kver}\ninitrd   /{PMX_ESP_DIR}/{kver}/initrd.img-{kver}\n")
+        pinned = first_line(PIN)
+        if os.path.exists(twinstate.path(NEXT)):
+            pinned = first_line(NEXT)
+        set_loader_default(os.path.join(esp, LOADER_CONF), f"proxmox-{pinned}.conf" if pinned else "proxmox-*")
+        # follows zz-proxmox-boot remove_old_kernels_efi(): kernels not in the boot list go
+        kdir = os.path.join(esp, PMX_ESP_DIR)
+        for kver in sorted(os.listdir(kdir)) if os.path.isdir(kdir) else []:
+            if kver not in boot_kvers:
+                warn(f"\tRemoving old version {kver}")
+                shutil.rmtree(os.path.join(kdir, kver), ignore_errors=True)
+                entry = os.path.join(esp, f"loader/entries/proxmox-{kver}.conf")
+                if os.path.exists(entry):
+                    os.unlink(entry)
+    return 0
+
+
+def set_loader_default(conf, entry):
+    """follows functions set_systemd_boot_default(): replace the `default` line, else append one."""
+    with open(conf) as f:
+        lines = f.read().splitlines()
+    done = False
+    for i, line in enumerate(lines):
+        if line.startswith("default "):
+            lines[i] = f"default {entry}"
+            done = True
+    if not done:
+        lines.append(f"default {entry}")
+    with open(conf, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def pbt_refresh(argv=()):
+    """follows proxmox-boot-tool refresh(): run the kernel hooks proxmox-auto-removal and
+    zz-proxmox-boot (the twin's auto-removal keeps every kernel)."""
     print("Running hook script 'proxmox-auto-removal'..")
     print("Running hook script 'zz-proxmox-boot'..")
     print("Re-executing '/etc/kernel/postinst.d/zz-proxmox-boot' in new private mount namespace..")
-    if loader() != "systemd-boot":
-        print("No /etc/kernel/proxmox-boot-uuids found, skipping ESP sync.")
-        if loader() == "grub":
-            return update_grub([])
+    return esp_sync()
+
+
+def zz_proxmox_boot(argv):
+    """/etc/kernel/{postinst,postrm}.d/zz-proxmox-boot as a kernel package's maintainer script
+    runs it (run-parts --arg=<version> --arg=<image>): follows zz-proxmox-boot's case on
+    $DEB_MAINT_PARAMS (configure/remove or none: sync the ESPs)."""
+    mode = (os.environ.get("DEB_MAINT_PARAMS") or "").split()
+    mode = mode[0].strip("'") if mode else ""
+    if mode not in ("", "configure", "remove"):
         return 0
-    cmdline = twinstate.read("/etc/kernel/cmdline")
-    if cmdline is None:
-        twinstate.die("E: /etc/kernel/cmdline does not exist", 2)
-    uuid = (twinstate.read("/etc/kernel/proxmox-boot-uuids") or "").split()
-    for u in uuid:
-        print(f"Copying and configuring kernels on /dev/disk/by-uuid/{u}")
-        for rel in kernels():
-            print(f"\tCopying kernel and creating boot-entry for {rel}")
-    twinstate.write("/var/lib/twin/boot/cmdline", " ".join(cmdline.split()) + "\n")
-    return 0
+    return esp_sync(argv[0] if argv and mode != "remove" else None)
 
 
 def pbt_kernel(args):
@@ -79,37 +210,53 @@ def pbt_kernel(args):
         print("Manually selected kernels:\nNone.\n")
         print("Automatically selected kernels:")
         print("\n".join(kernels()))
-        pin, nxt = (twinstate.read(PIN) or "").strip(), (twinstate.read(NEXT) or "").strip()
+        pin, nxt = first_line(PIN), first_line(NEXT)
         if pin:
             print(f"\nPinned kernel:\n{pin}")
         if nxt:
             print(f"\nKernel pinned on next-boot:\n{nxt}")
         return 0
     if op == "pin":
+        # follows proxmox-boot-tool pin_kernel()
         if not rest:
-            twinstate.die("E: <kernel-version> is mandatory for 'pin'", 2)
+            twinstate.die("E: <kernel-version> is mandatory", 1)
         rel = rest[0]
-        if rel not in kernels():
-            twinstate.die(f"E: no kernel image found in /boot for '{rel}', not setting default.", 2)
-        twinstate.write(NEXT if next_boot else PIN, rel + "\n")
+        if not os.path.exists(twinstate.path(f"/boot/vmlinuz-{rel}")):
+            twinstate.die(f"E: no kernel image found in /boot for '{rel}', not setting default.", 1)
         where = NEXT if next_boot else PIN
-        if loader() == "grub":
-            print(f"Setting '{rel}' as grub default entry and running update-grub.")
-            update_grub([])
+        old = first_line(where)
+        if old and old != rel:
+            print(f"Overriding previously pinned version '{old}' with '{rel}'")
+        twinstate.write(where, rel + "\n")
+        if os.path.isfile(twinstate.path(ESP_LIST)):
+            # ESPs listed: only the pin file; the loader changes at `refresh` (no terminal: no prompt)
+            print(f"Set kernel '{rel}' in {where}. Use the 'refresh' command to update the ESPs.")
         else:
-            print(f"Set kernel '{rel}' in {where}.")
-            print("Refresh the actual boot ESPs now? [yN] ", end="")
-            print()
+            print(f"Setting '{first_line(NEXT) or rel}' as grub default entry and running update-grub.")
+            update_grub([])
+        if next_boot:
+            print("Pinned for next boot only.")
         return 0
     if op == "unpin":
-        p = twinstate.path(NEXT if next_boot else PIN)
+        # follows proxmox-boot-tool unpin_kernel(): --next-boot removes only that pin
+        last = first_line(NEXT)
+        p = twinstate.path(NEXT)
         if os.path.exists(p):
             os.unlink(p)
-        if not next_boot and os.path.exists(twinstate.path(NEXT)):
-            os.unlink(twinstate.path(NEXT))  # unpin without --next-boot clears both
-        print("Removed kernel pin." if not next_boot else "Removed next-boot kernel pin.")
+        print(f"Removed {NEXT}.")
+        if not next_boot:
+            last = first_line(PIN) or last
+            if os.path.exists(twinstate.path(PIN)):
+                os.unlink(twinstate.path(PIN))
+            print(f"Removed {PIN}.")
+        if os.path.isfile(twinstate.path(ESP_LIST)):
+            if last:
+                print(f"Unpinned kernel '{last}'. Use the 'refresh' command to update the ESPs.")
+        else:
+            print("Reset default grub entry and running update-grub.")
+            update_grub([])
         return 0
-    twinstate.die(f"E: unknown kernel subcommand '{op}'", 2)
+    twinstate.die(f"E: invalid 'kernel' subcommand '{op}'.", 1)
 
 
 def proxmox_boot_tool(argv):
@@ -117,9 +264,9 @@ def proxmox_boot_tool(argv):
         twinstate.die("USAGE: proxmox-boot-tool <commands> [ARGS]", 2)
     cmd = argv[0]
     if cmd == "status":
-        return pbt_status()
+        return pbt_status(argv[1:])
     if cmd == "refresh":
-        return pbt_refresh()
+        return pbt_refresh(argv[1:])
     if cmd == "kernel":
         return pbt_kernel(argv[1:])
     twinstate.die(f"E: unknown command '{cmd}'", 2)
@@ -193,7 +340,7 @@ def shutdown(argv):
     twinstate.die("twin: only 'shutdown -r' is supported (a twin cannot power off)", 1)
 
 
-HANDLERS = {"proxmox-boot-tool": proxmox_boot_tool, "update-grub": update_grub,
+HANDLERS = {"proxmox-boot-tool": proxmox_boot_tool, "update-grub": update_grub, "zz-proxmox-boot": zz_proxmox_boot,
             "reboot": lambda a: request_reboot("reboot " + " ".join(a)), "shutdown": shutdown,
             "systemctl": systemctl}
 PROGRAMS = tuple(HANDLERS)

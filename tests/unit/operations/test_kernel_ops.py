@@ -2,6 +2,7 @@
 build scripts run for real in a local shell (no host needed)."""
 
 import json
+import re
 import subprocess
 import time
 from types import SimpleNamespace
@@ -56,10 +57,12 @@ def test_proxmox_git_script_follows_the_pve_kernel_readme():
     k = KernelSpec(version="6.14.8-2-pve", source=GIT)
     text = script_for(k, jobs=12)
     assert sh(f"sh -n /dev/stdin <<'EOF'\n{text}\nEOF").returncode == 0
-    order = ["git checkout --force v6.14.8-2", "make build-dir-fresh", "mk-build-deps -ir", "DEB_BUILD_OPTIONS=parallel=12 make deb"]
+    order = ["git checkout --force v6.14.8-2", "pvegpu-kvname", "git submodule update", "make build-dir-fresh",
+             "mk-build-deps -ir", 'export PATH="/usr/lib/ccache:$PATH"', "dpkg-buildpackage --jobs=12 -b -uc -us"]
     positions = [text.index(s) for s in order]
     assert positions == sorted(positions)
-    assert 'PVE_KERNEL_CC="ccache gcc"' in text
+    # pve-kernel has no PVE_KERNEL_CC, and its `make deb` would run dpkg-buildpackage --jobs=auto
+    assert "PVE_KERNEL_CC" not in text and not re.search(r"^[^#]*make deb", text, re.M)
 
 
 def test_manifest_is_json_once_build_sh_fills_it(tmp_path):
@@ -160,6 +163,37 @@ def test_trial_boot_pins_next_boot_only_and_marks_it():
     assert cmds[0].startswith("grub-reboot ")
 
 
+def test_trial_boot_refreshes_where_esps_are_listed_and_marks_last():
+    cmds, _ = run_op(kernel.trial_boot, "6.14.8-2-pve", "proxmox-boot-tool", True)
+    assert cmds[0] == "proxmox-boot-tool kernel pin 6.14.8-2-pve --next-boot && proxmox-boot-tool refresh"
+    assert len(cmds) == 2 and "/var/lib/pvegpu/kernel/trial-boot" in cmds[1]
+
+
+def test_trial_of_an_installed_kernel_pins_the_running_one_first_where_asked():
+    cmds, _ = run_op(kernel.trial_boot, "6.14.11-9-bpo12-pve", "proxmox-boot-tool", True, "6.14.8-2-pve")
+    assert cmds[0] == "proxmox-boot-tool kernel pin 6.14.8-2-pve"
+    assert cmds[1] == "proxmox-boot-tool kernel pin 6.14.11-9-bpo12-pve --next-boot && proxmox-boot-tool refresh"
+
+
+def test_install_pins_the_running_kernel_first_where_nothing_is_pinned():
+    """A kernel package's postinst syncs the ESPs; with no pin the loader default becomes the
+    newest kernel (zz-proxmox-boot: default proxmox-*), so the running one is pinned first."""
+    cmds, _ = run_op(kernel.install_kernel, "/b", "6.14.11-9-bpo12-pve", "proxmox-git", "6.14.8-2-pve")
+    assert cmds[0] == "proxmox-boot-tool kernel pin 6.14.8-2-pve"
+    assert cmds[1].startswith("DEBIAN_FRONTEND=noninteractive dpkg -i ")
+
+
+def test_reboot_stage_pin_for_good_refreshes_where_esps_are_listed():
+    cmds, _ = run_op(reboot.pin_trial_kernel, "6.14.8-2-pve", "proxmox-boot-tool", True)
+    assert "proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool refresh && rm -f" in cmds[0]
+
+
+def test_build_state_reads_the_esp_list():
+    assert kernel.parse_build_state(["esps", "pbt"])["esps"] is True
+    assert kernel.parse_build_state(["pbt"])["esps"] is False
+    assert "[ -f /etc/kernel/proxmox-boot-uuids ] && echo esps" in kernel.build_state_command("/b", "6.14.8-2-pve")
+
+
 def test_remove_old_is_a_noop_without_releases():
     cmds, noop = run_op(kernel.remove_old_kernels, [], "tarball")
     assert cmds == [] and noop == "no old kernels to remove"
@@ -167,9 +201,11 @@ def test_remove_old_is_a_noop_without_releases():
     assert cmds == ["DEBIAN_FRONTEND=noninteractive apt-get -y purge linux-image-6.1.0-57-amd64"]
 
 
-def test_preflight_refuses_fragments_on_proxmox_git():
+def test_preflight_refuses_fragments_on_proxmox_git(monkeypatch):
     from spec.models import HostSpec
     assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT, "config_fragments": ["CONFIG_X=y"]}))
+    monkeypatch.setattr(kernel, "stage_facts", lambda k: {
+        "kernels": {"running": "6.8.12-4-pve", "installed": []}, "build": kernel.parse_build_state([]), "source": None})
     assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT})) == []
 
 
