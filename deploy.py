@@ -4,7 +4,8 @@
     pyinfra inventories/kpro6.py deploy.py          # converge
 
 Flow (DESIGN.md section 1): the spec was validated when the inventory loaded (spec.load),
-before any connection. Here, per host: print a plan summary, run every stage's `preflight`
+before any connection. Here, per host: take the host's run lock (operations/runlock.py; another
+live run stops this one), print a plan summary, run every stage's `preflight`
 (read-only checks over facts; any refusal stops the run before a single change), then each
 stage's `apply` in the order of DESIGN.md section 2. A stage module that does not exist yet is
 absent from the run, never faked.
@@ -23,6 +24,7 @@ from pyinfra import host, logger
 from pyinfra.api.exceptions import DeployError
 
 from facts.once import prefetch
+from operations import runlock
 from operations.pyinfra_speedups import install as install_speedups
 from plan.summary import spec_summary
 
@@ -46,6 +48,10 @@ if spec is None:
         f"pvegpu: host {host.name} has no spec (host data 'pvegpu_spec'); "
         "use an inventory from inventories/ that loads a .yml spec"
     )
+
+# One run per host at a time: a live holder stops this run here, before anything is read or
+# changed; a dead one is reported as stale and taken over (operations/runlock.py).
+runlock.hold(host, logger.warning)
 
 for line in spec_summary(host.name, spec):
     logger.info(line)
