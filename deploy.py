@@ -25,6 +25,7 @@ from pyinfra.api.exceptions import DeployError
 
 from facts.once import prefetch
 from operations import runlock
+from operations.backup import is_dry, show_dry_diffs
 from operations.pyinfra_speedups import install as install_speedups
 from plan.summary import spec_summary
 
@@ -79,3 +80,7 @@ prefetch([request for _, module in stages if hasattr(module, "prefetch_apply")
 
 for name, module in stages:
     module.apply(spec)
+
+# --dry: every file and Proxmox config that would change, as a unified diff (operations/backup.py)
+if is_dry():
+    show_dry_diffs()

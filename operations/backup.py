@@ -53,10 +53,15 @@ def diff_lines(path: str, before: str | None, after: str) -> list[str]:
                                      tofile=f"{path} (after)", lineterm=""))
 
 
+_SHOWN: set[tuple] = set()  # (host, path, diff): pyinfra may run an operation's body twice
+
+
 def log_diff(path: str, before: str | None, after: str, note: str = "") -> None:
     lines = diff_lines(path, before, after)
-    if not lines:
+    key = (host.name, path, tuple(lines))
+    if not lines or key in _SHOWN:
         return
+    _SHOWN.add(key)
     logger.info(f"{host.name}: {path} would change{note}:" if is_dry() else f"{host.name}: {path} changes{note}:")
     for line in lines:
         logger.info(f"    {line}")
@@ -138,3 +143,16 @@ def pci_cfg_after(text: str, changes) -> str:
             order.append(change.id)
         sections[change.id] = [f"\tmap {map_string(m)}" for m in change.maps] + kept
     return "".join(f"{name}\n" + "".join(f"{line}\n" for line in sections[name]) + "\n" for name in order)
+
+
+def show_dry_diffs() -> None:
+    """--dry: run every operation body of this host as far as it goes without executing
+    anything, so each prints the diff of what it would change (pyinfra 3 runs them only for its
+    change detection, which `-y` skips). Bodies read facts; none changes the host."""
+    state = host.state
+    for op_hash, op_data in list(state.ops.get(host, {}).items()):
+        try:
+            for _ in op_data.command_generator():
+                pass
+        except Exception as exc:  # a body that needs an earlier operation's effect: no diff
+            logger.debug(f"{host.name}: no --dry diff for operation {op_hash}: {exc}")
