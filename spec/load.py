@@ -113,6 +113,18 @@ def _check_shape(node: yaml.Node, path: Path) -> None:
     walk(node, 0)
 
 
+def _check_depth(text: str, path: Path) -> None:
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise _refuse(path, "(yaml)", f"nested more than {MAX_DEPTH} levels deep (line "
+                                              f"{event.start_mark.line + 1}); a host spec is a few levels")
+        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+            depth -= 1
+
+
 def _read_yaml(path: Path) -> Any:
     """The file's one YAML document, or SpecError with a sentence (never a traceback)."""
     try:
@@ -131,6 +143,7 @@ def _read_yaml(path: Path) -> Any:
         raise _refuse(path, "(file)", f"is not UTF-8 text (byte {exc.start})") from None
     loader = _UniqueKeyLoader(text)
     try:
+        _check_depth(text, path)  # before composing: the composer recurses once per level
         node = loader.get_single_node()
         if node is None:
             raise _refuse(path, "(file)", "is empty; it needs a top-level 'hosts:' mapping of host name -> spec")

@@ -255,7 +255,7 @@ hosts:
     ("hosts: [kpro6]\n", "at least one host"),
     (BILLION_LAUGHS, f"expands to more than {MAX_NODES} values"),
     ("hosts: &h\n  kpro6: {iommu: {params: *h}}\n", "refers to a node that contains it"),
-    ("hosts: {kpro6: {iommu: {params: " + "[" * 1000 + "]" * 1000 + "}}}\n", "nested"),
+    ("hosts: {kpro6: {iommu: {params: " + "[" * 5000 + "]" * 5000 + "}}}\n", "nested"),
     ("hosts:\n  ? [a, b]\n  : {}\n", "a key here is a list or mapping"),
     ("hosts: {kpro6: !!python/object/apply:os.system [reboot]}\n", "could not determine a constructor"),
     ("hosts: {kpro6: {}}\n---\nhosts: {kpro7: {}}\n", "expected a single document"),
