@@ -147,17 +147,23 @@ class _Keeper:
         self._chan = None
         self._proc = None
         self._done = False
+        from pyinfra.connectors.local import LocalConnector
+
         connector = host.connector
-        client = getattr(connector, "client", None)
-        if client is not None and client.get_transport() is not None:
-            chan = client.get_transport().open_session()
-            chan.exec_command(command)
-            self._chan = chan
-            self._reader = chan.makefile("r")
-        else:  # @local: the same keeper in a subprocess of this run
+        if isinstance(connector, LocalConnector):  # @local: the keeper is a subprocess of this run
             self._proc = subprocess.Popen(["sh", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                           text=True)
             self._reader = self._proc.stdout
+            return
+        client = getattr(connector, "client", None)
+        transport = client.get_transport() if client is not None else None
+        if transport is None:
+            raise DeployError(f"pvegpu: host {host.name}: the run lock needs an SSH or @local connection "
+                              f"(got {type(connector).__name__}); nothing was changed")
+        chan = transport.open_session()
+        chan.exec_command(command)
+        self._chan = chan
+        self._reader = chan.makefile("r")
 
     def first_lines(self) -> list[str]:
         lines = []
