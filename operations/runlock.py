@@ -39,8 +39,9 @@ LOCK_DIR = "/run/pvegpu"
 LOCK_FILE = f"{LOCK_DIR}/run.lock"
 HOLDER_FILE = f"{LOCK_DIR}/holder"
 HEARTBEAT_S = 5
-# a test may shorten it (PVEGPU_LOCK_TIMEOUT_S) to see a silent link's end without a minute's wait
-HEARTBEAT_TIMEOUT_S = int(os.environ.get("PVEGPU_LOCK_TIMEOUT_S", "60"))
+# Long enough for pyinfra's "Detected changes" prompt (it blocks the whole process, heartbeats
+# included); a test may shorten it (PVEGPU_LOCK_TIMEOUT_S) to see a silent link's end quickly.
+HEARTBEAT_TIMEOUT_S = int(os.environ.get("PVEGPU_LOCK_TIMEOUT_S", "600"))
 
 # $1 user  $2 machine  $3 since  $4 pid  $5 mode  $6 heartbeat timeout (s)
 KEEPER = r"""
@@ -135,8 +136,8 @@ def stale_message(host_name: str, rec: dict[str, str]) -> str:
 
 def held_message(host_name: str, rec: dict[str, str]) -> str:
     return (f"pvegpu: host {host_name} is held by another pvegpu run: {describe_holder(rec)}; nothing was "
-            f"read or changed. Wait for it to finish (a run that dies lets go within {HEARTBEAT_TIMEOUT_S} s), "
-            f"then run again. The holder is in {HOLDER_FILE} on the host.")
+            f"read or changed. Wait for it to finish, then run again (a run that is killed or loses its "
+            f"connection lets go at once; one whose link went silent, after {HEARTBEAT_TIMEOUT_S} s). The holder is in {HOLDER_FILE} on the host.")
 
 
 class _Keeper:
@@ -191,6 +192,12 @@ class _Keeper:
 
         while not self._done and self.send(".\n"):
             gevent.sleep(HEARTBEAT_S)
+            if self._chan is not None and self._chan.exit_status_ready() and not self._done:
+                from pyinfra import logger
+
+                logger.warning(f"{self.host.name}: pvegpu lost its run lock (its keeper on the host ended); "
+                               "another run may now take the host")
+                return
 
     def release(self) -> None:
         if self._done:
