@@ -197,6 +197,8 @@ class NvidiaSpec(Strict):
         for release in v:
             if not KERNEL_VERSION_RE.match(release):
                 raise ValueError(f"{release!r} is not a kernel release; write it like '6.14.8-2-pve'")
+            if len(release) > 64:  # linux include/uapi/linux/utsname.h __NEW_UTS_LEN: 64
+                raise ValueError(f"{release!r} is longer than a kernel release can be (64)")
         return list(dict.fromkeys(v))
 
     @field_validator("version")

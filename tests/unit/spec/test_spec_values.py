@@ -144,6 +144,8 @@ def test_usual_kernel_parameters_pass(tmp_path):
      "does not fit a 32-bit module parameter"),
     (("nvidia", "nvreg", "NVreg_RegistryDwords"), 'a"b', 'hosts.kpro6.nvidia.nvreg["NVreg_RegistryDwords"]',
      "cannot hold a double quote"),
+    (("nvidia", "releases"), ["6.14.8-" + "a" * 70], "hosts.kpro6.nvidia.releases",
+     "longer than a kernel release can be (64)"),
     (("nccl", "overrides", "NCCL_DEBUG"), "x" * 5000, 'hosts.kpro6.nccl.overrides["NCCL_DEBUG"]', "at most 4096"),
 ])
 def test_counts_and_sizes_have_real_ranges(tmp_path, where, value, path, words):
