@@ -4,7 +4,8 @@
     pyinfra inventories/kpro6.py deploy.py          # converge
 
 Flow (DESIGN.md section 1): the spec was validated when the inventory loaded (spec.load),
-before any connection. Here, per host: print a plan summary, run every stage's `preflight`
+before any connection. Here, per host: take the host's run lock (operations/runlock.py; another
+live run stops this one), print a plan summary, run every stage's `preflight`
 (read-only checks over facts; any refusal stops the run before a single change), then each
 stage's `apply` in the order of DESIGN.md section 2 (`operations.STAGES`). A stage module that
 cannot be found stops the run before any connection (`operations.load_stages`): a typo must not
@@ -21,8 +22,9 @@ from pyinfra import host, logger
 from pyinfra.api.exceptions import DeployError
 
 from facts.once import prefetch
-from operations import MissingStage, load_stages
 from compat.pyinfra_speedups import install as install_speedups
+from operations import MissingStage, load_stages, runlock
+from operations.backup import is_dry, show_dry_diffs
 from plan.summary import spec_summary
 
 install_speedups()  # pyinfra's operation order without reading source per frame (same order)
@@ -34,13 +36,17 @@ if spec is None:
         "use an inventory from inventories/ that loads a .yml spec"
     )
 
-for line in spec_summary(host.name, spec):
-    logger.info(line)
-
 try:
     stages = load_stages()
 except MissingStage as e:
     raise DeployError(str(e)) from None
+
+# One run per host at a time: a live holder stops this run here, before anything is read or
+# changed; a dead one is reported as stale and taken over (operations/runlock.py).
+runlock.hold(host, logger.warning)
+
+for line in spec_summary(host.name, spec):
+    logger.info(line)
 
 # Every stage's up-front facts in one remote command (facts.once.prefetch); the stages then
 # find them with fact_once instead of one round trip each.
@@ -61,3 +67,7 @@ prefetch([request for _, module in stages if hasattr(module, "prefetch_apply")
 
 for name, module in stages:
     module.apply(spec)
+
+# --dry: every file and Proxmox config that would change, as a unified diff (operations/backup.py)
+if is_dry():
+    show_dry_diffs()

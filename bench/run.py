@@ -12,6 +12,11 @@ Figures (issue 9):
                          keeps that machine's figure here)
   ccache_warm_vs_cold    driver module rebuild with warm ccache / cold build           target <= 0.35
   facts_commands         remote commands for the full hardware picture                 target <= 3
+  pve_calls_nochange     Proxmox CLI calls (pct, qm, pvesh) of a no-change converge    target <= 2
+  pve_calls_move         the same for a two-GPU move from VM 300 to CT 200 (reported)
+  pve_delay_converge_s   no-change converge wall time with the twin's Proxmox CLIs taking
+                         PVE_DELAY_S to start, like the real Perl ones (reported, with the
+                         time without the delay)
 Each figure is measured, never assumed; one that could not be measured is printed as such.
 --only NAME measures those benches and keeps the other figures of bench/results.json (each
 figure carries its measured_at). fleet8_vs_1 also records the CPU seconds of the runner and of
@@ -44,7 +49,9 @@ TARGETS = {
     "fleet8_vs_1_many_cores": ("<=", 1.5),
     "ccache_warm_vs_cold": ("<=", 0.35),
     "facts_commands": ("<=", 3),
+    "pve_calls_nochange": ("<=", 2),
 }
+PVE_DELAY_S = 0.4  # a real node's pct/qm/pvesh start: 0.3-0.6 s (issue 19)
 
 
 def _converge(names: list[str]) -> tuple[float, int, object]:
@@ -161,11 +168,49 @@ def bench_script(results: dict, key: str, script: str) -> None:
         results[key] = {"value": None, "note": (proc.stdout + proc.stderr)[-500:]}
 
 
+def bench_pve_calls(results: dict) -> None:
+    """Proxmox CLI calls of a no-change converge and of a two-GPU move on a kpro6 twin (the
+    stand-ins log each call: tests/twin/runtime.count_pve_calls), then the no-change converge's
+    wall time with every Proxmox CLI taking PVE_DELAY_S to start (runtime.set_pve_delay)."""
+    import tempfile
+
+    from tests.e2e.test_rebind_e2e import BDFS, Run
+
+    twin = runtime.start("bench-pve", "kpro6")
+    try:
+        run = Run(twin, Path(tempfile.mkdtemp(prefix="pvegpu-bench-pve-")))
+
+        def deploy(ct, vm):
+            t0 = time.monotonic()
+            rc, out, _ = run.deploy(ct, vm)
+            if rc != 0:
+                raise RuntimeError("converge failed:\n" + out[-3000:])
+            return time.monotonic() - t0
+
+        deploy(BDFS[:4], BDFS[4:])  # converge first
+        runtime.count_pve_calls(run.root, True)
+        wall = deploy(BDFS[:4], BDFS[4:])
+        calls = runtime.count_pve_calls(run.root, True)
+        results["pve_calls_nochange"] = {"value": len(calls), "calls": calls, "wall_s": round(wall, 2)}
+        deploy(BDFS[:6], BDFS[6:])  # two GPUs from VM 300 to CT 200 (the twin reboots for it)
+        move = runtime.count_pve_calls(run.root, True)
+        results["pve_calls_move"] = {"value": len(move), "calls": move}
+        runtime.set_pve_delay(run.root, PVE_DELAY_S)
+        delayed = deploy(BDFS[:6], BDFS[6:])
+        calls = runtime.count_pve_calls(run.root, False)
+        runtime.set_pve_delay(run.root, None)
+        results["pve_delay_converge_s"] = {"value": round(delayed, 2), "delay_s": PVE_DELAY_S,
+                                           "calls": len(calls), "without_delay_s": round(wall, 2)}
+    finally:
+        runtime.stop(twin.name)
+
+
 BENCHES = {
     "converge": bench_converge,
     "fleet": bench_fleet,
     "facts": lambda r: bench_script(r, "facts_commands", "facts_commands.py"),
     "ccache": lambda r: bench_script(r, "ccache_warm_vs_cold", "driver_ccache.py"),
+    "pve": bench_pve_calls,
 }
 
 
@@ -213,6 +258,12 @@ def main() -> int:
         ok = "-" if value is None else ("yes" if value <= target else "NO")
         when = "" if key in results or key not in merged else f"  (not measured now: {merged[key].get('measured_at', 'earlier')})"
         print(f"{key:24} {str(value):>10}  {op}{target:>6}  {ok}{when}")
+    for key in ("pve_calls_move", "pve_delay_converge_s"):
+        if key in results:
+            val = results[key]
+            extra = (f" (pct/qm/pvesh taking {val['delay_s']} s to start, {val['calls']} calls; "
+                     f"{val['without_delay_s']} s without)" if "delay_s" in val else " Proxmox CLI calls")
+            print(f"{key:24} {str(val['value']):>10}{extra}")
     for key, val in results.items():
         if key.endswith("_error"):
             print(f"{key}: {val['note']}")

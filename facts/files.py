@@ -94,3 +94,43 @@ def _sha256sum_line(line: str) -> tuple[str, str | None]:
     if escaped:
         name = re.sub(r"\\(.)", lambda m: {"n": "\n", "r": "\r"}.get(m.group(1), m.group(1)), name)
     return digest, name
+
+
+class FileTexts(FactBase):
+    """The text of each path (None when it is not a readable file); read only by ``--dry``
+    to show the diff of a file that would change (operations/backup.py).
+
+    .. code:: python
+
+        {"/etc/pve/qemu-server/300.conf": "boot: order=scsi0\n...", "/etc/nccl.conf": None}
+    """
+
+    def command(self, paths):
+        parts = []
+        for p in paths:
+            if "\n" in p or "\r" in p:
+                raise ValueError(f"FileTexts: a path with a line break cannot be read back: {p!r}")
+            q = shlex.quote(p)
+            parts.append(f"echo {shlex.quote(_TEXT + p)}; if [ -f {q} ] && [ -r {q} ]; then "
+                         f"base64 -w0 < {q}; echo; else echo MISSING; fi")
+        return "; ".join(parts) + "; true" if parts else "true"
+
+    def process(self, output):
+        return parse_file_texts(output)
+
+
+_TEXT = "==> pvegpu-text "
+
+
+def parse_file_texts(lines: list[str]) -> dict[str, str | None]:
+    import base64
+
+    out: dict[str, str | None] = {}
+    path = None
+    for line in lines:
+        if line.startswith(_TEXT):
+            path = line[len(_TEXT):]
+            out[path] = None
+        elif path is not None and out[path] is None and line.strip() and line.strip() != "MISSING":
+            out[path] = base64.b64decode(line.strip()).decode(errors="replace")
+    return out

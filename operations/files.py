@@ -15,7 +15,8 @@ import shlex
 from pyinfra import host
 from pyinfra.api import StringCommand, operation
 
-from facts.files import ManagedFiles
+from facts.files import FileTexts, ManagedFiles
+from operations.backup import is_dry, log_diff
 
 
 def sha256_text(content: str) -> str:
@@ -55,6 +56,8 @@ def managed_file(path: str, content: str, mode: str = "644", state: dict | None 
     if state and state.get("sha256") == sha256_text(content) and state.get("mode") == mode.lstrip("0"):
         host.noop(f"{path} is up to date")
         return
+    if is_dry():  # show what would change (one read, only for a file that would change)
+        log_diff(path, host.get_fact(FileTexts, paths=[path]).get(path), content)
     yield StringCommand(write_file_command(path, content, mode, keep_previous))
 
 

@@ -37,6 +37,7 @@ from pyinfra.api import FactBase, OperationError, StringCommand, deploy, operati
 from facts.devices import CharDeviceMajors, parse_char_majors
 from facts.guest_state import guest_state
 from facts.nvidia import NvidiaGpus, parse_gpu_information
+from operations.backup import PCI_CFG, backup_command, keep_config, log_diff, pci_cfg_after, vm_config_after
 from operations.files import write_file_command
 from plan.guest_control import CONFIG_LOCK_FILE, CONFIG_LOCK_TIMEOUT_S, config_lock, ha_resource, lock_refusal
 from operations.gpus import guest_control_refusals, stage_fact_requests, stage_facts
@@ -139,6 +140,7 @@ def locked_config_write(kind: str, gid: int, path: str, text: str) -> str:
             f"{{ echo {q(f'pvegpu: cannot get the config lock {lock} of {label} {gid} (held by another task)')} >&2; exit 1; }}; "
             f"l=$(sed -n '/^\\[/q;s/^lock:[[:space:]]*//p' {q(path)} 2>/dev/null); "
             f"[ -z \"$l\" ] || {{ echo {locked} >&2; exit 1; }}; "
+            f"{backup_command(path)} && "  # the previous config kept outside pmxcfs (operations/backup.py)
             f"{write_file_command(path, text, '640', keep_previous=False)} ) 9>{q(lock)}")
 
 
@@ -189,7 +191,9 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
             continue
         if merged.changed:
             changed_any = True
-            # /etc/pve is pmxcfs (cluster-replicated): no .pvegpu-prev copies next to the config
+            # /etc/pve is pmxcfs (cluster-replicated): no .pvegpu-prev copies next to the config;
+            # the previous one is kept under /var/lib/pvegpu/backup (operations/backup.py)
+            log_diff(f"{LXC_DIR}/{ctid}.conf", text, merged.text)
             yield StringCommand(locked_config_write("lxc", ctid, f"{LXC_DIR}/{ctid}.conf", merged.text))
         nodes_changed = config_gpu_nodes(text) != config_gpu_nodes(merged.text)
         if ctid in start_after and not running:
@@ -383,8 +387,10 @@ def apply(spec: HostSpec) -> None:
     vm_gpus = [b for vm in spec.vms.values() for b in vm.gpus if b in pci]
     planned_main: dict[int, set[str]] = {}
     if spec.vms:
-        pci_mappings(name="guests: PCI resource mappings",
-                     changes=plan_mappings(node, vm_gpus, pci, cfg["pci_mappings"]), api=api)
+        changes = plan_mappings(node, vm_gpus, pci, cfg["pci_mappings"])
+        if changes:  # issue 19: the previous pci.cfg kept, and --dry shows the diff
+            keep_config(name=f"guests: keep {PCI_CFG}", path=PCI_CFG, after=lambda t: pci_cfg_after(t, changes))
+        pci_mappings(name="guests: PCI resource mappings", changes=changes, api=api)
         status = facts["runtime"]["status"]["qemu"]
         for vmid, vm in sorted(spec.vms.items()):
             plan = plan_vm(vmid, node, [b for b in vm.gpus if b in pci], vm.machine, vm.allow_machine_change,
@@ -397,6 +403,10 @@ def apply(spec: HostSpec) -> None:
                 continue
             planned_main[vmid] = vm_mappings_after(cfg["qemu_configs"][vmid], plan)
             vm_gpus_moving = any(m.bdf in vm.gpus for m in rebind.moves)
+            if plan.changed:  # issue 19: the previous VM config kept, and --dry shows the diff
+                conf = f"/etc/pve/nodes/{node}/qemu-server/{vmid}.conf"
+                keep_config(name=f"guests: keep {conf}", path=conf,
+                            after=lambda t, p=plan: vm_config_after(t, p.set_options, p.delete))
             vm_hostpci(name=f"guests: VM {vmid} GPUs", plan=plan,
                        start=("qemu", vmid) in stopped,
                        restart=status.get(vmid) == "running" and not (pending_boot and vm_gpus_moving),
@@ -418,6 +428,9 @@ def remove_stale_mappings(spec: HostSpec, node: str, vm_gpus: list[str], existin
         logger.warning(f"{host.name}: {line}")
     for change in stale.delete:
         logger.info(f"{host.name}: {change.reason}")
+    if stale.delete:  # issue 19: the previous pci.cfg kept, and --dry shows the diff
+        keep_config(name=f"guests: keep {PCI_CFG}", path=PCI_CFG,
+                    after=lambda t: pci_cfg_after(t, stale.delete))
     if stale.delete or any(m.startswith("pvegpu-") for m in existing):
         pci_mappings(name="guests: stale pvegpu PCI mappings", changes=stale.delete, api=api,
                      unchanged="no stale pvegpu PCI mapping")

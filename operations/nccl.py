@@ -38,6 +38,7 @@ from facts.kernel import split_sections
 from operations.files import absent_file, managed_file, sha256_text, write_file_command
 from plan.nccl import describe_nccl_environment, nccl_conf_lines, nccl_plan_for_spec, render_nccl_conf
 from plan.render import render_template
+from spec.values import systemd_unit
 from plan.topology_report import verdict_from_hardware
 
 NCCL_CONF = "/etc/nccl.conf"
@@ -46,21 +47,14 @@ SYSTEMD_DIR = "/etc/systemd/system"
 DROPIN_NAME = "pvegpu-nccl.conf"
 _MARK = "@@pvegpu-nccl "
 
-# systemd unit names: letters, digits and ":-_.\@", with a unit type suffix (systemd.unit(5)).
-UNIT_TYPES = ("service", "socket", "device", "mount", "automount", "swap", "target", "path",
-              "timer", "slice", "scope")
-UNIT_NAME_RE = re.compile(r"^[A-Za-z0-9:_.\\@-]+$")
-
-
 def unit_name(service: str) -> str:
     """The full unit name for a spec entry: ``vllm`` → ``vllm.service`` (as systemctl reads it).
 
     Raises ValueError for what is not a unit name (a path, ``..``, spaces) — the name becomes a
-    directory under /etc/systemd/system.
+    directory under /etc/systemd/system. The rules are spec.values.systemd_unit's (the spec
+    loader refuses such a name before any connection).
     """
-    if not UNIT_NAME_RE.match(service) or service.startswith(".") or ".." in service or len(service) > 255:
-        raise ValueError(f"{service!r} is not a systemd unit name (letters, digits, ':-_.\\@', like 'vllm.service')")
-    return service if service.rsplit(".", 1)[-1] in UNIT_TYPES and "." in service else f"{service}.service"
+    return systemd_unit(service)
 
 
 def dropin_path(unit: str) -> str:

@@ -51,6 +51,12 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
+        try:
+            hash(key)
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                None, None, "a key here is a list or mapping; keys are names, numbers or PCI addresses",
+                key_node.start_mark) from None
         if key in seen:
             raise yaml.constructor.ConstructorError(
                 None, None,
@@ -62,6 +68,93 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+# A host spec is a few KiB and a few hundred YAML nodes; these bounds refuse, before anything
+# is built from it, a file made to exhaust memory or time (aliases that multiply: "billion
+# laughs"; a self-referring alias; thousands of nesting levels).
+MAX_FILE_BYTES = 1 << 20
+MAX_NODES = 100_000  # after expanding every alias
+MAX_DEPTH = 64
+
+
+def _refuse(path: Path, where: str, why: str) -> SpecError:
+    return SpecError(path, [(None, where, why)])
+
+
+def _check_shape(node: yaml.Node, path: Path) -> None:
+    """Count the nodes `node` stands for with every alias expanded (memoized per node, so it
+    costs the size of the file, not of the expansion) and its depth; refuse cycles."""
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+
+    def walk(n: yaml.Node, depth: int) -> int:
+        if id(n) in sizes:
+            return sizes[id(n)]
+        if id(n) in on_path:
+            raise _refuse(path, "(yaml)", f"an alias on line {n.start_mark.line + 1} refers to a node that contains "
+                                          "it (a structure that never ends)")
+        if depth > MAX_DEPTH:
+            raise _refuse(path, "(yaml)", f"nested more than {MAX_DEPTH} levels deep (line {n.start_mark.line + 1}); "
+                                          "a host spec is a few levels")
+        on_path.add(id(n))
+        size = 1
+        if isinstance(n, yaml.SequenceNode):
+            size += sum(walk(child, depth + 1) for child in n.value)
+        elif isinstance(n, yaml.MappingNode):
+            size += sum(walk(k, depth + 1) + walk(v, depth + 1) for k, v in n.value)
+        on_path.discard(id(n))
+        sizes[id(n)] = size
+        if size > MAX_NODES:
+            raise _refuse(path, "(yaml)", f"expands to more than {MAX_NODES} values (aliases that multiply, "
+                                          f"near line {n.start_mark.line + 1}); a host spec has a few hundred")
+        return size
+
+    walk(node, 0)
+
+
+def _check_depth(text: str, path: Path) -> None:
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise _refuse(path, "(yaml)", f"nested more than {MAX_DEPTH} levels deep (line "
+                                              f"{event.start_mark.line + 1}); a host spec is a few levels")
+        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+            depth -= 1
+
+
+def _read_yaml(path: Path) -> Any:
+    """The file's one YAML document, or SpecError with a sentence (never a traceback)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise _refuse(path, "(file)", "file not found") from None
+    except IsADirectoryError:
+        raise _refuse(path, "(file)", "is a directory; name the .yml file") from None
+    except OSError as exc:
+        raise _refuse(path, "(file)", f"cannot be read: {exc.strerror or exc}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise _refuse(path, "(file)", f"is {len(raw)} bytes; a host spec is a few KiB (at most {MAX_FILE_BYTES})")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _refuse(path, "(file)", f"is not UTF-8 text (byte {exc.start})") from None
+    loader = _UniqueKeyLoader(text)
+    try:
+        _check_depth(text, path)  # before composing: the composer recurses once per level
+        node = loader.get_single_node()
+        if node is None:
+            raise _refuse(path, "(file)", "is empty; it needs a top-level 'hosts:' mapping of host name -> spec")
+        _check_shape(node, path)
+        return loader.construct_document(node)
+    except yaml.YAMLError as exc:
+        raise _refuse(path, "(yaml)", str(exc).replace("\n", " ")) from None
+    except RecursionError:
+        raise _refuse(path, "(yaml)", "nested too deeply to read; a host spec is a few levels") from None
+    finally:
+        loader.dispose()
 
 
 def _merge(defaults: Any, value: Any) -> Any:
@@ -155,11 +248,16 @@ def _message(err: dict) -> str:
 
 def validate_spec(data: Any, file: str | Path) -> dict[str, HostSpec]:
     """Validate parsed YAML (`{"hosts": {...}}`), defaults merged under each host."""
-    if not isinstance(data, dict) or "hosts" not in data:
+    if not isinstance(data, dict):
+        kind = {list: "a list", str: "a string", type(None): "nothing"}.get(type(data), type(data).__name__)
+        raise SpecError(file, [(None, "(file)", f"holds {kind}, not a mapping; it needs a top-level 'hosts:' "
+                                                "mapping of host name -> spec")])
+    if "hosts" not in data:
         raise SpecError(file, [(None, "hosts", "the file must have a top-level 'hosts:' mapping of host name -> spec")])
     hosts = data["hosts"]
-    if isinstance(hosts, dict):
-        data = {**data, "hosts": {name: _merge(PVEGPU_DEFAULTS, spec or {}) for name, spec in hosts.items()}}
+    if not isinstance(hosts, dict) or not hosts:
+        raise SpecError(file, [(None, "hosts", "must be a mapping of host name -> spec with at least one host")])
+    data = {**data, "hosts": {name: _merge(PVEGPU_DEFAULTS, spec or {}) for name, spec in hosts.items()}}
     try:
         return dict(SpecFile.model_validate(data).hosts)
     except ValidationError as exc:
@@ -184,13 +282,7 @@ def validate_spec(data: Any, file: str | Path) -> dict[str, HostSpec]:
 
 def load_spec_file(path: str | Path) -> dict[str, HostSpec]:
     path = Path(path)
-    try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
-    except FileNotFoundError:
-        raise SpecError(path, [(None, "(file)", "file not found")]) from None
-    except yaml.YAMLError as exc:
-        raise SpecError(path, [(None, "(yaml)", str(exc).replace("\n", " "))]) from None
-    return validate_spec(data, path)
+    return validate_spec(_read_yaml(path), path)
 
 
 def host_data(name: str, spec: HostSpec, spec_file: str | Path) -> dict[str, Any]:

@@ -26,9 +26,12 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
+from spec import values as V
+from spec.values import NoBool
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SecretStr,
@@ -81,6 +84,14 @@ GuestId = Annotated[int, AfterValidator(_guest_id)]
 MAX_HOSTPCI_DEVICES = 16
 
 
+def _checked(check):
+    """A SafeStr that must also pass `check` (spec/values.py: what the value becomes)."""
+    return Annotated[SafeStr, AfterValidator(check)]
+
+
+Port = Annotated[int, NoBool, Field(ge=1, le=65535)]
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -88,31 +99,34 @@ class Strict(BaseModel):
 class SshSpec(Strict):
     """How pyinfra reaches the host (copied into pyinfra host data)."""
 
-    hostname: SafeStr
-    port: int = Field(22, ge=1, le=65535)
-    user: SafeStr = "root"
-    key: SafeStr | None = None
+    hostname: _checked(V.hostname_or_ip)
+    port: Port = 22
+    user: _checked(V.posix_user) = "root"
+    key: _checked(V.local_path) | None = None  # a file on the machine that runs pyinfra
 
 
 class IommuSpec(Strict):
     vendor: Literal["auto", "amd", "intel"] = "auto"
     passthrough: bool = False  # adds iommu=pt; refused at preflight on SEV-SNP hosts
     params: list[SafeStr] = Field(default_factory=list)  # extra cmdline params, e.g. pci=realloc
-    acs_override: SafeStr | None = None  # pcie_acs_override=<value>, e.g. "downstream,multifunction"
+    # pcie_acs_override=<value>, e.g. "downstream,multifunction"
+    acs_override: _checked(V.acs_override) | None = None
 
     @field_validator("params")
     @classmethod
     def _params_are_words(cls, params: list[str]) -> list[str]:
         for p in params:
-            if not p or any(c.isspace() for c in p):
-                raise ValueError(f"{p!r}: each cmdline parameter is one word without spaces, like 'pci=realloc'")
+            V.cmdline_word(p)
+        if len(" ".join(params)) > V.CMDLINE_MAX:
+            raise ValueError(f"{len(' '.join(params))} characters of parameters; the whole kernel command line "
+                             f"holds {V.CMDLINE_MAX}")
         return params
 
 
 class SourceSpec(Strict):
     """A source archive: fetched from `url` (https://, file:// or a plain local path) and checked."""
 
-    url: SafeStr
+    url: _checked(V.source_location)
     sha256: SafeStr
 
     @field_validator("sha256")
@@ -141,11 +155,11 @@ class KernelSourceSpec(Strict):
 class KernelSpec(Strict):
     version: SafeStr  # the release the build produces, e.g. 6.14.8-2-pve
     source: KernelSourceSpec
-    config_fragments: list[SafeStr] = Field(default_factory=list)  # CONFIG_X=y lines
+    config_fragments: list[_checked(V.kconfig_line)] = Field(default_factory=list)  # CONFIG_X=y lines
     # the config the build starts from: the running kernel's (/boot/config-$(uname -r)), a make
     # target (tinyconfig, defconfig, allnoconfig) or an absolute path to a config file
     base_config: SafeStr = "running"
-    jobs: Literal["auto"] | int = "auto"  # auto: min(cores, RAM/2GiB)
+    jobs: Annotated[Literal["auto"] | int, BeforeValidator(V.build_jobs)] = "auto"  # auto: min(cores, RAM/2GiB)
     ccache: bool = True
     trial_boot: bool = True
     remove_old: bool = False
@@ -155,7 +169,7 @@ class KernelSpec(Strict):
     def _base_config(cls, v: str) -> str:
         if v not in ("running", "tinyconfig", "defconfig", "allnoconfig") and not v.startswith("/"):
             raise ValueError(f"{v!r}: use 'running', 'tinyconfig', 'defconfig', 'allnoconfig' or an absolute path")
-        return v
+        return v if not v.startswith("/") else V.host_abs_path(v)
 
     @field_validator("version")
     @classmethod
@@ -172,7 +186,7 @@ class NvidiaSpec(Strict):
     installer: SourceSpec | None = None  # NVIDIA-Linux-x86_64-<ver>.run (user space + GSP firmware)
     firmware: bool = True
     uvm_disable_hmm: Literal["auto"] | bool = "auto"  # auto: on for Blackwell (incident 3)
-    nvreg: dict[SafeStr, int | SafeStr] = Field(default_factory=dict)
+    nvreg: dict[SafeStr, Annotated[int | SafeStr, AfterValidator(V.nvreg_value)]] = Field(default_factory=dict)
     persistenced: bool = True
     # kernel releases to build for; default: the running one plus the kernel stage's
     releases: list[SafeStr] | None = None
@@ -187,6 +201,8 @@ class NvidiaSpec(Strict):
         for release in v:
             if not KERNEL_VERSION_RE.match(release):
                 raise ValueError(f"{release!r} is not a kernel release; write it like '6.14.8-2-pve'")
+            if len(release) > 64:  # linux include/uapi/linux/utsname.h __NEW_UTS_LEN: 64
+                raise ValueError(f"{release!r} is longer than a kernel release can be (64)")
         return list(dict.fromkeys(v))
 
     @field_validator("version")
@@ -248,7 +264,8 @@ def _nccl_keys(v: dict) -> dict:
     return v
 
 
-NcclOverrides = Annotated[dict[SafeStr, SafeStr | int], AfterValidator(_nccl_keys)]
+NcclOverrides = Annotated[dict[SafeStr, Annotated[SafeStr | int, AfterValidator(V.nccl_value)]],
+                          AfterValidator(_nccl_keys)]
 
 
 class ContainerSpec(Strict):
@@ -258,7 +275,9 @@ class ContainerSpec(Strict):
     # true = install it (needs nvidia.installer), false = the CT's own business,
     # unset = install it when nvidia.installer is configured
     userspace_driver: bool | None = None
-    gid: int | None = None  # group of /dev/nvidia* in the CT (default: PVEGPU_DEVICE_GID)
+    # group of /dev/nvidia* in the CT (default: PVEGPU_DEVICE_GID); Proxmox's default id map of
+    # an unprivileged CT covers 0-65535
+    gid: Annotated[int, NoBool, Field(ge=0, le=65535)] | None = None
 
 
 class VmSpec(Strict):
@@ -270,7 +289,16 @@ class VmSpec(Strict):
 class NcclSpec(Strict):
     profile: Literal["auto", "none"] = "auto"
     overrides: NcclOverrides = Field(default_factory=dict)
-    services: list[SafeStr] = Field(default_factory=list)  # systemd units that get a drop-in
+    services: list[_checked(V.systemd_unit_entry)] = Field(default_factory=list)  # systemd units that get a drop-in
+
+    @field_validator("services")
+    @classmethod
+    def _one_dropin_each(cls, v: list[str]) -> list[str]:
+        units = [V.systemd_unit(s) for s in v]
+        twice = sorted({u for u in units if units.count(u) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} listed twice (a name without a type means .service)")
+        return v
 
 
 class RebootSpec(Strict):
@@ -280,7 +308,7 @@ class RebootSpec(Strict):
 class GuestPolicy(Strict):
     allow_stop: bool = True  # may a rebind stop running guests that use the GPU?
     # seconds a guest gets to shut down cleanly (qm/pct shutdown --timeout) before it is stopped
-    shutdown_timeout: int = Field(120, ge=1, le=3600)
+    shutdown_timeout: Annotated[int, NoBool, Field(ge=1, le=3600)] = 120
 
 
 class ProxmoxApiSpec(Strict):
@@ -289,16 +317,16 @@ class ProxmoxApiSpec(Strict):
     The token comes from an environment variable or a file, never from the spec itself.
     """
 
-    host: SafeStr
-    port: int = 8006
-    user: SafeStr = "root@pam"
-    token_name: SafeStr
-    token_env: SafeStr | None = None
-    token_file: SafeStr | None = None
+    host: _checked(V.hostname_or_ip)
+    port: Port = 8006
+    user: _checked(V.pve_userid) = "root@pam"
+    token_name: _checked(V.pve_token_name)
+    token_env: _checked(V.env_name) | None = None
+    token_file: _checked(V.local_path) | None = None
     verify_ssl: bool = True
     # PEM file of the CA that signed the API's certificate (PVE's own: a copy of
     # /etc/pve/pve-root-ca.pem); unset: the system's CAs
-    ca_file: SafeStr | None = None
+    ca_file: _checked(V.local_path) | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> ProxmoxApiSpec:
@@ -319,7 +347,7 @@ class ProxmoxApiSpec(Strict):
 
 class HostSpec(Strict):
     ssh: SshSpec | None = None
-    node: SafeStr | None = None  # Proxmox node name; must be the host's (`uname -n` without the domain), which is the default
+    node: _checked(V.pve_node) | None = None  # Proxmox node name; must be the host's (`uname -n` without the domain), which is the default
     boot_loader: Literal["auto", "grub", "systemd-boot"] = "auto"
     iommu: IommuSpec = Field(default_factory=IommuSpec)
     kernel: KernelSpec | None = None

@@ -8,7 +8,8 @@ running the deploy again converges (and a further run changes nothing).
    the next does not) — nothing installed, the old modules intact
 4. a config write interrupted (the rename onto /etc/kernel/cmdline fails) — the target is old
    or new, never half-written; the previous version is kept as <path>.pvegpu-prev
-5. a spec turned invalid — exit status 2, the message names file/host/field, no connection
+5. a spec turned invalid (a bad role, a service name that is a path, a kernel config line that is
+   not one, aliases that multiply) — exit status 2, the message names file/host/field, no connection
 
 The driver faults run the NVIDIA stage alone (tests/e2e/stage_deploy.py) against Debian's 6.1
 headers in the twin, with tiny tarballs whose "build" takes well under a second.
@@ -231,13 +232,35 @@ def test_interrupted_config_write_keeps_old_file_and_previous_version(twin_facto
 
 # -- 5. a spec turned invalid ----------------------------------------------------------------
 
-def test_invalid_spec_stops_before_any_connection(twin_factory, tmp_path):
+# each: the host's spec (with its connection), the words the message must hold
+INVALID_SPECS = {
+    "role": (lambda c: {**c, "gpus": {"0000:01:00.0": "gpu-passthrough"}},
+             ['gpus["0000:01:00.0"]', "'gpu-passthrough' is not a role"]),
+    # issue 19: values checked for what they become, before the connection (the NCCL stage's
+    # preflight only saw these after connecting)
+    "unit-name": (lambda c: {**c, "nccl": {"services": ["../../../etc/cron.d/x"]}},
+                  ["nccl.services[0]", "is not a systemd unit name: it holds '/'"]),
+    "kconfig": (lambda c: {**c, "kernel": {"version": "6.1.192-pvegpu", "config_fragments": ["CONFIG_X=y\\"],
+                                           "source": {"kind": "tarball", "url": "/root/l.tar.xz", "sha256": "0" * 64}}},
+                ["kernel.config_fragments[0]", "is not a kernel config line"]),
+    "laughs": (None, ["expands to more than 100000 values"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INVALID_SPECS))
+def test_invalid_spec_stops_before_any_connection(twin_factory, tmp_path, case):
     twin = twin_factory("kpro6", name="flt-spec")
-    spec = {"hosts": {twin.name: {
-        "ssh": {"hostname": twin.address, "port": twin.port, "user": "root", "key": twin.key},
-        "node": "kpro6", "gpus": {"0000:01:00.0": "gpu-passthrough"}}}}
+    make, words = INVALID_SPECS[case]
+    connection = {"ssh": {"hostname": twin.address, "port": twin.port, "user": "root", "key": twin.key},
+                  "node": "kpro6"}
     yml = tmp_path / "broken.yml"
-    yml.write_text(json.dumps(spec))  # JSON is YAML
+    if make is None:  # aliases that multiply ("billion laughs"), under the twin's host
+        levels = ["a: &a [" + ",".join(['"lol"'] * 9) + "]"]
+        levels += [f"{n}: &{n} [" + ",".join([f"*{p}"] * 9) + "]" for p, n in zip("abcdefgh", "bcdefghi")]
+        yml.write_text("\n".join(levels) + f"\nhosts:\n  {twin.name}:\n    ssh: {json.dumps(connection['ssh'])}\n"
+                       "    iommu: {params: *i}\n")
+    else:
+        yml.write_text(json.dumps({"hosts": {twin.name: make(connection)}}))  # JSON is YAML
     inventory = tmp_path / "broken_inventory.py"
     inventory.write_text("from spec.load import inventory_hosts\n"
                          f"hosts = inventory_hosts({str(yml)!r}, overrides={{{twin.name!r}: "
@@ -255,8 +278,9 @@ def test_invalid_spec_stops_before_any_connection(twin_factory, tmp_path):
     upper_before = upper_manifest(twin)
     run = run_pyinfra(str(inventory), "deploy.py")
     assert run.rc == 2, f"exit status {run.rc}, want 2:\n{run.output[-3000:]}"
-    assert str(yml) in run.output and f"host {twin.name}" in run.output, run.output[-3000:]
-    assert f'gpus["0000:01:00.0"]' in run.output and "'gpu-passthrough' is not a role" in run.output, run.output[-3000:]
+    assert str(yml) in run.output, run.output[-3000:]
+    assert case == "laughs" or f"host {twin.name}" in run.output, run.output[-3000:]
+    assert all(w in run.output for w in words) and "Traceback" not in run.output, run.output[-3000:]
     assert "Connected" not in run.output and "Running command" not in run.output
     time.sleep(1)  # sshd logs a connection as it happens; give a straggler time to show
     assert sshd_log_lines(twin) == lines_before, "the twin's sshd saw a client:\n" + \

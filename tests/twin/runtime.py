@@ -538,6 +538,7 @@ def start(name: str, profile: str, address: str | None = None,
         _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"root@twin-{name}",
               "-f", str(key)])
         _prepare_root(root, name, address, key)
+        set_pve_delay(root, os.environ.get("PVEGPU_TWIN_PVE_DELAY"))
         (tdir / "uptime").write_text("0.00 0.00".ljust(40) + "\n")
         load_hardware(hardware).install(root, profile)
         log_file = tdir / "supervisor.log"
@@ -565,6 +566,33 @@ def start(name: str, profile: str, address: str | None = None,
         f"(root cache {t_cache:.2f} s)")
     return Twin(name=name, profile=profile, address=address, port=SSH_PORT, key=str(key),
                 pid=spec["pid"], root=str(root))
+
+
+def set_pve_delay(root: Path | str, seconds: str | float | None) -> None:
+    """Make the twin's Proxmox CLIs (pct, qm, pvesh, pveversion) wait `seconds` before they
+    start, like the real Perl programs (0.3-0.6 s on a node); None or 0: no delay (default).
+    PVEGPU_TWIN_PVE_DELAY at `start` sets it; the stand-ins read it at every call."""
+    target = Path(root) / "var/lib/twin/pve-delay"
+    if seconds is None or float(seconds) <= 0:
+        target.unlink(missing_ok=True)
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(f"{float(seconds)}\n")
+
+
+def count_pve_calls(root: Path | str, on: bool) -> list[str]:
+    """Start (on=True: an empty log) or stop counting the twin's pct/qm/pvesh calls; returns
+    the calls logged so far (one line each: program and arguments)."""
+    marker, log_file = Path(root) / "var/lib/twin/pve-count", Path(root) / "var/lib/twin/pve-calls.log"
+    calls = log_file.read_text().splitlines() if log_file.exists() else []
+    if on:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text("")
+        log_file.write_text("")
+    else:
+        marker.unlink(missing_ok=True)
+        log_file.unlink(missing_ok=True)
+    return calls
 
 
 def _child_of(proc: subprocess.Popen, timeout: float = 10.0) -> int:

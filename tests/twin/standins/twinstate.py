@@ -73,10 +73,31 @@ def die(msg, code=255):
     sys.exit(code)
 
 
+# Proxmox's CLIs are Perl programs that load the PVE::* modules before doing anything: 0.3-0.6 s
+# per start on a real node (issue 19), a few ms here. With var/lib/twin/pve-delay (seconds;
+# tests/twin/runtime.set_pve_delay, PVEGPU_TWIN_PVE_DELAY) each waits that long first; with
+# var/lib/twin/pve-count each pct/qm/pvesh call is logged to var/lib/twin/pve-calls.log.
+PVE_PERL = ("pct", "qm", "pvesh", "pveversion")
+PVE_COUNTED = ("pct", "qm", "pvesh")
+
+
+def _pve_start(prog, argv):
+    if prog in PVE_COUNTED and os.path.exists(path(TWIN + "/pve-count")):
+        with open(path(TWIN + "/pve-calls.log"), "a") as f:
+            f.write(" ".join([prog, *argv]).replace("\n", " ")[:300] + "\n")
+    delay = read(TWIN + "/pve-delay")
+    if delay and delay.strip():
+        import time
+
+        time.sleep(float(delay))
+
+
 def dispatch(handlers, kind, prog, argv):
     """Run `handlers[prog](argv)` (a stand-in module's `main`): its exit status."""
     if prog not in handlers:
         die(f"{kind} stand-in: unknown program name {prog}", 127)
+    if prog in PVE_PERL:
+        _pve_start(prog, argv)
     return handlers[prog](argv)
 
 

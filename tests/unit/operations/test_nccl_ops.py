@@ -130,12 +130,14 @@ def test_rdma_devices_keep_ib_and_services_get_the_host_variables_as_environment
 
 
 @pytest.mark.parametrize("service, unit", [("vllm", "vllm.service"), ("ray.socket", "ray.socket"),
-                                           ("getty@tty1.service", "getty@tty1.service"), ("a.b", "a.b.service")])
+                                           ("getty@tty1.service", "getty@tty1.service"), ("a.b", "a.b.service"),
+                                           ("a..b", "a..b.service"), ("job@.service", "job@.service")])
 def test_unit_names(service, unit):
     assert nccl.unit_name(service) == unit
 
 
-@pytest.mark.parametrize("service", ["../../etc/passwd", "a/b", "x y", ".hidden", "a..b", ""])
+# systemd's unit_name_is_valid() takes "a..b" (-> a..b.service): '/' is what would climb, and it is refused
+@pytest.mark.parametrize("service", ["../../etc/passwd", "a/b", "x y", ".hidden", "@x.service", "x" * 250, ""])
 def test_paths_and_spaces_are_refused_as_unit_names(service):
     with pytest.raises(ValueError, match="is not a systemd unit name"):
         nccl.unit_name(service)
@@ -143,7 +145,8 @@ def test_paths_and_spaces_are_refused_as_unit_names(service):
 
 def test_preflight_refuses_a_service_name_that_would_be_a_path():
     refusals = nccl.preflight(kpro6_spec(services=["vllm", "../x"]))
-    assert refusals == ["nccl.services: '../x' is not a systemd unit name (letters, digits, ':-_.\\@', like 'vllm.service')"]
+    assert refusals == ["nccl.services: '../x' is not a systemd unit name: it holds '/' (it becomes a directory name "
+                        "under /etc/systemd/system) (letters, digits, ':-_.\\@', like 'vllm' or 'vllm.service')"]
     assert nccl.preflight(kpro6_spec(services=["vllm"])) == []
 
 

@@ -103,7 +103,7 @@ def test_defaults_come_from_group_data(tmp_path):
         (lambda d: d.update(boot_loader="lilo"), "hosts.kpro6.boot_loader", "'auto', 'grub' or 'systemd-boot'"),
         (lambda d: d["kernel"]["source"].pop("ref"), "hosts.kpro6.kernel.source", "needs 'ref'"),
         (lambda d: d["iommu"]["params"].append("pci=realloc quiet"), "hosts.kpro6.iommu.params", "one word without spaces"),
-        (lambda d: d.update(proxmox_api={"host": "127.0.0.1", "token_name": "t"}), "hosts.kpro6.proxmox_api",
+        (lambda d: d.update(proxmox_api={"host": "127.0.0.1", "token_name": "tk"}), "hosts.kpro6.proxmox_api",
          "exactly one of 'token_env'"),
         # CT user space asked for explicitly, but nothing to install it from
         (lambda d: d["nvidia"].pop("installer"), "hosts.kpro6.containers[200].userspace_driver",

@@ -1,0 +1,72 @@
+"""The run lock's keeper (operations/runlock.py), run here with bash and flock on a temp dir:
+the second keeper is refused and told the holder; a keeper whose run ends without 'done'
+leaves a record the next one reports as stale; 'done' removes the record."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from operations import runlock
+
+
+def start(tmp_path, pid: str, timeout_s: int = 60) -> tuple[subprocess.Popen, tuple]:
+    me = {"user": "alice", "machine": "laptop", "since": "2026-12-03T15:00:00Z", "pid": pid, "mode": "converge"}
+    proc = subprocess.Popen(["sh", "-c", runlock.keeper_command(me, timeout_s, lock_dir=str(tmp_path / "lk"))],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.strip() == "END":
+            break
+    return proc, runlock.parse_reply(lines)
+
+
+def test_second_keeper_is_refused_and_told_the_holder(tmp_path):
+    first, (state, info, stale) = start(tmp_path, "111")
+    assert state == "locked" and not stale and info["keeper"].isdigit()
+    second, (state2, holder, _) = start(tmp_path, "222")
+    assert state2 == "held" and second.wait(5) == 0
+    assert holder["pid"] == "111" and holder["user"] == "alice" and holder["machine"] == "laptop"
+    msg = runlock.held_message("kpro6", holder)
+    assert "alice@laptop (pid 111, converge) since 2026-12-03T15:00:00Z" in msg and "nothing was read or changed" in msg
+    first.stdin.write("done\n")
+    first.stdin.flush()
+    assert first.wait(5) == 0
+    assert not (tmp_path / "lk" / "holder").exists(), "a run that ends removes its record"
+    third, (state3, _, stale3) = start(tmp_path, "333")
+    assert state3 == "locked" and stale3 == {}, "after a clean end nothing is stale"
+    third.stdin.close()
+    third.wait(5)
+
+
+@pytest.mark.parametrize("how", ["closed", "silent", "keeper-killed"])
+def test_a_dead_holder_is_stale_and_said(tmp_path, how):
+    first, (state, info, _) = start(tmp_path, "111", timeout_s=1)
+    assert state == "locked"
+    if how == "closed":
+        first.stdin.close()
+    elif how == "silent":
+        time.sleep(1.5)
+    else:
+        first.kill()
+    first.wait(5)
+    second, (state2, _, stale) = start(tmp_path, "222")
+    assert state2 == "locked", "a dead holder does not block"
+    assert stale["pid"] == "111"
+    msg = runlock.stale_message("kpro6", stale)
+    assert "alice@laptop (pid 111, converge)" in msg and "ended without finishing" in msg
+    want = {"closed": "the connection closed before the run ended", "silent": "no word from the run for 1 s",
+            "keeper-killed": "its lock keeper on the host is gone"}[how]
+    assert want in msg, msg
+    second.stdin.write("done\n")
+    second.stdin.close()
+    second.wait(5)
+
+
+def test_keeper_command_quotes_the_record():
+    me = {"user": "x'; reboot #", "machine": "m", "since": "s", "pid": "1", "mode": "--dry"}
+    cmd = runlock.keeper_command(me)
+    assert "'x'\"'\"'; reboot #'" in cmd
