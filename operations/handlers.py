@@ -141,5 +141,8 @@ def handler_runs(registry: dict, stamps: dict) -> list[dict]:
 
 @deploy("pvegpu: side effects once per run")
 def apply(spec) -> None:
-    for kwargs in handler_runs(pending(), fact_once(ManagedFiles, paths=STAMP_PATHS)):
+    registry = pending()
+    if not registry:  # no stage declared anything (a stage subset): not even the stamps are read
+        return
+    for kwargs in handler_runs(registry, fact_once(ManagedFiles, paths=STAMP_PATHS)):
         run_handler(**kwargs)
