@@ -34,6 +34,8 @@ from operations.files import sha256_text, write_file_command
 INITRAMFS = "initramfs"
 BOOT_REFRESH = "boot-refresh"
 ORDER = (INITRAMFS, BOOT_REFRESH)  # the refresh syncs the (new) initrd to the ESPs: after it
+# follows proxmox-kernel-helper src/proxmox-boot/proxmox-boot-sync (initramfs post-update hook): a
+# manual update-initramfs already refreshes the ESPs, so BOOT_REFRESH depends on the cmdline only
 STAMP_DIR = "/var/lib/pvegpu"
 DEFAULT_COMMANDS = {INITRAMFS: "update-initramfs -u -k all", BOOT_REFRESH: "proxmox-boot-tool refresh"}
 # Before one handler did it, the GPU binding stage kept its own stamp; the initramfs stamp
