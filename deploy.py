@@ -16,6 +16,8 @@ Stage protocol (one module per concern under operations/):
     prefetch_apply(spec) -> [(fact, kwargs)]  # same, after the preflights (may use their facts); optional
     preflight(spec) -> list[str]   # refusals, in words; optional
     apply(spec) -> None            # yields pyinfra operations; reports reboot reasons via plan.reboot
+                                   # and what a slow side effect (update-initramfs, the boot loader
+                                   # refresh) depends on via operations.handlers (run once, late)
 """
 
 from pyinfra import host, logger

@@ -13,6 +13,7 @@ STAGES = [
     ("guests", "operations.guests"),
     ("container user space", "operations.containers"),
     ("NCCL environment", "operations.nccl"),
+    ("side effects once", "operations.handlers"),  # after every stage that notifies a handler
     ("reboot policy", "operations.reboot"),
 ]
 

@@ -1,8 +1,10 @@
 """Stage 1, host kernel & IOMMU: the kernel command line in the file the boot loader really
-reads, vfio modules loaded early, nouveau blacklisted, initramfs regenerated when those change.
+reads, vfio modules loaded early, nouveau blacklisted; the initramfs and the boot entries are
+refreshed once at the end of the run when those changed (`operations.handlers`).
 
 Boot loaders (incident 13: editing /etc/default/grub on a systemd-boot/ZFS host does nothing):
-- systemd-boot (proxmox-boot-tool, UEFI): /etc/kernel/cmdline, one line; `proxmox-boot-tool refresh`.
+- systemd-boot (proxmox-boot-tool, UEFI): /etc/kernel/cmdline, one line; `proxmox-boot-tool refresh`
+  (run by the BOOT_REFRESH handler, after the initramfs handler).
 - GRUB: a drop-in /etc/default/grub.d/pvegpu.cfg that grub-mkconfig sources after
   /etc/default/grub, then `update-grub` (or `proxmox-boot-tool refresh` on ESPs it manages).
   A drop-in, not an edit of /etc/default/grub: that file is the admin's (and dpkg/ucf's), and a
@@ -15,8 +17,6 @@ Facts: one batched remote command (`BootStageFacts`) for the whole stage.
 
 from __future__ import annotations
 
-import shlex
-
 from pyinfra import host
 from pyinfra.api import FactBase, StringCommand, deploy, operation
 
@@ -26,6 +26,7 @@ from facts.hardware import SectionedProbe
 from facts.kernel import BootLoader, KernelCmdline, SevSnp, split_sections
 from facts.once import fact_once
 from facts.proxmox import PveVersion
+from operations import handlers
 from operations.files import sha256_text, write_file_command
 from plan import boot as plan
 from plan.reboot import need_reboot
@@ -37,7 +38,6 @@ NOUVEAU_CONF = "/etc/modprobe.d/pvegpu-blacklist-nouveau.conf"
 KERNEL_CMDLINE = "/etc/kernel/cmdline"
 STAGE_PATHS = [KERNEL_CMDLINE, plan.GRUB_DROPIN, VFIO_CONF, NOUVEAU_CONF]
 WATCHED_MODULES = ("vfio", "vfio_iommu_type1", "vfio_pci", "vfio_virqfd", "nouveau")
-INITRAMFS_COMMAND = "update-initramfs -u -k all"
 
 
 class GrubFiles(FactBase):
@@ -161,49 +161,44 @@ def _up_to_date(content: str, mode: str, state: dict | None) -> bool:
     return bool(state) and state["sha256"] == sha256_text(content) and state["mode"] == mode
 
 
-def write_then_run(writes: list[tuple[str, str, str, bool]], then: str) -> str:
-    """One command: write the files, then run `then`; if anything fails, put the previous files
-    back (or remove new ones) so the next run sees the change again and retries `then`.
-
-    `writes`: [(path, content, mode, existed_before)].
-    """
-    write = " && ".join(write_file_command(path, content, mode) for path, content, mode, _ in writes)
-    restore = "; ".join(
-        f"mv -f {shlex.quote(path + '.pvegpu-prev')} {shlex.quote(path)}" if existed else f"rm -f {shlex.quote(path)}"
-        for path, _, _, existed in writes
-    )
-    return f"{{ {write} && {then}; }} || {{ rc=$?; {restore}; exit $rc; }}"
-
-
 @operation()
-def kernel_cmdline(path: str, content: str, refresh_command: str, state: dict | None = None):
-    """Write the boot loader's cmdline file and refresh the boot entries, only when it changed
-    (one command: a failed refresh puts the previous file back, so a re-run retries it).
+def kernel_cmdline(path: str, content: str, state: dict | None = None):
+    """Write the boot loader's cmdline file, only when it changed (the boot entries are
+    refreshed once at the end of the run: `operations.handlers`, BOOT_REFRESH).
 
     + path: /etc/kernel/cmdline (systemd-boot) or /etc/default/grub.d/pvegpu.cfg (GRUB)
     + content: the full file (templates/kernel-cmdline.j2 or grub-pvegpu.cfg.j2)
-    + refresh_command: `proxmox-boot-tool refresh` or `update-grub` (fixed words, not user input)
     + state: the path's entry of `ManagedFiles` (None: missing)
     """
-    mode = (state or {}).get("mode") or "644"  # keep the admin's mode on /etc/kernel/cmdline
+    mode = cmdline_mode(state)
     if _up_to_date(content, mode, state):
         host.noop(f"{path} already has the kernel command line")
         return
-    yield StringCommand(write_then_run([(path, content, mode, state is not None)], refresh_command))
+    yield StringCommand(write_file_command(path, content, mode))
+
+
+def cmdline_mode(state: dict | None) -> str:
+    return (state or {}).get("mode") or "644"  # keep the admin's mode on /etc/kernel/cmdline
+
+
+def changed_modules(files: dict[str, str], states: dict[str, dict | None]) -> list[str]:
+    """The module files whose content or mode differ from the host's."""
+    return [p for p, c in files.items() if not _up_to_date(c, "644", states.get(p))]
 
 
 @operation()
-def early_modules(files: dict[str, str], states: dict[str, dict | None], initramfs_command: str = INITRAMFS_COMMAND):
-    """Write the modules-load.d / modprobe.d files and regenerate the initramfs once if any changed.
+def early_modules(files: dict[str, str], states: dict[str, dict | None]):
+    """Write the modules-load.d / modprobe.d files that changed, in one command (the initramfs
+    is regenerated once at the end of the run: `operations.handlers`, INITRAMFS).
 
     + files: {path: content}
     + states: `ManagedFiles` entries by path
     """
-    changed = [(p, c) for p, c in files.items() if not _up_to_date(c, "644", states.get(p))]
+    changed = changed_modules(files, states)
     if not changed:
         host.noop("vfio early load and the nouveau blacklist are up to date")
         return
-    yield StringCommand(write_then_run([(p, c, "644", states.get(p) is not None) for p, c in changed], initramfs_command))
+    yield StringCommand(" && ".join(write_file_command(p, files[p], "644") for p in changed))
 
 
 def preflight(spec: HostSpec) -> list[str]:
@@ -220,14 +215,23 @@ def apply(spec: HostSpec) -> None:
         name=f"Kernel cmdline in {p['cmdline_path']} ({p['loader']})",
         path=p["cmdline_path"],
         content=p["cmdline_content"],
-        refresh_command=p["refresh_command"],
         state=states.get(p["cmdline_path"]),
     )
+    cmdline_state = states.get(p["cmdline_path"])
+    handlers.depends_on(
+        handlers.BOOT_REFRESH, p["cmdline_path"], p["cmdline_content"], cmdline_mode(cmdline_state),
+        changed=not _up_to_date(p["cmdline_content"], cmdline_mode(cmdline_state), cmdline_state),
+        why=f"kernel command line changed in {p['cmdline_path']}", command=p["refresh_command"],
+    )
     early_modules(
-        name="vfio early load, nouveau blacklist, initramfs",
+        name="vfio early load, nouveau blacklist",
         files=p["modules"],
         states=states,
     )
+    changed = changed_modules(p["modules"], states)
+    for path, content in p["modules"].items():
+        handlers.depends_on(handlers.INITRAMFS, path, content, "644", changed=path in changed,
+                            why=f"{path} changed (boot stage)")
     described = plan.describe_difference(p["difference"])
     if described:
         need_reboot(host, "cmdline", f"{described} (configured in {p['cmdline_path']})")

@@ -4,8 +4,9 @@ Persisted: `/etc/udev/rules.d/60-pvegpu-gpu-binding.rules` sets each function's
 `driver_override` on its "add" event; an initramfs hook carries the rule into the initramfs
 so it acts during early coldplug, before nvidia/vfio-pci probe (vfio-pci itself is loaded
 early by the boot stage's modules-load file; not duplicated here). `update-initramfs -u -k all`
-runs when the initramfs does not carry the current rule and hook yet (a stamp file records
-what the last successful run put there).
+runs once at the end of the run when the rule or hook changed, or when the initramfs does not
+carry them yet (`operations.handlers`, INITRAMFS: its stamp records what the last successful
+run put there).
 
 Now (runtime rebind transaction), only when a GPU changes driver:
   preflight: refuse when a moving GPU is held by a process (nvidia-smi compute apps, `fuser
@@ -50,7 +51,8 @@ from facts.kernel import split_sections
 from facts.once import fact_once
 from facts.hardware import HardwareProbe, HostConfigProbe
 from facts.proxmox import HaResources, NodeName, PvePackages
-from operations.files import managed_file, sha256_text, write_file_command
+from operations import handlers
+from operations.files import managed_file, sha256_text
 from plan.gpus import (
     Bindings,
     RebindPlan,
@@ -70,11 +72,10 @@ from spec.models import HostSpec
 
 RULES_PATH = "/etc/udev/rules.d/60-pvegpu-gpu-binding.rules"
 INITRAMFS_HOOK_PATH = "/etc/initramfs-tools/hooks/pvegpu-gpu-binding"
-# Written only after update-initramfs succeeded: the initramfs holds the rules of this stamp
-# (a run that wrote the rules but failed in update-initramfs retries it next run).
-INITRAMFS_STAMP_PATH = "/var/lib/pvegpu/gpu-binding-initramfs.stamp"
-# the stage's files (written in this order) and its initramfs stamp: one fact
-STAGE_FILES = [RULES_PATH, INITRAMFS_HOOK_PATH, INITRAMFS_STAMP_PATH]
+# the stage's files (written in this order): one fact. The initramfs that carries them is rebuilt
+# by the INITRAMFS handler, whose stamp records what the last successful update-initramfs put
+# there (a run that wrote the rules but failed before or in update-initramfs retries it next run).
+STAGE_FILES = [RULES_PATH, INITRAMFS_HOOK_PATH]
 UNBIND_TIMEOUT_S = 30
 SHUTDOWN_TIMEOUT_S = 120  # GuestPolicy.shutdown_timeout's default
 _MEMO = "_pvegpu_gpu_stage"
@@ -280,19 +281,6 @@ def rebind_gpus(plan: RebindPlan, nvidia: dict[str, dict], api: PveApi | None = 
     yield StringCommand("sh", "-c", shlex.quote(script))
 
 
-@operation()
-def refresh_initramfs(stamp: str, state: dict | None):
-    """`update-initramfs -u -k all` unless the initramfs already carries these rules.
-
-    + stamp: text naming the rule and hook contents (sha256s) the initramfs should carry
-    + state: `ManagedFiles` entry of INITRAMFS_STAMP_PATH
-    """
-    if state and state["sha256"] == sha256_text(stamp):
-        host.noop("GPU binding rules in the initramfs are current")
-        return
-    yield StringCommand("update-initramfs -u -k all && " + write_file_command(INITRAMFS_STAMP_PATH, stamp, "644", False))
-
-
 # ---------------------------------------------------------------- stage protocol
 
 
@@ -348,8 +336,10 @@ def apply(spec: HostSpec) -> None:
     state = fact_once(ManagedFiles, paths=STAGE_FILES)
     for path, (content, mode) in files.items():
         managed_file(name=f"GPU binding: {path}", path=path, content=content, mode=mode, state=state.get(path))
-    stamp = "".join(f"{sha256_text(content)}  {path}\n" for path, (content, _) in files.items())
-    refresh_initramfs(name="GPU binding: update-initramfs", stamp=stamp, state=state.get(INITRAMFS_STAMP_PATH))
+        current = state.get(path) or {}
+        handlers.depends_on(handlers.INITRAMFS, path, content, mode,
+                            changed=(current.get("sha256"), current.get("mode")) != (sha256_text(content), mode),
+                            why=f"{path} changed (GPU binding)")
     if rebind.moves and rebind.live:
         rebind_gpus(name="GPU binding: rebind transaction", plan=rebind, nvidia=facts["hw"]["nvidia_gpus"],
                     api=api_of(spec, facts["node"]), shutdown_timeout=spec.guests.shutdown_timeout,

@@ -6,7 +6,8 @@ Writes, from templates:
     /etc/systemd/system/pvegpu-nvidia-nodes.service  oneshot `nvidia-modprobe -u -c=0` + `nvidia-smi -L`,
                                                    ordered before pve-guests.service, enabled by its
                                                    multi-user.target wants link
-Then: `update-initramfs -u -k all` only when the options file changed, and a reboot reason when
+Then: the initramfs is rebuilt once at the end of the run when the options file changed
+(`operations.handlers`, INITRAMFS), and a reboot reason when
 the loaded modules run with other values than the file sets (the reboot stage decides; a module
 reload is left to a person because it needs every GPU client stopped).
 
@@ -23,6 +24,7 @@ from pyinfra.api import StringCommand, deploy, operation
 from facts.files import ManagedFiles
 from facts.hardware import HardwareProbe
 from facts.once import fact_once
+from operations import handlers
 from operations.files import managed_file, sha256_text
 from plan import nvidia as nvplan
 from plan.reboot import need_reboot
@@ -33,15 +35,6 @@ NODES_UNIT = f"/etc/systemd/system/{NODES_UNIT_NAME}"
 NODES_WANTS_LINK = f"/etc/systemd/system/multi-user.target.wants/{NODES_UNIT_NAME}"
 # read in one fact: the stage's files and the unit's wants link
 STAGE_FILES = [MODPROBE_CONF, NODES_UNIT, NODES_WANTS_LINK]
-
-
-@operation()
-def update_initramfs(changed: bool):
-    """Rebuild the initramfs of every kernel so early-loaded modules see the new options."""
-    if not changed:
-        host.noop(f"{MODPROBE_CONF} unchanged; initramfs is current")
-        return
-    yield StringCommand("if command -v update-initramfs >/dev/null 2>&1; then update-initramfs -u -k all; fi")
 
 
 @operation()
@@ -113,14 +106,16 @@ def apply(spec) -> None:
     # one command for the stage's files and the unit's wants link
     files = fact_once(ManagedFiles, paths=STAGE_FILES)
     conf_state = files.get(MODPROBE_CONF)
-    conf_changed = not conf_state or conf_state.get("sha256") != sha256_text(want["conf"])
+    conf_changed = not conf_state or conf_state.get("sha256") != sha256_text(want["conf"]) \
+        or conf_state.get("mode") != "644"
     managed_file(name=f"NVIDIA module options ({want['hmm_reason']})", path=MODPROBE_CONF,
                  content=want["conf"], mode="644", state=conf_state)
     managed_file(name="Unit creating /dev/nvidia-uvm* before guests", path=NODES_UNIT,
                  content=want["unit"], mode="644", state=files.get(NODES_UNIT))
     link_unit(name=f"Enable {NODES_UNIT_NAME}", link=NODES_WANTS_LINK, target=NODES_UNIT,
               current=(files.get(NODES_WANTS_LINK) or {}).get("link"))
-    update_initramfs(name="Update initramfs for new module options", changed=conf_changed)
+    handlers.depends_on(handlers.INITRAMFS, MODPROBE_CONF, want["conf"], "644", changed=conf_changed,
+                        why=f"{MODPROBE_CONF} changed (module options)")
     for detail in loaded_differences(want["disable_hmm"], dict(spec.nvidia.nvreg),
                                      hardware.get("uvm_params") or {}, hardware.get("nvidia_params") or {}):
         need_reboot(host, "module options", detail)

@@ -2,7 +2,9 @@
 
     PVEGPU_STAGES=operations.boot,operations.reboot pyinfra -y inventories/twin.py tests/e2e/stage_deploy.py
 
-Same protocol as deploy.py (all preflights, then the applies, in the given order).
+Same protocol as deploy.py (all preflights, then the applies, in the given order). The handlers
+stage (operations.handlers: the initramfs and boot-loader refresh the stages asked for, once)
+runs as in deploy.py: before operations.reboot, else last, unless the list names it.
 PVEGPU_E2E_KERNEL (JSON of a KernelSpec, e.g. with base_config "tinyconfig") replaces the host
 spec's kernel: CI builds a tiny config of Debian's 6.1 source instead of a Proxmox kernel.
 PVEGPU_E2E_IOMMU_PT=1 turns on iommu.passthrough (to see the SEV-SNP refusal);
@@ -29,7 +31,10 @@ if os.environ.get("PVEGPU_E2E_NO_REBOOT"):
 if os.environ.get("PVEGPU_E2E_IOMMU_PT"):
     spec = spec.model_copy(update={"iommu": spec.iommu.model_copy(update={"passthrough": True})})
 
-modules = [importlib.import_module(m) for m in os.environ["PVEGPU_STAGES"].split(",") if m]
+names = [m for m in os.environ["PVEGPU_STAGES"].split(",") if m]
+if "operations.handlers" not in names:
+    names.insert(names.index("operations.reboot") if "operations.reboot" in names else len(names), "operations.handlers")
+modules = [importlib.import_module(m) for m in names]
 refusals = [r for m in modules if hasattr(m, "preflight") for r in m.preflight(spec)]
 if refusals:
     raise DeployError("preflight refused:\n  - " + "\n  - ".join(refusals))

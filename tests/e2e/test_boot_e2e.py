@@ -33,7 +33,7 @@ def test_boot_stage_converges_reboots_and_then_changes_nothing(twin_factory, pro
     first = run_pyinfra("inventories/twin.py", "tests/e2e/stage_deploy.py", env=env)
     assert first.rc == 0, first.output[-5000:]
     assert f"{twin.name}: reboot pending" in first.output
-    assert first.changed == 3  # cmdline file, modules + initramfs, reboot
+    assert first.changed == 5  # cmdline file, modules, then once each: initramfs, loader refresh; reboot
     configured = twin_run(twin.name, "cat", config_file)
     assert all(p in configured for p in params), configured
 

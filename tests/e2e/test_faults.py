@@ -1,7 +1,8 @@
 """Faults on a twin (issue 9, "Faults"): each proves that nothing was lost and that simply
 running the deploy again converges (and a further run changes nothing).
 
-1. sshd killed in the middle of a stage (during the boot stage's update-initramfs)
+1. sshd killed in the middle of a run (during update-initramfs, which the handlers step runs
+   once for every stage: the re-run retries it from its stamp)
 2. a driver source whose sha256 is not the spec's (local path: preflight refusal; loopback
    HTTP mirror serving a corrupted archive: the fetch stops) — nothing installed
 3. a driver build that fails half-way (a tiny source tarball made here: one file compiles,
@@ -136,7 +137,7 @@ def test_sshd_killed_mid_stage_then_rerun_converges(twin_factory):
                             env={**env, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        # the boot stage's first update-initramfs takes seconds; kill every sshd of the twin in it
+        # the handlers step's update-initramfs takes seconds; kill every sshd of the twin in it
         assert wait_for(lambda: twin_pids(twin, cmdline_has="update-initramfs"), timeout=240), \
             "update-initramfs never ran in the twin"
         sshd = twin_pids(twin, comm="sshd")

@@ -75,10 +75,11 @@ def test_systemd_boot_writes_etc_kernel_cmdline_keeping_zfs_root_then_refreshes(
     # booted line has quiet and the i915 params the new config lacks, and lacks pci=realloc
     assert p["difference"]["missing"] == ["pci=realloc"]
     assert "quiet" in p["difference"]["extra"]
-    commands, noop = run_op(boot.kernel_cmdline, p["cmdline_path"], p["cmdline_content"], p["refresh_command"], None)
+    commands, noop = run_op(boot.kernel_cmdline, p["cmdline_path"], p["cmdline_content"], None)
     assert len(commands) == 1 and noop is None
     assert "/etc/kernel/cmdline" in commands[0] and "base64 -d" in commands[0]
-    assert "&& proxmox-boot-tool refresh; }" in commands[0]
+    assert "refresh" not in commands[0]  # the BOOT_REFRESH handler does it once, at the end
+    assert p["refresh_command"] == "proxmox-boot-tool refresh"
     written = re.search(r"printf %s (\S+) \| base64 -d", commands[0]).group(1)
     assert base64.b64decode(written).decode() == p["cmdline_content"]
 
@@ -91,8 +92,9 @@ def test_grub_writes_a_dropin_and_runs_update_grub():
     assert p["loader"] == "grub" and p["cmdline_path"] == "/etc/default/grub.d/pvegpu.cfg"
     assert 'GRUB_CMDLINE_LINUX_DEFAULT="quiet intel_iommu=on i915.enable_guc=3 i915.max_vfs=7 pci=realloc"\n' in p["cmdline_content"]
     assert p["difference"] == {"missing": ["i915.enable_guc=3", "i915.max_vfs=7", "pci=realloc"], "extra": []}
-    commands, _ = run_op(boot.kernel_cmdline, p["cmdline_path"], p["cmdline_content"], p["refresh_command"], None)
-    assert "&& update-grub; }" in commands[0] and "/etc/default/grub.d/pvegpu.cfg" in commands[0]
+    commands, _ = run_op(boot.kernel_cmdline, p["cmdline_path"], p["cmdline_content"], None)
+    assert p["refresh_command"] == "update-grub" and "/etc/default/grub.d/pvegpu.cfg" in commands[0]
+    assert "update-grub" not in commands[0]  # the BOOT_REFRESH handler runs it once, at the end
 
 
 def test_grub_dropin_is_sourced_by_sh_after_the_admins_file(tmp_path):
@@ -119,7 +121,7 @@ def test_no_change_is_a_noop_with_a_reason_and_no_reboot_reason():
     p = boot.boot_plan(spec, facts)
     facts["files"] = {boot.KERNEL_CMDLINE: {"mode": "644", "sha256": sha256_text(configured + "\n")}}
     facts["files"].update({path: {"mode": "644", "sha256": sha256_text(text)} for path, text in p["modules"].items()})
-    commands, noop = run_op(boot.kernel_cmdline, p["cmdline_path"], p["cmdline_content"], p["refresh_command"],
+    commands, noop = run_op(boot.kernel_cmdline, p["cmdline_path"], p["cmdline_content"],
                             facts["files"][boot.KERNEL_CMDLINE])
     assert commands == [] and noop == "/etc/kernel/cmdline already has the kernel command line"
     commands, noop = run_op(boot.early_modules, p["modules"], facts["files"])
@@ -129,23 +131,24 @@ def test_no_change_is_a_noop_with_a_reason_and_no_reboot_reason():
 
 def test_admin_mode_of_etc_kernel_cmdline_is_kept():
     content = "root=/dev/sda intel_iommu=on\n"
-    commands, noop = run_op(boot.kernel_cmdline, "/etc/kernel/cmdline", content, "proxmox-boot-tool refresh",
+    commands, noop = run_op(boot.kernel_cmdline, "/etc/kernel/cmdline", content,
                             {"mode": "600", "sha256": sha256_text(content)})
     assert commands == [] and noop
-    commands, _ = run_op(boot.kernel_cmdline, "/etc/kernel/cmdline", content, "proxmox-boot-tool refresh",
+    commands, _ = run_op(boot.kernel_cmdline, "/etc/kernel/cmdline", content,
                          {"mode": "600", "sha256": "0" * 64})
     assert "chmod 600" in commands[0]
 
 
-def test_early_modules_writes_changed_files_then_one_initramfs_update():
+def test_early_modules_writes_only_the_changed_files_and_leaves_the_initramfs_to_the_handler():
     spec = HostSpec()
     p = boot.boot_plan(spec, systemd_boot_facts("root=/dev/sda", "root=/dev/sda"))
     assert p["modules"][boot.VFIO_CONF].splitlines()[-3:] == ["vfio", "vfio_iommu_type1", "vfio_pci"]
     assert "blacklist nouveau" in p["modules"][boot.NOUVEAU_CONF]
     states = {boot.NOUVEAU_CONF: {"mode": "644", "sha256": sha256_text(p["modules"][boot.NOUVEAU_CONF])}}
     commands, noop = run_op(boot.early_modules, p["modules"], states)
-    assert len(commands) == 1 and boot.VFIO_CONF in commands[0] and boot.NOUVEAU_CONF not in commands[0].split("||")[0]
-    assert "&& update-initramfs -u -k all; }" in commands[0]
+    assert len(commands) == 1 and boot.VFIO_CONF in commands[0] and boot.NOUVEAU_CONF not in commands[0]
+    assert "update-initramfs" not in commands[0]
+    assert boot.changed_modules(p["modules"], states) == [boot.VFIO_CONF]
     assert p["modules_pending"] == [f"{m} is not loaded yet" for m in ("vfio", "vfio_iommu_type1", "vfio_pci")]
 
 
@@ -182,15 +185,3 @@ def test_sev_snp_host_refuses_passthrough_in_preflight(loader, monkeypatch):
     refusals = boot.preflight(HostSpec(iommu={"passthrough": True}))
     assert len(refusals) == 1 and "SEV-SNP" in refusals[0]
     assert boot.preflight(HostSpec()) == []
-
-
-def test_failed_refresh_puts_previous_files_back(tmp_path):
-    """A failed update-initramfs must not leave the new files in place (the next run would noop)."""
-    old, new = tmp_path / "old.conf", tmp_path / "new.conf"
-    old.write_text("before\n")
-    cmd = boot.write_then_run([(str(old), "after\n", "644", True), (str(new), "fresh\n", "644", False)], "false")
-    assert subprocess.run(["sh", "-c", cmd]).returncode != 0
-    assert old.read_text() == "before\n" and not new.exists()
-    cmd = boot.write_then_run([(str(old), "after\n", "644", True), (str(new), "fresh\n", "644", False)], "true")
-    assert subprocess.run(["sh", "-c", cmd]).returncode == 0
-    assert old.read_text() == "after\n" and new.read_text() == "fresh\n"

@@ -16,7 +16,6 @@ from operations.gpus import (
     parse_guest_runtime,
     rebind_gpus,
     rebind_script,
-    refresh_initramfs,
 )
 from plan.gpus import Bindings, Move, RebindPlan
 from tests.twin.hardware import RULE_RE
@@ -198,15 +197,6 @@ def test_rebind_op_is_one_command_or_a_noop():
     assert len(commands) == 1 and "qm shutdown 300 --timeout 45 ||" in str(commands[0])
     commands, noop = _run_op(rebind_gpus, RebindPlan([], [], [], True), NVIDIA)
     assert commands == [] and "every GPU is bound" in noop
-
-
-def test_initramfs_refresh_until_the_stamp_matches(tmp_path):
-    from operations.files import sha256_text
-    commands, _ = _run_op(refresh_initramfs, "abc  /etc/udev/rules.d/x\n", None)
-    assert len(commands) == 1 and str(commands[0]).startswith("update-initramfs -u -k all && ")
-    assert "/var/lib/pvegpu/gpu-binding-initramfs.stamp" in str(commands[0])
-    current = {"mode": "644", "sha256": sha256_text("abc  /etc/udev/rules.d/x\n")}
-    assert _run_op(refresh_initramfs, "abc  /etc/udev/rules.d/x\n", current)[0] == []
 
 
 def test_with_the_api_guests_shut_down_through_it_before_the_script(monkeypatch):

@@ -48,12 +48,6 @@ def test_link_unit_creates_the_wants_link_and_is_noop_when_present(tmp_path):
     assert commands == [] and noop == f"{link} -> {target}"
 
 
-def test_initramfs_is_updated_only_when_options_changed():
-    assert run_op(mo.update_initramfs, changed=False) == ([], f"{mo.MODPROBE_CONF} unchanged; initramfs is current")
-    commands, _ = run_op(mo.update_initramfs, changed=True)
-    assert commands == ["if command -v update-initramfs >/dev/null 2>&1; then update-initramfs -u -k all; fi"]
-
-
 def test_kpro6_blackwell_gets_hmm_off_and_nvreg_options():
     spec = kpro6_spec()
     hardware = {"pci_devices": {"0000:01:00.0": {"vendor": "10de", "device": "2bb5", "class": "030200"}},
