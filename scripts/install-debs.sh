@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests and the twin need, only when missing.
 set -euo pipefail
-need=(debootstrap openssh-client graphviz ccache zstd)
+need=(debootstrap openssh-client graphviz librsvg2-bin ccache zstd)
 missing=()
 for p in "${need[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
