@@ -340,10 +340,10 @@ def _p2p_matrix_label(gpus: list[dict], pairs: dict, *, one_gpu_note: bool) -> s
         return sep.join(_esc(p) for p in parts if p)
 
     rows = ['<TR><TD BORDER="0"></TD>'
-            + "".join(f'<TD BGCOLOR="gray90"><FONT POINT-SIZE="9">{head(g, "<BR/>")}</FONT></TD>' for g in gpus)
+            + "".join(f'<TD BGCOLOR="gray90"><FONT POINT-SIZE="11">{head(g, "<BR/>")}</FONT></TD>' for g in gpus)
             + "</TR>"]
     for row_gpu, row_id in zip(gpus, ids):
-        cells = [f'<TD BGCOLOR="gray90" ALIGN="LEFT"><FONT POINT-SIZE="9">{head(row_gpu, " ")}</FONT></TD>']
+        cells = [f'<TD BGCOLOR="gray90" ALIGN="LEFT"><FONT POINT-SIZE="11">{head(row_gpu, " ")}</FONT></TD>']
         for col_gpu, col_id in zip(gpus, ids):
             if col_id == row_id:
                 cells.append(f'<TD BGCOLOR="{SELF_CELL_COLOUR}">—</TD>')
@@ -361,7 +361,7 @@ def _p2p_matrix_label(gpus: list[dict], pairs: dict, *, one_gpu_note: bool) -> s
                 r.rstrip(".") + "." for r in pair["reasons"])
             cells.append(
                 f'<TD ID="{cell_id}" HREF="#{cell_id}" TOOLTIP="{_esc(tooltip)}" BGCOLOR="{colour}">'
-                f'<B>{_esc(pair["level"] or "?")}</B><BR/><FONT POINT-SIZE="8">{word}</FONT></TD>')
+                f'<FONT POINT-SIZE="13"><B>{_esc(pair["level"] or "?")}</B></FONT><BR/><FONT POINT-SIZE="10">{word}</FONT></TD>')
         rows.append("<TR>" + "".join(cells) + "</TR>")
     matrix = '<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0" CELLPADDING="3">' + "".join(rows) + "</TABLE>"
     legend_cells = "".join(
@@ -373,14 +373,14 @@ def _p2p_matrix_label(gpus: list[dict], pairs: dict, *, one_gpu_note: bool) -> s
     legend = (
         '<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="2" CELLPADDING="2">'
         f'<TR>{legend_cells}</TR>'
-        f'<TR><TD COLSPAN="6" ALIGN="LEFT"><FONT POINT-SIZE="8">{level_lines}<BR ALIGN="LEFT"/></FONT></TD></TR>'
+        f'<TR><TD COLSPAN="6" ALIGN="LEFT"><FONT POINT-SIZE="10">{level_lines}<BR ALIGN="LEFT"/></FONT></TD></TR>'
         "</TABLE>")
     title = "P2P between GPUs (row × column; hover a cell for the reasons)"
     if one_gpu_note:
         title += ": one GPU, no pairs"
     return (
         '<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="4">'
-        f'<TR><TD><B>{_esc(title)}</B></TD></TR><TR><TD>{matrix}</TD></TR><TR><TD>{legend}</TD></TR></TABLE>>'
+        f'<TR><TD><FONT POINT-SIZE="14"><B>{_esc(title)}</B></FONT></TD></TR><TR><TD>{matrix}</TD></TR><TR><TD>{legend}</TD></TR></TABLE>>'
     )
 
 

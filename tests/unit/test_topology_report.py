@@ -368,3 +368,26 @@ def test_sixteen_gpus_matrix_levels_by_topology():
     across = cells[(svg_id("0000:03:00.0"), svg_id("0000:83:00.0"))]
     assert across["text"] == ["SYS", "no"] and across["kind"] == "impossible"
     assert node_texts(svg, "gpu_0000_83_00_0")[-1] == "NUMA 1 · CPUs 32-63"
+
+
+def test_pci_id_names_fact_reads_pci_ids_lines_and_refuses_a_bad_id(tmp_path):
+    """The fact's own command on pci.ids lines in the database's format (tab-indented devices,
+    two spaces before a name, the class list at the end), run by the machine's awk."""
+    import subprocess
+
+    import pytest
+
+    from facts.pci import PciIdNames
+
+    database = tmp_path / "pci.ids"
+    database.write_text(
+        "# comment\n10b5  PLX Technology, Inc.\n\t8747  PEX 8747 48-Lane, 5-Port PCI Express Gen 3 (8.0 GT/s) Switch\n"
+        "10de  NVIDIA Corporation\n\t2230  GA102GL [RTX A6000]\n\t\t10de 1459  RTX A6000\n\t2236  GA102GL [A10]\n"
+        "C 03  Display controller\n\t02  3D controller\n")
+    command = PciIdNames().command(["10de:2230", "10DE:2bb5"]).replace("/usr/share/misc/pci.ids", str(database))
+    run = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=30)
+    assert PciIdNames().process(run.stdout.splitlines()) == {
+        "database": str(database), "vendors": {"10de": "NVIDIA Corporation"},
+        "devices": {"10de:2230": "GA102GL [RTX A6000]"}}  # 2bb5 is not in it: absent
+    with pytest.raises(ValueError, match="not a vendor:device ID: 10de:2230;"):
+        PciIdNames().command(["10de:2230; reboot"])
