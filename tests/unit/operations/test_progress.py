@@ -83,3 +83,20 @@ def test_detached_work_reports_elapsed_since_it_started_and_records(tmp_path, ca
 def test_ct_probe_quotes_the_log_path():
     assert progress.ct_log_probe(200, "/var/log/it's.log") == (
         "echo; pct exec 200 -- sh -c 'tail -n 1 '\"'\"'/var/log/it'\"'\"'\"'\"'\"'\"'\"'\"'s.log'\"'\"' 2>/dev/null' 2>/dev/null; echo")
+
+
+def test_announce_says_how_long_the_last_build_of_the_same_source_took(caplog):
+    """What --dry prints when a build is planned: the record of the same key on this host, if any."""
+    from pyinfra.context import ctx_host, ctx_state
+    from pyinfra_testing.util import FakeState, create_host
+
+    records = {"nvidia-535-6.1-src.tar": {"seconds": 402, "objects": 212}}
+    state = FakeState()
+    fake = create_host(state, facts={"progress.Durations": records})
+    with ctx_state.use(state), ctx_host.use(fake), caplog.at_level(logging.INFO, logger="pyinfra"):
+        command = progress.reported("make", "nvidia 535 build for 6.1", key="nvidia-535-6.1-src.tar", log="/b/build.log")
+        progress.announce("kernel 6.14 build", "kernel-other")
+    assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [  # after "<host>: "
+        "nvidia 535 build for 6.1: the last build of the same source on this host took 6 min 42 s, 212 objects",
+        "kernel 6.14 build: no earlier build of the same source recorded on this host"]
+    assert command.function is progress.run_reported and command.kwargs["total"] == 212  # the estimate
