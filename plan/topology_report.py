@@ -145,7 +145,8 @@ def gpu_models(gpus: list[dict], pci: dict, pci_names: dict | None = None) -> di
 
 
 def gpu_locality(gpu: dict, dev: dict, topology: dict) -> tuple:
-    """(NUMA node, CPU list) of a GPU: sysfs first, else what nvidia-smi topo -m says."""
+    """(NUMA node, CPU list) of a GPU, as the text report gives them: the NUMA node from sysfs,
+    else nvidia-smi topo -m's; the CPUs from nvidia-smi topo -m, else sysfs' local_cpulist."""
     numa = gpu["numa_node"]
     if numa is None and gpu["name"]:
         numa = (topology.get("numa_affinity") or {}).get(gpu["name"])
