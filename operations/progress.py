@@ -30,6 +30,7 @@ import time
 import gevent
 from pyinfra import host as current_host
 from pyinfra import logger
+from pyinfra import state as current_state
 from pyinfra.api import FactBase, FunctionCommand, StringCommand
 
 from facts.once import fact_once
@@ -233,9 +234,17 @@ def reported(command: str, what: str, key: str | None = None, log: str | None = 
     """What an operation yields instead of ``StringCommand(command)`` to have it report progress
     (`run_reported`). Called while the operation is generated: says how long the last build of
     the same source took here (also under --dry) and takes its object count as the estimate."""
-    last = announce(what, key) if key else None
+    # pyinfra runs an operation's body twice: to see whether it changes anything, then to execute
+    # it; say it once
+    said_already = getattr(current_state, "is_executing", False) and _checks_for_changes()
+    last = (last_run(key) if said_already else announce(what, key)) if key else None
     return FunctionCommand(run_reported, (command, what),
                            {"key": key, "log": log, "probe": probe, "total": (last or {}).get("objects")})
+
+
+def _checks_for_changes() -> bool:
+    check = getattr(current_state, "should_check_for_changes", None)
+    return bool(check()) if callable(check) else False
 
 
 def ct_log_probe(ctid: int, log: str) -> str:

@@ -100,3 +100,16 @@ def test_announce_says_how_long_the_last_build_of_the_same_source_took(caplog):
         "nvidia 535 build for 6.1: the last build of the same source on this host took 6 min 42 s, 212 objects",
         "kernel 6.14 build: no earlier build of the same source recorded on this host"]
     assert command.function is progress.run_reported and command.kwargs["total"] == 212  # the estimate
+
+
+def test_announced_once_although_pyinfra_runs_the_operation_body_twice(caplog):
+    from pyinfra.context import ctx_host, ctx_state
+    from pyinfra_testing.util import FakeState, create_host
+
+    state = FakeState()
+    state.is_executing = True  # the second pass: the change check already said it
+    state.should_check_for_changes = lambda: True
+    fake = create_host(state, facts={"progress.Durations": {"k": {"seconds": 9, "objects": 3}}})
+    with ctx_state.use(state), ctx_host.use(fake), caplog.at_level(logging.INFO, logger="pyinfra"):
+        command = progress.reported("make", "x build", key="k")
+    assert caplog.records == [] and command.kwargs["total"] == 3
