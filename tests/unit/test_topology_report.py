@@ -391,3 +391,23 @@ def test_pci_id_names_fact_reads_pci_ids_lines_and_refuses_a_bad_id(tmp_path):
         "devices": {"10de:2230": "GA102GL [RTX A6000]"}}  # 2bb5 is not in it: absent
     with pytest.raises(ValueError, match="not a vendor:device ID: 10de:2230;"):
         PciIdNames().command(["10de:2230; reboot"])
+
+
+def test_the_picture_renders_to_png_with_librsvg():
+    """rsvg-convert (Debian librsvg2-bin, scripts/install-debs.sh) reads the SVG as a browser's
+    SVG parser would; the 16-GPU picture comes out as a PNG wide enough for its matrix."""
+    import shutil
+    import struct
+    import subprocess
+
+    import pytest
+
+    if not shutil.which("rsvg-convert"):
+        pytest.skip("rsvg-convert is not installed (scripts/install-debs.sh installs librsvg2-bin)")
+    hardware = sixteen_gpu_hardware()
+    svg = graphviz.Source(topology_dot("big", hardware, verdict_from_hardware(hardware))).pipe(format="svg")
+    png = subprocess.run(["rsvg-convert", "--format=png"], input=svg, capture_output=True, timeout=60)
+    assert png.returncode == 0, png.stderr.decode()
+    assert png.stdout[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", png.stdout[16:24])
+    assert width > 1500 and height > 800, (width, height)
