@@ -4,9 +4,12 @@
     pyinfra @local topology.py                    # this machine
 
 For each host: reads the hardware facts (one batched remote command, plus the list of RDMA
-devices), and writes on this machine, under out/topology/, `<host>.txt` (root complexes,
+devices, plus, when a GPU is not on the host's NVIDIA driver, its name in the host's PCI ID
+database), and writes on this machine, under out/topology/, `<host>.txt` (root complexes,
 bridges, GPUs, NICs, links, BAR1, the P2P verdict per GPU pair with its reasons, the NCCL
-variables pvegpu would set) and `<host>.svg` (the same as a diagram), then prints the text.
+variables pvegpu would set) and `<host>.svg` (the same as a diagram: the PCI tree with each
+GPU's name, driver, role, NUMA node and CPUs, and under it the P2P matrix, a cell per GPU pair
+coloured by verdict, the reasons as its tooltip), then prints the text.
 PVEGPU_TOPOLOGY_OUT=<dir> writes elsewhere.
 It queues no operation: nothing on the host changes.
 """
@@ -20,12 +23,19 @@ from pyinfra import host
 from pyinfra.facts.files import FindLinks
 
 from facts.hardware import HardwareProbe
+from facts.pci import PciIdNames
 from plan.nccl import nccl_environment, nccl_plan_for_spec
 from plan.topology_report import topology_dot, topology_text, verdict_from_hardware
 
 OUT = Path(os.environ.get("PVEGPU_TOPOLOGY_OUT") or Path(__file__).resolve().parent / "out" / "topology")
 
 hardware = host.get_fact(HardwareProbe)
+# GPUs the driver does not name (bound to vfio-pci, or to none): their IDs in the host's pci.ids
+unnamed = sorted({f"{dev['vendor']}:{dev['device']}" for bdf, dev in (hardware.get("pci_devices") or {}).items()
+                  if dev.get("vendor") == "10de" and (dev.get("class") or "").startswith("03") and dev.get("device")
+                  and bdf not in (hardware.get("nvidia_gpus") or {})})
+if unnamed:
+    hardware = {**hardware, "pci_names": host.get_fact(PciIdNames, ids=unnamed)}
 rdma_devices = sorted(Path(link).name for link in host.get_fact(FindLinks, path="/sys/class/infiniband", maxdepth=1) or [])
 spec = host.data.get("pvegpu_spec")
 roles = {bdf: gpu.role for bdf, gpu in spec.gpus.items()} if spec else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 
 from pyinfra.api import FactBase
 
@@ -257,3 +258,67 @@ class PciAcs(FactBase):
 
     def process(self, output):
         return parse_acs(output)
+
+
+# Where distributions keep the PCI ID database (Debian's pci.ids package: /usr/share/misc).
+PCI_IDS_PATHS = ("/usr/share/misc/pci.ids", "/usr/share/hwdata/pci.ids", "/usr/share/pci.ids")
+_PCI_ID = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{4}$")
+# Prints the vendor lines of the wanted vendors and the device lines of the wanted IDs of
+# pci.ids ("vvvv  name", then "<TAB>dddd  name" under it); stops at the class list ("C xx").
+# Plain POSIX awk (Debian's mawk): no interval expressions.
+_PCI_IDS_AWK = (
+    'BEGIN { n = split(want, w, " "); for (i = 1; i <= n; i++) { split(w[i], p, ":"); V[p[1]] = 1; W[w[i]] = 1 } } '
+    "/^C / { exit } "
+    '/^[0-9a-f][0-9a-f][0-9a-f][0-9a-f]  / { v = $1; if (v in V) print "vendor " v " " substr($0, 7); next } '
+    '/^\\t[0-9a-f][0-9a-f][0-9a-f][0-9a-f]  / { if ((v ":" $1) in W) print "device " v ":" $1 " " substr($0, 8) }'
+)
+
+
+def parse_pci_id_names(output_lines: list[str]) -> dict:
+    """Pure parser of `PciIdNames` output (shape: see there)."""
+    result: dict = {"database": None, "vendors": {}, "devices": {}}
+    for line in output_lines:
+        kind, _, rest = line.strip("\r\n").partition(" ")
+        if kind == "file":
+            result["database"] = rest.strip() or None
+        elif kind == "vendor":
+            vendor, _, name = rest.partition(" ")
+            if re.fullmatch(r"[0-9a-f]{4}", vendor) and name.strip():
+                result["vendors"][vendor] = name.strip()
+        elif kind == "device":
+            ids, _, name = rest.partition(" ")
+            if _PCI_ID.match(ids) and name.strip():
+                result["devices"][ids] = name.strip()
+    return result
+
+
+class PciIdNames(FactBase):
+    """
+    Names of PCI vendor:device IDs from the host's PCI ID database (pci.ids, the file lspci
+    names devices from), for devices no driver names (a GPU bound to vfio-pci).
+
+    + ids: ``["10de:2bb5", …]`` (vendor:device, hex)
+
+    .. code:: python
+
+        {"database": "/usr/share/misc/pci.ids",      # None: no database on the host
+         "vendors": {"10de": "NVIDIA Corporation"},
+         "devices": {"10de:2230": "GA102GL [RTX A6000]"}}   # IDs the database does not know are absent
+    """
+
+    def command(self, ids: list[str]) -> str:
+        wanted = sorted({i.lower() for i in ids})
+        bad = [i for i in wanted if not _PCI_ID.match(i)]
+        if bad:
+            raise ValueError(f"PciIdNames: not a vendor:device ID: {', '.join(bad)}")
+        return (
+            f"for f in {' '.join(PCI_IDS_PATHS)}; do [ -r \"$f\" ] || continue; echo \"file $f\"; "
+            f"awk -v want={shlex.quote(' '.join(wanted))} {shlex.quote(_PCI_IDS_AWK)} \"$f\"; break; done; true"
+        )
+
+    @staticmethod
+    def default() -> dict:
+        return parse_pci_id_names([])
+
+    def process(self, output):
+        return parse_pci_id_names(list(output))

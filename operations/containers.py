@@ -28,6 +28,7 @@ from facts.guest_state import guest_state, running_containers, with_ct_status
 from facts.kernel import split_sections
 from facts.once import fact_once
 from facts.nvidia import NvidiaDriver, parse_driver_version
+from operations import progress
 from operations.nvidia import cached_source, fetch_source_command
 from plan.containers import INSTALLER_FLAGS, LIB_DIRS, ct_installer_path, plan_userspace
 from spec.models import HostSpec
@@ -119,7 +120,7 @@ def prefetch_apply(spec: HostSpec) -> list:
     """What `apply` reads, once the run's CT state is known (deploy.py reads every stage's in
     one command after the preflights)."""
     managed = managed_containers(spec)
-    return [(ContainerUserspace, _userspace_kwargs(sorted(managed)))] if managed else []
+    return [(ContainerUserspace, _userspace_kwargs(sorted(managed))), *progress.prefetch()] if managed else []
 
 
 def install_command(ctid: int, version: str, installer_url: str, sha256: str, cached: str,
@@ -162,7 +163,9 @@ def container_userspace(ctid: int, action: str, reason: str, version: str, insta
     if action != "install":
         host.noop(reason)
         return
-    yield StringCommand(install_command(ctid, version, installer_url, sha256, cached, check_nvml))
+    yield progress.reported(install_command(ctid, version, installer_url, sha256, cached, check_nvml),
+                            f"NVIDIA {version} user space in CT {ctid}", key=f"ct-userspace-{version}-{sha256[:16]}",
+                            probe=progress.ct_log_probe(ctid, "/var/log/nvidia-installer.log"))
 
 
 def managed_containers(spec: HostSpec) -> dict:

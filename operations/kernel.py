@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import time
 
 from pyinfra import host, logger
 from pyinfra.api import FactBase, FunctionCommand, StringCommand, deploy, operation
@@ -27,6 +26,7 @@ from pyinfra.api import FactBase, FunctionCommand, StringCommand, deploy, operat
 from facts.hardware import SECTION_MARKER
 from facts.kernel import ProxmoxKernels, split_sections
 from facts.once import fact_once
+from operations import progress
 from operations.files import write_file_command
 from plan import kernel as plan
 from plan.reboot import need_reboot
@@ -175,38 +175,17 @@ def start_build_command(build_dir: str, systemd: bool, memory_max_kib: int | Non
     return f"if {alive}; then echo 'pvegpu: build already running, attaching'; else rm -f {d}/build.rc; {start} fi"
 
 
-def wait_for_build(state, host, build_dir: str, total: int | None, poll_s: float = POLL_S, timeout_s: float = BUILD_TIMEOUT_S):
-    """Follow a detached build until build.rc appears; log progress; False (op fails) on error."""
-    d = shlex.quote(build_dir)
-    probe = (f'cat {d}/build.rc 2>/dev/null || echo pending; '
-             f"grep -c -E '^\\s+(CC|AS|LD|AR|CC \\[M\\]|LD \\[M\\])\\s' {d}/build.log 2>/dev/null || true; "
-             f"tail -n 1 {d}/build.log 2>/dev/null")
-    deadline = time.monotonic() + timeout_s
-    last_report = ""
-    while time.monotonic() < deadline:
-        ok, output = host.run_shell_command(StringCommand(probe))
-        lines = output.stdout_lines if ok else []
-        status = lines[0].strip() if lines else "pending"
-        built = int(lines[1]) if len(lines) > 1 and lines[1].strip().isdigit() else 0
-        progress = plan.describe_progress({"built": built, "total": total, "last": lines[2].strip() if len(lines) > 2 else None})
-        if progress != last_report:
-            logger.info(f"{host.name}: kernel build: {progress}")
-            last_report = progress
-        if status != "pending":
-            if status == "0":
-                return True
-            _, tail = host.run_shell_command(StringCommand(f"tail -n 30 {d}/build.log"))
-            logger.error(f"{host.name}: kernel build failed (exit {status}); last lines of {build_dir}/build.log:\n"
-                         + "\n".join(tail.stdout_lines))
-            return False
-        time.sleep(poll_s)
-    logger.error(f"{host.name}: kernel build still running after {timeout_s:.0f} s; re-run the deploy to attach")
-    return False
+def wait_for_build(state, host, build_dir: str, total: int | None, poll_s: float = POLL_S,
+                   timeout_s: float = BUILD_TIMEOUT_S, key: str | None = None):
+    """Follow a detached build until build.rc appears, reporting progress (operations.progress);
+    False (op fails) on error."""
+    return progress.follow_detached(state, host, "kernel build", build_dir, f"{build_dir}/build.log", key=key,
+                                    total=total, poll_s=poll_s, timeout_s=timeout_s)
 
 
 @operation()
 def build_kernel(build_dir: str, script: str, manifest_in: str, systemd: bool, total: int | None, start: bool = True,
-                 memory_max_kib: int | None = None):
+                 memory_max_kib: int | None = None, record: str | None = None):
     """Write build.sh + manifest template, start the build detached (unless it runs), wait for it.
 
     + build_dir: scratch dir of this build (plan.kernel.build_dir)
@@ -216,12 +195,13 @@ def build_kernel(build_dir: str, script: str, manifest_in: str, systemd: bool, t
     + total: objects of an earlier build of the same config, for progress (None: unknown)
     + start: False to attach to a build that already runs
     + memory_max_kib: MemoryMax= of the systemd unit (plan.kernel.build_memory_max_kib)
+    + record: key under which the build's time is kept (operations.progress)
     """
     if start:
         yield StringCommand(write_file_command(f"{build_dir}/build.sh", script, "755", keep_previous=False))
         yield StringCommand(write_file_command(f"{build_dir}/manifest.json.in", manifest_in, "644", keep_previous=False))
         yield StringCommand(start_build_command(build_dir, systemd, memory_max_kib))
-    yield FunctionCommand(wait_for_build, (build_dir, total), {})
+    yield FunctionCommand(wait_for_build, (build_dir, total), {"key": record} if record else {})
 
 
 @operation()
@@ -316,7 +296,7 @@ def prefetch(spec: HostSpec) -> list:
     k = spec.kernel
     if k is None:
         return []
-    return [(KernelStageFacts, fact_args(k, base_config_of(k)))]
+    return [(KernelStageFacts, fact_args(k, base_config_of(k))), *progress.prefetch()]
 
 
 @deploy("pvegpu: kernel")
@@ -349,11 +329,12 @@ def apply(spec: HostSpec) -> None:
             "kernel-build-manifest.json.j2", build_id=plan.build_id(k, base), version=k.version, kind=k.source.kind,
             url=k.source.url, ref=k.source.ref or k.source.sha256, base_config=base,
             fragments=list(k.config_fragments), jobs=jobs)
-        total = (build["manifest"] or {}).get("objects") or None
+        last = progress.announce(f"kernel {k.version} build", f"kernel-{plan.build_id(k, base)}")
+        total = (build["manifest"] or {}).get("objects") or (last or {}).get("objects") or None
         build_kernel(
             name=f"Build kernel {k.version} ({k.source.kind}, -j{jobs}, detached)",
             build_dir=build_dir, script=render_template("kernel-build.sh.j2", **context), manifest_in=manifest_in,
-            systemd=build["systemd"], total=total, start=action == "build",
+            systemd=build["systemd"], total=total, start=action == "build", record=f"kernel-{plan.build_id(k, base)}",
             memory_max_kib=plan.build_memory_max_kib(build["mem_total_kib"], jobs),
         )
     esps = build["esps"] and pin_tool == "proxmox-boot-tool"

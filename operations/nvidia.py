@@ -33,6 +33,7 @@ from pyinfra.api import FactBase, StringCommand, deploy, operation
 from facts.files import ManagedFiles
 from facts.hardware import HardwareProbe
 from facts.kernel import split_sections
+from operations import progress
 from operations.files import managed_file
 from plan import nvidia as nvplan
 from plan.render import render_template
@@ -396,7 +397,8 @@ def build_modules(archive: str, version: str, release: str, cc: str, jobs: int, 
     if not build:
         host.noop(reason or f"nvidia {version} is current for {release}")
         return
-    yield StringCommand(build_command(archive, version, release, cc, jobs, ccache))
+    yield progress.reported(build_command(archive, version, release, cc, jobs, ccache), f"nvidia {version} build for {release}",
+                            key=f"nvidia-{version}-{release}-{archive.rsplit('/', 1)[-1]}", log=f"{build_dir(version, release)}/build.log")
 
 
 @operation()
@@ -482,7 +484,7 @@ def prefetch(spec) -> list:
     """The facts this stage reads (deploy.py reads every stage's in one command)."""
     if spec.nvidia is None:
         return []
-    return [(NvidiaHostState, _state_kwargs(spec)), (HardwareProbe, {})]
+    return [(NvidiaHostState, _state_kwargs(spec)), (HardwareProbe, {}), *progress.prefetch()]
 
 
 def preflight(spec) -> list[str]:

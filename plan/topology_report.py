@@ -6,11 +6,12 @@ command) plus the P2P verdict; `topology.py` gathers the facts and writes the fi
 
 from __future__ import annotations
 
+import html
 import re
 import textwrap
 
 from plan.nccl import describe_nccl_environment
-from plan.p2p import p2p_verdict
+from plan.p2p import LEVEL_WORDS, p2p_verdict
 
 NETWORK_CLASS_PREFIX = "02"  # PCI class 02xxxx: Ethernet, InfiniBand, … controllers
 
@@ -85,6 +86,76 @@ def _numa_of_root(root: str, pci: dict) -> int | None:
     return min(nodes) if nodes else None
 
 
+def gpus_in_topology_order(gpus: list[dict], pci: dict) -> list[dict]:
+    """The GPUs in the order the tree draws them: NUMA node, root complex, upstream bridges, address
+    (a depth-first walk of sorted children is the sorted order of the full paths); GPUs without
+    PCI facts keep their order, after the others."""
+    def key(indexed):
+        index, gpu = indexed
+        dev = pci.get(gpu["bdf"] or "", {})
+        if not gpu["bdf"] or not dev:
+            return (1, index, (), ())
+        numa = _numa_of_root(dev.get("root"), pci) if dev.get("root") else None
+        return (0, (numa is None, numa if numa is not None else 0), dev.get("root") or "",
+                tuple(dev.get("bridges") or []) + (gpu["bdf"],))
+    return [gpu for _, gpu in sorted(enumerate(gpus), key=key)]
+
+
+def gpu_models(gpus: list[dict], pci: dict, pci_names: dict | None = None) -> dict[str, dict]:
+    """A name for every GPU, also for one the host's driver does not drive (bound to vfio-pci, or
+    to no driver): ``{bdf or name: {"model", "note"}}``, from, in this order,
+
+    1. the NVIDIA driver's own name for it (``nvidia-smi``; no note),
+    2. the host's PCI ID database (``PciIdNames``: the names lspci shows),
+    3. the driver's name of another GPU with the same PCI IDs (vendor, device, subsystem): a
+       bookworm host's pci.ids (2023) does not know the RTX PRO 6000 Blackwell or the H200,
+    4. the bare IDs.
+    """
+    pci_names = pci_names or {}
+    vendors, devices = pci_names.get("vendors") or {}, pci_names.get("devices") or {}
+
+    def ids(dev: dict) -> tuple:
+        return (dev.get("vendor"), dev.get("device"), dev.get("subsystem_vendor"), dev.get("subsystem_device"))
+
+    named_by_driver: dict = {}
+    for g in gpus:
+        if g["model"] and g["bdf"] in pci:
+            named_by_driver.setdefault(ids(pci[g["bdf"]]), g)
+    result = {}
+    for gpu in gpus:
+        key = gpu["bdf"] or gpu["name"]
+        dev = pci.get(gpu["bdf"] or "", {})
+        vendor, device = dev.get("vendor"), dev.get("device")
+        pci_id = f"{vendor}:{device}"
+        if gpu["model"]:
+            result[key] = {"model": gpu["model"], "note": None}
+        elif vendor and device and pci_id in devices:
+            result[key] = {"model": f"{vendors.get(vendor, vendor)} {devices[pci_id]}".strip(),
+                           "note": f"{pci_id}, name from the PCI ID database"}
+        elif vendor and device and ids(dev) in named_by_driver:
+            twin = named_by_driver[ids(dev)]
+            result[key] = {"model": twin["model"],
+                           "note": f"{pci_id}, same PCI IDs as {twin['name'] or twin['bdf']}"}
+        elif vendor and device:
+            result[key] = {"model": f"{vendors.get(vendor, 'vendor ' + vendor)} device {pci_id}",
+                           "note": "not in the PCI ID database" + (" of this host" if pci_names.get("database") else "")}
+        else:
+            result[key] = {"model": None, "note": None}
+    return result
+
+
+def gpu_locality(gpu: dict, dev: dict, topology: dict) -> tuple:
+    """(NUMA node, CPU list) of a GPU, as the text report gives them: the NUMA node from sysfs,
+    else nvidia-smi topo -m's; the CPUs from nvidia-smi topo -m, else sysfs' local_cpulist."""
+    numa = gpu["numa_node"]
+    if numa is None and gpu["name"]:
+        numa = (topology.get("numa_affinity") or {}).get(gpu["name"])
+    cpus = dev.get("local_cpulist")
+    if gpu["name"]:
+        cpus = (topology.get("cpu_affinity") or {}).get(gpu["name"]) or cpus
+    return numa, cpus
+
+
 def _tree(pci: dict, endpoints: list[str]) -> dict:
     """``{root: {bridge: {…, endpoint: {}}}}`` for the endpoints' upstream paths."""
     tree: dict = {}
@@ -111,8 +182,9 @@ def topology_text(host: str, hardware: dict, verdict: dict, nccl_env: dict | Non
     iommu = hardware.get("iommu") or {}
     driver = hardware.get("nvidia_driver") or {}
     cpu = hardware.get("cpu") or {}
-    gpus = verdict["gpus"]
+    gpus = gpus_in_topology_order(verdict["gpus"], pci)
     gpu_by_bdf = {g["bdf"]: g for g in gpus if g["bdf"]}
+    models = gpu_models(gpus, pci, hardware.get("pci_names"))
     nics = _network_devices(pci)
     roots = sorted({g["root"] for g in gpus if g["root"]})
     numa_nodes = sorted({g["numa_node"] for g in gpus if g["numa_node"] is not None})
@@ -146,7 +218,7 @@ def topology_text(host: str, hardware: dict, verdict: dict, nccl_env: dict | Non
             lines.append(f"NUMA node {numa if numa is not None else 'unknown'}")
             for root in sorted(by_numa[numa]):
                 lines.append(f"  root complex {root}")
-                _render_tree(tree[root], pci, gpu_by_bdf, topology, lines, depth=2)
+                _render_tree(tree[root], pci, gpu_by_bdf, topology, lines, depth=2, models=models)
     else:
         for gpu in gpus:
             numa = (topology.get("numa_affinity") or {}).get(gpu["name"])
@@ -184,7 +256,8 @@ def topology_text(host: str, hardware: dict, verdict: dict, nccl_env: dict | Non
     return "\n".join(lines) + "\n"
 
 
-def _render_tree(node: dict, pci: dict, gpus: dict, topology: dict, lines: list[str], depth: int) -> None:
+def _render_tree(node: dict, pci: dict, gpus: dict, topology: dict, lines: list[str], depth: int,
+                 models: dict) -> None:
     for bdf in sorted(node):
         dev = pci.get(bdf, {})
         pad = "  " * depth
@@ -192,7 +265,12 @@ def _render_tree(node: dict, pci: dict, gpus: dict, topology: dict, lines: list[
         link = link_text(dev.get("link"))
         if bdf in gpus:
             gpu = gpus[bdf]
-            head = f"{gpu['name'] or 'GPU (not the host driver’s)'} {bdf} {gpu['model'] or ids}"
+            model = models.get(bdf) or {}
+            head = f"{gpu['name'] or 'GPU'} {bdf} {model.get('model') or ids}"
+            if model.get("note"):
+                head += f" ({model['note']})"
+            if not gpu["visible"]:
+                head += " - not on the host's NVIDIA driver"
             details = [f"driver {gpu['driver'] or 'none'}"]
             if gpu["role"]:
                 details.append(f"role {gpu['role']}")
@@ -215,47 +293,143 @@ def _render_tree(node: dict, pci: dict, gpus: dict, topology: dict, lines: list[
             lines.append(f"{pad}NIC {bdf} {ids} driver {dev.get('driver') or 'none'}" + (f", link {link}" if link else ""))
         else:
             lines.append(f"{pad}bridge {bdf} {ids}" + (f", link {link}" if link else ""))
-        _render_tree(node[bdf], pci, gpus, topology, lines, depth + 1)
+        _render_tree(node[bdf], pci, gpus, topology, lines, depth + 1, models)
 
 
 def _node_id(kind: str, name: str) -> str:
     return f"{kind}_" + re.sub(r"[^0-9A-Za-z]", "_", name)
 
 
-P2P_LEGEND = "P2P edges: green = possible and safe, orange = possible but unsafe, red dashed = impossible"
-P2P_EDGE_STYLE = {
-    "usable": {"color": "darkgreen", "style": "solid", "penwidth": "2"},
-    "unsafe": {"color": "darkorange", "style": "bold"},
-    "impossible": {"color": "red3", "style": "dashed"},
+# Verdict kinds of a GPU pair, in the matrix's legend order: (fill colour, word in the cell, legend text).
+P2P_KINDS = {
+    "usable": ("#a5d6a7", "ok", "possible and safe"),
+    "unsafe": ("#ffcc80", "unsafe", "possible but unsafe"),
+    "impossible": ("#ef9a9a", "no", "impossible"),
 }
+SELF_CELL_COLOUR = "#eeeeee"
+
+
+def verdict_kind(pair: dict) -> str:
+    """``usable`` (possible and safe), ``unsafe`` (possible but unsafe) or ``impossible``."""
+    if pair["possible"] and pair["safe"]:
+        return "usable"
+    return "unsafe" if pair["possible"] else "impossible"
+
+
+def _esc(text) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _short_bdf(bdf: str | None) -> str:
+    """``0000:81:00.0`` → ``81:00.0`` (the domain only when it is not 0000)."""
+    return (bdf or "")[5:] if (bdf or "").startswith("0000:") else (bdf or "")
+
+
+def _matrix_cell_id(a: str, b: str) -> str:
+    return _node_id("p2p", f"{a}__{b}")
+
+
+def _p2p_matrix_label(gpus: list[dict], pairs: dict, *, one_gpu_note: bool) -> str:
+    """The P2P matrix as a graphviz HTML-like table: a header row and column of GPUs (topology
+    order), one cell per ordered pair filled by verdict with the level and a word in it and the
+    reasons as its tooltip (graphviz writes a cell's TOOLTIP into the SVG only for a cell with an
+    HREF: each cell links to itself), then a legend."""
+    ids = [g["bdf"] or g["name"] for g in gpus]
+
+    def head(gpu: dict, sep: str) -> str:
+        parts = [gpu["name"], _short_bdf(gpu["bdf"])] if gpu["name"] else [_short_bdf(gpu["bdf"]), "(" + (gpu["driver"] or "no driver") + ")"]
+        return sep.join(_esc(p) for p in parts if p)
+
+    rows = ['<TR><TD BORDER="0"></TD>'
+            + "".join(f'<TD BGCOLOR="gray90"><FONT POINT-SIZE="11">{head(g, "<BR/>")}</FONT></TD>' for g in gpus)
+            + "</TR>"]
+    for row_gpu, row_id in zip(gpus, ids):
+        cells = [f'<TD BGCOLOR="gray90" ALIGN="LEFT"><FONT POINT-SIZE="11">{head(row_gpu, " ")}</FONT></TD>']
+        for col_gpu, col_id in zip(gpus, ids):
+            if col_id == row_id:
+                cells.append(f'<TD BGCOLOR="{SELF_CELL_COLOUR}">—</TD>')
+                continue
+            pair = pairs.get(frozenset((row_id, col_id)))
+            if pair is None:
+                cells.append('<TD BGCOLOR="white">?</TD>')
+                continue
+            kind = verdict_kind(pair)
+            colour, word, words = P2P_KINDS[kind]
+            cell_id = _matrix_cell_id(row_id, col_id)
+            a = _label_of(row_gpu)
+            b = _label_of(col_gpu)
+            tooltip = f"{a} ↔ {b}: {words} ({pair['level'] or 'level unknown'}). " + " ".join(
+                r.rstrip(".") + "." for r in pair["reasons"])
+            cells.append(
+                f'<TD ID="{cell_id}" HREF="#{cell_id}" TOOLTIP="{_esc(tooltip)}" BGCOLOR="{colour}">'
+                f'<FONT POINT-SIZE="13"><B>{_esc(pair["level"] or "?")}</B></FONT><BR/><FONT POINT-SIZE="10">{word}</FONT></TD>')
+        rows.append("<TR>" + "".join(cells) + "</TR>")
+    matrix = '<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0" CELLPADDING="3">' + "".join(rows) + "</TABLE>"
+    legend_cells = "".join(
+        f'<TD BGCOLOR="{colour}">{word}</TD><TD ALIGN="LEFT">{_esc(words)}   </TD>'
+        for colour, word, words in P2P_KINDS.values())
+    levels = ", ".join(f"{level} {words}" for level, words in LEVEL_WORDS.items())
+    level_lines = '<BR ALIGN="LEFT"/>'.join(
+        _esc(line) for line in textwrap.wrap(f"Level in each cell (as nvidia-smi topo -m): {levels}; NV# bonded NVLinks.", 100))
+    legend = (
+        '<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="2" CELLPADDING="2">'
+        f'<TR>{legend_cells}</TR>'
+        f'<TR><TD COLSPAN="6" ALIGN="LEFT"><FONT POINT-SIZE="10">{level_lines}<BR ALIGN="LEFT"/></FONT></TD></TR>'
+        "</TABLE>")
+    title = "P2P between GPUs (row × column; hover a cell for the reasons)"
+    if one_gpu_note:
+        title += ": one GPU, no pairs"
+    return (
+        '<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="4">'
+        f'<TR><TD><FONT POINT-SIZE="14"><B>{_esc(title)}</B></FONT></TD></TR><TR><TD>{matrix}</TD></TR><TR><TD>{legend}</TD></TR></TABLE>>'
+    )
+
+
+def _label_of(gpu: dict) -> str:
+    if gpu["name"] and gpu["bdf"]:
+        return f"{gpu['name']} ({gpu['bdf']})"
+    return gpu["name"] or gpu["bdf"] or "?"
 
 
 def topology_dot(host: str, hardware: dict, verdict: dict) -> str:
-    """DOT source: NUMA node clusters ⊃ root complex clusters ⊃ bridges, GPUs, NICs; below them a
-    row with one node per GPU and the P2P edges between GPUs colored by verdict (green usable,
-    orange unsafe, red dashed impossible), each edge's tooltip holding the reasons."""
+    """DOT source: NUMA node clusters ⊃ root complex clusters ⊃ bridges, GPUs, NICs (each GPU with
+    its name, driver, role, link, NUMA node and CPUs); below them the P2P matrix (GPUs on both
+    axes in topology order, each cell coloured by verdict with the link level in it and the
+    reasons as its tooltip) and its legend."""
     import graphviz  # here, not at the top: every converge imports this module (NCCL stage), few draw
 
     pci = hardware.get("pci_devices") or {}
+    topology = hardware.get("topology") or {}
     graph = graphviz.Graph(name=f"topology_{re.sub(r'[^0-9A-Za-z]', '_', host)}")
-    title = "\n".join([f"GPU topology of {host}", *textwrap.wrap(verdict["summary"], 110), P2P_LEGEND])
+    title = "\n".join([f"GPU topology of {host}", *textwrap.wrap(verdict["summary"], 110)])
     graph.attr(label=title, labelloc="t", fontname="Helvetica")
     graph.attr("node", fontname="Helvetica", fontsize="10")
     graph.attr("edge", fontname="Helvetica", fontsize="9")
-    gpus = {g["bdf"]: g for g in verdict["gpus"] if g["bdf"]}
+    ordered = gpus_in_topology_order(verdict["gpus"], pci)
+    gpus = {g["bdf"]: g for g in ordered if g["bdf"]}
+    models = gpu_models(ordered, pci, hardware.get("pci_names"))
 
     def gpu_label(gpu: dict) -> str:
         dev = pci.get(gpu["bdf"], {}) if gpu["bdf"] else {}
-        parts = [gpu["name"] or "(not host's)", gpu["bdf"] or "", gpu["model"] or ""]
+        key = gpu["bdf"] or gpu["name"]
+        model = models.get(key, {})
+        parts = [" ".join(p for p in (gpu["name"], gpu["bdf"]) if p), model.get("model") or ""]
+        if model.get("note"):
+            parts.append(f"({model['note']})")
+        parts.append(" · ".join(p for p in (f"driver {gpu['driver'] or 'none'}",
+                                            f"role {gpu['role']}" if gpu["role"] else "") if p))
         width = (dev.get("link") or {}).get("width")
         if width:
             parts.append(f"x{width} {link_speed((dev.get('link') or {}).get('speed')) or '?'} GT/s")
-        if gpu["role"]:
-            parts.append(f"role {gpu['role']}")
+        numa, cpus = gpu_locality(gpu, dev, topology)
+        parts.extend(textwrap.wrap(f"NUMA {numa if numa is not None else '?'} · CPUs {cpus or '?'}", 48))
         return "\n".join(p for p in parts if p)
 
-    in_tree = bool(pci and gpus)
-    if in_tree:
+    def gpu_colour(gpu: dict) -> str:
+        return "palegreen" if gpu["visible"] else ("lightblue" if gpu["driver"] == "vfio-pci" else "gray85")
+
+    gpu_nodes = []
+    if pci and gpus:
         tree = _tree(pci, sorted(gpus) + sorted(_network_devices(pci)))
         by_numa: dict = {}
         for root in tree:
@@ -264,46 +438,36 @@ def topology_dot(host: str, hardware: dict, verdict: dict) -> str:
             with graph.subgraph(name=f"cluster_numa_{numa}") as numa_graph:
                 numa_graph.attr(label=f"NUMA node {numa if numa is not None else '?'}", style="rounded",
                                 color="gray40")
-                for root in sorted(by_numa[numa]):
+                for root in sorted(by_numa[numa], reverse=True):  # dot (2.43) lays sibling clusters out right to left
                     with numa_graph.subgraph(name=_node_id("cluster_rc", root)) as rc:
                         rc.attr(label=f"root complex {root}", style="filled", fillcolor="gray95", color="gray70")
                         root_id = _node_id("rc", root)
                         rc.node(root_id, root, shape="box", style="filled", fillcolor="white")
-                        _dot_tree(rc, tree[root], root_id, pci, gpus, gpu_label)
+                        _dot_tree(rc, tree[root], root_id, pci, gpus, gpu_label, gpu_colour)
+        gpu_nodes = [_node_id("gpu", bdf) for bdf in gpus]
+    else:  # no PCI facts: the GPUs the driver lists, in one row
+        with graph.subgraph() as row:
+            row.attr(rank="same")
+            for gpu in ordered:
+                node_id = _node_id("gpu", gpu["bdf"] or gpu["name"])
+                row.node(node_id, gpu_label(gpu), shape="box3d", style="filled", fillcolor=gpu_colour(gpu))
+                gpu_nodes.append(node_id)
 
-    # P2P edges join a row of per-GPU nodes under the tree: dot (2.43) fails ("trouble in
-    # init_rank") on many non-ranking edges across nested clusters; edges inside one flat row work.
-    with graph.subgraph(name="cluster_p2p") as row:
-        row.attr(label="P2P between GPUs (hover an edge for the reasons)", color="gray40")
-        ids = []
-        for gpu in verdict["gpus"]:
-            key = gpu["bdf"] or gpu["name"]
-            node_id = _node_id("p2p", key)
-            ids.append(node_id)
-            if in_tree:
-                row.node(node_id, gpu["name"] or gpu["bdf"], shape="ellipse")
-                graph.edge(_node_id("gpu", key), node_id, style="dotted", color="gray70")
-            else:
-                row.node(node_id, gpu_label(gpu), shape="box3d", style="filled", fillcolor="palegreen")
-        with row.subgraph() as same_rank:
-            same_rank.attr(rank="same")
-            for node_id in ids:
-                same_rank.node(node_id)
-        for pair in verdict["pairs"]:
-            kind = "usable" if pair["possible"] and pair["safe"] else ("unsafe" if pair["possible"] else "impossible")
-            row.edge(
-                _node_id("p2p", pair["a"]), _node_id("p2p", pair["b"]),
-                label=pair["level"] or "", tooltip="; ".join(pair["reasons"]), **P2P_EDGE_STYLE[kind],
-            )
+    pairs = {frozenset((p["a"], p["b"])): p for p in verdict["pairs"]}
+    graph.node("p2p_matrix", _p2p_matrix_label(ordered, pairs, one_gpu_note=len(ordered) == 1),
+               shape="plain", fontname="Helvetica", fontsize="10")
+    # Invisible edges put the matrix below the whole tree (dot ranks it under every GPU).
+    for node_id in gpu_nodes:
+        graph.edge(node_id, "p2p_matrix", style="invis")
     return graph.source
 
 
-def _dot_tree(graph, node: dict, parent_id: str, pci: dict, gpus: dict, gpu_label) -> None:
+def _dot_tree(graph, node: dict, parent_id: str, pci: dict, gpus: dict, gpu_label, gpu_colour) -> None:
     for bdf in sorted(node):
         dev = pci.get(bdf, {})
         if bdf in gpus:
             node_id = _node_id("gpu", bdf)
-            graph.node(node_id, gpu_label(gpus[bdf]), shape="box3d", style="filled", fillcolor="palegreen")
+            graph.node(node_id, gpu_label(gpus[bdf]), shape="box3d", style="filled", fillcolor=gpu_colour(gpus[bdf]))
         elif (dev.get("class") or "").startswith(NETWORK_CLASS_PREFIX):
             node_id = _node_id("nic", bdf)
             graph.node(node_id, f"NIC {bdf}\n{dev.get('vendor')}:{dev.get('device')}", shape="component")
@@ -311,4 +475,4 @@ def _dot_tree(graph, node: dict, parent_id: str, pci: dict, gpus: dict, gpu_labe
             node_id = _node_id("bridge", bdf)
             graph.node(node_id, f"bridge {bdf}\n{dev.get('vendor')}:{dev.get('device')}", shape="ellipse")
         graph.edge(parent_id, node_id, color="gray50")
-        _dot_tree(graph, node[bdf], node_id, pci, gpus, gpu_label)
+        _dot_tree(graph, node[bdf], node_id, pci, gpus, gpu_label, gpu_colour)

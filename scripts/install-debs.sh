@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests and the twin need, only when missing.
 set -euo pipefail
-need=(debootstrap openssh-client graphviz ccache zstd
+need=(debootstrap openssh-client graphviz librsvg2-bin ccache zstd
       git make dpkg-dev xz-utils)  # the pve-kernel tree tests: git, make and dpkg-buildpackage on it
 missing=()
 for p in "${need[@]}"; do

@@ -106,6 +106,10 @@ def test_driver_builds_installs_refuses_and_skips(driver_twin, tmp_path):
         f"/lib/modules/{RELEASE}/updates/pvegpu-nvidia/nvidia.ko"
     assert twin_sh(twin, f"modinfo -k {RELEASE} -F version nvidia-uvm").strip() == version
     assert "cache_miss" in twin_sh(twin, CCACHE_STATS), "the build did not go through ccache"
+    # progress while it built (issue 20): at least one report between its start and its end
+    what = f"nvidia {version} build for {RELEASE}"
+    building = run.output[run.output.index(f"{what}: started"):run.output.index(f"{what}: done in ")]
+    assert re.search(rf"{re.escape(what)}: \d+ objects built, .* elapsed", building), building[-3000:]
 
     # 2. module options and the boot unit
     config = twin_sh(twin, "modprobe -c | grep -E '^options (nvidia|nvidia_uvm) '").splitlines()

@@ -24,10 +24,13 @@ PCT_HEADER = f"{'VMID':<10} {'Status':<10} {'Lock':<12} {'Name':<20}"  # pct lis
 
 def run_op(op, **kwargs):
     """The commands an operation yields (as strings) and its noop reason, with a fake host."""
+    from operations import progress
+
     state = FakeState()
-    fake = create_host(state)
+    fake = create_host(state, facts={"progress.Durations": {}})  # no build recorded on this host
     with ctx_state.use(state), ctx_host.use(fake):
-        commands = [str(c.get_raw_value() if hasattr(c, "get_raw_value") else c) for c in op._inner(**kwargs)]
+        commands = [c.args[0] if getattr(c, "function", None) is progress.run_reported  # a command reported on
+                    else str(c.get_raw_value() if hasattr(c, "get_raw_value") else c) for c in op._inner(**kwargs)]
     return commands, fake.noop_description
 
 
