@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import getpass
+import logging
 import os
 import shlex
 import socket
@@ -144,7 +145,9 @@ class _Keeper:
     """One host's keeper process and the channel (or pipe) to it."""
 
     def __init__(self, host, command: str):
-        self.host = host
+        # the heartbeat runs in its own greenlet, outside pyinfra's host context: keep the name,
+        # not the context-bound `host` proxy (reading it there raises)
+        self.host_name = host.name
         self._chan = None
         self._proc = None
         self._done = False
@@ -193,10 +196,10 @@ class _Keeper:
         while not self._done and self.send(".\n"):
             gevent.sleep(HEARTBEAT_S)
             if self._chan is not None and self._chan.exit_status_ready() and not self._done:
-                from pyinfra import logger
-
-                logger.warning(f"{self.host.name}: pvegpu lost its run lock (its keeper on the host ended); "
-                               "another run may now take the host")
+                # the keeper ends with the host's reboot too (the reboot stage); /run is emptied then
+                logging.getLogger("pyinfra").warning(
+                    f"{self.host_name}: pvegpu lost its run lock (its keeper on the host ended, e.g. the host "
+                    "rebooted); another run may now take the host")
                 return
 
     def release(self) -> None:

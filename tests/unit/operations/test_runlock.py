@@ -70,3 +70,28 @@ def test_keeper_command_quotes_the_record():
     me = {"user": "x'; reboot #", "machine": "m", "since": "s", "pid": "1", "mode": "--dry"}
     cmd = runlock.keeper_command(me)
     assert "'x'\"'\"'; reboot #'" in cmd
+
+
+def test_heartbeat_outside_pyinfra_context_says_a_lost_lock(caplog):
+    """The heartbeat greenlet runs outside pyinfra's host context (seen in `make demo`: the
+    reboot stage ended the keeper and reading the context-bound `host` raised in the greenlet)."""
+    import gevent
+    from pyinfra import host as context_host
+
+    class Chan:
+        closed = False
+
+        def sendall(self, data):
+            pass
+
+        def exit_status_ready(self):
+            return True  # the keeper on the host ended (the host rebooted)
+
+    keeper = runlock._Keeper.__new__(runlock._Keeper)
+    # what __init__ keeps of the host (the code before kept the context-bound proxy as .host)
+    keeper.__dict__.update(_chan=Chan(), _proc=None, _done=False, host_name="kpro6", host=context_host)
+    greenlet = gevent.spawn(keeper.beat)
+    with caplog.at_level("WARNING", logger="pyinfra"):
+        greenlet.join(timeout=runlock.HEARTBEAT_S + 5)
+    assert greenlet.successful(), greenlet.exception
+    assert any("kpro6: pvegpu lost its run lock" in r.getMessage() for r in caplog.records)
