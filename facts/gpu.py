@@ -66,7 +66,7 @@ def parse_topo_matrix(output_lines: list[str]) -> dict:
         name, cells = tokens[0], tokens[1:]
         links[name] = {
             other: cell
-            for other, cell in zip(devices, cells)
+            for other, cell in zip(devices, cells, strict=False)  # cells also hold the affinity columns
             if other != name and cell != "X"
         }
         extra = cells[len(devices):]
@@ -114,7 +114,7 @@ def parse_p2p_matrix(output_lines: list[str]) -> dict[str, dict[str, str]]:
         name = tokens[0]
         matrix[name] = {
             other: cell
-            for other, cell in zip(devices, tokens[1:])
+            for other, cell in zip(devices, tokens[1:], strict=False)  # a short row: the cells it has
             if other != name and cell != "X"
         }
     return matrix

@@ -22,12 +22,12 @@ import re
 import shlex
 
 from pyinfra import host, logger
-from pyinfra.api import FactBase, StringCommand, deploy, operation
+from pyinfra.api import FactBase, deploy, operation
 
 from facts.guest_state import guest_state, running_containers, with_ct_status
 from facts.kernel import split_sections
-from facts.once import fact_once
 from facts.nvidia import NvidiaDriver, parse_driver_version
+from facts.once import fact_once
 from operations import progress
 from operations.nvidia import cached_source, fetch_source_command
 from plan.containers import INSTALLER_FLAGS, LIB_DIRS, ct_installer_path, plan_userspace

@@ -47,12 +47,13 @@ from facts.guest_state import (
     parse_guest_state,
     remember_guest_state,
 )
+from facts.hardware import HardwareProbe, HostConfigProbe
 from facts.kernel import split_sections
 from facts.once import fact_once
-from facts.hardware import HardwareProbe, HostConfigProbe
 from facts.proxmox import HaResources, NodeName, PvePackages
 from operations import handlers
 from operations.files import managed_file, sha256_text
+from operations.proxmox import PveApi, api_of, guest_stop_commands, shutdown_shell, wait_stopped_shell
 from plan.gpus import (
     Bindings,
     RebindPlan,
@@ -64,7 +65,6 @@ from plan.gpus import (
     parse_fuser,
     plan_rebind,
 )
-from operations.proxmox import PveApi, api_of, guest_stop_commands, shutdown_shell, wait_stopped_shell
 from plan.guest_control import node_refusal, stop_checks
 from plan.reboot import need_reboot
 from plan.render import render_template

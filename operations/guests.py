@@ -39,7 +39,6 @@ from facts.guest_state import guest_state
 from facts.nvidia import NvidiaGpus, parse_gpu_information
 from operations.backup import PCI_CFG, backup_command, keep_config, log_diff, pci_cfg_after, vm_config_after
 from operations.files import write_file_command
-from plan.guest_control import CONFIG_LOCK_FILE, CONFIG_LOCK_TIMEOUT_S, config_lock, ha_resource, lock_refusal
 from operations.gpus import guest_control_refusals, stage_fact_requests, stage_facts
 from operations.proxmox import (
     PveApi,
@@ -49,6 +48,7 @@ from operations.proxmox import (
     guest_stop_commands,
     write_commands,
 )
+from plan.guest_control import CONFIG_LOCK_FILE, CONFIG_LOCK_TIMEOUT_S, config_lock, ha_resource, lock_refusal
 from plan.guests import (
     MappingChange,
     config_gpu_nodes,
@@ -135,7 +135,7 @@ def locked_config_write(kind: str, gid: int, path: str, text: str) -> str:
     lock = CONFIG_LOCK_FILE[kind].format(gid=gid)
     q = shlex.quote
     label = "CT" if kind == "lxc" else "VM"
-    locked = q(f"pvegpu: {label} {gid} is locked (") + '"$l"' + q(f"): its config is not written; re-run when the lock is gone")
+    locked = q(f"pvegpu: {label} {gid} is locked (") + '"$l"' + q("): its config is not written; re-run when the lock is gone")
     return (f"mkdir -p {q(lock.rsplit('/', 1)[0])} && ( flock -w {CONFIG_LOCK_TIMEOUT_S} 9 || "
             f"{{ echo {q(f'pvegpu: cannot get the config lock {lock} of {label} {gid} (held by another task)')} >&2; exit 1; }}; "
             f"l=$(sed -n '/^\\[/q;s/^lock:[[:space:]]*//p' {q(path)} 2>/dev/null); "

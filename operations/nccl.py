@@ -27,7 +27,6 @@ from __future__ import annotations
 import re
 import shlex
 
-from facts.once import fact_once
 from pyinfra import host, logger
 from pyinfra.api import FactBase, StringCommand, deploy, operation
 
@@ -35,11 +34,12 @@ from facts.files import ManagedFiles
 from facts.guest_state import guest_state, running_containers, with_ct_status
 from facts.hardware import HardwareProbe
 from facts.kernel import split_sections
+from facts.once import fact_once
 from operations.files import absent_file, managed_file, sha256_text, write_file_command
 from plan.nccl import describe_nccl_environment, nccl_conf_lines, nccl_plan_for_spec, render_nccl_conf
 from plan.render import render_template
-from spec.values import systemd_unit
 from plan.topology_report import verdict_from_hardware
+from spec.values import systemd_unit
 
 NCCL_CONF = "/etc/nccl.conf"
 NCCL_CONF_MODE = "644"

@@ -68,7 +68,7 @@ done
 printf 'ended=%%s\nhow=%%s\n' "$(date -u +%%Y-%%m-%%dT%%H:%%M:%%SZ)" "$how" >> "$info"
 """
 
-_HELD: dict[str, "_Keeper"] = {}  # host name -> its keeper, alive for the whole run
+_HELD: dict[str, _Keeper] = {}  # host name -> its keeper, alive for the whole run
 
 
 def whoami() -> dict[str, str]:
@@ -80,7 +80,7 @@ def whoami() -> dict[str, str]:
     return {
         "user": user,
         "machine": socket.gethostname(),
-        "since": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "since": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "pid": str(os.getpid()),
         "mode": "--dry" if "--dry" in sys.argv else "converge",
     }

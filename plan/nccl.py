@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from plan.p2p import restrict_verdict
 
@@ -94,7 +94,7 @@ class NcclRule:
 
 def _first_reason(pairs: list[dict], kind: str) -> str | None:
     for pair in pairs:
-        for reason_kind, reason in zip(pair["reason_kinds"], pair["reasons"]):
+        for reason_kind, reason in zip(pair["reason_kinds"], pair["reasons"], strict=True):
             if reason_kind == kind:
                 return reason
     return None
@@ -336,7 +336,7 @@ def render_nccl_conf(env: dict[str, dict], scope: str = "host") -> str:
 def describe_nccl_environment(env: dict[str, dict]) -> list[str]:
     """Lines for `--dry` and the topology report: ``NAME=value  (rule|override) reason``."""
     out = []
-    for line, name in zip(nccl_conf_lines(env), sorted(env)):
+    for line, name in zip(nccl_conf_lines(env), sorted(env), strict=True):
         warning = env[name].get("warning")
         out.append(f"{name}={line['value']}  — {line['comment']}" + (f"  WARNING: {warning}" if warning else ""))
     return out

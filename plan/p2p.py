@@ -176,7 +176,7 @@ def derived_level(a: dict, b: dict) -> str | None:
             return "NODE"
         return "SYS"
     common = 0
-    for x, y in zip(a["bridges"], b["bridges"]):
+    for x, y in zip(a["bridges"], b["bridges"], strict=False):
         if x != y:
             break
         common += 1

@@ -26,8 +26,6 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from spec import values as V
-from spec.values import NoBool
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -38,6 +36,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from spec import values as V
+from spec.values import NoBool
 
 BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]$")
 DRIVER_VERSION_RE = re.compile(r"^\d{3}\.\d{1,3}(\.\d{1,3})?$")
