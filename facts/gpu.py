@@ -7,6 +7,8 @@ import shlex
 
 from pyinfra.api import FactBase
 
+from facts.base import ShellFact
+
 # nvidia-smi underlines the matrix header with ANSI escapes, even into a pipe.
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # Header cells after the device columns; they contain spaces, so they are cut off before splitting.
@@ -120,7 +122,7 @@ def parse_p2p_matrix(output_lines: list[str]) -> dict[str, dict[str, str]]:
     return matrix
 
 
-class GpuTopology(FactBase):
+class GpuTopology(ShellFact):
     """
     The driver's topology matrix, `nvidia-smi topo -m`.
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 import re
 
 from pyinfra import host, state
-from pyinfra.api import FactBase
+
+from facts.base import ShellFact
 
 # Also part of GuestRuntime's combined command (operations.gpus), which seeds the memo.
 GUEST_STATE_COMMAND = ("if command -v pct >/dev/null 2>&1; then echo '@@ pct'; pct list 2>/dev/null; fi; "
@@ -56,7 +57,7 @@ def parse_guest_state(lines: list[str]) -> dict:
     return parsed
 
 
-class GuestState(FactBase):
+class GuestState(ShellFact):
     """
     Which guests this node has and whether they run (`pct list`, `qm list`).
 

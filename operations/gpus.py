@@ -39,6 +39,7 @@ import shlex
 from pyinfra import host, logger
 from pyinfra.api import FactBase, StringCommand, deploy, operation
 
+from facts.base import ShellFact
 from facts.files import ManagedFiles
 from facts.guest_state import (
     GUEST_STATE_COMMAND,
@@ -91,7 +92,7 @@ def parse_guest_runtime(lines: list[str]) -> dict:
     return {"sysfs_live": sysfs[:1] == ["sysfs"], "status": parse_guest_state(lines)}
 
 
-class GuestRuntime(FactBase):
+class GuestRuntime(ShellFact):
     """
     Whether /sys can rebind devices live, and which guests run (`GuestState` in the same command;
     `stage_facts` keeps it as this run's `facts.guest_state.guest_state()`).

@@ -32,8 +32,9 @@ import re
 import shlex
 
 from pyinfra import host, logger
-from pyinfra.api import FactBase, OperationError, StringCommand, deploy, operation
+from pyinfra.api import OperationError, StringCommand, deploy, operation
 
+from facts.base import ShellFact
 from facts.devices import CharDeviceMajors, parse_char_majors
 from facts.guest_state import guest_state
 from facts.nvidia import NvidiaGpus, parse_gpu_information
@@ -92,7 +93,7 @@ def parse_container_state(lines: list[str]) -> dict:
             "caps": [line.strip() for line in sections.get("caps", []) if line.strip()]}
 
 
-class ContainerGpuState(FactBase):
+class ContainerGpuState(ShellFact):
     """
     Raw CT configs, NVIDIA minors, char majors and the caps nodes, in one command (the CT run
     state comes from `facts.guest_state.guest_state()`, read once per run).
@@ -267,7 +268,7 @@ def vm_hostpci(plan, start: bool = False, restart: bool = False, node: str = "lo
         host.noop(f"VM {plan.vmid} passes exactly its GPUs")
 
 
-class VmMappingReferences(FactBase):
+class VmMappingReferences(ShellFact):
     """
     PCI mapping ids each VM config of the cluster references, in its main section and in
     its snapshot/pending sections.
