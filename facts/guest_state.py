@@ -25,6 +25,7 @@ copies).
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from pyinfra import host, state
 
@@ -39,7 +40,7 @@ _MEMO_ATTR = "_pvegpu_guest_state"
 def parse_guest_state(lines: list[str]) -> dict:
     """The `@@ pct` / `@@ qm` sections of `GUEST_STATE_COMMAND`'s output (other `@@ name`
     sections are skipped) → the shape in the module docstring."""
-    parsed = {"pct": False, "lxc": {}, "qemu": {}}
+    parsed: dict[str, Any] = {"pct": False, "lxc": {}, "qemu": {}}
     section = None
     for line in lines:
         marker = re.match(r"^@@ (\w+)$", line.strip())
