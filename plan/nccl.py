@@ -139,6 +139,14 @@ def _p2p_cutoff_needed(scope: dict) -> str | None:
     return f"GPU pairs farther than {cutoff} have no safe P2P path, e.g. {bad['reasons'][0]}"
 
 
+def _p2p_cutoff_level(scope: dict) -> str:
+    """NCCL_P2P_LEVEL's value; its rule applies (`_p2p_cutoff_needed`) only when there is a cutoff."""
+    cutoff = safe_p2p_cutoff(scope["pairs"])
+    if cutoff is None:
+        raise ValueError("pvegpu: NCCL_P2P_LEVEL asked for GPU pairs without a safe P2P cutoff")
+    return cutoff
+
+
 def _no_rdma(scope: dict) -> str | None:
     if scope["rdma_devices"] or scope["topology_nics"]:
         return None
@@ -152,7 +160,7 @@ NCCL_RULES: list[NcclRule] = [
     NcclRule("NCCL_P2P_DISABLE", "1", _p2p_impossible, f"{NCCL_ENV_DOCS}#nccl-p2p-disable; {NCCL_ACS_DOCS}"),
     NcclRule(
         "NCCL_P2P_LEVEL",
-        lambda scope: safe_p2p_cutoff(scope["pairs"]),
+        _p2p_cutoff_level,
         _p2p_cutoff_needed,
         f"{NCCL_ENV_DOCS}#nccl-p2p-level",
     ),

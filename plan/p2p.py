@@ -258,7 +258,7 @@ def _pair_verdict(a, b, *, topology, p2p_read, p2p_write, iommu, sev_snp, acs, p
     snp = sev_snp_enabled(sev_snp)
     pci = pci or {}
 
-    if nvlink:
+    if nvlink and level:  # (nvlink implies a level; the check tells mypy)
         notes.append(f"{la} and {lb} are joined by {level[2:]} bonded NVLinks: P2P does not cross PCIe or the IOMMU")
     else:
         if a["root"] and b["root"] and a["root"] != b["root"]:
