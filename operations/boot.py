@@ -159,7 +159,7 @@ def boot_plan(spec: HostSpec, facts: dict) -> dict:
 
 
 def _up_to_date(content: str, mode: str, state: dict | None) -> bool:
-    return bool(state) and state["sha256"] == sha256_text(content) and state["mode"] == mode
+    return bool(state and state["sha256"] == sha256_text(content) and state["mode"] == mode)
 
 
 @operation()

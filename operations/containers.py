@@ -192,6 +192,9 @@ def apply(spec: HostSpec) -> None:
     if not managed:
         return
     nv = spec.nvidia
+    installer = nv.installer if nv is not None else None
+    if nv is None or installer is None:  # managed_containers: only with an nvidia.installer
+        return
     state = container_userspace_state(sorted(managed))
     for step in plan_userspace(nv.version, managed, state):
         if step.warn:
@@ -200,6 +203,6 @@ def apply(spec: HostSpec) -> None:
             logger.info(f"{host.name}: {step.reason}")
         container_userspace(name=f"CT {step.ctid}: NVIDIA user space {nv.version}", ctid=step.ctid,
                             action=step.action, reason=step.reason, version=nv.version,
-                            installer_url=nv.installer.url, sha256=nv.installer.sha256,
-                            cached=cached_source(nv.installer),
+                            installer_url=installer.url, sha256=installer.sha256,
+                            cached=cached_source(installer),
                             check_nvml=state.get("host_driver") == nv.version)

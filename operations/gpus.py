@@ -35,6 +35,7 @@ On a real host the same run rebinds live.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 
 from pyinfra import host, logger
 from pyinfra.api import FactBase, StringCommand, deploy, operation
@@ -201,7 +202,7 @@ def binding_rules(bindings: Bindings) -> str:
 
 def rebind_script(plan: RebindPlan, nvidia: dict[str, dict], timeout_s: int = UNBIND_TIMEOUT_S,
                   sysfs: str = "/sys", stop_guests: bool = True, shutdown_timeout: int = SHUTDOWN_TIMEOUT_S,
-                  ha_wait: list[tuple[str, int, str]] = ()) -> str:
+                  ha_wait: Sequence[tuple[str, int, str]] = ()) -> str:
     """The one shell script of a runtime rebind (see module docstring). Every value quoted;
     `sysfs` is a parameter so tests can run the script against a scratch tree; `stop_guests`
     False when the guests were stopped through the API before it; `ha_wait`: HA resources HA

@@ -165,7 +165,7 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
     live_minors = {b: g["minor"] for b, g in state["nvidia"].items() if g.get("minor") is not None}
     minors = boot_minors if boot_minors is not None else live_minors
     majors = state["majors"]
-    start_after = set(start_after or [])
+    to_start = set(start_after or [])
     changed_any = False
     locked: list[str] = []
     for ctid, want in sorted(wanted.items()):
@@ -181,7 +181,7 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
         merged = merge_container_config(text, devices.lines, majors)
         running = status.get(ctid) == "running"
         lock = re.search(r"^lock:\s*(\S+)", text.split("\n[", 1)[0], re.M)
-        if lock and (merged.changed or ctid in start_after):
+        if lock and (merged.changed or ctid in to_start):
             # a backup/migration/snapshot holds it: neither its config nor its run state is ours to change
             locked.append(lock_refusal("lxc", ctid, lock.group(1), "write its config or stop/start it"))
             continue
@@ -197,7 +197,7 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
             log_diff(f"{LXC_DIR}/{ctid}.conf", text, merged.text)
             yield StringCommand(locked_config_write("lxc", ctid, f"{LXC_DIR}/{ctid}.conf", merged.text))
         nodes_changed = config_gpu_nodes(text) != config_gpu_nodes(merged.text)
-        if ctid in start_after and not running:
+        if ctid in to_start and not running:
             changed_any = True
             yield from guest_start_commands(api, "lxc", ctid)
         elif running and nodes_changed:
@@ -322,7 +322,7 @@ def preflight(spec: HostSpec) -> list[str]:
     # other guest problems are reported while applying; the GPU stage refuses unsafe moves
     refusals: list[str] = []
     if spec.proxmox_api is not None:
-        problem = api_of(spec, spec.node or host.data.get("pvegpu_node") or host.name).problem()
+        problem = PveApi(spec.proxmox_api, spec.node or host.data.get("pvegpu_node") or host.name).problem()
         if problem:
             refusals.append(problem)
     if spec.containers or spec.vms or spec.gpus:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from typing import Any
 
 from pyinfra import host, logger
 from pyinfra.api import FactBase, StringCommand, deploy, operation
@@ -92,7 +93,7 @@ def parse_nccl_state(lines: list[str]) -> dict:
         if not m:
             continue
         values = [v.strip() for v in body if v.strip()]
-        entry = {"root": values[0] if values else None, "file": None, "readable": False}
+        entry: dict[str, Any] = {"root": values[0] if values else None, "file": None, "readable": False}
         if len(values) >= 2 and values[1] == "MISSING":
             entry["readable"] = True
         elif len(values) >= 3 and re.match(r"^[0-7]{1,4}$", values[1]) and re.match(r"^[0-9a-f]{64}$", values[2]):

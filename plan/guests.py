@@ -26,6 +26,7 @@ is what the guest's driver expects. A single-function GPU is mapped by its full 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
@@ -86,7 +87,7 @@ class ContainerDevices:
     problems: list[str] = field(default_factory=list)
 
 
-def gpu_nodes_for(bdfs: list[str], minors: dict[str, int | None]) -> tuple[list[str], list[str]]:
+def gpu_nodes_for(bdfs: list[str], minors: Mapping[str, int | None]) -> tuple[list[str], list[str]]:
     """`/dev/nvidiaN` of each BDF by its Device Minor, in minor order; and the BDFs without one."""
     found, missing = [], []
     for bdf in bdfs:
@@ -95,7 +96,7 @@ def gpu_nodes_for(bdfs: list[str], minors: dict[str, int | None]) -> tuple[list[
     return [f"/dev/nvidia{m}" for m in sorted(found)], missing
 
 
-def render_container_devices(ctid: int, bdfs: list[str], minors: dict[str, int | None],
+def render_container_devices(ctid: int, bdfs: list[str], minors: Mapping[str, int | None],
                              char_majors: dict[str, int], dev_entries: bool, gid: int,
                              used_dev_indices: AbstractSet[int] = frozenset(),
                              caps_present: list[str] | None = None) -> ContainerDevices:
