@@ -4,7 +4,7 @@
 # pytest process while the rest (unit, twin, end-to-end runs that mostly wait on SSH and twin
 # reboots) runs in the first. Both must pass. Extra arguments go to both pytest runs.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 PYTEST=.venv/bin/pytest
 BUILDS=(tests/e2e/test_driver_build.py tests/e2e/test_kernel_build.py)
 mkdir -p .cache
