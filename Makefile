@@ -4,7 +4,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv debs demo test test-unit bench twin-up twin-down clean
+.PHONY: venv debs demo test test-unit lint bench twin-up twin-down clean
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -23,6 +23,10 @@ demo: venv debs
 # All tests (what CI runs): the two real builds run beside the rest (scripts/run-tests.sh).
 test: venv debs
 	bash scripts/run-tests.sh $(PYTEST_ARGS)
+
+# ruff, mypy and shellcheck (also the first step of `make test`)
+lint: venv debs
+	bash scripts/lint.sh
 
 test-unit: venv
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)

@@ -23,8 +23,8 @@ Stage protocol (one module per concern under operations/):
 from pyinfra import host, logger
 from pyinfra.api.exceptions import DeployError
 
-from facts.once import prefetch
 from compat.pyinfra_speedups import install as install_speedups
+from facts.once import prefetch
 from operations import MissingStage, load_stages, runlock
 from operations.backup import is_dry, show_dry_diffs
 from plan.summary import spec_summary
@@ -67,7 +67,7 @@ if refusals:
 prefetch([request for _, module in stages if hasattr(module, "prefetch_apply")
           for request in module.prefetch_apply(spec)])
 
-for name, module in stages:
+for _name, module in stages:
     module.apply(spec)
 
 # --dry: every file and Proxmox config that would change, as a unified diff (operations/backup.py)

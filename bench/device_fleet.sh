@@ -11,7 +11,7 @@
 set -u
 BUNDLE=${1:?bundle dir}
 OUT=${2:?output dir}
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 mkdir -p "$OUT"
 t0=$(date +%s)
 KEY=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["cache_key"])' "$BUNDLE/bundle.json") || exit 3
@@ -40,6 +40,8 @@ export PATH=$VENV/tools:$PATH
 {
     echo "cores $(nproc), $(python3 --version), $("$VENV/bin/pyinfra" --version 2>&1)"
     grep -m1 'model name' /proc/cpuinfo
+    # the device machine's own file, not one of the repo's
+    # shellcheck source=/dev/null
     . /etc/os-release && echo "$PRETTY_NAME, kernel $(uname -r)"
     echo "setup $(( $(date +%s) - t0 )) s, loadavg $(cut -d' ' -f1-3 /proc/loadavg)"
 } > "$OUT/env.txt" 2>&1

@@ -29,13 +29,15 @@ import inspect
 import logging
 import os
 import sys
+from types import FrameType
+from typing import Any
 
 import pyinfra
 
 # the modules (pyinfra.api's `operation` attribute is the decorator, not the module)
-_operation = importlib.import_module("pyinfra.api.operation")
-_util = importlib.import_module("pyinfra.api.util")
-_arguments = importlib.import_module("pyinfra.api.arguments")
+_operation: Any = importlib.import_module("pyinfra.api.operation")
+_util: Any = importlib.import_module("pyinfra.api.util")
+_arguments: Any = importlib.import_module("pyinfra.api.arguments")
 
 ORIGINAL = getattr(_util, "get_operation_order_from_stack", None)
 ORIGINAL_ARGUMENTS = getattr(_arguments, "all_global_arguments", None)
@@ -56,7 +58,7 @@ def operation_order_from_stack(state) -> list:
     without reading source files."""
     frames = []
     # from the caller: upstream's list starts at its own frame, which (in pyinfra) it skips
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         frames.append(frame)
         frame = frame.f_back
@@ -81,6 +83,8 @@ def operation_order_from_stack(state) -> list:
 
 @functools.cache
 def _global_arguments() -> tuple:
+    if ORIGINAL_ARGUMENTS is None:  # install() puts global_arguments in place only beside the original
+        raise RuntimeError("pvegpu: pyinfra.api.arguments.all_global_arguments is missing")
     return tuple(ORIGINAL_ARGUMENTS())
 
 

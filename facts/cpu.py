@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from pyinfra.api import FactBase
+from facts.base import ShellFact
 
 FLAGS_OF_INTEREST = ("svm", "vmx", "sev", "sev_es", "sev_snp", "sme", "hypervisor", "avx512f", "amx_tile")
 VENDORS = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}
@@ -30,7 +30,7 @@ def parse_cpuinfo(output_lines: list[str]) -> dict | None:
     }
 
 
-class CpuInfo(FactBase):
+class CpuInfo(ShellFact):
     """
     The host CPU, from the first /proc/cpuinfo block plus the processor count.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from pyinfra.api import FactBase
+from facts.base import ShellFact
 
 
 def parse_char_majors(output_lines: list[str]) -> dict[str, int]:
@@ -42,7 +42,7 @@ def parse_device_listing(output_lines: list[str]) -> dict[str, dict]:
     return nodes
 
 
-class CharDeviceMajors(FactBase):
+class CharDeviceMajors(ShellFact):
     """
     Character device majors by driver name, from /proc/devices (block devices are ignored).
 
@@ -61,7 +61,7 @@ class CharDeviceMajors(FactBase):
         return parse_char_majors(output)
 
 
-class NvidiaDeviceNodes(FactBase):
+class NvidiaDeviceNodes(ShellFact):
     """
     The /dev/nvidia* device nodes that exist, with their numbers (compare with
     `CharDeviceMajors` to catch a stale node after nvidia-uvm's major moved).

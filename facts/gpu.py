@@ -7,6 +7,8 @@ import shlex
 
 from pyinfra.api import FactBase
 
+from facts.base import ShellFact
+
 # nvidia-smi underlines the matrix header with ANSI escapes, even into a pipe.
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # Header cells after the device columns; they contain spaces, so they are cut off before splitting.
@@ -66,7 +68,7 @@ def parse_topo_matrix(output_lines: list[str]) -> dict:
         name, cells = tokens[0], tokens[1:]
         links[name] = {
             other: cell
-            for other, cell in zip(devices, cells)
+            for other, cell in zip(devices, cells, strict=False)  # cells also hold the affinity columns
             if other != name and cell != "X"
         }
         extra = cells[len(devices):]
@@ -114,13 +116,13 @@ def parse_p2p_matrix(output_lines: list[str]) -> dict[str, dict[str, str]]:
         name = tokens[0]
         matrix[name] = {
             other: cell
-            for other, cell in zip(devices, tokens[1:])
+            for other, cell in zip(devices, tokens[1:], strict=False)  # a short row: the cells it has
             if other != name and cell != "X"
         }
     return matrix
 
 
-class GpuTopology(FactBase):
+class GpuTopology(ShellFact):
     """
     The driver's topology matrix, `nvidia-smi topo -m`.
 

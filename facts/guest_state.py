@@ -25,9 +25,11 @@ copies).
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from pyinfra import host, state
-from pyinfra.api import FactBase
+
+from facts.base import ShellFact
 
 # Also part of GuestRuntime's combined command (operations.gpus), which seeds the memo.
 GUEST_STATE_COMMAND = ("if command -v pct >/dev/null 2>&1; then echo '@@ pct'; pct list 2>/dev/null; fi; "
@@ -38,7 +40,7 @@ _MEMO_ATTR = "_pvegpu_guest_state"
 def parse_guest_state(lines: list[str]) -> dict:
     """The `@@ pct` / `@@ qm` sections of `GUEST_STATE_COMMAND`'s output (other `@@ name`
     sections are skipped) → the shape in the module docstring."""
-    parsed = {"pct": False, "lxc": {}, "qemu": {}}
+    parsed: dict[str, Any] = {"pct": False, "lxc": {}, "qemu": {}}
     section = None
     for line in lines:
         marker = re.match(r"^@@ (\w+)$", line.strip())
@@ -56,7 +58,7 @@ def parse_guest_state(lines: list[str]) -> dict:
     return parsed
 
 
-class GuestState(FactBase):
+class GuestState(ShellFact):
     """
     Which guests this node has and whether they run (`pct list`, `qm list`).
 

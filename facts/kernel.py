@@ -7,6 +7,8 @@ import shlex
 
 from pyinfra.api import FactBase
 
+from facts.base import ShellFact
+
 SECTION = "@@ "
 VERSION = r"\d+\.\d+\.\d+"
 
@@ -313,7 +315,7 @@ def parse_module_parameters(output_lines: list[str]) -> dict[str, str]:
     return params
 
 
-class KernelCmdline(FactBase):
+class KernelCmdline(ShellFact):
     """
     The booted kernel command line, /proc/cmdline.
 
@@ -331,7 +333,7 @@ class KernelCmdline(FactBase):
         return parse_proc_cmdline(output)
 
 
-class BootLoader(FactBase):
+class BootLoader(ShellFact):
     """
     Which boot loader a host uses and the kernel command line it is *configured* to boot with
     (compare with `KernelCmdline` for "reboot pending").
@@ -402,7 +404,7 @@ class KernelToolchain(FactBase):
         return parse_kernel_toolchain(output)
 
 
-class ProxmoxKernels(FactBase):
+class ProxmoxKernels(ShellFact):
     """
     Kernels installed and selected for boot (`proxmox-boot-tool kernel list`, /boot, pins).
 
@@ -428,7 +430,7 @@ class ProxmoxKernels(FactBase):
         return parse_proxmox_kernels(output)
 
 
-class IommuState(FactBase):
+class IommuState(ShellFact):
     """
     IOMMU on/off and, per group, its domain type and members
     (DMA/DMA-FQ = translated, identity = passthrough; incidents 7 and 9).
@@ -462,7 +464,7 @@ class IommuState(FactBase):
         return parse_iommu(output)
 
 
-class SevSnp(FactBase):
+class SevSnp(ShellFact):
     """
     AMD SEV-SNP state: kvm_amd's parameters and the CPU's flags (incident 7: P2P DMA through
     a translating IOMMU was corrupted with SEV-SNP on).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from pyinfra.api import FactBase
+from facts.base import ShellFact
 
 GPU_INFORMATION_MARKER = "== "
 
@@ -81,7 +81,7 @@ def parse_colon_params(output_lines: list[str]) -> dict[str, str]:
     return params
 
 
-class NvidiaDriver(FactBase):
+class NvidiaDriver(ShellFact):
     """
     The loaded NVIDIA kernel module, from /proc/driver/nvidia/version.
 
@@ -98,7 +98,7 @@ class NvidiaDriver(FactBase):
         return parse_driver_version(output)
 
 
-class NvidiaGpus(FactBase):
+class NvidiaGpus(ShellFact):
     """
     GPUs the NVIDIA driver has bound, from /proc/driver/nvidia/gpus/<bdf>/information.
 
@@ -125,7 +125,7 @@ class NvidiaGpus(FactBase):
         return parse_gpu_information(output)
 
 
-class NvidiaDriverParams(FactBase):
+class NvidiaDriverParams(ShellFact):
     """
     The NVIDIA module's effective parameters, /proc/driver/nvidia/params.
 

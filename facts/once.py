@@ -50,7 +50,7 @@ def prefetch(requests) -> int:
         memo[key] = host.get_fact(fact_cls, **kwargs)
     else:
         values = host.get_fact(combined_probe(list(todo.values())))
-        memo.update(zip(todo, values))
+        memo.update(zip(todo, values, strict=True))  # combined_probe: one value per request
     _store(memo)
     return 1
 

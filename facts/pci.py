@@ -7,6 +7,8 @@ import shlex
 
 from pyinfra.api import FactBase
 
+from facts.base import ShellFact
+
 BDF = r"(?:[0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
 SYSFS_ATTRIBUTES = (
     "vendor device subsystem_vendor subsystem_device class revision numa_node local_cpulist "
@@ -177,7 +179,7 @@ def parse_acs(output_lines: list[str]) -> dict[str, dict]:
     return result
 
 
-class PciDevices(FactBase):
+class PciDevices(ShellFact):
     """
     Every PCI function, read from sysfs (works without pciutils, also in VMs).
 
@@ -225,7 +227,7 @@ class PciDevices(FactBase):
         return parse_pci_devices(output)
 
 
-class PciAcs(FactBase):
+class PciAcs(ShellFact):
     """
     ACS control of every PCI bridge (and of any function lspci shows ACS for).
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import re
 
-from pyinfra.api import FactBase
-
+from facts.base import ShellFact
 from facts.kernel import split_sections
 
 
@@ -151,7 +150,7 @@ def _config_files_command(directory: str) -> str:
     return f'for f in {directory}/*.conf; do [ -r "$f" ] && {{ echo "@@ $f"; cat "$f"; }}; done; true'
 
 
-class PveVersion(FactBase):
+class PveVersion(ShellFact):
     """
     The Proxmox VE version, from `pveversion`.
 
@@ -171,7 +170,7 @@ class PveVersion(FactBase):
         return parse_pve_version(output)
 
 
-class PvePackages(FactBase):
+class PvePackages(ShellFact):
     """
     Versions of the Proxmox VE packages, from `pveversion -v`.
 
@@ -205,7 +204,7 @@ def parse_node_name(output_lines: list[str]) -> str | None:
     return None
 
 
-class NodeName(FactBase):
+class NodeName(ShellFact):
     """
     The name this host has as a Proxmox node (`uname -n` without the domain).
 
@@ -247,7 +246,7 @@ def parse_ha_resources(output_lines: list[str]) -> dict[str, dict]:
     return resources
 
 
-class HaResources(FactBase):
+class HaResources(ShellFact):
     """
     The cluster's HA resources, /etc/pve/ha/resources.cfg.
 
@@ -267,7 +266,7 @@ class HaResources(FactBase):
         return parse_ha_resources(list(output))
 
 
-class LxcConfigs(FactBase):
+class LxcConfigs(ShellFact):
     """
     Every container config on this node, /etc/pve/lxc/<ctid>.conf, parsed.
 
@@ -291,7 +290,7 @@ class LxcConfigs(FactBase):
         return parse_guest_configs(output, "lxc")
 
 
-class QemuConfigs(FactBase):
+class QemuConfigs(ShellFact):
     """
     Every VM config on this node, /etc/pve/qemu-server/<vmid>.conf, parsed.
 
@@ -313,7 +312,7 @@ class QemuConfigs(FactBase):
         return parse_guest_configs(output, "qemu")
 
 
-class PciMappings(FactBase):
+class PciMappings(ShellFact):
     """
     Cluster PCI resource mappings, /etc/pve/mapping/pci.cfg (incident 11).
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 
 STAGES = [
     ("host kernel & IOMMU", "operations.boot"),
@@ -22,7 +23,7 @@ class MissingStage(ImportError):
     """A stage module named in STAGES that cannot be imported (a typo must not drop a stage)."""
 
 
-def load_stages(stages: list[tuple[str, str]] = STAGES) -> list[tuple[str, object]]:
+def load_stages(stages: list[tuple[str, str]] = STAGES) -> list[tuple[str, ModuleType]]:
     """(name, module) for every stage, in order; MissingStage names the stage and module when one
     does not exist. An import error *inside* a stage module is raised as it is."""
     loaded = []

@@ -18,8 +18,9 @@ Facts: one batched remote command (`BootStageFacts`) for the whole stage.
 from __future__ import annotations
 
 from pyinfra import host
-from pyinfra.api import FactBase, StringCommand, deploy, operation
+from pyinfra.api import StringCommand, deploy, operation
 
+from facts.base import ShellFact
 from facts.cpu import CpuInfo
 from facts.files import ManagedFiles
 from facts.hardware import SectionedProbe
@@ -40,7 +41,7 @@ STAGE_PATHS = [KERNEL_CMDLINE, plan.GRUB_DROPIN, VFIO_CONF, NOUVEAU_CONF]
 WATCHED_MODULES = ("vfio", "vfio_iommu_type1", "vfio_pci", "vfio_virqfd", "nouveau")
 
 
-class GrubFiles(FactBase):
+class GrubFiles(ShellFact):
     """/etc/default/grub and /etc/default/grub.d/*.cfg as grub-mkconfig sources them, in order.
 
     .. code:: python
@@ -59,7 +60,7 @@ class GrubFiles(FactBase):
         return [[path, lines] for path, lines in split_sections(output).items()]
 
 
-class LoadedModules(FactBase):
+class LoadedModules(ShellFact):
     """Which of the modules this stage cares about are loaded (or built in): /sys/module/<name>.
 
     .. code:: python
@@ -158,7 +159,7 @@ def boot_plan(spec: HostSpec, facts: dict) -> dict:
 
 
 def _up_to_date(content: str, mode: str, state: dict | None) -> bool:
-    return bool(state) and state["sha256"] == sha256_text(content) and state["mode"] == mode
+    return bool(state and state["sha256"] == sha256_text(content) and state["mode"] == mode)
 
 
 @operation()

@@ -22,12 +22,12 @@ import re
 import shlex
 
 from pyinfra import host, logger
-from pyinfra.api import FactBase, StringCommand, deploy, operation
+from pyinfra.api import FactBase, deploy, operation
 
 from facts.guest_state import guest_state, running_containers, with_ct_status
 from facts.kernel import split_sections
-from facts.once import fact_once
 from facts.nvidia import NvidiaDriver, parse_driver_version
+from facts.once import fact_once
 from operations import progress
 from operations.nvidia import cached_source, fetch_source_command
 from plan.containers import INSTALLER_FLAGS, LIB_DIRS, ct_installer_path, plan_userspace
@@ -192,6 +192,9 @@ def apply(spec: HostSpec) -> None:
     if not managed:
         return
     nv = spec.nvidia
+    installer = nv.installer if nv is not None else None
+    if nv is None or installer is None:  # managed_containers: only with an nvidia.installer
+        return
     state = container_userspace_state(sorted(managed))
     for step in plan_userspace(nv.version, managed, state):
         if step.warn:
@@ -200,6 +203,6 @@ def apply(spec: HostSpec) -> None:
             logger.info(f"{host.name}: {step.reason}")
         container_userspace(name=f"CT {step.ctid}: NVIDIA user space {nv.version}", ctid=step.ctid,
                             action=step.action, reason=step.reason, version=nv.version,
-                            installer_url=nv.installer.url, sha256=nv.installer.sha256,
-                            cached=cached_source(nv.installer),
+                            installer_url=installer.url, sha256=installer.sha256,
+                            cached=cached_source(installer),
                             check_nvml=state.get("host_driver") == nv.version)

@@ -35,10 +35,12 @@ On a real host the same run rebinds live.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 
 from pyinfra import host, logger
 from pyinfra.api import FactBase, StringCommand, deploy, operation
 
+from facts.base import ShellFact
 from facts.files import ManagedFiles
 from facts.guest_state import (
     GUEST_STATE_COMMAND,
@@ -47,12 +49,13 @@ from facts.guest_state import (
     parse_guest_state,
     remember_guest_state,
 )
+from facts.hardware import HardwareProbe, HostConfigProbe
 from facts.kernel import split_sections
 from facts.once import fact_once
-from facts.hardware import HardwareProbe, HostConfigProbe
 from facts.proxmox import HaResources, NodeName, PvePackages
 from operations import handlers
 from operations.files import managed_file, sha256_text
+from operations.proxmox import PveApi, api_of, guest_stop_commands, shutdown_shell, wait_stopped_shell
 from plan.gpus import (
     Bindings,
     RebindPlan,
@@ -64,7 +67,6 @@ from plan.gpus import (
     parse_fuser,
     plan_rebind,
 )
-from operations.proxmox import PveApi, api_of, guest_stop_commands, shutdown_shell, wait_stopped_shell
 from plan.guest_control import node_refusal, stop_checks
 from plan.reboot import need_reboot
 from plan.render import render_template
@@ -91,7 +93,7 @@ def parse_guest_runtime(lines: list[str]) -> dict:
     return {"sysfs_live": sysfs[:1] == ["sysfs"], "status": parse_guest_state(lines)}
 
 
-class GuestRuntime(FactBase):
+class GuestRuntime(ShellFact):
     """
     Whether /sys can rebind devices live, and which guests run (`GuestState` in the same command;
     `stage_facts` keeps it as this run's `facts.guest_state.guest_state()`).
@@ -200,7 +202,7 @@ def binding_rules(bindings: Bindings) -> str:
 
 def rebind_script(plan: RebindPlan, nvidia: dict[str, dict], timeout_s: int = UNBIND_TIMEOUT_S,
                   sysfs: str = "/sys", stop_guests: bool = True, shutdown_timeout: int = SHUTDOWN_TIMEOUT_S,
-                  ha_wait: list[tuple[str, int, str]] = ()) -> str:
+                  ha_wait: Sequence[tuple[str, int, str]] = ()) -> str:
     """The one shell script of a runtime rebind (see module docstring). Every value quoted;
     `sysfs` is a parameter so tests can run the script against a scratch tree; `stop_guests`
     False when the guests were stopped through the API before it; `ha_wait`: HA resources HA

@@ -32,14 +32,14 @@ import re
 import shlex
 
 from pyinfra import host, logger
-from pyinfra.api import FactBase, OperationError, StringCommand, deploy, operation
+from pyinfra.api import OperationError, StringCommand, deploy, operation
 
+from facts.base import ShellFact
 from facts.devices import CharDeviceMajors, parse_char_majors
 from facts.guest_state import guest_state
 from facts.nvidia import NvidiaGpus, parse_gpu_information
 from operations.backup import PCI_CFG, backup_command, keep_config, log_diff, pci_cfg_after, vm_config_after
 from operations.files import write_file_command
-from plan.guest_control import CONFIG_LOCK_FILE, CONFIG_LOCK_TIMEOUT_S, config_lock, ha_resource, lock_refusal
 from operations.gpus import guest_control_refusals, stage_fact_requests, stage_facts
 from operations.proxmox import (
     PveApi,
@@ -49,6 +49,7 @@ from operations.proxmox import (
     guest_stop_commands,
     write_commands,
 )
+from plan.guest_control import CONFIG_LOCK_FILE, CONFIG_LOCK_TIMEOUT_S, config_lock, ha_resource, lock_refusal
 from plan.guests import (
     MappingChange,
     config_gpu_nodes,
@@ -92,7 +93,7 @@ def parse_container_state(lines: list[str]) -> dict:
             "caps": [line.strip() for line in sections.get("caps", []) if line.strip()]}
 
 
-class ContainerGpuState(FactBase):
+class ContainerGpuState(ShellFact):
     """
     Raw CT configs, NVIDIA minors, char majors and the caps nodes, in one command (the CT run
     state comes from `facts.guest_state.guest_state()`, read once per run).
@@ -135,7 +136,7 @@ def locked_config_write(kind: str, gid: int, path: str, text: str) -> str:
     lock = CONFIG_LOCK_FILE[kind].format(gid=gid)
     q = shlex.quote
     label = "CT" if kind == "lxc" else "VM"
-    locked = q(f"pvegpu: {label} {gid} is locked (") + '"$l"' + q(f"): its config is not written; re-run when the lock is gone")
+    locked = q(f"pvegpu: {label} {gid} is locked (") + '"$l"' + q("): its config is not written; re-run when the lock is gone")
     return (f"mkdir -p {q(lock.rsplit('/', 1)[0])} && ( flock -w {CONFIG_LOCK_TIMEOUT_S} 9 || "
             f"{{ echo {q(f'pvegpu: cannot get the config lock {lock} of {label} {gid} (held by another task)')} >&2; exit 1; }}; "
             f"l=$(sed -n '/^\\[/q;s/^lock:[[:space:]]*//p' {q(path)} 2>/dev/null); "
@@ -164,7 +165,7 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
     live_minors = {b: g["minor"] for b, g in state["nvidia"].items() if g.get("minor") is not None}
     minors = boot_minors if boot_minors is not None else live_minors
     majors = state["majors"]
-    start_after = set(start_after or [])
+    to_start = set(start_after or [])
     changed_any = False
     locked: list[str] = []
     for ctid, want in sorted(wanted.items()):
@@ -180,7 +181,7 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
         merged = merge_container_config(text, devices.lines, majors)
         running = status.get(ctid) == "running"
         lock = re.search(r"^lock:\s*(\S+)", text.split("\n[", 1)[0], re.M)
-        if lock and (merged.changed or ctid in start_after):
+        if lock and (merged.changed or ctid in to_start):
             # a backup/migration/snapshot holds it: neither its config nor its run state is ours to change
             locked.append(lock_refusal("lxc", ctid, lock.group(1), "write its config or stop/start it"))
             continue
@@ -196,7 +197,7 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
             log_diff(f"{LXC_DIR}/{ctid}.conf", text, merged.text)
             yield StringCommand(locked_config_write("lxc", ctid, f"{LXC_DIR}/{ctid}.conf", merged.text))
         nodes_changed = config_gpu_nodes(text) != config_gpu_nodes(merged.text)
-        if ctid in start_after and not running:
+        if ctid in to_start and not running:
             changed_any = True
             yield from guest_start_commands(api, "lxc", ctid)
         elif running and nodes_changed:
@@ -267,7 +268,7 @@ def vm_hostpci(plan, start: bool = False, restart: bool = False, node: str = "lo
         host.noop(f"VM {plan.vmid} passes exactly its GPUs")
 
 
-class VmMappingReferences(FactBase):
+class VmMappingReferences(ShellFact):
     """
     PCI mapping ids each VM config of the cluster references, in its main section and in
     its snapshot/pending sections.
@@ -321,7 +322,7 @@ def preflight(spec: HostSpec) -> list[str]:
     # other guest problems are reported while applying; the GPU stage refuses unsafe moves
     refusals: list[str] = []
     if spec.proxmox_api is not None:
-        problem = api_of(spec, spec.node or host.data.get("pvegpu_node") or host.name).problem()
+        problem = PveApi(spec.proxmox_api, spec.node or host.data.get("pvegpu_node") or host.name).problem()
         if problem:
             refusals.append(problem)
     if spec.containers or spec.vms or spec.gpus:

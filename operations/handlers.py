@@ -22,6 +22,7 @@ nothing (no extra remote command: the stamps are read with the stages' facts up 
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 from typing import Any
 
 from pyinfra import host
@@ -87,7 +88,7 @@ def stamp_text(inputs: dict[str, tuple[str, str]]) -> str:
     return "".join(f"{sha} {mode} {path}\n" for path, (sha, mode) in sorted(inputs.items()))
 
 
-def run_command(command: str, stamp: str, stamp_file: str, legacy: list[str] = ()) -> str:
+def run_command(command: str, stamp: str, stamp_file: str, legacy: Sequence[str] = ()) -> str:
     """The side effect, then (only if it succeeded) its stamp; old stamps go with it."""
     cleanup = "".join(f" && rm -f {shlex.quote(p)}" for p in legacy)
     return f"{command} && {write_file_command(stamp_file, stamp, '644', False)}{cleanup}"

@@ -258,7 +258,7 @@ def stage_facts(k: KernelSpec) -> dict:
 
 
 def fact_args(k: KernelSpec, base: str) -> dict:
-    args = {"build_dir": plan.build_dir(k, base), "release": k.version}
+    args: dict[str, str | None] = {"build_dir": plan.build_dir(k, base), "release": k.version}
     if k.source.kind == "proxmox-git":
         args.update(url=k.source.url, ref=k.source.ref)
     return args

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import re
 import shlex
+from typing import Any
 
-from facts.once import fact_once
 from pyinfra import host, logger
 from pyinfra.api import FactBase, StringCommand, deploy, operation
 
@@ -35,11 +35,12 @@ from facts.files import ManagedFiles
 from facts.guest_state import guest_state, running_containers, with_ct_status
 from facts.hardware import HardwareProbe
 from facts.kernel import split_sections
+from facts.once import fact_once
 from operations.files import absent_file, managed_file, sha256_text, write_file_command
 from plan.nccl import describe_nccl_environment, nccl_conf_lines, nccl_plan_for_spec, render_nccl_conf
 from plan.render import render_template
-from spec.values import systemd_unit
 from plan.topology_report import verdict_from_hardware
+from spec.values import systemd_unit
 
 NCCL_CONF = "/etc/nccl.conf"
 NCCL_CONF_MODE = "644"
@@ -92,7 +93,7 @@ def parse_nccl_state(lines: list[str]) -> dict:
         if not m:
             continue
         values = [v.strip() for v in body if v.strip()]
-        entry = {"root": values[0] if values else None, "file": None, "readable": False}
+        entry: dict[str, Any] = {"root": values[0] if values else None, "file": None, "readable": False}
         if len(values) >= 2 and values[1] == "MISSING":
             entry["readable"] = True
         elif len(values) >= 3 and re.match(r"^[0-7]{1,4}$", values[1]) and re.match(r"^[0-9a-f]{64}$", values[2]):

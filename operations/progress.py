@@ -31,8 +31,9 @@ import gevent
 from pyinfra import host as current_host
 from pyinfra import logger
 from pyinfra import state as current_state
-from pyinfra.api import FactBase, FunctionCommand, StringCommand
+from pyinfra.api import FunctionCommand, StringCommand
 
+from facts.base import ShellFact
 from facts.once import fact_once
 
 # Seconds between two progress lines (PVEGPU_PROGRESS_EVERY_S: tests use a few seconds).
@@ -95,7 +96,7 @@ def parse_durations(lines: list[str]) -> dict:
     return records
 
 
-class Durations(FactBase):
+class Durations(ShellFact):
     """How long each recorded build took on this host (`RECORD_DIR`).
 
     .. code:: python

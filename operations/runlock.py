@@ -33,6 +33,8 @@ import shlex
 import socket
 import subprocess
 import sys
+from collections.abc import Iterable
+from typing import Any
 
 from pyinfra.api.exceptions import DeployError
 
@@ -69,7 +71,7 @@ done
 printf 'ended=%%s\nhow=%%s\n' "$(date -u +%%Y-%%m-%%dT%%H:%%M:%%SZ)" "$how" >> "$info"
 """
 
-_HELD: dict[str, "_Keeper"] = {}  # host name -> its keeper, alive for the whole run
+_HELD: dict[str, _Keeper] = {}  # host name -> its keeper, alive for the whole run
 
 
 def whoami() -> dict[str, str]:
@@ -81,7 +83,7 @@ def whoami() -> dict[str, str]:
     return {
         "user": user,
         "machine": socket.gethostname(),
-        "since": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "since": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "pid": str(os.getpid()),
         "mode": "--dry" if "--dry" in sys.argv else "converge",
     }
@@ -99,7 +101,8 @@ def parse_reply(lines: list[str]) -> tuple[str, dict[str, str], dict[str, str]]:
     """The keeper's first lines → (state, this lock's info, the stale record if any).
 
     state: ``locked``, ``held`` or ``error``; a ``STALE`` block comes before ``LOCKED``."""
-    state, block, records = "error", None, {"HELD": {}, "STALE": {}}
+    state, block = "error", None
+    records: dict[str, dict[str, str]] = {"HELD": {}, "STALE": {}}
     keeper = ""
     for line in lines:
         line = line.rstrip("\n")
@@ -148,16 +151,17 @@ class _Keeper:
         # the heartbeat runs in its own greenlet, outside pyinfra's host context: keep the name,
         # not the context-bound `host` proxy (reading it there raises)
         self.host_name = host.name
-        self._chan = None
-        self._proc = None
+        self._chan: Any = None  # a paramiko Channel over SSH
+        self._proc: subprocess.Popen[str] | None = None  # the keeper itself under @local
+        self._reader: Iterable[str]
         self._done = False
         from pyinfra.connectors.local import LocalConnector
 
         connector = host.connector
         if isinstance(connector, LocalConnector):  # @local: the keeper is a subprocess of this run
-            self._proc = subprocess.Popen(["sh", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          text=True)
-            self._reader = self._proc.stdout
+            proc = subprocess.Popen(["sh", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert proc.stdout is not None  # stdout=PIPE
+            self._proc, self._reader = proc, proc.stdout
             return
         client = getattr(connector, "client", None)
         transport = client.get_transport() if client is not None else None
@@ -183,9 +187,11 @@ class _Keeper:
                 if self._chan.closed:
                     return False
                 self._chan.sendall(text.encode())
-            else:
+            elif self._proc is not None and self._proc.stdin is not None:  # stdin=PIPE: always
                 self._proc.stdin.write(text)
                 self._proc.stdin.flush()
+            else:
+                return False
             return True
         except Exception:  # the link is gone: the keeper notices on its side
             return False
@@ -212,7 +218,8 @@ class _Keeper:
                 self._chan.shutdown_write()
                 self._chan.recv_exit_status()
             elif self._proc is not None:
-                self._proc.stdin.close()
+                if self._proc.stdin is not None:  # stdin=PIPE: always
+                    self._proc.stdin.close()
                 self._proc.wait(timeout=10)
         except Exception:
             pass

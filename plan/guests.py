@@ -26,6 +26,8 @@ is what the guest's driver expects. A single-function GPU is mapped by its full 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from spec.models import MAX_HOSTPCI_DEVICES
@@ -58,7 +60,9 @@ def pve_supports_dev_entries(pve_packages: dict | None) -> bool:
     from facts.proxmox import debian_version_key
 
     version = (pve_packages or {}).get("pve-container")
-    return bool(version) and debian_version_key(version) >= debian_version_key(DEV_ENTRIES_PVE_CONTAINER)
+    if not version:
+        return False
+    return debian_version_key(version) >= debian_version_key(DEV_ENTRIES_PVE_CONTAINER)
 
 
 def nvidia_majors(char_majors: dict[str, int]) -> set[int]:
@@ -83,7 +87,7 @@ class ContainerDevices:
     problems: list[str] = field(default_factory=list)
 
 
-def gpu_nodes_for(bdfs: list[str], minors: dict[str, int | None]) -> tuple[list[str], list[str]]:
+def gpu_nodes_for(bdfs: list[str], minors: Mapping[str, int | None]) -> tuple[list[str], list[str]]:
     """`/dev/nvidiaN` of each BDF by its Device Minor, in minor order; and the BDFs without one."""
     found, missing = [], []
     for bdf in bdfs:
@@ -92,9 +96,9 @@ def gpu_nodes_for(bdfs: list[str], minors: dict[str, int | None]) -> tuple[list[
     return [f"/dev/nvidia{m}" for m in sorted(found)], missing
 
 
-def render_container_devices(ctid: int, bdfs: list[str], minors: dict[str, int | None],
+def render_container_devices(ctid: int, bdfs: list[str], minors: Mapping[str, int | None],
                              char_majors: dict[str, int], dev_entries: bool, gid: int,
-                             used_dev_indices: set[int] = frozenset(),
+                             used_dev_indices: AbstractSet[int] = frozenset(),
                              caps_present: list[str] | None = None) -> ContainerDevices:
     """The device lines a CT needs for exactly `bdfs`.
 
@@ -182,8 +186,9 @@ def used_dev_indices(text: str, majors: set[int]) -> set[int]:
     used = set()
     for line in split_config(text)[0]:
         match = KEY_RE.match(line)
-        if match and DEV_KEY_RE.match(match.group(1)) and not owned_line(*match.groups(), majors, False):
-            used.add(int(DEV_KEY_RE.match(match.group(1)).group(1)))
+        dev = DEV_KEY_RE.match(match.group(1)) if match else None
+        if match and dev and not owned_line(match.group(1), match.group(2), majors, False):
+            used.add(int(dev.group(1)))
     return used
 
 
@@ -336,7 +341,7 @@ def plan_mappings(node: str, vm_gpus: list[str], pci_devices: dict[str, dict],
 
 
 def _is_q35(machine: str | None) -> bool:
-    return bool(machine) and "q35" in machine
+    return bool(machine and "q35" in machine)
 
 
 @dataclass

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from plan.p2p import restrict_verdict
 
@@ -94,7 +94,7 @@ class NcclRule:
 
 def _first_reason(pairs: list[dict], kind: str) -> str | None:
     for pair in pairs:
-        for reason_kind, reason in zip(pair["reason_kinds"], pair["reasons"]):
+        for reason_kind, reason in zip(pair["reason_kinds"], pair["reasons"], strict=True):
             if reason_kind == kind:
                 return reason
     return None
@@ -139,6 +139,14 @@ def _p2p_cutoff_needed(scope: dict) -> str | None:
     return f"GPU pairs farther than {cutoff} have no safe P2P path, e.g. {bad['reasons'][0]}"
 
 
+def _p2p_cutoff_level(scope: dict) -> str:
+    """NCCL_P2P_LEVEL's value; its rule applies (`_p2p_cutoff_needed`) only when there is a cutoff."""
+    cutoff = safe_p2p_cutoff(scope["pairs"])
+    if cutoff is None:
+        raise ValueError("pvegpu: NCCL_P2P_LEVEL asked for GPU pairs without a safe P2P cutoff")
+    return cutoff
+
+
 def _no_rdma(scope: dict) -> str | None:
     if scope["rdma_devices"] or scope["topology_nics"]:
         return None
@@ -152,7 +160,7 @@ NCCL_RULES: list[NcclRule] = [
     NcclRule("NCCL_P2P_DISABLE", "1", _p2p_impossible, f"{NCCL_ENV_DOCS}#nccl-p2p-disable; {NCCL_ACS_DOCS}"),
     NcclRule(
         "NCCL_P2P_LEVEL",
-        lambda scope: safe_p2p_cutoff(scope["pairs"]),
+        _p2p_cutoff_level,
         _p2p_cutoff_needed,
         f"{NCCL_ENV_DOCS}#nccl-p2p-level",
     ),
@@ -336,7 +344,7 @@ def render_nccl_conf(env: dict[str, dict], scope: str = "host") -> str:
 def describe_nccl_environment(env: dict[str, dict]) -> list[str]:
     """Lines for `--dry` and the topology report: ``NAME=value  (rule|override) reason``."""
     out = []
-    for line, name in zip(nccl_conf_lines(env), sorted(env)):
+    for line, name in zip(nccl_conf_lines(env), sorted(env), strict=True):
         warning = env[name].get("warning")
         out.append(f"{name}={line['value']}  — {line['comment']}" + (f"  WARNING: {warning}" if warning else ""))
     return out

@@ -176,7 +176,7 @@ def derived_level(a: dict, b: dict) -> str | None:
             return "NODE"
         return "SYS"
     common = 0
-    for x, y in zip(a["bridges"], b["bridges"]):
+    for x, y in zip(a["bridges"], b["bridges"], strict=False):
         if x != y:
             break
         common += 1
@@ -258,7 +258,7 @@ def _pair_verdict(a, b, *, topology, p2p_read, p2p_write, iommu, sev_snp, acs, p
     snp = sev_snp_enabled(sev_snp)
     pci = pci or {}
 
-    if nvlink:
+    if nvlink and level:  # (nvlink implies a level; the check tells mypy)
         notes.append(f"{la} and {lb} are joined by {level[2:]} bonded NVLinks: P2P does not cross PCIe or the IOMMU")
     else:
         if a["root"] and b["root"] and a["root"] != b["root"]:

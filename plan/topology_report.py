@@ -236,13 +236,13 @@ def topology_text(host: str, hardware: dict, verdict: dict, nccl_env: dict | Non
     ids = [g["bdf"] or g["name"] for g in gpus]
     width = max([len(label) for label in labels] + [12])
     lines.append(" " * (width + 2) + "".join(label.ljust(width + 2) for label in labels))
-    for row_id, row_label in zip(ids, labels):
+    for row_id, row_label in zip(ids, labels, strict=True):
         cells = [_cell(key.get(frozenset((row_id, col_id)))) for col_id in ids]
         lines.append(row_label.ljust(width + 2) + "".join(cell.ljust(width + 2) for cell in cells))
     lines.append("")
     lines.append(verdict["summary"])
     for pair in verdict["pairs"]:
-        a, b = (n or x for n, x in zip(pair["names"], (pair["a"], pair["b"])))
+        a, b = (n or x for n, x in zip(pair["names"], (pair["a"], pair["b"]), strict=True))
         state = "possible and safe" if pair["possible"] and pair["safe"] else (
             "possible but UNSAFE" if pair["possible"] else "impossible")
         answer = f", driver read {pair['driver_read']}" if pair["driver_read"] else ""
@@ -343,9 +343,9 @@ def _p2p_matrix_label(gpus: list[dict], pairs: dict, *, one_gpu_note: bool) -> s
     rows = ['<TR><TD BORDER="0"></TD>'
             + "".join(f'<TD BGCOLOR="gray90"><FONT POINT-SIZE="11">{head(g, "<BR/>")}</FONT></TD>' for g in gpus)
             + "</TR>"]
-    for row_gpu, row_id in zip(gpus, ids):
+    for row_gpu, row_id in zip(gpus, ids, strict=True):
         cells = [f'<TD BGCOLOR="gray90" ALIGN="LEFT"><FONT POINT-SIZE="11">{head(row_gpu, " ")}</FONT></TD>']
-        for col_gpu, col_id in zip(gpus, ids):
+        for col_gpu, col_id in zip(gpus, ids, strict=True):
             if col_id == row_id:
                 cells.append(f'<TD BGCOLOR="{SELF_CELL_COLOUR}">—</TD>')
                 continue

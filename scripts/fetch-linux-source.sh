@@ -20,7 +20,8 @@ LIST
   apt-get "${opts[@]}" update >&2
   (cd "$CACHE" && apt-get "${opts[@]}" download "$PKG" >&2)
 fi
-DEB=$(ls -1 "$CACHE"/"$PKG"_*.deb | sort -V | tail -n 1)
+DEB=$(printf '%s\n' "$CACHE"/"$PKG"_*.deb | sort -V | tail -n 1)
+[ -f "$DEB" ] || { echo "pvegpu: no $PKG .deb in $CACHE" >&2; exit 1; }
 OUT="$CACHE/$(basename "$DEB" _all.deb).tar.xz"
 if [ ! -f "$OUT" ]; then
   dpkg-deb --fsys-tarfile "$DEB" | tar -xO "./usr/src/$PKG.tar.xz" > "$OUT.part"

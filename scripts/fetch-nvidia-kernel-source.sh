@@ -27,7 +27,8 @@ LIST
   apt-get "${opts[@]}" update >&2
   (cd "$CACHE" && apt-get "${opts[@]}" download "$PKG" >&2)
 fi
-DEB=$(ls -1 "$CACHE"/"$PKG"_*.deb | sort -V | tail -n 1)
+DEB=$(printf '%s\n' "$CACHE"/"$PKG"_*.deb | sort -V | tail -n 1)
+[ -f "$DEB" ] || { echo "pvegpu: no $PKG .deb in $CACHE" >&2; exit 1; }
 VERSION=$(dpkg-deb -f "$DEB" Version | sed 's/-.*//')
 OUT="$CACHE/nvidia-kernel-$VERSION.tar.xz"
 if [ ! -f "$OUT" ]; then

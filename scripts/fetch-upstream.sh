@@ -50,7 +50,8 @@ for f in "$CACHE/$NAME".tar "$CACHE/$NAME".tar.{gz,xz,bz2,zst}; do
 done
 
 put() {  # $1: verified file -> copy into the cache under NAME.<ext>, print the path
-  local dest="$CACHE/$NAME.$(ext_of "$1")"
+  local dest
+  dest="$CACHE/$NAME.$(ext_of "$1")"
   cp "$1" "$dest.part" && chmod 0644 "$dest.part" && mv -f "$dest.part" "$dest"
   [ "$(sha_of "$dest")" = "$SHA" ] || sha_of "$dest" > "$dest.verified"
   echo "$dest"

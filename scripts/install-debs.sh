@@ -2,7 +2,8 @@
 # Installs the Debian packages the tests and the twin need, only when missing.
 set -euo pipefail
 need=(debootstrap openssh-client graphviz librsvg2-bin ccache zstd
-      git make dpkg-dev xz-utils)  # the pve-kernel tree tests: git, make and dpkg-buildpackage on it
+      git make dpkg-dev xz-utils  # the pve-kernel tree tests: git, make and dpkg-buildpackage on it
+      shellcheck)  # scripts/lint.sh
 missing=()
 for p in "${need[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

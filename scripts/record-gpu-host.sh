@@ -2,6 +2,8 @@
 # Records, read-only, every output pvegpu's facts read on a GPU host, into a folder
 # (one file per output, with the two header lines tests/fixtures/ uses).
 # Usage: scripts/record-gpu-host.sh <out-dir> "<machine description>"
+# Each command is a single-quoted string on purpose: rec runs it with `bash -c` on the GPU host.
+# shellcheck disable=SC2016
 set -u
 out=${1:?out dir}; machine=${2:-unknown}
 mkdir -p "$out"

@@ -18,6 +18,7 @@ from typing import Any, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from group_data.all import PVEGPU_DEFAULTS
 from spec.models import HostSpec, SpecFile
@@ -228,7 +229,7 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
     return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 
 
-def _message(err: dict) -> str:
+def _message(err: ErrorDetails) -> str:
     kind = err["type"]
     msg = err["msg"]
     if kind == "extra_forbidden":
@@ -265,7 +266,7 @@ def validate_spec(data: Any, file: str | Path) -> dict[str, HostSpec]:
         seen_paths: set[str] = set()
         for err in exc.errors():
             loc = err["loc"]
-            host = loc[1] if len(loc) > 1 and loc[0] == "hosts" else None
+            host = str(loc[1]) if len(loc) > 1 and loc[0] == "hosts" else None  # a YAML key may be a number
             base = format_path(loc)
             if base in seen_paths and err["type"] != "extra_forbidden":
                 continue  # one message per field: union branches repeat the same failure

@@ -26,8 +26,6 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from spec import values as V
-from spec.values import NoBool
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -38,6 +36,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from spec import values as V
+from spec.values import NoBool
 
 BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]$")
 DRIVER_VERSION_RE = re.compile(r"^\d{3}\.\d{1,3}(\.\d{1,3})?$")
@@ -85,7 +86,10 @@ MAX_HOSTPCI_DEVICES = 16
 
 
 def _checked(check):
-    """A SafeStr that must also pass `check` (spec/values.py: what the value becomes)."""
+    """A SafeStr that must also pass `check` (spec/values.py: what the value becomes).
+
+    The fields below spell it out as ``Annotated[SafeStr, AfterValidator(check)]`` (the same
+    type), since a call in an annotation is no type to mypy."""
     return Annotated[SafeStr, AfterValidator(check)]
 
 
@@ -99,10 +103,10 @@ class Strict(BaseModel):
 class SshSpec(Strict):
     """How pyinfra reaches the host (copied into pyinfra host data)."""
 
-    hostname: _checked(V.hostname_or_ip)
+    hostname: Annotated[SafeStr, AfterValidator(V.hostname_or_ip)]
     port: Port = 22
-    user: _checked(V.posix_user) = "root"
-    key: _checked(V.local_path) | None = None  # a file on the machine that runs pyinfra
+    user: Annotated[SafeStr, AfterValidator(V.posix_user)] = "root"
+    key: Annotated[SafeStr, AfterValidator(V.local_path)] | None = None  # a file on the machine that runs pyinfra
 
 
 class IommuSpec(Strict):
@@ -110,7 +114,7 @@ class IommuSpec(Strict):
     passthrough: bool = False  # adds iommu=pt; refused at preflight on SEV-SNP hosts
     params: list[SafeStr] = Field(default_factory=list)  # extra cmdline params, e.g. pci=realloc
     # pcie_acs_override=<value>, e.g. "downstream,multifunction"
-    acs_override: _checked(V.acs_override) | None = None
+    acs_override: Annotated[SafeStr, AfterValidator(V.acs_override)] | None = None
 
     @field_validator("params")
     @classmethod
@@ -126,7 +130,7 @@ class IommuSpec(Strict):
 class SourceSpec(Strict):
     """A source archive: fetched from `url` (https://, file:// or a plain local path) and checked."""
 
-    url: _checked(V.source_location)
+    url: Annotated[SafeStr, AfterValidator(V.source_location)]
     sha256: SafeStr
 
     @field_validator("sha256")
@@ -155,7 +159,7 @@ class KernelSourceSpec(Strict):
 class KernelSpec(Strict):
     version: SafeStr  # the release the build produces, e.g. 6.14.8-2-pve
     source: KernelSourceSpec
-    config_fragments: list[_checked(V.kconfig_line)] = Field(default_factory=list)  # CONFIG_X=y lines
+    config_fragments: list[Annotated[SafeStr, AfterValidator(V.kconfig_line)]] = Field(default_factory=list)  # CONFIG_X=y lines
     # the config the build starts from: the running kernel's (/boot/config-$(uname -r)), a make
     # target (tinyconfig, defconfig, allnoconfig) or an absolute path to a config file
     base_config: SafeStr = "running"
@@ -289,7 +293,7 @@ class VmSpec(Strict):
 class NcclSpec(Strict):
     profile: Literal["auto", "none"] = "auto"
     overrides: NcclOverrides = Field(default_factory=dict)
-    services: list[_checked(V.systemd_unit_entry)] = Field(default_factory=list)  # systemd units that get a drop-in
+    services: list[Annotated[SafeStr, AfterValidator(V.systemd_unit_entry)]] = Field(default_factory=list)  # systemd units that get a drop-in
 
     @field_validator("services")
     @classmethod
@@ -317,16 +321,16 @@ class ProxmoxApiSpec(Strict):
     The token comes from an environment variable or a file, never from the spec itself.
     """
 
-    host: _checked(V.hostname_or_ip)
+    host: Annotated[SafeStr, AfterValidator(V.hostname_or_ip)]
     port: Port = 8006
-    user: _checked(V.pve_userid) = "root@pam"
-    token_name: _checked(V.pve_token_name)
-    token_env: _checked(V.env_name) | None = None
-    token_file: _checked(V.local_path) | None = None
+    user: Annotated[SafeStr, AfterValidator(V.pve_userid)] = "root@pam"
+    token_name: Annotated[SafeStr, AfterValidator(V.pve_token_name)]
+    token_env: Annotated[SafeStr, AfterValidator(V.env_name)] | None = None
+    token_file: Annotated[SafeStr, AfterValidator(V.local_path)] | None = None
     verify_ssl: bool = True
     # PEM file of the CA that signed the API's certificate (PVE's own: a copy of
     # /etc/pve/pve-root-ca.pem); unset: the system's CAs
-    ca_file: _checked(V.local_path) | None = None
+    ca_file: Annotated[SafeStr, AfterValidator(V.local_path)] | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> ProxmoxApiSpec:
@@ -340,14 +344,16 @@ class ProxmoxApiSpec(Strict):
             value = os.environ.get(self.token_env)
             if value is None:
                 raise ValueError(f"environment variable {self.token_env} (proxmox_api.token_env) is not set")
-        else:
+        elif self.token_file:
             value = Path(self.token_file).expanduser().read_text().strip()
+        else:  # _one_source already refused a spec with neither
+            raise ValueError("set exactly one of 'token_env' (environment variable name) or 'token_file' (path)")
         return SecretStr(value)
 
 
 class HostSpec(Strict):
     ssh: SshSpec | None = None
-    node: _checked(V.pve_node) | None = None  # Proxmox node name; must be the host's (`uname -n` without the domain), which is the default
+    node: Annotated[SafeStr, AfterValidator(V.pve_node)] | None = None  # Proxmox node name; must be the host's (`uname -n` without the domain), which is the default
     boot_loader: Literal["auto", "grub", "systemd-boot"] = "auto"
     iommu: IommuSpec = Field(default_factory=IommuSpec)
     kernel: KernelSpec | None = None

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Lint and types, the first step of `make test` (scripts/run-tests.sh); also on its own:
+# `bash scripts/lint.sh`. ruff (pyflakes, isort, pyupgrade, bugbear) and mypy on the collection's
+# Python (settings in pyproject.toml), shellcheck on the project's shell scripts. Every tool runs;
+# the exit status is non-zero when any of them reports a finding. Caches live under .cache/.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+VENV=${VENV:-.venv}
+PY_PATHS=(spec facts plan operations compat deploy.py)
+SHELL_SCRIPTS=(scripts/*.sh .ci/run bench/*.sh tests/twin/twinctl)
+failed=()
+step() {  # step NAME COMMAND...: run it, say what ran and how it went
+  local name=$1 start rc; shift
+  start=$(date +%s)
+  echo "pvegpu lint: $name: $*"
+  "$@"
+  rc=$?
+  echo "pvegpu lint: $name: $([ "$rc" = 0 ] && echo clean || echo "FAILED (rc=$rc)"), $(( $(date +%s) - start )) s"
+  [ "$rc" = 0 ] || failed+=("$name")
+}
+for tool in "$VENV/bin/ruff" "$VENV/bin/mypy"; do
+  [ -x "$tool" ] || { echo "pvegpu lint: $tool is missing; run \`make venv\`" >&2; exit 1; }
+done
+command -v shellcheck >/dev/null || { echo "pvegpu lint: shellcheck is missing; run \`make debs\`" >&2; exit 1; }
+mkdir -p .cache
+step ruff "$VENV/bin/ruff" check --no-fix "${PY_PATHS[@]}"
+step mypy "$VENV/bin/mypy"  # files, excludes and the cache dir: [tool.mypy] in pyproject.toml
+step shellcheck shellcheck "${SHELL_SCRIPTS[@]}"
+if ((${#failed[@]})); then
+  echo "pvegpu lint: failed: ${failed[*]}" >&2
+  exit 1
+fi
+echo "pvegpu lint: all clean"
