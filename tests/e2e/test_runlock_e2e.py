@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -41,7 +42,20 @@ def frozen_holder(twin, env: dict | None = None) -> subprocess.Popen:
     """Run A: a converge, stopped (SIGSTOP) as soon as its lock keeper runs on the twin."""
     a = start_run(twin, env=env)
     marker = f" {a.pid} converge "
-    assert wait_for(lambda: twin_pids(twin, cmdline_has=marker) or a.poll() is not None, timeout=60, step=0.01)
+
+    def holds() -> bool:
+        # the keeper's process appears before it has taken the flock and written its record (the
+        # twin's /run, read through the keeper's own root): wait for the record, else killing
+        # the keeper early leaves nothing for the next run to call stale
+        for pid in twin_pids(twin, cmdline_has=marker):
+            try:
+                if f"pid={a.pid}\n" in Path(f"/proc/{pid}/root/run/pvegpu/holder").read_text():
+                    return True
+            except OSError:
+                pass
+        return False
+
+    assert wait_for(lambda: holds() or a.poll() is not None, timeout=60, step=0.01)
     assert a.poll() is None, "run A ended before it could be held:\n" + a.stdout.read()[-3000:]
     os.kill(a.pid, signal.SIGSTOP)
     return a
