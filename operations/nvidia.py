@@ -56,6 +56,13 @@ PERSISTENCED_UNIT = "/etc/systemd/system/nvidia-persistenced.service"
 PERSISTENCED_UNIT_DIRS = ("/etc/systemd/system", "/lib/systemd/system", "/usr/lib/systemd/system")
 WANTS_DIR = "/etc/systemd/system/multi-user.target.wants"
 SECTION = "@@ "
+# sign-file in a release's headers (Debian: a link into linux-kbuild; Proxmox: the headers package)
+SIGN_FILE = "scripts/sign-file"
+# kernel options the driver preflight reads from each release's include/config/auto.conf
+KERNEL_CONFIG_KEYS = ("CONFIG_OBJTOOL_WERROR", "CONFIG_MITIGATION_RETHUNK", "CONFIG_RETHUNK",
+                      "CONFIG_MODULE_SIG", "CONFIG_MODULE_SIG_FORCE")
+# EFI global variable GUID 8be4df61-…: SecureBoot (UEFI spec; what mokutil --sb-state reads)
+SECURE_BOOT_EFIVAR = "/sys/firmware/efi/efivars/SecureBoot-8be4df61-93ca-11d2-aa0d-00e098032b8c"
 # host data a kernel stage sets to the releases it installs (list of str)
 KERNEL_RELEASES_KEY = "pvegpu_kernel_releases"
 # host data that replaces the target releases (list of str) when the spec's nvidia.releases
@@ -136,39 +143,82 @@ def conftest_key_command(archive: str, release: str, cc: str, make_args: str = "
     )
 
 
+def src_dir(version: str, cc: str, cxx: str | None) -> str:
+    """The unpacked open tree whose src/ objects every release of one build run shares."""
+    return f"{BUILD_ROOT}/{version}/tree-{re.sub(r'[^A-Za-z0-9._+-]', '_', cc)}-{re.sub(r'[^A-Za-z0-9._+-]', '_', cxx or 'none')}"
+
+
 def build_command(archive: str, version: str, release: str, cc: str, jobs: int, ccache: bool,
-                  conftest_cache: bool = True) -> str:
-    """Unpack `archive` into a fresh scratch dir and build the modules for `release`.
+                  conftest_cache: bool = True, cxx: str | None = None,
+                  signing: tuple[str, str] | None = None) -> str:
+    """Build the NVIDIA modules for `release` in a fresh scratch dir; the .ko files land in <scratch>/out.
 
-    Layouts: the open-gpu-kernel-modules archive (top `make modules`, modules land in
-    kernel-open/), an extracted .run (`kernel-open/`), and Debian's nvidia-*kernel-source
-    tarball (`modules/nvidia-kernel/`): the shallowest dir with a Kbuild. The kernel is named by
-    KERNEL_UNAME (as Debian's dkms.conf does), so NVIDIA's Makefile finds a split header
-    package itself: sources in /lib/modules/<rel>/source (Debian's -common), output in
-    .../build (-amd64); with SYSSRC=.../build alone every conftest compiled against the output
-    tree's empty include/ and failed (all features #undef, then `stdarg.h` not found). The built .ko files
-    are copied to <scratch>/out; the build log is <scratch>/build.log (its tail is printed on
-    failure). Nothing outside the scratch dir, the ccache and the conftest cache is touched.
+    Layouts: the open-gpu-kernel-modules archive (`src/nvidia` + `src/nvidia-modeset` compiled
+    with $(CC) and $(CXX) into nv-kernel.o / nv-modeset-kernel.o, then `kernel-open/` with
+    kbuild), an extracted .run (`kernel-open/` with NVIDIA's prebuilt objects), and Debian's
+    nvidia-*kernel-source tarball (`modules/nvidia-kernel/`): the shallowest dir with a Kbuild.
 
-    conftest_cache: before `make`, restore <tree>/conftest/ from a previous successful build with
-    the same `conftest_key_command` key (mtimes kept, so NVIDIA's Kbuild finds every result
-    newer than conftest.sh and reruns only its always-run sanity checks and the uts_release
-    check, which rewrites nothing when the release is the same); after a successful build,
-    store this build's conftest/ under its key.
+    The open tree's src/ part does not depend on the kernel: it is built once per run in
+    `src_dir(version, cc, cxx)` (kept while its stamp names this archive and these compilers'
+    banners) and every release copies only kernel-open/ from there, its two .o_binary links
+    pointing at the shared objects; so a second release compiles kernel-open/ alone (follows
+    the tree's top-level Makefile: `modules` needs the two .o_binary links, then
+    `make -C kernel-open modules`). `cleanup_command` removes it after the installs.
+
+    The kernel is named by KERNEL_UNAME (as Debian's dkms.conf does), so NVIDIA's Makefile
+    finds a split header package itself: sources in /lib/modules/<rel>/source (Debian's
+    -common), output in .../build (-amd64); with SYSSRC=.../build alone every conftest compiled
+    against the output tree's empty include/ and failed. The build log is <scratch>/build.log
+    (its tail is printed on failure). The .ko files are stripped of debug info as the kernel's
+    INSTALL_MOD_STRIP=1 does (`strip --strip-debug`, ~95 MB -> a few MB per kernel) and then,
+    with `signing` = (key, cert) paths on the host, signed with the release's own
+    scripts/sign-file (sha256), in that order: stripping after signing would drop the signature.
+    Nothing outside the scratch dirs, the ccache and the conftest cache is touched.
+
+    conftest_cache: before `make`, restore kernel-open/conftest/ from a previous successful
+    build with the same `conftest_key_command` key (mtimes kept, so NVIDIA's Kbuild finds every
+    result newer than conftest.sh and reruns only its always-run checks); after a successful
+    build, store this build's conftest/ under its key.
     """
     b = shlex.quote(build_dir(version, release))
     # ccache by masquerade (/usr/lib/ccache/<cc> first on PATH): NVIDIA's conftest.sh runs
     # "$CC" quoted, so CC="ccache gcc-12" makes every conftest fail.
     compiler = cc
     make_args = f"modules KERNEL_UNAME={shlex.quote(release)} CC={shlex.quote(compiler)}"
+    src_args = f"CC={shlex.quote(compiler)}" + (f" CXX={shlex.quote(cxx)}" if cxx else "")
+    if cxx:
+        make_args += f" CXX={shlex.quote(cxx)}"
     env = (f"PATH={CCACHE_MASQUERADE}:$PATH CCACHE_DIR={shlex.quote(CCACHE_DIR)} "
            f"CCACHE_IGNOREOPTIONS={shlex.quote(CCACHE_IGNORE_OPTIONS)} " if ccache else "")
+    fail = shlex.quote(f"pvegpu: building nvidia {version} for {release} failed; installed modules are untouched")
+    t = shlex.quote(src_dir(version, compiler, cxx))
+    stamp_key = (f"{{ sha256sum < {shlex.quote(archive)}; echo {shlex.quote(src_args)}; {shlex.quote(compiler)} -v 2>&1; "
+                 + (f"{shlex.quote(cxx)} -v 2>&1; " if cxx else "") + "} | sha256sum | cut -c1-64")
+    sign = ""
+    if signing:
+        key, cert = (shlex.quote(x) for x in signing)
+        sign = (f"sf=/lib/modules/{shlex.quote(release)}/build/{SIGN_FILE}; [ -x \"$sf\" ] || "
+                f"{{ echo {shlex.quote(f'pvegpu: kernel {release} headers have no {SIGN_FILE} to sign modules with')} >&2; exit 1; }}; "
+                f"for m in \"$B\"/out/*.ko; do \"$sf\" sha256 {key} {cert} \"$m\"; done; ")
     return (
-        f"set -e; B={b}; rm -rf \"$B\"; mkdir -p \"$B/src\" \"$B/out\"; "
+        f"set -e; B={b}; T={t}; rm -rf \"$B\"; mkdir -p \"$B/out\"; "
         f"{'mkdir -p ' + shlex.quote(CCACHE_DIR) + '; ' if ccache else ''}"
-        f"tar -xf {shlex.quote(archive)} -C \"$B/src\"; "
+        f"want=$( {stamp_key} ); "
+        # a shared open tree of this archive and these compilers: reuse its src/ objects
+        "if [ \"$(cat \"$T/.pvegpu-src-built\" 2>/dev/null)\" = \"$want\" ]; then top=$T/tree; src_note=', src/ objects reused'; "
+        "else src_note=; rm -rf \"$B/src\"; mkdir -p \"$B/src\"; tar -xf " + shlex.quote(archive) + " -C \"$B/src\"; "
         "top=\"$B/src\"; set -- \"$B\"/src/*; [ $# -eq 1 ] && [ -d \"$1\" ] && top=$1; "
-        "if [ -d \"$top/kernel-open\" ] && [ -d \"$top/src/nvidia\" ]; then mk=$top; ko=$top/kernel-open; "
+        "if [ -d \"$top/kernel-open\" ] && [ -d \"$top/src/nvidia\" ]; then "
+        "rm -rf \"$T\"; mkdir -p \"$T\"; mv \"$top\" \"$T/tree\"; rm -rf \"$B/src\"; top=$T/tree; "
+        f"echo \"pvegpu: building nvidia {version} src/ (nv-kernel.o, nv-modeset-kernel.o) with {compiler}{' and ' + cxx if cxx else ''}\"; "
+        f"if ! {env}make -C \"$top\" -j{int(jobs)} {src_args} kernel-open/nvidia/nv-kernel.o_binary "
+        "kernel-open/nvidia-modeset/nv-modeset-kernel.o_binary >\"$B/build.log\" 2>&1; then "
+        f"tail -n 40 \"$B/build.log\" >&2; echo {fail} >&2; exit 1; fi; "
+        "echo \"$want\" > \"$T/.pvegpu-src-built\"; fi; fi; "
+        # the open tree: this release's own copy of kernel-open/ beside the shared src/ objects
+        "if [ \"$top\" = \"$T/tree\" ]; then ko=$B/kernel-open; mk=$ko; cp -a \"$top/kernel-open\" \"$ko\"; "
+        "for l in nvidia/nv-kernel.o_binary nvidia-modeset/nv-modeset-kernel.o_binary; do "
+        "ln -sfn \"$(readlink -f \"$top/kernel-open/$l\")\" \"$ko/$l\"; done; "
         "elif [ -f \"$top/kernel-open/Kbuild\" ]; then mk=$top/kernel-open; ko=$mk; "
         "else kb=$(find \"$top\" -maxdepth 3 -name Kbuild | awk '{print length, $0}' | sort -n | head -n 1 | cut -d' ' -f2-); "
         "[ -n \"$kb\" ] || { echo 'pvegpu: no NVIDIA kernel module tree (Kbuild) in the source archive' >&2; exit 1; }; "
@@ -180,18 +230,26 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
            "else rm -rf \"$ko/conftest\" \"$ct\"; fi; fi; "
            if conftest_cache else "")
         + f"echo \"pvegpu: building nvidia {version} for {release} in $mk with {compiler}{' (ccache)' if ccache else ''}, -j{int(jobs)}"
-        + ("$ct_note" if conftest_cache else "") + "\"; "
+        + "$src_note" + ("$ct_note" if conftest_cache else "") + "\"; "
         f"if ! {env}make -C \"$mk\" -j{int(jobs)} {make_args} "
-        ">\"$B/build.log\" 2>&1; then tail -n 40 \"$B/build.log\" >&2; "
-        f"echo {shlex.quote(f'pvegpu: building nvidia {version} for {release} failed; installed modules are untouched')} >&2; exit 1; fi; "
+        f">>\"$B/build.log\" 2>&1; then tail -n 40 \"$B/build.log\" >&2; echo {fail} >&2; exit 1; fi; "
         "cp \"$ko\"/*.ko \"$B/out/\"; "
         f"vm=$(modinfo -F vermagic \"$B/out/nvidia.ko\"); case \"$vm\" in {shlex.quote(release)}\\ *) ;; *) "
-        f"echo \"pvegpu: built nvidia.ko has vermagic '$vm', not {release}\" >&2; exit 1;; esac"
-        + ("; if [ ! -f \"$ct\" ] && [ -d \"$ko/conftest\" ]; then "
+        f"echo \"pvegpu: built nvidia.ko has vermagic '$vm', not {release}\" >&2; exit 1;; esac; "
+        # INSTALL_MOD_STRIP=1 (kernel scripts/Makefile.modinst): strip --strip-debug, before signing
+        "strip --strip-debug \"$B\"/out/*.ko; "
+        + sign
+        + ("if [ ! -f \"$ct\" ] && [ -d \"$ko/conftest\" ]; then "
            f"mkdir -p {shlex.quote(CONFTEST_CACHE)}; tar -C \"$ko\" -czf \"$ct.part\" conftest && mv -f \"$ct.part\" \"$ct\"; "
-           f"ls -1t {shlex.quote(CONFTEST_CACHE)}/*.tgz | tail -n +{CONFTEST_CACHE_KEEP + 1} | xargs -r rm -f; fi"
+           f"ls -1t {shlex.quote(CONFTEST_CACHE)}/*.tgz | tail -n +{CONFTEST_CACHE_KEEP + 1} | xargs -r rm -f; fi; "
            if conftest_cache else "")
+        + "rm -rf \"$B/kernel-open\" \"$B/src\""
     )
+
+
+def cleanup_command(version: str) -> str:
+    """Remove every scratch dir of `version`'s builds (the shared src/ tree included)."""
+    return f"rm -rf {shlex.quote(f'{BUILD_ROOT}/{version}')}"
 
 
 def install_command(version: str, release: str) -> str:
@@ -266,13 +324,13 @@ class NvidiaHostState(FactBase):
     ``module`` is None when `modinfo -k <rel> nvidia` finds none.
     """
 
-    def command(self, releases: list[str], sources: dict | None = None) -> str:
+    def command(self, releases: list[str], sources: dict | None = None, signing: list[str] | None = None) -> str:
         parts = [
             f"echo '{SECTION}cores'; nproc",
             f"echo '{SECTION}meminfo'; grep '^MemTotal:' /proc/meminfo",
             f"echo '{SECTION}running'; k=$(uname -r); echo \"$k\"",
             f"echo '{SECTION}ccache'; command -v ccache >/dev/null && [ -d {CCACHE_MASQUERADE} ] && echo {CCACHE_MASQUERADE}",
-            f"echo '{SECTION}compilers'; for c in /usr/bin/gcc /usr/bin/gcc-[0-9]*; do "
+            f"echo '{SECTION}compilers'; for c in /usr/bin/gcc /usr/bin/gcc-[0-9]* /usr/bin/g++ /usr/bin/g++-[0-9]*; do "
             "[ -x \"$c\" ] && echo \"${c##*/}: $(\"$c\" --version 2>/dev/null | head -n 1)\"; done",
         ]
         # the running release ($k, named at run time), then each target; each release once,
@@ -284,10 +342,19 @@ class NvidiaHostState(FactBase):
             f"b=/lib/modules/$r/build; echo \"{SECTION}release $r\"; "
             "[ -f \"$b/Makefile\" ] && echo 'headers: yes' || echo 'headers: no'; "
             "grep -h -m 1 '^CONFIG_CC_VERSION_TEXT=' \"$b/include/config/auto.conf\" \"$b/.config\" 2>/dev/null | head -n 1; "
+            # the options preflight weighs: objtool -Werror with return thunks, module signing
+            f"grep -h -E '^({'|'.join(KERNEL_CONFIG_KEYS)})=' \"$b/include/config/auto.conf\" 2>/dev/null | sed 's/^/config /'; "
+            f"[ -x \"$b/{SIGN_FILE}\" ] && echo 'sign-file: yes'; "
             "modinfo -k \"$r\" nvidia 2>/dev/null | while read -r key value; do "
             'case "$key" in version:|vermagic:|filename:) echo "module $key $value";; esac; done; '
             "done"
         )
+        # Secure Boot: mokutil's verdict, else the EFI variable (4 attribute bytes, then 1 = on)
+        parts.append(f"echo '{SECTION}secureboot'; command -v mokutil >/dev/null 2>&1 && mokutil --sb-state 2>&1; "
+                     f"if [ -r {SECURE_BOOT_EFIVAR} ]; then echo \"efivar $(od -An -t u1 -j 4 -N 1 {SECURE_BOOT_EFIVAR})\"; "
+                     "elif [ -d /sys/firmware/efi ]; then echo 'efi without SecureBoot variable'; else echo 'no efi'; fi")
+        for path in signing or ():
+            parts.append(f"echo {shlex.quote(SECTION + 'signing ' + path)}; [ -r {shlex.quote(path)} ] && echo readable")
         parts.append(f"echo '{SECTION}firmware'; for f in /lib/firmware/nvidia/*/gsp*.bin*; do [ -e \"$f\" ] && echo \"$f\"; done")
         libs = " ".join(f"{d}/libnvidia-ml.so.*" for d in LIB_DIRS)
         parts.append(f"echo '{SECTION}userspace'; for f in {libs}; do [ -e \"$f\" ] && echo \"$f\"; done")
@@ -310,6 +377,21 @@ class NvidiaHostState(FactBase):
         return parse_host_state(output)
 
 
+def parse_secure_boot(lines: list[str]) -> bool | None:
+    """True/False from `mokutil --sb-state` ("SecureBoot enabled"/"SecureBoot disabled") or the
+    EFI variable's value byte ("efivar 1"); False on a host without EFI; None when unknown."""
+    for line in lines:
+        if line.strip() in ("SecureBoot enabled", "SecureBoot disabled"):
+            return line.strip() == "SecureBoot enabled"
+    for line in lines:
+        text = line.strip()
+        if text.startswith("efivar "):
+            return text.split()[-1] == "1"
+        if text in ("no efi", "efi without SecureBoot variable"):
+            return False
+    return None
+
+
 def parse_host_state(lines: list[str]) -> dict:
     """Pure parser of `NvidiaHostState.command` output (shape: see the fact)."""
     sections = {name: [line.rstrip() for line in body if line.strip()]
@@ -329,13 +411,18 @@ def parse_host_state(lines: list[str]) -> dict:
     for name, body in sections.items():
         if not name.startswith("release "):
             continue
-        info: dict = {"headers": False, "cc_version_text": None, "module": None}
+        info: dict = {"headers": False, "cc_version_text": None, "module": None, "config": {}, "sign_file": False}
         module = {}
         for line in body:
             if line.startswith("headers: "):
                 info["headers"] = line.endswith("yes")
             elif line.startswith("CONFIG_CC_VERSION_TEXT="):
                 info["cc_version_text"] = line.split("=", 1)[1].strip().strip('"')
+            elif line.startswith("config "):
+                key, _, value = line[len("config "):].partition("=")
+                info["config"][key] = value.strip().strip('"')
+            elif line == "sign-file: yes":
+                info["sign_file"] = True
             elif line.startswith("module "):
                 key, _, value = line[len("module "):].partition(":")
                 module[key] = value.strip() or None
@@ -355,7 +442,10 @@ def parse_host_state(lines: list[str]) -> dict:
                 "cached": value == "cached",
                 "sha256": value.split(" ", 1)[1] if value.startswith("sha256 ") else None,
             }
+    signing = {name[len("signing "):]: "readable" in body for name, body in sections.items() if name.startswith("signing ")}
     return {
+        "secure_boot": parse_secure_boot(sections.get("secureboot", [])),
+        "signing_files": signing,
         "cores": int(cores) if cores and cores.isdigit() else 1,
         "mem_total_kib": int(mem.group(1)) if mem else 0,
         "running": first("running"),
@@ -391,12 +481,26 @@ def fetch_source(url: str, sha256: str, dest: str, cached: bool = False):
 
 @operation()
 def build_modules(archive: str, version: str, release: str, cc: str, jobs: int, ccache: bool,
-                  build: bool = True, reason: str = ""):
-    """Build the NVIDIA kernel modules for one kernel release in a scratch dir (not installed yet)."""
+                  build: bool = True, reason: str = "", cxx: str | None = None,
+                  signing: tuple[str, str] | None = None):
+    """Build the NVIDIA kernel modules for one kernel release in a scratch dir (not installed yet).
+
+    + cxx: the C++ compiler for the open tree's src/ (None: the tree has no C++)
+    + signing: (key, cert) paths on the host to sign the modules with, or None
+    """
     if not build:
         host.noop(reason or f"nvidia {version} is current for {release}")
         return
-    yield StringCommand(build_command(archive, version, release, cc, jobs, ccache))
+    yield StringCommand(build_command(archive, version, release, cc, jobs, ccache, cxx=cxx, signing=signing))
+
+
+@operation()
+def clean_builds(version: str, run: bool = True):
+    """Remove the scratch dirs of `version`'s builds once every release is installed."""
+    if not run:
+        host.noop(f"no nvidia {version} build to clean up")
+        return
+    yield StringCommand(cleanup_command(version))
 
 
 @operation()
@@ -465,8 +569,10 @@ def _sources(nv) -> dict:
 
 def _state_kwargs(spec) -> dict:
     """`NvidiaHostState`'s arguments: the running release is probed by name at run time, plus
-    the kernel stage's and the configured sources."""
-    return {"releases": _releases(spec, None)[0], "sources": _sources(spec.nvidia)}
+    the kernel stage's, the configured sources and the signing key/cert."""
+    signing = spec.nvidia.signing
+    return {"releases": _releases(spec, None)[0], "sources": _sources(spec.nvidia),
+            "signing": [signing.key, signing.cert] if signing else []}
 
 
 def _state_and_steps(spec) -> tuple[dict, list[str], dict]:
@@ -474,7 +580,8 @@ def _state_and_steps(spec) -> tuple[dict, list[str], dict]:
     state = fact_once(NvidiaHostState, **_state_kwargs(spec))
     releases, required = _releases(spec, state["running"])
     steps = nvplan.driver_steps(nv.version, releases, state, modules_source=nv.modules_source,
-                                installer=nv.installer, want_firmware=nv.firmware, required=required)
+                                installer=nv.installer, want_firmware=nv.firmware, required=required,
+                                open_tree=nv.open, signing=nv.signing)
     return state, releases, steps
 
 
@@ -523,12 +630,15 @@ def apply(spec) -> None:
         entry = steps["releases"][release]
         build_modules(name=f"Build nvidia {nv.version} for {release}", archive=modules_archive or "",
                       version=nv.version, release=release, cc=entry["cc"] or "gcc", jobs=steps["jobs"],
-                      ccache=steps["ccache"], build=entry["build"], reason=entry["reason"])
+                      ccache=steps["ccache"], build=entry["build"], reason=entry["reason"], cxx=entry["cxx"],
+                      signing=(nv.signing.key, nv.signing.cert) if nv.signing else None)
     install_firmware(name=f"GSP firmware {nv.version}", installer=installer or "", version=nv.version,
                      install=steps["install_firmware"])
     for release in releases:
         install_modules(name=f"Install nvidia {nv.version} modules for {release}", version=nv.version,
                         release=release, install=steps["releases"][release]["build"])
+    clean_builds(name=f"Remove nvidia {nv.version} build dirs", version=nv.version,
+                 run=any(steps["releases"][r]["build"] for r in releases))
     install_userspace(name=f"NVIDIA user space {nv.version}", installer=installer or "", version=nv.version,
                       install=steps["install_userspace"])
     if nv.persistenced:

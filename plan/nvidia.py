@@ -77,20 +77,48 @@ def _compiler_package(program: str, version: str | None) -> str:
     return f"gcc-{major}" if major else "gcc"
 
 
-def toolchain_for(release: str, cc_version_text: str | None, compilers: dict[str, str]) -> dict:
+def toolchain_for(release: str, cc_version_text: str | None, compilers: dict[str, str],
+                  need_cxx: bool = False) -> dict:
     """Which compiler builds modules for `release`, or why none may.
 
     `cc_version_text` is the headers' CONFIG_CC_VERSION_TEXT (the first line of `$CC --version`
     of the compiler that built the kernel); `compilers` maps each installed gcc program to its
     `--version` first line: ``{"gcc": "gcc (Debian 12.2.0-14+deb12u1) 12.2.0", "gcc-12": …}``.
 
-    Returns ``{"cc": "gcc-12", "note": str | None, "refusal": None}`` or
-    ``{"cc": None, "note": None, "refusal": "…which compiler to install…"}``.
+    Returns ``{"cc": "gcc-12", "cxx": "g++-12" | None, "note": str | None, "refusal": None}`` or
+    ``{"cc": None, "cxx": None, "note": None, "refusal": "…which compiler to install…"}``.
+    `need_cxx`: the tree compiles C++ too (NVIDIA's open tree builds src/ with $(CXX), default
+    `g++`): then a g++ of the same family and x.y.z as the chosen gcc is required as well
+    (`compilers` lists the g++ programs beside the gcc ones), the one named like the gcc first.
     The program the kernel named comes first, then `gcc`. An identical banner (less the program
     name) is a match; the same GCC x.y.z with another distribution revision is accepted with a
     note (Debian point releases keep the ABI; Proxmox kernels are built with an older revision
     than most hosts carry); another x.y.z is refused.
     """
+    result = _cc_for(release, cc_version_text, compilers)
+    if result["refusal"] or not need_cxx:
+        return {**result, "cxx": None}
+    cc = result["cc"]
+    wanted_version = gcc_version(compilers[cc])
+    suffix = cc[len("gcc"):]  # "-12" or ""
+    candidates = [c for c in dict.fromkeys([f"g++{suffix}", "g++", f"g++-{wanted_version.split('.')[0]}"]) if c in compilers]
+    for cxx in candidates:
+        if _banner_tail(compilers[cxx]) == _banner_tail(compilers[cc]):
+            return {**result, "cxx": cxx}
+    for cxx in candidates:
+        if gcc_version(compilers[cxx]) == wanted_version:
+            return {**result, "cxx": cxx}
+    have = "; ".join(f"{c}: {compilers[c]!r}" for c in compilers if c.startswith("g++")) or "no g++ at all"
+    package = f"g++{suffix}" if suffix else f"g++-{wanted_version.split('.')[0]}"
+    return {"cc": None, "cxx": None, "note": None,
+            "refusal": f"kernel {release}: NVIDIA's open tree compiles its C++ files with $(CXX), which must be "
+                       f"G++ {wanted_version} like the {cc} that matches the kernel, but this host has {have}; "
+                       f"a C++ compiler of another version than the kernel's left a host unbootable (incident 1). "
+                       f"Install G++ {wanted_version} (apt install {package}) and run again"}
+
+
+def _cc_for(release: str, cc_version_text: str | None, compilers: dict[str, str]) -> dict:
+    """`toolchain_for` for $(CC) alone."""
     if not cc_version_text:
         return {"cc": None, "note": None,
                 "refusal": f"kernel {release}: its headers carry no CONFIG_CC_VERSION_TEXT, so the compiler "
@@ -101,7 +129,7 @@ def toolchain_for(release: str, cc_version_text: str | None, compilers: dict[str
         return {"cc": None, "note": None,
                 "refusal": f"kernel {release} was built with {cc_version_text!r}, not GCC; "
                            f"pvegpu builds NVIDIA modules with the kernel's own GCC only"}
-    candidates = [c for c in dict.fromkeys([program, "gcc"]) if c in compilers]
+    candidates = [c for c in dict.fromkeys([program, "gcc"]) if c in compilers and c.startswith("gcc")]
     for cc in candidates:
         if _banner_tail(compilers[cc]) == _banner_tail(cc_version_text):
             return {"cc": cc, "note": None, "refusal": None}
@@ -110,7 +138,7 @@ def toolchain_for(release: str, cc_version_text: str | None, compilers: dict[str
             return {"cc": cc, "refusal": None,
                     "note": f"kernel {release} was built with {cc_version_text!r}; using {compilers[cc]!r} "
                             f"(same GCC {wanted_version}, other distribution revision)"}
-    have = "; ".join(f"{c}: {compilers[c]!r}" for c in compilers) or "no gcc at all"
+    have = "; ".join(f"{c}: {compilers[c]!r}" for c in compilers if c.startswith("gcc")) or "no gcc at all"
     package = _compiler_package(program, wanted_version)
     return {"cc": None, "note": None,
             "refusal": f"kernel {release} was built with {cc_version_text!r} but this host has {have}; "
@@ -135,6 +163,62 @@ def module_current(release: str, version: str, installed: dict | None) -> tuple[
         return False, (f"nvidia {version} for {release} has vermagic "
                        f"{installed.get('vermagic')!r}, built for another kernel")
     return True, f"nvidia {version} is installed for {release} ({installed.get('filename')})"
+
+
+# -- builds that would fail late ------------------------------------------------------------
+
+# Open trees known to emit "'naked' return found in MITIGATION_RETHUNK build" objtool warnings
+# (thousands, from src/ objects NVIDIA's own Makefiles compile without the kernel's
+# -mfunction-return=thunk-extern; src/nvidia/Makefile and src/nvidia-modeset/Makefile pass only
+# -mindirect-branch=thunk-extern): every tag up to this one, seen building 595.45.04 against
+# Debian's 6.12.118 headers. Newer versions are not known either way.
+RETHUNK_WARNING_TREES_UP_TO = "595.45.04"
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version))
+
+
+def objtool_problem(release: str, config: dict[str, str], version: str, open_tree: bool) -> tuple[str | None, str | None]:
+    """(refusal, note) for a kernel whose objtool turns warnings into errors.
+
+    `config`: the release's auto.conf options (`CONFIG_OBJTOOL_WERROR`, `CONFIG_MITIGATION_RETHUNK`
+    or its pre-6.9 name `CONFIG_RETHUNK`). With -Werror and return thunks on, an open tree of a
+    version known to leave bare `ret`s in its src/ objects fails when kbuild links nvidia.ko, after
+    the whole src/ compile; refused up front. A newer open tree is only noted.
+    """
+    werror = config.get("CONFIG_OBJTOOL_WERROR") == "y"
+    rethunk = "y" in (config.get("CONFIG_MITIGATION_RETHUNK"), config.get("CONFIG_RETHUNK"))
+    if not (open_tree and werror and rethunk):
+        return None, None
+    if _version_tuple(version) <= _version_tuple(RETHUNK_WARNING_TREES_UP_TO):
+        return (f"kernel {release} has CONFIG_OBJTOOL_WERROR=y with return thunks (CONFIG_MITIGATION_RETHUNK) and "
+                f"NVIDIA's open tree {version} leaves bare returns in its src/ objects: objtool's "
+                f"\"'naked' return found in MITIGATION_RETHUNK build\" warnings become errors and the build would "
+                f"fail at the link, after the whole compile. Build the kernel without CONFIG_OBJTOOL_WERROR "
+                f"(kernel.config_fragments: ['# CONFIG_OBJTOOL_WERROR is not set']) or use a tree newer than "
+                f"{RETHUNK_WARNING_TREES_UP_TO} that is known to build"), None
+    return None, (f"kernel {release} has CONFIG_OBJTOOL_WERROR=y with return thunks; open trees up to "
+                  f"{RETHUNK_WARNING_TREES_UP_TO} fail there, {version} is not known either way")
+
+
+def secure_boot_problem(secure_boot: bool | None, signing, signing_files: dict[str, bool]) -> str | None:
+    """Refusal when Secure Boot is on and the modules would be unsigned (the kernel would not
+    load them), or when the signing key/cert the spec names are not readable on the host.
+
+    `signing`: the spec's nvidia.signing (``.key``, ``.cert``: host paths) or None.
+    """
+    if signing is not None:
+        missing = [path for path in (signing.key, signing.cert) if not signing_files.get(path)]
+        if missing:
+            return (f"nvidia.signing names {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+                    f"not readable on the host; give the key and certificate (DER or PEM) that sign the modules")
+        return None
+    if secure_boot:
+        return ("Secure Boot is on and nvidia.signing is not set: the kernel would refuse the unsigned NVIDIA "
+                "modules at boot. Enroll a machine owner key (mokutil --import cert.der, confirmed at the next "
+                "boot) and set nvidia.signing.key and .cert to it, or turn Secure Boot off")
+    return None
 
 
 # -- versions of modules, firmware and user space (incidents 2, 6) -------------------------
@@ -278,13 +362,16 @@ def source_mismatch(what: str, source, checked: dict | None) -> str | None:
 
 
 def driver_steps(version: str, releases: list[str], state: dict, *, modules_source=None,
-                 installer=None, want_firmware: bool = True, required: set[str] | None = None) -> dict:
+                 installer=None, want_firmware: bool = True, required: set[str] | None = None,
+                 open_tree: bool = False, signing=None) -> dict:
     """Everything the driver stage will do, decided from the host state before any change.
 
     `modules_source`/`installer` are the spec's SourceSpec (or None).
     `state` is the `NvidiaHostState` fact (see operations/nvidia.py for its shape); `releases`
     the target kernel releases; `required` the releases whose missing headers are a refusal
-    (default: all; a release the kernel stage has not installed yet is only noted).
+    (default: all; a release the kernel stage has not installed yet is only noted);
+    `open_tree`: the source is NVIDIA's open tree (C++ in src/: a matching g++ is needed; objtool
+    -Werror kernels are weighed); `signing`: the spec's nvidia.signing or None (Secure Boot).
 
     .. code:: python
 
@@ -302,7 +389,7 @@ def driver_steps(version: str, releases: list[str], state: dict, *, modules_sour
     for release in releases:
         info = state["releases"].get(release) or {}
         current, reason = module_current(release, version, info.get("module"))
-        entry = {"build": False, "reason": reason, "cc": None, "headers": bool(info.get("headers"))}
+        entry = {"build": False, "reason": reason, "cc": None, "cxx": None, "headers": bool(info.get("headers"))}
         per_release[release] = entry
         if current:
             continue
@@ -312,9 +399,20 @@ def driver_steps(version: str, releases: list[str], state: dict, *, modules_sour
             (refusals if release in required else notes).append(
                 message if release in required else message + "; skipped until they are there")
             continue
-        toolchain = toolchain_for(release, info.get("cc_version_text"), state.get("compilers") or {})
+        toolchain = toolchain_for(release, info.get("cc_version_text"), state.get("compilers") or {},
+                                  need_cxx=open_tree)
         if toolchain["refusal"]:
             refusals.append(toolchain["refusal"])
+            continue
+        refusal, note = objtool_problem(release, info.get("config") or {}, version, open_tree)
+        if note:
+            notes.append(note)
+        if refusal:
+            refusals.append(refusal)
+            continue
+        if signing is not None and not info.get("sign_file"):
+            refusals.append(f"kernel {release}: its headers have no scripts/sign-file to sign the modules with "
+                            f"(nvidia.signing is set); install its complete headers package")
             continue
         if toolchain["note"]:
             notes.append(toolchain["note"])
@@ -322,8 +420,12 @@ def driver_steps(version: str, releases: list[str], state: dict, *, modules_sour
             refusals.append(f"kernel {release}: {reason}, and nvidia.modules_source is not set; give the "
                             f"open-gpu-kernel-modules archive (url + sha256) to build from")
             continue
-        entry.update(build=True, cc=toolchain["cc"])
+        entry.update(build=True, cc=toolchain["cc"], cxx=toolchain["cxx"])
 
+    if any(e["build"] for e in per_release.values()):
+        problem = secure_boot_problem(state.get("secure_boot"), signing, state.get("signing_files") or {})
+        if problem:
+            refusals.append(problem)
     have_userspace = userspace_versions(state.get("userspace") or [])
     installer_given = installer is not None
     install_userspace = installer_given and have_userspace != [version]

@@ -119,6 +119,21 @@ class SourceSpec(Strict):
         return v
 
 
+class SigningSpec(Strict):
+    """Key and certificate (paths on the host) the NVIDIA modules are signed with for Secure Boot:
+    the kernel's scripts/sign-file signs each module (sha256); the cert must be enrolled (MOK)."""
+
+    key: SafeStr
+    cert: SafeStr
+
+    @field_validator("key", "cert")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError(f"{v!r} is not an absolute path on the host")
+        return v
+
+
 class KernelSourceSpec(Strict):
     kind: Literal["proxmox-git", "tarball"] = "proxmox-git"
     url: SafeStr
@@ -170,6 +185,7 @@ class NvidiaSpec(Strict):
     uvm_disable_hmm: Literal["auto"] | bool = "auto"  # auto: on for Blackwell (incident 3)
     nvreg: dict[SafeStr, int | SafeStr] = Field(default_factory=dict)
     persistenced: bool = True
+    signing: SigningSpec | None = None  # sign the modules (Secure Boot); refused unset when Secure Boot is on
     # kernel releases to build for; default: the running one plus the kernel stage's
     releases: list[SafeStr] | None = None
 

@@ -56,7 +56,7 @@ def test_gcc_version_from_real_banners():
 
 def test_toolchain_prefers_the_compiler_the_kernel_named():
     result = nv.toolchain_for("6.1.0-57-amd64", DEBIAN_61_CC_TEXT, {"gcc": BOOKWORM_GCC, "gcc-12": BOOKWORM_GCC12})
-    assert result == {"cc": "gcc-12", "note": None, "refusal": None}
+    assert result == {"cc": "gcc-12", "cxx": None, "note": None, "refusal": None}
 
 
 def test_toolchain_plain_gcc_matches_when_banner_equal_less_program_name():

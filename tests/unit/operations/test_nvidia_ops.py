@@ -66,7 +66,8 @@ def test_parse_recorded_state_before_first_build():
     assert state["running"] == "6.18.44-fc-v1098"
     assert state["compilers"]["gcc-12"] == "gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0"
     assert state["releases"]["6.1.0-57-amd64"] == {
-        "headers": True, "cc_version_text": "gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0", "module": None}
+        "headers": True, "cc_version_text": "gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0", "module": None,
+        "config": {}, "sign_file": False}
     assert state["releases"]["6.18.44-fc-v1098"]["headers"] is False
     assert state["sources"] == {"modules": {"cached": False, "sha256": SHA}}
     assert state["firmware"] == {} and state["userspace"] == []
@@ -207,7 +208,8 @@ def fake_build_tools(tmp_path):
         "else mkdir -p conftest; echo '#define NV_FOO_PRESENT' > conftest/functions.h; echo ran >> \"$LOG\"; fi\n"
         "touch nvidia.ko\n")
     (bindir / "modinfo").write_text("#!/bin/sh\necho '6.1.0-57-amd64 SMP preempt mod_unload modversions '\n")
-    for tool in ("make", "modinfo"):
+    (bindir / "strip").write_text("#!/bin/sh\necho \"strip $*\" >> \"$LOG.strip\"\n")  # the fake .ko is no ELF
+    for tool in ("make", "modinfo", "strip"):
         (bindir / tool).chmod(0o755)
     return {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "LOG": str(tmp_path / "conftest.log")}
 
