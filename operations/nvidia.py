@@ -265,20 +265,12 @@ def install_command(version: str, release: str) -> str:
     )
 
 
-def firmware_command(installer: str, version: str) -> str:
-    """GSP firmware of exactly `version` from the .run into /lib/firmware/nvidia/<ver>/."""
-    x = shlex.quote(f"{BUILD_ROOT}/{version}/run")
-    fw = shlex.quote(f"/lib/firmware/nvidia/{version}")
-    return (
-        f"set -e; X={x}; rm -rf \"$X\"; sh {shlex.quote(installer)} --extract-only --target \"$X\" >/dev/null; "
-        "set -- \"$X\"/firmware/gsp*.bin; [ -e \"$1\" ] || "
-        f"{{ echo {shlex.quote(f'pvegpu: the installer for {version} carries no GSP firmware')} >&2; exit 1; }}; "
-        f"mkdir -p {fw}; for f in \"$@\"; do install -m 644 \"$f\" {fw}/; done; rm -rf \"$X\""
-    )
+def verify_command(version: str, releases: list[str], firmware: bool, firmware_files: list[str] | None = None) -> str:
+    """Exit 1 naming every component whose version is not `version` (incidents 2, 6).
 
-
-def verify_command(version: str, releases: list[str], firmware: bool) -> str:
-    """Exit 1 naming every component whose version is not `version` (incidents 2, 6)."""
+    firmware_files: the GSP files the host's GPUs load (each must be in
+    /lib/firmware/nvidia/<version>/); without them, any gsp*.bin there.
+    """
     v = shlex.quote(version)
     parts = ["bad=0"]
     for release in releases:
@@ -289,7 +281,12 @@ def verify_command(version: str, releases: list[str], firmware: bool) -> str:
         )
     if firmware:
         fw = shlex.quote(f"/lib/firmware/nvidia/{version}")
-        parts.append(f"set -- {fw}/gsp*.bin; [ -e \"$1\" ] || {{ echo \"pvegpu: GSP firmware {version} missing in {fw}\" >&2; bad=1; }}")
+        if firmware_files:
+            for name in firmware_files:
+                f = shlex.quote(f"/lib/firmware/nvidia/{version}/{name}")
+                parts.append(f"[ -e {f} ] || {{ echo \"pvegpu: GSP firmware {version}/{name} missing in {fw}\" >&2; bad=1; }}")
+        else:
+            parts.append(f"set -- {fw}/gsp*.bin; [ -e \"$1\" ] || {{ echo \"pvegpu: GSP firmware {version} missing in {fw}\" >&2; bad=1; }}")
     libs = " ".join(f"{d}/libnvidia-ml.so.*.*" for d in LIB_DIRS)
     parts.append(
         f"for f in {libs}; do [ -e \"$f\" ] || continue; case \"$f\" in *.so.{v}) ;; *) "
@@ -513,17 +510,10 @@ def install_modules(version: str, release: str, install: bool = True):
 
 
 @operation()
-def install_firmware(installer: str, version: str, install: bool = True):
-    """GSP firmware of exactly the module version (incident 2)."""
-    if not install:
-        host.noop(f"GSP firmware {version} is present (or not wanted)")
-        return
-    yield StringCommand(firmware_command(installer, version))
-
-
-@operation()
 def install_userspace(installer: str, version: str, install: bool = True):
-    """NVIDIA user space of exactly the module version, without kernel modules (incident 6)."""
+    """NVIDIA user space and GSP firmware of exactly the module version, without kernel modules
+    (incidents 2, 6): the installer is the one source of the firmware (nvidia-installer installs
+    its FIRMWARE entries into /lib/firmware/nvidia/<version>/ with --no-kernel-modules too)."""
     if not install:
         host.noop(f"user space {version} is installed (or no installer configured)")
         return
@@ -541,12 +531,13 @@ def enable_unit(unit: str, enabled: bool, unit_path: str):
 
 
 @operation()
-def verify_versions(version: str, releases: list[str], firmware: bool, run: bool = True):
-    """Refuse to finish when modules, firmware and user space are not all `version`."""
+def verify_versions(version: str, releases: list[str], firmware: bool, run: bool = True,
+                    firmware_files: list[str] | None = None):
+    """Refuse to finish when modules, firmware (each file the GPUs load) and user space are not all `version`."""
     if not run:
         host.noop(f"nvidia {version}: modules, firmware and user space unchanged and equal")
         return
-    yield StringCommand(verify_command(version, releases, firmware))
+    yield StringCommand(verify_command(version, releases, firmware, firmware_files))
 
 
 # -- stage protocol ------------------------------------------------------------------------
@@ -575,13 +566,19 @@ def _state_kwargs(spec) -> dict:
             "signing": [signing.key, signing.cert] if signing else []}
 
 
+def _gpu_ids() -> dict[str, str]:
+    """{bdf: device id} of the host's NVIDIA GPUs (the hardware probe, read once per run)."""
+    hardware = fact_once(HardwareProbe)
+    return nvplan.nvidia_gpu_ids(hardware.get("pci_devices") or {})
+
+
 def _state_and_steps(spec) -> tuple[dict, list[str], dict]:
     nv = spec.nvidia
     state = fact_once(NvidiaHostState, **_state_kwargs(spec))
     releases, required = _releases(spec, state["running"])
     steps = nvplan.driver_steps(nv.version, releases, state, modules_source=nv.modules_source,
                                 installer=nv.installer, want_firmware=nv.firmware, required=required,
-                                open_tree=nv.open, signing=nv.signing)
+                                open_tree=nv.open, signing=nv.signing, gpu_ids=_gpu_ids())
     return state, releases, steps
 
 
@@ -632,21 +629,19 @@ def apply(spec) -> None:
                       version=nv.version, release=release, cc=entry["cc"] or "gcc", jobs=steps["jobs"],
                       ccache=steps["ccache"], build=entry["build"], reason=entry["reason"], cxx=entry["cxx"],
                       signing=(nv.signing.key, nv.signing.cert) if nv.signing else None)
-    install_firmware(name=f"GSP firmware {nv.version}", installer=installer or "", version=nv.version,
-                     install=steps["install_firmware"])
     for release in releases:
         install_modules(name=f"Install nvidia {nv.version} modules for {release}", version=nv.version,
                         release=release, install=steps["releases"][release]["build"])
     clean_builds(name=f"Remove nvidia {nv.version} build dirs", version=nv.version,
                  run=any(steps["releases"][r]["build"] for r in releases))
-    install_userspace(name=f"NVIDIA user space {nv.version}", installer=installer or "", version=nv.version,
+    install_userspace(name=f"NVIDIA user space and GSP firmware {nv.version}", installer=installer or "", version=nv.version,
                       install=steps["install_userspace"])
     if nv.persistenced:
         _persistenced(state, will_install=steps["install_userspace"])
     verify_versions(name=f"Check nvidia {nv.version}: modules, firmware, user space",
                     version=nv.version, releases=[r for r in releases if steps["releases"][r]["build"]
                                                   or (state["releases"].get(r) or {}).get("module")],
-                    firmware=nv.firmware, run=steps["verify"])
+                    firmware=nv.firmware, firmware_files=steps["firmware_files"], run=steps["verify"])
 
 
 def _persistenced(state: dict, will_install: bool) -> None:

@@ -90,7 +90,7 @@ def toolchain_for(release: str, cc_version_text: str | None, compilers: dict[str
     `need_cxx`: the tree compiles C++ too (NVIDIA's open tree builds src/ with $(CXX), default
     `g++`): then a g++ of the same family and x.y.z as the chosen gcc is required as well
     (`compilers` lists the g++ programs beside the gcc ones), the one named like the gcc first.
-    The program the kernel named comes first, then `gcc`. An identical banner (less the program
+    The program the kernel named comes first, then `gcc-<major>`, then `gcc`. An identical banner (less the program
     name) is a match; the same GCC x.y.z with another distribution revision is accepted with a
     note (Debian point releases keep the ABI; Proxmox kernels are built with an older revision
     than most hosts carry); another x.y.z is refused.
@@ -129,7 +129,10 @@ def _cc_for(release: str, cc_version_text: str | None, compilers: dict[str, str]
         return {"cc": None, "note": None,
                 "refusal": f"kernel {release} was built with {cc_version_text!r}, not GCC; "
                            f"pvegpu builds NVIDIA modules with the kernel's own GCC only"}
-    candidates = [c for c in dict.fromkeys([program, "gcc"]) if c in compilers and c.startswith("gcc")]
+    # the kernel's program (Debian 6.12 names x86_64-linux-gnu-gcc-12), then gcc-<major>, then gcc:
+    # every release built by one GCC gets the same program, so they share one src/ build
+    major = wanted_version.split(".")[0] if wanted_version else None
+    candidates = [c for c in dict.fromkeys([program, f"gcc-{major}", "gcc"]) if c in compilers and c.startswith("gcc")]
     for cc in candidates:
         if _banner_tail(compilers[cc]) == _banner_tail(cc_version_text):
             return {"cc": cc, "note": None, "refusal": None}
@@ -223,18 +226,75 @@ def secure_boot_problem(secure_boot: bool | None, signing, signing_files: dict[s
 
 # -- versions of modules, firmware and user space (incidents 2, 6) -------------------------
 
+# GSP firmware file per GPU family, by PCI device-id range (vendor 10de); follows the open
+# tree's kernel-open/common/inc/nv-firmware.h nv_firmware_for_chip_family(): Turing (TU10x,
+# TU11x) and GA100 load gsp_tu10x.bin; GA10x, Ada (AD10x), Hopper (GH100) and Blackwell
+# (GB10x/GB20x) load gsp_ga10x.bin. Older GPUs have no GSP (the open modules do not drive them).
+GSP_FIRMWARE_RANGES = (
+    ((0x1E00, 0x1FFF), "Turing", "gsp_tu10x.bin"),
+    ((0x2180, 0x21FF), "Turing", "gsp_tu10x.bin"),    # TU116/TU117
+    ((0x20B0, 0x20FF), "Ampere GA100", "gsp_tu10x.bin"),
+    ((0x2200, 0x22FF), "Ampere GA10x", "gsp_ga10x.bin"),
+    ((0x2300, 0x233F), "Hopper", "gsp_ga10x.bin"),
+    ((0x2340, 0x25FF), "Ampere GA10x", "gsp_ga10x.bin"),
+    ((0x2600, 0x28FF), "Ada", "gsp_ga10x.bin"),
+    ((0x2900, 0x29FF), "Blackwell", "gsp_ga10x.bin"),
+    ((0x2B00, 0x2FFF), "Blackwell", "gsp_ga10x.bin"),
+)
+
+
+def gsp_firmware_for(device_id: str | None) -> tuple[str, str] | None:
+    """(GPU generation, GSP firmware file it loads) for a PCI device id ("2bb5" -> ("Blackwell",
+    "gsp_ga10x.bin")), None for an unknown id or a GPU without GSP."""
+    try:
+        value = int(device_id or "", 16)
+    except ValueError:
+        return None
+    for (lo, hi), generation, name in GSP_FIRMWARE_RANGES:
+        if lo <= value <= hi:
+            return generation, name
+    return None
+
+
+def needed_gsp_firmware(gpu_ids: dict[str, str]) -> dict[str, list[str]]:
+    """GSP firmware file -> "<generation> <bdf>" of each GPU that loads it (GPUs of unknown id left out).
+
+    >>> needed_gsp_firmware({"0000:01:00.0": "2bb5", "0000:41:00.0": "1eb8"})
+    {'gsp_ga10x.bin': ['Blackwell 0000:01:00.0'], 'gsp_tu10x.bin': ['Turing 0000:41:00.0']}
+    """
+    needed: dict[str, list[str]] = {}
+    for bdf, device in sorted(gpu_ids.items()):
+        found = gsp_firmware_for(device)
+        if found:
+            needed.setdefault(found[1], []).append(f"{found[0]} {bdf}")
+    return dict(sorted(needed.items()))
+
+
+def missing_gsp_firmware(version: str, firmware: dict[str, list[str]], needed: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The `needed` files that /lib/firmware/nvidia/<version>/ lacks; with nothing known to be
+    needed, any gsp*.bin of the version will do (an empty dict when one is there)."""
+    present = set(firmware.get(version) or [])
+    if not needed:
+        return {} if present else {"gsp_*.bin": []}
+    return {name: gpus for name, gpus in needed.items() if name not in present}
+
+
 def firmware_problem(version: str, firmware: dict[str, list[str]], want_firmware: bool,
-                     installer_configured: bool) -> str | None:
+                     installer_configured: bool, needed: dict[str, list[str]] | None = None) -> str | None:
     """Refusal when GSP firmware of exactly `version` is needed, absent, and nothing will bring it.
 
     `firmware`: version directory under /lib/firmware/nvidia -> its gsp*.bin files,
-    e.g. ``{"535.261.03": ["gsp_ga10x.bin", "gsp_tu10x.bin"]}``.
+    e.g. ``{"535.261.03": ["gsp_ga10x.bin", "gsp_tu10x.bin"]}``; `needed`: `needed_gsp_firmware`
+    of the host's GPUs (each file of exactly `version` must be there; without it any gsp*.bin).
     """
-    if not want_firmware or firmware.get(version) or installer_configured:
+    missing = missing_gsp_firmware(version, firmware, needed or {})
+    if not want_firmware or not missing or installer_configured:
         return None
-    others = sorted(v for v, files in firmware.items() if files)
+    others = sorted(v for v, files in firmware.items() if files and v != version)
     found = f"found GSP firmware only for {', '.join(others)}" if others else "found no GSP firmware"
-    return (f"GSP firmware for {version} is missing under /lib/firmware/nvidia/{version}/ ({found}); "
+    which = "; ".join(f"{name} for {', '.join(gpus)}" for name, gpus in missing.items() if gpus)
+    return (f"GSP firmware for {version} is missing under /lib/firmware/nvidia/{version}/ "
+            f"({which + '; ' if which else ''}{found}); "
             f"modules of one version with firmware of another panicked a boot (incident 2). "
             f"Configure nvidia.installer (the .run carries the firmware) or install firmware {version}")
 
@@ -363,7 +423,7 @@ def source_mismatch(what: str, source, checked: dict | None) -> str | None:
 
 def driver_steps(version: str, releases: list[str], state: dict, *, modules_source=None,
                  installer=None, want_firmware: bool = True, required: set[str] | None = None,
-                 open_tree: bool = False, signing=None) -> dict:
+                 open_tree: bool = False, signing=None, gpu_ids: dict[str, str] | None = None) -> dict:
     """Everything the driver stage will do, decided from the host state before any change.
 
     `modules_source`/`installer` are the spec's SourceSpec (or None).
@@ -371,7 +431,10 @@ def driver_steps(version: str, releases: list[str], state: dict, *, modules_sour
     the target kernel releases; `required` the releases whose missing headers are a refusal
     (default: all; a release the kernel stage has not installed yet is only noted);
     `open_tree`: the source is NVIDIA's open tree (C++ in src/: a matching g++ is needed; objtool
-    -Werror kernels are weighed); `signing`: the spec's nvidia.signing or None (Secure Boot).
+    -Werror kernels are weighed); `signing`: the spec's nvidia.signing or None (Secure Boot);
+    `gpu_ids`: {bdf: PCI device id} of the host's NVIDIA GPUs (which GSP firmware files they load).
+    GSP firmware has one source, the installer: `.run --no-kernel-modules` installs it beside the
+    user space, so a missing firmware file of the version reruns the installer.
 
     .. code:: python
 
@@ -379,7 +442,7 @@ def driver_steps(version: str, releases: list[str], state: dict, *, modules_sour
          "releases": {"6.1.0-57-amd64": {"build": True, "reason": "no nvidia module installed …",
                                          "cc": "gcc-12", "headers": True}},
          "fetch_modules": True, "fetch_installer": False, "install_userspace": False,
-         "install_firmware": False, "verify": True,
+         "firmware_files": ["gsp_ga10x.bin"], "verify": True,
          "refusals": [], "notes": ["…"]}
     """
     required = set(releases) if required is None else required
@@ -428,7 +491,10 @@ def driver_steps(version: str, releases: list[str], state: dict, *, modules_sour
             refusals.append(problem)
     have_userspace = userspace_versions(state.get("userspace") or [])
     installer_given = installer is not None
-    install_userspace = installer_given and have_userspace != [version]
+    firmware = state.get("firmware") or {}
+    needed_firmware = needed_gsp_firmware(gpu_ids or {})
+    firmware_missing = bool(want_firmware and missing_gsp_firmware(version, firmware, needed_firmware))
+    install_userspace = installer_given and (have_userspace != [version] or firmware_missing)
     if not installer_given and any(v != version for v in have_userspace):
         refusals.append(f"user space {', '.join(have_userspace)} is installed but the modules are {version}; "
                         f"containers and tools fail with 'driver/library version mismatch' (incident 6). "
@@ -436,22 +502,20 @@ def driver_steps(version: str, releases: list[str], state: dict, *, modules_sour
     if not installer_given and not have_userspace:
         notes.append(f"no NVIDIA user space found; set nvidia.installer to install {version}'s")
 
-    firmware = state.get("firmware") or {}
-    problem = firmware_problem(version, firmware, want_firmware, installer_given)
+    problem = firmware_problem(version, firmware, want_firmware, installer_given, needed_firmware)
     if problem:
         refusals.append(problem)
-    install_firmware = bool(want_firmware and installer_given and not firmware.get(version))
 
     builds = any(e["build"] for e in per_release.values())
     sources = state.get("sources") or {}
     fetch_modules = modules_source is not None and builds
-    fetch_installer = install_userspace or install_firmware
+    fetch_installer = install_userspace
     for what, key, source, used in (("modules source", "modules", modules_source, fetch_modules),
                                     ("installer", "installer", installer, fetch_installer)):
         mismatch = source_mismatch(what, source, sources.get(key)) if used else None
         if mismatch:
             refusals.append(mismatch)
-    changes = builds or install_userspace or install_firmware
+    changes = builds or install_userspace
     return {
         "jobs": build_jobs(state.get("cores") or 1, state.get("mem_total_kib") or 0),
         "ccache": bool(state.get("ccache")),
@@ -459,7 +523,7 @@ def driver_steps(version: str, releases: list[str], state: dict, *, modules_sour
         "fetch_modules": fetch_modules,
         "fetch_installer": fetch_installer,
         "install_userspace": install_userspace,
-        "install_firmware": install_firmware,
+        "firmware_files": sorted(needed_firmware) if want_firmware else [],
         "verify": changes,
         "refusals": refusals,
         "notes": notes,

@@ -38,7 +38,7 @@ from pydantic import (
 
 BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]$")
 DRIVER_VERSION_RE = re.compile(r"^\d{3}\.\d{1,3}(\.\d{1,3})?$")
-KERNEL_VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?(-[0-9A-Za-z][0-9A-Za-z.+~-]*)?$")
+KERNEL_VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?(\+[0-9A-Za-z.~]+)?(-[0-9A-Za-z][0-9A-Za-z.+~-]*)?$")  # 6.12.118+deb12-amd64
 NCCL_KEY_RE = re.compile(r"^NCCL_[A-Z0-9_]+$")
 NVREG_KEY_RE = re.compile(r"^NVreg_[A-Za-z0-9_]+$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
