@@ -346,9 +346,10 @@ class NvidiaHostState(FactBase):
             'case "$key" in version:|vermagic:|filename:) echo "module $key $value";; esac; done; '
             "done"
         )
-        # Secure Boot: mokutil's verdict, else the EFI variable (4 attribute bytes, then 1 = on)
+        # Secure Boot: mokutil's verdict, else the EFI variable's last byte (follows nvidia-installer
+        # misc.c secure_boot_enabled(): the low bit of the variable's last byte)
         parts.append(f"echo '{SECTION}secureboot'; command -v mokutil >/dev/null 2>&1 && mokutil --sb-state 2>&1; "
-                     f"if [ -r {SECURE_BOOT_EFIVAR} ]; then echo \"efivar $(od -An -t u1 -j 4 -N 1 {SECURE_BOOT_EFIVAR})\"; "
+                     f"if [ -r {SECURE_BOOT_EFIVAR} ]; then echo \"efivar $(od -An -v -t u1 {SECURE_BOOT_EFIVAR} | tr -s ' ' '\\n' | tail -n 1)\"; "
                      "elif [ -d /sys/firmware/efi ]; then echo 'efi without SecureBoot variable'; else echo 'no efi'; fi")
         for path in signing or ():
             parts.append(f"echo {shlex.quote(SECTION + 'signing ' + path)}; [ -r {shlex.quote(path)} ] && echo readable")
@@ -383,7 +384,8 @@ def parse_secure_boot(lines: list[str]) -> bool | None:
     for line in lines:
         text = line.strip()
         if text.startswith("efivar "):
-            return text.split()[-1] == "1"
+            value = text.split()[-1]
+            return bool(int(value) & 1) if value.isdigit() else None
         if text in ("no efi", "efi without SecureBoot variable"):
             return False
     return None
