@@ -343,7 +343,7 @@ def open_modules_problem(open_modules: bool, gpu_ids: dict[str, str], models: di
     """Refusal when the spec builds NVIDIA's proprietary kernel modules for a host with Blackwell GPUs.
 
     Blackwell is supported by the open kernel modules only; on older GPUs `open: false` builds
-    whatever tree `modules_source` holds (the twin builds Debian's 535 proprietary tree so).
+    whatever tree `modules_source` holds (CI builds only the open tree; this branch has unit tests).
     """
     if open_modules:
         return None
