@@ -138,7 +138,7 @@ def run(jobs: int | None, breakdown: bool = False) -> dict:
                 "release": release,
                 "s": round(t1 - t0, 1), **phases((t / f"upper/tmp/{name}.mtimes").read_text(), t0, t1),
                 "conftest_runs": len(re.findall(r"^ CONFTEST: ", log, re.M)),
-                "objtool_warnings": len(re.findall(r"objtool: .*warning", log)),
+                "objtool_naked_returns": len(re.findall(r"'naked' return found", log)),
                 "restored": "conftest results restored" in out,
                 "src_reused": "src/ objects reused" in out,
                 "ko_bytes": sum(int(m) for m in re.findall(rf"^ko {name} \S+\s+\d+\s+\S+\s+\S+\s+(\d+) ", done.stdout, re.M)),

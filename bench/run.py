@@ -12,7 +12,7 @@ Figures (issue 9):
                          keeps that machine's figure here)
   ccache_warm_vs_cold    NVIDIA open tree (open-gpu-kernel-modules 595.45.04) module    target <= 0.1
                          rebuild with warm ccache + conftest cache / cold build
-  second_release_vs_first  the same tree for a second kernel release in the same run      target <= 0.35
+  second_release_vs_first  the same tree for a second kernel release in the same run      target <= 0.5
                          (src/ objects reused, kernel-open/ alone) / the first (cold)
   facts_commands         remote commands for the full hardware picture                 target <= 3
 Each figure is measured, never assumed; one that could not be measured is printed as such.
@@ -46,7 +46,7 @@ TARGETS = {
     "fleet8_vs_1": ("<=", 1.5),
     "fleet8_vs_1_many_cores": ("<=", 1.5),
     "ccache_warm_vs_cold": ("<=", 0.1),
-    "second_release_vs_first": ("<=", 0.35),
+    "second_release_vs_first": ("<=", 0.5),
     "facts_commands": ("<=", 3),
 }
 

@@ -56,7 +56,8 @@ PERSISTENCED_UNIT = "/etc/systemd/system/nvidia-persistenced.service"
 PERSISTENCED_UNIT_DIRS = ("/etc/systemd/system", "/lib/systemd/system", "/usr/lib/systemd/system")
 WANTS_DIR = "/etc/systemd/system/multi-user.target.wants"
 SECTION = "@@ "
-# sign-file in a release's headers (Debian: a link into linux-kbuild; Proxmox: the headers package)
+# sign-file in a release's headers: Debian links scripts/ into linux-kbuild; Proxmox copies the built
+# scripts/ into proxmox-headers (follows pve-kernel debian/rules, the headers package target)
 SIGN_FILE = "scripts/sign-file"
 # kernel options the driver preflight reads from each release's include/config/auto.conf
 KERNEL_CONFIG_KEYS = ("CONFIG_OBJTOOL_WERROR", "CONFIG_MITIGATION_RETHUNK", "CONFIG_RETHUNK",
