@@ -171,7 +171,7 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
     -common), output in .../build (-amd64); with SYSSRC=.../build alone every conftest compiled
     against the output tree's empty include/ and failed. The build log is <scratch>/build.log
     (its tail is printed on failure). The .ko files are stripped of debug info as the kernel's
-    INSTALL_MOD_STRIP=1 does (`strip --strip-debug`, ~95 MB -> a few MB per kernel) and then,
+    INSTALL_MOD_STRIP=1 does (`strip --strip-debug`; 595.45.04 for 6.1: 25.5 MB of modules left) and then,
     with `signing` = (key, cert) paths on the host, signed with the release's own
     scripts/sign-file (sha256), in that order: stripping after signing would drop the signature.
     Nothing outside the scratch dirs, the ccache and the conftest cache is touched.
