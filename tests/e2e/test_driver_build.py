@@ -70,8 +70,8 @@ def write_inventory(tmp: Path, twin, nvidia: dict) -> str:
     return str(inv)
 
 
-def deploy(tmp: Path, twin, nvidia: dict):
-    return run_pyinfra(write_inventory(tmp, twin, nvidia), STAGE_DEPLOY, env=STAGES)
+def deploy(tmp: Path, twin, nvidia: dict, timeout: int = 600):
+    return run_pyinfra(write_inventory(tmp, twin, nvidia), STAGE_DEPLOY, env=STAGES, timeout=timeout)
 
 
 def installed_state(twin, releases) -> str:
@@ -162,7 +162,8 @@ def test_driver_builds_installs_refuses_and_skips(driver_twin, tmp_path):
     assert twin_sh(twin, "ls /var/tmp/pvegpu/nvidia-build 2>/dev/null || true").strip() == ""
 
     # 2. the real build and install, both releases from one source
-    run = deploy(tmp_path, twin, nvidia_spec(releases, sha))
+    # ~13 min on two idle cores; an hour leaves room for a machine whose cores are shared
+    run = deploy(tmp_path, twin, nvidia_spec(releases, sha), timeout=3600)
     assert run.rc == 0, run.output[-5000:]
     assert f"building nvidia {VERSION} src/" in run.output and "with gcc-12 and g++-12" in run.output
     assert f"building nvidia {VERSION} for {second}" in run.output and "src/ objects reused" in run.output
