@@ -201,8 +201,9 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
         sign = (f"sf=/lib/modules/{shlex.quote(release)}/build/{SIGN_FILE}; [ -x \"$sf\" ] || "
                 f"{{ echo {shlex.quote(f'pvegpu: kernel {release} headers have no {SIGN_FILE} to sign modules with')} >&2; exit 1; }}; "
                 f"for m in \"$B\"/out/*.ko; do \"$sf\" sha256 {key} {cert} \"$m\"; done; ")
+    log = shlex.quote(f"{BUILD_ROOT}.log")  # what each build did, kept on the host (a line per step)
     return (
-        f"set -e; B={b}; T={t}; rm -rf \"$B\"; mkdir -p \"$B/out\"; "
+        f"set -e; B={b}; T={t}; L={log}; rm -rf \"$B\"; mkdir -p \"$B/out\"; "
         f"{'mkdir -p ' + shlex.quote(CCACHE_DIR) + '; ' if ccache else ''}"
         f"want=$( {stamp_key} ); "
         # a shared open tree of this archive and these compilers: reuse its src/ objects
@@ -211,7 +212,7 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
         "top=\"$B/src\"; set -- \"$B\"/src/*; [ $# -eq 1 ] && [ -d \"$1\" ] && top=$1; "
         "if [ -d \"$top/kernel-open\" ] && [ -d \"$top/src/nvidia\" ]; then "
         "rm -rf \"$T\"; mkdir -p \"$T\"; mv \"$top\" \"$T/tree\"; rm -rf \"$B/src\"; top=$T/tree; "
-        f"echo \"pvegpu: building nvidia {version} src/ (nv-kernel.o, nv-modeset-kernel.o) with {compiler}{' and ' + cxx if cxx else ''}\"; "
+        f"echo \"pvegpu: building nvidia {version} src/ (nv-kernel.o, nv-modeset-kernel.o) with {compiler}{' and ' + cxx if cxx else ''}\" | tee -a \"$L\"; "
         f"if ! {env}make -C \"$top\" -j{int(jobs)} {src_args} kernel-open/nvidia/nv-kernel.o_binary "
         "kernel-open/nvidia-modeset/nv-modeset-kernel.o_binary >\"$B/build.log\" 2>&1; then "
         f"tail -n 40 \"$B/build.log\" >&2; echo {fail} >&2; exit 1; fi; "
@@ -231,7 +232,7 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
            "else rm -rf \"$ko/conftest\" \"$ct\"; fi; fi; "
            if conftest_cache else "")
         + f"echo \"pvegpu: building nvidia {version} for {release} in $mk with {compiler}{' (ccache)' if ccache else ''}, -j{int(jobs)}"
-        + "$src_note" + ("$ct_note" if conftest_cache else "") + "\"; "
+        + "$src_note" + ("$ct_note" if conftest_cache else "") + "\" | tee -a \"$L\"; "
         f"if ! {env}make -C \"$mk\" -j{int(jobs)} {make_args} "
         f">>\"$B/build.log\" 2>&1; then tail -n 40 \"$B/build.log\" >&2; echo {fail} >&2; exit 1; fi; "
         "cp \"$ko\"/*.ko \"$B/out/\"; "

@@ -165,9 +165,13 @@ def test_driver_builds_installs_refuses_and_skips(driver_twin, tmp_path):
     # ~13 min on two idle cores; an hour leaves room for a machine whose cores are shared
     run = deploy(tmp_path, twin, nvidia_spec(releases, sha), timeout=3600)
     assert run.rc == 0, run.output[-5000:]
-    assert f"building nvidia {VERSION} src/" in run.output and "with gcc-12 and g++-12" in run.output
-    assert f"building nvidia {VERSION} for {second}" in run.output and "src/ objects reused" in run.output
-    assert run.output.count(f"building nvidia {VERSION} src/") == 1, "src/ was compiled twice"
+    builds = twin_sh(twin, "cat /var/tmp/pvegpu/nvidia-build.log").splitlines()  # the build's own notes
+    assert builds[0] == (f"pvegpu: building nvidia {VERSION} src/ (nv-kernel.o, nv-modeset-kernel.o) "
+                         "with gcc-12 and g++-12"), builds
+    assert builds[1].startswith(f"pvegpu: building nvidia {VERSION} for {first} in ") and "reused" not in builds[1]
+    assert builds[2].startswith(f"pvegpu: building nvidia {VERSION} for {second} in ") \
+        and builds[2].endswith(", src/ objects reused"), builds
+    assert len(builds) == 3, f"src/ was compiled more than once: {builds}"
     for release in releases:
         for module in MODULES:
             info = twin_sh(twin, f"modinfo -k {release} {module}")
