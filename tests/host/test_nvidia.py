@@ -138,7 +138,7 @@ def driver_state(target, nv):
 
     _, running = target.run("uname -r")
     releases = list(nv.releases or [running.strip()])
-    return releases, target.fact(NvidiaHostState, releases)
+    return releases, target.fact(NvidiaHostState, tuple(releases))  # the cache key must hash
 
 
 def test_toolchain_matches_each_kernel(target):
