@@ -1,21 +1,26 @@
-"""Benchmark: NVIDIA module build, cold vs. rebuilt from a clean tree with warm caches.
+"""Benchmark: NVIDIA's open tree through the driver stage's build, cold, second release, warm.
 
     sudo .venv/bin/python bench/driver_ccache.py [--jobs N] [--json] [--breakdown]
 
---json prints one JSON line {"value": ratio, "cold_s", "warm_s", "runs": {...}, ...}
-(bench/run.py reads it).
+--json prints one JSON line {"value": warm/cold, "cold_s", "warm_s", "second_release_s",
+"second_vs_first", "source", "releases", "runs": {...}, ...} (bench/run.py reads it).
 
-Runs the driver stage's own `build_command` (operations/nvidia.py) inside a throwaway overlay
-of the twin's cached Debian bookworm root (real 6.1 headers, gcc-12, ccache, Debian's 535
-*proprietary* NVIDIA module tree, nvidia-kernel-source, at /usr/src/nvidia-kernel.tar.xz;
-bookworm has no open one): first with an empty ccache and conftest cache, then again — the
-command unpacks a fresh tree each time, so the second run is a rebuild after a full clean —
-with the ccache and the conftest results the first run stored (as on a host). Prints both
-times, their ratio (target <= 0.35), each run's phases (conftest / compile / link, from the
-tree's mtimes), its ccache counters and the 1-min load average (sampled every 10 s; the
-numbers are only comparable at similar load). --breakdown adds, between the two, a rebuild
-with the ccache alone (conftest results not reused). Needs root (mount namespace, overlayfs,
-chroot); touches nothing outside a temp dir.
+Runs the driver stage's own `build_command` (operations/nvidia.py) inside a throwaway overlay of
+the twin's cached Debian bookworm root (gcc-12/g++-12, ccache, Debian's real headers of two
+releases: 6.1.0-57-amd64 and bookworm-security's 6.12) on NVIDIA's open-gpu-kernel-modules
+archive that `scripts/fetch-upstream.sh open-gpu-kernel-modules-595.45.04` gives (by URL +
+sha256, or the file of that sha256 in ../shared/sources/). In order, as a host does them:
+
+  cold    the first release, empty ccache and conftest cache: src/ (C and C++) + kernel-open/
+  second  the second release in the same run: src/ objects reused, kernel-open/ alone
+  warm    the first release again after the run's scratch dirs were removed (a rebuild on a
+          later run: the tree unpacked afresh), with the ccache and conftest results kept
+
+Prints the times, warm/cold (target <= 0.1) and second/first, each run's phases (conftest /
+compile / link, from the tree's mtimes), its ccache counters and the 1-min load average
+(sampled every 10 s; numbers are only comparable at similar load). --breakdown adds, before
+warm, a rebuild with the ccache alone (conftest results not reused). Needs root (mount
+namespace, overlayfs, chroot); touches nothing outside a temp dir.
 """
 
 from __future__ import annotations
@@ -29,29 +34,34 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 
-from operations.nvidia import CCACHE_DIR, build_command, build_dir  # noqa: E402
+from operations.nvidia import CCACHE_DIR, build_command, build_dir, cleanup_command, src_dir  # noqa: E402
 from tests.twin import runtime  # noqa: E402
 
-TARGET_RATIO = 0.35
-TARBALL = "/usr/src/nvidia-kernel.tar.xz"
+TARGET_RATIO = 0.1
+SOURCE = "open-gpu-kernel-modules-595.45.04"
+ARCHIVE = "/tmp/open-gpu-kernel-modules.tar"  # where the archive sits in the overlay
+CC, CXX = "gcc-12", "g++-12"
 
 
-def headers_release(root: Path) -> str:
-    """The release of the root's Debian headers (6.1.0-57-amd64 in the twin root)."""
-    releases = sorted(p.name for p in (root / "lib/modules").iterdir() if (root / f"usr/src/linux-headers-{p.name}/Makefile").exists())
-    if not releases:
-        raise SystemExit(f"no kernel headers under {root}/lib/modules")
-    return releases[-1]
+def headers_releases(root: Path) -> list[str]:
+    """The releases with Debian headers in the root, oldest first (6.1.0-57-amd64, 6.12.…+deb12-amd64)."""
+    releases = [p.name for p in (root / "lib/modules").iterdir()
+                if (root / f"lib/modules/{p.name}/build").is_symlink()
+                and (root / str(os.readlink(root / f"lib/modules/{p.name}/build")).lstrip("/") / "Makefile").exists()]
+    if len(releases) < 2:
+        raise SystemExit(f"the twin root needs headers of two releases under {root}/lib/modules; has {releases}")
+    return sorted(releases, key=lambda r: [int(x) for x in re.findall(r"\d+", r.split("+")[0].split("-")[0])])
 
 
-def tarball_version(root: Path) -> str:
-    status = (root / "var/lib/dpkg/status").read_text()
-    match = re.search(r"^Package: nvidia-kernel-source\n(?:.+\n)*?Version: (\d+\.\d+\.\d+)", status, re.M)
-    if not match:
-        raise SystemExit("nvidia-kernel-source is not installed in the twin root")
-    return match.group(1)
+def fetch_source() -> tuple[Path, str]:
+    """(archive path, its version) through the project's fetch script."""
+    done = subprocess.run(["bash", str(REPO / "scripts/fetch-upstream.sh"), SOURCE], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"scripts/fetch-upstream.sh {SOURCE} failed:\n{done.stderr}")
+    return Path(done.stdout.strip().splitlines()[-1]), SOURCE.rsplit("-", 1)[1]
 
 
 def phases(listing: str, t0: float, t1: float) -> dict:
@@ -77,21 +87,25 @@ def phases(listing: str, t0: float, t1: float) -> dict:
 
 def run(jobs: int | None, breakdown: bool = False) -> dict:
     lower = runtime.ensure_root_cache()
-    release, version = headers_release(lower), tarball_version(lower)
+    first, second = headers_releases(lower)[:2]
+    archive, version = fetch_source()
     jobs = jobs or 2
-    # cold: empty ccache and conftest cache; warm: both as the cold run left them.
-    # --breakdown adds, between them, a rebuild with the ccache only (conftest results not reused).
-    builds = [("cold", True)] + ([("ccache_only", False)] if breakdown else []) + [("warm", True)]
+    # (name, release, conftest cache, remove the run's scratch dirs first)
+    builds = [("cold", first, True, False), ("second", second, True, False)]
+    builds += [("ccache_only", first, False, True)] if breakdown else []
+    builds += [("warm", first, True, True)]
     lines = ["set -e", "( while :; do echo \"load $(cut -d' ' -f1 /proc/loadavg)\"; sleep 10; done ) & sampler=$!"]
-    for name, conftest_cache in builds:
-        build = build_command(TARBALL, version, release, "gcc-12", jobs, ccache=True, conftest_cache=conftest_cache)
-        lines += [
+    for name, release, conftest_cache, clean in builds:
+        build = build_command(ARCHIVE, version, release, CC, jobs, ccache=True, conftest_cache=conftest_cache, cxx=CXX)
+        b, t = build_dir(version, release), src_dir(version, CC, CXX)
+        lines += ([cleanup_command(version)] if clean else []) + [
             f"CCACHE_DIR={CCACHE_DIR} ccache -z >/dev/null 2>&1 || true",
             f"echo \"start {name} $(date +%s.%N) $(cut -d' ' -f1 /proc/loadavg)\"",
-            f"( {build} ) >/tmp/{name}.out 2>&1",
+            f"( {build} ) >/tmp/{name}.out 2>&1 || {{ cat /tmp/{name}.out; tail -n 60 {b}/build.log; exit 1; }}",
             f"echo \"end {name} $(date +%s.%N) $(cut -d' ' -f1 /proc/loadavg)\"",
-            f"find {build_dir(version, release)}/src -printf '%T@ %P\\n' >/tmp/{name}.mtimes",
-            f"cp {build_dir(version, release)}/build.log /tmp/{name}.log",
+            f"find {t}/tree {b} -printf '%T@ %P\\n' >/tmp/{name}.mtimes 2>/dev/null || true",
+            f"cp {b}/build.log /tmp/{name}.log",
+            f"ls -l {b}/out/ | sed 's/^/ko {name} /'",
             f"CCACHE_DIR={CCACHE_DIR} ccache --print-stats | grep -E '^(direct_cache_hit|preprocessed_cache_hit|cache_miss|"
             f"compile_failed|preprocessor_error|called_for_preprocessing)\\s' | sed 's/^/stat {name} /'",
         ]
@@ -103,6 +117,7 @@ def run(jobs: int | None, breakdown: bool = False) -> dict:
             (t / d).mkdir()
         (t / "upper/tmp").mkdir(parents=True)
         (t / "upper/tmp/bench.sh").write_text(script + "\n")
+        subprocess.run(["cp", str(archive), str(t / "upper") + ARCHIVE], check=True)
         shell = (
             f"mount -t overlay overlay -o lowerdir={lower},upperdir={t}/upper,workdir={t}/work {t}/merged && "
             f"mount -t proc proc {t}/merged/proc && mount --bind /dev {t}/merged/dev && "
@@ -111,25 +126,32 @@ def run(jobs: int | None, breakdown: bool = False) -> dict:
         done = subprocess.run(["unshare", "--mount", "--pid", "--fork", "bash", "-c", shell],
                               capture_output=True, text=True)
         if done.returncode != 0:
-            log = (t / "upper/tmp/cold.out")
-            raise SystemExit(f"build failed:\n{done.stdout}{done.stderr}\n{log.read_text()[-3000:] if log.exists() else ''}")
+            raise SystemExit(f"build failed:\n{done.stdout[-6000:]}{done.stderr[-3000:]}")
         runs = {}
-        for name, _ in builds:
+        for name, release, _, _ in builds:
             start = re.search(rf"^start {name} ([\d.]+) ([\d.]+)$", done.stdout, re.M)
             end = re.search(rf"^end {name} ([\d.]+) ([\d.]+)$", done.stdout, re.M)
             t0, t1 = float(start.group(1)), float(end.group(1))
             log = (t / f"upper/tmp/{name}.log").read_text(errors="replace")
+            out = (t / f"upper/tmp/{name}.out").read_text(errors="replace")
             runs[name] = {
+                "release": release,
                 "s": round(t1 - t0, 1), **phases((t / f"upper/tmp/{name}.mtimes").read_text(), t0, t1),
                 "conftest_runs": len(re.findall(r"^ CONFTEST: ", log, re.M)),
-                "restored": "conftest results restored" in (t / f"upper/tmp/{name}.out").read_text(),
+                "objtool_naked_returns": len(re.findall(r"'naked' return found", log)),
+                "restored": "conftest results restored" in out,
+                "src_reused": "src/ objects reused" in out,
+                "ko_bytes": sum(int(m) for m in re.findall(rf"^ko {name} \S+\s+\d+\s+\S+\s+\S+\s+(\d+) ", done.stdout, re.M)),
                 "load_1min": [float(start.group(2)), float(end.group(2))],
                 "ccache": {k: int(v) for k, v in re.findall(rf"^stat {name} (\w+)\s+(\d+)$", done.stdout, re.M)},
             }
     samples = [float(x) for x in re.findall(r"^load ([\d.]+)$", done.stdout, re.M)]
-    cold, warm = runs["cold"]["s"], runs["warm"]["s"]
-    return {"value": round(warm / cold, 3), "benchmark": "driver_ccache", "release": release, "version": version, "jobs": jobs,
-            "cold_s": cold, "warm_s": warm, "ratio": round(warm / cold, 3),
+    cold, warm, second_s = runs["cold"]["s"], runs["warm"]["s"], runs["second"]["s"]
+    return {"value": round(warm / cold, 3), "benchmark": "driver_ccache", "source": SOURCE,
+            "source_sha256": subprocess.run(["sha256sum", str(archive)], capture_output=True, text=True).stdout.split()[0],
+            "releases": [first, second], "version": version, "jobs": jobs, "compilers": [CC, CXX],
+            "cold_s": cold, "warm_s": warm, "second_release_s": second_s, "ratio": round(warm / cold, 3),
+            "second_vs_first": round(second_s / cold, 3),
             "target_ratio": TARGET_RATIO, "ok": warm / cold <= TARGET_RATIO,
             "load_1min_mean": round(sum(samples) / len(samples), 2) if samples else None,
             "load_1min_max": max(samples) if samples else None, "runs": runs}
@@ -146,12 +168,13 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print(f"NVIDIA {result['version']} modules for {result['release']}, -j{result['jobs']}, "
+    print(f"NVIDIA {result['source']} for {', '.join(result['releases'])}, -j{result['jobs']}, "
           f"load (1 min) mean {result['load_1min_mean']} max {result['load_1min_max']} on {os.cpu_count()} cores")
     for name, r in result["runs"].items():
-        print(f"  {name:12} {r['s']:7.1f} s  conftest {r['conftest_s']:6.1f}  compile {r['compile_s']:6.1f}  "
+        print(f"  {name:12} {r['release']:22} {r['s']:7.1f} s  conftest {r['conftest_s']:6.1f}  compile {r['compile_s']:6.1f}  "
               f"link {r['link_s']:6.1f}  tail {r['tail_s']:5.1f}  conftests run {r['conftest_runs']:4}  ccache {r['ccache']}")
     print(f"  ratio warm/cold {result['ratio']:.3f}   target <= {TARGET_RATIO}  {'OK' if result['ok'] else 'MISSED'}")
+    print(f"  second release / first {result['second_vs_first']:.3f}")
 
 
 if __name__ == "__main__":

@@ -26,13 +26,13 @@ from __future__ import annotations
 import re
 import shlex
 
-from facts.once import fact_once
 from pyinfra import host, logger
 from pyinfra.api import FactBase, StringCommand, deploy, operation
 
 from facts.files import ManagedFiles
 from facts.hardware import HardwareProbe
 from facts.kernel import split_sections
+from facts.once import fact_once
 from operations import progress
 from operations.files import managed_file
 from plan import nvidia as nvplan
@@ -57,6 +57,14 @@ PERSISTENCED_UNIT = "/etc/systemd/system/nvidia-persistenced.service"
 PERSISTENCED_UNIT_DIRS = ("/etc/systemd/system", "/lib/systemd/system", "/usr/lib/systemd/system")
 WANTS_DIR = "/etc/systemd/system/multi-user.target.wants"
 SECTION = "@@ "
+# sign-file in a release's headers: Debian links scripts/ into linux-kbuild; Proxmox copies the built
+# scripts/ into proxmox-headers (follows pve-kernel debian/rules, the headers package target)
+SIGN_FILE = "scripts/sign-file"
+# kernel options the driver preflight reads from each release's include/config/auto.conf
+KERNEL_CONFIG_KEYS = ("CONFIG_OBJTOOL_WERROR", "CONFIG_MITIGATION_RETHUNK", "CONFIG_RETHUNK",
+                      "CONFIG_MODULE_SIG", "CONFIG_MODULE_SIG_FORCE")
+# EFI global variable GUID 8be4df61-…: SecureBoot (UEFI spec; what mokutil --sb-state reads)
+SECURE_BOOT_EFIVAR = "/sys/firmware/efi/efivars/SecureBoot-8be4df61-93ca-11d2-aa0d-00e098032b8c"
 # host data a kernel stage sets to the releases it installs (list of str)
 KERNEL_RELEASES_KEY = "pvegpu_kernel_releases"
 # host data that replaces the target releases (list of str) when the spec's nvidia.releases
@@ -137,39 +145,83 @@ def conftest_key_command(archive: str, release: str, cc: str, make_args: str = "
     )
 
 
+def src_dir(version: str, cc: str, cxx: str | None) -> str:
+    """The unpacked open tree whose src/ objects every release of one build run shares."""
+    return f"{BUILD_ROOT}/{version}/tree-{re.sub(r'[^A-Za-z0-9._+-]', '_', cc)}-{re.sub(r'[^A-Za-z0-9._+-]', '_', cxx or 'none')}"
+
+
 def build_command(archive: str, version: str, release: str, cc: str, jobs: int, ccache: bool,
-                  conftest_cache: bool = True) -> str:
-    """Unpack `archive` into a fresh scratch dir and build the modules for `release`.
+                  conftest_cache: bool = True, cxx: str | None = None,
+                  signing: tuple[str, str] | None = None) -> str:
+    """Build the NVIDIA modules for `release` in a fresh scratch dir; the .ko files land in <scratch>/out.
 
-    Layouts: the open-gpu-kernel-modules archive (top `make modules`, modules land in
-    kernel-open/), an extracted .run (`kernel-open/`), and Debian's nvidia-*kernel-source
-    tarball (`modules/nvidia-kernel/`): the shallowest dir with a Kbuild. The kernel is named by
-    KERNEL_UNAME (as Debian's dkms.conf does), so NVIDIA's Makefile finds a split header
-    package itself: sources in /lib/modules/<rel>/source (Debian's -common), output in
-    .../build (-amd64); with SYSSRC=.../build alone every conftest compiled against the output
-    tree's empty include/ and failed (all features #undef, then `stdarg.h` not found). The built .ko files
-    are copied to <scratch>/out; the build log is <scratch>/build.log (its tail is printed on
-    failure). Nothing outside the scratch dir, the ccache and the conftest cache is touched.
+    Layouts: the open-gpu-kernel-modules archive (`src/nvidia` + `src/nvidia-modeset` compiled
+    with $(CC) and $(CXX) into nv-kernel.o / nv-modeset-kernel.o, then `kernel-open/` with
+    kbuild), an extracted .run (`kernel-open/` with NVIDIA's prebuilt objects), and Debian's
+    nvidia-*kernel-source tarball (`modules/nvidia-kernel/`): the shallowest dir with a Kbuild.
 
-    conftest_cache: before `make`, restore <tree>/conftest/ from a previous successful build with
-    the same `conftest_key_command` key (mtimes kept, so NVIDIA's Kbuild finds every result
-    newer than conftest.sh and reruns only its always-run sanity checks and the uts_release
-    check, which rewrites nothing when the release is the same); after a successful build,
-    store this build's conftest/ under its key.
+    The open tree's src/ part does not depend on the kernel: it is built once per run in
+    `src_dir(version, cc, cxx)` (kept while its stamp names this archive and these compilers'
+    banners) and every release copies only kernel-open/ from there, its two .o_binary links
+    pointing at the shared objects; so a second release compiles kernel-open/ alone (follows
+    the tree's top-level Makefile: `modules` needs the two .o_binary links, then
+    `make -C kernel-open modules`). `cleanup_command` removes it after the installs.
+
+    The kernel is named by KERNEL_UNAME (as Debian's dkms.conf does), so NVIDIA's Makefile
+    finds a split header package itself: sources in /lib/modules/<rel>/source (Debian's
+    -common), output in .../build (-amd64); with SYSSRC=.../build alone every conftest compiled
+    against the output tree's empty include/ and failed. The build log is <scratch>/build.log
+    (its tail is printed on failure). The .ko files are stripped of debug info as the kernel's
+    INSTALL_MOD_STRIP=1 does (`strip --strip-debug`; 595.45.04 for 6.1: 25.5 MB of modules left) and then,
+    with `signing` = (key, cert) paths on the host, signed with the release's own
+    scripts/sign-file (sha256), in that order: stripping after signing would drop the signature.
+    Nothing outside the scratch dirs, the ccache and the conftest cache is touched.
+
+    conftest_cache: before `make`, restore kernel-open/conftest/ from a previous successful
+    build with the same `conftest_key_command` key (mtimes kept, so NVIDIA's Kbuild finds every
+    result newer than conftest.sh and reruns only its always-run checks); after a successful
+    build, store this build's conftest/ under its key.
     """
     b = shlex.quote(build_dir(version, release))
     # ccache by masquerade (/usr/lib/ccache/<cc> first on PATH): NVIDIA's conftest.sh runs
     # "$CC" quoted, so CC="ccache gcc-12" makes every conftest fail.
     compiler = cc
     make_args = f"modules KERNEL_UNAME={shlex.quote(release)} CC={shlex.quote(compiler)}"
+    src_args = f"CC={shlex.quote(compiler)}" + (f" CXX={shlex.quote(cxx)}" if cxx else "")
+    if cxx:
+        make_args += f" CXX={shlex.quote(cxx)}"
     env = (f"PATH={CCACHE_MASQUERADE}:$PATH CCACHE_DIR={shlex.quote(CCACHE_DIR)} "
            f"CCACHE_IGNOREOPTIONS={shlex.quote(CCACHE_IGNORE_OPTIONS)} " if ccache else "")
+    fail = shlex.quote(f"pvegpu: building nvidia {version} for {release} failed; installed modules are untouched")
+    t = shlex.quote(src_dir(version, compiler, cxx))
+    stamp_key = (f"{{ sha256sum < {shlex.quote(archive)}; echo {shlex.quote(src_args)}; {shlex.quote(compiler)} -v 2>&1; "
+                 + (f"{shlex.quote(cxx)} -v 2>&1; " if cxx else "") + "} | sha256sum | cut -c1-64")
+    sign = ""
+    if signing:
+        key, cert = (shlex.quote(x) for x in signing)
+        sign = (f"sf=/lib/modules/{shlex.quote(release)}/build/{SIGN_FILE}; [ -x \"$sf\" ] || "
+                f"{{ echo {shlex.quote(f'pvegpu: kernel {release} headers have no {SIGN_FILE} to sign modules with')} >&2; exit 1; }}; "
+                f"for m in \"$B\"/out/*.ko; do \"$sf\" sha256 {key} {cert} \"$m\"; done; ")
+    log = shlex.quote(f"{BUILD_ROOT}.log")  # what each build did, kept on the host (a line per step)
     return (
-        f"set -e; B={b}; rm -rf \"$B\"; mkdir -p \"$B/src\" \"$B/out\"; "
+        f"set -e; B={b}; T={t}; L={log}; rm -rf \"$B\"; mkdir -p \"$B/out\"; "
         f"{'mkdir -p ' + shlex.quote(CCACHE_DIR) + '; ' if ccache else ''}"
-        f"tar -xf {shlex.quote(archive)} -C \"$B/src\"; "
+        f"want=$( {stamp_key} ); "
+        # a shared open tree of this archive and these compilers: reuse its src/ objects
+        "if [ \"$(cat \"$T/.pvegpu-src-built\" 2>/dev/null)\" = \"$want\" ]; then top=$T/tree; src_note=', src/ objects reused'; "
+        "else src_note=; rm -rf \"$B/src\"; mkdir -p \"$B/src\"; tar -xf " + shlex.quote(archive) + " -C \"$B/src\"; "
         "top=\"$B/src\"; set -- \"$B\"/src/*; [ $# -eq 1 ] && [ -d \"$1\" ] && top=$1; "
-        "if [ -d \"$top/kernel-open\" ] && [ -d \"$top/src/nvidia\" ]; then mk=$top; ko=$top/kernel-open; "
+        "if [ -d \"$top/kernel-open\" ] && [ -d \"$top/src/nvidia\" ]; then "
+        "rm -rf \"$T\"; mkdir -p \"$T\"; mv \"$top\" \"$T/tree\"; rm -rf \"$B/src\"; top=$T/tree; "
+        f"echo \"pvegpu: building nvidia {version} src/ (nv-kernel.o, nv-modeset-kernel.o) with {compiler}{' and ' + cxx if cxx else ''}\" | tee -a \"$L\"; "
+        f"if ! {env}make -C \"$top\" -j{int(jobs)} {src_args} kernel-open/nvidia/nv-kernel.o_binary "
+        "kernel-open/nvidia-modeset/nv-modeset-kernel.o_binary >\"$B/build.log\" 2>&1; then "
+        f"tail -n 40 \"$B/build.log\" >&2; echo {fail} >&2; exit 1; fi; "
+        "echo \"$want\" > \"$T/.pvegpu-src-built\"; fi; fi; "
+        # the open tree: this release's own copy of kernel-open/ beside the shared src/ objects
+        "if [ \"$top\" = \"$T/tree\" ]; then ko=$B/kernel-open; mk=$ko; cp -a \"$top/kernel-open\" \"$ko\"; "
+        "for l in nvidia/nv-kernel.o_binary nvidia-modeset/nv-modeset-kernel.o_binary; do "
+        "ln -sfn \"$(readlink -f \"$top/kernel-open/$l\")\" \"$ko/$l\"; done; "
         "elif [ -f \"$top/kernel-open/Kbuild\" ]; then mk=$top/kernel-open; ko=$mk; "
         "else kb=$(find \"$top\" -maxdepth 3 -name Kbuild | awk '{print length, $0}' | sort -n | head -n 1 | cut -d' ' -f2-); "
         "[ -n \"$kb\" ] || { echo 'pvegpu: no NVIDIA kernel module tree (Kbuild) in the source archive' >&2; exit 1; }; "
@@ -181,18 +233,26 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
            "else rm -rf \"$ko/conftest\" \"$ct\"; fi; fi; "
            if conftest_cache else "")
         + f"echo \"pvegpu: building nvidia {version} for {release} in $mk with {compiler}{' (ccache)' if ccache else ''}, -j{int(jobs)}"
-        + ("$ct_note" if conftest_cache else "") + "\"; "
+        + "$src_note" + ("$ct_note" if conftest_cache else "") + "\" | tee -a \"$L\"; "
         f"if ! {env}make -C \"$mk\" -j{int(jobs)} {make_args} "
-        ">\"$B/build.log\" 2>&1; then tail -n 40 \"$B/build.log\" >&2; "
-        f"echo {shlex.quote(f'pvegpu: building nvidia {version} for {release} failed; installed modules are untouched')} >&2; exit 1; fi; "
+        f">>\"$B/build.log\" 2>&1; then tail -n 40 \"$B/build.log\" >&2; echo {fail} >&2; exit 1; fi; "
         "cp \"$ko\"/*.ko \"$B/out/\"; "
         f"vm=$(modinfo -F vermagic \"$B/out/nvidia.ko\"); case \"$vm\" in {shlex.quote(release)}\\ *) ;; *) "
-        f"echo \"pvegpu: built nvidia.ko has vermagic '$vm', not {release}\" >&2; exit 1;; esac"
-        + ("; if [ ! -f \"$ct\" ] && [ -d \"$ko/conftest\" ]; then "
+        f"echo \"pvegpu: built nvidia.ko has vermagic '$vm', not {release}\" >&2; exit 1;; esac; "
+        # INSTALL_MOD_STRIP=1 (kernel scripts/Makefile.modinst): strip --strip-debug, before signing
+        "strip --strip-debug \"$B\"/out/*.ko; "
+        + sign
+        + ("if [ ! -f \"$ct\" ] && [ -d \"$ko/conftest\" ]; then "
            f"mkdir -p {shlex.quote(CONFTEST_CACHE)}; tar -C \"$ko\" -czf \"$ct.part\" conftest && mv -f \"$ct.part\" \"$ct\"; "
-           f"ls -1t {shlex.quote(CONFTEST_CACHE)}/*.tgz | tail -n +{CONFTEST_CACHE_KEEP + 1} | xargs -r rm -f; fi"
+           f"ls -1t {shlex.quote(CONFTEST_CACHE)}/*.tgz | tail -n +{CONFTEST_CACHE_KEEP + 1} | xargs -r rm -f; fi; "
            if conftest_cache else "")
+        + "rm -rf \"$B/kernel-open\" \"$B/src\""
     )
+
+
+def cleanup_command(version: str) -> str:
+    """Remove every scratch dir of `version`'s builds (the shared src/ tree included)."""
+    return f"rm -rf {shlex.quote(f'{BUILD_ROOT}/{version}')}"
 
 
 def install_command(version: str, release: str) -> str:
@@ -208,20 +268,12 @@ def install_command(version: str, release: str) -> str:
     )
 
 
-def firmware_command(installer: str, version: str) -> str:
-    """GSP firmware of exactly `version` from the .run into /lib/firmware/nvidia/<ver>/."""
-    x = shlex.quote(f"{BUILD_ROOT}/{version}/run")
-    fw = shlex.quote(f"/lib/firmware/nvidia/{version}")
-    return (
-        f"set -e; X={x}; rm -rf \"$X\"; sh {shlex.quote(installer)} --extract-only --target \"$X\" >/dev/null; "
-        "set -- \"$X\"/firmware/gsp*.bin; [ -e \"$1\" ] || "
-        f"{{ echo {shlex.quote(f'pvegpu: the installer for {version} carries no GSP firmware')} >&2; exit 1; }}; "
-        f"mkdir -p {fw}; for f in \"$@\"; do install -m 644 \"$f\" {fw}/; done; rm -rf \"$X\""
-    )
+def verify_command(version: str, releases: list[str], firmware: bool, firmware_files: list[str] | None = None) -> str:
+    """Exit 1 naming every component whose version is not `version` (incidents 2, 6).
 
-
-def verify_command(version: str, releases: list[str], firmware: bool) -> str:
-    """Exit 1 naming every component whose version is not `version` (incidents 2, 6)."""
+    firmware_files: the GSP files the host's GPUs load (each must be in
+    /lib/firmware/nvidia/<version>/); without them, any gsp*.bin there.
+    """
     v = shlex.quote(version)
     parts = ["bad=0"]
     for release in releases:
@@ -232,7 +284,12 @@ def verify_command(version: str, releases: list[str], firmware: bool) -> str:
         )
     if firmware:
         fw = shlex.quote(f"/lib/firmware/nvidia/{version}")
-        parts.append(f"set -- {fw}/gsp*.bin; [ -e \"$1\" ] || {{ echo \"pvegpu: GSP firmware {version} missing in {fw}\" >&2; bad=1; }}")
+        if firmware_files:
+            for name in firmware_files:
+                f = shlex.quote(f"/lib/firmware/nvidia/{version}/{name}")
+                parts.append(f"[ -e {f} ] || {{ echo \"pvegpu: GSP firmware {version}/{name} missing in {fw}\" >&2; bad=1; }}")
+        else:
+            parts.append(f"set -- {fw}/gsp*.bin; [ -e \"$1\" ] || {{ echo \"pvegpu: GSP firmware {version} missing in {fw}\" >&2; bad=1; }}")
     libs = " ".join(f"{d}/libnvidia-ml.so.*.*" for d in LIB_DIRS)
     parts.append(
         f"for f in {libs}; do [ -e \"$f\" ] || continue; case \"$f\" in *.so.{v}) ;; *) "
@@ -267,13 +324,13 @@ class NvidiaHostState(FactBase):
     ``module`` is None when `modinfo -k <rel> nvidia` finds none.
     """
 
-    def command(self, releases: list[str], sources: dict | None = None) -> str:
+    def command(self, releases: list[str], sources: dict | None = None, signing: list[str] | None = None) -> str:
         parts = [
             f"echo '{SECTION}cores'; nproc",
             f"echo '{SECTION}meminfo'; grep '^MemTotal:' /proc/meminfo",
             f"echo '{SECTION}running'; k=$(uname -r); echo \"$k\"",
             f"echo '{SECTION}ccache'; command -v ccache >/dev/null && [ -d {CCACHE_MASQUERADE} ] && echo {CCACHE_MASQUERADE}",
-            f"echo '{SECTION}compilers'; for c in /usr/bin/gcc /usr/bin/gcc-[0-9]*; do "
+            f"echo '{SECTION}compilers'; for c in /usr/bin/gcc /usr/bin/gcc-[0-9]* /usr/bin/g++ /usr/bin/g++-[0-9]*; do "
             "[ -x \"$c\" ] && echo \"${c##*/}: $(\"$c\" --version 2>/dev/null | head -n 1)\"; done",
         ]
         # the running release ($k, named at run time), then each target; each release once,
@@ -285,10 +342,20 @@ class NvidiaHostState(FactBase):
             f"b=/lib/modules/$r/build; echo \"{SECTION}release $r\"; "
             "[ -f \"$b/Makefile\" ] && echo 'headers: yes' || echo 'headers: no'; "
             "grep -h -m 1 '^CONFIG_CC_VERSION_TEXT=' \"$b/include/config/auto.conf\" \"$b/.config\" 2>/dev/null | head -n 1; "
+            # the options preflight weighs: objtool -Werror with return thunks, module signing
+            f"grep -h -E '^({'|'.join(KERNEL_CONFIG_KEYS)})=' \"$b/include/config/auto.conf\" 2>/dev/null | sed 's/^/config /'; "
+            f"[ -x \"$b/{SIGN_FILE}\" ] && echo 'sign-file: yes'; "
             "modinfo -k \"$r\" nvidia 2>/dev/null | while read -r key value; do "
             'case "$key" in version:|vermagic:|filename:) echo "module $key $value";; esac; done; '
             "done"
         )
+        # Secure Boot: mokutil's verdict, else the EFI variable's last byte (follows nvidia-installer
+        # misc.c secure_boot_enabled(): the low bit of the variable's last byte)
+        parts.append(f"echo '{SECTION}secureboot'; command -v mokutil >/dev/null 2>&1 && mokutil --sb-state 2>&1; "
+                     f"if [ -r {SECURE_BOOT_EFIVAR} ]; then echo \"efivar $(od -An -v -t u1 {SECURE_BOOT_EFIVAR} | tr -s ' ' '\\n' | tail -n 1)\"; "
+                     "elif [ -d /sys/firmware/efi ]; then echo 'efi without SecureBoot variable'; else echo 'no efi'; fi")
+        for path in signing or ():
+            parts.append(f"echo {shlex.quote(SECTION + 'signing ' + path)}; [ -r {shlex.quote(path)} ] && echo readable")
         parts.append(f"echo '{SECTION}firmware'; for f in /lib/firmware/nvidia/*/gsp*.bin*; do [ -e \"$f\" ] && echo \"$f\"; done")
         libs = " ".join(f"{d}/libnvidia-ml.so.*" for d in LIB_DIRS)
         parts.append(f"echo '{SECTION}userspace'; for f in {libs}; do [ -e \"$f\" ] && echo \"$f\"; done")
@@ -300,9 +367,9 @@ class NvidiaHostState(FactBase):
         )
         for key, (url, sha256) in sorted((sources or {}).items()):
             dest = shlex.quote(f"{SOURCE_CACHE}/{sha256}-{source_name(url)}")
-            path = local_path(url)
-            check = (f"elif [ -f {shlex.quote(path)} ]; then echo \"sha256 $(sha256sum < {shlex.quote(path)} | cut -d' ' -f1)\"; "
-                     if path else "")
+            local = local_path(url)
+            check = (f"elif [ -f {shlex.quote(local)} ]; then echo \"sha256 $(sha256sum < {shlex.quote(local)} | cut -d' ' -f1)\"; "
+                     if local else "")
             parts.append(f"echo {shlex.quote(SECTION + 'source ' + key)}; if [ -f {dest} ]; then echo cached; "
                          f"{check}else echo absent; fi")
         return "; ".join(f"{{ {p}; }} 2>/dev/null" for p in parts) + "; true"
@@ -311,13 +378,30 @@ class NvidiaHostState(FactBase):
         return parse_host_state(output)
 
 
+def parse_secure_boot(lines: list[str]) -> bool | None:
+    """True/False from `mokutil --sb-state` ("SecureBoot enabled"/"SecureBoot disabled") or the
+    EFI variable's value byte ("efivar 1"); False on a host without EFI; None when unknown."""
+    for line in lines:
+        if line.strip() in ("SecureBoot enabled", "SecureBoot disabled"):
+            return line.strip() == "SecureBoot enabled"
+    for line in lines:
+        text = line.strip()
+        if text.startswith("efivar "):
+            value = text.split()[-1]
+            return bool(int(value) & 1) if value.isdigit() else None
+        if text in ("no efi", "efi without SecureBoot variable"):
+            return False
+    return None
+
+
 def parse_host_state(lines: list[str]) -> dict:
     """Pure parser of `NvidiaHostState.command` output (shape: see the fact)."""
     sections = {name: [line.rstrip() for line in body if line.strip()]
                 for name, body in split_sections(lines, SECTION).items()}
 
     def first(name: str) -> str | None:
-        return (sections.get(name) or [None])[0]
+        lines = sections.get(name)
+        return lines[0] if lines else None
 
     mem = re.search(r"(\d+)", first("meminfo") or "")
     cores = first("cores")
@@ -330,13 +414,18 @@ def parse_host_state(lines: list[str]) -> dict:
     for name, body in sections.items():
         if not name.startswith("release "):
             continue
-        info: dict = {"headers": False, "cc_version_text": None, "module": None}
+        info: dict = {"headers": False, "cc_version_text": None, "module": None, "config": {}, "sign_file": False}
         module = {}
         for line in body:
             if line.startswith("headers: "):
                 info["headers"] = line.endswith("yes")
             elif line.startswith("CONFIG_CC_VERSION_TEXT="):
                 info["cc_version_text"] = line.split("=", 1)[1].strip().strip('"')
+            elif line.startswith("config "):
+                key, _, value = line[len("config "):].partition("=")
+                info["config"][key] = value.strip().strip('"')
+            elif line == "sign-file: yes":
+                info["sign_file"] = True
             elif line.startswith("module "):
                 key, _, value = line[len("module "):].partition(":")
                 module[key] = value.strip() or None
@@ -356,7 +445,10 @@ def parse_host_state(lines: list[str]) -> dict:
                 "cached": value == "cached",
                 "sha256": value.split(" ", 1)[1] if value.startswith("sha256 ") else None,
             }
+    signing = {name[len("signing "):]: "readable" in body for name, body in sections.items() if name.startswith("signing ")}
     return {
+        "secure_boot": parse_secure_boot(sections.get("secureboot", [])),
+        "signing_files": signing,
         "cores": int(cores) if cores and cores.isdigit() else 1,
         "mem_total_kib": int(mem.group(1)) if mem else 0,
         "running": first("running"),
@@ -392,13 +484,27 @@ def fetch_source(url: str, sha256: str, dest: str, cached: bool = False):
 
 @operation()
 def build_modules(archive: str, version: str, release: str, cc: str, jobs: int, ccache: bool,
-                  build: bool = True, reason: str = ""):
-    """Build the NVIDIA kernel modules for one kernel release in a scratch dir (not installed yet)."""
+                  build: bool = True, reason: str = "", cxx: str | None = None,
+                  signing: tuple[str, str] | None = None):
+    """Build the NVIDIA kernel modules for one kernel release in a scratch dir (not installed yet).
+
+    + cxx: the C++ compiler for the open tree's src/ (None: the tree has no C++)
+    + signing: (key, cert) paths on the host to sign the modules with, or None
+    """
     if not build:
         host.noop(reason or f"nvidia {version} is current for {release}")
         return
-    yield progress.reported(build_command(archive, version, release, cc, jobs, ccache), f"nvidia {version} build for {release}",
+    yield progress.reported(build_command(archive, version, release, cc, jobs, ccache, cxx=cxx, signing=signing), f"nvidia {version} build for {release}",
                             key=f"nvidia-{version}-{release}-{archive.rsplit('/', 1)[-1]}", log=f"{build_dir(version, release)}/build.log")
+
+
+@operation()
+def clean_builds(version: str, run: bool = True):
+    """Remove the scratch dirs of `version`'s builds once every release is installed."""
+    if not run:
+        host.noop(f"no nvidia {version} build to clean up")
+        return
+    yield StringCommand(cleanup_command(version))
 
 
 @operation()
@@ -411,17 +517,10 @@ def install_modules(version: str, release: str, install: bool = True):
 
 
 @operation()
-def install_firmware(installer: str, version: str, install: bool = True):
-    """GSP firmware of exactly the module version (incident 2)."""
-    if not install:
-        host.noop(f"GSP firmware {version} is present (or not wanted)")
-        return
-    yield StringCommand(firmware_command(installer, version))
-
-
-@operation()
 def install_userspace(installer: str, version: str, install: bool = True):
-    """NVIDIA user space of exactly the module version, without kernel modules (incident 6)."""
+    """NVIDIA user space and GSP firmware of exactly the module version, without kernel modules
+    (incidents 2, 6): the installer is the one source of the firmware (nvidia-installer installs
+    its FIRMWARE entries into /lib/firmware/nvidia/<version>/ with --no-kernel-modules too)."""
     if not install:
         host.noop(f"user space {version} is installed (or no installer configured)")
         return
@@ -439,12 +538,13 @@ def enable_unit(unit: str, enabled: bool, unit_path: str):
 
 
 @operation()
-def verify_versions(version: str, releases: list[str], firmware: bool, run: bool = True):
-    """Refuse to finish when modules, firmware and user space are not all `version`."""
+def verify_versions(version: str, releases: list[str], firmware: bool, run: bool = True,
+                    firmware_files: list[str] | None = None):
+    """Refuse to finish when modules, firmware (each file the GPUs load) and user space are not all `version`."""
     if not run:
         host.noop(f"nvidia {version}: modules, firmware and user space unchanged and equal")
         return
-    yield StringCommand(verify_command(version, releases, firmware))
+    yield StringCommand(verify_command(version, releases, firmware, firmware_files))
 
 
 # -- stage protocol ------------------------------------------------------------------------
@@ -467,8 +567,16 @@ def _sources(nv) -> dict:
 
 def _state_kwargs(spec) -> dict:
     """`NvidiaHostState`'s arguments: the running release is probed by name at run time, plus
-    the kernel stage's and the configured sources."""
-    return {"releases": _releases(spec, None)[0], "sources": _sources(spec.nvidia)}
+    the kernel stage's, the configured sources and the signing key/cert."""
+    signing = spec.nvidia.signing
+    return {"releases": _releases(spec, None)[0], "sources": _sources(spec.nvidia),
+            "signing": [signing.key, signing.cert] if signing else []}
+
+
+def _gpu_ids() -> dict[str, str]:
+    """{bdf: device id} of the host's NVIDIA GPUs (the hardware probe, read once per run)."""
+    hardware = fact_once(HardwareProbe)
+    return nvplan.nvidia_gpu_ids(hardware.get("pci_devices") or {})
 
 
 def _state_and_steps(spec) -> tuple[dict, list[str], dict]:
@@ -476,7 +584,8 @@ def _state_and_steps(spec) -> tuple[dict, list[str], dict]:
     state = fact_once(NvidiaHostState, **_state_kwargs(spec))
     releases, required = _releases(spec, state["running"])
     steps = nvplan.driver_steps(nv.version, releases, state, modules_source=nv.modules_source,
-                                installer=nv.installer, want_firmware=nv.firmware, required=required)
+                                installer=nv.installer, want_firmware=nv.firmware, required=required,
+                                open_tree=nv.open, signing=nv.signing, gpu_ids=_gpu_ids())
     return state, releases, steps
 
 
@@ -513,11 +622,11 @@ def apply(spec) -> None:
     modules_archive = cached_source(nv.modules_source) if nv.modules_source else None
     installer = cached_source(nv.installer) if nv.installer else None
     sources = state["sources"]
-    if nv.modules_source:
+    if nv.modules_source and modules_archive:
         fetch_source(name=f"Fetch and verify NVIDIA modules source {source_name(nv.modules_source.url)}",
                      url=nv.modules_source.url, sha256=nv.modules_source.sha256, dest=modules_archive,
                      cached=not steps["fetch_modules"] or sources.get("modules", {}).get("cached", False))
-    if nv.installer:
+    if nv.installer and installer:
         fetch_source(name=f"Fetch and verify NVIDIA installer {source_name(nv.installer.url)}",
                      url=nv.installer.url, sha256=nv.installer.sha256, dest=installer,
                      cached=not steps["fetch_installer"] or sources.get("installer", {}).get("cached", False))
@@ -525,20 +634,21 @@ def apply(spec) -> None:
         entry = steps["releases"][release]
         build_modules(name=f"Build nvidia {nv.version} for {release}", archive=modules_archive or "",
                       version=nv.version, release=release, cc=entry["cc"] or "gcc", jobs=steps["jobs"],
-                      ccache=steps["ccache"], build=entry["build"], reason=entry["reason"])
-    install_firmware(name=f"GSP firmware {nv.version}", installer=installer or "", version=nv.version,
-                     install=steps["install_firmware"])
+                      ccache=steps["ccache"], build=entry["build"], reason=entry["reason"], cxx=entry["cxx"],
+                      signing=(nv.signing.key, nv.signing.cert) if nv.signing else None)
     for release in releases:
         install_modules(name=f"Install nvidia {nv.version} modules for {release}", version=nv.version,
                         release=release, install=steps["releases"][release]["build"])
-    install_userspace(name=f"NVIDIA user space {nv.version}", installer=installer or "", version=nv.version,
+    clean_builds(name=f"Remove nvidia {nv.version} build dirs", version=nv.version,
+                 run=any(steps["releases"][r]["build"] for r in releases))
+    install_userspace(name=f"NVIDIA user space and GSP firmware {nv.version}", installer=installer or "", version=nv.version,
                       install=steps["install_userspace"])
     if nv.persistenced:
         _persistenced(state, will_install=steps["install_userspace"])
     verify_versions(name=f"Check nvidia {nv.version}: modules, firmware, user space",
                     version=nv.version, releases=[r for r in releases if steps["releases"][r]["build"]
                                                   or (state["releases"].get(r) or {}).get("module")],
-                    firmware=nv.firmware, run=steps["verify"])
+                    firmware=nv.firmware, firmware_files=steps["firmware_files"], run=steps["verify"])
 
 
 def _persistenced(state: dict, will_install: bool) -> None:

@@ -77,20 +77,48 @@ def _compiler_package(program: str, version: str | None) -> str:
     return f"gcc-{major}" if major else "gcc"
 
 
-def toolchain_for(release: str, cc_version_text: str | None, compilers: dict[str, str]) -> dict:
+def toolchain_for(release: str, cc_version_text: str | None, compilers: dict[str, str],
+                  need_cxx: bool = False) -> dict:
     """Which compiler builds modules for `release`, or why none may.
 
     `cc_version_text` is the headers' CONFIG_CC_VERSION_TEXT (the first line of `$CC --version`
     of the compiler that built the kernel); `compilers` maps each installed gcc program to its
     `--version` first line: ``{"gcc": "gcc (Debian 12.2.0-14+deb12u1) 12.2.0", "gcc-12": …}``.
 
-    Returns ``{"cc": "gcc-12", "note": str | None, "refusal": None}`` or
-    ``{"cc": None, "note": None, "refusal": "…which compiler to install…"}``.
-    The program the kernel named comes first, then `gcc`. An identical banner (less the program
+    Returns ``{"cc": "gcc-12", "cxx": "g++-12" | None, "note": str | None, "refusal": None}`` or
+    ``{"cc": None, "cxx": None, "note": None, "refusal": "…which compiler to install…"}``.
+    `need_cxx`: the tree compiles C++ too (NVIDIA's open tree builds src/ with $(CXX), default
+    `g++`): then a g++ of the same family and x.y.z as the chosen gcc is required as well
+    (`compilers` lists the g++ programs beside the gcc ones), the one named like the gcc first.
+    The program the kernel named comes first, then `gcc-<major>`, then `gcc`. An identical banner (less the program
     name) is a match; the same GCC x.y.z with another distribution revision is accepted with a
     note (Debian point releases keep the ABI; Proxmox kernels are built with an older revision
     than most hosts carry); another x.y.z is refused.
     """
+    result = _cc_for(release, cc_version_text, compilers)
+    if result["refusal"] or not need_cxx:
+        return {**result, "cxx": None}
+    cc = result["cc"]
+    wanted_version = gcc_version(compilers[cc]) or ""  # _cc_for found this gcc by its version
+    suffix = cc[len("gcc"):]  # "-12" or ""
+    candidates = [c for c in dict.fromkeys([f"g++{suffix}", "g++", f"g++-{wanted_version.split('.')[0]}"]) if c in compilers]
+    for cxx in candidates:
+        if _banner_tail(compilers[cxx]) == _banner_tail(compilers[cc]):
+            return {**result, "cxx": cxx}
+    for cxx in candidates:
+        if gcc_version(compilers[cxx]) == wanted_version:
+            return {**result, "cxx": cxx}
+    have = "; ".join(f"{c}: {compilers[c]!r}" for c in compilers if c.startswith("g++")) or "no g++ at all"
+    package = f"g++{suffix}" if suffix else f"g++-{wanted_version.split('.')[0]}"
+    return {"cc": None, "cxx": None, "note": None,
+            "refusal": f"kernel {release}: NVIDIA's open tree compiles its C++ files with $(CXX), which must be "
+                       f"G++ {wanted_version} like the {cc} that matches the kernel, but this host has {have}; "
+                       f"a C++ compiler of another version than the kernel's left a host unbootable (incident 1). "
+                       f"Install G++ {wanted_version} (apt install {package}) and run again"}
+
+
+def _cc_for(release: str, cc_version_text: str | None, compilers: dict[str, str]) -> dict:
+    """`toolchain_for` for $(CC) alone."""
     if not cc_version_text:
         return {"cc": None, "note": None,
                 "refusal": f"kernel {release}: its headers carry no CONFIG_CC_VERSION_TEXT, so the compiler "
@@ -101,7 +129,10 @@ def toolchain_for(release: str, cc_version_text: str | None, compilers: dict[str
         return {"cc": None, "note": None,
                 "refusal": f"kernel {release} was built with {cc_version_text!r}, not GCC; "
                            f"pvegpu builds NVIDIA modules with the kernel's own GCC only"}
-    candidates = [c for c in dict.fromkeys([program, "gcc"]) if c in compilers]
+    # the kernel's program (Debian 6.12 names x86_64-linux-gnu-gcc-12), then gcc-<major>, then gcc:
+    # every release built by one GCC gets the same program, so they share one src/ build
+    major = wanted_version.split(".")[0] if wanted_version else None
+    candidates = [c for c in dict.fromkeys([program, f"gcc-{major}", "gcc"]) if c in compilers and c.startswith("gcc")]
     for cc in candidates:
         if _banner_tail(compilers[cc]) == _banner_tail(cc_version_text):
             return {"cc": cc, "note": None, "refusal": None}
@@ -110,7 +141,7 @@ def toolchain_for(release: str, cc_version_text: str | None, compilers: dict[str
             return {"cc": cc, "refusal": None,
                     "note": f"kernel {release} was built with {cc_version_text!r}; using {compilers[cc]!r} "
                             f"(same GCC {wanted_version}, other distribution revision)"}
-    have = "; ".join(f"{c}: {compilers[c]!r}" for c in compilers) or "no gcc at all"
+    have = "; ".join(f"{c}: {compilers[c]!r}" for c in compilers if c.startswith("gcc")) or "no gcc at all"
     package = _compiler_package(program, wanted_version)
     return {"cc": None, "note": None,
             "refusal": f"kernel {release} was built with {cc_version_text!r} but this host has {have}; "
@@ -137,20 +168,133 @@ def module_current(release: str, version: str, installed: dict | None) -> tuple[
     return True, f"nvidia {version} is installed for {release} ({installed.get('filename')})"
 
 
+# -- builds that would fail late ------------------------------------------------------------
+
+# Open trees known to emit "'naked' return found in MITIGATION_RETHUNK build" objtool warnings
+# (thousands, from src/ objects NVIDIA's own Makefiles compile without the kernel's
+# -mfunction-return=thunk-extern; src/nvidia/Makefile and src/nvidia-modeset/Makefile pass only
+# -mindirect-branch=thunk-extern, in all 193 tags of the repository up to this one); building 595.45.04 against
+# Debian's 6.12.118 headers printed 13,777 of them (2026-12-03). Newer versions are not known either way.
+RETHUNK_WARNING_TREES_UP_TO = "595.45.04"
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version))
+
+
+def objtool_problem(release: str, config: dict[str, str], version: str, open_tree: bool) -> tuple[str | None, str | None]:
+    """(refusal, note) for a kernel whose objtool turns warnings into errors.
+
+    `config`: the release's auto.conf options (`CONFIG_OBJTOOL_WERROR`, `CONFIG_MITIGATION_RETHUNK`
+    or its pre-6.9 name `CONFIG_RETHUNK`). With -Werror and return thunks on, an open tree of a
+    version known to leave bare `ret`s in its src/ objects fails when kbuild links nvidia.ko, after
+    the whole src/ compile; refused up front. A newer open tree is only noted.
+    """
+    werror = config.get("CONFIG_OBJTOOL_WERROR") == "y"
+    rethunk = "y" in (config.get("CONFIG_MITIGATION_RETHUNK"), config.get("CONFIG_RETHUNK"))
+    if not (open_tree and werror and rethunk):
+        return None, None
+    if _version_tuple(version) <= _version_tuple(RETHUNK_WARNING_TREES_UP_TO):
+        return (f"kernel {release} has CONFIG_OBJTOOL_WERROR=y with return thunks (CONFIG_MITIGATION_RETHUNK) and "
+                f"NVIDIA's open tree {version} leaves bare returns in its src/ objects: objtool's "
+                f"\"'naked' return found in MITIGATION_RETHUNK build\" warnings become errors and the build would "
+                f"fail at the link, after the whole compile. Build the kernel without CONFIG_OBJTOOL_WERROR "
+                f"(kernel.config_fragments: ['# CONFIG_OBJTOOL_WERROR is not set']) or use a tree newer than "
+                f"{RETHUNK_WARNING_TREES_UP_TO} that is known to build"), None
+    return None, (f"kernel {release} has CONFIG_OBJTOOL_WERROR=y with return thunks; open trees up to "
+                  f"{RETHUNK_WARNING_TREES_UP_TO} fail there, {version} is not known either way")
+
+
+def secure_boot_problem(secure_boot: bool | None, signing, signing_files: dict[str, bool]) -> str | None:
+    """Refusal when Secure Boot is on and the modules would be unsigned (the kernel would not
+    load them), or when the signing key/cert the spec names are not readable on the host.
+
+    `signing`: the spec's nvidia.signing (``.key``, ``.cert``: host paths) or None.
+    """
+    if signing is not None:
+        missing = [path for path in (signing.key, signing.cert) if not signing_files.get(path)]
+        if missing:
+            return (f"nvidia.signing names {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+                    f"not readable on the host; give the key and certificate (DER or PEM) that sign the modules")
+        return None
+    if secure_boot:
+        return ("Secure Boot is on and nvidia.signing is not set: the kernel would refuse the unsigned NVIDIA "
+                "modules at boot. Enroll a machine owner key (mokutil --import cert.der, confirmed at the next "
+                "boot) and set nvidia.signing.key and .cert to it, or turn Secure Boot off")
+    return None
+
+
 # -- versions of modules, firmware and user space (incidents 2, 6) -------------------------
 
+# GSP firmware file per GPU family, by PCI device-id range (vendor 10de); follows the open
+# tree's kernel-open/common/inc/nv-firmware.h nv_firmware_for_chip_family(): Turing (TU10x,
+# TU11x) and GA100 load gsp_tu10x.bin; GA10x, Ada (AD10x), Hopper (GH100) and Blackwell
+# (GB10x/GB20x) load gsp_ga10x.bin. Older GPUs have no GSP (the open modules do not drive them).
+GSP_FIRMWARE_RANGES = (
+    ((0x1E00, 0x1FFF), "Turing", "gsp_tu10x.bin"),
+    ((0x2180, 0x21FF), "Turing", "gsp_tu10x.bin"),    # TU116/TU117
+    ((0x20B0, 0x20FF), "Ampere GA100", "gsp_tu10x.bin"),
+    ((0x2200, 0x22FF), "Ampere GA10x", "gsp_ga10x.bin"),
+    ((0x2300, 0x233F), "Hopper", "gsp_ga10x.bin"),
+    ((0x2340, 0x25FF), "Ampere GA10x", "gsp_ga10x.bin"),
+    ((0x2600, 0x28FF), "Ada", "gsp_ga10x.bin"),
+    ((0x2900, 0x29FF), "Blackwell", "gsp_ga10x.bin"),
+    ((0x2B00, 0x2FFF), "Blackwell", "gsp_ga10x.bin"),
+)
+
+
+def gsp_firmware_for(device_id: str | None) -> tuple[str, str] | None:
+    """(GPU generation, GSP firmware file it loads) for a PCI device id ("2bb5" -> ("Blackwell",
+    "gsp_ga10x.bin")), None for an unknown id or a GPU without GSP."""
+    try:
+        value = int(device_id or "", 16)
+    except ValueError:
+        return None
+    for (lo, hi), generation, name in GSP_FIRMWARE_RANGES:
+        if lo <= value <= hi:
+            return generation, name
+    return None
+
+
+def needed_gsp_firmware(gpu_ids: dict[str, str]) -> dict[str, list[str]]:
+    """GSP firmware file -> "<generation> <bdf>" of each GPU that loads it (GPUs of unknown id left out).
+
+    >>> needed_gsp_firmware({"0000:01:00.0": "2bb5", "0000:41:00.0": "1eb8"})
+    {'gsp_ga10x.bin': ['Blackwell 0000:01:00.0'], 'gsp_tu10x.bin': ['Turing 0000:41:00.0']}
+    """
+    needed: dict[str, list[str]] = {}
+    for bdf, device in sorted(gpu_ids.items()):
+        found = gsp_firmware_for(device)
+        if found:
+            needed.setdefault(found[1], []).append(f"{found[0]} {bdf}")
+    return dict(sorted(needed.items()))
+
+
+def missing_gsp_firmware(version: str, firmware: dict[str, list[str]], needed: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The `needed` files that /lib/firmware/nvidia/<version>/ lacks; with nothing known to be
+    needed, any gsp*.bin of the version will do (an empty dict when one is there)."""
+    present = set(firmware.get(version) or [])
+    if not needed:
+        return {} if present else {"gsp_*.bin": []}
+    return {name: gpus for name, gpus in needed.items() if name not in present}
+
+
 def firmware_problem(version: str, firmware: dict[str, list[str]], want_firmware: bool,
-                     installer_configured: bool) -> str | None:
+                     installer_configured: bool, needed: dict[str, list[str]] | None = None) -> str | None:
     """Refusal when GSP firmware of exactly `version` is needed, absent, and nothing will bring it.
 
     `firmware`: version directory under /lib/firmware/nvidia -> its gsp*.bin files,
-    e.g. ``{"535.261.03": ["gsp_ga10x.bin", "gsp_tu10x.bin"]}``.
+    e.g. ``{"535.261.03": ["gsp_ga10x.bin", "gsp_tu10x.bin"]}``; `needed`: `needed_gsp_firmware`
+    of the host's GPUs (each file of exactly `version` must be there; without it any gsp*.bin).
     """
-    if not want_firmware or firmware.get(version) or installer_configured:
+    missing = missing_gsp_firmware(version, firmware, needed or {})
+    if not want_firmware or not missing or installer_configured:
         return None
-    others = sorted(v for v, files in firmware.items() if files)
+    others = sorted(v for v, files in firmware.items() if files and v != version)
     found = f"found GSP firmware only for {', '.join(others)}" if others else "found no GSP firmware"
-    return (f"GSP firmware for {version} is missing under /lib/firmware/nvidia/{version}/ ({found}); "
+    which = "; ".join(f"{name} for {', '.join(gpus)}" for name, gpus in missing.items() if gpus)
+    return (f"GSP firmware for {version} is missing under /lib/firmware/nvidia/{version}/ "
+            f"({which + '; ' if which else ''}{found}); "
             f"modules of one version with firmware of another panicked a boot (incident 2). "
             f"Configure nvidia.installer (the .run carries the firmware) or install firmware {version}")
 
@@ -199,7 +343,7 @@ def open_modules_problem(open_modules: bool, gpu_ids: dict[str, str], models: di
     """Refusal when the spec builds NVIDIA's proprietary kernel modules for a host with Blackwell GPUs.
 
     Blackwell is supported by the open kernel modules only; on older GPUs `open: false` builds
-    whatever tree `modules_source` holds (the twin builds Debian's 535 proprietary tree so).
+    whatever tree `modules_source` holds (CI builds only the open tree; this branch has unit tests).
     """
     if open_modules:
         return None
@@ -278,13 +422,19 @@ def source_mismatch(what: str, source, checked: dict | None) -> str | None:
 
 
 def driver_steps(version: str, releases: list[str], state: dict, *, modules_source=None,
-                 installer=None, want_firmware: bool = True, required: set[str] | None = None) -> dict:
+                 installer=None, want_firmware: bool = True, required: set[str] | None = None,
+                 open_tree: bool = False, signing=None, gpu_ids: dict[str, str] | None = None) -> dict:
     """Everything the driver stage will do, decided from the host state before any change.
 
     `modules_source`/`installer` are the spec's SourceSpec (or None).
     `state` is the `NvidiaHostState` fact (see operations/nvidia.py for its shape); `releases`
     the target kernel releases; `required` the releases whose missing headers are a refusal
-    (default: all; a release the kernel stage has not installed yet is only noted).
+    (default: all; a release the kernel stage has not installed yet is only noted);
+    `open_tree`: the source is NVIDIA's open tree (C++ in src/: a matching g++ is needed; objtool
+    -Werror kernels are weighed); `signing`: the spec's nvidia.signing or None (Secure Boot);
+    `gpu_ids`: {bdf: PCI device id} of the host's NVIDIA GPUs (which GSP firmware files they load).
+    GSP firmware has one source, the installer: `.run --no-kernel-modules` installs it beside the
+    user space, so a missing firmware file of the version reruns the installer.
 
     .. code:: python
 
@@ -292,7 +442,7 @@ def driver_steps(version: str, releases: list[str], state: dict, *, modules_sour
          "releases": {"6.1.0-57-amd64": {"build": True, "reason": "no nvidia module installed …",
                                          "cc": "gcc-12", "headers": True}},
          "fetch_modules": True, "fetch_installer": False, "install_userspace": False,
-         "install_firmware": False, "verify": True,
+         "firmware_files": ["gsp_ga10x.bin"], "verify": True,
          "refusals": [], "notes": ["…"]}
     """
     required = set(releases) if required is None else required
@@ -302,7 +452,7 @@ def driver_steps(version: str, releases: list[str], state: dict, *, modules_sour
     for release in releases:
         info = state["releases"].get(release) or {}
         current, reason = module_current(release, version, info.get("module"))
-        entry = {"build": False, "reason": reason, "cc": None, "headers": bool(info.get("headers"))}
+        entry = {"build": False, "reason": reason, "cc": None, "cxx": None, "headers": bool(info.get("headers"))}
         per_release[release] = entry
         if current:
             continue
@@ -312,9 +462,20 @@ def driver_steps(version: str, releases: list[str], state: dict, *, modules_sour
             (refusals if release in required else notes).append(
                 message if release in required else message + "; skipped until they are there")
             continue
-        toolchain = toolchain_for(release, info.get("cc_version_text"), state.get("compilers") or {})
+        toolchain = toolchain_for(release, info.get("cc_version_text"), state.get("compilers") or {},
+                                  need_cxx=open_tree)
         if toolchain["refusal"]:
             refusals.append(toolchain["refusal"])
+            continue
+        refusal, note = objtool_problem(release, info.get("config") or {}, version, open_tree)
+        if note:
+            notes.append(note)
+        if refusal:
+            refusals.append(refusal)
+            continue
+        if signing is not None and not info.get("sign_file"):
+            refusals.append(f"kernel {release}: its headers have no scripts/sign-file to sign the modules with "
+                            f"(nvidia.signing is set); install its complete headers package")
             continue
         if toolchain["note"]:
             notes.append(toolchain["note"])
@@ -322,11 +483,18 @@ def driver_steps(version: str, releases: list[str], state: dict, *, modules_sour
             refusals.append(f"kernel {release}: {reason}, and nvidia.modules_source is not set; give the "
                             f"open-gpu-kernel-modules archive (url + sha256) to build from")
             continue
-        entry.update(build=True, cc=toolchain["cc"])
+        entry.update(build=True, cc=toolchain["cc"], cxx=toolchain["cxx"])
 
+    if any(e["build"] for e in per_release.values()):
+        problem = secure_boot_problem(state.get("secure_boot"), signing, state.get("signing_files") or {})
+        if problem:
+            refusals.append(problem)
     have_userspace = userspace_versions(state.get("userspace") or [])
     installer_given = installer is not None
-    install_userspace = installer_given and have_userspace != [version]
+    firmware = state.get("firmware") or {}
+    needed_firmware = needed_gsp_firmware(gpu_ids or {})
+    firmware_missing = bool(want_firmware and missing_gsp_firmware(version, firmware, needed_firmware))
+    install_userspace = installer_given and (have_userspace != [version] or firmware_missing)
     if not installer_given and any(v != version for v in have_userspace):
         refusals.append(f"user space {', '.join(have_userspace)} is installed but the modules are {version}; "
                         f"containers and tools fail with 'driver/library version mismatch' (incident 6). "
@@ -334,22 +502,20 @@ def driver_steps(version: str, releases: list[str], state: dict, *, modules_sour
     if not installer_given and not have_userspace:
         notes.append(f"no NVIDIA user space found; set nvidia.installer to install {version}'s")
 
-    firmware = state.get("firmware") or {}
-    problem = firmware_problem(version, firmware, want_firmware, installer_given)
+    problem = firmware_problem(version, firmware, want_firmware, installer_given, needed_firmware)
     if problem:
         refusals.append(problem)
-    install_firmware = bool(want_firmware and installer_given and not firmware.get(version))
 
     builds = any(e["build"] for e in per_release.values())
     sources = state.get("sources") or {}
     fetch_modules = modules_source is not None and builds
-    fetch_installer = install_userspace or install_firmware
+    fetch_installer = install_userspace
     for what, key, source, used in (("modules source", "modules", modules_source, fetch_modules),
                                     ("installer", "installer", installer, fetch_installer)):
         mismatch = source_mismatch(what, source, sources.get(key)) if used else None
         if mismatch:
             refusals.append(mismatch)
-    changes = builds or install_userspace or install_firmware
+    changes = builds or install_userspace
     return {
         "jobs": build_jobs(state.get("cores") or 1, state.get("mem_total_kib") or 0),
         "ccache": bool(state.get("ccache")),
@@ -357,7 +523,7 @@ def driver_steps(version: str, releases: list[str], state: dict, *, modules_sour
         "fetch_modules": fetch_modules,
         "fetch_installer": fetch_installer,
         "install_userspace": install_userspace,
-        "install_firmware": install_firmware,
+        "firmware_files": sorted(needed_firmware) if want_firmware else [],
         "verify": changes,
         "refusals": refusals,
         "notes": notes,

@@ -42,7 +42,7 @@ from spec.values import NoBool
 
 BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]$")
 DRIVER_VERSION_RE = re.compile(r"^\d{3}\.\d{1,3}(\.\d{1,3})?$")
-KERNEL_VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?(-[0-9A-Za-z][0-9A-Za-z.+~-]*)?$")
+KERNEL_VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?(\+[0-9A-Za-z.~]+)?(-[0-9A-Za-z][0-9A-Za-z.+~-]*)?$")  # 6.12.118+deb12-amd64
 NCCL_KEY_RE = re.compile(r"^NCCL_[A-Z0-9_]+$")
 NVREG_KEY_RE = re.compile(r"^NVreg_[A-Za-z0-9_]+$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -141,6 +141,21 @@ class SourceSpec(Strict):
         return v
 
 
+class SigningSpec(Strict):
+    """Key and certificate (paths on the host) the NVIDIA modules are signed with for Secure Boot:
+    the kernel's scripts/sign-file signs each module (sha256); the cert must be enrolled (MOK)."""
+
+    key: SafeStr
+    cert: SafeStr
+
+    @field_validator("key", "cert")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError(f"{v!r} is not an absolute path on the host")
+        return v
+
+
 class KernelSourceSpec(Strict):
     kind: Literal["proxmox-git", "tarball"] = "proxmox-git"
     url: SafeStr
@@ -192,6 +207,7 @@ class NvidiaSpec(Strict):
     uvm_disable_hmm: Literal["auto"] | bool = "auto"  # auto: on for Blackwell (incident 3)
     nvreg: dict[SafeStr, Annotated[int | SafeStr, AfterValidator(V.nvreg_value)]] = Field(default_factory=dict)
     persistenced: bool = True
+    signing: SigningSpec | None = None  # sign the modules (Secure Boot); refused unset when Secure Boot is on
     # kernel releases to build for; default: the running one plus the kernel stage's
     releases: list[SafeStr] | None = None
 

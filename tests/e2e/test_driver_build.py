@@ -1,37 +1,50 @@
-"""The NVIDIA driver and module-options stages on a twin, for real (issue 6, "Done when").
+"""The NVIDIA driver and module-options stages on a twin, for real (issues 6 and 17, "Done when").
 
-What is built: Debian bookworm's non-free `nvidia-kernel-source` 535.309.01
-(/usr/src/nvidia-kernel.tar.xz in the twin root). That is NVIDIA's *proprietary* kernel
-module tree (the interface layer compiled here, plus NVIDIA's prebuilt nv-kernel.o), not the
-open-gpu-kernel-modules tree: bookworm has no `nvidia-open-kernel-source`. It goes through the
-same Makefile/Kbuild/conftest path as the open tree, so the spec says `open: false`, which the
-stage allows on a host without Blackwell GPUs: the twin is intel2 (RTX A6000s). It is served
-from that local path with its sha256 and built against the twin's real Debian 6.1 headers
-(linux-headers-6.1.0-57-amd64 + -common) with gcc-12 and ccache: ~6-12 min on two cores.
+What is built: NVIDIA's open GPU kernel modules, open-gpu-kernel-modules 595.45.04 as the GitHub
+tag archive (`scripts/fetch-upstream.sh open-gpu-kernel-modules-595.45.04`: by URL + sha256,
+or the file of that sha256 in ../shared/sources/), served to the twin as a local path with its
+sha256, through the stage's own build: src/nvidia and src/nvidia-modeset (C and C++, gcc-12 and
+g++-12, ccache) once, then kernel-open/ for two releases whose real Debian headers are in the
+twin root: 6.1.0-57-amd64 and bookworm-security's 6.12 (the closest Debian kernel to Proxmox's
+6.14). No stubs: real compilers, real headers, real kbuild, objtool and modpost. ~10-20 min on
+two cores, most of it src/.
 
-One twin, in order: the real build + install; the options file and boot unit; checksum,
-toolchain and firmware refusals for another version, each leaving the installed modules
-byte-for-byte untouched; a second run that compiles nothing and changes nothing.
+The twin is kpro6 (RTX PRO 6000 Blackwell) with Secure Boot on (the EFI variable), so the
+modules are signed with a key made in the twin and the kernel's scripts/sign-file.
+
+One twin, in order: refusals before any build (Secure Boot without a signing key, objtool
+-Werror kernel, headers missing for a release, g++ missing, g++ of another version), each
+changing nothing; the real build + install for both releases (five modules each: version,
+vermagic, firmware lines, signer, no debug info; src/ reused for the second release); the
+options file and boot unit; the host checks of the stage; checksum, toolchain and firmware
+refusals for another version, each leaving the installed modules byte-for-byte untouched; a
+second run that compiles nothing and changes nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import REPO, run_pyinfra
-from tests.twin import runtime
+from tests.e2e.harness import PYTEST, REPO, run_pyinfra
+from tests.twin import installer, runtime
 
 pytestmark = [pytest.mark.twin, pytest.mark.slow]
 
-PROFILE = "intel2"  # RTX A6000 (10de:2230): not Blackwell, so the proprietary tree may be built
-RELEASE = "6.1.0-57-amd64"  # the twin root's Debian headers (the booted 6.8.12-11-pve has none)
-TARBALL = "/usr/src/nvidia-kernel.tar.xz"
+PROFILE = "kpro6"  # 8 x RTX PRO 6000 Blackwell: the open tree is the only one allowed
+SOURCE = "open-gpu-kernel-modules-595.45.04"
+VERSION = "595.45.04"
+ARCHIVE = f"/opt/src/{SOURCE}.tar.xz"  # in the twin, like an operator's download
+MODULES = ("nvidia", "nvidia-uvm", "nvidia-modeset", "nvidia-drm", "nvidia-peermem")
+SECURE_BOOT_VAR = "firmware/efi/efivars/SecureBoot-8be4df61-93ca-11d2-aa0d-00e098032b8c"
+KEY, CERT = "/root/pvegpu-mok/mok.key", "/root/pvegpu-mok/mok.der"
+SIGNER = "pvegpu twin MOK"
 STAGES = {"PVEGPU_STAGES": "operations.nvidia,operations.module_options"}
 STAGE_DEPLOY = str(REPO / "tests/e2e/stage_deploy.py")
 CCACHE_STATS = ("CCACHE_DIR=/var/cache/pvegpu/ccache ccache --print-stats "
@@ -48,7 +61,7 @@ def twin_sh(twin, command: str, check: bool = True) -> str:
 def write_inventory(tmp: Path, twin, nvidia: dict) -> str:
     spec = {"hosts": {twin.name: {"ssh": {"hostname": twin.address, "port": twin.port, "user": "root",
                                           "key": twin.key},
-                                  "node": "intel2", "nvidia": nvidia}}}
+                                  "node": "kpro6", "nvidia": nvidia}}}
     yml = tmp / "driver.yml"
     yml.write_text(json.dumps(spec))  # JSON is YAML
     inv = tmp / "driver_inventory.py"
@@ -58,100 +71,187 @@ def write_inventory(tmp: Path, twin, nvidia: dict) -> str:
     return str(inv)
 
 
-def nvidia_spec(version: str, sha: str, **over) -> dict:
-    spec = {"version": version, "open": False, "releases": [RELEASE],
-            "modules_source": {"url": f"file://{TARBALL}", "sha256": sha}, "firmware": False,
-            "uvm_disable_hmm": True, "nvreg": {"NVreg_EnableGpuFirmware": 1}, "persistenced": False}
-    spec.update(over)
-    return spec
+def deploy(tmp: Path, twin, nvidia: dict, timeout: int = 600):
+    return run_pyinfra(write_inventory(tmp, twin, nvidia), STAGE_DEPLOY, env=STAGES, timeout=timeout)
 
 
-def deploy(tmp: Path, twin, nvidia: dict):
-    return run_pyinfra(write_inventory(tmp, twin, nvidia), STAGE_DEPLOY, env=STAGES)
-
-
-def installed_state(twin) -> str:
+def installed_state(twin, releases) -> str:
     """Checksums of the installed modules and of depmod's index: any install or depmod changes it."""
-    return twin_sh(twin, f"cd /lib/modules/{RELEASE} && find updates -type f -exec sha256sum {{}} + | sort; "
-                         "sha256sum modules.dep modules.dep.bin", check=False)
+    return "".join(twin_sh(twin, f"cd /lib/modules/{r} && find updates -type f -exec sha256sum {{}} + | sort; "
+                                 "sha256sum modules.dep modules.dep.bin", check=False) for r in releases)
+
+
+def headers_releases(root: Path) -> list[str]:
+    releases = sorted(p.name for p in (root / "lib/modules").iterdir() if (root / f"usr/src/linux-headers-{p.name}/Makefile").exists())
+    assert len(releases) == 2 and releases[0].startswith("6.1.") and releases[1].startswith("6.12."), \
+        f"the twin root should have Debian's 6.1 and 6.12 headers, has {releases}"
+    return releases
 
 
 @pytest.fixture
 def driver_twin(twin_factory, twin_root_cache):
-    root = Path(twin_root_cache)
-    # build is an absolute link (-> /usr/src/linux-headers-…) that only resolves inside the twin
-    assert (root / f"usr/src/linux-headers-{RELEASE}/Makefile").exists(), f"the twin root has no {RELEASE} headers"
-    status = (root / "var/lib/dpkg/status").read_text()
-    version = re.search(r"^Package: nvidia-kernel-source\n(?:.+\n)*?Version: (\d+\.\d+\.\d+)", status, re.M).group(1)
-    sha = hashlib.sha256((root / TARBALL.lstrip("/")).read_bytes()).hexdigest()
+    releases = headers_releases(Path(twin_root_cache))
+    fetched = subprocess.run(["bash", str(REPO / "scripts/fetch-upstream.sh"), SOURCE], capture_output=True, text=True)
+    assert fetched.returncode == 0, fetched.stderr
+    archive = Path(fetched.stdout.strip().splitlines()[-1])
+    sha = hashlib.sha256(archive.read_bytes()).hexdigest()
     twin = twin_factory(PROFILE)
-    # The profile seeds its own driver's NVML library (570.x); without an installer in the spec
-    # the stage rightly refuses user space of another version, so this twin stands for a host
-    # with no NVIDIA user space yet. Its seeded GSP firmware stays (the firmware refusal uses it).
+    root = Path(twin.root)
+    (root / "opt/src").mkdir(parents=True, exist_ok=True)
+    subprocess.run(["cp", str(archive), str(root / ARCHIVE.lstrip("/"))], check=True)
+    # The profile seeds its own driver's NVML library; without an installer in the spec the stage
+    # rightly refuses user space of another version, so this twin stands for a host with no NVIDIA
+    # user space yet. Its seeded GSP firmware stays (the firmware refusal uses it).
     twin_sh(twin, "rm -f /usr/lib/x86_64-linux-gnu/libnvidia-ml.so*")
     seeded_fw = twin_sh(twin, "ls /lib/firmware/nvidia").split()
-    return twin, version, sha, seeded_fw
+    # Secure Boot on: the EFI variable as firmware exposes it (4 attribute bytes, then 1)
+    var = root / "var/lib/twin/hw/sys" / SECURE_BOOT_VAR
+    var.parent.mkdir(parents=True, exist_ok=True)
+    var.write_bytes(b"\x06\x00\x00\x00\x01")
+    # a machine owner key, as `mokutil --import` would enroll (DER cert, as sign-file takes it)
+    twin_sh(twin, f"mkdir -p /root/pvegpu-mok && cd /root/pvegpu-mok && openssl req -new -x509 -newkey rsa:2048 "
+                  f"-nodes -days 3650 -subj '/CN={SIGNER}/' -outform DER -keyout {KEY} -out {CERT} 2>/dev/null")
+    # NVIDIA's .run of the same version (the twin's stand-in), as an operator's download
+    run_file = installer.build(VERSION, root / "opt/nvidia")
+    run_source = {"url": f"/opt/nvidia/{run_file.name}", "sha256": hashlib.sha256(run_file.read_bytes()).hexdigest()}
+    return twin, releases, sha, seeded_fw, run_source
+
+
+def nvidia_spec(releases, sha: str, version: str = VERSION, **over) -> dict:
+    spec = {"version": version, "open": True, "releases": list(releases),
+            "modules_source": {"url": f"file://{ARCHIVE}", "sha256": sha}, "firmware": False,
+            "uvm_disable_hmm": True, "nvreg": {"NVreg_EnableGpuFirmware": 1}, "persistenced": False,
+            "signing": {"key": KEY, "cert": CERT}}
+    spec.update(over)
+    return spec
+
+
+def refused(run, *phrases) -> bool:
+    return run.rc != 0 and all(p in run.output for p in phrases)
 
 
 def test_driver_builds_installs_refuses_and_skips(driver_twin, tmp_path):
-    twin, version, sha, seeded_fw = driver_twin
-    assert twin_sh(twin, f"modinfo -k {RELEASE} -F version nvidia 2>/dev/null || true").strip() == ""
+    twin, releases, sha, seeded_fw, run_source = driver_twin
+    first, second = releases
+    empty = installed_state(twin, releases)
+    assert "updates/" not in empty
 
-    # 1. the real build and install
-    run = deploy(tmp_path, twin, nvidia_spec(version, sha))
+    # 1. refusals before any build; each changes nothing
+    run = deploy(tmp_path, twin, nvidia_spec(releases, sha, signing=None))
+    assert refused(run, "Secure Boot is on and nvidia.signing is not set"), run.output[-3000:]
+    run = deploy(tmp_path, twin, nvidia_spec(releases, sha, signing={"key": "/root/none.key", "cert": CERT}))
+    assert refused(run, "nvidia.signing names /root/none.key, which is not readable"), run.output[-3000:]
+    run = deploy(tmp_path, twin, nvidia_spec([*releases, "6.1.0-99-amd64"], sha))
+    assert refused(run, "kernel 6.1.0-99-amd64: no headers at /lib/modules/6.1.0-99-amd64/build"), run.output[-3000:]
+    conf = f"/lib/modules/{second}/build/include/config/auto.conf"
+    twin_sh(twin, f"cp {conf} /root/auto.conf.orig && echo CONFIG_OBJTOOL_WERROR=y >> {conf}")
+    try:
+        run = deploy(tmp_path, twin, nvidia_spec(releases, sha))
+        assert refused(run, f"kernel {second} has CONFIG_OBJTOOL_WERROR=y", "'naked' return"), run.output[-3000:]
+    finally:
+        twin_sh(twin, f"cp /root/auto.conf.orig {conf}")
+    twin_sh(twin, "mkdir -p /root/gxx && mv /usr/bin/g++ /usr/bin/g++-12 /root/gxx/")
+    try:
+        run = deploy(tmp_path, twin, nvidia_spec(releases, sha))
+        assert refused(run, "$(CXX)", "no g++ at all", "apt install g++-12"), run.output[-3000:]
+        twin_sh(twin, "printf '#!/bin/sh\\necho \"g++-12 (Debian 13.2.0-25) 13.2.0\"\\n' > /usr/bin/g++-12 && chmod 755 /usr/bin/g++-12")
+        run = deploy(tmp_path, twin, nvidia_spec(releases, sha))
+        assert refused(run, "$(CXX)", "13.2.0", "apt install g++-12"), run.output[-3000:]
+    finally:
+        twin_sh(twin, "rm -f /usr/bin/g++-12 && mv /root/gxx/* /usr/bin/")
+    assert installed_state(twin, releases) == empty
+    assert twin_sh(twin, "ls /var/tmp/pvegpu/nvidia-build 2>/dev/null || true").strip() == ""
+
+    # 2. the real build and install, both releases from one source
+    # ~13 min on two idle cores; an hour leaves room for a machine whose cores are shared
+    run = deploy(tmp_path, twin, nvidia_spec(releases, sha), timeout=3600)
     assert run.rc == 0, run.output[-5000:]
-    assert twin_sh(twin, f"modinfo -k {RELEASE} -F version nvidia").strip() == version
-    assert twin_sh(twin, f"modinfo -k {RELEASE} -F vermagic nvidia").split()[0] == RELEASE
-    assert twin_sh(twin, f"modinfo -k {RELEASE} -n nvidia").strip() == \
-        f"/lib/modules/{RELEASE}/updates/pvegpu-nvidia/nvidia.ko"
-    assert twin_sh(twin, f"modinfo -k {RELEASE} -F version nvidia-uvm").strip() == version
+    builds = twin_sh(twin, "cat /var/tmp/pvegpu/nvidia-build.log").splitlines()  # the build's own notes
+    assert builds[0] == (f"pvegpu: building nvidia {VERSION} src/ (nv-kernel.o, nv-modeset-kernel.o) "
+                         "with gcc-12 and g++-12"), builds
+    assert builds[1].startswith(f"pvegpu: building nvidia {VERSION} for {first} in ") and "reused" not in builds[1]
+    assert builds[2].startswith(f"pvegpu: building nvidia {VERSION} for {second} in ") \
+        and builds[2].endswith(", src/ objects reused"), builds
+    assert len(builds) == 3, f"src/ was compiled more than once: {builds}"
+    for release in releases:
+        for module in MODULES:
+            info = twin_sh(twin, f"modinfo -k {release} {module}")
+            fields = {}
+            for line in info.splitlines():
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), []).append(value.strip())
+            assert fields["version"] == [VERSION], (release, module, info)
+            assert fields["vermagic"][0].split()[0] == release, (release, module, info)
+            assert fields["signer"] == [SIGNER], (release, module, info)
+            assert fields["filename"][0].startswith(f"/lib/modules/{release}/updates/pvegpu-nvidia/")
+        firmware = twin_sh(twin, f"modinfo -k {release} -F firmware nvidia").split()
+        assert sorted(firmware) == [f"nvidia/{VERSION}/gsp_ga10x.bin", f"nvidia/{VERSION}/gsp_tu10x.bin"]
+        sections = twin_sh(twin, f"objdump -h /lib/modules/{release}/updates/pvegpu-nvidia/nvidia.ko")
+        assert ".debug_info" not in sections, "installed modules keep their debug info"
     assert "cache_miss" in twin_sh(twin, CCACHE_STATS), "the build did not go through ccache"
+    assert twin_sh(twin, "ls /var/tmp/pvegpu/nvidia-build 2>/dev/null || true").strip() == ""
     # progress while it built (issue 20): at least one report between its start and its end
-    what = f"nvidia {version} build for {RELEASE}"
+    what = f"nvidia {VERSION} build for {first}"
     building = run.output[run.output.index(f"{what}: started"):run.output.index(f"{what}: done in ")]
     assert re.search(rf"{re.escape(what)}: \d+ objects built, .* elapsed", building), building[-3000:]
 
-    # 2. module options and the boot unit
+    # 3. module options and the boot unit
     config = twin_sh(twin, "modprobe -c | grep -E '^options (nvidia|nvidia_uvm) '").splitlines()
     assert "options nvidia_uvm uvm_disable_hmm=1" in config
     assert "options nvidia NVreg_EnableGpuFirmware=1" in config
-    verify = subprocess.run(runtime.ssh_command(twin.name, [
-        "systemd-analyze verify --man=no /etc/systemd/system/pvegpu-nvidia-nodes.service"]),
-        capture_output=True, text=True)
-    assert verify.returncode == 0 and verify.stderr.strip() == "", verify.stderr
-    assert twin_sh(twin, "readlink /etc/systemd/system/multi-user.target.wants/pvegpu-nvidia-nodes.service").strip() \
-        == "/etc/systemd/system/pvegpu-nvidia-nodes.service"
 
-    # 3. refusals for another version: each stops the run and leaves the installed modules untouched
-    before = installed_state(twin)
-    assert "updates/pvegpu-nvidia/nvidia.ko" in before
-    other = "535.309.99"
-    run = deploy(tmp_path, twin, nvidia_spec(other, "0" * 64))
-    assert run.rc != 0 and f"has sha256 {sha} but the spec says {'0' * 64}" in run.output, run.output[-3000:]
-    assert installed_state(twin) == before
+    # 4. the installer (the one source of GSP firmware): user space and the firmware the
+    #    Blackwell GPUs load, of exactly the version; no rebuild
+    full = nvidia_spec(releases, sha, installer=run_source, firmware=True)
+    run = deploy(tmp_path, twin, full)
+    assert run.rc == 0, run.output[-5000:]
+    assert "building nvidia" not in run.output
+    assert twin_sh(twin, f"ls /lib/firmware/nvidia/{VERSION}").split() == ["gsp_ga10x.bin", "gsp_tu10x.bin"]
+    assert twin_sh(twin, "ls /usr/lib/x86_64-linux-gnu").split().count(f"libnvidia-ml.so.{VERSION}") == 1
 
-    conf = f"/lib/modules/{RELEASE}/build/include/config/auto.conf"
+    # 5. the stage's host checks pass on the converged twin
+    inventory = write_inventory(tmp_path, twin, full)
+    checks = subprocess.run([PYTEST, "-q", "-p", "no:cacheprovider", "tests/host/test_nvidia.py", "--inventory", inventory,
+                             "-k", "toolchain or signed or gsp_firmware"],
+                            cwd=REPO, capture_output=True, text=True, env=dict(os.environ), timeout=600)
+    assert checks.returncode == 0 and "3 passed" in checks.stdout, checks.stdout[-3000:]
+    # each check fails without what it checks: the Blackwell GPUs' firmware file gone
+    twin_sh(twin, f"mv /lib/firmware/nvidia/{VERSION}/gsp_ga10x.bin /root/")
+    try:
+        checks = subprocess.run([PYTEST, "-q", "-p", "no:cacheprovider", "tests/host/test_nvidia.py", "--inventory", inventory,
+                                 "-k", "gsp_firmware"], cwd=REPO, capture_output=True, text=True, env=dict(os.environ), timeout=600)
+        assert checks.returncode != 0 and f"{VERSION}/gsp_ga10x.bin is missing, but Blackwell" in checks.stdout, checks.stdout[-3000:]
+    finally:
+        twin_sh(twin, f"mv /root/gsp_ga10x.bin /lib/firmware/nvidia/{VERSION}/")
+
+    # 6. refusals for another version: each stops the run and leaves the installed modules untouched
+    before = installed_state(twin, releases)
+    other = "595.45.99"
+    run = deploy(tmp_path, twin, nvidia_spec(releases, "0" * 64, version=other))
+    assert refused(run, f"has sha256 {sha} but the spec says {'0' * 64}"), run.output[-3000:]
+    assert installed_state(twin, releases) == before
+    conf = f"/lib/modules/{first}/build/include/config/auto.conf"
     twin_sh(twin, f"cp {conf} /root/auto.conf.orig && "
                   f"sed -i 's/^CONFIG_CC_VERSION_TEXT=.*/CONFIG_CC_VERSION_TEXT=gcc-13 (Debian 13.2.0-25) 13.2.0/' {conf}")
     try:
-        run = deploy(tmp_path, twin, nvidia_spec(other, sha))
-        assert run.rc != 0 and "apt install gcc-13" in run.output and "incident 1" in run.output, run.output[-3000:]
+        run = deploy(tmp_path, twin, nvidia_spec(releases, sha, version=other))
+        assert refused(run, "apt install gcc-13", "incident 1"), run.output[-3000:]
     finally:
         twin_sh(twin, f"cp /root/auto.conf.orig {conf}")
-    assert installed_state(twin) == before
+    assert installed_state(twin, releases) == before
+    assert seeded_fw, "the kpro6 profile seeds its driver's GSP firmware"
+    run = deploy(tmp_path, twin, nvidia_spec(releases, sha, version=other, firmware=True))
+    assert refused(run, f"GSP firmware for {other} is missing", "gsp_ga10x.bin for Blackwell 0000:",
+                   f"found GSP firmware only for {', '.join(sorted({*seeded_fw, VERSION}))}"), run.output[-3000:]
+    assert installed_state(twin, releases) == before
 
-    assert seeded_fw, "the intel2 profile seeds its driver's GSP firmware"
-    run = deploy(tmp_path, twin, nvidia_spec(other, sha, firmware=True))
-    assert run.rc != 0 and f"GSP firmware for {other} is missing" in run.output \
-        and f"found GSP firmware only for {', '.join(sorted(seeded_fw))}" in run.output, run.output[-3000:]
-    assert installed_state(twin) == before
-
-    # 4. a second run of the same spec compiles nothing and changes nothing
+    # 7. a second run of the same spec compiles nothing and changes nothing
     ccache_before = twin_sh(twin, CCACHE_STATS)
-    run = deploy(tmp_path, twin, nvidia_spec(version, sha))
+    run = deploy(tmp_path, twin, full)
     assert run.rc == 0, run.output[-3000:]
     assert run.changed == 0, run.output[-3000:]
-    assert f"nvidia {version} is installed for {RELEASE}" in run.output
-    assert installed_state(twin) == before
-    assert twin_sh(twin, "ls /var/tmp/pvegpu/nvidia-build/*/* 2>/dev/null || true").strip() == ""
+    for release in releases:
+        assert f"nvidia {VERSION} is installed for {release}" in run.output
+    assert installed_state(twin, releases) == before
+    assert twin_sh(twin, "ls /var/tmp/pvegpu/nvidia-build 2>/dev/null || true").strip() == ""
     assert twin_sh(twin, CCACHE_STATS) == ccache_before, "the second run ran the compiler"

@@ -128,3 +128,69 @@ def test_loaded_module_was_built_by_the_running_kernels_compiler(target):
     assert driver["gcc"] == kernel_gcc, (
         f"{target.name}: the loaded nvidia {driver['version']} module was built by gcc {driver['gcc']}, "
         f"the running kernel by gcc {kernel_gcc}; rebuild the modules with the kernel's compiler")
+
+
+OPEN_MODULES = ("nvidia", "nvidia-uvm", "nvidia-modeset", "nvidia-drm", "nvidia-peermem")
+
+
+def driver_state(target, nv):
+    from operations.nvidia import NvidiaHostState
+
+    _, running = target.run("uname -r")
+    releases = list(nv.releases or [running.strip()])
+    return releases, target.fact(NvidiaHostState, tuple(releases))  # the cache key must hash
+
+
+def test_toolchain_matches_each_kernel(target):
+    """The gcc (and, for the open tree, the g++) that match each target kernel's compiler are there (incident 1)."""
+    nv = nvidia_spec(target)
+    releases, state = driver_state(target, nv)
+    for release in releases:
+        info = state["releases"].get(release) or {}
+        if not info.get("headers"):
+            continue  # the version check above says what is missing
+        toolchain = nvplan.toolchain_for(release, info.get("cc_version_text"), state["compilers"], need_cxx=nv.open)
+        assert toolchain["refusal"] is None, f"{target.name}: {toolchain['refusal']}"
+
+
+def test_modules_are_signed_where_secure_boot_needs_it(target):
+    """With Secure Boot on or nvidia.signing set, every installed NVIDIA module carries a signature."""
+    nv = nvidia_spec(target)
+    releases, state = driver_state(target, nv)
+    if nv.signing is None and not state.get("secure_boot"):
+        pytest.skip(f"{target.name}: Secure Boot is off and the spec signs nothing")
+    signer = None
+    if nv.signing is not None:
+        _, subject = target.run(f"openssl x509 -noout -subject -nameopt multiline -in {nv.signing.cert} -inform DER 2>/dev/null "
+                                f"|| openssl x509 -noout -subject -nameopt multiline -in {nv.signing.cert} 2>/dev/null")
+        match = re.search(r"commonName\s*=\s*(.+)", subject)
+        signer = match.group(1).strip() if match else None
+    for release in releases:
+        for module in OPEN_MODULES:
+            rc, found = target.run(f"modinfo -k {release} -F filename {module} 2>/dev/null")
+            if rc != 0 or not found.strip():
+                continue
+            _, signed = target.run(f"modinfo -k {release} -F signer {module} 2>/dev/null")
+            assert signed.strip(), (
+                f"{target.name}: {module} for kernel {release} is not signed"
+                + (" while Secure Boot is on: the kernel will refuse to load it" if state.get("secure_boot") else ""))
+            if signer:
+                assert signed.strip() == signer, (
+                    f"{target.name}: {module} for kernel {release} is signed by {signed.strip()!r}, not by the spec's "
+                    f"certificate {nv.signing.cert} ({signer!r})")
+
+
+def test_gsp_firmware_for_each_gpu_generation(target):
+    """Each GPU's GSP firmware file (by generation: Blackwell/Hopper/Ada/GA10x load gsp_ga10x.bin,
+    Turing/GA100 gsp_tu10x.bin) is there in exactly the module version (incident 2)."""
+    nv = nvidia_spec(target)
+    if not nv.firmware:
+        pytest.skip(f"{target.name}: the spec manages no GSP firmware")
+    needed = nvplan.needed_gsp_firmware(host_gpu_ids(target))
+    if not needed:
+        pytest.skip(f"{target.name}: no NVIDIA GPU with GSP firmware found")
+    for name, gpus in needed.items():
+        rc, _ = target.run(f"test -s /lib/firmware/nvidia/{nv.version}/{name}")
+        assert rc == 0, (f"{target.name}: /lib/firmware/nvidia/{nv.version}/{name} is missing, but "
+                         f"{', '.join(gpus)} load it when the {nv.version} driver starts; firmware of another "
+                         f"version panicked a boot (incident 2)")

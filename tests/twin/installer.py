@@ -14,8 +14,11 @@ Behaviour, for the flags pvegpu uses (run as `sh NVIDIA-Linux-x86_64-<v>.run ...
         /usr/lib/x86_64-linux-gnu first (nvidia-installer removes a previous driver and
         conflicting libraries), then installs libnvidia-ml.so.<v> (+ .so.1), libcuda.so.<v>
         (+ .so.1, .so), /usr/bin/nvidia-smi (a wrapper running the twin's nvidia-smi stand-in:
-        the CT's view inside a twin container, the host's otherwise) and writes
-        /var/log/nvidia-installer.log. Libraries are placeholders (text, not ELF).
+        the CT's view inside a twin container, the host's otherwise), the GSP firmware into
+        /lib/firmware/nvidia/<v>/ (follows nvidia-installer manifest.c
+        get_installable_file_type_list(): --no-kernel-modules skips no FIRMWARE entry; files.c
+        puts them under /lib/firmware/nvidia/<version>/) and writes
+        /var/log/nvidia-installer.log. Libraries and firmware are placeholders (text, not ELF).
     without --no-kernel-modules   refused (exit 1) before anything is written: the twin builds
         no modules this way
     --extract-only|-x [--target DIR]   the package tree into DIR (default ./NVIDIA-Linux-x86_64-<v>):
@@ -96,6 +99,11 @@ done
 ln -sf libcuda.so.1 "$LIBDIR/libcuda.so"
 install -m 755 "$tmp/nvidia-smi" /usr/bin/nvidia-smi
 echo "installed /usr/bin/nvidia-smi" >> "$LOG"
+mkdir -p "/lib/firmware/nvidia/$VERSION"
+for f in "$tmp"/firmware/*.bin; do
+    install -m 644 "$f" "/lib/firmware/nvidia/$VERSION/${f##*/}"
+    echo "installed /lib/firmware/nvidia/$VERSION/${f##*/}" >> "$LOG"
+done
 rm -rf "$tmp"
 echo "Installation of the NVIDIA Accelerated Graphics Driver for Linux-x86_64 (version: $VERSION) is now complete." >> "$LOG"
 say "Installation of the NVIDIA Accelerated Graphics Driver for Linux-x86_64 (version: $VERSION) is now complete."

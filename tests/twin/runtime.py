@@ -90,10 +90,15 @@ PACKAGES = (
     "linux-headers-amd64", "build-essential", "gcc", "make", "dpkg-dev", "fakeroot", "dkms",
     "ccache", "bc", "flex", "bison", "libelf-dev", "libssl-dev", "dwarves", "rsync", "cpio",
     "xz-utils", "zstd", "debhelper", "perl",
-    # NVIDIA's 535 kernel module source (non-free). Bookworm has no nvidia-open-kernel-source:
-    # nvidia-kernel-source is the only 535 module tree in the suite.
-    "nvidia-kernel-source",
 )
+# Headers of a second kernel release, unpacked (not installed) into the root: bookworm-security's
+# 6.12 (the Debian kernel closest to Proxmox's 6.14, built with gcc-12), so the driver stage is
+# proven for two releases from one source. Each name is a metapackage whose headers package is
+# taken with its -common and linux-kbuild dependencies. Not `apt install`ed because the 6.12
+# headers depend on their kernel image (~100 MB; its postinst builds an initramfs and its
+# /boot/vmlinuz would be a kernel the boot stand-ins list): the twin has headers for a kernel it
+# has not installed, as a host has for the kernel stage's release before its reboot.
+EXTRA_HEADERS = ("linux-headers-6.12-amd64",)
 CACHE_FORMAT = 1  # bump when the way the root is configured changes
 
 
@@ -144,6 +149,8 @@ def require_root() -> None:
 def cache_key() -> str:
     spec = {"suite": SUITE, "components": COMPONENTS, "packages": sorted(PACKAGES),
             "format": CACHE_FORMAT}
+    if EXTRA_HEADERS:
+        spec["extra_headers"] = list(EXTRA_HEADERS)
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -186,6 +193,19 @@ def _build_root(target: Path) -> None:
     policy.write_text("#!/bin/sh\n# twin: no service starts from package scripts\nexit 101\n")
     policy.chmod(0o755)
     shutil.copy("/etc/resolv.conf", target / "etc/resolv.conf")  # only while building
+    # EXTRA_HEADERS: the headers package a metapackage names, its -common and kbuild packages,
+    # downloaded and unpacked (their file trees) with nothing registered in dpkg's database
+    (target / "tmp/pvegpu-extra-headers.sh").write_text(
+        "set -e\ncd /tmp\n"
+        f"for meta in {' '.join(EXTRA_HEADERS)}; do\n"
+        "  h=$(apt-cache depends \"$meta\" | sed -n 's/^ *Depends: \\(linux-headers-.*\\)$/\\1/p' | head -n 1)\n"
+        "  [ -n \"$h\" ] || { echo \"twin: $meta names no headers package\" >&2; exit 1; }\n"
+        "  deps=$(apt-cache depends \"$h\" | sed -n 's/^ *Depends: \\(linux-headers-.*-common\\|linux-kbuild-.*\\)$/\\1/p')\n"
+        "  apt-get -q download \"$h\" $deps\n"
+        "done\n"
+        # through tar --keep-directory-symlink: the packages' ./lib/ must not replace merged /usr's /lib link
+        "for d in /tmp/*.deb; do dpkg-deb --fsys-tarfile \"$d\" | tar -C / --keep-directory-symlink -xf -; done\n"
+        "rm -f /tmp/*.deb\n")
     script = (
         "set -e\n"
         f"mount -t proc proc {target}/proc\n"
@@ -195,6 +215,7 @@ def _build_root(target: Path) -> None:
         "DEBIAN_FRONTEND=noninteractive LC_ALL=C.UTF-8 sh -c '"
         "apt-get -q update && "
         f"apt-get -q install -y --no-install-recommends {' '.join(PACKAGES)} && "
+        "sh /tmp/pvegpu-extra-headers.sh && rm -f /tmp/pvegpu-extra-headers.sh && "
         "apt-get clean'\n"
     )
     # Own mount+pid namespace: the build's mounts and any stray process die with it.

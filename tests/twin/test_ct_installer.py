@@ -12,9 +12,9 @@ from tests.twin import hardware, installer
 # inventories/twin.yml pins these (nvidia.installer sha256): a change of the payload or the script
 # must show up here first. Versions: the profiles' drivers.
 PINNED = {
-    "595.71.05": "9ff61d01282dfd5e21e4772fe36a317328d436fb5d5494b6cad94f3616521a92",  # kpro6
-    "570.172.08": "e5fdf357d62dbd75de1299df09ee6591831e29123eb4042cdcef4cc13ae2dfdc",  # intel2
-    "580.159.04": "5a30697160cfc04c1e979bd050ba439ed1ebb5ff3145988d18cb2997f8048ad8",  # h200-vm
+    "595.71.05": "c140db7871b3b5457492c5cf97d755b8e522ccc2d35e655190ed2ec3221a0623",  # kpro6
+    "570.172.08": "64a863a934c7b582913de58a4c2f33b753c1cf05eb6fa0d90ad1d27ebd0f3132",  # intel2
+    "580.159.04": "19464416fd0e50ad53d9deb9919bb6b666d944d8c8503c42f1d6c86c361ea1a5",  # h200-vm
 }
 
 

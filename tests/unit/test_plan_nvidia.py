@@ -56,7 +56,7 @@ def test_gcc_version_from_real_banners():
 
 def test_toolchain_prefers_the_compiler_the_kernel_named():
     result = nv.toolchain_for("6.1.0-57-amd64", DEBIAN_61_CC_TEXT, {"gcc": BOOKWORM_GCC, "gcc-12": BOOKWORM_GCC12})
-    assert result == {"cc": "gcc-12", "note": None, "refusal": None}
+    assert result == {"cc": "gcc-12", "cxx": None, "note": None, "refusal": None}
 
 
 def test_toolchain_plain_gcc_matches_when_banner_equal_less_program_name():
@@ -260,3 +260,115 @@ def test_proprietary_modules_refused_only_with_blackwell_gpus():
     problem = nv.open_modules_problem(False, {"0000:01:00.0": "2230", "0000:41:00.0": "2bb5"})
     assert "0000:41:00.0" in problem and "0000:01:00.0" not in problem and "nvidia.open: true" in problem
     assert "0000:81:00.0" in nv.open_modules_problem(False, {}, {"0000:81:00.0": "NVIDIA B200"})
+
+
+# -- issue 17: the open tree's C++ compiler, objtool -Werror, Secure Boot, GSP firmware per GPU --
+
+def recorded_two_releases() -> dict:
+    """NvidiaHostState of the twin root: Debian's 6.1 and bookworm-security's 6.12 headers."""
+    from operations.nvidia import parse_host_state
+
+    return parse_host_state(fixture_lines("debian-headers/nvidia-host-state-6.1-and-6.12.118-deb12.txt"))
+
+
+OPEN_SOURCE = SourceSpec(url="/opt/src/open-gpu-kernel-modules-595.45.04.tar.xz",
+                         sha256="654a8bd9d3e2c185073ac5adb2c9aaa9b6134df1c7584366ecf6de400dca8c0b")
+TWO = ("6.1.0-57-amd64", "6.12.118+deb12-amd64")
+
+
+def open_steps(state, **kw):
+    kw.setdefault("modules_source", OPEN_SOURCE)
+    kw.setdefault("want_firmware", False)
+    return nv.driver_steps("595.45.04", list(TWO), state, open_tree=True, **kw)
+
+
+def test_recorded_state_of_two_releases_builds_both_with_one_gcc_and_gxx():
+    state = recorded_two_releases()
+    assert state["releases"]["6.12.118+deb12-amd64"]["config"] == {"CONFIG_MITIGATION_RETHUNK": "y", "CONFIG_MODULE_SIG": "y"}
+    assert state["releases"]["6.1.0-57-amd64"]["sign_file"] is True and state["secure_boot"] is False
+    result = open_steps(state)
+    assert result["refusals"] == []
+    # 6.12 names x86_64-linux-gnu-gcc-12, which is not installed: gcc-12 like 6.1, so one src/ build serves both
+    assert [(e["cc"], e["cxx"]) for e in result["releases"].values()] == [("gcc-12", "g++-12")] * 2
+
+
+def test_toolchain_refuses_missing_or_other_gxx_for_the_open_tree():
+    state = recorded_two_releases()
+    no_gxx = {k: v for k, v in state["compilers"].items() if not k.startswith("g++")}
+    missing = open_steps({**state, "compilers": no_gxx})
+    assert any("$(CXX)" in r and "no g++ at all" in r and "apt install g++-12" in r for r in missing["refusals"])
+    other = open_steps({**state, "compilers": {**no_gxx, "g++-12": "g++-12 (Debian 13.2.0-25) 13.2.0"}})
+    assert any("13.2.0" in r and "apt install g++-12" in r for r in other["refusals"])
+    # the proprietary tree has no C++: gcc alone will do
+    assert nv.driver_steps("595.45.04", list(TWO), {**state, "compilers": no_gxx}, modules_source=OPEN_SOURCE,
+                           want_firmware=False, open_tree=False)["refusals"] == []
+
+
+def test_objtool_werror_with_rethunk_refuses_known_warning_trees():
+    state = recorded_two_releases()
+    state["releases"]["6.12.118+deb12-amd64"]["config"]["CONFIG_OBJTOOL_WERROR"] = "y"
+    result = open_steps(state)
+    [refusal] = result["refusals"]
+    assert refusal.startswith("kernel 6.12.118+deb12-amd64 has CONFIG_OBJTOOL_WERROR=y") and "'naked' return" in refusal
+    assert result["releases"]["6.12.118+deb12-amd64"]["build"] is False
+    assert result["releases"]["6.1.0-57-amd64"]["build"] is True
+    # a newer tree is not known either way: noted, not refused; without -Werror nothing is said
+    assert nv.objtool_problem("r", {"CONFIG_OBJTOOL_WERROR": "y", "CONFIG_RETHUNK": "y"}, "595.71.05", True)[0] is None
+    assert nv.objtool_problem("r", {"CONFIG_MITIGATION_RETHUNK": "y"}, "595.45.04", True) == (None, None)
+    assert nv.objtool_problem("r", {"CONFIG_OBJTOOL_WERROR": "y", "CONFIG_RETHUNK": "y"}, "595.45.04", False) == (None, None)
+
+
+def test_secure_boot_refuses_unsigned_modules_and_unreadable_keys():
+    from spec.models import SigningSpec
+
+    state = {**recorded_two_releases(), "secure_boot": True}
+    assert any("Secure Boot is on and nvidia.signing is not set" in r for r in open_steps(state)["refusals"])
+    signing = SigningSpec(key="/root/mok.key", cert="/root/mok.der")
+    assert open_steps({**state, "signing_files": {"/root/mok.key": True, "/root/mok.der": True}}, signing=signing)["refusals"] == []
+    unreadable = open_steps({**state, "signing_files": {"/root/mok.key": False, "/root/mok.der": True}}, signing=signing)
+    assert any("nvidia.signing names /root/mok.key, which is not readable" in r for r in unreadable["refusals"])
+    state["releases"]["6.1.0-57-amd64"]["sign_file"] = False
+    no_sign_file = open_steps({**state, "signing_files": {"/root/mok.key": True, "/root/mok.der": True}}, signing=signing)
+    assert any("kernel 6.1.0-57-amd64: its headers have no scripts/sign-file" in r for r in no_sign_file["refusals"])
+    # Secure Boot off, nothing to sign: no refusal
+    assert open_steps({**state, "secure_boot": False, "releases": recorded_two_releases()["releases"]})["refusals"] == []
+
+
+def test_secure_boot_state_from_mokutil_and_the_efi_variable():
+    from operations.nvidia import parse_secure_boot
+
+    assert parse_secure_boot(["SecureBoot enabled"]) is True
+    assert parse_secure_boot(["SecureBoot disabled", "efivar 0"]) is False
+    assert parse_secure_boot(["EFI variables are not supported on this system", "no efi"]) is False
+    assert parse_secure_boot(["efivar 1"]) is True and parse_secure_boot(["efivar 0"]) is False
+    assert parse_secure_boot([]) is None
+
+
+def test_gsp_firmware_per_gpu_generation():
+    # kpro6: RTX PRO 6000 Blackwell (2bb5); H200 (2335); RTX A6000 (2230); A100 (20b0); T4 (1eb8)
+    assert nv.gsp_firmware_for("2bb5") == ("Blackwell", "gsp_ga10x.bin")
+    assert nv.gsp_firmware_for("2335") == ("Hopper", "gsp_ga10x.bin")
+    assert nv.gsp_firmware_for("2230") == ("Ampere GA10x", "gsp_ga10x.bin")
+    assert nv.gsp_firmware_for("20b0") == ("Ampere GA100", "gsp_tu10x.bin")
+    assert nv.gsp_firmware_for("1eb8") == ("Turing", "gsp_tu10x.bin")
+    assert nv.gsp_firmware_for("1b06") is None  # Pascal: no GSP
+    needed = nv.needed_gsp_firmware({"0000:01:00.0": "2bb5", "0000:02:00.0": "2bb5"})
+    assert needed == {"gsp_ga10x.bin": ["Blackwell 0000:01:00.0", "Blackwell 0000:02:00.0"]}
+    # the version's dir has only the Turing file: the Blackwell GPUs' file is missing
+    problem = nv.firmware_problem("595.45.04", {"595.45.04": ["gsp_tu10x.bin"]}, True, False, needed)
+    assert "gsp_ga10x.bin for Blackwell 0000:01:00.0, Blackwell 0000:02:00.0" in problem
+    assert nv.firmware_problem("595.45.04", {"595.45.04": ["gsp_ga10x.bin"]}, True, False, needed) is None
+
+
+def test_missing_firmware_reruns_the_installer_the_one_source():
+    state = {**recorded_two_releases(), "userspace": ["/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.595.45.04"],
+             "firmware": {"595.45.04": ["gsp_tu10x.bin"]}}
+    for release in TWO:
+        state["releases"][release]["module"] = {"version": "595.45.04", "vermagic": f"{release} SMP", "filename": "x"}
+    installer = SourceSpec(url="/opt/nvidia/NVIDIA-Linux-x86_64-595.45.04.run", sha256="a" * 64)
+    gpus = {"0000:01:00.0": "2bb5"}
+    result = open_steps(state, installer=installer, want_firmware=True, gpu_ids=gpus)
+    assert result["install_userspace"] and result["fetch_installer"] and result["firmware_files"] == ["gsp_ga10x.bin"]
+    state["firmware"]["595.45.04"].append("gsp_ga10x.bin")
+    result = open_steps(state, installer=installer, want_firmware=True, gpu_ids=gpus)
+    assert not result["install_userspace"] and not result["verify"] and result["refusals"] == []

@@ -66,7 +66,8 @@ def test_parse_recorded_state_before_first_build():
     assert state["running"] == "6.18.44-fc-v1098"
     assert state["compilers"]["gcc-12"] == "gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0"
     assert state["releases"]["6.1.0-57-amd64"] == {
-        "headers": True, "cc_version_text": "gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0", "module": None}
+        "headers": True, "cc_version_text": "gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0", "module": None,
+        "config": {}, "sign_file": False}
     assert state["releases"]["6.18.44-fc-v1098"]["headers"] is False
     assert state["sources"] == {"modules": {"cached": False, "sha256": SHA}}
     assert state["firmware"] == {} and state["userspace"] == []
@@ -207,7 +208,8 @@ def fake_build_tools(tmp_path):
         "else mkdir -p conftest; echo '#define NV_FOO_PRESENT' > conftest/functions.h; echo ran >> \"$LOG\"; fi\n"
         "touch nvidia.ko\n")
     (bindir / "modinfo").write_text("#!/bin/sh\necho '6.1.0-57-amd64 SMP preempt mod_unload modversions '\n")
-    for tool in ("make", "modinfo"):
+    (bindir / "strip").write_text("#!/bin/sh\necho \"strip $*\" >> \"$LOG.strip\"\n")  # the fake .ko is no ELF
+    for tool in ("make", "modinfo", "strip"):
         (bindir / tool).chmod(0o755)
     return {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "LOG": str(tmp_path / "conftest.log")}
 
@@ -276,3 +278,53 @@ def test_verify_refuses_to_finish_on_mismatch(tmp_path):
     if not list(Path("/lib/firmware/nvidia").glob("535.309.01/gsp*.bin")):
         assert "GSP firmware 535.309.01 missing" in result.stderr
     assert "the stage did not finish" in result.stderr
+
+
+def test_open_tree_src_built_once_for_two_releases_stripped_then_signed(tmp_path, monkeypatch):
+    """The open tree's layout (src/nvidia, src/nvidia-modeset, kernel-open/): src/ is made once and
+    shared; each release gets its own kernel-open/; modules are stripped, then signed."""
+    monkeypatch.setattr(ops, "BUILD_ROOT", str(tmp_path / "build"))
+    monkeypatch.setattr(ops, "CONFTEST_CACHE", str(tmp_path / "conftest-cache"))
+    top = tmp_path / "tree/open-gpu-kernel-modules-595.45.04"
+    for d in ("src/nvidia", "src/nvidia-modeset", "kernel-open/nvidia", "kernel-open/nvidia-modeset"):
+        (top / d).mkdir(parents=True)
+    (top / "kernel-open/Kbuild").write_text("obj-m += nvidia.o\n")
+    archive = tmp_path / "open.tar"
+    subprocess.run(["tar", "-C", str(tmp_path / "tree"), "-cf", str(archive), top.name], check=True)
+    env = fake_build_tools(tmp_path)
+    log = tmp_path / "conftest.log"
+    bindir = Path(env["PATH"].split(":")[0])
+    # make: the top-level .o_binary targets build src/ (as the tree's Makefile links them); else kernel-open
+    (bindir / "make").write_text(
+        "#!/bin/sh\nset -e\ncd \"$2\"\necho \"make $*\" >> \"$LOG.make\"\n"
+        "case \"$*\" in *nv-kernel.o_binary*) mkdir -p src/nvidia/_out src/nvidia-modeset/_out; "
+        "echo obj > src/nvidia/_out/nv-kernel.o; echo obj > src/nvidia-modeset/_out/nv-modeset-kernel.o; "
+        "ln -sf ../../src/nvidia/_out/nv-kernel.o kernel-open/nvidia/nv-kernel.o_binary; "
+        "ln -sf ../../src/nvidia-modeset/_out/nv-modeset-kernel.o kernel-open/nvidia-modeset/nv-modeset-kernel.o_binary; exit 0;; esac\n"
+        "[ -e nvidia/nv-kernel.o_binary ] && [ -e nvidia-modeset/nv-modeset-kernel.o_binary ] || { echo 'no o_binary' >&2; exit 1; }\n"
+        "mkdir -p conftest; touch nvidia.ko nvidia-uvm.ko\n")
+    (bindir / "sign-file").write_text("#!/bin/sh\necho \"sign $*\" >> \"$LOG.strip\"\n")
+    (bindir / "sign-file").chmod(0o755)
+    (bindir / "modinfo").write_text("#!/bin/sh\necho \"$REL SMP preempt mod_unload modversions \"\n")
+    outs = []
+    for release in ("6.1.0-57-amd64", "6.12.118+deb12-amd64"):
+        modules = tmp_path / "lib/modules" / release / "build/scripts"
+        modules.mkdir(parents=True)
+        (modules / "sign-file").symlink_to(bindir / "sign-file")
+        command = ops.build_command(str(archive), "595.45.04", release, "gcc-12", 2, ccache=False, cxx="g++-12",
+                                    signing=("/root/mok.key", "/root/mok.der"))
+        command = command.replace("/lib/modules/", str(tmp_path / "lib/modules") + "/")
+        done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env={**env, "REL": release})
+        assert done.returncode == 0, done.stderr
+        outs.append(done.stdout)
+        assert sorted(p.name for p in (tmp_path / "build/595.45.04" / release / "out").iterdir()) == ["nvidia-uvm.ko", "nvidia.ko"]
+    makes = (tmp_path / "conftest.log.make").read_text().splitlines()
+    assert sum("nv-kernel.o_binary" in m for m in makes) == 1, makes
+    assert "CC=gcc-12 CXX=g++-12" in makes[0]
+    assert "src/ objects reused" not in outs[0] and "src/ objects reused" in outs[1]
+    steps = (tmp_path / "conftest.log.strip").read_text().splitlines()
+    assert steps[0].startswith("strip --strip-debug") and steps[1].startswith("sign sha256 /root/mok.key /root/mok.der")
+    assert [s.split()[0] for s in steps] == ["strip", "sign", "sign"] * 2
+    assert not (tmp_path / "build/595.45.04/6.1.0-57-amd64/kernel-open").exists()
+    subprocess.run(["sh", "-c", ops.cleanup_command("595.45.04")], check=True)
+    assert not (tmp_path / "build/595.45.04").exists()
