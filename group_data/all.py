@@ -21,7 +21,7 @@ PVEGPU_DEFAULTS = {
     "vms": {},
     "nccl": {"profile": "auto", "overrides": {}, "services": []},
     "reboot": {"allowed": False},
-    "guests": {"allow_stop": True, "shutdown_timeout": 120},
+    "guests": {},  # allow_stop, shutdown_timeout: spec.models.GuestPolicy holds the defaults
     "proxmox_api": None,
 }
 

@@ -70,7 +70,7 @@ from plan.gpus import (
 from plan.guest_control import node_refusal, stop_checks
 from plan.reboot import need_reboot
 from plan.render import render_template
-from spec.models import HostSpec
+from spec.models import GuestPolicy, HostSpec
 
 RULES_PATH = "/etc/udev/rules.d/60-pvegpu-gpu-binding.rules"
 INITRAMFS_HOOK_PATH = "/etc/initramfs-tools/hooks/pvegpu-gpu-binding"
@@ -79,7 +79,7 @@ INITRAMFS_HOOK_PATH = "/etc/initramfs-tools/hooks/pvegpu-gpu-binding"
 # there (a run that wrote the rules but failed before or in update-initramfs retries it next run).
 STAGE_FILES = [RULES_PATH, INITRAMFS_HOOK_PATH]
 UNBIND_TIMEOUT_S = 30
-SHUTDOWN_TIMEOUT_S = 120  # GuestPolicy.shutdown_timeout's default
+SHUTDOWN_TIMEOUT_S: int = GuestPolicy.model_fields["shutdown_timeout"].default  # the one default: the model's
 _MEMO = "_pvegpu_gpu_stage"
 
 

@@ -40,7 +40,7 @@ from facts.guest_state import guest_state
 from facts.nvidia import NvidiaGpus, parse_gpu_information
 from operations.backup import PCI_CFG, backup_command, keep_config, log_diff, pci_cfg_after, vm_config_after
 from operations.files import write_file_command
-from operations.gpus import guest_control_refusals, stage_fact_requests, stage_facts
+from operations.gpus import SHUTDOWN_TIMEOUT_S, guest_control_refusals, stage_fact_requests, stage_facts
 from operations.proxmox import (
     PveApi,
     PveWrite,
@@ -148,7 +148,7 @@ def locked_config_write(kind: str, gid: int, path: str, text: str) -> str:
 @operation()
 def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minors: dict[str, int] | None = None,
                           start_after: list[int] | None = None, api: PveApi | None = None,
-                          shutdown_timeout: int = 120, ha: dict | None = None):
+                          shutdown_timeout: int = SHUTDOWN_TIMEOUT_S, ha: dict | None = None):
     """Give each CT the device lines of exactly its GPUs; restart/start CTs as needed.
 
     + wanted: ``{200: {"gpus": ["0000:01:00.0"], "gid": 44}}``
@@ -248,7 +248,7 @@ def vm_config_write(node: str, plan) -> tuple[PveWrite, str]:
 
 @operation()
 def vm_hostpci(plan, start: bool = False, restart: bool = False, node: str = "localhost",
-               api: PveApi | None = None, shutdown_timeout: int = 120):
+               api: PveApi | None = None, shutdown_timeout: int = SHUTDOWN_TIMEOUT_S):
     """Apply one VM's hostpci/machine changes (`plan.guests.VmPlan`) and start or restart it.
 
     + start: the rebind transaction stopped this VM; start it after the config is right

@@ -28,3 +28,21 @@ def test_an_import_error_inside_a_stage_is_not_hidden(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ModuleNotFoundError, match="no_such_module_anywhere"):
         load_stages([("broken", "brokenstage")])
+
+
+def test_the_guest_shutdown_timeout_default_lives_in_the_model_only():
+    import inspect
+    import re
+
+    from group_data.all import PVEGPU_DEFAULTS
+    from operations import guests
+    from operations.gpus import SHUTDOWN_TIMEOUT_S
+    from spec.models import GuestPolicy
+
+    assert SHUTDOWN_TIMEOUT_S == GuestPolicy().shutdown_timeout
+    assert "shutdown_timeout" not in PVEGPU_DEFAULTS["guests"]
+    for fn in (guests.container_gpu_devices, guests.vm_hostpci):
+        assert inspect.signature(fn).parameters["shutdown_timeout"].default == SHUTDOWN_TIMEOUT_S
+    for module in ("operations/gpus.py", "operations/guests.py"):
+        text = open(module).read()
+        assert not re.search(r"shutdown_timeout: int = \d", text), f"{module} writes its own default"
