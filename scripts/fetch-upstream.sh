@@ -10,6 +10,10 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 TABLE=${UPSTREAM_SOURCES:-$ROOT/scripts/upstream-sources.tsv}
 CACHE=${UPSTREAM_CACHE:-$ROOT/.cache/upstream}
 SHARED=${UPSTREAM_SHARED:-$ROOT/../shared/sources}
+# a clone made elsewhere (CI clones into a temp dir): the shared copy beside the repo it came from
+if [ ! -d "$SHARED" ] && origin=$(git -C "$ROOT" config remote.origin.url 2>/dev/null) && [ -d "$origin/../shared/sources" ]; then
+  SHARED="$origin/../shared/sources"
+fi
 NAME=${1:?usage: $0 NAME (a name from $TABLE)}
 
 row=$(awk -F'\t' -v n="$NAME" '$1 == n && $1 !~ /^#/ {print; exit}' "$TABLE")
