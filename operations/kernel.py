@@ -169,7 +169,7 @@ def build_script(k: KernelSpec, base: str, jobs: int, build_dir: str) -> str:
     """build.sh of one build (templates/kernel-build.sh.j2): the spec's values, each quoted there."""
     return render_template(
         "kernel-build.sh.j2", build_dir=build_dir, version=k.version, kind=k.source.kind, jobs=int(jobs),
-        unit=plan.BUILD_UNIT, ccache=k.ccache, base_config=base, fragments=list(k.config_fragments),
+        ccache=k.ccache, base_config=base, fragments=list(k.config_fragments),
         url=k.source.url, sha256=k.source.sha256 or "", ref=k.source.ref or "", localversion=plan.localversion(k),
         pkgversion="1")
 

@@ -66,7 +66,7 @@ _BUILD = dict(archive="/var/cache/pvegpu/sources/" + "a" * 64 + "-595.45.04.tar.
               conftest_cache_dir="/var/cache/pvegpu/nvidia-conftest", conftest_cache_keep=16,
               sign_file="scripts/sign-file", modules_dir="/lib/modules")
 _KERNEL = dict(build_dir="/var/lib/pvegpu/kernel-build/6.14.11-4-pve-0123456789ab", version="6.14.11-4-pve",
-               kind="proxmox-git", jobs=4, unit="pvegpu-kernel-build", ccache=True, base_config="running",
+               kind="proxmox-git", jobs=4, ccache=True, base_config="running",
                fragments=[], url="https://git.proxmox.com/git/pve-kernel.git", sha256="", ref="v6.14.11-4",
                localversion="-4-pve", pkgversion="1")
 SHELL_EXAMPLES: dict[str, list[dict]] = {
