@@ -111,7 +111,8 @@ def build_dir(version: str, release: str) -> str:
 
 def conftest_key_command(archive: str, release: str, cc: str, make_args: str = "",
                          modules_dir: str = "/lib/modules") -> str:
-    """Shell that prints the sha256 naming the conftest results of one build.
+    """Shell that prints the sha256 naming the conftest results of one build
+    (templates/nvidia-conftest-key.sh.j2).
 
     The results depend on the NVIDIA tree (its conftest.sh and Kbuild: the archive), the kernel
     headers (the release's build and source trees, kbuild scripts included through their
@@ -132,7 +133,8 @@ def src_dir(version: str, cc: str, cxx: str | None) -> str:
 def build_command(archive: str, version: str, release: str, cc: str, jobs: int, ccache: bool,
                   conftest_cache: bool = True, cxx: str | None = None,
                   signing: tuple[str, str] | None = None) -> str:
-    """Build the NVIDIA modules for `release` in a fresh scratch dir; the .ko files land in <scratch>/out.
+    """Build the NVIDIA modules for `release` in a fresh scratch dir; the .ko files land in <scratch>/out
+    (templates/nvidia-build.sh.j2, every value quoted there).
 
     Layouts: the open-gpu-kernel-modules archive (`src/nvidia` + `src/nvidia-modeset` compiled
     with $(CC) and $(CXX) into nv-kernel.o / nv-modeset-kernel.o, then `kernel-open/` with
@@ -178,13 +180,15 @@ def cleanup_command(version: str) -> str:
 
 
 def install_command(version: str, release: str) -> str:
-    """Swap the built modules into /lib/modules/<rel>/updates/pvegpu-nvidia and run depmod."""
+    """Swap the built modules into /lib/modules/<rel>/updates/pvegpu-nvidia and run depmod
+    (templates/nvidia-install.sh.j2)."""
     return render_template("nvidia-install.sh.j2", build_dir=build_dir(version, release), release=release,
                            module_dir=f"/lib/modules/{release}/{MODULE_SUBDIR}")
 
 
 def verify_command(version: str, releases: list[str], firmware: bool, firmware_files: list[str] | None = None) -> str:
-    """Exit 1 naming every component whose version is not `version` (incidents 2, 6).
+    """Exit 1 naming every component whose version is not `version` (incidents 2, 6;
+    templates/nvidia-verify.sh.j2).
 
     firmware_files: the GSP files the host's GPUs load (each must be in
     /lib/firmware/nvidia/<version>/); without them, any gsp*.bin there.
