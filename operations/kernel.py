@@ -159,20 +159,19 @@ class KernelStageFacts(FactBase):
 
 def start_build_command(build_dir: str, systemd: bool, memory_max_kib: int | None = None) -> str:
     """Start build.sh detached; a no-op when it already runs (a re-run attaches instead).
-    Under systemd the unit gets MemoryMax= (an OOM kills the build's cgroup, not the host)."""
-    d = shlex.quote(build_dir)
-    script = shlex.quote(f"{build_dir}/build.sh")
-    alive = (f'[ -f {d}/build.pid ] && p=$(cat {d}/build.pid) && kill -0 "$p" 2>/dev/null '
-             f'&& grep -q build.sh "/proc/$p/cmdline" 2>/dev/null')
-    if systemd:
-        memory = (f"--property=MemoryMax={int(memory_max_kib)}K --property=MemorySwapMax=0 "
-                  if memory_max_kib else "")
-        start = (f"systemctl reset-failed {plan.BUILD_UNIT} 2>/dev/null; "
-                 f"systemd-run --unit {plan.BUILD_UNIT} --collect --property=KillMode=control-group "
-                 f"{memory}--working-directory={d} /bin/sh {script}")
-    else:
-        start = f"cd {d} && setsid nohup /bin/sh {script} > /dev/null 2>&1 < /dev/null &"
-    return f"if {alive}; then echo 'pvegpu: build already running, attaching'; else rm -f {d}/build.rc; {start} fi"
+    Under systemd the unit gets MemoryMax= (an OOM kills the build's cgroup, not the host).
+    (templates/kernel-build-start.sh.j2)"""
+    return render_template("kernel-build-start.sh.j2", build_dir=build_dir, systemd=systemd, unit=plan.BUILD_UNIT,
+                           memory_max_kib=int(memory_max_kib) if memory_max_kib else None)
+
+
+def build_script(k: KernelSpec, base: str, jobs: int, build_dir: str) -> str:
+    """build.sh of one build (templates/kernel-build.sh.j2): the spec's values, each quoted there."""
+    return render_template(
+        "kernel-build.sh.j2", build_dir=build_dir, version=k.version, kind=k.source.kind, jobs=int(jobs),
+        ccache=k.ccache, base_config=base, fragments=list(k.config_fragments),
+        url=k.source.url, sha256=k.source.sha256 or "", ref=k.source.ref or "", localversion=plan.localversion(k),
+        pkgversion="1")
 
 
 def wait_for_build(state, host, build_dir: str, total: int | None, poll_s: float = POLL_S,
@@ -317,14 +316,6 @@ def apply(spec: HostSpec) -> None:
 
     if action in ("build", "attach"):
         jobs = plan.resolve_jobs(k.jobs, build["cores"], build["mem_total_kib"])
-        context = dict(
-            build_dir=build_dir, build_dir_q=shlex.quote(build_dir), version=k.version, version_q=shlex.quote(k.version),
-            kind=k.source.kind, jobs=jobs, unit=plan.BUILD_UNIT, ccache=k.ccache, base_config=base,
-            base_config_q=shlex.quote(base), fragments=list(k.config_fragments),
-            url_q=shlex.quote(k.source.url), url_path_q=shlex.quote(k.source.url.removeprefix("file://")),
-            sha256_q=shlex.quote(k.source.sha256 or ""), ref_q=shlex.quote(k.source.ref or ""),
-            localversion_q=shlex.quote(plan.localversion(k)), pkgversion_q=shlex.quote("1"),
-        )
         manifest_in = render_template(
             "kernel-build-manifest.json.j2", build_id=plan.build_id(k, base), version=k.version, kind=k.source.kind,
             url=k.source.url, ref=k.source.ref or k.source.sha256, base_config=base,
@@ -333,7 +324,7 @@ def apply(spec: HostSpec) -> None:
         total = (build["manifest"] or {}).get("objects") or (last or {}).get("objects") or None
         build_kernel(
             name=f"Build kernel {k.version} ({k.source.kind}, -j{jobs}, detached)",
-            build_dir=build_dir, script=render_template("kernel-build.sh.j2", **context), manifest_in=manifest_in,
+            build_dir=build_dir, script=build_script(k, base, jobs, build_dir), manifest_in=manifest_in,
             systemd=build["systemd"], total=total, start=action == "build", record=f"kernel-{plan.build_id(k, base)}",
             memory_max_kib=plan.build_memory_max_kib(build["mem_total_kib"], jobs),
         )

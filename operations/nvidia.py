@@ -95,26 +95,12 @@ def local_path(url: str) -> str | None:
 
 
 def fetch_source_command(url: str, sha256: str, dest: str) -> str:
-    """Copy or download `url` to `dest`, moving it into place only when its sha256 matches.
+    """Copy or download `url` to `dest`, moving it into place only when its sha256 matches
+    (templates/nvidia-fetch-source.sh.j2).
 
     A mismatch removes the partial file and exits 1 with a message naming both checksums.
     """
-    q_dest, q_part = shlex.quote(dest), shlex.quote(dest + ".part")
-    path = local_path(url)
-    if path is not None:
-        get = f"cp -f {shlex.quote(path)} {q_part}"
-    else:
-        q_url = shlex.quote(url)
-        get = (f"if command -v curl >/dev/null 2>&1; then curl -fsSL --retry 3 -o {q_part} {q_url}; "
-               f"else wget -q -O {q_part} {q_url}; fi")
-    message = shlex.quote(f"pvegpu: checksum mismatch for {url}: the spec says {sha256}, the file has ")
-    tail = shlex.quote("; nothing was built or installed")
-    return (
-        f"set -e; [ -f {q_dest} ] && exit 0; mkdir -p {shlex.quote(dest.rsplit('/', 1)[0])}; "
-        f"rm -f {q_part}; {get}; got=$(sha256sum {q_part} | cut -d' ' -f1); "
-        f"if [ \"$got\" != {shlex.quote(sha256)} ]; then rm -f {q_part}; "
-        f"echo {message}\"$got\"{tail} >&2; exit 1; fi; mv -f {q_part} {q_dest}"
-    )
+    return render_template("nvidia-fetch-source.sh.j2", url=url, local=local_path(url), sha256=sha256, dest=dest)
 
 
 # -- build and install ---------------------------------------------------------------------
@@ -125,7 +111,8 @@ def build_dir(version: str, release: str) -> str:
 
 def conftest_key_command(archive: str, release: str, cc: str, make_args: str = "",
                          modules_dir: str = "/lib/modules") -> str:
-    """Shell that prints the sha256 naming the conftest results of one build.
+    """Shell that prints the sha256 naming the conftest results of one build
+    (templates/nvidia-conftest-key.sh.j2).
 
     The results depend on the NVIDIA tree (its conftest.sh and Kbuild: the archive), the kernel
     headers (the release's build and source trees, kbuild scripts included through their
@@ -134,15 +121,8 @@ def conftest_key_command(archive: str, release: str, cc: str, make_args: str = "
     machine and `make_args` (the variables `make` gets). Any change there gives a new key, so a
     rebuild never reads stale results.
     """
-    r, c, m = shlex.quote(release), shlex.quote(cc), shlex.quote(modules_dir)
-    return (
-        f"( set +e; sha256sum < {shlex.quote(archive)}; echo {r} {shlex.quote(make_args)}; uname -m; {c} -v 2>&1; "
-        f"stat -L -c '%n %s %Y' \"$(command -v {c})\" \"$({c} -print-prog-name=cc1)\"; "
-        f"cat {m}/{r}/build/include/config/auto.conf; "
-        f"for d in {m}/{r}/build {m}/{r}/source; do [ -d \"$d\" ] || continue; "
-        "echo \"tree $d\"; ( cd -P \"$d\" && find -L . -type f -printf '%P %s %T@\\n' | LC_ALL=C sort ); done; "
-        ") 2>&1 | sha256sum | cut -c1-64"
-    )
+    return render_template("nvidia-conftest-key.sh.j2", archive=archive, release=release, cc=cc,
+                           make_args=make_args, modules_dir=modules_dir)
 
 
 def src_dir(version: str, cc: str, cxx: str | None) -> str:
@@ -153,7 +133,8 @@ def src_dir(version: str, cc: str, cxx: str | None) -> str:
 def build_command(archive: str, version: str, release: str, cc: str, jobs: int, ccache: bool,
                   conftest_cache: bool = True, cxx: str | None = None,
                   signing: tuple[str, str] | None = None) -> str:
-    """Build the NVIDIA modules for `release` in a fresh scratch dir; the .ko files land in <scratch>/out.
+    """Build the NVIDIA modules for `release` in a fresh scratch dir; the .ko files land in <scratch>/out
+    (templates/nvidia-build.sh.j2, every value quoted there).
 
     Layouts: the open-gpu-kernel-modules archive (`src/nvidia` + `src/nvidia-modeset` compiled
     with $(CC) and $(CXX) into nv-kernel.o / nv-modeset-kernel.o, then `kernel-open/` with
@@ -182,72 +163,15 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
     result newer than conftest.sh and reruns only its always-run checks); after a successful
     build, store this build's conftest/ under its key.
     """
-    b = shlex.quote(build_dir(version, release))
     # ccache by masquerade (/usr/lib/ccache/<cc> first on PATH): NVIDIA's conftest.sh runs
     # "$CC" quoted, so CC="ccache gcc-12" makes every conftest fail.
-    compiler = cc
-    make_args = f"modules KERNEL_UNAME={shlex.quote(release)} CC={shlex.quote(compiler)}"
-    src_args = f"CC={shlex.quote(compiler)}" + (f" CXX={shlex.quote(cxx)}" if cxx else "")
-    if cxx:
-        make_args += f" CXX={shlex.quote(cxx)}"
-    env = (f"PATH={CCACHE_MASQUERADE}:$PATH CCACHE_DIR={shlex.quote(CCACHE_DIR)} "
-           f"CCACHE_IGNOREOPTIONS={shlex.quote(CCACHE_IGNORE_OPTIONS)} " if ccache else "")
-    fail = shlex.quote(f"pvegpu: building nvidia {version} for {release} failed; installed modules are untouched")
-    t = shlex.quote(src_dir(version, compiler, cxx))
-    stamp_key = (f"{{ sha256sum < {shlex.quote(archive)}; echo {shlex.quote(src_args)}; {shlex.quote(compiler)} -v 2>&1; "
-                 + (f"{shlex.quote(cxx)} -v 2>&1; " if cxx else "") + "} | sha256sum | cut -c1-64")
-    sign = ""
-    if signing:
-        key, cert = (shlex.quote(x) for x in signing)
-        sign = (f"sf=/lib/modules/{shlex.quote(release)}/build/{SIGN_FILE}; [ -x \"$sf\" ] || "
-                f"{{ echo {shlex.quote(f'pvegpu: kernel {release} headers have no {SIGN_FILE} to sign modules with')} >&2; exit 1; }}; "
-                f"for m in \"$B\"/out/*.ko; do \"$sf\" sha256 {key} {cert} \"$m\"; done; ")
-    log = shlex.quote(f"{BUILD_ROOT}.log")  # what each build did, kept on the host (a line per step)
-    return (
-        f"set -e; B={b}; T={t}; L={log}; rm -rf \"$B\"; mkdir -p \"$B/out\"; "
-        f"{'mkdir -p ' + shlex.quote(CCACHE_DIR) + '; ' if ccache else ''}"
-        f"want=$( {stamp_key} ); "
-        # a shared open tree of this archive and these compilers: reuse its src/ objects
-        "if [ \"$(cat \"$T/.pvegpu-src-built\" 2>/dev/null)\" = \"$want\" ]; then top=$T/tree; src_note=', src/ objects reused'; "
-        "else src_note=; rm -rf \"$B/src\"; mkdir -p \"$B/src\"; tar -xf " + shlex.quote(archive) + " -C \"$B/src\"; "
-        "top=\"$B/src\"; set -- \"$B\"/src/*; [ $# -eq 1 ] && [ -d \"$1\" ] && top=$1; "
-        "if [ -d \"$top/kernel-open\" ] && [ -d \"$top/src/nvidia\" ]; then "
-        "rm -rf \"$T\"; mkdir -p \"$T\"; mv \"$top\" \"$T/tree\"; rm -rf \"$B/src\"; top=$T/tree; "
-        f"echo \"pvegpu: building nvidia {version} src/ (nv-kernel.o, nv-modeset-kernel.o) with {compiler}{' and ' + cxx if cxx else ''}\" | tee -a \"$L\"; "
-        f"if ! {env}make -C \"$top\" -j{int(jobs)} {src_args} kernel-open/nvidia/nv-kernel.o_binary "
-        "kernel-open/nvidia-modeset/nv-modeset-kernel.o_binary >\"$B/build.log\" 2>&1; then "
-        f"tail -n 40 \"$B/build.log\" >&2; echo {fail} >&2; exit 1; fi; "
-        "echo \"$want\" > \"$T/.pvegpu-src-built\"; fi; fi; "
-        # the open tree: this release's own copy of kernel-open/ beside the shared src/ objects
-        "if [ \"$top\" = \"$T/tree\" ]; then ko=$B/kernel-open; mk=$ko; cp -a \"$top/kernel-open\" \"$ko\"; "
-        "for l in nvidia/nv-kernel.o_binary nvidia-modeset/nv-modeset-kernel.o_binary; do "
-        "ln -sfn \"$(readlink -f \"$top/kernel-open/$l\")\" \"$ko/$l\"; done; "
-        "elif [ -f \"$top/kernel-open/Kbuild\" ]; then mk=$top/kernel-open; ko=$mk; "
-        "else kb=$(find \"$top\" -maxdepth 3 -name Kbuild | awk '{print length, $0}' | sort -n | head -n 1 | cut -d' ' -f2-); "
-        "[ -n \"$kb\" ] || { echo 'pvegpu: no NVIDIA kernel module tree (Kbuild) in the source archive' >&2; exit 1; }; "
-        "mk=${kb%/Kbuild}; ko=$mk; fi; "
-        + (f"key=$( {conftest_key_command(archive, release, compiler, make_args)} ); "
-           f"ct={shlex.quote(CONFTEST_CACHE)}/$key.tgz; ct_note=; "
-           # gzip checks length and CRC: a damaged archive is dropped with whatever it unpacked, and the tests run again
-           "if [ -f \"$ct\" ]; then if tar -C \"$ko\" -xf \"$ct\"; then ct_note=', conftest results restored'; "
-           "else rm -rf \"$ko/conftest\" \"$ct\"; fi; fi; "
-           if conftest_cache else "")
-        + f"echo \"pvegpu: building nvidia {version} for {release} in $mk with {compiler}{' (ccache)' if ccache else ''}, -j{int(jobs)}"
-        + "$src_note" + ("$ct_note" if conftest_cache else "") + "\" | tee -a \"$L\"; "
-        f"if ! {env}make -C \"$mk\" -j{int(jobs)} {make_args} "
-        f">>\"$B/build.log\" 2>&1; then tail -n 40 \"$B/build.log\" >&2; echo {fail} >&2; exit 1; fi; "
-        "cp \"$ko\"/*.ko \"$B/out/\"; "
-        f"vm=$(modinfo -F vermagic \"$B/out/nvidia.ko\"); case \"$vm\" in {shlex.quote(release)}\\ *) ;; *) "
-        f"echo \"pvegpu: built nvidia.ko has vermagic '$vm', not {release}\" >&2; exit 1;; esac; "
-        # INSTALL_MOD_STRIP=1 (kernel scripts/Makefile.modinst): strip --strip-debug, before signing
-        "strip --strip-debug \"$B\"/out/*.ko; "
-        + sign
-        + ("if [ ! -f \"$ct\" ] && [ -d \"$ko/conftest\" ]; then "
-           f"mkdir -p {shlex.quote(CONFTEST_CACHE)}; tar -C \"$ko\" -czf \"$ct.part\" conftest && mv -f \"$ct.part\" \"$ct\"; "
-           f"ls -1t {shlex.quote(CONFTEST_CACHE)}/*.tgz | tail -n +{CONFTEST_CACHE_KEEP + 1} | xargs -r rm -f; fi; "
-           if conftest_cache else "")
-        + "rm -rf \"$B/kernel-open\" \"$B/src\""
-    )
+    return render_template(
+        "nvidia-build.sh.j2", archive=archive, version=version, release=release, cc=cc, cxx=cxx, jobs=int(jobs),
+        ccache=ccache, conftest_cache=conftest_cache, signing=tuple(signing) if signing else None,
+        build_root=BUILD_ROOT, build_dir=build_dir(version, release), src_dir=src_dir(version, cc, cxx),
+        ccache_dir=CCACHE_DIR, ccache_masquerade=CCACHE_MASQUERADE, ccache_ignore_options=CCACHE_IGNORE_OPTIONS,
+        conftest_cache_dir=CONFTEST_CACHE, conftest_cache_keep=CONFTEST_CACHE_KEEP, sign_file=SIGN_FILE,
+        modules_dir="/lib/modules")
 
 
 def cleanup_command(version: str) -> str:
@@ -256,47 +180,21 @@ def cleanup_command(version: str) -> str:
 
 
 def install_command(version: str, release: str) -> str:
-    """Swap the built modules into /lib/modules/<rel>/updates/pvegpu-nvidia and run depmod."""
-    b = shlex.quote(build_dir(version, release))
-    d = shlex.quote(f"/lib/modules/{release}/{MODULE_SUBDIR}")
-    return (
-        f"set -e; B={b}; D={d}; [ -f \"$B/out/nvidia.ko\" ] || "
-        f"{{ echo 'pvegpu: no built nvidia.ko in '\"$B/out\" >&2; exit 1; }}; "
-        "rm -rf \"$D.new\" \"$D.old\"; mkdir -p \"$D.new\"; install -m 644 \"$B\"/out/*.ko \"$D.new/\"; "
-        "if [ -d \"$D\" ]; then mv \"$D\" \"$D.old\"; fi; mv \"$D.new\" \"$D\"; rm -rf \"$D.old\"; "
-        f"depmod {shlex.quote(release)}; rm -rf \"$B\""
-    )
+    """Swap the built modules into /lib/modules/<rel>/updates/pvegpu-nvidia and run depmod
+    (templates/nvidia-install.sh.j2)."""
+    return render_template("nvidia-install.sh.j2", build_dir=build_dir(version, release), release=release,
+                           module_dir=f"/lib/modules/{release}/{MODULE_SUBDIR}")
 
 
 def verify_command(version: str, releases: list[str], firmware: bool, firmware_files: list[str] | None = None) -> str:
-    """Exit 1 naming every component whose version is not `version` (incidents 2, 6).
+    """Exit 1 naming every component whose version is not `version` (incidents 2, 6;
+    templates/nvidia-verify.sh.j2).
 
     firmware_files: the GSP files the host's GPUs load (each must be in
     /lib/firmware/nvidia/<version>/); without them, any gsp*.bin there.
     """
-    v = shlex.quote(version)
-    parts = ["bad=0"]
-    for release in releases:
-        r = shlex.quote(release)
-        parts.append(
-            f"m=$(modinfo -k {r} -F version nvidia 2>/dev/null || true); "
-            f"[ \"$m\" = {v} ] || {{ echo \"pvegpu: kernel {release}: nvidia module is '${{m:-missing}}', want {version}\" >&2; bad=1; }}"
-        )
-    if firmware:
-        fw = shlex.quote(f"/lib/firmware/nvidia/{version}")
-        if firmware_files:
-            for name in firmware_files:
-                f = shlex.quote(f"/lib/firmware/nvidia/{version}/{name}")
-                parts.append(f"[ -e {f} ] || {{ echo \"pvegpu: GSP firmware {version}/{name} missing in {fw}\" >&2; bad=1; }}")
-        else:
-            parts.append(f"set -- {fw}/gsp*.bin; [ -e \"$1\" ] || {{ echo \"pvegpu: GSP firmware {version} missing in {fw}\" >&2; bad=1; }}")
-    libs = " ".join(f"{d}/libnvidia-ml.so.*.*" for d in LIB_DIRS)
-    parts.append(
-        f"for f in {libs}; do [ -e \"$f\" ] || continue; case \"$f\" in *.so.{v}) ;; *) "
-        "echo \"pvegpu: user space $f is not " + version + "\" >&2; bad=1;; esac; done"
-    )
-    parts.append("[ $bad = 0 ] || { echo 'pvegpu: NVIDIA versions differ; the stage did not finish' >&2; exit 1; }")
-    return "; ".join(parts)
+    return render_template("nvidia-verify.sh.j2", version=version, releases=list(releases), firmware=firmware,
+                           firmware_files=list(firmware_files or []), lib_dirs=list(LIB_DIRS))
 
 
 # -- the stage-local fact ------------------------------------------------------------------

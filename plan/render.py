@@ -1,22 +1,177 @@
-"""Render the templates in templates/ (every file pvegpu writes on a host is one of them)."""
+"""Render the templates in templates/ (every file pvegpu writes on a host, and every long shell
+script it runs there, is one of them).
+
+Shell templates (`templates/*.sh.j2`) take plain values and quote each one where it lands with
+the `q` filter (`{{ release | q }}`: shlex.quote, so a space, `;`, `$(…)` or a quote in a spec
+value stays one literal word). `python -m plan.render --check-shell` renders each of them with
+the representative values in SHELL_EXAMPLES (every branch a caller can take) and runs
+shellcheck on the result; scripts/lint.sh runs it.
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import jinja2
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
-_env = jinja2.Environment(
-    loader=jinja2.FileSystemLoader(str(TEMPLATES)),
-    undefined=jinja2.StrictUndefined,  # a missing variable is a bug, not an empty string
-    keep_trailing_newline=True,
-    trim_blocks=True,
-    lstrip_blocks=True,
-    autoescape=False,
-)
+
+def quote(value: object) -> str:
+    """The `q` filter: one shell word that is `value` literally (shlex.quote of its str)."""
+    if value is None or isinstance(value, jinja2.Undefined):
+        raise ValueError("the q filter got no value (None); a shell word needs one")
+    return shlex.quote(str(value))
+
+
+def environment(*search: Path) -> jinja2.Environment:
+    """The jinja environment every template renders with; `search`: dirs looked in before templates/."""
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader([str(p) for p in (*search, TEMPLATES)]),
+        undefined=jinja2.StrictUndefined,  # a missing variable is a bug, not an empty string
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+    env.filters["q"] = quote
+    return env
+
+
+_env = environment()
 
 
 def render_template(name: str, **context) -> str:
     return _env.get_template(name).render(**context)
+
+
+# -- shellcheck of the shell templates ----------------------------------------------------------
+
+# Representative values for each templates/*.sh.j2: one context per branch its callers can take
+# (the callers' contexts have exactly these keys: tests/unit/test_shell_templates.py).
+_BUILD = dict(archive="/var/cache/pvegpu/sources/" + "a" * 64 + "-595.45.04.tar.gz", version="595.45.04",
+              release="6.14.11-4-pve", cc="gcc-12", cxx=None, jobs=4, ccache=True, conftest_cache=True,
+              signing=None, build_root="/var/tmp/pvegpu/nvidia-build",
+              build_dir="/var/tmp/pvegpu/nvidia-build/595.45.04/6.14.11-4-pve",
+              src_dir="/var/tmp/pvegpu/nvidia-build/595.45.04/tree-gcc-12-none",
+              ccache_dir="/var/cache/pvegpu/ccache", ccache_masquerade="/usr/lib/ccache",
+              ccache_ignore_options='-DKBUILD_BASENAME="#conftest* -DKBUILD_MODNAME="#conftest*',
+              conftest_cache_dir="/var/cache/pvegpu/nvidia-conftest", conftest_cache_keep=16,
+              sign_file="scripts/sign-file", modules_dir="/lib/modules")
+_KERNEL = dict(build_dir="/var/lib/pvegpu/kernel-build/6.14.11-4-pve-0123456789ab", version="6.14.11-4-pve",
+               kind="proxmox-git", jobs=4, ccache=True, base_config="running",
+               fragments=[], url="https://git.proxmox.com/git/pve-kernel.git", sha256="", ref="v6.14.11-4",
+               localversion="-4-pve", pkgversion="1")
+SHELL_EXAMPLES: dict[str, list[dict]] = {
+    "nvidia-fetch-source.sh.j2": [
+        dict(url="https://github.com/NVIDIA/open-gpu-kernel-modules/archive/refs/tags/595.45.04.tar.gz",
+             local=None, sha256="a" * 64, dest="/var/cache/pvegpu/sources/" + "a" * 64 + "-595.45.04.tar.gz"),
+        dict(url="file:///srv/NVIDIA-Linux-x86_64-595.45.04.run", local="/srv/NVIDIA-Linux-x86_64-595.45.04.run",
+             sha256="b" * 64, dest="/var/cache/pvegpu/sources/" + "b" * 64 + "-NVIDIA-Linux-x86_64-595.45.04.run"),
+    ],
+    "nvidia-conftest-key.sh.j2": [
+        dict(archive=_BUILD["archive"], release="6.14.11-4-pve", cc="gcc-12", make_args="modules CC=gcc-12",
+             modules_dir="/lib/modules"),
+    ],
+    "nvidia-build.sh.j2": [
+        _BUILD,
+        {**_BUILD, "cxx": "g++-12", "ccache": False, "conftest_cache": False,
+         "signing": ("/root/mok.key", "/root/mok.der")},
+    ],
+    "nvidia-install.sh.j2": [
+        dict(build_dir=_BUILD["build_dir"], release="6.14.11-4-pve",
+             module_dir="/lib/modules/6.14.11-4-pve/updates/pvegpu-nvidia"),
+    ],
+    "nvidia-verify.sh.j2": [
+        dict(version="595.45.04", releases=["6.14.11-4-pve", "6.1.0-57-amd64"], firmware=True,
+             firmware_files=["gsp_ga10x.bin", "gsp_tu10x.bin"], lib_dirs=["/usr/lib/x86_64-linux-gnu", "/usr/lib"]),
+        dict(version="595.45.04", releases=[], firmware=True, firmware_files=[], lib_dirs=["/usr/lib"]),
+        dict(version="595.45.04", releases=["6.14.11-4-pve"], firmware=False, firmware_files=[], lib_dirs=["/usr/lib"]),
+    ],
+    "kernel-build.sh.j2": [
+        _KERNEL,
+        {**_KERNEL, "ccache": False},
+        {**_KERNEL, "kind": "tarball", "url": "https://cdn.kernel.org/pub/linux/kernel/v6.x/linux-6.1.192.tar.xz",
+         "sha256": "c" * 64, "ref": "", "version": "6.1.192-pvegpu", "localversion": "-pvegpu",
+         "fragments": ["CONFIG_VFIO=m", "# CONFIG_DEBUG_INFO is not set"]},
+        {**_KERNEL, "kind": "tarball", "url": "file:///srv/linux.tar.xz", "sha256": "c" * 64, "ccache": False,
+         "base_config": "tinyconfig"},
+        {**_KERNEL, "kind": "tarball", "url": "/srv/linux.tar.xz", "sha256": "c" * 64, "base_config": "/root/kconfig"},
+    ],
+    "kernel-build-start.sh.j2": [
+        dict(build_dir=_KERNEL["build_dir"], systemd=True, unit="pvegpu-kernel-build", memory_max_kib=66 * 1024 * 1024),
+        dict(build_dir=_KERNEL["build_dir"], systemd=True, unit="pvegpu-kernel-build", memory_max_kib=None),
+        dict(build_dir=_KERNEL["build_dir"], systemd=False, unit="pvegpu-kernel-build", memory_max_kib=None),
+    ],
+}
+
+
+def shell_of(script: str) -> str:
+    """The dialect a rendered script names (`#!/bin/bash`, `# shellcheck shell=bash`); sh otherwise."""
+    for line in script.splitlines()[:3]:
+        for prefix in ("#!/bin/", "#!/usr/bin/env ", "# shellcheck shell="):
+            if line.startswith(prefix):
+                return "bash" if line[len(prefix):].split()[0] == "bash" else "sh"
+    return "sh"
+
+
+def check_shell(templates: Path = TEMPLATES, examples: dict[str, list[dict]] | None = None) -> list[str]:
+    """Render every `*.sh.j2` in `templates` with its SHELL_EXAMPLES and shellcheck each result.
+
+    Returns the findings (empty: clean); a template with no examples is a finding too."""
+    examples = SHELL_EXAMPLES if examples is None else examples
+    env = environment(templates)
+    problems = []
+    names = sorted(p.name for p in templates.glob("*.sh.j2"))
+    with tempfile.TemporaryDirectory(prefix="pvegpu-shellcheck-") as tmp:
+        for name in names:
+            contexts = examples.get(name)
+            if not contexts:
+                problems.append(f"{templates / name}: no representative values in plan/render.py SHELL_EXAMPLES")
+                continue
+            for i, context in enumerate(contexts):
+                try:
+                    script = env.get_template(name).render(**context)
+                except jinja2.TemplateError as err:
+                    problems.append(f"{templates / name} (example {i}): does not render: {err}")
+                    continue
+                rendered = Path(tmp) / f"{name.removesuffix('.j2')}.{i}"
+                rendered.write_text(script)
+                run = subprocess.run(["shellcheck", "-s", shell_of(script), "-f", "gcc", str(rendered)],
+                                     capture_output=True, text=True)
+                if run.returncode != 0:
+                    out = (run.stdout + run.stderr).replace(str(rendered), f"{templates / name} (example {i}, rendered)")
+                    problems.append(out.rstrip())
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m plan.render", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check-shell", action="store_true",
+                        help="render every templates/*.sh.j2 with representative values and shellcheck it")
+    parser.add_argument("--templates", type=Path, default=TEMPLATES, help="the templates dir (default: the repo's)")
+    args = parser.parse_args(argv)
+    if not args.check_shell:
+        parser.print_help()
+        return 2
+    if shutil.which("shellcheck") is None:
+        print("pvegpu: shellcheck is missing; run `make debs`", file=sys.stderr)
+        return 1
+    problems = check_shell(args.templates)
+    for problem in problems:
+        print(problem)
+    count = len(list(args.templates.glob("*.sh.j2")))
+    print(f"pvegpu: {count} shell templates in {os.path.relpath(args.templates)}: "
+          + ("clean" if not problems else f"{len(problems)} finding(s)"), file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Lint and types, the first step of `make test` (scripts/run-tests.sh); also on its own:
 # `bash scripts/lint.sh`. ruff (pyflakes, isort, pyupgrade, bugbear) and mypy on the collection's
-# Python (settings in pyproject.toml), shellcheck on the project's shell scripts. Every tool runs;
+# Python (settings in pyproject.toml), shellcheck on the project's shell scripts and on every
+# templates/*.sh.j2 rendered with representative values (`python -m plan.render --check-shell`,
+# the values: plan/render.py SHELL_EXAMPLES). Every tool runs;
 # the exit status is non-zero when any of them reports a finding. Caches live under .cache/.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -26,6 +28,7 @@ mkdir -p .cache
 step ruff "$VENV/bin/ruff" check --no-fix "${PY_PATHS[@]}"
 step mypy "$VENV/bin/mypy"  # files, excludes and the cache dir: [tool.mypy] in pyproject.toml
 step shellcheck shellcheck "${SHELL_SCRIPTS[@]}"
+step shell-templates "$VENV/bin/python" -m plan.render --check-shell --templates templates
 if ((${#failed[@]})); then
   echo "pvegpu lint: failed: ${failed[*]}" >&2
   exit 1

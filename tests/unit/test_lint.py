@@ -26,6 +26,8 @@ def _tree(tmp_path: Path) -> Path:
         (tmp_path / package).mkdir()
         (tmp_path / package / "__init__.py").write_text("")
     (tmp_path / "deploy.py").write_text("")
+    shutil.copy(REPO / "plan" / "render.py", tmp_path / "plan" / "render.py")
+    shutil.copytree(REPO / "templates", tmp_path / "templates")
     for script in (".ci/run", "bench/x.sh", "tests/twin/twinctl"):
         (tmp_path / script).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / script).write_text('#!/bin/sh\necho "$1"\n')
@@ -41,7 +43,7 @@ def _lint(root: Path) -> subprocess.CompletedProcess:
 def test_clean_tree_passes_and_says_what_ran(tmp_path):
     run = _lint(_tree(tmp_path))
     assert run.returncode == 0, run.stdout + run.stderr
-    for tool in ("ruff", "mypy", "shellcheck"):
+    for tool in ("ruff", "mypy", "shellcheck", "shell-templates"):
         assert f"pvegpu lint: {tool}: clean" in run.stdout
 
 
@@ -50,9 +52,20 @@ def test_each_tool_fails_the_run_and_all_of_them_run(tmp_path):
     (root / "spec" / "unused.py").write_text("import os\n")  # pyflakes F401
     (root / "plan" / "typed.py").write_text("def f() -> int:\n    return 'x'\n")  # mypy return-value
     (root / "bench" / "x.sh").write_text("#!/bin/sh\ncd $1\n")  # SC2086 and SC2164
+    install = root / "templates" / "nvidia-install.sh.j2"  # a value left unquoted where it lands
+    install.write_text(install.read_text().replace("depmod {{ release | q }}", "depmod $(echo {{ release }})"))
     run = _lint(root)
     assert run.returncode != 0
-    for tool in ("ruff", "mypy", "shellcheck"):
+    for tool in ("ruff", "mypy", "shellcheck", "shell-templates"):
         assert f"pvegpu lint: {tool}: FAILED" in run.stdout, run.stdout
     assert "F401" in run.stdout and "return-value" in run.stdout and "SC2086" in run.stdout
-    assert "pvegpu lint: failed: ruff mypy shellcheck" in run.stderr
+    assert "nvidia-install.sh.j2 (example 0, rendered)" in run.stdout and "[SC2046]" in run.stdout
+    assert "pvegpu lint: failed: ruff mypy shellcheck shell-templates" in run.stderr
+
+
+def test_a_shell_template_without_representative_values_fails(tmp_path):
+    root = _tree(tmp_path)
+    (root / "templates" / "new-step.sh.j2").write_text("echo {{ value | q }}\n")
+    run = _lint(root)
+    assert run.returncode != 0 and "pvegpu lint: shell-templates: FAILED" in run.stdout
+    assert "new-step.sh.j2: no representative values in plan/render.py SHELL_EXAMPLES" in run.stdout

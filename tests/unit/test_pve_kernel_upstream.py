@@ -16,7 +16,6 @@ import pytest
 
 from operations import kernel
 from plan import kernel as plan
-from plan.render import render_template
 from spec.models import HostSpec, KernelSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,11 +78,7 @@ def test_preflight_refuses_a_version_the_ref_does_not_build():
 
 def script(version: str, jobs: int = 3, ccache: bool = True, url: str = "unused", ref: str = REF, build_dir: str = "/b") -> str:
     k = KernelSpec(version=version, source={"kind": "proxmox-git", "url": url, "ref": ref}, ccache=ccache)
-    import shlex
-    return render_template(
-        "kernel-build.sh.j2", build_dir=build_dir, build_dir_q=shlex.quote(build_dir), version=version, version_q=version, kind=k.source.kind,
-        jobs=jobs, unit=plan.BUILD_UNIT, ccache=ccache, base_config="running", base_config_q="running", fragments=[],
-        url_q=shlex.quote(url), url_path_q=url, sha256_q="''", ref_q=shlex.quote(ref), localversion_q="''", pkgversion_q="1")
+    return kernel.build_script(k, "running", jobs, build_dir)
 
 
 def test_build_script_refuses_a_version_the_ref_does_not_build_before_fetching_anything(pve_kernel, tmp_path):

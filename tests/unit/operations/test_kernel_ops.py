@@ -2,6 +2,7 @@
 build scripts run for real in a local shell (no host needed)."""
 
 import json
+import os
 import re
 import subprocess
 import time
@@ -33,11 +34,7 @@ def sh(cmd, **kw):
 
 
 def script_for(k: KernelSpec, base="running", jobs=4):
-    return render_template(
-        "kernel-build.sh.j2", build_dir="/b", build_dir_q="/b", version=k.version, version_q=k.version,
-        kind=k.source.kind, jobs=jobs, unit=plan.BUILD_UNIT, ccache=k.ccache, base_config=base, base_config_q=base,
-        fragments=list(k.config_fragments), url_q=k.source.url, url_path_q=k.source.url.removeprefix("file://"),
-        sha256_q=k.source.sha256 or "", ref_q=k.source.ref or "", localversion_q=plan.localversion(k), pkgversion_q="1")
+    return kernel.build_script(k, base, jobs, "/b")
 
 
 def test_tarball_script_verifies_sha_configures_and_runs_bindeb_pkg():
@@ -45,7 +42,8 @@ def test_tarball_script_verifies_sha_configures_and_runs_bindeb_pkg():
     text = script_for(k, base="tinyconfig", jobs=2)
     assert sh(f"sh -n /dev/stdin <<'EOF'\n{text}\nEOF").returncode == 0
     assert "sha256sum -c -" in text and "make tinyconfig" in text
-    assert "CONFIG_64BIT=y\nCONFIG_MODULES=y\n" in text and "merge_config.sh -m .config pvegpu.config" in text
+    assert "printf '%s\\n' CONFIG_64BIT=y CONFIG_MODULES=y > pvegpu.config" in text
+    assert "merge_config.sh -m .config pvegpu.config" in text
     assert 'make -j2 CC="ccache gcc" LOCALVERSION=-pvegpu-ci KDEB_PKGVERSION=1 KDEB_COMPRESS=gzip bindeb-pkg' in text
     assert "xz -dc -T0 source.tar | tar -x -C src --strip-components=1" in text
     assert "cp /var/cache/linux-source-6.1.tar.xz source.tar.part" in text
@@ -137,6 +135,28 @@ def test_detached_build_survives_and_a_second_start_attaches(tmp_path):
 def test_systemd_start_uses_a_transient_unit():
     cmd = kernel.start_build_command("/var/lib/pvegpu/kernel-build/x", systemd=True)
     assert "systemd-run --unit pvegpu-kernel-build --collect" in cmd and "nohup" not in cmd
+
+
+def test_systemd_start_runs_and_hands_systemd_run_the_script(tmp_path):
+    """The systemd branch is a whole script (its `fi` once ended up as an argument of
+    systemd-run, a syntax error on every host with systemd): run it with stand-ins that log."""
+    d = tmp_path / "build dir"
+    d.mkdir()
+    (d / "build.rc").write_text("1\n")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("systemctl", "systemd-run"):
+        (bindir / tool).write_text(f"#!/bin/sh\nprintf '%s\\n' {tool} \"$@\" >> \"$LOG\"\n")
+        (bindir / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "LOG": str(tmp_path / "log")}
+    run = sh(kernel.start_build_command(str(d), systemd=True, memory_max_kib=1024), env=env, timeout=5)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "log").read_text().splitlines() == [
+        "systemctl", "reset-failed", "pvegpu-kernel-build",
+        "systemd-run", "--unit", "pvegpu-kernel-build", "--collect", "--property=KillMode=control-group",
+        "--property=MemoryMax=1024K", "--property=MemorySwapMax=0", f"--working-directory={d}", "/bin/sh",
+        f"{d}/build.sh"]
+    assert not (d / "build.rc").exists(), "the last attempt's status is gone before the new one starts"
 
 
 def test_build_op_writes_starts_and_waits_or_only_waits_when_attaching():
