@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import jinja2
@@ -16,6 +17,8 @@ _env = jinja2.Environment(
     lstrip_blocks=True,
     autoescape=False,
 )
+# `{{ value | q }}`: one shell word whatever the value holds (shell templates quote every value)
+_env.filters["q"] = lambda value: shlex.quote(str(value))
 
 
 def render_template(name: str, **context) -> str:
