@@ -17,7 +17,9 @@ stdin, which is that channel:
 A second run (converge or ``--dry``, which would read a half-done state) tries the flock
 without waiting: when a live keeper holds it, the run refuses before reading or changing
 anything and names the holder; when the flock is free but a record is left, the previous run
-died — its record is reported as stale and the new run takes the lock. /run is a tmpfs, so a
+died — its record is reported as stale and the new run takes the lock. Once it holds the lock, the keeper also waits while a GPU rebind runner an earlier run started
+detached (`plan.rebind`) still holds ``/run/pvegpu/rebind.lock`` (it says ``WAIT``; the run logs
+it), so no fact is read in the middle of a transaction. /run is a tmpfs, so a
 reboot (which ends every keeper) leaves no lock behind, and ``--dry`` leaves no file where
 configuration lives.
 """
