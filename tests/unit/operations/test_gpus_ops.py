@@ -128,3 +128,19 @@ def test_close_journal_only_when_there_is_one():
     assert "mv /var/lib/pvegpu/rebind/journal /var/lib/pvegpu/rebind/history/" in str(commands[0])
     commands, _ = _run_op(close_rebind_journal, Journal(), True)
     assert len(commands) == 1
+
+
+def test_guest_runtime_on_the_h200_machine_s_real_mountinfo():
+    """Recorded on the device (tests/fixtures/h200-vm-probe/rebind-facts.txt): /sys is a read-write
+    sysfs there, and GuestRuntime's awk prints the options of that mount."""
+    text = (Path(__file__).resolve().parents[2] / "fixtures/h200-vm-probe/rebind-facts.txt").read_text()
+    section = text.split("== GuestRuntime sysfs section\n")[1].split("== ")[0].splitlines()
+    assert section == ["@@ sysfs", "rw,relatime"]
+    assert parse_guest_runtime(section)["sysfs_live"] is True
+    # the same line as the kernel wrote it, through the fact's own awk
+    mountinfo = [line for line in text.splitlines() if " /sys " in line and line[0].isdigit()]
+    assert mountinfo == ["23 27 0:22 / /sys rw,relatime - sysfs sysfs rw"]
+    out = subprocess.run(["awk", '$5 == "/sys" {o = $6} END {print o}'], input="\n".join(mountinfo) + "\n",
+                         capture_output=True, text=True, check=True).stdout
+    assert out == "rw,relatime\n"
+    assert "awk '$5 == \"/sys\" {o = $6} END {print o}' /proc/self/mountinfo" in GuestRuntime.command
