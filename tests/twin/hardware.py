@@ -69,7 +69,8 @@ STANDIN_PATHS = {
                 "usr/sbin/reboot", "usr/sbin/shutdown",
                 # proxmox-kernel-helper's kernel hook: a kernel package's postinst runs it
                 "etc/kernel/postinst.d/zz-proxmox-boot", "etc/kernel/postrm.d/zz-proxmox-boot"],
-    "hostdev.py": ["usr/local/bin/fuser", "usr/local/bin/nvidia-modprobe", "usr/local/bin/uname"],
+    "hostdev.py": ["usr/local/bin/fuser", "usr/local/bin/nvidia-modprobe", "usr/local/bin/uname",
+                   "usr/local/sbin/modprobe"],
 }
 # The Python stand-ins as modules (the stand-in server imports them) and as programs (run
 # directly where the server is not reachable); each program path gets the small client

@@ -45,6 +45,9 @@ STATE_REL = "var/lib/twin/hw/state.json"
 FAULTS_REL = "var/lib/twin/faults.json"
 NVIDIA_MAJOR = 195
 NVIDIA_MINOR_MAX = 253  # follows nv.c nv_linux_assign_minor_locked(): regular minors below ctl/modeset
+# module -> the PCI driver it registers (as tests.twin.hardware._render_sys names them)
+DRIVER_OF_MODULE = {"nvidia": "nvidia", "vfio_pci": "vfio-pci", "snd_hda_intel": "snd_hda_intel",
+                    "mlx5_core": "mlx5_core", "nvme": "nvme"}
 
 
 class KernelModel:
@@ -55,6 +58,7 @@ class KernelModel:
         self.hw_sys = self.root / SYS_REL
         self.lock = threading.Lock()
         self.alive = True  # False once the twin shuts down or reboots: late writes change nothing
+        self.on_driver = None  # called with a driver name when a module load registers it
         self.log = log
         from tests.twin import hardware  # the twin's boot computation (paths, texts)
 
@@ -144,6 +148,43 @@ class KernelModel:
             for drv in self.drivers_loaded():
                 if self._matches(st, drv, bdf) and not self._probe(st, drv, bdf):
                     break
+            self.save(st)
+
+    def load_module(self, data: bytes) -> None:
+        """`modprobe NAME` of a PCI driver module (the twin's modprobe stand-in writes NAME to
+        /run/twin-sysfs/load_module): the module is listed as loaded, its driver registered and
+        attached to every unbound device it matches (follows drivers/base/bus.c bus_add_driver()
+        -> dd.c driver_attach()); vfio_pci brings vfio and /dev/vfio/vfio (vfio_main.c
+        vfio_init(): misc device 10:196). ENOENT for a module the twin does not know."""
+        name = data.decode(errors="replace").strip().replace("-", "_")
+        drv = DRIVER_OF_MODULE.get(name)
+        with self.lock:
+            if not self.alive:
+                raise OSError(errno.ENODEV, name)
+            st = self.state()
+            if name in st["modules"]:
+                return
+            if drv is None:
+                raise OSError(errno.ENOENT, name)
+            new = (["vfio", "vfio_iommu_type1", "vfio_pci_core"] if name == "vfio_pci" else []) + [name]
+            for mod in new:
+                if mod in st["modules"]:
+                    continue
+                st["modules"].append(mod)
+                mdir = self.hw_sys / "module" / mod
+                mdir.mkdir(parents=True, exist_ok=True)
+                (mdir / "initstate").write_text("live\n")
+            if "vfio" in new:
+                self._mknod(st, "/dev/vfio/vfio", 10, 196, 0o666)
+            ddir = self.hw_sys / "bus/pci/drivers" / drv
+            ddir.mkdir(parents=True, exist_ok=True)
+            for f in ("bind", "unbind", "new_id", "remove_id"):
+                (ddir / f).touch()
+            if self.on_driver is not None:
+                self.on_driver(drv)  # the bind/unbind files of the new driver go live
+            for bdf in sorted(st["drivers"]):
+                if not st["drivers"][bdf] and self._matches(st, drv, bdf):
+                    self._probe(st, drv, bdf)
             self.save(st)
 
     # -- matching and probing
@@ -440,10 +481,15 @@ def serve(root: Path, log=print) -> KernelModel:
         if target.exists():
             _mount(str(source), target, flags=MS_BIND)
 
+    def driver_files(drv: str) -> None:
+        bind_file(f"unbind@{drv}", lambda data: model.unbind(drv, data),
+                  sys_dir / "bus/pci/drivers" / drv / "unbind")
+        bind_file(f"bind@{drv}", lambda data: model.bind(drv, data),
+                  sys_dir / "bus/pci/drivers" / drv / "bind")
+
     bind_file("drivers_probe", model.drivers_probe, sys_dir / "bus/pci/drivers_probe")
     for drv in model.drivers_loaded():
-        bind_file(f"unbind@{drv}", lambda data, d=drv: model.unbind(d, data),
-                  sys_dir / "bus/pci/drivers" / drv / "unbind")
-        bind_file(f"bind@{drv}", lambda data, d=drv: model.bind(d, data),
-                  sys_dir / "bus/pci/drivers" / drv / "bind")
+        driver_files(drv)
+    fuse.add("load_module", model.load_module)  # /run/twin-sysfs/load_module: the modprobe stand-in
+    model.on_driver = driver_files
     return model
