@@ -7,7 +7,8 @@ On disk (paths relative to the repository root):
     .twin/<name>/upper, work         overlay upper/work dirs of one twin
     .twin/<name>/root                the twin's root (overlay, mounted in the host namespace)
     .twin/<name>/id_ed25519          per-twin client key (root login)
-    .twin/<name>/twin.json           {"name", "profile", "address", "port", "key", "pid", "root", ...}
+    .twin/<name>/twin.json           {"name", "profile", "address", "port", "key", "pid", "root",
+                                      "live_sysfs", ...}
     .twin/<name>/uptime              what the twin reads as /proc/uptime (reset on each boot)
     .twin/<name>/boots               one line per boot: "<unix-time> <boot-number>"
     .twin/<name>/supervisor.log      supervisor and sshd output
@@ -19,6 +20,23 @@ Per twin, one supervisor process runs as pid 1 of its own pid, mount and uts nam
 TWIN-CONTRACT.md says, runs `chroot <root> /usr/sbin/sshd -D -e`, and serves reboot requests
 (`<root>/var/lib/twin/reboot-request`). Killing it takes every process and mount of the twin
 with it; `stop` then unmounts the overlay and checks nothing is left.
+
+/sys is the rendered tree (hw/sys, tests/twin/hardware.py), bind-mounted. By default it is
+mounted read-only (bind, then remount ro, sub-mounts too): /proc/self/mountinfo shows `ro` for
+/sys, a write fails with EROFS, and the product knows this host cannot rebind now (as in a
+container); a GPU move then happens at the twin's reboot. A twin started with `live_sysfs=True`
+(`twinctl start --live-sysfs`; twin.json "live_sysfs", kept across reboots) has /sys read-write
+and, at each boot, a kernel model (tests/twin/livesys.py) serving `drivers/<drv>/unbind`,
+`drivers/<drv>/bind` and `drivers_probe` synchronously through FUSE (/run/twin-sysfs in the
+twin; needs /dev/fuse), with `modprobe` of a PCI driver module loading it in the model: a
+shell rebinds a GPU as on a real host, and the change lasts until the next reboot, which
+computes the binding from the persisted config again.
+
+Fault knobs for tests: `set_fault(name, unbind_delay_s=N)` (`twinctl fault NAME --unbind-delay
+N`; var/lib/twin/faults.json) makes each unbind of a live twin take N s; `kill_sshd(name)`
+(`twinctl kill-sshd NAME`) SIGKILLs every sshd of the twin (every SSH connection drops) and the
+supervisor starts the listener again within ~1 s, like systemd's Restart=on-failure for
+Debian's ssh.service; processes started detached (setsid, stdio to files) live on.
 
 Containers (the pct stand-in, tests/twin/standins/proxmox.py, does the per-CT work). Each boot the
 supervisor also bind-mounts, in its own namespace (so they go with it, like the other mounts):
