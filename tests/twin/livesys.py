@@ -11,8 +11,9 @@ rendered placeholder in /sys:
 A write(2) to one of them blocks until the model has applied it and fails with the kernel's
 errno (ENODEV for an unbind of a device the driver does not hold, ...), as the kernel's
 synchronous sysfs stores do. `driver_override` stays a regular file of the rendered tree (rw);
-the model reads it at probe time ("(null)" or empty: none). A fatal signal kills a writer
-blocked in a slow unbind (fault knob below), but the unbind still completes, as in the kernel.
+the model reads it at probe time ("(null)" or empty: none). A writer blocked in a slow unbind
+(fault knob below) cannot be killed until the unbind is done, like a writer in the kernel's
+unbind (FUSE waits out a request userspace has read); a twin shutdown or reboot answers it.
 
 Effects, kept consistent with what `tests.twin.hardware.compute` gives at the next boot:
 devices/.../driver and drivers/<drv>/<bdf> links, `enable`, uevent DRIVER=, hw/state.json
@@ -58,6 +59,7 @@ class KernelModel:
         self.hw_sys = self.root / SYS_REL
         self.lock = threading.Lock()
         self.alive = True  # False once the twin shuts down or reboots: late writes change nothing
+        self.shutdown = threading.Event()  # cuts a slow unbind short at shutdown (see close())
         self.on_driver = None  # called with a driver name when a module load registers it
         self.log = log
         from tests.twin import hardware  # the twin's boot computation (paths, texts)
@@ -94,6 +96,12 @@ class KernelModel:
         text = text[:-1] if text.endswith("\n") else text
         return None if text in ("", "(null)") else text
 
+    def close(self) -> None:
+        """The twin shuts down or reboots: writes still in the model fail (ENODEV) and change nothing."""
+        with self.lock:
+            self.alive = False
+        self.shutdown.set()
+
     @staticmethod
     def parse_bdf(data: bytes) -> str:
         # follows drivers/base/core.c device_match_name() -> sysfs_streq(): a trailing newline is ignored
@@ -105,7 +113,10 @@ class KernelModel:
         bdf = self.parse_bdf(data)
         delay = self.fault("unbind_delay_s")
         if delay:
-            time.sleep(delay)  # the fault knob: a driver's remove() that takes its time
+            # the fault knob: a driver's remove() that takes its time. Its writer cannot be killed
+            # meanwhile (FUSE waits for the answer once the request is read, as an unbind in the
+            # kernel does); a shutdown answers it at once (close()) so the twin can stop.
+            self.shutdown.wait(delay)
         with self.lock:
             if not self.alive:
                 raise OSError(errno.ENODEV, bdf)
@@ -396,6 +407,7 @@ class FuseFiles:
             except OSError as e:
                 if e.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
                     continue
+                os.close(self.fd)
                 return  # ENODEV: unmounted (the twin stops or reboots)
             try:
                 self.handle(buf)

@@ -892,7 +892,7 @@ class Supervisor:
     def kill_all(self) -> None:
         """SIGKILL every process of the twin but this one; wait until all are reaped."""
         if self.kernel is not None:
-            self.kernel.alive = False  # a write still in the model (slow unbind) changes nothing now
+            self.kernel.close()  # a write still in the model (slow unbind) ends, changing nothing
             self.kernel = None
         proc_dir = self.root / "proc"  # the namespace's own procfs
         deadline = time.monotonic() + 10
