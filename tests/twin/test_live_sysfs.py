@@ -104,14 +104,19 @@ def test_live_twin_rebinds_gpus_like_the_kernel(twin_factory):
 @pytest.mark.twin
 def test_unbind_delay_and_killed_sshd(twin_factory):
     twin = twin_factory("kpro6", live_sysfs=True)
-    runtime.set_fault(twin.name, unbind_delay_s=1.5)
+    assert runtime.main(["fault", twin.name, "--unbind-delay", "1.5"]) == 0
+    assert json.loads((Path(twin.root) / "var/lib/twin/faults.json").read_text()) == {"unbind_delay_s": 1.5}
     t0 = time.monotonic()
     ssh(twin, f"echo vfio-pci > {S}/devices/{GPU0}/driver_override; echo {GPU0} > {S}/drivers/nvidia/unbind")
     assert time.monotonic() - t0 >= 1.5
 
     # a process started detached survives sshd being killed; the SSH session it came from does not;
     # an unbind under way when its writer's session drops still completes, as in the kernel
-    ssh(twin, "setsid sh -c 'echo $$ > /root/detached.pid; exec sleep 60' </dev/null >/root/detached.log 2>&1 &")
+    # (the detached one rebinds a third GPU after the sessions are gone)
+    GPU2 = "0000:41:00.0"
+    ssh(twin, "setsid sh -c 'echo $$ > /root/detached.pid; sleep 2; "
+              f"echo {GPU2} > {S}/drivers/nvidia/unbind; echo $? > /root/unbind.rc; exec sleep 60' "
+              "</dev/null >/root/detached.log 2>&1 &")
     session = subprocess.Popen(runtime.ssh_command(twin.name, [
         f"echo vfio-pci > {S}/devices/{GPU1}/driver_override; echo {GPU1} > {S}/drivers/nvidia/unbind; sleep 60"]),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -124,7 +129,30 @@ def test_unbind_delay_and_killed_sshd(twin_factory):
     assert time.monotonic() - t0 < 3
     ssh(twin, "kill -0 $(cat /root/detached.pid)")
     assert _wait(lambda: ssh(twin, f"readlink {S}/devices/{GPU1}/driver", check=False).returncode != 0, 5)
-    assert [b for _, b, _ in gpus(twin)][:1] == ["0000:41:00.0"]
+    assert _wait(lambda: ssh(twin, "cat /root/unbind.rc", check=False).stdout == "0\n", 5)
+    assert [b for _, b, _ in gpus(twin)][:1] == ["0000:61:00.0"]
+
+
+@pytest.mark.twin
+def test_stop_and_reboot_answer_a_slow_unbind(twin_factory):
+    twin = twin_factory("kpro6", live_sysfs=True)
+    runtime.set_fault(twin.name, unbind_delay_s=60)
+    writer = subprocess.Popen(runtime.ssh_command(twin.name, [f"echo {GPU0} > {S}/drivers/nvidia/unbind"]),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.7)
+    (Path(twin.root) / runtime.REBOOT_REQUEST).touch()
+    assert _wait(lambda: _boots(twin) == 2 and not (Path(twin.root) / runtime.REBOOT_REQUEST).exists(), 20)
+    writer.wait(timeout=10)
+    # the boot computed the binding again: the unbind cut short by the reboot changed nothing
+    assert len(gpus(twin)) == 8 and sys_mount_options(twin).startswith("rw")
+    writer = subprocess.Popen(runtime.ssh_command(twin.name, [f"echo {GPU0} > {S}/drivers/nvidia/unbind"]),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.7)
+    t0 = time.monotonic()
+    twin_factory.stop(twin)
+    assert time.monotonic() - t0 < 8
+    assert runtime.leftovers(twin.name) == {"mounts": [], "processes": []}
+    writer.wait(timeout=10)
 
 
 def _boots(twin) -> int:
