@@ -45,7 +45,7 @@ PROC_REL = "var/lib/twin/hw/proc"
 STATE_REL = "var/lib/twin/hw/state.json"
 FAULTS_REL = "var/lib/twin/faults.json"
 NVIDIA_MAJOR = 195
-NVIDIA_MINOR_MAX = 253  # follows nv.c nv_linux_assign_minor_locked(): regular minors below ctl/modeset
+NVIDIA_MINOR_MAX = 247  # follows nv-chardev-numbers.h NV_MINOR_DEVICE_NUMBER_REGULAR_MAX (GPU minors 0..247)
 # module -> the PCI driver it registers (as tests.twin.hardware._render_sys names them)
 DRIVER_OF_MODULE = {"nvidia": "nvidia", "vfio_pci": "vfio-pci", "snd_hda_intel": "snd_hda_intel",
                     "mlx5_core": "mlx5_core", "nvme": "nvme"}
@@ -185,8 +185,14 @@ class KernelModel:
                 mdir = self.hw_sys / "module" / mod
                 mdir.mkdir(parents=True, exist_ok=True)
                 (mdir / "initstate").write_text("live\n")
+            with open(self.root / PROC_REL / "modules", "a") as modules:  # as the boot renders it
+                for mod in new:
+                    modules.write(f"{mod} 1048576 0 - Live 0x0000000000000000\n")
             if "vfio" in new:
                 self._mknod(st, "/dev/vfio/vfio", 10, 196, 0o666)
+            if name == "nvidia":  # control device minor 255 (nv-chardev-numbers.h), node as nvidia-modprobe makes it
+                st["nvidia"]["loaded"] = True
+                self._mknod(st, "/dev/nvidiactl", NVIDIA_MAJOR, 255, 0o666)
             ddir = self.hw_sys / "bus/pci/drivers" / drv
             ddir.mkdir(parents=True, exist_ok=True)
             for f in ("bind", "unbind", "new_id", "remove_id"):
