@@ -64,6 +64,9 @@ def test_live_twin_rebinds_gpus_like_the_kernel(twin_factory):
     # an unbind by a driver that does not hold the device fails as in the kernel (ENODEV)
     run = ssh(twin, f"echo {GPU0} > {S}/drivers/snd_hda_intel/unbind", check=False)
     assert run.returncode != 0 and "No such device" in run.stderr
+    # a container cannot rebind: its /sys is read-only, the rebind files included (lxc sys:mixed)
+    run = ssh(twin, f"pct start 200 && pct exec 200 -- sh -c 'echo {GPU0} > {S}/drivers/nvidia/unbind'", check=False)
+    assert run.returncode != 0 and "Read-only file system" in run.stderr, run.stderr
 
     assert move(twin, GPU0, "nvidia", "vfio-pci") == "vfio-pci"
     assert move(twin, GPU1, "nvidia", "vfio-pci") == "vfio-pci"
