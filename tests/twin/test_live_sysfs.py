@@ -5,6 +5,7 @@ killed) for the rebind transaction's tests."""
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import time
 from pathlib import Path
@@ -172,3 +173,28 @@ def _wait(predicate, timeout: float = 30.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+@pytest.mark.twin
+def test_the_products_rebind_script_runs_on_a_live_twin(twin_factory):
+    """operations.gpus.rebind_script, as pvegpu runs it, moves a GPU and its audio function to
+    vfio-pci and back; with a slow unbind it gives up after its timeout and says so."""
+    from operations.gpus import rebind_script
+    from plan.gpus import Move, RebindPlan
+
+    twin = twin_factory("kpro6", live_sysfs=True)
+    audio = "0000:01:00.1"
+    nvidia = {b: {"minor": m} for _, b, m in gpus(twin)}
+    there = RebindPlan([Move(GPU0, "nvidia", "vfio-pci"), Move(audio, "snd_hda_intel", "vfio-pci")], [], [], True)
+    run = ssh(twin, f"sh -c {shlex.quote(rebind_script(there, nvidia, stop_guests=False))}")
+    assert f"pvegpu: {GPU0} is bound to vfio-pci" in run.stderr and f"pvegpu: {audio} is bound to vfio-pci" in run.stderr
+    assert ssh(twin, "ls /dev/vfio").stdout.split() == ["12", "vfio"] and len(gpus(twin)) == 7
+    back = RebindPlan([Move(GPU0, "vfio-pci", "nvidia"), Move(audio, "vfio-pci", "snd_hda_intel")], [], [], True)
+    ssh(twin, f"sh -c {shlex.quote(rebind_script(back, nvidia, stop_guests=False))}")
+    assert gpus(twin)[0] == (0, GPU0, 0) and ssh(twin, "ls /dev/vfio").stdout.split() == ["vfio"]
+
+    runtime.set_fault(twin.name, unbind_delay_s=3)
+    run = ssh(twin, f"sh -c {shlex.quote(rebind_script(there, nvidia, timeout_s=1, stop_guests=False))}", check=False)
+    assert run.returncode == 1 and "did not finish in 1 s" in run.stderr and f"{GPU0} is bound to nvidia" in run.stderr
+    # the abandoned unbind still completes in the "kernel"
+    assert _wait(lambda: ssh(twin, f"readlink {S}/devices/{GPU0}/driver", check=False).returncode != 0, 5)
