@@ -111,6 +111,10 @@ class KernelModel:
     def unbind(self, drv: str, data: bytes) -> None:
         """follows drivers/base/bus.c unbind_store(): ENODEV unless `drv` holds the device."""
         bdf = self.parse_bdf(data)
+        with self.lock:
+            st = self.state()
+            if not self.alive or st["drivers"].get(bdf) != drv:
+                raise OSError(errno.ENODEV, bdf)
         delay = self.fault("unbind_delay_s")
         if delay:
             # the fault knob: a driver's remove() that takes its time. Its writer cannot be killed
