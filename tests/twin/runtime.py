@@ -708,7 +708,9 @@ def stop(name: str, keep: bool = False) -> None:
         _unmount_tree(tdir, including_self=True)
     left = leftovers(name)
     if left["mounts"] or left["processes"]:
-        raise TwinLeak(f"twin {name} left {left} behind")
+        what = {pid: " ".join(_read_text(Path(f"/proc/{pid}/cmdline")).split("\0")).strip()
+                + f" [{_read_text(Path(f'/proc/{pid}/wchan'))}]" for pid in left["processes"]}
+        raise TwinLeak(f"twin {name} left {left} behind: {what}")
     if not keep and tdir.exists():
         shutil.rmtree(tdir)
 
