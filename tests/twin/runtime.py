@@ -392,16 +392,20 @@ def _alive(pid: int, pid_ns: str | None = None) -> bool:
 
 
 def twin_processes(spec: dict) -> list[int]:
-    """Host pids that belong to the twin: in its pid or mount namespace, or chrooted in its dir."""
+    """Host pids that belong to the twin: chrooted in its dir, or in its pid or mount namespace
+    while its supervisor lives. Once the supervisor is gone the kernel frees the namespaces and
+    may give their numbers to new ones (another twin's, a `pct exec`'s): a process that merely
+    shares the number is not the twin's."""
     tdir = str(TWINS_DIR / spec["name"]) + "/"
     found = []
+    ns_valid = bool(spec.get("pid")) and _alive(spec["pid"], spec.get("pid_ns"))
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         pid = int(entry)
-        if spec.get("pid_ns") and _ns(pid, "pid") == spec["pid_ns"] and _alive(pid):
+        if ns_valid and spec.get("pid_ns") and _ns(pid, "pid") == spec["pid_ns"] and _alive(pid):
             found.append(pid)
-        elif spec.get("mnt_ns") and _ns(pid, "mnt") == spec["mnt_ns"] and _alive(pid):
+        elif ns_valid and spec.get("mnt_ns") and _ns(pid, "mnt") == spec["mnt_ns"] and _alive(pid):
             found.append(pid)
         else:
             try:
