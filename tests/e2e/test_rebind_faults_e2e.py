@@ -122,6 +122,8 @@ def test_rebind_survives_a_killed_deploy_and_a_killed_sshd(twin_factory, tmp_pat
     for cmd in ("nvidia-modprobe -u -c=0", "pct start 200", "qm start 300"):
         started = host.ssh(cmd)
         assert started.returncode == 0, (cmd, started.stderr)
+    settle = host.deploy(ct, vm)  # the running CT gets its /etc/nccl.conf (the NCCL stage writes it inside)
+    assert settle.rc == 0, settle.output[-4000:]
     converged(host, ct, vm)
 
     # 1. pyinfra SIGKILLed while the runner moves 0000:61:00.0 to the VM and 0000:81:00.0 to the CT
