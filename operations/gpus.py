@@ -14,45 +14,47 @@ Now (runtime rebind transaction), only when a GPU changes driver:
   running and `guests.allow_stop` is false, when such a guest's config is locked, when it is an
   HA resource HA is not stopping, and when the spec's node is not the host's
   (`plan.guest_control`); an HA resource HA is already stopping is waited for, not shut down.
-  apply: ONE remote script (`set -eu`): stop the running guests that use a moving GPU (a clean
-  `qm/pct shutdown --timeout <guests.shutdown_timeout>`, a hard `stop` only when that times
-  out) → check holders again → per function: driver_override, unbind (the write runs in the
-  background and is abandoned after 30 s: unbind can hang in the kernel on some 595 drivers),
-  drivers_probe, verify the new driver. On any failure it prints every moving function's
-  current driver and exits non-zero; nothing after it runs. With `proxmox_api` in the spec the
-  guests are shut down through the API first (`operations.proxmox`, one FunctionCommand each,
-  in the same operation) and the script starts at the holder check. Guests it stopped are
-  started by the guests stage, after their configs match the new binding (PVE would otherwise
-  rebind a VM's old GPU).
+  apply: ONE runner script (`templates/rebind.sh.j2`, `plan.rebind`), written to
+  /var/lib/pvegpu/rebind/run.sh and started DETACHED from the SSH session (a transient systemd
+  unit `pvegpu-rebind`, else `setsid`) under `flock /run/pvegpu/rebind.lock`; the deploy follows
+  its journal (/var/lib/pvegpu/rebind/journal) to the end. The runner: stop the running guests
+  that use a moving GPU (a clean `qm/pct shutdown --timeout <guests.shutdown_timeout>`, a hard
+  `stop` only when that times out) → check holders again → per function: driver_override,
+  unbind (the write runs in the background and is abandoned after 30 s: unbind can hang in the
+  kernel on some 595 drivers), drivers_probe, verify the new driver. On any failure it puts every
+  function back on its driver (its old driver_override too) and starts the guests it stopped;
+  the operation fails. A dropped connection or a killed deploy does not stop it: it completes or
+  rolls back alone. With `proxmox_api` in the spec the guests are shut down through the API first
+  (one FunctionCommand each, in the same operation; the runner records them). Guests a completed
+  transaction stopped are started by the guests stage after their configs match the new binding
+  (PVE would otherwise rebind a VM's old GPU); then the journal is archived
+  (/var/lib/pvegpu/rebind/history/, newest 10).
+  Next run: a journal still there is reported (completed / rolled back / interrupted, what
+  moved), its guests still down are started by the guests stage once their configs match, and a
+  new transaction carries them. A run that finds a runner still running waits for it first
+  (`operations.runlock`).
 
-Where sysfs cannot rebind (no real sysfs: the twin's /sys is a rendered tree, where writes to
-unbind/bind do nothing), the rebind is persisted only and reported as a reboot reason
-("gpu-binding"); the hardware takes the new binding at the next boot. The guests stage then
-renders CT device entries for the minors that boot will give (`plan.gpus.boot_minors`).
-On a real host the same run rebinds live.
+Where /sys cannot rebind (mounted read-only: a container, the twin without its kernel model),
+the rebind is persisted only and reported as a reboot reason ("gpu-binding"); the hardware takes
+the new binding at the next boot. The guests stage then renders CT device entries for the minors
+that boot will give (`plan.gpus.boot_minors`). On a real host the same run rebinds live.
 """
 
 from __future__ import annotations
 
+import datetime
 import shlex
 from collections.abc import Sequence
 
 from pyinfra import host, logger
-from pyinfra.api import FactBase, StringCommand, deploy, operation
+from pyinfra.api import StringCommand, deploy, operation
 
-from facts.base import ShellFact
 from facts.files import ManagedFiles
-from facts.guest_state import (
-    GUEST_STATE_COMMAND,
-    GuestState,
-    guest_state_changes,
-    parse_guest_state,
-    remember_guest_state,
-)
+from facts.guest_state import guest_state_changes, remember_guest_state
 from facts.hardware import HardwareProbe, HostConfigProbe
-from facts.kernel import split_sections
 from facts.once import fact_once
 from facts.proxmox import HaResources, NodeName, PvePackages
+from facts.rebind import GpuHolders, GuestRuntime, RebindJournal
 from operations import handlers
 from operations.files import managed_file, sha256_text
 from operations.proxmox import PveApi, api_of, guest_stop_commands, shutdown_shell, wait_stopped_shell
@@ -63,11 +65,10 @@ from plan.gpus import (
     desired_bindings,
     holders_of,
     identity_domain_refusals,
-    parse_compute_apps,
-    parse_fuser,
     plan_rebind,
 )
-from plan.guest_control import node_refusal, stop_checks
+from plan.guest_control import ha_resource, node_refusal, stop_checks
+from plan.rebind import Journal, close_command, recovery, runner_script, start_command, transaction_id
 from plan.reboot import need_reboot
 from plan.render import render_template
 from spec.models import GuestPolicy, HostSpec
@@ -83,67 +84,6 @@ SHUTDOWN_TIMEOUT_S: int = GuestPolicy.model_fields["shutdown_timeout"].default  
 _MEMO = "_pvegpu_gpu_stage"
 
 
-# ---------------------------------------------------------------- stage-local facts
-
-
-def parse_guest_runtime(lines: list[str]) -> dict:
-    """Output of `GuestRuntime.command` → ``{"sysfs_live": True, "status": {"pct": True, "lxc":
-    {200: "running"}, "qemu": {300: "stopped"}}}`` ("status": a `facts.guest_state.GuestState`)."""
-    sysfs = [line.strip() for line in split_sections(lines).get("sysfs", [])]
-    return {"sysfs_live": sysfs[:1] == ["sysfs"], "status": parse_guest_state(lines)}
-
-
-class GuestRuntime(ShellFact):
-    """
-    Whether /sys can rebind devices live, and which guests run (`GuestState` in the same command;
-    `stage_facts` keeps it as this run's `facts.guest_state.guest_state()`).
-
-    .. code:: python
-
-        {"sysfs_live": True, "status": {"pct": True, "lxc": {200: "running"}, "qemu": {300: "stopped"}}}
-    """
-
-    command = f"echo '@@ sysfs'; stat -f -c %T /sys 2>/dev/null; {GUEST_STATE_COMMAND}; true"
-
-    @staticmethod
-    def default() -> dict:
-        return {"sysfs_live": False, "status": GuestState.default()}
-
-    def process(self, output):
-        return parse_guest_runtime(list(output))
-
-
-class GpuHolders(FactBase):
-    """
-    Processes holding GPUs: nvidia-smi compute apps (any GPU it sees) and `fuser -v` on the
-    given /dev/nvidiaN nodes.
-
-    .. code:: python
-
-        {"compute_apps": {"0000:81:00.0": ["python3 (pid 4242)"]},
-         "fuser": {"/dev/nvidia0": ["nvidia-persistenced (pid 812)"]}}
-    """
-
-    def command(self, nodes):
-        fuser = f"fuser -v {' '.join(shlex.quote(n) for n in nodes)} 2>&1" if nodes else "true"
-        return ("echo '@@ apps'; nvidia-smi --query-compute-apps=gpu_bus_id,pid,process_name "
-                f"--format=csv,noheader 2>/dev/null; echo '@@ fuser'; {fuser}; true")
-
-    @staticmethod
-    def default() -> dict:
-        return {"compute_apps": {}, "fuser": {}}
-
-    def process(self, output):
-        sections: dict[str, list[str]] = {"apps": [], "fuser": []}
-        current = None
-        for line in output:
-            if line.strip() in ("@@ apps", "@@ fuser"):
-                current = sections[line.strip()[3:]]
-            elif current is not None:
-                current.append(line)
-        return {"compute_apps": parse_compute_apps(sections["apps"]), "fuser": parse_fuser(sections["fuser"])}
-
-
 # ---------------------------------------------------------------- facts + plan, once per run
 
 
@@ -156,7 +96,8 @@ def stage_facts(spec: HostSpec) -> dict:
          "node": "kpro6", "bindings": Bindings, "rebind": RebindPlan, "holders": {bdf: [..]},
          "config_minors": {bdf: minor},   # minors the guest configs must use
          "host_node": "kpro6", "packages": <PvePackages>, "ha": <HaResources>,
-         "stop_refusals": [..], "ha_wait": [("qemu", 300, "vm:300")]}   # plan.guest_control
+         "stop_refusals": [..], "ha_wait": [("qemu", 300, "vm:300")],   # plan.guest_control
+         "journal": <RebindJournal>, "recovery": plan.rebind.Recovery}     # an earlier transaction's journal
     """
     memo = host.data.get(_MEMO)
     if memo is not None:
@@ -183,7 +124,11 @@ def stage_facts(spec: HostSpec) -> dict:
         config_minors = {b: g["minor"] for b, g in hw["nvidia_gpus"].items() if g.get("minor") is not None}
     ha = fact_once(HaResources)
     stop_refusals, ha_wait = stop_checks(rebind.stop, cfg["lxc_configs"], cfg["qemu_configs"], ha)
-    memo = {"hw": hw, "cfg": cfg, "runtime": runtime, "node": node, "bindings": bindings,
+    journal = fact_once(RebindJournal)
+    status = runtime["status"]
+    ha_managed = [(k, i) for k in ("lxc", "qemu") for i in status.get(k, {}) if ha_resource(ha, k, i)]
+    memo = {"journal": journal, "recovery": recovery(journal["journal"], status, ha_managed),
+            "hw": hw, "cfg": cfg, "runtime": runtime, "node": node, "bindings": bindings,
             "rebind": rebind, "holders": holders, "config_minors": config_minors,
             "host_node": host_node, "packages": fact_once(PvePackages), "ha": ha,
             "stop_refusals": stop_refusals, "ha_wait": ha_wait}
@@ -200,87 +145,73 @@ def binding_rules(bindings: Bindings) -> str:
 # ---------------------------------------------------------------- the rebind transaction
 
 
-def rebind_script(plan: RebindPlan, nvidia: dict[str, dict], timeout_s: int = UNBIND_TIMEOUT_S,
+def rebind_script(plan: RebindPlan, nvidia: dict[str, dict], txid: str = "test", timeout_s: int = UNBIND_TIMEOUT_S,
                   sysfs: str = "/sys", stop_guests: bool = True, shutdown_timeout: int = SHUTDOWN_TIMEOUT_S,
-                  ha_wait: Sequence[tuple[str, int, str]] = ()) -> str:
-    """The one shell script of a runtime rebind (see module docstring). Every value quoted;
-    `sysfs` is a parameter so tests can run the script against a scratch tree; `stop_guests`
-    False when the guests were stopped through the API before it; `ha_wait`: HA resources HA
-    is stopping (`plan.guest_control.stop_checks`): not shut down here, waited for."""
-    q = shlex.quote
-    bdfs = " ".join(q(m.bdf) for m in plan.moves)
-    lines = [
-        "set -eu",
-        f"S={q(sysfs)}",
-        f"report() {{ for b in {bdfs}; do d=$(readlink \"$S/bus/pci/devices/$b/driver\" 2>/dev/null || true); "
-        'echo "pvegpu: $b is bound to ${d##*/}" >&2; done; }',
-        'fail() { echo "pvegpu: rebind stopped: $1" >&2; report; exit 1; }',
-        # A write to unbind can block in the kernel: run it in the background, detached from our
-        # output (a stuck writer must not keep the SSH channel open), and give up after the timeout.
-        f'sysfs_write() {{ ( echo "$2" > "$1" ) </dev/null >/dev/null 2>&1 & p=$!; n=0; while kill -0 $p 2>/dev/null; do '
-        f'n=$((n+1)); [ $n -le {timeout_s * 10} ] || fail "writing $2 to $1 did not finish in {timeout_s} s '
-        f'(pid $p is stuck in the kernel)"; sleep 0.1; done; wait $p || fail "writing $2 to $1 failed"; }}',
-    ]
+                  ha_wait: Sequence[tuple[str, int, str]] = (), carried: Sequence[tuple[str, int]] = (),
+                  journal: str | None = None) -> str:
+    """The detached runner of one rebind transaction (`plan.rebind.runner_script`), with the
+    guest shutdowns (`qm/pct shutdown`, a hard `stop` when that times out) and HA waits spelled
+    out. `stop_guests` False when the guests were shut down through the API before it (they are
+    recorded as stopped by pvegpu); `ha_wait`: HA resources HA is stopping (waited for, never
+    shut down); `carried`: guests an earlier transaction stopped that are still down."""
     waiting = {(kind, gid): sid for kind, gid, sid in ha_wait}
-    for kind, gid in (plan.stop if stop_guests else []):
-        if (kind, gid) not in waiting:
-            lines.append(f"{shutdown_shell(kind, gid, shutdown_timeout)} || fail {q(f'could not stop {kind} {gid}')}")
-    for (kind, gid), sid in waiting.items():
-        lines.append(f"{wait_stopped_shell(kind, gid, shutdown_timeout)} || fail "
-                     + q(f"{'CT' if kind == 'lxc' else 'VM'} {gid} is still running: HA resource {sid} did not stop "
-                         f"it within {shutdown_timeout} s (ha-manager status; or take it out of HA: "
-                         f"ha-manager remove {sid})"))
-    nodes = [f"/dev/nvidia{nvidia[m.bdf]['minor']}" for m in plan.moves
-             if nvidia.get(m.bdf, {}).get("minor") is not None]
-    for node in nodes:
-        lines.append(f"if fuser -s {q(node)} 2>/dev/null; then fail \"{node} is held: "
-                     f"$(fuser -v {q(node)} 2>&1 | tail -n +2 | tr -s ' ' | tr '\\n' ';')\"; fi")
-    for m in plan.moves:
-        lines.append(
-            f"h=$(nvidia-smi --query-compute-apps=gpu_bus_id,pid,process_name --format=csv,noheader 2>/dev/null "
-            f"| grep -i {q(m.bdf[5:])} || true); [ -z \"$h\" ] || fail \"{m.bdf} is held by: $h\"")
-    for m in plan.moves:
-        dev = f"$S/bus/pci/devices/{m.bdf}"
-        if m.wanted:
-            lines.append(f"modprobe {q(m.wanted.replace('-', '_'))} || fail {q(f'cannot load {m.wanted}')}")
-        # "none" names no driver: a function meant to stay unbound is never probed again
-        lines.append(f"sysfs_write \"{dev}/driver_override\" {q(m.wanted or 'none')}")
-        if m.current:
-            lines.append(f"sysfs_write \"$S/bus/pci/drivers/\"{q(m.current)}/unbind {q(m.bdf)}")
-        if m.wanted:
-            lines.append(f"sysfs_write \"$S/bus/pci/drivers_probe\" {q(m.bdf)}")
-        want = m.wanted or ""
-        expected = m.wanted or "no driver"
-        lines.append(f"d=$(readlink \"{dev}/driver\" 2>/dev/null || true); [ \"${{d##*/}}\" = {q(want)} ] "
-                     f"|| fail {q(f'{m.bdf} is not bound to {expected} after the rebind')}")
-    lines.append("report")
-    return "\n".join(lines) + "\n"
+    own = [(k, g) for k, g in plan.stop if (k, g) not in waiting]
+    shutdowns = [{"kind": k, "gid": int(g), "shell": shutdown_shell(k, g, shutdown_timeout)}
+                 for k, g in (own if stop_guests else [])]
+    ha_waits = [{"kind": k, "gid": int(g), "sid": sid, "shell": wait_stopped_shell(k, g, shutdown_timeout),
+                 "message": f"{'CT' if k == 'lxc' else 'VM'} {g} is still running: HA resource {sid} did not stop "
+                            f"it within {shutdown_timeout} s (ha-manager status; or take it out of HA: "
+                            f"ha-manager remove {sid})"}
+                for (k, g), sid in waiting.items()]
+    extra = {"journal": journal} if journal else {}
+    return runner_script(plan, nvidia, txid, shutdowns=shutdowns, ha_waits=ha_waits,
+                         api_stopped=[] if stop_guests else own, carried=list(carried), timeout_s=timeout_s,
+                         sysfs=sysfs, **extra)
 
 
 @operation()
 def rebind_gpus(plan: RebindPlan, nvidia: dict[str, dict], api: PveApi | None = None,
-                shutdown_timeout: int = SHUTDOWN_TIMEOUT_S, ha_wait: list | None = None):
-    """Run the rebind transaction for `plan.moves` (one remote command; with `api`, a guest
-    shutdown through the Proxmox API before it for each guest in `plan.stop`).
+                shutdown_timeout: int = SHUTDOWN_TIMEOUT_S, ha_wait: list | None = None,
+                carried: list | None = None, systemd: bool = False, txid: str | None = None):
+    """Run the rebind transaction for `plan.moves`: write the runner, start it detached from
+    this SSH session (`plan.rebind.start_command`) and follow its journal to its end (with
+    `api`, each guest in `plan.stop` is shut down through the API before it).
 
     + plan: `plan.gpus.RebindPlan` (live)
     + nvidia: `NvidiaGpus` fact (minors of the GPUs leaving nvidia)
-    + api: `operations.proxmox.PveApi`, or None to stop guests with qm/pct in the script
+    + api: `operations.proxmox.PveApi`, or None to stop guests with qm/pct in the runner
     + shutdown_timeout: seconds a guest gets to shut down before it is stopped hard
     + ha_wait: ``[("qemu", 300, "vm:300")]`` HA resources HA is stopping: waited for, not shut down
+    + carried: ``[("lxc", 200)]`` guests an earlier transaction stopped that are still down
+    + systemd: start the runner as a transient unit (else setsid)
+    + txid: the transaction's name in the journal
     """
     if not plan.moves:
         host.noop("every GPU is bound to the driver its role needs")
         return
-    guest_state_changes()  # it stops guests (through the API or in the script)
+    guest_state_changes()  # it stops guests (through the API or in the runner)
     waiting = {(kind, gid) for kind, gid, _ in ha_wait or []}
     if api is not None:
         for kind, gid in plan.stop:
             if (kind, gid) not in waiting:
                 yield from guest_stop_commands(api, kind, gid, shutdown_timeout)
-    script = rebind_script(plan, nvidia, stop_guests=api is None, shutdown_timeout=shutdown_timeout,
-                           ha_wait=list(ha_wait or []))
-    yield StringCommand("sh", "-c", shlex.quote(script))
+    txid = txid or transaction_id(datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), host.name)
+    script = rebind_script(plan, nvidia, txid, stop_guests=api is None, shutdown_timeout=shutdown_timeout,
+                           ha_wait=list(ha_wait or []), carried=list(carried or []))
+    yield StringCommand("sh", "-c", shlex.quote(start_command(script, txid, systemd)))
+
+
+@operation()
+def close_rebind_journal(journal: Journal, live_rebind: bool):
+    """Archive the rebind journal once the guests it stopped run again (after the guests stage).
+
+    + journal: `plan.rebind.Journal` this run found (empty: none)
+    + live_rebind: this run started a transaction (its journal exists only while executing)
+    """
+    if not journal.exists and not live_rebind:
+        host.noop("no rebind journal to close")
+        return
+    yield StringCommand(close_command())
 
 
 # ---------------------------------------------------------------- stage protocol
@@ -289,7 +220,7 @@ def rebind_gpus(plan: RebindPlan, nvidia: dict[str, dict], api: PveApi | None = 
 def stage_fact_requests() -> list:
     """What `stage_facts` reads up front (the guests and NCCL stages read it too)."""
     return [(HardwareProbe, {}), (HostConfigProbe, {}), (GuestRuntime, {}), (NodeName, {}), (PvePackages, {}),
-            (HaResources, {})]
+            (HaResources, {}), (RebindJournal, {})]
 
 
 def prefetch(spec: HostSpec) -> list:
@@ -306,6 +237,10 @@ def preflight(spec: HostSpec) -> list[str]:
     refusals += identity_domain_refusals(hw.get("pci_devices") or {}, hw.get("iommu") or {}, hw.get("sev_snp"))
     rebind: RebindPlan = facts["rebind"]
     refusals += guest_control_refusals(spec, facts)
+    if facts["journal"]["journal"].running:
+        refusals.append(f"a GPU rebind transaction is still running on the host (started "
+                        f"{facts['journal']['journal'].started}); wait for it to end (tail -f "
+                        f"/var/lib/pvegpu/rebind/journal) and re-run")
     for kind, gid in rebind.blocked:
         refusals.append(f"{'CT' if kind == 'lxc' else 'VM'} {gid} is running and uses a GPU that changes driver, "
                         f"but guests.allow_stop is false; stop it yourself or allow stopping")
@@ -329,6 +264,8 @@ def apply(spec: HostSpec) -> None:
     facts = stage_facts(spec)
     bindings: Bindings = facts["bindings"]
     rebind: RebindPlan = facts["rebind"]
+    for line in facts["recovery"].lines:  # a journal an earlier transaction left
+        logger.warning(f"{host.name}: {line}")
     for line in rebind.dry_lines():
         logger.info(f"{host.name}: {line}")
     files = {
@@ -345,7 +282,8 @@ def apply(spec: HostSpec) -> None:
     if rebind.moves and rebind.live:
         rebind_gpus(name="GPU binding: rebind transaction", plan=rebind, nvidia=facts["hw"]["nvidia_gpus"],
                     api=api_of(spec, facts["node"]), shutdown_timeout=spec.guests.shutdown_timeout,
-                    ha_wait=facts["ha_wait"])
+                    ha_wait=facts["ha_wait"], carried=facts["recovery"].start,
+                    systemd=facts["journal"]["systemd"])
     elif rebind.moves:
         for m in rebind.moves:
             need_reboot(host, "gpu-binding", f"{m} (persisted; this host cannot rebind through /sys now)")

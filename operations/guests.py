@@ -40,7 +40,13 @@ from facts.guest_state import guest_state
 from facts.nvidia import NvidiaGpus, parse_gpu_information
 from operations.backup import PCI_CFG, backup_command, keep_config, log_diff, pci_cfg_after, vm_config_after
 from operations.files import write_file_command
-from operations.gpus import SHUTDOWN_TIMEOUT_S, guest_control_refusals, stage_fact_requests, stage_facts
+from operations.gpus import (
+    SHUTDOWN_TIMEOUT_S,
+    close_rebind_journal,
+    guest_control_refusals,
+    stage_fact_requests,
+    stage_facts,
+)
 from operations.proxmox import (
     PveApi,
     PveWrite,
@@ -367,6 +373,7 @@ def apply(spec: HostSpec) -> None:
     timeout = spec.guests.shutdown_timeout
     pending_boot = bool(rebind.moves) and not rebind.live
     stopped = {(k, i) for k, i in rebind.stop}
+    stopped |= set(facts["recovery"].start)  # an earlier transaction stopped them; still down (plan.rebind)
     for kind, gid, sid in facts["ha_wait"]:  # HA stopped them and keeps them stopped: not ours to start
         stopped.discard((kind, gid))
         logger.info(f"{host.name}: {'CT' if kind == 'lxc' else 'VM'} {gid} stays stopped: HA resource {sid} requests "
@@ -413,6 +420,10 @@ def apply(spec: HostSpec) -> None:
                        restart=status.get(vmid) == "running" and not (pending_boot and vm_gpus_moving),
                        node=node, api=api, shutdown_timeout=timeout)
     remove_stale_mappings(spec, node, vm_gpus, cfg["pci_mappings"], planned_main, api)
+    journal = facts["journal"]["journal"]
+    if journal.exists or (rebind.moves and rebind.live):  # the guests the transaction stopped run again
+        close_rebind_journal(name="guests: close the GPU rebind journal", journal=journal,
+                             live_rebind=bool(rebind.moves and rebind.live))
 
 
 def remove_stale_mappings(spec: HostSpec, node: str, vm_gpus: list[str], existing: dict[str, dict],

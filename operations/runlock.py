@@ -17,7 +17,9 @@ stdin, which is that channel:
 A second run (converge or ``--dry``, which would read a half-done state) tries the flock
 without waiting: when a live keeper holds it, the run refuses before reading or changing
 anything and names the holder; when the flock is free but a record is left, the previous run
-died — its record is reported as stale and the new run takes the lock. /run is a tmpfs, so a
+died — its record is reported as stale and the new run takes the lock. Once it holds the lock, the keeper also waits while a GPU rebind runner an earlier run started
+detached (`plan.rebind`) still holds ``/run/pvegpu/rebind.lock`` (it says ``WAIT``; the run logs
+it), so no fact is read in the middle of a transaction. /run is a tmpfs, so a
 reboot (which ends every keeper) leaves no lock behind, and ``--dry`` leaves no file where
 configuration lives.
 """
@@ -42,6 +44,10 @@ LOCK_DIR = "/run/pvegpu"
 LOCK_FILE = f"{LOCK_DIR}/run.lock"
 HOLDER_FILE = f"{LOCK_DIR}/holder"
 HEARTBEAT_S = 5
+# A GPU rebind transaction an earlier run started detached (plan.rebind) may still run: the new
+# run waits for it (holding the run lock) before it reads anything. Guests get their shutdown
+# timeout each, so this is generous.
+REBIND_WAIT_S = 1800
 # Long enough for pyinfra's "Detected changes" prompt (it blocks the whole process, heartbeats
 # included); a test may shorten it (PVEGPU_LOCK_TIMEOUT_S) to see a silent link's end quickly.
 HEARTBEAT_TIMEOUT_S = int(os.environ.get("PVEGPU_LOCK_TIMEOUT_S", "600"))
@@ -58,6 +64,11 @@ fi
 if [ -s "$info" ]; then echo STALE; cat "$info"; fi
 printf 'user=%%s\nmachine=%%s\nsince=%%s\npid=%%s\nmode=%%s\nkeeper=%%s\n' "$1" "$2" "$3" "$4" "$5" "$$" > "$info.new" \
   && mv -f "$info.new" "$info"
+rb=%(rebind)s
+if [ -e "$rb" ] && ! flock -n "$rb" true; then
+  echo "WAIT"
+  flock -w %(rebind_wait)d "$rb" true || { echo "ERROR a GPU rebind transaction an earlier run started still runs after %(rebind_wait)d s (see /var/lib/pvegpu/rebind/journal)"; echo END; exit 1; }
+fi
 echo "LOCKED $$"; echo END
 how="the connection closed before the run ended (pyinfra killed, or the link lost)"
 while :; do
@@ -92,7 +103,8 @@ def whoami() -> dict[str, str]:
 def keeper_command(me: dict[str, str], timeout_s: int = HEARTBEAT_TIMEOUT_S, lock_dir: str = LOCK_DIR) -> str:
     """The remote command: bash running KEEPER with the holder record as its arguments."""
     script = KEEPER % {"dir": shlex.quote(lock_dir), "lock": shlex.quote(f"{lock_dir}/run.lock"),
-                       "info": shlex.quote(f"{lock_dir}/holder")}
+                       "info": shlex.quote(f"{lock_dir}/holder"), "rebind": shlex.quote(f"{lock_dir}/rebind.lock"),
+                       "rebind_wait": REBIND_WAIT_S}
     args = [me["user"], me["machine"], me["since"], me["pid"], me["mode"], str(timeout_s)]
     return "exec bash -c " + shlex.quote(script) + " pvegpu-lock " + " ".join(shlex.quote(a) for a in args)
 
@@ -173,10 +185,13 @@ class _Keeper:
         self._chan = chan
         self._reader = chan.makefile("r")
 
-    def first_lines(self) -> list[str]:
+    def first_lines(self, log=None) -> list[str]:
         lines = []
         for line in self._reader:
             lines.append(line)
+            if line.strip() == "WAIT" and log is not None:
+                log(f"{self.host_name}: a GPU rebind transaction an earlier run started is still running on the "
+                    "host; waiting for it to end before reading anything (/var/lib/pvegpu/rebind/journal)")
             if line.strip() == "END" or len(lines) > 50:
                 break
         return lines
@@ -232,7 +247,7 @@ def hold(host, log) -> None:
     if host.name in _HELD:
         return
     keeper = _Keeper(host, keeper_command(whoami()))
-    state, info, stale = parse_reply(keeper.first_lines())
+    state, info, stale = parse_reply(keeper.first_lines(log))
     if state == "held":
         keeper.release()
         raise DeployError(held_message(host.name, info))

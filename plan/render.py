@@ -105,6 +105,25 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
          "base_config": "tinyconfig"},
         {**_KERNEL, "kind": "tarball", "url": "/srv/linux.tar.xz", "sha256": "c" * 64, "base_config": "/root/kconfig"},
     ],
+    "rebind.sh.j2": [
+        # plan.rebind.runner_script: two functions moving, guests shut down by the runner, one HA
+        # resource waited for, one guest carried from an earlier transaction; then with the API
+        dict(txid="2026-12-03T184001Z-kpro6", journal="/var/lib/pvegpu/rebind/journal", sysfs="/sys",
+             bdfs="0000:01:00.0 0000:81:00.0",
+             moves=[dict(index=0, bdf="0000:01:00.0", current="nvidia", wanted="vfio-pci", current_module="nvidia",
+                         wanted_module="vfio_pci"),
+                    dict(index=1, bdf="0000:81:00.0", current="vfio-pci", wanted=None, current_module="vfio_pci",
+                         wanted_module="")],
+             nodes=["/dev/nvidia0"], timeout_s=30,
+             shutdowns=[dict(kind="lxc", gid=200, shell="pct shutdown 200 --timeout 120 || pct stop 200")],
+             ha_waits=[dict(kind="qemu", gid=300, sid="vm:300", shell="qm status 300 | grep -q stopped",
+                            message="VM 300 is still running: HA resource vm:300 did not stop it")],
+             api_stopped=[], carried=[("lxc", 201)]),
+        dict(txid="t", journal="/var/lib/pvegpu/rebind/journal", sysfs="/sys", bdfs="0000:01:00.0",
+             moves=[dict(index=0, bdf="0000:01:00.0", current=None, wanted="nvidia", current_module="",
+                         wanted_module="nvidia")],
+             nodes=[], timeout_s=30, shutdowns=[], ha_waits=[], api_stopped=[("qemu", 300)], carried=[]),
+    ],
     "kernel-build-start.sh.j2": [
         dict(build_dir=_KERNEL["build_dir"], systemd=True, unit="pvegpu-kernel-build", memory_max_kib=66 * 1024 * 1024),
         dict(build_dir=_KERNEL["build_dir"], systemd=True, unit="pvegpu-kernel-build", memory_max_kib=None),

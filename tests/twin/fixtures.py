@@ -1,7 +1,8 @@
 """Pytest fixtures for digital twins (tests/twin/conftest.py imports them).
 
     twin_root_cache  (session)  Path of the unpacked cached root; builds it once if missing
-    twin_factory     (function) factory(profile, name=None, address=None, hardware=...) -> Twin;
+    twin_factory     (function) factory(profile, name=None, address=None, hardware=...,
+                                live_sysfs=False) -> Twin;
                                 every twin it started is stopped at teardown, also when the
                                 test failed; factory.stop(twin) stops one early
     pyinfra_inventory(twins, path) -> Path   a pyinfra inventory file for running twins
@@ -42,13 +43,13 @@ class TwinFactory:
         self.names: list[str] = []
 
     def __call__(self, profile: str, name: str | None = None, address: str | None = None,
-                 hardware: str = runtime.DEFAULT_HARDWARE) -> runtime.Twin:
+                 hardware: str = runtime.DEFAULT_HARDWARE, live_sysfs: bool = False) -> runtime.Twin:
         if name is None:
             slug = re.sub(r"[^a-z0-9-]+", "-", Path(profile).stem.lower())[:12].strip("-")
             name = f"{slug or 'twin'}-{os.getpid()}-{len(self.names)}"
         self.names.append(name)
         return runtime.start(name, profile, address=address, hardware=hardware,
-                             owner=os.getpid())
+                             owner=os.getpid(), live_sysfs=live_sysfs)
 
     def stop(self, twin: runtime.Twin | str) -> None:
         runtime.stop(twin if isinstance(twin, str) else twin.name)

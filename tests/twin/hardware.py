@@ -69,7 +69,8 @@ STANDIN_PATHS = {
                 "usr/sbin/reboot", "usr/sbin/shutdown",
                 # proxmox-kernel-helper's kernel hook: a kernel package's postinst runs it
                 "etc/kernel/postinst.d/zz-proxmox-boot", "etc/kernel/postrm.d/zz-proxmox-boot"],
-    "hostdev.py": ["usr/local/bin/fuser", "usr/local/bin/nvidia-modprobe", "usr/local/bin/uname"],
+    "hostdev.py": ["usr/local/bin/fuser", "usr/local/bin/nvidia-modprobe", "usr/local/bin/uname",
+                   "usr/local/sbin/modprobe"],
 }
 # The Python stand-ins as modules (the stand-in server imports them) and as programs (run
 # directly where the server is not reachable); each program path gets the small client
@@ -749,11 +750,15 @@ def _render_proc(proc: Path, profile: dict, state: dict) -> None:
         for g in state["gpus"]:
             if g["minor"] is None:
                 continue
-            _write(proc / f"driver/nvidia/gpus/{g['bdf']}/information",
-                   f"Model: \t\t {g['name']}\nIRQ:   \t\t {g['irq']}\nGPU UUID: \t {g['uuid']}\n"
-                   f"Video BIOS: \t {g['vbios'].lower()}\nBus Type: \t PCIe\nDMA Size: \t 52 bits\n"
-                   f"DMA Mask: \t 0xfffffffffffff\nBus Location: \t {g['bdf']}\n"
-                   f"Device Minor: \t {g['minor']}\nGPU Firmware: \t {nv['version']}\nGPU Excluded:\t No\n")
+            _write(proc / f"driver/nvidia/gpus/{g['bdf']}/information", _gpu_information(g, nv))
+
+
+def _gpu_information(g: dict, nv: dict) -> str:
+    """/proc/driver/nvidia/gpus/<bdf>/information of GPU `g` (tests/twin/livesys.py writes it too)."""
+    return (f"Model: \t\t {g['name']}\nIRQ:   \t\t {g['irq']}\nGPU UUID: \t {g['uuid']}\n"
+            f"Video BIOS: \t {g['vbios'].lower()}\nBus Type: \t PCIe\nDMA Size: \t 52 bits\n"
+            f"DMA Mask: \t 0xfffffffffffff\nBus Location: \t {g['bdf']}\n"
+            f"Device Minor: \t {g['minor']}\nGPU Firmware: \t {nv['version']}\nGPU Excluded:\t No\n")
 
 
 def _cpuinfo(profile: dict) -> str:

@@ -7,7 +7,8 @@ On disk (paths relative to the repository root):
     .twin/<name>/upper, work         overlay upper/work dirs of one twin
     .twin/<name>/root                the twin's root (overlay, mounted in the host namespace)
     .twin/<name>/id_ed25519          per-twin client key (root login)
-    .twin/<name>/twin.json           {"name", "profile", "address", "port", "key", "pid", "root", ...}
+    .twin/<name>/twin.json           {"name", "profile", "address", "port", "key", "pid", "root",
+                                      "live_sysfs", ...}
     .twin/<name>/uptime              what the twin reads as /proc/uptime (reset on each boot)
     .twin/<name>/boots               one line per boot: "<unix-time> <boot-number>"
     .twin/<name>/supervisor.log      supervisor and sshd output
@@ -19,6 +20,23 @@ Per twin, one supervisor process runs as pid 1 of its own pid, mount and uts nam
 TWIN-CONTRACT.md says, runs `chroot <root> /usr/sbin/sshd -D -e`, and serves reboot requests
 (`<root>/var/lib/twin/reboot-request`). Killing it takes every process and mount of the twin
 with it; `stop` then unmounts the overlay and checks nothing is left.
+
+/sys is the rendered tree (hw/sys, tests/twin/hardware.py), bind-mounted. By default it is
+mounted read-only (bind, then remount ro, sub-mounts too): /proc/self/mountinfo shows `ro` for
+/sys, a write fails with EROFS, and the product knows this host cannot rebind now (as in a
+container); a GPU move then happens at the twin's reboot. A twin started with `live_sysfs=True`
+(`twinctl start --live-sysfs`; twin.json "live_sysfs", kept across reboots) has /sys read-write
+and, at each boot, a kernel model (tests/twin/livesys.py) serving `drivers/<drv>/unbind`,
+`drivers/<drv>/bind` and `drivers_probe` synchronously through FUSE (/run/twin-sysfs in the
+twin; needs /dev/fuse), with `modprobe` of a PCI driver module loading it in the model: a
+shell rebinds a GPU as on a real host, and the change lasts until the next reboot, which
+computes the binding from the persisted config again.
+
+Fault knobs for tests: `set_fault(name, unbind_delay_s=N)` (`twinctl fault NAME --unbind-delay
+N`; var/lib/twin/faults.json) makes each unbind of a live twin take N s; `kill_sshd(name)`
+(`twinctl kill-sshd NAME`) SIGKILLs every sshd of the twin (every SSH connection drops) and the
+supervisor starts the listener again within ~1 s, like systemd's Restart=on-failure for
+Debian's ssh.service; processes started detached (setsid, stdio to files) live on.
 
 Containers (the pct stand-in, tests/twin/standins/proxmox.py, does the per-CT work). Each boot the
 supervisor also bind-mounts, in its own namespace (so they go with it, like the other mounts):
@@ -374,16 +392,20 @@ def _alive(pid: int, pid_ns: str | None = None) -> bool:
 
 
 def twin_processes(spec: dict) -> list[int]:
-    """Host pids that belong to the twin: in its pid or mount namespace, or chrooted in its dir."""
+    """Host pids that belong to the twin: chrooted in its dir, or in its pid or mount namespace
+    while its supervisor lives. Once the supervisor is gone the kernel frees the namespaces and
+    may give their numbers to new ones (another twin's, a `pct exec`'s): a process that merely
+    shares the number is not the twin's."""
     tdir = str(TWINS_DIR / spec["name"]) + "/"
     found = []
+    ns_valid = bool(spec.get("pid")) and _alive(spec["pid"], spec.get("pid_ns"))
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         pid = int(entry)
-        if spec.get("pid_ns") and _ns(pid, "pid") == spec["pid_ns"] and _alive(pid):
+        if ns_valid and spec.get("pid_ns") and _ns(pid, "pid") == spec["pid_ns"] and _alive(pid):
             found.append(pid)
-        elif spec.get("mnt_ns") and _ns(pid, "mnt") == spec["mnt_ns"] and _alive(pid):
+        elif ns_valid and spec.get("mnt_ns") and _ns(pid, "mnt") == spec["mnt_ns"] and _alive(pid):
             found.append(pid)
         else:
             try:
@@ -517,14 +539,19 @@ def _prepare_root(root: Path, name: str, address: str, key: Path) -> None:
 
 
 def start(name: str, profile: str, address: str | None = None,
-          hardware: str = DEFAULT_HARDWARE, owner: int | None = None) -> Twin:
+          hardware: str = DEFAULT_HARDWARE, owner: int | None = None, live_sysfs: bool = False) -> Twin:
     """Start twin `name` with hardware `profile`; returns once its sshd answers.
 
     `hardware` is the module providing install(root, profile) and render(root): a dotted
     name or a .py path (tests use stand-ins). `owner`: pid of a process whose death makes
-    the twin stale (see stop_orphans). Raises TwinError; cleans up after itself.
+    the twin stale (see stop_orphans). `live_sysfs`: /sys read-write with the kernel model
+    (tests/twin/livesys.py) serving driver rebinds; False: /sys read-only (module docstring).
+    Raises TwinError; cleans up after itself.
     """
     require_root()
+    if live_sysfs and not os.path.exists("/dev/fuse"):
+        raise TwinError("a twin with live_sysfs serves its /sys rebind files through FUSE: "
+                        "this machine has no /dev/fuse (modprobe fuse)")
     if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,30}", name):
         raise TwinError(f"twin name {name!r}: use 1-31 of a-z 0-9 -, starting alnum")
     if address is not None and not re.fullmatch(r"127\.0\.0\.(\d+)", address):
@@ -551,7 +578,8 @@ def start(name: str, profile: str, address: str | None = None,
             (tdir / sub).mkdir(parents=True)
         spec = {"name": name, "profile": profile, "address": address, "port": SSH_PORT,
                 "key": str(key), "pid": None, "root": str(root), "hardware": hardware,
-                "lower": str(lower), "owner": owner, "starter": os.getpid()}
+                "lower": str(lower), "owner": owner, "starter": os.getpid(),
+                "live_sysfs": bool(live_sysfs)}
         _write_spec(tdir, spec)
     try:
         _mount("overlay", root, "overlay", 0,
@@ -599,6 +627,33 @@ def set_pve_delay(root: Path | str, seconds: str | float | None) -> None:
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(f"{float(seconds)}\n")
+
+
+def set_fault(name: str, unbind_delay_s: float = 0.0) -> None:
+    """Fault knobs of running twin `name`, read by its kernel model (tests/twin/livesys.py) at each
+    write: `unbind_delay_s` makes every driver unbind take that long. 0 turns a knob off."""
+    root = Path(spec_of(name)["root"])
+    faults = {"unbind_delay_s": float(unbind_delay_s)} if unbind_delay_s else {}
+    target = root / "var/lib/twin/faults.json"
+    tmp = target.with_name("faults.json.tmp")
+    tmp.write_text(json.dumps(faults) + "\n")
+    tmp.rename(target)
+
+
+def kill_sshd(name: str) -> list[int]:
+    """SIGKILL every sshd process of running twin `name` (the listener and every session: each
+    SSH connection drops); its supervisor starts the listener again within ~1 s, as systemd
+    restarts Debian's ssh.service (Restart=on-failure). Returns the host pids killed."""
+    spec = spec_of(name)
+    killed = []
+    for pid in twin_processes(spec):
+        if _read_text(Path(f"/proc/{pid}/comm")).strip() == "sshd":
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+    return killed
 
 
 def count_pve_calls(root: Path | str, on: bool) -> list[str]:
@@ -657,7 +712,9 @@ def stop(name: str, keep: bool = False) -> None:
         _unmount_tree(tdir, including_self=True)
     left = leftovers(name)
     if left["mounts"] or left["processes"]:
-        raise TwinLeak(f"twin {name} left {left} behind")
+        what = {pid: " ".join(_read_text(Path(f"/proc/{pid}/cmdline")).split("\0")).strip()
+                + f" [{_read_text(Path(f'/proc/{pid}/wchan'))}]" for pid in left["processes"]}
+        raise TwinLeak(f"twin {name} left {left} behind: {what}")
     if not keep and tdir.exists():
         shutil.rmtree(tdir)
 
@@ -728,6 +785,7 @@ class Supervisor:
         self.root = Path(self.spec["root"])
         self.sshd: int | None = None
         self.standins: int | None = None
+        self.kernel = None  # tests.twin.livesys.KernelModel of this boot (live_sysfs twins)
         self.standin_restarts = 0
         self.boot_time = 0.0
         self.boots = 0
@@ -839,6 +897,9 @@ class Supervisor:
 
     def kill_all(self) -> None:
         """SIGKILL every process of the twin but this one; wait until all are reaped."""
+        if self.kernel is not None:
+            self.kernel.close()  # a write still in the model (slow unbind) ends, changing nothing
+            self.kernel = None
         proc_dir = self.root / "proc"  # the namespace's own procfs
         deadline = time.monotonic() + 10
         while True:
@@ -873,6 +934,11 @@ class Supervisor:
         _mount(str(self.dir / "uptime"), root / "proc/uptime", flags=MS_BIND)
         if (hw / "sys").is_dir():
             _mount(str(hw / "sys"), root / "sys", flags=MS_BIND | MS_REC)
+            if not self.spec.get("live_sysfs"):
+                # read-only, as in a container: the product reads "ro" for /sys in mountinfo and
+                # knows it cannot rebind now
+                for point in [str(root / "sys"), *reversed(mounts_below(root / "sys"))]:
+                    _mount("none", Path(point), flags=MS_BIND | MS_REMOUNT | MS_RDONLY)
         else:  # never show the machine's real sysfs in the twin
             log("no rendered hw/sys; /sys is an empty tmpfs")
             _mount("sysfs", root / "sys", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=755")
@@ -881,6 +947,10 @@ class Supervisor:
         for sub in ("sshd", "lock"):
             (root / "run" / sub).mkdir(mode=0o755, exist_ok=True)
         self.mount_containers()
+        if self.spec.get("live_sysfs") and (hw / "sys").is_dir():
+            from tests.twin import livesys
+
+            self.kernel = livesys.serve(root, log)
 
     def mount_containers(self) -> None:
         """CT files (host fs, rw) and the pristine root every CT overlays (ro); module docstring."""
@@ -937,6 +1007,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", required=True)
     p.add_argument("--address", help="127.0.0.N, N >= 2 (default: the first free one)")
     p.add_argument("--hardware", default=DEFAULT_HARDWARE, help=argparse.SUPPRESS)
+    p.add_argument("--live-sysfs", action="store_true",
+                   help="/sys read-write, driver rebinds served by the twin's kernel model")
+    p = sub.add_parser("fault", help="set a fault knob of a running twin")
+    p.add_argument("name")
+    p.add_argument("--unbind-delay", type=float, default=0.0, metavar="S",
+                   help="each driver unbind takes S seconds (0: off)")
+    p = sub.add_parser("kill-sshd", help="SIGKILL every sshd of a twin (it starts again in ~1 s)")
+    p.add_argument("name")
     p = sub.add_parser("stop", help="stop a twin and remove its files")
     p.add_argument("name")
     p.add_argument("--keep", action="store_true", help="keep .twin/<name> (upper dir, logs)")
@@ -956,7 +1034,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "supervise":
             Supervisor(Path(args.dir)).run()
         elif args.command == "start":
-            twin = start(args.name, args.profile, args.address, args.hardware)
+            twin = start(args.name, args.profile, args.address, args.hardware, live_sysfs=args.live_sysfs)
             print(json.dumps(dataclasses.asdict(twin)))
         elif args.command == "stop":
             stop(args.name, keep=args.keep)
@@ -965,6 +1043,10 @@ def main(argv: list[str] | None = None) -> int:
                 state = "running" if spec["running"] else "stopped"
                 print(f"{spec['name']}\t{spec['profile']}\t{spec['address']}:{spec['port']}"
                       f"\t{state}\tpid={spec['pid']}")
+        elif args.command == "fault":
+            set_fault(args.name, unbind_delay_s=args.unbind_delay)
+        elif args.command == "kill-sshd":
+            print(" ".join(map(str, kill_sshd(args.name))))
         elif args.command == "cache":
             print(ensure_root_cache())
         elif args.command == "busy":

@@ -343,3 +343,21 @@ def test_cache_key_follows_suite_and_package_list(monkeypatch):
     assert runtime.cache_key() != key
     monkeypatch.setattr(runtime, "SUITE", "trixie")
     assert runtime.cache_key() != key
+
+
+def test_twin_processes_ignores_a_recycled_namespace_number():
+    """After a twin's supervisor died, its namespace numbers may be reused by the kernel: processes
+    in a namespace with that number are not the twin's (a stop then saw another twin's processes
+    as its leftovers)."""
+    if os.geteuid() != 0:
+        pytest.skip("reads other processes' namespaces")
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        ours = {"pid_ns": runtime._ns(os.getpid(), "pid"), "mnt_ns": runtime._ns(os.getpid(), "mnt")}
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        assert runtime.twin_processes({"name": "no-such-twin", "pid": dead.pid, **ours}) == []
+        assert child.pid in runtime.twin_processes({"name": "no-such-twin", "pid": child.pid, **ours})
+    finally:
+        child.kill()
+        child.wait()

@@ -35,6 +35,8 @@ SKIPPED_WITH_REASON = {
     "h200-vm/uname.txt",
     "h200-vm-probe/facts.txt",  # each fact's own command on the same run: tests/unit/test_facts_probe.py
     "h200-vm-probe/combined-probe.txt",  # the same run's first prefetch round: tests/unit/test_prefetch.py
+    # facts.rebind.GuestRuntime's sysfs section on the device: tests/unit/operations/test_gpus_ops.py
+    "h200-vm-probe/rebind-facts.txt",
     # operations.nvidia.NvidiaHostState on the twin root's two releases: parsed by
     # tests/unit/test_plan_nvidia.py (the fact still lives in operations/, issue 18 part 2)
     "debian-headers/nvidia-host-state-*.txt",

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from operations import kernel
+from operations import gpus, kernel
 from operations import nvidia as ops
-from plan import render
+from plan import rebind, render
+from plan.gpus import Move, RebindPlan
 from spec.models import KernelSpec
 
 
@@ -125,6 +126,8 @@ def captured(monkeypatch, module, call) -> tuple[str, dict]:
     (ops, lambda: ops.install_command("1", "r")),
     (ops, lambda: ops.verify_command("1", ["r"], True, ["gsp.bin"])),
     (kernel, lambda: kernel.start_build_command("/b", True, 1024)),
+    (rebind, lambda: gpus.rebind_script(RebindPlan([Move("0000:01:00.0", "nvidia", "vfio-pci")], [("lxc", 200)],
+                                                   [], True), {"0000:01:00.0": {"minor": 0}}, "tx")),
     (kernel, lambda: kernel.build_script(KernelSpec(version="6.14.8-2-pve", source={
         "kind": "proxmox-git", "url": "git://x/pve-kernel.git", "ref": "v1"}), "running", 2, "/b")),
 ])
@@ -148,13 +151,26 @@ def test_the_q_filter_is_shlex_quote_and_refuses_none():
 
 # -- every field of every template, rendered hostile, is quoted ----------------------------------
 
+# Fields that are not values: a branch selector, or shell code built (and quoted) by the caller
+# (rebind.sh.j2's guest shutdown commands from operations.proxmox.shutdown_shell).
+NOT_VALUES = ("kind", "base_config", "shell")
+
+
 def fields(name: str) -> list[tuple[int, str, object]]:
-    """(example, field, hostile value) for every string field (and each item of list/tuple fields)."""
-    out = []
+    """(example, field, hostile value) for every string field (and each item of list/tuple fields;
+    in a list of records, each string field of its first record; in a list of pairs, each string)."""
+    out: list[tuple[int, str, object]] = []
     for i, example in enumerate(render.SHELL_EXAMPLES[name]):
         for key, value in example.items():
-            if isinstance(value, str) and key not in ("kind", "base_config"):
+            if isinstance(value, str) and key not in NOT_VALUES:
                 out.append((i, key, hostile(key)))
+            elif isinstance(value, list) and value and isinstance(value[0], dict):
+                for sub, v in value[0].items():
+                    if isinstance(v, str) and sub not in NOT_VALUES:
+                        out.append((i, key, [{**value[0], sub: hostile(f"{key}.{sub}")}, *value[1:]]))
+            elif isinstance(value, list) and value and isinstance(value[0], tuple):
+                out.append((i, key, [tuple(hostile(f"{key}{n}") if isinstance(x, str) else x
+                                           for n, x in enumerate(value[0])), *value[1:]]))
             elif isinstance(value, list | tuple) and value:
                 out.append((i, key, type(value)(hostile(f"{key}{n}") for n in range(len(value)))))
     return out

@@ -4,6 +4,9 @@
 fuser            reports the busy.json holder of /dev/nvidia<minor> (psmisc output layout)
 nvidia-modprobe  -u / -c=N / -m: records the call, makes the nodes when it may (root)
 uname            the real uname, with the release/version of the twin's current boot
+modprobe         a module the current boot lists as loaded: nothing to do (exit 0); on a twin
+                 with live sysfs, a PCI driver module is loaded by its kernel model
+                 (tests/twin/livesys.py); anything else goes to the real modprobe
 """
 import json
 import os
@@ -110,7 +113,33 @@ def uname(argv):
     return 0
 
 
-HANDLERS = {"fuser": fuser, "nvidia-modprobe": nvidia_modprobe, "uname": uname}
+LOAD_MODULE = "/run/twin-sysfs/load_module"  # served by tests/twin/livesys.py on live twins
+
+
+def modprobe(argv):
+    real = "/usr/sbin/modprobe" if os.path.exists("/usr/sbin/modprobe") else "/sbin/modprobe"
+    names = [a for a in argv if not a.startswith("-")]
+    plain = not {a for a in argv if a.startswith("-")} - {"-q", "--quiet", "-v", "--verbose", "-b", "--use-blacklist"}
+    if plain and names:
+        name = names[0].replace("-", "_")  # kmod modprobe: the first name is the module, the rest its parameters
+        st = twinstate.state()
+        if name in st.get("modules", []):
+            return 0  # follows kmod tools/modprobe.c: a loaded module is not an error (nothing done)
+        ctl = twinstate.path(LOAD_MODULE)
+        if os.path.exists(ctl):
+            try:
+                with open(ctl, "w") as f:
+                    f.write(name + "\n")
+                return 0
+            except OSError:
+                rel = (st.get("boot") or {}).get("release", "")
+                if "-q" not in argv and "--quiet" not in argv:
+                    sys.stderr.write(f"modprobe: FATAL: Module {name} not found in directory /lib/modules/{rel}\n")
+                return 1
+    os.execv(real, [real] + argv)
+
+
+HANDLERS = {"fuser": fuser, "nvidia-modprobe": nvidia_modprobe, "uname": uname, "modprobe": modprobe}
 PROGRAMS = tuple(HANDLERS)
 
 

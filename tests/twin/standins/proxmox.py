@@ -706,6 +706,10 @@ def ct_enter_script(vmid, snapshot):
     lines += [
         f"mount --rbind /proc {r}/proc",
         f"mount --rbind /sys {r}/sys && mount -o remount,bind,ro {r}/sys",
+        # sub-mounts too (a live twin's rebind files): follows lxc's sys:mixed default, where a CT
+        # cannot write the PCI bus files
+        f"for m in $(awk -v p={r}/sys/ 'index($5, p) == 1 {{print $5}}' /proc/self/mountinfo); do "
+        "mount -o remount,bind,ro \"$m\"; done",
         f"mount -t tmpfs -o mode=755,size=16m,nosuid,nodev run {r}/run",
         # the twin's state and nvidia-smi stand-in for the CT's /usr/bin/nvidia-smi (installer.py)
         f"mkdir -p {tw}/var/lib/twin {tw}/usr/local/lib/twin {tw}/usr/local/bin",

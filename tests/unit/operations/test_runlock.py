@@ -95,3 +95,30 @@ def test_heartbeat_outside_pyinfra_context_says_a_lost_lock(caplog):
         greenlet.join(timeout=runlock.HEARTBEAT_S + 5)
     assert greenlet.successful(), greenlet.exception
     assert any("kpro6: pvegpu lost its run lock" in r.getMessage() for r in caplog.records)
+
+
+def test_a_run_waits_for_a_rebind_runner_an_earlier_run_left_going(tmp_path):
+    """plan.rebind: a detached rebind runner holds rebind.lock; the next run's keeper says WAIT and
+    takes the run lock only once the runner has let go (so no fact is read mid-transaction)."""
+    (tmp_path / "lk").mkdir()
+    runner = subprocess.Popen(["flock", str(tmp_path / "lk" / "rebind.lock"), "sleep", "1.5"])
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    second, (state, _, _) = start(tmp_path, "222")
+    assert state == "locked" and time.monotonic() - t0 >= 1.0, "it waited for the runner"
+    assert runner.wait(5) == 0
+    second.stdin.write("done\n")
+    second.stdin.close()
+    second.wait(5)
+
+
+def test_wait_is_said_as_it_happens():
+    said = []
+
+    class Reader:
+        host_name = "kpro6"
+        _reader = iter(["WAIT\n", "LOCKED 12\n", "END\n"])
+
+    lines = runlock._Keeper.first_lines(Reader(), said.append)  # type: ignore[arg-type]
+    assert runlock.parse_reply(lines)[0] == "locked"
+    assert said and "rebind transaction" in said[0] and said[0].startswith("kpro6: ")

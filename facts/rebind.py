@@ -1,0 +1,119 @@
+"""Facts of the GPU rebind transaction (stage 5): whether /sys can rebind now, which guests run,
+who holds a GPU, and the journal an earlier transaction left (`plan.rebind`).
+
+Whether this host can rebind live is read from how /sys is mounted: a read-only /sys (a
+container, or the twin without its kernel model) cannot take driver_override/unbind/bind
+writes, so the binding is persisted and applied at the next boot; a read-write one can.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from pyinfra.api import FactBase
+
+from facts.base import ShellFact
+from facts.guest_state import GUEST_STATE_COMMAND, GuestState, parse_guest_state
+from facts.kernel import split_sections
+from plan.gpus import parse_compute_apps, parse_fuser
+from plan.rebind import JOURNAL, LOCK, Journal
+
+# mountinfo: field 5 is the mount point, field 6 its options; the last /sys line is the one on top
+# (follows the kernel's Documentation/filesystems/proc.rst "/proc/<pid>/mountinfo")
+SYSFS_MOUNT_COMMAND = "awk '$5 == \"/sys\" {o = $6} END {print o}' /proc/self/mountinfo 2>/dev/null"
+
+
+def sysfs_writable(lines: list[str]) -> bool:
+    """The `@@ sysfs` section: the options of /sys's mount, e.g. ``rw,nosuid,nodev,noexec,relatime``."""
+    opts = [line.strip() for line in lines if line.strip()]
+    return bool(opts) and opts[-1].split(",")[0] == "rw"
+
+
+def parse_guest_runtime(lines: list[str]) -> dict:
+    """Output of `GuestRuntime.command` → ``{"sysfs_live": True, "status": {"pct": True, "lxc":
+    {200: "running"}, "qemu": {300: "stopped"}}}`` ("status": a `facts.guest_state.GuestState`)."""
+    return {"sysfs_live": sysfs_writable(split_sections(lines).get("sysfs", [])),
+            "status": parse_guest_state(lines)}
+
+
+class GuestRuntime(ShellFact):
+    """
+    Whether /sys can rebind devices live (mounted read-write), and which guests run
+    (`GuestState` in the same command; `operations.gpus.stage_facts` keeps it as this run's
+    `facts.guest_state.guest_state()`).
+
+    .. code:: python
+
+        {"sysfs_live": True, "status": {"pct": True, "lxc": {200: "running"}, "qemu": {300: "stopped"}}}
+    """
+
+    command = f"echo '@@ sysfs'; {SYSFS_MOUNT_COMMAND}; {GUEST_STATE_COMMAND}; true"
+
+    @staticmethod
+    def default() -> dict:
+        return {"sysfs_live": False, "status": GuestState.default()}
+
+    def process(self, output):
+        return parse_guest_runtime(list(output))
+
+
+class GpuHolders(FactBase):
+    """
+    Processes holding GPUs: nvidia-smi compute apps (any GPU it sees) and `fuser -v` on the
+    given /dev/nvidiaN nodes.
+
+    .. code:: python
+
+        {"compute_apps": {"0000:81:00.0": ["python3 (pid 4242)"]},
+         "fuser": {"/dev/nvidia0": ["nvidia-persistenced (pid 812)"]}}
+    """
+
+    def command(self, nodes):
+        fuser = f"fuser -v {' '.join(shlex.quote(n) for n in nodes)} 2>&1" if nodes else "true"
+        return ("echo '@@ apps'; nvidia-smi --query-compute-apps=gpu_bus_id,pid,process_name "
+                f"--format=csv,noheader 2>/dev/null; echo '@@ fuser'; {fuser}; true")
+
+    @staticmethod
+    def default() -> dict:
+        return {"compute_apps": {}, "fuser": {}}
+
+    def process(self, output):
+        sections = split_sections(list(output))
+        return {"compute_apps": parse_compute_apps(sections.get("apps", [])),
+                "fuser": parse_fuser(sections.get("fuser", []))}
+
+
+def parse_journal(lines: list[str]) -> dict:
+    """Output of `RebindJournal.command` → ``{"journal": plan.rebind.Journal, "systemd": bool}``
+    (no journal: an empty one; systemd: it runs as the init, so the runner becomes a unit)."""
+    sections = split_sections(lines)
+    runner = [line.strip() for line in sections.get("runner", []) if line.strip()]
+    journal = Journal(lines=[line.rstrip("\n") for line in sections.get("journal", []) if line.strip()],
+                      running=runner[:1] == ["running"])
+    return {"journal": journal, "systemd": [line.strip() for line in sections.get("systemd", [])][:1] == ["yes"]}
+
+
+class RebindJournal(ShellFact):
+    """
+    The journal of the last rebind transaction that no run has closed yet, whether its runner
+    still holds the lock (``running``), and whether systemd runs (the runner's launcher). Reads
+    only: ``flock -n`` on a lock file that does not exist is not tried (it would create it).
+
+    .. code:: python
+
+        {"journal": Journal(lines=["2026-12-03T18:40:01Z begin 20261203T184001Z-kpro6 pid=4242", ...],
+                            running=False),
+         "systemd": True}
+    """
+
+    # systemd runs when /run/systemd/system exists (what sd_booted() checks)
+    command = (f"if [ -f {JOURNAL} ]; then echo '@@ journal'; cat {JOURNAL}; fi; echo '@@ runner'; "
+               f"if [ -e {LOCK} ] && ! flock -n {LOCK} true 2>/dev/null; then echo running; else echo idle; fi; "
+               "echo '@@ systemd'; [ -d /run/systemd/system ] && echo yes; true")
+
+    @staticmethod
+    def default() -> dict:
+        return {"journal": Journal(), "systemd": False}
+
+    def process(self, output):
+        return parse_journal(list(output))
