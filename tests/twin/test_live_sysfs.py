@@ -177,24 +177,36 @@ def _wait(predicate, timeout: float = 30.0) -> bool:
 
 @pytest.mark.twin
 def test_the_products_rebind_script_runs_on_a_live_twin(twin_factory):
-    """operations.gpus.rebind_script, as pvegpu runs it, moves a GPU and its audio function to
-    vfio-pci and back; with a slow unbind it gives up after its timeout and says so."""
+    """operations.gpus.rebind_script (the detached runner, run here in the foreground) moves a GPU
+    and its audio function to vfio-pci and back; with a slow unbind it gives up after its timeout,
+    says so in its journal and rolls back (the abandoned unbind still completes in the "kernel")."""
     from operations.gpus import rebind_script
     from plan.gpus import Move, RebindPlan
 
     twin = twin_factory("kpro6", live_sysfs=True)
     audio = "0000:01:00.1"
+    journal = "/root/rebind.journal"
+
+    def runner(plan, **kw) -> tuple[subprocess.CompletedProcess, list[str]]:
+        ssh(twin, f"rm -f {journal}")
+        script = rebind_script(plan, nvidia, "t", stop_guests=False, journal=journal, **kw)
+        run = ssh(twin, f"sh -c {shlex.quote(script)}", check=False)
+        return run, [" ".join(line.split()[1:]) for line in ssh(twin, f"cat {journal}").stdout.splitlines()]
+
     nvidia = {b: {"minor": m} for _, b, m in gpus(twin)}
     there = RebindPlan([Move(GPU0, "nvidia", "vfio-pci"), Move(audio, "snd_hda_intel", "vfio-pci")], [], [], True)
-    run = ssh(twin, f"sh -c {shlex.quote(rebind_script(there, nvidia, stop_guests=False))}")
-    assert f"pvegpu: {GPU0} is bound to vfio-pci" in run.stderr and f"pvegpu: {audio} is bound to vfio-pci" in run.stderr
+    run, lines = runner(there)
+    assert run.returncode == 0 and lines[-3:] == [f"bound {GPU0} vfio-pci", f"bound {audio} vfio-pci", "done"]
     assert ssh(twin, "ls /dev/vfio").stdout.split() == ["12", "vfio"] and len(gpus(twin)) == 7
     back = RebindPlan([Move(GPU0, "vfio-pci", "nvidia"), Move(audio, "vfio-pci", "snd_hda_intel")], [], [], True)
-    ssh(twin, f"sh -c {shlex.quote(rebind_script(back, nvidia, stop_guests=False))}")
+    run, lines = runner(back)
+    assert run.returncode == 0 and lines[-1] == "done"
     assert gpus(twin)[0] == (0, GPU0, 0) and ssh(twin, "ls /dev/vfio").stdout.split() == ["vfio"]
 
     runtime.set_fault(twin.name, unbind_delay_s=3)
-    run = ssh(twin, f"sh -c {shlex.quote(rebind_script(there, nvidia, timeout_s=1, stop_guests=False))}", check=False)
-    assert run.returncode == 1 and "did not finish in 1 s" in run.stderr and f"{GPU0} is bound to nvidia" in run.stderr
+    run, lines = runner(there, timeout_s=1)
+    assert run.returncode == 1
+    assert any(line.startswith("failed ") and "did not finish in 1 s" in line for line in lines), lines
+    assert f"bound {GPU0} nvidia" in lines and lines[-1] == "rolledback"
     # the abandoned unbind still completes in the "kernel"
     assert _wait(lambda: ssh(twin, f"readlink {S}/devices/{GPU0}/driver", check=False).returncode != 0, 5)
