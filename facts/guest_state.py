@@ -14,8 +14,7 @@ changes in between. A command yielded while generating is not run, so only a yie
 executing makes the reading stale. (The reboot stage's `server.reboot` restarts guests too;
 it runs last and nothing reads guest state after it.)
 
-The reading lives on the Host object, which exists for exactly one run (host.data hands out
-copies).
+The reading is the run state's ``guests`` (`facts.run_state`: one object per host per run).
 
     {"pct": True,                               # pct exists (a Proxmox VE node)
      "lxc": {200: "running", 201: "stopped"},   # `pct list`
@@ -27,14 +26,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pyinfra import host, state
+from pyinfra import host
 
 from facts.base import ShellFact
+from facts.run_state import run_state
 
 # Also part of GuestRuntime's combined command (operations.gpus), which seeds the memo.
 GUEST_STATE_COMMAND = ("if command -v pct >/dev/null 2>&1; then echo '@@ pct'; pct list 2>/dev/null; fi; "
                        "echo '@@ qm'; qm list 2>/dev/null")
-_MEMO_ATTR = "_pvegpu_guest_state"
 
 
 def parse_guest_state(lines: list[str]) -> dict:
@@ -79,23 +78,21 @@ class GuestState(ShellFact):
 
 def guest_state() -> dict:
     """This host's `GuestState`: the reading kept for this run, else read now (and kept)."""
-    current = getattr(host, _MEMO_ATTR, None)
-    if current is None:
-        current = host.get_fact(GuestState)
-        remember_guest_state(current)
-    return current
+    run = run_state()
+    if run.guests is None:
+        run.guests = host.get_fact(GuestState)
+    return run.guests
 
 
 def remember_guest_state(current: dict) -> None:
     """Keep `current` (a `GuestState` just read, e.g. inside a combined fact) for this run."""
-    setattr(host, _MEMO_ATTR, current)
+    run_state().guests = current
 
 
 def guest_state_changes() -> None:
     """Call right before yielding a command that starts, stops or shuts down a guest: while
     executing, the kept reading is dropped (while generating, nothing runs: it stays)."""
-    if state.is_executing:
-        setattr(host, _MEMO_ATTR, None)
+    run_state().guests_changed()
 
 
 def running_containers(current: dict, ctids) -> list[int]:

@@ -10,16 +10,7 @@ from __future__ import annotations
 
 from pyinfra import host
 
-_MEMO = "_pvegpu_facts_once"
-
-
-def _store(memo: dict) -> None:
-    # pyinfra's HostData hands out copies and takes attribute assignment (a test's fake host
-    # may carry a plain dict)
-    if isinstance(host.data, dict):
-        host.data[_MEMO] = memo
-    else:
-        setattr(host.data, _MEMO, memo)
+from facts.run_state import run_state
 
 
 def _key(fact_cls, kwargs: dict) -> tuple:
@@ -37,7 +28,7 @@ def prefetch(requests) -> int:
     """
     from facts.hardware import combined_probe
 
-    memo = dict(host.data.get(_MEMO) or {})
+    memo = run_state().facts  # the run's readings (facts.run_state)
     todo: dict[tuple, tuple] = {}
     for fact_cls, kwargs in requests:
         key = _key(fact_cls, kwargs)
@@ -51,7 +42,6 @@ def prefetch(requests) -> int:
     else:
         values = host.get_fact(combined_probe(list(todo.values())))
         memo.update(zip(todo, values, strict=True))  # combined_probe: one value per request
-    _store(memo)
     return 1
 
 
@@ -59,8 +49,7 @@ def fact_once(fact_cls, **kwargs):
     """`host.get_fact(fact_cls, **kwargs)`, remembered for this host for the rest of the run
     (or the value `prefetch` read for it)."""
     key = _key(fact_cls, kwargs)
-    memo = dict(host.data.get(_MEMO) or {})  # host.data hands out copies: assign back
+    memo = run_state().facts  # the run's readings (facts.run_state)
     if key not in memo:
         memo[key] = host.get_fact(fact_cls, **kwargs)
-        _store(memo)
     return memo[key]

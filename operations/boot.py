@@ -27,10 +27,10 @@ from facts.hardware import SectionedProbe
 from facts.kernel import BootLoader, KernelCmdline, SevSnp, split_sections
 from facts.once import fact_once
 from facts.proxmox import PveVersion
+from facts.run_state import need_reboot
 from operations import handlers
 from operations.files import sha256_text, write_file_command
 from plan import boot as plan
-from plan.reboot import need_reboot
 from plan.render import render_template
 from spec.models import HostSpec
 
@@ -235,7 +235,7 @@ def apply(spec: HostSpec) -> None:
                             why=f"{path} changed (boot stage)")
     described = plan.describe_difference(p["difference"])
     if described:
-        need_reboot(host, "cmdline", f"{described} (configured in {p['cmdline_path']})")
+        need_reboot("cmdline", f"{described} (configured in {p['cmdline_path']})")
     if p["modules_pending"]:
-        need_reboot(host, "initramfs", "; ".join(p["modules_pending"]) + f" ({VFIO_CONF}, {NOUVEAU_CONF})")
+        need_reboot("initramfs", "; ".join(p["modules_pending"]) + f" ({VFIO_CONF}, {NOUVEAU_CONF})")
 

@@ -55,6 +55,7 @@ from facts.hardware import HardwareProbe, HostConfigProbe
 from facts.once import fact_once
 from facts.proxmox import HaResources, NodeName, PvePackages
 from facts.rebind import GpuHolders, GuestRuntime, RebindJournal
+from facts.run_state import need_reboot, run_state
 from operations import handlers
 from operations.files import managed_file, sha256_text
 from operations.proxmox import PveApi, api_of, guest_stop_commands, shutdown_shell, wait_stopped_shell
@@ -69,7 +70,6 @@ from plan.gpus import (
 )
 from plan.guest_control import ha_resource, node_refusal, stop_checks
 from plan.rebind import Journal, close_command, recovery, runner_script, start_command, transaction_id
-from plan.reboot import need_reboot
 from plan.render import render_template
 from spec.models import GuestPolicy, HostSpec
 
@@ -81,7 +81,6 @@ INITRAMFS_HOOK_PATH = "/etc/initramfs-tools/hooks/pvegpu-gpu-binding"
 STAGE_FILES = [RULES_PATH, INITRAMFS_HOOK_PATH]
 UNBIND_TIMEOUT_S = 30
 SHUTDOWN_TIMEOUT_S: int = GuestPolicy.model_fields["shutdown_timeout"].default  # the one default: the model's
-_MEMO = "_pvegpu_gpu_stage"
 
 
 # ---------------------------------------------------------------- facts + plan, once per run
@@ -99,9 +98,9 @@ def stage_facts(spec: HostSpec) -> dict:
          "stop_refusals": [..], "ha_wait": [("qemu", 300, "vm:300")],   # plan.guest_control
          "journal": <RebindJournal>, "recovery": plan.rebind.Recovery}     # an earlier transaction's journal
     """
-    memo = host.data.get(_MEMO)
-    if memo is not None:
-        return memo
+    run = run_state()
+    if "gpus" in run.memos:
+        return run.memos["gpus"]
     hw = fact_once(HardwareProbe)
     cfg = fact_once(HostConfigProbe)
     runtime = fact_once(GuestRuntime)
@@ -132,7 +131,7 @@ def stage_facts(spec: HostSpec) -> dict:
             "rebind": rebind, "holders": holders, "config_minors": config_minors,
             "host_node": host_node, "packages": fact_once(PvePackages), "ha": ha,
             "stop_refusals": stop_refusals, "ha_wait": ha_wait}
-    setattr(host.data, _MEMO, memo)
+    run.memos["gpus"] = memo  # the guests, containers and NCCL stages read the same
     return memo
 
 
@@ -286,4 +285,4 @@ def apply(spec: HostSpec) -> None:
                     systemd=facts["journal"]["systemd"])
     elif rebind.moves:
         for m in rebind.moves:
-            need_reboot(host, "gpu-binding", f"{m} (persisted; this host cannot rebind through /sys now)")
+            need_reboot("gpu-binding", f"{m} (persisted; this host cannot rebind through /sys now)")

@@ -30,6 +30,7 @@ from pyinfra.api import StringCommand, deploy, operation
 
 from facts.files import ManagedFiles
 from facts.once import fact_once
+from facts.run_state import run_state
 from operations.files import sha256_text, write_file_command
 
 INITRAMFS = "initramfs"
@@ -42,7 +43,6 @@ DEFAULT_COMMANDS = {INITRAMFS: "update-initramfs -u -k all", BOOT_REFRESH: "prox
 # Before one handler did it, the GPU binding stage kept its own stamp; the initramfs stamp
 # replaces it (removed once the initramfs handler succeeded).
 LEGACY_STAMPS = {INITRAMFS: ["/var/lib/pvegpu/gpu-binding-initramfs.stamp"]}
-_KEY = "_pvegpu_handlers"
 
 
 def stamp_path(handler: str) -> str:
@@ -53,9 +53,8 @@ STAMP_PATHS = [stamp_path(h) for h in ORDER]
 
 
 def _registry(target: Any) -> dict:
-    # host.data hands out copies: read, change, assign back (as plan.reboot does)
-    return {name: {"inputs": dict(entry["inputs"]), "reasons": list(entry["reasons"]), "command": entry["command"]}
-            for name, entry in (target.data.get(_KEY) or {}).items()}
+    """This run's handler registry (the run state's ``handlers``, `facts.run_state`)."""
+    return run_state(target).handlers
 
 
 def depends_on(handler: str, path: str, content: str, mode: str, changed: bool, why: str,
@@ -75,12 +74,12 @@ def depends_on(handler: str, path: str, content: str, mode: str, changed: bool, 
         entry["reasons"].append(why)
     if command:
         entry["command"] = command
-    setattr(target.data, _KEY, registry)
 
 
 def pending(target: Any = None) -> dict:
-    """{handler: {"inputs": {path: (sha256, mode)}, "reasons": [...], "command": str}}."""
-    return _registry(target if target is not None else host)
+    """{handler: {"inputs": {path: (sha256, mode)}, "reasons": [...], "command": str}} (a copy)."""
+    return {name: {"inputs": dict(e["inputs"]), "reasons": list(e["reasons"]), "command": e["command"]}
+            for name, e in _registry(target if target is not None else host).items()}
 
 
 def stamp_text(inputs: dict[str, tuple[str, str]]) -> str:

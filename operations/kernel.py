@@ -26,10 +26,10 @@ from pyinfra.api import FactBase, FunctionCommand, StringCommand, deploy, operat
 from facts.hardware import SECTION_MARKER
 from facts.kernel import ProxmoxKernels, split_sections
 from facts.once import fact_once
+from facts.run_state import need_reboot, record_trial_boot
 from operations import progress
 from operations.files import write_file_command
 from plan import kernel as plan
-from plan.reboot import need_reboot
 from plan.render import render_template
 from spec.models import HostSpec, KernelSpec
 
@@ -342,8 +342,8 @@ def apply(spec: HostSpec) -> None:
                    release=k.version, pin_tool=pin_tool, esps=esps, keep_default=keep if action == "trial" else None)
         action = "await-reboot"
     if action == "await-reboot":
-        plan.record_trial_boot(host, k.version, pin_tool, esps)
-        need_reboot(host, "kernel", f"{k.version} is installed and selected for the next boot only (trial)")
+        record_trial_boot(k.version, pin_tool, esps)
+        need_reboot("kernel", f"{k.version} is installed and selected for the next boot only (trial)")
     elif action == "pin":
         pin_kernel(name=f"Pin kernel {k.version} for good" + (" (pin + refresh)" if esps else ""),
                    release=k.version, pin_tool=pin_tool, esps=esps)

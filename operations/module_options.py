@@ -24,10 +24,10 @@ from pyinfra.api import StringCommand, deploy, operation
 from facts.files import ManagedFiles
 from facts.hardware import HardwareProbe
 from facts.once import fact_once
+from facts.run_state import need_reboot
 from operations import handlers
 from operations.files import managed_file, sha256_text
 from plan import nvidia as nvplan
-from plan.reboot import need_reboot
 
 MODPROBE_CONF = "/etc/modprobe.d/pvegpu-nvidia.conf"
 NODES_UNIT_NAME = "pvegpu-nvidia-nodes.service"
@@ -118,4 +118,4 @@ def apply(spec) -> None:
                         why=f"{MODPROBE_CONF} changed (module options)")
     for detail in loaded_differences(want["disable_hmm"], dict(spec.nvidia.nvreg),
                                      hardware.get("uvm_params") or {}, hardware.get("nvidia_params") or {}):
-        need_reboot(host, "module options", detail)
+        need_reboot("module options", detail)

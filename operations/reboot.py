@@ -1,6 +1,6 @@
 """Stage 9, reboot policy (last): the one place that decides whether the host reboots.
 
-Stages report reasons with `plan.reboot.need_reboot` while their operations are generated.
+Stages report reasons with `facts.run_state.need_reboot` while their operations are generated.
 Here: no reasons → nothing. Reasons and `spec.reboot.allowed` → one `server.reboot`, then,
 when the kernel stage set a trial boot, pin the new release for good if it is the one
 running (else say so; the old kernel stays pinned). Reasons without permission → a
@@ -13,8 +13,9 @@ from pyinfra import host, logger
 from pyinfra.api import StringCommand, deploy, operation
 from pyinfra.operations import server
 
-from plan.kernel import pin_for_good_command, trial_boot_of
-from plan.reboot import pending_summary, reboot_reasons
+from facts.run_state import reboot_reasons, trial_boot_of
+from plan.kernel import pin_for_good_command
+from plan.reboot import pending_summary
 from spec.models import HostSpec
 
 REBOOT_TIMEOUT_S = 900  # a many-GPU host takes minutes through firmware and POST
@@ -33,7 +34,7 @@ def pin_trial_kernel(release: str, pin_tool: str, esps: bool = False):
 
 @deploy("pvegpu: reboot policy")
 def apply(spec: HostSpec) -> None:
-    reasons = reboot_reasons(host)
+    reasons = reboot_reasons()
     summary = pending_summary(host.name, reasons)
     if not reasons:
         logger.info(summary[0])
@@ -51,7 +52,7 @@ def apply(spec: HostSpec) -> None:
         interval=2,
         reboot_timeout=REBOOT_TIMEOUT_S,
     )
-    trial = trial_boot_of(host)
+    trial = trial_boot_of()
     if trial:
         pin_trial_kernel(
             name=f"Pin kernel {trial['release']} for good if it came up",

@@ -1,4 +1,4 @@
-"""What the kernel stage does, from spec + facts (pure; no I/O except reading host.data).
+"""What the kernel stage does, from spec + facts (pure: no I/O, no host state).
 
     build_jobs(cores, mem_total_kib)               -> 12     # -j: min(cores, RAM / 2 GiB), >= 1
     build_id(kernel_spec, base_config)             -> "3f0c…"  # source + ref/sha + config, hashed
@@ -23,7 +23,6 @@ import hashlib
 import json
 import re
 import shlex
-from typing import Any
 
 from spec.models import KernelSpec
 
@@ -259,17 +258,3 @@ def describe_progress(progress: dict) -> str:
     total = progress["total"]
     share = f" of ~{total} ({min(100, 100 * progress['built'] // total)}%)" if total else ""
     return f"{progress['built']} objects built{share}" + (f", last: {progress['last']}" if progress["last"] else "")
-
-
-# -- trial boot bookkeeping between the kernel stage and the reboot stage ---------------------
-_TRIAL_KEY = "_pvegpu_kernel_trial"
-
-
-def record_trial_boot(host: Any, release: str, pin_tool: str, esps: bool = False) -> None:
-    setattr(host.data, _TRIAL_KEY, {"release": release, "pin_tool": pin_tool, "esps": esps})
-
-
-def trial_boot_of(host: Any) -> dict | None:
-    """{"release": "6.14.8-2-pve", "pin_tool": "proxmox-boot-tool", "esps": True} when this run
-    set a trial boot (esps: /etc/kernel/proxmox-boot-uuids lists ESPs, so pins need a refresh)."""
-    return host.data.get(_TRIAL_KEY)

@@ -1,28 +1,12 @@
-"""Why a host needs a reboot: stages report reasons here; one place decides.
+"""What a pending reboot looks like to the user (pure).
 
-Stages call `need_reboot(host, "cmdline", "booted lacks amd_iommu=on")` while their operations
-are generated (from facts, before anything runs). The reboot stage (last) reads
-`reboot_reasons(host)`: it reboots once when the spec allows it, else prints a
-"reboot pending" summary.
+Stages report reasons with `facts.run_state.need_reboot("cmdline", "booted lacks amd_iommu=on")`
+while their operations are generated (from facts, before anything runs); the reboot stage
+(last) reads `facts.run_state.reboot_reasons()`: it reboots once when the spec allows it, else
+prints this "reboot pending" summary.
 """
 
 from __future__ import annotations
-
-from typing import Any
-
-_KEY = "_pvegpu_reboot_reasons"
-
-
-def need_reboot(host: Any, kind: str, detail: str) -> None:
-    # host.data hands out copies: read, extend, assign back
-    reasons = list(host.data.get(_KEY) or [])
-    if (kind, detail) not in reasons:
-        reasons.append((kind, detail))
-    setattr(host.data, _KEY, reasons)
-
-
-def reboot_reasons(host: Any) -> list[tuple[str, str]]:
-    return list(host.data.get(_KEY) or [])
 
 
 def pending_summary(name: str, reasons: list[tuple[str, str]]) -> list[str]:
