@@ -366,82 +366,62 @@ def parse_host_state(lines: list[str]) -> dict:
 
 # -- operations ----------------------------------------------------------------------------
 
+# One contract (issue 18 part 7): the plan (`plan.nvidia.driver_steps`) decides which steps run;
+# `apply` calls an operation only for a step that runs and says why the others do not. Each
+# operation always does its step.
+
 @operation()
-def fetch_source(url: str, sha256: str, dest: str, cached: bool = False):
+def fetch_source(url: str, sha256: str, dest: str):
     """Fetch a source archive to `dest` and check its sha256 before anything uses it.
 
     + url: https://…, file:///path or /path on the host
     + sha256: the archive's expected sha256 (64 hex)
-    + cached: the fact saw `dest` already (it is only ever renamed there after a check)
     """
-    if cached:
-        host.noop(f"{dest} is already fetched and verified")
-        return
     yield StringCommand(fetch_source_command(url, sha256, dest))
 
 
 @operation()
 def build_modules(archive: str, version: str, release: str, cc: str, jobs: int, ccache: bool,
-                  build: bool = True, reason: str = "", cxx: str | None = None,
-                  signing: tuple[str, str] | None = None):
+                  cxx: str | None = None, signing: tuple[str, str] | None = None):
     """Build the NVIDIA kernel modules for one kernel release in a scratch dir (not installed yet).
 
     + cxx: the C++ compiler for the open tree's src/ (None: the tree has no C++)
     + signing: (key, cert) paths on the host to sign the modules with, or None
     """
-    if not build:
-        host.noop(reason or f"nvidia {version} is current for {release}")
-        return
     yield progress.reported(build_command(archive, version, release, cc, jobs, ccache, cxx=cxx, signing=signing), f"nvidia {version} build for {release}",
                             key=f"nvidia-{version}-{release}-{archive.rsplit('/', 1)[-1]}", log=f"{build_dir(version, release)}/build.log")
 
 
 @operation()
-def clean_builds(version: str, run: bool = True):
+def clean_builds(version: str):
     """Remove the scratch dirs of `version`'s builds once every release is installed."""
-    if not run:
-        host.noop(f"no nvidia {version} build to clean up")
-        return
     yield StringCommand(cleanup_command(version))
 
 
 @operation()
-def install_modules(version: str, release: str, install: bool = True):
+def install_modules(version: str, release: str):
     """Install the modules built for `release` and run depmod for that release."""
-    if not install:
-        host.noop(f"nvidia {version} modules for {release} are installed")
-        return
     yield StringCommand(install_command(version, release))
 
 
 @operation()
-def install_userspace(installer: str, version: str, install: bool = True):
+def install_userspace(installer: str, version: str):
     """NVIDIA user space and GSP firmware of exactly the module version, without kernel modules
     (incidents 2, 6): the installer is the one source of the firmware (nvidia-installer installs
     its FIRMWARE entries into /lib/firmware/nvidia/<version>/ with --no-kernel-modules too)."""
-    if not install:
-        host.noop(f"user space {version} is installed (or no installer configured)")
-        return
     yield StringCommand(f"sh {shlex.quote(installer)} --silent --no-kernel-modules")
 
 
 @operation()
-def enable_unit(unit: str, enabled: bool, unit_path: str):
+def enable_unit(unit: str, unit_path: str):
     """Enable a unit for multi-user.target by its wants link (works with systemd not running)."""
-    if enabled:
-        host.noop(f"{unit} is enabled")
-        return
     link = f"{WANTS_DIR}/{unit}"
     yield StringCommand(f"mkdir -p {shlex.quote(WANTS_DIR)} && ln -sfn {shlex.quote(unit_path)} {shlex.quote(link)}")
 
 
 @operation()
-def verify_versions(version: str, releases: list[str], firmware: bool, run: bool = True,
-                    firmware_files: list[str] | None = None):
+def verify_versions(version: str, releases: list[str], firmware: bool, firmware_files: list[str] | None = None):
     """Refuse to finish when modules, firmware (each file the GPUs load) and user space are not all `version`."""
-    if not run:
-        host.noop(f"nvidia {version}: modules, firmware and user space unchanged and equal")
-        return
     yield StringCommand(verify_command(version, releases, firmware, firmware_files))
 
 
@@ -521,32 +501,51 @@ def apply(spec) -> None:
     installer = cached_source(nv.installer) if nv.installer else None
     sources = state["sources"]
     if nv.modules_source and modules_archive:
-        fetch_source(name=f"Fetch and verify NVIDIA modules source {source_name(nv.modules_source.url)}",
-                     url=nv.modules_source.url, sha256=nv.modules_source.sha256, dest=modules_archive,
-                     cached=not steps["fetch_modules"] or sources.get("modules", {}).get("cached", False))
+        if steps["fetch_modules"] and not sources.get("modules", {}).get("cached", False):
+            fetch_source(name=f"Fetch and verify NVIDIA modules source {source_name(nv.modules_source.url)}",
+                         url=nv.modules_source.url, sha256=nv.modules_source.sha256, dest=modules_archive)
+        else:
+            _skip(f"{modules_archive} is already fetched and verified")
     if nv.installer and installer:
-        fetch_source(name=f"Fetch and verify NVIDIA installer {source_name(nv.installer.url)}",
-                     url=nv.installer.url, sha256=nv.installer.sha256, dest=installer,
-                     cached=not steps["fetch_installer"] or sources.get("installer", {}).get("cached", False))
+        if steps["fetch_installer"] and not sources.get("installer", {}).get("cached", False):
+            fetch_source(name=f"Fetch and verify NVIDIA installer {source_name(nv.installer.url)}",
+                         url=nv.installer.url, sha256=nv.installer.sha256, dest=installer)
+        else:
+            _skip(f"{installer} is already fetched and verified")
+    building = [r for r in releases if steps["releases"][r]["build"]]
     for release in releases:
         entry = steps["releases"][release]
+        if not entry["build"]:
+            _skip(entry["reason"] or f"nvidia {nv.version} is current for {release}")
+            continue
         build_modules(name=f"Build nvidia {nv.version} for {release}", archive=modules_archive or "",
                       version=nv.version, release=release, cc=entry["cc"] or "gcc", jobs=steps["jobs"],
-                      ccache=steps["ccache"], build=entry["build"], reason=entry["reason"], cxx=entry["cxx"],
+                      ccache=steps["ccache"], cxx=entry["cxx"],
                       signing=(nv.signing.key, nv.signing.cert) if nv.signing else None)
-    for release in releases:
+    for release in building:
         install_modules(name=f"Install nvidia {nv.version} modules for {release}", version=nv.version,
-                        release=release, install=steps["releases"][release]["build"])
-    clean_builds(name=f"Remove nvidia {nv.version} build dirs", version=nv.version,
-                 run=any(steps["releases"][r]["build"] for r in releases))
-    install_userspace(name=f"NVIDIA user space and GSP firmware {nv.version}", installer=installer or "", version=nv.version,
-                      install=steps["install_userspace"])
+                        release=release)
+    if building:
+        clean_builds(name=f"Remove nvidia {nv.version} build dirs", version=nv.version)
+    if steps["install_userspace"]:
+        install_userspace(name=f"NVIDIA user space and GSP firmware {nv.version}", installer=installer or "",
+                          version=nv.version)
+    else:
+        _skip(f"user space {nv.version} is installed (or no installer configured)")
     if nv.persistenced:
         _persistenced(state, will_install=steps["install_userspace"])
-    verify_versions(name=f"Check nvidia {nv.version}: modules, firmware, user space",
-                    version=nv.version, releases=[r for r in releases if steps["releases"][r]["build"]
-                                                  or (state["releases"].get(r) or {}).get("module")],
-                    firmware=nv.firmware, firmware_files=steps["firmware_files"], run=steps["verify"])
+    if steps["verify"]:
+        verify_versions(name=f"Check nvidia {nv.version}: modules, firmware, user space",
+                        version=nv.version, releases=[r for r in releases if steps["releases"][r]["build"]
+                                                      or (state["releases"].get(r) or {}).get("module")],
+                        firmware=nv.firmware, firmware_files=steps["firmware_files"])
+    else:
+        _skip(f"nvidia {nv.version}: modules, firmware and user space unchanged and equal")
+
+
+def _skip(why: str) -> None:
+    """A step the plan does not run, and why (the operation is not called: nothing to do)."""
+    logger.info(f"{host.name}: nvidia: {why}")
 
 
 def _persistenced(state: dict, will_install: bool) -> None:
@@ -561,5 +560,7 @@ def _persistenced(state: dict, will_install: bool) -> None:
                      content=render_template("nvidia-persistenced.service.j2"), mode="644",
                      state=files.get(PERSISTENCED_UNIT))
         unit = PERSISTENCED_UNIT
-    enable_unit(name="Enable nvidia-persistenced", unit="nvidia-persistenced.service",
-                enabled=pers["enabled"], unit_path=unit)
+    if pers["enabled"]:
+        _skip("nvidia-persistenced.service is enabled")
+    else:
+        enable_unit(name="Enable nvidia-persistenced", unit="nvidia-persistenced.service", unit_path=unit)

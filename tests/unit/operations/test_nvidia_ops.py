@@ -13,6 +13,8 @@ from operations import nvidia as ops
 from plan import nvidia as nvplan
 from spec.models import SourceSpec
 
+ROOT = Path(__file__).resolve().parents[3]
+
 # `NvidiaHostState(releases=["6.1.0-57-amd64"], sources={"modules": ("/usr/src/nvidia-kernel.tar.xz", …)})`
 # run in a Debian bookworm root (the twin's root: linux-headers-amd64 + nvidia-kernel-source),
 # before the first build and after it.
@@ -117,18 +119,53 @@ def test_fetch_checks_sha256_before_the_file_is_usable(tmp_path):
     assert dest.read_bytes() == b"not really a tarball\n"
 
 
-def test_fetch_op_is_noop_when_cached():
-    commands, noop = run_op(ops.fetch_source, url="/a", sha256="b" * 64, dest="/c", cached=True)
-    assert commands == [] and noop == "/c is already fetched and verified"
-    commands, _ = run_op(ops.fetch_source, url="/a", sha256="b" * 64, dest="/c", cached=False)
+def test_fetch_op_always_fetches():
+    """One operation contract (issue 18 part 7): an operation does its step; whether it runs is
+    the plan's call (apply below)."""
+    commands, _ = run_op(ops.fetch_source, url="/a", sha256="b" * 64, dest="/c")
     assert commands == [ops.fetch_source_command("/a", "b" * 64, "/c")]
 
 
-def test_build_op_skips_with_the_reason():
-    reason = "nvidia 535.309.01 is installed for 6.1.0-57-amd64 (/lib/modules/…/nvidia.ko)"
-    commands, noop = run_op(ops.build_modules, archive="/a", version="535.309.01", release="6.1.0-57-amd64",
-                            cc="gcc-12", jobs=2, ccache=True, build=False, reason=reason)
-    assert commands == [] and noop == reason
+def _apply_with_steps(monkeypatch, steps: dict, state: dict | None = None) -> tuple[list[str], list[str]]:
+    """ops.apply with the plan's steps given: (operations it called, lines it logged)."""
+    from spec.load import load_spec_file
+
+    called: list[str] = []
+    for name in ("fetch_source", "build_modules", "install_modules", "clean_builds", "install_userspace",
+                 "verify_versions", "enable_unit"):
+        monkeypatch.setattr(ops, name, lambda *a, _n=name, **kw: called.append(_n))
+    said: list[str] = []
+    monkeypatch.setattr(ops.logger, "info", said.append)
+    host_state = state or {"running": "6.1.0-57-amd64", "releases": {}, "sources": {}, "persistenced": {}}
+    monkeypatch.setattr(ops, "_state_and_steps", lambda spec: (host_state, ["6.1.0-57-amd64"], steps))
+    spec = load_spec_file(ROOT / "inventories" / "kpro6.yml")["kpro6"]
+    spec = spec.model_copy(update={"nvidia": spec.nvidia.model_copy(update={"persistenced": False})})
+    fake_state = FakeState()
+    with ctx_state.use(fake_state), ctx_host.use(create_host(fake_state)):
+        ops.apply._inner(spec) if hasattr(ops.apply, "_inner") else ops.apply.__wrapped__(spec)
+    return called, said
+
+
+NOTHING_TO_DO = {"jobs": 2, "ccache": True, "fetch_modules": False, "fetch_installer": False,
+                 "install_userspace": False, "firmware_files": [], "verify": False, "refusals": [], "notes": [],
+                 "releases": {"6.1.0-57-amd64": {"build": False, "cc": "gcc-12", "cxx": None,
+                                                 "reason": "nvidia 595.45.04 is installed for 6.1.0-57-amd64"}}}
+
+
+def test_apply_calls_no_operation_for_steps_the_plan_does_not_run(monkeypatch):
+    called, said = _apply_with_steps(monkeypatch, NOTHING_TO_DO)
+    assert called == []
+    assert any("nvidia 595.45.04 is installed for 6.1.0-57-amd64" in line for line in said)
+    assert any("modules, firmware and user space unchanged and equal" in line for line in said)
+
+
+def test_apply_calls_each_operation_the_plan_runs(monkeypatch):
+    steps = {**NOTHING_TO_DO, "fetch_modules": True, "fetch_installer": True, "install_userspace": True,
+             "verify": True, "releases": {"6.1.0-57-amd64": {**NOTHING_TO_DO["releases"]["6.1.0-57-amd64"],
+                                                             "build": True}}}
+    called, _ = _apply_with_steps(monkeypatch, steps)
+    assert called == ["fetch_source", "fetch_source", "build_modules", "install_modules", "clean_builds",
+                      "install_userspace", "verify_versions"]
 
 
 def test_build_command_uses_kernel_compiler_ccache_and_jobs():
