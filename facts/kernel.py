@@ -8,21 +8,9 @@ import shlex
 from pyinfra.api import FactBase
 
 from facts.base import ShellFact
+from facts.sections import split_sections
 
-SECTION = "@@ "
 VERSION = r"\d+\.\d+\.\d+"
-
-
-def split_sections(output_lines: list[str], marker: str = SECTION) -> dict[str, list[str]]:
-    """Lines after `@@ name` markers, by name (lines before the first marker are dropped)."""
-    sections: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in output_lines:
-        if line.startswith(marker):
-            current = sections.setdefault(line[len(marker):].strip(), [])
-        elif current is not None:
-            current.append(line)
-    return sections
 
 
 def kernel_version_key(release: str) -> list:
