@@ -23,13 +23,13 @@ The reading is the run state's ``guests`` (`facts.run_state`: one object per hos
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from pyinfra import host
 
 from facts.base import ShellFact
 from facts.run_state import run_state
+from facts.sections import split_sections
 
 # Also part of GuestRuntime's combined command (operations.gpus), which seeds the memo.
 GUEST_STATE_COMMAND = ("if command -v pct >/dev/null 2>&1; then echo '@@ pct'; pct list 2>/dev/null; fi; "
@@ -37,20 +37,17 @@ GUEST_STATE_COMMAND = ("if command -v pct >/dev/null 2>&1; then echo '@@ pct'; p
 
 
 def parse_guest_state(lines: list[str]) -> dict:
-    """The `@@ pct` / `@@ qm` sections of `GUEST_STATE_COMMAND`'s output (other `@@ name`
-    sections are skipped) → the shape in the module docstring."""
-    parsed: dict[str, Any] = {"pct": False, "lxc": {}, "qemu": {}}
-    section = None
-    for line in lines:
-        marker = re.match(r"^@@ (\w+)$", line.strip())
-        if marker:
-            section = marker.group(1)
-            parsed["pct"] |= section == "pct"
-            continue
+    """The `@@ pct` / `@@ qm` sections of `GUEST_STATE_COMMAND`'s output (other sections are
+    skipped) → the shape in the module docstring."""
+    sections = split_sections(lines)
+    parsed: dict[str, Any] = {"pct": "pct" in sections, "lxc": {}, "qemu": {}}
+    for line in sections.get("pct", []):
         tokens = line.split()
-        if section == "pct" and len(tokens) >= 2 and tokens[0].isdigit():  # VMID Status Lock Name
+        if len(tokens) >= 2 and tokens[0].isdigit():  # VMID Status Lock Name
             parsed["lxc"][int(tokens[0])] = tokens[1]
-        elif section == "qm" and len(tokens) >= 6 and tokens[0].isdigit():
+    for line in sections.get("qm", []):
+        tokens = line.split()
+        if len(tokens) >= 6 and tokens[0].isdigit():
             # VMID NAME STATUS MEM(MB) BOOTDISK(GB) PID, read from the right: an unnamed VM's NAME
             # is two words (follows qemu-server PVE/QemuServer.pm vmstatus(): name defaults to "VM <vmid>")
             parsed["qemu"][int(tokens[0])] = tokens[-4]

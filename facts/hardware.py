@@ -20,13 +20,13 @@ from facts.kernel import (
     ModuleParameters,
     ProxmoxKernels,
     SevSnp,
-    split_sections,
 )
 from facts.nvidia import NvidiaDriver, NvidiaDriverParams, NvidiaGpus
 from facts.pci import PciAcs, PciDevices
 from facts.proxmox import LxcConfigs, PciMappings, PveVersion, QemuConfigs
+from facts.sections import PROBE_SECTION, split_sections
 
-SECTION_MARKER = "@@pvegpu-section "
+SECTION_MARKER = PROBE_SECTION  # facts.sections: a probe's sections are whole facts' outputs
 
 
 def fact_command(fact: FactBase, args: tuple = (), kwargs: dict | None = None) -> str:

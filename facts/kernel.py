@@ -1,28 +1,19 @@
-"""Kernel, boot loader, IOMMU and SEV-SNP state of a host."""
+"""Kernel, boot loader, IOMMU and SEV-SNP state of a host, and the kernel stage's build state
+(`KernelStageFacts`, read by operations/kernel.py)."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 
 from pyinfra.api import FactBase
 
 from facts.base import ShellFact
+from facts.sections import PROBE_SECTION, split_sections
+from plan import kernel as kernel_plan  # the kernel stage's host paths, pve-kernel's Makefile reader
 
-SECTION = "@@ "
 VERSION = r"\d+\.\d+\.\d+"
-
-
-def split_sections(output_lines: list[str], marker: str = SECTION) -> dict[str, list[str]]:
-    """Lines after `@@ name` markers, by name (lines before the first marker are dropped)."""
-    sections: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in output_lines:
-        if line.startswith(marker):
-            current = sections.setdefault(line[len(marker):].strip(), [])
-        elif current is not None:
-            current.append(line)
-    return sections
 
 
 def kernel_version_key(release: str) -> list:
@@ -512,3 +503,119 @@ class ModuleParameters(FactBase):
 
     def process(self, output):
         return parse_module_parameters(output)
+
+
+# -- the kernel stage's build state (operations/kernel.py) --------------------------------
+
+def parse_build_state(lines: list[str]) -> dict:
+    """Pure parser of the build-state section (shape: see `KernelStageFacts`)."""
+    state: dict = {"running": False, "rc": None, "debs": [], "manifest": None, "installed_manifest": None,
+                   "trial": None, "cores": None, "mem_total_kib": None, "systemd": False, "pbt": False, "esps": False, "headers_installed": False,
+                   "log_objects": 0, "log_last": None}
+    for line in lines:
+        key, _, value = line.partition(" ")
+        value = value.strip()
+        if key == "running":
+            state["running"] = True
+        elif key == "rc" and value.lstrip("-").isdigit():
+            state["rc"] = int(value)
+        elif key == "deb" and value:
+            state["debs"].append(value)
+        elif key in ("manifest", "installed-manifest") and value:
+            try:
+                state[key.replace("-", "_")] = json.loads(value)
+            except ValueError:
+                pass  # a half-written manifest counts as none
+        elif key == "trial":
+            state["trial"] = value or None
+        elif key in ("cores", "mem_total_kib", "log_objects") and value.isdigit():
+            state[key] = int(value)
+        elif key == "systemd":
+            state["systemd"] = True
+        elif key == "pbt":
+            state["pbt"] = True
+        elif key == "esps":
+            state["esps"] = True
+        elif key == "headers-installed":
+            state["headers_installed"] = True
+        elif key == "log_last":
+            state["log_last"] = value or None
+    return state
+
+
+def build_state_command(build_dir: str, release: str) -> str:
+    d = shlex.quote(build_dir)
+    installed = shlex.quote(f"{kernel_plan.STATE_DIR}/{release}.json")
+    trial = shlex.quote(kernel_plan.TRIAL_MARKER)
+    return (
+        f"d={d}; "
+        'if [ -f "$d/build.pid" ] && p=$(cat "$d/build.pid") && [ -n "$p" ] && kill -0 "$p" 2>/dev/null '
+        '&& grep -q build.sh "/proc/$p/cmdline" 2>/dev/null; then echo running; fi; '
+        '[ -f "$d/build.rc" ] && echo "rc $(cat "$d/build.rc")"; '
+        'for f in "$d"/*.deb; do [ -e "$f" ] && echo "deb ${f##*/}"; done; '
+        '[ -f "$d/manifest.json" ] && echo "manifest $(tr -d \'\\n\' < "$d/manifest.json")"; '
+        f'[ -f {installed} ] && echo "installed-manifest $(tr -d \'\\n\' < {installed})"; '
+        f'[ -f {trial} ] && echo "trial $(cat {trial})"; '
+        'echo "cores $(nproc)"; awk \'/^MemTotal:/{print "mem_total_kib " $2}\' /proc/meminfo; '
+        "[ -d /run/systemd/system ] && echo systemd; "
+        "command -v proxmox-boot-tool >/dev/null 2>&1 && echo pbt; "
+        "[ -f /etc/kernel/proxmox-boot-uuids ] && echo esps; "
+        f"dpkg-query -W -f='${{Status}}\\n' {shlex.quote('proxmox-headers-' + release)} 2>/dev/null "
+        "| grep -q ' ok installed' && echo headers-installed; "
+        "true"
+    )
+
+
+def source_makefile_command(url: str, ref: str) -> str:
+    """Print pve-kernel's Makefile at `ref` from a clone of `url` an earlier build left under
+    BUILD_ROOT (read-only: `git show`), after a `from <clone>` line; nothing when none has it."""
+    return (
+        f"for d in {shlex.quote(kernel_plan.BUILD_ROOT)}/*/src; do "
+        '[ -d "$d/.git" ] || continue; '
+        f'[ "$(git -C "$d" config --get remote.origin.url)" = {shlex.quote(url)} ] || continue; '
+        f'if git -C "$d" cat-file -e {shlex.quote(ref + ":Makefile")} 2>/dev/null; then '
+        f'echo "from $d"; git -C "$d" show {shlex.quote(ref + ":Makefile")}; break; fi; '
+        "done; true"
+    )
+
+
+def parse_source_makefile(lines: list[str]) -> dict | None:
+    """{"release": "6.14.11-9-bpo12-pve", "from": "/var/lib/pvegpu/kernel-build/…/src"} or None."""
+    if not lines or not lines[0].startswith("from "):
+        return None
+    return {"release": kernel_plan.release_from_makefile("\n".join(lines[1:])), "from": lines[0][len("from "):].strip()}
+
+
+class KernelStageFacts(FactBase):
+    """Everything the kernel stage reads, in one remote command.
+
+    + build_dir: the build dir of the spec'd build (plan.kernel.build_dir)
+    + release: the spec'd kernel release
+    + url, ref: a proxmox-git source: its Makefile at ref is read from an earlier clone, if any
+
+    .. code:: python
+
+        {"kernels": <ProxmoxKernels>,
+         "build": {"running": False, "rc": 0, "debs": ["linux-image-6.1.192-x_1_amd64.deb", …],
+                   "manifest": {...} or None, "installed_manifest": {...} or None,
+                   "trial": "6.1.192-x" or None, "cores": 2, "mem_total_kib": 24000000,
+                   "systemd": False, "pbt": True,
+                   "esps": True,    # /etc/kernel/proxmox-boot-uuids exists: pins need a refresh
+                   "headers_installed": False},   # proxmox-headers-<release> (pve-kernel Build-Conflicts)
+         "source": {"release": "6.14.11-9-bpo12-pve", "from": "<clone>"} or None}   # proxmox-git
+    """
+
+    def command(self, build_dir: str, release: str, url: str | None = None, ref: str | None = None) -> str:
+        source = (f"echo '{PROBE_SECTION}source'; ( {source_makefile_command(url, ref)} ) 2>/dev/null; "
+                  if url and ref else "")
+        return (
+            f"echo '{PROBE_SECTION}kernels'; ( {ProxmoxKernels.command} ) 2>/dev/null; "
+            f"echo '{PROBE_SECTION}build'; ( {build_state_command(build_dir, release)} ) 2>/dev/null; "
+            f"{source}true"
+        )
+
+    def process(self, output):
+        sections = split_sections(output, PROBE_SECTION)
+        return {"kernels": ProxmoxKernels().process(sections.get("kernels", [])),
+                "build": parse_build_state(sections.get("build", [])),
+                "source": parse_source_makefile(sections.get("source", []))}

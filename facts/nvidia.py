@@ -1,10 +1,15 @@
-"""NVIDIA kernel driver state from /proc/driver/nvidia (no nvidia-smi needed)."""
+"""NVIDIA kernel driver state from /proc/driver/nvidia (no nvidia-smi needed), and what the
+driver stage (operations/nvidia.py) decides from (`NvidiaHostState`)."""
 
 from __future__ import annotations
 
 import re
+import shlex
+
+from pyinfra.api import FactBase
 
 from facts.base import ShellFact
+from facts.sections import SECTION, split_sections
 
 GPU_INFORMATION_MARKER = "== "
 
@@ -142,3 +147,200 @@ class NvidiaDriverParams(ShellFact):
 
     def process(self, output):
         return parse_colon_params(output)
+
+
+# -- the driver stage's host state (operations/nvidia.py) ---------------------------------
+
+SOURCE_CACHE = "/var/cache/pvegpu/sources"
+CCACHE_MASQUERADE = "/usr/lib/ccache"
+LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib")
+PERSISTENCED_UNIT_DIRS = ("/etc/systemd/system", "/lib/systemd/system", "/usr/lib/systemd/system")
+WANTS_DIR = "/etc/systemd/system/multi-user.target.wants"
+# sign-file in a release's headers: Debian links scripts/ into linux-kbuild; Proxmox copies the built
+# scripts/ into proxmox-headers (follows pve-kernel debian/rules, the headers package target)
+SIGN_FILE = "scripts/sign-file"
+# kernel options the driver preflight reads from each release's include/config/auto.conf
+KERNEL_CONFIG_KEYS = ("CONFIG_OBJTOOL_WERROR", "CONFIG_MITIGATION_RETHUNK", "CONFIG_RETHUNK",
+                      "CONFIG_MODULE_SIG", "CONFIG_MODULE_SIG_FORCE")
+# EFI global variable GUID 8be4df61-…: SecureBoot (UEFI spec; what mokutil --sb-state reads)
+SECURE_BOOT_EFIVAR = "/sys/firmware/efi/efivars/SecureBoot-8be4df61-93ca-11d2-aa0d-00e098032b8c"
+
+
+def source_name(url: str) -> str:
+    """A file name for a source URL or path: its last path segment, reduced to safe characters."""
+    last = re.split(r"[/?#]", url.rstrip("/").split("://", 1)[-1].split("?", 1)[0])[-1]
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", last) or "source"
+
+
+def local_path(url: str) -> str | None:
+    """The host path of a local source (`/path` or `file:///path`), None for a remote URL."""
+    if url.startswith("file://"):
+        return url[len("file://"):]
+    if url.startswith("/"):
+        return url
+    return None
+
+
+class NvidiaHostState(FactBase):
+    """Everything the driver stage decides from, in one command.
+
+    + releases: target kernel releases
+    + sources: ``{"modules": (url, sha256), "installer": (url, sha256)}`` (configured ones)
+
+    .. code:: python
+
+        {"cores": 2, "mem_total_kib": 24576000, "running": "6.1.0-57-amd64", "ccache": True,
+         "compilers": {"gcc": "gcc (Debian 12.2.0-14+deb12u1) 12.2.0", "gcc-12": "gcc-12 (…) 12.2.0"},
+         "releases": {"6.1.0-57-amd64": {
+             "headers": True, "cc_version_text": "gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0",
+             "module": {"version": "535.309.01", "vermagic": "6.1.0-57-amd64 SMP …",
+                        "filename": "/lib/modules/6.1.0-57-amd64/updates/pvegpu-nvidia/nvidia.ko"}}},
+         "firmware": {"535.261.03": ["gsp_ga10x.bin", "gsp_tu10x.bin"]},
+         "userspace": ["/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.595.71.05"],
+         "persistenced": {"binary": True, "unit": "/lib/systemd/system/nvidia-persistenced.service",
+                          "enabled": False},
+         "sources": {"modules": {"cached": False, "sha256": "…"}}}   # sha256 of a local path
+
+    ``module`` is None when `modinfo -k <rel> nvidia` finds none.
+    """
+
+    def command(self, releases: list[str], sources: dict | None = None, signing: list[str] | None = None) -> str:
+        parts = [
+            f"echo '{SECTION}cores'; nproc",
+            f"echo '{SECTION}meminfo'; grep '^MemTotal:' /proc/meminfo",
+            f"echo '{SECTION}running'; k=$(uname -r); echo \"$k\"",
+            f"echo '{SECTION}ccache'; command -v ccache >/dev/null && [ -d {CCACHE_MASQUERADE} ] && echo {CCACHE_MASQUERADE}",
+            f"echo '{SECTION}compilers'; for c in /usr/bin/gcc /usr/bin/gcc-[0-9]* /usr/bin/g++ /usr/bin/g++-[0-9]*; do "
+            "[ -x \"$c\" ] && echo \"${c##*/}: $(\"$c\" --version 2>/dev/null | head -n 1)\"; done",
+        ]
+        # the running release ($k, named at run time), then each target; each release once,
+        # one modinfo per release (its version/vermagic/filename lines)
+        targets = " ".join(['"$k"', *[shlex.quote(r) for r in releases]])
+        parts.append(
+            f"seen=; for r in {targets}; do "
+            '[ -n "$r" ] || continue; case " $seen " in *" $r "*) continue;; esac; seen="$seen $r"; '
+            f"b=/lib/modules/$r/build; echo \"{SECTION}release $r\"; "
+            "[ -f \"$b/Makefile\" ] && echo 'headers: yes' || echo 'headers: no'; "
+            "grep -h -m 1 '^CONFIG_CC_VERSION_TEXT=' \"$b/include/config/auto.conf\" \"$b/.config\" 2>/dev/null | head -n 1; "
+            # the options preflight weighs: objtool -Werror with return thunks, module signing
+            f"grep -h -E '^({'|'.join(KERNEL_CONFIG_KEYS)})=' \"$b/include/config/auto.conf\" 2>/dev/null | sed 's/^/config /'; "
+            f"[ -x \"$b/{SIGN_FILE}\" ] && echo 'sign-file: yes'; "
+            "modinfo -k \"$r\" nvidia 2>/dev/null | while read -r key value; do "
+            'case "$key" in version:|vermagic:|filename:) echo "module $key $value";; esac; done; '
+            "done"
+        )
+        # Secure Boot: mokutil's verdict, else the EFI variable's last byte (follows nvidia-installer
+        # misc.c secure_boot_enabled(): the low bit of the variable's last byte)
+        parts.append(f"echo '{SECTION}secureboot'; command -v mokutil >/dev/null 2>&1 && mokutil --sb-state 2>&1; "
+                     f"if [ -r {SECURE_BOOT_EFIVAR} ]; then echo \"efivar $(od -An -v -t u1 {SECURE_BOOT_EFIVAR} | tr -s ' ' '\\n' | tail -n 1)\"; "
+                     "elif [ -d /sys/firmware/efi ]; then echo 'efi without SecureBoot variable'; else echo 'no efi'; fi")
+        for path in signing or ():
+            parts.append(f"echo {shlex.quote(SECTION + 'signing ' + path)}; [ -r {shlex.quote(path)} ] && echo readable")
+        parts.append(f"echo '{SECTION}firmware'; for f in /lib/firmware/nvidia/*/gsp*.bin*; do [ -e \"$f\" ] && echo \"$f\"; done")
+        libs = " ".join(f"{d}/libnvidia-ml.so.*" for d in LIB_DIRS)
+        parts.append(f"echo '{SECTION}userspace'; for f in {libs}; do [ -e \"$f\" ] && echo \"$f\"; done")
+        units = " ".join(f"{d}/nvidia-persistenced.service" for d in PERSISTENCED_UNIT_DIRS)
+        parts.append(
+            f"echo '{SECTION}persistenced'; command -v nvidia-persistenced >/dev/null 2>&1 && echo binary; "
+            f"for u in {units}; do [ -f \"$u\" ] && echo \"unit $u\"; done; "
+            f"[ -e {WANTS_DIR}/nvidia-persistenced.service ] && echo enabled"
+        )
+        for key, (url, sha256) in sorted((sources or {}).items()):
+            dest = shlex.quote(f"{SOURCE_CACHE}/{sha256}-{source_name(url)}")
+            local = local_path(url)
+            check = (f"elif [ -f {shlex.quote(local)} ]; then echo \"sha256 $(sha256sum < {shlex.quote(local)} | cut -d' ' -f1)\"; "
+                     if local else "")
+            parts.append(f"echo {shlex.quote(SECTION + 'source ' + key)}; if [ -f {dest} ]; then echo cached; "
+                         f"{check}else echo absent; fi")
+        return "; ".join(f"{{ {p}; }} 2>/dev/null" for p in parts) + "; true"
+
+    def process(self, output):
+        return parse_host_state(output)
+
+
+def parse_secure_boot(lines: list[str]) -> bool | None:
+    """True/False from `mokutil --sb-state` ("SecureBoot enabled"/"SecureBoot disabled") or the
+    EFI variable's value byte ("efivar 1"); False on a host without EFI; None when unknown."""
+    for line in lines:
+        if line.strip() in ("SecureBoot enabled", "SecureBoot disabled"):
+            return line.strip() == "SecureBoot enabled"
+    for line in lines:
+        text = line.strip()
+        if text.startswith("efivar "):
+            value = text.split()[-1]
+            return bool(int(value) & 1) if value.isdigit() else None
+        if text in ("no efi", "efi without SecureBoot variable"):
+            return False
+    return None
+
+
+def parse_host_state(lines: list[str]) -> dict:
+    """Pure parser of `NvidiaHostState.command` output (shape: see the fact)."""
+    sections = {name: [line.rstrip() for line in body if line.strip()]
+                for name, body in split_sections(lines, SECTION).items()}
+
+    def first(name: str) -> str | None:
+        lines = sections.get(name)
+        return lines[0] if lines else None
+
+    mem = re.search(r"(\d+)", first("meminfo") or "")
+    cores = first("cores")
+    compilers = {}
+    for line in sections.get("compilers", []):
+        name, _, banner = line.partition(": ")
+        if banner.strip():
+            compilers[name.strip()] = banner.strip()
+    releases = {}
+    for name, body in sections.items():
+        if not name.startswith("release "):
+            continue
+        info: dict = {"headers": False, "cc_version_text": None, "module": None, "config": {}, "sign_file": False}
+        module = {}
+        for line in body:
+            if line.startswith("headers: "):
+                info["headers"] = line.endswith("yes")
+            elif line.startswith("CONFIG_CC_VERSION_TEXT="):
+                info["cc_version_text"] = line.split("=", 1)[1].strip().strip('"')
+            elif line.startswith("config "):
+                key, _, value = line[len("config "):].partition("=")
+                info["config"][key] = value.strip().strip('"')
+            elif line == "sign-file: yes":
+                info["sign_file"] = True
+            elif line.startswith("module "):
+                key, _, value = line[len("module "):].partition(":")
+                module[key] = value.strip() or None
+        info["module"] = module if module.get("version") else None
+        releases[name[len("release "):]] = info
+    firmware: dict[str, list[str]] = {}
+    for path in sections.get("firmware", []):
+        match = re.match(r"^/lib/firmware/nvidia/([^/]+)/(gsp[^/]*)$", path)
+        if match:
+            firmware.setdefault(match.group(1), []).append(match.group(2))
+    pers = sections.get("persistenced", [])
+    sources = {}
+    for name, body in sections.items():
+        if name.startswith("source "):
+            value = body[0] if body else "absent"
+            sources[name[len("source "):]] = {
+                "cached": value == "cached",
+                "sha256": value.split(" ", 1)[1] if value.startswith("sha256 ") else None,
+            }
+    signing = {name[len("signing "):]: "readable" in body for name, body in sections.items() if name.startswith("signing ")}
+    return {
+        "secure_boot": parse_secure_boot(sections.get("secureboot", [])),
+        "signing_files": signing,
+        "cores": int(cores) if cores and cores.isdigit() else 1,
+        "mem_total_kib": int(mem.group(1)) if mem else 0,
+        "running": first("running"),
+        "ccache": bool(first("ccache")),
+        "compilers": compilers,
+        "releases": releases,
+        "firmware": firmware,
+        "userspace": sections.get("userspace", []),
+        "persistenced": {
+            "binary": "binary" in pers,
+            "unit": next((line[5:] for line in pers if line.startswith("unit ")), None),
+            "enabled": "enabled" in pers,
+        },
+        "sources": sources,
+    }

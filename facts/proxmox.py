@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from facts.base import ShellFact
-from facts.kernel import split_sections
+from facts.sections import split_sections
 
 
 def parse_pve_version(output_lines: list[str]) -> dict | None:

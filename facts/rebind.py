@@ -14,7 +14,7 @@ from pyinfra.api import FactBase
 
 from facts.base import ShellFact
 from facts.guest_state import GUEST_STATE_COMMAND, GuestState, parse_guest_state
-from facts.kernel import split_sections
+from facts.sections import split_sections
 from plan.gpus import parse_compute_apps, parse_fuser
 from plan.rebind import JOURNAL, LOCK, Journal
 

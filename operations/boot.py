@@ -20,85 +20,14 @@ from __future__ import annotations
 from pyinfra import host
 from pyinfra.api import StringCommand, deploy, operation
 
-from facts.base import ShellFact
-from facts.cpu import CpuInfo
-from facts.files import ManagedFiles
-from facts.hardware import SectionedProbe
-from facts.kernel import BootLoader, KernelCmdline, SevSnp, split_sections
+from facts.boot import KERNEL_CMDLINE, NOUVEAU_CONF, VFIO_CONF, BootStageFacts
 from facts.once import fact_once
-from facts.proxmox import PveVersion
 from facts.run_state import need_reboot
 from operations import handlers
 from operations.files import sha256_text, write_file_command
 from plan import boot as plan
 from plan.render import render_template
 from spec.models import HostSpec
-
-VFIO_CONF = "/etc/modules-load.d/pvegpu-vfio.conf"
-NOUVEAU_CONF = "/etc/modprobe.d/pvegpu-blacklist-nouveau.conf"
-KERNEL_CMDLINE = "/etc/kernel/cmdline"
-STAGE_PATHS = [KERNEL_CMDLINE, plan.GRUB_DROPIN, VFIO_CONF, NOUVEAU_CONF]
-WATCHED_MODULES = ("vfio", "vfio_iommu_type1", "vfio_pci", "vfio_virqfd", "nouveau")
-
-
-class GrubFiles(ShellFact):
-    """/etc/default/grub and /etc/default/grub.d/*.cfg as grub-mkconfig sources them, in order.
-
-    .. code:: python
-
-        [["/etc/default/grub", ["GRUB_DEFAULT=0", 'GRUB_CMDLINE_LINUX_DEFAULT="quiet"', …]],
-         ["/etc/default/grub.d/pvegpu.cfg", [...]]]
-    """
-
-    command = 'for f in /etc/default/grub /etc/default/grub.d/*.cfg; do [ -r "$f" ] && { echo "@@ $f"; cat "$f"; }; done; true'
-
-    @staticmethod
-    def default() -> list:
-        return []
-
-    def process(self, output):
-        return [[path, lines] for path, lines in split_sections(output).items()]
-
-
-class LoadedModules(ShellFact):
-    """Which of the modules this stage cares about are loaded (or built in): /sys/module/<name>.
-
-    .. code:: python
-
-        ["vfio", "vfio_iommu_type1", "vfio_pci"]
-    """
-
-    command = "for m in " + " ".join(WATCHED_MODULES) + '; do [ -d "/sys/module/$m" ] && echo "$m"; done; true'
-
-    @staticmethod
-    def default() -> list:
-        return []
-
-    def process(self, output):
-        return [line.strip() for line in output if line.strip()]
-
-
-class BootStageFacts(SectionedProbe):
-    """Everything this stage reads, in one remote command.
-
-    .. code:: python
-
-        {"boot_loader": <BootLoader>, "cmdline": <KernelCmdline>, "sev_snp": <SevSnp>,
-         "cpu": <CpuInfo>, "pve_version": <PveVersion>, "grub_files": <GrubFiles>,
-         "modules": <LoadedModules>, "files": <ManagedFiles of STAGE_PATHS>}
-    """
-
-    abstract = False
-    sections = {
-        "boot_loader": (BootLoader, ()),
-        "cmdline": (KernelCmdline, ()),
-        "sev_snp": (SevSnp, ()),
-        "cpu": (CpuInfo, ()),
-        "pve_version": (PveVersion, ()),
-        "grub_files": (GrubFiles, ()),
-        "modules": (LoadedModules, ()),
-        "files": (ManagedFiles, (STAGE_PATHS,)),
-    }
 
 
 def stage_facts() -> dict:

@@ -18,91 +18,18 @@ state is this run's `facts.guest_state.guest_state()` (read by the GPU stage).
 
 from __future__ import annotations
 
-import re
 import shlex
 
 from pyinfra import host, logger
-from pyinfra.api import FactBase, deploy, operation
+from pyinfra.api import deploy, operation
 
+from facts.containers import ContainerUserspace
 from facts.guest_state import guest_state, running_containers, with_ct_status
-from facts.kernel import split_sections
-from facts.nvidia import NvidiaDriver, parse_driver_version
 from facts.once import fact_once
 from operations import progress
 from operations.nvidia import cached_source, fetch_source_command
 from plan.containers import INSTALLER_FLAGS, LIB_DIRS, ct_installer_path, plan_userspace
 from spec.models import HostSpec
-
-_MARK = "@@pvegpu "
-
-# Run inside a CT by `pct exec <id> -- sh -c`: its root's identity, arch, glibc, NVML libraries.
-_CT_PROBE = (
-    'echo "root $(stat -c %d:%i /)"; echo "arch $(uname -m)"; '
-    "if [ -e /lib64/ld-linux-x86-64.so.2 ] || [ -e /lib/x86_64-linux-gnu/libc.so.6 ]; "
-    "then echo 'glibc yes'; else echo 'glibc no'; fi; "
-    f"for f in {' '.join(d + '/libnvidia-ml.so.*' for d in LIB_DIRS)}; do "
-    '[ -e "$f" ] && [ ! -L "$f" ] && echo "lib $f"; done; true'
-)
-
-
-def parse_container_userspace(lines: list[str]) -> dict:
-    """`ContainerUserspace` output → the dict documented on the fact."""
-    sections = split_sections(lines, _MARK)
-    containers = {}
-    for name, body in sections.items():
-        m = re.match(r"^ct (\d+)$", name)
-        if not m:
-            continue
-        ct: dict = {"libs": []}
-        for line in body:
-            key, _, value = line.partition(" ")
-            if key == "root":
-                ct["root"] = value.strip()
-            elif key == "arch":
-                ct["arch"] = value.strip()
-            elif key == "glibc":
-                ct["glibc"] = value.strip() == "yes"
-            elif key == "lib":
-                ct["libs"].append(value.strip())
-        if "root" in ct:  # else pct exec failed (its error text is in body)
-            containers[int(m.group(1))] = ct
-    driver = (parse_driver_version(sections.get("host-driver", [])) or {}).get("version")
-    return {
-        "host_root": (sections.get("root") or [""])[0].strip() or None,
-        "host_driver": driver,
-        "containers": containers,
-    }
-
-
-class ContainerUserspace(FactBase):
-    """The host's root and driver version and, inside each given container, its NVML libraries,
-    in one command.
-
-    + ctids: the running containers to look into (``pct exec`` each; `container_userspace_state`
-      picks them from this run's guest state and adds it to the result)
-
-    .. code:: python
-
-        {"host_root": "64:2", "host_driver": "595.71.05",   # /proc/driver/nvidia/version
-         "containers": {200: {"root": "65:34", "arch": "x86_64", "glibc": True,
-                              "libs": ["/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.595.71.05"]}}}
-    """
-
-    def command(self, ctids: list[int]) -> str:
-        ids = " ".join(shlex.quote(str(int(c))) for c in ctids)
-        loop = (f"for id in {ids}; do echo \"{_MARK}ct $id\"; "
-                f"pct exec \"$id\" -- sh -c {shlex.quote(_CT_PROBE)} 2>&1; done; ") if ids else ""
-        return (
-            f"echo '{_MARK}root'; stat -c %d:%i /; "
-            f"echo '{_MARK}host-driver'; {NvidiaDriver.command}; {loop}true"
-        )
-
-    def process(self, output):
-        return parse_container_userspace(list(output))
-
-    @staticmethod
-    def default() -> dict:
-        return parse_container_userspace([])
 
 
 def container_userspace_state(ctids: list[int]) -> dict:

@@ -34,10 +34,8 @@ import shlex
 from pyinfra import host, logger
 from pyinfra.api import OperationError, StringCommand, deploy, operation
 
-from facts.base import ShellFact
-from facts.devices import CharDeviceMajors, parse_char_majors
 from facts.guest_state import guest_state
-from facts.nvidia import NvidiaGpus, parse_gpu_information
+from facts.guests import LXC_DIR, ContainerGpuState, VmMappingReferences
 from operations.backup import PCI_CFG, backup_command, keep_config, log_diff, pci_cfg_after, vm_config_after
 from operations.files import write_file_command
 from operations.gpus import (
@@ -73,57 +71,7 @@ from plan.guests import (
 )
 from spec.models import HostSpec
 
-LXC_DIR = "/etc/pve/lxc"
 DEFAULT_GID = 44  # group_data/all.py PVEGPU_DEVICE_GID
-
-
-def parse_container_state(lines: list[str]) -> dict:
-    """`ContainerGpuState` output → ``{"configs": {200: "<raw text>"}, "nvidia": <NvidiaGpus>,
-    "majors": <CharDeviceMajors>, "caps": [...]}``."""
-    sections: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in lines:
-        marker = re.match(r"^@@pvegpu (\S+)$", line)
-        if marker:
-            current = sections.setdefault(marker.group(1), [])
-        elif current is not None:
-            current.append(line)
-    configs = {}
-    for name, body in sections.items():
-        m = re.match(r"^conf:.*/(\d+)\.conf$", name)
-        if m:
-            configs[int(m.group(1))] = "\n".join(body) + "\n" if body else ""
-    return {"configs": dict(sorted(configs.items())),
-            "nvidia": parse_gpu_information(sections.get("nvidia", [])),
-            "majors": parse_char_majors(sections.get("majors", [])),
-            "caps": [line.strip() for line in sections.get("caps", []) if line.strip()]}
-
-
-class ContainerGpuState(ShellFact):
-    """
-    Raw CT configs, NVIDIA minors, char majors and the caps nodes, in one command (the CT run
-    state comes from `facts.guest_state.guest_state()`, read once per run).
-
-    .. code:: python
-
-        {"configs": {200: "arch: amd64\\n..."}, "nvidia": {"0000:01:00.0": {"minor": 0, ...}},
-         "majors": {"nvidia": 195, "nvidia-uvm": 511, ...},
-         "caps": ["/dev/nvidia-caps/nvidia-cap1", ...]}   # the caps nodes that exist
-    """
-
-    command = (
-        f'for f in {LXC_DIR}/*.conf; do [ -r "$f" ] && {{ echo "@@pvegpu conf:$f"; cat "$f"; }}; done; '
-        f"echo '@@pvegpu nvidia'; {NvidiaGpus.command}; "
-        f"echo '@@pvegpu majors'; {CharDeviceMajors.command}; "
-        "echo '@@pvegpu caps'; for f in /dev/nvidia-caps/*; do [ -e \"$f\" ] && echo \"$f\"; done; true"
-    )
-
-    @staticmethod
-    def default() -> dict:
-        return {"configs": {}, "nvidia": {}, "majors": {}, "caps": []}
-
-    def process(self, output):
-        return parse_container_state(output)
 
 
 def ha_restart_refusal(kind: str, gid: int, sid: str) -> str:
@@ -272,47 +220,6 @@ def vm_hostpci(plan, start: bool = False, restart: bool = False, node: str = "lo
         yield from guest_start_commands(api, "qemu", plan.vmid)
     if not plan.changed and not start:
         host.noop(f"VM {plan.vmid} passes exactly its GPUs")
-
-
-class VmMappingReferences(ShellFact):
-    """
-    PCI mapping ids each VM config of the cluster references, in its main section and in
-    its snapshot/pending sections.
-
-    .. code:: python
-
-        {("kpro6", 300): {"main": ["pvegpu-kpro6-0000-81-00-0"], "sections": ["gpu0"]}}
-    """
-
-    command = ('for f in /etc/pve/nodes/*/qemu-server/*.conf; do [ -r "$f" ] && '
-               '{ echo "@@ $f"; grep -E "^\\[|mapping=" "$f"; }; done; true')
-
-    @staticmethod
-    def default() -> dict:
-        return {}
-
-    def process(self, output):
-        return parse_mapping_references(output)
-
-
-def parse_mapping_references(lines: list[str]) -> dict:
-    """`VmMappingReferences` output → its shape (see there)."""
-    refs: dict = {}
-    current = None
-    for line in lines:
-        marker = re.match(r"^@@ /etc/pve/nodes/([^/]+)/qemu-server/(\d+)\.conf$", line.strip())
-        if marker:
-            current = refs.setdefault((marker.group(1), int(marker.group(2))), {"main": [], "sections": []})
-            in_section = False
-            continue
-        if current is None:
-            continue
-        if line.startswith("["):
-            in_section = True
-            continue
-        for mid in re.findall(r"mapping=([A-Za-z0-9_.-]+)", line):
-            current["sections" if in_section else "main"].append(mid)
-    return refs
 
 
 # ---------------------------------------------------------------- stage protocol

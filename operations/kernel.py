@@ -12,19 +12,17 @@ build.sh, build.log, build.pid, build.rc (exit status), the .debs and manifest.j
 (compiler, source ref/sha, config hash); the manifest of an installed build is kept in
 /var/lib/pvegpu/kernel/<release>.json so a re-run skips what is already there.
 
-Facts: one batched remote command (`KernelStageFacts`).
+Facts: one batched remote command (`facts.kernel.KernelStageFacts`).
 """
 
 from __future__ import annotations
 
-import json
 import shlex
 
 from pyinfra import host, logger
-from pyinfra.api import FactBase, FunctionCommand, StringCommand, deploy, operation
+from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
 
-from facts.hardware import SECTION_MARKER
-from facts.kernel import ProxmoxKernels, split_sections
+from facts.kernel import KernelStageFacts
 from facts.once import fact_once
 from facts.run_state import need_reboot, record_trial_boot
 from operations import progress
@@ -41,120 +39,6 @@ def base_config_of(kernel: KernelSpec) -> str:
     """`running` (the booted kernel's /boot/config-*), `tinyconfig`/`defconfig`/`allnoconfig`,
     or a path on the host (spec field `kernel.base_config`)."""
     return kernel.base_config or "running"
-
-
-def parse_build_state(lines: list[str]) -> dict:
-    """Pure parser of the build-state section (shape: see `KernelStageFacts`)."""
-    state: dict = {"running": False, "rc": None, "debs": [], "manifest": None, "installed_manifest": None,
-                   "trial": None, "cores": None, "mem_total_kib": None, "systemd": False, "pbt": False, "esps": False, "headers_installed": False,
-                   "log_objects": 0, "log_last": None}
-    for line in lines:
-        key, _, value = line.partition(" ")
-        value = value.strip()
-        if key == "running":
-            state["running"] = True
-        elif key == "rc" and value.lstrip("-").isdigit():
-            state["rc"] = int(value)
-        elif key == "deb" and value:
-            state["debs"].append(value)
-        elif key in ("manifest", "installed-manifest") and value:
-            try:
-                state[key.replace("-", "_")] = json.loads(value)
-            except ValueError:
-                pass  # a half-written manifest counts as none
-        elif key == "trial":
-            state["trial"] = value or None
-        elif key in ("cores", "mem_total_kib", "log_objects") and value.isdigit():
-            state[key] = int(value)
-        elif key == "systemd":
-            state["systemd"] = True
-        elif key == "pbt":
-            state["pbt"] = True
-        elif key == "esps":
-            state["esps"] = True
-        elif key == "headers-installed":
-            state["headers_installed"] = True
-        elif key == "log_last":
-            state["log_last"] = value or None
-    return state
-
-
-def build_state_command(build_dir: str, release: str) -> str:
-    d = shlex.quote(build_dir)
-    installed = shlex.quote(f"{plan.STATE_DIR}/{release}.json")
-    trial = shlex.quote(plan.TRIAL_MARKER)
-    return (
-        f"d={d}; "
-        'if [ -f "$d/build.pid" ] && p=$(cat "$d/build.pid") && [ -n "$p" ] && kill -0 "$p" 2>/dev/null '
-        '&& grep -q build.sh "/proc/$p/cmdline" 2>/dev/null; then echo running; fi; '
-        '[ -f "$d/build.rc" ] && echo "rc $(cat "$d/build.rc")"; '
-        'for f in "$d"/*.deb; do [ -e "$f" ] && echo "deb ${f##*/}"; done; '
-        '[ -f "$d/manifest.json" ] && echo "manifest $(tr -d \'\\n\' < "$d/manifest.json")"; '
-        f'[ -f {installed} ] && echo "installed-manifest $(tr -d \'\\n\' < {installed})"; '
-        f'[ -f {trial} ] && echo "trial $(cat {trial})"; '
-        'echo "cores $(nproc)"; awk \'/^MemTotal:/{print "mem_total_kib " $2}\' /proc/meminfo; '
-        "[ -d /run/systemd/system ] && echo systemd; "
-        "command -v proxmox-boot-tool >/dev/null 2>&1 && echo pbt; "
-        "[ -f /etc/kernel/proxmox-boot-uuids ] && echo esps; "
-        f"dpkg-query -W -f='${{Status}}\\n' {shlex.quote('proxmox-headers-' + release)} 2>/dev/null "
-        "| grep -q ' ok installed' && echo headers-installed; "
-        "true"
-    )
-
-
-def source_makefile_command(url: str, ref: str) -> str:
-    """Print pve-kernel's Makefile at `ref` from a clone of `url` an earlier build left under
-    BUILD_ROOT (read-only: `git show`), after a `from <clone>` line; nothing when none has it."""
-    return (
-        f"for d in {shlex.quote(plan.BUILD_ROOT)}/*/src; do "
-        '[ -d "$d/.git" ] || continue; '
-        f'[ "$(git -C "$d" config --get remote.origin.url)" = {shlex.quote(url)} ] || continue; '
-        f'if git -C "$d" cat-file -e {shlex.quote(ref + ":Makefile")} 2>/dev/null; then '
-        f'echo "from $d"; git -C "$d" show {shlex.quote(ref + ":Makefile")}; break; fi; '
-        "done; true"
-    )
-
-
-def parse_source_makefile(lines: list[str]) -> dict | None:
-    """{"release": "6.14.11-9-bpo12-pve", "from": "/var/lib/pvegpu/kernel-build/…/src"} or None."""
-    if not lines or not lines[0].startswith("from "):
-        return None
-    return {"release": plan.release_from_makefile("\n".join(lines[1:])), "from": lines[0][len("from "):].strip()}
-
-
-class KernelStageFacts(FactBase):
-    """Everything the kernel stage reads, in one remote command.
-
-    + build_dir: the build dir of the spec'd build (plan.kernel.build_dir)
-    + release: the spec'd kernel release
-    + url, ref: a proxmox-git source: its Makefile at ref is read from an earlier clone, if any
-
-    .. code:: python
-
-        {"kernels": <ProxmoxKernels>,
-         "build": {"running": False, "rc": 0, "debs": ["linux-image-6.1.192-x_1_amd64.deb", …],
-                   "manifest": {...} or None, "installed_manifest": {...} or None,
-                   "trial": "6.1.192-x" or None, "cores": 2, "mem_total_kib": 24000000,
-                   "systemd": False, "pbt": True,
-                   "esps": True,    # /etc/kernel/proxmox-boot-uuids exists: pins need a refresh
-                   "headers_installed": False},   # proxmox-headers-<release> (pve-kernel Build-Conflicts)
-         "source": {"release": "6.14.11-9-bpo12-pve", "from": "<clone>"} or None}   # proxmox-git
-    """
-
-    def command(self, build_dir: str, release: str, url: str | None = None, ref: str | None = None) -> str:
-        source = (f"echo '{SECTION_MARKER}source'; ( {source_makefile_command(url, ref)} ) 2>/dev/null; "
-                  if url and ref else "")
-        return (
-            f"echo '{SECTION_MARKER}kernels'; ( {ProxmoxKernels.command} ) 2>/dev/null; "
-            f"echo '{SECTION_MARKER}build'; ( {build_state_command(build_dir, release)} ) 2>/dev/null; "
-            f"{source}true"
-        )
-
-    def process(self, output):
-        sections = split_sections(output, SECTION_MARKER)
-        return {"kernels": ProxmoxKernels().process(sections.get("kernels", [])),
-                "build": parse_build_state(sections.get("build", [])),
-                "source": parse_source_makefile(sections.get("source", []))}
 
 
 def start_build_command(build_dir: str, systemd: bool, memory_max_kib: int | None = None) -> str:

@@ -17,7 +17,7 @@ Two ways to wait, the same reports:
   container), with the log read beside it on a second SSH channel of the same connection
   (pyinfra runs under gevent: both are greenlets).
 
-The records are one fact (`Durations`), read with the stages' other facts (`prefetch`).
+The records are one fact (`facts.progress.Durations`), read with the stages' other facts (`prefetch`).
 """
 
 from __future__ import annotations
@@ -33,12 +33,11 @@ from pyinfra import logger
 from pyinfra import state as current_state
 from pyinfra.api import FunctionCommand, StringCommand
 
-from facts.base import ShellFact
 from facts.once import fact_once
+from facts.progress import RECORD_DIR, Durations
 
 # Seconds between two progress lines (PVEGPU_PROGRESS_EVERY_S: tests use a few seconds).
 REPORT_EVERY_S = float(os.environ.get("PVEGPU_PROGRESS_EVERY_S") or 30)
-RECORD_DIR = "/var/lib/pvegpu/durations"
 # Lines kbuild prints per object it makes (` CC [M]  drivers/…/x.o`): the kernel's and NVIDIA's.
 OBJECT_LINE = r"^\s+(CC|AS|LD|AR|CC \[M\]|LD \[M\])\s"
 
@@ -80,40 +79,6 @@ def record_command(key: str, seconds: float, objects: int | None) -> str:
     path = shlex.quote(f"{RECORD_DIR}/{record_key(key)}")
     text = shlex.quote(f"seconds {int(round(seconds))}\nobjects {objects if objects is not None else ''}\n")
     return f"mkdir -p {shlex.quote(RECORD_DIR)} && printf '%s' {text} > {path}.part && mv -f {path}.part {path}"
-
-
-def parse_durations(lines: list[str]) -> dict:
-    """Pure parser of `Durations` output: ``== <key>`` headers, then ``seconds N`` / ``objects N``."""
-    records: dict = {}
-    current = None
-    for line in lines:
-        if line.startswith("== "):
-            current = records.setdefault(line[3:].strip(), {"seconds": None, "objects": None})
-            continue
-        key, _, value = line.partition(" ")
-        if current is not None and key in ("seconds", "objects") and value.strip().isdigit():
-            current[key] = int(value.strip())
-    return records
-
-
-class Durations(ShellFact):
-    """How long each recorded build took on this host (`RECORD_DIR`).
-
-    .. code:: python
-
-        {"kernel-3f0c…": {"seconds": 3720, "objects": 4817},
-         "nvidia-535.309.01-6.1.0-57-amd64-8c1f…": {"seconds": 402, "objects": 212}}
-    """
-
-    command = (f"for f in {RECORD_DIR}/*; do [ -f \"$f\" ] || continue; "
-               "case \"$f\" in *.part) continue;; esac; echo \"== ${f##*/}\"; cat \"$f\"; done; true")
-
-    @staticmethod
-    def default() -> dict:
-        return {}
-
-    def process(self, output):
-        return parse_durations(list(output))
 
 
 def prefetch() -> list:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 
+from facts.boot import GRUB_DROPIN
 from facts.kernel import parse_cmdline_text, parse_grub_defaults
 from spec.models import HostSpec
 
@@ -28,7 +29,6 @@ LOADER_ADDED_KEYS = {"BOOT_IMAGE", "initrd"}
 GRUB_ADDED_KEYS = {"root", "ro", "rw"}
 # `pci=` takes a comma list and the kernel reads every occurrence: merge per option.
 OPTION_LIST_KEYS = {"pci"}
-GRUB_DROPIN = "/etc/default/grub.d/pvegpu.cfg"
 
 
 def key_of(word: str) -> str:

@@ -427,7 +427,7 @@ def driver_steps(version: str, releases: list[str], state: dict, *, modules_sour
     """Everything the driver stage will do, decided from the host state before any change.
 
     `modules_source`/`installer` are the spec's SourceSpec (or None).
-    `state` is the `NvidiaHostState` fact (see operations/nvidia.py for its shape); `releases`
+    `state` is the `NvidiaHostState` fact (see facts/nvidia.py for its shape); `releases`
     the target kernel releases; `required` the releases whose missing headers are a refusal
     (default: all; a release the kernel stage has not installed yet is only noted);
     `open_tree`: the source is NVIDIA's open tree (C++ in src/: a matching g++ is needed; objtool

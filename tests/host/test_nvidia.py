@@ -134,7 +134,7 @@ OPEN_MODULES = ("nvidia", "nvidia-uvm", "nvidia-modeset", "nvidia-drm", "nvidia-
 
 
 def driver_state(target, nv):
-    from operations.nvidia import NvidiaHostState
+    from facts.nvidia import NvidiaHostState
 
     _, running = target.run("uname -r")
     releases = list(nv.releases or [running.strip()])

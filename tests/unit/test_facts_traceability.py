@@ -14,7 +14,7 @@ FIXTURES = Path(__file__).parents[1] / "fixtures"
 CASE_FILES = sorted(CASES.glob("*.*/*.yaml"))
 # Fixture folders whose every file must feed a fact case (or be skipped with a reason).
 COVERED_FOLDERS = ("topo-m", "topo-p2p", "driver-version", "proc-devices", "iommu-groups", "lxc-conf", "lspci", "h200-vm", "h200-vm-probe", "debian-headers", "pveversion",
-                   "proxmox-boot-tool")
+                   "proxmox-boot-tool", "twin-kpro6")
 SKIPPED_WITH_REASON = {
     # from tests/unit/facts/generate_cases.py SKIPPED, plus h200-vm outputs no fact reads
     "proc-devices/ls-dev-char-nvidia-symlinks-uvm-234-caps-237.txt",
@@ -37,9 +37,6 @@ SKIPPED_WITH_REASON = {
     "h200-vm-probe/combined-probe.txt",  # the same run's first prefetch round: tests/unit/test_prefetch.py
     # facts.rebind.GuestRuntime's sysfs section on the device: tests/unit/operations/test_gpus_ops.py
     "h200-vm-probe/rebind-facts.txt",
-    # operations.nvidia.NvidiaHostState on the twin root's two releases: parsed by
-    # tests/unit/test_plan_nvidia.py (the fact still lives in operations/, issue 18 part 2)
-    "debian-headers/nvidia-host-state-*.txt",
 }
 
 

@@ -266,7 +266,7 @@ def test_proprietary_modules_refused_only_with_blackwell_gpus():
 
 def recorded_two_releases() -> dict:
     """NvidiaHostState of the twin root: Debian's 6.1 and bookworm-security's 6.12 headers."""
-    from operations.nvidia import parse_host_state
+    from facts.nvidia import parse_host_state
 
     return parse_host_state(fixture_lines("debian-headers/nvidia-host-state-6.1-and-6.12.118-deb12.txt"))
 
@@ -335,7 +335,7 @@ def test_secure_boot_refuses_unsigned_modules_and_unreadable_keys():
 
 
 def test_secure_boot_state_from_mokutil_and_the_efi_variable():
-    from operations.nvidia import parse_secure_boot
+    from facts.nvidia import parse_secure_boot
 
     assert parse_secure_boot(["SecureBoot enabled"]) is True
     assert parse_secure_boot(["SecureBoot disabled", "efivar 0"]) is False

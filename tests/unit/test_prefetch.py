@@ -11,7 +11,7 @@ from facts.cpu import CpuInfo
 from facts.files import ManagedFiles
 from facts.hardware import SECTION_MARKER, HardwareProbe, HostConfigProbe, combined_probe
 from facts.kernel import KernelCmdline
-from operations.boot import BootStageFacts
+from facts.boot import BootStageFacts
 
 PATHS = ["/etc/hostname", "/etc/pvegpu-does-not-exist"]
 REQUESTS = [(BootStageFacts, {}), (HardwareProbe, {}), (HostConfigProbe, {}), (ManagedFiles, {"paths": PATHS}),

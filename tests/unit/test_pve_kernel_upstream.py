@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from facts import kernel as kernel_facts
 from operations import kernel
 from plan import kernel as plan
 from spec.models import HostSpec, KernelSpec
@@ -61,10 +62,10 @@ def test_fact_reads_the_makefile_of_the_ref_from_an_earlier_clone(pve_kernel, tm
     clone = build_root / "6.14.8-2-pve-0123456789ab" / "src"
     subprocess.run(["git", "clone", "-q", str(pve_kernel), str(clone)], check=True)
     head = subprocess.run(["git", "-C", str(clone), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    command = kernel.source_makefile_command(str(pve_kernel), head).replace(plan.BUILD_ROOT, str(build_root))
+    command = kernel_facts.source_makefile_command(str(pve_kernel), head).replace(plan.BUILD_ROOT, str(build_root))
     lines = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True).stdout.splitlines()
-    assert kernel.parse_source_makefile(lines) == {"release": RELEASE, "from": str(clone)}
-    other = kernel.source_makefile_command("git://elsewhere/pve-kernel.git", head).replace(plan.BUILD_ROOT, str(build_root))
+    assert kernel_facts.parse_source_makefile(lines) == {"release": RELEASE, "from": str(clone)}
+    other = kernel_facts.source_makefile_command("git://elsewhere/pve-kernel.git", head).replace(plan.BUILD_ROOT, str(build_root))
     assert subprocess.run(["sh", "-c", other], capture_output=True, text=True).stdout == ""
 
 
@@ -145,7 +146,7 @@ def test_memory_ceiling_of_the_detached_build():
 def test_preflight_refuses_rebuilding_a_release_whose_headers_are_installed(monkeypatch):
     spec = HostSpec(kernel={"version": RELEASE, "source": {"kind": "proxmox-git", "url": "git://x/pve-kernel.git", "ref": REF}})
     facts = {"kernels": {"running": "6.14.8-2-pve", "installed": ["6.14.8-2-pve"], "pinned": None, "next_boot": None},
-             "build": {**kernel.parse_build_state(["headers-installed"])},
+             "build": {**kernel_facts.parse_build_state(["headers-installed"])},
              "source": {"release": RELEASE, "from": "/var/lib/pvegpu/kernel-build/x/src"}}
     monkeypatch.setattr(kernel, "stage_facts", lambda k: facts)
     monkeypatch.setattr(kernel, "host", SimpleNamespace(name="kpro6"))
@@ -173,7 +174,7 @@ def test_build_script_checks_the_produced_deb_names(tmp_path):
 
 def test_preflight_refuses_a_finished_build_of_another_release(monkeypatch):
     k = KernelSpec(version=RELEASE, source={"kind": "proxmox-git", "url": "git://x/pve-kernel.git", "ref": REF})
-    build = kernel.parse_build_state(["rc 0", "deb proxmox-kernel-6.14.11-9-pve_6.14.11-9_amd64.deb"])
+    build = kernel_facts.parse_build_state(["rc 0", "deb proxmox-kernel-6.14.11-9-pve_6.14.11-9_amd64.deb"])
     build["manifest"] = {"build_id": plan.build_id(k, "running")}
     monkeypatch.setattr(kernel, "stage_facts", lambda _: {
         "kernels": {"running": "6.14.8-2-pve", "installed": ["6.14.8-2-pve"]}, "build": build, "source": None})

@@ -10,6 +10,15 @@ hand against the fixture: re-running this script keeps existing ``fact`` values 
 ``--update`` is given, so a parser change shows up as a failing test, not a silent rewrite.
 
     .venv/bin/python tests/unit/facts/generate_cases.py [--update]
+
+Facts no published output exists for (the stages' own facts) are recorded on a twin
+(tests/twin): `TWIN_RECORDINGS` lists them; with a twin running (`tests/twin/twinctl start NAME
+--profile kpro6`, prepared as INDEX.tsv says),
+
+    .venv/bin/python tests/unit/facts/generate_cases.py --record-twin NAME
+
+runs each fact's own command there (`twinctl ssh NAME -- sh -c '<command>'`, as pyinfra
+runs it), writes tests/fixtures/twin-kpro6/<name>.txt and prints its INDEX.tsv row.
 """
 
 from __future__ import annotations
@@ -17,11 +26,14 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 from pyinfra.api import StringCommand
+from pyinfra_testing.facts import _to_jsonable
 
 ROOT = Path(__file__).resolve().parents[3]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -59,6 +71,57 @@ def case(fact: str, name: str, fixture: str, ranges=None, args=None, sections=No
     """One case. ``sections``: [(marker line, fixture, ranges)] for commands printing markers."""
     return {"fact": fact, "name": name, "fixture": fixture, "ranges": ranges, "args": args,
             "sections": sections, "note": note}
+
+
+TWIN_DIR = "twin-kpro6"
+TWIN_MACHINE = ("pvegpu twin 'kpro6' (tests/twin, profile tests/twin/profiles/kpro6.yml: 8 x RTX PRO 6000 Blackwell host "
+                "modelled on DESIGN.md, not recorded hardware) on the debootstrapped bookworm twin root; pct, qm and "
+                "proxmox-boot-tool are the twin's Python stand-ins")
+# Twin state before the recording (run over twinctl ssh, in this order): /etc/modules-load.d/pvegpu-vfio.conf
+# with vfio, vfio_iommu_type1, vfio_pci, then `reboot` (the twin loads modules-load.d at boot); two build
+# records written by operations.progress.record_command; `pct start 200`; `qm set 300 --hostpci0
+# mapping=pvegpu-kpro6-0000-01-00-0,pcie=1`; /etc/nccl.conf with one NCCL_IB_DISABLE=1 line.
+TWIN_PREPARED = ("after: vfio modules in /etc/modules-load.d and a twin reboot, two build records "
+                 "(operations.progress.record_command), pct start 200, qm set 300 --hostpci0 mapping=…, a one-line /etc/nccl.conf")
+NCCL_PATHS = ["/etc/nccl.conf", "/etc/systemd/system/vllm.service.d/pvegpu-nccl.conf"]
+KERNEL_BUILD = ["/var/lib/pvegpu/kernel-build/6.14.11-9-bpo12-pve-3f0c2a9e", "6.14.11-9-bpo12-pve",
+                "git://git.proxmox.com/git/pve-kernel.git", "bookworm-6.14"]
+# (fixture name, fact, args)
+TWIN_RECORDINGS = [
+    ("boot-stage-facts", "boot.BootStageFacts", None),
+    ("grub-files", "boot.GrubFiles", None),
+    ("loaded-modules-vfio", "boot.LoadedModules", None),
+    ("nvidia-host-state-6.14.8-2-pve", "nvidia.NvidiaHostState",
+     [["6.14.8-2-pve"], {"modules": ["/opt/src/open-gpu-kernel-modules-595.71.05.tar.xz", "0" * 64]}]),
+    ("durations-two-records", "progress.Durations", None),
+    ("container-userspace-ct200", "containers.ContainerUserspace", [[200]]),
+    ("container-gpu-state", "guests.ContainerGpuState", None),
+    ("vm-mapping-references", "guests.VmMappingReferences", None),
+    ("nccl-state-ct200", "nccl.NcclState", [NCCL_PATHS, [200]]),
+    ("kernel-stage-facts-no-build", "kernel.KernelStageFacts", KERNEL_BUILD),
+]
+
+
+def fact_command(fact_path: str, args) -> str:
+    module_name, class_name = fact_path.rsplit(".", 1)
+    fact = getattr(importlib.import_module(f"facts.{module_name}"), class_name)()
+    command = fact.command(*(args or [])) if callable(fact.command) else fact.command
+    return StringCommand(command).get_raw_value()
+
+
+def record_twin(name: str) -> None:
+    twinctl = ROOT / "tests" / "twin" / "twinctl"
+    folder = FIXTURES / TWIN_DIR
+    folder.mkdir(exist_ok=True)
+    for fixture, fact_path, args in TWIN_RECORDINGS:
+        command = fact_command(fact_path, args)
+        run = subprocess.run([str(twinctl), "ssh", name, "--", f"sh -c {shlex.quote(command)}"],
+                             capture_output=True, text=True, timeout=300)
+        arguments = f" ({json.dumps(args)})" if args else ""
+        source = (f"recorded by pvegpu tests/unit/facts/generate_cases.py --record-twin on 2026-12-03: "
+                  f"facts.{fact_path} command{arguments} run over ssh on the twin, {TWIN_PREPARED}")
+        (folder / f"{fixture}.txt").write_text(f"# source: {source}\n# machine: {TWIN_MACHINE}\n" + run.stdout)
+        print(f"{TWIN_DIR}/{fixture}.txt\t{source}\t{TWIN_MACHINE}")
 
 
 TOPO_M = sorted(p.name for p in (FIXTURES / "topo-m").iterdir())
@@ -167,6 +230,22 @@ CASES = [
          note="the probe's own single command, run on the H200 VM"),
     case("hardware.HostConfigProbe", "h200-vm-one-command", "h200-vm-probe/host-config-probe.txt",
          note="the probe's own single command, run on the H200 VM (no Proxmox there)"),
+    *[case(fact_path, f"twin-kpro6-{fixture}", f"{TWIN_DIR}/{fixture}.txt", args=args,
+           note="recorded on the kpro6 twin (INDEX.tsv says how it was prepared)")
+      for fixture, fact_path, args in TWIN_RECORDINGS],
+    *[case("boot.GrubFiles", Path(name).stem, f"cmdline/{name}",
+           sections=[("@@ /etc/default/grub", f"cmdline/{name}", None)],
+           note="/etc/default/grub alone (no grub.d drop-ins in the source)")
+      for name in ("asus-esc8000a-e12-etc-default-grub-amd-iommu-off.txt",
+                   "puget-wrx90-etc-default-grub-amd-iommu-off.txt",
+                   "proxmox-etc-default-grub-intel-sriov-kamilllooo.txt")],
+    case("nvidia.NvidiaHostState", "debian-root-6.1-and-6.12.118-deb12",
+         "debian-headers/nvidia-host-state-6.1-and-6.12.118-deb12.txt", ranges=[[1, 33]],
+         args=[["6.1.0-57-amd64", "6.12.118+deb12-amd64"],
+               {"modules": ["/opt/src/open-gpu-kernel-modules-595.45.04.tar.xz",
+                            "654a8bd9d3e2c185073ac5adb2c9aaa9b6134df1c7584366ecf6de400dca8c0b"]}],
+         note="the file has no header lines; the modules source was absent there, so its sha256 (the one "
+              "tests/unit/test_plan_nvidia.py uses) does not show in the output"),
 ]
 
 # Fixtures deliberately not used, and why (kept here so the choice is visible).
@@ -210,7 +289,7 @@ def build(spec: dict) -> dict:
         data["requires_command"] = requires
     data["output"] = output
     result = fact.process(output) if output else fact.default()
-    data["fact"] = json.loads(json.dumps(result))
+    data["fact"] = json.loads(json.dumps(_to_jsonable(result)))  # tuple keys as pyinfra-testing writes them
     return data
 
 
@@ -227,4 +306,7 @@ def main(update: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(update="--update" in sys.argv)
+    if "--record-twin" in sys.argv:
+        record_twin(sys.argv[sys.argv.index("--record-twin") + 1])
+    else:
+        main(update="--update" in sys.argv)

@@ -9,6 +9,7 @@ import pytest
 from pyinfra.context import ctx_host, ctx_state
 from pyinfra_testing.util import FakeState, create_host, get_command_string
 
+from facts import boot as facts_boot
 from facts.kernel import parse_boot_loader, parse_proc_cmdline
 from operations import boot
 from operations.files import sha256_text
@@ -161,16 +162,16 @@ def test_pve7_lists_vfio_virqfd():
 def test_grub_files_fact_lists_files_in_sourcing_order(tmp_path):
     out = ["@@ /etc/default/grub", "GRUB_DEFAULT=0", "@@ /etc/default/grub.d/init-select.cfg", "X=1",
            "@@ /etc/default/grub.d/pvegpu.cfg", "GRUB_CMDLINE_LINUX_DEFAULT=\"q\""]
-    assert boot.GrubFiles().process(out) == [
+    assert facts_boot.GrubFiles().process(out) == [
         ["/etc/default/grub", ["GRUB_DEFAULT=0"]], ["/etc/default/grub.d/init-select.cfg", ["X=1"]],
         ["/etc/default/grub.d/pvegpu.cfg", ['GRUB_CMDLINE_LINUX_DEFAULT="q"']]]
 
 
 def test_stage_probe_is_one_command_with_every_section():
-    command = boot.BootStageFacts().command
-    for key in boot.BootStageFacts.sections:
+    command = facts_boot.BootStageFacts().command
+    for key in facts_boot.BootStageFacts.sections:
         assert f"@@pvegpu-section {key}" in command
-    result = boot.BootStageFacts().process(
+    result = facts_boot.BootStageFacts().process(
         ["@@pvegpu-section modules", "vfio", "@@pvegpu-section files", "==> pvegpu-file /etc/kernel/cmdline", "MISSING"])
     assert result["modules"] == ["vfio"] and result["files"] == {"/etc/kernel/cmdline": None}
 

@@ -86,14 +86,14 @@ def test_fact_parses_stopped_and_missing_containers_and_host_driver():
     fact = containers.ContainerUserspace()
     nvrm = (f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {VERSION}  Release Build  "
             "(dvs-builder@U16-I3-A03-02-4)  Mon May 13 17:10:33 UTC 2024")  # the real line's shape
-    state = fact.process(["@@pvegpu root", "64:2", "@@pvegpu host-driver", nvrm, "@@pvegpu ct 200",
+    state = fact.process(["@@ root", "64:2", "@@ host-driver", nvrm, "@@ ct 200",
                           "root 65:34", "arch x86_64", "glibc yes",
                           f"lib /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.{VERSION}"])
     assert state == {"host_root": "64:2", "host_driver": VERSION,
                      "containers": {200: {"root": "65:34", "arch": "x86_64", "glibc": True,
                                           "libs": [f"/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.{VERSION}"]}}}
     # pct exec failed (its message instead of the probe): no answer, not an empty CT
-    failed = fact.process(["@@pvegpu ct 200", "CT 200 not running"])
+    failed = fact.process(["@@ ct 200", "CT 200 not running"])
     assert failed["containers"] == {} and failed["host_driver"] is None
 
 

@@ -7,10 +7,9 @@ from pathlib import Path
 from pyinfra.context import ctx_host, ctx_state
 from pyinfra_testing.util import FakeState, create_host
 
+from facts.guests import ContainerGpuState, VmMappingReferences
 from facts.proxmox import parse_guest_config
 from operations.guests import (
-    ContainerGpuState,
-    VmMappingReferences,
     container_gpu_devices,
     pci_mappings,
     vm_hostpci,
@@ -33,9 +32,9 @@ IGPU = "\n".join(body("lxc-conf/frigate-7640-intel-igpu-no-nvidia-negative.txt")
 def state_output(configs):
     out = []
     for ctid, text in configs.items():
-        out += [f"@@pvegpu conf:/etc/pve/lxc/{ctid}.conf", *text.splitlines()]
-    out += ["@@pvegpu nvidia", *body("h200-vm/driver-gpus-information.txt")]
-    out += ["@@pvegpu majors", *body("h200-vm/proc-devices.txt")]
+        out += [f"@@ conf:/etc/pve/lxc/{ctid}.conf", *text.splitlines()]
+    out += ["@@ nvidia", *body("h200-vm/driver-gpus-information.txt")]
+    out += ["@@ majors", *body("h200-vm/proc-devices.txt")]
     return out
 
 

@@ -12,6 +12,7 @@ from pyinfra.api import FunctionCommand
 from pyinfra.context import ctx_host, ctx_state
 from pyinfra_testing.util import FakeState, create_host, get_command_string
 
+from facts import kernel as kernel_facts
 from operations import kernel, reboot
 from plan import kernel as plan
 from plan.render import render_template
@@ -84,8 +85,8 @@ def test_build_state_read_from_a_real_build_dir(tmp_path):
     (d / "build.rc").write_text("0\n")
     (d / "linux-image-6.1.192-x_1_amd64.deb").write_text("")
     (d / "manifest.json").write_text('{\n "build_id": "abc",\n "objects": 7\n}\n')
-    out = sh(kernel.build_state_command(str(d), "6.1.192-x")).stdout.splitlines()
-    state = kernel.parse_build_state(out)
+    out = sh(kernel_facts.build_state_command(str(d), "6.1.192-x")).stdout.splitlines()
+    state = kernel_facts.parse_build_state(out)
     assert state["running"] is False and state["rc"] == 0
     assert state["debs"] == ["linux-image-6.1.192-x_1_amd64.deb"]
     assert state["manifest"] == {"build_id": "abc", "objects": 7}
@@ -95,7 +96,7 @@ def test_build_state_read_from_a_real_build_dir(tmp_path):
 def test_stage_fact_splits_kernels_and_build():
     out = ["@@pvegpu-section kernels", "@@ /boot", "6.1.0-57-amd64", "@@ running", "6.1.0-57-amd64",
            "@@pvegpu-section build", "running", "cores 2", "mem_total_kib 24000000", "pbt", "trial 6.1.192-x"]
-    facts = kernel.KernelStageFacts().process(out)
+    facts = kernel_facts.KernelStageFacts().process(out)
     assert facts["kernels"]["installed"] == ["6.1.0-57-amd64"] and facts["kernels"]["running"] == "6.1.0-57-amd64"
     b = facts["build"]
     assert b["running"] and b["pbt"] and not b["systemd"] and b["trial"] == "6.1.192-x" and b["cores"] == 2
@@ -115,7 +116,7 @@ def test_detached_build_survives_and_a_second_start_attaches(tmp_path):
         time.sleep(0.1)
     second = sh(kernel.start_build_command(str(d), systemd=False), timeout=5)
     assert "attaching" in second.stdout
-    assert kernel.parse_build_state(sh(kernel.build_state_command(str(d), "x")).stdout.splitlines())["running"]
+    assert kernel_facts.parse_build_state(sh(kernel_facts.build_state_command(str(d), "x")).stdout.splitlines())["running"]
 
     class LocalHost:
         name = "local"
@@ -209,9 +210,9 @@ def test_reboot_stage_pin_for_good_refreshes_where_esps_are_listed():
 
 
 def test_build_state_reads_the_esp_list():
-    assert kernel.parse_build_state(["esps", "pbt"])["esps"] is True
-    assert kernel.parse_build_state(["pbt"])["esps"] is False
-    assert "[ -f /etc/kernel/proxmox-boot-uuids ] && echo esps" in kernel.build_state_command("/b", "6.14.8-2-pve")
+    assert kernel_facts.parse_build_state(["esps", "pbt"])["esps"] is True
+    assert kernel_facts.parse_build_state(["pbt"])["esps"] is False
+    assert "[ -f /etc/kernel/proxmox-boot-uuids ] && echo esps" in kernel_facts.build_state_command("/b", "6.14.8-2-pve")
 
 
 def test_remove_old_is_a_noop_without_releases():
@@ -225,7 +226,7 @@ def test_preflight_refuses_fragments_on_proxmox_git(monkeypatch):
     from spec.models import HostSpec
     assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT, "config_fragments": ["CONFIG_X=y"]}))
     monkeypatch.setattr(kernel, "stage_facts", lambda k: {
-        "kernels": {"running": "6.8.12-4-pve", "installed": []}, "build": kernel.parse_build_state([]), "source": None})
+        "kernels": {"running": "6.8.12-4-pve", "installed": []}, "build": kernel_facts.parse_build_state([]), "source": None})
     assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT})) == []
 
 

@@ -81,15 +81,15 @@ def state_for(want, *, ct_status="running", ct_root="65:34", systemd=True, dropi
     files = {nccl.NCCL_CONF: {"mode": "644", "sha256": sha256_text(want["host"])} if converged else None}
     for path, (_, text) in want["dropins"].items():
         files[path] = {"mode": "644", "sha256": sha256_text(text)} if converged else None
-    lines = ["@@pvegpu-nccl files"]
+    lines = ["@@ files"]
     for path, entry in files.items():
         lines += [f"==> pvegpu-file {path}", *([entry["mode"], entry["sha256"]] if entry else ["MISSING"])]
-    lines += ["@@pvegpu-nccl rdma", "@@pvegpu-nccl systemd", *(["running"] if systemd else []),
-              "@@pvegpu-nccl dropins", *(dropins if dropins is not None else (want["dropins"] if converged else [])),
-              "@@pvegpu-nccl root", "64:5472336"]
+    lines += ["@@ rdma", "@@ systemd", *(["running"] if systemd else []),
+              "@@ dropins", *(dropins if dropins is not None else (want["dropins"] if converged else [])),
+              "@@ root", "64:5472336"]
     if ct_status == "running":
         for ctid, text in want["containers"].items():
-            lines += [f"@@pvegpu-nccl ct {ctid}", ct_root,
+            lines += [f"@@ ct {ctid}", ct_root,
                       *(["644", sha256_text(text)] if converged else ["MISSING"])]
     guests = GuestState().process(["@@ pct", *pct_list(**{str(c): ct_status for c in want["containers"]})])
     return with_ct_status(nccl.NcclState().process(lines), guests)
@@ -224,7 +224,7 @@ def test_container_file_is_skipped_with_a_reason_when_pct_exec_cannot_reach_its_
 
 
 def test_missing_container_and_host_without_pct_are_noops():
-    found = nccl.NcclState().process(["@@pvegpu-nccl root", "64:2"])
+    found = nccl.NcclState().process(["@@ root", "64:2"])
     state = with_ct_status(found, GuestState().process(["@@ pct", PCT_HEADER, "@@ qm"]))
     assert run_op(nccl.container_nccl_conf, ctid=201, content="x\n", state=state) == (
         [], "CT 201 does not exist on this node; its /etc/nccl.conf is written once it exists and runs")

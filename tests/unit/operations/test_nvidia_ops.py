@@ -9,6 +9,7 @@ from pathlib import Path
 from pyinfra.context import ctx_host, ctx_state
 from pyinfra_testing.util import FakeState, create_host
 
+from facts.nvidia import NvidiaHostState, parse_host_state
 from operations import nvidia as ops
 from plan import nvidia as nvplan
 from spec.models import SourceSpec
@@ -63,7 +64,7 @@ def sh(command, env=None):
 
 
 def test_parse_recorded_state_before_first_build():
-    state = ops.parse_host_state(RECORDED_BEFORE.splitlines())
+    state = parse_host_state(RECORDED_BEFORE.splitlines())
     assert state["cores"] == 2 and state["mem_total_kib"] == 24683568 and state["ccache"] is True
     assert state["running"] == "6.18.44-fc-v1098"
     assert state["compilers"]["gcc-12"] == "gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0"
@@ -79,7 +80,7 @@ def test_parse_recorded_state_before_first_build():
 
 
 def test_fact_command_runs_on_this_machine_and_parses():
-    fact = ops.NvidiaHostState()
+    fact = NvidiaHostState()
     out = sh(fact.command(["6.1.0-57-amd64"], {"modules": ("/nonexistent/x.tar.xz", SHA)})).stdout.splitlines()
     state = fact.process(out)
     assert state["cores"] == os.cpu_count()

@@ -1,0 +1,91 @@
+"""What the NCCL stage (operations/nccl.py) compares against: its host files, the RDMA
+devices, systemd, the pvegpu drop-ins and each running GPU container's /etc/nccl.conf, in one
+command (`NcclState`)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import Any
+
+from pyinfra.api import FactBase
+
+from facts.files import ManagedFiles
+from facts.sections import SECTION, split_sections
+
+NCCL_CONF = "/etc/nccl.conf"
+SYSTEMD_DIR = "/etc/systemd/system"
+DROPIN_NAME = "pvegpu-nccl.conf"
+
+
+def _ct_probe(path: str) -> str:
+    q = shlex.quote(path)
+    return (f"stat -c %d:%i /; if [ -f {q} ]; then stat -c %a {q}; sha256sum < {q} | cut -d' ' -f1; "
+            f"else echo MISSING; fi")
+
+
+def parse_nccl_state(lines: list[str]) -> dict:
+    """`NcclState` output → the shape its docstring shows."""
+    sections = split_sections(lines)
+    files = ManagedFiles().process(sections.get("files", []))
+    containers = {}
+    for key, body in sections.items():
+        m = re.match(r"^ct (\d+)$", key)
+        if not m:
+            continue
+        values = [v.strip() for v in body if v.strip()]
+        entry: dict[str, Any] = {"root": values[0] if values else None, "file": None, "readable": False}
+        if len(values) >= 2 and values[1] == "MISSING":
+            entry["readable"] = True
+        elif len(values) >= 3 and re.match(r"^[0-7]{1,4}$", values[1]) and re.match(r"^[0-9a-f]{64}$", values[2]):
+            entry.update(readable=True, file={"mode": values[1], "sha256": values[2]})
+        containers[int(m.group(1))] = entry
+    root = [v.strip() for v in sections.get("root", []) if v.strip()]
+    return {
+        "files": files,
+        "rdma_devices": sorted(v.strip() for v in sections.get("rdma", []) if v.strip()),
+        "systemd_running": any(v.strip() == "running" for v in sections.get("systemd", [])),
+        "dropins": sorted(v.strip() for v in sections.get("dropins", []) if v.strip()),
+        "host_root": root[0] if root else None,
+        "containers": containers,
+    }
+
+
+class NcclState(FactBase):
+    """Everything the NCCL stage compares against, in one remote command.
+
+    + paths: host files of the stage (/etc/nccl.conf and the drop-ins)
+    + ctids: the running GPU containers, each asked (``pct exec``) for its file (`nccl_state`
+      picks them from this run's guest state and adds it to the result)
+
+    .. code:: python
+
+        {"files": {"/etc/nccl.conf": {"mode": "644", "sha256": "9f86…"}, "/etc/…/pvegpu-nccl.conf": None},
+         "rdma_devices": ["mlx5_0"],            # names under /sys/class/infiniband
+         "systemd_running": True,               # /run/systemd/system exists
+         "dropins": ["/etc/systemd/system/vllm.service.d/pvegpu-nccl.conf"],   # all pvegpu drop-ins present
+         "host_root": "64:5472336",             # device:inode of the host's /
+         "containers": {200: {"root": "65:34", "readable": True,
+                              "file": {"mode": "644", "sha256": "…"} | None}}}   # the CTs asked
+    """
+
+    def command(self, paths: list[str], ctids: list[int]) -> str:
+        ids = " ".join(shlex.quote(str(int(ctid))) for ctid in ctids)
+        probe = shlex.quote(_ct_probe(NCCL_CONF))
+        parts = [
+            f"echo '{SECTION}files'; {ManagedFiles().command(paths)}",
+            f"echo '{SECTION}rdma'; ls -1 /sys/class/infiniband 2>/dev/null",
+            f"echo '{SECTION}systemd'; if [ -d /run/systemd/system ]; then echo running; fi",
+            f"echo '{SECTION}dropins'; for f in {SYSTEMD_DIR}/*.d/{DROPIN_NAME}; do if [ -f \"$f\" ]; then echo \"$f\"; fi; done",
+            f"echo '{SECTION}root'; stat -c %d:%i /",
+        ]
+        if ids:
+            parts.append(f"for id in {ids}; do echo \"{SECTION}ct $id\"; pct exec \"$id\" -- sh -c {probe} 2>&1; done")
+        return "; ".join(parts) + "; true"
+
+    def process(self, output):
+        return parse_nccl_state(list(output))
+
+    @staticmethod
+    def default() -> dict:
+        return parse_nccl_state([])

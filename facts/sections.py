@@ -1,0 +1,37 @@
+"""The one section-marker convention of every multi-section command.
+
+A command that prints several parts prints a marker line before each: ``@@ NAME`` (`SECTION`),
+e.g. ``echo '@@ firmware'`` or ``echo "@@ $f"`` in a loop over files. `split_sections` cuts
+the output back into ``{NAME: [lines]}``.
+
+A batched probe (`facts.hardware.SectionedProbe`, `facts.hardware.combined_probe`, and the
+stage facts built like them) runs whole facts' commands as its sections, and those print
+``@@ `` markers of their own; its markers are ``@@pvegpu-section NAME`` (`PROBE_SECTION`), so
+a nested fact's ``@@ `` lines stay inside its section and go to that fact's parser as they are.
+Neither prefix is a prefix of the other.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+SECTION = "@@ "
+PROBE_SECTION = "@@pvegpu-section "
+
+
+def section_echo(name: str, marker: str = SECTION) -> str:
+    """The shell that prints the marker line of section `name` (quoted as one word)."""
+    return f"echo {shlex.quote(marker + name)}"
+
+
+def split_sections(output_lines, marker: str = SECTION) -> dict[str, list[str]]:
+    """Lines after `marker` lines, by the name that follows the marker (stripped); lines
+    before the first marker are dropped, a repeated name continues its section."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in output_lines:
+        if line.startswith(marker):
+            current = sections.setdefault(line[len(marker):].strip(), [])
+        elif current is not None:
+            current.append(line)
+    return sections
