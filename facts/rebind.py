@@ -84,13 +84,19 @@ class GpuHolders(FactBase):
 
 
 def parse_journal(lines: list[str]) -> dict:
-    """Output of `RebindJournal.command` → ``{"journal": plan.rebind.Journal, "systemd": bool}``
-    (no journal: an empty one; systemd: it runs as the init, so the runner becomes a unit)."""
+    """Output of `RebindJournal.command` → ``{"lines": [...], "running": bool, "systemd": bool}``
+    (no journal: no lines; running: a runner holds the lock; systemd: it runs as the init, so the
+    runner becomes a unit). `journal_of` makes the `plan.rebind.Journal` of it."""
     sections = split_sections(lines)
     runner = [line.strip() for line in sections.get("runner", []) if line.strip()]
-    journal = Journal(lines=[line.rstrip("\n") for line in sections.get("journal", []) if line.strip()],
-                      running=runner[:1] == ["running"])
-    return {"journal": journal, "systemd": [line.strip() for line in sections.get("systemd", [])][:1] == ["yes"]}
+    return {"lines": [line.rstrip("\n") for line in sections.get("journal", []) if line.strip()],
+            "running": runner[:1] == ["running"],
+            "systemd": [line.strip() for line in sections.get("systemd", [])][:1] == ["yes"]}
+
+
+def journal_of(found: dict) -> Journal:
+    """The `plan.rebind.Journal` of a `RebindJournal` reading."""
+    return Journal(lines=list(found["lines"]), running=found["running"])
 
 
 class RebindJournal(ShellFact):
@@ -101,9 +107,8 @@ class RebindJournal(ShellFact):
 
     .. code:: python
 
-        {"journal": Journal(lines=["2026-12-03T18:40:01Z begin 20261203T184001Z-kpro6 pid=4242", ...],
-                            running=False),
-         "systemd": True}
+        {"lines": ["2026-12-03T18:40:01Z begin 2026-12-03T184001Z-kpro6 pid=4242", ...],
+         "running": False, "systemd": True}
     """
 
     # systemd runs when /run/systemd/system exists (what sd_booted() checks)
@@ -113,7 +118,7 @@ class RebindJournal(ShellFact):
 
     @staticmethod
     def default() -> dict:
-        return {"journal": Journal(), "systemd": False}
+        return {"lines": [], "running": False, "systemd": False}
 
     def process(self, output):
         return parse_journal(list(output))

@@ -54,7 +54,7 @@ from facts.guest_state import guest_state_changes, remember_guest_state
 from facts.hardware import HardwareProbe, HostConfigProbe
 from facts.once import fact_once
 from facts.proxmox import HaResources, NodeName, PvePackages
-from facts.rebind import GpuHolders, GuestRuntime, RebindJournal
+from facts.rebind import GpuHolders, GuestRuntime, RebindJournal, journal_of
 from facts.run_state import need_reboot, run_state
 from operations import handlers
 from operations.files import managed_file, sha256_text
@@ -96,7 +96,7 @@ def stage_facts(spec: HostSpec) -> dict:
          "config_minors": {bdf: minor},   # minors the guest configs must use
          "host_node": "kpro6", "packages": <PvePackages>, "ha": <HaResources>,
          "stop_refusals": [..], "ha_wait": [("qemu", 300, "vm:300")],   # plan.guest_control
-         "journal": <RebindJournal>, "recovery": plan.rebind.Recovery}     # an earlier transaction's journal
+         "journal": plan.rebind.Journal, "systemd": True, "recovery": plan.rebind.Recovery}     # an earlier transaction's journal
     """
     run = run_state()
     if "gpus" in run.memos:
@@ -123,10 +123,11 @@ def stage_facts(spec: HostSpec) -> dict:
         config_minors = {b: g["minor"] for b, g in hw["nvidia_gpus"].items() if g.get("minor") is not None}
     ha = fact_once(HaResources)
     stop_refusals, ha_wait = stop_checks(rebind.stop, cfg["lxc_configs"], cfg["qemu_configs"], ha)
-    journal = fact_once(RebindJournal)
+    found = fact_once(RebindJournal)
+    journal = journal_of(found)
     status = runtime["status"]
     ha_managed = [(k, i) for k in ("lxc", "qemu") for i in status.get(k, {}) if ha_resource(ha, k, i)]
-    memo = {"journal": journal, "recovery": recovery(journal["journal"], status, ha_managed),
+    memo = {"journal": journal, "systemd": found["systemd"], "recovery": recovery(journal, status, ha_managed),
             "hw": hw, "cfg": cfg, "runtime": runtime, "node": node, "bindings": bindings,
             "rebind": rebind, "holders": holders, "config_minors": config_minors,
             "host_node": host_node, "packages": fact_once(PvePackages), "ha": ha,
@@ -236,9 +237,9 @@ def preflight(spec: HostSpec) -> list[str]:
     refusals += identity_domain_refusals(hw.get("pci_devices") or {}, hw.get("iommu") or {}, hw.get("sev_snp"))
     rebind: RebindPlan = facts["rebind"]
     refusals += guest_control_refusals(spec, facts)
-    if facts["journal"]["journal"].running:
+    if facts["journal"].running:
         refusals.append(f"a GPU rebind transaction is still running on the host (started "
-                        f"{facts['journal']['journal'].started}); wait for it to end (tail -f "
+                        f"{facts['journal'].started}); wait for it to end (tail -f "
                         f"/var/lib/pvegpu/rebind/journal) and re-run")
     for kind, gid in rebind.blocked:
         refusals.append(f"{'CT' if kind == 'lxc' else 'VM'} {gid} is running and uses a GPU that changes driver, "
@@ -282,7 +283,7 @@ def apply(spec: HostSpec) -> None:
         rebind_gpus(name="GPU binding: rebind transaction", plan=rebind, nvidia=facts["hw"]["nvidia_gpus"],
                     api=api_of(spec, facts["node"]), shutdown_timeout=spec.guests.shutdown_timeout,
                     ha_wait=facts["ha_wait"], carried=facts["recovery"].start,
-                    systemd=facts["journal"]["systemd"])
+                    systemd=facts["systemd"])
     elif rebind.moves:
         for m in rebind.moves:
             need_reboot("gpu-binding", f"{m} (persisted; this host cannot rebind through /sys now)")

@@ -327,7 +327,7 @@ def apply(spec: HostSpec) -> None:
                        restart=status.get(vmid) == "running" and not (pending_boot and vm_gpus_moving),
                        node=node, api=api, shutdown_timeout=timeout)
     remove_stale_mappings(spec, node, vm_gpus, cfg["pci_mappings"], planned_main, api)
-    journal = facts["journal"]["journal"]
+    journal = facts["journal"]
     if journal.exists or (rebind.moves and rebind.live):  # the guests the transaction stopped run again
         close_rebind_journal(name="guests: close the GPU rebind journal", journal=journal,
                              live_rebind=bool(rebind.moves and rebind.live))

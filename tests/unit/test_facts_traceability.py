@@ -35,8 +35,6 @@ SKIPPED_WITH_REASON = {
     "h200-vm/uname.txt",
     "h200-vm-probe/facts.txt",  # each fact's own command on the same run: tests/unit/test_facts_probe.py
     "h200-vm-probe/combined-probe.txt",  # the same run's first prefetch round: tests/unit/test_prefetch.py
-    # facts.rebind.GuestRuntime's sysfs section on the device: tests/unit/operations/test_gpus_ops.py
-    "h200-vm-probe/rebind-facts.txt",
 }
 
 

@@ -1,6 +1,6 @@
 """plan.rebind: reading a journal an earlier transaction left, and what the next run does."""
 
-from facts.rebind import RebindJournal, parse_journal
+from facts.rebind import RebindJournal, journal_of, parse_journal
 from plan.rebind import Journal, recovery
 
 T = "2026-12-03T18:40:01Z"
@@ -61,7 +61,8 @@ def test_no_journal_nothing_to_do():
 def test_the_fact_parses_its_own_sections():
     out = ["@@ journal", f"{T} begin tx-1 pid=42", f"{T} done", "@@ runner", "idle", "@@ systemd", "yes"]
     parsed = parse_journal(out)
-    assert parsed["journal"].end == "done" and not parsed["journal"].running and parsed["systemd"]
+    assert parsed == {"lines": [f"{T} begin tx-1 pid=42", f"{T} done"], "running": False, "systemd": True}
+    assert journal_of(parsed).end == "done" and not journal_of(parsed).running
     parsed = parse_journal(["@@ runner", "running", "@@ systemd"])
-    assert parsed["journal"].running and not parsed["journal"].exists and not parsed["systemd"]
+    assert journal_of(parsed).running and not journal_of(parsed).exists and not parsed["systemd"]
     assert "flock -n" in RebindJournal.command and "cat /var/lib/pvegpu/rebind/journal" in RebindJournal.command

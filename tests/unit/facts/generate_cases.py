@@ -99,6 +99,10 @@ TWIN_RECORDINGS = [
     ("vm-mapping-references", "guests.VmMappingReferences", None),
     ("nccl-state-ct200", "nccl.NcclState", [NCCL_PATHS, [200]]),
     ("kernel-stage-facts-no-build", "kernel.KernelStageFacts", KERNEL_BUILD),
+    # recorded on a live-sysfs twin by hand (session 6; INDEX.tsv says how the twin was prepared)
+    ("guest-runtime-live", "rebind.GuestRuntime", None),
+    ("gpu-holders-nvidia0", "rebind.GpuHolders", [["/dev/nvidia0", "/dev/nvidia1"]]),
+    ("rebind-journal-done", "rebind.RebindJournal", None),
 ]
 
 
@@ -226,6 +230,8 @@ CASES = [
           ("kernel-list-three-kernels-after-pin", "kernel-list-three-kernels-before-and-after-pin.txt", [[13, 22]]),
           ("kernel-list-no-blank-lines-two-kernels", "kernel-list-no-blank-lines-two-kernels.txt", None),
       )],
+    case("rebind.GuestRuntime", "h200-vm-sysfs-section", "h200-vm-probe/rebind-facts.txt", ranges=[[5, 6]],
+         note="the device run printed the command's sysfs section only (the machine is no Proxmox node)"),
     case("hardware.HardwareProbe", "h200-vm-one-command", "h200-vm-probe/hardware-probe.txt",
          note="the probe's own single command, run on the H200 VM"),
     case("hardware.HostConfigProbe", "h200-vm-one-command", "h200-vm-probe/host-config-probe.txt",
