@@ -70,3 +70,12 @@ def absent_file(path: str, state: dict | None = None):
         host.noop(f"{path} is absent")
         return
     yield StringCommand(f"rm -f {shlex.quote(path)}")
+
+
+@operation()
+def link_unit(link: str, target: str, current: str | None):
+    """Enable a unit by its wants symlink (what `systemctl enable` does; systemd need not run)."""
+    if current == target:
+        host.noop(f"{link} -> {target}")
+        return
+    yield StringCommand(f"mkdir -p {shlex.quote(link.rsplit('/', 1)[0])} && ln -sfn {shlex.quote(target)} {shlex.quote(link)}")

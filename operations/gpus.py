@@ -106,7 +106,7 @@ def stage_facts(spec: HostSpec) -> dict:
     runtime = fact_once(GuestRuntime)
     remember_guest_state(runtime["status"])  # the run's guest state: no stage reads pct/qm list again
     host_node = fact_once(NodeName)  # Proxmox's node name: the host's, not the spec's
-    node = host_node or spec.node or host.data.get("pvegpu_node") or host.name
+    node = node_of(spec)
     pci = hw["pci_devices"]
     bindings = desired_bindings(spec, pci)
     rebind = plan_rebind(spec, node, bindings, pci, hw["nvidia_gpus"], cfg["lxc_configs"], cfg["qemu_configs"],
@@ -134,6 +134,12 @@ def stage_facts(spec: HostSpec) -> dict:
             "stop_refusals": stop_refusals, "ha_wait": ha_wait}
     run.memos["gpus"] = memo  # the guests, containers and NCCL stages read the same
     return memo
+
+
+def node_of(spec: HostSpec) -> str:
+    """The Proxmox node name pvegpu uses for this host (the one place it is decided): the host's
+    own (`uname -n` without the domain), else the spec's `node`, the inventory's, the host name."""
+    return fact_once(NodeName) or spec.node or host.data.get("pvegpu_node") or host.name
 
 
 def binding_rules(bindings: Bindings) -> str:

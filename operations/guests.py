@@ -42,6 +42,7 @@ from operations.gpus import (
     SHUTDOWN_TIMEOUT_S,
     close_rebind_journal,
     guest_control_refusals,
+    node_of,
     stage_fact_requests,
     stage_facts,
 )
@@ -235,7 +236,7 @@ def preflight(spec: HostSpec) -> list[str]:
     # other guest problems are reported while applying; the GPU stage refuses unsafe moves
     refusals: list[str] = []
     if spec.proxmox_api is not None:
-        problem = PveApi(spec.proxmox_api, spec.node or host.data.get("pvegpu_node") or host.name).problem()
+        problem = PveApi(spec.proxmox_api, node_of(spec)).problem()
         if problem:
             refusals.append(problem)
     if spec.containers or spec.vms or spec.gpus:

@@ -16,17 +16,14 @@ No-change cost: the shared HardwareProbe and one ManagedFiles (files + the wants
 
 from __future__ import annotations
 
-import shlex
-
-from pyinfra import host
-from pyinfra.api import StringCommand, deploy, operation
+from pyinfra.api import deploy
 
 from facts.files import ManagedFiles
 from facts.hardware import HardwareProbe
 from facts.once import fact_once
 from facts.run_state import need_reboot
 from operations import handlers
-from operations.files import managed_file, sha256_text
+from operations.files import link_unit, managed_file, sha256_text
 from plan import nvidia as nvplan
 
 MODPROBE_CONF = "/etc/modprobe.d/pvegpu-nvidia.conf"
@@ -35,15 +32,6 @@ NODES_UNIT = f"/etc/systemd/system/{NODES_UNIT_NAME}"
 NODES_WANTS_LINK = f"/etc/systemd/system/multi-user.target.wants/{NODES_UNIT_NAME}"
 # read in one fact: the stage's files and the unit's wants link
 STAGE_FILES = [MODPROBE_CONF, NODES_UNIT, NODES_WANTS_LINK]
-
-
-@operation()
-def link_unit(link: str, target: str, current: str | None):
-    """Enable a unit by its wants symlink (what `systemctl enable` does; systemd need not run)."""
-    if current == target:
-        host.noop(f"{link} -> {target}")
-        return
-    yield StringCommand(f"mkdir -p {shlex.quote(link.rsplit('/', 1)[0])} && ln -sfn {shlex.quote(target)} {shlex.quote(link)}")
 
 
 def loaded_differences(disable_hmm: bool, nvreg: dict, uvm_params: dict, nvidia_params: dict) -> list[str]:

@@ -43,7 +43,7 @@ from facts.nvidia import (
 )
 from facts.once import fact_once
 from operations import progress
-from operations.files import managed_file
+from operations.files import link_unit, managed_file
 from plan import nvidia as nvplan
 from plan.render import render_template
 
@@ -226,13 +226,6 @@ def install_userspace(installer: str, version: str):
 
 
 @operation()
-def enable_unit(unit: str, unit_path: str):
-    """Enable a unit for multi-user.target by its wants link (works with systemd not running)."""
-    link = f"{WANTS_DIR}/{unit}"
-    yield StringCommand(f"mkdir -p {shlex.quote(WANTS_DIR)} && ln -sfn {shlex.quote(unit_path)} {shlex.quote(link)}")
-
-
-@operation()
 def verify_versions(version: str, releases: list[str], firmware: bool, firmware_files: list[str] | None = None):
     """Refuse to finish when modules, firmware (each file the GPUs load) and user space are not all `version`."""
     yield StringCommand(verify_command(version, releases, firmware, firmware_files))
@@ -376,4 +369,5 @@ def _persistenced(state: dict, will_install: bool) -> None:
     if pers["enabled"]:
         _skip("nvidia-persistenced.service is enabled")
     else:
-        enable_unit(name="Enable nvidia-persistenced", unit="nvidia-persistenced.service", unit_path=unit)
+        link_unit(name="Enable nvidia-persistenced", link=f"{WANTS_DIR}/nvidia-persistenced.service", target=unit,
+                  current=None)

@@ -133,7 +133,7 @@ def _apply_with_steps(monkeypatch, steps: dict, state: dict | None = None) -> tu
 
     called: list[str] = []
     for name in ("fetch_source", "build_modules", "install_modules", "clean_builds", "install_userspace",
-                 "verify_versions", "enable_unit"):
+                 "verify_versions", "link_unit"):
         monkeypatch.setattr(ops, name, lambda *a, _n=name, **kw: called.append(_n))
     said: list[str] = []
     monkeypatch.setattr(ops.logger, "info", said.append)
@@ -366,3 +366,18 @@ def test_open_tree_src_built_once_for_two_releases_stripped_then_signed(tmp_path
     assert not (tmp_path / "build/595.45.04/6.1.0-57-amd64/kernel-open").exists()
     subprocess.run(["sh", "-c", ops.cleanup_command("595.45.04")], check=True)
     assert not (tmp_path / "build/595.45.04").exists()
+
+
+def test_persistenced_is_enabled_through_the_one_wants_link_operation(monkeypatch):
+    """The NVIDIA stage and the module-options stage make systemd wants links with the same
+    operation (operations.files.link_unit; issue 18 part 3); an enabled unit gets none."""
+    calls = []
+    monkeypatch.setattr(ops, "link_unit", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(ops.logger, "info", lambda line: None)
+    unit = "/usr/lib/systemd/system/nvidia-persistenced.service"  # the user space installed it
+    fake_state = FakeState()
+    with ctx_state.use(fake_state), ctx_host.use(create_host(fake_state)):
+        ops._persistenced({"persistenced": {"unit": unit, "enabled": False, "binary": True}}, will_install=False)
+        ops._persistenced({"persistenced": {"unit": unit, "enabled": True, "binary": True}}, will_install=False)
+    assert calls == [{"name": "Enable nvidia-persistenced", "current": None, "target": unit,
+                      "link": "/etc/systemd/system/multi-user.target.wants/nvidia-persistenced.service"}]
