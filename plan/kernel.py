@@ -9,7 +9,6 @@
     package_globs(kind, release)                   -> ["linux-image-6.1.0-pvegpu_*.deb", …]
     trial_pin_command(release, pin_tool, esps) / pin_for_good_command(release, pin_tool, esps)
                                                    # + `proxmox-boot-tool refresh` where ESPs are listed
-    build_progress(log_lines, total)               -> {"built": 812, "total": 1400, "last": "CC mm/slub.o"}
 
 Incident 14: `-j` = cores (128) with ~2 GiB per compile job killed a machine; jobs come from
 RAM as well. Incident 1: a kernel and its modules built by different GCCs left kpro6
@@ -33,7 +32,6 @@ STATE_DIR = "/var/lib/pvegpu/kernel"  # manifests of installed builds, trial-boo
 TRIAL_MARKER = f"{STATE_DIR}/trial-boot"
 BUILD_UNIT = "pvegpu-kernel-build"
 # a kbuild output line that produced one object / target
-OBJECT_LINE = re.compile(r"^\s+(CC|AS|LD|AR|CC \[M\]|LD \[M\])\s+\S+")
 
 
 def build_jobs(cores: int | None, mem_total_kib: int | None, per_job_kib: int = PER_JOB_KIB) -> int:
@@ -241,20 +239,3 @@ def pin_for_good_command(release: str, pin_tool: str, esps: bool = False) -> str
         f'if [ "$(uname -r)" = {q} ]; then {pin} && rm -f {shlex.quote(TRIAL_MARKER)}; '
         f'else echo {message}"$(uname -r)"{tail} >&2; exit 1; fi'
     )
-
-
-def build_progress(log_lines: list[str], total: int | None) -> dict:
-    """Objects built so far from a kbuild log (and the expected total, when known)."""
-    built = 0
-    last = None
-    for line in log_lines:
-        if OBJECT_LINE.match(line):
-            built += 1
-            last = line.strip()
-    return {"built": built, "total": total, "last": last}
-
-
-def describe_progress(progress: dict) -> str:
-    total = progress["total"]
-    share = f" of ~{total} ({min(100, 100 * progress['built'] // total)}%)" if total else ""
-    return f"{progress['built']} objects built{share}" + (f", last: {progress['last']}" if progress["last"] else "")

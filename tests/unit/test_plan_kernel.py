@@ -9,8 +9,6 @@ from plan.kernel import (
     build_dir,
     build_id,
     build_jobs,
-    build_progress,
-    describe_progress,
     kernel_decision,
     localversion,
     package_globs,
@@ -116,15 +114,6 @@ def test_pin_commands_quote_and_check_running_release(tmp_path):
     r = subprocess.run(["sh", "-c", pin_for_good_command("6.14.8-2-pve", "proxmox-boot-tool").replace(
         "/var/lib/pvegpu/kernel/trial-boot", str(tmp_path / "marker"))], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and (tmp_path / "pinned").read_text() == "kernel pin 6.14.8-2-pve\n"
-
-
-def test_progress_from_a_kbuild_log():
-    log = ["  SYNC    include/config/auto.conf", "  CC      init/main.o", "  AS      arch/x86/entry/entry_64.o",
-           "  CC [M]  fs/fuse/dev.o", "  LD [M]  fs/fuse/fuse.ko", "make[2]: Leaving directory", "  HOSTCC  scripts/x"]
-    p = build_progress(log, 8)
-    assert p == {"built": 4, "total": 8, "last": "LD [M]  fs/fuse/fuse.ko"}
-    assert describe_progress(p) == "4 objects built of ~8 (50%), last: LD [M]  fs/fuse/fuse.ko"
-    assert describe_progress(build_progress([], None)) == "0 objects built"
 
 
 def test_a_next_boot_pin_without_the_trial_marker_is_pinned_and_refreshed_again():
