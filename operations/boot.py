@@ -24,7 +24,7 @@ from facts.boot import KERNEL_CMDLINE, NOUVEAU_CONF, VFIO_CONF, BootStageFacts
 from facts.once import fact_once
 from facts.run_state import need_reboot
 from operations import handlers
-from operations.files import sha256_text, write_file_command
+from operations.files import file_current, write_file_command
 from plan import boot as plan
 from plan.render import render_template
 from spec.models import HostSpec
@@ -87,10 +87,6 @@ def boot_plan(spec: HostSpec, facts: dict) -> dict:
     }
 
 
-def _up_to_date(content: str, mode: str, state: dict | None) -> bool:
-    return bool(state and state["sha256"] == sha256_text(content) and state["mode"] == mode)
-
-
 @operation()
 def kernel_cmdline(path: str, content: str, state: dict | None = None):
     """Write the boot loader's cmdline file, only when it changed (the boot entries are
@@ -101,7 +97,7 @@ def kernel_cmdline(path: str, content: str, state: dict | None = None):
     + state: the path's entry of `ManagedFiles` (None: missing)
     """
     mode = cmdline_mode(state)
-    if _up_to_date(content, mode, state):
+    if file_current(state, content, mode):
         host.noop(f"{path} already has the kernel command line")
         return
     yield StringCommand(write_file_command(path, content, mode))
@@ -113,7 +109,7 @@ def cmdline_mode(state: dict | None) -> str:
 
 def changed_modules(files: dict[str, str], states: dict[str, dict | None]) -> list[str]:
     """The module files whose content or mode differ from the host's."""
-    return [p for p, c in files.items() if not _up_to_date(c, "644", states.get(p))]
+    return [p for p, c in files.items() if not file_current(states.get(p), c, "644")]
 
 
 @operation()
@@ -150,7 +146,7 @@ def apply(spec: HostSpec) -> None:
     cmdline_state = states.get(p["cmdline_path"])
     handlers.depends_on(
         handlers.BOOT_REFRESH, p["cmdline_path"], p["cmdline_content"], cmdline_mode(cmdline_state),
-        changed=not _up_to_date(p["cmdline_content"], cmdline_mode(cmdline_state), cmdline_state),
+        changed=not file_current(cmdline_state, p["cmdline_content"], cmdline_mode(cmdline_state)),
         why=f"kernel command line changed in {p['cmdline_path']}", command=p["refresh_command"],
     )
     early_modules(

@@ -36,6 +36,11 @@ def write_file_command(path: str, content: str, mode: str = "644", keep_previous
     )
 
 
+def file_current(state: dict | None, content: str, mode: str) -> bool:
+    """Whether a `ManagedFiles` entry already holds `content` with `mode` (the one up-to-date test)."""
+    return bool(state and state.get("sha256") == sha256_text(content) and state.get("mode") == mode.lstrip("0"))
+
+
 @operation()
 def managed_file(path: str, content: str, mode: str = "644", state: dict | None = None, keep_previous: bool = True):
     """Make `path` hold exactly `content` with `mode`.
@@ -53,7 +58,7 @@ def managed_file(path: str, content: str, mode: str = "644", state: dict | None 
     """
     if state is None:
         state = host.get_fact(ManagedFiles, paths=[path]).get(path)
-    if state and state.get("sha256") == sha256_text(content) and state.get("mode") == mode.lstrip("0"):
+    if file_current(state, content, mode):
         host.noop(f"{path} is up to date")
         return
     if is_dry():  # show what would change (one read, only for a file that would change)

@@ -57,7 +57,7 @@ from facts.proxmox import HaResources, NodeName, PvePackages
 from facts.rebind import GpuHolders, GuestRuntime, RebindJournal, journal_of
 from facts.run_state import need_reboot, run_state
 from operations import handlers
-from operations.files import managed_file, sha256_text
+from operations.files import file_current, managed_file
 from operations.proxmox import PveApi, api_of, guest_stop_commands, shutdown_shell, wait_stopped_shell
 from plan.gpus import (
     Bindings,
@@ -281,9 +281,8 @@ def apply(spec: HostSpec) -> None:
     state = fact_once(ManagedFiles, paths=STAGE_FILES)
     for path, (content, mode) in files.items():
         managed_file(name=f"GPU binding: {path}", path=path, content=content, mode=mode, state=state.get(path))
-        current = state.get(path) or {}
         handlers.depends_on(handlers.INITRAMFS, path, content, mode,
-                            changed=(current.get("sha256"), current.get("mode")) != (sha256_text(content), mode),
+                            changed=not file_current(state.get(path), content, mode),
                             why=f"{path} changed (GPU binding)")
     if rebind.moves and rebind.live:
         rebind_gpus(name="GPU binding: rebind transaction", plan=rebind, nvidia=facts["hw"]["nvidia_gpus"],

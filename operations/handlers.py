@@ -17,6 +17,14 @@ ESPs). A handler runs when a stage changes one of its files this run, or when it
 only after the side effect succeeded) records other files than today's: a run that wrote a file
 but stopped before or in the side effect retries it next run. A run that changes nothing runs
 nothing (no extra remote command: the stamps are read with the stages' facts up front).
+
+Four handlers, run in this order: `depmod` (the NVIDIA stage's installed modules, per release;
+before the initramfs, whose hooks resolve modules through modules.dep), `update-initramfs`, the
+boot loader refresh (it copies the new initrd to the ESPs), `systemctl daemon-reload` (unit files
+and drop-ins the module-options, NVIDIA and NCCL stages write; only where systemd runs). A stage
+whose own later step needs a side effect at once flushes it (`flush`): the NVIDIA stage runs
+`depmod` for all its releases in one operation before its version check reads the module index,
+and the end-of-run step does not run it again.
 """
 
 from __future__ import annotations
@@ -33,13 +41,23 @@ from facts.once import fact_once
 from facts.run_state import run_state
 from operations.files import sha256_text, write_file_command
 
+DEPMOD = "depmod"
 INITRAMFS = "initramfs"
 BOOT_REFRESH = "boot-refresh"
-ORDER = (INITRAMFS, BOOT_REFRESH)  # the refresh syncs the (new) initrd to the ESPs: after it
+DAEMON_RELOAD = "daemon-reload"
+# depmod first: initramfs-tools hook-functions manual_add_modules resolves modules (and their
+# dependencies) through `modprobe --show-depends`, i.e. the host's modules.dep
+ORDER = (DEPMOD, INITRAMFS, BOOT_REFRESH, DAEMON_RELOAD)  # the refresh syncs the (new) initrd to the ESPs: after it
 # follows proxmox-kernel-helper src/proxmox-boot/proxmox-boot-sync (initramfs post-update hook): a
 # manual update-initramfs already refreshes the ESPs, so BOOT_REFRESH depends on the cmdline only
 STAMP_DIR = "/var/lib/pvegpu"
-DEFAULT_COMMANDS = {INITRAMFS: "update-initramfs -u -k all", BOOT_REFRESH: "proxmox-boot-tool refresh"}
+# systemd's sd_booted() test (src/libsystemd/sd-daemon/sd-daemon.c): /run/systemd/system exists
+# only where systemd is PID 1; elsewhere units read their files when systemd starts
+SYSTEMD_RELOAD = "if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi"
+DEFAULT_COMMANDS = {DEPMOD: "depmod", INITRAMFS: "update-initramfs -u -k all",
+                    BOOT_REFRESH: "proxmox-boot-tool refresh", DAEMON_RELOAD: SYSTEMD_RELOAD}
+LABELS = {DAEMON_RELOAD: "systemctl daemon-reload"}  # the operation's name where the command is long
+MODULES_ROOT = "/lib/modules/"
 # Before one handler did it, the GPU binding stage kept its own stamp; the initramfs stamp
 # replaces it (removed once the initramfs handler succeeded).
 LEGACY_STAMPS = {INITRAMFS: ["/var/lib/pvegpu/gpu-binding-initramfs.stamp"]}
@@ -76,6 +94,24 @@ def depends_on(handler: str, path: str, content: str, mode: str, changed: bool, 
         entry["command"] = command
 
 
+def notify(handler: str, why: str, target: Any = None) -> None:
+    """A reason for `handler` without a file it depends on (a file the stage removes: the stamp
+    records the files that stay)."""
+    if handler not in ORDER:
+        raise ValueError(f"pvegpu: unknown handler {handler!r} (one of {', '.join(ORDER)})")
+    registry = _registry(target if target is not None else host)
+    entry = registry.setdefault(handler, {"inputs": {}, "reasons": [], "command": DEFAULT_COMMANDS[handler]})
+    if why not in entry["reasons"]:
+        entry["reasons"].append(why)
+
+
+def depmod_command(inputs: dict) -> str:
+    """`depmod <release>` for each release whose module dir (/lib/modules/<release>/…) is an input;
+    depmod indexes one release per call (kmod depmod.c: one optional version argument)."""
+    releases = sorted({path[len(MODULES_ROOT):].split("/", 1)[0] for path in inputs if path.startswith(MODULES_ROOT)})
+    return " && ".join(f"depmod {shlex.quote(release)}" for release in releases) or "true"
+
+
 def pending(target: Any = None) -> dict:
     """{handler: {"inputs": {path: (sha256, mode)}, "reasons": [...], "command": str}} (a copy)."""
     return {name: {"inputs": dict(e["inputs"]), "reasons": list(e["reasons"]), "command": e["command"]}
@@ -98,8 +134,9 @@ def run_handler(handler: str, command: str, stamp: str, reasons: list[str], stat
     """Run one handler's side effect once, when a stage changed a file it depends on this run or
     its stamp records other files (a previous run did not finish it).
 
-    + handler: INITRAMFS or BOOT_REFRESH
-    + command: fixed words (update-initramfs -u -k all, proxmox-boot-tool refresh, update-grub)
+    + handler: one of ORDER
+    + command: fixed words (update-initramfs -u -k all, proxmox-boot-tool refresh, update-grub,
+      the guarded daemon-reload) or `depmod <release>` per release, each quoted
     + stamp: `stamp_text` of the files it depends on
     + reasons: why, from the stages (empty: only the stamp can call for it)
     + state: `ManagedFiles` entry of its stamp file
@@ -125,20 +162,33 @@ def handler_runs(registry: dict, stamps: dict) -> list[dict]:
         entry = registry.get(handler)
         if not entry:
             continue
+        command = depmod_command(entry["inputs"]) if handler == DEPMOD else entry["command"]
+        label = LABELS.get(handler, command)
         stamp = stamp_text(entry["inputs"])
         reasons = list(entry["reasons"])
         state = stamps.get(stamp_path(handler))
         if not reasons and (state or {}).get("sha256") != sha256_text(stamp):
             reasons = [f"{stamp_path(handler)} records other files (a previous run stopped before it)"]
         runs.append({
-            "name": f"{entry['command']} once" + (f": {'; '.join(reasons)}" if reasons else ""),
+            "name": f"{label} once" + (f": {'; '.join(reasons)}" if reasons else ""),
             "handler": handler,
-            "command": entry["command"],
+            "command": command,
             "stamp": stamp,
             "reasons": reasons,
             "state": state,
         })
     return runs
+
+
+def flush(handler: str, target: Any = None) -> None:
+    """Run `handler` now, if a stage declared it (a stage's later step needs it at once), and take
+    it out of the registry: the end-of-run step runs it again only if a stage declares it anew."""
+    target = target if target is not None else host
+    registry = _registry(target)
+    if handler not in registry:
+        return
+    for kwargs in handler_runs({handler: registry.pop(handler)}, fact_once(ManagedFiles, paths=STAMP_PATHS)):
+        run_handler(**kwargs)
 
 
 @deploy("pvegpu: side effects once per run")

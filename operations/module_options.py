@@ -23,7 +23,7 @@ from facts.hardware import HardwareProbe
 from facts.once import fact_once
 from facts.run_state import need_reboot
 from operations import handlers
-from operations.files import link_unit, managed_file, sha256_text
+from operations.files import file_current, link_unit, managed_file
 from plan import nvidia as nvplan
 
 MODPROBE_CONF = "/etc/modprobe.d/pvegpu-nvidia.conf"
@@ -94,12 +94,14 @@ def apply(spec) -> None:
     # one command for the stage's files and the unit's wants link
     files = fact_once(ManagedFiles, paths=STAGE_FILES)
     conf_state = files.get(MODPROBE_CONF)
-    conf_changed = not conf_state or conf_state.get("sha256") != sha256_text(want["conf"]) \
-        or conf_state.get("mode") != "644"
+    conf_changed = not file_current(conf_state, want["conf"], "644")
     managed_file(name=f"NVIDIA module options ({want['hmm_reason']})", path=MODPROBE_CONF,
                  content=want["conf"], mode="644", state=conf_state)
     managed_file(name="Unit creating /dev/nvidia-uvm* before guests", path=NODES_UNIT,
                  content=want["unit"], mode="644", state=files.get(NODES_UNIT))
+    handlers.depends_on(handlers.DAEMON_RELOAD, NODES_UNIT, want["unit"], "644",
+                        changed=not file_current(files.get(NODES_UNIT), want["unit"], "644"),
+                        why=f"{NODES_UNIT_NAME} changed")
     link_unit(name=f"Enable {NODES_UNIT_NAME}", link=NODES_WANTS_LINK, target=NODES_UNIT,
               current=(files.get(NODES_WANTS_LINK) or {}).get("link"))
     handlers.depends_on(handlers.INITRAMFS, MODPROBE_CONF, want["conf"], "644", changed=conf_changed,

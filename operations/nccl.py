@@ -8,7 +8,8 @@ NCCL variable with its reason. This stage logs them (they show in ``--dry``) and
     /etc/systemd/system/<unit>.d/pvegpu-nccl.conf      ``Environment=`` lines for spec.nccl.services
                                                       (templates/nccl-service-dropin.conf.j2); a
                                                       drop-in of a service no longer listed is removed
-then ``systemctl daemon-reload`` only when a drop-in changed and systemd runs.
+and declares the drop-ins to the daemon-reload handler (`operations.handlers`): one
+``systemctl daemon-reload`` late in the run when a drop-in changed or went (only where systemd runs).
 
 Containers: their root filesystem is not the host's, so the file goes in through ``pct exec``,
 which needs the CT running. A stopped CT is skipped with a logged reason (its file is written on
@@ -17,8 +18,8 @@ runs commands on the host itself) is skipped too: writing "its" /etc/nccl.conf w
 the host's.
 
 No-change cost: one remote command (`NcclState`: file states, RDMA list, systemd, drop-ins and
-each running GPU CT's file) plus the HardwareProbe, which comes from the GPU stage's per-run memo
-when that stage read it (pyinfra 3 has no fact cache); the CT run state is this run's
+each running GPU CT's file) plus the HardwareProbe, read once per run for every stage (the run
+state, `facts.run_state`; pyinfra 3 has no fact cache); the CT run state is this run's
 `facts.guest_state.guest_state()` (read by the GPU stage).
 """
 
@@ -33,7 +34,8 @@ from facts.guest_state import guest_state, running_containers, with_ct_status
 from facts.hardware import HardwareProbe
 from facts.nccl import DROPIN_NAME, NCCL_CONF, SYSTEMD_DIR, NcclState
 from facts.once import fact_once
-from operations.files import absent_file, managed_file, sha256_text, write_file_command
+from operations import handlers
+from operations.files import absent_file, file_current, managed_file, write_file_command
 from plan.nccl import describe_nccl_environment, nccl_conf_lines, nccl_plan_for_spec, render_nccl_conf
 from plan.render import render_template
 from plan.topology_report import verdict_from_hardware
@@ -82,12 +84,8 @@ def _state_kwargs(paths: list[str], ctids: list[int]) -> dict:
 
 
 def hardware_facts(spec) -> dict:
-    """The HardwareProbe result: the GPU stage's per-run memo where that stage runs (its preflight
-    reads it), else read here."""
-    if spec.gpus:
-        from operations.gpus import stage_facts
-
-        return stage_facts(spec)["hw"]
+    """The HardwareProbe result: the run's one reading (`fact_once`; deploy.py reads it up front
+    with every stage's facts, and the GPU stage reads the same object), not another stage's memo."""
     return fact_once(HardwareProbe)
 
 
@@ -119,30 +117,14 @@ def container_nccl_conf(ctid: int, content: str, state: dict, mode: str = NCCL_C
                   f"writing its {NCCL_CONF} would overwrite the host's, so it is skipped")
         return
     current = ct.get("file")
-    if current and current["sha256"] == sha256_text(content) and current["mode"] == mode.lstrip("0"):
+    if file_current(current, content, mode):
         host.noop(f"CT {ctid}: {NCCL_CONF} is up to date")
         return
     script = write_file_command(NCCL_CONF, content, mode)
     yield StringCommand(f"pct exec {shlex.quote(str(ctid))} -- sh -c {shlex.quote(script)}")
 
 
-@operation()
-def daemon_reload(changed: bool, systemd_running: bool):
-    """`systemctl daemon-reload` after a drop-in changed (only where systemd runs)."""
-    if not changed:
-        host.noop("NCCL drop-ins unchanged; no daemon-reload")
-        return
-    if not systemd_running:
-        host.noop("systemd is not running (no /run/systemd/system); units read the drop-ins when it starts")
-        return
-    yield StringCommand("systemctl daemon-reload")
-
-
 # ---------------------------------------------------------------- plan → operations
-
-def _changed(state: dict | None, content: str, mode: str) -> bool:
-    return not state or state["sha256"] != sha256_text(content) or state["mode"] != mode.lstrip("0")
-
 
 def desired(spec, hardware: dict, rdma_devices: list[str]) -> dict:
     """What the stage should write, from facts and spec.
@@ -177,21 +159,29 @@ def stage_operations(want: dict, state: dict) -> list[tuple]:
     for ctid, content in sorted(want["containers"].items()):
         ops.append((container_nccl_conf, dict(name=f"NCCL: CT {ctid} {NCCL_CONF}", ctid=ctid,
                                               content=content, state=state)))
-    dropins_changed = False
     for path, (unit, content) in sorted(want["dropins"].items()):
-        current = state["files"].get(path)
-        dropins_changed |= _changed(current, content, "644")
         ops.append((managed_file, dict(name=f"NCCL: environment of {unit}", path=path, content=content,
-                                       mode="644", state=current or {})))
-    for path in state["dropins"]:
-        if path not in want["dropins"]:
-            dropins_changed = True
-            ops.append((absent_file, dict(name=f"NCCL: remove {path} (service no longer in the spec)",
-                                          path=path, state={"present": True})))
-    if want["dropins"] or dropins_changed:
-        ops.append((daemon_reload, dict(name="NCCL: systemd daemon-reload", changed=dropins_changed,
-                                        systemd_running=state["systemd_running"])))
+                                       mode="644", state=state["files"].get(path) or {})))
+    for path in removed_dropins(want, state):
+        ops.append((absent_file, dict(name=f"NCCL: remove {path} (service no longer in the spec)",
+                                      path=path, state={"present": True})))
     return ops
+
+
+def removed_dropins(want: dict, state: dict) -> list[str]:
+    """Drop-ins on the host for services no longer in the spec."""
+    return [path for path in state["dropins"] if path not in want["dropins"]]
+
+
+def declare_reload(want: dict, state: dict, target=None) -> None:
+    """The drop-ins take effect through the daemon-reload handler: each one it depends on, a reason
+    for each that changes or goes this run."""
+    for path, (unit, content) in sorted(want["dropins"].items()):
+        handlers.depends_on(handlers.DAEMON_RELOAD, path, content, "644",
+                            changed=not file_current(state["files"].get(path), content, "644"),
+                            why=f"NCCL environment of {unit} changed", target=target)
+    for path in removed_dropins(want, state):
+        handlers.notify(handlers.DAEMON_RELOAD, f"{path} removed", target=target)
 
 
 def describe(want: dict) -> list[str]:
@@ -245,3 +235,4 @@ def apply(spec) -> None:
         (logger.warning if "WARNING:" in line else logger.info)(f"{host.name}: {line}")
     for op, kwargs in stage_operations(want, state):
         op(**kwargs)
+    declare_reload(want, state)

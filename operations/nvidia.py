@@ -6,7 +6,8 @@ Order on the host (each step runs only when the facts say it is needed, so a con
 costs two fact commands and no change):
 
     fetch + sha256-check sources  ->  build modules per release (scratch dir)  ->  GSP firmware
-    ->  install modules + depmod per release  ->  user space (.run --no-kernel-modules)
+    ->  install modules per release  ->  depmod once for all (handler, flushed here)
+    ->  user space (.run --no-kernel-modules)
     ->  nvidia-persistenced  ->  verify module/firmware/user-space versions are equal
 
 A failed step stops the host there: a wrong checksum stops before any build, a failed build
@@ -42,8 +43,8 @@ from facts.nvidia import (
     source_name,
 )
 from facts.once import fact_once
-from operations import progress
-from operations.files import link_unit, managed_file
+from operations import handlers, progress
+from operations.files import file_current, link_unit, managed_file
 from plan import nvidia as nvplan
 from plan.render import render_template
 
@@ -159,11 +160,15 @@ def cleanup_command(version: str) -> str:
     return f"rm -rf {shlex.quote(f'{BUILD_ROOT}/{version}')}"
 
 
+def module_dir(release: str) -> str:
+    return f"/lib/modules/{release}/{MODULE_SUBDIR}"
+
+
 def install_command(version: str, release: str) -> str:
-    """Swap the built modules into /lib/modules/<rel>/updates/pvegpu-nvidia and run depmod
-    (templates/nvidia-install.sh.j2)."""
-    return render_template("nvidia-install.sh.j2", build_dir=build_dir(version, release), release=release,
-                           module_dir=f"/lib/modules/{release}/{MODULE_SUBDIR}")
+    """Swap the built modules into /lib/modules/<rel>/updates/pvegpu-nvidia
+    (templates/nvidia-install.sh.j2); depmod is the DEPMOD handler's (`declare_depmod`)."""
+    return render_template("nvidia-install.sh.j2", build_dir=build_dir(version, release),
+                           module_dir=module_dir(release))
 
 
 def verify_command(version: str, releases: list[str], firmware: bool, firmware_files: list[str] | None = None) -> str:
@@ -213,7 +218,7 @@ def clean_builds(version: str):
 
 @operation()
 def install_modules(version: str, release: str):
-    """Install the modules built for `release` and run depmod for that release."""
+    """Install the modules built for `release` (depmod follows once for all releases)."""
     yield StringCommand(install_command(version, release))
 
 
@@ -277,7 +282,8 @@ def prefetch(spec) -> list:
     """The facts this stage reads (deploy.py reads every stage's in one command)."""
     if spec.nvidia is None:
         return []
-    return [(NvidiaHostState, _state_kwargs(spec)), (HardwareProbe, {}), *progress.prefetch()]
+    return [(NvidiaHostState, _state_kwargs(spec)), (HardwareProbe, {}), *progress.prefetch(),
+            *handlers.prefetch(spec)]  # the depmod stamp (the stage flushes that handler itself)
 
 
 def preflight(spec) -> list[str]:
@@ -333,6 +339,8 @@ def apply(spec) -> None:
                         release=release)
     if building:
         clean_builds(name=f"Remove nvidia {nv.version} build dirs", version=nv.version)
+    declare_depmod(nv.version, releases, steps, state)
+    handlers.flush(handlers.DEPMOD)  # the version check below reads the index (modinfo -k <rel> nvidia)
     if steps["install_userspace"]:
         install_userspace(name=f"NVIDIA user space and GSP firmware {nv.version}", installer=installer or "",
                           version=nv.version)
@@ -349,6 +357,18 @@ def apply(spec) -> None:
         _skip(f"nvidia {nv.version}: modules, firmware and user space unchanged and equal")
 
 
+def declare_depmod(version: str, releases: list[str], steps: dict, state: dict, target=None) -> None:
+    """Each target release that has (or gets, this run) our modules depends on the DEPMOD handler;
+    a release built this run is a reason to run it. The stamp holds the version per module dir,
+    so a run that installed modules but stopped before depmod runs it next time."""
+    for release in releases:
+        build = steps["releases"][release]["build"]
+        module = (state["releases"].get(release) or {}).get("module") or {}
+        if build or module.get("version") == version:
+            handlers.depends_on(handlers.DEPMOD, module_dir(release), f"nvidia {version}", "755", changed=build,
+                                why=f"nvidia {version} modules installed for {release}", target=target)
+
+
 def _skip(why: str) -> None:
     """A step the plan does not run, and why (the operation is not called: nothing to do)."""
     logger.info(f"{host.name}: nvidia: {why}")
@@ -362,9 +382,13 @@ def _persistenced(state: dict, will_install: bool) -> None:
         return
     if unit is None or unit == PERSISTENCED_UNIT:
         files = host.get_fact(ManagedFiles, paths=[PERSISTENCED_UNIT])
-        managed_file(name="nvidia-persistenced unit", path=PERSISTENCED_UNIT,
-                     content=render_template("nvidia-persistenced.service.j2"), mode="644",
-                     state=files.get(PERSISTENCED_UNIT))
+        content = render_template("nvidia-persistenced.service.j2")
+        current = files.get(PERSISTENCED_UNIT)
+        handlers.depends_on(handlers.DAEMON_RELOAD, PERSISTENCED_UNIT, content, "644",
+                            changed=not file_current(current, content, "644"),
+                            why="nvidia-persistenced unit changed")
+        managed_file(name="nvidia-persistenced unit", path=PERSISTENCED_UNIT, content=content, mode="644",
+                     state=current)
         unit = PERSISTENCED_UNIT
     if pers["enabled"]:
         _skip("nvidia-persistenced.service is enabled")

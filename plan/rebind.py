@@ -72,6 +72,14 @@ def runner_script(plan: RebindPlan, nvidia: dict[str, dict], txid: str, *, shutd
                            api_stopped=list(api_stopped), carried=list(carried))
 
 
+def archive_command(state_dir: str = STATE_DIR, keep: int = KEEP) -> str:
+    """Move the journal (if any) into history/ under a UTC timestamp, keep the newest `keep`."""
+    q = shlex.quote
+    j, h = q(f"{state_dir}/journal"), q(f"{state_dir}/history")
+    return (f"if [ -f {j} ]; then mkdir -p {h} && mv {j} {h}/\"$(date -u +%Y%m%dT%H%M%SZ)-$$.journal\"; fi; "
+            f"ls -1t {h} 2>/dev/null | tail -n +{int(keep) + 1} | while read -r old; do rm -f {h}/\"$old\"; done")
+
+
 def start_command(script: str, txid: str, systemd: bool, state_dir: str = STATE_DIR, lock: str = LOCK,
                   start_timeout_s: int = START_TIMEOUT_S, keep: int = KEEP) -> str:
     """Archive a journal left by an earlier transaction, write the runner, start it detached,
@@ -92,8 +100,7 @@ def start_command(script: str, txid: str, systemd: bool, state_dir: str = STATE_
         f"mkdir -p {d} {h} {lock_dir} && chmod 700 {d} || exit 1",
         f"if [ -e {lk} ] && ! flock -n {lk} true; then "
         f"echo 'pvegpu: another rebind transaction is running on this host; see '{j} >&2; exit 1; fi",
-        f"if [ -f {j} ]; then mv {j} {h}/\"$(date -u +%Y%m%dT%H%M%SZ)-$$.journal\"; fi",
-        f"ls -1t {h} 2>/dev/null | tail -n +{int(keep) + 1} | while read -r old; do rm -f {h}/\"$old\"; done",
+        archive_command(state_dir, keep),
         f"cat > {r} <<'PVEGPU_RUNNER_END'\n{script}PVEGPU_RUNNER_END",
         f"chmod 700 {r}",
         launch,
@@ -119,10 +126,7 @@ def start_command(script: str, txid: str, systemd: bool, state_dir: str = STATE_
 
 def close_command(state_dir: str = STATE_DIR, keep: int = KEEP) -> str:
     """Archive the journal once its guests are back (the guests stage has started them)."""
-    q = shlex.quote
-    j, h = q(f"{state_dir}/journal"), q(f"{state_dir}/history")
-    return (f"if [ -f {j} ]; then mkdir -p {h} && mv {j} {h}/\"$(date -u +%Y%m%dT%H%M%SZ)-$$.journal\"; fi; "
-            f"ls -1t {h} 2>/dev/null | tail -n +{int(keep) + 1} | while read -r old; do rm -f {h}/\"$old\"; done; true")
+    return archive_command(state_dir, keep) + "; true"
 
 
 # ---------------------------------------------------------------- a journal a later run reads

@@ -86,7 +86,7 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
          "signing": ("/root/mok.key", "/root/mok.der")},
     ],
     "nvidia-install.sh.j2": [
-        dict(build_dir=_BUILD["build_dir"], release="6.14.11-4-pve",
+        dict(build_dir=_BUILD["build_dir"],
              module_dir="/lib/modules/6.14.11-4-pve/updates/pvegpu-nvidia"),
     ],
     "nvidia-verify.sh.j2": [

@@ -1,7 +1,7 @@
 """Side effects once per run (issue 18, part 3) on the kpro6 twin: several stages need the
 initramfs rebuilt, one operation at the end of the run does it (operations.handlers). A first
 converge runs `update-initramfs` at most once and the boot loader refresh at most once, in that
-order; a second converge runs neither."""
+order, depmod and systemd's daemon-reload once each; a second converge runs none of them."""
 
 from __future__ import annotations
 
@@ -38,12 +38,20 @@ def test_first_converge_rebuilds_initramfs_once_then_refreshes_once_second_never
     lines = _SENT.findall(first.output)
     if initramfs and refresh:  # the refresh copies the initrd to the ESPs: it comes after
         assert lines.index(initramfs[0]) <= lines.index(refresh[0])
+    # depmod (the NVIDIA stage's modules) and the daemon-reload (the nodes unit, the NCCL drop-in):
+    # once each; this twin's modules are seeded, so depmod runs from its missing stamp
+    depmod, reload = sent(first.output, "depmod "), sent(first.output, "systemctl daemon-reload")
+    print(f"first converge: depmod in {len(depmod)} command(s), daemon-reload in {len(reload)}")
+    assert len(depmod) == 1 and len(reload) == 1, "\n".join(depmod + reload)
+    if initramfs:  # the initramfs hooks resolve modules through modules.dep
+        assert lines.index(depmod[0]) < lines.index(initramfs[0])
 
     second = run_pyinfra("inventories/twin.py", "deploy.py", env=env)
     assert second.rc == 0, second.output[-6000:]
     assert second.changed == 0, second.output[-6000:]
     assert not sent(second.output, "update-initramfs -u")
     assert not sent(second.output, "proxmox-boot-tool refresh")
+    assert not sent(second.output, "depmod ") and not sent(second.output, "systemctl daemon-reload")
 
 
 def test_failed_initramfs_update_is_retried_next_run_from_its_stamp(twin_factory):

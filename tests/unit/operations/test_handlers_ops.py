@@ -103,7 +103,7 @@ def test_a_changed_file_runs_the_handler_even_when_the_stamp_matches():
 def test_no_declaration_no_operation_and_unknown_handler_refused():
     assert h.handler_runs(h.pending(Target()), {}) == []
     try:
-        h.depends_on("depmod", "/x", "", "644", True, "x", target=Target())
+        h.depends_on("sync", "/x", "", "644", True, "x", target=Target())
     except ValueError as e:
         assert "unknown handler" in str(e)
     else:
@@ -122,3 +122,47 @@ def test_stamp_is_written_only_when_the_side_effect_succeeded(tmp_path):
 def test_handlers_stage_runs_after_every_notifying_stage_and_before_the_reboot_policy():
     modules = [m for _, m in STAGES]
     assert modules.index("operations.handlers") == len(modules) - 2 and modules[-1] == "operations.reboot"
+
+
+def test_depmod_first_one_command_per_release_each_quoted():
+    """depmod indexes one release per call; before the initramfs (its hooks resolve modules through
+    modules.dep); a release name is quoted where it lands."""
+    target = Target()
+    three_stages(target)
+    for release in ("6.14.11-4-pve", "6.1.0-57-amd64", "x; touch $HOME"):
+        h.depends_on(h.DEPMOD, f"/lib/modules/{release}/updates/pvegpu-nvidia", "nvidia 595.71.05", "755",
+                     changed=True, why=f"installed for {release}", target=target)
+    runs = h.handler_runs(h.pending(target), {})
+    assert [r["handler"] for r in runs] == [h.DEPMOD, h.INITRAMFS, h.BOOT_REFRESH]
+    assert runs[0]["command"] == "depmod 6.1.0-57-amd64 && depmod 6.14.11-4-pve && depmod 'x; touch $HOME'"
+    assert runs[0]["name"].startswith("depmod 6.1.0-57-amd64 && depmod 6.14.11-4-pve && ")
+
+
+def test_daemon_reload_last_with_its_reasons_and_a_removed_file_is_a_reason_without_input():
+    target = Target()
+    three_stages(target)
+    h.depends_on(h.DAEMON_RELOAD, "/etc/systemd/system/pvegpu-nvidia-nodes.service", "[Unit]\n", "644",
+                 changed=False, why="unit changed", target=target)
+    h.notify(h.DAEMON_RELOAD, "/etc/systemd/system/old.service.d/pvegpu-nccl.conf removed", target=target)
+    runs = h.handler_runs(h.pending(target), {})
+    assert [r["handler"] for r in runs] == [h.INITRAMFS, h.BOOT_REFRESH, h.DAEMON_RELOAD]
+    reload = runs[-1]
+    assert reload["command"] == h.SYSTEMD_RELOAD and reload["name"].startswith("systemctl daemon-reload once: ")
+    assert reload["reasons"] == ["/etc/systemd/system/old.service.d/pvegpu-nccl.conf removed"]
+    assert reload["stamp"] == f"{sha256_text('[Unit]' + chr(10))} 644 /etc/systemd/system/pvegpu-nvidia-nodes.service\n"
+
+
+def test_flush_runs_a_handler_now_and_the_end_of_run_step_not_again(monkeypatch):
+    target = Target()
+    ran = []
+    monkeypatch.setattr(h, "run_handler", lambda **kw: ran.append(kw["command"]))
+    monkeypatch.setattr(h, "fact_once", lambda fact, **kw: {})
+    h.flush(h.DEPMOD, target=target)  # nothing declared: nothing runs
+    assert ran == []
+    h.depends_on(h.DEPMOD, "/lib/modules/6.14.11-4-pve/updates/pvegpu-nvidia", "nvidia 595.71.05", "755",
+                 changed=True, why="installed", target=target)
+    h.depends_on(h.INITRAMFS, "/etc/modprobe.d/pvegpu-nvidia.conf", "x\n", "644", changed=True, why="options",
+                 target=target)
+    h.flush(h.DEPMOD, target=target)
+    assert ran == ["depmod 6.14.11-4-pve"]
+    assert [r["handler"] for r in h.handler_runs(h.pending(target), {})] == [h.INITRAMFS]

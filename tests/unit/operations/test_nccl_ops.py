@@ -12,7 +12,8 @@ from pyinfra.context import ctx_host, ctx_state
 from pyinfra_testing.util import FakeState, create_host
 
 from facts.guest_state import GuestState, with_ct_status
-from operations import nccl
+from facts.run_state import run_state
+from operations import handlers, nccl
 from operations.files import sha256_text
 from spec.load import load_spec_file
 from tests.unit.test_nccl import nccl_conf_values
@@ -180,36 +181,93 @@ def test_dropin_with_awkward_values_passes_systemd_analyze_verify(tmp_path):
 
 # ---------------------------------------------------------------- the stage's operations
 
+class Target:
+    """Something to hang a run state on (the handler registry lives there)."""
+
+
+def reload_runs(want, state, stamps=None):
+    """The daemon-reload handler as the end-of-run step would run it after this stage declared."""
+    target = Target()
+    nccl.declare_reload(want, state, target=target)
+    return [r for r in handlers.handler_runs(handlers.pending(target), stamps or {}) if r["handler"] == handlers.DAEMON_RELOAD]
+
+
 def test_converged_host_every_operation_is_a_noop():
     spec = kpro6_spec(services=["vllm"])
     want = nccl.desired(spec, kpro6_hardware(), rdma_devices=[])
-    results = commands_of(nccl.stage_operations(want, state_for(want)))
-    assert [name for name, _, _ in results] == ["managed_file", "container_nccl_conf", "managed_file", "daemon_reload"]
+    state = state_for(want)
+    results = commands_of(nccl.stage_operations(want, state))
+    assert [name for name, _, _ in results] == ["managed_file", "container_nccl_conf", "managed_file"]
     assert all(commands == [] for _, commands, _ in results), results
     assert [noop for _, _, noop in results] == [
         "/etc/nccl.conf is up to date", "CT 200: /etc/nccl.conf is up to date",
-        "/etc/systemd/system/vllm.service.d/pvegpu-nccl.conf is up to date", "NCCL drop-ins unchanged; no daemon-reload"]
+        "/etc/systemd/system/vllm.service.d/pvegpu-nccl.conf is up to date"]
+    # the drop-in is an input of the daemon-reload handler, with no reason: the stamp of the run
+    # that wrote it matches, so nothing reloads
+    first = reload_runs(want, state_for(want, converged=False))
+    stamp = {handlers.stamp_path(handlers.DAEMON_RELOAD): {"mode": "644", "sha256": sha256_text(first[0]["stamp"])}}
+    (run,) = reload_runs(want, state, stamp)
+    assert run["reasons"] == [] and run["stamp"] == first[0]["stamp"]
+    assert run_op(handlers.run_handler, **{k: v for k, v in run.items() if k != "name"}) == (
+        [], "daemon-reload: no stage changed what it depends on")
 
 
-def test_fresh_host_writes_host_container_dropin_and_reloads_systemd():
+def test_fresh_host_writes_host_container_dropin_and_reloads_systemd_once_late():
     spec = kpro6_spec(services=["vllm"])
     want = nccl.desired(spec, kpro6_hardware(), rdma_devices=[])
-    results = commands_of(nccl.stage_operations(want, state_for(want, converged=False)))
-    assert [len(c) for _, c, _ in results] == [1, 1, 1, 1]
-    host_write, ct_write, dropin_write, reload = (c[0] for _, c, _ in results)
+    state = state_for(want, converged=False)
+    results = commands_of(nccl.stage_operations(want, state))
+    assert [len(c) for _, c, _ in results] == [1, 1, 1]
+    host_write, ct_write, dropin_write = (c[0] for _, c, _ in results)
     assert host_write.endswith("mv -f /etc/nccl.conf.pvegpu-tmp /etc/nccl.conf")
     assert ct_write.startswith("pct exec 200 -- sh -c 'mkdir -p /etc && printf %s ")
     assert "vllm.service.d/pvegpu-nccl.conf" in dropin_write
-    assert reload == "systemctl daemon-reload"
+    (run,) = reload_runs(want, state)
+    assert run["reasons"] == ["NCCL environment of vllm.service changed"]
+    assert run["name"] == "systemctl daemon-reload once: NCCL environment of vllm.service changed"
+    assert run["stamp"].endswith(" 644 /etc/systemd/system/vllm.service.d/pvegpu-nccl.conf\n")
+    (command,), _ = run_op(handlers.run_handler, **{k: v for k, v in run.items() if k != "name"})
+    assert command.startswith(handlers.SYSTEMD_RELOAD + " && ")
 
 
-def test_service_dropped_from_the_spec_loses_its_dropin_and_reload_waits_for_systemd():
+def test_service_dropped_from_the_spec_loses_its_dropin_and_reloads():
     want = nccl.desired(kpro6_spec(), kpro6_hardware(), rdma_devices=[])
     stale = "/etc/systemd/system/old.service.d/pvegpu-nccl.conf"
-    results = commands_of(nccl.stage_operations(want, state_for(want, dropins=[stale], systemd=False)))
-    assert results[-2][:2] == ("absent_file", [f"rm -f {stale}"])
-    assert results[-1] == ("daemon_reload", [],
-                           "systemd is not running (no /run/systemd/system); units read the drop-ins when it starts")
+    state = state_for(want, dropins=[stale], systemd=False)
+    results = commands_of(nccl.stage_operations(want, state))
+    assert results[-1][:2] == ("absent_file", [f"rm -f {stale}"])
+    (run,) = reload_runs(want, state)
+    assert run["reasons"] == [f"{stale} removed"] and run["stamp"] == ""  # the removed file is no input
+    # next run: nothing to remove, the empty stamp matches: no reload again
+    assert reload_runs(want, state_for(want, dropins=[])) == []
+
+
+def test_daemon_reload_runs_only_where_systemd_runs(tmp_path):
+    """The handler's command: `systemctl daemon-reload` only with /run/systemd/system (sd_booted)."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "systemctl").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/calls\n")
+    (bindir / "systemctl").chmod(0o755)
+    marker = tmp_path / "run-systemd-system"
+    command = handlers.SYSTEMD_RELOAD.replace("/run/systemd/system", str(marker))
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
+    sh(command, env)
+    assert not (tmp_path / "calls").exists()
+    marker.mkdir()
+    sh(command, env)
+    assert (tmp_path / "calls").read_text() == "daemon-reload\n"
+
+
+def test_hardware_facts_is_the_runs_reading_not_the_gpu_stages_memo():
+    """With GPUs in the spec the stage reads the HardwareProbe like every stage (fact_once), without
+    computing the GPU stage's plan (its guest configs, runtime, journal are not needed here)."""
+    state = FakeState()
+    fake = create_host(state, facts={"hardware.HardwareProbe": kpro6_hardware()})
+    spec = kpro6_spec()
+    assert spec.gpus
+    with ctx_state.use(state), ctx_host.use(fake):
+        assert nccl.hardware_facts(spec) == kpro6_hardware()
+        assert "gpus" not in run_state(fake).memos
 
 
 @pytest.mark.parametrize("status, root, noop", [

@@ -127,7 +127,8 @@ def test_fetch_op_always_fetches():
     assert commands == [ops.fetch_source_command("/a", "b" * 64, "/c")]
 
 
-def _apply_with_steps(monkeypatch, steps: dict, state: dict | None = None) -> tuple[list[str], list[str]]:
+def _apply_with_steps(monkeypatch, steps: dict, state: dict | None = None, stamps: dict | None = None,
+                      releases: list[str] | None = None) -> tuple[list[str], list[str]]:
     """ops.apply with the plan's steps given: (operations it called, lines it logged)."""
     from spec.load import load_spec_file
 
@@ -135,10 +136,14 @@ def _apply_with_steps(monkeypatch, steps: dict, state: dict | None = None) -> tu
     for name in ("fetch_source", "build_modules", "install_modules", "clean_builds", "install_userspace",
                  "verify_versions", "link_unit"):
         monkeypatch.setattr(ops, name, lambda *a, _n=name, **kw: called.append(_n))
+    # the depmod handler, flushed by the stage: which command, why (the stamps as given)
+    monkeypatch.setattr(ops.handlers, "run_handler",
+                        lambda **kw: called.append(f"{kw['command']} ({'; '.join(kw['reasons']) or 'no reason'})"))
+    monkeypatch.setattr(ops.handlers, "fact_once", lambda fact, **kw: stamps or {})
     said: list[str] = []
     monkeypatch.setattr(ops.logger, "info", said.append)
     host_state = state or {"running": "6.1.0-57-amd64", "releases": {}, "sources": {}, "persistenced": {}}
-    monkeypatch.setattr(ops, "_state_and_steps", lambda spec: (host_state, ["6.1.0-57-amd64"], steps))
+    monkeypatch.setattr(ops, "_state_and_steps", lambda spec: (host_state, releases or ["6.1.0-57-amd64"], steps))
     spec = load_spec_file(ROOT / "inventories" / "kpro6.yml")["kpro6"]
     spec = spec.model_copy(update={"nvidia": spec.nvidia.model_copy(update={"persistenced": False})})
     fake_state = FakeState()
@@ -166,7 +171,48 @@ def test_apply_calls_each_operation_the_plan_runs(monkeypatch):
                                                              "build": True}}}
     called, _ = _apply_with_steps(monkeypatch, steps)
     assert called == ["fetch_source", "fetch_source", "build_modules", "install_modules", "clean_builds",
+                      "depmod 6.1.0-57-amd64 (nvidia 595.71.05 modules installed for 6.1.0-57-amd64)",
                       "install_userspace", "verify_versions"]
+
+
+TWO_RELEASES = ["6.1.0-57-amd64", "6.14.8-2-pve"]
+
+
+def _two_releases(monkeypatch, build: dict, stamps: dict | None = None) -> list[str]:
+    """apply for two target releases (kpro6's nvidia 595.71.05), `build` saying which are built this
+    run; both have our module on the host already."""
+    steps = {**NOTHING_TO_DO, "verify": any(build.values()),
+             "releases": {r: {**NOTHING_TO_DO["releases"]["6.1.0-57-amd64"], "build": build[r]} for r in TWO_RELEASES}}
+    state = {"running": TWO_RELEASES[0], "sources": {}, "persistenced": {},
+             "releases": {r: {"module": {"version": "595.71.05"}} for r in TWO_RELEASES}}
+    called, _ = _apply_with_steps(monkeypatch, steps, state, stamps, TWO_RELEASES)
+    return called
+
+
+def test_one_depmod_for_every_release_installed_before_the_version_check(monkeypatch):
+    """Two releases built: both installed, then ONE depmod operation for both (not one per install),
+    and it runs before verify_versions (modinfo -k <release> nvidia reads the index depmod wrote)."""
+    called = _two_releases(monkeypatch, {r: True for r in TWO_RELEASES})
+    depmod = [c for c in called if c.startswith("depmod ")]
+    assert depmod == ["depmod 6.1.0-57-amd64 && depmod 6.14.8-2-pve (nvidia 595.71.05 modules installed for "
+                      "6.1.0-57-amd64; nvidia 595.71.05 modules installed for 6.14.8-2-pve)"]
+    assert called.index(depmod[0]) > max(i for i, c in enumerate(called) if c == "install_modules")
+    assert called.index(depmod[0]) < called.index("verify_versions")
+    install = ops.install_command("595.71.05", TWO_RELEASES[0]).splitlines()
+    assert not [line for line in install if line.startswith("depmod")]  # the install script no longer runs it
+
+
+def test_depmod_retried_from_its_stamp_and_quiet_once_it_matches(monkeypatch):
+    """Nothing built: with no depmod stamp (a run that installed modules and stopped before depmod)
+    it runs for the releases with our modules; with the stamp of that run it is handed no reason."""
+    called = _two_releases(monkeypatch, {r: False for r in TWO_RELEASES})
+    assert called == ["depmod 6.1.0-57-amd64 && depmod 6.14.8-2-pve "
+                      "(/var/lib/pvegpu/depmod.stamp records other files (a previous run stopped before it))"]
+    stamp = "".join(f"{hashlib.sha256(b'nvidia 595.71.05').hexdigest()} 755 /lib/modules/{r}/updates/pvegpu-nvidia\n"
+                    for r in TWO_RELEASES)
+    stamps = {"/var/lib/pvegpu/depmod.stamp": {"mode": "644", "sha256": hashlib.sha256(stamp.encode()).hexdigest()}}
+    assert _two_releases(monkeypatch, {r: False for r in TWO_RELEASES}, stamps) == [
+        "depmod 6.1.0-57-amd64 && depmod 6.14.8-2-pve (no reason)"]  # run_handler then noops (handlers tests)
 
 
 def test_build_command_uses_kernel_compiler_ccache_and_jobs():
@@ -323,7 +369,7 @@ def test_open_tree_src_built_once_for_two_releases_stripped_then_signed(tmp_path
     shared; each release gets its own kernel-open/; modules are stripped, then signed."""
     monkeypatch.setattr(ops, "BUILD_ROOT", str(tmp_path / "build"))
     monkeypatch.setattr(ops, "CONFTEST_CACHE", str(tmp_path / "conftest-cache"))
-    top = tmp_path / "tree/open-gpu-kernel-modules-595.45.04"
+    top = tmp_path / "tree/open-gpu-kernel-modules-595.71.05"
     for d in ("src/nvidia", "src/nvidia-modeset", "kernel-open/nvidia", "kernel-open/nvidia-modeset"):
         (top / d).mkdir(parents=True)
     (top / "kernel-open/Kbuild").write_text("obj-m += nvidia.o\n")
@@ -349,13 +395,13 @@ def test_open_tree_src_built_once_for_two_releases_stripped_then_signed(tmp_path
         modules = tmp_path / "lib/modules" / release / "build/scripts"
         modules.mkdir(parents=True)
         (modules / "sign-file").symlink_to(bindir / "sign-file")
-        command = ops.build_command(str(archive), "595.45.04", release, "gcc-12", 2, ccache=False, cxx="g++-12",
+        command = ops.build_command(str(archive), "595.71.05", release, "gcc-12", 2, ccache=False, cxx="g++-12",
                                     signing=("/root/mok.key", "/root/mok.der"))
         command = command.replace("/lib/modules/", str(tmp_path / "lib/modules") + "/")
         done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env={**env, "REL": release})
         assert done.returncode == 0, done.stderr
         outs.append(done.stdout)
-        assert sorted(p.name for p in (tmp_path / "build/595.45.04" / release / "out").iterdir()) == ["nvidia-uvm.ko", "nvidia.ko"]
+        assert sorted(p.name for p in (tmp_path / "build/595.71.05" / release / "out").iterdir()) == ["nvidia-uvm.ko", "nvidia.ko"]
     makes = (tmp_path / "conftest.log.make").read_text().splitlines()
     assert sum("nv-kernel.o_binary" in m for m in makes) == 1, makes
     assert "CC=gcc-12 CXX=g++-12" in makes[0]
@@ -363,9 +409,9 @@ def test_open_tree_src_built_once_for_two_releases_stripped_then_signed(tmp_path
     steps = (tmp_path / "conftest.log.strip").read_text().splitlines()
     assert steps[0].startswith("strip --strip-debug") and steps[1].startswith("sign sha256 /root/mok.key /root/mok.der")
     assert [s.split()[0] for s in steps] == ["strip", "sign", "sign"] * 2
-    assert not (tmp_path / "build/595.45.04/6.1.0-57-amd64/kernel-open").exists()
-    subprocess.run(["sh", "-c", ops.cleanup_command("595.45.04")], check=True)
-    assert not (tmp_path / "build/595.45.04").exists()
+    assert not (tmp_path / "build/595.71.05/6.1.0-57-amd64/kernel-open").exists()
+    subprocess.run(["sh", "-c", ops.cleanup_command("595.71.05")], check=True)
+    assert not (tmp_path / "build/595.71.05").exists()
 
 
 def test_persistenced_is_enabled_through_the_one_wants_link_operation(monkeypatch):
