@@ -15,6 +15,7 @@ from __future__ import annotations
 import ipaddress
 import posixpath
 import re
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BeforeValidator
@@ -167,6 +168,21 @@ def source_location(url: str) -> str:
 
 # ----------------------------------------------------------------- names and identifiers
 
+
+def _regex_validator(name: str, pattern: re.Pattern[str], what: str, doc: str,
+                     max_len: int | None = None) -> Callable[[str], str]:
+    """A check named `name` that returns its value when `pattern` matches it (and it is at most
+    `max_len` characters), else raises ValueError "<the value, quoted> <what>"."""
+    def check(value: str) -> str:
+        if not pattern.match(value) or (max_len is not None and len(value) > max_len):
+            raise ValueError(f"{value!r} {what}")
+        return value
+
+    check.__name__ = check.__qualname__ = name
+    check.__doc__ = doc
+    return check
+
+
 HOST_LABEL_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 
 
@@ -187,23 +203,20 @@ def hostname_or_ip(value: str) -> str:
 # follows shadow's useradd default (is_valid_user_name): [a-z_][a-z0-9_-]*$?, at most 32
 POSIX_USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,30}\$?$")
 
-
-def posix_user(value: str) -> str:
-    if not POSIX_USER_RE.match(value):
-        raise ValueError(f"{value!r} is not a login name (lowercase letters, digits, '_' and '-', "
-                         "starting with a letter or '_', at most 32)")
-    return value
+posix_user = _regex_validator(
+    "posix_user", POSIX_USER_RE,
+    "is not a login name (lowercase letters, digits, '_' and '-', starting with a letter or '_', at most 32)",
+    "A login name as useradd takes it by default.")
 
 
 # follows pve-common src/PVE/JSONSchema.pm pve_verify_node_name()
 PVE_NODE_RE = re.compile(r"^[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?$")
 
-
-def pve_node(value: str) -> str:
-    if not PVE_NODE_RE.match(value) or len(value) > 63:
-        raise ValueError(f"{value!r} is not a Proxmox node name (letters, digits and '-', not at either end, "
-                         "at most 63; the short host name, like 'kpro6')")
-    return value
+pve_node = _regex_validator(
+    "pve_node", PVE_NODE_RE,
+    "is not a Proxmox node name (letters, digits and '-', not at either end, at most 63; the short host name, "
+    "like 'kpro6')",
+    "A Proxmox node name (one DNS label, at most 63 characters).", max_len=63)
 
 
 # follows pve-access-control src/PVE/Auth/Plugin.pm $user_regex / $realm_regex and
@@ -212,29 +225,19 @@ PVE_USERID_RE = re.compile(r"^[^\s:/]+@[A-Za-z][A-Za-z0-9._-]+$")
 # follows pve-access-control src/PVE/AccessControl.pm $token_subid_regex (= the realm form)
 PVE_TOKEN_RE = re.compile(r"^[A-Za-z][A-Za-z0-9._-]+$")
 
-
-def pve_userid(value: str) -> str:
-    if not PVE_USERID_RE.match(value) or len(value) > 64:
-        raise ValueError(f"{value!r} is not a Proxmox user ID; write user@realm, like 'root@pam' (at most 64)")
-    return value
-
-
-def pve_token_name(value: str) -> str:
-    if not PVE_TOKEN_RE.match(value) or len(value) > 64:
-        raise ValueError(f"{value!r} is not a Proxmox API token name (a letter, then letters, digits, '.', '_', '-'; "
-                         "the part after '!' in user@realm!name)")
-    return value
-
-
+pve_userid = _regex_validator(
+    "pve_userid", PVE_USERID_RE, "is not a Proxmox user ID; write user@realm, like 'root@pam' (at most 64)",
+    "A Proxmox user ID, user@realm.", max_len=64)
+pve_token_name = _regex_validator(
+    "pve_token_name", PVE_TOKEN_RE,
+    "is not a Proxmox API token name (a letter, then letters, digits, '.', '_', '-'; "
+    "the part after '!' in user@realm!name)",
+    "A Proxmox API token name (the part after '!').", max_len=64)
 
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-def env_name(value: str) -> str:
-    if not ENV_NAME_RE.match(value):
-        raise ValueError(f"{value!r} is not an environment variable name (letters, digits, '_', not starting with a digit)")
-    return value
-
+env_name = _regex_validator(
+    "env_name", ENV_NAME_RE, "is not an environment variable name (letters, digits, '_', not starting with a digit)",
+    "An environment variable name.")
 
 
 def local_path(value: str) -> str:

@@ -36,12 +36,16 @@ INVENTORY = textwrap.dedent("""\
 """)
 
 
-def spec_yaml(ct_gpus: list[str], vm_gpus: list[str]) -> dict:
+def spec_yaml(ct_gpus: list[str], vm_gpus: list[str], shutdown_timeout: int | None = None) -> dict:
+    """kpro6's spec with `ct_gpus` in CT 200 and `vm_gpus` in VM 300 (guests.shutdown_timeout when given)."""
+    guests: dict = {"allow_stop": True}
+    if shutdown_timeout is not None:
+        guests["shutdown_timeout"] = shutdown_timeout
     return {"hosts": {"kpro6": {
         "node": "kpro6", "iommu": {"vendor": "amd", "params": ["pci=realloc"]},
         "gpus": {b: "lxc" for b in ct_gpus} | {b: "vm:300" for b in vm_gpus},
         "containers": {200: {"gpus": ct_gpus}}, "vms": {300: {"gpus": vm_gpus, "machine": "q35"}},
-        "reboot": {"allowed": True}, "guests": {"allow_stop": True}}}}
+        "reboot": {"allowed": True}, "guests": guests}}}
 
 
 class Run:

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -22,30 +21,13 @@ import pytest
 import yaml
 
 from tests.e2e.harness import PYINFRA, REPO, run_pyinfra
+from tests.e2e.test_rebind_e2e import BDFS, INVENTORY, spec_yaml
 from tests.twin import runtime
 
-BDFS = ["0000:01:00.0", "0000:21:00.0", "0000:41:00.0", "0000:61:00.0",
-        "0000:81:00.0", "0000:a1:00.0", "0000:c1:00.0", "0000:e1:00.0"]
 JOURNAL = "var/lib/pvegpu/rebind/journal"
 
-INVENTORY = textwrap.dedent("""\
-    import json
-    from pathlib import Path
-    from spec.load import inventory_hosts
-    twin = json.loads(Path({twin_json!r}).read_text())
-    name, data = inventory_hosts(Path(__file__).with_suffix(".yml"))[0]
-    data = dict(data, ssh_hostname=twin["address"], ssh_port=twin["port"], ssh_user="root",
-                ssh_key=twin["key"], ssh_strict_host_key_checking="no", pvegpu_node="kpro6")
-    gpu_hosts = [(name, data)]
-""")
-
-
-def spec_yaml(ct_gpus: list[str], vm_gpus: list[str]) -> dict:
-    return {"hosts": {"kpro6": {
-        "node": "kpro6", "iommu": {"vendor": "amd", "params": ["pci=realloc"]},
-        "gpus": {b: "lxc" for b in ct_gpus} | {b: "vm:300" for b in vm_gpus},
-        "containers": {200: {"gpus": ct_gpus}}, "vms": {300: {"gpus": vm_gpus, "machine": "q35"}},
-        "reboot": {"allowed": True}, "guests": {"allow_stop": True, "shutdown_timeout": 20}}}}
+# the guests' shutdown timeout of these runs (the rebind e2e's spec otherwise)
+SHUTDOWN_TIMEOUT_S = 20
 
 
 class Host:
@@ -55,7 +37,7 @@ class Host:
         (tmp / "inv.py").write_text(INVENTORY.format(twin_json=str(REPO / ".twin" / twin.name / "twin.json")))
 
     def write_spec(self, ct, vm) -> None:
-        (self.tmp / "inv.yml").write_text(yaml.safe_dump(spec_yaml(ct, vm)))
+        (self.tmp / "inv.yml").write_text(yaml.safe_dump(spec_yaml(ct, vm, shutdown_timeout=SHUTDOWN_TIMEOUT_S)))
 
     def deploy(self, ct, vm, *extra):
         self.write_spec(ct, vm)

@@ -6,14 +6,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from pyinfra.context import ctx_host, ctx_state
-from pyinfra_testing.util import FakeState, create_host, get_command_string
 
 from facts import boot as facts_boot
 from facts.kernel import parse_boot_loader, parse_proc_cmdline
 from operations import boot
 from operations.files import sha256_text
 from spec.models import HostSpec
+from tests.unit.operations.oprun import run_op
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "cmdline"
 AMD = {"vendor": "amd", "model": "AMD EPYC 9354", "flags": ["svm", "sev_snp"], "virtualized": False, "processors": 64}
@@ -23,15 +22,6 @@ PVE8 = {"version": "8.4.1", "major": 8, "minor": 4, "running_kernel": "6.8.12-1-
 
 def fixture_lines(name):
     return [l for l in (FIXTURES / name).read_text().splitlines()[2:] if not l.startswith("$ ")]
-
-
-def run_op(op, *args, **kwargs):
-    """Commands an operation yields and its noop reason, on a fake host."""
-    state = FakeState()
-    fake = create_host(state)
-    with ctx_state.use(state), ctx_host.use(fake):
-        commands = [get_command_string(c) if not isinstance(c, str) else c for c in op._inner(*args, **kwargs)]
-    return commands, fake.noop_description
 
 
 def systemd_boot_facts(kernel_cmdline, booted, files=None, modules=()):

@@ -13,7 +13,8 @@ import pytest
 from operations import containers
 from plan.containers import INSTALLER_FLAGS, plan_userspace
 from spec.models import ContainerSpec
-from tests.unit.operations.test_nccl_ops import pct_list, read_in_shell, run_op
+from tests.unit.operations.oprun import NO_BUILDS, run_op
+from tests.unit.operations.test_nccl_ops import pct_list, read_in_shell
 
 VERSION = "595.71.05"
 
@@ -100,7 +101,7 @@ def test_fact_parses_stopped_and_missing_containers_and_host_driver():
 def test_install_command_quotes_values_and_passes_the_no_modules_flags():
     commands, _ = run_op(containers.container_userspace, ctid=200, action="install", reason="r", version=VERSION,
                          installer_url="/srv/it's here.run", sha256="a" * 64,
-                         cached="/var/cache/pvegpu/sources/x.run", check_nvml=False)
+                         cached="/var/cache/pvegpu/sources/x.run", check_nvml=False, facts=NO_BUILDS)
     assert len(commands) == 1
     cmd = commands[0]
     assert "'/srv/it'\"'\"'s here.run'" in cmd
@@ -108,7 +109,7 @@ def test_install_command_quotes_values_and_passes_the_no_modules_flags():
     assert f"sh /root/.pvegpu-NVIDIA-Linux-x86_64-{VERSION}.run {' '.join(INSTALLER_FLAGS)}" in cmd
     assert "nvidia-smi" not in cmd  # the host does not run this version yet: NVML cannot work
     assert run_op(containers.container_userspace, ctid=200, action="ok", reason="CT 200 has it",
-                  version=VERSION) == ([], "CT 200 has it")
+                  version=VERSION, facts=NO_BUILDS) == ([], "CT 200 has it")
 
 
 @needs_root
@@ -124,7 +125,7 @@ def test_install_into_the_containers_own_root_then_nothing_to_do(node):
     cached = str(node["cache"] / f"{node['sha']}-installer.run")
     commands, _ = run_op(containers.container_userspace, ctid=200, action="install", reason=steps[0].reason,
                          version=VERSION, installer_url=str(node["run"]), sha256=node["sha"], cached=cached,
-                         check_nvml=False)
+                         check_nvml=False, facts=NO_BUILDS)
     done = shell(commands[0], env)
     assert done.returncode == 0, done.stderr
     upper = node["root"] / ".usr-upper/lib/x86_64-linux-gnu"

@@ -5,14 +5,12 @@ import os
 import subprocess
 from pathlib import Path
 
-from pyinfra.context import ctx_host, ctx_state
-from pyinfra_testing.util import FakeState, create_host
-
 from facts.rebind import GpuHolders, GuestRuntime, parse_guest_runtime
 from operations.gpus import binding_rules, close_rebind_journal, rebind_gpus
 from plan.gpus import Bindings, Move, RebindPlan
 from plan.rebind import Journal
 from tests.twin.hardware import RULE_RE
+from tests.unit.operations.oprun import run_op
 
 PCT_LIST = """\
 VMID       Status     Lock         Name
@@ -72,33 +70,26 @@ def test_binding_rules_follow_the_twin_contract_format():
 # ---------------------------------------------------------------- operations: commands out
 
 
-def _run_op(op, *args, **kwargs):
-    host = create_host(FakeState())
-    with ctx_state.use(FakeState()), ctx_host.use(host):
-        commands = list(op._inner(*args, **kwargs))
-    return commands, host.noop_description
-
-
 PLAN = RebindPlan([Move("0000:01:00.0", "nvidia", "vfio-pci"), Move("0000:81:00.0", "vfio-pci", "nvidia")],
                   [("lxc", 200), ("qemu", 300)], [], True)
 NVIDIA = {"0000:01:00.0": {"minor": 0}}
 
 
 def test_rebind_op_is_one_detached_start_or_a_noop():
-    commands, _ = _run_op(rebind_gpus, PLAN, NVIDIA, shutdown_timeout=45, txid="tx-1")
+    commands, _ = run_op(rebind_gpus, PLAN, NVIDIA, shutdown_timeout=45, txid="tx-1", render=None)
     assert len(commands) == 1
     text = str(commands[0])
     assert "qm shutdown 300 --timeout 45 ||" in text  # inside the runner
     assert "setsid flock /run/pvegpu/rebind.lock /bin/sh /var/lib/pvegpu/rebind/run.sh" in text
     assert "systemd-run" not in text
-    commands, _ = _run_op(rebind_gpus, PLAN, NVIDIA, systemd=True, txid="tx-1")
+    commands, _ = run_op(rebind_gpus, PLAN, NVIDIA, systemd=True, txid="tx-1", render=None)
     assert "systemd-run --unit pvegpu-rebind --collect --quiet flock /run/pvegpu/rebind.lock" in str(commands[0])
-    commands, noop = _run_op(rebind_gpus, RebindPlan([], [], [], True), NVIDIA)
+    commands, noop = run_op(rebind_gpus, RebindPlan([], [], [], True), NVIDIA, render=None)
     assert commands == [] and "every GPU is bound" in noop
 
 
 def test_carried_guests_are_recorded_in_the_new_journal():
-    commands, _ = _run_op(rebind_gpus, PLAN, NVIDIA, carried=[("lxc", 201)], txid="tx-1")
+    commands, _ = run_op(rebind_gpus, PLAN, NVIDIA, carried=[("lxc", 201)], txid="tx-1", render=None)
     assert "note stopped lxc 201 carried" in str(commands[0])
 
 
@@ -110,7 +101,7 @@ def test_with_the_api_guests_shut_down_through_it_before_the_runner(monkeypatch)
 
     monkeypatch.setenv("PVEGPU_UNIT_TOKEN", "unit-secret-value")
     api = PveApi(ProxmoxApiSpec(host="127.0.0.1", token_name="pvegpu", token_env="PVEGPU_UNIT_TOKEN"), "kpro6")
-    commands, _ = _run_op(rebind_gpus, PLAN, NVIDIA, api=api, shutdown_timeout=30)
+    commands, _ = run_op(rebind_gpus, PLAN, NVIDIA, api=api, shutdown_timeout=30, render=None)
     assert [type(c).__name__ for c in commands] == ["FunctionCommand", "FunctionCommand", "StringCommand"]
     assert [c.args[1:] for c in commands[:2]] == [("lxc", 200, 30), ("qemu", 300, 30)]
     assert all(c.function is api_guest_stop for c in commands[:2] if isinstance(c, FunctionCommand))
@@ -122,11 +113,11 @@ def test_with_the_api_guests_shut_down_through_it_before_the_runner(monkeypatch)
 
 
 def test_close_journal_only_when_there_is_one():
-    commands, noop = _run_op(close_rebind_journal, Journal(), False)
+    commands, noop = run_op(close_rebind_journal, Journal(), False, render=None)
     assert commands == [] and "no rebind journal" in noop
-    commands, _ = _run_op(close_rebind_journal, Journal(lines=["t begin x pid=1"]), False)
+    commands, _ = run_op(close_rebind_journal, Journal(lines=["t begin x pid=1"]), False, render=None)
     assert "mv /var/lib/pvegpu/rebind/journal /var/lib/pvegpu/rebind/history/" in str(commands[0])
-    commands, _ = _run_op(close_rebind_journal, Journal(), True)
+    commands, _ = run_op(close_rebind_journal, Journal(), True, render=None)
     assert len(commands) == 1
 
 

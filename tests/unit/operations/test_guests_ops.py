@@ -4,9 +4,6 @@ import base64
 import re
 from pathlib import Path
 
-from pyinfra.context import ctx_host, ctx_state
-from pyinfra_testing.util import FakeState, create_host
-
 from facts.guests import ContainerGpuState, VmMappingReferences
 from facts.proxmox import parse_guest_config
 from operations.guests import (
@@ -15,8 +12,9 @@ from operations.guests import (
     vm_hostpci,
 )
 from operations.proxmox import PveApi, api_guest_start, api_guest_stop, api_write
-from spec.models import ProxmoxApiSpec
 from plan.guests import MappingChange, plan_vm
+from spec.models import ProxmoxApiSpec
+from tests.unit.operations.oprun import run_op
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 
@@ -47,13 +45,6 @@ def test_container_state_fact_splits_real_outputs():
     assert "pct" not in ContainerGpuState.command and "status" not in state
 
 
-def run_op(op, facts=None, *args, **kwargs):
-    host = create_host(FakeState(), facts=facts or {})
-    with ctx_state.use(FakeState()), ctx_host.use(host):
-        commands = [str(c) for c in op._inner(*args, **kwargs)]
-    return commands, host.noop_description
-
-
 def written(command):
     """The content a write_file_command writes, and its path."""
     b64 = re.search(r"printf %s (\S+) \| base64 -d", command).group(1)
@@ -70,7 +61,7 @@ def facts_for(configs, status):
 def test_ct_gets_its_gpu_by_minor_and_a_running_ct_restarts():
     facts = facts_for({102: JELLYFIN, 103: IGPU}, {102: "running", 103: "running"})
     wanted = {102: {"gpus": ["0000:00:06.0"], "gid": 44}, 103: {"gpus": [], "gid": 44}}
-    commands, _ = run_op(container_gpu_devices, facts, wanted, False)
+    commands, _ = run_op(container_gpu_devices, wanted, False, facts=facts)
     # 102 passes /dev/nvidia0 already; only its uvm/caps majors change (511/236 -> 238/241): rewrite, no restart
     assert len(commands) == 1
     path, text = written(commands[0])
@@ -81,7 +72,7 @@ def test_ct_gets_its_gpu_by_minor_and_a_running_ct_restarts():
 
 def test_new_gpu_set_on_a_running_ct_restarts_it_with_dev_entries():
     facts = facts_for({103: IGPU}, {103: "running"})
-    commands, _ = run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True)
+    commands, _ = run_op(container_gpu_devices, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True, facts=facts)
     assert commands[1].startswith("pct shutdown 103 --timeout 120 || {") and commands[1].endswith("pct stop 103; }")
     assert commands[2] == "pct start 103"
     _, text = written(commands[0])
@@ -90,34 +81,34 @@ def test_new_gpu_set_on_a_running_ct_restarts_it_with_dev_entries():
 
 def test_converged_containers_are_a_noop():
     facts = facts_for({103: IGPU}, {103: "running"})
-    commands, _ = run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True)
+    commands, _ = run_op(container_gpu_devices, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True, facts=facts)
     _, text = written(commands[0])
-    commands, noop = run_op(container_gpu_devices, facts_for({103: text}, {103: "running"}),
-                            {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True)
+    commands, noop = run_op(container_gpu_devices, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True,
+                            facts=facts_for({103: text}, {103: "running"}))
     assert commands == [] and noop == "every container passes exactly its GPUs"
 
 
 def test_pending_boot_uses_boot_minors_and_does_not_restart():
     facts = facts_for({103: IGPU}, {103: "running"})
-    commands, _ = run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:81:00.0"], "gid": 44}}, True,
-                         boot_minors={"0000:01:00.0": 0, "0000:81:00.0": 1})
+    commands, _ = run_op(container_gpu_devices, {103: {"gpus": ["0000:81:00.0"], "gid": 44}}, True,
+                         boot_minors={"0000:01:00.0": 0, "0000:81:00.0": 1}, facts=facts)
     assert len(commands) == 1 and "dev0: /dev/nvidia1,gid=44" in written(commands[0])[1]
 
 
 def test_ct_stopped_by_the_rebind_is_started_again():
     facts = facts_for({103: IGPU}, {103: "stopped"})
-    commands, _ = run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True,
-                         start_after=[103])
+    commands, _ = run_op(container_gpu_devices, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True,
+                         start_after=[103], facts=facts)
     assert commands[-1] == "pct start 103"
 
 
 def test_mapping_commands_quote_values():
     change = MappingChange("pvegpu-kpro6-0000-81-00-0", "set",
                            [{"id": "10de:2bb5", "iommugroup": "40", "node": "kpro6", "path": "0000:81:00"}], "stale")
-    commands, _ = run_op(pci_mappings, None, [change])
+    commands, _ = run_op(pci_mappings, [change])
     assert commands == ["pvesh set /cluster/mapping/pci/pvegpu-kpro6-0000-81-00-0 "
                         "--map id=10de:2bb5,iommugroup=40,node=kpro6,path=0000:81:00"]
-    assert run_op(pci_mappings, None, [])[1] == "PCI resource mappings match the hardware"
+    assert run_op(pci_mappings, [])[1] == "PCI resource mappings match the hardware"
 
 
 PCI = {"0000:81:00.0": {"vendor": "10de", "device": "2bb5", "iommu_group": 40},
@@ -128,23 +119,23 @@ def test_vm_set_delete_and_start_after_rebind():
     config = parse_guest_config(["machine: q35", "hostpci0: mapping=pvegpu-kpro6-0000-81-00-0,pcie=1",
                                  "hostpci1: mapping=pvegpu-kpro6-0000-a1-00-0,pcie=1"], "qemu")
     plan = plan_vm(300, "kpro6", ["0000:81:00.0"], "q35", False, config, PCI, set(PCI))
-    commands, _ = run_op(vm_hostpci, None, plan, start=True)
+    commands, _ = run_op(vm_hostpci, plan, start=True)
     assert commands == ["qm set 300 --delete hostpci1", "qm start 300"]
     plan = plan_vm(300, "kpro6", ["0000:81:00.0", "0000:a1:00.0"], "q35", False, config, PCI, set(PCI))
-    commands, noop = run_op(vm_hostpci, None, plan, restart=True)
+    commands, noop = run_op(vm_hostpci, plan, restart=True)
     assert commands == [] and noop == "VM 300 passes exactly its GPUs"
 
 
 def test_stale_mapping_is_deleted_with_pvesh():
     change = MappingChange("pvegpu-kpro6-0000-81-00-0", "delete", [], "stale")
-    commands, _ = run_op(pci_mappings, None, [change])
+    commands, _ = run_op(pci_mappings, [change])
     assert commands == ["pvesh delete /cluster/mapping/pci/pvegpu-kpro6-0000-81-00-0"]
 
 
 def test_running_vm_whose_gpus_changed_shuts_down_then_starts():
     config = parse_guest_config(["machine: q35", "hostpci0: mapping=pvegpu-kpro6-0000-81-00-0,pcie=1"], "qemu")
     plan = plan_vm(300, "kpro6", ["0000:81:00.0", "0000:a1:00.0"], "q35", False, config, PCI, set(PCI))
-    commands, _ = run_op(vm_hostpci, None, plan, restart=True, shutdown_timeout=60)
+    commands, _ = run_op(vm_hostpci, plan, restart=True, shutdown_timeout=60)
     assert commands[0] == "qm set 300 --hostpci1 mapping=pvegpu-kpro6-0000-a1-00-0,pcie=1"
     assert commands[1].startswith("qm shutdown 300 --timeout 60 || {") and commands[2] == "qm start 300"
 
@@ -154,24 +145,19 @@ def api_for_tests(monkeypatch):
     return PveApi(ProxmoxApiSpec(host="127.0.0.1", token_name="pvegpu", token_env="PVEGPU_UNIT_TOKEN"), "kpro6")
 
 
-def raw_op(op, facts=None, *args, **kwargs):
-    host = create_host(FakeState(), facts=facts or {})
-    with ctx_state.use(FakeState()), ctx_host.use(host):
-        return list(op._inner(*args, **kwargs))
-
-
 def test_with_the_api_vm_writes_and_power_actions_are_function_commands(monkeypatch):
     api = api_for_tests(monkeypatch)
     config = parse_guest_config(["machine: q35", "hostpci0: mapping=pvegpu-kpro6-0000-81-00-0,pcie=1",
                                  "hostpci1: mapping=pvegpu-kpro6-0000-a1-00-0,pcie=1"], "qemu")
     plan = plan_vm(300, "kpro6", ["0000:81:00.0"], "q35", False, config, PCI, set(PCI))
-    commands = raw_op(vm_hostpci, None, plan, restart=True, node="kpro6", api=api, shutdown_timeout=60)
+    commands, _ = run_op(vm_hostpci, plan, restart=True, node="kpro6", api=api, shutdown_timeout=60, render=None)
     assert [c.function for c in commands] == [api_write, api_guest_stop, api_guest_start]
     write = commands[0].args[1]
     assert (write.method, write.path, write.params) == ("set", "/nodes/kpro6/qemu/300/config", (("delete", "hostpci1"),))
     assert commands[1].args[1:] == ("qemu", 300, 60)
-    mapping = raw_op(pci_mappings, None, [MappingChange("pvegpu-x", "create", [{"id": "10de:2bb5", "node": "kpro6",
-                                                                                 "path": "0000:81:00"}], "new")], api=api)
+    mapping, _ = run_op(pci_mappings, [MappingChange("pvegpu-x", "create", [{"id": "10de:2bb5", "node": "kpro6",
+                                                                             "path": "0000:81:00"}], "new")],
+                        api=api, render=None)
     assert mapping[0].args[1].params == (("id", "pvegpu-x"), ("map", "id=10de:2bb5,node=kpro6,path=0000:81:00"))
     assert "unit-secret-value" not in " ".join(repr(c) for c in commands + mapping)
 
@@ -179,8 +165,8 @@ def test_with_the_api_vm_writes_and_power_actions_are_function_commands(monkeypa
 def test_with_the_api_a_ct_restart_shuts_down_then_starts_through_it(monkeypatch):
     api = api_for_tests(monkeypatch)
     facts = facts_for({103: IGPU}, {103: "running"})
-    commands = raw_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True,
-                      api=api, shutdown_timeout=15)
+    commands, _ = run_op(container_gpu_devices, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True,
+                         api=api, shutdown_timeout=15, facts=facts, render=None)
     assert "/etc/pve/lxc/103.conf" in str(commands[0])  # the config file itself is written over SSH
     assert [c.function for c in commands[1:]] == [api_guest_stop, api_guest_start]
     assert commands[1].args[1:] == ("lxc", 103, 15)
@@ -199,7 +185,7 @@ def test_mapping_references_fact_splits_main_and_snapshot_sections():
 
 def test_ct_config_is_written_under_the_proxmox_config_lock():
     facts = facts_for({103: IGPU}, {103: "stopped"})
-    commands, _ = run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True)
+    commands, _ = run_op(container_gpu_devices, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True, facts=facts)
     # pve-container PVE/LXC/Config.pm config_file_lock(): the flock pct/the GUI hold for this CT's config
     assert commands[0].startswith("mkdir -p /run/lock/lxc && ( flock -w 10 9 ||")
     assert commands[0].endswith(") 9>/run/lock/lxc/pve-config-103.lock")
@@ -212,10 +198,10 @@ def test_locked_ct_is_neither_written_nor_restarted():
 
     facts = facts_for({103: "lock: backup\n" + IGPU}, {103: "running"})
     with pytest.raises(OperationError, match=r"CT 103 is locked \(backup\).*pct unlock 103"):
-        run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True)
+        run_op(container_gpu_devices, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True, facts=facts)
     # nothing to change: a lock is no reason to fail
     converged = facts_for({103: "lock: backup\n" + IGPU}, {103: "running"})
-    assert run_op(container_gpu_devices, converged, {103: {"gpus": [], "gid": 44}}, True)[0] == []
+    assert run_op(container_gpu_devices, {103: {"gpus": [], "gid": 44}}, True, facts=converged)[0] == []
 
 
 def test_running_ha_managed_ct_is_not_restarted_through_pct():
@@ -225,10 +211,11 @@ def test_running_ha_managed_ct_is_not_restarted_through_pct():
     facts = facts_for({103: IGPU}, {103: "running"})
     ha = {"ct:103": {"type": "ct", "id": 103, "state": "started", "options": {}}}
     with pytest.raises(OperationError, match=r"CT 103 needs a restart .* HA resource ct:103.*ha-manager remove ct:103"):
-        run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True, ha=ha)
+        run_op(container_gpu_devices, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True, ha=ha, facts=facts)
     # HA ignores it: pct restarts it as usual
     ignored = {"ct:103": dict(ha["ct:103"], state="ignored")}
-    commands, _ = run_op(container_gpu_devices, facts, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True, ha=ignored)
+    commands, _ = run_op(container_gpu_devices, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True, ha=ignored,
+                         facts=facts)
     assert commands[2] == "pct start 103"
 
 

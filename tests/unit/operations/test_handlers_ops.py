@@ -4,12 +4,10 @@ when a stage changed a file or the stamp says a previous run did not finish it."
 
 import subprocess
 
-from pyinfra.context import ctx_host, ctx_state
-from pyinfra_testing.util import FakeState, create_host
-
 from operations import STAGES
 from operations import handlers as h
 from operations.files import sha256_text
+from tests.unit.operations.oprun import run_op
 
 
 class Data:
@@ -20,14 +18,6 @@ class Data:
 class Target:
     def __init__(self):
         self.data = Data()
-
-
-def run_op(op, **kwargs):
-    state = FakeState()
-    fake = create_host(state)
-    with ctx_state.use(state), ctx_host.use(fake):
-        commands = [str(c.get_raw_value() if hasattr(c, "get_raw_value") else c) for c in op._inner(**kwargs)]
-    return commands, fake.noop_description
 
 
 def three_stages(target, changed=(True, True, True), cmdline_changed=True):

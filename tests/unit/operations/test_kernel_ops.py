@@ -9,25 +9,17 @@ import time
 from types import SimpleNamespace
 
 from pyinfra.api import FunctionCommand
-from pyinfra.context import ctx_host, ctx_state
-from pyinfra_testing.util import FakeState, create_host, get_command_string
+from pyinfra_testing.util import get_command_string
 
 from facts import kernel as kernel_facts
 from operations import kernel, reboot
 from plan import kernel as plan
 from plan.render import render_template
 from spec.models import KernelSpec
+from tests.unit.operations.oprun import run_op
 
 TARBALL = {"kind": "tarball", "url": "file:///var/cache/linux-source-6.1.tar.xz", "sha256": "a" * 64}
 GIT = {"kind": "proxmox-git", "url": "git://git.proxmox.com/git/pve-kernel.git", "ref": "v6.14.8-2"}
-
-
-def run_op(op, *args, **kwargs):
-    state = FakeState()
-    fake = create_host(state)
-    with ctx_state.use(state), ctx_host.use(fake):
-        out = list(op._inner(*args, **kwargs))
-    return [c if isinstance(c, FunctionCommand) else get_command_string(c) for c in out], fake.noop_description
 
 
 def sh(cmd, **kw):

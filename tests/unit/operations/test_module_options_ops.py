@@ -3,30 +3,19 @@ the rendered unit checked by systemd-analyze, and the reboot reasons from real p
 
 import shutil
 import subprocess
-
-from facts.files import ManagedFiles
 from pathlib import Path
 
 import pytest
-from pyinfra.context import ctx_host, ctx_state
-from pyinfra_testing.util import FakeState, create_host
 
+from facts.files import ManagedFiles
 from facts.kernel import parse_module_parameters
 from operations import module_options as mo
 from plan import nvidia as nvplan
 from spec.load import load_spec_file
+from tests.unit.operations.oprun import run_op
 
 ROOT = Path(__file__).resolve().parents[3]
 FIXTURES = ROOT / "tests" / "fixtures"
-
-
-def run_op(op, **kwargs):
-    """The commands an operation yields (as strings) and its noop reason, with a fake host."""
-    state = FakeState()
-    fake = create_host(state)
-    with ctx_state.use(state), ctx_host.use(fake):
-        commands = [str(c.get_raw_value() if hasattr(c, "get_raw_value") else c) for c in op._inner(**kwargs)]
-    return commands, fake.noop_description
 
 
 def kpro6_spec():

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 from pyinfra.context import ctx_host, ctx_state
-from pyinfra_testing.util import FakeState, create_host
+from pyinfra_testing.util import FakeState
 
 from facts.guest_state import GuestState, with_ct_status
 from facts.run_state import run_state
 from operations import handlers, nccl
 from operations.files import sha256_text
 from spec.load import load_spec_file
+from tests.unit.operations.oprun import NO_BUILDS, run_op
 from tests.unit.test_nccl import nccl_conf_values
 from tests.unit.test_topology_report import kpro6_hardware
 
@@ -23,16 +24,6 @@ ROOT = Path(__file__).resolve().parents[3]
 PCT_HEADER = f"{'VMID':<10} {'Status':<10} {'Lock':<12} {'Name':<20}"  # pct list's header (PVE's format)
 
 
-def run_op(op, **kwargs):
-    """The commands an operation yields (as strings) and its noop reason, with a fake host."""
-    from operations import progress
-
-    state = FakeState()
-    fake = create_host(state, facts={"progress.Durations": {}})  # no build recorded on this host
-    with ctx_state.use(state), ctx_host.use(fake):
-        commands = [c.args[0] if getattr(c, "function", None) is progress.run_reported  # a command reported on
-                    else str(c.get_raw_value() if hasattr(c, "get_raw_value") else c) for c in op._inner(**kwargs)]
-    return commands, fake.noop_description
 
 
 def sh(command, env=None):
@@ -100,7 +91,7 @@ def commands_of(ops):
     out = []
     for op, kwargs in ops:
         kwargs = {k: v for k, v in kwargs.items() if k != "name"}
-        commands, noop = run_op(op, **kwargs)
+        commands, noop = run_op(op, facts=NO_BUILDS, **kwargs)
         out.append((op.__name__, commands, noop))
     return out
 
@@ -278,16 +269,18 @@ def test_hardware_facts_is_the_runs_reading_not_the_gpu_stages_memo():
 def test_container_file_is_skipped_with_a_reason_when_pct_exec_cannot_reach_its_own_root(status, root, noop):
     want = nccl.desired(kpro6_spec(), kpro6_hardware(), rdma_devices=[])
     state = state_for(want, ct_status=status, ct_root=root, converged=False)
-    assert run_op(nccl.container_nccl_conf, ctid=200, content=want["containers"][200], state=state) == ([], noop)
+    assert run_op(nccl.container_nccl_conf, ctid=200, content=want["containers"][200], state=state,
+                  facts=NO_BUILDS) == ([], noop)
 
 
 def test_missing_container_and_host_without_pct_are_noops():
     found = nccl.NcclState().process(["@@ root", "64:2"])
     state = with_ct_status(found, GuestState().process(["@@ pct", PCT_HEADER, "@@ qm"]))
-    assert run_op(nccl.container_nccl_conf, ctid=201, content="x\n", state=state) == (
+    assert run_op(nccl.container_nccl_conf, ctid=201, content="x\n", state=state, facts=NO_BUILDS) == (
         [], "CT 201 does not exist on this node; its /etc/nccl.conf is written once it exists and runs")
     no_pct = with_ct_status(found, GuestState().process(["@@ qm"]))
-    assert run_op(nccl.container_nccl_conf, ctid=201, content="x\n", state=no_pct)[1].startswith("CT 201: no pct on this host")
+    assert run_op(nccl.container_nccl_conf, ctid=201, content="x\n", state=no_pct,
+                  facts=NO_BUILDS)[1].startswith("CT 201: no pct on this host")
 
 
 def test_state_fact_runs_in_a_real_shell(tmp_path):
@@ -347,12 +340,12 @@ def test_container_file_goes_through_pct_exec_into_the_containers_own_root(tmp_p
     assert state["containers"][200]["readable"] and state["containers"][200]["file"] is None
     assert state["containers"][200]["root"] != state["host_root"]
 
-    commands, _ = run_op(nccl.container_nccl_conf, ctid=200, content=content, state=state)
+    commands, _ = run_op(nccl.container_nccl_conf, ctid=200, content=content, state=state, facts=NO_BUILDS)
     assert len(commands) == 1
     sh(commands[0], env)
     assert (ct_root / "etc" / "nccl.conf").read_text() == content
     assert oct((ct_root / "etc" / "nccl.conf").stat().st_mode & 0o777) == "0o644"
 
     again, _ = read_in_shell(env, nccl.nccl_state, paths, [200])
-    assert run_op(nccl.container_nccl_conf, ctid=200, content=content, state=again) == (
+    assert run_op(nccl.container_nccl_conf, ctid=200, content=content, state=again, facts=NO_BUILDS) == (
         [], "CT 200: /etc/nccl.conf is up to date")

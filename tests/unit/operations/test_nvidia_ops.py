@@ -13,6 +13,7 @@ from facts.nvidia import NvidiaHostState, parse_host_state
 from operations import nvidia as ops
 from plan import nvidia as nvplan
 from spec.models import SourceSpec
+from tests.unit.operations.oprun import run_op
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -49,14 +50,6 @@ module filename:
 sha256 04906a73457a207f25dc3dbbb7f8fdc1dc088cc334e6fb2eb9b1419b823bfaaa
 """
 SHA = "04906a73457a207f25dc3dbbb7f8fdc1dc088cc334e6fb2eb9b1419b823bfaaa"
-
-
-def run_op(op, **kwargs):
-    state = FakeState()
-    fake = create_host(state)
-    with ctx_state.use(state), ctx_host.use(fake):
-        commands = [str(c.get_raw_value() if hasattr(c, "get_raw_value") else c) for c in op._inner(**kwargs)]
-    return commands, fake.noop_description
 
 
 def sh(command, env=None):
