@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from pyinfra.context import ctx_host, ctx_state
-from pyinfra_testing.util import FakeState
+from pyinfra_testing.util import FakeState, create_host
 
 from facts.guest_state import GuestState, with_ct_status
 from facts.run_state import run_state
