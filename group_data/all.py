@@ -24,7 +24,3 @@ PVEGPU_DEFAULTS = {
     "guests": {},  # allow_stop, shutdown_timeout: spec.models.GuestPolicy holds the defaults
     "proxmox_api": None,
 }
-
-# Debian/PVE group that owns /dev/nvidia* inside containers (render group on PVE 8 is 104,
-# video is 44); used for `devN: ...,gid=` lines unless a container says otherwise.
-PVEGPU_DEVICE_GID = 44

@@ -72,8 +72,6 @@ from plan.guests import (
 )
 from spec.models import HostSpec
 
-DEFAULT_GID = 44  # group_data/all.py PVEGPU_DEVICE_GID
-
 
 def ha_restart_refusal(kind: str, gid: int, sid: str) -> str:
     """Why pvegpu does not restart an HA-managed guest, and what to do instead."""
@@ -286,10 +284,9 @@ def apply(spec: HostSpec) -> None:
         stopped.discard((kind, gid))
         logger.info(f"{host.name}: {'CT' if kind == 'lxc' else 'VM'} {gid} stays stopped: HA resource {sid} requests "
                     f"that; start it with ha-manager set {sid} --state started")
-    default_gid = host.data.get("PVEGPU_DEVICE_GID") or DEFAULT_GID
 
     if spec.containers:
-        wanted = {ctid: {"gpus": list(ct.gpus), "gid": ct.gid if ct.gid is not None else default_gid}
+        wanted = {ctid: {"gpus": list(ct.gpus), "gid": ct.gid}
                   for ctid, ct in spec.containers.items()}
         container_gpu_devices(
             name="guests: container GPU devices", wanted=wanted,

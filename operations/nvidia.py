@@ -61,11 +61,6 @@ CONFTEST_CACHE = "/var/cache/pvegpu/nvidia-conftest"
 CONFTEST_CACHE_KEEP = 16
 MODULE_SUBDIR = "updates/pvegpu-nvidia"
 PERSISTENCED_UNIT = "/etc/systemd/system/nvidia-persistenced.service"
-# host data a kernel stage sets to the releases it installs (list of str)
-KERNEL_RELEASES_KEY = "pvegpu_kernel_releases"
-# host data that replaces the target releases (list of str) when the spec's nvidia.releases
-# is not set, e.g. for a twin whose booted kernel has no headers
-EXPLICIT_RELEASES_KEY = "pvegpu_nvidia_releases"
 
 
 # -- sources -------------------------------------------------------------------------------
@@ -240,10 +235,8 @@ def verify_versions(version: str, releases: list[str], firmware: bool, firmware_
 
 def _releases(spec, state_running: str | None) -> tuple[list[str], set[str]]:
     """Target releases and those whose missing headers are a refusal (the running kernel's)."""
-    explicit = spec.nvidia.releases or host.data.get(EXPLICIT_RELEASES_KEY)
-    kernel_stage = list(host.data.get(KERNEL_RELEASES_KEY) or [])
-    if spec.kernel is not None and spec.kernel.version not in kernel_stage:
-        kernel_stage.append(spec.kernel.version)
+    explicit = spec.nvidia.releases
+    kernel_stage = [spec.kernel.version] if spec.kernel is not None else []
     releases = nvplan.target_releases(state_running, kernel_stage, explicit)
     required = set(releases) if explicit else ({state_running} if state_running else set())
     return releases, required

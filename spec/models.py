@@ -295,9 +295,9 @@ class ContainerSpec(Strict):
     # true = install it (needs nvidia.installer), false = the CT's own business,
     # unset = install it when nvidia.installer is configured
     userspace_driver: bool | None = None
-    # group of /dev/nvidia* in the CT (default: PVEGPU_DEVICE_GID); Proxmox's default id map of
-    # an unprivileged CT covers 0-65535
-    gid: Annotated[int, NoBool, Field(ge=0, le=65535)] | None = None
+    # group of /dev/nvidia* in the CT: Debian's `video` (44; PVE 8's `render` is 104) unless the
+    # CT says otherwise; Proxmox's default id map of an unprivileged CT covers 0-65535
+    gid: Annotated[int, NoBool, Field(ge=0, le=65535)] = 44
 
 
 class VmSpec(Strict):

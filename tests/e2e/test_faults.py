@@ -362,12 +362,11 @@ class DriverTwin:
             "ssh": {"hostname": self.twin.address, "port": self.twin.port, "user": "root", "key": self.twin.key},
             "node": "kpro6",
             "nvidia": {"version": DRIVER, "modules_source": {"url": url, "sha256": sha256},
-                       "firmware": False, "persistenced": False}}}}
+                       "firmware": False, "persistenced": False, "releases": [self.release]}}}}
         yml = self.tmp / "driver.yml"
         yml.write_text(json.dumps(spec))
         inventory = self.tmp / "driver_inventory.py"
-        overrides = {self.twin.name: {"ssh_known_hosts_file": "/dev/null", "ssh_strict_host_key_checking": "off",
-                                      "pvegpu_nvidia_releases": [self.release]}}
+        overrides = {self.twin.name: {"ssh_known_hosts_file": "/dev/null", "ssh_strict_host_key_checking": "off"}}
         inventory.write_text("from spec.load import inventory_hosts\n"
                              f"hosts = inventory_hosts({str(yml)!r}, overrides={overrides!r})\n")
         return run_pyinfra(str(inventory), STAGE_DEPLOY, env={"PVEGPU_STAGES": "operations.nvidia"})

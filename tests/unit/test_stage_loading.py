@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from operations import STAGES, MissingStage, load_stages
@@ -46,3 +48,22 @@ def test_the_guest_shutdown_timeout_default_lives_in_the_model_only():
     for module in ("operations/gpus.py", "operations/guests.py"):
         text = open(module).read()
         assert not re.search(r"shutdown_timeout: int = \d", text), f"{module} writes its own default"
+
+
+def test_the_container_device_gid_default_lives_in_the_model_only():
+    """Before: 44 in group_data (as unvalidated host data PVEGPU_DEVICE_GID), again in
+    operations/guests.py, and None in the model; a host-data value bypassed the spec's checks."""
+    import ast
+
+    import group_data.all as group_data
+    from spec.models import ContainerSpec
+
+    assert ContainerSpec().gid == 44
+    assert not hasattr(group_data, "PVEGPU_DEVICE_GID")
+    for module in sorted((Path(__file__).resolve().parents[2] / "operations").glob("*.py")):
+        for node in ast.walk(ast.parse(module.read_text())):
+            # host.data.get("KEY"): the only host data an operation may read is what spec.load sets
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                    and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "data":
+                key = node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else None
+                assert key in {"pvegpu_node"}, f"{module}:{node.lineno} reads host data {key!r} outside the spec"
