@@ -10,7 +10,7 @@ import shlex
 from pyinfra.api import FactBase
 
 from facts.base import ShellFact
-from facts.sections import PROBE_SECTION, split_sections
+from facts.sections import PROBE_SECTION, parse_sections, split_sections
 
 VERSION = r"\d+\.\d+\.\d+"
 # The kernel stage's host paths (`KernelStageFacts` reads them; plan.kernel and operations.kernel
@@ -653,7 +653,5 @@ class KernelStageFacts(FactBase):
         )
 
     def process(self, output):
-        sections = split_sections(output, PROBE_SECTION)
-        return {"kernels": ProxmoxKernels().process(sections.get("kernels", [])),
-                "build": parse_build_state(sections.get("build", [])),
-                "source": parse_source_makefile(sections.get("source", []))}
+        return parse_sections(output, {"kernels": ProxmoxKernels().process, "build": parse_build_state,
+                                       "source": parse_source_makefile}, PROBE_SECTION)
