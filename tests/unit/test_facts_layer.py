@@ -1,13 +1,16 @@
-"""The facts layer stands on its own: no module of facts/ imports plan/ or operations/ (plan and
-operations read facts, never the other way round; issue 18). Checked on the source (AST), so a
-function-level import counts too."""
+"""The facts layer (issue 18): it stands on its own (no module of facts/ imports plan/ or
+operations/; plan and operations read facts, never the other way round; checked on the source
+by AST, so a function-level import counts too), and every fact in it has fixture cases."""
 
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+CASES = Path(__file__).resolve().parent / "facts"
 UPPER_LAYERS = ("plan", "operations")
 
 
@@ -38,3 +41,32 @@ def test_facts_import_nothing_of_plan_or_operations():
                 for path in sorted((ROOT / "facts").glob("*.py"))
                 for line, module in upper_layer_imports(path.read_text())]
     assert problems == []
+
+
+def fact_classes() -> list[str]:
+    """``module.Class`` of every concrete FactBase subclass defined at the top of a facts/ module
+    (abstract bases such as `ShellFact` and `SectionedProbe` left out; `combined_probe`'s class
+    is made per request and lives in no module)."""
+    from pyinfra.api import FactBase
+
+    found = []
+    for path in sorted((ROOT / "facts").glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        module = importlib.import_module(f"facts.{path.stem}")
+        for name, value in vars(module).items():
+            if (inspect.isclass(value) and issubclass(value, FactBase) and value.__module__ == module.__name__
+                    and not value.__dict__.get("abstract", False)):
+                found.append(f"{path.stem}.{name}")
+    return sorted(found)
+
+
+def test_every_fact_has_fixture_cases():
+    """Every fact of facts/ has at least one pyinfra-testing case (tests/unit/facts/<module>.<Fact>/,
+    run by test_facts_fixtures.py, its output traced to a real or recorded fixture by
+    test_facts_traceability.py); a case folder names a fact that exists."""
+    facts = fact_classes()
+    cases = {p.name for p in CASES.iterdir() if p.is_dir() and "." in p.name and any(p.glob("*.yaml"))}
+    assert "kernel.KernelStageFacts" in facts and "hardware.SectionedProbe" not in facts  # the walk itself
+    assert [f for f in facts if f not in cases] == []
+    assert sorted(cases - set(facts)) == []
