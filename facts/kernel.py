@@ -1,5 +1,6 @@
 """Kernel, boot loader, IOMMU and SEV-SNP state of a host, and the kernel stage's build state
-(`KernelStageFacts`, read by operations/kernel.py)."""
+(`KernelStageFacts`, read by operations/kernel.py) with the host paths it reads and pve-kernel's
+Makefile reader (`release_from_makefile`; plan.kernel uses both under the same names)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
     build_id(kernel_spec, base_config)             -> "3f0c…"  # source + ref/sha + config, hashed
     build_dir(kernel_spec, base_config)            -> "/var/lib/pvegpu/kernel-build/6.14.8-2-pve-3f0c1a2b3c4d"
     kernel_decision(kernel_spec, facts, base_config) -> {"action": "build"|"install"|"trial"|"pin"|"done"|"failed-trial"|"wrong-debs", "why": …}
-    release_from_makefile(pve_kernel_makefile_text) -> "6.14.11-9-bpo12-pve"   # the release a ref builds
+    release_from_makefile(pve_kernel_makefile_text) -> "6.14.11-9-bpo12-pve"   # the release a ref builds (facts.kernel)
     build_memory_max_kib(mem_total_kib, jobs)      -> MemoryMax= of the detached build
     package_globs(kind, release)                   -> ["linux-image-6.1.0-pvegpu_*.deb", …]
     trial_pin_command(release, pin_tool, esps) / pin_for_good_command(release, pin_tool, esps)
