@@ -10,7 +10,7 @@ import re
 from facts.base import ShellFact
 from facts.devices import CharDeviceMajors, parse_char_majors
 from facts.nvidia import NvidiaGpus, parse_gpu_information
-from facts.sections import SECTION, section_echo, split_sections
+from facts.sections import SECTION, parse_sections, section_echo, split_sections
 
 LXC_DIR = "/etc/pve/lxc"
 
@@ -25,9 +25,8 @@ def parse_container_state(lines: list[str]) -> dict:
         if m:
             configs[int(m.group(1))] = "\n".join(body) + "\n" if body else ""
     return {"configs": dict(sorted(configs.items())),
-            "nvidia": parse_gpu_information(sections.get("nvidia", [])),
-            "majors": parse_char_majors(sections.get("majors", [])),
-            "caps": [line.strip() for line in sections.get("caps", []) if line.strip()]}
+            **parse_sections(lines, {"nvidia": parse_gpu_information, "majors": parse_char_majors,
+                                     "caps": lambda body: [line.strip() for line in body if line.strip()]})}
 
 
 class ContainerGpuState(ShellFact):

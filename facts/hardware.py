@@ -6,6 +6,7 @@ markers and hands every section to that fact's own parser, so both paths give id
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 from pyinfra.api import FactBase
 
@@ -24,7 +25,7 @@ from facts.kernel import (
 from facts.nvidia import NvidiaDriver, NvidiaDriverParams, NvidiaGpus
 from facts.pci import PciAcs, PciDevices
 from facts.proxmox import LxcConfigs, PciMappings, PveVersion, QemuConfigs
-from facts.sections import PROBE_SECTION, split_sections
+from facts.sections import PROBE_SECTION, parse_sections
 
 SECTION_MARKER = PROBE_SECTION  # facts.sections: a probe's sections are whole facts' outputs
 
@@ -84,9 +85,8 @@ class SectionedProbe(FactBase):
         return {key: fact_class().default() for key, (fact_class, _) in cls.sections.items()}
 
     def process(self, output):
-        lines_by_key = split_sections(output, SECTION_MARKER)
-        return {key: fact_value(fact_class, lines_by_key.get(key, []))
-                for key, (fact_class, _) in self.sections.items()}
+        return parse_sections(output, {key: partial(fact_value, fact_class)
+                                       for key, (fact_class, _) in self.sections.items()}, SECTION_MARKER)
 
 
 class HardwareProbe(SectionedProbe):
@@ -188,9 +188,8 @@ def combined_probe(requests: list[tuple[type[FactBase], dict]]) -> type[FactBase
             return CombinedProbe().process([])
 
         def process(self, output):
-            lines_by_key = split_sections(list(output), SECTION_MARKER)
-            values = {name: fact_value(fc, lines_by_key.get(name, []))
-                      for name, (fc, _, _) in sections.items()}
+            values = parse_sections(output, {name: partial(fact_value, fc) for name, (fc, _, _) in sections.items()},
+                                    SECTION_MARKER)
             seen: set[str] = set()
 
             def value(name):  # a shared section's second and later users get copies

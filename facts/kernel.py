@@ -1,5 +1,6 @@
 """Kernel, boot loader, IOMMU and SEV-SNP state of a host, and the kernel stage's build state
-(`KernelStageFacts`, read by operations/kernel.py)."""
+(`KernelStageFacts`, read by operations/kernel.py) with the host paths it reads and pve-kernel's
+Makefile reader (`release_from_makefile`; plan.kernel uses both under the same names)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ import shlex
 from pyinfra.api import FactBase
 
 from facts.base import ShellFact
-from facts.sections import PROBE_SECTION, split_sections
-from plan import kernel as kernel_plan  # the kernel stage's host paths, pve-kernel's Makefile reader
+from facts.sections import PROBE_SECTION, parse_sections, split_sections
 
 VERSION = r"\d+\.\d+\.\d+"
+# The kernel stage's host paths (`KernelStageFacts` reads them; plan.kernel and operations.kernel
+# write them, under the same names through plan.kernel).
+BUILD_ROOT = "/var/lib/pvegpu/kernel-build"
+STATE_DIR = "/var/lib/pvegpu/kernel"  # manifests of installed builds, trial-boot marker
+TRIAL_MARKER = f"{STATE_DIR}/trial-boot"
 
 
 def kernel_version_key(release: str) -> list:
@@ -545,8 +550,8 @@ def parse_build_state(lines: list[str]) -> dict:
 
 def build_state_command(build_dir: str, release: str) -> str:
     d = shlex.quote(build_dir)
-    installed = shlex.quote(f"{kernel_plan.STATE_DIR}/{release}.json")
-    trial = shlex.quote(kernel_plan.TRIAL_MARKER)
+    installed = shlex.quote(f"{STATE_DIR}/{release}.json")
+    trial = shlex.quote(TRIAL_MARKER)
     return (
         f"d={d}; "
         'if [ -f "$d/build.pid" ] && p=$(cat "$d/build.pid") && [ -n "$p" ] && kill -0 "$p" 2>/dev/null '
@@ -566,11 +571,45 @@ def build_state_command(build_dir: str, release: str) -> str:
     )
 
 
+_MAKE_ASSIGN = re.compile(r"^(?:export\s+|override\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*(?::=|::=|\?=|=)\s*(.*?)\s*$")
+_MAKE_REF = re.compile(r"\$[({]([A-Za-z_][A-Za-z0-9_]*)[)}]")
+
+
+def makefile_variables(text: str) -> dict[str, str]:
+    """Top-level `NAME=value` assignments of a Makefile, each expanded from the others
+    (`$(NAME)`/`${NAME}`; `$(shell …)` and other functions expand to nothing). A variable
+    read, not a build: what `make --eval '…: ; @echo $(NAME)'` prints for plain variables."""
+    raw: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("\t") or line.lstrip().startswith("#"):
+            continue
+        match = _MAKE_ASSIGN.match(line)
+        if match:
+            raw[match.group(1)] = match.group(2).split(" #", 1)[0].strip()
+
+    def expand(value: str, depth: int = 0) -> str:
+        if depth > 20:
+            return value
+        value = re.sub(r"\$\((?:shell|wildcard|addsuffix|foreach|subst|filter)\b[^)]*\)", "", value)
+        return _MAKE_REF.sub(lambda m: expand(raw.get(m.group(1), ""), depth + 1), value)
+
+    return {name: expand(value) for name, value in raw.items()}
+
+
+def release_from_makefile(text: str) -> str | None:
+    """The kernel release pve-kernel's Makefile builds: KVNAME = KERNEL_MAJ.KERNEL_MIN.
+    KERNEL_PATCHLEVEL + -KREL + KREL_EXTRA + -pve (follows pve-kernel Makefile: on bookworm
+    branches KREL_EXTRA=-bpo12, so bookworm-6.14 at ad58d14 builds 6.14.11-9-bpo12-pve).
+    None when the text defines no KVNAME."""
+    value = makefile_variables(text).get("KVNAME")
+    return value or None
+
+
 def source_makefile_command(url: str, ref: str) -> str:
     """Print pve-kernel's Makefile at `ref` from a clone of `url` an earlier build left under
     BUILD_ROOT (read-only: `git show`), after a `from <clone>` line; nothing when none has it."""
     return (
-        f"for d in {shlex.quote(kernel_plan.BUILD_ROOT)}/*/src; do "
+        f"for d in {shlex.quote(BUILD_ROOT)}/*/src; do "
         '[ -d "$d/.git" ] || continue; '
         f'[ "$(git -C "$d" config --get remote.origin.url)" = {shlex.quote(url)} ] || continue; '
         f'if git -C "$d" cat-file -e {shlex.quote(ref + ":Makefile")} 2>/dev/null; then '
@@ -583,7 +622,7 @@ def parse_source_makefile(lines: list[str]) -> dict | None:
     """{"release": "6.14.11-9-bpo12-pve", "from": "/var/lib/pvegpu/kernel-build/…/src"} or None."""
     if not lines or not lines[0].startswith("from "):
         return None
-    return {"release": kernel_plan.release_from_makefile("\n".join(lines[1:])), "from": lines[0][len("from "):].strip()}
+    return {"release": release_from_makefile("\n".join(lines[1:])), "from": lines[0][len("from "):].strip()}
 
 
 class KernelStageFacts(FactBase):
@@ -615,7 +654,5 @@ class KernelStageFacts(FactBase):
         )
 
     def process(self, output):
-        sections = split_sections(output, PROBE_SECTION)
-        return {"kernels": ProxmoxKernels().process(sections.get("kernels", [])),
-                "build": parse_build_state(sections.get("build", [])),
-                "source": parse_source_makefile(sections.get("source", []))}
+        return parse_sections(output, {"kernels": ProxmoxKernels().process, "build": parse_build_state,
+                                       "source": parse_source_makefile}, PROBE_SECTION)

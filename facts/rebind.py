@@ -8,6 +8,7 @@ writes, so the binding is persisted and applied at the next boot; a read-write o
 
 from __future__ import annotations
 
+import re
 import shlex
 
 from pyinfra.api import FactBase
@@ -15,8 +16,11 @@ from pyinfra.api import FactBase
 from facts.base import ShellFact
 from facts.guest_state import GUEST_STATE_COMMAND, GuestState, parse_guest_state
 from facts.sections import split_sections
-from plan.gpus import parse_compute_apps, parse_fuser
-from plan.rebind import JOURNAL, LOCK, Journal
+
+# The rebind transaction's host paths (plan.rebind writes them; `RebindJournal` reads them).
+STATE_DIR = "/var/lib/pvegpu/rebind"
+JOURNAL = f"{STATE_DIR}/journal"
+LOCK = "/run/pvegpu/rebind.lock"
 
 # mountinfo: field 5 is the mount point, field 6 its options; the last /sys line is the one on top
 # (follows the kernel's Documentation/filesystems/proc.rst "/proc/<pid>/mountinfo")
@@ -57,6 +61,38 @@ class GuestRuntime(ShellFact):
         return parse_guest_runtime(list(output))
 
 
+def parse_compute_apps(lines: list[str]) -> dict[str, list[str]]:
+    """`nvidia-smi --query-compute-apps=gpu_bus_id,pid,process_name --format=csv,noheader` →
+    ``{"0000:01:00.0": ["python3 (pid 4242)"]}`` (nvidia-smi prints 8-digit domains)."""
+    held: dict[str, list[str]] = {}
+    for line in lines:
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 3 or not re.match(r"^[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$", parts[0]):
+            continue
+        domain, rest = parts[0].split(":", 1)
+        bdf = f"{int(domain, 16):04x}:{rest}".lower()
+        held.setdefault(bdf, []).append(f"{parts[2]} (pid {parts[1]})")
+    return held
+
+
+def parse_fuser(lines: list[str]) -> dict[str, list[str]]:
+    """`fuser -v /dev/nvidiaN ...` (stderr) → ``{"/dev/nvidia0": ["nvidia-persistenced (pid 812)"]}``."""
+    held: dict[str, list[str]] = {}
+    current = None
+    for line in lines:
+        match = re.match(r"^(/\S+?):\s*(.*)$", line)
+        rest = line
+        if match:
+            current, rest = match.group(1), match.group(2)
+        if current is None:
+            continue
+        tokens = rest.split()
+        # USER PID ACCESS COMMAND (the header line has USER PID ACCESS COMMAND literally)
+        if len(tokens) >= 4 and tokens[1].isdigit():
+            held.setdefault(current, []).append(f"{' '.join(tokens[3:])} (pid {tokens[1]})")
+    return held
+
+
 class GpuHolders(FactBase):
     """
     Processes holding GPUs: nvidia-smi compute apps (any GPU it sees) and `fuser -v` on the
@@ -86,17 +122,12 @@ class GpuHolders(FactBase):
 def parse_journal(lines: list[str]) -> dict:
     """Output of `RebindJournal.command` → ``{"lines": [...], "running": bool, "systemd": bool}``
     (no journal: no lines; running: a runner holds the lock; systemd: it runs as the init, so the
-    runner becomes a unit). `journal_of` makes the `plan.rebind.Journal` of it."""
+    runner becomes a unit). `plan.rebind.journal_of` makes a `plan.rebind.Journal` of it."""
     sections = split_sections(lines)
     runner = [line.strip() for line in sections.get("runner", []) if line.strip()]
     return {"lines": [line.rstrip("\n") for line in sections.get("journal", []) if line.strip()],
             "running": runner[:1] == ["running"],
             "systemd": [line.strip() for line in sections.get("systemd", [])][:1] == ["yes"]}
-
-
-def journal_of(found: dict) -> Journal:
-    """The `plan.rebind.Journal` of a `RebindJournal` reading."""
-    return Journal(lines=list(found["lines"]), running=found["running"])
 
 
 class RebindJournal(ShellFact):

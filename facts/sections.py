@@ -2,7 +2,8 @@
 
 A command that prints several parts prints a marker line before each: ``@@ NAME`` (`SECTION`),
 e.g. ``echo '@@ firmware'`` or ``echo "@@ $f"`` in a loop over files. `split_sections` cuts
-the output back into ``{NAME: [lines]}``.
+the output back into ``{NAME: [lines]}``; `parse_sections` also hands each known section to its
+parser (the one reader of "split, then parse every named section").
 
 A batched probe (`facts.hardware.SectionedProbe`, `facts.hardware.combined_probe`, and the
 stage facts built like them) runs whole facts' commands as its sections, and those print
@@ -14,6 +15,8 @@ Neither prefix is a prefix of the other.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 SECTION = "@@ "
 PROBE_SECTION = "@@pvegpu-section "
@@ -24,7 +27,7 @@ def section_echo(name: str, marker: str = SECTION) -> str:
     return f"echo {shlex.quote(marker + name)}"
 
 
-def split_sections(output_lines, marker: str = SECTION) -> dict[str, list[str]]:
+def split_sections(output_lines: Iterable[str], marker: str = SECTION) -> dict[str, list[str]]:
     """Lines after `marker` lines, by the name that follows the marker (stripped); lines
     before the first marker are dropped, a repeated name continues its section."""
     sections: dict[str, list[str]] = {}
@@ -35,3 +38,12 @@ def split_sections(output_lines, marker: str = SECTION) -> dict[str, list[str]]:
         elif current is not None:
             current.append(line)
     return sections
+
+
+def parse_sections(output_lines: Iterable[str], parsers: Mapping[str, Callable[[list[str]], Any]],
+                   marker: str = SECTION) -> dict[str, Any]:
+    """``{NAME: parser(lines of section NAME)}`` for each NAME of `parsers`, in their order (cut
+    by `split_sections` with `marker`). A section the output lacks goes to its parser as no
+    lines; a section no parser names is not read."""
+    sections = split_sections(output_lines, marker)
+    return {name: parse(sections.get(name, [])) for name, parse in parsers.items()}

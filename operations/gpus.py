@@ -54,7 +54,7 @@ from facts.guest_state import guest_state_changes, remember_guest_state
 from facts.hardware import HardwareProbe, HostConfigProbe
 from facts.once import fact_once
 from facts.proxmox import HaResources, NodeName, PvePackages
-from facts.rebind import GpuHolders, GuestRuntime, RebindJournal, journal_of
+from facts.rebind import GpuHolders, GuestRuntime, RebindJournal
 from facts.run_state import need_reboot, run_state
 from operations import handlers
 from operations.files import file_current, managed_file
@@ -69,7 +69,7 @@ from plan.gpus import (
     plan_rebind,
 )
 from plan.guest_control import ha_resource, node_refusal, stop_checks
-from plan.rebind import Journal, close_command, recovery, runner_script, start_command, transaction_id
+from plan.rebind import Journal, close_command, journal_of, recovery, runner_script, start_command, transaction_id
 from plan.render import render_template
 from spec.models import GuestPolicy, HostSpec
 

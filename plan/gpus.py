@@ -16,7 +16,6 @@ Data shapes used below (facts, see facts/*.py):
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from spec.models import HostSpec
@@ -197,38 +196,6 @@ def plan_rebind(spec: HostSpec, node: str, bindings: Bindings, pci: dict[str, di
     if spec.guests.allow_stop:
         return RebindPlan(mv, running, [], live)
     return RebindPlan(mv, [], running, live)
-
-
-def parse_compute_apps(lines: list[str]) -> dict[str, list[str]]:
-    """`nvidia-smi --query-compute-apps=gpu_bus_id,pid,process_name --format=csv,noheader` →
-    ``{"0000:01:00.0": ["python3 (pid 4242)"]}`` (nvidia-smi prints 8-digit domains)."""
-    held: dict[str, list[str]] = {}
-    for line in lines:
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) < 3 or not re.match(r"^[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$", parts[0]):
-            continue
-        domain, rest = parts[0].split(":", 1)
-        bdf = f"{int(domain, 16):04x}:{rest}".lower()
-        held.setdefault(bdf, []).append(f"{parts[2]} (pid {parts[1]})")
-    return held
-
-
-def parse_fuser(lines: list[str]) -> dict[str, list[str]]:
-    """`fuser -v /dev/nvidiaN ...` (stderr) → ``{"/dev/nvidia0": ["nvidia-persistenced (pid 812)"]}``."""
-    held: dict[str, list[str]] = {}
-    current = None
-    for line in lines:
-        match = re.match(r"^(/\S+?):\s*(.*)$", line)
-        rest = line
-        if match:
-            current, rest = match.group(1), match.group(2)
-        if current is None:
-            continue
-        tokens = rest.split()
-        # USER PID ACCESS COMMAND (the header line has USER PID ACCESS COMMAND literally)
-        if len(tokens) >= 4 and tokens[1].isdigit():
-            held.setdefault(current, []).append(f"{' '.join(tokens[3:])} (pid {tokens[1]})")
-    return held
 
 
 def holders_of(bdfs: list[str], nvidia: dict[str, dict], compute_apps: dict[str, list[str]],

@@ -4,7 +4,7 @@
     build_id(kernel_spec, base_config)             -> "3f0c…"  # source + ref/sha + config, hashed
     build_dir(kernel_spec, base_config)            -> "/var/lib/pvegpu/kernel-build/6.14.8-2-pve-3f0c1a2b3c4d"
     kernel_decision(kernel_spec, facts, base_config) -> {"action": "build"|"install"|"trial"|"pin"|"done"|"failed-trial"|"wrong-debs", "why": …}
-    release_from_makefile(pve_kernel_makefile_text) -> "6.14.11-9-bpo12-pve"   # the release a ref builds
+    release_from_makefile(pve_kernel_makefile_text) -> "6.14.11-9-bpo12-pve"   # the release a ref builds (facts.kernel)
     build_memory_max_kib(mem_total_kib, jobs)      -> MemoryMax= of the detached build
     package_globs(kind, release)                   -> ["linux-image-6.1.0-pvegpu_*.deb", …]
     trial_pin_command(release, pin_tool, esps) / pin_for_good_command(release, pin_tool, esps)
@@ -23,13 +23,13 @@ import json
 import re
 import shlex
 
+# The kernel stage's host paths and pve-kernel's Makefile reader live with the fact that reads
+# them (facts.kernel); plan.kernel names them too, for its own use and its callers'.
+from facts.kernel import BUILD_ROOT, STATE_DIR, TRIAL_MARKER, makefile_variables, release_from_makefile  # noqa: F401
 from spec.models import KernelSpec
 
 GIB_KIB = 1024 * 1024
 PER_JOB_KIB = 2 * GIB_KIB
-BUILD_ROOT = "/var/lib/pvegpu/kernel-build"
-STATE_DIR = "/var/lib/pvegpu/kernel"  # manifests of installed builds, trial-boot marker
-TRIAL_MARKER = f"{STATE_DIR}/trial-boot"
 BUILD_UNIT = "pvegpu-kernel-build"
 # a kbuild output line that produced one object / target
 
@@ -76,40 +76,6 @@ def config_hash(kernel: KernelSpec, base_config: str = "running") -> str:
 
 def build_dir(kernel: KernelSpec, base_config: str = "running") -> str:
     return f"{BUILD_ROOT}/{kernel.version}-{build_id(kernel, base_config)[:12]}"
-
-
-_MAKE_ASSIGN = re.compile(r"^(?:export\s+|override\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*(?::=|::=|\?=|=)\s*(.*?)\s*$")
-_MAKE_REF = re.compile(r"\$[({]([A-Za-z_][A-Za-z0-9_]*)[)}]")
-
-
-def makefile_variables(text: str) -> dict[str, str]:
-    """Top-level `NAME=value` assignments of a Makefile, each expanded from the others
-    (`$(NAME)`/`${NAME}`; `$(shell …)` and other functions expand to nothing). A variable
-    read, not a build: what `make --eval '…: ; @echo $(NAME)'` prints for plain variables."""
-    raw: dict[str, str] = {}
-    for line in text.splitlines():
-        if line.startswith("\t") or line.lstrip().startswith("#"):
-            continue
-        match = _MAKE_ASSIGN.match(line)
-        if match:
-            raw[match.group(1)] = match.group(2).split(" #", 1)[0].strip()
-
-    def expand(value: str, depth: int = 0) -> str:
-        if depth > 20:
-            return value
-        value = re.sub(r"\$\((?:shell|wildcard|addsuffix|foreach|subst|filter)\b[^)]*\)", "", value)
-        return _MAKE_REF.sub(lambda m: expand(raw.get(m.group(1), ""), depth + 1), value)
-
-    return {name: expand(value) for name, value in raw.items()}
-
-
-def release_from_makefile(text: str) -> str | None:
-    """The kernel release pve-kernel's Makefile builds: KVNAME = KERNEL_MAJ.KERNEL_MIN.
-    KERNEL_PATCHLEVEL + -KREL + KREL_EXTRA + -pve (follows pve-kernel Makefile: on bookworm
-    branches KREL_EXTRA=-bpo12, so bookworm-6.14 at ad58d14 builds 6.14.11-9-bpo12-pve).
-    None when the text defines no KVNAME."""
-    value = makefile_variables(text).get("KVNAME")
-    return value or None
 
 
 def release_refusal(kernel: KernelSpec, source_release: str | None, where: str) -> str | None:

@@ -31,15 +31,13 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from facts.rebind import JOURNAL, LOCK, STATE_DIR  # the paths the RebindJournal fact reads
 from plan.gpus import Move, RebindPlan
 from plan.render import render_template
 
-STATE_DIR = "/var/lib/pvegpu/rebind"
-JOURNAL = f"{STATE_DIR}/journal"
 RUNNER = f"{STATE_DIR}/run.sh"
 HISTORY = f"{STATE_DIR}/history"
 KEEP = 10  # archived journals kept
-LOCK = "/run/pvegpu/rebind.lock"
 UNIT = "pvegpu-rebind"
 UNBIND_TIMEOUT_S = 30
 START_TIMEOUT_S = 30  # the runner writes `begin` within this after its start
@@ -186,6 +184,11 @@ class Journal:
         return [f"{a[0]} -> {a[1]}" for e, a in self.events() if e == "moved" and len(a) >= 2]
 
 
+def journal_of(found: dict) -> Journal:
+    """The `Journal` of a `facts.rebind.RebindJournal` reading."""
+    return Journal(lines=list(found["lines"]), running=found["running"])
+
+
 @dataclass
 class Recovery:
     """What this run does about a journal an earlier transaction left."""
@@ -229,5 +232,5 @@ def transaction_id(now_iso: str, host_name: str) -> str:
     return f"{now_iso.replace(':', '')}-{safe}"
 
 
-__all__ = ["Journal", "Move", "Recovery", "close_command", "recovery", "runner_script", "start_command",
+__all__ = ["Journal", "Move", "Recovery", "close_command", "journal_of", "recovery", "runner_script", "start_command",
            "transaction_id"]

@@ -3,13 +3,12 @@
 from pathlib import Path
 
 from facts.proxmox import parse_guest_config, parse_pci_mappings
+from facts.rebind import parse_compute_apps, parse_fuser
 from plan.gpus import (
     boot_minors,
     desired_bindings,
     holders_of,
     moves,
-    parse_compute_apps,
-    parse_fuser,
     plan_rebind,
 )
 from spec.models import HostSpec

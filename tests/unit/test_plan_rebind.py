@@ -1,7 +1,7 @@
 """plan.rebind: reading a journal an earlier transaction left, and what the next run does."""
 
-from facts.rebind import RebindJournal, journal_of, parse_journal
-from plan.rebind import Journal, recovery
+from facts.rebind import RebindJournal, parse_journal
+from plan.rebind import Journal, journal_of, recovery
 
 T = "2026-12-03T18:40:01Z"
 

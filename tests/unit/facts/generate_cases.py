@@ -15,8 +15,9 @@ Facts no published output exists for (the stages' own facts) are recorded on a t
 (tests/twin): `TWIN_RECORDINGS` lists them; with a twin running (`tests/twin/twinctl start NAME
 --profile kpro6`, prepared as INDEX.tsv says),
 
-    .venv/bin/python tests/unit/facts/generate_cases.py --record-twin NAME
+    .venv/bin/python tests/unit/facts/generate_cases.py --record-twin NAME [stages|guests]
 
+(`guests`: the second recording, `TWIN_RECORDINGS_GUESTS`, prepared as its comment says)
 runs each fact's own command there (`twinctl ssh NAME -- sh -c '<command>'`, as pyinfra
 runs it), writes tests/fixtures/twin-kpro6/<name>.txt and prints its INDEX.tsv row.
 """
@@ -104,6 +105,32 @@ TWIN_RECORDINGS = [
     ("gpu-holders-nvidia0", "rebind.GpuHolders", [["/dev/nvidia0", "/dev/nvidia1"]]),
     ("rebind-journal-done", "rebind.RebindJournal", None),
 ]
+# A second recording (session 7, `--record-twin NAME guests`) on a fresh kpro6 twin for the facts
+# the first one left without cases, prepared over twinctl ssh, in this order: `pct start 200`;
+# `pvesh create /cluster/mapping/pci --id pvegpu-kpro6-0000-01-00-0 --map id=10de:2bb5,iommugroup=12,
+# node=kpro6,path=0000:01:00,subsystem-id=10de:204e`; `qm set 300 --hostpci0
+# mapping=pvegpu-kpro6-0000-01-00-0,pcie=1`; /etc/pve/ha/resources.cfg written with `ct: 200` /
+# `state started` (as tests/e2e/test_guest_control_e2e.py does), then `ha-manager set ct:200 --state
+# stopped` (the stand-in rewrites the file, and its CRM stops CT 200); /etc/modules-load.d/pvegpu-vfio.conf
+# with vfio, vfio_iommu_type1, vfio_pci. The twin root's pci.ids (Debian bookworm's, 2023.04.10) knows the
+# NIC and NVMe IDs, not the Blackwell GPU's nor its audio's.
+TWIN_PREPARED_GUESTS = ("after: pct start 200, pvesh create /cluster/mapping/pci (GPU 0000:01:00), qm set 300 "
+                        "--hostpci0 mapping=…,pcie=1, ct: 200 in /etc/pve/ha/resources.cfg set to stopped by "
+                        "ha-manager set, the vfio modules-load.d file")
+MANAGED_PATHS = ["/etc/kernel/cmdline", "/etc/default/grub.d/pvegpu.cfg", "/etc/modules-load.d/pvegpu-vfio.conf",
+                 "/etc/modprobe.d/pvegpu-blacklist-nouveau.conf", "/etc/modules-load.d/modules.conf",
+                 "/etc/systemd/system/multi-user.target.wants/ssh.service"]
+TWIN_RECORDINGS_GUESTS = [
+    ("guest-state-ct200-stopped-by-ha", "guest_state.GuestState", None),
+    ("node-name", "proxmox.NodeName", None),
+    ("qemu-configs-vm300-mapping", "proxmox.QemuConfigs", None),
+    ("pci-mappings-one-gpu", "proxmox.PciMappings", None),
+    ("ha-resources-ct200-stopped", "proxmox.HaResources", None),
+    ("managed-files-boot-stage", "files.ManagedFiles", [MANAGED_PATHS]),
+    ("file-texts-vm300-and-missing", "files.FileTexts", [["/etc/pve/qemu-server/300.conf", "/etc/nccl.conf"]]),
+    ("pci-id-names-kpro6", "pci.PciIdNames", [["10de:2bb5", "10de:22e8", "1022:14ab", "8086:1572", "144d:a80a"]]),
+]
+RECORDING_GROUPS = {"stages": (TWIN_RECORDINGS, TWIN_PREPARED), "guests": (TWIN_RECORDINGS_GUESTS, TWIN_PREPARED_GUESTS)}
 
 
 def fact_command(fact_path: str, args) -> str:
@@ -113,17 +140,18 @@ def fact_command(fact_path: str, args) -> str:
     return StringCommand(command).get_raw_value()
 
 
-def record_twin(name: str) -> None:
+def record_twin(name: str, group: str = "stages", date: str = "2026-12-03") -> None:
+    recordings, prepared = RECORDING_GROUPS[group]
     twinctl = ROOT / "tests" / "twin" / "twinctl"
     folder = FIXTURES / TWIN_DIR
     folder.mkdir(exist_ok=True)
-    for fixture, fact_path, args in TWIN_RECORDINGS:
+    for fixture, fact_path, args in recordings:
         command = fact_command(fact_path, args)
         run = subprocess.run([str(twinctl), "ssh", name, "--", f"sh -c {shlex.quote(command)}"],
                              capture_output=True, text=True, timeout=300)
         arguments = f" ({json.dumps(args)})" if args else ""
-        source = (f"recorded by pvegpu tests/unit/facts/generate_cases.py --record-twin on 2026-12-03: "
-                  f"facts.{fact_path} command{arguments} run over ssh on the twin, {TWIN_PREPARED}")
+        source = (f"recorded by pvegpu tests/unit/facts/generate_cases.py --record-twin on {date}: "
+                  f"facts.{fact_path} command{arguments} run over ssh on the twin, {prepared}")
         (folder / f"{fixture}.txt").write_text(f"# source: {source}\n# machine: {TWIN_MACHINE}\n" + run.stdout)
         print(f"{TWIN_DIR}/{fixture}.txt\t{source}\t{TWIN_MACHINE}")
 
@@ -232,13 +260,15 @@ CASES = [
       )],
     case("rebind.GuestRuntime", "h200-vm-sysfs-section", "h200-vm-probe/rebind-facts.txt", ranges=[[5, 6]],
          note="the device run printed the command's sysfs section only (the machine is no Proxmox node)"),
+    case("proxmox.NodeName", "h200-vm-no-domain", "h200-vm/uname-n.txt",
+         note="uname -n on the H200 machine (device run of session 5)"),
     case("hardware.HardwareProbe", "h200-vm-one-command", "h200-vm-probe/hardware-probe.txt",
          note="the probe's own single command, run on the H200 VM"),
     case("hardware.HostConfigProbe", "h200-vm-one-command", "h200-vm-probe/host-config-probe.txt",
          note="the probe's own single command, run on the H200 VM (no Proxmox there)"),
     *[case(fact_path, f"twin-kpro6-{fixture}", f"{TWIN_DIR}/{fixture}.txt", args=args,
            note="recorded on the kpro6 twin (INDEX.tsv says how it was prepared)")
-      for fixture, fact_path, args in TWIN_RECORDINGS],
+      for fixture, fact_path, args in TWIN_RECORDINGS + TWIN_RECORDINGS_GUESTS],
     *[case("boot.GrubFiles", Path(name).stem, f"cmdline/{name}",
            sections=[("@@ /etc/default/grub", f"cmdline/{name}", None)],
            note="/etc/default/grub alone (no grub.d drop-ins in the source)")
@@ -313,6 +343,7 @@ def main(update: bool) -> None:
 
 if __name__ == "__main__":
     if "--record-twin" in sys.argv:
-        record_twin(sys.argv[sys.argv.index("--record-twin") + 1])
+        at = sys.argv.index("--record-twin")
+        record_twin(*sys.argv[at + 1:at + 3])  # NAME [GROUP: stages (default) or guests]
     else:
         main(update="--update" in sys.argv)
