@@ -420,3 +420,27 @@ def test_persistenced_is_enabled_through_the_one_wants_link_operation(monkeypatc
         ops._persistenced({"persistenced": {"unit": unit, "enabled": True, "binary": True}}, will_install=False)
     assert calls == [{"name": "Enable nvidia-persistenced", "current": None, "target": unit,
                       "link": "/etc/systemd/system/multi-user.target.wants/nvidia-persistenced.service"}]
+
+
+def test_a_written_persistenced_unit_declares_the_daemon_reload(monkeypatch):
+    """No unit from the user space: the stage writes /etc/systemd/system/nvidia-persistenced.service
+    and declares it to the daemon-reload handler (a reason when it is written this run)."""
+    from facts.run_state import run_state
+    from operations import handlers
+
+    written = []
+    monkeypatch.setattr(ops, "managed_file", lambda **kw: written.append(kw["path"]))
+    monkeypatch.setattr(ops, "link_unit", lambda **kw: None)
+    monkeypatch.setattr(ops.logger, "info", lambda line: None)
+    pers = {"persistenced": {"unit": None, "enabled": False, "binary": True}}
+    for files, reasons in (({}, ["nvidia-persistenced unit changed"]), (None, [])):
+        fake_state = FakeState()
+        content = ops.render_template("nvidia-persistenced.service.j2")
+        current = {"mode": "644", "sha256": hashlib.sha256(content.encode()).hexdigest()}
+        found = files if files is not None else {ops.PERSISTENCED_UNIT: current}
+        fake = create_host(fake_state, facts={"files.ManagedFiles": {f"paths={[ops.PERSISTENCED_UNIT]!r}": found}})
+        with ctx_state.use(fake_state), ctx_host.use(fake):
+            ops._persistenced(pers, will_install=False)
+        entry = run_state(fake).handlers[handlers.DAEMON_RELOAD]
+        assert list(entry["inputs"]) == [ops.PERSISTENCED_UNIT] and entry["reasons"] == reasons
+    assert written == [ops.PERSISTENCED_UNIT] * 2
