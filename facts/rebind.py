@@ -15,7 +15,7 @@ from pyinfra.api import FactBase
 
 from facts.base import ShellFact
 from facts.guest_state import GUEST_STATE_COMMAND, GuestState, parse_guest_state
-from facts.sections import split_sections
+from facts.sections import parse_sections, split_sections
 
 # The rebind transaction's host paths (plan.rebind writes them; `RebindJournal` reads them).
 STATE_DIR = "/var/lib/pvegpu/rebind"
@@ -114,9 +114,8 @@ class GpuHolders(FactBase):
         return {"compute_apps": {}, "fuser": {}}
 
     def process(self, output):
-        sections = split_sections(list(output))
-        return {"compute_apps": parse_compute_apps(sections.get("apps", [])),
-                "fuser": parse_fuser(sections.get("fuser", []))}
+        found = parse_sections(output, {"apps": parse_compute_apps, "fuser": parse_fuser})
+        return {"compute_apps": found["apps"], "fuser": found["fuser"]}
 
 
 def parse_journal(lines: list[str]) -> dict:
