@@ -168,7 +168,9 @@ def handler_runs(registry: dict, stamps: dict) -> list[dict]:
         reasons = list(entry["reasons"])
         state = stamps.get(stamp_path(handler))
         if not reasons and (state or {}).get("sha256") != sha256_text(stamp):
-            reasons = [f"{stamp_path(handler)} records other files (a previous run stopped before it)"]
+            reasons = [f"{stamp_path(handler)} records other files (a previous run stopped before it)" if state
+                       else f"no {stamp_path(handler)} yet (its first run on this host, or a previous run stopped "
+                            "before it)"]
         runs.append({
             "name": f"{label} once" + (f": {'; '.join(reasons)}" if reasons else ""),
             "handler": handler,

@@ -156,3 +156,14 @@ def test_flush_runs_a_handler_now_and_the_end_of_run_step_not_again(monkeypatch)
     h.flush(h.DEPMOD, target=target)
     assert ran == ["depmod 6.14.11-4-pve"]
     assert [r["handler"] for r in h.handler_runs(h.pending(target), {})] == [h.INITRAMFS]
+
+
+def test_the_reason_says_whether_the_stamp_is_missing_or_records_other_files():
+    target = Target()
+    h.depends_on(h.INITRAMFS, "/etc/modprobe.d/pvegpu-nvidia.conf", "x\n", "644", changed=False, why="x",
+                 target=target)
+    (missing,) = h.handler_runs(h.pending(target), {})
+    assert missing["reasons"] == ["no /var/lib/pvegpu/initramfs.stamp yet (its first run on this host, or a "
+                                  "previous run stopped before it)"]
+    (other,) = h.handler_runs(h.pending(target), {h.stamp_path(h.INITRAMFS): {"mode": "644", "sha256": "0" * 64}})
+    assert other["reasons"] == ["/var/lib/pvegpu/initramfs.stamp records other files (a previous run stopped before it)"]

@@ -200,7 +200,8 @@ def test_depmod_retried_from_its_stamp_and_quiet_once_it_matches(monkeypatch):
     it runs for the releases with our modules; with the stamp of that run it is handed no reason."""
     called = _two_releases(monkeypatch, {r: False for r in TWO_RELEASES})
     assert called == ["depmod 6.1.0-57-amd64 && depmod 6.14.8-2-pve "
-                      "(/var/lib/pvegpu/depmod.stamp records other files (a previous run stopped before it))"]
+                      "(no /var/lib/pvegpu/depmod.stamp yet (its first run on this host, or a previous run "
+                      "stopped before it))"]
     stamp = "".join(f"{hashlib.sha256(b'nvidia 595.71.05').hexdigest()} 755 /lib/modules/{r}/updates/pvegpu-nvidia\n"
                     for r in TWO_RELEASES)
     stamps = {"/var/lib/pvegpu/depmod.stamp": {"mode": "644", "sha256": hashlib.sha256(stamp.encode()).hexdigest()}}
