@@ -45,8 +45,8 @@ DEPMOD = "depmod"
 INITRAMFS = "initramfs"
 BOOT_REFRESH = "boot-refresh"
 DAEMON_RELOAD = "daemon-reload"
-# depmod first: initramfs-tools hook-functions manual_add_modules resolves modules (and their
-# dependencies) through `modprobe --show-depends`, i.e. the host's modules.dep
+# depmod first: initramfs-tools (bookworm) hook-functions manual_add_modules finds each module and
+# its dependencies with `modprobe --set-version=<rel> --show-depends`, i.e. that release's modules.dep
 ORDER = (DEPMOD, INITRAMFS, BOOT_REFRESH, DAEMON_RELOAD)  # the refresh syncs the (new) initrd to the ESPs: after it
 # follows proxmox-kernel-helper src/proxmox-boot/proxmox-boot-sync (initramfs post-update hook): a
 # manual update-initramfs already refreshes the ESPs, so BOOT_REFRESH depends on the cmdline only
@@ -75,6 +75,14 @@ def _registry(target: Any) -> dict:
     return run_state(target).handlers
 
 
+def _entry(handler: str, target: Any) -> dict:
+    """This run's registry entry of `handler` (created on first use); an unknown name is refused."""
+    if handler not in ORDER:
+        raise ValueError(f"pvegpu: unknown handler {handler!r} (one of {', '.join(ORDER)})")
+    registry = _registry(target if target is not None else host)
+    return registry.setdefault(handler, {"inputs": {}, "reasons": [], "command": DEFAULT_COMMANDS[handler]})
+
+
 def depends_on(handler: str, path: str, content: str, mode: str, changed: bool, why: str,
                command: str | None = None, target: Any = None) -> None:
     """Record that `handler`'s side effect depends on `path` holding `content` with `mode`, and
@@ -82,14 +90,10 @@ def depends_on(handler: str, path: str, content: str, mode: str, changed: bool, 
 
     + command: the side effect's command where the stage knows it (the boot loader's refresh)
     """
-    if handler not in ORDER:
-        raise ValueError(f"pvegpu: unknown handler {handler!r} (one of {', '.join(ORDER)})")
-    target = target if target is not None else host
-    registry = _registry(target)
-    entry = registry.setdefault(handler, {"inputs": {}, "reasons": [], "command": DEFAULT_COMMANDS[handler]})
+    entry = _entry(handler, target)
     entry["inputs"][path] = (sha256_text(content), mode.lstrip("0") or "0")
-    if changed and why not in entry["reasons"]:
-        entry["reasons"].append(why)
+    if changed:
+        notify(handler, why, target)
     if command:
         entry["command"] = command
 
@@ -97,17 +101,15 @@ def depends_on(handler: str, path: str, content: str, mode: str, changed: bool, 
 def notify(handler: str, why: str, target: Any = None) -> None:
     """A reason for `handler` without a file it depends on (a file the stage removes: the stamp
     records the files that stay)."""
-    if handler not in ORDER:
-        raise ValueError(f"pvegpu: unknown handler {handler!r} (one of {', '.join(ORDER)})")
-    registry = _registry(target if target is not None else host)
-    entry = registry.setdefault(handler, {"inputs": {}, "reasons": [], "command": DEFAULT_COMMANDS[handler]})
-    if why not in entry["reasons"]:
-        entry["reasons"].append(why)
+    reasons = _entry(handler, target)["reasons"]
+    if why not in reasons:
+        reasons.append(why)
 
 
 def depmod_command(inputs: dict) -> str:
     """`depmod <release>` for each release whose module dir (/lib/modules/<release>/…) is an input;
-    depmod indexes one release per call (kmod depmod.c: one optional version argument)."""
+    depmod indexes one release per call (kmod 30 tools/depmod.c do_depmod: the first operand is the
+    one version, any further operands are module files to index instead of all)."""
     releases = sorted({path[len(MODULES_ROOT):].split("/", 1)[0] for path in inputs if path.startswith(MODULES_ROOT)})
     return " && ".join(f"depmod {shlex.quote(release)}" for release in releases) or "true"
 
