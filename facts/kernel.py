@@ -18,7 +18,9 @@ VERSION = r"\d+\.\d+\.\d+"
 # write them, under the same names through plan.kernel).
 BUILD_ROOT = "/var/lib/pvegpu/kernel-build"
 STATE_DIR = "/var/lib/pvegpu/kernel"  # manifests of installed builds, trial-boot marker
-TRIAL_MARKER = f"{STATE_DIR}/trial-boot"
+TRIAL_MARKER = f"{STATE_DIR}/trial-boot"  # release of the trial set up (kept until it is decided)
+TRIAL_ARMED = "/run/pvegpu/kernel-trial"  # the same, on a tmpfs: present = the trial boot is still ahead
+TRIAL_FAILED = f"{STATE_DIR}/trial-failed"  # {"release", "build_id", "came_up_on"} of a trial that failed
 
 
 def kernel_version_key(release: str) -> list:
@@ -516,7 +518,9 @@ def parse_build_state(lines: list[str]) -> dict:
     """Pure parser of the build-state section (shape: see `KernelStageFacts`)."""
     state: dict = {"running": False, "rc": None, "debs": [], "manifest": None, "installed_manifest": None,
                    "trial": None, "cores": None, "mem_total_kib": None, "systemd": False, "pbt": False, "esps": False, "headers_installed": False,
-                   "log_objects": 0, "log_last": None}
+                   "log_objects": 0, "log_last": None, "armed": None, "failed": None, "uefi": False,
+                   "grubenv_abstraction": None, "grub_advanced_id": None, "grub_default": None,
+                   "grub_saved": None, "grub_next": None}
     for line in lines:
         key, _, value = line.partition(" ")
         value = value.strip()
@@ -531,8 +535,19 @@ def parse_build_state(lines: list[str]) -> dict:
                 state[key.replace("-", "_")] = json.loads(value)
             except ValueError:
                 pass  # a half-written manifest counts as none
-        elif key == "trial":
-            state["trial"] = value or None
+        elif key in ("trial", "armed", "grub_advanced_id", "grub_saved", "grub_next"):
+            state[key] = value or None
+        elif key == "grub_default":
+            state[key] = value
+        elif key == "failed" and value:
+            try:
+                state["failed"] = json.loads(value)
+            except ValueError:
+                state["failed"] = {"release": None}  # unreadable: reported, never matched
+        elif key == "grubenv_abstraction":
+            state[key] = value[len("ok"):].strip() if value.startswith("ok") else None
+        elif key == "uefi":
+            state["uefi"] = True
         elif key in ("cores", "mem_total_kib", "log_objects") and value.isdigit():
             state[key] = int(value)
         elif key == "systemd":
@@ -561,6 +576,19 @@ def build_state_command(build_dir: str, release: str) -> str:
         '[ -f "$d/manifest.json" ] && echo "manifest $(tr -d \'\\n\' < "$d/manifest.json")"; '
         f'[ -f {installed} ] && echo "installed-manifest $(tr -d \'\\n\' < {installed})"; '
         f'[ -f {trial} ] && echo "trial $(cat {trial})"; '
+        f'[ -f {shlex.quote(TRIAL_ARMED)} ] && echo "armed $(cat {shlex.quote(TRIAL_ARMED)})"; '
+        f'[ -f {shlex.quote(TRIAL_FAILED)} ] && echo "failed $(tr -d \'\\n\' < {shlex.quote(TRIAL_FAILED)})"; '
+        "[ -d /sys/firmware/efi ] && echo uefi; "
+        # GRUB: what grub-mkconfig sources for GRUB_DEFAULT, the submenu id proxmox-kernel-helper's
+        # set_grub_default() reads from grub.cfg, grubenv's entries and what holds grubenv
+        "if [ -f /etc/default/grub ]; then "
+        "echo \"grub_default $( . /etc/default/grub; for f in /etc/default/grub.d/*.cfg; do [ -r \"$f\" ] && . \"$f\"; done; "
+        "echo \"$GRUB_DEFAULT\")\"; "
+        "echo \"grub_advanced_id $(sed -rn \"s/.*gnulinux-advanced-(.+)['] \\{$/\\1/p\" /boot/grub/grub.cfg 2>/dev/null | head -n 1)\"; "
+        "if [ -f /boot/grub/grubenv ]; then grub-editenv /boot/grub/grubenv list 2>/dev/null "
+        "| sed -n -e 's/^saved_entry=/grub_saved /p' -e 's/^next_entry=/grub_next /p'; fi; "
+        "a=$(grub-probe --target=abstraction /boot/grub 2>/dev/null) && echo \"grubenv_abstraction ok $a\"; "
+        "fi; "
         'echo "cores $(nproc)"; awk \'/^MemTotal:/{print "mem_total_kib " $2}\' /proc/meminfo; '
         "[ -d /run/systemd/system ] && echo systemd; "
         "command -v proxmox-boot-tool >/dev/null 2>&1 && echo pbt; "
