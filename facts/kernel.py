@@ -520,7 +520,7 @@ def parse_build_state(lines: list[str]) -> dict:
                    "trial": None, "cores": None, "mem_total_kib": None, "systemd": False, "pbt": False, "esps": False, "headers_installed": False,
                    "log_objects": 0, "log_last": None, "armed": None, "failed": None, "uefi": False,
                    "grubenv_abstraction": None, "grub_advanced_id": None, "grub_default": None,
-                   "grub_saved": None, "grub_next": None}
+                   "grub_saved": None, "grub_next": None, "kernel_packages": []}
     for line in lines:
         key, _, value = line.partition(" ")
         value = value.strip()
@@ -548,6 +548,8 @@ def parse_build_state(lines: list[str]) -> dict:
             state[key] = value[len("ok"):].strip() if value.startswith("ok") else None
         elif key == "uefi":
             state["uefi"] = True
+        elif key == "kpkg" and value:
+            state["kernel_packages"].append(value)
         elif key in ("cores", "mem_total_kib", "log_objects") and value.isdigit():
             state[key] = int(value)
         elif key == "systemd":
@@ -593,6 +595,9 @@ def build_state_command(build_dir: str, release: str) -> str:
         "[ -d /run/systemd/system ] && echo systemd; "
         "command -v proxmox-boot-tool >/dev/null 2>&1 && echo pbt; "
         "[ -f /etc/kernel/proxmox-boot-uuids ] && echo esps; "
+        # installed kernel image packages (kernel.remove_old purges what is really there)
+        "dpkg-query -W -f='${db:Status-Abbrev} ${Package}\\n' 'proxmox-kernel-*' 'pve-kernel-*' 'linux-image-*' "
+        "2>/dev/null | awk '$1 == \"ii\" {print \"kpkg \" $2}'; "
         f"dpkg-query -W -f='${{Status}}\\n' {shlex.quote('proxmox-headers-' + release)} 2>/dev/null "
         "| grep -q ' ok installed' && echo headers-installed; "
         "true"

@@ -134,14 +134,13 @@ def pin_kernel(release: str, loader: str, advanced_id: str | None = None):
 
 
 @operation()
-def remove_old_kernels(releases: list[str], kind: str):
-    """Purge the given releases' image packages (opt-in: spec.kernel.remove_old)."""
-    if not releases:
+def remove_old_kernels(packages: list[str]):
+    """Purge the given kernel image packages (opt-in: spec.kernel.remove_old), exactly those
+    (plan.kernel.purge_command)."""
+    if not packages:
         host.noop("no old kernels to remove")
         return
-    prefix = "proxmox-kernel-" if kind == "proxmox-git" else "linux-image-"
-    packages = " ".join(shlex.quote(prefix + r) for r in releases)
-    yield StringCommand(f"DEBIAN_FRONTEND=noninteractive apt-get -y purge {packages}")
+    yield StringCommand(plan.purge_command(packages))
 
 
 def stage_facts(k: KernelSpec) -> dict:
@@ -268,6 +267,8 @@ def apply(spec: HostSpec) -> None:
         logger.warning(f"{host.name}: {decision['why']}")
     elif action == "wrong-debs":  # refused at preflight; nothing to do here
         logger.error(f"{host.name}: kernel: {decision['why']}")
-    if k.remove_old and action in ("done", "pin", "finish"):
-        old = [r for r in facts["kernels"].get("installed", []) if r not in (k.version, running)]
-        remove_old_kernels(name="Remove old kernels", releases=old, kind=k.source.kind)
+    if k.remove_old and running == k.version and action in ("done", "pin", "finish"):
+        # never the running kernel nor the loader default (the known-good one until the new
+        # release is made the default in this run)
+        old = plan.old_kernel_packages(build["kernel_packages"], {k.version, running, decision["default"]})
+        remove_old_kernels(name="Remove old kernels", packages=old)

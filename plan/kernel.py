@@ -203,6 +203,11 @@ GRUB = "grub"
 TRIAL_ENTRY_PREFIX = "pvegpu-trial-"
 GRUBENV = "/boot/grub/grubenv"
 REFRESH = "proxmox-boot-tool refresh"
+# grub-mkconfig writes GRUB_DEFAULT=saved as `set default="${saved_entry}"` (00_header.in); without
+# it grub-set-default changes nothing and the newest kernel stays the default
+GRUB_SAVED_CHECK = ("{ grep -q 'set default=\"${saved_entry}\"' /boot/grub/grub.cfg || { echo 'pvegpu: GRUB_DEFAULT "
+                    "is not saved in the generated /boot/grub/grub.cfg (the boot stage writes it in "
+                    "/etc/default/grub.d/pvegpu.cfg): no trial without it' >&2; exit 1; }; }")
 
 
 def trial_entry(release: str) -> str:
@@ -242,7 +247,7 @@ def oneshot_command(release: str, loader: str, panic_s: int, advanced_id: str | 
         return trial_entry_command(release, "arm", panic_s)
     if not advanced_id:
         raise ValueError("a GRUB one-shot needs the Advanced-options id of /boot/grub/grub.cfg")
-    return f"grub-reboot {shlex.quote(grub_entry_id(release, advanced_id))}"
+    return f"update-grub && {GRUB_SAVED_CHECK} && grub-reboot {shlex.quote(grub_entry_id(release, advanced_id))}"
 
 
 def clear_oneshot_command(release: str, loader: str) -> str:
@@ -280,9 +285,8 @@ def trial_loader(build: dict) -> tuple[str | None, str | None]:
                       "one-shot is never cleared and a trial kernel that does not come up would boot at every reset")
     if not build.get("grub_advanced_id"):
         return None, "/boot/grub/grub.cfg has no 'Advanced options' submenu id (gnulinux-advanced-…) to name entries by"
-    if build.get("grub_default") != "saved":
-        return None, ("GRUB_DEFAULT is not 'saved' (the boot stage's /etc/default/grub.d/pvegpu.cfg sets it): "
-                      "grub-set-default would change nothing and update-grub makes the newest kernel the default")
+    # GRUB_DEFAULT=saved comes with the boot stage's drop-in, written earlier in the same run; the
+    # one-shot checks the regenerated grub.cfg for it (GRUB_SAVED_CHECK)
     return GRUB, None
 
 
@@ -328,3 +332,39 @@ def keep_default_command(known_good: str, loader: str, advanced_id: str | None =
     default: without a pin, zz-proxmox-boot writes `default proxmox-*` (the newest entry), and
     with GRUB_DEFAULT=saved and no saved_entry GRUB boots the first entry (the newest)."""
     return set_default_command(known_good, loader, advanced_id)
+
+
+# -- kernel.remove_old ---------------------------------------------------------------------
+
+# Kernel image packages and the release each carries: Proxmox's proxmox-kernel-<rel>-signed (and
+# the unsigned proxmox-kernel-<rel>), the older pve-kernel-<rel>, Debian's linux-image-<rel>
+# (-unsigned); proxmox-kernel-helper kernel_keep_versions() reads the same names. Series and
+# default meta packages (proxmox-kernel-6.8, proxmox-default-kernel, linux-image-amd64) carry no
+# release and never match.
+_KERNEL_PACKAGE = re.compile(r"^(?:proxmox-kernel-|pve-kernel-|linux-image-)(\d+\.\d+(?:\.\d+)?-\S+?)(?:-signed|-unsigned)?$")
+
+
+def package_release(package: str) -> str | None:
+    if package.endswith(("-dbg", "-dbgsym")):
+        return None
+    match = _KERNEL_PACKAGE.match(package)
+    return match.group(1) if match else None
+
+
+def old_kernel_packages(packages: list[str], keep: set[str | None]) -> list[str]:
+    """The installed kernel image packages whose release is not in `keep` (the running kernel,
+    the loader default, the spec's), sorted."""
+    return sorted(p for p in packages if package_release(p) and package_release(p) not in keep)
+
+
+def purge_command(packages: list[str]) -> str:
+    """apt-get purge of exactly `packages`: a simulation first, and nothing is removed when apt
+    would remove more (a meta package such as proxmox-default-kernel, and proxmox-ve with it,
+    depending on one of them)."""
+    names = " ".join(shlex.quote(p) for p in packages)
+    wanted = shlex.quote("\n".join(sorted(packages)))
+    return (f"sim=$(apt-get -s -y purge {names} | awk '/^(Remv|Purg) / {{print $2}}' | sort -u); "
+            f'if [ "$sim" != {wanted} ]; then echo "pvegpu: kernel.remove_old: apt would also remove: '
+            f"$(printf '%s\\n' \"$sim\" | grep -vxF -e {' -e '.join(shlex.quote(p) for p in packages)} | tr '\\n' ' ')"
+            f'; nothing removed" >&2; exit 1; fi; '
+            f"DEBIAN_FRONTEND=noninteractive apt-get -y purge {names}")

@@ -136,7 +136,6 @@ GRUB_OK = {"esps": False, "grubenv_abstraction": "", "grub_advanced_id": "7f3c",
     ({**GRUB_OK, "grubenv_abstraction": "lvm"}, None, "GRUB cannot write its environment there"),
     ({**GRUB_OK, "grubenv_abstraction": "diskfilter"}, None, "never cleared"),
     ({**GRUB_OK, "grubenv_abstraction": None}, None, "grub-probe could not tell"),
-    ({**GRUB_OK, "grub_default": "0"}, None, "GRUB_DEFAULT is not 'saved'"),
     ({**GRUB_OK, "grub_advanced_id": None}, None, "Advanced options"),
 ])
 def test_trial_loader(build, loader, why):
@@ -157,8 +156,8 @@ def test_default_and_oneshot_commands():
         "proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool refresh")
     assert plan.set_default_command("6.14.8-2-pve", "grub", "ab") == (
         "grub-set-default 'gnulinux-advanced-ab>gnulinux-6.14.8-2-pve-advanced-ab'")
-    assert plan.oneshot_command("6.14.8-2-pve", "grub", 10, "ab") == (
-        "grub-reboot 'gnulinux-advanced-ab>gnulinux-6.14.8-2-pve-advanced-ab'")
+    assert plan.oneshot_command("6.14.8-2-pve", "grub", 10, "ab").endswith(
+        " && grub-reboot 'gnulinux-advanced-ab>gnulinux-6.14.8-2-pve-advanced-ab'")
     one = plan.oneshot_command("6.14.8-2-pve", "systemd-boot", 10)
     assert one.startswith("unshare --mount --propagation private /bin/sh -c ")
     assert "pvegpu-trial-6.14.8-2-pve.conf" in one and "panic=10" not in one.split("-c", 1)[0]
@@ -240,3 +239,63 @@ def test_systemd_boot_trial_entry_adds_panic_only_to_its_own_entry(tmp_path):
     r = run(plan.oneshot_command("6.99.1-1-pve", "systemd-boot", 7))
     assert r.returncode == 1 and "has no loader entry for 6.99.1-1-pve" in r.stderr
     assert (tmp_path / "bootctl").read_text().count("set-oneshot") == 1
+
+
+def test_a_grub_one_shot_needs_grub_default_saved_in_the_generated_config(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("update-grub", "grub-reboot"):
+        (bin_dir / name).write_text(f'#!/bin/sh\necho {name} "$@" >> {tmp_path}/calls\n')
+        (bin_dir / name).chmod(0o755)
+    cfg = tmp_path / "grub.cfg"
+    cmd = plan.oneshot_command("6.14.8-2-pve", "grub", 10, "ab").replace("/boot/grub/grub.cfg", str(cfg))
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    cfg.write_text('if [ "${next_entry}" ] ; then\nelse\n   set default="0"\nfi\n')
+    r = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and "GRUB_DEFAULT is not saved" in r.stderr
+    assert (tmp_path / "calls").read_text() == "update-grub\n"
+    cfg.write_text('if [ "${next_entry}" ] ; then\nelse\n   set default="${saved_entry}"\nfi\n')
+    r = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "calls").read_text().endswith("grub-reboot gnulinux-advanced-ab>gnulinux-6.14.8-2-pve-advanced-ab\n")
+
+
+# -- kernel.remove_old ---------------------------------------------------------------------
+
+INSTALLED = ["proxmox-kernel-6.8.12-4-pve-signed", "proxmox-kernel-6.8.4-2-pve-signed", "proxmox-kernel-6.8",
+             "proxmox-default-kernel", "pve-kernel-5.15.158-2-pve", "proxmox-kernel-6.14.11-9-bpo12-pve",
+             "linux-image-6.1.0-57-amd64", "linux-image-amd64", "proxmox-kernel-6.8.12-4-pve-signed-dbgsym"]
+
+
+def test_old_kernel_packages_are_what_is_installed_signed_included_never_running_or_default():
+    assert plan.package_release("proxmox-kernel-6.8.12-4-pve-signed") == "6.8.12-4-pve"
+    assert plan.package_release("proxmox-kernel-6.8") is None and plan.package_release("linux-image-amd64") is None
+    old = plan.old_kernel_packages(INSTALLED, {"6.14.11-9-bpo12-pve", "6.8.12-4-pve", "6.8.12-4-pve"})
+    assert old == ["linux-image-6.1.0-57-amd64", "proxmox-kernel-6.8.4-2-pve-signed", "pve-kernel-5.15.158-2-pve"]
+    # the default (known-good) kernel stays too
+    old = plan.old_kernel_packages(INSTALLED, {"6.14.11-9-bpo12-pve", "6.8.12-4-pve", "6.8.4-2-pve"})
+    assert "proxmox-kernel-6.8.4-2-pve-signed" not in old
+
+
+def test_purge_removes_exactly_the_old_kernels_or_nothing(tmp_path):
+    """A meta package depending on an old kernel would go with it (and proxmox-ve with
+    proxmox-default-kernel): apt's simulation says so and nothing is removed."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "apt-get").write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = -s ]; then cat {tmp_path}/sim; else echo "$@" >> {tmp_path}/calls; fi\n')
+    (bin_dir / "apt-get").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    pkgs = ["proxmox-kernel-6.8.4-2-pve-signed", "pve-kernel-5.15.158-2-pve"]
+    (tmp_path / "sim").write_text("Purg pve-kernel-5.15.158-2-pve [5.15.158-2]\n"
+                                  "Purg proxmox-kernel-6.8.4-2-pve-signed [6.8.4-2]\n")
+    r = subprocess.run(["sh", "-c", plan.purge_command(pkgs)], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "calls").read_text() == "-y purge proxmox-kernel-6.8.4-2-pve-signed pve-kernel-5.15.158-2-pve\n"
+    (tmp_path / "calls").unlink()
+    (tmp_path / "sim").write_text("Purg proxmox-ve [8.4.0]\nPurg proxmox-default-kernel [1.1.0]\n"
+                                  "Purg proxmox-kernel-6.8.4-2-pve-signed [6.8.4-2]\nPurg pve-kernel-5.15.158-2-pve [5.15.158-2]\n")
+    r = subprocess.run(["sh", "-c", plan.purge_command(pkgs)], env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and "would also remove: proxmox-default-kernel proxmox-ve" in r.stderr
+    assert not (tmp_path / "calls").exists()
