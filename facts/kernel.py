@@ -608,10 +608,11 @@ _MAKE_ASSIGN = re.compile(r"^(?:export\s+|override\s+)?([A-Za-z_][A-Za-z0-9_]*)\
 _MAKE_REF = re.compile(r"\$[({]([A-Za-z_][A-Za-z0-9_]*)[)}]")
 
 
-def makefile_variables(text: str) -> dict[str, str]:
+def makefile_variables(text: str, overrides: dict[str, str] | None = None) -> dict[str, str]:
     """Top-level `NAME=value` assignments of a Makefile, each expanded from the others
     (`$(NAME)`/`${NAME}`; `$(shell …)` and other functions expand to nothing). A variable
-    read, not a build: what `make --eval '…: ; @echo $(NAME)'` prints for plain variables."""
+    read, not a build: what `make --eval '…: ; @echo $(NAME)'` prints for plain variables.
+    `overrides`: variables given on make's command line (they win over the Makefile's)."""
     raw: dict[str, str] = {}
     for line in text.splitlines():
         if line.startswith("\t") or line.lstrip().startswith("#"):
@@ -619,6 +620,7 @@ def makefile_variables(text: str) -> dict[str, str]:
         match = _MAKE_ASSIGN.match(line)
         if match:
             raw[match.group(1)] = match.group(2).split(" #", 1)[0].strip()
+    raw.update(overrides or {})
 
     def expand(value: str, depth: int = 0) -> str:
         if depth > 20:
@@ -638,6 +640,22 @@ def release_from_makefile(text: str) -> str | None:
     return value or None
 
 
+# Appended to pve-kernel's KREL_EXTRA on make's command line (templates/kernel-build.sh.j2): our
+# build's KVNAME, so the names of its packages and files, are its own. Proxmox's
+# proxmox-kernel-<KVNAME>-signed Conflicts/Replaces proxmox-kernel-<KVNAME> (pve-kernel
+# debian/signing-template/control.in) and both install /boot/vmlinuz-<KVNAME>: with Proxmox's
+# KVNAME apt would replace our build, or our dpkg -i fail, whichever came second.
+LOCAL_KREL_SUFFIX = "-pvegpu"
+
+
+def built_release_from_makefile(text: str) -> str | None:
+    """The release our build of that Makefile produces: KVNAME with KREL_EXTRA + LOCAL_KREL_SUFFIX
+    (bookworm-6.14 at ad58d14: 6.14.11-9-bpo12-pvegpu-pve)."""
+    krel_extra = makefile_variables(text).get("KREL_EXTRA", "")
+    value = makefile_variables(text, {"KREL_EXTRA": krel_extra + LOCAL_KREL_SUFFIX}).get("KVNAME")
+    return value or None
+
+
 def source_makefile_command(url: str, ref: str) -> str:
     """Print pve-kernel's Makefile at `ref` from a clone of `url` an earlier build left under
     BUILD_ROOT (read-only: `git show`), after a `from <clone>` line; nothing when none has it."""
@@ -652,10 +670,11 @@ def source_makefile_command(url: str, ref: str) -> str:
 
 
 def parse_source_makefile(lines: list[str]) -> dict | None:
-    """{"release": "6.14.11-9-bpo12-pve", "from": "/var/lib/pvegpu/kernel-build/…/src"} or None."""
+    """{"release": "6.14.11-9-bpo12-pvegpu-pve" (what our build of it produces: built_release_from_makefile),
+    "from": "/var/lib/pvegpu/kernel-build/…/src"} or None."""
     if not lines or not lines[0].startswith("from "):
         return None
-    return {"release": release_from_makefile("\n".join(lines[1:])), "from": lines[0][len("from "):].strip()}
+    return {"release": built_release_from_makefile("\n".join(lines[1:])), "from": lines[0][len("from "):].strip()}
 
 
 class KernelStageFacts(FactBase):

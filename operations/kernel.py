@@ -55,7 +55,7 @@ def build_script(k: KernelSpec, base: str, jobs: int, build_dir: str) -> str:
         "kernel-build.sh.j2", build_dir=build_dir, version=k.version, kind=k.source.kind, jobs=int(jobs),
         ccache=k.ccache, base_config=base, fragments=list(k.config_fragments),
         url=k.source.url, sha256=k.source.sha256 or "", ref=k.source.ref or "", localversion=plan.localversion(k),
-        pkgversion="1")
+        pkgversion="1", local_suffix=plan.LOCAL_KREL_SUFFIX)
 
 
 def wait_for_build(state, host, build_dir: str, total: int | None, poll_s: float = POLL_S,
@@ -183,6 +183,15 @@ def preflight(spec: HostSpec) -> list[str]:
     decision = decide(k, facts, base_config_of(k))
     if decision["action"] == "wrong-debs":
         refusals.append(decision["why"])
+    theirs = [p for p in facts["build"].get("kernel_packages", []) if plan.package_release(p) == k.version]
+    if theirs and not facts["build"]["installed_manifest"] and decision["action"] in ("build", "attach", "install"):
+        # a package of the same release not built here (Proxmox's -signed one, Debian's image):
+        # same /boot and /lib/modules files; dpkg -i fails on its Conflicts or apt replaces ours later
+        refusals.append(f"kernel {k.version} is already installed from {', '.join(theirs)}, not built by pvegpu: our "
+                        "packages of the same release would collide with it (same files; Proxmox's -signed package "
+                        "Conflicts/Replaces proxmox-kernel-<release>). Boot that kernel as it is (drop spec.kernel), "
+                        "or build a release of your own (proxmox-git builds get KREL_EXTRA + "
+                        f"{plan.LOCAL_KREL_SUFFIX}; a tarball build a LOCALVERSION in kernel.version)")
     _, no_trial = plan.trial_loader(facts["build"])
     if k.trial_boot and no_trial and decision["action"] in ("build", "attach", "install", "trial"):
         refusals.append(f"kernel.trial_boot is on, but a trial that is one boot cannot be set up on this host: {no_trial}. "

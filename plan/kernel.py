@@ -5,7 +5,8 @@
     build_dir(kernel_spec, base_config)            -> "/var/lib/pvegpu/kernel-build/6.14.8-2-pve-3f0c1a2b3c4d"
     kernel_decision(kernel_spec, facts, base_config) -> {"action": "build"|"attach"|"install"|"trial"|"await-reboot"|
                                                    "finish"|"pin"|"done"|"failed-trial"|"wrong-debs", "why": …}
-    release_from_makefile(pve_kernel_makefile_text) -> "6.14.11-9-bpo12-pve"   # the release a ref builds (facts.kernel)
+    release_from_makefile(pve_kernel_makefile_text) -> "6.14.11-9-bpo12-pve"   # Proxmox's release of a ref (facts.kernel)
+    built_release_from_makefile(text)              -> "6.14.11-9-bpo12-pvegpu-pve"  # what our build of it produces
     build_memory_max_kib(mem_total_kib, jobs)      -> MemoryMax= of the detached build
     package_globs(kind, release)                   -> ["linux-image-6.1.0-pvegpu_*.deb", …]
     boot loader interface (one trial = one boot; see the section below):
@@ -32,10 +33,12 @@ import shlex
 # them (facts.kernel); plan.kernel names them too, for its own use and its callers'.
 from facts.kernel import (  # noqa: F401
     BUILD_ROOT,
+    LOCAL_KREL_SUFFIX,
     STATE_DIR,
     TRIAL_ARMED,
     TRIAL_FAILED,
     TRIAL_MARKER,
+    built_release_from_makefile,
     makefile_variables,
     release_from_makefile,
 )
@@ -96,7 +99,8 @@ def release_refusal(kernel: KernelSpec, source_release: str | None, where: str) 
     if kernel.source.kind != "proxmox-git" or not source_release or source_release == kernel.version:
         return None
     return (f"kernel.version is {kernel.version}, but pve-kernel at ref {kernel.source.ref} builds {source_release} "
-            f"(KVNAME of its Makefile, read from {where}); set kernel.version: {source_release} or pin another ref")
+            f"(KVNAME of its Makefile with KREL_EXTRA + {LOCAL_KREL_SUFFIX}: our packages never carry the names of "
+            f"Proxmox's, which would replace them; read from {where}); set kernel.version: {source_release} or pin another ref")
 
 
 def build_memory_max_kib(mem_total_kib: int | None, jobs: int, per_job_kib: int = PER_JOB_KIB) -> int | None:

@@ -1,6 +1,6 @@
 """The kernel stage's trial boot on the kpro6 twin (systemd-boot, ESP listed in
 /etc/kernel/proxmox-boot-uuids) and on intel2 (GRUB), without compiling: the build dir holds a finished build of
-6.14.11-9-bpo12-pve (pve-kernel bookworm-6.14 at ad58d14) whose .debs are stand-ins made here
+6.14.11-9-bpo12-pvegpu-pve (pve-kernel bookworm-6.14 at ad58d14, KREL_EXTRA + -pvegpu) whose .debs are stand-ins made here
 (an image, config and modules dir in proxmox-kernel-<rel>, a .config in proxmox-headers-<rel>;
 the kernel package's postinst runs /etc/kernel/postinst.d as pve-kernel's does, so the twin's
 zz-proxmox-boot hook syncs the ESP at install).
@@ -31,7 +31,7 @@ from tests.twin import runtime
 pytestmark = [pytest.mark.twin]
 
 STAGES = "operations.kernel,operations.reboot"
-RELEASE = "6.14.11-9-bpo12-pve"
+RELEASE = "6.14.11-9-bpo12-pvegpu-pve"  # what our build of bookworm-6.14 at ad58d14 produces
 DEB_VERSION = "6.14.11-9~bpo12+1"
 OLD = "6.14.8-2-pve"
 KERNEL = {"version": RELEASE, "source": {"kind": "proxmox-git", "url": "git://git.proxmox.com/git/pve-kernel.git",

@@ -246,3 +246,15 @@ def test_preflight_refuses_a_trial_that_would_not_be_one_boot(monkeypatch, lines
     assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT, "trial_boot": False})) == []
 
 
+
+
+def test_preflight_refuses_a_release_already_installed_from_a_package_not_built_here(monkeypatch):
+    from spec.models import HostSpec
+    build = kernel_facts.parse_build_state(["pbt", "esps", "uefi", "kpkg proxmox-kernel-6.14.8-2-pve-signed"])
+    monkeypatch.setattr(kernel, "stage_facts", lambda k: {
+        "kernels": {"running": "6.8.12-4-pve", "installed": ["6.8.12-4-pve", "6.14.8-2-pve"]}, "build": build, "source": None})
+    refusals = kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT}))
+    assert len(refusals) == 1 and "already installed from proxmox-kernel-6.14.8-2-pve-signed" in refusals[0]
+    assert "KREL_EXTRA + -pvegpu" in refusals[0]
+    build["installed_manifest"] = {"build_id": "ours, an earlier build"}  # ours: rebuilt, not refused
+    assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT})) == []
