@@ -176,7 +176,7 @@ def test_driver_builds_installs_refuses_and_skips(driver_twin, tmp_path):
     for release in releases:
         for module in MODULES:
             info = twin_sh(twin, f"modinfo -k {release} {module}")
-            fields = {}
+            fields: dict[str, list[str]] = {}
             for line in info.splitlines():
                 key, _, value = line.partition(":")
                 fields.setdefault(key.strip(), []).append(value.strip())

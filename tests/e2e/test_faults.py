@@ -29,6 +29,7 @@ import tarfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -106,7 +107,7 @@ def twin_pids(twin, *, comm: str | None = None, cmdline_has: str | None = None) 
 
 def log_is_still(twin, quiet_s: float):
     """A predicate: true once the sshd log has not changed for `quiet_s` seconds."""
-    seen = {"lines": None, "since": time.monotonic()}
+    seen: dict[str, Any] = {"lines": None, "since": time.monotonic()}
 
     def still() -> bool:
         lines = sshd_log_lines(twin)
@@ -257,7 +258,7 @@ def test_invalid_spec_stops_before_any_connection(twin_factory, tmp_path, case):
     yml = tmp_path / "broken.yml"
     if make is None:  # aliases that multiply ("billion laughs"), under the twin's host
         levels = ["a: &a [" + ",".join(['"lol"'] * 9) + "]"]
-        levels += [f"{n}: &{n} [" + ",".join([f"*{p}"] * 9) + "]" for p, n in zip("abcdefgh", "bcdefghi")]
+        levels += [f"{n}: &{n} [" + ",".join([f"*{p}"] * 9) + "]" for p, n in zip("abcdefgh", "bcdefghi", strict=True)]
         yml.write_text("\n".join(levels) + f"\nhosts:\n  {twin.name}:\n    ssh: {json.dumps(connection['ssh'])}\n"
                        "    iommu: {params: *i}\n")
     else:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import runpy
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest

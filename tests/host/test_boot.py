@@ -11,7 +11,7 @@ import pytest
 
 from facts.cpu import CpuInfo
 from facts.kernel import BootLoader, ProxmoxKernels, parse_cmdline_text
-from plan.boot import cmdline_difference, desired_params, describe_difference, vfio_modules
+from plan.boot import cmdline_difference, describe_difference, desired_params, vfio_modules
 from plan.kernel import PER_JOB_KIB, STATE_DIR, build_jobs
 
 
@@ -89,7 +89,9 @@ def test_kernel_build_jobs_fit_the_hosts_memory(target):
     jobs = json.loads(recorded)["jobs"]
     _, out = target.run("nproc; grep '^MemTotal:' /proc/meminfo")
     cores = int(out.split()[0])
-    mem_kib = int(re.search(r"MemTotal:\s*(\d+)", out).group(1))
+    mem = re.search(r"MemTotal:\s*(\d+)", out)
+    assert mem, out
+    mem_kib = int(mem.group(1))
     if kernel.jobs != "auto":
         assert jobs == int(kernel.jobs), (
             f"{target.name}: kernel {kernel.version} was built with -j{jobs}, but the spec sets jobs: {kernel.jobs}")

@@ -618,6 +618,7 @@ def _size(v) -> int:
     if isinstance(v, int):
         return v
     m = re.fullmatch(r"(\d+)([KMGT]?)", str(v))
+    assert m, f"not a size: {v!r}"
     return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}[m.group(2)]
 
 

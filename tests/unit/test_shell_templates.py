@@ -107,7 +107,7 @@ def no_injection(root: Path) -> None:
 # -- the representative values have the callers' keys -------------------------------------------
 
 def captured(monkeypatch, module, call) -> tuple[str, dict]:
-    seen = {}
+    seen: dict = {}
 
     def capture(name, **context):
         seen.setdefault("name", name)

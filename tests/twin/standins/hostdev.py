@@ -75,15 +75,15 @@ def nvidia_modprobe(argv):
     if any(a in ("-m", "--modeset") for a in argv):
         nodes.append({"path": "/dev/nvidia-modeset", "major": 195, "minor": 254})
     made = []
-    for n in nodes:
-        p = twinstate.path(n["path"])
+    for node in nodes:
+        p = twinstate.path(node["path"])
         if os.path.lexists(p):
             continue
         try:
             os.makedirs(os.path.dirname(p), exist_ok=True)
-            os.mknod(p, 0o666 | stat.S_IFCHR, os.makedev(n["major"], n["minor"]))
+            os.mknod(p, 0o666 | stat.S_IFCHR, os.makedev(node["major"], node["minor"]))
             os.chmod(p, 0o666)
-            made.append(n["path"])
+            made.append(node["path"])
         except PermissionError:
             pass  # not root (tests on a tmp root): the record below is what counts
     with open(twinstate.path(f"{twinstate.TWIN}/nvidia-modprobe.log"), "a") as f:

@@ -138,14 +138,15 @@ def _apply_with_steps(monkeypatch, steps: dict, state: dict | None = None, stamp
     host_state = state or {"running": "6.1.0-57-amd64", "releases": {}, "sources": {}, "persistenced": {}}
     monkeypatch.setattr(ops, "_state_and_steps", lambda spec: (host_state, releases or ["6.1.0-57-amd64"], steps))
     spec = load_spec_file(ROOT / "inventories" / "kpro6.yml")["kpro6"]
+    assert spec.nvidia is not None
     spec = spec.model_copy(update={"nvidia": spec.nvidia.model_copy(update={"persistenced": False})})
     fake_state = FakeState()
     with ctx_state.use(fake_state), ctx_host.use(create_host(fake_state)):
-        ops.apply._inner(spec) if hasattr(ops.apply, "_inner") else ops.apply.__wrapped__(spec)
+        ops.apply._inner(spec)
     return called, said
 
 
-NOTHING_TO_DO = {"jobs": 2, "ccache": True, "fetch_modules": False, "fetch_installer": False,
+NOTHING_TO_DO: dict = {"jobs": 2, "ccache": True, "fetch_modules": False, "fetch_installer": False,
                  "install_userspace": False, "firmware_files": [], "verify": False, "refusals": [], "notes": [],
                  "releases": {"6.1.0-57-amd64": {"build": False, "cc": "gcc-12", "cxx": None,
                                                  "reason": "nvidia 595.45.04 is installed for 6.1.0-57-amd64"}}}
@@ -370,7 +371,6 @@ def test_open_tree_src_built_once_for_two_releases_stripped_then_signed(tmp_path
     archive = tmp_path / "open.tar"
     subprocess.run(["tar", "-C", str(tmp_path / "tree"), "-cf", str(archive), top.name], check=True)
     env = fake_build_tools(tmp_path)
-    log = tmp_path / "conftest.log"
     bindir = Path(env["PATH"].split(":")[0])
     # make: the top-level .o_binary targets build src/ (as the tree's Makefile links them); else kernel-open
     (bindir / "make").write_text(
