@@ -166,6 +166,32 @@ def install_command(version: str, release: str) -> str:
                            module_dir=module_dir(release))
 
 
+# --no-nouveau-check: GPUs this run gives to VMs or containers may still be on nouveau until the
+# reboot that the boot stage's blacklist takes effect with; without it nvidia-installer aborts under
+# --silent when nouveau is bound, after writing its own modprobe.d blacklist (nvidia-installer misc.c
+# check_for_nouveau(), run by install-from-cwd.c with --no-kernel-modules too); gpu-driver-container
+# passes it as well
+USERSPACE_FLAGS = ("--silent", "--no-kernel-modules", "--no-nouveau-check")
+INSTALLER_VERSION_RE = r"s/^nvidia-installer: *version *\([^ ]*\).*/\1/p"
+
+
+def installer_version_command(installer: str, version: str) -> str:
+    """Exit 1 naming both versions unless the .run says it is `version`.
+
+    `sh <run> --version`: the .run's makeself header hands the option to the extracted
+    nvidia-installer, which prints its NV_ID_STRING, "nvidia-installer:  version <v>"
+    (nvidia-installer.c print_version()).
+    """
+    q = shlex.quote
+    return (f"v=$(sh {q(installer)} --version 2>/dev/null | sed -n {q(INSTALLER_VERSION_RE)} | head -n 1); "
+            f"[ \"$v\" = {q(version)} ] || {{ echo {q('pvegpu: the NVIDIA installer ' + installer + ' is version ')}"
+            f"\"'${{v:-unknown}}'\"{q(', but nvidia.version is ' + version + '; nothing was installed')} >&2; exit 1; }}")
+
+
+def userspace_command(installer: str) -> str:
+    return " ".join(["sh", shlex.quote(installer), *USERSPACE_FLAGS])
+
+
 def verify_command(version: str, releases: list[str], firmware: bool, firmware_files: list[str] | None = None) -> str:
     """Exit 1 naming every component whose version is not `version` (incidents 2, 6;
     templates/nvidia-verify.sh.j2).
@@ -222,7 +248,13 @@ def install_userspace(installer: str, version: str):
     """NVIDIA user space and GSP firmware of exactly the module version, without kernel modules
     (incidents 2, 6): the installer is the one source of the firmware (nvidia-installer installs
     its FIRMWARE entries into /lib/firmware/nvidia/<version>/ with --no-kernel-modules too)."""
-    yield StringCommand(f"sh {shlex.quote(installer)} --silent --no-kernel-modules")
+    yield StringCommand(userspace_command(installer))
+
+
+@operation()
+def check_installer(installer: str, version: str):
+    """Refuse, before anything is built or installed, a .run whose version is not `version`."""
+    yield StringCommand(installer_version_command(installer, version))
 
 
 @operation()
@@ -317,6 +349,9 @@ def apply(spec) -> None:
                          url=nv.installer.url, sha256=nv.installer.sha256, dest=installer)
         else:
             _skip(f"{installer} is already fetched and verified")
+    if steps["install_userspace"]:
+        check_installer(name=f"Check the NVIDIA installer is {nv.version}", installer=installer or "",
+                        version=nv.version)
     building = [r for r in releases if steps["releases"][r]["build"]]
     for release in releases:
         entry = steps["releases"][release]
