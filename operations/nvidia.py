@@ -43,6 +43,7 @@ from facts.nvidia import (
     source_name,
 )
 from facts.once import fact_once
+from facts.run_state import need_reboot
 from operations import handlers, progress
 from operations.files import file_current, link_unit, managed_file
 from plan import nvidia as nvplan
@@ -376,6 +377,10 @@ def apply(spec) -> None:
         _skip(f"user space {nv.version} is installed (or no installer configured)")
     if nv.persistenced:
         _persistenced(state, will_install=steps["install_userspace"])
+    loaded = (fact_once(HardwareProbe).get("nvidia_driver") or {}).get("version")
+    reason = nvplan.reboot_reason(nv.version, loaded, state["running"], steps, state)
+    if reason:
+        need_reboot("nvidia", reason)
     if steps["verify"]:
         verify_versions(name=f"Check nvidia {nv.version}: modules, firmware, user space",
                         version=nv.version, releases=[r for r in releases if steps["releases"][r]["build"]

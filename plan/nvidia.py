@@ -421,6 +421,23 @@ def source_mismatch(what: str, source, checked: dict | None) -> str | None:
             f"refusing to build or install from it (nothing was changed)")
 
 
+def reboot_reason(version: str, loaded: str | None, running: str | None, steps: dict, state: dict) -> str | None:
+    """Why the host must reboot after this run, or None: the loaded nvidia module (`loaded`, from
+    /proc/driver/nvidia/version) is another version than the one the running kernel has (or gets
+    this run) on disk. Until the old module is unloaded, nvidia-smi and CUDA fail with
+    "Driver/library version mismatch" against the new user space on the host and in every
+    container; a reboot loads the installed one. No module loaded (a first install) is no reason.
+    """
+    if not loaded or loaded == version or not running:
+        return None
+    entry = (steps.get("releases") or {}).get(running) or {}
+    module = ((state.get("releases") or {}).get(running) or {}).get("module") or {}
+    if not (entry.get("build") or module.get("version") == version):
+        return None
+    return (f"nvidia {loaded} is loaded but {version} is installed for {running}; nvidia-smi and CUDA "
+            f"fail with 'Driver/library version mismatch' until the new module is loaded")
+
+
 def driver_steps(version: str, releases: list[str], state: dict, *, modules_source=None,
                  installer=None, want_firmware: bool = True, required: set[str] | None = None,
                  open_tree: bool = False, signing=None, gpu_ids: dict[str, str] | None = None) -> dict:

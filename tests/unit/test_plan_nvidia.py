@@ -372,3 +372,18 @@ def test_missing_firmware_reruns_the_installer_the_one_source():
     state["firmware"]["595.45.04"].append("gsp_ga10x.bin")
     result = open_steps(state, installer=installer, want_firmware=True, gpu_ids=gpus)
     assert not result["install_userspace"] and not result["verify"] and result["refusals"] == []
+
+
+def test_reboot_reason_when_the_loaded_module_is_not_the_installed_one():
+    state = {"releases": {"6.8.12-4-pve": {"module": {"version": "595.71.05"}}}}
+    steps = {"releases": {"6.8.12-4-pve": {"build": False}}}
+    reason = nv.reboot_reason("595.71.05", "580.159.04", "6.8.12-4-pve", steps, state)
+    assert reason and "nvidia 580.159.04 is loaded but 595.71.05 is installed for 6.8.12-4-pve" in reason
+    # converged (loaded = installed), first install (nothing loaded), nothing of ours for the running kernel
+    assert nv.reboot_reason("595.71.05", "595.71.05", "6.8.12-4-pve", steps, state) is None
+    assert nv.reboot_reason("595.71.05", None, "6.8.12-4-pve", steps, state) is None
+    assert nv.reboot_reason("595.71.05", "580.159.04", "6.8.12-4-pve", steps,
+                                {"releases": {"6.8.12-4-pve": {"module": None}}}) is None
+    # built this run for the running kernel
+    assert nv.reboot_reason("595.71.05", "580.159.04", "6.8.12-4-pve",
+                                {"releases": {"6.8.12-4-pve": {"build": True}}}, {"releases": {}})

@@ -121,8 +121,10 @@ def test_fetch_op_always_fetches():
 
 
 def _apply_with_steps(monkeypatch, steps: dict, state: dict | None = None, stamps: dict | None = None,
-                      releases: list[str] | None = None) -> tuple[list[str], list[str]]:
-    """ops.apply with the plan's steps given: (operations it called, lines it logged)."""
+                      releases: list[str] | None = None, loaded: str | None = None,
+                      reboots: list | None = None) -> tuple[list[str], list[str]]:
+    """ops.apply with the plan's steps given: (operations it called, lines it logged). `loaded`:
+    the version /proc/driver/nvidia/version shows; `reboots` receives the reboot reasons declared."""
     from spec.load import load_spec_file
 
     called: list[str] = []
@@ -137,11 +139,15 @@ def _apply_with_steps(monkeypatch, steps: dict, state: dict | None = None, stamp
     monkeypatch.setattr(ops.logger, "info", said.append)
     host_state = state or {"running": "6.1.0-57-amd64", "releases": {}, "sources": {}, "persistenced": {}}
     monkeypatch.setattr(ops, "_state_and_steps", lambda spec: (host_state, releases or ["6.1.0-57-amd64"], steps))
+    monkeypatch.setattr(ops, "fact_once", lambda fact, **kw: {"nvidia_driver": {"version": loaded} if loaded else None})
     spec = load_spec_file(ROOT / "inventories" / "kpro6.yml")["kpro6"]
     spec = spec.model_copy(update={"nvidia": spec.nvidia.model_copy(update={"persistenced": False})})
     fake_state = FakeState()
     with ctx_state.use(fake_state), ctx_host.use(create_host(fake_state)):
         ops.apply._inner(spec) if hasattr(ops.apply, "_inner") else ops.apply.__wrapped__(spec)
+        if reboots is not None:
+            from facts.run_state import reboot_reasons
+            reboots.extend(reboot_reasons())
     return called, said
 
 
@@ -546,3 +552,22 @@ def test_userspace_install_passes_when_nouveau_is_bound(tmp_path):
     assert (tmp_path / "root/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.595.71.05").exists()
     assert (tmp_path / "root/lib/firmware/nvidia/595.71.05/gsp_ga10x.bin").exists()
     assert not (tmp_path / "root/etc/modprobe.d/nvidia-installer-disable-nouveau.conf").exists()
+
+
+# -- a driver upgrade declares its reboot (issue 28 part 3) ----------------------------------
+
+def test_an_upgrade_over_a_loaded_older_driver_declares_a_reboot(monkeypatch):
+    """595.45.04 loaded, 595.71.05 built and installed for the running kernel this run: the stage
+    declares a reboot (the reboot stage then reboots or says it is pending); the same run with the
+    new driver loaded, or with nothing loaded, declares none."""
+    steps = {**NOTHING_TO_DO, "install_userspace": True, "verify": True,
+             "releases": {"6.1.0-57-amd64": {**NOTHING_TO_DO["releases"]["6.1.0-57-amd64"], "build": True}}}
+    reboots: list = []
+    _apply_with_steps(monkeypatch, steps, loaded="595.45.04", reboots=reboots)
+    assert reboots == [("nvidia", "nvidia 595.45.04 is loaded but 595.71.05 is installed for 6.1.0-57-amd64; "
+                                  "nvidia-smi and CUDA fail with 'Driver/library version mismatch' until the new "
+                                  "module is loaded")]
+    for loaded in ("595.71.05", None):
+        reboots = []
+        _apply_with_steps(monkeypatch, steps, loaded=loaded, reboots=reboots)
+        assert reboots == []
