@@ -227,8 +227,9 @@ def test_driver_builds_installs_refuses_and_skips(driver_twin, tmp_path):
     # 6. refusals for another version: each stops the run and leaves the installed modules untouched
     before = installed_state(twin, releases)
     other = "595.45.99"
-    run = deploy(tmp_path, twin, nvidia_spec(releases, "0" * 64, version=other))
-    assert refused(run, f"has sha256 {sha} but the spec says {'0' * 64}"), run.output[-3000:]
+    wrong = hashlib.sha256(b"not this archive").hexdigest()  # a digest, of another file (all zeros is refused at load)
+    run = deploy(tmp_path, twin, nvidia_spec(releases, wrong, version=other))
+    assert refused(run, f"has sha256 {sha} but the spec says {wrong}"), run.output[-3000:]
     assert installed_state(twin, releases) == before
     conf = f"/lib/modules/{first}/build/include/config/auto.conf"
     twin_sh(twin, f"cp {conf} /root/auto.conf.orig && "

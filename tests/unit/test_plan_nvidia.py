@@ -365,7 +365,7 @@ def test_missing_firmware_reruns_the_installer_the_one_source():
              "firmware": {"595.45.04": ["gsp_tu10x.bin"]}}
     for release in TWO:
         state["releases"][release]["module"] = {"version": "595.45.04", "vermagic": f"{release} SMP", "filename": "x"}
-    installer = SourceSpec(url="/opt/nvidia/NVIDIA-Linux-x86_64-595.45.04.run", sha256="a" * 64)
+    installer = SourceSpec(url="/opt/nvidia/NVIDIA-Linux-x86_64-595.45.04.run", sha256=SHA)
     gpus = {"0000:01:00.0": "2bb5"}
     result = open_steps(state, installer=installer, want_firmware=True, gpu_ids=gpus)
     assert result["install_userspace"] and result["fetch_installer"] and result["firmware_files"] == ["gsp_ga10x.bin"]

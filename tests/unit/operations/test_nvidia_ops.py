@@ -90,8 +90,8 @@ def test_source_names_and_local_paths():
     assert ops.local_path("file:///srv/a.run") == "/srv/a.run"
     assert ops.local_path("/srv/a.run") == "/srv/a.run"
     assert ops.local_path(url) is None
-    src = SourceSpec(url=url, sha256="a" * 64)
-    assert ops.cached_source(src) == f"{ops.SOURCE_CACHE}/{'a' * 64}-595.71.05.tar.gz"
+    src = SourceSpec(url=url, sha256=SHA)
+    assert ops.cached_source(src) == f"{ops.SOURCE_CACHE}/{SHA}-595.71.05.tar.gz"
 
 
 def test_fetch_checks_sha256_before_the_file_is_usable(tmp_path):
@@ -141,7 +141,11 @@ def _apply_with_steps(monkeypatch, steps: dict, state: dict | None = None, stamp
     monkeypatch.setattr(ops, "_state_and_steps", lambda spec: (host_state, releases or ["6.1.0-57-amd64"], steps))
     monkeypatch.setattr(ops, "fact_once", lambda fact, **kw: {"nvidia_driver": {"version": loaded} if loaded else None})
     spec = load_spec_file(ROOT / "inventories" / "kpro6.yml")["kpro6"]
-    spec = spec.model_copy(update={"nvidia": spec.nvidia.model_copy(update={"persistenced": False})})
+    # the example leaves modules_source for the operator to fill in (no published sha256 of the archive)
+    modules = SourceSpec(url="https://github.com/NVIDIA/open-gpu-kernel-modules/archive/refs/tags/595.71.05.tar.gz",
+                         sha256=SHA)
+    spec = spec.model_copy(update={"nvidia": spec.nvidia.model_copy(update={"persistenced": False,
+                                                                            "modules_source": modules})})
     fake_state = FakeState()
     with ctx_state.use(fake_state), ctx_host.use(create_host(fake_state)):
         ops.apply._inner(spec) if hasattr(ops.apply, "_inner") else ops.apply.__wrapped__(spec)
