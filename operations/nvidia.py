@@ -109,7 +109,7 @@ def src_dir(version: str, cc: str, cxx: str | None) -> str:
 
 def build_command(archive: str, version: str, release: str, cc: str, jobs: int, ccache: bool,
                   conftest_cache: bool = True, cxx: str | None = None,
-                  signing: tuple[str, str] | None = None) -> str:
+                  signing: tuple[str, str] | None = None, sig_hash: str = "sha256") -> str:
     """Build the NVIDIA modules for `release` in a fresh scratch dir; the .ko files land in <scratch>/out
     (templates/nvidia-build.sh.j2, every value quoted there).
 
@@ -132,7 +132,7 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
     (its tail is printed on failure). The .ko files are stripped of debug info as the kernel's
     INSTALL_MOD_STRIP=1 does (`strip --strip-debug`; 595.45.04 for 6.1: 25.5 MB of modules left) and then,
     with `signing` = (key, cert) paths on the host, signed with the release's own
-    scripts/sign-file (sha256), in that order: stripping after signing would drop the signature.
+    scripts/sign-file with `sig_hash` (the release's CONFIG_MODULE_SIG_HASH), in that order: stripping after signing would drop the signature.
     Nothing outside the scratch dirs, the ccache and the conftest cache is touched.
 
     conftest_cache: before `make`, restore kernel-open/conftest/ from a previous successful
@@ -144,7 +144,7 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
     # "$CC" quoted, so CC="ccache gcc-12" makes every conftest fail.
     return render_template(
         "nvidia-build.sh.j2", archive=archive, version=version, release=release, cc=cc, cxx=cxx, jobs=int(jobs),
-        ccache=ccache, conftest_cache=conftest_cache, signing=tuple(signing) if signing else None,
+        ccache=ccache, conftest_cache=conftest_cache, signing=tuple(signing) if signing else None, sig_hash=sig_hash,
         build_root=BUILD_ROOT, build_dir=build_dir(version, release), src_dir=src_dir(version, cc, cxx),
         ccache_dir=CCACHE_DIR, ccache_masquerade=CCACHE_MASQUERADE, ccache_ignore_options=CCACHE_IGNORE_OPTIONS,
         conftest_cache_dir=CONFTEST_CACHE, conftest_cache_keep=CONFTEST_CACHE_KEEP, sign_file=SIGN_FILE,
@@ -222,13 +222,15 @@ def fetch_source(url: str, sha256: str, dest: str):
 
 @operation()
 def build_modules(archive: str, version: str, release: str, cc: str, jobs: int, ccache: bool,
-                  cxx: str | None = None, signing: tuple[str, str] | None = None):
+                  cxx: str | None = None, signing: tuple[str, str] | None = None, sig_hash: str = "sha256"):
     """Build the NVIDIA kernel modules for one kernel release in a scratch dir (not installed yet).
 
     + cxx: the C++ compiler for the open tree's src/ (None: the tree has no C++)
     + signing: (key, cert) paths on the host to sign the modules with, or None
+    + sig_hash: the hash sign-file uses (the release's CONFIG_MODULE_SIG_HASH)
     """
-    yield progress.reported(build_command(archive, version, release, cc, jobs, ccache, cxx=cxx, signing=signing), f"nvidia {version} build for {release}",
+    yield progress.reported(build_command(archive, version, release, cc, jobs, ccache, cxx=cxx, signing=signing,
+                                          sig_hash=sig_hash), f"nvidia {version} build for {release}",
                             key=f"nvidia-{version}-{release}-{archive.rsplit('/', 1)[-1]}", log=f"{build_dir(version, release)}/build.log")
 
 
@@ -362,7 +364,8 @@ def apply(spec) -> None:
         build_modules(name=f"Build nvidia {nv.version} for {release}", archive=modules_archive or "",
                       version=nv.version, release=release, cc=entry["cc"] or "gcc", jobs=steps["jobs"],
                       ccache=steps["ccache"], cxx=entry["cxx"],
-                      signing=(nv.signing.key, nv.signing.cert) if nv.signing else None)
+                      signing=(nv.signing.key, nv.signing.cert) if nv.signing else None,
+                      sig_hash=entry.get("sig_hash") or "sha256")
     for release in building:
         install_modules(name=f"Install nvidia {nv.version} modules for {release}", version=nv.version,
                         release=release)
