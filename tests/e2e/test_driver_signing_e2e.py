@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import run_pyinfra
+from tests.e2e.harness import PYTEST, REPO, run_pyinfra
 from tests.e2e.test_faults import DRIVER, STAGE_DEPLOY, DriverTwin, twin_sh, working_source
 from tests.twin import hardware
 
@@ -60,3 +60,15 @@ def test_an_unenrolled_cert_is_refused_then_the_enrolled_one_signs_with_the_kern
     info = twin_sh(d.twin, f"modinfo -k {d.release} nvidia")
     assert f"version:        {DRIVER}" in info and "signer:         pvegpu twin MOK" in info, info
     assert "sig_hashalgo:   sha512" in info, info
+
+    # the host check asks the firmware, not the signer's name: enrolled passes, withdrawn fails
+    def check():
+        return subprocess.run([PYTEST, "-q", "-p", "no:cacheprovider", "tests/host/test_nvidia.py", "--inventory",
+                               str(inventory), "-k", "signed"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = check()
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:]
+    for enrolled in (root / hardware.EFI_DIR / "MokListRT").iterdir():
+        enrolled.unlink()
+    done = check()
+    assert done.returncode == 1 and "is not enrolled as a machine owner key" in done.stdout \
+        and "Key was rejected by service" in done.stdout, done.stdout[-3000:]

@@ -186,6 +186,17 @@ def test_modules_are_signed_where_secure_boot_needs_it(target):
                 assert signed.strip() == signer, (
                     f"{target.name}: {module} for kernel {release} is signed by {signed.strip()!r}, not by the spec's "
                     f"certificate {nv.signing.cert} ({signer!r})")
+    if nv.signing is not None:
+        # a signer name verifies nothing: the kernel loads the modules only if it trusts the cert
+        from facts.nvidia import NvidiaHostState
+
+        signed_state = target.fact(NvidiaHostState, tuple(releases), None, (nv.signing.key, nv.signing.cert))
+        configs = {r: ((signed_state.get("releases") or {}).get(r) or {}).get("config") or {} for r in releases}
+        sources = nvplan.enforcement_sources(signed_state.get("secure_boot"), signed_state.get("sig_enforce"), configs)
+        mok = signed_state.get("mok")
+        assert not (sources and mok in nvplan.MOK_WORDS), (
+            f"{target.name}: the modules are signed with {nv.signing.cert}, which {nvplan.MOK_WORDS.get(mok, '')}; "
+            f"{'; '.join(sources)}, so the kernel refuses them ('Key was rejected by service')")
 
 
 def test_gsp_firmware_for_each_gpu_generation(target):
