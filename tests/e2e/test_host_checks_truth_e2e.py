@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import pytest
-
-import subprocess
 
 from tests.e2e.harness import PYTEST, REPO
 

@@ -116,7 +116,7 @@ def _unreachable(t: Target) -> str | None:
         with socket.create_connection((address, port), timeout=CONNECT_TIMEOUT_S):
             pass
     except OSError as e:
-        why = "no answer within {} s".format(CONNECT_TIMEOUT_S) if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        why = f"no answer within {CONNECT_TIMEOUT_S} s" if isinstance(e, TimeoutError) else (e.strerror or str(e))
         return f"{t.name}: cannot reach {hostname} ({address}) on ssh port {port}: {why}"
     try:
         t.host.run("true")
