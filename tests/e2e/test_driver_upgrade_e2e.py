@@ -5,7 +5,8 @@ run that built and installed it would have (the module, with depmod), places the
 that version, and runs the NVIDIA stage and the reboot policy alone (tests/e2e/stage_deploy.py):
 user space of the new version is installed over a loaded old module, so the stage declares a
 reboot; `--dry` shows it and changes nothing; with reboot.allowed the twin reboots once and then
-runs the new module; a further run changes nothing and has no reboot pending.
+runs the new module; a further run changes nothing and has no reboot pending; the stage's host
+check of versions passes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import run_pyinfra
+from tests.e2e.harness import PYTEST, REPO, run_pyinfra
 from tests.twin import installer, runtime
 
 pytestmark = [pytest.mark.twin]
@@ -78,3 +79,9 @@ def test_upgrade_over_a_loaded_driver_reboots_once_into_it(twin_factory, tmp_pat
     second = run_pyinfra(str(inventory), "tests/e2e/stage_deploy.py", env=env)
     assert second.rc == 0, second.output[-4000:]
     assert second.changed == 0 and f"{twin.name}: no reboot pending" in second.output, second.output[-4000:]
+
+    # the stage's version check on the host after the reboot: module, loaded driver, firmware, user space
+    checks = subprocess.run([PYTEST, "-q", "-p", "no:cacheprovider", "tests/host/test_nvidia.py", "--inventory",
+                             str(inventory), "-k", "versions_are_equal"], cwd=REPO, capture_output=True, text=True,
+                            timeout=600)
+    assert checks.returncode == 0 and "1 passed" in checks.stdout, checks.stdout[-3000:]
