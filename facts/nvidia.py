@@ -189,6 +189,7 @@ class NvidiaHostState(FactBase):
 
     + releases: target kernel releases
     + sources: ``{"modules": (url, sha256), "installer": (url, sha256)}`` (configured ones)
+    + signing: ``[key, cert]`` host paths (nvidia.signing) or empty
 
     .. code:: python
 
@@ -202,9 +203,13 @@ class NvidiaHostState(FactBase):
          "userspace": ["/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.595.71.05"],
          "persistenced": {"binary": True, "unit": "/lib/systemd/system/nvidia-persistenced.service",
                           "enabled": False},
-         "sources": {"modules": {"cached": False, "sha256": "…"}}}   # sha256 of a local path
+         "sources": {"modules": {"cached": False, "sha256": "…"}},   # sha256 of a local path
+         "secure_boot": True, "sig_enforce": False,                   # None: unknown
+         "signing_files": {"/root/mok.pem": True, "/root/mok.der": True},
+         "signing_key_pem": True, "mok": "enrolled"}                  # see parse_mok; None: unknown
 
-    ``module`` is None when `modinfo -k <rel> nvidia` finds none.
+    ``module`` is None when `modinfo -k <rel> nvidia` finds none; each release's ``config`` holds
+    the KERNEL_CONFIG_KEYS its auto.conf sets (CONFIG_MODULE_SIG_HASH among them).
     """
 
     def command(self, releases: list[str], sources: dict | None = None, signing: list[str] | None = None) -> str:
