@@ -161,3 +161,8 @@ def pytest_runtest_makereport(item, call):
         message = str(call.excinfo.value).split("\nassert ")[0].strip()
         if message:
             report.longrepr = f"{item.nodeid}\n  HOST CHECK FAILED: {message}"
+    target = _TARGETS.get(getattr(getattr(item, "callspec", None), "params", {}).get("target", ""))
+    if report.when == "setup" and report.failed and target is not None and target.unreachable:
+        # an unreachable host is a failed check of that host, not an error of the test suite
+        report.when = "call"
+        report.longrepr = f"{item.nodeid}\n  HOST CHECK FAILED: {target.unreachable}"
