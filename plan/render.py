@@ -58,7 +58,7 @@ def render_template(name: str, **context) -> str:
 # (the callers' contexts have exactly these keys: tests/unit/test_shell_templates.py).
 _BUILD = dict(archive="/var/cache/pvegpu/sources/" + "a" * 64 + "-595.45.04.tar.gz", version="595.45.04",
               release="6.14.11-4-pve", cc="gcc-12", cxx=None, jobs=4, ccache=True, conftest_cache=True,
-              signing=None, build_root="/var/tmp/pvegpu/nvidia-build",
+              signing=None, sig_hash="sha256", build_root="/var/tmp/pvegpu/nvidia-build",
               build_dir="/var/tmp/pvegpu/nvidia-build/595.45.04/6.14.11-4-pve",
               src_dir="/var/tmp/pvegpu/nvidia-build/595.45.04/tree-gcc-12-none",
               ccache_dir="/var/cache/pvegpu/ccache", ccache_masquerade="/usr/lib/ccache",
@@ -83,7 +83,7 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
     "nvidia-build.sh.j2": [
         _BUILD,
         {**_BUILD, "cxx": "g++-12", "ccache": False, "conftest_cache": False,
-         "signing": ("/root/mok.key", "/root/mok.der")},
+         "signing": ("/root/mok.key", "/root/mok.der"), "sig_hash": "sha512"},
     ],
     "nvidia-install.sh.j2": [
         dict(build_dir=_BUILD["build_dir"],

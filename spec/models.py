@@ -136,9 +136,7 @@ class SourceSpec(Strict):
     @field_validator("sha256")
     @classmethod
     def _sha(cls, v: str) -> str:
-        if not SHA256_RE.match(v):
-            raise ValueError("must be 64 lowercase hex characters (the archive's sha256)")
-        return v
+        return V.sha256_digest(v)
 
 
 class SigningSpec(Strict):

@@ -166,6 +166,26 @@ def source_location(url: str) -> str:
     return url
 
 
+# ----------------------------------------------------------------- file digests
+
+SHA256_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
+SHA256_OF_NOTHING = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # sha256 of zero bytes
+
+
+def sha256_digest(value: str) -> str:
+    """A file's sha256 as `sha256sum` prints it, and not a placeholder: all zeros, one digit or
+    a short pattern repeated ("deadbeef" x 8), few distinct digits (a real digest shows about 16;
+    8 or fewer happens by chance about once in 10^15) or the sha256 of an empty file."""
+    if not SHA256_HEX_RE.match(value):
+        raise ValueError("must be 64 lowercase hex characters (the archive's sha256)")
+    if value == SHA256_OF_NOTHING:
+        raise ValueError(f"{value} is the sha256 of an empty file, not of an archive; put the file's sha256 here "
+                         "(sha256sum FILE)")
+    if any(value == value[:n] * (64 // n) for n in (1, 2, 4, 8, 16, 32)) or len(set(value)) <= 8:
+        raise ValueError(f"{value[:16]}… is a placeholder, not a digest; put the file's sha256 here (sha256sum FILE)")
+    return value
+
+
 # ----------------------------------------------------------------- names and identifiers
 
 

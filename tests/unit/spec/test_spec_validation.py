@@ -98,8 +98,16 @@ def test_defaults_come_from_group_data(tmp_path):
          "unknown key"),
         # other things a person gets wrong
         (lambda d: d["nvidia"].update(nvreg={"EnableGpuFirmware": 1}), "hosts.kpro6.nvidia.nvreg", "NVreg_* names"),
-        (lambda d: d["nvidia"]["modules_source"].update(sha256="abc"), "hosts.kpro6.nvidia.modules_source.sha256", "64 lowercase hex"),
-        (lambda d: d["nvidia"]["modules_source"].update(sha256=0), "hosts.kpro6.nvidia.modules_source.sha256", "in quotes"),
+        (lambda d: d["nvidia"]["installer"].update(sha256="abc"), "hosts.kpro6.nvidia.installer.sha256", "64 lowercase hex"),
+        (lambda d: d["nvidia"]["installer"].update(sha256=0), "hosts.kpro6.nvidia.installer.sha256", "in quotes"),
+        # placeholders where a digest goes (issue 28 part 5): refused at load, not at the stage-3 download
+        (lambda d: d["nvidia"]["installer"].update(sha256="0" * 64), "hosts.kpro6.nvidia.installer.sha256", "is a placeholder"),
+        (lambda d: d["nvidia"].update(modules_source={"url": "/root/m.tar.gz", "sha256": "deadbeef" * 8}),
+         "hosts.kpro6.nvidia.modules_source.sha256", "is a placeholder"),
+        (lambda d: d["nvidia"]["installer"].update(sha256="0123456789abcdef" * 4), "hosts.kpro6.nvidia.installer.sha256",
+         "is a placeholder"),
+        (lambda d: d["nvidia"]["installer"].update(sha256="e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"),
+         "hosts.kpro6.nvidia.installer.sha256", "the sha256 of an empty file"),
         (lambda d: d.update(boot_loader="lilo"), "hosts.kpro6.boot_loader", "'auto', 'grub' or 'systemd-boot'"),
         (lambda d: d["kernel"]["source"].pop("ref"), "hosts.kpro6.kernel.source", "needs 'ref'"),
         (lambda d: d["iommu"]["params"].append("pci=realloc quiet"), "hosts.kpro6.iommu.params", "one word without spaces"),

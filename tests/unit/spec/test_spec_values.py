@@ -176,7 +176,7 @@ def test_proxmox_api_port_has_a_range(tmp_path):
     (("nvidia", "installer", "url"), "../NVIDIA.run", "hosts.kpro6.nvidia.installer.url", "a source is an https:// URL"),
     (("nvidia", "installer", "url"), "ftp://example.org/x.run", "hosts.kpro6.nvidia.installer.url",
      "a source is an https:// URL"),
-    (("nvidia", "modules_source", "url"), "/opt/src/", "hosts.kpro6.nvidia.modules_source.url", "no trailing '/'"),
+    (("nvidia", "installer", "url"), "/opt/src/", "hosts.kpro6.nvidia.installer.url", "no trailing '/'"),
 ])
 def test_paths_cannot_climb_out(tmp_path, where, value, path, words):
     h = host()
