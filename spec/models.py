@@ -162,7 +162,7 @@ class SigningSpec(Strict):
     def _absolute(cls, v: str) -> str:
         if not v.startswith("/"):
             raise ValueError(f"{v!r} is not an absolute path on the host")
-        return v
+        return V.host_abs_path(v)  # as every host path: no '.', '..', '//', at most 4095
 
 
 class KernelSourceSpec(Strict):

@@ -43,7 +43,7 @@ FRAGMENTS = [
     ";", "&", "|", "<", ">", "$", "$(touch PWNa)", "`touch PWNb`", "'", '"', "\\", "{", "}", "#", " ", "\t", "\n",
     "\r", "\x00", "\x07", "\x0b", "\x1b", "\x7f", "\x85", "\u2028", "\ud800", "-", "--", "-o", "--upload-pack=x",
     "..", "../", "/", "//", "%", "%25", "%x]@evil.example:443#", "]", "[", "@", "@{", ":", "~", "^", "*", "?",
-    "!", "=", ",", ".lock", "é", "\u00a0", "x" * 70, "y" * 300,
+    "!", "=", ",", ".lock", "é", "\u00a0", "\u0120", "x" * 70, "y" * 300,  # U+0120: UTF-8 C4 A0, a kernel space byte
 ]
 VALUES_PER_FIELD = 2000
 RUN_MAX = 60
@@ -367,6 +367,58 @@ def test_walk_kernel_cmdline_words(tmp_path):
     for (_content, desired), args in zip(dropins.values(), out, strict=True):
         words = grub_linux_words(f"/vmlinuz-6.14.11-4-pve root=/dev/sda1 ro {args}")[3:]
         assert kernel_words(" ".join(words)) == ["quiet", *desired]
+
+
+# linux lib/ctype.c: isspace() is true for ' ', \t \n \v \f \r and byte 0xA0 (Latin-1 NBSP), which
+# also occurs inside UTF-8 sequences
+KERNEL_SPACE = frozenset(b" \t\n\v\f\r\xa0")
+
+
+def module_options(text: str) -> list[tuple[str, str | None]]:
+    """The (param, value) pairs the kernel's module loader gets from a modprobe.d `options` line:
+    kmod (libkmod-config.c) takes what follows `options <module>` as one string (a '#' comments
+    only at a line's start), the kernel splits its bytes with lib/cmdline.c next_arg():
+    isspace() outside double quotes, quotes around a value dropped."""
+    out: list[tuple[str, str | None]] = []
+    for line in text.splitlines():
+        if not line.startswith("options nvidia "):
+            continue
+        rest = line[len("options nvidia "):].encode()
+        while rest and rest[0] in KERNEL_SPACE:
+            rest = rest[1:]
+        while rest:
+            i, in_quote, equals = 0, False, -1
+            while i < len(rest) and (in_quote or rest[i] not in KERNEL_SPACE):
+                if equals < 0 and rest[i] == ord("="):
+                    equals = i
+                if rest[i] == ord('"'):
+                    in_quote = not in_quote
+                i += 1
+            word, rest = rest[:i], rest[i:]
+            while rest and rest[0] in KERNEL_SPACE:
+                rest = rest[1:]
+            if equals < 0:
+                out.append((word.decode(), None))
+                continue
+            value = word[equals + 1:]
+            if value.startswith(b'"'):
+                value = value[1:-1] if value.endswith(b'"') and len(value) > 1 else value[1:]
+            out.append((word[:equals].decode(), value.decode()))
+    return out
+
+
+def test_walk_nvreg_values(tmp_path):
+    """nvidia.nvreg string values: the modprobe.d line gives the module exactly the value."""
+    from plan import nvidia as nvidia_plan
+
+    values = generate(["RmMsg=:0x40", "0x1;2", "a/b,c"])
+    accepted, refused = load_values(tmp_path, "nvidia.nvreg", values, lambda v: {
+        "nvidia": {"version": "595.71.05", "nvreg": {"NVreg_RegistryDwords": v}}})
+    assert len(values) >= 1500 and refused and accepted
+    for spec in accepted.values():
+        nvreg = dict(spec.nvidia.nvreg)
+        text = nvidia_plan.render_modprobe_conf(False, "", nvreg)
+        assert module_options(text) == [(k, str(v)) for k, v in sorted(nvreg.items())], text
 
 
 GOOD_HOSTS = ["fe80::1%vmbr0", "2001:db8::1", "10.0.0.1", "kpro6.lab.internal"]

@@ -248,3 +248,10 @@ def test_values_checks_raise_value_error_only():
                          (V.source_location, "https://x.example:bad/x")]:
         with pytest.raises(ValueError):
             check(value)
+
+
+@pytest.mark.parametrize("key", ["key", "cert"])
+def test_signing_paths_are_host_paths_like_every_other(tmp_path, key):
+    h = host()
+    h["nvidia"]["signing"] = {"key": "/root/mok.key", "cert": "/root/mok.der", key: "/root/../etc/shadow"}
+    refused(tmp_path, h, f"hosts.kpro6.nvidia.signing.{key}", "holds '.' or '..'")
