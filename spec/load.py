@@ -93,13 +93,15 @@ _INT_KEY = TypeAdapter(int)
 _STR_KEY = TypeAdapter(str)
 
 
-def _key_forms(key: Any) -> set[Any]:
-    forms: set[Any] = {("raw", type(key).__name__, key)}
+def _key_forms(key: Any) -> list[tuple]:
+    """The key as written (first: an exact repeat is said as such), then as pydantic's int and
+    str coercions read it, where they take it."""
+    forms: list[tuple] = [("raw", type(key).__name__, key)]
     for kind, adapter in (("int", _INT_KEY), ("str", _STR_KEY)):
         if isinstance(key, bool):
             continue
         try:
-            forms.add((kind, adapter.validate_python(key)))
+            forms.append((kind, adapter.validate_python(key)))
         except (ValidationError, ValueError, TypeError):
             pass
     return forms
@@ -115,19 +117,18 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
             raise yaml.constructor.ConstructorError(
                 None, None, "a key here is a list or mapping; keys are names, numbers or PCI addresses",
                 key_node.start_mark) from None
-        for form in _key_forms(key):
+        forms = _key_forms(key)
+        for form in forms:
             if form in seen:
                 first, line = seen[form]
-                same = "appears twice" if first == key and type(first) is type(key) else \
-                    f"and key {first!r} (line {line + 1}) are the same key once read as {form[0]}"
+                if form[0] == "raw":
+                    what = f"key {key!r} appears twice (first on line {line + 1})"
+                else:
+                    what = f"key {key!r} and key {first!r} (line {line + 1}) are the same key once read as {form[0]}"
                 raise yaml.constructor.ConstructorError(
-                    None, None,
-                    f"key {key!r} {same}" + (f" (first on line {line + 1})" if same == "appears twice" else "")
-                    + "; each key, e.g. a GPU address or guest ID, may appear once",
-                    key_node.start_mark,
-                )
-        for form in _key_forms(key):
-            seen[form] = (key, key_node.start_mark.line)
+                    None, None, f"{what}; each key, e.g. a GPU address or guest ID, may appear once",
+                    key_node.start_mark)
+        seen.update((form, (key, key_node.start_mark.line)) for form in forms)
     return loader.construct_mapping(node, deep=deep)
 
 
