@@ -3,7 +3,10 @@ script it runs there, is one of them).
 
 Shell templates (`templates/*.sh.j2`) take plain values and quote each one where it lands with
 the `q` filter (`{{ release | q }}`: shlex.quote, so a space, `;`, `$(…)` or a quote in a spec
-value stays one literal word). `python -m plan.render --check-shell` renders each of them with
+value stays one literal word); the operands of a command that takes options go through the
+`operands` filter (`git clone {{ [url, 'src'] | operands }}`: `--`, then each one quoted), so
+a value starting with '-' is never an option. Python command builders use the same two
+functions. `python -m plan.render --check-shell` renders each of them with
 the representative values in SHELL_EXAMPLES (every branch a caller can take) and runs
 shellcheck on the result; scripts/lint.sh runs it.
 """
@@ -31,6 +34,29 @@ def quote(value: object) -> str:
     return shlex.quote(str(value))
 
 
+# How a command that takes options is told that what follows are operands: POSIX utility
+# syntax guideline 10 ('--'), which cp, mkdir, rm and git clone follow; git's parse-options
+# (parse-options.c) and revision walk (revision.c setup_revisions) take '--end-of-options'
+# (git cat-file, git show, where '--' would mean "paths follow"). git checkout (2.39,
+# builtin/checkout.c parse_branchname_arg) reads '--end-of-options' as a ref: there `end=""`,
+# the value goes before a '--' and one starting with '-' is refused here (and at load).
+END_OF_OPTIONS = ("--", "--end-of-options", "")
+
+
+def operands(values: object, end: str = "--") -> str:
+    """The `operands` filter: `end` then each value as one literal shell word (`quote`), so a
+    value starting with '-' is never read as an option: ``cp {{ [src, dst] | operands }}`` →
+    ``cp -- '/srv/x' '/tmp/y'``. `values`: one value or a list of them."""
+    if end not in END_OF_OPTIONS:
+        raise ValueError(f"the operands filter ends options with one of {END_OF_OPTIONS}, not {end!r}")
+    items = list(values) if isinstance(values, (list, tuple)) else [values]
+    if not items:
+        raise ValueError("the operands filter got no values")
+    if not end and any(str(v).startswith("-") for v in items):
+        raise ValueError(f"an operand starting with '-' where the command has no end of options: {items!r}")
+    return " ".join([*([end] if end else []), *(quote(v) for v in items)])
+
+
 def environment(*search: Path) -> jinja2.Environment:
     """The jinja environment every template renders with; `search`: dirs looked in before templates/."""
     env = jinja2.Environment(
@@ -42,6 +68,7 @@ def environment(*search: Path) -> jinja2.Environment:
         autoescape=False,
     )
     env.filters["q"] = quote
+    env.filters["operands"] = operands
     return env
 
 

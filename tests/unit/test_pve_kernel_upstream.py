@@ -78,7 +78,7 @@ def test_preflight_refuses_a_version_the_ref_does_not_build():
     assert plan.release_refusal(k.model_copy(update={"version": RELEASE}), RELEASE, "x") is None
 
 
-def script(version: str, jobs: int = 3, ccache: bool = True, url: str = "unused", ref: str = REF, build_dir: str = "/b") -> str:
+def script(version: str, jobs: int = 3, ccache: bool = True, url: str = "git://git.proxmox.com/git/pve-kernel.git", ref: str = REF, build_dir: str = "/b") -> str:
     k = KernelSpec(version=version, source={"kind": "proxmox-git", "url": url, "ref": ref}, ccache=ccache)
     return kernel.build_script(k, "running", jobs, build_dir)
 
