@@ -271,10 +271,10 @@ def test_invalid_spec_stops_before_any_connection(twin_factory, tmp_path, case):
         levels += [f"{n}: &{n} [" + ",".join([f"*{p}"] * 9) + "]" for p, n in zip("abcdefgh", "bcdefghi", strict=True)]
         yml.write_text("\n".join(levels) + f"\nhosts:\n  {twin.name}:\n    ssh: {json.dumps(connection['ssh'])}\n"
                        "    iommu: {params: *i}\n")
-    elif isinstance(make(connection), str):  # YAML text: HOST is the twin's name
-        yml.write_text(make(connection).replace("HOST", twin.name))
+    elif isinstance(made := make(connection), str):  # YAML text: HOST is the twin's name
+        yml.write_text(made.replace("HOST", twin.name))
     else:
-        yml.write_text(json.dumps({"hosts": {twin.name: make(connection)}}))  # JSON is YAML
+        yml.write_text(json.dumps({"hosts": {twin.name: made}}))  # JSON is YAML
     inventory = tmp_path / "broken_inventory.py"
     inventory.write_text("from spec.load import inventory_hosts\n"
                          f"hosts = inventory_hosts({str(yml)!r}, overrides={{{twin.name!r}: "

@@ -37,7 +37,7 @@ from plan import boot as boot_plan
 from plan import kernel as kernel_plan
 from plan.render import operands, render_template
 from spec.load import SpecError, _read_yaml, validate_spec
-from spec.models import HostSpec
+from spec.models import HostSpec, KernelSpec, NvidiaSpec, SourceSpec
 
 FRAGMENTS = [
     ";", "&", "|", "<", ">", "$", "$(touch PWNa)", "`touch PWNb`", "'", '"', "\\", "{", "}", "#", " ", "\t", "\n",
@@ -60,6 +60,22 @@ esac
 exit 0
 """
 
+
+
+def kernel_of(spec: HostSpec) -> KernelSpec:
+    assert spec.kernel is not None
+    return spec.kernel
+
+
+def nvidia_of(spec: HostSpec) -> NvidiaSpec:
+    assert spec.nvidia is not None
+    return spec.nvidia
+
+
+def installer_of(spec: HostSpec) -> SourceSpec:
+    installer = nvidia_of(spec).installer
+    assert installer is not None
+    return installer
 
 def generate(bases: list[str], count: int = VALUES_PER_FIELD) -> list[str]:
     """Each base alone, with each fragment before, inside and after it, then with pairs of
@@ -229,12 +245,12 @@ def test_walk_kernel_source_ref(tmp_path):
     values = generate(["v6.14.11-4", "refs/tags/v6.14.11-4", "a" * 40])
     accepted, refused = load_values(tmp_path, "kernel.source.ref", values, lambda v: kernel_host(ref=v))
     assert len(values) >= 1500 and refused and accepted
-    run = to_run(accepted, lambda s: s.kernel.source.ref)
-    scripts = {i: (kernel_ops.build_script(s.kernel, "running", 2, str(tmp_path / f"b{i}")), tmp_path / f"b{i}")
+    run = to_run(accepted, lambda s: kernel_of(s).source.ref)
+    scripts = {i: (kernel_ops.build_script(kernel_of(s), "running", 2, str(tmp_path / f"b{i}")), tmp_path / f"b{i}")
                for i, s in run.items()}
     logs = run_scripts(tmp_path, scripts)
     for i, spec in run.items():
-        ref = spec.kernel.source.ref
+        ref = kernel_of(spec).source.ref
         assert calls_of(logs[i], "git", "checkout") == [["checkout", "--force", ref, "--"]], (ref, logs[i])
     facts_run(tmp_path / "facts", run)
 
@@ -244,12 +260,12 @@ def test_walk_kernel_source_url(tmp_path):
                        "/srv/pve-kernel", "file:///srv/pve-kernel", "ssh://git@git.example/p.git"])
     accepted, refused = load_values(tmp_path, "kernel.source.url", values, lambda v: kernel_host(url=v))
     assert len(values) >= 1500 and refused and accepted
-    run = to_run(accepted, lambda s: s.kernel.source.url)
-    scripts = {i: (kernel_ops.build_script(s.kernel, "running", 2, str(tmp_path / f"b{i}")), tmp_path / f"b{i}")
+    run = to_run(accepted, lambda s: kernel_of(s).source.url)
+    scripts = {i: (kernel_ops.build_script(kernel_of(s), "running", 2, str(tmp_path / f"b{i}")), tmp_path / f"b{i}")
                for i, s in run.items()}
     logs = run_scripts(tmp_path, scripts)
     for i, spec in run.items():
-        assert calls_of(logs[i], "git", "clone") == [["clone", "--", spec.kernel.source.url, "src"]], logs[i]
+        assert calls_of(logs[i], "git", "clone") == [["clone", "--", kernel_of(spec).source.url, "src"]], logs[i]
     facts_run(tmp_path / "facts", run)
 
 
@@ -261,13 +277,13 @@ def facts_run(tmp: Path, run: dict[int, HostSpec]) -> None:
     for i, spec in run.items():
         root = tmp / f"r{i}"
         (root / "x" / "src" / ".git").mkdir(parents=True)
-        src = spec.kernel.source
+        src = kernel_of(spec).source
         scripts[i] = (kernel_facts.source_makefile_command(src.url, src.ref or "").replace(
             kernel_plan.BUILD_ROOT, str(root)), root)
         urls[i] = src.url
     logs = run_scripts(tmp, scripts, urls)
     for i, spec in run.items():
-        wanted = f"{spec.kernel.source.ref}:Makefile"
+        wanted = f"{kernel_of(spec).source.ref}:Makefile"
         assert [a[2:] for a in calls_of(logs[i], "git", "cat-file")] == [["cat-file", "-e", "--end-of-options", wanted]]
         assert [a[2:] for a in calls_of(logs[i], "git", "show")] == [["show", "--end-of-options", wanted]]
 
@@ -283,12 +299,12 @@ def test_walk_kernel_tarball_url_and_base_config(tmp_path):
 
     accepted, refused = load_values(tmp_path, "kernel", values, host)
     assert len(values) >= 1500 and refused and accepted
-    run = to_run(accepted, lambda s: s.kernel.source.url + s.kernel.base_config)
-    scripts = {i: (kernel_ops.build_script(s.kernel, s.kernel.base_config, 2, str(tmp_path / f"b{i}")),
+    run = to_run(accepted, lambda s: kernel_of(s).source.url + kernel_of(s).base_config)
+    scripts = {i: (kernel_ops.build_script(kernel_of(s), kernel_of(s).base_config, 2, str(tmp_path / f"b{i}")),
                    tmp_path / f"b{i}") for i, s in run.items()}
     logs = run_scripts(tmp_path, scripts)
     for i, spec in run.items():
-        url, base = spec.kernel.source.url, spec.kernel.base_config
+        url, base = kernel_of(spec).source.url, kernel_of(spec).base_config
         if url.startswith(("http://", "https://")):
             assert calls_of(logs[i], "curl") == [["-fL", "--retry", "3", "-o", "source.tar.part", url]], logs[i]
         else:
@@ -304,14 +320,14 @@ def test_walk_kernel_version(tmp_path):
             "source": {"kind": "tarball", "url": "/srv/l.tar.xz", "sha256": "c" * 64}}})
     assert len(values) >= 1500 and refused and accepted
     for spec in accepted.values():  # the build directory: one file name, within NAME_MAX
-        name = kernel_plan.build_dir(spec.kernel, "tinyconfig").removeprefix(kernel_plan.BUILD_ROOT + "/")
+        name = kernel_plan.build_dir(kernel_of(spec), "tinyconfig").removeprefix(kernel_plan.BUILD_ROOT + "/")
         assert "/" not in name and len(name.encode()) <= 255
-    run = to_run(accepted, lambda s: s.kernel.version)
-    scripts = {i: (kernel_ops.build_script(s.kernel, "tinyconfig", 2, str(tmp_path / f"b{i}")), tmp_path / f"b{i}")
+    run = to_run(accepted, lambda s: kernel_of(s).version)
+    scripts = {i: (kernel_ops.build_script(kernel_of(s), "tinyconfig", 2, str(tmp_path / f"b{i}")), tmp_path / f"b{i}")
                for i, s in run.items()}
     logs = run_scripts(tmp_path, scripts)
     for i, spec in run.items():
-        lv = kernel_plan.localversion(spec.kernel)
+        lv = kernel_plan.localversion(kernel_of(spec))
         assert ["-s", f"LOCALVERSION={lv}", "kernelrelease"] in calls_of(logs[i], "make"), logs[i]
 
 
@@ -322,17 +338,17 @@ def test_walk_nvidia_source_url(tmp_path):
         "nvidia": {"version": "595.71.05", "installer": {"url": v, "sha256": "d" * 64}}})
     assert len(values) >= 1500 and refused and accepted
     for spec in accepted.values():  # the cached file (and its .part) is one file name within NAME_MAX
-        assert len((nvidia_ops.cached_source(spec.nvidia.installer).rsplit("/", 1)[-1] + ".part").encode()) <= 255
-    run = to_run(accepted, lambda s: s.nvidia.installer.url)
+        assert len((nvidia_ops.cached_source(installer_of(spec)).rsplit("/", 1)[-1] + ".part").encode()) <= 255
+    run = to_run(accepted, lambda s: installer_of(s).url)
     scripts = {}
     for i, spec in run.items():
-        src = spec.nvidia.installer
+        src = installer_of(spec)
         dest = nvidia_ops.cached_source(src).replace(SOURCE_CACHE, str(tmp_path / f"c{i}"))
         scripts[i] = (nvidia_ops.fetch_source_command(src.url, src.sha256, dest), tmp_path / f"b{i}")
     logs = run_scripts(tmp_path, scripts)
     for i, spec in run.items():
-        url = spec.nvidia.installer.url
-        dest = nvidia_ops.cached_source(spec.nvidia.installer).replace(SOURCE_CACHE, str(tmp_path / f"c{i}"))
+        url = installer_of(spec).url
+        dest = nvidia_ops.cached_source(installer_of(spec)).replace(SOURCE_CACHE, str(tmp_path / f"c{i}"))
         if url.startswith(("http://", "https://")):
             assert calls_of(logs[i], "curl") == [["-fsSL", "--retry", "3", "-o", dest + ".part", url]], logs[i]
         else:
@@ -416,7 +432,7 @@ def test_walk_nvreg_values(tmp_path):
         "nvidia": {"version": "595.71.05", "nvreg": {"NVreg_RegistryDwords": v}}})
     assert len(values) >= 1500 and refused and accepted
     for spec in accepted.values():
-        nvreg = dict(spec.nvidia.nvreg)
+        nvreg = dict(nvidia_of(spec).nvreg)
         text = nvidia_plan.render_modprobe_conf(False, "", nvreg)
         assert module_options(text) == [(k, str(v)) for k, v in sorted(nvreg.items())], text
 
@@ -449,6 +465,7 @@ def test_operands_end_options_or_refuse_a_dash():
     assert operands(["-oProxyCommand=x", "src"]) == "-- -oProxyCommand=x src"
     assert operands("v1:Makefile", "--end-of-options") == "--end-of-options v1:Makefile"
     assert operands("v 1", "") == "'v 1'"
-    for bad in (("-b", ""), ("--", ""), ("x", "-e"), ([], "--")):
+    bad_calls: list[tuple[str | list[str], str]] = [("-b", ""), ("--", ""), ("x", "-e"), ([], "--")]
+    for bad in bad_calls:
         with pytest.raises(ValueError):
             operands(*bad)
