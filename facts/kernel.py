@@ -12,7 +12,7 @@ from pyinfra.api import FactBase
 
 from facts.base import ShellFact
 from facts.sections import PROBE_SECTION, parse_sections, split_sections
-from plan.render import operands  # the one quoting helper (pure; imports no facts)
+from facts.shell import operands  # the one quoting helper (plan.render gives it to the templates)
 
 VERSION = r"\d+\.\d+\.\d+"
 # The kernel stage's host paths (`KernelStageFacts` reads them; plan.kernel and operations.kernel

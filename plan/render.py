@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -24,37 +23,22 @@ from pathlib import Path
 
 import jinja2
 
+from facts import shell
+
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
 
 def quote(value: object) -> str:
     """The `q` filter: one shell word that is `value` literally (shlex.quote of its str)."""
-    if value is None or isinstance(value, jinja2.Undefined):
+    if isinstance(value, jinja2.Undefined):
         raise ValueError("the q filter got no value (None); a shell word needs one")
-    return shlex.quote(str(value))
+    return shell.word(value)
 
 
-# How a command that takes options is told that what follows are operands: POSIX utility
-# syntax guideline 10 ('--'), which cp, mkdir, rm and git clone follow; git's parse-options
-# (parse-options.c) and revision walk (revision.c setup_revisions) take '--end-of-options'
-# (git cat-file, git show, where '--' would mean "paths follow"). git checkout (2.39,
-# builtin/checkout.c parse_branchname_arg) reads '--end-of-options' as a ref: there `end=""`,
-# the value goes before a '--' and one starting with '-' is refused here (and at load).
-END_OF_OPTIONS = ("--", "--end-of-options", "")
-
-
-def operands(values: object, end: str = "--") -> str:
-    """The `operands` filter: `end` then each value as one literal shell word (`quote`), so a
-    value starting with '-' is never read as an option: ``cp {{ [src, dst] | operands }}`` →
-    ``cp -- '/srv/x' '/tmp/y'``. `values`: one value or a list of them."""
-    if end not in END_OF_OPTIONS:
-        raise ValueError(f"the operands filter ends options with one of {END_OF_OPTIONS}, not {end!r}")
-    items = list(values) if isinstance(values, (list, tuple)) else [values]
-    if not items:
-        raise ValueError("the operands filter got no values")
-    if not end and any(str(v).startswith("-") for v in items):
-        raise ValueError(f"an operand starting with '-' where the command has no end of options: {items!r}")
-    return " ".join([*([end] if end else []), *(quote(v) for v in items)])
+# The operands helper lives with the facts (facts/shell.py: the facts' own commands use it and
+# facts/ imports nothing of plan/); the templates get it as the `operands` filter.
+END_OF_OPTIONS = shell.END_OF_OPTIONS
+operands = shell.operands
 
 
 def environment(*search: Path) -> jinja2.Environment:

@@ -62,6 +62,10 @@ exit 0
 
 
 
+# digests that look like real ones (placeholders such as "c" * 64 are refused at load)
+KERNEL_SHA = "257089c6a8a5623bf34734d59210d322076d3a0cbe69c7c0da6a5348ebb45762"
+INSTALLER_SHA = "7b082bd9790d3fa9dbe3e814d0b3d1186576002c9ddb66e18d10bf641eda7adb"
+
 def kernel_of(spec: HostSpec) -> KernelSpec:
     assert spec.kernel is not None
     return spec.kernel
@@ -292,7 +296,7 @@ def test_walk_kernel_tarball_url_and_base_config(tmp_path):
     values = generate(["/srv/linux.tar.xz", "file:///srv/linux.tar.xz", "https://cdn.example/v6.x/linux-6.1.tar.xz"])
 
     def host(v: str) -> dict:
-        h = kernel_host(kind="tarball", url=v, sha256="c" * 64)
+        h = kernel_host(kind="tarball", url=v, sha256=KERNEL_SHA)
         h["kernel"]["source"].pop("ref")
         h["kernel"]["base_config"] = "/root/" + v.rsplit("/", 1)[-1] if "/" in v else v
         return h
@@ -315,9 +319,9 @@ def test_walk_kernel_tarball_url_and_base_config(tmp_path):
 def test_walk_kernel_version(tmp_path):
     values = generate(["6.14.11-4-pve", "6.1.192-pvegpu+ci~1", "6.12.118+deb12-amd64"])
     accepted, refused = load_values(tmp_path, "kernel.version", values, lambda v: {
-        **kernel_host(kind="tarball", url="/srv/l.tar.xz", sha256="c" * 64), "kernel": {
+        **kernel_host(kind="tarball", url="/srv/l.tar.xz", sha256=KERNEL_SHA), "kernel": {
             "version": v, "base_config": "tinyconfig",
-            "source": {"kind": "tarball", "url": "/srv/l.tar.xz", "sha256": "c" * 64}}})
+            "source": {"kind": "tarball", "url": "/srv/l.tar.xz", "sha256": KERNEL_SHA}}})
     assert len(values) >= 1500 and refused and accepted
     for spec in accepted.values():  # the build directory: one file name, within NAME_MAX
         name = kernel_plan.build_dir(kernel_of(spec), "tinyconfig").removeprefix(kernel_plan.BUILD_ROOT + "/")
@@ -335,7 +339,7 @@ def test_walk_nvidia_source_url(tmp_path):
     values = generate(["https://us.download.nvidia.com/XFree86/Linux-x86_64/595.71.05/NVIDIA-Linux-x86_64-595.71.05.run",
                        "/opt/nvidia/NVIDIA-Linux-x86_64-595.71.05.run", "file:///opt/nvidia/x.run"])
     accepted, refused = load_values(tmp_path, "nvidia.installer.url", values, lambda v: {
-        "nvidia": {"version": "595.71.05", "installer": {"url": v, "sha256": "d" * 64}}})
+        "nvidia": {"version": "595.71.05", "installer": {"url": v, "sha256": INSTALLER_SHA}}})
     assert len(values) >= 1500 and refused and accepted
     for spec in accepted.values():  # the cached file (and its .part) is one file name within NAME_MAX
         assert len((nvidia_ops.cached_source(installer_of(spec)).rsplit("/", 1)[-1] + ".part").encode()) <= 255
