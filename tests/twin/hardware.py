@@ -72,7 +72,7 @@ STANDIN_PATHS = {
                 # systemd's bootctl (set-oneshot) and grub-probe (--target=abstraction)
                 "usr/local/bin/bootctl", "usr/local/sbin/grub-probe"],
     "hostdev.py": ["usr/local/bin/fuser", "usr/local/bin/nvidia-modprobe", "usr/local/bin/uname",
-                   "usr/local/sbin/modprobe"],
+                   "usr/local/sbin/modprobe", "usr/local/bin/mokutil"],
 }
 # Stand-ins that are shell scripts run in the caller's process (standins/<name> -> paths)
 SHELL_STANDIN_PATHS = {"mount.sh": ["usr/local/bin/mount"]}
@@ -471,6 +471,90 @@ def _nvidia_module(root: Path, release: str) -> dict | None:
     return None
 
 
+# -- module signatures: the twin's model of what the kernel loads (kernel/module/signing.c) -----
+
+EFI_DIR = f"{TWIN_DIR}/efi"  # the twin's EFI variables: SecureBoot ("1"/"0"), MokListRT/ and MokNew/ (*.der)
+MODULE_SIG_MAGIC = b"~Module signature appended~\n"  # include/linux/module_signature.h MODULE_SIG_STRING
+PKEY_ID_PKCS7 = 2
+
+
+def is_efi(profile: dict) -> bool:
+    return profile["boot"]["loader"] == "systemd-boot" or bool(profile["boot"].get("uefi"))
+
+
+def set_secure_boot(root: Path, on: bool) -> None:
+    """Turn Secure Boot on or off in the twin's firmware (takes effect at the next render/boot)."""
+    _write(Path(root) / EFI_DIR / "SecureBoot", "1\n" if on else "0\n")
+
+
+def enroll_mok(root: Path, der: bytes, pending: bool = False) -> None:
+    """Put a DER certificate in the twin's MOK list (MokListRT: enrolled, as after MokManager's
+    confirmation) or, `pending`, in MokNew (imported with mokutil --import, not yet confirmed)."""
+    d = Path(root) / EFI_DIR / ("MokNew" if pending else "MokListRT")
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{hashlib.sha256(der).hexdigest()[:16]}.der").write_bytes(der)
+
+
+def _secure_boot(root: Path, profile: dict) -> bool:
+    return is_efi(profile) and (_read(root, f"{EFI_DIR}/SecureBoot") or "0").strip() == "1"
+
+
+def _enrolled(root: Path) -> list[bytes]:
+    d = root / EFI_DIR / "MokListRT"
+    return [p.read_bytes() for p in sorted(d.glob("*.der"))] if d.is_dir() else []
+
+
+def module_signature_error(path: Path, enrolled: list[bytes]) -> str | None:
+    """None when the module carries a signature that verifies with one of the `enrolled` DER certs,
+    else the kernel's reason: "unsigned module" or "module with unavailable key" (the errors
+    module_sig_check() lets through unless signatures are enforced). Follows kernel/module/signing.c
+    mod_verify_sig(): the PKCS#7 blob and struct module_signature (12 bytes, sig_len big-endian
+    last) sit before the magic string at the end; the signature covers everything before the blob.
+    The verification is openssl's CMS check against each enrolled cert alone (the kernel looks the
+    signer up in its keyrings: built-in keys plus the machine-owner keys)."""
+    data = path.read_bytes()
+    if not data.endswith(MODULE_SIG_MAGIC):
+        return "unsigned module"
+    end = len(data) - len(MODULE_SIG_MAGIC) - 12
+    info = data[end:end + 12]
+    sig_len = int.from_bytes(info[8:12], "big")
+    if info[2] != PKEY_ID_PKCS7 or sig_len <= 0 or sig_len > end:
+        return "module with unsupported crypto"
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "sig").write_bytes(data[end - sig_len:end])
+        (Path(tmp) / "body").write_bytes(data[:end - sig_len])
+        for i, der in enumerate(enrolled):
+            pem = subprocess.run(["openssl", "x509", "-inform", "DER"], input=der, capture_output=True)
+            if pem.returncode != 0:
+                continue
+            (Path(tmp) / f"c{i}.pem").write_bytes(pem.stdout)
+            done = subprocess.run(["openssl", "cms", "-verify", "-binary", "-inform", "DER", "-in", f"{tmp}/sig",
+                                   "-content", f"{tmp}/body", "-certfile", f"{tmp}/c{i}.pem", "-nointern",
+                                   "-noverify", "-out", "/dev/null"], capture_output=True)
+            if done.returncode == 0:
+                return None
+    return "module with unavailable key"
+
+
+def module_load_refusal(root: Path, profile: dict, release: str, params: dict[str, str], path: Path) -> str | None:
+    """The kernel's message when it refuses to load the module at `path` at boot, or None.
+
+    A signature problem refuses the load when signatures are enforced (CONFIG_MODULE_SIG_FORCE=y in
+    the release's config, module.sig_enforce=1 on the command line: "Loading of <reason> is
+    rejected", modprobe then says "Key was rejected by service") or, with Secure Boot on, by
+    lockdown (Debian's and Proxmox's kernels lock down under Secure Boot: LOCKDOWN_MODULE_SIGNATURE);
+    otherwise the module loads and taints the kernel."""
+    error = module_signature_error(path, _enrolled(root))
+    if error is None:
+        return None
+    config = _read(root, f"boot/config-{release}") or ""
+    if "CONFIG_MODULE_SIG_FORCE=y" in config.splitlines() or _truthy(params.get("module.sig_enforce", "")):
+        return f"Loading of {error} is rejected"
+    if _secure_boot(root, profile):
+        return "Lockdown: modprobe: unsigned module loading is restricted; see man kernel_lockdown.7"
+    return None
+
+
 def _boot_units_nvidia_modprobe(root: Path) -> list[str]:
     """Command lines of nvidia-modprobe that an enabled unit or a udev rule runs at boot."""
     cmds = []
@@ -560,11 +644,19 @@ def compute(root: Path, profile: dict, previous: str | None = None, choice: dict
     # nvidia driver: the module for the booted kernel if we find one, else the profile's
     nv = dict(profile.get("nvidia") or {})
     module = _nvidia_module(root, release)
+    kernel_log: list[str] = []
+    refused = None
     if module:
         nv.update(version=module["version"], open=module["open"], module_path=module["path"])
         if module["gcc"]:
             nv["gcc"] = module["gcc"]
+        refused = module_load_refusal(root, profile, release, params, root / module["path"].lstrip("/"))
     loaded = list(dict.fromkeys([m.replace("-", "_") for m in profile.get("modules_loaded", [])] + loaded_extra))
+    if refused:
+        # the kernel refused nvidia.ko: it and the modules that need it stay out, its GPUs get no driver
+        kernel_log.append(f"nvidia: {refused}")
+        loaded = [m for m in loaded if not m.startswith("nvidia")]
+        drivers = {bdf: (None if d == "nvidia" else d) for bdf, d in drivers.items()}
     if any(d == "nvidia" for d in drivers.values()) and "nvidia" not in loaded:
         loaded.append("nvidia")
     if vfio_at_boot:
@@ -669,6 +761,9 @@ def compute(root: Path, profile: dict, previous: str | None = None, choice: dict
         "p2p": profile.get("p2p") or {}, "char_majors": majors,
         "drivers": drivers, "bindings": bindings, "vfio_at_boot": vfio_at_boot,
         "dev_nodes": nodes, "pve": profile.get("pve"),
+        "secure_boot": _secure_boot(root, profile), "kernel_log": kernel_log,
+        "sig_enforce": "CONFIG_MODULE_SIG_FORCE=y" in (_read(root, f"boot/config-{release}") or "").splitlines()
+        or _truthy(params.get("module.sig_enforce", "")),
     }
 
 
@@ -782,6 +877,7 @@ def _size(v) -> int:
     if isinstance(v, int):
         return v
     m = re.fullmatch(r"(\d+)([KMGT]?)", str(v))
+    assert m, f"not a size: {v!r}"
     return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}[m.group(2)]
 
 
@@ -858,7 +954,8 @@ def _render_sys(sys: Path, profile: dict, state: dict) -> None:
     _write(sys / "bus/pci/drivers_probe", "")
     _write(sys / "bus/pci/rescan", "")
     (sys / "kernel/iommu_groups").mkdir(parents=True, exist_ok=True)
-    # modules and their parameters
+    # modules and their parameters; module.sig_enforce (built in: always there)
+    _write(sys / "module/module/parameters/sig_enforce", "Y\n" if state.get("sig_enforce") else "N\n")
     for mod in state["modules"]:
         mdir = sys / "module" / mod
         mdir.mkdir(parents=True, exist_ok=True)
@@ -873,6 +970,10 @@ def _render_sys(sys: Path, profile: dict, state: dict) -> None:
     _write(sys / "devices/system/cpu/online", _all_cpus(profile) + "\n")
     if profile["boot"]["loader"] == "systemd-boot" or profile["boot"].get("uefi"):
         _write(sys / "firmware/efi/fw_platform_size", "64\n")
+        # efivarfs: 4 attribute bytes (NV|BS|RT), then the value byte (1: Secure Boot on)
+        var = sys / "firmware/efi/efivars/SecureBoot-8be4df61-93ca-11d2-aa0d-00e098032b8c"
+        var.parent.mkdir(parents=True, exist_ok=True)
+        var.write_bytes(b"\x06\x00\x00\x00" + (b"\x01" if state.get("secure_boot") else b"\x00"))
 
 
 def _ranges(nums: list[int]) -> str:

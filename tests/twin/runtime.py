@@ -86,6 +86,10 @@ import time
 import traceback
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tests.twin import livesys
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = REPO / ".cache" / "twin"
@@ -361,6 +365,7 @@ def load_hardware(spec: str) -> ModuleType:
     """Import the hardware module: a dotted module name or the path of a .py file."""
     if spec.endswith(".py"):
         module_spec = importlib.util.spec_from_file_location("twin_hardware_standin", spec)
+        assert module_spec is not None and module_spec.loader is not None, spec
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
         return module
@@ -576,7 +581,7 @@ def start(name: str, profile: str, address: str | None = None,
         root, key = tdir / "root", tdir / "id_ed25519"
         for sub in ("upper", "work", "root"):
             (tdir / sub).mkdir(parents=True)
-        spec = {"name": name, "profile": profile, "address": address, "port": SSH_PORT,
+        spec: dict[str, Any] = {"name": name, "profile": profile, "address": address, "port": SSH_PORT,
                 "key": str(key), "pid": None, "root": str(root), "hardware": hardware,
                 "lower": str(lower), "owner": owner, "starter": os.getpid(),
                 "live_sysfs": bool(live_sysfs)}
@@ -793,7 +798,7 @@ class Supervisor:
         self.root = Path(self.spec["root"])
         self.sshd: int | None = None
         self.standins: int | None = None
-        self.kernel = None  # tests.twin.livesys.KernelModel of this boot (live_sysfs twins)
+        self.kernel: livesys.KernelModel | None = None  # the model of this boot (live_sysfs twins)
         self.standin_restarts = 0
         self.boot_time = 0.0
         self.boots = 0

@@ -6,7 +6,6 @@ running and checks nothing is left.
 """
 import json
 import os
-import shlex
 import subprocess
 import time
 from pathlib import Path

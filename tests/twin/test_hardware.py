@@ -162,7 +162,7 @@ def test_kpro6_nvidia_views_agree(twin):
     info_dir = hw(root, "proc/driver/nvidia/gpus")
     assert sorted(p.name for p in info_dir.iterdir()) == [g["bdf"] for g in gpus]
     rows = smi(root, "--query-gpu=index,pci.bus_id,uuid,minor_number", "--format=csv,noheader").stdout.splitlines()
-    for i, (g, row) in enumerate(zip(gpus, rows)):
+    for i, (g, row) in enumerate(zip(gpus, rows, strict=True)):
         info = (info_dir / g["bdf"] / "information").read_text()
         assert f"Device Minor: \t {i}\n" in info and f"GPU UUID: \t {g['gpu']['uuid']}\n" in info
         assert row == f"{i}, 0000{g['bdf'].upper()}, {g['gpu']['uuid']}, {i}"

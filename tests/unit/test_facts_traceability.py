@@ -3,7 +3,7 @@ the fact's own command prints aside), and every fixture of the folders the facts
 by a case or skipped with a written reason."""
 
 import fnmatch
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -38,7 +38,7 @@ SKIPPED_WITH_REASON = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load(path: Path) -> dict:
     return yaml.safe_load(path.read_text())
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,12 @@ def _tree(tmp_path: Path) -> Path:
     shutil.copy(REPO / "scripts" / "lint.sh", tmp_path / "scripts" / "lint.sh")
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
     (tmp_path / ".venv").symlink_to(REPO / ".venv")
-    for package in ("spec", "facts", "plan", "operations", "compat"):
-        (tmp_path / package).mkdir()
-        (tmp_path / package / "__init__.py").write_text("")
-    (tmp_path / "deploy.py").write_text("")
+    for path in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mypy"]["files"]:  # mypy's paths
+        if path.endswith(".py"):
+            (tmp_path / path).write_text("")
+        else:
+            (tmp_path / path).mkdir()
+            (tmp_path / path / "__init__.py").write_text("")
     shutil.copy(REPO / "plan" / "render.py", tmp_path / "plan" / "render.py")
     shutil.copytree(REPO / "templates", tmp_path / "templates")
     for script in (".ci/run", "bench/x.sh", "tests/twin/twinctl"):

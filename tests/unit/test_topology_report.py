@@ -71,6 +71,7 @@ def test_links_below_their_maximum_are_flagged():
     assert link_text({"speed": "32.0 GT/s PCIe", "width": 8, "max_speed": "32.0 GT/s PCIe", "max_width": 16}) == (
         "32.0 GT/s x8 (max 32.0 GT/s x16) DOWNTRAINED: x8 of x16")
     idle = link_text({"speed": "2.5 GT/s PCIe", "width": 16, "max_speed": "32.0 GT/s PCIe", "max_width": 16})
+    assert idle is not None
     assert "DOWNTRAINED" not in idle and "speed below max (GPUs lower it when idle" in idle
     assert link_text({"speed": None, "width": None}) is None
     hardware = kpro6_hardware()

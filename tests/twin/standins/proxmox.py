@@ -238,7 +238,7 @@ def check_qemu_start(conf):
                 try:
                     assert_mapping_valid(p["mapping"], m, maps)
                 except ApiError as e:
-                    raise ApiError(f"PCI device mapping invalid (hardware probably changed): {e}")
+                    raise ApiError(f"PCI device mapping invalid (hardware probably changed): {e}") from e
             paths = mine[0]["path"].split(";")
         else:
             paths = [p.get("_") or p.get("host")]
@@ -281,7 +281,7 @@ def boot_guest(kind, vmid, conf, action="start"):
 
 
 def stop(kind, vmid, action="stop", timeout=None):
-    conf = load(kind, vmid)
+    load(kind, vmid)  # refuses a guest without a config
     label = KINDS[kind][1]
     running = status_of(kind, vmid) == "running"
     if kind == "lxc" and not running:
@@ -334,7 +334,7 @@ class config_lock:
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     self.fh.close()
-                    raise ApiError(f"can't lock file '{self.name}' - got timeout")
+                    raise ApiError(f"can't lock file '{self.name}' - got timeout") from None
                 time.sleep(0.05)
 
     def __exit__(self, *exc):
@@ -357,7 +357,7 @@ HA_DAEMON = "/var/lib/twin/ha.json"  # the twin's CRM/LRM: {"mode": "active"|"st
 
 def ha_read():
     """resources.cfg as [(type, name, {key: value})] in file order."""
-    out = []
+    out: list[tuple[str, str, dict[str, str]]] = []
     for line in (ts.read(HA_RESOURCES) or "").splitlines():
         if not line.strip() or line.lstrip().startswith("#"):
             continue
@@ -755,7 +755,7 @@ def ct_cli(cmd, rest):
         try:
             fd = os.open(src, os.O_RDONLY)
         except OSError as e:
-            raise ApiError(f"unable to open file '{src}' - {e.strerror}")
+            raise ApiError(f"unable to open file '{src}' - {e.strerror}") from e
         perms = perms or f"{stat.S_IMODE(os.fstat(fd).st_mode):o}"
         script = 'cat > "$1" && chmod "$2" "$1" && { [ -z "$3" ] || chown "$3" "$1"; }'
         os.dup2(fd, 0)
@@ -763,7 +763,7 @@ def ct_cli(cmd, rest):
     try:
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, int(perms or "644", 8))
     except OSError as e:
-        raise ApiError(f"unable to open file '{dest}' - {e.strerror}")
+        raise ApiError(f"unable to open file '{dest}' - {e.strerror}") from e
     os.dup2(fd, 1)
     return ct_execvp(vmid, ["cat", "--", src])
 
@@ -786,7 +786,8 @@ def ct_execvp(vmid, command):
 
 def read_mappings():
     """{id: {"map": [str], "description": str?, ...}} from /etc/pve/mapping/pci.cfg."""
-    out, cur = {}, None
+    out: dict[str, dict] = {}
+    cur = None
     for line in (ts.read("/etc/pve/mapping/pci.cfg") or "").splitlines():
         if not line.strip():
             cur = None
@@ -829,7 +830,7 @@ def check_map_strings(maps):
 
 def api(method, path, opts):
     parts = [p for p in path.strip("/").split("/") if p]
-    single = {}
+    single: dict[str, str] = {}
     for k, v in opts:
         single.setdefault(k, v)
     if parts == ["version"] and method == "get":

@@ -60,7 +60,7 @@ def busy():
 def now_iso():
     import datetime
 
-    return datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).astimezone().isoformat(timespec="seconds")
 
 
 def log_guest(action, kind, vmid):

@@ -130,7 +130,7 @@ TWIN_RECORDINGS_GUESTS = [
     ("file-texts-vm300-and-missing", "files.FileTexts", [["/etc/pve/qemu-server/300.conf", "/etc/nccl.conf"]]),
     ("pci-id-names-kpro6", "pci.PciIdNames", [["10de:2bb5", "10de:22e8", "1022:14ab", "8086:1572", "144d:a80a"]]),
 ]
-RECORDING_GROUPS = {"stages": (TWIN_RECORDINGS, TWIN_PREPARED), "guests": (TWIN_RECORDINGS_GUESTS, TWIN_PREPARED_GUESTS)}
+RECORDING_GROUPS: dict[str, tuple[list, str]] = {"stages": (TWIN_RECORDINGS, TWIN_PREPARED), "guests": (TWIN_RECORDINGS_GUESTS, TWIN_PREPARED_GUESTS)}
 
 
 def fact_command(fact_path: str, args) -> str:
