@@ -305,11 +305,11 @@ def _grub_menu(cfg: str) -> list[dict]:
     """Top-level items of a grub.cfg: menuentries {"title", "id", "linux"} and submenus
     {"title", "id", "items"} (the form grub-mkconfig's 10_linux writes)."""
     top: list[dict] = []
-    stack = [top]
+    stack: list[list] = [top]
     for line in cfg.splitlines():
         m = re.match(r"^\s*(menuentry|submenu)\s+'([^']*)'.*?(?:\$menuentry_id_option\s+'([^']*)')?\s*\{\s*$", line)
         if m:
-            item = {"title": m.group(2), "id": m.group(3) or m.group(2)}
+            item: dict = {"title": m.group(2), "id": m.group(3) or m.group(2)}
             if m.group(1) == "submenu":
                 item["items"] = []
             stack[-1].append(item)

@@ -391,7 +391,9 @@ def test_grub_boots_next_entry_once_then_saved_entry_unless_grubenv_is_on_lvm(tw
     subprocess.run([str(root / "usr/local/sbin/update-grub")], env=env, check=True, capture_output=True)
     cfg = (root / "boot/grub/grub.cfg").read_text()
     assert 'set default="${saved_entry}"' in cfg
-    dev = re.search(r"gnulinux-advanced-(\S+)' \{", cfg).group(1)
+    found = re.search(r"gnulinux-advanced-(\S+)' \{", cfg)
+    assert found
+    dev = found.group(1)
     hardware.render(root)
     assert state(root)["boot"]["release"] == "6.14.11-1-pve"  # no saved_entry: entry 0, the newest
     old = f"gnulinux-advanced-{dev}>gnulinux-6.8.12-11-pve-advanced-{dev}"
