@@ -11,6 +11,7 @@ import shlex
 from pyinfra.api import FactBase
 
 from facts.base import ShellFact
+from facts.nvidia import SECURE_BOOT_EFIVAR, parse_secure_boot
 from facts.sections import PROBE_SECTION, parse_sections, split_sections
 from facts.shell import operands  # the one quoting helper (plan.render gives it to the templates)
 
@@ -521,7 +522,8 @@ def parse_build_state(lines: list[str]) -> dict:
                    "trial": None, "cores": None, "mem_total_kib": None, "systemd": False, "pbt": False, "esps": False, "headers_installed": False,
                    "log_objects": 0, "log_last": None, "armed": None, "failed": None, "uefi": False,
                    "grubenv_abstraction": None, "grub_advanced_id": None, "grub_default": None,
-                   "grub_saved": None, "grub_next": None, "kernel_packages": []}
+                   "grub_saved": None, "grub_next": None, "kernel_packages": [], "secure_boot": None}
+    sb_lines = []
     for line in lines:
         key, _, value = line.partition(" ")
         value = value.strip()
@@ -551,6 +553,8 @@ def parse_build_state(lines: list[str]) -> dict:
             state["uefi"] = True
         elif key == "kpkg" and value:
             state["kernel_packages"].append(value)
+        elif key == "sb":
+            sb_lines.append(value)
         elif key in ("cores", "mem_total_kib", "log_objects") and value.isdigit():
             state[key] = int(value)
         elif key == "systemd":
@@ -563,6 +567,7 @@ def parse_build_state(lines: list[str]) -> dict:
             state["headers_installed"] = True
         elif key == "log_last":
             state["log_last"] = value or None
+    state["secure_boot"] = parse_secure_boot(sb_lines)
     return state
 
 
@@ -582,6 +587,11 @@ def build_state_command(build_dir: str, release: str) -> str:
         f'[ -f {shlex.quote(TRIAL_ARMED)} ] && echo "armed $(cat {shlex.quote(TRIAL_ARMED)})"; '
         f'[ -f {shlex.quote(TRIAL_FAILED)} ] && echo "failed $(tr -d \'\\n\' < {shlex.quote(TRIAL_FAILED)})"; '
         "[ -d /sys/firmware/efi ] && echo uefi; "
+        # Secure Boot as the NVIDIA stage reads it (facts.nvidia: mokutil, else the EFI variable)
+        f"{{ command -v mokutil >/dev/null 2>&1 && mokutil --sb-state 2>&1; "
+        f"if [ -r {SECURE_BOOT_EFIVAR} ]; then echo \"efivar $(od -An -v -t u1 {SECURE_BOOT_EFIVAR} | tr -s ' ' '\\n' | tail -n 1)\"; "
+        "elif [ -n \"$(ls -A /sys/firmware/efi/efivars 2>/dev/null)\" ]; then echo 'efivars without SecureBoot variable'; "
+        "elif [ -d /sys/firmware/efi ]; then echo 'efivars not readable'; else echo 'no efi'; fi; } | sed 's/^/sb /'; "
         # GRUB: what grub-mkconfig sources for GRUB_DEFAULT, the submenu id proxmox-kernel-helper's
         # set_grub_default() reads from grub.cfg, grubenv's entries and what holds grubenv
         "if [ -f /etc/default/grub ]; then "

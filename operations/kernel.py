@@ -117,6 +117,7 @@ def trial_boot(release: str, loader: str, panic_s: int, advanced_id: str | None 
     """
     if keep_default:
         yield StringCommand(keep_default)
+    yield StringCommand(plan.zfs_guard_command(release))
     yield StringCommand(plan.oneshot_command(release, loader, panic_s, advanced_id))
     yield StringCommand(plan.arm_trial_command(release))
 
@@ -192,6 +193,13 @@ def preflight(spec: HostSpec) -> list[str]:
                         "Conflicts/Replaces proxmox-kernel-<release>). Boot that kernel as it is (drop spec.kernel), "
                         "or build a release of your own (proxmox-git builds get KREL_EXTRA + "
                         f"{plan.LOCAL_KREL_SUFFIX}; a tarball build a LOCALVERSION in kernel.version)")
+    if facts["build"].get("secure_boot") and decision["action"] in ("build", "attach", "install", "trial"):
+        # shim and GRUB verify the kernel image (Proxmox's Secure Boot chain: shim -> GRUB -> the
+        # kernel signed by the Proxmox CA or a MOK); our build is not signed
+        refusals.append(f"Secure Boot is on: shim/GRUB verify the kernel image, and the kernel stage does not sign "
+                        f"its build of {k.version}, so it would not boot. Turn Secure Boot off in the firmware, or keep "
+                        "Proxmox's signed kernels (drop spec.kernel); signing the build with an enrolled MOK is not "
+                        "implemented yet")
     _, no_trial = plan.trial_loader(facts["build"])
     if k.trial_boot and no_trial and decision["action"] in ("build", "attach", "install", "trial"):
         refusals.append(f"kernel.trial_boot is on, but a trial that is one boot cannot be set up on this host: {no_trial}. "

@@ -372,3 +372,11 @@ def purge_command(packages: list[str]) -> str:
             f"$(printf '%s\\n' \"$sim\" | grep -vxF -e {' -e '.join(shlex.quote(p) for p in packages)} | tr '\\n' ' ')"
             f'; nothing removed" >&2; exit 1; fi; '
             f"DEBIAN_FRONTEND=noninteractive apt-get -y purge {names}")
+
+
+
+def zfs_guard_command(release: str) -> str:
+    """Fails, naming the features, when / is on a ZFS pool with a feature enabled or active that
+    the ZFS module of `release` does not know (templates/kernel-zfs-guard.sh.j2); else nothing."""
+    from plan.render import render_template
+    return f"/bin/sh -c {shlex.quote(render_template('kernel-zfs-guard.sh.j2', release=release))}"

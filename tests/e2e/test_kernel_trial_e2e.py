@@ -348,3 +348,17 @@ def test_grub_with_grubenv_on_lvm_refuses_the_trial_before_any_change(twin_facto
     assert run.rc != 0 and "/boot/grub/grubenv is on lvm" in run.output, run.output[-4000:]
     assert "kernel.trial_boot: false" in run.output
     assert f"vmlinuz-{RELEASE}" not in twin_run(twin.name, "ls", "/boot").split()
+
+
+def test_secure_boot_refuses_the_unsigned_build_before_any_change(twin_factory, tmp_path):
+    """shim/GRUB verify the kernel under Secure Boot; the stage does not sign its build."""
+    from tests.twin import hardware
+    twin = twin_factory("kpro6", address=quiet_address())
+    root = Path(twin.root)
+    hardware.set_secure_boot(root, True)
+    reboot(twin.name)
+    seed_finished_build(root, tmp_path)
+    run = converge(twin.name)
+    assert run.rc != 0 and "Secure Boot is on" in run.output and "would not boot" in run.output, run.output[-4000:]
+    assert f"vmlinuz-{RELEASE}" not in twin_run(twin.name, "ls", "/boot").split()
+    assert loader_default(root) == "proxmox-*" and oneshot(root) is None

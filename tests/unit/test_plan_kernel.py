@@ -302,3 +302,46 @@ def test_purge_removes_exactly_the_old_kernels_or_nothing(tmp_path):
     r = subprocess.run(["sh", "-c", plan.purge_command(pkgs)], env=env, capture_output=True, text=True)
     assert r.returncode == 1 and "would also remove: proxmox-default-kernel proxmox-ve" in r.stderr
     assert not (tmp_path / "calls").exists()
+
+
+# -- the ZFS feature guard ------------------------------------------------------------------
+
+def _zfs_host(tmp_path: Path, fstype: str, features: str, guids: list[str], module: bool = True) -> dict:
+    ko = tmp_path / "zfs.ko"
+    ko.write_bytes(b"\x7fELF\x00" + b"\x00".join(g.encode() for g in guids) + b"\x00")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    programs = {
+        "findmnt": f'case "$*" in *FSTYPE*) echo {fstype};; *SOURCE*) echo rpool/ROOT/pve-1;; esac',
+        "modinfo": f"echo {ko}" if module else "exit 1",
+        "zpool": f"printf '%b' '{features}'",
+    }
+    for name, body in programs.items():
+        (bin_dir / name).write_text("#!/bin/sh\n" + body + "\n")
+        (bin_dir / name).chmod(0o755)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+
+POOL = ("size\\t1.7T\\nfeature@async_destroy\\tenabled\\nfeature@large_blocks\\tactive\\n"
+        "feature@raidz_expansion\\tenabled\\nfeature@block_cloning\\tactive\\nfeature@fast_dedup\\tdisabled\\n")
+
+
+def test_zfs_guard_names_the_root_pools_features_the_new_module_does_not_know(tmp_path):
+    """OpenZFS zfeature_common.c: each feature is "<reverse-dns>:<name>" in the module's table;
+    `zpool get` lists feature@<name> enabled/active/disabled."""
+    old_module = ["com.delphix:async_destroy", "org.open-zfs:large_blocks", "com.delphix:embedded_data"]
+    env = _zfs_host(tmp_path, "zfs", POOL, old_module)
+    r = subprocess.run(["sh", "-c", plan.zfs_guard_command("6.14.11-9-bpo12-pvegpu-pve")], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 1
+    assert "does not support these features of the root pool rpool: raidz_expansion block_cloning;" in r.stderr
+    new_module = old_module + ["org.openzfs:raidz_expansion", "com.fudosecurity:block_cloning"]
+    env = _zfs_host(tmp_path, "zfs", POOL, new_module)  # fast_dedup is disabled: not needed
+    r = subprocess.run(["sh", "-c", plan.zfs_guard_command("6.14.11-9-bpo12-pvegpu-pve")], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    env = _zfs_host(tmp_path, "ext4", POOL, [])  # no ZFS root: nothing to check
+    assert subprocess.run(["sh", "-c", plan.zfs_guard_command("6.1.0-x")], env=env).returncode == 0
+    env = _zfs_host(tmp_path, "zfs", POOL, [], module=False)
+    r = subprocess.run(["sh", "-c", plan.zfs_guard_command("6.1.0-x")], env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and "has no zfs module" in r.stderr

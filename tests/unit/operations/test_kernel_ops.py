@@ -171,19 +171,20 @@ def test_install_keeps_running_kernel_and_records_manifest():
 
 def test_trial_boot_sets_the_loaders_one_shot_and_marks_it_last():
     cmds, _ = run_op(kernel.trial_boot, "6.14.8-2-pve", "systemd-boot", 10)
-    assert cmds[0] == plan.oneshot_command("6.14.8-2-pve", "systemd-boot", 10)
-    assert "bootctl set-oneshot" in cmds[0] and "--next-boot" not in cmds[0]
-    assert cmds[1] == plan.arm_trial_command("6.14.8-2-pve") and len(cmds) == 2
-    assert "/var/lib/pvegpu/kernel/trial-boot" in cmds[1] and "/run/pvegpu/kernel-trial" in cmds[1]
+    assert cmds[0] == plan.zfs_guard_command("6.14.8-2-pve")  # a kernel that cannot import the root pool is not tried
+    assert cmds[1] == plan.oneshot_command("6.14.8-2-pve", "systemd-boot", 10)
+    assert "bootctl set-oneshot" in cmds[1] and "--next-boot" not in cmds[1]
+    assert cmds[2] == plan.arm_trial_command("6.14.8-2-pve") and len(cmds) == 3
+    assert "/var/lib/pvegpu/kernel/trial-boot" in cmds[2] and "/run/pvegpu/kernel-trial" in cmds[2]
     cmds, _ = run_op(kernel.trial_boot, "6.1.0-x", "grub", 10, "ab")
-    assert cmds[0].endswith("grub-reboot 'gnulinux-advanced-ab>gnulinux-6.1.0-x-advanced-ab'")
+    assert cmds[1].endswith("grub-reboot 'gnulinux-advanced-ab>gnulinux-6.1.0-x-advanced-ab'")
 
 
 def test_trial_of_an_installed_kernel_makes_the_running_one_the_default_first_where_asked():
     keep = plan.keep_default_command("6.14.8-2-pve", "systemd-boot")
     cmds, _ = run_op(kernel.trial_boot, "6.14.11-9-bpo12-pve", "systemd-boot", 10, None, keep)
     assert cmds[0] == "proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool refresh"
-    assert "pvegpu-trial-6.14.11-9-bpo12-pve.conf" in cmds[1]
+    assert "pvegpu-trial-6.14.11-9-bpo12-pve.conf" in cmds[2]
 
 
 def test_install_makes_the_running_kernel_the_default_first_where_asked():
@@ -257,4 +258,16 @@ def test_preflight_refuses_a_release_already_installed_from_a_package_not_built_
     assert len(refusals) == 1 and "already installed from proxmox-kernel-6.14.8-2-pve-signed" in refusals[0]
     assert "KREL_EXTRA + -pvegpu" in refusals[0]
     build["installed_manifest"] = {"build_id": "ours, an earlier build"}  # ours: rebuilt, not refused
+    assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT})) == []
+
+
+def test_preflight_refuses_an_unsigned_kernel_under_secure_boot(monkeypatch):
+    from spec.models import HostSpec
+    build = kernel_facts.parse_build_state(["pbt", "esps", "uefi", "sb efivar 1"])
+    assert build["secure_boot"] is True
+    monkeypatch.setattr(kernel, "stage_facts", lambda k: {
+        "kernels": {"running": "6.8.12-4-pve", "installed": ["6.8.12-4-pve"]}, "build": build, "source": None})
+    refusals = kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT}))
+    assert len(refusals) == 1 and refusals[0].startswith("Secure Boot is on") and "would not boot" in refusals[0]
+    build["secure_boot"] = kernel_facts.parse_build_state(["sb SecureBoot disabled"])["secure_boot"]
     assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT})) == []
