@@ -1,5 +1,5 @@
-"""Run state of this node's guests (`pct list`, `qm list`), read once per host per run while
-nothing changes it.
+"""Run state of this node's guests (`pct list`; the VMs from their configs and pid files, as
+qemu-server decides it, without `qm list`), read once per host per run while nothing changes it.
 
 On a Proxmox VE node `pct list` and `qm list` are Perl programs (0.3-0.5 s each) and four
 stages need the CT run state, so `guest_state()` keeps one reading per host for the run. An
@@ -18,7 +18,7 @@ The reading is the run state's ``guests`` (`facts.run_state`: one object per hos
 
     {"pct": True,                               # pct exists (a Proxmox VE node)
      "lxc": {200: "running", 201: "stopped"},   # `pct list`
-     "qemu": {300: "running"}}                  # `qm list`
+     "qemu": {300: "running"}}                  # QEMU_STATE_COMMAND (pid files)
 """
 
 from __future__ import annotations
@@ -31,9 +31,24 @@ from facts.base import ShellFact
 from facts.run_state import run_state
 from facts.sections import split_sections
 
+# The VMs without `qm list` (a Perl program): this node's VM configs are its VMs (pve-cluster's
+# vmlist holds a VM under the node whose nodes/<node>/qemu-server/ has its config; qemu-server
+# PVE/QemuServer.pm config_list), and one runs when its pid file names a live process whose
+# argv[0] ends in kvm (or is qemu-system-*) and whose -pidfile is that file (qemu-server
+# PVE/QemuServer/Helpers.pm vm_running_locally / parse_cmdline). The node is `uname -n` up to
+# its first dot (pve-common INotify nodename).
+QEMU_STATE_COMMAND = (
+    "n=$(uname -n); for f in /etc/pve/nodes/\"${n%%.*}\"/qemu-server/*.conf; do [ -e \"$f\" ] || continue; "
+    "id=${f##*/}; id=${id%.conf}; p=/var/run/qemu-server/$id.pid; s=stopped; "
+    "if { read -r pid < \"$p\"; } 2>/dev/null && [ -n \"$pid\" ] && tr '\\0' '\\n' < /proc/\"$pid\"/cmdline 2>/dev/null | "
+    "awk -v p=\"$p\" 'NR == 1 { ok = ($0 ~ /kvm$/ || $0 ~ /(^|\\/)qemu-system-[^\\/]+$/) } "
+    "prev == \"-pidfile\" && $0 == p { hit = 1 } { prev = $0 } END { exit !(ok && hit) }'; "
+    "then s=running; fi; echo \"$id $s\"; done"
+)
+
 # Also part of GuestRuntime's combined command (operations.gpus), which seeds the memo.
 GUEST_STATE_COMMAND = ("if command -v pct >/dev/null 2>&1; then echo '@@ pct'; pct list 2>/dev/null; fi; "
-                       "echo '@@ qm'; qm list 2>/dev/null")
+                       f"echo '@@ qemu'; {QEMU_STATE_COMMAND}")
 
 
 def parse_guest_state(lines: list[str]) -> dict:
@@ -45,18 +60,16 @@ def parse_guest_state(lines: list[str]) -> dict:
         tokens = line.split()
         if len(tokens) >= 2 and tokens[0].isdigit():  # VMID Status Lock Name
             parsed["lxc"][int(tokens[0])] = tokens[1]
-    for line in sections.get("qm", []):
+    for line in sections.get("qemu", []):
         tokens = line.split()
-        if len(tokens) >= 6 and tokens[0].isdigit():
-            # VMID NAME STATUS MEM(MB) BOOTDISK(GB) PID, read from the right: an unnamed VM's NAME
-            # is two words (follows qemu-server PVE/QemuServer.pm vmstatus(): name defaults to "VM <vmid>")
-            parsed["qemu"][int(tokens[0])] = tokens[-4]
+        if len(tokens) == 2 and tokens[0].isdigit() and tokens[1] in ("running", "stopped"):
+            parsed["qemu"][int(tokens[0])] = tokens[1]  # QEMU_STATE_COMMAND: VMID STATUS
     return parsed
 
 
 class GuestState(ShellFact):
     """
-    Which guests this node has and whether they run (`pct list`, `qm list`).
+    Which guests this node has and whether they run (`pct list`; VMs by `QEMU_STATE_COMMAND`).
 
     .. code:: python
 

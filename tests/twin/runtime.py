@@ -657,7 +657,7 @@ def kill_sshd(name: str) -> list[int]:
 
 
 def count_pve_calls(root: Path | str, on: bool) -> list[str]:
-    """Start (on=True: an empty log) or stop counting the twin's pct/qm/pvesh calls; returns
+    """Start (on=True: an empty log) or stop counting the twin's pct/qm/pvesh/pveversion calls; returns
     the calls logged so far (one line each: program and arguments)."""
     marker, log_file = Path(root) / "var/lib/twin/pve-count", Path(root) / "var/lib/twin/pve-calls.log"
     calls = log_file.read_text().splitlines() if log_file.exists() else []
@@ -828,6 +828,7 @@ class Supervisor:
         self.boot_time = time.monotonic()
         if (self.root / STANDIN_SERVER).exists():
             self.start_standins()
+        self.start_guests()
         self.start_sshd()
         self.wait_for_sshd()  # a boot is done when the host answers on SSH
         self.boots += 1
@@ -850,6 +851,16 @@ class Supervisor:
         (self.root / REBOOT_REQUEST).unlink(missing_ok=True)
         log(f"{self.spec['name']}: rebooted in {time.monotonic() - t0:.2f} s (shutdown "
             f"{t1 - t0:.2f} s, render {t2 - t1:.2f} s)")
+
+    def start_guests(self) -> None:
+        """The VMs still marked running get their process again (tests/twin/standins/proxmox.py
+        onboot), in the twin's PID namespace like every process of this boot."""
+        if not (self.root / "usr/local/lib/twin/proxmox.py").exists():
+            return  # not a Proxmox twin
+        subprocess.run(["chroot", str(self.root), "/usr/bin/python3", "-ISB", "-c",
+                        "import sys; sys.path.insert(0, '/usr/local/lib/twin'); import proxmox; proxmox.onboot()"],
+                       env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, check=False)
 
     def start_sshd(self) -> None:
         proc = subprocess.Popen(

@@ -120,7 +120,7 @@ def test_qm_and_pct_list_print_what_proxmox_prints(root):
     assert qm[1].split()[:4] == ["300", "VM", "300", "stopped"]  # unnamed: "VM <vmid>"
     pct = run(root, "pct", "list", check=True).stdout.splitlines()
     assert pct[0].split() == ["VMID", "Status", "Lock", "Name"]
-    assert parse_guest_state(["@@ pct", *pct, "@@ qm", *qm])["qemu"] == {300: "stopped"}
+    assert parse_guest_state(["@@ pct", *pct])["lxc"] == {200: "stopped"}
 
 
 # ---------------------------------------------------------------- PCI mappings + qm

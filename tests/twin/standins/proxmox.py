@@ -276,6 +276,8 @@ def start(kind, vmid):
 def boot_guest(kind, vmid, conf, action="start"):
     if kind == "lxc":
         ct_boot(vmid, conf)
+    else:
+        kvm_spawn(vmid)
     set_run_state(kind, vmid, "running")
     ts.log_guest(action, kind, vmid)
 
@@ -304,6 +306,8 @@ def stop(kind, vmid, action="stop", timeout=None):
 def halt_guest(kind, vmid, action):
     if kind == "lxc":
         ct_halt(vmid)
+    else:
+        kvm_kill(vmid)
     set_run_state(kind, vmid, "stopped")
     ts.log_guest(action, kind, vmid)
 
@@ -494,6 +498,93 @@ def create_guest(kind, vmid, opts):
     ts.write(conf_path(kind, vmid), "")
     verify_params(kind, [(k, v) for k, v in opts if k not in ("ostemplate", "storage", "password")])
     update_config(kind, vmid, [(k, v) for k, v in opts if k not in ("ostemplate", "storage", "password", "start")], [])
+
+
+# ---------------------------------------------------------------- VMs: a process per running VM
+
+QEMU_RUN = "/var/run/qemu-server"
+
+
+def kvm_pidfile(vmid):
+    # follows qemu-server PVE/QemuServer/Helpers.pm pidfile_name(): <var_run_tmpdir>/<vmid>.pid
+    return f"{QEMU_RUN}/{vmid}.pid"
+
+
+def kvm_spawn(vmid):
+    """A running VM is a process, as on a real node: argv[0] ends in `kvm` and `-pidfile` names
+    its pid file, which holds its pid (qemu-server PVE/QemuServer.pm config_to_command passes
+    `-id`, `-pidfile` and `-daemonize`; QEMU writes the file). The process only sleeps; it dies
+    with the twin (its PID namespace) and is started again at the twin's next boot (`onboot`)."""
+    if ts.ROOT != "/":
+        return  # a TWIN_ROOT run on the build machine starts no process
+    kvm_kill(vmid)
+    pidfile = kvm_pidfile(vmid)
+    os.makedirs(QEMU_RUN, exist_ok=True)
+    r, w = os.pipe()
+    first = os.fork()
+    if first == 0:  # daemonize as QEMU does: a new session, parent gone, stdio on /dev/null
+        try:
+            os.close(r)
+            os.setsid()
+            if os.fork():
+                os._exit(0)
+            null = os.open("/dev/null", os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.write(w, str(os.getpid()).encode())
+            os.close(w)
+            os.execv("/usr/bin/python3", ["/usr/bin/kvm", "-ISc", "import signal\nwhile True: signal.pause()",
+                                          "-id", str(vmid), "-name", f"VM{vmid}", "-pidfile", pidfile,
+                                          "-daemonize"])
+        finally:
+            os._exit(1)
+    os.close(w)
+    os.waitpid(first, 0)
+    with os.fdopen(r) as f:
+        pid = f.read().strip()
+    if pid:
+        ts.write(pidfile, pid + "\n")
+
+
+def kvm_kill(vmid):
+    """qm stop: the VM's process ends and its pid file goes (qemu-server vm_stop)."""
+    if ts.ROOT != "/":
+        return
+    pidfile = kvm_pidfile(vmid)
+    try:
+        pid = int((ts.read(pidfile) or "").strip())
+    except ValueError:
+        pid = 0
+    if pid and f"-pidfile\0{pidfile}\0" in _cmdline(pid):
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+        for _ in range(100):
+            if not _cmdline(pid):
+                break
+            time.sleep(0.01)
+    try:
+        os.unlink(pidfile)
+    except FileNotFoundError:
+        pass
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def onboot():
+    """At the twin's boot (tests/twin/runtime.py): the VMs still marked running were started
+    again (onboot), so each gets its process."""
+    for key, status in sorted(run_state().items()):
+        kind, _, vmid = key.partition("/")
+        if kind == "qemu" and status == "running":
+            kvm_spawn(int(vmid))
 
 
 # ---------------------------------------------------------------- containers: own root, own /dev

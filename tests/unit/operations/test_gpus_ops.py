@@ -3,6 +3,7 @@ commands. The runner script itself runs for real in tests/unit/operations/test_r
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from facts.rebind import GpuHolders, GuestRuntime, parse_guest_runtime
@@ -17,32 +18,66 @@ VMID       Status     Lock         Name
 200        running                 gpu-ct
 201        stopped                 spare
 """
+# what facts.guest_state.QEMU_STATE_COMMAND prints: VMID STATUS, from configs and pid files
 QM_LIST = """\
-      VMID NAME                 STATUS     MEM(MB)    BOOTDISK(GB) PID
-       300 gpu-vm               running    65536             64.00 12345
+300 running
 """
 
 
 def test_guest_runtime_parses_pct_qm_and_how_sys_is_mounted():
-    out = ["@@ sysfs", "rw,nosuid,nodev,noexec,relatime", "@@ pct", *PCT_LIST.splitlines(), "@@ qm",
+    out = ["@@ sysfs", "rw,nosuid,nodev,noexec,relatime", "@@ pct", *PCT_LIST.splitlines(), "@@ qemu",
            *QM_LIST.splitlines()]
     assert parse_guest_runtime(out) == {"sysfs_live": True, "status": {
         "pct": True, "lxc": {200: "running", 201: "stopped"}, "qemu": {300: "running"}}}
     # a read-only /sys (a container; the twin without its kernel model): no live rebind; no pct: not PVE
-    assert parse_guest_runtime(["@@ sysfs", "ro,nosuid,nodev,noexec,relatime", "@@ qm"]) == {
+    assert parse_guest_runtime(["@@ sysfs", "ro,nosuid,nodev,noexec,relatime", "@@ qemu"]) == {
         "sysfs_live": False, "status": {"pct": False, "lxc": {}, "qemu": {}}}
-    assert parse_guest_runtime(["@@ sysfs", "@@ qm"])["sysfs_live"] is False  # no /sys mount at all
+    assert parse_guest_runtime(["@@ sysfs", "@@ qemu"])["sysfs_live"] is False  # no /sys mount at all
 
 
-def test_guest_runtime_runs_pct_and_qm_list_in_a_real_shell(tmp_path):
-    """Its one command, with stub pct/qm printing PVE's list formats (the run's guest state comes from it)."""
-    for tool, listing in (("pct", PCT_LIST), ("qm", QM_LIST)):
-        (tmp_path / tool).write_text(f"#!/bin/sh\n[ \"$1\" = list ] && printf %s '{listing}'\n")
+def test_guest_runtime_runs_pct_list_and_reads_vm_pid_files_in_a_real_shell(tmp_path):
+    """Its one command in a real shell: a stub pct prints PVE's list format; the VMs come from the
+    node's config files and pid files (no `qm`: a stub that fails the test if run), with real
+    processes: only a live process whose argv[0] ends in kvm and whose -pidfile is that file runs."""
+    (tmp_path / "pct").write_text(f"#!/bin/sh\n[ \"$1\" = list ] && printf %s '{PCT_LIST}'\n")
+    (tmp_path / "qm").write_text("#!/bin/sh\necho qm was run >&2; exit 1\n")
+    (tmp_path / "uname").write_text("#!/bin/sh\necho gpu1.example.org\n")
+    for tool in ("pct", "qm", "uname"):
         (tmp_path / tool).chmod(0o755)
-    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
-    out = subprocess.run(["sh", "-c", GuestRuntime.command], capture_output=True, text=True, env=env, check=True)
+    confs, run = tmp_path / "pve/nodes/gpu1/qemu-server", tmp_path / "run"
+    confs.mkdir(parents=True)
+    run.mkdir()
+    for vmid in (300, 301, 302, 303, 304):
+        (confs / f"{vmid}.conf").write_text("memory: 2048\n")
+    (tmp_path / "pve/nodes/other/qemu-server").mkdir(parents=True)
+    (tmp_path / "pve/nodes/other/qemu-server/400.conf").write_text("")  # another node's VM
+    sleeper = "import time; time.sleep(60)"
+
+    procs: list[subprocess.Popen] = []
+
+    def spawn(argv0: str, pidfile: Path) -> int:  # a real process whose argv[0] is argv0
+        p = subprocess.Popen([argv0, "-c", sleeper, "-id", "x", "-pidfile", str(pidfile)], executable=sys.executable)
+        procs.append(p)
+        return p.pid
+
+    try:
+        (run / "300.pid").write_text(f"{spawn('/usr/bin/kvm', run / '300.pid')}\n")        # running
+        (run / "301.pid").write_text(f"{spawn('/usr/bin/kvm', run / 'other.pid')}\n")      # another pid file
+        (run / "302.pid").write_text(f"{spawn('/usr/bin/python3', run / '302.pid')}\n")    # not a kvm
+        (run / "303.pid").write_text("999999999\n")                                         # no such process
+        command = (GuestRuntime.command.replace("/etc/pve/", f"{tmp_path}/pve/")
+                   .replace("/var/run/qemu-server/", f"{run}/"))
+        env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+        out = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env, check=True)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert "qm was run" not in out.stderr
     runtime = GuestRuntime().process(out.stdout.splitlines())
-    assert runtime["status"] == {"pct": True, "lxc": {200: "running", 201: "stopped"}, "qemu": {300: "running"}}
+    assert runtime["status"] == {"pct": True, "lxc": {200: "running", 201: "stopped"},
+                                 "qemu": {300: "running", 301: "stopped", 302: "stopped", 303: "stopped",
+                                          304: "stopped"}}
     # the options of the /sys mount this process sees, read here without awk
     sys_opts = [line.split()[5] for line in Path("/proc/self/mountinfo").read_text().splitlines()
                 if line.split()[4] == "/sys"]

@@ -275,10 +275,10 @@ def test_container_file_is_skipped_with_a_reason_when_pct_exec_cannot_reach_its_
 
 def test_missing_container_and_host_without_pct_are_noops():
     found = nccl.NcclState().process(["@@ root", "64:2"])
-    state = with_ct_status(found, GuestState().process(["@@ pct", PCT_HEADER, "@@ qm"]))
+    state = with_ct_status(found, GuestState().process(["@@ pct", PCT_HEADER, "@@ qemu"]))
     assert run_op(nccl.container_nccl_conf, ctid=201, content="x\n", state=state, facts=NO_BUILDS) == (
         [], "CT 201 does not exist on this node; its /etc/nccl.conf is written once it exists and runs")
-    no_pct = with_ct_status(found, GuestState().process(["@@ qm"]))
+    no_pct = with_ct_status(found, GuestState().process(["@@ qemu"]))
     assert run_op(nccl.container_nccl_conf, ctid=201, content="x\n", state=no_pct,
                   facts=NO_BUILDS)[1].startswith("CT 201: no pct on this host")
 
