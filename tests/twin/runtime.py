@@ -464,11 +464,33 @@ def status() -> list[dict]:
     return result
 
 
+# Machine-wide claims of twin addresses: a twin's supervisor holds an flock on its address's
+# file for the twin's whole life, reboots included (sshd is down then and the port looks free);
+# twins of other checkouts of the repository on this machine see the claim.
+ADDRESS_CLAIMS = Path("/run/lock/pvegpu-twins")
+
+
+def _claim_file(address: str) -> int:
+    ADDRESS_CLAIMS.mkdir(parents=True, exist_ok=True)
+    return os.open(ADDRESS_CLAIMS / address, os.O_RDWR | os.O_CREAT, 0o644)
+
+
+def _claimed(address: str) -> bool:
+    fd = _claim_file(address)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # releases the probe's lock
+    return False
+
+
 def _pick_address() -> str:
     taken = {s["address"] for s in status() if _in_use(s)}
     for n in range(2, 255):
         address = f"127.0.0.{n}"
-        if address in taken:
+        if address in taken or _claimed(address):
             continue
         with socket.socket() as probe:  # something else (a stale sshd) may listen there
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as sshd does
@@ -794,6 +816,11 @@ class Supervisor:
     def run(self) -> None:
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
+        claim = _claim_file(self.spec["address"])  # held (never closed) until this process ends
+        try:
+            fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"{self.spec['name']}: {self.spec['address']} is claimed by a twin of another checkout")
         self.boot()
         uptime_fd = os.open(self.dir / "uptime", os.O_WRONLY)
         while not self.stopping:
