@@ -7,7 +7,6 @@ import re
 from facts.base import ShellFact
 from facts.sections import split_sections
 
-
 # `pveversion` and `pveversion -v` are Perl programs (0.3-0.6 s each on a node). What they print
 # comes from the dpkg database: each package's installed version (pve-manager PVE/API2/APT.pm
 # versions, through AptPkg), and pveversion's own version is pve-manager's (bin/pveversion prints

@@ -62,7 +62,8 @@ TWIN_DIR = "var/lib/twin"
 STANDIN_PATHS = {
     "nvidia_smi.py": ["usr/local/bin/nvidia-smi"],
     "proxmox.py": ["usr/local/sbin/pct", "usr/local/sbin/qm", "usr/local/sbin/pvesh",
-                   "usr/local/bin/pveversion", "usr/local/sbin/ha-manager"],
+                   "usr/local/bin/pveversion", "usr/local/sbin/ha-manager",
+                   "usr/local/bin/lxc-ls", "usr/local/bin/lxc-info"],
     "boot.py": ["usr/local/sbin/proxmox-boot-tool", "usr/local/sbin/update-grub",
                 "usr/local/sbin/reboot", "usr/local/sbin/shutdown", "usr/local/bin/systemctl",
                 # the real names point at systemctl; absolute callers must reach the stand-in too

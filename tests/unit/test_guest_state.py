@@ -1,4 +1,4 @@
-"""facts.guest_state: `pct list` and the VMs' pid-file reading parsed, and the run's one reading of them: kept while
+"""facts.guest_state: the guests' configs, lxc's running CTs and the VMs' pid files parsed, and the run's one reading of them: kept while
 nothing changes guests, read again after an operation yielded a guest stop/start while pyinfra
 executes (the rebind transaction, a CT start), kept when that yield came while pyinfra only
 generated operations (nothing ran then)."""
@@ -15,8 +15,8 @@ from tests.unit.operations.test_guests_ops import IGPU, facts_for
 NO_GPUS = {103: {"gpus": [], "gid": 44}}  # CT 103's config already passes exactly these (none)
 
 
-def test_pct_list_in_pve_format_and_the_vm_states():
-    parsed = parse_guest_state(["@@ pct", *PCT_LIST.splitlines(), "@@ qemu", *QM_LIST.splitlines()])
+def test_ct_and_vm_states():
+    parsed = parse_guest_state(["@@ lxc", *PCT_LIST.splitlines(), "@@ qemu", *QM_LIST.splitlines()])
     assert parsed == {"pct": True, "lxc": {200: "running", 201: "stopped"}, "qemu": {300: "running"}}
     assert GuestState().process(["@@ qemu"]) == GuestState.default() == {"pct": False, "lxc": {}, "qemu": {}}
 

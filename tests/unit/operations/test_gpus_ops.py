@@ -1,7 +1,6 @@
 """operations.gpus: stage facts' parsers, the binding rule file, and the rebind operation's
 commands. The runner script itself runs for real in tests/unit/operations/test_rebind_runner.py."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,21 +10,24 @@ from operations.gpus import binding_rules, close_rebind_journal, rebind_gpus
 from plan.gpus import Bindings, Move, RebindPlan
 from plan.rebind import Journal
 from tests.twin.hardware import RULE_RE
+from tests.unit.operations.fake_node import NODE, FakeNode
 from tests.unit.operations.oprun import run_op
 
+# what facts.guest_state.GUEST_STATE_COMMAND prints: this node's CT configs, lxc's running CTs,
+# then each VM config's id and state from its pid file
 PCT_LIST = """\
-VMID       Status     Lock         Name
-200        running                 gpu-ct
-201        stopped                 spare
+200
+201
+@@ lxc-active
+200
 """
-# what facts.guest_state.QEMU_STATE_COMMAND prints: VMID STATUS, from configs and pid files
 QM_LIST = """\
 300 running
 """
 
 
-def test_guest_runtime_parses_pct_qm_and_how_sys_is_mounted():
-    out = ["@@ sysfs", "rw,nosuid,nodev,noexec,relatime", "@@ pct", *PCT_LIST.splitlines(), "@@ qemu",
+def test_guest_runtime_parses_guests_and_how_sys_is_mounted():
+    out = ["@@ sysfs", "rw,nosuid,nodev,noexec,relatime", "@@ lxc", *PCT_LIST.splitlines(), "@@ qemu",
            *QM_LIST.splitlines()]
     assert parse_guest_runtime(out) == {"sysfs_live": True, "status": {
         "pct": True, "lxc": {200: "running", 201: "stopped"}, "qemu": {300: "running"}}}
@@ -35,22 +37,22 @@ def test_guest_runtime_parses_pct_qm_and_how_sys_is_mounted():
     assert parse_guest_runtime(["@@ sysfs", "@@ qemu"])["sysfs_live"] is False  # no /sys mount at all
 
 
-def test_guest_runtime_runs_pct_list_and_reads_vm_pid_files_in_a_real_shell(tmp_path):
-    """Its one command in a real shell: a stub pct prints PVE's list format; the VMs come from the
-    node's config files and pid files (no `qm`: a stub that fails the test if run), with real
-    processes: only a live process whose argv[0] ends in kvm and whose -pidfile is that file runs."""
-    (tmp_path / "pct").write_text(f"#!/bin/sh\n[ \"$1\" = list ] && printf %s '{PCT_LIST}'\n")
-    (tmp_path / "qm").write_text("#!/bin/sh\necho qm was run >&2; exit 1\n")
-    (tmp_path / "uname").write_text("#!/bin/sh\necho gpu1.example.org\n")
-    for tool in ("pct", "qm", "uname"):
-        (tmp_path / tool).chmod(0o755)
-    confs, run = tmp_path / "pve/nodes/gpu1/qemu-server", tmp_path / "run"
-    confs.mkdir(parents=True)
-    run.mkdir()
+def test_guest_runtime_reads_configs_lxc_and_vm_pid_files_in_a_real_shell(tmp_path):
+    """Its one command in a real shell on a fake node (tests/unit/operations/fake_node.py): the
+    guests are this node's configs, the CTs' state lxc's, the VMs' their pid files with real
+    processes (only a live process whose argv[0] ends in kvm and whose -pidfile is that file runs);
+    no Proxmox CLI starts (each stub logs its call)."""
+    node = FakeNode(tmp_path)
+    node.ct(200)
+    node.ct(201)
+    (node.dir / "active").write_text("200\n")  # lxc's running CTs
+    confs, run = node.dir / "pve/nodes" / NODE / "qemu-server", node.dir / "qemu-server"
     for vmid in (300, 301, 302, 303, 304):
         (confs / f"{vmid}.conf").write_text("memory: 2048\n")
-    (tmp_path / "pve/nodes/other/qemu-server").mkdir(parents=True)
-    (tmp_path / "pve/nodes/other/qemu-server/400.conf").write_text("")  # another node's VM
+    (node.dir / "pve/nodes/other/qemu-server").mkdir(parents=True)
+    (node.dir / "pve/nodes/other/qemu-server/400.conf").write_text("")  # another node's VM
+    (node.dir / "pve/nodes/other/lxc").mkdir(parents=True)
+    (node.dir / "pve/nodes/other/lxc/500.conf").write_text("")  # another node's CT
     sleeper = "import time; time.sleep(60)"
 
     procs: list[subprocess.Popen] = []
@@ -65,15 +67,13 @@ def test_guest_runtime_runs_pct_list_and_reads_vm_pid_files_in_a_real_shell(tmp_
         (run / "301.pid").write_text(f"{spawn('/usr/bin/kvm', run / 'other.pid')}\n")      # another pid file
         (run / "302.pid").write_text(f"{spawn('/usr/bin/python3', run / '302.pid')}\n")    # not a kvm
         (run / "303.pid").write_text("999999999\n")                                         # no such process
-        command = (GuestRuntime.command.replace("/etc/pve/", f"{tmp_path}/pve/")
-                   .replace("/var/run/qemu-server/", f"{run}/"))
-        env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
-        out = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env, check=True)
+        out = subprocess.run(["sh", "-c", node.rewrite(GuestRuntime.command)], capture_output=True, text=True,
+                             env=node.env, check=True)
     finally:
         for p in procs:
             p.kill()
             p.wait()
-    assert "qm was run" not in out.stderr
+    assert node.calls() == []
     runtime = GuestRuntime().process(out.stdout.splitlines())
     assert runtime["status"] == {"pct": True, "lxc": {200: "running", 201: "stopped"},
                                  "qemu": {300: "running", 301: "stopped", 302: "stopped", 303: "stopped",
