@@ -11,6 +11,7 @@ from typing import Any
 from pyinfra.api import FactBase
 
 from facts.files import ManagedFiles
+from facts.guest_state import ct_root_loop
 from facts.sections import SECTION, split_sections
 
 NCCL_CONF = "/etc/nccl.conf"
@@ -19,9 +20,12 @@ DROPIN_NAME = "pvegpu-nccl.conf"
 
 
 def _ct_probe(path: str) -> str:
-    q = shlex.quote(path)
-    return (f"stat -c %d:%i /; if [ -f {q} ]; then stat -c %a {q}; sha256sum < {q} | cut -d' ' -f1; "
-            f"else echo MISSING; fi")
+    """Shell for `facts.guest_state.ct_root_loop` (``$r``: the CT's root): the root's identity,
+    then the file's mode and sha256, or MISSING (also for a link: it is not followed out of the CT,
+    and the stage's write replaces it)."""
+    q = '"$r"' + shlex.quote(path)
+    return (f'stat -L -c %d:%i "$r/"; if [ -f {q} ] && [ ! -L {q} ]; then stat -c %a {q}; '
+            f"sha256sum < {q} | cut -d' ' -f1; else echo MISSING; fi")
 
 
 def parse_nccl_state(lines: list[str]) -> dict:
@@ -55,7 +59,8 @@ class NcclState(FactBase):
     """Everything the NCCL stage compares against, in one remote command.
 
     + paths: host files of the stage (/etc/nccl.conf and the drop-ins)
-    + ctids: the running GPU containers, each asked (``pct exec``) for its file (`nccl_state`
+    + ctids: the running GPU containers, each read through its init's root for its file
+      (`facts.guest_state.ct_root_loop`; `nccl_state`
       picks them from this run's guest state and adds it to the result)
 
     .. code:: python
@@ -70,8 +75,6 @@ class NcclState(FactBase):
     """
 
     def command(self, paths: list[str], ctids: list[int]) -> str:
-        ids = " ".join(shlex.quote(str(int(ctid))) for ctid in ctids)
-        probe = shlex.quote(_ct_probe(NCCL_CONF))
         parts = [
             f"echo '{SECTION}files'; {ManagedFiles().command(paths)}",
             f"echo '{SECTION}rdma'; ls -1 /sys/class/infiniband 2>/dev/null",
@@ -79,9 +82,7 @@ class NcclState(FactBase):
             f"echo '{SECTION}dropins'; for f in {SYSTEMD_DIR}/*.d/{DROPIN_NAME}; do if [ -f \"$f\" ]; then echo \"$f\"; fi; done",
             f"echo '{SECTION}root'; stat -c %d:%i /",
         ]
-        if ids:
-            parts.append(f"for id in {ids}; do echo \"{SECTION}ct $id\"; pct exec \"$id\" -- sh -c {probe} 2>&1; done")
-        return "; ".join(parts) + "; true"
+        return "; ".join(parts) + "; " + ct_root_loop(ctids, _ct_probe(NCCL_CONF)) + "true"
 
     def process(self, output):
         return parse_nccl_state(list(output))

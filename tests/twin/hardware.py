@@ -62,7 +62,8 @@ TWIN_DIR = "var/lib/twin"
 STANDIN_PATHS = {
     "nvidia_smi.py": ["usr/local/bin/nvidia-smi"],
     "proxmox.py": ["usr/local/sbin/pct", "usr/local/sbin/qm", "usr/local/sbin/pvesh",
-                   "usr/local/bin/pveversion", "usr/local/sbin/ha-manager"],
+                   "usr/local/bin/pveversion", "usr/local/sbin/ha-manager",
+                   "usr/local/bin/lxc-ls", "usr/local/bin/lxc-info"],
     "boot.py": ["usr/local/sbin/proxmox-boot-tool", "usr/local/sbin/update-grub",
                 "usr/local/sbin/reboot", "usr/local/sbin/shutdown", "usr/local/bin/systemctl",
                 # the real names point at systemctl; absolute callers must reach the stand-in too
@@ -1081,6 +1082,30 @@ def _seed_pve(root: Path, data: dict) -> None:
             if not p.exists():
                 _write(p, text if text.endswith("\n") else text + "\n")
     _write(root / "etc/hostname", node + "\n")
+    _seed_pve_packages(root, data)
+
+
+def _seed_pve_packages(root: Path, data: dict) -> None:
+    """The profile's Proxmox VE packages as dpkg knows installed ones: a stanza each in the
+    root's real /var/lib/dpkg/status (state `install ok installed`), so `dpkg-query` and apt read
+    them as on a node (pve-manager at `pve.version`, the others at `pve.packages`). They carry
+    no files and no dependencies."""
+    pve = data["pve"]
+    versions = {"pve-manager": str(pve["version"]), **{k: str(v) for k, v in (pve.get("packages") or {}).items()}}
+    status = root / "var/lib/dpkg/status"
+    text = status.read_text() if status.exists() else ""
+    known = set(re.findall(r"^Package: (\S+)$", text, re.M))
+    stanzas = [f"Package: {name}\nStatus: install ok installed\nPriority: optional\nSection: admin\n"
+               f"Maintainer: Proxmox Support Team <support@proxmox.com>\nArchitecture: all\n"
+               f"Version: {version}\nDescription: {name} (pvegpu twin: the profile's Proxmox VE package, no files)\n"
+               for name, version in versions.items() if name not in known]
+    if stanzas:
+        _write(status, text.rstrip("\n") + "\n\n" + "\n".join(stanzas) if text.strip() else "\n".join(stanzas))
+    for name in versions:  # what dpkg keeps of an installed package: its file list and md5sums (none)
+        for suffix in ("list", "md5sums"):
+            info = root / "var/lib/dpkg/info" / f"{name}.{suffix}"
+            if not info.exists():
+                _write(info, "")
 
 
 def _busy_path(root: Path) -> Path:

@@ -111,8 +111,6 @@ def test_pct_exec_refuses_a_stopped_ct(root):
 
 
 def test_qm_and_pct_list_print_what_proxmox_prints(root):
-    from facts.guest_state import parse_guest_state
-
     conf = root / "etc/pve/qemu-server/300.conf"
     conf.write_text("".join(line for line in conf.read_text().splitlines(True) if not line.startswith("name:")))
     qm = run(root, "qm", "list", check=True).stdout.splitlines()
@@ -120,7 +118,8 @@ def test_qm_and_pct_list_print_what_proxmox_prints(root):
     assert qm[1].split()[:4] == ["300", "VM", "300", "stopped"]  # unnamed: "VM <vmid>"
     pct = run(root, "pct", "list", check=True).stdout.splitlines()
     assert pct[0].split() == ["VMID", "Status", "Lock", "Name"]
-    assert parse_guest_state(["@@ pct", *pct, "@@ qm", *qm])["qemu"] == {300: "stopped"}
+    # lxc's own view of the same CTs (what facts.guest_state reads instead of pct list)
+    assert run(root, "lxc-ls", "-1").stdout.split() == ["200"] and run(root, "lxc-ls", "--active", "-1").stdout == ""
 
 
 # ---------------------------------------------------------------- PCI mappings + qm
