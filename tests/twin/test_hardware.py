@@ -154,6 +154,26 @@ def test_kpro6_sysfs_agrees_with_profile(twin):
     assert "sev_snp" in hw(root, "proc/cpuinfo").read_text().split("\n\n")[0]
 
 
+def test_kpro6_root_ports_config_carries_acs_the_kernel_enabled(twin):
+    """Each root port's sysfs `config` holds the ACS capability of the profile, with the control
+    bits the kernel turns on with the IOMMU on (SV, RR, CR, UF), read by PciAcs's own command."""
+    from facts.pci import PciAcs
+
+    root = twin("kpro6")
+    prof = hardware.load_profile("kpro6")
+    sys_root = hw(root, "sys")
+    command = PciAcs().command.replace("/sys/", f"{sys_root}/")
+    run = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=60)
+    acs = PciAcs().process(run.stdout.splitlines())
+    ports = [dev["bdf"] for dev in prof["pci"] if dev.get("bridge") == "root_port"]
+    assert ports and set(acs) == set(ports)
+    for port in ports:
+        assert len((sys_root / "bus/pci/devices" / port / "config").read_bytes()) == 4096
+        assert acs[port]["status"] == "enabled" and acs[port]["redirect"] is True
+        on = [flag for flag, value in acs[port]["ctl"].items() if value]
+        assert on == ["SrcValid", "ReqRedir", "CmpltRedir", "UpstreamFwd"]
+
+
 def test_kpro6_nvidia_views_agree(twin):
     root = twin("kpro6")
     prof = hardware.load_profile("kpro6")
