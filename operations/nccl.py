@@ -36,7 +36,7 @@ from facts.nccl import DROPIN_NAME, NCCL_CONF, SYSTEMD_DIR, NcclState
 from facts.once import fact_once
 from operations import handlers
 from operations.files import absent_file, file_current, managed_file, write_file_command
-from plan.nccl import describe_nccl_environment, nccl_conf_lines, nccl_plan_for_spec, render_nccl_conf
+from plan.nccl import PRECEDENCE, describe_nccl_environment, nccl_conf_lines, nccl_plan_for_spec, render_nccl_conf
 from plan.render import render_template
 from plan.topology_report import verdict_from_hardware
 from spec.values import systemd_unit
@@ -138,7 +138,10 @@ def desired(spec, hardware: dict, rdma_devices: list[str]) -> dict:
     roles = {bdf: gpu.role for bdf, gpu in spec.gpus.items()}
     verdict = verdict_from_hardware(hardware, roles)
     topology_nics = (hardware.get("topology") or {}).get("nics")
-    plan = nccl_plan_for_spec(verdict, spec, rdma_devices=rdma_devices, topology_nics=topology_nics)
+    # NCCL's default level depends on the CPU vendor (paths.cc: SYS on AMD with at most 2 GPUs)
+    cpu_vendor = (hardware.get("cpu") or {}).get("vendor")
+    plan = nccl_plan_for_spec(verdict, spec, rdma_devices=rdma_devices, topology_nics=topology_nics,
+                              cpu_vendor=cpu_vendor)
     dropins = {}
     for service in spec.nccl.services:
         unit = unit_name(service)
@@ -192,6 +195,7 @@ def describe(want: dict) -> list[str]:
         if not env:
             lines.append(f"NCCL ({scope}): no variables (profile none, no overrides)")
         lines += [f"NCCL ({scope}): {line}" for line in describe_nccl_environment(env)]
+    lines.append(f"NCCL: {PRECEDENCE}")
     return lines
 
 

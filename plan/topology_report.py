@@ -10,7 +10,7 @@ import html
 import re
 import textwrap
 
-from plan.nccl import describe_nccl_environment
+from plan.nccl import PRECEDENCE, describe_nccl_environment, opt_in_note
 from plan.p2p import LEVEL_WORDS, p2p_verdict
 
 NETWORK_CLASS_PREFIX = "02"  # PCI class 02xxxx: Ethernet, InfiniBand, … controllers
@@ -255,6 +255,10 @@ def topology_text(host: str, hardware: dict, verdict: dict, nccl_env: dict | Non
         lines.append("")
         lines.append("NCCL environment (/etc/nccl.conf on the host):")
         lines.extend(f"  {line}" for line in describe_nccl_environment(nccl_env) or ["(nothing to set)"])
+        note = opt_in_note(verdict, nccl_env)
+        if note:
+            lines.append(f"  note: {note}")
+        lines.append(f"  ({PRECEDENCE})")
     return "\n".join(lines) + "\n"
 
 

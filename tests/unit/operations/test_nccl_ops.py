@@ -101,17 +101,19 @@ def commands_of(ops):
 def test_kpro6_host_and_container_files_disable_p2p_with_the_sev_snp_reason():
     want = nccl.desired(kpro6_spec(), kpro6_hardware(), rdma_devices=[])
     host_values = nccl_conf_values(want["host"])
-    assert host_values == {"NCCL_IB_DISABLE": "1", "NCCL_P2P_DISABLE": "1"}
-    assert "# P2P DMA is unsafe on this host: SEV-SNP is on" in want["host"]
+    # no NCCL_IB_DISABLE: without RDMA devices NCCL uses sockets by itself
+    assert host_values == {"NCCL_P2P_DISABLE": "1", "NCCL_WIN_ENABLE": "0"}
+    assert "P2P DMA is unsafe on this host: SEV-SNP is on" in want["host"]
     assert set(want["containers"]) == {200}
-    assert nccl_conf_values(want["containers"][200]) == {"NCCL_IB_DISABLE": "1", "NCCL_P2P_DISABLE": "1"}
+    assert nccl_conf_values(want["containers"][200]) == {"NCCL_P2P_DISABLE": "1", "NCCL_WIN_ENABLE": "0"}
     assert "(container 200)" in want["containers"][200]
     dry = nccl.describe(want)
-    assert any(line.startswith("NCCL (host): NCCL_P2P_DISABLE=1  — P2P DMA is unsafe") for line in dry)
-    assert any(line.startswith("NCCL (CT 200): NCCL_IB_DISABLE=1") for line in dry)
+    assert any(line.startswith("NCCL (host): NCCL_P2P_DISABLE=1  — ") and "P2P DMA is unsafe" in line for line in dry)
+    assert any(line.startswith("NCCL (CT 200): NCCL_WIN_ENABLE=0") for line in dry)
+    assert any("restarted" in line for line in dry)
 
 
-def test_rdma_devices_keep_ib_and_services_get_the_host_variables_as_environment():
+def test_services_get_the_host_variables_as_environment():
     spec = kpro6_spec(services=["vllm", "ray-head.service"], overrides={"NCCL_DEBUG": "WARN"})
     want = nccl.desired(spec, kpro6_hardware(), rdma_devices=["mlx5_0"])
     assert "NCCL_IB_DISABLE" not in nccl_conf_values(want["host"])
@@ -120,7 +122,8 @@ def test_rdma_devices_keep_ib_and_services_get_the_host_variables_as_environment
     unit, text = want["dropins"]["/etc/systemd/system/vllm.service.d/pvegpu-nccl.conf"]
     assert unit == "vllm.service"
     env_lines = [line for line in text.splitlines() if line.startswith("Environment=")]
-    assert env_lines == ['Environment="NCCL_DEBUG=WARN"', 'Environment="NCCL_P2P_DISABLE=1"']
+    assert env_lines == ['Environment="NCCL_DEBUG=WARN"', 'Environment="NCCL_P2P_DISABLE=1"',
+                         'Environment="NCCL_WIN_ENABLE=0"']
     assert "# [override] set by the spec's NCCL overrides" in text
 
 
