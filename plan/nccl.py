@@ -228,26 +228,35 @@ NCCL_RULES: list[NcclRule] = [
 ]
 
 
-def check_overrides(overrides: dict | None, where: str) -> dict[str, str]:
-    """Overrides as ``{NCCL_NAME: "value"}``; refuses what NCCL would not read as written.
+def override_problem(name: str, value: str) -> str | None:
+    """Why NCCL would not read ``name=value`` as written, or None (also the spec's check).
 
     NCCL reads nccl.conf lines verbatim (src/misc/param.cc setEnvFile: the name up to the first
     ``=``, the rest as the value, quotes and spaces included, cut at 1023 characters) and
     compares level names case-sensitively (paths.cc ncclGetLevel)."""
+    if not NCCL_VARIABLE.match(str(name)):
+        return f"{name!r} is not an NCCL variable (NCCL_ and capitals, digits, _)"
+    if "\n" in value or "\r" in value:
+        return f"the value of {name} spans several lines; nccl.conf takes one line"
+    if value != value.strip() or (len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'"):
+        return (f"the value of {name} is {value!r}: NCCL takes nccl.conf values verbatim, so surrounding "
+                "spaces or quotes become part of it; write it bare")
+    if name in ("NCCL_P2P_LEVEL", "NCCL_SHM_LEVEL", "NCCL_NET_GDR_LEVEL") and nccl_level_value(value) is None:
+        hint = f" (NCCL compares names case-sensitively: {value.upper()})" if value.upper() in NCCL_P2P_LEVELS else ""
+        return (f"{name}={value!r} is no level NCCL knows, so it would ignore it{hint}; "
+                f"use one of {', '.join(NCCL_P2P_LEVELS)} or 0-5")
+    return None
+
+
+def check_overrides(overrides: dict | None, where: str) -> dict[str, str]:
+    """Overrides as ``{NCCL_NAME: "value"}``; refuses what NCCL would not read as written
+    (`override_problem`)."""
     checked: dict[str, str] = {}
     for name, value in (overrides or {}).items():
-        if not NCCL_VARIABLE.match(str(name)):
-            raise ValueError(f"{where}: {name!r} is not an NCCL variable (NCCL_ and capitals, digits, _)")
         text = str(value)
-        if "\n" in text or "\r" in text:
-            raise ValueError(f"{where}: the value of {name} spans several lines; nccl.conf takes one line")
-        if text != text.strip() or (len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'"):
-            raise ValueError(f"{where}: the value of {name} is {text!r}: NCCL takes nccl.conf values verbatim, "
-                             "so surrounding spaces or quotes become part of it; write it bare")
-        if name in ("NCCL_P2P_LEVEL", "NCCL_SHM_LEVEL", "NCCL_NET_GDR_LEVEL") and nccl_level_value(text) is None:
-            hint = f" (NCCL compares names case-sensitively: {text.upper()})" if text.upper() in NCCL_P2P_LEVELS else ""
-            raise ValueError(f"{where}: {name}={text!r} is no level NCCL knows, so it would ignore it{hint}; "
-                             f"use one of {', '.join(NCCL_P2P_LEVELS)} or 0-5")
+        problem = override_problem(str(name), text)
+        if problem:
+            raise ValueError(f"{where}: {problem}")
         checked[name] = text
     return checked
 

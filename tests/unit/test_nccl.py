@@ -314,3 +314,15 @@ def test_host_file_ignores_pairs_with_gpus_passed_to_vms():
     assert nccl_plan(verdict, rdma_devices=[])["host"] == {}
 
 
+
+
+@pytest.mark.parametrize("value, message", [
+    ("phb", "case-sensitively: PHB"),
+    ('"PHB"', "verbatim"),
+])
+def test_spec_refuses_levels_nccl_would_ignore_before_any_connection(value, message):
+    from spec.load import SpecError, validate_spec
+
+    with pytest.raises(SpecError, match=message) as error:
+        validate_spec({"hosts": {"h": {"containers": {201: {"nccl": {"NCCL_P2P_LEVEL": value}}}}}}, "x.yml")
+    assert "x.yml" in str(error.value) and "host h" in str(error.value) and "containers[201].nccl" in str(error.value)
