@@ -512,3 +512,36 @@ def opt_in_note(verdict: dict, env: dict[str, dict]) -> str | None:
             f"({', '.join(sorted({p['level'] for p in far}))}), where NCCL 2.23+ keeps P2P off by default "
             "(beyond PXB; on AMD hosts with at most 2 GPUs it allows SYS): NCCL_P2P_LEVEL=SYS in nccl.overrides "
             "is an opt-in to measure")
+
+
+# What one SHM connection maps in /dev/shm (src/transport/shm.cc shmSendSetup/shmRecvSetup: one
+# buffer per protocol; src/init.cc defaults: LL 8 lines x 512 threads x 8 steps x 16 bytes, LL128
+# 120 x 640 x 8 x 8 bytes, Simple 4 MiB) - about 9.2 MiB, charged to the container's memory.
+NCCL_SHM_CONNECTION_BYTES = 8 * 512 * 8 * 16 + 120 * 640 * 8 * 8 + (1 << 22)
+# A floor, not an estimate: one ring over the GPUs (one connection per edge) on 2 channels.
+NCCL_SHM_FLOOR_CHANNELS = 2
+
+
+def shm_floor_bytes(gpus: int) -> int:
+    """The least /dev/shm NCCL's SHM transport takes for one job over `gpus` GPUs without P2P."""
+    return gpus * NCCL_SHM_FLOOR_CHANNELS * NCCL_SHM_CONNECTION_BYTES if gpus >= 2 else 0
+
+
+def shm_problem(where: str, df_lines: list[str], gpus: int) -> str | None:
+    """A sentence when `df -Pk /dev/shm` output (inside a container) shows no /dev/shm mount or
+    one smaller than `shm_floor_bytes`; None when it holds what NCCL needs."""
+    need = shm_floor_bytes(gpus)
+    if not need:
+        return None
+    rows = [line.split() for line in df_lines[1:] if line.strip()]
+    row = next((r for r in rows if len(r) >= 6 and r[5] == "/dev/shm"), None)
+    mib = need / (1 << 20)
+    if row is None:
+        return (f"{where} has no /dev/shm mount: NCCL's SHM transport (its path between GPUs without P2P) "
+                f"needs at least {mib:.0f} MiB there for {gpus} GPUs and fails its init without it")
+    size = int(row[1]) * 1024 if row[1].isdigit() else 0
+    if size < need:
+        return (f"{where}'s /dev/shm holds {size / (1 << 20):.0f} MiB; NCCL's SHM transport needs at least "
+                f"{mib:.0f} MiB for {gpus} GPUs ({NCCL_SHM_CONNECTION_BYTES / (1 << 20):.1f} MiB per connection, "
+                f"one ring on {NCCL_SHM_FLOOR_CHANNELS} channels)")
+    return None

@@ -326,3 +326,16 @@ def test_spec_refuses_levels_nccl_would_ignore_before_any_connection(value, mess
     with pytest.raises(SpecError, match=message) as error:
         validate_spec({"hosts": {"h": {"containers": {201: {"nccl": {"NCCL_P2P_LEVEL": value}}}}}}, "x.yml")
     assert "x.yml" in str(error.value) and "host h" in str(error.value) and "containers[201].nccl" in str(error.value)
+
+
+def test_shm_floor_follows_nccls_buffer_sizes_and_checks_a_containers_dev_shm():
+    from plan.nccl import NCCL_SHM_CONNECTION_BYTES, shm_floor_bytes, shm_problem
+
+    assert NCCL_SHM_CONNECTION_BYTES == 9633792  # LL 512 KiB + LL128 4.69 MiB + Simple 4 MiB
+    assert shm_floor_bytes(1) == 0 and shm_floor_bytes(4) == 4 * 2 * 9633792
+    header = "Filesystem 1024-blocks Used Available Capacity Mounted on"
+    small = [header, "shm 65536 0 65536 0% /dev/shm"]  # Docker's default 64 MiB
+    assert "holds 64 MiB; NCCL's SHM transport needs at least 74 MiB for 4 GPUs" in shm_problem("CT 200", small, 4)
+    assert shm_problem("CT 200", small, 2) is None
+    assert "has no /dev/shm mount" in shm_problem("CT 200", [header, "/dev/sda1 100 1 99 1% /"], 2)
+    assert shm_problem("CT 200", [header, "tmpfs 65536000 0 65536000 0% /dev/shm"], 8) is None
