@@ -126,7 +126,12 @@ def container_nccl_conf(ctid: int, content: str, state: dict, mode: str = NCCL_C
 
 # ---------------------------------------------------------------- plan → operations
 
-def desired(spec, hardware: dict, rdma_devices: list[str]) -> dict:
+def oldest(versions: list[str] | None) -> str | None:
+    """The oldest NCCL found (its default level decides), None when none says its version."""
+    return versions[0] if versions else None
+
+
+def desired(spec, hardware: dict, rdma_devices: list[str], state: dict | None = None) -> dict:
     """What the stage should write, from facts and spec.
 
     .. code:: python
@@ -140,8 +145,13 @@ def desired(spec, hardware: dict, rdma_devices: list[str]) -> dict:
     topology_nics = (hardware.get("topology") or {}).get("nics")
     # NCCL's default level depends on the CPU vendor (paths.cc: SYS on AMD with at most 2 GPUs)
     cpu_vendor = (hardware.get("cpu") or {}).get("vendor")
-    plan = nccl_plan_for_spec(verdict, spec, rdma_devices=rdma_devices, topology_nics=topology_nics,
-                              cpu_vendor=cpu_vendor)
+    # NCCL's default level also depends on its version: the libraries the NcclState fact found
+    state = state or {}
+    plan = nccl_plan_for_spec(
+        verdict, spec, rdma_devices=rdma_devices, topology_nics=topology_nics, cpu_vendor=cpu_vendor,
+        nccl_version=oldest(state.get("nccl_versions")),
+        container_versions={str(ctid): oldest(ct.get("nccl_versions"))
+                            for ctid, ct in (state.get("containers") or {}).items()})
     dropins = {}
     for service in spec.nccl.services:
         unit = unit_name(service)
@@ -234,7 +244,7 @@ def apply(spec) -> None:
     hardware = hardware_facts(spec)
     ctids, paths = stage_targets(spec)
     state = nccl_state(paths, ctids)
-    want = desired(spec, hardware, state["rdma_devices"])
+    want = desired(spec, hardware, state["rdma_devices"], state)
     for line in describe(want):
         (logger.warning if "WARNING:" in line else logger.info)(f"{host.name}: {line}")
     for op, kwargs in stage_operations(want, state):

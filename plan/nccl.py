@@ -394,6 +394,7 @@ def nccl_plan(
     host_gpus: list[str] | None = None,
     nccl_version: str | None = None,
     cpu_vendor: str | None = None,
+    container_versions: dict[str, str | None] | None = None,
 ) -> dict:
     """NCCL variables for the host and for each GPU container.
 
@@ -415,7 +416,7 @@ def nccl_plan(
             topology_nics=topology_nics,
             nccl=nccl,
             container=str(ctid),
-            nccl_version=nccl_version,
+            nccl_version=(container_versions or {}).get(str(ctid)),
             cpu_vendor=cpu_vendor,
         )
         for ctid, gpus in sorted((containers or {}).items())
@@ -426,6 +427,7 @@ def nccl_plan(
 def nccl_plan_for_spec(
     verdict: dict, spec, *, rdma_devices: list[str] | None = None, topology_nics: dict | None = None,
     nccl_version: str | None = None, cpu_vendor: str | None = None,
+    container_versions: dict[str, str | None] | None = None,
 ) -> dict:
     """`nccl_plan` for a validated HostSpec: its ``nccl`` section and each container's GPUs and
     ``nccl`` overrides (containers without GPUs get no NCCL file)."""
@@ -438,7 +440,7 @@ def nccl_plan_for_spec(
     host_gpus = [bdf for bdf, gpu in spec.gpus.items() if gpu.driver == "nvidia"] if spec.gpus else None
     return nccl_plan(verdict, containers=containers, rdma_devices=rdma_devices,
                      topology_nics=topology_nics, nccl=nccl, host_gpus=host_gpus,
-                     nccl_version=nccl_version, cpu_vendor=cpu_vendor)
+                     nccl_version=nccl_version, cpu_vendor=cpu_vendor, container_versions=container_versions)
 
 
 def conf_comment(text: str) -> str:

@@ -33,7 +33,7 @@ def planned(target) -> tuple[dict, dict]:
         found = nccl.NcclState().process(
             _lines(target, nccl.NcclState().command(paths, running_containers(guests, ctids))))
         state = with_ct_status(found, guests)
-        _PLANS[target.name] = (nccl.desired(spec, hardware, state["rdma_devices"]), state)
+        _PLANS[target.name] = (nccl.desired(spec, hardware, state["rdma_devices"], state), state)
     return _PLANS[target.name]
 
 

@@ -339,3 +339,13 @@ def test_shm_floor_follows_nccls_buffer_sizes_and_checks_a_containers_dev_shm():
     assert shm_problem("CT 200", small, 2) is None
     assert "has no /dev/shm mount" in shm_problem("CT 200", [header, "/dev/sda1 100 1 99 1% /"], 2)
     assert shm_problem("CT 200", [header, "tmpfs 65536000 0 65536000 0% /dev/shm"], 8) is None
+
+
+def test_plan_uses_each_scopes_nccl_version():
+    _, verdict = pcie_8x()
+    risky = with_hidden_risk(verdict, {"SYS"})
+    plan = nccl_plan(risky, containers={"200": ["GPU0", "GPU1", "GPU2", "GPU3", "GPU4"]},
+                     nccl_version="2.22.3", cpu_vendor="intel", container_versions={"200": "2.26.5"})
+    assert plan["host"]["NCCL_P2P_LEVEL"]["value"] == "PHB"  # 2.22 goes to SYS by itself
+    assert "NCCL_P2P_LEVEL" not in plan["containers"]["200"]  # 2.26 stops at PXB by itself
+    assert plan["containers"]["200"]["NCCL_WIN_ENABLE"]["value"] == "0"

@@ -352,3 +352,17 @@ def test_container_file_goes_through_pct_exec_into_the_containers_own_root(tmp_p
     again, _ = read_in_shell(env, nccl.nccl_state, paths, [200])
     assert run_op(nccl.container_nccl_conf, ctid=200, content=content, state=again, facts=NO_BUILDS) == (
         [], "CT 200: /etc/nccl.conf is up to date")
+
+
+def test_nccl_versions_found_on_host_and_in_containers_set_nccls_default_level():
+    """The NCCL library's version decides NCCL's own default level (paths.cc: PXB from 2.23)."""
+    from facts.nccl import nccl_version_of
+
+    lines = ["@@ root", "64:2", "@@ libnccl", "libnccl /usr/lib/x86_64-linux-gnu/libnccl.so.2.26.5",
+             "libnccl /usr/local/lib/python3.11/dist-packages/nvidia_nccl_cu12-2.21.5.dist-info",
+             "@@ ct 200", "65:34", "MISSING", "libnccl /usr/lib/x86_64-linux-gnu/libnccl.so.2.27.7"]
+    state = nccl.NcclState().process(lines)
+    assert state["nccl_versions"] == ["2.21.5", "2.26.5"] and nccl.oldest(state["nccl_versions"]) == "2.21.5"
+    assert state["containers"][200]["nccl_versions"] == ["2.27.7"]
+    assert state["containers"][200]["readable"] is True and state["containers"][200]["file"] is None
+    assert nccl_version_of("/usr/lib/x86_64-linux-gnu/libnccl.so.2") is None
