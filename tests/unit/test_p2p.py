@@ -372,3 +372,29 @@ def test_kpro6_twin_hardware_read_by_the_real_probe_gives_the_kpro6_verdict(tmp_
         assert not pair["possible"] and not pair["safe"]
         assert pair["reason_kinds"][0] == "root_complex" and "sev_snp" in pair["reason_kinds"]
     assert verdict["summary"].startswith("P2P is impossible for all 28 GPU pairs.")
+
+
+def test_real_recorded_acs_control_on_a_port_of_the_path_names_it():
+    """The ACSCtl line recorded on a Matisse downstream port (tests/fixtures/lspci, SrcValid+
+    ReqRedir+ CmpltRedir+ UpstreamFwd+, what the kernel enables with the IOMMU on) on the path of
+    a GPU pair; the ESC8000A's recorded 'all off' on every port leaves the pair usable."""
+    from facts.pci import parse_acs
+
+    port = "0000:03:02.0"
+    recorded = parse_acs(["bridge 0000:03:02.0"] + fixture_lines(
+        "lspci/amd-matisse-switch-downstream-port-acs-enabled-lspci-vvv.txt"))
+    assert recorded[port]["status"] == "enabled"
+    pci = switch_pci()
+    pci = {bdf.replace("0000:42:01.0", port): {**dev, "bridges": [b.replace("0000:42:01.0", port) for b in dev["bridges"]]}
+           for bdf, dev in pci.items()}
+    off_line = next(line for line in fixture_lines("lspci/4x-rtx6000ada-asus-esc8000a-e12-acsctl-all-off.txt")
+                    if "ACSCtl" in line)
+    all_off = parse_acs(["0000:00:00.0 0604: 1022:14ab", off_line])["0000:00:00.0"]
+    acs_facts = {bdf: all_off for bdf, dev in pci.items() if dev["class"] == "060400"}
+    (usable,) = p2p_verdict(pci=pci, acs=acs_facts, iommu={"enabled": False, "groups": {}})["pairs"]
+    assert usable["status"] == "usable"
+    (pair,) = p2p_verdict(pci=pci, acs={**acs_facts, port: recorded[port]},
+                          iommu={"enabled": False, "groups": {}})["pairs"]
+    assert pair["status"] == "unsafe" and pair["reason_kinds"] == ["acs"]
+    assert f"ACS on switch port {port}" in pair["reasons"][0]
+    assert "(SrcValid+ ReqRedir+ CmpltRedir+ UpstreamFwd+)" in pair["reasons"][0]
