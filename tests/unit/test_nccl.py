@@ -349,3 +349,23 @@ def test_plan_uses_each_scopes_nccl_version():
     assert plan["host"]["NCCL_P2P_LEVEL"]["value"] == "PHB"  # 2.22 goes to SYS by itself
     assert "NCCL_P2P_LEVEL" not in plan["containers"]["200"]  # 2.26 stops at PXB by itself
     assert plan["containers"]["200"]["NCCL_WIN_ENABLE"]["value"] == "0"
+
+
+def test_report_names_the_sys_opt_in_where_p2p_is_safe_across_root_complexes():
+    from plan.nccl import opt_in_note
+    from plan.topology_report import topology_text
+    from tests.unit.test_p2p import kpro6_iommu, kpro6_nvidia_gpus, kpro6_pci, kpro6_topology
+
+    facts = dict(pci=kpro6_pci(), nvidia_gpus=kpro6_nvidia_gpus(), topology=kpro6_topology(),
+                 iommu=kpro6_iommu("identity"), sev_snp=False, p2p_read=all_codes("OK"), p2p_write=all_codes("OK"))
+    verdict = p2p_verdict(**facts)
+    env = nccl_environment(verdict)
+    assert env == {}
+    note = opt_in_note(verdict, env)
+    assert note.startswith("28 of 28 GPU pairs have safe P2P through the CPU (NODE, SYS)")
+    assert "NCCL_P2P_LEVEL=SYS in nccl.overrides is an opt-in to measure" in note
+    hardware = {"pci_devices": facts["pci"], "nvidia_gpus": facts["nvidia_gpus"], "topology": facts["topology"],
+                "iommu": facts["iommu"], "sev_snp": {"snp": False, "enabled": False}, "pci_acs": {},
+                "p2p_read": facts["p2p_read"], "p2p_write": facts["p2p_write"]}
+    text = topology_text("box", hardware, verdict, env)
+    assert "note: 28 of 28 GPU pairs have safe P2P" in text and "restarted" in text
