@@ -369,3 +369,12 @@ def test_report_names_the_sys_opt_in_where_p2p_is_safe_across_root_complexes():
                 "p2p_read": facts["p2p_read"], "p2p_write": facts["p2p_write"]}
     text = topology_text("box", hardware, verdict, env)
     assert "note: 28 of 28 GPU pairs have safe P2P" in text and "restarted" in text
+
+
+def test_plan_summary_says_nccl_values_need_a_restart():
+    from plan.summary import spec_summary
+    from spec.load import validate_spec
+
+    spec = validate_spec({"hosts": {"h": {"nccl": {"services": ["vllm"]}}}}, "x.yml")["h"]
+    line = next(line for line in spec_summary("h", spec) if "NCCL" in line)
+    assert "drop-ins for vllm" in line and "until restarted" in line
