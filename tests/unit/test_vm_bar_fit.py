@@ -89,3 +89,17 @@ def test_kpro6_twin_vm_300_carries_what_its_four_gpus_need():
     assert gpu_mmio64_need(FOUR, pci) == 1024 * GIB
     assert config["options"]["bios"] == "ovmf" and config["options"]["cpu"] == "host"
     assert plan_bar_fit(300, FOUR, config, pci, host_bits) == ({}, [], [])
+
+
+def test_preflight_refuses_a_vm_whose_bars_no_width_can_map_before_anything_changes():
+    from operations.guests import bar_fit_refusals
+    from spec.load import validate_spec
+
+    spec = validate_spec({"hosts": {"h": {"gpus": {bdf: "vm:300" for bdf in FOUR},
+                                          "vms": {300: {"gpus": FOUR}}}}}, "x.yml")["h"]
+    facts = {"hw": {"pci_devices": big_gpus(), "cpu": {"phys_bits": 42}},
+             "cfg": {"qemu_configs": {300: vm("kvm64")}}}
+    (refusal,) = bar_fit_refusals(spec, facts)
+    assert refusal.startswith("VM 300: its 4 GPUs' BARs need 1024 GiB of 64-bit MMIO")
+    facts["hw"]["cpu"]["phys_bits"] = 52  # the converge can fix it: nothing to refuse
+    assert bar_fit_refusals(spec, facts) == []
