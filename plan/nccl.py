@@ -481,7 +481,12 @@ def _compiled(text: str):
 
 def render_nccl_conf(env: dict[str, dict], scope: str = "host") -> str:
     """/etc/nccl.conf for one scope, rendered as pyinfra's files.template renders templates/nccl.conf.j2."""
-    return _compiled(TEMPLATE.read_text()).render(nccl_lines=nccl_conf_lines(env), nccl_scope=scope)
+    text = _compiled(TEMPLATE.read_text()).render(nccl_lines=nccl_conf_lines(env), nccl_scope=scope)
+    # NCCL < 2.26 reads a '#' line with an '=' as a variable (param.cc setEnvFile): never write one
+    bad = [line for line in text.splitlines() if line.startswith("#") and "=" in line]
+    if bad:
+        raise ValueError(f"pvegpu: an nccl.conf comment would be read as a variable by NCCL < 2.26: {bad[0]!r}")
+    return text
 
 
 # Where the values take effect, said wherever they are listed (--dry, the report, the summary).
