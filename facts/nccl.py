@@ -35,6 +35,16 @@ def nccl_version_of(path: str) -> str | None:
     return match.group(1) if match else None
 
 
+def _dropin_units(paths: list[str]) -> list[str]:
+    """The units whose pvegpu drop-in is among `paths` (``/etc/systemd/system/<unit>.d/…``)."""
+    units = []
+    for path in paths:
+        match = re.fullmatch(rf"{re.escape(SYSTEMD_DIR)}/([^/]+)\.d/{re.escape(DROPIN_NAME)}", path)
+        if match:
+            units.append(match.group(1))
+    return units
+
+
 def _versions(lines: list[str]) -> list[str]:
     found = {nccl_version_of(line.split(" ", 1)[1].strip()) for line in lines if line.startswith("libnccl ")}
     return sorted((v for v in found if v), key=lambda v: tuple(int(x) for x in v.split(".")))
@@ -71,6 +81,8 @@ def parse_nccl_state(lines: list[str]) -> dict:
         "dropins": sorted(v.strip() for v in sections.get("dropins", []) if v.strip()),
         "host_root": root[0] if root else None,
         "nccl_versions": _versions(sections.get("libnccl", [])),
+        "exec_start": {key[len("unit "):]: [v.strip() for v in body if v.strip().startswith("ExecStart=")]
+                       for key, body in sections.items() if key.startswith("unit ")},
         "containers": containers,
     }
 
@@ -90,6 +102,7 @@ class NcclState(FactBase):
          "dropins": ["/etc/systemd/system/vllm.service.d/pvegpu-nccl.conf"],   # all pvegpu drop-ins present
          "host_root": "64:5472336",             # device:inode of the host's /
          "nccl_versions": ["2.26.5"],           # NCCL libraries found (LIBNCCL_GLOBS), oldest first
+         "exec_start": {"vllm.service": ["ExecStart=/opt/vllm/bin/vllm serve … --tensor-parallel-size 2"]},
          "containers": {200: {"root": "65:34", "readable": True, "nccl_versions": [],
                               "file": {"mode": "644", "sha256": "…"} | None}}}   # the CTs asked
     """
@@ -105,6 +118,9 @@ class NcclState(FactBase):
             f"echo '{SECTION}root'; stat -c %d:%i /",
             f"echo '{SECTION}libnccl'; {_LIBNCCL_LIST}",
         ]
+        # each drop-in's service: its ExecStart= lines (what it runs: vLLM/SGLang custom allreduce)
+        parts += [f"echo '{SECTION}unit {unit}'; systemctl cat -- {shlex.quote(unit)} 2>/dev/null | grep '^ExecStart='"
+                  for unit in _dropin_units(paths)]
         if ids:
             parts.append(f"for id in {ids}; do echo \"{SECTION}ct $id\"; pct exec \"$id\" -- sh -c {probe} 2>&1; done")
         return "; ".join(parts) + "; true"

@@ -36,7 +36,14 @@ from facts.nccl import DROPIN_NAME, NCCL_CONF, SYSTEMD_DIR, NcclState
 from facts.once import fact_once
 from operations import handlers
 from operations.files import absent_file, file_current, managed_file, write_file_command
-from plan.nccl import PRECEDENCE, describe_nccl_environment, nccl_conf_lines, nccl_plan_for_spec, render_nccl_conf
+from plan.nccl import (
+    PRECEDENCE,
+    custom_allreduce_warnings,
+    describe_nccl_environment,
+    nccl_conf_lines,
+    nccl_plan_for_spec,
+    render_nccl_conf,
+)
 from plan.render import render_template
 from plan.topology_report import verdict_from_hardware
 from spec.values import systemd_unit
@@ -158,6 +165,7 @@ def desired(spec, hardware: dict, rdma_devices: list[str], state: dict | None = 
         dropins[dropin_path(unit)] = (unit, render_dropin(unit, plan["host"]))
     return {
         "plan": plan,
+        "service_warnings": custom_allreduce_warnings(plan["host"], state.get("exec_start") or {}),
         "host": render_nccl_conf(plan["host"], "host"),
         "containers": {int(ctid): render_nccl_conf(env, f"container {ctid}") for ctid, env in plan["containers"].items()},
         "dropins": dropins,
@@ -205,6 +213,7 @@ def describe(want: dict) -> list[str]:
         if not env:
             lines.append(f"NCCL ({scope}): no variables (profile none, no overrides)")
         lines += [f"NCCL ({scope}): {line}" for line in describe_nccl_environment(env)]
+    lines += [f"NCCL: WARNING: {warning}" for warning in want.get("service_warnings") or []]
     lines.append(f"NCCL: {PRECEDENCE}")
     return lines
 

@@ -552,3 +552,20 @@ def shm_problem(where: str, df_lines: list[str], gpus: int) -> str | None:
                 f"{mib:.0f} MiB for {gpus} GPUs ({NCCL_SHM_CONNECTION_BYTES / (1 << 20):.1f} MiB per connection, "
                 f"one ring on {NCCL_SHM_FLOOR_CHANNELS} channels)")
     return None
+
+
+def custom_allreduce_warnings(env: dict[str, dict], exec_start: dict[str, list[str]]) -> list[str]:
+    """Services of the spec that run vLLM or SGLang with their custom allreduce on while the
+    rules stop P2P DMA: that path reads no NCCL variable (`OTHER_P2P_PATHS`); their own switch is
+    --disable-custom-all-reduce (vLLM engine argument, SGLang server argument)."""
+    stop = any(entry["source"] == "rule" and entry.get("remains") for entry in env.values())
+    if not stop:
+        return []
+    out = []
+    for unit, lines in sorted(exec_start.items()):
+        text = " ".join(lines)
+        program = "vLLM" if "vllm" in text.lower() else "SGLang" if "sglang" in text.lower() else None
+        if program and "--disable-custom-all-reduce" not in text:
+            out.append(f"{unit} runs {program} with its custom allreduce on: its GPU-to-GPU DMA ignores the NCCL "
+                       "variables; add --disable-custom-all-reduce to its ExecStart")
+    return out

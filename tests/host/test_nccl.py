@@ -146,3 +146,11 @@ def test_where_p2p_dma_is_stopped_the_remaining_paths_are_said(target):
         if not p2p.get("remains"):
             problems.append(f"{scope}: NCCL_P2P_DISABLE=1 does not say which GPU-to-GPU paths remain")
     assert not problems, f"{target.name}: " + "; ".join(problems)
+
+
+def test_no_service_of_the_spec_bypasses_a_p2p_stop(target):
+    """Where the rules stop P2P DMA, a service that runs vLLM/SGLang with their custom allreduce
+    on still does it (that path reads no NCCL variable)."""
+    want, _ = planned(target)
+    warnings = want.get("service_warnings") or []
+    assert not warnings, f"{target.name}: " + "; ".join(warnings)

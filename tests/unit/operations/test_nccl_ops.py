@@ -366,3 +366,20 @@ def test_nccl_versions_found_on_host_and_in_containers_set_nccls_default_level()
     assert state["containers"][200]["nccl_versions"] == ["2.27.7"]
     assert state["containers"][200]["readable"] is True and state["containers"][200]["file"] is None
     assert nccl_version_of("/usr/lib/x86_64-linux-gnu/libnccl.so.2") is None
+
+
+def test_services_running_vllm_with_custom_allreduce_are_warned_where_p2p_stops():
+    lines = ["@@ root", "64:2", "@@ unit vllm.service",
+             "ExecStart=/opt/vllm/bin/vllm serve /models/m --tensor-parallel-size 2",
+             "@@ unit sglang.service",
+             "ExecStart=/usr/bin/python3 -m sglang.launch_server --tp 2 --disable-custom-all-reduce"]
+    state = nccl.NcclState().process(lines)
+    assert set(state["exec_start"]) == {"vllm.service", "sglang.service"}
+    spec = kpro6_spec(services=["vllm", "sglang"])
+    want = nccl.desired(spec, kpro6_hardware(), rdma_devices=[], state=state)
+    assert want["service_warnings"] == [
+        "vllm.service runs vLLM with its custom allreduce on: its GPU-to-GPU DMA ignores the NCCL variables; "
+        "add --disable-custom-all-reduce to its ExecStart"]
+    assert any(line.startswith("NCCL: WARNING: vllm.service runs vLLM") for line in nccl.describe(want))
+    command = nccl.NcclState().command([nccl.dropin_path("vllm.service")], [])
+    assert "systemctl cat -- vllm.service" in command
