@@ -371,7 +371,9 @@ def gpu_mmio64_need(bdfs: list[str], pci_devices: dict[str, dict]) -> int:
     as a bridge window is (edk2 PciBusDxe), then the windows of all GPUs together."""
     total = 0
     for bdf in bdfs:
-        bars = [size for index, size in ((pci_devices.get(bdf) or {}).get("bars") or {}).items() if int(index) >= 1]
+        # BAR5 of these GPUs is an I/O BAR (128 bytes): port space, not MMIO; memory BARs are >= 4 KiB here
+        bars = [size for index, size in ((pci_devices.get(bdf) or {}).get("bars") or {}).items()
+                if int(index) >= 1 and size >= 4096]
         if bars:
             largest = _pow2_at_least(max(bars))
             total += -(-sum(bars) // largest) * largest

@@ -103,3 +103,8 @@ def test_preflight_refuses_a_vm_whose_bars_no_width_can_map_before_anything_chan
     assert refusal.startswith("VM 300: its 4 GPUs' BARs need 1024 GiB of 64-bit MMIO")
     facts["hw"]["cpu"]["phys_bits"] = 52  # the converge can fix it: nothing to refuse
     assert bar_fit_refusals(spec, facts) == []
+
+
+def test_io_bars_take_no_mmio():
+    with_io = {bdf: {"bars": {0: 64 << 20, 1: 16 * GIB, 3: 32 << 20, 5: 128}} for bdf in FOUR[:1]}
+    assert gpu_mmio64_need(FOUR[:1], with_io) == 32 * GIB  # 16 GiB + 32 MiB, aligned to 16 GiB
