@@ -129,13 +129,6 @@ def safe_p2p_cutoff(pairs: list[dict]) -> str | None:
     return NCCL_P2P_LEVELS[max(below)] if below else None
 
 
-def farthest_level(pairs: list[dict]) -> str | None:
-    """The farthest NCCL path type between any two of the GPUs (the real topology's limit)."""
-    levels = [nccl_level(p["level"]) for p in pairs]
-    known = [lvl for lvl in levels if lvl]
-    return max(known, key=NCCL_P2P_LEVELS.index) if known else None
-
-
 @dataclass(frozen=True)
 class NcclRule:
     """One row of the rule table: when ``applies(scope)`` returns a reason, set ``variable``."""
