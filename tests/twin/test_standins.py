@@ -463,3 +463,17 @@ def test_live_proxmoxer_over_ssh(twin_factory):
     px.nodes("kpro6").qemu(300).config.put(hostpci0="mapping=gpu0,pcie=1")
     assert px.nodes("kpro6").qemu(300).status.start.post().startswith("UPID:kpro6:")
     assert px.nodes("kpro6").qemu(300).status.current.get()["status"] == "running"
+
+
+def test_qm_set_cpu_follows_qemu_servers_schema_of_the_installed_version(root):
+    """qemu-server CPUConfig.pm: phys-bits 8-64 or host (PVE 8 and 9), guest-phys-bits only from
+    PVE 9, VM-specific flags from its short list; the kpro6 twin runs qemu-server 8.3."""
+    conf = root / "etc/pve/qemu-server/300.conf"
+    run(root, "qm", "set", "300", "--cpu", "kvm64,phys-bits=43,flags=+pdpe1gb", check=True)
+    assert "cpu: kvm64,phys-bits=43,flags=+pdpe1gb" in conf.read_text()
+    for bad, message in (("kvm64,phys-bits=70", "between 8 and 64 or 'host'"),
+                         ("host,guest-phys-bits=43", "'guest-phys-bits' is not defined"),
+                         ("kvm64,flags=+avx512f", "must be a subset of")):
+        r = run(root, "qm", "set", "300", "--cpu", bad)
+        assert r.returncode != 0 and message in r.stderr, r.stderr
+    assert "cpu: kvm64,phys-bits=43,flags=+pdpe1gb" in conf.read_text()

@@ -85,6 +85,33 @@ def upid(kind, action, vmid):
 
 # ---------------------------------------------------------------- config changes
 
+# qemu-server src/PVE/QemuServer/CPUConfig.pm: the VM `cpu` option's keys (PVE 8, stable-bookworm;
+# PVE 9 adds guest-phys-bits and level), the VM-specific flags it allows, parse_phys_bits.
+CPU_KEYS_8 = {"_", "cputype", "reported-model", "hidden", "hv-vendor-id", "flags", "phys-bits"}
+CPU_KEYS_9 = CPU_KEYS_8 | {"guest-phys-bits", "level"}
+CPU_VM_FLAGS = {"pcid", "spec-ctrl", "ibpb", "ssbd", "virt-ssbd", "amd-ssbd", "amd-no-ssb", "pdpe1gb",
+                "md-clear", "hv-tlbflush", "hv-evmcs", "aes"}
+
+
+def cpu_errors(value):
+    p = ts.prop_string(value)
+    version = ((ts.profile().get("pve") or {}).get("packages") or {}).get("qemu-server", "8")
+    keys = CPU_KEYS_9 if ts.version_key(version)[0] >= 9 else CPU_KEYS_8
+    errors = [f"cpu: invalid format - property '{k}' is not defined in schema" for k in p if k not in keys]
+    bits = p.get("phys-bits")
+    if bits is not None and not (bits == "host" or (re.fullmatch(r"\d{1,2}", bits) and 8 <= int(bits) <= 64)):
+        errors.append("cpu: invalid format - value must be an integer between 8 and 64 or 'host'")
+    guest = p.get("guest-phys-bits")
+    if guest is not None and not (guest.isdigit() and 32 <= int(guest) <= 64):
+        errors.append("cpu: invalid format - guest-phys-bits: value must have a minimum value of 32 and at most 64")
+    flags = p.get("flags")
+    if flags is not None and not all(re.fullmatch(r"[+-](.+)", f) and f[1:] in CPU_VM_FLAGS for f in flags.split(";")):
+        errors.append("cpu: VM-specific CPU flags must be a subset of: " + ", ".join(sorted(CPU_VM_FLAGS)))
+    if "reported-model" in p:
+        errors.append("cpu: Property 'reported-model' not allowed in VM-specific CPU config.")
+    return errors
+
+
 def verify_params(kind, opts):
     errors = []
     for k, v in opts:
@@ -99,6 +126,8 @@ def verify_params(kind, opts):
         elif kind == "qemu":
             if k.startswith("lxc.") or k.startswith("hookscript."):
                 errors.append(f"{k}: property is not defined in schema and the schema does not allow additional properties")
+            elif k == "cpu":
+                errors += cpu_errors(v)
             elif re.match(r"^hostpci\d+$", k):
                 p = ts.prop_string(v)
                 # follows qemu-server PVE/API2/Qemu.pm update_vm (check_hostpci_perm): for root only the

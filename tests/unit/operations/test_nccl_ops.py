@@ -102,17 +102,19 @@ def commands_of(ops):
 def test_kpro6_host_and_container_files_disable_p2p_with_the_sev_snp_reason():
     want = nccl.desired(kpro6_spec(), kpro6_hardware(), rdma_devices=[])
     host_values = nccl_conf_values(want["host"])
-    assert host_values == {"NCCL_IB_DISABLE": "1", "NCCL_P2P_DISABLE": "1"}
-    assert "# P2P DMA is unsafe on this host: SEV-SNP is on" in want["host"]
+    # no NCCL_IB_DISABLE: without RDMA devices NCCL uses sockets by itself
+    assert host_values == {"NCCL_P2P_DISABLE": "1", "NCCL_WIN_ENABLE": "0"}
+    assert "P2P DMA is unsafe on this host: SEV-SNP is on" in want["host"]
     assert set(want["containers"]) == {200}
-    assert nccl_conf_values(want["containers"][200]) == {"NCCL_IB_DISABLE": "1", "NCCL_P2P_DISABLE": "1"}
+    assert nccl_conf_values(want["containers"][200]) == {"NCCL_P2P_DISABLE": "1", "NCCL_WIN_ENABLE": "0"}
     assert "(container 200)" in want["containers"][200]
     dry = nccl.describe(want)
-    assert any(line.startswith("NCCL (host): NCCL_P2P_DISABLE=1  — P2P DMA is unsafe") for line in dry)
-    assert any(line.startswith("NCCL (CT 200): NCCL_IB_DISABLE=1") for line in dry)
+    assert any(line.startswith("NCCL (host): NCCL_P2P_DISABLE=1  — ") and "P2P DMA is unsafe" in line for line in dry)
+    assert any(line.startswith("NCCL (CT 200): NCCL_WIN_ENABLE=0") for line in dry)
+    assert any("restarted" in line for line in dry)
 
 
-def test_rdma_devices_keep_ib_and_services_get_the_host_variables_as_environment():
+def test_services_get_the_host_variables_as_environment():
     spec = kpro6_spec(services=["vllm", "ray-head.service"], overrides={"NCCL_DEBUG": "WARN"})
     want = nccl.desired(spec, kpro6_hardware(), rdma_devices=["mlx5_0"])
     assert "NCCL_IB_DISABLE" not in nccl_conf_values(want["host"])
@@ -121,7 +123,8 @@ def test_rdma_devices_keep_ib_and_services_get_the_host_variables_as_environment
     unit, text = want["dropins"]["/etc/systemd/system/vllm.service.d/pvegpu-nccl.conf"]
     assert unit == "vllm.service"
     env_lines = [line for line in text.splitlines() if line.startswith("Environment=")]
-    assert env_lines == ['Environment="NCCL_DEBUG=WARN"', 'Environment="NCCL_P2P_DISABLE=1"']
+    assert env_lines == ['Environment="NCCL_DEBUG=WARN"', 'Environment="NCCL_P2P_DISABLE=1"',
+                         'Environment="NCCL_WIN_ENABLE=0"']
     assert "# [override] set by the spec's NCCL overrides" in text
 
 
@@ -337,3 +340,34 @@ def test_container_file_goes_through_pct_exec_into_the_containers_own_root(tmp_p
         assert linked["containers"][200] == {**again["containers"][200], "file": None}
     finally:
         node.stop()
+
+
+def test_nccl_versions_found_on_host_and_in_containers_set_nccls_default_level():
+    """The NCCL library's version decides NCCL's own default level (paths.cc: PXB from 2.23)."""
+    from facts.nccl import nccl_version_of
+
+    lines = ["@@ root", "64:2", "@@ libnccl", "libnccl /usr/lib/x86_64-linux-gnu/libnccl.so.2.26.5",
+             "libnccl /usr/local/lib/python3.11/dist-packages/nvidia_nccl_cu12-2.21.5.dist-info",
+             "@@ ct 200", "65:34", "MISSING", "libnccl /usr/lib/x86_64-linux-gnu/libnccl.so.2.27.7"]
+    state = nccl.NcclState().process(lines)
+    assert state["nccl_versions"] == ["2.21.5", "2.26.5"] and nccl.oldest(state["nccl_versions"]) == "2.21.5"
+    assert state["containers"][200]["nccl_versions"] == ["2.27.7"]
+    assert state["containers"][200]["readable"] is True and state["containers"][200]["file"] is None
+    assert nccl_version_of("/usr/lib/x86_64-linux-gnu/libnccl.so.2") is None
+
+
+def test_services_running_vllm_with_custom_allreduce_are_warned_where_p2p_stops():
+    lines = ["@@ root", "64:2", "@@ unit vllm.service",
+             "ExecStart=/opt/vllm/bin/vllm serve /models/m --tensor-parallel-size 2",
+             "@@ unit sglang.service",
+             "ExecStart=/usr/bin/python3 -m sglang.launch_server --tp 2 --disable-custom-all-reduce"]
+    state = nccl.NcclState().process(lines)
+    assert set(state["exec_start"]) == {"vllm.service", "sglang.service"}
+    spec = kpro6_spec(services=["vllm", "sglang"])
+    want = nccl.desired(spec, kpro6_hardware(), rdma_devices=[], state=state)
+    assert want["service_warnings"] == [
+        "vllm.service runs vLLM with its custom allreduce on: its GPU-to-GPU DMA ignores the NCCL variables; "
+        "add --disable-custom-all-reduce to its ExecStart"]
+    assert any(line.startswith("NCCL: WARNING: vllm.service runs vLLM") for line in nccl.describe(want))
+    command = nccl.NcclState().command([nccl.dropin_path("vllm.service")], [])
+    assert "systemctl cat -- vllm.service" in command
