@@ -293,9 +293,14 @@ class GpuSpec(Strict):
 
 
 def _nccl_keys(v: dict) -> dict:
+    from plan.nccl import override_problem  # pure: NCCL's own reading of a value (levels, verbatim values)
+
     for k in v:
         if not NCCL_KEY_RE.match(k):
             raise ValueError(f"{k!r} is not an NCCL variable; NCCL keys are NCCL_* in upper case, like 'NCCL_P2P_DISABLE'")
+        problem = override_problem(k, str(v[k]))
+        if problem:
+            raise ValueError(problem)
     return v
 
 

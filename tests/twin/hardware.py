@@ -33,7 +33,9 @@ Profile shape (tests/twin/profiles/<name>.yml; every key below is used by render
             secondary_bus, link: {speed, width, max_speed, max_width},
             bars: [{index, start, size, flags}], rom: {start, size},
             iommu_group, driver, gpu: {name, uuid, serial, vbios, memory_mib, power_limit_w,
-            compute_cap}, nic: "mlx5_0"} ]
+            compute_cap}, nic: "mlx5_0", acs_cap: 0x5f, acs_ctl: 0x00} ]
+            (acs_cap: the bridge's ACS Capability bits, rendered into its sysfs `config`;
+            acs_ctl: its Control bits, default what the kernel enables with the IOMMU on)
     guests: {lxc: {vmid: "<pct.conf text>"}, qemu: {vmid: "<qm.conf text>"}}
 """
 from __future__ import annotations
@@ -44,6 +46,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import tempfile
 import time
@@ -62,7 +65,8 @@ TWIN_DIR = "var/lib/twin"
 STANDIN_PATHS = {
     "nvidia_smi.py": ["usr/local/bin/nvidia-smi"],
     "proxmox.py": ["usr/local/sbin/pct", "usr/local/sbin/qm", "usr/local/sbin/pvesh",
-                   "usr/local/bin/pveversion", "usr/local/sbin/ha-manager"],
+                   "usr/local/bin/pveversion", "usr/local/sbin/ha-manager",
+                   "usr/local/bin/lxc-ls", "usr/local/bin/lxc-info"],
     "boot.py": ["usr/local/sbin/proxmox-boot-tool", "usr/local/sbin/update-grub",
                 "usr/local/sbin/reboot", "usr/local/sbin/shutdown", "usr/local/bin/systemctl",
                 # the real names point at systemctl; absolute callers must reach the stand-in too
@@ -869,6 +873,29 @@ def _resource_lines(dev: dict, profile: dict) -> str:
     return "".join(f"0x{s:016x} 0x{e:016x} 0x{f:016x}\n" for s, e, f in rows)
 
 
+# ACS Control bits the kernel turns on where the port's ACS Capability has them: Source Validation,
+# P2P Request/Completion Redirect, Upstream Forwarding (drivers/pci/pci.c pci_std_enable_acs(),
+# run for every device once an IOMMU driver has called pci_request_acs(), i.e. with the IOMMU on).
+ACS_KERNEL_ENABLES = 0x01 | 0x04 | 0x08 | 0x10
+
+
+def _config_bytes(dev: dict, iommu_on: bool) -> bytes:
+    """The function's sysfs `config` as root reads it: 4096 bytes for a PCIe function (it has a
+    link), 256 for conventional PCI; the header's IDs and class, and for a bridge with ``acs_cap``
+    in the profile one extended capability at 0x100: ACS (ID 0x000D, version 1, no next), its
+    Capability word at +4 and its Control word at +6 (``acs_ctl`` from the profile, else what the
+    kernel enables with the IOMMU on)."""
+    config = bytearray(4096 if dev.get("link") else 256)
+    struct.pack_into("<HH", config, 0, int(dev["vendor"], 16), int(str(dev["device"]), 16))
+    config[8] = int(dev.get("revision", "00"), 16)
+    config[9:12] = bytes.fromhex(dev["class"])[::-1]
+    if "acs_cap" in dev and len(config) == 4096:
+        cap = _int(dev["acs_cap"])
+        ctl = _int(dev["acs_ctl"]) if "acs_ctl" in dev else (cap & ACS_KERNEL_ENABLES if iommu_on else 0)
+        struct.pack_into("<IHH", config, 0x100, 0x000D | (1 << 16), cap, ctl)
+    return bytes(config)
+
+
 def _int(v) -> int:
     return v if isinstance(v, int) else int(str(v), 0)
 
@@ -924,6 +951,7 @@ def _render_sys(sys: Path, profile: dict, state: dict) -> None:
             files["secondary_bus_number"] = str(int(dev.get("secondary_bus", "0"), 16))
         for name, text in files.items():
             (d / name).write_text(text + "\n")
+        (d / "config").write_bytes(_config_bytes(dev, iommu_on))
         for bar in dev.get("bars") or []:
             (d / f"resource{bar['index']}").write_text("")
         bus_link = sys / "bus/pci/devices" / bdf
@@ -1249,6 +1277,30 @@ def _seed_pve(root: Path, data: dict) -> None:
             if not p.exists():
                 _write(p, text if text.endswith("\n") else text + "\n")
     _write(root / "etc/hostname", node + "\n")
+    _seed_pve_packages(root, data)
+
+
+def _seed_pve_packages(root: Path, data: dict) -> None:
+    """The profile's Proxmox VE packages as dpkg knows installed ones: a stanza each in the
+    root's real /var/lib/dpkg/status (state `install ok installed`), so `dpkg-query` and apt read
+    them as on a node (pve-manager at `pve.version`, the others at `pve.packages`). They carry
+    no files and no dependencies."""
+    pve = data["pve"]
+    versions = {"pve-manager": str(pve["version"]), **{k: str(v) for k, v in (pve.get("packages") or {}).items()}}
+    status = root / "var/lib/dpkg/status"
+    text = status.read_text() if status.exists() else ""
+    known = set(re.findall(r"^Package: (\S+)$", text, re.M))
+    stanzas = [f"Package: {name}\nStatus: install ok installed\nPriority: optional\nSection: admin\n"
+               f"Maintainer: Proxmox Support Team <support@proxmox.com>\nArchitecture: all\n"
+               f"Version: {version}\nDescription: {name} (pvegpu twin: the profile's Proxmox VE package, no files)\n"
+               for name, version in versions.items() if name not in known]
+    if stanzas:
+        _write(status, text.rstrip("\n") + "\n\n" + "\n".join(stanzas) if text.strip() else "\n".join(stanzas))
+    for name in versions:  # what dpkg keeps of an installed package: its file list and md5sums (none)
+        for suffix in ("list", "md5sums"):
+            info = root / "var/lib/dpkg/info" / f"{name}.{suffix}"
+            if not info.exists():
+                _write(info, "")
 
 
 def _busy_path(root: Path) -> Path:

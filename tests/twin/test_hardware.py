@@ -155,6 +155,31 @@ def test_kpro6_sysfs_agrees_with_profile(twin):
     assert "sev_snp" in hw(root, "proc/cpuinfo").read_text().split("\n\n")[0]
 
 
+@pytest.mark.parametrize("profile", ["kpro6", "intel2"])
+def test_bridges_config_carries_the_acs_the_kernel_enabled(twin, profile):
+    """Each bridge's sysfs `config` holds the ACS capability of the profile (root ports, switch
+    downstream ports), with the control bits the kernel turns on with the IOMMU on (SV, RR, CR,
+    UF), read by PciAcs's own command; a bridge without one (a switch upstream port) has none."""
+    from facts.pci import PciAcs
+
+    root = twin(profile)
+    prof = hardware.load_profile(profile)
+    sys_root = hw(root, "sys")
+    command = PciAcs().command.replace("/sys/", f"{sys_root}/")
+    run = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=60)
+    acs = PciAcs().process(run.stdout.splitlines())
+    bridges = {dev["bdf"]: dev for dev in prof["pci"] if dev["class"].startswith("0604")}
+    assert bridges and set(acs) == set(bridges)
+    for bdf, dev in bridges.items():
+        assert len((sys_root / "bus/pci/devices" / bdf / "config").read_bytes()) == 4096
+        if "acs_cap" not in dev:
+            assert acs[bdf]["status"] == "absent"
+            continue
+        assert acs[bdf]["status"] == "enabled" and acs[bdf]["redirect"] is True
+        on = [flag for flag, value in acs[bdf]["ctl"].items() if value]
+        assert on == ["SrcValid", "ReqRedir", "CmpltRedir", "UpstreamFwd"]
+
+
 def test_kpro6_nvidia_views_agree(twin):
     root = twin("kpro6")
     prof = hardware.load_profile("kpro6")

@@ -30,6 +30,7 @@ def _tree(tmp_path: Path) -> Path:
             (tmp_path / path).mkdir()
             (tmp_path / path / "__init__.py").write_text("")
     shutil.copy(REPO / "plan" / "render.py", tmp_path / "plan" / "render.py")
+    shutil.copy(REPO / "facts" / "shell.py", tmp_path / "facts" / "shell.py")  # render's shell words
     shutil.copytree(REPO / "templates", tmp_path / "templates")
     for script in (".ci/run", "bench/x.sh", "tests/twin/twinctl"):
         (tmp_path / script).parent.mkdir(parents=True, exist_ok=True)
