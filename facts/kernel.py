@@ -11,6 +11,7 @@ import shlex
 from pyinfra.api import FactBase
 
 from facts.base import ShellFact
+from facts.nvidia import SECURE_BOOT_EFIVAR, parse_secure_boot
 from facts.sections import PROBE_SECTION, parse_sections, split_sections
 from facts.shell import operands  # the one quoting helper (plan.render gives it to the templates)
 
@@ -19,7 +20,9 @@ VERSION = r"\d+\.\d+\.\d+"
 # write them, under the same names through plan.kernel).
 BUILD_ROOT = "/var/lib/pvegpu/kernel-build"
 STATE_DIR = "/var/lib/pvegpu/kernel"  # manifests of installed builds, trial-boot marker
-TRIAL_MARKER = f"{STATE_DIR}/trial-boot"
+TRIAL_MARKER = f"{STATE_DIR}/trial-boot"  # release of the trial set up (kept until it is decided)
+TRIAL_ARMED = "/run/pvegpu/kernel-trial"  # the same, on a tmpfs: present = the trial boot is still ahead
+TRIAL_FAILED = f"{STATE_DIR}/trial-failed"  # {"release", "build_id", "came_up_on"} of a trial that failed
 
 
 def kernel_version_key(release: str) -> list:
@@ -517,7 +520,10 @@ def parse_build_state(lines: list[str]) -> dict:
     """Pure parser of the build-state section (shape: see `KernelStageFacts`)."""
     state: dict = {"running": False, "rc": None, "debs": [], "manifest": None, "installed_manifest": None,
                    "trial": None, "cores": None, "mem_total_kib": None, "systemd": False, "pbt": False, "esps": False, "headers_installed": False,
-                   "log_objects": 0, "log_last": None}
+                   "log_objects": 0, "log_last": None, "armed": None, "failed": None, "uefi": False,
+                   "grubenv_abstraction": None, "grub_advanced_id": None, "grub_default": None,
+                   "grub_saved": None, "grub_next": None, "kernel_packages": [], "secure_boot": None}
+    sb_lines = []
     for line in lines:
         key, _, value = line.partition(" ")
         value = value.strip()
@@ -532,8 +538,23 @@ def parse_build_state(lines: list[str]) -> dict:
                 state[key.replace("-", "_")] = json.loads(value)
             except ValueError:
                 pass  # a half-written manifest counts as none
-        elif key == "trial":
-            state["trial"] = value or None
+        elif key in ("trial", "armed", "grub_advanced_id", "grub_saved", "grub_next"):
+            state[key] = value or None
+        elif key == "grub_default":
+            state[key] = value
+        elif key == "failed" and value:
+            try:
+                state["failed"] = json.loads(value)
+            except ValueError:
+                state["failed"] = {"release": None}  # unreadable: reported, never matched
+        elif key == "grubenv_abstraction":
+            state[key] = value[len("ok"):].strip() if value.startswith("ok") else None
+        elif key == "uefi":
+            state["uefi"] = True
+        elif key == "kpkg" and value:
+            state["kernel_packages"].append(value)
+        elif key == "sb":
+            sb_lines.append(value)
         elif key in ("cores", "mem_total_kib", "log_objects") and value.isdigit():
             state[key] = int(value)
         elif key == "systemd":
@@ -546,6 +567,7 @@ def parse_build_state(lines: list[str]) -> dict:
             state["headers_installed"] = True
         elif key == "log_last":
             state["log_last"] = value or None
+    state["secure_boot"] = parse_secure_boot(sb_lines)
     return state
 
 
@@ -562,10 +584,31 @@ def build_state_command(build_dir: str, release: str) -> str:
         '[ -f "$d/manifest.json" ] && echo "manifest $(tr -d \'\\n\' < "$d/manifest.json")"; '
         f'[ -f {installed} ] && echo "installed-manifest $(tr -d \'\\n\' < {installed})"; '
         f'[ -f {trial} ] && echo "trial $(cat {trial})"; '
+        f'[ -f {shlex.quote(TRIAL_ARMED)} ] && echo "armed $(cat {shlex.quote(TRIAL_ARMED)})"; '
+        f'[ -f {shlex.quote(TRIAL_FAILED)} ] && echo "failed $(tr -d \'\\n\' < {shlex.quote(TRIAL_FAILED)})"; '
+        "[ -d /sys/firmware/efi ] && echo uefi; "
+        # Secure Boot as the NVIDIA stage reads it (facts.nvidia: mokutil, else the EFI variable)
+        f"{{ command -v mokutil >/dev/null 2>&1 && mokutil --sb-state 2>&1; "
+        f"if [ -r {SECURE_BOOT_EFIVAR} ]; then echo \"efivar $(od -An -v -t u1 {SECURE_BOOT_EFIVAR} | tr -s ' ' '\\n' | tail -n 1)\"; "
+        "elif [ -n \"$(ls -A /sys/firmware/efi/efivars 2>/dev/null)\" ]; then echo 'efivars without SecureBoot variable'; "
+        "elif [ -d /sys/firmware/efi ]; then echo 'efivars not readable'; else echo 'no efi'; fi; } | sed 's/^/sb /'; "
+        # GRUB: what grub-mkconfig sources for GRUB_DEFAULT, the submenu id proxmox-kernel-helper's
+        # set_grub_default() reads from grub.cfg, grubenv's entries and what holds grubenv
+        "if [ -f /etc/default/grub ]; then "
+        "echo \"grub_default $( . /etc/default/grub; for f in /etc/default/grub.d/*.cfg; do [ -r \"$f\" ] && . \"$f\"; done; "
+        "echo \"$GRUB_DEFAULT\")\"; "
+        "echo \"grub_advanced_id $(sed -rn \"s/.*gnulinux-advanced-(.+)['] \\{$/\\1/p\" /boot/grub/grub.cfg 2>/dev/null | head -n 1)\"; "
+        "if [ -f /boot/grub/grubenv ]; then grub-editenv /boot/grub/grubenv list 2>/dev/null "
+        "| sed -n -e 's/^saved_entry=/grub_saved /p' -e 's/^next_entry=/grub_next /p'; fi; "
+        "a=$(grub-probe --target=abstraction /boot/grub 2>/dev/null) && echo \"grubenv_abstraction ok $a\"; "
+        "fi; "
         'echo "cores $(nproc)"; awk \'/^MemTotal:/{print "mem_total_kib " $2}\' /proc/meminfo; '
         "[ -d /run/systemd/system ] && echo systemd; "
         "command -v proxmox-boot-tool >/dev/null 2>&1 && echo pbt; "
         "[ -f /etc/kernel/proxmox-boot-uuids ] && echo esps; "
+        # installed kernel image packages (kernel.remove_old purges what is really there)
+        "dpkg-query -W -f='${db:Status-Abbrev} ${Package}\\n' 'proxmox-kernel-*' 'pve-kernel-*' 'linux-image-*' "
+        "2>/dev/null | awk '$1 == \"ii\" {print \"kpkg \" $2}'; "
         f"dpkg-query -W -f='${{Status}}\\n' {shlex.quote('proxmox-headers-' + release)} 2>/dev/null "
         "| grep -q ' ok installed' && echo headers-installed; "
         "true"
@@ -576,10 +619,11 @@ _MAKE_ASSIGN = re.compile(r"^(?:export\s+|override\s+)?([A-Za-z_][A-Za-z0-9_]*)\
 _MAKE_REF = re.compile(r"\$[({]([A-Za-z_][A-Za-z0-9_]*)[)}]")
 
 
-def makefile_variables(text: str) -> dict[str, str]:
+def makefile_variables(text: str, overrides: dict[str, str] | None = None) -> dict[str, str]:
     """Top-level `NAME=value` assignments of a Makefile, each expanded from the others
     (`$(NAME)`/`${NAME}`; `$(shell …)` and other functions expand to nothing). A variable
-    read, not a build: what `make --eval '…: ; @echo $(NAME)'` prints for plain variables."""
+    read, not a build: what `make --eval '…: ; @echo $(NAME)'` prints for plain variables.
+    `overrides`: variables given on make's command line (they win over the Makefile's)."""
     raw: dict[str, str] = {}
     for line in text.splitlines():
         if line.startswith("\t") or line.lstrip().startswith("#"):
@@ -587,6 +631,7 @@ def makefile_variables(text: str) -> dict[str, str]:
         match = _MAKE_ASSIGN.match(line)
         if match:
             raw[match.group(1)] = match.group(2).split(" #", 1)[0].strip()
+    raw.update(overrides or {})
 
     def expand(value: str, depth: int = 0) -> str:
         if depth > 20:
@@ -606,6 +651,22 @@ def release_from_makefile(text: str) -> str | None:
     return value or None
 
 
+# Appended to pve-kernel's KREL_EXTRA on make's command line (templates/kernel-build.sh.j2): our
+# build's KVNAME, so the names of its packages and files, are its own. Proxmox's
+# proxmox-kernel-<KVNAME>-signed Conflicts/Replaces proxmox-kernel-<KVNAME> (pve-kernel
+# debian/signing-template/control.in) and both install /boot/vmlinuz-<KVNAME>: with Proxmox's
+# KVNAME apt would replace our build, or our dpkg -i fail, whichever came second.
+LOCAL_KREL_SUFFIX = "-pvegpu"
+
+
+def built_release_from_makefile(text: str) -> str | None:
+    """The release our build of that Makefile produces: KVNAME with KREL_EXTRA + LOCAL_KREL_SUFFIX
+    (bookworm-6.14 at ad58d14: 6.14.11-9-bpo12-pvegpu-pve)."""
+    krel_extra = makefile_variables(text).get("KREL_EXTRA", "")
+    value = makefile_variables(text, {"KREL_EXTRA": krel_extra + LOCAL_KREL_SUFFIX}).get("KVNAME")
+    return value or None
+
+
 def source_makefile_command(url: str, ref: str) -> str:
     """Print pve-kernel's Makefile at `ref` from a clone of `url` an earlier build left under
     BUILD_ROOT (read-only: `git show`), after a `from <clone>` line; nothing when none has it."""
@@ -620,10 +681,11 @@ def source_makefile_command(url: str, ref: str) -> str:
 
 
 def parse_source_makefile(lines: list[str]) -> dict | None:
-    """{"release": "6.14.11-9-bpo12-pve", "from": "/var/lib/pvegpu/kernel-build/…/src"} or None."""
+    """{"release": "6.14.11-9-bpo12-pvegpu-pve" (what our build of it produces: built_release_from_makefile),
+    "from": "/var/lib/pvegpu/kernel-build/…/src"} or None."""
     if not lines or not lines[0].startswith("from "):
         return None
-    return {"release": release_from_makefile("\n".join(lines[1:])), "from": lines[0][len("from "):].strip()}
+    return {"release": built_release_from_makefile("\n".join(lines[1:])), "from": lines[0][len("from "):].strip()}
 
 
 class KernelStageFacts(FactBase):

@@ -71,10 +71,11 @@ def reboot_reasons(host: Any = None) -> list[tuple[str, str]]:
     return list(run_state(host).reboot)
 
 
-def record_trial_boot(release: str, pin_tool: str, esps: bool = False, host: Any = None) -> None:
+def record_trial_boot(release: str, pin_tool: str, esps: bool = False, host: Any = None, **details: Any) -> None:
     """The kernel stage selected `release` for the next boot only (a trial); the reboot stage's
-    check after the reboot needs it (`operations.reboot`)."""
-    run_state(host).trial_boot = {"release": release, "pin_tool": pin_tool, "esps": esps}
+    check after the reboot needs it (`operations.reboot`). `pin_tool`: the loader of the trial
+    (plan.kernel.SYSTEMD_BOOT/GRUB); `details`: build_id, advanced_id (plan.kernel.finish_trial_command)."""
+    run_state(host).trial_boot = {"release": release, "pin_tool": pin_tool, "esps": esps, **details}
 
 
 def trial_boot_of(host: Any = None) -> dict | None:

@@ -17,6 +17,8 @@ Facts: one batched remote command (`BootStageFacts`) for the whole stage.
 
 from __future__ import annotations
 
+import shlex
+
 from pyinfra import host
 from pyinfra.api import StringCommand, deploy, operation
 
@@ -54,6 +56,7 @@ def boot_plan(spec: HostSpec, facts: dict) -> dict:
     loader_fact = facts["boot_loader"] or {}
     loader = loader_fact.get("loader")
     desired = plan.desired_params(spec, facts["cpu"])
+    grub_default = None
     if loader == "grub":
         grub_files = [(path, lines) for path, lines in facts["grub_files"]]
         values = plan.grub_dropin_values(grub_files, desired, spec)
@@ -62,6 +65,9 @@ def boot_plan(spec: HostSpec, facts: dict) -> dict:
         content = render_template(
             "grub-pvegpu.cfg.j2", values={k: plan.sh_double_quoted(v) for k, v in values.items()}
         )
+        # our drop-in sets GRUB_DEFAULT=saved; the default the files before it configured (a
+        # Proxmox pin snippet included) becomes saved_entry, where grubenv has none yet
+        grub_default = plan.grub_base_values(grub_files).get("GRUB_DEFAULT", "0")
     else:
         configured = plan.merge_cmdline(loader_fact.get("kernel_cmdline") or "", desired, spec)
         path = KERNEL_CMDLINE
@@ -76,6 +82,7 @@ def boot_plan(spec: HostSpec, facts: dict) -> dict:
         "loader": loader,
         "cmdline_path": path,
         "cmdline_content": content,
+        "grub_default": grub_default,
         "refresh_command": loader_fact.get("refresh_command") or ("update-grub" if loader == "grub" else "proxmox-boot-tool refresh"),
         "configured": configured,
         "difference": plan.cmdline_difference(configured, booted, loader or "systemd-boot"),
@@ -88,19 +95,31 @@ def boot_plan(spec: HostSpec, facts: dict) -> dict:
 
 
 @operation()
-def kernel_cmdline(path: str, content: str, state: dict | None = None):
+def kernel_cmdline(path: str, content: str, state: dict | None = None, grub_default: str | None = None):
     """Write the boot loader's cmdline file, only when it changed (the boot entries are
     refreshed once at the end of the run: `operations.handlers`, BOOT_REFRESH).
 
     + path: /etc/kernel/cmdline (systemd-boot) or /etc/default/grub.d/pvegpu.cfg (GRUB)
     + content: the full file (templates/kernel-cmdline.j2 or grub-pvegpu.cfg.j2)
     + state: the path's entry of `ManagedFiles` (None: missing)
+    + grub_default: GRUB: the GRUB_DEFAULT configured before our drop-in (GRUB_DEFAULT=saved):
+      made grubenv's saved_entry first where it has none, so the default entry stays the same
     """
     mode = cmdline_mode(state)
     if file_current(state, content, mode):
         host.noop(f"{path} already has the kernel command line")
         return
+    if grub_default is not None and grub_default != "saved":
+        yield StringCommand(grub_keep_default_command(grub_default))
     yield StringCommand(write_file_command(path, content, mode))
+
+
+def grub_keep_default_command(grub_default: str) -> str:
+    """grub-set-default <the old GRUB_DEFAULT> unless grubenv has a saved_entry (saved_entry
+    takes what GRUB_DEFAULT takes: an index, a title or an id path; grub util/grub-set-default.in
+    writes it with grub-editenv)."""
+    return (f"if ! grub-editenv /boot/grub/grubenv list 2>/dev/null | grep -q '^saved_entry='; then "
+            f"grub-set-default {shlex.quote(grub_default)}; fi")
 
 
 def cmdline_mode(state: dict | None) -> str:
@@ -142,6 +161,7 @@ def apply(spec: HostSpec) -> None:
         path=p["cmdline_path"],
         content=p["cmdline_content"],
         state=states.get(p["cmdline_path"]),
+        grub_default=p["grub_default"],
     )
     cmdline_state = states.get(p["cmdline_path"])
     handlers.depends_on(

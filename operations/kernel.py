@@ -55,7 +55,7 @@ def build_script(k: KernelSpec, base: str, jobs: int, build_dir: str) -> str:
         "kernel-build.sh.j2", build_dir=build_dir, version=k.version, kind=k.source.kind, jobs=int(jobs),
         ccache=k.ccache, base_config=base, fragments=list(k.config_fragments),
         url=k.source.url, sha256=k.source.sha256 or "", ref=k.source.ref or "", localversion=plan.localversion(k),
-        pkgversion="1")
+        pkgversion="1", local_suffix=plan.LOCAL_KREL_SUFFIX)
 
 
 def wait_for_build(state, host, build_dir: str, total: int | None, poll_s: float = POLL_S,
@@ -92,12 +92,12 @@ def install_kernel(build_dir: str, release: str, kind: str, keep_default: str | 
     """dpkg -i the build's image + headers .debs (the running kernel stays installed) and keep
     its manifest in /var/lib/pvegpu/kernel/<release>.json.
 
-    + keep_default: pin this (running) kernel first, so the ESP sync the package's postinst
-      runs keeps it the loader default (set where ESPs are listed and nothing is pinned)
+    + keep_default: a command making the known-good kernel the loader default first
+      (plan.kernel.keep_default_command), so the package's postinst does not make the new one it
     """
     d = shlex.quote(build_dir)
     if keep_default:
-        yield StringCommand(plan.keep_default_command(keep_default))
+        yield StringCommand(keep_default)
     globs = " ".join(f"{d}/{g}" for g in plan.package_globs(kind, release))
     manifest = shlex.quote(f"{plan.STATE_DIR}/{release}.json")
     yield StringCommand(f"DEBIAN_FRONTEND=noninteractive dpkg -i {globs}")
@@ -105,34 +105,43 @@ def install_kernel(build_dir: str, release: str, kind: str, keep_default: str | 
 
 
 @operation()
-def trial_boot(release: str, pin_tool: str, esps: bool = False, keep_default: str | None = None):
-    """Select `release` for the next boot only (pin, then refresh where ESPs are listed) and
-    leave a marker the next run checks (written last: a failed refresh leaves none).
+def trial_boot(release: str, loader: str, panic_s: int, advanced_id: str | None = None,
+               keep_default: str | None = None):
+    """Choose `release` for the next boot only (the loader's one-shot; the default stays on the
+    known-good kernel) and mark the trial (written last: a failed one-shot leaves no marker).
 
-    + keep_default: pin this (running) kernel for good first, so a trial that fails falls back
-      to it after proxmox-boot-cleanup's refresh (set where ESPs are listed and nothing is pinned)
+    + loader: plan.kernel.SYSTEMD_BOOT or GRUB (plan.kernel.trial_loader)
+    + panic_s: panic=<s> on the trial's command line (systemd-boot trial entry)
+    + advanced_id: GRUB's "Advanced options" submenu id (plan.kernel.grub_entry_id)
+    + keep_default: a command making the known-good kernel the default first
     """
     if keep_default:
-        yield StringCommand(plan.keep_default_command(keep_default))
-    yield StringCommand(plan.trial_pin_command(release, pin_tool, esps))
-    yield StringCommand(write_file_command(plan.TRIAL_MARKER, release + "\n", "644", keep_previous=False))
+        yield StringCommand(keep_default)
+    yield StringCommand(plan.zfs_guard_command(release))
+    yield StringCommand(plan.oneshot_command(release, loader, panic_s, advanced_id))
+    yield StringCommand(plan.arm_trial_command(release))
 
 
 @operation()
-def pin_kernel(release: str, pin_tool: str, esps: bool = False):
-    """Pin `release` for good (it is running), refreshed where ESPs are listed."""
-    yield StringCommand(plan.pin_for_good_command(release, pin_tool, esps))
+def finish_trial(release: str, loader: str, build_id: str, advanced_id: str | None = None, fail: bool = False):
+    """After the trial's boot: the default for good if it runs, else the failure recorded."""
+    yield StringCommand(plan.finish_trial_command(release, loader, build_id, advanced_id, fail=fail))
 
 
 @operation()
-def remove_old_kernels(releases: list[str], kind: str):
-    """Purge the given releases' image packages (opt-in: spec.kernel.remove_old)."""
-    if not releases:
+def pin_kernel(release: str, loader: str, advanced_id: str | None = None):
+    """Make `release` (it is running) the loader default for good."""
+    yield StringCommand(plan.set_default_command(release, loader, advanced_id))
+
+
+@operation()
+def remove_old_kernels(packages: list[str]):
+    """Purge the given kernel image packages (opt-in: spec.kernel.remove_old), exactly those
+    (plan.kernel.purge_command)."""
+    if not packages:
         host.noop("no old kernels to remove")
         return
-    prefix = "proxmox-kernel-" if kind == "proxmox-git" else "linux-image-"
-    packages = " ".join(shlex.quote(prefix + r) for r in releases)
-    yield StringCommand(f"DEBIAN_FRONTEND=noninteractive apt-get -y purge {packages}")
+    yield StringCommand(plan.purge_command(packages))
 
 
 def stage_facts(k: KernelSpec) -> dict:
@@ -145,6 +154,17 @@ def fact_args(k: KernelSpec, base: str) -> dict:
     if k.source.kind == "proxmox-git":
         args.update(url=k.source.url, ref=k.source.ref)
     return args
+
+
+def decide(k: KernelSpec, facts: dict, base: str) -> dict:
+    """plan.kernel_decision on the stage's facts; the decision also carries the loader default."""
+    build = facts["build"]
+    loader, _ = plan.trial_loader(build)
+    default = plan.default_release(facts["kernels"], build, loader)
+    decision = plan.kernel_decision(
+        k, {"kernels": facts["kernels"], "installed_manifest": build["installed_manifest"], "build": build,
+            "trial": build["trial"], "armed": build["armed"], "failed": build["failed"], "default": default}, base)
+    return {**decision, "default": default}
 
 
 def preflight(spec: HostSpec) -> list[str]:
@@ -161,11 +181,30 @@ def preflight(spec: HostSpec) -> list[str]:
         refusal = plan.release_refusal(k, source["release"], f"{host.name}:{source['from']}")
         if refusal:
             refusals.append(refusal)
-    decision = plan.kernel_decision(
-        k, {"kernels": facts["kernels"], "installed_manifest": facts["build"]["installed_manifest"],
-            "build": facts["build"], "trial": facts["build"]["trial"]}, base_config_of(k))
+    decision = decide(k, facts, base_config_of(k))
     if decision["action"] == "wrong-debs":
         refusals.append(decision["why"])
+    theirs = [p for p in facts["build"].get("kernel_packages", []) if plan.package_release(p) == k.version]
+    if theirs and not facts["build"]["installed_manifest"] and decision["action"] in ("build", "attach", "install"):
+        # a package of the same release not built here (Proxmox's -signed one, Debian's image):
+        # same /boot and /lib/modules files; dpkg -i fails on its Conflicts or apt replaces ours later
+        refusals.append(f"kernel {k.version} is already installed from {', '.join(theirs)}, not built by pvegpu: our "
+                        "packages of the same release would collide with it (same files; Proxmox's -signed package "
+                        "Conflicts/Replaces proxmox-kernel-<release>). Boot that kernel as it is (drop spec.kernel), "
+                        "or build a release of your own (proxmox-git builds get KREL_EXTRA + "
+                        f"{plan.LOCAL_KREL_SUFFIX}; a tarball build a LOCALVERSION in kernel.version)")
+    if facts["build"].get("secure_boot") and decision["action"] in ("build", "attach", "install", "trial"):
+        # shim and GRUB verify the kernel image (Proxmox's Secure Boot chain: shim -> GRUB -> the
+        # kernel signed by the Proxmox CA or a MOK); our build is not signed
+        refusals.append(f"Secure Boot is on: shim/GRUB verify the kernel image, and the kernel stage does not sign "
+                        f"its build of {k.version}, so it would not boot. Turn Secure Boot off in the firmware, or keep "
+                        "Proxmox's signed kernels (drop spec.kernel); signing the build with an enrolled MOK is not "
+                        "implemented yet")
+    _, no_trial = plan.trial_loader(facts["build"])
+    if k.trial_boot and no_trial and decision["action"] in ("build", "attach", "install", "trial"):
+        refusals.append(f"kernel.trial_boot is on, but a trial that is one boot cannot be set up on this host: {no_trial}. "
+                        "Fix that, or set kernel.trial_boot: false to install the kernel without a trial (then it is "
+                        "booted only when chosen at the console)")
     if k.source.kind == "proxmox-git" and decision["action"] == "build" and facts["build"].get("headers_installed"):
         # pve-kernel debian/control: Build-Conflicts: proxmox-headers-<KVNAME>; mk-build-deps would remove them
         refusals.append(f"proxmox-headers-{k.version} is installed and pve-kernel's debian/control Build-Conflicts "
@@ -191,10 +230,9 @@ def apply(spec: HostSpec) -> None:
     build_dir = plan.build_dir(k, base)
     facts = stage_facts(k)
     build = facts["build"]
-    decision = plan.kernel_decision(
-        k, {"kernels": facts["kernels"], "installed_manifest": build["installed_manifest"],
-            "build": build, "trial": build["trial"]}, base)
-    pin_tool = "proxmox-boot-tool" if build["pbt"] else "grub"
+    decision = decide(k, facts, base)
+    loader, no_trial = plan.trial_loader(build)
+    adv = build.get("grub_advanced_id")
     action = decision["action"]
     logger.info(f"{host.name}: kernel {k.version}: {decision['why']}")
 
@@ -212,29 +250,42 @@ def apply(spec: HostSpec) -> None:
             systemd=build["systemd"], total=total, start=action == "build", record=f"kernel-{plan.build_id(k, base)}",
             memory_max_kib=plan.build_memory_max_kib(build["mem_total_kib"], jobs),
         )
-    esps = build["esps"] and pin_tool == "proxmox-boot-tool"
     running = facts["kernels"].get("running")
-    # where nothing is pinned, the running kernel is pinned first: the ESP sync of a kernel
-    # package's postinst (and proxmox-boot-cleanup's refresh after a trial) would otherwise make
-    # `proxmox-*`, the newest kernel, the default (follows zz-proxmox-boot set_systemd_boot_default)
-    keep = running if esps and k.trial_boot and not facts["kernels"].get("pinned") and running else None
+    bid = plan.build_id(k, base)
+    # the known-good kernel (the running one) is made the default before the install where it is
+    # not: a kernel package's postinst would otherwise make the new one the default
+    # (zz-proxmox-boot writes `default proxmox-*` without a pin; GRUB boots its first entry)
+    keep = None
+    if loader and k.trial_boot and running and decision["default"] != running:
+        keep = plan.keep_default_command(running, loader, adv)
     if action in ("build", "attach", "install"):
-        install_kernel(name=f"Install kernel {k.version} packages" + (f" ({running} pinned as the default first)" if keep else ""),
+        install_kernel(name=f"Install kernel {k.version} packages" + (f" ({running} made the default first)" if keep else ""),
                        build_dir=build_dir, release=k.version, kind=k.source.kind, keep_default=keep)
-    if action in ("build", "attach", "install", "trial") and k.trial_boot:
-        trial_boot(name=f"Trial boot {k.version} on the next boot only" + (" (pin + refresh)" if esps else ""),
-                   release=k.version, pin_tool=pin_tool, esps=esps, keep_default=keep if action == "trial" else None)
+    if action in ("build", "attach", "install", "trial") and k.trial_boot and loader:
+        trial_boot(name=f"Trial boot {k.version} on the next boot only ({loader} one-shot)",
+                   release=k.version, loader=loader, panic_s=k.trial_panic_s, advanced_id=adv,
+                   keep_default=keep if action == "trial" else None)
         action = "await-reboot"
     if action == "await-reboot":
-        record_trial_boot(k.version, pin_tool, esps)
-        need_reboot("kernel", f"{k.version} is installed and selected for the next boot only (trial)")
+        record_trial_boot(k.version, loader or "", bool(build["esps"]), build_id=bid, advanced_id=adv)
+        need_reboot("kernel", f"{k.version} is installed and chosen for the next boot only (trial)")
+    elif action == "finish" and loader:
+        finish_trial(name=f"Trial boot of {k.version}: make it the default, or record that it failed",
+                     release=k.version, loader=loader, build_id=bid, advanced_id=adv)
+        if running != k.version:
+            logger.warning(f"{host.name}: kernel: {decision['why']}")
     elif action == "pin":
-        pin_kernel(name=f"Pin kernel {k.version} for good" + (" (pin + refresh)" if esps else ""),
-                   release=k.version, pin_tool=pin_tool, esps=esps)
+        if loader:
+            pin_kernel(name=f"Make kernel {k.version} the default for good", release=k.version, loader=loader,
+                       advanced_id=adv)
+        else:
+            logger.warning(f"{host.name}: kernel {k.version} runs but is not made the default: {no_trial}")
     elif action == "failed-trial":
         logger.warning(f"{host.name}: {decision['why']}")
     elif action == "wrong-debs":  # refused at preflight; nothing to do here
         logger.error(f"{host.name}: kernel: {decision['why']}")
-    if k.remove_old and action in ("done", "pin"):
-        old = [r for r in facts["kernels"].get("installed", []) if r not in (k.version, running)]
-        remove_old_kernels(name="Remove old kernels", releases=old, kind=k.source.kind)
+    if k.remove_old and running == k.version and action in ("done", "pin", "finish"):
+        # never the running kernel nor the loader default (the known-good one until the new
+        # release is made the default in this run)
+        old = plan.old_kernel_packages(build["kernel_packages"], {k.version, running, decision["default"]})
+        remove_old_kernels(name="Remove old kernels", packages=old)

@@ -2,8 +2,8 @@
 
 Stages report reasons with `facts.run_state.need_reboot` while their operations are generated.
 Here: no reasons → nothing. Reasons and `spec.reboot.allowed` → one `server.reboot`, then,
-when the kernel stage set a trial boot, pin the new release for good if it is the one
-running (else say so; the old kernel stays pinned). Reasons without permission → a
+when the kernel stage set a trial boot, make the new release the default for good if it is
+the one running (else record the failed trial and say so; the default stays on the old kernel). Reasons without permission → a
 "reboot pending" summary (logged as a warning, `--dry` included).
 """
 
@@ -14,7 +14,7 @@ from pyinfra.api import StringCommand, deploy, operation
 from pyinfra.operations import server
 
 from facts.run_state import reboot_reasons, trial_boot_of
-from plan.kernel import pin_for_good_command
+from plan.kernel import finish_trial_command
 from plan.reboot import pending_summary
 from spec.models import HostSpec
 
@@ -22,14 +22,15 @@ REBOOT_TIMEOUT_S = 900  # a many-GPU host takes minutes through firmware and POS
 
 
 @operation()
-def pin_trial_kernel(release: str, pin_tool: str, esps: bool = False):
-    """After the reboot: pin `release` for good if the host came up on it, else fail saying so.
+def pin_trial_kernel(release: str, loader: str, build_id: str, advanced_id: str | None = None):
+    """After the reboot: make `release` the default for good if the host came up on it, else
+    record the failed trial and fail saying so (plan.kernel.finish_trial_command).
 
     + release: the kernel release the trial boot selected
-    + pin_tool: "proxmox-boot-tool" or "grub"
-    + esps: ESPs are listed (/etc/kernel/proxmox-boot-uuids): the pin is followed by a refresh
+    + loader: plan.kernel.SYSTEMD_BOOT or GRUB
+    + build_id, advanced_id: as the kernel stage recorded them (facts.run_state.record_trial_boot)
     """
-    yield StringCommand(pin_for_good_command(release, pin_tool, esps))
+    yield StringCommand(finish_trial_command(release, loader, build_id, advanced_id, fail=True))
 
 
 @deploy("pvegpu: reboot policy")
@@ -57,6 +58,7 @@ def apply(spec: HostSpec) -> None:
         pin_trial_kernel(
             name=f"Pin kernel {trial['release']} for good if it came up",
             release=trial["release"],
-            pin_tool=trial["pin_tool"],
-            esps=trial.get("esps", False),
+            loader=trial["pin_tool"],
+            build_id=trial.get("build_id", ""),
+            advanced_id=trial.get("advanced_id"),
         )

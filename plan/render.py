@@ -79,7 +79,7 @@ _BUILD = dict(archive="/var/cache/pvegpu/sources/" + "a" * 64 + "-595.45.04.tar.
 _KERNEL = dict(build_dir="/var/lib/pvegpu/kernel-build/6.14.11-4-pve-0123456789ab", version="6.14.11-4-pve",
                kind="proxmox-git", jobs=4, ccache=True, base_config="running",
                fragments=[], url="https://git.proxmox.com/git/pve-kernel.git", sha256="", ref="v6.14.11-4",
-               localversion="-4-pve", pkgversion="1")
+               localversion="-4-pve", pkgversion="1", local_suffix="-pvegpu")
 SHELL_EXAMPLES: dict[str, list[dict]] = {
     "nvidia-fetch-source.sh.j2": [
         dict(url="https://github.com/NVIDIA/open-gpu-kernel-modules/archive/refs/tags/595.45.04.tar.gz",
@@ -134,6 +134,11 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
              moves=[dict(index=0, bdf="0000:01:00.0", current=None, wanted="nvidia", current_module="",
                          wanted_module="nvidia")],
              nodes=[], timeout_s=30, shutdowns=[], ha_waits=[], api_stopped=[("qemu", 300)], carried=[]),
+    ],
+    "kernel-zfs-guard.sh.j2": [dict(release="6.14.11-9-bpo12-pvegpu-pve")],
+    "kernel-trial-entry.sh.j2": [
+        dict(release="6.14.11-9-bpo12-pve", mode="arm", entry="pvegpu-trial-6.14.11-9-bpo12-pve.conf", panic_s=10),
+        dict(release="6.14.11-9-bpo12-pve", mode="clear", entry="pvegpu-trial-6.14.11-9-bpo12-pve.conf", panic_s=0),
     ],
     "kernel-build-start.sh.j2": [
         dict(build_dir=_KERNEL["build_dir"], systemd=True, unit="pvegpu-kernel-build", memory_max_kib=66 * 1024 * 1024),

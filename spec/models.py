@@ -192,6 +192,8 @@ class KernelSpec(Strict):
     jobs: Annotated[Literal["auto"] | int, BeforeValidator(V.build_jobs)] = "auto"  # auto: min(cores, RAM/2GiB)
     ccache: bool = True
     trial_boot: bool = True
+    # seconds a trial kernel waits after a panic before it resets (panic= on the trial entry only)
+    trial_panic_s: Annotated[int, NoBool, Field(ge=1, le=3600)] = 10
     remove_old: bool = False
 
     @field_validator("base_config")

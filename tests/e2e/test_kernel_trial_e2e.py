@@ -1,14 +1,17 @@
 """The kernel stage's trial boot on the kpro6 twin (systemd-boot, ESP listed in
-/etc/kernel/proxmox-boot-uuids), without compiling: the build dir holds a finished build of
-6.14.11-9-bpo12-pve (pve-kernel bookworm-6.14 at ad58d14) whose .debs are stand-ins made here
+/etc/kernel/proxmox-boot-uuids) and on intel2 (GRUB), without compiling: the build dir holds a finished build of
+6.14.11-9-bpo12-pvegpu-pve (pve-kernel bookworm-6.14 at ad58d14, KREL_EXTRA + -pvegpu) whose .debs are stand-ins made here
 (an image, config and modules dir in proxmox-kernel-<rel>, a .config in proxmox-headers-<rel>;
 the kernel package's postinst runs /etc/kernel/postinst.d as pve-kernel's does, so the twin's
 zz-proxmox-boot hook syncs the ESP at install).
 
-The twin's proxmox-boot-tool follows proxmox-kernel-helper: `kernel pin` only writes the pin
-file, `refresh` writes the ESP's loader default, the reboot boots that default, and
-proxmox-boot-cleanup clears the next-boot pin at boot. So the trial kernel boots only
-through the stage's refresh.
+The twin's boot follows the real loaders (tests/twin/hardware.py choose_boot): systemd-boot
+takes the EFI one-shot (cleared as read), then loader.conf's default that `proxmox-boot-tool
+refresh` wrote; GRUB takes grubenv's next_entry (cleared as read, unless grubenv is on LVM),
+then saved_entry. A kernel on the twin's no-boot list hangs (no sshd until `runtime.reset`) or
+panics (resets by itself when panic= is on its command line), and the loader chooses again:
+there is no fallback of the twin's own. One trial = one boot: a trial kernel that does not
+come up is left after one reset (hang) or by itself (panic), and is never the default.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from tests.twin import runtime
 pytestmark = [pytest.mark.twin]
 
 STAGES = "operations.kernel,operations.reboot"
-RELEASE = "6.14.11-9-bpo12-pve"
+RELEASE = "6.14.11-9-bpo12-pvegpu-pve"  # what our build of bookworm-6.14 at ad58d14 produces
 DEB_VERSION = "6.14.11-9~bpo12+1"
 OLD = "6.14.8-2-pve"
 KERNEL: dict[str, Any] = {"version": RELEASE, "source": {"kind": "proxmox-git", "url": "git://git.proxmox.com/git/pve-kernel.git",
@@ -135,14 +138,53 @@ def reboot(name: str) -> None:
     assert len(boots.read_text().splitlines()) > before, "the twin did not reboot"
 
 
-def converge(name: str, reboot_allowed: bool = False):
-    env = {"PVEGPU_TWINS": name, "PVEGPU_STAGES": STAGES, "PVEGPU_E2E_KERNEL": json.dumps(KERNEL)}
+def converge(name: str, reboot_allowed: bool = False, stages: str = STAGES):
+    env = {"PVEGPU_TWINS": name, "PVEGPU_STAGES": stages, "PVEGPU_E2E_KERNEL": json.dumps(KERNEL)}
     if not reboot_allowed:
         env["PVEGPU_E2E_NO_REBOOT"] = "1"
     return run_pyinfra("inventories/twin.py", "tests/e2e/stage_deploy.py", env=env, timeout=600)
 
 
-def test_trial_kernel_boots_through_refresh_and_is_pinned_for_good(twin_factory, tmp_path):
+def boots(name: str) -> list[str]:
+    return (runtime.twin_dir(name) / "boots").read_text().splitlines()
+
+
+def press_reset(name: str) -> None:
+    """The reset button (the twin may have no sshd: a hung kernel); waits for the next boot."""
+    before = len(boots(name))
+    runtime.reset(name)
+    deadline = time.monotonic() + 60
+    while len(boots(name)) == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(boots(name)) > before, "the twin did not boot after the reset"
+
+
+def attempts(root: Path) -> list[str]:
+    return (root / "var/lib/twin/boot/attempts").read_text().splitlines()
+
+
+def oneshot(root: Path) -> str | None:
+    var = root / "var/lib/twin/efivars/LoaderEntryOneShot-4a67b082-0a4c-41cf-b6c7-440b29bb8c4f"
+    return var.read_bytes()[4:].decode("utf-16-le").rstrip("\x00") if var.exists() else None
+
+
+TRIAL_ENTRY = f"pvegpu-trial-{RELEASE}.conf"
+
+
+def assert_systemd_boot_trial_set_up(root: Path) -> None:
+    """The default stays on the old kernel; the trial is a one-shot of an entry with panic=."""
+    assert (root / "etc/kernel/proxmox-boot-pin").read_text().strip() == OLD
+    assert not (root / "etc/kernel/next-boot-pin").exists()
+    assert loader_default(root) == f"proxmox-{OLD}.conf"
+    options = [line for line in (root / ESP / "loader/entries" / TRIAL_ENTRY).read_text().splitlines()
+               if line.startswith("options ")][0]
+    assert options.endswith(" panic=10") and "root=ZFS=rpool/ROOT/pve-1" in options
+    assert "panic=" not in (root / ESP / f"loader/entries/proxmox-{OLD}.conf").read_text()
+    assert "panic=" not in (root / ESP / f"loader/entries/proxmox-{RELEASE}.conf").read_text()
+    assert oneshot(root) == TRIAL_ENTRY
+
+
+def test_systemd_boot_trial_is_one_boot_and_made_the_default_once_it_came_up(twin_factory, tmp_path):
     twin = twin_factory("kpro6", address=quiet_address())
     root = Path(twin.root)
     seed_finished_build(root, tmp_path)
@@ -150,24 +192,21 @@ def test_trial_kernel_boots_through_refresh_and_is_pinned_for_good(twin_factory,
 
     first = converge(twin.name)
     assert first.rc == 0, first.output[-6000:]
-    assert f"kernel: {RELEASE} is installed and selected for the next boot only" in first.output
-    # the running kernel was pinned before the install, then the trial pinned and refreshed
-    assert (root / "etc/kernel/proxmox-boot-pin").read_text().strip() == OLD
-    assert (root / "etc/kernel/next-boot-pin").read_text().strip() == RELEASE
-    assert loader_default(root) == f"proxmox-{RELEASE}.conf"
-    assert (root / ESP / f"loader/entries/proxmox-{RELEASE}.conf").exists()
+    assert f"kernel: {RELEASE} is installed and chosen for the next boot only" in first.output
+    assert_systemd_boot_trial_set_up(root)
     assert twin_run(twin.name, "uname", "-r").strip() == OLD
 
     reboot(twin.name)
-    assert twin_run(twin.name, "uname", "-r").strip() == RELEASE  # the trial kernel runs
-    assert not (root / "etc/kernel/next-boot-pin").exists()  # proxmox-boot-cleanup at boot
-    assert loader_default(root) == f"proxmox-{OLD}.conf"  # ... and its refresh: the default is still the old one
+    assert twin_run(twin.name, "uname", "-r").strip() == RELEASE  # the trial kernel runs, once
+    assert "panic=10" in twin_run(twin.name, "cat", "/proc/cmdline")
+    assert oneshot(root) is None and loader_default(root) == f"proxmox-{OLD}.conf"
 
     second = converge(twin.name)
     assert second.rc == 0, second.output[-6000:]
-    assert f"{RELEASE} is running; pin it for good" in second.output
+    assert f"the trial boot of {RELEASE} came up; make it the default for good" in second.output
     assert (root / "etc/kernel/proxmox-boot-pin").read_text().strip() == RELEASE
     assert loader_default(root) == f"proxmox-{RELEASE}.conf"  # pinned and refreshed
+    assert not (root / ESP / "loader/entries" / TRIAL_ENTRY).exists()
     assert not (root / plan.TRIAL_MARKER.lstrip("/")).exists()
 
     third = converge(twin.name)
@@ -175,27 +214,151 @@ def test_trial_kernel_boots_through_refresh_and_is_pinned_for_good(twin_factory,
 
     reboot(twin.name)
     assert twin_run(twin.name, "uname", "-r").strip() == RELEASE  # the default boot is the new kernel
+    assert "panic=" not in twin_run(twin.name, "cat", "/proc/cmdline")
     assert f"vmlinuz-{OLD}" in twin_run(twin.name, "ls", "/boot").split()
 
 
-def test_a_trial_that_does_not_come_up_leaves_the_old_default(twin_factory, tmp_path):
+def test_systemd_boot_trial_that_hangs_is_left_after_one_reset_and_not_retried(twin_factory, tmp_path):
     twin = twin_factory("kpro6", address=quiet_address())
     root = Path(twin.root)
     seed_finished_build(root, tmp_path)
     (root / "var/lib/twin/boot").mkdir(parents=True, exist_ok=True)
-    (root / "var/lib/twin/boot/no-boot").write_text(RELEASE + "\n")  # this kernel does not come up here
+    (root / "var/lib/twin/boot/no-boot").write_text(f"{RELEASE} hangs\n")  # stops in the initramfs, no panic
 
-    first = converge(twin.name, reboot_allowed=True)  # trial, reboot, then the pin-for-good check fails
-    assert first.rc != 0, first.output[-6000:]
-    assert f"the trial boot of {RELEASE} came up on {OLD}; the previous kernel stays pinned" in first.output
+    first = converge(twin.name)
+    assert first.rc == 0, first.output[-6000:]
+    assert_systemd_boot_trial_set_up(root)
+    subprocess.run(runtime.ssh_command(twin.name, ["reboot"]), capture_output=True, timeout=60)
+    deadline = time.monotonic() + 60
+    while not boots(twin.name)[-1].endswith(" hung") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert boots(twin.name)[-1].endswith(" hung"), boots(twin.name)  # the trial kernel hangs: no SSH
+    assert attempts(root)[-1].startswith(f"{RELEASE} {TRIAL_ENTRY} hung")
+    press_reset(twin.name)  # one reset, nothing more: the one-shot is gone, the default boots
     assert twin_run(twin.name, "uname", "-r").strip() == OLD
-    assert (root / "etc/kernel/proxmox-boot-pin").read_text().strip() == OLD
-    assert not (root / "etc/kernel/next-boot-pin").exists()
-    assert loader_default(root) == f"proxmox-{OLD}.conf"
+    assert attempts(root)[-1] == f"{OLD} proxmox-{OLD}.conf up"
 
     second = converge(twin.name)
     assert second.rc == 0, second.output[-6000:]
-    assert f"the trial boot of {RELEASE} came up on {OLD}" in second.output  # failed-trial, reported
-    assert loader_default(root) == f"proxmox-{OLD}.conf" and second.changed == 0
+    assert f"the trial boot of {RELEASE} came up on {OLD}" in second.output
+    assert loader_default(root) == f"proxmox-{OLD}.conf"
+    assert (root / "etc/kernel/proxmox-boot-pin").read_text().strip() == OLD
+    assert not (root / ESP / "loader/entries" / TRIAL_ENTRY).exists()
+    failed = json.loads((root / plan.TRIAL_FAILED.lstrip("/")).read_text())
+    assert failed == {"release": RELEASE, "build_id": plan.build_id(KernelSpec(**KERNEL), "running"), "came_up_on": OLD}
+
+    third = converge(twin.name)  # reported, not tried again
+    assert third.rc == 0 and third.changed == 0, third.output[-6000:]
+    assert f"the trial boot of {RELEASE} came up on {OLD}" in third.output and "not tried again" in third.output
+    assert oneshot(root) is None
     reboot(twin.name)
     assert twin_run(twin.name, "uname", "-r").strip() == OLD
+
+
+def test_systemd_boot_trial_that_panics_comes_back_by_itself(twin_factory, tmp_path):
+    twin = twin_factory("kpro6", address=quiet_address())
+    root = Path(twin.root)
+    seed_finished_build(root, tmp_path)
+    (root / "var/lib/twin/boot").mkdir(parents=True, exist_ok=True)
+    (root / "var/lib/twin/boot/no-boot").write_text(f"{RELEASE} panics\n")  # e.g. its ZFS cannot import the pool
+
+    first = converge(twin.name, reboot_allowed=True)  # trial, reboot, then the check after it fails
+    assert first.rc != 0, first.output[-6000:]
+    assert f"the trial boot of {RELEASE} came up on {OLD}" in first.output
+    assert attempts(root)[-2:] == [f"{RELEASE} {TRIAL_ENTRY} panic, reset after 10 s (panic=10)",
+                                   f"{OLD} proxmox-{OLD}.conf up"]
+    assert twin_run(twin.name, "uname", "-r").strip() == OLD
+    assert loader_default(root) == f"proxmox-{OLD}.conf" and oneshot(root) is None
+    assert not (root / ESP / "loader/entries" / TRIAL_ENTRY).exists()
+
+    second = converge(twin.name)
+    assert second.rc == 0 and second.changed == 0, second.output[-6000:]
+    assert f"the trial boot of {RELEASE} came up on {OLD}" in second.output
+
+
+GRUB_STAGES = "operations.boot,operations.kernel,operations.reboot"
+
+
+def grub_twin(twin_factory, abstraction: str):
+    """intel2 with /boot/grub on `abstraction` ('': a /boot partition of its own; the profile says
+    lvm): the twin's profile (profile.yml for its boots, profile.json for its stand-ins) edited."""
+    import yaml
+    twin = twin_factory("intel2", address=quiet_address())
+    root = Path(twin.root)
+    profile = yaml.safe_load((root / "var/lib/twin/profile.yml").read_text())
+    profile["boot"]["grubenv_abstraction"] = abstraction
+    (root / "var/lib/twin/profile.yml").write_text(yaml.safe_dump(profile))
+    data = json.loads((root / "var/lib/twin/profile.json").read_text())
+    data["boot"]["grubenv_abstraction"] = abstraction
+    (root / "var/lib/twin/profile.json").write_text(json.dumps(data))
+    (root / "var/lib/twin/boot").mkdir(parents=True, exist_ok=True)
+    return twin, root
+
+
+def grubenv(name: str) -> dict:
+    out = twin_run(name, "grub-editenv", "/boot/grub/grubenv", "list")
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def test_grub_trial_that_hangs_is_left_after_one_reset_and_a_good_one_becomes_the_default(twin_factory, tmp_path):
+    twin, root = grub_twin(twin_factory, "")
+    seed_finished_build(root, tmp_path)
+    (root / "var/lib/twin/boot/no-boot").write_text(f"{RELEASE} hangs\n")
+    old = twin_run(twin.name, "uname", "-r").strip()  # intel2 runs 6.8.12-11-pve
+
+    first = converge(twin.name, stages=GRUB_STAGES)
+    assert first.rc == 0, first.output[-6000:]
+    cfg = (root / "boot/grub/grub.cfg").read_text()
+    assert 'set default="${saved_entry}"' in cfg  # GRUB_DEFAULT=saved from the boot stage's drop-in
+    env = grubenv(twin.name)
+    assert f">gnulinux-{old}-advanced-" in env["saved_entry"]
+    assert f">gnulinux-{RELEASE}-advanced-" in env["next_entry"]
+    subprocess.run(runtime.ssh_command(twin.name, ["reboot"]), capture_output=True, timeout=60)
+    deadline = time.monotonic() + 60
+    while not boots(twin.name)[-1].endswith(" hung") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert boots(twin.name)[-1].endswith(" hung"), boots(twin.name)
+    press_reset(twin.name)
+    assert twin_run(twin.name, "uname", "-r").strip() == old
+    assert not grubenv(twin.name).get("next_entry")
+
+    second = converge(twin.name, stages=GRUB_STAGES)
+    assert second.rc == 0, second.output[-6000:]
+    assert f"the trial boot of {RELEASE} came up on {old}" in second.output
+    assert f">gnulinux-{old}-advanced-" in grubenv(twin.name)["saved_entry"]
+    third = converge(twin.name, stages=GRUB_STAGES)
+    assert third.rc == 0 and third.changed == 0, third.output[-6000:]
+
+    # the spec's kernel that does come up: a retry needs the record gone (or another spec)
+    (root / "var/lib/twin/boot/no-boot").write_text("")
+    (root / plan.TRIAL_FAILED.lstrip("/")).unlink()
+    fourth = converge(twin.name, reboot_allowed=True, stages=GRUB_STAGES)
+    assert fourth.rc == 0, fourth.output[-6000:]
+    assert twin_run(twin.name, "uname", "-r").strip() == RELEASE
+    assert f">gnulinux-{RELEASE}-advanced-" in grubenv(twin.name)["saved_entry"]  # the default for good
+    reboot(twin.name)
+    assert twin_run(twin.name, "uname", "-r").strip() == RELEASE
+
+
+def test_grub_with_grubenv_on_lvm_refuses_the_trial_before_any_change(twin_factory, tmp_path):
+    """intel2 as recorded: /boot on the LVM root; GRUB cannot clear next_entry there."""
+    twin, root = grub_twin(twin_factory, "lvm")
+    seed_finished_build(root, tmp_path)
+    run = converge(twin.name, stages="operations.kernel,operations.reboot")
+    assert run.rc != 0 and "/boot/grub/grubenv is on lvm" in run.output, run.output[-4000:]
+    assert "kernel.trial_boot: false" in run.output
+    assert f"vmlinuz-{RELEASE}" not in twin_run(twin.name, "ls", "/boot").split()
+
+
+def test_secure_boot_refuses_the_unsigned_build_before_any_change(twin_factory, tmp_path):
+    """shim/GRUB verify the kernel under Secure Boot; the stage does not sign its build."""
+    from tests.twin import hardware
+    twin = twin_factory("kpro6", address=quiet_address())
+    root = Path(twin.root)
+    hardware.set_secure_boot(root, True)
+    reboot(twin.name)
+    seed_finished_build(root, tmp_path)
+    run = converge(twin.name)
+    assert run.rc != 0 and "Secure Boot is on" in run.output and "would not boot" in run.output, run.output[-4000:]
+    assert f"vmlinuz-{RELEASE}" not in twin_run(twin.name, "ls", "/boot").split()
+    assert loader_default(root) == "proxmox-*" and oneshot(root) is None

@@ -72,10 +72,14 @@ STANDIN_PATHS = {
                 # the real names point at systemctl; absolute callers must reach the stand-in too
                 "usr/sbin/reboot", "usr/sbin/shutdown",
                 # proxmox-kernel-helper's kernel hook: a kernel package's postinst runs it
-                "etc/kernel/postinst.d/zz-proxmox-boot", "etc/kernel/postrm.d/zz-proxmox-boot"],
+                "etc/kernel/postinst.d/zz-proxmox-boot", "etc/kernel/postrm.d/zz-proxmox-boot",
+                # systemd's bootctl (set-oneshot) and grub-probe (--target=abstraction)
+                "usr/local/bin/bootctl", "usr/local/sbin/grub-probe"],
     "hostdev.py": ["usr/local/bin/fuser", "usr/local/bin/nvidia-modprobe", "usr/local/bin/uname",
                    "usr/local/sbin/modprobe", "usr/local/bin/mokutil"],
 }
+# Stand-ins that are shell scripts run in the caller's process (standins/<name> -> paths)
+SHELL_STANDIN_PATHS = {"mount.sh": ["usr/local/bin/mount"]}
 # The Python stand-ins as modules (the stand-in server imports them) and as programs (run
 # directly where the server is not reachable); each program path gets the small client
 # (standins/client.c) when it can be built, else the Python program itself.
@@ -207,7 +211,17 @@ def _version_key(rel: str):
 
 ESP_LIST = "etc/kernel/proxmox-boot-uuids"
 ESP_ROOT = f"{TWIN_DIR}/esp"  # one dir per ESP UUID (tests/twin/standins/boot.py writes them)
-NO_BOOT = f"{TWIN_DIR}/boot/no-boot"  # releases that do not come up on this twin (a failing trial)
+# Releases that do not come up on this twin, one per line: `<release> [hangs|panics]` (default
+# hangs). A kernel that hangs stays hung until a reset (`reset(root)` from outside the twin: the
+# twin has no sshd then); one that panics resets by itself when its command line has panic=N
+# (N > 0; the kernel's panic timeout, and initramfs-tools scripts/functions panic() reboots
+# when panic= is set), else it waits like a hang. Each reset makes the boot loader choose again.
+NO_BOOT = f"{TWIN_DIR}/boot/no-boot"
+BOOT_ATTEMPTS = f"{TWIN_DIR}/boot/attempts"  # one line per boot attempt: "<release> <entry> <outcome>"
+EFIVARS = f"{TWIN_DIR}/efivars"  # the twin's NVRAM (tests/twin/standins/boot.py bootctl writes it)
+LOADER_GUID = "4a67b082-0a4c-41cf-b6c7-440b29bb8c4f"
+GRUBENV = "boot/grub/grubenv"
+MAX_ATTEMPTS = 8  # a reset loop longer than this is reported as one (the host never comes up)
 
 
 def _entry_fields(text: str) -> dict:
@@ -219,11 +233,18 @@ def _entry_fields(text: str) -> dict:
     return fields
 
 
-def esp_boot_entry(root: Path) -> dict | None:
-    """The loader entry systemd-boot starts from the first listed ESP: loader.conf's `default`
-    (a glob such as `proxmox-*` picks the newest matching entry, as systemd-boot sorts entries
-    by version), else the newest entry. None when no ESP is listed or it holds no entries.
-    {"file": "proxmox-6.14.8-2-pve.conf", "version": "6.14.8-2-pve", "options": "root=…"}"""
+def _efivar(root: Path, name: str, consume: bool) -> str | None:
+    path = root / EFIVARS / f"{name}-{LOADER_GUID}"
+    if not path.exists():
+        return None
+    data = path.read_bytes()[4:]
+    if consume:
+        path.unlink()
+    return data.decode("utf-16-le", "replace").rstrip("\x00")
+
+
+def _esp_entries(root: Path) -> tuple[dict, str | None] | None:
+    """({id: entry}, loader.conf default) of the first listed ESP with a loader.conf."""
     uuids = [u.strip() for u in (_read(root, ESP_LIST) or "").splitlines() if u.strip()]
     for uuid in uuids:
         esp = root / ESP_ROOT / uuid
@@ -233,63 +254,190 @@ def esp_boot_entry(root: Path) -> dict | None:
         entries = {}
         for p in (esp / "loader/entries").glob("*.conf"):
             fields = _entry_fields(p.read_text())
-            entries[p.name] = {"file": p.name, "version": fields.get("version", p.stem), "options": fields.get("options", "")}
-        if not entries:
-            return None
+            entries[p.name.lower()] = {"file": p.name, "version": fields.get("version", p.stem),
+                                       "options": fields.get("options", ""), "linux": fields.get("linux", "")}
         default = None
         for line in conf.splitlines():
             if line.startswith("default "):
                 default = line.split(None, 1)[1].strip()
-        by_version = sorted(entries.values(), key=lambda e: _version_key(e["version"]), reverse=True)
-        matching = [e for e in by_version if default and fnmatch.fnmatch(e["file"], default)]
-        return (matching or by_version)[0]
+        return entries, default
     return None
 
 
-def booted_release(root: Path, profile: dict, previous: str | None = None) -> str:
-    """What this boot runs. systemd-boot with listed ESPs: what the last ESP sync (refresh)
-    wrote as loader default, never the pin files. Otherwise (GRUB, no ESP): the next-boot pin,
-    the pin, the newest installed kernel. A release in NO_BOOT does not come up: the twin then
-    boots `previous` (what an operator picks from the boot menu after the failed attempt)."""
+def esp_boot_entry(root: Path, consume: bool = False) -> dict | None:
+    """The loader entry systemd-boot starts from the first listed ESP, chosen as
+    systemd src/boot/efi/boot.c does (config_load_defaults, config_default_entry_select): the EFI
+    variable LoaderEntryOneShot (deleted as it is read: `consume`) when an entry has that id,
+    then LoaderEntryDefault, then loader.conf's `default` (a glob: the first match in systemd-boot's
+    order, which puts newer versions first), then the first entry. None when no ESP is listed or
+    it holds no entries. {"file": "proxmox-6.14.8-2-pve.conf", "version": …, "options": "root=…"}"""
+    found = _esp_entries(root)
+    oneshot = _efivar(root, "LoaderEntryOneShot", consume)
+    if found is None or not found[0]:
+        return None
+    entries, default = found
+    for ident in (oneshot, _efivar(root, "LoaderEntryDefault", False)):
+        if ident and ident.lower() in entries:
+            return entries[ident.lower()]
+    by_version = sorted(entries.values(), key=lambda e: _version_key(e["version"]), reverse=True)
+    matching = [e for e in by_version if default and fnmatch.fnmatch(e["file"].lower(), default.lower())]
+    return (matching or by_version)[0]
+
+
+def _entry_release(entry: dict) -> str:
+    m = re.search(r"vmlinuz-(\S+)$", entry.get("linux", ""))
+    return m.group(1) if m else entry["version"]
+
+
+def _grubenv(root: Path) -> dict:
+    """grubenv's variables (GRUB's environment block: `# GRUB Environment Block`, name=value
+    lines, padded with '#' to 1024 bytes)."""
+    env = {}
+    for line in (_read(root, GRUBENV) or "").splitlines():
+        if line and not line.startswith("#") and "=" in line:
+            name, _, value = line.partition("=")
+            env[name] = value
+    return env
+
+
+def _write_grubenv(root: Path, env: dict) -> None:
+    body = "# GRUB Environment Block\n" + "".join(f"{k}={v}\n" for k, v in env.items())
+    _write(root / GRUBENV, body + "#" * max(0, 1024 - len(body.encode())))
+
+
+def _grub_menu(cfg: str) -> list[dict]:
+    """Top-level items of a grub.cfg: menuentries {"title", "id", "linux"} and submenus
+    {"title", "id", "items"} (the form grub-mkconfig's 10_linux writes)."""
+    top: list[dict] = []
+    stack: list[list] = [top]
+    for line in cfg.splitlines():
+        m = re.match(r"^\s*(menuentry|submenu)\s+'([^']*)'.*?(?:\$menuentry_id_option\s+'([^']*)')?\s*\{\s*$", line)
+        if m:
+            item: dict = {"title": m.group(2), "id": m.group(3) or m.group(2)}
+            if m.group(1) == "submenu":
+                item["items"] = []
+            stack[-1].append(item)
+            stack.append(item.get("items", item.setdefault("_body", [])))
+            continue
+        if re.match(r"^\s*\}\s*$", line) and len(stack) > 1:
+            stack.pop()
+            continue
+        m = re.match(r"^\s*linux\s+(\S+)\s*(.*)$", line)
+        if m and len(stack) > 1 and isinstance(stack[-2], list):
+            owner = stack[-2][-1] if stack[-2] else None
+            if owner is not None and "items" not in owner:
+                owner["linux"], owner["args"] = m.group(1), m.group(2)
+    return top
+
+
+def _grub_resolve(menu: list[dict], default: str) -> dict | None:
+    """GRUB's default: an index, a title or an id, `>` separating submenu levels."""
+    items = menu
+    found = None
+    for part in default.split(">"):
+        found = None
+        if part.isdigit():
+            found = items[int(part)] if int(part) < len(items) else None
+        else:
+            found = next((i for i in items if part in (i["id"], i["title"])), None)
+        if found is None:
+            return None
+        items = found.get("items", [])
+    return found if found is not None and "linux" in found else None
+
+
+def grub_boot_entry(root: Path, profile: dict, consume: bool = False) -> dict | None:
+    """The entry GRUB boots, as the grub.cfg update-grub wrote runs (util/grub.d/00_header.in):
+    grubenv next_entry when set, cleared by save_env (`consume`; GRUB cannot write its
+    environment on LVM or RAID: profile boot.grubenv_abstraction, then it stays set), else the
+    header's `set default=`, ${saved_entry} expanded; an unknown default boots entry 0.
+    {"release", "args", "id"} or None without a grub.cfg menu."""
+    cfg = _read(root, "boot/grub/grub.cfg") or ""
+    menu = _grub_menu(cfg)
+    if not menu:
+        return None
+    env = _grubenv(root)
+    m = re.search(r'^\s*else\s*\n\s*set default="([^"]*)"', cfg, re.M)
+    default = m.group(1) if m else "0"
+    default = default.replace("${saved_entry}", env.get("saved_entry", ""))
+    chosen = None
+    if env.get("next_entry"):
+        chosen = _grub_resolve(menu, env["next_entry"])
+        writable = (profile.get("boot") or {}).get("grubenv_abstraction") not in ("lvm", "diskfilter")
+        if consume and writable:
+            env["next_entry"] = ""
+            _write_grubenv(root, env)
+    if chosen is None:
+        chosen = _grub_resolve(menu, default) or _grub_resolve(menu, "0")
+    if chosen is None:
+        return None
+    rel = re.sub(r"^.*vmlinuz-", "", chosen["linux"])
+    return {"release": rel, "args": chosen.get("args", ""), "id": chosen["id"], "image": chosen["linux"]}
+
+
+def _no_boot(root: Path) -> dict[str, str]:
+    out = {}
+    for line in (_read(root, NO_BOOT) or "").splitlines():
+        parts = line.split()
+        if parts:
+            out[parts[0]] = parts[1] if len(parts) > 1 else "hangs"
+    return out
+
+
+def choose_boot(root: Path, profile: dict, consume: bool = False) -> dict:
+    """One power-on: the loader chooses (consuming its one-shots when `consume`), the kernel
+    comes up, hangs, or panics and resets (then the loader chooses again).
+    {"release", "cmdline", "entry", "hung": bool, "attempts": [[release, entry, outcome], …]}"""
+    loader = profile["boot"]["loader"]
     installed = installed_kernels(root)
-    no_boot = set((_read(root, NO_BOOT) or "").split())
-    entry = esp_boot_entry(root) if profile["boot"]["loader"] == "systemd-boot" else None
-    if entry is not None:
-        candidates = [entry["version"]]
-    else:
-        nxt = (_read(root, "etc/kernel/next-boot-pin") or "").strip()
-        pin = (_read(root, "etc/kernel/proxmox-boot-pin") or "").strip()
-        candidates = [nxt, pin] + list(reversed(installed))
-    for candidate in candidates:
-        if candidate and candidate in installed:
-            if candidate in no_boot and previous and previous != candidate:
-                return previous
-            return candidate
-    if installed:
-        return installed[-1]
-    return profile["kernel"]["release"]
+    no_boot = _no_boot(root)
+    attempts: list[list[str]] = []
+    while True:
+        release, cmdline, ident = _loader_choice(root, profile, installed, consume)
+        mode = no_boot.get(release)
+        panic = _cmdline_params(cmdline).get("panic")
+        if mode is None:
+            attempts.append([release, ident, "up"])
+            return {"release": release, "cmdline": cmdline, "entry": ident, "hung": False, "attempts": attempts}
+        if mode == "panics" and panic and panic.lstrip("-").isdigit() and int(panic) != 0 and consume \
+                and len(attempts) < MAX_ATTEMPTS:
+            attempts.append([release, ident, f"panic, reset after {panic} s (panic={panic})"])
+            continue
+        outcome = "hung (panic without panic=: waits at the console)" if mode == "panics" else "hung"
+        if len(attempts) >= MAX_ATTEMPTS:
+            outcome = f"reset loop: panicked {len(attempts)} times"
+        attempts.append([release, ident, outcome])
+        return {"release": release, "cmdline": cmdline, "entry": ident, "hung": True, "attempts": attempts,
+                "loader": loader}
+
+
+def _loader_choice(root: Path, profile: dict, installed: list[str], consume: bool) -> tuple[str, str, str]:
+    boot = profile["boot"]
+    if boot["loader"] == "systemd-boot":
+        entry = esp_boot_entry(root, consume)
+        if entry is not None:
+            rel = _entry_release(entry)
+            return rel, f"initrd=\\EFI\\proxmox\\{rel}\\initrd.img-{rel} {entry['options'].strip()}", entry["file"]
+    elif boot["loader"] == "grub":
+        entry = grub_boot_entry(root, profile, consume)
+        if entry is not None:
+            return entry["release"], f"BOOT_IMAGE={entry['image']} {entry['args']}".strip(), entry["id"]
+    rel = installed[-1] if installed else profile["kernel"]["release"]
+    return rel, booted_cmdline(root, profile, rel), "-"
+
+
+def booted_release(root: Path, profile: dict, previous: str | None = None) -> str:
+    """The release a power-on would run now (nothing consumed)."""
+    return choose_boot(root, profile)["release"]
 
 
 def booted_cmdline(root: Path, profile: dict, release: str) -> str:
+    """The command line of `release` where no loader entry names it (a loader-less profile)."""
     boot = profile["boot"]
-    loader = boot["loader"]
-    if loader == "systemd-boot":
-        # the options of the loader entry that booted (written by the last ESP sync)
-        args = boot["cmdline"]
-        for uuid in [u.strip() for u in (_read(root, ESP_LIST) or "").splitlines() if u.strip()][:1]:
-            entry = _read(root, f"{ESP_ROOT}/{uuid}/loader/entries/proxmox-{release}.conf")
-            if entry is not None:
-                args = _entry_fields(entry).get("options", "")
-        return f"initrd=\\EFI\\proxmox\\{release}\\initrd.img-{release} {args.strip()}"
-    if loader == "grub":
-        cfg = _read(root, "boot/grub/grub.cfg") or ""
-        lines = [m.groups() for m in re.finditer(r"^\s*linux\s+(\S+)\s*(.*)$", cfg, re.M)]
-        for image, args in lines:
-            if image.endswith(f"vmlinuz-{release}"):
-                return f"BOOT_IMAGE={image} {args}".strip()
-        if lines:
-            return f"BOOT_IMAGE=/boot/vmlinuz-{release} {lines[0][1]}".strip()
+    if boot["loader"] == "grub":
         return f"BOOT_IMAGE=/boot/vmlinuz-{release} {boot['cmdline']}".strip()
+    if boot["loader"] == "systemd-boot":
+        return f"initrd=\\EFI\\proxmox\\{release}\\initrd.img-{release} {boot['cmdline']}"
     return boot["cmdline"]
 
 
@@ -454,11 +602,11 @@ def _truthy(v: str) -> bool:
 
 # ---------------------------------------------------------------- the boot computation
 
-def compute(root: Path, profile: dict, previous: str | None = None) -> dict:
-    """Everything a boot decides, as plain data (written to hw/state.json). `previous`: the
-    release the boot before ran (where a release that does not come up falls back to)."""
-    release = booted_release(root, profile, previous)
-    cmdline = booted_cmdline(root, profile, release)
+def compute(root: Path, profile: dict, previous: str | None = None, choice: dict | None = None) -> dict:
+    """Everything a boot decides, as plain data (written to hw/state.json). `choice`: what the
+    boot loader chose (`choose_boot`; None: choose now without consuming one-shots)."""
+    choice = choice or choose_boot(root, profile)
+    release, cmdline = choice["release"], choice["cmdline"]
     params = _cmdline_params(cmdline)
 
     iommu_cfg = profile.get("iommu") or {"vendor": "none"}
@@ -605,6 +753,7 @@ def compute(root: Path, profile: dict, previous: str | None = None) -> dict:
         "profile": profile["name"], "node": profile.get("node", profile["name"]),
         "booted_at": time.time(),
         "boot": {"release": release, "cmdline": cmdline, "loader": profile["boot"]["loader"],
+                 "entry": choice.get("entry"), "hung": choice.get("hung", False), "attempts": choice.get("attempts", []),
                  "gcc": _kernel_gcc(root, profile, release)},
         "iommu": {"enabled": iommu_on, "type": domain, "vendor": vendor},
         "modules": loaded, "module_params": module_params,
@@ -668,7 +817,10 @@ def render(root: Path) -> None:
     profile = load_profile(root / TWIN_DIR / "profile.yml")
     before = _read(root, f"{TWIN_DIR}/hw/state.json")
     previous = json.loads(before)["boot"]["release"] if before else None
-    state = compute(root, profile, previous)
+    choice = choose_boot(root, profile, consume=True)  # the loader's one-shots are used up here
+    with open(_ensure_dir(root / BOOT_ATTEMPTS), "a") as log:
+        log.writelines(f"{r} {e} {o}\n" for r, e, o in choice["attempts"])
+    state = compute(root, profile, previous, choice)
     hw = root / TWIN_DIR / "hw"
     if hw.exists():
         shutil.rmtree(hw)
@@ -677,7 +829,19 @@ def render(root: Path) -> None:
     _render_proc(hw / "proc", profile, state)
     (hw / "dev.json").write_text(json.dumps(state["dev_nodes"], indent=1))
     (hw / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
-    boot_cleanup(root, profile)
+    if not choice["hung"]:
+        boot_cleanup(root, profile)  # a unit of user space: only a kernel that came up runs it
+
+
+def _ensure_dir(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def hung(root: Path) -> bool:
+    """Did the last boot hang (no user space: the twin's supervisor starts no sshd)?"""
+    text = _read(root, f"{TWIN_DIR}/hw/state.json")
+    return bool(text and json.loads(text)["boot"].get("hung"))
 
 
 def boot_cleanup(root: Path, profile: dict) -> None:
@@ -993,6 +1157,12 @@ def install_standins(root: Path, data: dict) -> None:
                 p.unlink()  # /usr/sbin/reboot is a symlink to systemctl: never write through it
             shutil.copyfile(client or program, p)
             p.chmod(0o755)
+    for name, dests in SHELL_STANDIN_PATHS.items():
+        for dest in dests:
+            p = root / dest
+            p.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(STANDINS_DIR / name, p)
+            p.chmod(0o755)
 
 
 def install(root: Path, profile: str) -> None:
@@ -1084,12 +1254,10 @@ def _seed_boot(root: Path, data: dict) -> None:
                    'GRUB_DISTRIBUTOR="Proxmox VE"\n'
                    f'GRUB_CMDLINE_LINUX_DEFAULT="{boot.get("cmdline_default", "quiet")}"\n'
                    f'GRUB_CMDLINE_LINUX="{boot.get("cmdline_linux", "")}"\n')
-        rels = sorted(data["kernel"].get("installed") or [data["kernel"]["release"]], key=_version_key)
-        _write(root / "boot/grub/grub.cfg", "".join(
-            f"menuentry 'Proxmox VE GNU/Linux, with Linux {r}' {{\n"
-            f"\tlinux\t/boot/vmlinuz-{r} root={boot['root']} ro {boot['cmdline_linux'] + ' ' if boot.get('cmdline_linux') else ''}"
-            f"{boot.get('cmdline_default', 'quiet')}\n\tinitrd\t/boot/initrd.img-{r}\n}}\n"
-            for r in reversed(rels)))
+        if not (root / "boot/grub/grub.cfg").exists():  # what the installer's update-grub left
+            env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "TWIN_ROOT": str(root)}
+            subprocess.run([str(root / STANDIN_LIB_DIR / "bin/update-grub")], env=env, check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _seed_pve(root: Path, data: dict) -> None:

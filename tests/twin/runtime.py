@@ -667,6 +667,14 @@ def set_fault(name: str, unbind_delay_s: float = 0.0) -> None:
     tmp.rename(target)
 
 
+def reset(name: str) -> None:
+    """Press the reset button of running twin `name`: a reboot without asking the twin (whose
+    kernel may hang with no sshd: tests/twin/hardware.py no-boot); the supervisor serves it
+    like any reboot request."""
+    spec = spec_of(name)
+    (Path(spec["root"]) / REBOOT_REQUEST).write_text("reset button\n")
+
+
 def kill_sshd(name: str) -> list[int]:
     """SIGKILL every sshd process of running twin `name` (the listener and every session: each
     SSH connection drops); its supervisor starts the listener again within ~1 s, as systemd
@@ -816,6 +824,7 @@ class Supervisor:
         self.standin_restarts = 0
         self.boot_time = 0.0
         self.boots = 0
+        self.hung = False  # the last boot's kernel hung (no sshd until a reset)
         self.stopping = False
 
     def run(self) -> None:
@@ -836,11 +845,11 @@ class Supervisor:
             os.pwrite(uptime_fd, f"{up:.2f} {up * 2:.2f}".ljust(40).encode() + b"\n", 0)
             if (self.root / REBOOT_REQUEST).exists():
                 self.reboot()
-            elif self.sshd is None:
+            elif self.sshd is None and not self.hung:
                 log(f"{self.spec['name']}: sshd exited; starting it again")
                 time.sleep(0.5)
                 self.start_sshd()
-            elif self.standins is None and self.standin_restarts < 3 and (self.root / STANDIN_SERVER).exists():
+            elif self.standins is None and not self.hung and self.standin_restarts < 3 and (self.root / STANDIN_SERVER).exists():
                 self.standin_restarts += 1  # the stand-ins run their own Python meanwhile (client.c)
                 log(f"{self.spec['name']}: stand-in server exited; starting it again")
                 self.start_standins()
@@ -858,6 +867,14 @@ class Supervisor:
         socket.sethostname(hostname)
         self.mount_all()
         self.boot_time = time.monotonic()
+        hardware = load_hardware(self.spec["hardware"])
+        self.hung = bool(getattr(hardware, "hung", lambda root: False)(self.root))
+        if self.hung:  # the kernel never reached user space: no sshd until a reset (reset(name))
+            self.boots += 1
+            with open(self.dir / "boots", "a") as boots:
+                boots.write(f"{time.time():.3f} {self.boots} hung\n")
+            log(f"{self.spec['name']}: boot {self.boots} hung (tests/twin/hardware.py no-boot); waiting for a reset")
+            return
         if (self.root / STANDIN_SERVER).exists():
             self.start_standins()
         self.start_guests()

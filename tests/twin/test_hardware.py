@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.twin import hardware
 
@@ -337,19 +338,103 @@ def test_booted_kernel_is_what_the_last_refresh_wrote(twin):
     assert state(root)["boot"]["release"] == "6.14.8-2-pve"
 
 
-def test_a_kernel_that_does_not_come_up_falls_back_to_the_one_before(twin):
+def no_boot(root, line):
+    (root / "var/lib/twin/boot").mkdir(parents=True, exist_ok=True)
+    (root / "var/lib/twin/boot/no-boot").write_text(line + "\n")
+
+
+def test_a_next_boot_pin_written_as_loader_default_boots_a_hanging_kernel_at_every_reset(twin):
+    """What `kernel pin --next-boot` + refresh does on systemd-boot: loader.conf's default is the
+    trial kernel, and only proxmox-boot-cleanup (user space) puts it back. The twin has no fallback
+    of its own: the kernel that hangs is chosen again at every reset."""
     root = twin("kpro6")
     env = dict(os.environ, TWIN_ROOT=str(root))
     pbt = str(root / "usr/local/sbin/proxmox-boot-tool")
     add_kernel(root, "6.14.11-1-pve")
-    (root / "var/lib/twin/boot").mkdir(parents=True, exist_ok=True)
-    (root / "var/lib/twin/boot/no-boot").write_text("6.14.11-1-pve\n")
+    no_boot(root, "6.14.11-1-pve")
     for argv in (["kernel", "pin", "6.14.8-2-pve"], ["kernel", "pin", "6.14.11-1-pve", "--next-boot"], ["refresh"]):
         subprocess.run([pbt, *argv], env=env, check=True, capture_output=True)
+    for _ in range(3):
+        hardware.render(root)
+        assert state(root)["boot"]["release"] == "6.14.11-1-pve" and state(root)["boot"]["hung"]
+        assert hardware.hung(root)
+    assert (root / "etc/kernel/next-boot-pin").exists()  # the cleanup unit never ran
+
+
+def test_a_one_shot_entry_is_booted_once_and_a_panic_with_panic_set_resets_to_the_default(twin):
+    """systemd-boot reads and deletes LoaderEntryOneShot before it chooses (systemd boot.c)."""
+    root = twin("kpro6")
+    env = dict(os.environ, TWIN_ROOT=str(root))
+    pbt = str(root / "usr/local/sbin/proxmox-boot-tool")
+    add_kernel(root, "6.14.11-1-pve")
+    for argv in (["kernel", "pin", "6.14.8-2-pve"], ["refresh"]):
+        subprocess.run([pbt, *argv], env=env, check=True, capture_output=True)
+    esp = root / "var/lib/twin/esp/5A1C-9E27/loader/entries"
+    trial = (esp / "proxmox-6.14.11-1-pve.conf").read_text().replace("boot=zfs", "boot=zfs panic=10")
+    (esp / "pvegpu-trial-6.14.11-1-pve.conf").write_text(trial)
+    bootctl = str(root / "usr/local/bin/bootctl")
+    # a kernel that comes up: once
+    subprocess.run([bootctl, "set-oneshot", "pvegpu-trial-6.14.11-1-pve.conf"], env=env, check=True)
+    hardware.render(root)
+    assert state(root)["boot"]["release"] == "6.14.11-1-pve" and "panic=10" in hw(root, "proc/cmdline").read_text()
     hardware.render(root)
     assert state(root)["boot"]["release"] == "6.14.8-2-pve"
-    conf = (root / "var/lib/twin/esp/5A1C-9E27/loader/loader.conf").read_text()
-    assert "default proxmox-6.14.8-2-pve.conf" in conf  # the old default after the cleanup
+    # one that hangs: one reset brings the default back
+    no_boot(root, "6.14.11-1-pve hangs")
+    subprocess.run([bootctl, "set-oneshot", "pvegpu-trial-6.14.11-1-pve.conf"], env=env, check=True)
+    hardware.render(root)
+    assert state(root)["boot"]["hung"] and state(root)["boot"]["release"] == "6.14.11-1-pve"
+    hardware.render(root)
+    assert not state(root)["boot"]["hung"] and state(root)["boot"]["release"] == "6.14.8-2-pve"
+    # one that panics with panic= on its line: back on the default by itself, in one power-on
+    no_boot(root, "6.14.11-1-pve panics")
+    subprocess.run([bootctl, "set-oneshot", "pvegpu-trial-6.14.11-1-pve.conf"], env=env, check=True)
+    hardware.render(root)
+    assert not state(root)["boot"]["hung"] and state(root)["boot"]["release"] == "6.14.8-2-pve"
+    assert [a[2].split(",")[0] for a in state(root)["boot"]["attempts"]] == ["panic", "up"]
+    # ... and without panic= it waits at the console like a hang
+    subprocess.run([bootctl, "set-oneshot", "proxmox-6.14.11-1-pve.conf"], env=env, check=True)
+    hardware.render(root)
+    assert state(root)["boot"]["hung"]
+
+
+def set_grubenv_abstraction(root, value):
+    profile = yaml.safe_load((root / "var/lib/twin/profile.yml").read_text())
+    profile["boot"]["grubenv_abstraction"] = value
+    (root / "var/lib/twin/profile.yml").write_text(yaml.safe_dump(profile))
+
+
+def test_grub_boots_next_entry_once_then_saved_entry_unless_grubenv_is_on_lvm(twin):
+    """util/grub.d/00_header.in: next_entry boots once (save_env clears it), else the default,
+    ${saved_entry} with GRUB_DEFAULT=saved; GRUB cannot write grubenv on LVM."""
+    root = twin("intel2")
+    set_grubenv_abstraction(root, "")  # intel2's /boot is on LVM; first a /boot partition of its own
+    env = dict(os.environ, TWIN_ROOT=str(root))
+    add_kernel(root, "6.14.11-1-pve")
+    (root / "etc/default/grub.d").mkdir(parents=True, exist_ok=True)
+    (root / "etc/default/grub.d/pvegpu.cfg").write_text("GRUB_DEFAULT=saved\n")
+    subprocess.run([str(root / "usr/local/sbin/update-grub")], env=env, check=True, capture_output=True)
+    cfg = (root / "boot/grub/grub.cfg").read_text()
+    assert 'set default="${saved_entry}"' in cfg
+    found = re.search(r"gnulinux-advanced-(\S+)' \{", cfg)
+    assert found
+    dev = found.group(1)
+    hardware.render(root)
+    assert state(root)["boot"]["release"] == "6.14.11-1-pve"  # no saved_entry: entry 0, the newest
+    old = f"gnulinux-advanced-{dev}>gnulinux-6.8.12-11-pve-advanced-{dev}"
+    new = f"gnulinux-advanced-{dev}>gnulinux-6.14.11-1-pve-advanced-{dev}"
+    hardware._write_grubenv(root, {"saved_entry": old, "next_entry": new})
+    no_boot(root, "6.14.11-1-pve hangs")
+    hardware.render(root)
+    assert state(root)["boot"]["hung"] and state(root)["boot"]["release"] == "6.14.11-1-pve"
+    hardware.render(root)  # the reset: next_entry was cleared as GRUB read it
+    assert not state(root)["boot"]["hung"] and state(root)["boot"]["release"] == "6.8.12-11-pve"
+    # grubenv on LVM: GRUB cannot clear next_entry, the hanging kernel comes back at every reset
+    set_grubenv_abstraction(root, "lvm")
+    hardware._write_grubenv(root, {"saved_entry": old, "next_entry": new})
+    for _ in range(2):
+        hardware.render(root)
+        assert state(root)["boot"]["hung"] and state(root)["boot"]["release"] == "6.14.11-1-pve"
 
 
 def test_nvidia_module_of_booted_kernel_sets_driver_version(twin):

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from plan import kernel as plan
 from plan.kernel import (
     build_dir,
     build_id,
@@ -12,9 +13,7 @@ from plan.kernel import (
     kernel_decision,
     localversion,
     package_globs,
-    pin_for_good_command,
     resolve_jobs,
-    trial_pin_command,
 )
 from spec.models import KernelSpec
 
@@ -57,12 +56,13 @@ def test_localversion():
     assert localversion(KernelSpec(version="6.1.192-pvegpu-ci", source={"kind": "tarball", "url": "/x", "sha256": "0" * 64})) == "-pvegpu-ci"
 
 
-def facts(installed=(), running="6.8.12-4-pve", pinned=None, next_boot=None, manifest_id=None, build=None, trial=None):
+def facts(installed=(), running="6.8.12-4-pve", pinned=None, manifest_id=None, build=None, trial=None, armed=None,
+          failed=None):
     return {
-        "kernels": {"running": running, "installed": list(installed), "pinned": pinned, "next_boot": next_boot},
+        "kernels": {"running": running, "installed": list(installed), "pinned": pinned},
         "installed_manifest": {"build_id": manifest_id} if manifest_id else None,
         "build": build or {"running": False, "rc": None, "debs": [], "manifest": None},
-        "trial": trial,
+        "trial": trial, "armed": armed, "failed": failed,
     }
 
 
@@ -81,15 +81,40 @@ def test_decisions_through_a_trial_boot():
     stale_build = {**done_build, "manifest": {"build_id": "other"}}
     assert kernel_decision(k, facts(build=stale_build))["action"] == "build"
     inst = ["6.8.12-4-pve", "6.14.8-2-pve"]
+    rel = "6.14.8-2-pve"
     assert kernel_decision(k, facts(inst, manifest_id=bid))["action"] == "trial"
-    assert kernel_decision(k, facts(inst, manifest_id=bid, next_boot="6.14.8-2-pve", trial="6.14.8-2-pve"))["action"] == "await-reboot"
-    # came up on the old one: next-boot pin consumed, trial marker still there
-    failed = kernel_decision(k, facts(inst, manifest_id=bid, trial="6.14.8-2-pve"))
-    assert failed["action"] == "failed-trial" and "came up on 6.8.12-4-pve" in failed["why"]
-    assert kernel_decision(k, facts(inst, running="6.14.8-2-pve", manifest_id=bid))["action"] == "pin"
-    assert kernel_decision(k, facts(inst, running="6.14.8-2-pve", pinned="6.14.8-2-pve", manifest_id=bid))["action"] == "done"
+    # set up and still ahead: /run still holds the armed marker
+    assert kernel_decision(k, facts(inst, manifest_id=bid, trial=rel, armed=rel))["action"] == "await-reboot"
+    # the boot happened (armed marker gone with /run) and came up on the old kernel: record it
+    failed = kernel_decision(k, facts(inst, manifest_id=bid, trial=rel))
+    assert failed["action"] == "finish" and "came up on 6.8.12-4-pve" in failed["why"]
+    # ... and came up on the trial kernel: make it the default
+    assert kernel_decision(k, facts(inst, running=rel, manifest_id=bid, trial=rel))["action"] == "finish"
+    assert kernel_decision(k, facts(inst, running=rel, manifest_id=bid))["action"] == "pin"
+    assert kernel_decision(k, facts(inst, running=rel, pinned=rel, manifest_id=bid))["action"] == "done"
     # same release installed from elsewhere (no manifest of ours): build it
     assert kernel_decision(k, facts(inst))["action"] == "build"
+
+
+def test_a_failed_trial_is_reported_and_not_retried_until_the_spec_changes():
+    k = kernel()
+    bid = build_id(k)
+    inst = ["6.8.12-4-pve", "6.14.8-2-pve"]
+    record = {"release": "6.14.8-2-pve", "build_id": bid, "came_up_on": "6.8.12-4-pve"}
+    d = kernel_decision(k, facts(inst, manifest_id=bid, pinned="6.8.12-4-pve", failed=record))
+    assert d["action"] == "failed-trial"
+    assert "came up on 6.8.12-4-pve" in d["why"] and "not tried again until the spec changes" in d["why"]
+    # another build of the release (the spec changed): the old record does not stop it
+    k2 = kernel(base_config="defconfig")
+    assert kernel_decision(k2, facts(inst, manifest_id=build_id(k2, "defconfig"), failed=record), "defconfig")["action"] == "trial"
+
+
+def test_a_trial_marker_without_the_armed_marker_after_a_failed_one_shot_is_not_awaited():
+    """The markers are written after the one-shot: a one-shot that failed leaves none, and the
+    next run sets the trial up again."""
+    k = kernel()
+    inst = ["6.8.12-4-pve", "6.14.8-2-pve"]
+    assert kernel_decision(k, facts(inst, manifest_id=build_id(k)))["action"] == "trial"
 
 
 def test_package_globs():
@@ -97,46 +122,226 @@ def test_package_globs():
     assert package_globs("tarball", "6.1.192-x") == ["linux-image-6.1.192-x_*.deb", "linux-headers-6.1.192-x_*.deb"]
 
 
-def test_pin_commands_quote_and_check_running_release(tmp_path):
-    assert trial_pin_command("6.14.8-2-pve", "proxmox-boot-tool") == "proxmox-boot-tool kernel pin 6.14.8-2-pve --next-boot"
-    assert trial_pin_command("6.1.0-x", "grub").startswith("grub-reboot 'Advanced options")
-    # run the pin-for-good logic with stand-in uname/proxmox-boot-tool on PATH
-    (tmp_path / "uname").write_text("#!/bin/sh\necho 6.8.12-4-pve\n")
-    (tmp_path / "proxmox-boot-tool").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/pinned\n")
-    for f in ("uname", "proxmox-boot-tool"):
-        (tmp_path / f).chmod(0o755)
-    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
-    r = subprocess.run(["sh", "-c", pin_for_good_command("6.14.8-2-pve", "proxmox-boot-tool")], env=env,
-                       capture_output=True, text=True)
-    assert r.returncode == 1 and "came up on 6.8.12-4-pve; the previous kernel stays pinned" in r.stderr
-    assert not (tmp_path / "pinned").exists()
-    (tmp_path / "uname").write_text("#!/bin/sh\necho 6.14.8-2-pve\n")
-    r = subprocess.run(["sh", "-c", pin_for_good_command("6.14.8-2-pve", "proxmox-boot-tool").replace(
-        "/var/lib/pvegpu/kernel/trial-boot", str(tmp_path / "marker"))], env=env, capture_output=True, text=True)
-    assert r.returncode == 0 and (tmp_path / "pinned").read_text() == "kernel pin 6.14.8-2-pve\n"
 
 
-def test_a_next_boot_pin_without_the_trial_marker_is_pinned_and_refreshed_again():
-    """The marker is written after pin + refresh: a pin whose refresh failed is not awaited."""
-    k = kernel()
-    inst = ["6.8.12-4-pve", "6.14.8-2-pve"]
-    d = kernel_decision(k, facts(inst, manifest_id=build_id(k), next_boot="6.14.8-2-pve"))
-    assert d["action"] == "trial"
+# -- the boot loader interface ------------------------------------------------------------
+
+GRUB_OK = {"esps": False, "grubenv_abstraction": "", "grub_advanced_id": "7f3c", "grub_default": "saved"}
 
 
-def test_pins_are_followed_by_refresh_where_esps_are_listed(tmp_path):
-    """proxmox-boot-tool pin only writes the pin file when /etc/kernel/proxmox-boot-uuids exists
-    (proxmox-kernel-helper pin_kernel()); the loader default changes at refresh."""
-    assert trial_pin_command("6.14.8-2-pve", "proxmox-boot-tool", esps=True) == (
-        "proxmox-boot-tool kernel pin 6.14.8-2-pve --next-boot && proxmox-boot-tool refresh")
-    assert trial_pin_command("6.14.8-2-pve", "proxmox-boot-tool", esps=False) == (
-        "proxmox-boot-tool kernel pin 6.14.8-2-pve --next-boot")  # no ESPs: pin runs update-grub itself
-    (tmp_path / "uname").write_text("#!/bin/sh\necho 6.14.8-2-pve\n")
-    (tmp_path / "proxmox-boot-tool").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/calls\n")
-    for f in ("uname", "proxmox-boot-tool"):
-        (tmp_path / f).chmod(0o755)
-    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
-    cmd = pin_for_good_command("6.14.8-2-pve", "proxmox-boot-tool", esps=True).replace(
-        "/var/lib/pvegpu/kernel/trial-boot", str(tmp_path / "marker"))
+@pytest.mark.parametrize("build,loader,why", [
+    ({"esps": True, "uefi": True}, "systemd-boot", None),
+    ({"esps": True, "uefi": False}, None, "legacy BIOS"),
+    (GRUB_OK, "grub", None),
+    ({**GRUB_OK, "grubenv_abstraction": "lvm"}, None, "GRUB cannot write its environment there"),
+    ({**GRUB_OK, "grubenv_abstraction": "diskfilter"}, None, "never cleared"),
+    ({**GRUB_OK, "grubenv_abstraction": None}, None, "grub-probe could not tell"),
+    ({**GRUB_OK, "grub_advanced_id": None}, None, "Advanced options"),
+])
+def test_trial_loader(build, loader, why):
+    got, reason = plan.trial_loader(build)
+    assert got == loader
+    if why is None:
+        assert reason is None
+    else:
+        assert reason is not None and why in reason
+
+
+def test_grub_entry_ids_follow_proxmox_kernel_helper():
+    entry = plan.grub_entry_id("6.14.11-9-bpo12-pve", "7f3c9a")
+    assert entry == "gnulinux-advanced-7f3c9a>gnulinux-6.14.11-9-bpo12-pve-advanced-7f3c9a"
+    assert plan.grub_release_of(entry) == "6.14.11-9-bpo12-pve"
+    assert plan.grub_release_of("0") is None and plan.grub_release_of(None) is None
+
+
+def test_default_and_oneshot_commands():
+    assert plan.set_default_command("6.14.8-2-pve", "systemd-boot") == (
+        "proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool refresh")
+    assert plan.set_default_command("6.14.8-2-pve", "grub", "ab") == (
+        "grub-set-default 'gnulinux-advanced-ab>gnulinux-6.14.8-2-pve-advanced-ab'")
+    assert plan.oneshot_command("6.14.8-2-pve", "grub", 10, "ab").endswith(
+        " && grub-reboot 'gnulinux-advanced-ab>gnulinux-6.14.8-2-pve-advanced-ab'")
+    one = plan.oneshot_command("6.14.8-2-pve", "systemd-boot", 10)
+    assert one.startswith("unshare --mount --propagation private /bin/sh -c ")
+    assert "pvegpu-trial-6.14.8-2-pve.conf" in one and "panic=10" not in one.split("-c", 1)[0]
+    assert "--next-boot" not in one  # no pin: a next-boot pin becomes loader.conf's default at refresh
+
+
+def _stubs(tmp_path: Path, **programs: str) -> dict:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in programs.items():
+        (bin_dir / name).write_text("#!/bin/sh\n" + body + "\n")
+        (bin_dir / name).chmod(0o755)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+
+def _paths(command: str, tmp_path: Path) -> str:
+    for path in (plan.TRIAL_MARKER, plan.TRIAL_FAILED):
+        command = command.replace(path, str(tmp_path / Path(path).name))
+    return command
+
+
+def test_finish_on_grub_makes_the_trial_the_default_when_it_runs(tmp_path):
+    env = _stubs(tmp_path, uname="echo 6.14.8-2-pve", **{"grub-set-default": f'echo "$@" >> {tmp_path}/calls',
+                                                        "grub-editenv": f'echo editenv "$@" >> {tmp_path}/calls'})
+    (tmp_path / "trial-boot").write_text("6.14.8-2-pve\n")
+    cmd = _paths(plan.finish_trial_command("6.14.8-2-pve", "grub", "b1d", "ab"), tmp_path)
     r = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
-    assert r.returncode == 0 and (tmp_path / "calls").read_text() == "kernel pin 6.14.8-2-pve\nrefresh\n"
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "calls").read_text() == ("gnulinux-advanced-ab>gnulinux-6.14.8-2-pve-advanced-ab\n"
+                                                "editenv /boot/grub/grubenv unset next_entry\n")
+    assert not (tmp_path / "trial-boot").exists() and not (tmp_path / "trial-failed").exists()
+
+
+def test_finish_records_a_failed_trial_with_the_kernel_that_came_up(tmp_path):
+    import json
+    env = _stubs(tmp_path, uname="echo 6.8.12-4-pve", **{"grub-set-default": f'echo "$@" >> {tmp_path}/calls',
+                                                        "grub-editenv": f'echo editenv "$@" >> {tmp_path}/calls'})
+    (tmp_path / "trial-boot").write_text("6.14.8-2-pve\n")
+    cmd = _paths(plan.finish_trial_command("6.14.8-2-pve", "grub", "b1d", "ab"), tmp_path)
+    r = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and "the trial boot of 6.14.8-2-pve came up on 6.8.12-4-pve" in r.stderr
+    assert json.loads((tmp_path / "trial-failed").read_text()) == {
+        "release": "6.14.8-2-pve", "build_id": "b1d", "came_up_on": "6.8.12-4-pve"}
+    assert (tmp_path / "calls").read_text() == "editenv /boot/grub/grubenv unset next_entry\n"  # no new default
+    assert not (tmp_path / "trial-boot").exists()
+    r = subprocess.run(["sh", "-c", _paths(plan.finish_trial_command("6.14.8-2-pve", "grub", "b1d", "ab", fail=False),
+                                           tmp_path)], env=env, capture_output=True, text=True)
+    assert r.returncode == 0
+
+
+def test_systemd_boot_trial_entry_adds_panic_only_to_its_own_entry(tmp_path):
+    """templates/kernel-trial-entry.sh.j2 against two ESP dirs: `mount` links the dir in, as a
+    mounted ESP; the default entry is untouched, the trial entry is chosen with bootctl."""
+    esps = tmp_path / "esps"
+    for uuid in ("AAAA-0001", "BBBB-0002"):
+        (esps / uuid / "loader/entries").mkdir(parents=True)
+        (esps / uuid / "loader/entries/proxmox-6.14.8-2-pve.conf").write_text(
+            "title    Proxmox Virtual Environment\nversion  6.14.8-2-pve\noptions  root=ZFS=rpool/ROOT/pve-1 boot=zfs\n"
+            "linux    /EFI/proxmox/6.14.8-2-pve/vmlinuz-6.14.8-2-pve\n")
+    (tmp_path / "uuids").write_text("AAAA-0001\n\nBBBB-0002\n")
+    env = _stubs(tmp_path, unshare='shift 3; exec "$@"',
+                 mount=f'rmdir "$2" && ln -s {esps}/"${{1##*/}}" "$2"', umount='rm "$1" && mkdir "$1"',
+                 bootctl=f'echo "$@" >> {tmp_path}/bootctl')
+    def run(command):
+        command = command.replace("/etc/kernel/proxmox-boot-uuids", str(tmp_path / "uuids"))
+        return subprocess.run(["sh", "-c", command], env=env, capture_output=True, text=True)
+    r = run(plan.oneshot_command("6.14.8-2-pve", "systemd-boot", 7))
+    assert r.returncode == 0, r.stderr
+    for uuid in ("AAAA-0001", "BBBB-0002"):
+        trial = (esps / uuid / "loader/entries/pvegpu-trial-6.14.8-2-pve.conf").read_text()
+        assert "options  root=ZFS=rpool/ROOT/pve-1 boot=zfs panic=7\n" in trial
+        assert "linux    /EFI/proxmox/6.14.8-2-pve/vmlinuz-6.14.8-2-pve" in trial
+        assert "panic" not in (esps / uuid / "loader/entries/proxmox-6.14.8-2-pve.conf").read_text()
+    assert (tmp_path / "bootctl").read_text() == "set-oneshot pvegpu-trial-6.14.8-2-pve.conf\n"
+    r = run(plan.clear_oneshot_command("6.14.8-2-pve", "systemd-boot"))
+    assert r.returncode == 0, r.stderr
+    assert not list(esps.glob("*/loader/entries/pvegpu-trial-*"))
+    # an ESP without the release's entry (refresh skipped it): no trial is set up
+    r = run(plan.oneshot_command("6.99.1-1-pve", "systemd-boot", 7))
+    assert r.returncode == 1 and "has no loader entry for 6.99.1-1-pve" in r.stderr
+    assert (tmp_path / "bootctl").read_text().count("set-oneshot") == 1
+
+
+def test_a_grub_one_shot_needs_grub_default_saved_in_the_generated_config(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("update-grub", "grub-reboot"):
+        (bin_dir / name).write_text(f'#!/bin/sh\necho {name} "$@" >> {tmp_path}/calls\n')
+        (bin_dir / name).chmod(0o755)
+    cfg = tmp_path / "grub.cfg"
+    cmd = plan.oneshot_command("6.14.8-2-pve", "grub", 10, "ab").replace("/boot/grub/grub.cfg", str(cfg))
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    cfg.write_text('if [ "${next_entry}" ] ; then\nelse\n   set default="0"\nfi\n')
+    r = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and "GRUB_DEFAULT is not saved" in r.stderr
+    assert (tmp_path / "calls").read_text() == "update-grub\n"
+    cfg.write_text('if [ "${next_entry}" ] ; then\nelse\n   set default="${saved_entry}"\nfi\n')
+    r = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "calls").read_text().endswith("grub-reboot gnulinux-advanced-ab>gnulinux-6.14.8-2-pve-advanced-ab\n")
+
+
+# -- kernel.remove_old ---------------------------------------------------------------------
+
+INSTALLED = ["proxmox-kernel-6.8.12-4-pve-signed", "proxmox-kernel-6.8.4-2-pve-signed", "proxmox-kernel-6.8",
+             "proxmox-default-kernel", "pve-kernel-5.15.158-2-pve", "proxmox-kernel-6.14.11-9-bpo12-pve",
+             "linux-image-6.1.0-57-amd64", "linux-image-amd64", "proxmox-kernel-6.8.12-4-pve-signed-dbgsym"]
+
+
+def test_old_kernel_packages_are_what_is_installed_signed_included_never_running_or_default():
+    assert plan.package_release("proxmox-kernel-6.8.12-4-pve-signed") == "6.8.12-4-pve"
+    assert plan.package_release("proxmox-kernel-6.8") is None and plan.package_release("linux-image-amd64") is None
+    old = plan.old_kernel_packages(INSTALLED, {"6.14.11-9-bpo12-pve", "6.8.12-4-pve"})
+    assert old == ["linux-image-6.1.0-57-amd64", "proxmox-kernel-6.8.4-2-pve-signed", "pve-kernel-5.15.158-2-pve"]
+    # the default (known-good) kernel stays too
+    old = plan.old_kernel_packages(INSTALLED, {"6.14.11-9-bpo12-pve", "6.8.12-4-pve", "6.8.4-2-pve"})
+    assert "proxmox-kernel-6.8.4-2-pve-signed" not in old
+
+
+def test_purge_removes_exactly_the_old_kernels_or_nothing(tmp_path):
+    """A meta package depending on an old kernel would go with it (and proxmox-ve with
+    proxmox-default-kernel): apt's simulation says so and nothing is removed."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "apt-get").write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = -s ]; then cat {tmp_path}/sim; else echo "$@" >> {tmp_path}/calls; fi\n')
+    (bin_dir / "apt-get").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    pkgs = ["proxmox-kernel-6.8.4-2-pve-signed", "pve-kernel-5.15.158-2-pve"]
+    (tmp_path / "sim").write_text("Purg pve-kernel-5.15.158-2-pve [5.15.158-2]\n"
+                                  "Purg proxmox-kernel-6.8.4-2-pve-signed [6.8.4-2]\n")
+    r = subprocess.run(["sh", "-c", plan.purge_command(pkgs)], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "calls").read_text() == "-y purge proxmox-kernel-6.8.4-2-pve-signed pve-kernel-5.15.158-2-pve\n"
+    (tmp_path / "calls").unlink()
+    (tmp_path / "sim").write_text("Purg proxmox-ve [8.4.0]\nPurg proxmox-default-kernel [1.1.0]\n"
+                                  "Purg proxmox-kernel-6.8.4-2-pve-signed [6.8.4-2]\nPurg pve-kernel-5.15.158-2-pve [5.15.158-2]\n")
+    r = subprocess.run(["sh", "-c", plan.purge_command(pkgs)], env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and "would also remove: proxmox-default-kernel proxmox-ve" in r.stderr
+    assert not (tmp_path / "calls").exists()
+
+
+# -- the ZFS feature guard ------------------------------------------------------------------
+
+def _zfs_host(tmp_path: Path, fstype: str, features: str, guids: list[str], module: bool = True) -> dict:
+    ko = tmp_path / "zfs.ko"
+    ko.write_bytes(b"\x7fELF\x00" + b"\x00".join(g.encode() for g in guids) + b"\x00")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    programs = {
+        "findmnt": f'case "$*" in *FSTYPE*) echo {fstype};; *SOURCE*) echo rpool/ROOT/pve-1;; esac',
+        "modinfo": f"echo {ko}" if module else "exit 1",
+        "zpool": f"printf '%b' '{features}'",
+    }
+    for name, body in programs.items():
+        (bin_dir / name).write_text("#!/bin/sh\n" + body + "\n")
+        (bin_dir / name).chmod(0o755)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+
+POOL = ("size\\t1.7T\\nfeature@async_destroy\\tenabled\\nfeature@large_blocks\\tactive\\n"
+        "feature@raidz_expansion\\tenabled\\nfeature@block_cloning\\tactive\\nfeature@fast_dedup\\tdisabled\\n")
+
+
+def test_zfs_guard_names_the_root_pools_features_the_new_module_does_not_know(tmp_path):
+    """OpenZFS zfeature_common.c: each feature is "<reverse-dns>:<name>" in the module's table;
+    `zpool get` lists feature@<name> enabled/active/disabled."""
+    old_module = ["com.delphix:async_destroy", "org.open-zfs:large_blocks", "com.delphix:embedded_data"]
+    env = _zfs_host(tmp_path, "zfs", POOL, old_module)
+    r = subprocess.run(["sh", "-c", plan.zfs_guard_command("6.14.11-9-bpo12-pvegpu-pve")], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 1
+    assert "does not support these features of the root pool rpool: raidz_expansion block_cloning;" in r.stderr
+    new_module = old_module + ["org.openzfs:raidz_expansion", "com.fudosecurity:block_cloning"]
+    env = _zfs_host(tmp_path, "zfs", POOL, new_module)  # fast_dedup is disabled: not needed
+    r = subprocess.run(["sh", "-c", plan.zfs_guard_command("6.14.11-9-bpo12-pvegpu-pve")], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    env = _zfs_host(tmp_path, "ext4", POOL, [])  # no ZFS root: nothing to check
+    assert subprocess.run(["sh", "-c", plan.zfs_guard_command("6.1.0-x")], env=env).returncode == 0
+    env = _zfs_host(tmp_path, "zfs", POOL, [], module=False)
+    r = subprocess.run(["sh", "-c", plan.zfs_guard_command("6.1.0-x")], env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and "has no zfs module" in r.stderr

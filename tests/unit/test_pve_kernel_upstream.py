@@ -21,7 +21,8 @@ from spec.models import HostSpec, KernelSpec
 
 REPO = Path(__file__).resolve().parents[2]
 REF = "ad58d1445425ea4742e3470b2edbee35df0657e9"
-RELEASE = "6.14.11-9-bpo12-pve"
+UPSTREAM = "6.14.11-9-bpo12-pve"  # Proxmox's KVNAME of that ref
+RELEASE = "6.14.11-9-bpo12-pvegpu-pve"  # what our build of it produces (KREL_EXTRA + -pvegpu)
 # a target added to debian/rules (make -f debian/rules -f print.mk): what the kernel's make
 # would inherit from it: MAKEFLAGS (-jN from DEB_BUILD_OPTIONS parallel=N) and the gcc on PATH
 PRINT_MK = ("pvegpu-print:\n\t@echo \"MAKEFLAGS=$(MAKEFLAGS)\"\n\t@echo \"DEB_BUILD_OPTIONS=$(DEB_BUILD_OPTIONS)\"\n"
@@ -47,14 +48,32 @@ def pve_kernel(tmp_path_factory) -> Path:
 
 def test_release_from_the_real_makefile(pve_kernel):
     text = (pve_kernel / "Makefile").read_text()
-    assert plan.release_from_makefile(text) == RELEASE
+    assert plan.release_from_makefile(text) == UPSTREAM
+    assert plan.built_release_from_makefile(text) == RELEASE
     variables = plan.makefile_variables(text)
     assert (variables["KREL"], variables["KREL_EXTRA"], variables["BUILD_DIR"]) == ("9", "-bpo12", "proxmox-kernel-6.14.11")
-    # the same value real make gives (the build script's check)
-    made = subprocess.run(["make", "-s", "--no-print-directory", "-f", "Makefile",
-                           "--eval=pvegpu-kvname: ; @echo $(KVNAME)", "pvegpu-kvname"],
-                          cwd=pve_kernel, capture_output=True, text=True, check=True)
-    assert made.stdout.strip() == RELEASE
+    # the same values real make gives (the build script's check), with and without our KREL_EXTRA
+    for args, want in (([], UPSTREAM), (["KREL_EXTRA=-bpo12-pvegpu"], RELEASE)):
+        made = subprocess.run(["make", "-s", "--no-print-directory", "-f", "Makefile", *args,
+                               "--eval=pvegpu-kvname: ; @echo $(KVNAME)", "pvegpu-kvname"],
+                              cwd=pve_kernel, capture_output=True, text=True, check=True)
+        assert made.stdout.strip() == want
+
+
+def test_our_packages_never_carry_the_names_proxmox_signed_kernel_conflicts_with(pve_kernel, tmp_path):
+    """Proxmox's proxmox-kernel-<KVNAME>-signed Conflicts/Replaces proxmox-kernel-<KVNAME>
+    (debian/signing-template/control.in): with KREL_EXTRA + -pvegpu on make's command line, the
+    prepared debian/control (real make, real debian/rules) names packages of our own release."""
+    tree = tmp_path / "tree"
+    shutil.copytree(pve_kernel, tree, symlinks=True)
+    subprocess.run(["make", "-s", "KREL_EXTRA=-bpo12-pvegpu", "debian.prepared"], cwd=tree, check=True, capture_output=True)
+    control = (tree / "proxmox-kernel-6.14.11/debian/control").read_text()
+    packages = re.findall(r"^Package: (\S+)$", control, re.M)
+    assert f"proxmox-kernel-{RELEASE}" in packages and f"proxmox-headers-{RELEASE}" in packages
+    assert not {f"proxmox-kernel-{UPSTREAM}", f"proxmox-headers-{UPSTREAM}"} & set(packages)
+    assert f"KVNAME={RELEASE}" in (tree / "proxmox-kernel-6.14.11/debian/rules.d/env.mk").read_text()
+    signed = (pve_kernel / "debian/signing-template/control.in").read_text()
+    assert "Conflicts: proxmox-kernel-@KVNAME@\n" in signed  # Proxmox's @KVNAME@ is UPSTREAM, never ours
 
 
 def test_fact_reads_the_makefile_of_the_ref_from_an_earlier_clone(pve_kernel, tmp_path):
@@ -94,7 +113,8 @@ def test_build_script_refuses_a_version_the_ref_does_not_build_before_fetching_a
     r = subprocess.run(["sh", str(build / "build.sh")], capture_output=True, text=True, timeout=120)
     log = (build / "build.log").read_text()
     assert r.returncode == 3 and (build / "build.rc").read_text().strip() == "3"
-    assert f"pve-kernel at {head} builds {RELEASE} (its Makefile's KVNAME), but kernel.version says 6.14.8-2-pve" in log
+    assert (f"pve-kernel at {head} builds {RELEASE} (its Makefile's KVNAME with KREL_EXTRA=-bpo12-pvegpu), "
+            "but kernel.version says 6.14.8-2-pve") in log
     assert "submodule" not in log and "mk-build-deps" not in log
 
 
@@ -149,7 +169,7 @@ def test_memory_ceiling_of_the_detached_build():
 def test_preflight_refuses_rebuilding_a_release_whose_headers_are_installed(monkeypatch):
     spec = HostSpec(kernel={"version": RELEASE, "source": {"kind": "proxmox-git", "url": "git://x/pve-kernel.git", "ref": REF}})
     facts = {"kernels": {"running": "6.14.8-2-pve", "installed": ["6.14.8-2-pve"], "pinned": None, "next_boot": None},
-             "build": {**kernel_facts.parse_build_state(["headers-installed"])},
+             "build": {**kernel_facts.parse_build_state(["headers-installed", "pbt", "esps", "uefi"])},
              "source": {"release": RELEASE, "from": "/var/lib/pvegpu/kernel-build/x/src"}}
     monkeypatch.setattr(kernel, "stage_facts", lambda k: facts)
     monkeypatch.setattr(kernel, "host", SimpleNamespace(name="kpro6"))
@@ -157,8 +177,8 @@ def test_preflight_refuses_rebuilding_a_release_whose_headers_are_installed(monk
     assert len(refusals) == 1 and f"proxmox-headers-{RELEASE} is installed" in refusals[0]
     facts["build"]["headers_installed"] = False
     assert kernel.preflight(spec) == []
-    facts["source"]["release"] = "6.14.11-8-bpo12-pve"
-    assert "builds 6.14.11-8-bpo12-pve" in kernel.preflight(spec)[0]
+    facts["source"]["release"] = "6.14.11-8-bpo12-pvegpu-pve"
+    assert "builds 6.14.11-8-bpo12-pvegpu-pve" in kernel.preflight(spec)[0]
 
 
 def test_build_script_checks_the_produced_deb_names(tmp_path):

@@ -2,8 +2,12 @@
 """Twin stand-ins for booting, dispatched on the program name:
 
 proxmox-boot-tool  status | refresh | kernel list | kernel pin <rel> [--next-boot] | kernel unpin [--next-boot]
-update-grub        writes /boot/grub/grub.cfg from /etc/default/grub (grub-mkconfig cannot probe
-                   devices inside the twin)
+update-grub        writes /boot/grub/grub.cfg from /etc/default/grub as grub-mkconfig would
+                   (it cannot probe devices inside the twin); grub-reboot, grub-set-default and
+                   grub-editenv are the real Debian programs (grub2-common)
+grub-probe         --target=abstraction only (the profile's boot.grubenv_abstraction)
+bootctl            set-oneshot | set-default: the EFI variable, in the twin's NVRAM
+                   (/var/lib/twin/efivars, read and cleared by the twin's boot)
 reboot, shutdown -r, systemctl reboot   ask the twin's supervisor for a reboot (TWIN-CONTRACT)
 
 zz-proxmox-boot    the kernel hook (/etc/kernel/postinst.d, postrm.d) a kernel package's postinst runs
@@ -232,7 +236,9 @@ def pbt_kernel(args):
             # ESPs listed: only the pin file; the loader changes at `refresh` (no terminal: no prompt)
             print(f"Set kernel '{rel}' in {where}. Use the 'refresh' command to update the ESPs.")
         else:
-            print(f"Setting '{first_line(NEXT) or rel}' as grub default entry and running update-grub.")
+            kver = first_line(NEXT) or rel
+            print(f"Setting '{kver}' as grub default entry and running update-grub.")
+            set_grub_default(kver)
             update_grub([])
         if next_boot:
             print("Pinned for next boot only.")
@@ -254,6 +260,7 @@ def pbt_kernel(args):
                 print(f"Unpinned kernel '{last}'. Use the 'refresh' command to update the ESPs.")
         else:
             print("Reset default grub entry and running update-grub.")
+            set_grub_default(first_line(PIN))
             update_grub([])
         return 0
     twinstate.die(f"E: invalid 'kernel' subcommand '{op}'.", 1)
@@ -272,39 +279,139 @@ def proxmox_boot_tool(argv):
     twinstate.die(f"E: unknown command '{cmd}'", 2)
 
 
+GRUB_PIN_SNIPPET = "/etc/default/grub.d/proxmox-kernel-pin.cfg"
+
+
+def set_grub_default(kver):
+    """follows proxmox-kernel-helper functions set_grub_default(): GRUB_DEFAULT naming the
+    kernel's entry in the Advanced-options submenu (its id read from grub.cfg), or no snippet."""
+    if not kver:
+        p = twinstate.path(GRUB_PIN_SNIPPET)
+        if os.path.exists(p):
+            os.unlink(p)
+        return
+    m = re.search(r"gnulinux-advanced-(.+)' \{$", twinstate.read("/boot/grub/grub.cfg") or "", re.M)
+    devid = m.group(1) if m else ""
+    twinstate.write(GRUB_PIN_SNIPPET, f'GRUB_DEFAULT="gnulinux-advanced-{devid}>gnulinux-{kver}-advanced-{devid}"\n')
+
+
 def grub_defaults():
-    """Values of /etc/default/grub (+ grub.d/*.cfg) as the shell sees them."""
+    """Values of /etc/default/grub (+ grub.d/*.cfg) as the shell sees them (grub-mkconfig sources
+    them in this order)."""
     files = [twinstate.path("/etc/default/grub")]
     d = twinstate.path("/etc/default/grub.d")
     if os.path.isdir(d):
         files += [os.path.join(d, f) for f in sorted(os.listdir(d)) if f.endswith(".cfg")]
     script = "".join(f'[ -f "{f}" ] && . "{f}"\n' for f in files)
-    script += 'printf "%s\\n%s\\n%s\\n" "$GRUB_CMDLINE_LINUX" "$GRUB_CMDLINE_LINUX_DEFAULT" "$GRUB_DEFAULT"\n'
+    names = ("GRUB_CMDLINE_LINUX", "GRUB_CMDLINE_LINUX_DEFAULT", "GRUB_DEFAULT", "GRUB_DISTRIBUTOR",
+             "GRUB_DISABLE_RECOVERY", "GRUB_DISABLE_SUBMENU")
+    script += "".join(f'printf "%s\\n" "${name}"\n' for name in names)
     import subprocess  # only update-grub needs it; proxmox-boot-tool status runs on every converge
 
     out = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True).stdout.split("\n")
-    return out[0], out[1], out[2]
+    return dict(zip(names, out, strict=False))
+
+
+def grub_device_id():
+    """The id 10_linux puts in the entry ids (boot_device_id: the root file system's UUID)."""
+    boot = twinstate.profile().get("boot") or {}
+    if boot.get("fs_uuid"):
+        return boot["fs_uuid"]
+    import hashlib
+    h = hashlib.sha256(str(twinstate.profile().get("name", "twin")).encode()).hexdigest()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
 def update_grub(argv):
-    linux, default, _ = grub_defaults()
+    """grub-mkconfig cannot probe devices inside the twin; this writes what it would:
+    follows grub-mkconfig.in (GRUB_DEFAULT=saved becomes ${saved_entry}), util/grub.d/00_header.in
+    (load_env; next_entry boots once and is cleared with save_env; else the default) and
+    10_linux.in (a plain entry for the newest kernel, then the 'Advanced options' submenu with
+    every kernel, newest first, each with its recovery entry unless GRUB_DISABLE_RECOVERY=true;
+    ids gnulinux-simple-<dev>, gnulinux-advanced-<dev>, gnulinux-<version>-advanced-<dev>)."""
+    g = grub_defaults()
     root = (twinstate.profile().get("boot") or {}).get("root", "/dev/mapper/pve-root")
+    dev = grub_device_id()
+    default = g["GRUB_DEFAULT"] or "0"
+    if default == "saved":
+        default = "${saved_entry}"
+    os_name = f"{g['GRUB_DISTRIBUTOR'] or 'Debian'} GNU/Linux"
     rels = list(reversed(kernels()))
-    pin = (twinstate.read(NEXT) or twinstate.read(PIN) or "").strip()
-    if pin in rels:
-        rels.remove(pin)
-        rels.insert(0, pin)  # the pinned kernel becomes the default entry
     sys.stderr.write("Generating grub configuration file ...\n")
-    entries = []
-    for rel in rels:
+    out = ["### generated by the twin's update-grub stand-in ###\n",
+           "### BEGIN /etc/grub.d/00_header ###\n",
+           "if [ -s $prefix/grubenv ]; then\n  set have_grubenv=true\n  load_env\nfi\n",
+           'if [ "${next_entry}" ] ; then\n   set default="${next_entry}"\n   set next_entry=\n'
+           "   save_env next_entry\n   set boot_once=true\nelse\n"
+           f'   set default="{default}"\nfi\n',
+           "### END /etc/grub.d/00_header ###\n", "### BEGIN /etc/grub.d/10_linux ###\n"]
+
+    def entry(title, ident, rel, args, indent=""):
+        return (f"{indent}menuentry '{title}' --class proxmox $menuentry_id_option '{ident}' {{\n"
+                f"{indent}\tlinux\t/boot/vmlinuz-{rel} root={root} ro {args}\n"
+                f"{indent}\tinitrd\t/boot/initrd.img-{rel}\n{indent}}}\n")
+
+    normal = " ".join(x for x in (g["GRUB_CMDLINE_LINUX"], g["GRUB_CMDLINE_LINUX_DEFAULT"]) if x)
+    for i, rel in enumerate(rels):
         sys.stderr.write(f"Found linux image: /boot/vmlinuz-{rel}\nFound initrd image: /boot/initrd.img-{rel}\n")
-        args = " ".join(x for x in (f"root={root} ro", linux, default) if x)
-        entries.append(f"menuentry 'Proxmox VE GNU/Linux, with Linux {rel}' --class proxmox {{\n"
-                       f"\tlinux\t/boot/vmlinuz-{rel} {args}\n\tinitrd\t/boot/initrd.img-{rel}\n}}\n")
-    twinstate.write("/boot/grub/grub.cfg", "### generated by the twin's update-grub stand-in ###\n"
-                    "set default=\"0\"\n" + "".join(entries))
+        if i == 0:
+            out.append(entry(os_name, f"gnulinux-simple-{dev}", rel, normal))
+            out.append(f"submenu 'Advanced options for {os_name}' $menuentry_id_option 'gnulinux-advanced-{dev}' {{\n")
+        out.append(entry(f"{os_name}, with Linux {rel}", f"gnulinux-{rel}-advanced-{dev}", rel, normal, "\t"))
+        if g["GRUB_DISABLE_RECOVERY"] != "true":
+            out.append(entry(f"{os_name}, with Linux {rel} (recovery mode)", f"gnulinux-{rel}-recovery-{dev}", rel,
+                             " ".join(x for x in ("single", g["GRUB_CMDLINE_LINUX"]) if x), "\t"))
+    if rels:
+        out.append("}\n")
+    out.append("### END /etc/grub.d/10_linux ###\n")
+    twinstate.write("/boot/grub/grub.cfg", "".join(out))
     sys.stderr.write("done\n")
     return 0
+
+
+# -- EFI variables and the programs that set them ------------------------------------------
+
+# The twin's NVRAM: one file per variable, in efivarfs' format (4 bytes of attributes, then the
+# data), kept across reboots; the twin's boot (tests/twin/hardware.py) reads and deletes them.
+EFIVARS = "/var/lib/twin/efivars"
+LOADER_GUID = "4a67b082-0a4c-41cf-b6c7-440b29bb8c4f"
+
+
+def bootctl(argv):
+    """bootctl set-oneshot / set-default ID: follows systemd src/boot/bootctl.c verb_set_efivar():
+    refused unless booted with UEFI through a boot loader that implements the interface
+    (LoaderInfo; here: a systemd-boot profile), then the id as a UTF-16LE NUL-terminated string
+    (LoaderEntryOneShot / LoaderEntryDefault). The id is not checked against the entries (as
+    bootctl does not); `@current`/`@default`/`@oneshot` are not modelled and refused."""
+    verbs = [a for a in argv if not a.startswith("-")]
+    names = {"set-oneshot": "LoaderEntryOneShot", "set-default": "LoaderEntryDefault"}
+    if not verbs or verbs[0] not in names:
+        twinstate.die("twin: bootctl stand-in: only set-oneshot and set-default are modelled", 1)
+    if len(verbs) != 2:
+        twinstate.die(f"bootctl: '{verbs[0]}' takes one entry id.", 1)
+    if (twinstate.profile().get("boot") or {}).get("loader") != "systemd-boot":
+        twinstate.die("Not booted with a supported boot loader.", 1)
+    ident = verbs[1]
+    if ident.startswith("@"):
+        twinstate.die(f"twin: bootctl stand-in: special entry {ident} is not modelled", 1)
+    os.makedirs(twinstate.path(EFIVARS), exist_ok=True)
+    with open(twinstate.path(f"{EFIVARS}/{names[verbs[0]]}-{LOADER_GUID}"), "wb") as f:
+        f.write(b"\x07\x00\x00\x00" + ident.encode("utf-16-le") + b"\x00\x00")
+    return 0
+
+
+def grub_probe(argv):
+    """grub-probe --target=abstraction PATH: what the profile says holds /boot/grub
+    (boot.grubenv_abstraction, e.g. `lvm`; empty: a plain partition). Every other use fails as
+    the real grub-probe does inside the twin (it cannot see the twin's block devices)."""
+    targets = [a.split("=", 1)[1] for a in argv if a.startswith("--target=")]
+    if targets == ["abstraction"]:
+        value = (twinstate.profile().get("boot") or {}).get("grubenv_abstraction")
+        if value is not None:
+            if value:
+                print(value)
+            return 0
+    twinstate.die("grub-probe: error: failed to get canonical path of `overlay'.", 1)
 
 
 def request_reboot(how):
@@ -341,6 +448,7 @@ def shutdown(argv):
 
 
 HANDLERS = {"proxmox-boot-tool": proxmox_boot_tool, "update-grub": update_grub, "zz-proxmox-boot": zz_proxmox_boot,
+            "bootctl": bootctl, "grub-probe": grub_probe,
             "reboot": lambda a: request_reboot("reboot " + " ".join(a)), "shutdown": shutdown,
             "systemctl": systemctl}
 PROGRAMS = tuple(HANDLERS)

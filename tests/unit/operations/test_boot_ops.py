@@ -90,6 +90,36 @@ def test_grub_writes_a_dropin_and_runs_update_grub():
     assert "update-grub" not in commands[0]  # the BOOT_REFRESH handler runs it once, at the end
 
 
+def test_grub_dropin_makes_grubenv_the_default_keeping_the_entry_configured_before(tmp_path):
+    """GRUB_DEFAULT=saved (the kernel stage's grub-set-default / grub-reboot need it); the old
+    GRUB_DEFAULT, a Proxmox pin snippet's included, becomes saved_entry where there is none."""
+    lines = fixture_lines("proxmox-etc-default-grub-intel-sriov-kamilllooo.txt")
+    pin = ["/etc/default/grub.d/proxmox-kernel-pin.cfg", ['GRUB_DEFAULT="gnulinux-advanced-ab>gnulinux-6.8.12-4-pve-advanced-ab"']]
+    p = boot.boot_plan(HostSpec(), grub_facts(lines, "BOOT_IMAGE=/boot/vmlinuz-6.8 ro quiet", extra_files=[pin]))
+    assert p["cmdline_content"].rstrip().endswith("\nGRUB_DEFAULT=saved")
+    assert p["grub_default"] == "gnulinux-advanced-ab>gnulinux-6.8.12-4-pve-advanced-ab"
+    commands, _ = run_op(boot.kernel_cmdline, p["cmdline_path"], p["cmdline_content"], None, p["grub_default"])
+    assert commands[0] == boot.grub_keep_default_command("gnulinux-advanced-ab>gnulinux-6.8.12-4-pve-advanced-ab")
+    assert "/etc/default/grub.d/pvegpu.cfg" in commands[1]
+    # run it: grubenv with a saved_entry keeps it; without one gets the old default
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "grub-set-default").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/set\n')
+    (bin_dir / "grub-editenv").write_text(f"#!/bin/sh\ncat {tmp_path}/env\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    (tmp_path / "env").write_text("saved_entry=1\n")
+    subprocess.run(["sh", "-c", commands[0]], env=env, check=True)
+    assert not (tmp_path / "set").exists()
+    (tmp_path / "env").write_text("next_entry=2\n")
+    subprocess.run(["sh", "-c", commands[0]], env=env, check=True)
+    assert (tmp_path / "set").read_text() == "gnulinux-advanced-ab>gnulinux-6.8.12-4-pve-advanced-ab\n"
+    p = boot.boot_plan(HostSpec(), grub_facts(['GRUB_DEFAULT=saved'], "BOOT_IMAGE=/boot/vmlinuz-6.8 ro quiet"))
+    commands, _ = run_op(boot.kernel_cmdline, p["cmdline_path"], p["cmdline_content"], None, p["grub_default"])
+    assert len(commands) == 1  # already saved: nothing to carry over
+
+
 def test_grub_dropin_is_sourced_by_sh_after_the_admins_file(tmp_path):
     """What grub-mkconfig does: `. /etc/default/grub; for x in grub.d/*.cfg; . $x`."""
     lines = fixture_lines("puget-wrx90-etc-default-grub-amd-iommu-off.txt")

@@ -8,6 +8,7 @@ import subprocess
 import time
 from types import SimpleNamespace
 
+import pytest
 from pyinfra.api import FunctionCommand
 from pyinfra_testing.util import get_command_string
 
@@ -168,37 +169,39 @@ def test_install_keeps_running_kernel_and_records_manifest():
     assert cmds[1] == "mkdir -p /var/lib/pvegpu/kernel && cp /b/manifest.json /var/lib/pvegpu/kernel/6.14.8-2-pve.json"
 
 
-def test_trial_boot_pins_next_boot_only_and_marks_it():
-    cmds, _ = run_op(kernel.trial_boot, "6.14.8-2-pve", "proxmox-boot-tool")
-    assert cmds[0] == "proxmox-boot-tool kernel pin 6.14.8-2-pve --next-boot"
-    assert "/var/lib/pvegpu/kernel/trial-boot" in cmds[1]
-    cmds, _ = run_op(kernel.trial_boot, "6.1.0-x", "grub")
-    assert cmds[0].startswith("grub-reboot ")
+def test_trial_boot_sets_the_loaders_one_shot_and_marks_it_last():
+    cmds, _ = run_op(kernel.trial_boot, "6.14.8-2-pve", "systemd-boot", 10)
+    assert cmds[0] == plan.zfs_guard_command("6.14.8-2-pve")  # a kernel that cannot import the root pool is not tried
+    assert cmds[1] == plan.oneshot_command("6.14.8-2-pve", "systemd-boot", 10)
+    assert "bootctl set-oneshot" in cmds[1] and "--next-boot" not in cmds[1]
+    assert cmds[2] == plan.arm_trial_command("6.14.8-2-pve") and len(cmds) == 3
+    assert "/var/lib/pvegpu/kernel/trial-boot" in cmds[2] and "/run/pvegpu/kernel-trial" in cmds[2]
+    cmds, _ = run_op(kernel.trial_boot, "6.1.0-x", "grub", 10, "ab")
+    assert cmds[1].endswith("grub-reboot 'gnulinux-advanced-ab>gnulinux-6.1.0-x-advanced-ab'")
 
 
-def test_trial_boot_refreshes_where_esps_are_listed_and_marks_last():
-    cmds, _ = run_op(kernel.trial_boot, "6.14.8-2-pve", "proxmox-boot-tool", True)
-    assert cmds[0] == "proxmox-boot-tool kernel pin 6.14.8-2-pve --next-boot && proxmox-boot-tool refresh"
-    assert len(cmds) == 2 and "/var/lib/pvegpu/kernel/trial-boot" in cmds[1]
+def test_trial_of_an_installed_kernel_makes_the_running_one_the_default_first_where_asked():
+    keep = plan.keep_default_command("6.14.8-2-pve", "systemd-boot")
+    cmds, _ = run_op(kernel.trial_boot, "6.14.11-9-bpo12-pve", "systemd-boot", 10, None, keep)
+    assert cmds[0] == "proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool refresh"
+    assert "pvegpu-trial-6.14.11-9-bpo12-pve.conf" in cmds[2]
 
 
-def test_trial_of_an_installed_kernel_pins_the_running_one_first_where_asked():
-    cmds, _ = run_op(kernel.trial_boot, "6.14.11-9-bpo12-pve", "proxmox-boot-tool", True, "6.14.8-2-pve")
-    assert cmds[0] == "proxmox-boot-tool kernel pin 6.14.8-2-pve"
-    assert cmds[1] == "proxmox-boot-tool kernel pin 6.14.11-9-bpo12-pve --next-boot && proxmox-boot-tool refresh"
-
-
-def test_install_pins_the_running_kernel_first_where_nothing_is_pinned():
+def test_install_makes_the_running_kernel_the_default_first_where_asked():
     """A kernel package's postinst syncs the ESPs; with no pin the loader default becomes the
     newest kernel (zz-proxmox-boot: default proxmox-*), so the running one is pinned first."""
-    cmds, _ = run_op(kernel.install_kernel, "/b", "6.14.11-9-bpo12-pve", "proxmox-git", "6.14.8-2-pve")
-    assert cmds[0] == "proxmox-boot-tool kernel pin 6.14.8-2-pve"
+    keep = plan.keep_default_command("6.14.8-2-pve", "grub", "ab")
+    cmds, _ = run_op(kernel.install_kernel, "/b", "6.14.11-9-bpo12-pve", "proxmox-git", keep)
+    assert cmds[0] == "grub-set-default 'gnulinux-advanced-ab>gnulinux-6.14.8-2-pve-advanced-ab'"
     assert cmds[1].startswith("DEBIAN_FRONTEND=noninteractive dpkg -i ")
 
 
-def test_reboot_stage_pin_for_good_refreshes_where_esps_are_listed():
-    cmds, _ = run_op(reboot.pin_trial_kernel, "6.14.8-2-pve", "proxmox-boot-tool", True)
-    assert "proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool refresh && rm -f" in cmds[0]
+def test_reboot_stage_finishes_the_trial_and_fails_when_it_did_not_come_up():
+    cmds, _ = run_op(reboot.pin_trial_kernel, "6.14.8-2-pve", "systemd-boot", "b1d")
+    assert cmds == [plan.finish_trial_command("6.14.8-2-pve", "systemd-boot", "b1d", None, fail=True)]
+    assert cmds[0].startswith('if [ "$(uname -r)" = 6.14.8-2-pve ]; then proxmox-boot-tool kernel pin 6.14.8-2-pve '
+                              "&& proxmox-boot-tool refresh && ")
+    assert cmds[0].endswith("; exit 1; fi")
 
 
 def test_build_state_reads_the_esp_list():
@@ -207,22 +210,64 @@ def test_build_state_reads_the_esp_list():
     assert "[ -f /etc/kernel/proxmox-boot-uuids ] && echo esps" in kernel_facts.build_state_command("/b", "6.14.8-2-pve")
 
 
-def test_remove_old_is_a_noop_without_releases():
-    cmds, noop = run_op(kernel.remove_old_kernels, [], "tarball")
+def test_remove_old_is_a_noop_without_packages():
+    cmds, noop = run_op(kernel.remove_old_kernels, [])
     assert cmds == [] and noop == "no old kernels to remove"
-    cmds, _ = run_op(kernel.remove_old_kernels, ["6.1.0-57-amd64"], "tarball")
-    assert cmds == ["DEBIAN_FRONTEND=noninteractive apt-get -y purge linux-image-6.1.0-57-amd64"]
+    cmds, _ = run_op(kernel.remove_old_kernels, ["proxmox-kernel-6.8.12-4-pve-signed"])
+    assert cmds == [plan.purge_command(["proxmox-kernel-6.8.12-4-pve-signed"])]
 
+
+def test_build_state_lists_installed_kernel_packages():
+    state = kernel_facts.parse_build_state(["kpkg proxmox-kernel-6.8.12-4-pve-signed", "kpkg proxmox-kernel-6.8"])
+    assert state["kernel_packages"] == ["proxmox-kernel-6.8.12-4-pve-signed", "proxmox-kernel-6.8"]
+    assert "'proxmox-kernel-*' 'pve-kernel-*' 'linux-image-*'" in kernel_facts.build_state_command("/b", "6.1.0-x")
 
 def test_preflight_refuses_fragments_on_proxmox_git(monkeypatch):
     from spec.models import HostSpec
     assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT, "config_fragments": ["CONFIG_X=y"]}))
     monkeypatch.setattr(kernel, "stage_facts", lambda k: {
-        "kernels": {"running": "6.8.12-4-pve", "installed": []}, "build": kernel_facts.parse_build_state([]), "source": None})
+        "kernels": {"running": "6.8.12-4-pve", "installed": []},
+        "build": kernel_facts.parse_build_state(["pbt", "esps", "uefi"]), "source": None})
     assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT})) == []
 
 
-def test_reboot_stage_pins_only_if_the_new_release_runs():
-    cmds, _ = run_op(reboot.pin_trial_kernel, "6.14.8-2-pve", "proxmox-boot-tool")
-    assert cmds == [plan.pin_for_good_command("6.14.8-2-pve", "proxmox-boot-tool")]
-    assert cmds[0].startswith('if [ "$(uname -r)" = 6.14.8-2-pve ]; then proxmox-boot-tool kernel pin 6.14.8-2-pve')
+@pytest.mark.parametrize("lines,why", [
+    (["grub_default saved", "grub_advanced_id ab", "grubenv_abstraction ok lvm"], "is on lvm"),
+    (["grub_default saved", "grubenv_abstraction ok "], "no 'Advanced options' submenu id"),
+    (["grub_default saved", "grub_advanced_id ab"], "grub-probe could not tell"),
+    (["pbt", "esps"], "legacy BIOS"),
+])
+def test_preflight_refuses_a_trial_that_would_not_be_one_boot(monkeypatch, lines, why):
+    from spec.models import HostSpec
+    monkeypatch.setattr(kernel, "stage_facts", lambda k: {
+        "kernels": {"running": "6.8.12-4-pve", "installed": []}, "build": kernel_facts.parse_build_state(lines),
+        "source": None})
+    refusals = kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT}))
+    assert len(refusals) == 1 and why in refusals[0] and "kernel.trial_boot: false" in refusals[0]
+    assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT, "trial_boot": False})) == []
+
+
+
+
+def test_preflight_refuses_a_release_already_installed_from_a_package_not_built_here(monkeypatch):
+    from spec.models import HostSpec
+    build = kernel_facts.parse_build_state(["pbt", "esps", "uefi", "kpkg proxmox-kernel-6.14.8-2-pve-signed"])
+    monkeypatch.setattr(kernel, "stage_facts", lambda k: {
+        "kernels": {"running": "6.8.12-4-pve", "installed": ["6.8.12-4-pve", "6.14.8-2-pve"]}, "build": build, "source": None})
+    refusals = kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT}))
+    assert len(refusals) == 1 and "already installed from proxmox-kernel-6.14.8-2-pve-signed" in refusals[0]
+    assert "KREL_EXTRA + -pvegpu" in refusals[0]
+    build["installed_manifest"] = {"build_id": "ours, an earlier build"}  # ours: rebuilt, not refused
+    assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT})) == []
+
+
+def test_preflight_refuses_an_unsigned_kernel_under_secure_boot(monkeypatch):
+    from spec.models import HostSpec
+    build = kernel_facts.parse_build_state(["pbt", "esps", "uefi", "sb efivar 1"])
+    assert build["secure_boot"] is True
+    monkeypatch.setattr(kernel, "stage_facts", lambda k: {
+        "kernels": {"running": "6.8.12-4-pve", "installed": ["6.8.12-4-pve"]}, "build": build, "source": None})
+    refusals = kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT}))
+    assert len(refusals) == 1 and refusals[0].startswith("Secure Boot is on") and "would not boot" in refusals[0]
+    build["secure_boot"] = kernel_facts.parse_build_state(["sb SecureBoot disabled"])["secure_boot"]
+    assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT})) == []
