@@ -1,0 +1,81 @@
+"""How kernels move on a host between runs (issue 25), decided from the spec and the
+`facts.kernel_hook.KernelHookState` fact; pure.
+
+follow: apt installs new Proxmox kernels; the kernel hook builds nvidia for each as it is
+installed, and keeps the last kernel with working modules the boot default when it cannot.
+hold: Proxmox's kernel meta-packages are held at the series, so apt installs no new release.
+"""
+
+from __future__ import annotations
+
+import re
+
+from facts.kernel_hook import DEFAULT_METAS
+
+SERIES_RE = re.compile(r"^(\d+\.\d+)\.")
+
+
+def series_of(release: str | None) -> str | None:
+    """`6.14.8-2-pve` -> `6.14`."""
+    m = SERIES_RE.match(release or "")
+    return m.group(1) if m else None
+
+
+def hold_packages(series: str, installed: dict[str, dict]) -> list[str]:
+    """The installed meta-packages that pull a new kernel release: proxmox-default-kernel /
+    -headers (they move to a new series) and proxmox-kernel-X.Y / proxmox-headers-X.Y (each new
+    ABI of the series; pve-kernel-meta debian/control)."""
+    wanted = [*DEFAULT_METAS, f"proxmox-kernel-{series}", f"proxmox-headers-{series}"]
+    return [p for p in wanted if p in installed]
+
+
+def updates_plan(mode: str, spec_release: str | None, state: dict) -> dict:
+    """What the kernel-updates setting does on this host.
+
+    {"mode": "hold", "series": "6.8", "hold": [...], "unhold": [...], "record": [...],
+     "summary": "kernel updates: hold at 6.8 (...)", "refusal": None}
+    `record`: the packages pvegpu holds after this run (kept on the host, so `follow` releases
+    exactly those and no hold an operator set by hand)."""
+    packages = state.get("packages") or {}
+    holds = set(state.get("holds") or [])
+    record = list(state.get("hold_record") or [])
+    if mode == "follow":
+        unhold = [p for p in record if p in holds]
+        summary = ("kernel updates: follow (apt installs new kernels; the kernel hook builds nvidia for each, "
+                   "else the boot default stays on the last kernel with working modules)")
+        return {"mode": mode, "series": None, "hold": [], "unhold": unhold, "record": [], "summary": summary,
+                "refusal": None}
+    series = series_of(spec_release) or series_of(state.get("running"))
+    if series is None:
+        return {"mode": mode, "series": None, "hold": [], "unhold": [], "record": record, "summary": "",
+                "refusal": "kernel_updates is hold but neither the spec's kernel nor the running one names a series"}
+    wanted = hold_packages(series, packages)
+    if f"proxmox-kernel-{series}" not in packages:
+        return {"mode": mode, "series": series, "hold": [], "unhold": [], "record": record, "summary": "",
+                "refusal": f"kernel_updates is hold at {series}, but proxmox-kernel-{series} is not installed "
+                           f"(installed: {', '.join(sorted(packages)) or 'no Proxmox kernel meta-package'})"}
+    hold = [p for p in wanted if p not in holds]
+    unhold = [p for p in record if p in holds and p not in wanted]
+    summary = (f"kernel updates: hold at {series} ({', '.join(wanted)} held: apt installs no new kernel "
+               f"release until the spec changes)")
+    return {"mode": mode, "series": series, "hold": hold, "unhold": unhold, "record": sorted(wanted),
+            "summary": summary, "refusal": None}
+
+
+def failure_lines(state: dict) -> list[str]:
+    """The kernel hook's failures on this host, in words (the --dry and the run say them)."""
+    return [f"kernel {rel}: {rec['reason'] or 'the kernel hook failed'} ({rec['time']}); {rec['kept']}"
+            for rel, rec in sorted((state.get("failed") or {}).items())]
+
+
+def headers_step(state: dict) -> tuple[bool, str | None]:
+    """(install proxmox-default-headers?, note): on a host with proxmox-default-kernel, the
+    headers follow the kernels through proxmox-default-headers (pve-kernel-meta: it depends on
+    proxmox-headers-X.Y, which depends on the newest release's headers)."""
+    packages = state.get("packages") or {}
+    if "proxmox-default-kernel" not in packages or "proxmox-default-headers" in packages:
+        return False, None
+    if state.get("headers_candidate"):
+        return True, None
+    return False, ("proxmox-default-headers is not installed and apt has no candidate for it: a new kernel "
+                   "will come without headers and the kernel hook will refuse it")
