@@ -11,8 +11,10 @@ import pytest
 
 from facts.cpu import CpuInfo
 from facts.kernel import BootLoader, ProxmoxKernels, parse_cmdline_text
+from facts.kernel_hook import KernelHookState
 from plan.boot import cmdline_difference, desired_params, describe_difference, vfio_modules
 from plan.kernel import PER_JOB_KIB, STATE_DIR, build_jobs
+from plan.kernel_hook import failure_lines
 
 
 def _cpu(target) -> dict:
@@ -99,3 +101,12 @@ def test_kernel_build_jobs_fit_the_hosts_memory(target):
         f"{target.name}: kernel {kernel.version} was built with -j{jobs}; {cores} cores and "
         f"{mem_kib // (1024 * 1024)} GiB of RAM allow -j{limit} at ~{PER_JOB_KIB // (1024 * 1024)} GiB per compile "
         "job (a bigger -j risks the OOM of incident 14)")
+
+
+def test_no_installed_kernel_was_left_without_its_nvidia_driver(target):
+    """The kernel hook (operations/kernel_hook.py) could not build nvidia for a kernel a package
+    installed: the reason it kept on the host, and what the boot default became."""
+    if target.spec.nvidia is None:
+        pytest.skip(f"{target.name}: no nvidia in the spec")
+    lines = failure_lines(target.fact(KernelHookState))
+    assert not lines, f"{target.name}: " + "; ".join(lines)

@@ -1,0 +1,295 @@
+"""`apt full-upgrade` installs a new kernel between two runs (issue 25), on the intel2 twin (GRUB).
+
+The host first runs Debian's 6.1.0-57-amd64 (its real headers are in the twin root) with nvidia
+built by the NVIDIA stage; the converge also installs the kernel hook. Then a local apt
+repository (file:/opt/repo inside the twin, nothing leaves it) offers a newer kernel the way
+Proxmox's metas do: proxmox-default-kernel 2 -> proxmox-kernel-6.12 -> the kernel package of
+6.12.118+deb12-amd64 (whose real headers are in the twin root too). Each kernel package is a real
+.deb whose postinst runs depmod and `run-parts --exit-on-error --arg=<rel> --arg=<image>
+/etc/kernel/postinst.d` as pve-kernel's debian/proxmox-kernel.postinst.in does, so Debian's own
+dkms, initramfs-tools and zz-update-grub hooks run beside ours.
+
+The NVIDIA tree is a miniature one in NVIDIA's layout (kernel-open/ with Kbuild, a Makefile
+that hands KERNEL_UNAME to kbuild, and five tiny modules named like NVIDIA's, carrying the
+version), compiled by real kbuild against the real headers through the stage's build template;
+the real tree through that template is tests/e2e/test_driver_build.py's.
+
+follow, builds: modules for 6.12 appear, it becomes the default and boots, dpkg is clean.
+follow, fails (#error on kernels from 6.12): the default stays 6.1 (pinned), dpkg is clean,
+the reason is kept, shown at login, by --dry and by the host checks.
+hold: the metas are held, `apt full-upgrade` installs nothing new.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import tarfile
+import time
+from io import BytesIO
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import PYTEST, REPO, run_pyinfra
+from tests.twin import runtime
+
+pytestmark = [pytest.mark.twin]
+
+PROFILE = "intel2"  # GRUB, Proxmox VE 8
+VERSION = "580.95.05"
+OLD = "6.1.0-57-amd64"
+NEW = "6.12.118+deb12-amd64"
+MODULES = ("nvidia", "nvidia-uvm", "nvidia-modeset", "nvidia-drm", "nvidia-peermem")
+ARCHIVE = f"/opt/src/open-gpu-kernel-modules-{VERSION}.tar.gz"
+STAGE_DEPLOY = str(REPO / "tests/e2e/stage_deploy.py")
+STAGES = {"PVEGPU_STAGES": "operations.nvidia,operations.kernel_hook"}
+HOOK_LOG = f"/var/lib/pvegpu/kernel-hook/{NEW}.log"
+
+
+# -- the miniature NVIDIA tree ---------------------------------------------------------------------
+
+KBUILD = "".join(f"obj-m += {m}.o\n" for m in MODULES)
+# NVIDIA's kernel-open/Makefile: KERNEL_UNAME names /lib/modules/<rel>/build, kbuild builds M=here
+MAKEFILE = ("KERNEL_UNAME ?= $(shell uname -r)\n"
+            "modules:\n\t$(MAKE) -C /lib/modules/$(KERNEL_UNAME)/build M=$(CURDIR) modules\n")
+
+
+def module_source(name: str, fail_from_6_12: bool) -> str:
+    guard = ("#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 12, 0)\n"
+             "#error \"nvidia-mini does not support kernel 6.12 and later\"\n#endif\n") if fail_from_6_12 else ""
+    firmware = "".join(f'MODULE_FIRMWARE("nvidia/{VERSION}/{f}");\n' for f in ("gsp_ga10x.bin", "gsp_tu10x.bin")) \
+        if name == "nvidia" else ""
+    return ("#include <linux/module.h>\n#include <linux/version.h>\n" + guard
+            + f'MODULE_LICENSE("Dual MIT/GPL");\nMODULE_VERSION("{VERSION}");\n'
+            + f'MODULE_DESCRIPTION("pvegpu e2e miniature of {name}");\n' + firmware)
+
+
+def mini_tree(out: Path, fail_from_6_12: bool = False) -> Path:
+    files = {"kernel-open/Kbuild": KBUILD, "kernel-open/Makefile": MAKEFILE}
+    for m in MODULES:
+        files[f"kernel-open/{m}.c"] = module_source(m, fail_from_6_12 and m == "nvidia")
+    archive = out / f"open-gpu-kernel-modules-{VERSION}{'-fails' if fail_from_6_12 else ''}.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for path, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"open-gpu-kernel-modules-{VERSION}/{path}")
+            info.size, info.mode, info.mtime = len(data), 0o644, 1700000000
+            tar.addfile(info, BytesIO(data))
+    return archive
+
+
+# -- kernel packages the way Proxmox ships them ----------------------------------------------------
+
+def deb(out: Path, package: str, version: str, files: dict[str, str], depends: str = "",
+        postinst: str | None = None) -> Path:
+    tree = out / f"{package}_{version}"
+    (tree / "DEBIAN").mkdir(parents=True)
+    for path, text in files.items():
+        (tree / path).parent.mkdir(parents=True, exist_ok=True)
+        (tree / path).write_text(text)
+    (tree / "DEBIAN/control").write_text(
+        f"Package: {package}\nVersion: {version}\nArchitecture: all\n"
+        + (f"Depends: {depends}\n" if depends else "")
+        + "Maintainer: pvegpu tests <tests@example.invalid>\nDescription: pvegpu e2e stand-in\n")
+    if postinst:
+        (tree / "DEBIAN/postinst").write_text(postinst)
+        (tree / "DEBIAN/postinst").chmod(0o755)
+    path = out / f"{package}_{version}_all.deb"
+    subprocess.run(["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", str(tree), str(path)], check=True,
+                   capture_output=True)
+    return path
+
+
+def kernel_deb(out: Path, root: Path, release: str) -> Path:
+    """proxmox-kernel-<rel>: an image, the kernel's real config (from its headers) and its modules
+    dir; postinst as pve-kernel debian/proxmox-kernel.postinst.in (configure only: depmod, then
+    the hooks with --exit-on-error and the version and image as arguments)."""
+    config = (root / f"usr/src/linux-headers-{release}/.config").read_text()
+    postinst = ("#!/bin/sh\nset -e\n[ \"$1\" = configure ] || exit 0\n"
+                f"depmod {release}\n"
+                f"run-parts --verbose --exit-on-error --arg={release} --arg=/boot/vmlinuz-{release} "
+                "/etc/kernel/postinst.d\n")
+    return deb(out, f"proxmox-kernel-{release}", "1", {
+        f"boot/vmlinuz-{release}": "twin stand-in kernel image\n", f"boot/config-{release}": config,
+        f"boot/System.map-{release}": "", f"lib/modules/{release}/modules.order": "",
+        f"lib/modules/{release}/modules.builtin": ""}, postinst=postinst)
+
+
+def repo_debs(out: Path, root: Path, upgrade: bool) -> list[Path]:
+    """pve-kernel-meta's chain: proxmox-default-kernel -> proxmox-kernel-X.Y -> the release."""
+    debs = [kernel_deb(out, root, OLD), deb(out, "proxmox-kernel-6.1", "1", {}, depends=f"proxmox-kernel-{OLD}"),
+            deb(out, "proxmox-default-kernel", "1", {}, depends="proxmox-kernel-6.1")]
+    if upgrade:
+        debs += [kernel_deb(out, root, NEW), deb(out, "proxmox-kernel-6.12", "1", {}, depends=f"proxmox-kernel-{NEW}"),
+                 deb(out, "proxmox-default-kernel", "2", {}, depends="proxmox-kernel-6.12")]
+    return debs
+
+
+# -- the twin --------------------------------------------------------------------------------------
+
+def twin_sh(twin, command: str, check: bool = True, timeout: int = 600) -> str:
+    deadline = time.monotonic() + 20
+    while True:
+        done = subprocess.run(runtime.ssh_command(twin.name, [command]), capture_output=True, text=True,
+                              timeout=timeout)
+        if done.returncode != 255 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if check and done.returncode != 0:
+        raise AssertionError(f"in twin: {command}: exit {done.returncode}\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return done.stdout + (done.stderr if not check else "")
+
+
+def publish(twin, tmp: Path, upgrade: bool) -> None:
+    """The local repository in the twin, and apt pointed at it alone."""
+    root = Path(twin.root)
+    repo = root / "opt/repo"
+    if repo.exists():
+        subprocess.run(["rm", "-rf", str(repo)], check=True)
+    repo.mkdir(parents=True)
+    out = tmp / ("debs-2" if upgrade else "debs-1")
+    out.mkdir()
+    for path in repo_debs(out, root, upgrade):
+        (repo / path.name).write_bytes(path.read_bytes())
+    twin_sh(twin, "mkdir -p /root/apt-sources && mv /etc/apt/sources.list /etc/apt/sources.list.d/* /root/apt-sources/ "
+                  "2>/dev/null; echo 'deb [trusted=yes] file:/opt/repo ./' > /etc/apt/sources.list.d/pvegpu-e2e.list; "
+                  "cd /opt/repo && dpkg-scanpackages -m . > Packages 2>/dev/null && apt-get -q update")
+    # apt runs dpkg with PATH=DPkg::Path (apt-pkg/deb/dpkgpm.cc, default /usr/sbin:/usr/bin:/sbin:/bin);
+    # the twin's stand-ins of /usr/sbin/update-grub and /usr/sbin/proxmox-boot-tool are in /usr/local/sbin
+    (root / "etc/apt/apt.conf.d/99pvegpu-twin-standins").write_text(
+        'DPkg::Path "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";\n')
+
+
+def reboot(twin) -> None:
+    boots = runtime.twin_dir(twin.name) / "boots"
+    before = len(boots.read_text().splitlines())
+    subprocess.run(runtime.ssh_command(twin.name, ["reboot"]), capture_output=True, timeout=60)
+    deadline = time.monotonic() + 60
+    while len(boots.read_text().splitlines()) == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(boots.read_text().splitlines()) > before, "the twin did not reboot"
+
+
+def write_inventory(tmp: Path, twin, sha: str, updates: str) -> str:
+    nvidia = {"version": VERSION, "open": True, "modules_source": {"url": f"file://{ARCHIVE}", "sha256": sha},
+              "firmware": False, "persistenced": False}
+    spec = {"hosts": {twin.name: {"ssh": {"hostname": twin.address, "port": twin.port, "user": "root", "key": twin.key},
+                                  "node": "intel2", "kernel_updates": updates, "nvidia": nvidia}}}
+    yml = tmp / "upgrade.yml"
+    yml.write_text(json.dumps(spec))
+    inv = tmp / "upgrade_inventory.py"
+    overrides = {twin.name: {"ssh_known_hosts_file": "/dev/null", "ssh_strict_host_key_checking": "off"}}
+    inv.write_text("from spec.load import inventory_hosts\n"
+                   f"hosts = inventory_hosts({str(yml)!r}, overrides={overrides!r})\n")
+    return str(inv)
+
+
+def converge(inventory: str, *args: str):
+    return run_pyinfra(inventory, STAGE_DEPLOY, *args, env=STAGES, timeout=900)
+
+
+def host_checks(inventory: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTEST, "-q", "-p", "no:cacheprovider", "tests/host/test_boot.py", "-k", "nvidia_driver",
+                           "--inventory", inventory], cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def nvidia_version(twin, release: str) -> str:
+    return twin_sh(twin, f"modinfo -k {release} -F version nvidia 2>/dev/null || true").strip()
+
+
+def grub_default(twin) -> str:
+    """The kernel the twin boots next (its GRUB model: next-boot pin, pin, else the newest)."""
+    return twin_sh(twin, "head -n1 /etc/kernel/next-boot-pin 2>/dev/null || head -n1 /etc/kernel/proxmox-boot-pin "
+                         "2>/dev/null || true").strip()
+
+
+@pytest.fixture
+def host_on_6_1(twin_factory, tmp_path):
+    """A Proxmox host running 6.1.0-57-amd64 with nvidia VERSION's (miniature) modules, installed
+    through apt from the local repository, before any converge."""
+    def make(fail_from_6_12: bool, updates: str = "follow"):
+        twin = twin_factory(PROFILE)
+        root = Path(twin.root)
+        archive = mini_tree(tmp_path, fail_from_6_12)
+        (root / "opt/src").mkdir(parents=True, exist_ok=True)
+        (root / ARCHIVE.lstrip("/")).write_bytes(archive.read_bytes())
+        # the profile seeds its own driver's NVML library; this host has no NVIDIA user space yet
+        twin_sh(twin, "rm -f /usr/lib/x86_64-linux-gnu/libnvidia-ml.so*")
+        publish(twin, tmp_path, upgrade=False)
+        twin_sh(twin, "DEBIAN_FRONTEND=noninteractive apt-get -q install -y proxmox-default-kernel")
+        twin_sh(twin, f"proxmox-boot-tool kernel pin {OLD} --next-boot")
+        reboot(twin)
+        assert twin_sh(twin, "uname -r").strip() == OLD
+        inventory = write_inventory(tmp_path, twin, hashlib.sha256(archive.read_bytes()).hexdigest(), updates)
+        first = converge(inventory)
+        assert first.rc == 0, first.output[-6000:]
+        assert nvidia_version(twin, OLD) == VERSION
+        assert twin_sh(twin, "test -x /etc/kernel/postinst.d/pvegpu-nvidia && echo yes").strip() == "yes"
+        again = converge(inventory)
+        assert again.rc == 0 and again.changed == 0, again.output[-4000:]
+        return twin, inventory
+    return make
+
+
+def full_upgrade(twin, tmp_path) -> str:
+    publish(twin, tmp_path, upgrade=True)
+    return twin_sh(twin, "DEBIAN_FRONTEND=noninteractive apt-get -q full-upgrade -y 2>&1")
+
+
+def test_follow_builds_the_new_kernel_s_modules_and_it_becomes_the_default(host_on_6_1, tmp_path):
+    twin, inventory = host_on_6_1(fail_from_6_12=False)
+    upgrade = full_upgrade(twin, tmp_path)
+    assert f"proxmox-kernel-{NEW}" in upgrade, upgrade[-3000:]
+    assert f"pvegpu: nvidia {VERSION} installed for {NEW}" in upgrade, upgrade[-4000:]
+    assert twin_sh(twin, "dpkg --audit").strip() == ""
+    for module in MODULES:
+        info = twin_sh(twin, f"modinfo -k {NEW} -F filename {module}; modinfo -k {NEW} -F vermagic {module}").split("\n")
+        assert info[0].startswith(f"/lib/modules/{NEW}/updates/pvegpu-nvidia/"), info
+        assert info[1].split()[0] == NEW, info
+    assert nvidia_version(twin, NEW) == VERSION
+    assert grub_default(twin) == ""  # nothing pinned: the newest kernel is the default
+    reboot(twin)
+    assert twin_sh(twin, "uname -r").strip() == NEW
+    checks = host_checks(inventory)
+    assert checks.returncode == 0, checks.stdout[-3000:]
+
+
+def test_follow_keeps_the_old_default_when_the_new_kernel_cannot_build(host_on_6_1, tmp_path):
+    twin, inventory = host_on_6_1(fail_from_6_12=True)
+    upgrade = full_upgrade(twin, tmp_path)
+    assert f"proxmox-kernel-{NEW}" in upgrade, upgrade[-3000:]
+    assert "nvidia-mini does not support kernel 6.12 and later" in upgrade, upgrade[-4000:]
+    assert twin_sh(twin, "dpkg --audit").strip() == ""  # the kernel package is configured
+    assert twin_sh(twin, f"dpkg-query -W -f '${{Status}}' proxmox-kernel-{NEW}") == "install ok installed"
+    assert nvidia_version(twin, NEW) == ""
+    assert grub_default(twin) == OLD
+    failed = twin_sh(twin, f"cat /var/lib/pvegpu/kernel-hook/{NEW}.failed")
+    assert "nvidia-mini does not support kernel 6.12 and later" in failed and f"{OLD} stays the boot default" in failed
+    motd = twin_sh(twin, "cat /etc/motd.d/pvegpu-kernel")
+    assert NEW in motd and "nvidia-mini does not support kernel 6.12" in motd
+    reboot(twin)
+    assert twin_sh(twin, "uname -r").strip() == OLD
+
+    dry = converge(inventory, "--dry")
+    assert dry.rc == 0, dry.output[-4000:]
+    assert f"kernel {NEW}: nvidia {VERSION} could not be built for kernel {NEW}" in dry.output, dry.output[-4000:]
+    assert "nvidia-mini does not support kernel 6.12 and later" in dry.output
+    checks = host_checks(inventory)
+    assert checks.returncode == 1, checks.stdout[-3000:]
+    assert f"kernel {NEW}: nvidia {VERSION} could not be built" in checks.stdout, checks.stdout[-3000:]
+
+
+def test_hold_installs_no_new_kernel(host_on_6_1, tmp_path):
+    twin, inventory = host_on_6_1(fail_from_6_12=False, updates="hold")
+    held = twin_sh(twin, "apt-mark showhold").split()
+    assert held == ["proxmox-default-kernel", "proxmox-kernel-6.1"], held
+    dry = converge(inventory, "--dry")
+    assert "kernel updates: hold at 6.1" in dry.output, dry.output[-3000:]
+    upgrade = full_upgrade(twin, tmp_path)
+    assert "proxmox-default-kernel" in upgrade and f"proxmox-kernel-{NEW}" not in upgrade.split("kept back")[-1], upgrade
+    assert not (Path(twin.root) / f"boot/vmlinuz-{NEW}").exists()
+    assert twin_sh(twin, f"dpkg-query -W -f '${{Status}}' proxmox-kernel-{NEW} 2>/dev/null || true").strip() \
+        in ("", "unknown ok not-installed")
+    assert twin_sh(twin, "dpkg-query -W -f '${Version}' proxmox-default-kernel") == "1"
