@@ -68,7 +68,7 @@ def hook_toolchain(spec, state: dict, releases: list[str]) -> tuple[str, str | N
 
 
 def prefetch(spec) -> list:
-    return [(KernelHookState, {})]
+    return [(KernelHookState, {}), (ManagedFiles, {"paths": [HOOK, HOLD_RECORD]})]
 
 
 def preflight(spec) -> list[str]:
@@ -109,7 +109,7 @@ def apply(spec) -> None:
         apt_mark(name=f"Hold the kernel series {updates['series']}: {', '.join(updates['hold'])}", action="hold",
                  packages=updates["hold"])
     record = "".join(f"{p}\n" for p in updates["record"])
-    files = host.get_fact(ManagedFiles, paths=[HOOK, HOLD_RECORD])
+    files = fact_once(ManagedFiles, paths=[HOOK, HOLD_RECORD])
     if record or files.get(HOLD_RECORD):
         managed_file(name="Record the kernel holds pvegpu set", path=HOLD_RECORD, content=record, mode="644",
                      state=files.get(HOLD_RECORD), keep_previous=False)

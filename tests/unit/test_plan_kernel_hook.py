@@ -1,0 +1,74 @@
+"""plan/kernel_hook.py and facts/kernel_hook.py: how kernels move between runs (issue 25)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from facts.kernel_hook import KernelHookState, parse_kernel_hook
+from plan import kernel_hook as plan
+from spec.models import HostSpec
+
+PACKAGES = ["ii proxmox-default-kernel 1.1.0", "ii proxmox-kernel-6.8 6.8.12-11", "ii proxmox-kernel-6.8.12-11-pve-signed 6.8.12-11",
+            "un proxmox-kernel-6.5 <none>", "ii proxmox-headers-6.8 6.8.12-11"]
+
+
+def state(*, holds=(), record=(), packages=PACKAGES, failed=(), running="6.8.12-11-pve"):
+    lines = ["@@ failed", *failed, "@@ holds", *holds, "@@ hold_record", *record, "@@ packages", *packages,
+             "@@ running", running, "@@ headers_candidate", "(none)"]
+    return parse_kernel_hook(lines)
+
+
+def test_hold_holds_the_series_metas_installed_and_records_them():
+    p = plan.updates_plan("hold", None, state())
+    assert p["series"] == "6.8" and p["refusal"] is None
+    assert p["hold"] == ["proxmox-default-kernel", "proxmox-kernel-6.8", "proxmox-headers-6.8"]
+    assert p["record"] == sorted(p["hold"])
+    assert "hold at 6.8" in p["summary"]
+    again = plan.updates_plan("hold", None, state(holds=p["hold"], record=p["record"]))
+    assert again["hold"] == [] and again["unhold"] == [], "a held host changes nothing"
+
+
+def test_hold_takes_the_spec_kernel_series_and_refuses_one_not_installed():
+    p = plan.updates_plan("hold", "6.14.8-2-pve", state())
+    assert p["refusal"] and "proxmox-kernel-6.14 is not installed" in p["refusal"]
+
+
+def test_follow_releases_only_the_holds_pvegpu_set():
+    p = plan.updates_plan("follow", None, state(holds=["proxmox-kernel-6.8", "zfs-dkms"],
+                                                record=["proxmox-default-kernel", "proxmox-kernel-6.8"]))
+    assert p["unhold"] == ["proxmox-kernel-6.8"] and p["hold"] == [] and p["record"] == []
+
+
+def test_failure_records_are_read_and_said():
+    s = state(failed=["== 6.12.118+deb12-amd64.failed", "2026-12-04T05:00:00Z",
+                      "nvidia 580.95.05 could not be built for kernel 6.12.118+deb12-amd64: the build failed",
+                      "6.1.0-57-amd64 stays the boot default (pinned by pvegpu)"])
+    [line] = plan.failure_lines(s)
+    assert line.startswith("kernel 6.12.118+deb12-amd64: nvidia 580.95.05 could not be built")
+    assert line.endswith("6.1.0-57-amd64 stays the boot default (pinned by pvegpu)")
+    assert plan.failure_lines(state()) == []
+
+
+def test_packages_parse_installed_and_held_only():
+    s = state()
+    assert set(s["packages"]) == {"proxmox-default-kernel", "proxmox-kernel-6.8", "proxmox-kernel-6.8.12-11-pve-signed",
+                                  "proxmox-headers-6.8"}
+    assert parse_kernel_hook(["@@ packages", "hi proxmox-kernel-6.8 1"])["packages"]["proxmox-kernel-6.8"]["held"]
+    assert s["headers_candidate"] is None and KernelHookState.default()["failed"] == {}
+
+
+def test_headers_follow_kernels_when_apt_can():
+    assert plan.headers_step(state()) == (False, plan.headers_step(state())[1])
+    assert "no candidate" in (plan.headers_step(state())[1] or "")
+    with_candidate = {**state(), "headers_candidate": "1.1.0"}
+    assert plan.headers_step(with_candidate) == (True, None)
+    has = state(packages=[*PACKAGES, "ii proxmox-default-headers 1.1.0"])
+    assert plan.headers_step(has) == (False, None)
+
+
+def test_kernel_updates_is_follow_or_hold():
+    assert HostSpec().kernel_updates == "follow"
+    assert HostSpec(kernel_updates="hold").kernel_updates == "hold"
+    with pytest.raises(ValidationError, match="kernel_updates"):
+        HostSpec(kernel_updates="latest")
