@@ -79,3 +79,50 @@ def headers_step(state: dict) -> tuple[bool, str | None]:
         return True, None
     return False, ("proxmox-default-headers is not installed and apt has no candidate for it: a new kernel "
                    "will come without headers and the kernel hook will refuse it")
+
+
+def next_boot_kernels(kernels: dict) -> list[str]:
+    """The kernels the loader boots next on a Proxmox host (`facts.kernel.ProxmoxKernels`): the
+    one-shot next-boot pin, then the default: the pin, else the newest installed kernel
+    (proxmox-kernel-helper zz-proxmox-boot sets the systemd-boot default to the pinned entry,
+    else `proxmox-*`, which systemd-boot resolves to the newest version; on GRUB the pin is the
+    default through Proxmox's /etc/grub.d/000_proxmox_boot_header, else GRUB_DEFAULT=0, the
+    first entry, which grub-mkconfig's 10_linux orders newest first)."""
+    installed = list(kernels.get("installed") or [])
+    out = []
+    if kernels.get("next_boot") in installed:
+        out.append(kernels["next_boot"])
+    default = kernels.get("pinned") if kernels.get("pinned") in installed else (installed[-1] if installed else None)
+    if default:
+        out.append(default)
+    return list(dict.fromkeys(out))
+
+
+def module_problems(release: str, version: str, module: dict, cc_version_text: str | None,
+                    firmware_present: dict[str, bool] | None) -> list[str]:
+    """What is wrong with nvidia for `release`: `module` is {"version", "vermagic", "gcc"
+    (the .ko's .comment GCC line), "firmware": [files it loads]}; `cc_version_text` the kernel's
+    CONFIG_CC_VERSION_TEXT; `firmware_present` {firmware file: exists} (None: not checked)."""
+    if module.get("version") != version:
+        return [f"kernel {release} has nvidia {module.get('version') or 'missing'}, not {version}"]
+    problems = []
+    vermagic = (module.get("vermagic") or "").split(" ", 1)[0]
+    if vermagic != release:
+        problems.append(f"kernel {release}: its nvidia module was built for {vermagic or 'an unknown kernel'}")
+    gcc = module.get("gcc") or ""
+    want = cc_version_text or ""
+    if want and gcc:
+        same = gcc.split(" ", 1)[-1] == want.split(" ", 1)[-1]
+        if not same and gcc_xyz(gcc) != gcc_xyz(want):
+            problems.append(f"kernel {release} was built with {want!r} but its nvidia module with {gcc!r}")
+    elif want:
+        problems.append(f"kernel {release}: its nvidia module does not say which compiler built it")
+    for name, present in sorted((firmware_present or {}).items()):
+        if not present:
+            problems.append(f"kernel {release}: nvidia {version} loads /lib/firmware/{name}, which is missing")
+    return problems
+
+
+def gcc_xyz(banner: str) -> str | None:
+    found = re.findall(r"\b(\d+\.\d+\.\d+)\b", banner)
+    return found[-1] if found else None

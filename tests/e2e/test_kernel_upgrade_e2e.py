@@ -191,7 +191,7 @@ def converge(inventory: str, *args: str):
 
 
 def host_checks(inventory: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTEST, "-q", "-p", "no:cacheprovider", "tests/host/test_boot.py", "-k", "nvidia_driver",
+    return subprocess.run([PYTEST, "-q", "-rA", "-p", "no:cacheprovider", "tests/host/test_boot.py", "-k", "nvidia_driver",
                            "--inventory", inventory], cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
@@ -279,6 +279,15 @@ def test_follow_keeps_the_old_default_when_the_new_kernel_cannot_build(host_on_6
     checks = host_checks(inventory)
     assert checks.returncode == 1, checks.stdout[-3000:]
     assert f"kernel {NEW}: nvidia {VERSION} could not be built" in checks.stdout, checks.stdout[-3000:]
+    # the pinned 6.1 boots next, and it has them
+    assert "PASSED tests/host/test_boot.py::test_kernels_the_loader_boots_next_have_the_nvidia_driver" in checks.stdout, \
+        checks.stdout[-3000:]
+
+    # unpinned, the loader would boot 6.12 next: the next-boot check names it
+    twin_sh(twin, "proxmox-boot-tool kernel unpin")
+    checks = host_checks(inventory)
+    assert f"the next boot ({NEW}) would come up without its GPU driver: kernel {NEW} has nvidia missing, " \
+        f"not {VERSION}" in checks.stdout, checks.stdout[-3000:]
 
 
 def test_hold_installs_no_new_kernel(host_on_6_1, tmp_path):

@@ -72,3 +72,28 @@ def test_kernel_updates_is_follow_or_hold():
     assert HostSpec(kernel_updates="hold").kernel_updates == "hold"
     with pytest.raises(ValidationError, match="kernel_updates"):
         HostSpec(kernel_updates="latest")
+
+
+def test_next_boot_is_the_one_shot_pin_then_the_pin_else_the_newest():
+    installed = ["6.1.0-57-amd64", "6.8.12-11-pve", "6.12.118+deb12-amd64"]
+    assert plan.next_boot_kernels({"installed": installed}) == ["6.12.118+deb12-amd64"]
+    assert plan.next_boot_kernels({"installed": installed, "pinned": "6.1.0-57-amd64"}) == ["6.1.0-57-amd64"]
+    assert plan.next_boot_kernels({"installed": installed, "pinned": "6.1.0-57-amd64",
+                                   "next_boot": "6.8.12-11-pve"}) == ["6.8.12-11-pve", "6.1.0-57-amd64"]
+    assert plan.next_boot_kernels({"installed": installed, "pinned": "6.99.0-1-pve"}) == ["6.12.118+deb12-amd64"]
+    assert plan.next_boot_kernels({"installed": []}) == []
+
+
+def test_module_problems_name_version_kernel_compiler_and_firmware():
+    rel, ver = "6.12.118+deb12-amd64", "580.95.05"
+    cc = "x86_64-linux-gnu-gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0"
+    good = {"version": ver, "vermagic": f"{rel} SMP preempt mod_unload modversions",
+            "gcc": "GCC: (Debian 12.2.0-14+deb12u1) 12.2.0"}
+    assert plan.module_problems(rel, ver, good, cc, {"nvidia/580.95.05/gsp_ga10x.bin": True}) == []
+    assert plan.module_problems(rel, ver, {}, cc, None) == [f"kernel {rel} has nvidia missing, not {ver}"]
+    other = {**good, "gcc": "GCC: (Debian 14.2.0-19) 14.2.0", "vermagic": "6.1.0-57-amd64 SMP"}
+    problems = plan.module_problems(rel, ver, other, cc, {"nvidia/580.95.05/gsp_ga10x.bin": False})
+    assert [p.split(":")[0] if ": " in p else p for p in problems] and len(problems) == 3
+    assert "built for 6.1.0-57-amd64" in problems[0] and "14.2.0" in problems[1] and "gsp_ga10x.bin" in problems[2]
+    revision = {**good, "gcc": "GCC: (Debian 12.2.0-14) 12.2.0"}
+    assert plan.module_problems(rel, ver, revision, cc, None) == [], "the same GCC x.y.z is the toolchain rule's match"
