@@ -16,6 +16,9 @@ NEXT_PIN_FILE = "/etc/kernel/next-boot-pin"
 # proxmox-default-headers -> proxmox-headers-X.Y -> proxmox-headers-<rel>
 META_RE = re.compile(r"^proxmox-(kernel|headers)-(\d+\.\d+)$")
 DEFAULT_METAS = ("proxmox-default-kernel", "proxmox-default-headers")
+# apt reads without writing its cache files (a --dry changes nothing): apt.conf(5) Dir::Cache, an empty
+# pkgcache / srcpkgcache turns that cache file off (the cache is then built in memory)
+NO_CACHE = "-o Dir::Cache::pkgcache= -o Dir::Cache::srcpkgcache="
 
 
 def parse_failed(lines: list[str]) -> dict[str, dict]:
@@ -80,13 +83,14 @@ class KernelHookState(ShellFact):
         section_echo("pinned"), f"cat {HOOK_STATE}/pinned 2>/dev/null",
         section_echo("pin"), f"head -n 1 {PIN_FILE} 2>/dev/null",
         section_echo("next_pin"), f"head -n 1 {NEXT_PIN_FILE} 2>/dev/null",
-        section_echo("holds"), "apt-mark showhold 2>/dev/null",
+        section_echo("holds"), f"apt-mark {NO_CACHE} showhold 2>/dev/null",
         section_echo("hold_record"), f"cat {HOLD_RECORD} 2>/dev/null",
         section_echo("packages"),
         "dpkg-query -W -f '${db:Status-Abbrev} ${Package} ${Version}\\n' proxmox-default-kernel "
         "proxmox-default-headers 'proxmox-kernel-[0-9]*' 'proxmox-headers-[0-9]*' 2>/dev/null",
         section_echo("headers_candidate"),
-        "apt-cache policy proxmox-default-headers 2>/dev/null | sed -n 's/^ *Candidate: //p'",
+        f"apt-cache {NO_CACHE} policy proxmox-default-headers 2>/dev/null "
+        "| sed -n 's/^ *Candidate: //p'",
         section_echo("hook"), "[ -e /etc/kernel/postinst.d/pvegpu-nvidia ] && echo yes",
         section_echo("running"), "uname -r",
         "true",
