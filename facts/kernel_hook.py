@@ -63,6 +63,7 @@ def parse_kernel_hook(lines: list[str]) -> dict:
         "headers_candidate": lambda ls: (c if (c := _first(ls)) and c != "(none)" else None),
         "hook": lambda ls: bool(ls) and ls[0].strip() == "yes",
         "running": _first,
+        "installed": lambda ls: sorted(line.strip() for line in ls if line.strip()),
     })
 
 
@@ -74,7 +75,8 @@ class KernelHookState(ShellFact):
          "pinned": "6.14.8-2-pve" | None, "pin": …, "next_pin": …,
          "holds": ["proxmox-kernel-6.14"], "hold_record": […],
          "packages": {"proxmox-default-kernel": {"version": "1.1.0", "held": False}, …},
-         "headers_candidate": "1.1.0" | None, "hook": True, "running": "6.14.8-2-pve"}
+         "headers_candidate": "1.1.0" | None, "hook": True, "running": "6.14.8-2-pve",
+         "installed": ["6.14.11-1-pve", "6.14.8-2-pve"]}   # /boot/vmlinuz-*
     """
 
     command = "; ".join([
@@ -93,6 +95,7 @@ class KernelHookState(ShellFact):
         "| sed -n 's/^ *Candidate: //p'",
         section_echo("hook"), "[ -e /etc/kernel/postinst.d/pvegpu-nvidia ] && echo yes",
         section_echo("running"), "uname -r",
+        section_echo("installed"), 'for f in /boot/vmlinuz-*; do [ -e "$f" ] && echo "${f#/boot/vmlinuz-}"; done',
         "true",
     ])
 

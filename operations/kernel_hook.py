@@ -91,6 +91,13 @@ def install_default_headers():
 
 
 @operation()
+def forget_failures(releases: list[str], last: bool):
+    """Remove the failure records of kernels no longer installed (and the login notice with the last)."""
+    paths = [f"{HOOK_STATE}/{r}.failed" for r in releases] + ([MOTD] if last else [])
+    yield StringCommand("rm -f " + " ".join(shlex.quote(p) for p in paths))
+
+
+@operation()
 def remove_hook():
     yield StringCommand(f"rm -f {shlex.quote(HOOK)}")
 
@@ -100,6 +107,10 @@ def apply(spec) -> None:
     state = fact_once(KernelHookState)
     for line in khplan.failure_lines(state):
         logger.warning(f"{host.name}: kernel hook: {line}")
+    stale = khplan.stale_failures(state)
+    if stale:
+        forget_failures(name=f"Forget the kernel hook's records of removed kernels: {', '.join(stale)}", releases=stale,
+                        last=not khplan.live_failures(state))
     updates = khplan.updates_plan(spec.kernel_updates, spec.kernel.version if spec.kernel else None, state)
     logger.info(f"{host.name}: {updates['summary']}")
     if updates["unhold"]:

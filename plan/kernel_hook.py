@@ -62,10 +62,22 @@ def updates_plan(mode: str, spec_release: str | None, state: dict) -> dict:
             "summary": summary, "refusal": None}
 
 
+def live_failures(state: dict) -> dict[str, dict]:
+    """The hook's failure records of kernels still installed (/boot/vmlinuz-<rel>)."""
+    installed = set(state.get("installed") or [])
+    return {rel: rec for rel, rec in (state.get("failed") or {}).items() if rel in installed}
+
+
+def stale_failures(state: dict) -> list[str]:
+    """Failure records of kernels removed since (nothing boots them any more)."""
+    return sorted(set(state.get("failed") or {}) - set(live_failures(state)))
+
+
 def failure_lines(state: dict) -> list[str]:
     """The kernel hook's failures on this host, in words (the --dry and the run say them)."""
-    return [f"kernel {rel}: {rec['reason'] or 'the kernel hook failed'} ({rec['time']}); {rec['kept']}"
-            for rel, rec in sorted((state.get("failed") or {}).items())]
+    return [f"kernel {rel}: {rec['reason'] or 'the kernel hook failed'} ({rec['time']}); {rec['kept']}; "
+            f"once the cause is fixed, `dpkg-reconfigure proxmox-kernel-{rel}` runs the hook again"
+            for rel, rec in sorted(live_failures(state).items())]
 
 
 def headers_step(state: dict) -> tuple[bool, str | None]:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import PYTEST, REPO, run_pyinfra
+from tests.e2e.harness import PYTEST, REPO, manifest_diff, root_manifest, run_pyinfra
 from tests.twin import runtime
 
 pytestmark = [pytest.mark.twin]
@@ -272,9 +272,13 @@ def test_follow_keeps_the_old_default_when_the_new_kernel_cannot_build(host_on_6
     reboot(twin)
     assert twin_sh(twin, "uname -r").strip() == OLD
 
+    before = root_manifest(twin.root)
     dry = converge(inventory, "--dry")
     assert dry.rc == 0, dry.output[-4000:]
+    assert manifest_diff(before, root_manifest(twin.root)) == [], "--dry changed the twin"
+    assert "kernel updates: follow" in dry.output
     assert f"kernel {NEW}: nvidia {VERSION} could not be built for kernel {NEW}" in dry.output, dry.output[-4000:]
+    assert f"`dpkg-reconfigure proxmox-kernel-{NEW}` runs the hook again" in dry.output
     assert "nvidia-mini does not support kernel 6.12 and later" in dry.output
     checks = host_checks(inventory)
     assert checks.returncode == 1, checks.stdout[-3000:]

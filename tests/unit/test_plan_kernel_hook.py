@@ -13,9 +13,10 @@ PACKAGES = ["ii proxmox-default-kernel 1.1.0", "ii proxmox-kernel-6.8 6.8.12-11"
             "un proxmox-kernel-6.5 <none>", "ii proxmox-headers-6.8 6.8.12-11"]
 
 
-def state(*, holds=(), record=(), packages=PACKAGES, failed=(), running="6.8.12-11-pve"):
+def state(*, holds=(), record=(), packages=PACKAGES, failed=(), running="6.8.12-11-pve",
+          installed=("6.1.0-57-amd64", "6.8.12-11-pve", "6.12.118+deb12-amd64")):
     lines = ["@@ failed", *failed, "@@ holds", *holds, "@@ hold_record", *record, "@@ packages", *packages,
-             "@@ running", running, "@@ headers_candidate", "(none)"]
+             "@@ running", running, "@@ headers_candidate", "(none)", "@@ installed", *installed]
     return parse_kernel_hook(lines)
 
 
@@ -46,7 +47,7 @@ def test_failure_records_are_read_and_said():
                       "6.1.0-57-amd64 stays the boot default (pinned by pvegpu)"])
     [line] = plan.failure_lines(s)
     assert line.startswith("kernel 6.12.118+deb12-amd64: nvidia 580.95.05 could not be built")
-    assert line.endswith("6.1.0-57-amd64 stays the boot default (pinned by pvegpu)")
+    assert "; 6.1.0-57-amd64 stays the boot default (pinned by pvegpu); once the cause is fixed" in line
     assert plan.failure_lines(state()) == []
 
 
@@ -97,3 +98,13 @@ def test_module_problems_name_version_kernel_compiler_and_firmware():
     assert "built for 6.1.0-57-amd64" in problems[0] and "14.2.0" in problems[1] and "gsp_ga10x.bin" in problems[2]
     revision = {**good, "gcc": "GCC: (Debian 12.2.0-14) 12.2.0"}
     assert plan.module_problems(rel, ver, revision, cc, None) == [], "the same GCC x.y.z is the toolchain rule's match"
+
+
+def test_records_of_removed_kernels_are_stale_not_failures():
+    s = {**state(failed=["== 6.12.1-1-pve.failed", "t", "nvidia could not be built", "kept",
+                         "== 6.11.1-1-pve.failed", "t", "nvidia could not be built", "kept"]),
+         "installed": ["6.8.12-11-pve", "6.12.1-1-pve"]}
+    assert list(plan.live_failures(s)) == ["6.12.1-1-pve"]
+    assert plan.stale_failures(s) == ["6.11.1-1-pve"]
+    [line] = plan.failure_lines(s)
+    assert line.startswith("kernel 6.12.1-1-pve:") and "dpkg-reconfigure proxmox-kernel-6.12.1-1-pve" in line
