@@ -73,9 +73,11 @@ def prefetch(spec) -> list:
 
 def preflight(spec) -> list[str]:
     state = fact_once(KernelHookState)
-    refusal = khplan.updates_plan(spec.kernel_updates, spec.kernel.version if spec.kernel else None,
-                                  state)["refusal"]
-    return [refusal] if refusal else []
+    refusals = [khplan.updates_plan(spec.kernel_updates, spec.kernel.version if spec.kernel else None,
+                                    state)["refusal"]]
+    if spec.kernel is not None and spec.nvidia is not None:
+        refusals.append(khplan.driver_kernel_refusal(spec.nvidia.version, spec.kernel.version, state))
+    return [r for r in refusals if r]
 
 
 @operation()

@@ -138,3 +138,15 @@ def module_problems(release: str, version: str, module: dict, cc_version_text: s
 def gcc_xyz(banner: str) -> str | None:
     found = re.findall(r"\b(\d+\.\d+\.\d+)\b", banner)
     return found[-1] if found else None
+
+
+def driver_kernel_refusal(version: str, release: str | None, state: dict) -> str | None:
+    """The driver x kernel gate for the spec's kernel (`kernel.version`): the kernel hook already
+    tried nvidia `version` against that release when its package was installed and could not build
+    it (the record quotes the first compile error); the run is refused before the kernel stage
+    pins it. A record of another driver version does not count (the spec moved on)."""
+    rec = live_failures(state).get(release or "")
+    if rec is None or not rec["reason"].startswith(f"nvidia {version} "):
+        return None
+    return (f"kernel {release} (kernel.version) cannot run nvidia {version}: {rec['reason']}; pick a driver version "
+            f"that builds for it (nvidia.version) or another kernel.version")

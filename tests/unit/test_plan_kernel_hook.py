@@ -108,3 +108,14 @@ def test_records_of_removed_kernels_are_stale_not_failures():
     assert plan.stale_failures(s) == ["6.11.1-1-pve"]
     [line] = plan.failure_lines(s)
     assert line.startswith("kernel 6.12.1-1-pve:") and "dpkg-reconfigure proxmox-kernel-6.12.1-1-pve" in line
+
+
+def test_the_spec_kernel_is_refused_when_the_hook_could_not_build_this_driver_for_it():
+    rec = ["== 6.12.118+deb12-amd64.failed", "t",
+           "nvidia 580.95.05 could not be built for kernel 6.12.118+deb12-amd64: the build failed (exit 2): "
+           "nvidia.c:4:2: error: #error \"no 6.12\"", "6.1.0-57-amd64 stays the boot default"]
+    s = state(failed=rec)
+    refusal = plan.driver_kernel_refusal("580.95.05", "6.12.118+deb12-amd64", s)
+    assert refusal and "cannot run nvidia 580.95.05" in refusal and 'error: #error "no 6.12"' in refusal
+    assert plan.driver_kernel_refusal("590.1.2", "6.12.118+deb12-amd64", s) is None, "another driver: try again"
+    assert plan.driver_kernel_refusal("580.95.05", "6.1.0-57-amd64", s) is None
