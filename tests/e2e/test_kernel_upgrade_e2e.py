@@ -172,11 +172,11 @@ def reboot(twin) -> None:
     assert len(boots.read_text().splitlines()) > before, "the twin did not reboot"
 
 
-def write_inventory(tmp: Path, twin, sha: str, updates: str) -> str:
+def write_inventory(tmp: Path, twin, sha: str, updates: str, node: str = PROFILE) -> str:
     nvidia = {"version": VERSION, "open": True, "modules_source": {"url": f"file://{ARCHIVE}", "sha256": sha},
               "firmware": False, "persistenced": False}
     spec = {"hosts": {twin.name: {"ssh": {"hostname": twin.address, "port": twin.port, "user": "root", "key": twin.key},
-                                  "node": "intel2", "kernel_updates": updates, "nvidia": nvidia}}}
+                                  "node": node, "kernel_updates": updates, "nvidia": nvidia}}}
     yml = tmp / "upgrade.yml"
     yml.write_text(json.dumps(spec))
     inv = tmp / "upgrade_inventory.py"
@@ -209,8 +209,8 @@ def grub_default(twin) -> str:
 def host_on_6_1(twin_factory, tmp_path):
     """A Proxmox host running 6.1.0-57-amd64 with nvidia VERSION's (miniature) modules, installed
     through apt from the local repository, before any converge."""
-    def make(fail_from_6_12: bool, updates: str = "follow"):
-        twin = twin_factory(PROFILE)
+    def make(fail_from_6_12: bool, updates: str = "follow", profile: str = PROFILE):
+        twin = twin_factory(profile)
         root = Path(twin.root)
         archive = mini_tree(tmp_path, fail_from_6_12)
         (root / "opt/src").mkdir(parents=True, exist_ok=True)
@@ -219,10 +219,11 @@ def host_on_6_1(twin_factory, tmp_path):
         twin_sh(twin, "rm -f /usr/lib/x86_64-linux-gnu/libnvidia-ml.so*")
         publish(twin, tmp_path, upgrade=False)
         twin_sh(twin, "DEBIAN_FRONTEND=noninteractive apt-get -q install -y proxmox-default-kernel")
-        twin_sh(twin, f"proxmox-boot-tool kernel pin {OLD} --next-boot")
+        # one boot into 6.1 (on ESPs the pin reaches the loader through the refresh)
+        twin_sh(twin, f"proxmox-boot-tool kernel pin {OLD} --next-boot && proxmox-boot-tool refresh")
         reboot(twin)
         assert twin_sh(twin, "uname -r").strip() == OLD
-        inventory = write_inventory(tmp_path, twin, hashlib.sha256(archive.read_bytes()).hexdigest(), updates)
+        inventory = write_inventory(tmp_path, twin, hashlib.sha256(archive.read_bytes()).hexdigest(), updates, profile)
         first = converge(inventory)
         assert first.rc == 0, first.output[-6000:]
         assert nvidia_version(twin, OLD) == VERSION
@@ -256,8 +257,11 @@ def test_follow_builds_the_new_kernel_s_modules_and_it_becomes_the_default(host_
     assert checks.returncode == 0, checks.stdout[-3000:]
 
 
-def test_follow_keeps_the_old_default_when_the_new_kernel_cannot_build(host_on_6_1, tmp_path):
-    twin, inventory = host_on_6_1(fail_from_6_12=True)
+# intel2: GRUB (the pin reaches grub.cfg through update-grub); kpro6: systemd-boot on an ESP listed in
+# /etc/kernel/proxmox-boot-uuids (the pin reaches loader.conf through zz-proxmox-boot, which runs after the hook)
+@pytest.mark.parametrize("profile", ["intel2", "kpro6"])
+def test_follow_keeps_the_old_default_when_the_new_kernel_cannot_build(host_on_6_1, tmp_path, profile):
+    twin, inventory = host_on_6_1(fail_from_6_12=True, profile=profile)
     upgrade = full_upgrade(twin, tmp_path)
     assert f"proxmox-kernel-{NEW}" in upgrade, upgrade[-3000:]
     assert "nvidia-mini does not support kernel 6.12 and later" in upgrade, upgrade[-4000:]
@@ -269,6 +273,9 @@ def test_follow_keeps_the_old_default_when_the_new_kernel_cannot_build(host_on_6
     assert "nvidia-mini does not support kernel 6.12 and later" in failed and f"{OLD} stays the boot default" in failed
     motd = twin_sh(twin, "cat /etc/motd.d/pvegpu-kernel")
     assert NEW in motd and "nvidia-mini does not support kernel 6.12" in motd
+    if profile == "kpro6":
+        loader = (Path(twin.root) / "var/lib/twin/esp/5A1C-9E27/loader/loader.conf").read_text()
+        assert f"default proxmox-{OLD}.conf" in loader, loader
     reboot(twin)
     assert twin_sh(twin, "uname -r").strip() == OLD
 
@@ -287,10 +294,12 @@ def test_follow_keeps_the_old_default_when_the_new_kernel_cannot_build(host_on_6
     assert "PASSED tests/host/test_boot.py::test_kernels_the_loader_boots_next_have_the_nvidia_driver" in checks.stdout, \
         checks.stdout[-3000:]
 
-    # unpinned, the loader would boot 6.12 next: the next-boot check names it
-    twin_sh(twin, "proxmox-boot-tool kernel unpin")
+    # unpinned, the loader boots the newest kernel next: 6.12 on intel2 (no modules), the profile's
+    # 6.14.8-2-pve on kpro6 (its seeded modules are 595.71.05): the next-boot check names it
+    twin_sh(twin, "proxmox-boot-tool kernel unpin && proxmox-boot-tool refresh")
+    newest, has = (NEW, "missing") if profile == "intel2" else ("6.14.8-2-pve", "595.71.05")
     checks = host_checks(inventory)
-    assert f"the next boot ({NEW}) would come up without its GPU driver: kernel {NEW} has nvidia missing, " \
+    assert f"the next boot ({newest}) would come up without its GPU driver: kernel {newest} has nvidia {has}, " \
         f"not {VERSION}" in checks.stdout, checks.stdout[-3000:]
 
 
