@@ -137,6 +137,11 @@ def apply(spec) -> None:
     if headers:
         install_default_headers(name="Install proxmox-default-headers (headers follow the kernels)")
     nv_state, releases, steps = nvidia._state_and_steps(spec)
+    # the hook builds from the verified archive on the host: fetched even when the NVIDIA stage builds nothing
+    archive = nvidia.cached_source(nv.modules_source)
+    if not (nv_state["sources"].get("modules") or {}).get("cached") and not steps["fetch_modules"]:
+        nvidia.fetch_source(name=f"Fetch and verify NVIDIA modules source {archive} for the kernel hook",
+                            url=nv.modules_source.url, sha256=nv.modules_source.sha256, dest=archive)
     cc, cxx = hook_toolchain(spec, nv_state, releases)
     content = hook_script(spec, cc, cxx, steps["jobs"], steps["ccache"])
     current = files.get(HOOK)

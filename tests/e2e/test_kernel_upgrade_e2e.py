@@ -294,13 +294,30 @@ def test_follow_keeps_the_old_default_when_the_new_kernel_cannot_build(host_on_6
     assert "PASSED tests/host/test_boot.py::test_kernels_the_loader_boots_next_have_the_nvidia_driver" in checks.stdout, \
         checks.stdout[-3000:]
 
-    # unpinned, the loader boots the newest kernel next: 6.12 on intel2 (no modules), the profile's
-    # 6.14.8-2-pve on kpro6 (its seeded modules are 595.71.05): the next-boot check names it
-    twin_sh(twin, "proxmox-boot-tool kernel unpin && proxmox-boot-tool refresh")
-    newest, has = (NEW, "missing") if profile == "intel2" else ("6.14.8-2-pve", "595.71.05")
+    # a one-shot entry for 6.12 (`kernel pin --next-boot`): the next-boot check names it
+    twin_sh(twin, f"proxmox-boot-tool kernel pin {NEW} --next-boot && proxmox-boot-tool refresh")
     checks = host_checks(inventory)
-    assert f"the next boot ({newest}) would come up without its GPU driver: kernel {newest} has nvidia {has}, " \
+    assert f"the next boot ({NEW}, {OLD}) would come up without its GPU driver: kernel {NEW} has nvidia missing, " \
         f"not {VERSION}" in checks.stdout, checks.stdout[-3000:]
+    twin_sh(twin, "proxmox-boot-tool kernel unpin --next-boot && proxmox-boot-tool refresh")
+
+    # the cause fixed (a tree that builds for 6.12, through the spec): the converge fetches it for the
+    # hook, `dpkg-reconfigure` reruns the kernel's postinst and so the hook, which builds and drops its pin
+    (tmp_path / "fixed").mkdir()
+    fixed = mini_tree(tmp_path / "fixed", fail_from_6_12=False)
+    (Path(twin.root) / ARCHIVE.lstrip("/")).write_bytes(fixed.read_bytes())
+    inventory = write_inventory(tmp_path, twin, hashlib.sha256(fixed.read_bytes()).hexdigest(), "follow", profile)
+    run = converge(inventory)
+    assert run.rc == 0 and "for the kernel hook" in run.output, run.output[-4000:]
+    again = twin_sh(twin, f"DEBIAN_FRONTEND=noninteractive dpkg-reconfigure proxmox-kernel-{NEW} 2>&1")
+    assert f"pvegpu: nvidia {VERSION} installed for {NEW}" in again, again[-3000:]
+    # its own pin goes where unpinned the loader boots 6.12 (intel2); on kpro6 the newest kernel is the
+    # profile's 6.14.8-2-pve (other modules), so the pin moves to 6.12 instead
+    assert nvidia_version(twin, NEW) == VERSION and grub_default(twin) == ("" if profile == "intel2" else NEW)
+    assert twin_sh(twin, "ls /var/lib/pvegpu/kernel-hook/ /etc/motd.d/").split().count(f"{NEW}.failed") == 0
+    assert twin_sh(twin, "test -e /etc/motd.d/pvegpu-kernel || echo gone").strip() == "gone"
+    checks = host_checks(inventory)
+    assert checks.returncode == 0, checks.stdout[-3000:]
 
 
 def test_hold_installs_no_new_kernel(host_on_6_1, tmp_path):
@@ -315,3 +332,12 @@ def test_hold_installs_no_new_kernel(host_on_6_1, tmp_path):
     assert twin_sh(twin, f"dpkg-query -W -f '${{Status}}' proxmox-kernel-{NEW} 2>/dev/null || true").strip() \
         in ("", "unknown ok not-installed")
     assert twin_sh(twin, "dpkg-query -W -f '${Version}' proxmox-default-kernel") == "1"
+
+    # back to follow: pvegpu's holds go, and the next full-upgrade brings 6.12 with its modules
+    follow = write_inventory(tmp_path, twin, hashlib.sha256((Path(twin.root) / ARCHIVE.lstrip("/")).read_bytes())
+                             .hexdigest(), "follow")
+    run = converge(follow)
+    assert run.rc == 0 and "Release the kernel holds pvegpu set" in run.output, run.output[-4000:]
+    assert twin_sh(twin, "apt-mark showhold").split() == []
+    upgrade = twin_sh(twin, "DEBIAN_FRONTEND=noninteractive apt-get -q full-upgrade -y 2>&1")
+    assert f"pvegpu: nvidia {VERSION} installed for {NEW}" in upgrade, upgrade[-3000:]
