@@ -131,7 +131,8 @@ def apply(spec) -> None:
         if state.get("hook"):
             remove_hook(name="Remove the kernel hook (no nvidia.modules_source to build from)")
         return
-    headers, note = khplan.headers_step(state)
+    # follow only: held kernels need no new headers (and proxmox-default-headers may name a newer series)
+    headers, note = khplan.headers_step(state) if spec.kernel_updates == "follow" else (False, None)
     if note:
         logger.warning(f"{host.name}: kernel hook: {note}")
     if headers:

@@ -119,11 +119,16 @@ def kernel_deb(out: Path, root: Path, release: str) -> Path:
 
 def repo_debs(out: Path, root: Path, upgrade: bool) -> list[Path]:
     """pve-kernel-meta's chain: proxmox-default-kernel -> proxmox-kernel-X.Y -> the release."""
-    debs = [kernel_deb(out, root, OLD), deb(out, "proxmox-kernel-6.1", "1", {}, depends=f"proxmox-kernel-{OLD}"),
-            deb(out, "proxmox-default-kernel", "1", {}, depends="proxmox-kernel-6.1")]
-    if upgrade:
-        debs += [kernel_deb(out, root, NEW), deb(out, "proxmox-kernel-6.12", "1", {}, depends=f"proxmox-kernel-{NEW}"),
-                 deb(out, "proxmox-default-kernel", "2", {}, depends="proxmox-kernel-6.12")]
+    debs = []
+    for release, series in ((OLD, "6.1"), (NEW, "6.12"))[:2 if upgrade else 1]:
+        version = "2" if series == "6.12" else "1"
+        debs += [kernel_deb(out, root, release),
+                 deb(out, f"proxmox-kernel-{series}", "1", {}, depends=f"proxmox-kernel-{release}"),
+                 deb(out, "proxmox-default-kernel", version, {}, depends=f"proxmox-kernel-{series}"),
+                 # the headers chain (its files are already in the twin root, unpacked from Debian's packages)
+                 deb(out, f"proxmox-headers-{release}", "1", {}),
+                 deb(out, f"proxmox-headers-{series}", "1", {}, depends=f"proxmox-headers-{release}"),
+                 deb(out, "proxmox-default-headers", version, {}, depends=f"proxmox-headers-{series}")]
     return debs
 
 
@@ -227,6 +232,12 @@ def host_on_6_1(twin_factory, tmp_path):
         first = converge(inventory)
         assert first.rc == 0, first.output[-6000:]
         assert nvidia_version(twin, OLD) == VERSION
+        installed = twin_sh(twin, "dpkg-query -W -f '${Package} ${Status}\\n' 'proxmox-*headers*' 2>/dev/null || true")
+        if updates == "follow":  # the headers follow the kernels from now on
+            assert "Install proxmox-default-headers" in first.output, first.output[-3000:]
+            assert "proxmox-default-headers install ok installed" in installed, installed
+        else:
+            assert "proxmox-default-headers install ok installed" not in installed, installed
         assert twin_sh(twin, "test -x /etc/kernel/postinst.d/pvegpu-nvidia && echo yes").strip() == "yes"
         again = converge(inventory)
         assert again.rc == 0 and again.changed == 0, again.output[-4000:]
@@ -244,6 +255,7 @@ def test_follow_builds_the_new_kernel_s_modules_and_it_becomes_the_default(host_
     upgrade = full_upgrade(twin, tmp_path)
     assert f"proxmox-kernel-{NEW}" in upgrade, upgrade[-3000:]
     assert f"pvegpu: nvidia {VERSION} installed for {NEW}" in upgrade, upgrade[-4000:]
+    assert f"proxmox-headers-{NEW}" in upgrade, upgrade[-3000:]  # came with proxmox-default-headers 2
     assert twin_sh(twin, "dpkg --audit").strip() == ""
     for module in MODULES:
         info = twin_sh(twin, f"modinfo -k {NEW} -F filename {module}; modinfo -k {NEW} -F vermagic {module}").split("\n")
