@@ -12,8 +12,9 @@ HOOK_STATE = "/var/lib/pvegpu/kernel-hook"  # <release>.failed / .ok / .log, `pi
 HOLD_RECORD = "/var/lib/pvegpu/kernel-hold"  # the packages pvegpu put on hold, one a line
 PIN_FILE = "/etc/kernel/proxmox-boot-pin"  # proxmox-kernel-helper's pin (proxmox-boot-tool kernel pin)
 NEXT_PIN_FILE = "/etc/kernel/next-boot-pin"
-# pve-kernel-meta debian/control: proxmox-default-kernel -> proxmox-kernel-X.Y -> proxmox-kernel-<rel>(-signed);
-# proxmox-default-headers -> proxmox-headers-X.Y -> proxmox-headers-<rel>
+# proxmox-kernel-meta debian/control: proxmox-default-kernel / -headers depend on proxmox-kernel-X.Y /
+# proxmox-headers-X.Y; pve-kernel debian/control.in: those depend on proxmox-kernel-<rel>(-signed) /
+# proxmox-headers-<rel>, and a new ABI moves them to the new release
 META_RE = re.compile(r"^proxmox-(kernel|headers)-(\d+\.\d+)$")
 DEFAULT_METAS = ("proxmox-default-kernel", "proxmox-default-headers")
 # apt reads without writing its cache files (a --dry changes nothing): apt.conf(5) Dir::Cache, an empty

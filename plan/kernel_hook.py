@@ -24,7 +24,7 @@ def series_of(release: str | None) -> str | None:
 def hold_packages(series: str, installed: dict[str, dict]) -> list[str]:
     """The installed meta-packages that pull a new kernel release: proxmox-default-kernel /
     -headers (they move to a new series) and proxmox-kernel-X.Y / proxmox-headers-X.Y (each new
-    ABI of the series; pve-kernel-meta debian/control)."""
+    ABI of the series; proxmox-kernel-meta and pve-kernel debian/control)."""
     wanted = [*DEFAULT_METAS, f"proxmox-kernel-{series}", f"proxmox-headers-{series}"]
     return [p for p in wanted if p in installed]
 
@@ -82,7 +82,7 @@ def failure_lines(state: dict) -> list[str]:
 
 def headers_step(state: dict) -> tuple[bool, str | None]:
     """(install proxmox-default-headers?, note): on a host with proxmox-default-kernel, the
-    headers follow the kernels through proxmox-default-headers (pve-kernel-meta: it depends on
+    headers follow the kernels through proxmox-default-headers (proxmox-kernel-meta: it depends on
     proxmox-headers-X.Y, which depends on the newest release's headers)."""
     packages = state.get("packages") or {}
     if "proxmox-default-kernel" not in packages or "proxmox-default-headers" in packages:

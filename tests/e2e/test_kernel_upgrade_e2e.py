@@ -118,7 +118,8 @@ def kernel_deb(out: Path, root: Path, release: str) -> Path:
 
 
 def repo_debs(out: Path, root: Path, upgrade: bool) -> list[Path]:
-    """pve-kernel-meta's chain: proxmox-default-kernel -> proxmox-kernel-X.Y -> the release."""
+    """The chain of proxmox-kernel-meta's and pve-kernel's debian/control: proxmox-default-kernel ->
+    proxmox-kernel-X.Y -> the release (and the same for the headers)."""
     debs = []
     for release, series in ((OLD, "6.1"), (NEW, "6.12"))[:2 if upgrade else 1]:
         version = "2" if series == "6.12" else "1"
