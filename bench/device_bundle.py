@@ -63,10 +63,10 @@ _STRING = re.compile(r'"((?:[^"\\]|\\.)*)"')
 def trace_lifecycle(trace: Path) -> None:
     """Start two twins, converge, converge twice more, once alone; all under strace."""
     script = (
-        "import sys; sys.path.insert(0, %r)\n"
+        f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
         "from tests.twin import runtime\n"
         "from tests.e2e.harness import run_pyinfra\n"
-        "names = %r\n"
+        f"names = {TRACE_TWINS!r}\n"
         "for n in names: runtime.start(n, 'kpro6')\n"
         "try:\n"
         "    for env in [names, names, names, names[:1]]:\n"
@@ -75,7 +75,7 @@ def trace_lifecycle(trace: Path) -> None:
         "        assert r.rc == 0, r.output[-3000:]\n"
         "finally:\n"
         "    for n in names: runtime.stop(n)\n"
-    ) % (str(REPO), TRACE_TWINS)
+    )
     subprocess.run(["strace", "-f", "--seccomp-bpf", "-qq", "-e", "trace=%file,execve", "-o", str(trace),
                     sys.executable, "-c", script], cwd=REPO, check=True)
 
@@ -83,7 +83,7 @@ def trace_lifecycle(trace: Path) -> None:
 def traced_paths(trace: Path) -> set[str]:
     """Every absolute path of the first two string arguments of each traced call; paths into a
     twin's root (as the runtime writes them from outside) are taken relative to that root."""
-    inside = re.compile(r"^%s/\.twin/[^/]+/(?:root|upper)(/.*)?$" % re.escape(str(REPO)))
+    inside = re.compile(rf"^{re.escape(str(REPO))}/\.twin/[^/]+/(?:root|upper)(/.*)?$")
     paths = set()
     with open(trace, errors="replace") as f:
         for line in f:

@@ -97,13 +97,13 @@ def run(jobs: int | None, breakdown: bool = False) -> dict:
     lines = ["set -e", "( while :; do echo \"load $(cut -d' ' -f1 /proc/loadavg)\"; sleep 10; done ) & sampler=$!"]
     for name, release, conftest_cache, clean in builds:
         build = build_command(ARCHIVE, version, release, CC, jobs, ccache=True, conftest_cache=conftest_cache, cxx=CXX)
-        b, t = build_dir(version, release), src_dir(version, CC, CXX)
+        b, s = build_dir(version, release), src_dir(version, CC, CXX)
         lines += ([cleanup_command(version)] if clean else []) + [
             f"CCACHE_DIR={CCACHE_DIR} ccache -z >/dev/null 2>&1 || true",
             f"echo \"start {name} $(date +%s.%N) $(cut -d' ' -f1 /proc/loadavg)\"",
             f"( {build} ) >/tmp/{name}.out 2>&1 || {{ cat /tmp/{name}.out; tail -n 60 {b}/build.log; exit 1; }}",
             f"echo \"end {name} $(date +%s.%N) $(cut -d' ' -f1 /proc/loadavg)\"",
-            f"find {t}/tree {b} -printf '%T@ %P\\n' >/tmp/{name}.mtimes 2>/dev/null || true",
+            f"find {s}/tree {b} -printf '%T@ %P\\n' >/tmp/{name}.mtimes 2>/dev/null || true",
             f"cp {b}/build.log /tmp/{name}.log",
             f"ls -l {b}/out/ | sed 's/^/ko {name} /'",
             f"CCACHE_DIR={CCACHE_DIR} ccache --print-stats | grep -E '^(direct_cache_hit|preprocessed_cache_hit|cache_miss|"
@@ -131,6 +131,7 @@ def run(jobs: int | None, breakdown: bool = False) -> dict:
         for name, release, _, _ in builds:
             start = re.search(rf"^start {name} ([\d.]+) ([\d.]+)$", done.stdout, re.M)
             end = re.search(rf"^end {name} ([\d.]+) ([\d.]+)$", done.stdout, re.M)
+            assert start and end, f"no start/end line of {name} in the build output"
             t0, t1 = float(start.group(1)), float(end.group(1))
             log = (t / f"upper/tmp/{name}.log").read_text(errors="replace")
             out = (t / f"upper/tmp/{name}.out").read_text(errors="replace")

@@ -36,13 +36,12 @@ import collections
 import json
 import os
 import re
-import resource
-import shlex
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -86,7 +85,7 @@ def _sample_pyinfra(out: str, args: list[str]) -> None:
     hosts: collections.Counter = collections.Counter()
     cache: dict = {}
 
-    def part_of(frame) -> str:
+    def part_of(frame) -> tuple[str, Any]:  # (part, the frame it was found in)
         f = frame
         while f is not None:
             name = f.f_code.co_filename
@@ -142,6 +141,7 @@ def run_sampled(names: list[str], out_dir: Path) -> dict:
     t0 = time.monotonic()
     proc = subprocess.Popen([PYTHON, __file__, "_sample", str(prof), "--", *PYINFRA_ARGS], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None  # stdout=PIPE
     output = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.monotonic() - t0
@@ -246,6 +246,7 @@ def in_twin(name: str, argv: list[str], strace_to: str | None = None) -> tuple[f
     if strace_to:
         cmd = ["strace", "-f", "-qq", "-e", "trace=execve", "-e", "signal=none", "-o", strace_to, *cmd]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    assert proc.stdout is not None  # stdout=PIPE
     out = proc.stdout.read()
     _, _, usage = os.wait4(proc.pid, 0)
     return usage.ru_utime + usage.ru_stime, out
@@ -283,7 +284,7 @@ STANDINS = ("/usr/local/",)  # where the twin's stand-in programs live
 def command_costs(name: str, commands: list[str], out_dir: Path) -> dict:
     """CPU of each remote command run again in twin `name`, and of single programs."""
     base = _best(name, ["true"], 5)  # nsenter's own exec
-    rows = []
+    rows: list[dict[str, Any]] = []
     have_strace = shutil.which("strace") is not None
     for i, command in enumerate(commands, 1):
         cpu = _best(name, ["bash", "-c", command]) - base

@@ -42,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.e2e.harness import PYINFRA, run_pyinfra  # noqa: E402
+from tests.e2e.harness import PYINFRA, PyinfraRun, run_pyinfra  # noqa: E402
 from tests.twin import runtime  # noqa: E402
 
 TARGETS = {
@@ -58,7 +58,7 @@ TARGETS = {
 PVE_DELAY_S = 0.4  # a real node's pct/qm/pvesh start: 0.3-0.6 s (issue 19)
 
 
-def _converge(names: list[str]) -> tuple[float, int, object]:
+def _converge(names: list[str]) -> tuple[float, int, PyinfraRun]:
     env = {"PVEGPU_TWINS": ",".join(names)}
     t0 = time.monotonic()
     run = run_pyinfra("inventories/twin.py", "deploy.py", env=env)

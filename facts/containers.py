@@ -1,23 +1,26 @@
 """What the container user-space stage (operations/containers.py) reads: the host's root and
-driver version and, inside each running container (`pct exec`), its NVML libraries."""
+driver version and, in each running container's root (through its init, no `pct exec`), its
+NVML libraries."""
 
 from __future__ import annotations
 
 import re
-import shlex
 
 from pyinfra.api import FactBase
 
+from facts.guest_state import ct_root_loop
 from facts.nvidia import LIB_DIRS, NvidiaDriver, parse_driver_version
 from facts.sections import SECTION, split_sections
 
-# Run inside a CT by `pct exec <id> -- sh -c`: its root's identity, arch, glibc, NVML libraries.
+# Run by the host's shell with $r the CT's root (facts.guest_state.ct_root_loop): its root's
+# identity, arch, glibc, NVML libraries (regular files only: a link is not followed out of the CT).
 _CT_PROBE = (
-    'echo "root $(stat -c %d:%i /)"; echo "arch $(uname -m)"; '
-    "if [ -e /lib64/ld-linux-x86-64.so.2 ] || [ -e /lib/x86_64-linux-gnu/libc.so.6 ]; "
+    'echo "root $(stat -L -c %d:%i "$r/")"; echo "arch $(uname -m)"; '
+    'if [ -L "$r/lib64/ld-linux-x86-64.so.2" ] || [ -e "$r/lib64/ld-linux-x86-64.so.2" ] || '
+    '{ [ -f "$r/lib/x86_64-linux-gnu/libc.so.6" ] && [ ! -L "$r/lib/x86_64-linux-gnu/libc.so.6" ]; }; '
     "then echo 'glibc yes'; else echo 'glibc no'; fi; "
-    f"for f in {' '.join(d + '/libnvidia-ml.so.*' for d in LIB_DIRS)}; do "
-    '[ -e "$f" ] && [ ! -L "$f" ] && echo "lib $f"; done; true'
+    f"for f in {' '.join(chr(34) + '$r' + chr(34) + d + '/libnvidia-ml.so.*' for d in LIB_DIRS)}; do "
+    '[ -f "$f" ] && [ ! -L "$f" ] && echo "lib ${f#"$r"}"; done; true'
 )
 
 
@@ -40,7 +43,7 @@ def parse_container_userspace(lines: list[str]) -> dict:
                 ct["glibc"] = value.strip() == "yes"
             elif key == "lib":
                 ct["libs"].append(value.strip())
-        if "root" in ct:  # else pct exec failed (its error text is in body)
+        if "root" in ct:  # else its init was not found (the CT is not running)
             containers[int(m.group(1))] = ct
     driver = (parse_driver_version(sections.get("host-driver", [])) or {}).get("version")
     return {
@@ -54,7 +57,8 @@ class ContainerUserspace(FactBase):
     """The host's root and driver version and, inside each given container, its NVML libraries,
     in one command.
 
-    + ctids: the running containers to look into (``pct exec`` each; `container_userspace_state`
+    + ctids: the running containers to look into (each through its init's root:
+      `facts.guest_state.ct_root_loop`; `container_userspace_state`
       picks them from this run's guest state and adds it to the result)
 
     .. code:: python
@@ -65,9 +69,7 @@ class ContainerUserspace(FactBase):
     """
 
     def command(self, ctids: list[int]) -> str:
-        ids = " ".join(shlex.quote(str(int(c))) for c in ctids)
-        loop = (f"for id in {ids}; do echo \"{SECTION}ct $id\"; "
-                f"pct exec \"$id\" -- sh -c {shlex.quote(_CT_PROBE)} 2>&1; done; ") if ids else ""
+        loop = ct_root_loop(ctids, _CT_PROBE)
         return (
             f"echo '{SECTION}root'; stat -c %d:%i /; "
             f"echo '{SECTION}host-driver'; {NvidiaDriver.command}; {loop}true"

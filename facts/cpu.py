@@ -27,6 +27,8 @@ def parse_cpuinfo(output_lines: list[str]) -> dict | None:
         "flags": [flag for flag in FLAGS_OF_INTEREST if flag in flags],
         "virtualized": "hypervisor" in flags,
         "processors": int(processors) if processors and processors.isdigit() else None,
+        # "address sizes : 52 bits physical, 57 bits virtual" (arch/x86/kernel/cpu/proc.c show_cpuinfo)
+        "phys_bits": int(m.group(1)) if (m := re.match(r"^(\d+) bits physical", fields.get("address sizes", ""))) else None,
     }
 
 
@@ -40,7 +42,8 @@ class CpuInfo(ShellFact):
          "model": "AMD EPYC 9354 32-Core Processor",
          "flags": ["svm", "sev", "sev_es", "sev_snp"],   # of FLAGS_OF_INTEREST, present
          "virtualized": False,                   # the `hypervisor` flag: we run in a VM
-         "processors": 64}
+         "processors": 64,
+         "phys_bits": 52}                        # physical address bits (None where not said)
     """
 
     command = (

@@ -1,8 +1,9 @@
-"""Run state of this node's guests (`pct list`, `qm list`), read once per host per run while
-nothing changes it.
+"""Run state of this node's guests (their configs, lxc's running CTs, the VMs' pid files: as
+pve-container and qemu-server decide it, without `pct list` / `qm list`), read once per host
+per run while nothing changes it.
 
-On a Proxmox VE node `pct list` and `qm list` are Perl programs (0.3-0.5 s each) and four
-stages need the CT run state, so `guest_state()` keeps one reading per host for the run. An
+Four stages need the CT run state, so `guest_state()` keeps one reading per host for the run
+(it starts no Proxmox CLI: `pct list` / `qm list` are Perl programs, 0.3-0.5 s each). An
 operation that yields a command starting or stopping a guest calls `guest_state_changes()`
 right before it (`operations.proxmox.guest_stop_commands` / `guest_start_commands` do, and the
 GPU stage's rebind transaction); the next `guest_state()` while executing reads again.
@@ -17,46 +18,80 @@ it runs last and nothing reads guest state after it.)
 The reading is the run state's ``guests`` (`facts.run_state`: one object per host per run).
 
     {"pct": True,                               # pct exists (a Proxmox VE node)
-     "lxc": {200: "running", 201: "stopped"},   # `pct list`
-     "qemu": {300: "running"}}                  # `qm list`
+     "lxc": {200: "running", 201: "stopped"},   # configs + `lxc-ls --active`
+     "qemu": {300: "running"}}                  # configs + pid files
 """
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from pyinfra import host
 
 from facts.base import ShellFact
 from facts.run_state import run_state
-from facts.sections import split_sections
+from facts.sections import SECTION, split_sections
 
-# Also part of GuestRuntime's combined command (operations.gpus), which seeds the memo.
-GUEST_STATE_COMMAND = ("if command -v pct >/dev/null 2>&1; then echo '@@ pct'; pct list 2>/dev/null; fi; "
-                       "echo '@@ qm'; qm list 2>/dev/null")
+# The guests without `pct list` / `qm list` (Perl programs). A node's guests are the configs
+# under /etc/pve/nodes/<node>/ (pve-cluster's vmlist holds a guest under the node whose directory
+# has its config: pve-container PVE/LXC.pm and qemu-server PVE/QemuServer.pm config_list); the
+# node is `uname -n` up to its first dot (pve-common INotify nodename).
+# A CT runs while lxc's monitor socket for it exists: pve-container PVE/LXC.pm
+# list_active_containers reads /proc/net/unix for it, as lxc's own list_active_containers
+# (src/lxc/lxccontainer.c) does for `lxc-ls --active`, a C program, asked here.
+# A VM runs when its pid file names a live process whose argv[0] ends in kvm (or is
+# qemu-system-*) and whose -pidfile is that file (qemu-server PVE/QemuServer/Helpers.pm
+# vm_running_locally / parse_cmdline).
+GUEST_STATE_COMMAND = (
+    "n=$(uname -n); n=${n%%.*}; if command -v pct >/dev/null 2>&1; then echo '@@ lxc'; "
+    "for f in /etc/pve/nodes/\"$n\"/lxc/*.conf; do [ -e \"$f\" ] || continue; f=${f##*/}; echo \"${f%.conf}\"; done; "
+    "echo '@@ lxc-active'; lxc-ls --active -1 2>/dev/null; fi; "
+    "echo '@@ qemu'; for f in /etc/pve/nodes/\"$n\"/qemu-server/*.conf; do [ -e \"$f\" ] || continue; "
+    "id=${f##*/}; id=${id%.conf}; p=/var/run/qemu-server/$id.pid; s=stopped; "
+    "if { read -r pid < \"$p\"; } 2>/dev/null && [ -n \"$pid\" ] && tr '\\0' '\\n' < /proc/\"$pid\"/cmdline 2>/dev/null | "
+    "awk -v p=\"$p\" 'NR == 1 { ok = ($0 ~ /kvm$/ || $0 ~ /(^|\\/)qemu-system-[^\\/]+$/) } "
+    "prev == \"-pidfile\" && $0 == p { hit = 1 } { prev = $0 } END { exit !(ok && hit) }'; "
+    "then s=running; fi; echo \"$id $s\"; done"
+)
+
+
+def ct_root_loop(ctids, body: str) -> str:
+    """Shell: for each CT of `ctids`, its section marker (``@@ ct <id>``), then `body` run by the
+    host's shell with ``$r`` the CT's root as the CT's own processes see it, ``/proc/<init>/root``
+    (the init pid as pve-container PVE/LXC.pm find_lxc_pid gets it: `lxc-info -n <id> -p`, a C
+    program; with -H and one filter it prints the bare number, lxc src/lxc/tools/lxc_info.c). No
+    `pct exec` (Perl) and no program of the CT runs. A CT whose init is not found prints its
+    marker alone. Through /proc/<pid>/root an absolute symlink inside the CT still resolves on
+    the host: `body` tests the files it reads with `-L` and does not follow them."""
+    ids = " ".join(shlex.quote(str(int(c))) for c in ctids)
+    if not ids:
+        return ""
+    return (f"for id in {ids}; do echo \"{SECTION}ct $id\"; "
+            "pid=$(lxc-info -n \"$id\" -p -H 2>/dev/null | tr -dc 0-9); [ -n \"$pid\" ] || continue; "
+            f"r=/proc/$pid/root; {body}; done; ")
 
 
 def parse_guest_state(lines: list[str]) -> dict:
-    """The `@@ pct` / `@@ qm` sections of `GUEST_STATE_COMMAND`'s output (other sections are
-    skipped) → the shape in the module docstring."""
+    """The `@@ lxc` / `@@ lxc-active` / `@@ qemu` sections of `GUEST_STATE_COMMAND`'s output
+    (other sections are skipped) → the shape in the module docstring."""
     sections = split_sections(lines)
-    parsed: dict[str, Any] = {"pct": "pct" in sections, "lxc": {}, "qemu": {}}
-    for line in sections.get("pct", []):
+    parsed: dict[str, Any] = {"pct": "lxc" in sections, "lxc": {}, "qemu": {}}
+    active = {line.strip() for line in sections.get("lxc-active", [])}
+    for line in sections.get("lxc", []):
+        if line.strip().isdigit():
+            parsed["lxc"][int(line)] = "running" if line.strip() in active else "stopped"
+    for line in sections.get("qemu", []):
         tokens = line.split()
-        if len(tokens) >= 2 and tokens[0].isdigit():  # VMID Status Lock Name
-            parsed["lxc"][int(tokens[0])] = tokens[1]
-    for line in sections.get("qm", []):
-        tokens = line.split()
-        if len(tokens) >= 6 and tokens[0].isdigit():
-            # VMID NAME STATUS MEM(MB) BOOTDISK(GB) PID, read from the right: an unnamed VM's NAME
-            # is two words (follows qemu-server PVE/QemuServer.pm vmstatus(): name defaults to "VM <vmid>")
-            parsed["qemu"][int(tokens[0])] = tokens[-4]
+        if len(tokens) == 2 and tokens[0].isdigit() and tokens[1] in ("running", "stopped"):
+            parsed["qemu"][int(tokens[0])] = tokens[1]  # VMID STATUS
     return parsed
 
 
 class GuestState(ShellFact):
     """
-    Which guests this node has and whether they run (`pct list`, `qm list`).
+    Which guests this node has and whether they run (`GUEST_STATE_COMMAND`: configs, lxc's
+    running CTs, the VMs' pid files; no Proxmox CLI).
 
     .. code:: python
 

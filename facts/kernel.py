@@ -12,6 +12,7 @@ from pyinfra.api import FactBase
 
 from facts.base import ShellFact
 from facts.sections import PROBE_SECTION, parse_sections, split_sections
+from facts.shell import operands  # the one quoting helper (plan.render gives it to the templates)
 
 VERSION = r"\d+\.\d+\.\d+"
 # The kernel stage's host paths (`KernelStageFacts` reads them; plan.kernel and operations.kernel
@@ -612,8 +613,8 @@ def source_makefile_command(url: str, ref: str) -> str:
         f"for d in {shlex.quote(BUILD_ROOT)}/*/src; do "
         '[ -d "$d/.git" ] || continue; '
         f'[ "$(git -C "$d" config --get remote.origin.url)" = {shlex.quote(url)} ] || continue; '
-        f'if git -C "$d" cat-file -e {shlex.quote(ref + ":Makefile")} 2>/dev/null; then '
-        f'echo "from $d"; git -C "$d" show {shlex.quote(ref + ":Makefile")}; break; fi; '
+        f'if git -C "$d" cat-file -e {operands(ref + ":Makefile", "--end-of-options")} 2>/dev/null; then '
+        f'echo "from $d"; git -C "$d" show {operands(ref + ":Makefile", "--end-of-options")}; break; fi; '
         "done; true"
     )
 

@@ -161,7 +161,10 @@ WANTS_DIR = "/etc/systemd/system/multi-user.target.wants"
 SIGN_FILE = "scripts/sign-file"
 # kernel options the driver preflight reads from each release's include/config/auto.conf
 KERNEL_CONFIG_KEYS = ("CONFIG_OBJTOOL_WERROR", "CONFIG_MITIGATION_RETHUNK", "CONFIG_RETHUNK",
-                      "CONFIG_MODULE_SIG", "CONFIG_MODULE_SIG_FORCE")
+                      "CONFIG_MODULE_SIG", "CONFIG_MODULE_SIG_FORCE", "CONFIG_MODULE_SIG_HASH")
+# module.sig_enforce (kernel/module/signing.c): Y when unsigned or badly signed modules are refused,
+# whatever made it so (CONFIG_MODULE_SIG_FORCE, module.sig_enforce=1, or lockdown under Secure Boot)
+SIG_ENFORCE = "/sys/module/module/parameters/sig_enforce"
 # EFI global variable GUID 8be4df61-…: SecureBoot (UEFI spec; what mokutil --sb-state reads)
 SECURE_BOOT_EFIVAR = "/sys/firmware/efi/efivars/SecureBoot-8be4df61-93ca-11d2-aa0d-00e098032b8c"
 
@@ -186,6 +189,7 @@ class NvidiaHostState(FactBase):
 
     + releases: target kernel releases
     + sources: ``{"modules": (url, sha256), "installer": (url, sha256)}`` (configured ones)
+    + signing: ``[key, cert]`` host paths (nvidia.signing) or empty
 
     .. code:: python
 
@@ -199,9 +203,13 @@ class NvidiaHostState(FactBase):
          "userspace": ["/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.595.71.05"],
          "persistenced": {"binary": True, "unit": "/lib/systemd/system/nvidia-persistenced.service",
                           "enabled": False},
-         "sources": {"modules": {"cached": False, "sha256": "…"}}}   # sha256 of a local path
+         "sources": {"modules": {"cached": False, "sha256": "…"}},   # sha256 of a local path
+         "secure_boot": True, "sig_enforce": False,                   # None: unknown
+         "signing_files": {"/root/mok.pem": True, "/root/mok.der": True},
+         "signing_key_pem": True, "mok": "enrolled"}                  # see parse_mok; None: unknown
 
-    ``module`` is None when `modinfo -k <rel> nvidia` finds none.
+    ``module`` is None when `modinfo -k <rel> nvidia` finds none; each release's ``config`` holds
+    the KERNEL_CONFIG_KEYS its auto.conf sets (CONFIG_MODULE_SIG_HASH among them).
     """
 
     def command(self, releases: list[str], sources: dict | None = None, signing: list[str] | None = None) -> str:
@@ -230,12 +238,25 @@ class NvidiaHostState(FactBase):
             "done"
         )
         # Secure Boot: mokutil's verdict, else the EFI variable's last byte (follows nvidia-installer
-        # misc.c secure_boot_enabled(): the low bit of the variable's last byte)
+        # misc.c secure_boot_enabled(): the low bit of the variable's last byte). efivarfs mounted
+        # without the variable: firmware without Secure Boot (the kernel's drivers/firmware/efi/libstub/
+        # secureboot.c efi_get_secureboot() takes EFI_NOT_FOUND as disabled); efivarfs not mounted: unknown
         parts.append(f"echo '{SECTION}secureboot'; command -v mokutil >/dev/null 2>&1 && mokutil --sb-state 2>&1; "
                      f"if [ -r {SECURE_BOOT_EFIVAR} ]; then echo \"efivar $(od -An -v -t u1 {SECURE_BOOT_EFIVAR} | tr -s ' ' '\\n' | tail -n 1)\"; "
-                     "elif [ -d /sys/firmware/efi ]; then echo 'efi without SecureBoot variable'; else echo 'no efi'; fi")
-        for path in signing or ():
-            parts.append(f"echo {shlex.quote(SECTION + 'signing ' + path)}; [ -r {shlex.quote(path)} ] && echo readable")
+                     "elif [ -n \"$(ls -A /sys/firmware/efi/efivars 2>/dev/null)\" ]; then echo 'efivars without SecureBoot variable'; "
+                     "elif [ -d /sys/firmware/efi ]; then echo 'efivars not readable'; else echo 'no efi'; fi")
+        parts.append(f"echo '{SECTION}sig_enforce'; cat {SIG_ENFORCE}")
+        # signing = [key, cert]: the key must be PEM (the kernel's scripts/sign-file.c read_private_key()
+        # reads a key file with PEM_read_bio_PrivateKey only); the cert's MOK enrolment is what
+        # `mokutil --test-key` says (mokutil.c test_key(): "<file> is not enrolled", or
+        # print_skip_message()'s "is already enrolled" / "is already in db" / "is already in the enrollment
+        # request" / "is blocked in …"; its exit status differs between versions, so the text is read)
+        for i, path in enumerate(signing or ()):
+            qp = shlex.quote(path)
+            check = (f"head -n 1 {qp} | grep -q -- '-----BEGIN .*PRIVATE KEY-----' && echo pem" if i == 0 else
+                     f"if command -v mokutil >/dev/null 2>&1; then mokutil --test-key {qp} 2>&1 | sed 's/^/mok /'; "
+                     "else echo 'mok unknown: no mokutil'; fi")
+            parts.append(f"echo {shlex.quote(SECTION + 'signing ' + path)}; [ -r {qp} ] && echo readable && {check}")
         parts.append(f"echo '{SECTION}firmware'; for f in /lib/firmware/nvidia/*/gsp*.bin*; do [ -e \"$f\" ] && echo \"$f\"; done")
         libs = " ".join(f"{d}/libnvidia-ml.so.*" for d in LIB_DIRS)
         parts.append(f"echo '{SECTION}userspace'; for f in {libs}; do [ -e \"$f\" ] && echo \"$f\"; done")
@@ -260,7 +281,8 @@ class NvidiaHostState(FactBase):
 
 def parse_secure_boot(lines: list[str]) -> bool | None:
     """True/False from `mokutil --sb-state` ("SecureBoot enabled"/"SecureBoot disabled") or the
-    EFI variable's value byte ("efivar 1"); False on a host without EFI; None when unknown."""
+    EFI variable's value byte ("efivar 1"); False on a host without EFI; None when unknown (an EFI
+    host whose SecureBoot variable cannot be read: efivarfs not mounted, no mokutil)."""
     for line in lines:
         if line.strip() in ("SecureBoot enabled", "SecureBoot disabled"):
             return line.strip() == "SecureBoot enabled"
@@ -269,8 +291,25 @@ def parse_secure_boot(lines: list[str]) -> bool | None:
         if text.startswith("efivar "):
             value = text.split()[-1]
             return bool(int(value) & 1) if value.isdigit() else None
-        if text in ("no efi", "efi without SecureBoot variable"):
+        if text in ("no efi", "efivars without SecureBoot variable"):
             return False
+    return None
+
+
+MOK_STATES = (("is not enrolled", "not enrolled"), ("is already enrolled", "enrolled"), ("is already in db", "in db"),
+              ("is already in the enrollment request", "pending"), ("is blocked", "blocked"),
+              ("Not a valid x509 certificate", "not DER"))
+
+
+def parse_mok(lines: list[str]) -> str | None:
+    """The cert's MOK state from `mokutil --test-key` lines ("mok …"): "enrolled", "in db",
+    "not enrolled", "pending" (imported, MokManager confirmation not done), "blocked", "not DER"
+    (mokutil reads a DER certificate only); None when unknown (no mokutil, no answer)."""
+    for line in lines:
+        if line.startswith("mok "):
+            for words, state in MOK_STATES:
+                if words in line:
+                    return state
     return None
 
 
@@ -326,9 +365,16 @@ def parse_host_state(lines: list[str]) -> dict:
                 "sha256": value.split(" ", 1)[1] if value.startswith("sha256 ") else None,
             }
     signing = {name[len("signing "):]: "readable" in body for name, body in sections.items() if name.startswith("signing ")}
+    signing_bodies = [body for name, body in sections.items() if name.startswith("signing ")]
+    key_body = signing_bodies[0] if signing_bodies else []
+    enforce = (sections.get("sig_enforce") or [""])[0].strip()
     return {
         "secure_boot": parse_secure_boot(sections.get("secureboot", [])),
+        "sig_enforce": {"Y": True, "N": False}.get(enforce),
         "signing_files": signing,
+        # the key (the first signing path) is PEM: None when it was not read
+        "signing_key_pem": ("pem" in key_body) if "readable" in key_body else None,
+        "mok": parse_mok([line for body in signing_bodies[1:] for line in body]),
         "cores": int(cores) if cores and cores.isdigit() else 1,
         "mem_total_kib": int(mem.group(1)) if mem else 0,
         "running": first("running"),

@@ -16,9 +16,13 @@ SYSFS_ATTRIBUTES = (
 )
 # Hex attributes reported without their 0x prefix.
 HEX_ATTRIBUTES = ("vendor", "device", "subsystem_vendor", "subsystem_device", "class", "revision")
+# ACS Control register bits 0-6, in this order (PCIe spec; the kernel's include/uapi/linux/pci_regs.h
+# PCI_ACS_SV .. PCI_ACS_DT), named as lspci prints them.
 ACS_FLAGS = ("SrcValid", "TransBlk", "ReqRedir", "CmpltRedir", "UpstreamFwd", "EgressCtrl", "DirectTrans")
 # Flags that send peer traffic up to the root complex instead of across the switch.
 ACS_REDIRECT_FLAGS = ("ReqRedir", "CmpltRedir", "EgressCtrl")
+# PCIe extended capability ID of ACS (pci_regs.h PCI_EXT_CAP_ID_ACS); its control word sits at +6.
+ACS_EXT_CAP_ID = 0x000D
 
 
 def full_bdf(address: str) -> str:
@@ -139,15 +143,39 @@ def parse_pci_devices(output_lines: list[str]) -> dict[str, dict]:
     return devices
 
 
+def acs_entry(ctl_word: int) -> dict:
+    """A PciAcs entry from the ACS Control register's value."""
+    ctl = {flag: bool(ctl_word >> bit & 1) for bit, flag in enumerate(ACS_FLAGS)}
+    return {
+        "status": "enabled" if any(ctl.values()) else "disabled",
+        "redirect": any(ctl[flag] for flag in ACS_REDIRECT_FLAGS),
+        "ctl": ctl,
+    }
+
+
 def parse_acs(output_lines: list[str]) -> dict[str, dict]:
-    """Pure parser of `bridge <bdf>` lines plus `lspci -vvv` text (shape: see `PciAcs`)."""
+    """Pure parser of `bridge <bdf>` and `acs <bdf> <control|none|short> <words>` lines (the
+    sysfs config walk) plus `lspci -vvv` text (shape: see `PciAcs`). What config space says wins
+    over lspci for the same function."""
     result: dict[str, dict] = {}
+    from_config: set[str] = set()
     current: str | None = None
 
     def unknown() -> dict:
         return {"status": "unknown", "redirect": None, "ctl": None}
 
     for line in output_lines:
+        walked = re.match(rf"^acs ({BDF}) (\d+|none|short) (\d+)\s*$", line)
+        if walked:
+            bdf, value = full_bdf(walked.group(1)), walked.group(2)
+            if value == "short":  # only the first 64 bytes: not root, or the device is gone
+                result.setdefault(bdf, unknown())
+                continue
+            from_config.add(bdf)
+            result[bdf] = (acs_entry(int(value)) if value.isdigit()
+                           else {"status": "absent", "redirect": False, "ctl": None})
+            current = None
+            continue
         bridge = re.match(rf"^bridge ({BDF})\s*$", line)
         if bridge:
             result.setdefault(full_bdf(bridge.group(1)), unknown())
@@ -156,6 +184,9 @@ def parse_acs(output_lines: list[str]) -> dict[str, dict]:
         header = re.match(rf"^({BDF})\s+\S", line)
         if header:
             current = full_bdf(header.group(1))
+            if current in from_config:
+                current = None
+                continue
             # Seen by lspci with its capabilities readable: no ACSCtl line means no ACS capability.
             result[current] = {"status": "absent", "redirect": False, "ctl": None}
             continue
@@ -229,7 +260,7 @@ class PciDevices(ShellFact):
 
 class PciAcs(ShellFact):
     """
-    ACS control of every PCI bridge (and of any function lspci shows ACS for).
+    ACS control of every PCI bridge (and of any function lspci shows ACS for, where it is asked).
 
     .. code:: python
 
@@ -238,18 +269,33 @@ class PciAcs(ShellFact):
                           "ctl": {"SrcValid": True, "TransBlk": False, "ReqRedir": True, …}},
          "0000:00:01.0": {"status": "unknown", "redirect": None, "ctl": None}}
 
-    Bridges come from sysfs; ACS from `lspci -vvv` when installed and allowed to read
-    capabilities (root). Without lspci, or on "<access denied>", a bridge is "unknown".
-    `-n`: numeric IDs, only the address and the capability lines are read (names would cost
-    lspci a parse of the whole pci.ids database on every run).
+    Bridges come from sysfs, ACS from each bridge's own config space (sysfs `config`, one `od`
+    per bridge; root reads all 4096 bytes): the shell walks the extended capability list from
+    offset 0x100 (header: ID in bits 0-15, next offset in bits 20-31, as the kernel's
+    drivers/pci/pci.c pci_find_next_ext_capability() does) to the ACS capability (ID 0x000D) and
+    prints its control word (bits 16-31 of the word at +4: the register at +6), as
+    `acs <bdf> <control|none|short> <words read>`. `od -tu4` reads host byte order: config space
+    is little-endian, as are the amd64/arm64 hosts Proxmox VE runs on. A 256-byte config (a
+    conventional PCI bridge) has no ACS ("absent"); a 64-byte one is what a non-root reader
+    gets ("unknown"), and only then `lspci -D -n -vvv` is asked (`-n`: numeric IDs, no parse of
+    pci.ids); without lspci, or on "<access denied>", such a bridge stays "unknown".
     """
 
     command = (
-        "for d in /sys/bus/pci/devices/*; do "
+        "u=; for d in /sys/bus/pci/devices/*; do "
         'c=; { read -r c; } 2>/dev/null < "$d/class"; '
-        'case "$c" in 0x0604*) echo "bridge ${d##*/}";; esac; '
+        'case "$c" in 0x0604*) ;; *) continue;; esac; '
+        'b=${d##*/}; echo "bridge $b"; '
+        'set -- $(od -An -tu4 -v "$d/config" 2>/dev/null); '
+        'if [ $# -lt 64 ]; then u=1; echo "acs $b short $#"; continue; fi; '
+        "r=none; if [ $# -ge 1024 ]; then o=256; k=0; "
+        "while [ $o -ge 256 ] && [ $k -lt 960 ]; do "
+        'eval "h=\\${$((o / 4 + 1))}"; case $h in 0|4294967295) break;; esac; '
+        'if [ $((h & 65535)) -eq 13 ]; then eval "w=\\${$((o / 4 + 2))}"; r=$((w >> 16)); break; fi; '
+        "o=$((h >> 20 & 4092)); k=$((k + 1)); done; fi; "
+        'echo "acs $b $r $#"; '
         "done; "
-        "if command -v lspci >/dev/null 2>&1; then "
+        'if [ -n "$u" ] && command -v lspci >/dev/null 2>&1; then '
         "lspci -D -n -vvv 2>/dev/null | grep -E '^[[:xdigit:]]|ACSCtl|access denied'; "
         "fi; true"
     )

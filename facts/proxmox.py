@@ -7,31 +7,43 @@ import re
 from facts.base import ShellFact
 from facts.sections import split_sections
 
+# `pveversion` and `pveversion -v` are Perl programs (0.3-0.6 s each on a node). What they print
+# comes from the dpkg database: each package's installed version (pve-manager PVE/API2/APT.pm
+# versions, through AptPkg), and pveversion's own version is pve-manager's (bin/pveversion prints
+# PVE::pvecfg version_text, the version pve-manager was built as). dpkg-query reads the same
+# database without Perl. The packages: what the stages read and what an operator looks for beside.
+PVE_PACKAGES = ("proxmox-ve", "pve-manager", "pve-container", "qemu-server", "pve-qemu-kvm", "lxc-pve",
+                "libpve-guest-common-perl", "pve-cluster", "pve-ha-manager", "proxmox-kernel-helper",
+                "zfsutils-linux")
+DPKG_VERSIONS = "dpkg-query -W -f='${db:Status-Abbrev} ${Package} ${Version}\\n'"
+# dpkg's status abbreviation: wanted action, package state, error flag (dpkg-query(1), --list);
+# state `i` is installed (pveversion -v says "not correctly installed" for the others)
+_DPKG_LINE = re.compile(r"^([uihrp])([ncHUFWti])([ R]) (\S+) (\S+)$")
 
-def parse_pve_version(output_lines: list[str]) -> dict | None:
-    """Pure parser of `pveversion` (shape: see `PveVersion`)."""
-    for line in output_lines:
-        match = re.search(r"pve-manager/((\d+)\.(\d+)[^/\s]*)(?:/\S+)?(?:\s+\(running kernel: ([^)]+)\))?", line)
-        if match:
-            return {
-                "version": match.group(1),  # 8.3.3, or 7.4-16 on PVE 7
-                "major": int(match.group(2)),
-                "minor": int(match.group(3)),
-                "running_kernel": match.group(4),
-            }
-    return None
 
-
-def parse_pve_packages(output_lines: list[str]) -> dict[str, str]:
-    """Pure parser of `pveversion -v`: ``{"pve-manager": "8.4.11", "pve-container": "5.3.0", …}``
-    (one `package: version` per line, anything after the version dropped; "not correctly
-    installed" / "not installed" lines left out)."""
+def parse_dpkg_versions(output_lines: list[str]) -> dict[str, str]:
+    """`DPKG_VERSIONS` output → ``{"pve-manager": "8.4.1", "pve-container": "5.2.7", …}``: the
+    packages dpkg has installed, each with its Debian version (a package dpkg does not know is
+    not printed at all: dpkg-query says so on stderr)."""
     packages: dict[str, str] = {}
     for line in output_lines:
-        match = re.match(r"^([a-z0-9][a-z0-9.+\-]*):\s+(\d[^\s#(]*)", line.strip())
-        if match:
-            packages.setdefault(match.group(1), match.group(2))
+        match = _DPKG_LINE.match(line.rstrip("\n"))
+        if match and match.group(2) == "i":
+            packages[match.group(4)] = match.group(5)
     return packages
+
+
+def parse_pve_version(output_lines: list[str]) -> dict | None:
+    """`PveVersion` output (pve-manager's dpkg line, then `kernel <uname -r>`) → its shape;
+    ``None`` without an installed pve-manager (not a Proxmox VE node)."""
+    version = parse_dpkg_versions(output_lines).get("pve-manager")
+    kernel = next((line.split(None, 1)[1].strip() for line in output_lines
+                   if line.startswith("kernel ") and len(line.split(None, 1)) == 2), None)
+    match = re.match(r"^(\d+)\.(\d+)", version or "")
+    if not version or not match:
+        return None
+    return {"version": version, "major": int(match.group(1)), "minor": int(match.group(2)),
+            "running_kernel": kernel}
 
 
 def debian_version_key(version: str) -> tuple:
@@ -152,7 +164,8 @@ def _config_files_command(directory: str) -> str:
 
 class PveVersion(ShellFact):
     """
-    The Proxmox VE version, from `pveversion`.
+    The Proxmox VE version: pve-manager's installed version (what `pveversion` prints, read
+    from dpkg without starting Perl) and the running kernel.
 
     .. code:: python
 
@@ -161,18 +174,20 @@ class PveVersion(ShellFact):
     ``None`` on a host without Proxmox VE.
     """
 
-    command = "pveversion 2>/dev/null || true"
+    # dpkg-query fails for a package dpkg does not know: no kernel line then (no Proxmox VE here)
+    command = f"{DPKG_VERSIONS} pve-manager 2>/dev/null && echo \"kernel $(uname -r)\"; true"
 
     def requires_command(self, *args, **kwargs) -> str:
-        return "pveversion"
+        return "dpkg-query"
 
     def process(self, output):
-        return parse_pve_version(output)
+        return parse_pve_version(list(output))
 
 
 class PvePackages(ShellFact):
     """
-    Versions of the Proxmox VE packages, from `pveversion -v`.
+    Installed versions of the Proxmox VE packages (`PVE_PACKAGES`; what `pveversion -v` lists,
+    read from dpkg without starting Perl).
 
     .. code:: python
 
@@ -182,17 +197,17 @@ class PvePackages(ShellFact):
     ``{}`` on a host without Proxmox VE.
     """
 
-    command = "pveversion -v 2>/dev/null || true"
+    command = f"{DPKG_VERSIONS} {' '.join(PVE_PACKAGES)} 2>/dev/null; true"
 
     def requires_command(self, *args, **kwargs) -> str:
-        return "pveversion"
+        return "dpkg-query"
 
     @staticmethod
     def default() -> dict:
         return {}
 
     def process(self, output):
-        return parse_pve_packages(output)
+        return parse_dpkg_versions(list(output))
 
 
 def parse_node_name(output_lines: list[str]) -> str | None:

@@ -5,7 +5,7 @@ validation, so a host file only states what differs. pyinfra also loads this fil
 (each upper-case name below becomes `host.data.<NAME>`); nothing here is secret.
 """
 
-PVEGPU_DEFAULTS = {
+PVEGPU_DEFAULTS: dict = {
     "boot_loader": "auto",
     "iommu": {
         "vendor": "auto",

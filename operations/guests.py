@@ -62,6 +62,7 @@ from plan.guests import (
     mapping_references,
     merge_container_config,
     nvidia_majors,
+    plan_bar_fit,
     plan_mappings,
     plan_stale_mappings,
     plan_vm,
@@ -242,7 +243,28 @@ def preflight(spec: HostSpec) -> list[str]:
         if not spec.gpus:  # with GPUs, the GPU stage's preflight says it
             refusals += guest_control_refusals(spec, facts)
         refusals += locked_vm_refusals(spec, facts)
+        refusals += bar_fit_refusals(spec, facts)
     return refusals
+
+
+def bar_fit_refusals(spec: HostSpec, facts: dict) -> list[str]:
+    """VMs whose GPUs' BARs no window their firmware can open holds, whatever `cpu` pvegpu sets
+    (`plan.guests.plan_bar_fit`): refused before anything changes, with the numbers."""
+    pci = facts["hw"]["pci_devices"]
+    refusals = []
+    for vmid, vm in sorted(spec.vms.items()):
+        config = facts["cfg"]["qemu_configs"].get(vmid)
+        gpus = [b for b in vm.gpus if b in pci]
+        if config is None or not gpus:
+            continue
+        _, problems, _ = plan_bar_fit(vmid, gpus, config, pci, host_phys_bits(facts["hw"]))
+        refusals += problems
+    return refusals
+
+
+def host_phys_bits(hw: dict) -> int | None:
+    """The host CPU's physical address bits (CpuInfo in the HardwareProbe), for the BAR fit."""
+    return (hw.get("cpu") or {}).get("phys_bits")
 
 
 def locked_vm_refusals(spec: HostSpec, facts: dict) -> list[str]:
@@ -260,7 +282,7 @@ def locked_vm_refusals(spec: HostSpec, facts: dict) -> list[str]:
         if config is None or not (lock or managed):
             continue
         plan = plan_vm(vmid, facts["node"], [b for b in vm.gpus if b in pci], vm.machine, vm.allow_machine_change,
-                       config, pci, set(spec.gpus))
+                       config, pci, set(spec.gpus), host_phys_bits=host_phys_bits(facts["hw"]))
         if lock and (plan.changed or ("qemu", vmid) in facts["rebind"].stop):
             refusals.append(lock_refusal("qemu", vmid, lock, "change its config or stop/start it"))
         elif managed and plan.changed and running.get(vmid) == "running" \
@@ -307,7 +329,7 @@ def apply(spec: HostSpec) -> None:
         status = facts["runtime"]["status"]["qemu"]
         for vmid, vm in sorted(spec.vms.items()):
             plan = plan_vm(vmid, node, [b for b in vm.gpus if b in pci], vm.machine, vm.allow_machine_change,
-                           cfg["qemu_configs"].get(vmid), pci, set(spec.gpus))
+                           cfg["qemu_configs"].get(vmid), pci, set(spec.gpus), host_phys_bits=host_phys_bits(hw))
             for line in plan.problems:
                 logger.warning(f"{host.name}: {line}")
             for line in plan.notes:

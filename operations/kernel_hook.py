@@ -40,17 +40,18 @@ MOTD_DIR = "/etc/motd.d"
 MOTD = f"{MOTD_DIR}/pvegpu-kernel"
 
 
-def hook_context(spec, cc: str, cxx: str | None, jobs: int, ccache: bool) -> dict:
+def hook_context(spec, cc: str, cxx: str | None, jobs: int, ccache: bool, sig_hash: str = "sha256") -> dict:
     nv = spec.nvidia
     build = nvidia.build_context(nvidia.cached_source(nv.modules_source), nv.version, None, cc, jobs, ccache,
-                                 cxx=cxx, signing=(nv.signing.key, nv.signing.cert) if nv.signing else None)
+                                 cxx=cxx, signing=(nv.signing.key, nv.signing.cert) if nv.signing else None,
+                                 sig_hash=sig_hash)
     return {**build, "sha256": nv.modules_source.sha256, "state_dir": HOOK_STATE, "pin_file": PIN_FILE,
             "motd_dir": MOTD_DIR, "motd_file": MOTD, "module_subdir": nvidia.MODULE_SUBDIR}
 
 
-def hook_script(spec, cc: str, cxx: str | None, jobs: int, ccache: bool) -> str:
+def hook_script(spec, cc: str, cxx: str | None, jobs: int, ccache: bool, sig_hash: str = "sha256") -> str:
     """The hook's text (templates/kernel-postinst-nvidia.sh.j2)."""
-    return render_template("kernel-postinst-nvidia.sh.j2", **hook_context(spec, cc, cxx, jobs, ccache))
+    return render_template("kernel-postinst-nvidia.sh.j2", **hook_context(spec, cc, cxx, jobs, ccache, sig_hash))
 
 
 def hook_toolchain(spec, state: dict, releases: list[str]) -> tuple[str, str | None]:
@@ -144,7 +145,10 @@ def apply(spec) -> None:
         nvidia.fetch_source(name=f"Fetch and verify NVIDIA modules source {archive} for the kernel hook",
                             url=nv.modules_source.url, sha256=nv.modules_source.sha256, dest=archive)
     cc, cxx = hook_toolchain(spec, nv_state, releases)
-    content = hook_script(spec, cc, cxx, steps["jobs"], steps["ccache"])
+    # sign-file's hash: the target kernels' CONFIG_MODULE_SIG_HASH (a series keeps its config), else sha256
+    sig_hash = next((h for r in releases if (h := ((nv_state["releases"].get(r) or {}).get("config") or {})
+                                             .get("CONFIG_MODULE_SIG_HASH"))), "sha256")
+    content = hook_script(spec, cc, cxx, steps["jobs"], steps["ccache"], sig_hash)
     current = files.get(HOOK)
     if file_current(current, content, "755"):
         logger.info(f"{host.name}: kernel hook: {HOOK} builds nvidia {nv.version} for new kernels ({cc})")

@@ -36,7 +36,14 @@ from facts.nccl import DROPIN_NAME, NCCL_CONF, SYSTEMD_DIR, NcclState
 from facts.once import fact_once
 from operations import handlers
 from operations.files import absent_file, file_current, managed_file, write_file_command
-from plan.nccl import describe_nccl_environment, nccl_conf_lines, nccl_plan_for_spec, render_nccl_conf
+from plan.nccl import (
+    PRECEDENCE,
+    custom_allreduce_warnings,
+    describe_nccl_environment,
+    nccl_conf_lines,
+    nccl_plan_for_spec,
+    render_nccl_conf,
+)
 from plan.render import render_template
 from plan.topology_report import verdict_from_hardware
 from spec.values import systemd_unit
@@ -126,7 +133,12 @@ def container_nccl_conf(ctid: int, content: str, state: dict, mode: str = NCCL_C
 
 # ---------------------------------------------------------------- plan → operations
 
-def desired(spec, hardware: dict, rdma_devices: list[str]) -> dict:
+def oldest(versions: list[str] | None) -> str | None:
+    """The oldest NCCL found (its default level decides), None when none says its version."""
+    return versions[0] if versions else None
+
+
+def desired(spec, hardware: dict, rdma_devices: list[str], state: dict | None = None) -> dict:
     """What the stage should write, from facts and spec.
 
     .. code:: python
@@ -138,13 +150,22 @@ def desired(spec, hardware: dict, rdma_devices: list[str]) -> dict:
     roles = {bdf: gpu.role for bdf, gpu in spec.gpus.items()}
     verdict = verdict_from_hardware(hardware, roles)
     topology_nics = (hardware.get("topology") or {}).get("nics")
-    plan = nccl_plan_for_spec(verdict, spec, rdma_devices=rdma_devices, topology_nics=topology_nics)
+    # NCCL's default level depends on the CPU vendor (paths.cc: SYS on AMD with at most 2 GPUs)
+    cpu_vendor = (hardware.get("cpu") or {}).get("vendor")
+    # NCCL's default level also depends on its version: the libraries the NcclState fact found
+    state = state or {}
+    plan = nccl_plan_for_spec(
+        verdict, spec, rdma_devices=rdma_devices, topology_nics=topology_nics, cpu_vendor=cpu_vendor,
+        nccl_version=oldest(state.get("nccl_versions")),
+        container_versions={str(ctid): oldest(ct.get("nccl_versions"))
+                            for ctid, ct in (state.get("containers") or {}).items()})
     dropins = {}
     for service in spec.nccl.services:
         unit = unit_name(service)
         dropins[dropin_path(unit)] = (unit, render_dropin(unit, plan["host"]))
     return {
         "plan": plan,
+        "service_warnings": custom_allreduce_warnings(plan["host"], state.get("exec_start") or {}),
         "host": render_nccl_conf(plan["host"], "host"),
         "containers": {int(ctid): render_nccl_conf(env, f"container {ctid}") for ctid, env in plan["containers"].items()},
         "dropins": dropins,
@@ -192,6 +213,8 @@ def describe(want: dict) -> list[str]:
         if not env:
             lines.append(f"NCCL ({scope}): no variables (profile none, no overrides)")
         lines += [f"NCCL ({scope}): {line}" for line in describe_nccl_environment(env)]
+    lines += [f"NCCL: WARNING: {warning}" for warning in want.get("service_warnings") or []]
+    lines.append(f"NCCL: {PRECEDENCE}")
     return lines
 
 
@@ -230,7 +253,7 @@ def apply(spec) -> None:
     hardware = hardware_facts(spec)
     ctids, paths = stage_targets(spec)
     state = nccl_state(paths, ctids)
-    want = desired(spec, hardware, state["rdma_devices"])
+    want = desired(spec, hardware, state["rdma_devices"], state)
     for line in describe(want):
         (logger.warning if "WARNING:" in line else logger.info)(f"{host.name}: {line}")
     for op, kwargs in stage_operations(want, state):

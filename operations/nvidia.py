@@ -43,6 +43,7 @@ from facts.nvidia import (
     source_name,
 )
 from facts.once import fact_once
+from facts.run_state import need_reboot
 from operations import handlers, progress
 from operations.files import file_current, link_unit, managed_file
 from plan import nvidia as nvplan
@@ -108,7 +109,7 @@ def src_dir(version: str, cc: str, cxx: str | None) -> str:
 
 def build_command(archive: str, version: str, release: str | None, cc: str, jobs: int, ccache: bool,
                   conftest_cache: bool = True, cxx: str | None = None,
-                  signing: tuple[str, str] | None = None) -> str:
+                  signing: tuple[str, str] | None = None, sig_hash: str = "sha256") -> str:
     """Build the NVIDIA modules for `release` in a fresh scratch dir; the .ko files land in <scratch>/out
     (templates/nvidia-build.sh.j2, every value quoted there).
 
@@ -131,7 +132,7 @@ def build_command(archive: str, version: str, release: str | None, cc: str, jobs
     (its tail is printed on failure). The .ko files are stripped of debug info as the kernel's
     INSTALL_MOD_STRIP=1 does (`strip --strip-debug`; 595.45.04 for 6.1: 25.5 MB of modules left) and then,
     with `signing` = (key, cert) paths on the host, signed with the release's own
-    scripts/sign-file (sha256), in that order: stripping after signing would drop the signature.
+    scripts/sign-file with `sig_hash` (the release's CONFIG_MODULE_SIG_HASH), in that order: stripping after signing would drop the signature.
     Nothing outside the scratch dirs, the ccache and the conftest cache is touched.
 
     release None: the script builds for the release in its shell variable R, which the caller
@@ -143,19 +144,19 @@ def build_command(archive: str, version: str, release: str | None, cc: str, jobs
     build, store this build's conftest/ under its key.
     """
     return render_template("nvidia-build.sh.j2", **build_context(archive, version, release, cc, jobs, ccache,
-                                                                conftest_cache, cxx, signing))
+                                                                conftest_cache, cxx, signing, sig_hash))
 
 
 def build_context(archive: str, version: str, release: str | None, cc: str, jobs: int, ccache: bool,
                   conftest_cache: bool = True, cxx: str | None = None,
-                  signing: tuple[str, str] | None = None) -> dict:
+                  signing: tuple[str, str] | None = None, sig_hash: str = "sha256") -> dict:
     """templates/nvidia-build.sh.j2's values (`build_command`; the kernel hook includes the same
     template with these values and release None)."""
     # ccache by masquerade (/usr/lib/ccache/<cc> first on PATH): NVIDIA's conftest.sh runs
     # "$CC" quoted, so CC="ccache gcc-12" makes every conftest fail.
     return dict(
         archive=archive, version=version, release=release, cc=cc, cxx=cxx, jobs=int(jobs),
-        ccache=ccache, conftest_cache=conftest_cache, signing=tuple(signing) if signing else None,
+        ccache=ccache, conftest_cache=conftest_cache, signing=tuple(signing) if signing else None, sig_hash=sig_hash,
         build_root=BUILD_ROOT, build_parent=f"{BUILD_ROOT}/{version}", src_dir=src_dir(version, cc, cxx),
         ccache_dir=CCACHE_DIR, ccache_masquerade=CCACHE_MASQUERADE, ccache_ignore_options=CCACHE_IGNORE_OPTIONS,
         conftest_cache_dir=CONFTEST_CACHE, conftest_cache_keep=CONFTEST_CACHE_KEEP, sign_file=SIGN_FILE,
@@ -177,6 +178,32 @@ def install_command(version: str, release: str | None) -> str:
     release None: the release in the shell variable R (the kernel hook's)."""
     return render_template("nvidia-install.sh.j2", release=release, build_parent=f"{BUILD_ROOT}/{version}",
                            modules_dir="/lib/modules", module_subdir=MODULE_SUBDIR)
+
+
+# --no-nouveau-check: GPUs this run gives to VMs or containers may still be on nouveau until the
+# reboot that the boot stage's blacklist takes effect with; without it nvidia-installer aborts under
+# --silent when nouveau is bound, after writing its own modprobe.d blacklist (nvidia-installer misc.c
+# check_for_nouveau(), run by install-from-cwd.c with --no-kernel-modules too); gpu-driver-container
+# passes it as well
+USERSPACE_FLAGS = ("--silent", "--no-kernel-modules", "--no-nouveau-check")
+INSTALLER_VERSION_RE = r"s/^nvidia-installer: *version *\([^ ]*\).*/\1/p"
+
+
+def installer_version_command(installer: str, version: str) -> str:
+    """Exit 1 naming both versions unless the .run says it is `version`.
+
+    `sh <run> --version`: the .run's makeself header hands the option to the extracted
+    nvidia-installer, which prints its NV_ID_STRING, "nvidia-installer:  version <v>"
+    (nvidia-installer.c print_version()).
+    """
+    q = shlex.quote
+    return (f"v=$(sh {q(installer)} --version 2>/dev/null | sed -n {q(INSTALLER_VERSION_RE)} | head -n 1); "
+            f"[ \"$v\" = {q(version)} ] || {{ echo {q('pvegpu: the NVIDIA installer ' + installer + ' is version ')}"
+            f"\"'${{v:-unknown}}'\"{q(', but nvidia.version is ' + version + '; nothing was installed')} >&2; exit 1; }}")
+
+
+def userspace_command(installer: str) -> str:
+    return " ".join(["sh", shlex.quote(installer), *USERSPACE_FLAGS])
 
 
 def verify_command(version: str, releases: list[str], firmware: bool, firmware_files: list[str] | None = None) -> str:
@@ -208,13 +235,15 @@ def fetch_source(url: str, sha256: str, dest: str):
 
 @operation()
 def build_modules(archive: str, version: str, release: str, cc: str, jobs: int, ccache: bool,
-                  cxx: str | None = None, signing: tuple[str, str] | None = None):
+                  cxx: str | None = None, signing: tuple[str, str] | None = None, sig_hash: str = "sha256"):
     """Build the NVIDIA kernel modules for one kernel release in a scratch dir (not installed yet).
 
     + cxx: the C++ compiler for the open tree's src/ (None: the tree has no C++)
     + signing: (key, cert) paths on the host to sign the modules with, or None
+    + sig_hash: the hash sign-file uses (the release's CONFIG_MODULE_SIG_HASH)
     """
-    yield progress.reported(build_command(archive, version, release, cc, jobs, ccache, cxx=cxx, signing=signing), f"nvidia {version} build for {release}",
+    yield progress.reported(build_command(archive, version, release, cc, jobs, ccache, cxx=cxx, signing=signing,
+                                          sig_hash=sig_hash), f"nvidia {version} build for {release}",
                             key=f"nvidia-{version}-{release}-{archive.rsplit('/', 1)[-1]}", log=f"{build_dir(version, release)}/build.log")
 
 
@@ -235,7 +264,13 @@ def install_userspace(installer: str, version: str):
     """NVIDIA user space and GSP firmware of exactly the module version, without kernel modules
     (incidents 2, 6): the installer is the one source of the firmware (nvidia-installer installs
     its FIRMWARE entries into /lib/firmware/nvidia/<version>/ with --no-kernel-modules too)."""
-    yield StringCommand(f"sh {shlex.quote(installer)} --silent --no-kernel-modules")
+    yield StringCommand(userspace_command(installer))
+
+
+@operation()
+def check_installer(installer: str, version: str):
+    """Refuse, before anything is built or installed, a .run whose version is not `version`."""
+    yield StringCommand(installer_version_command(installer, version))
 
 
 @operation()
@@ -330,6 +365,9 @@ def apply(spec) -> None:
                          url=nv.installer.url, sha256=nv.installer.sha256, dest=installer)
         else:
             _skip(f"{installer} is already fetched and verified")
+    if steps["install_userspace"]:
+        check_installer(name=f"Check the NVIDIA installer is {nv.version}", installer=installer or "",
+                        version=nv.version)
     building = [r for r in releases if steps["releases"][r]["build"]]
     for release in releases:
         entry = steps["releases"][release]
@@ -339,7 +377,8 @@ def apply(spec) -> None:
         build_modules(name=f"Build nvidia {nv.version} for {release}", archive=modules_archive or "",
                       version=nv.version, release=release, cc=entry["cc"] or "gcc", jobs=steps["jobs"],
                       ccache=steps["ccache"], cxx=entry["cxx"],
-                      signing=(nv.signing.key, nv.signing.cert) if nv.signing else None)
+                      signing=(nv.signing.key, nv.signing.cert) if nv.signing else None,
+                      sig_hash=entry.get("sig_hash") or "sha256")
     for release in building:
         install_modules(name=f"Install nvidia {nv.version} modules for {release}", version=nv.version,
                         release=release)
@@ -354,6 +393,10 @@ def apply(spec) -> None:
         _skip(f"user space {nv.version} is installed (or no installer configured)")
     if nv.persistenced:
         _persistenced(state, will_install=steps["install_userspace"])
+    loaded = (fact_once(HardwareProbe).get("nvidia_driver") or {}).get("version")
+    reason = nvplan.reboot_reason(nv.version, loaded, state["running"], steps, state)
+    if reason:
+        need_reboot("nvidia", reason)
     if steps["verify"]:
         verify_versions(name=f"Check nvidia {nv.version}: modules, firmware, user space",
                         version=nv.version, releases=[r for r in releases if steps["releases"][r]["build"]

@@ -344,6 +344,134 @@ def _is_q35(machine: str | None) -> bool:
     return bool(machine and "q35" in machine)
 
 
+# ---------------------------------------------------------------- BAR fit (issue 30 part 3)
+
+# QEMU reports 40 physical address bits to a guest unless the CPU model is `host` (host-phys-bits
+# on by default) or phys-bits is set; qemu-server passes `phys-bits=N|host` (PVE 8 and 9) and
+# `guest-phys-bits=N` (PVE 9) of the VM's `cpu` option to -cpu (qemu-server
+# src/PVE/QemuServer/CPUConfig.pm get_cpu_options; parse_phys_bits: 8-64 or host).
+QEMU_DEFAULT_PHYS_BITS = 40
+# OVMF (edk2 OvmfPkg/Library/PlatformInitLib MemDetect.c PlatformAddressWidthFromCpuid): a width
+# above 40 needs 1 GiB pages (pdpe1gb) and is capped at 46 (4-level paging); 40 bits reported
+# by QEMU without host-phys-bits is its "quirk" and gives the classic 32 GiB window
+# (PcdPciMmio64Size). PlatformDynamicMmioWindow then takes the top 1/8 of the address space
+# (2^(bits-3)) as the 64-bit PCI window.
+OVMF_MAX_PHYS_BITS = 46
+OVMF_CLASSIC_WINDOW = 32 << 30
+
+
+def _pow2_at_least(value: int) -> int:
+    return 1 << max(0, (value - 1).bit_length())
+
+
+def gpu_mmio64_need(bdfs: list[str], pci_devices: dict[str, dict]) -> int:
+    """Bytes of 64-bit MMIO window the GPUs' BARs take in a q35 guest, each GPU behind its own
+    root port (pcie=1): per GPU its 64-bit BARs (an NVIDIA GPU's BAR0 is its 32-bit register
+    BAR, below 4 GiB; BAR1 and BAR3 are 64-bit prefetchable) summed and aligned to the largest,
+    as a bridge window is (edk2 PciBusDxe), then the windows of all GPUs together."""
+    total = 0
+    for bdf in bdfs:
+        # BAR5 of these GPUs is an I/O BAR (128 bytes): port space, not MMIO; memory BARs are >= 4 KiB here
+        bars = [size for index, size in ((pci_devices.get(bdf) or {}).get("bars") or {}).items()
+                if int(index) >= 1 and size >= 4096]
+        if bars:
+            largest = _pow2_at_least(max(bars))
+            total += -(-sum(bars) // largest) * largest
+    return total
+
+
+def parse_cpu_option(value: str | None) -> dict:
+    """A VM's `cpu` option (``host,flags=+pdpe1gb,phys-bits=46``) as ``{"cputype": …, key: value}``
+    (qemu-server's property string: the default key is cputype)."""
+    parts: dict[str, str] = {}
+    for item in (value or "").split(","):
+        if not item:
+            continue
+        key, sep, val = item.partition("=")
+        if sep:
+            parts[key.strip()] = val.strip()
+        else:
+            parts["cputype"] = key.strip()
+    parts.setdefault("cputype", "kvm64")  # qemu-server get_default_cpu_type for x86 with KVM
+    return parts
+
+
+def format_cpu_option(parts: dict) -> str:
+    rest = [f"{k}={v}" for k, v in parts.items() if k != "cputype"]
+    return ",".join([parts["cputype"], *rest])
+
+
+def guest_phys_bits(parts: dict, host_phys_bits: int | None) -> int | None:
+    """The physical address bits QEMU gives the guest for this `cpu` option (None: unknown)."""
+    for key in ("guest-phys-bits", "phys-bits"):
+        value = parts.get(key)
+        if value == "host":
+            return host_phys_bits
+        if value and value.isdigit():
+            bits = int(value)
+            if key == "guest-phys-bits" and "phys-bits" in parts and parts["phys-bits"].isdigit():
+                bits = min(bits, int(parts["phys-bits"]))
+            return bits
+    if parts["cputype"] in ("host", "max"):
+        return host_phys_bits
+    return QEMU_DEFAULT_PHYS_BITS
+
+
+def ovmf_window(bits: int | None, one_gib_pages: bool) -> int | None:
+    """The 64-bit PCI window OVMF opens for a guest of `bits` physical address bits."""
+    if bits is None:
+        return None
+    if bits <= QEMU_DEFAULT_PHYS_BITS or not one_gib_pages:
+        return OVMF_CLASSIC_WINDOW if bits <= QEMU_DEFAULT_PHYS_BITS else 1 << (QEMU_DEFAULT_PHYS_BITS - 3)
+    return 1 << (min(bits, OVMF_MAX_PHYS_BITS) - 3)
+
+
+def _gib(value: int) -> str:
+    return f"{value / (1 << 30):g} GiB"
+
+
+def plan_bar_fit(vmid: int, gpus: list[str], config: dict, pci_devices: dict[str, dict],
+                 host_phys_bits: int | None) -> tuple[dict[str, str], list[str], list[str]]:
+    """Whether the VM's firmware can map its GPUs' BARs, and the `cpu` option that makes it so.
+
+    Returns ``(set_options, problems, notes)``: ``{"cpu": "host,phys-bits=43"}`` where more
+    address bits fix it, a problem naming the numbers where nothing Proxmox offers does.
+    """
+    need = gpu_mmio64_need(gpus, pci_devices)
+    if need <= OVMF_CLASSIC_WINDOW:  # fits any window OVMF opens
+        return {}, [], []
+    options = config.get("options") or {}
+    if (options.get("bios") or "seabios") != "ovmf":
+        return {}, [], [f"VM {vmid}: its GPUs' BARs need {_gib(need)} of 64-bit MMIO; with SeaBIOS "
+                        "pvegpu does not check the guest's window (OVMF's is)"]
+    parts = parse_cpu_option(options.get("cpu"))
+    bits = guest_phys_bits(parts, host_phys_bits)
+    pages = parts["cputype"] in ("host", "max") or "+pdpe1gb" in parts.get("flags", "").split(";")
+    have = ovmf_window(bits, pages)
+    if have is not None and have >= need:
+        return {}, [], []
+    needed_bits = max(QEMU_DEFAULT_PHYS_BITS + 1, _pow2_at_least(need).bit_length() - 1 + 3)
+    limit = min(OVMF_MAX_PHYS_BITS, host_phys_bits) if host_phys_bits else None
+    why = (f"VM {vmid}: its {len(gpus)} GPUs' BARs need {_gib(need)} of 64-bit MMIO; OVMF with "
+           f"{bits if bits is not None else 'unknown'} guest physical address bits (cpu: {options.get('cpu') or 'kvm64'}) "
+           f"opens {_gib(have) if have else 'an unknown'} window")
+    if limit is None or needed_bits > limit:
+        return {}, [why + f", and {needed_bits} bits are needed, more than OVMF ({OVMF_MAX_PHYS_BITS}) and the host "
+                          f"({host_phys_bits if host_phys_bits else 'unknown'}) allow: give it fewer GPUs or "
+                          "smaller BARs"], []
+    fixed = dict(parts)
+    fixed.pop("guest-phys-bits", None)
+    fixed["phys-bits"] = str(needed_bits)
+    if fixed["cputype"] not in ("host", "max"):
+        flags = [f for f in fixed.get("flags", "").split(";") if f and f != "-pdpe1gb"]
+        if "+pdpe1gb" not in flags:
+            flags.append("+pdpe1gb")  # OVMF caps the width at 40 without 1 GiB pages (CPUConfig.pm warns)
+        fixed["flags"] = ";".join(flags)
+    value = format_cpu_option(fixed)
+    return {"cpu": value}, [], [why + f": cpu {options.get('cpu') or 'kvm64'} -> {value} "
+                                      f"(a {_gib(1 << (needed_bits - 3))} window)"]
+
+
 @dataclass
 class VmPlan:
     vmid: int
@@ -358,7 +486,8 @@ class VmPlan:
 
 
 def plan_vm(vmid: int, node: str, gpus: list[str], want_machine: str, allow_machine_change: bool,
-            config: dict | None, pci_devices: dict[str, dict], managed_bdfs: set[str]) -> VmPlan:
+            config: dict | None, pci_devices: dict[str, dict], managed_bdfs: set[str],
+            host_phys_bits: int | None = None) -> VmPlan:
     """hostpci lines for exactly the VM's GPUs (`QemuConfigs` entry as `config`).
 
     Ours: hostpci entries whose mapping id is a pvegpu id, or whose raw host BDFs are GPUs the
@@ -403,6 +532,13 @@ def plan_vm(vmid: int, node: str, gpus: list[str], want_machine: str, allow_mach
                 or current.get("options", {}) != want_opts:
             set_options[key] = value
     delete = sorted(k for k in ours if k not in wanted)
+    if gpus:
+        fit_options, fit_problems, fit_notes = plan_bar_fit(vmid, gpus, config, pci_devices, host_phys_bits)
+        if fit_problems or gpu_mmio64_need(gpus, pci_devices) > OVMF_CLASSIC_WINDOW and not q35:
+            problems += fit_problems or [f"VM {vmid}: GPUs behind a BAR window of "
+                                         f"{_gib(gpu_mmio64_need(gpus, pci_devices))} need machine q35 with pcie=1"]
+        set_options.update(fit_options)
+        notes += fit_notes
     return VmPlan(vmid, set_options, delete, problems, notes)
 
 

@@ -31,18 +31,40 @@ CUDA_IOMMU_DOCS = (
     "#host-iommu-hardware-pci-access-control-services-and-vms"
 )
 
-# NCCL_P2P_LEVEL values in increasing distance (NCCL env docs, NCCL_P2P_LEVEL).
-NCCL_P2P_LEVELS = ("LOC", "NVL", "PIX", "PXB", "PHB", "SYS")
+# NCCL's path types in increasing distance, as NCCL_P2P_LEVEL names them: src/graph/topo.cc
+# topoPathTypeStr up to SYS (2.30.7: LOC NVL NVB C2C PIX PXB P2C PXN PHB SYS; C2C came in 2.26,
+# P2C in 2.27). src/graph/paths.cc ncclGetLevel() compares the value with strcmp (case and
+# spaces count), else reads a leading digit as the old numbering 0-5 (LOC PIX PXB PHB SYS SYS);
+# anything else is ignored without a word.
+NCCL_P2P_LEVELS = ("LOC", "NVL", "NVB", "C2C", "PIX", "PXB", "P2C", "PXN", "PHB", "SYS")
+NCCL_OLD_LEVELS = ("LOC", "PIX", "PXB", "PHB", "SYS", "SYS")
 # nvidia-smi topo level -> NCCL path type. NCCL's PHB means "same NUMA node, through the CPU",
-# which covers nvidia-smi's PHB and NODE.
-SMI_TO_NCCL_LEVEL = {"PIX": "PIX", "PXB": "PXB", "PHB": "PHB", "NODE": "PHB", "SYS": "SYS"}
+# which covers nvidia-smi's PHB and NODE; SOC is older drivers' SYS.
+SMI_TO_NCCL_LEVEL = {"PIX": "PIX", "PXB": "PXB", "PHB": "PHB", "NODE": "PHB", "SYS": "SYS", "SOC": "SYS"}
+# NCCL's own default P2P level (paths.cc ncclTopoCheckP2p): SYS up to 2.22, PXB from 2.23, and
+# SYS again on x86 AMD hosts with at most 2 GPUs.
+NCCL_DEFAULT_LEVEL_SINCE_2_23 = "PXB"
+
+# Reasons NCCL cannot see for itself: it drops every pair whose NVML P2P read/write status is not
+# OK (paths.cc ncclTopoCheckP2p) and every pair beyond its level, but the driver answers OK
+# through a translating IOMMU under SEV-SNP (INCIDENTS #7) and past ACS redirect.
+HIDDEN_REASON_KINDS = ("sev_snp", "sev_snp_identity", "iommu", "acs")
+# Reasons that keep NCCL off a pair by themselves (the driver refuses, or a GPU is not the host's).
+# Not "root_complex": with a translating IOMMU the verdict says so even where the driver answers OK.
+NCCL_SEES_KINDS = ("driver", "role", "virtual_root_port")
+
+# What still moves data GPU to GPU with NCCL's P2P transport closed, and each one's own switch.
+OTHER_P2P_PATHS = (
+    "vLLM's and SGLang's custom allreduce (CUDA IPC, enabled after their own P2P test; they read no "
+    "NCCL variable): start them with --disable-custom-all-reduce"
+)
 
 NCCL_VARIABLE = re.compile(r"^NCCL_[A-Z0-9_]+$")
 TEMPLATE = Path(__file__).resolve().parent.parent / "templates" / "nccl.conf.j2"
 
 
 def nccl_level(smi_level: str | None) -> str | None:
-    """nvidia-smi's topology level (``NV18``, ``PIX``, ``NODE``, …) as an NCCL_P2P_LEVEL value."""
+    """nvidia-smi's topology level (``NV18``, ``PIX``, ``NODE``, ``SOC``, …) as an NCCL path type."""
     if not smi_level:
         return None
     if smi_level.startswith("NV"):
@@ -50,36 +72,61 @@ def nccl_level(smi_level: str | None) -> str | None:
     return SMI_TO_NCCL_LEVEL.get(smi_level)
 
 
+def nccl_level_value(value: str) -> str | None:
+    """The level NCCL makes of an NCCL_P2P_LEVEL value (paths.cc ncclGetLevel), None when it
+    ignores it (a name in other case, spaces, an unknown word)."""
+    if value in NCCL_P2P_LEVELS:
+        return value
+    match = re.match(r"^(0[xX][0-9a-fA-F]+|0[0-7]*|[1-9][0-9]*)", value)
+    if value[:1].isdigit() and match:
+        return NCCL_OLD_LEVELS[min(int(match.group(1), 0), len(NCCL_OLD_LEVELS) - 1)]
+    return None
+
+
+def nccl_default_level(version: str | None, cpu_vendor: str | None, gpus: int) -> str | None:
+    """NCCL's own P2P level for this version, CPU and GPU count; None when the version is unknown."""
+    if not version:
+        return None
+    parts = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+    if parts < (2, 23):
+        return "SYS"
+    if (cpu_vendor or "").lower() in ("authenticamd", "amd") and gpus <= 2:
+        return "SYS"
+    return NCCL_DEFAULT_LEVEL_SINCE_2_23
+
+
 def _usable(pair: dict) -> bool:
-    return pair["possible"] and pair["safe"]
+    return bool(pair["possible"] and pair["safe"])
+
+
+def _nccl_refuses(pair: dict) -> bool:
+    """NCCL keeps off this pair by itself: the driver refuses it (or a GPU is not the host's)."""
+    refused = [code for code in (pair.get("driver_read"), pair.get("driver_write")) if code and code != "OK"]
+    return bool(refused) or any(kind in NCCL_SEES_KINDS for kind in pair["reason_kinds"])
+
+
+def at_risk(pair: dict) -> bool:
+    """NCCL (or its symmetric memory) may do P2P DMA on this pair, which is impossible or unsafe
+    for a reason NCCL cannot see."""
+    hidden = any(kind in HIDDEN_REASON_KINDS for kind in pair["reason_kinds"])
+    return hidden and not _nccl_refuses(pair)
 
 
 def safe_p2p_cutoff(pairs: list[dict]) -> str | None:
-    """The farthest NCCL_P2P_LEVEL at which every GPU pair that close or closer has safe P2P.
+    """The farthest NCCL level at which no GPU pair that close or closer is at risk (`at_risk`).
 
-    ``None`` when even the closest pairs cannot use P2P (or a pair's level is unknown).
+    ``None`` when even the closest pairs are at risk, or an at-risk pair's level is unknown.
     """
-    by_level: dict[str, list[dict]] = {}
-    for pair in pairs:
-        level = nccl_level(pair["level"])
-        if level is None:
-            return None
-        by_level.setdefault(level, []).append(pair)
-    cutoff = None
-    for level in NCCL_P2P_LEVELS:
-        if level not in by_level:
-            continue
-        if not all(_usable(p) for p in by_level[level]):
-            break
-        cutoff = level
-    return cutoff
-
-
-def farthest_level(pairs: list[dict]) -> str | None:
-    """The farthest NCCL path type between any two of the GPUs (the real topology's limit)."""
-    levels = [nccl_level(p["level"]) for p in pairs]
-    known = [lvl for lvl in levels if lvl]
-    return max(known, key=NCCL_P2P_LEVELS.index) if known else None
+    risky = [p for p in pairs if at_risk(p)]
+    levels = [nccl_level(p["level"]) for p in risky]
+    if any(level is None for level in levels):
+        return None
+    if not risky:
+        return "SYS"
+    nearest = min(NCCL_P2P_LEVELS.index(level) for level in levels if level)
+    known = [NCCL_P2P_LEVELS.index(lvl) for p in pairs if (lvl := nccl_level(p["level"]))]
+    below = [i for i in known if i < nearest]
+    return NCCL_P2P_LEVELS[max(below)] if below else None
 
 
 @dataclass(frozen=True)
@@ -92,109 +139,163 @@ class NcclRule:
     source: str
 
 
-def _first_reason(pairs: list[dict], kind: str) -> str | None:
-    for pair in pairs:
-        for reason_kind, reason in zip(pair["reason_kinds"], pair["reasons"], strict=True):
-            if reason_kind == kind:
-                return reason
+def _first_reason(pairs: list[dict], kinds: tuple[str, ...]) -> str | None:
+    for kind in kinds:
+        for pair in pairs:
+            for reason_kind, reason in zip(pair["reason_kinds"], pair["reasons"], strict=True):
+                if reason_kind == kind:
+                    return reason
     return None
 
 
-def _p2p_unsafe(scope: dict) -> str | None:
-    """SEV-SNP with a translating IOMMU (or another unsafe reason) on a pair NCCL would use."""
-    pairs = scope["pairs"]
-    if not pairs or safe_p2p_cutoff(pairs) is not None:
-        return None
-    unsafe = [p for p in pairs if not p["safe"] and any(k.startswith("sev_snp") for k in p["reason_kinds"])]
-    if not unsafe:
-        return None
-    reason = _first_reason(unsafe, "sev_snp") or _first_reason(unsafe, "sev_snp_identity")
-    return f"P2P DMA is unsafe on this host: {reason} (INCIDENTS #7)"
+def _risky(scope: dict) -> list[dict]:
+    return [p for p in scope["pairs"] if at_risk(p)]
 
 
-def _p2p_impossible(scope: dict) -> str | None:
-    """No pair of GPUs has a safe P2P path NCCL could be limited to."""
-    pairs = scope["pairs"]
-    if not pairs or safe_p2p_cutoff(pairs) is not None:
-        return None
-    blocked = [p for p in pairs if not _usable(p)]
-    if not blocked:  # every pair usable, only a level unknown: nothing to disable
-        return None
-    closest = min(blocked, key=lambda p: NCCL_P2P_LEVELS.index(nccl_level(p["level"]) or "SYS"))
-    usable = sum(1 for p in pairs if _usable(p))
-    return (
-        f"no safe P2P path for the closest GPU pairs ({usable} of {len(pairs)} pairs usable), "
-        f"e.g. {closest['reasons'][0]}"
-    )
+def _unknown_note(pairs: list[dict]) -> str:
+    """Said where a decision rests on a pair whose driver answer is missing."""
+    if any(p.get("driver_read") is None for p in pairs):
+        return (" [derived from an unknown driver answer (no nvidia-smi topo -p2p yet): the host check "
+                "after the driver is installed settles it]")
+    return ""
 
 
-def _p2p_cutoff_needed(scope: dict) -> str | None:
-    """Some pairs can use P2P, farther ones cannot: stop NCCL's P2P at the last safe level."""
-    pairs = scope["pairs"]
-    cutoff = safe_p2p_cutoff(pairs) if pairs else None
-    if cutoff is None or cutoff == farthest_level(pairs):
+def _p2p_must_stop(scope: dict) -> str | None:
+    """Even the closest GPU pairs NCCL would use are at risk: close NCCL's P2P transport."""
+    risky = _risky(scope)
+    if not risky or safe_p2p_cutoff(scope["pairs"]) is not None:
         return None
-    beyond = [p for p in pairs if NCCL_P2P_LEVELS.index(nccl_level(p["level"])) > NCCL_P2P_LEVELS.index(cutoff)]
-    bad = next(p for p in beyond if not _usable(p))
-    return f"GPU pairs farther than {cutoff} have no safe P2P path, e.g. {bad['reasons'][0]}"
+    reason = _first_reason(risky, HIDDEN_REASON_KINDS)
+    prefix = "P2P DMA is unsafe on this host" if any(
+        k.startswith("sev_snp") for p in risky for k in p["reason_kinds"]) else "P2P DMA must not happen"
+    incident = " (INCIDENTS #7)" if "SEV-SNP" in (reason or "") else ""
+    return f"{prefix}: {reason}{incident}; the driver would still let NCCL use it" + _unknown_note(risky)
+
+
+def _level_needed(scope: dict) -> str | None:
+    """Close pairs are fine, farther ones at risk: stop NCCL's P2P before them, where NCCL's own
+    default level would not already (writing a level replaces NCCL's default, paths.cc)."""
+    risky = _risky(scope)
+    cutoff = safe_p2p_cutoff(scope["pairs"]) if risky else None
+    if cutoff is None:
+        return None
+    default = scope.get("default_level")
+    if default is not None and NCCL_P2P_LEVELS.index(default) <= NCCL_P2P_LEVELS.index(cutoff):
+        return None
+    bad = risky[0]
+    reason = next(r for k, r in zip(bad["reason_kinds"], bad["reasons"], strict=True) if k in HIDDEN_REASON_KINDS)
+    why = ("NCCL's own default level reaches them" if default
+           else "the NCCL version is unknown and its default reaches them up to 2.22 (SYS)")
+    return f"GPU pairs farther than {_p2p_cutoff_level(scope)} are at risk, e.g. {reason}; {why}" + _unknown_note(risky)
 
 
 def _p2p_cutoff_level(scope: dict) -> str:
-    """NCCL_P2P_LEVEL's value; its rule applies (`_p2p_cutoff_needed`) only when there is a cutoff."""
+    """NCCL_P2P_LEVEL's value: the last safe level; with the NCCL version unknown no farther than
+    PXB, NCCL's default since 2.23, so a newer NCCL is never sent further than it would go."""
     cutoff = safe_p2p_cutoff(scope["pairs"])
     if cutoff is None:
         raise ValueError("pvegpu: NCCL_P2P_LEVEL asked for GPU pairs without a safe P2P cutoff")
+    if scope.get("default_level") is None:
+        cap = NCCL_DEFAULT_LEVEL_SINCE_2_23
+        return min(cutoff, cap, key=NCCL_P2P_LEVELS.index)
     return cutoff
 
 
-def _no_rdma(scope: dict) -> str | None:
-    if scope["rdma_devices"] or scope["topology_nics"]:
+def _symmetric_memory(scope: dict) -> str | None:
+    """NCCL >= 2.27's symmetric memory uses every pair CUDA can reach, whatever NCCL_P2P_LEVEL or
+    NCCL_P2P_DISABLE say (transport.cc ncclTransportCheckP2pType isAllCudaP2p; init.cc WIN_ENABLE)."""
+    risky = _risky(scope)
+    if not risky:
         return None
-    return "no RDMA devices (/sys/class/infiniband is empty and nvidia-smi topo shows no NIC)"
+    return ("NCCL's symmetric memory (2.27+) does P2P DMA on every pair the driver allows, whatever "
+            "NCCL_P2P_LEVEL/NCCL_P2P_DISABLE say; at risk: " + (_first_reason(risky, HIDDEN_REASON_KINDS) or "")
+            + _unknown_note(risky))
 
 
-# The one table of NCCL rules for this collection. First matching row per variable wins, so the
-# SEV-SNP row (the stronger reason) comes before the "impossible" row.
+# The one table of NCCL rules for this collection. First matching row per variable wins.
+# NCCL_IB_DISABLE is not here: without RDMA devices NCCL falls back to sockets by itself.
 NCCL_RULES: list[NcclRule] = [
-    NcclRule("NCCL_P2P_DISABLE", "1", _p2p_unsafe, f"{NCCL_ENV_DOCS}#nccl-p2p-disable; {CUDA_IOMMU_DOCS}"),
-    NcclRule("NCCL_P2P_DISABLE", "1", _p2p_impossible, f"{NCCL_ENV_DOCS}#nccl-p2p-disable; {NCCL_ACS_DOCS}"),
-    NcclRule(
-        "NCCL_P2P_LEVEL",
-        _p2p_cutoff_level,
-        _p2p_cutoff_needed,
-        f"{NCCL_ENV_DOCS}#nccl-p2p-level",
-    ),
-    NcclRule("NCCL_IB_DISABLE", "1", _no_rdma, f"{NCCL_ENV_DOCS}#nccl-ib-disable"),
+    NcclRule("NCCL_P2P_DISABLE", "1", _p2p_must_stop, f"{NCCL_ENV_DOCS}#nccl-p2p-disable; {CUDA_IOMMU_DOCS}"),
+    NcclRule("NCCL_P2P_LEVEL", _p2p_cutoff_level, _level_needed, f"{NCCL_ENV_DOCS}#nccl-p2p-level; {NCCL_ACS_DOCS}"),
+    NcclRule("NCCL_WIN_ENABLE", "0", _symmetric_memory, f"{NCCL_ENV_DOCS}#nccl-win-enable"),
 ]
 
 
+def override_problem(name: str, value: str) -> str | None:
+    """Why NCCL would not read ``name=value`` as written, or None (also the spec's check).
+
+    NCCL reads nccl.conf lines verbatim (src/misc/param.cc setEnvFile: the name up to the first
+    ``=``, the rest as the value, quotes and spaces included, cut at 1023 characters) and
+    compares level names case-sensitively (paths.cc ncclGetLevel)."""
+    if not NCCL_VARIABLE.match(str(name)):
+        return f"{name!r} is not an NCCL variable (NCCL_ and capitals, digits, _)"
+    if "\n" in value or "\r" in value:
+        return f"the value of {name} spans several lines; nccl.conf takes one line"
+    if value != value.strip() or (len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'"):
+        return (f"the value of {name} is {value!r}: NCCL takes nccl.conf values verbatim, so surrounding "
+                "spaces or quotes become part of it; write it bare")
+    if name in ("NCCL_P2P_LEVEL", "NCCL_SHM_LEVEL", "NCCL_NET_GDR_LEVEL") and nccl_level_value(value) is None:
+        hint = f" (NCCL compares names case-sensitively: {value.upper()})" if value.upper() in NCCL_P2P_LEVELS else ""
+        return (f"{name}={value!r} is no level NCCL knows, so it would ignore it{hint}; "
+                f"use one of {', '.join(NCCL_P2P_LEVELS)} or 0-5")
+    return None
+
+
 def check_overrides(overrides: dict | None, where: str) -> dict[str, str]:
-    """Overrides as ``{NCCL_NAME: "value"}``; refuses what would not be a valid nccl.conf line."""
+    """Overrides as ``{NCCL_NAME: "value"}``; refuses what NCCL would not read as written
+    (`override_problem`)."""
     checked: dict[str, str] = {}
     for name, value in (overrides or {}).items():
-        if not NCCL_VARIABLE.match(str(name)):
-            raise ValueError(f"{where}: {name!r} is not an NCCL variable (NCCL_ and capitals, digits, _)")
         text = str(value)
-        if "\n" in text or "\r" in text:
-            raise ValueError(f"{where}: the value of {name} spans several lines; nccl.conf takes one line")
+        problem = override_problem(str(name), text)
+        if problem:
+            raise ValueError(f"{where}: {problem}")
         checked[name] = text
     return checked
 
 
-def _override_warning(name: str, value: str, ruled: dict | None, scope: dict) -> str | None:
+def _override_warning(name: str, value: str, ruled: dict | None, scope: dict, env: dict) -> str | None:
     pairs = scope["pairs"]
-    if name == "NCCL_P2P_DISABLE" and value.strip() in ("0", "") and ruled and ruled["value"] == "1":
+    if name == "NCCL_P2P_DISABLE" and value in ("0", "") and ruled and ruled["value"] == "1":
         return f"P2P stays on against the facts: {ruled['reason']}"
-    if name == "NCCL_P2P_LEVEL" and pairs:
-        level = value.strip().upper()
-        if level not in NCCL_P2P_LEVELS:
-            return f"{value!r} is not an NCCL_P2P_LEVEL name ({', '.join(NCCL_P2P_LEVELS)})"
-        limit = safe_p2p_cutoff(pairs) or "LOC"
-        if NCCL_P2P_LEVELS.index(level) > NCCL_P2P_LEVELS.index(limit):
-            return f"{level} reaches beyond the farthest safe P2P level of this topology ({limit})"
-    if name == "NCCL_SHM_DISABLE" and value.strip() == "1" and ruled is None and scope.get("p2p_disabled"):
+    if name == "NCCL_WIN_ENABLE" and value != "0" and ruled and ruled["value"] == "0":
+        return f"symmetric memory stays on against the facts: {ruled['reason']}"
+    if name == "NCCL_P2P_LEVEL":
+        disable = (env.get("NCCL_P2P_DISABLE") or {}).get("value")
+        if disable is not None and _strtol(disable) == 1:
+            return "has no effect: NCCL_P2P_DISABLE=1 sets the level to LOC before NCCL_P2P_LEVEL is read (paths.cc ncclGetLevel)"
+        level = nccl_level_value(value)
+        limit = safe_p2p_cutoff(pairs) if pairs else None
+        if level and pairs and _risky(scope):
+            limit = limit or "LOC"
+            if NCCL_P2P_LEVELS.index(level) > NCCL_P2P_LEVELS.index(limit):
+                return f"{level} reaches beyond the farthest safe P2P level of this topology ({limit})"
+    if name == "NCCL_PROTO" and not scope.get("nvlink") and _ll128_on(value):
+        return "LL128 on a PCIe-only host: NCCL keeps it off there by default because it can corrupt data without NVLink"
+    if name == "NCCL_IGNORE_DISABLED_P2P" and _strtol(value) == 2:
+        return "2 turns off NCCL's check of the driver's P2P status (paths.cc): pairs the driver refuses are tried anyway"
+    if name == "NCCL_SHM_DISABLE" and value == "1" and ruled is None and scope.get("p2p_disabled"):
         return "with P2P disabled, SHM is the only intra-node path; NCCL falls back to the network"
     return None
+
+
+def _strtol(text: str) -> int | None:
+    match = re.match(r"^\s*([+-]?(?:0[xX][0-9a-fA-F]+|0[0-7]*|[1-9][0-9]*))", text)
+    return int(match.group(1), 0) if match else None
+
+
+def _ll128_on(value: str) -> bool:
+    """NCCL_PROTO forces LL128 on for some function: src/graph/tuning.cc parseList() reads
+    ``[func:]list;func:list`` (names case-insensitive); a list sets its protocols to 1 and the
+    others to 0, a ``^list`` the reverse. 1 is "on" even where NCCL's own default (2) keeps LL128
+    to NVLink (ncclTopoTuneModel)."""
+    for token in value.split(";"):
+        elems = token.split(":", 1)[-1]
+        negated = elems.startswith("^")
+        items = [item.strip().lower() for item in elems.lstrip("^").split(",")]
+        if ("ll128" in items) != negated:
+            return True
+    return False
 
 
 def nccl_environment(
@@ -204,31 +305,39 @@ def nccl_environment(
     topology_nics: dict | None = None,
     nccl: dict | None = None,
     container: str | None = None,
+    nccl_version: str | None = None,
+    cpu_vendor: str | None = None,
 ) -> dict[str, dict]:
     """NCCL variables for one scope (the host, or one container given its GPUs' verdict).
 
     + verdict: `plan.p2p.p2p_verdict` (or `restrict_verdict` for a container's GPUs)
-    + rdma_devices: names under /sys/class/infiniband (``[]`` when none)
-    + topology_nics: GpuTopology ``nics``
+    + rdma_devices, topology_nics: kept for the callers; no rule reads them any more (NCCL
+      falls back to sockets without RDMA devices by itself)
     + nccl: the spec's NCCL section, ``{"profile": "auto" | "none", "overrides": {NAME: value},
       "containers": {"101": {NAME: value}}}``
     + container: the container id whose overrides apply last
+    + nccl_version, cpu_vendor: for NCCL's own default level (`nccl_default_level`); unknown
+      version: levels are capped at PXB, NCCL's default since 2.23
 
     .. code:: python
 
         {"NCCL_P2P_DISABLE": {"value": "1", "reason": "P2P DMA is unsafe on this host: …",
-                              "source": "rule", "reference": "https://docs.nvidia.com/…"},
+                              "source": "rule", "reference": "https://docs.nvidia.com/…",
+                              "unknown": False, "remains": "vLLM's and SGLang's custom allreduce …"},
          "NCCL_DEBUG": {"value": "WARN", "reason": "set by the spec's NCCL overrides",
                         "source": "override", "replaces": None, "warning": None}}
     """
+    del rdma_devices, topology_nics
     nccl = nccl or {}
     profile = nccl.get("profile", "auto")
     if profile not in ("auto", "none"):
         raise ValueError(f"NCCL profile {profile!r} is unknown: use 'auto' or 'none'")
+    pairs = verdict["pairs"]
+    gpus = len({p["a"] for p in pairs} | {p["b"] for p in pairs})
     scope = {
-        "pairs": verdict["pairs"],
-        "rdma_devices": list(rdma_devices or []),
-        "topology_nics": dict(topology_nics or {}),
+        "pairs": pairs,
+        "default_level": nccl_default_level(nccl_version, cpu_vendor, gpus),
+        "nvlink": any((p["level"] or "").startswith("NV") for p in pairs),
     }
     env: dict[str, dict] = {}
     if profile == "auto":
@@ -238,7 +347,10 @@ def nccl_environment(
             reason = rule.applies(scope)
             if reason:
                 value = rule.value(scope) if callable(rule.value) else rule.value
-                env[rule.variable] = {"value": value, "reason": reason, "source": "rule", "reference": rule.source}
+                env[rule.variable] = {"value": value, "reason": reason, "source": "rule", "reference": rule.source,
+                                      "unknown": "unknown driver answer" in reason,
+                                      "remains": OTHER_P2P_PATHS if rule.variable in ("NCCL_P2P_DISABLE", "NCCL_WIN_ENABLE")
+                                      else None}
     scope["p2p_disabled"] = env.get("NCCL_P2P_DISABLE", {}).get("value") == "1"
 
     layers = [("the spec's NCCL overrides", check_overrides(nccl.get("overrides"), "nccl.overrides"))]
@@ -257,8 +369,11 @@ def nccl_environment(
                 "reason": f"set by {where}",
                 "source": "override",
                 "replaces": replaced,
-                "warning": _override_warning(name, value, replaced, scope),
+                "warning": None,
             }
+    for name, entry in env.items():
+        if entry["source"] == "override":
+            entry["warning"] = _override_warning(name, entry["value"], entry["replaces"], scope, env)
     return env
 
 
@@ -270,6 +385,9 @@ def nccl_plan(
     topology_nics: dict | None = None,
     nccl: dict | None = None,
     host_gpus: list[str] | None = None,
+    nccl_version: str | None = None,
+    cpu_vendor: str | None = None,
+    container_versions: dict[str, str | None] | None = None,
 ) -> dict:
     """NCCL variables for the host and for each GPU container.
 
@@ -282,7 +400,8 @@ def nccl_plan(
     Returns ``{"host": {NAME: entry}, "containers": {"101": {NAME: entry}}}``.
     """
     host_verdict = verdict if host_gpus is None else restrict_verdict(verdict, host_gpus)
-    host = nccl_environment(host_verdict, rdma_devices=rdma_devices, topology_nics=topology_nics, nccl=nccl)
+    host = nccl_environment(host_verdict, rdma_devices=rdma_devices, topology_nics=topology_nics, nccl=nccl,
+                            nccl_version=nccl_version, cpu_vendor=cpu_vendor)
     per_container = {
         str(ctid): nccl_environment(
             restrict_verdict(verdict, gpus),
@@ -290,6 +409,8 @@ def nccl_plan(
             topology_nics=topology_nics,
             nccl=nccl,
             container=str(ctid),
+            nccl_version=(container_versions or {}).get(str(ctid)),
+            cpu_vendor=cpu_vendor,
         )
         for ctid, gpus in sorted((containers or {}).items())
     }
@@ -297,7 +418,9 @@ def nccl_plan(
 
 
 def nccl_plan_for_spec(
-    verdict: dict, spec, *, rdma_devices: list[str] | None = None, topology_nics: dict | None = None
+    verdict: dict, spec, *, rdma_devices: list[str] | None = None, topology_nics: dict | None = None,
+    nccl_version: str | None = None, cpu_vendor: str | None = None,
+    container_versions: dict[str, str | None] | None = None,
 ) -> dict:
     """`nccl_plan` for a validated HostSpec: its ``nccl`` section and each container's GPUs and
     ``nccl`` overrides (containers without GPUs get no NCCL file)."""
@@ -309,7 +432,15 @@ def nccl_plan_for_spec(
     }
     host_gpus = [bdf for bdf, gpu in spec.gpus.items() if gpu.driver == "nvidia"] if spec.gpus else None
     return nccl_plan(verdict, containers=containers, rdma_devices=rdma_devices,
-                     topology_nics=topology_nics, nccl=nccl, host_gpus=host_gpus)
+                     topology_nics=topology_nics, nccl=nccl, host_gpus=host_gpus,
+                     nccl_version=nccl_version, cpu_vendor=cpu_vendor, container_versions=container_versions)
+
+
+def conf_comment(text: str) -> str:
+    """One comment line's text: one line, and no ``=``. NCCL before 2.26 does not skip ``#``
+    lines (src/misc/param.cc setEnvFile): any line with an ``=`` sets a variable named by what
+    stands before it, so a comment must not hold one."""
+    return " ".join(str(text).split()).replace("=", " is ")
 
 
 def nccl_conf_lines(env: dict[str, dict]) -> list[dict]:
@@ -324,7 +455,12 @@ def nccl_conf_lines(env: dict[str, dict]) -> list[dict]:
                 comment += f"; the rule would set {entry['replaces']['value']}: " + " ".join(
                     str(entry["replaces"]["reason"]).split()
                 )
-        lines.append({"name": name, "value": entry["value"], "comment": comment})
+        if entry.get("unknown"):
+            comment = f"[from unknown] {comment}"
+        if entry.get("remains"):
+            comment += f"; still doing GPU-to-GPU DMA: {entry['remains']}"
+        lines.append({"name": name, "value": entry["value"], "comment": comment,
+                      "conf_comment": conf_comment(comment)})
     return lines
 
 
@@ -338,13 +474,91 @@ def _compiled(text: str):
 
 def render_nccl_conf(env: dict[str, dict], scope: str = "host") -> str:
     """/etc/nccl.conf for one scope, rendered as pyinfra's files.template renders templates/nccl.conf.j2."""
-    return _compiled(TEMPLATE.read_text()).render(nccl_lines=nccl_conf_lines(env), nccl_scope=scope)
+    text = _compiled(TEMPLATE.read_text()).render(nccl_lines=nccl_conf_lines(env), nccl_scope=scope)
+    # NCCL < 2.26 reads a '#' line with an '=' as a variable (param.cc setEnvFile): never write one
+    bad = [line for line in text.splitlines() if line.startswith("#") and "=" in line]
+    if bad:
+        raise ValueError(f"pvegpu: an nccl.conf comment would be read as a variable by NCCL < 2.26: {bad[0]!r}")
+    return text
+
+
+# Where the values take effect, said wherever they are listed (--dry, the report, the summary).
+PRECEDENCE = (
+    "precedence: what a process sets itself, then systemd EnvironmentFile=, then the pvegpu drop-in "
+    "(beats the unit's Environment= and override.conf), then NCCL_CONF_FILE or ~/.nccl.conf, then "
+    "/etc/nccl.conf (NCCL never overwrites a variable already set); read once at NCCL's init, so "
+    "running services keep the old values until restarted"
+)
 
 
 def describe_nccl_environment(env: dict[str, dict]) -> list[str]:
-    """Lines for `--dry` and the topology report: ``NAME=value  (rule|override) reason``."""
+    """Lines for `--dry` and the topology report: ``NAME=value  — (rule|override) reason``."""
     out = []
     for line, name in zip(nccl_conf_lines(env), sorted(env), strict=True):
         warning = env[name].get("warning")
         out.append(f"{name}={line['value']}  — {line['comment']}" + (f"  WARNING: {warning}" if warning else ""))
+    return out
+
+
+def opt_in_note(verdict: dict, env: dict[str, dict]) -> str | None:
+    """Where P2P is possible and safe across the CPU (nvidia-smi PHB/NODE/SYS) and NCCL's own
+    default (PXB since 2.23, paths.cc) still keeps it off there: the opt-in to measure."""
+    if "NCCL_P2P_LEVEL" in env or "NCCL_P2P_DISABLE" in env:
+        return None
+    far = [p for p in verdict["pairs"] if _usable(p) and nccl_level(p["level"]) in ("PHB", "SYS")]
+    if not far:
+        return None
+    return (f"{len(far)} of {len(verdict['pairs'])} GPU pairs have safe P2P through the CPU "
+            f"({', '.join(sorted({p['level'] for p in far}))}), where NCCL 2.23+ keeps P2P off by default "
+            "(beyond PXB; on AMD hosts with at most 2 GPUs it allows SYS): NCCL_P2P_LEVEL=SYS in nccl.overrides "
+            "is an opt-in to measure")
+
+
+# What one SHM connection maps in /dev/shm (src/transport/shm.cc shmSendSetup/shmRecvSetup: one
+# buffer per protocol; src/init.cc defaults: LL 8 lines x 512 threads x 8 steps x 16 bytes, LL128
+# 120 x 640 x 8 x 8 bytes, Simple 4 MiB) - about 9.2 MiB, charged to the container's memory.
+NCCL_SHM_CONNECTION_BYTES = 8 * 512 * 8 * 16 + 120 * 640 * 8 * 8 + (1 << 22)
+# A floor, not an estimate: one ring over the GPUs (one connection per edge) on 2 channels.
+NCCL_SHM_FLOOR_CHANNELS = 2
+
+
+def shm_floor_bytes(gpus: int) -> int:
+    """The least /dev/shm NCCL's SHM transport takes for one job over `gpus` GPUs without P2P."""
+    return gpus * NCCL_SHM_FLOOR_CHANNELS * NCCL_SHM_CONNECTION_BYTES if gpus >= 2 else 0
+
+
+def shm_problem(where: str, df_lines: list[str], gpus: int) -> str | None:
+    """A sentence when `df -Pk /dev/shm` output (inside a container) shows no /dev/shm mount or
+    one smaller than `shm_floor_bytes`; None when it holds what NCCL needs."""
+    need = shm_floor_bytes(gpus)
+    if not need:
+        return None
+    rows = [line.split() for line in df_lines[1:] if line.strip()]
+    row = next((r for r in rows if len(r) >= 6 and r[5] == "/dev/shm"), None)
+    mib = need / (1 << 20)
+    if row is None:
+        return (f"{where} has no /dev/shm mount: NCCL's SHM transport (its path between GPUs without P2P) "
+                f"needs at least {mib:.0f} MiB there for {gpus} GPUs and fails its init without it")
+    size = int(row[1]) * 1024 if row[1].isdigit() else 0
+    if size < need:
+        return (f"{where}'s /dev/shm holds {size / (1 << 20):.0f} MiB; NCCL's SHM transport needs at least "
+                f"{mib:.0f} MiB for {gpus} GPUs ({NCCL_SHM_CONNECTION_BYTES / (1 << 20):.1f} MiB per connection, "
+                f"one ring on {NCCL_SHM_FLOOR_CHANNELS} channels)")
+    return None
+
+
+def custom_allreduce_warnings(env: dict[str, dict], exec_start: dict[str, list[str]]) -> list[str]:
+    """Services of the spec that run vLLM or SGLang with their custom allreduce on while the
+    rules stop P2P DMA: that path reads no NCCL variable (`OTHER_P2P_PATHS`); their own switch is
+    --disable-custom-all-reduce (vLLM engine argument, SGLang server argument)."""
+    stop = any(entry["source"] == "rule" and entry.get("remains") for entry in env.values())
+    if not stop:
+        return []
+    out = []
+    for unit, lines in sorted(exec_start.items()):
+        text = " ".join(lines)
+        program = "vLLM" if "vllm" in text.lower() else "SGLang" if "sglang" in text.lower() else None
+        if program and "--disable-custom-all-reduce" not in text:
+            out.append(f"{unit} runs {program} with its custom allreduce on: its GPU-to-GPU DMA ignores the NCCL "
+                       "variables; add --disable-custom-all-reduce to its ExecStart")
     return out

@@ -205,23 +205,83 @@ def objtool_problem(release: str, config: dict[str, str], version: str, open_tre
                   f"{RETHUNK_WARNING_TREES_UP_TO} fail there, {version} is not known either way")
 
 
-def secure_boot_problem(secure_boot: bool | None, signing, signing_files: dict[str, bool]) -> str | None:
-    """Refusal when Secure Boot is on and the modules would be unsigned (the kernel would not
-    load them), or when the signing key/cert the spec names are not readable on the host.
-
-    `signing`: the spec's nvidia.signing (``.key``, ``.cert``: host paths) or None.
-    """
-    if signing is not None:
-        missing = [path for path in (signing.key, signing.cert) if not signing_files.get(path)]
-        if missing:
-            return (f"nvidia.signing names {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
-                    f"not readable on the host; give the key and certificate (DER or PEM) that sign the modules")
-        return None
+def enforcement_sources(secure_boot: bool | None, sig_enforce: bool | None, configs: dict[str, dict[str, str]]) -> list[str]:
+    """What makes the kernel refuse an unsigned (or not trusted) module, each in words: Secure Boot
+    (lockdown), module.sig_enforce=Y (/sys/module/module/parameters/sig_enforce), and per target
+    release CONFIG_MODULE_SIG_FORCE=y (kernel/module/signing.c module_sig_check(): any of them makes
+    a bad or missing signature a refusal, not a taint)."""
+    sources = []
     if secure_boot:
-        return ("Secure Boot is on and nvidia.signing is not set: the kernel would refuse the unsigned NVIDIA "
-                "modules at boot. Enroll a machine owner key (mokutil --import cert.der, confirmed at the next "
-                "boot) and set nvidia.signing.key and .cert to it, or turn Secure Boot off")
-    return None
+        sources.append("Secure Boot is on")
+    if sig_enforce:
+        sources.append("module.sig_enforce is Y")
+    forced = sorted(r for r, config in configs.items() if config.get("CONFIG_MODULE_SIG_FORCE") == "y")
+    if forced:
+        sources.append(f"kernel {', '.join(forced)} has CONFIG_MODULE_SIG_FORCE=y")
+    return sources
+
+
+MOK_WORDS = {
+    "not enrolled": "is not enrolled as a machine owner key (mokutil --test-key)",
+    "pending": "is imported but not enrolled: its MokManager confirmation at boot was never done",
+    "blocked": "is blocked (listed in dbx or MokListX)",
+}
+
+
+def signing_problems(state: dict, signing, releases: list[str]) -> tuple[list[str], list[str]]:
+    """(refusals, notes) about module signatures for the `releases` built this run.
+
+    `state`: the NvidiaHostState fact (secure_boot, sig_enforce, signing_files, signing_key_pem,
+    mok, releases[r].config); `signing`: the spec's nvidia.signing (``.key``, ``.cert``) or None.
+    Refused: enforcement on and no signing; a key or cert that is not readable; a key that is not
+    PEM (sign-file reads PEM only: the build would fail after the whole compile); a cert the
+    kernel will not trust (not enrolled, enrolment pending, blocked) while enforcement is on (the
+    modules would not load: "Key was rejected by service"). Unknown states are said as such.
+    """
+    configs = {r: ((state.get("releases") or {}).get(r) or {}).get("config") or {} for r in releases}
+    secure_boot = state.get("secure_boot")
+    sources = enforcement_sources(secure_boot, state.get("sig_enforce"), configs)
+    refusals: list[str] = []
+    notes: list[str] = []
+    if signing is None:
+        if sources:
+            refusals.append(f"{'; '.join(sources)}: the kernel would refuse the unsigned NVIDIA modules, and "
+                            f"nvidia.signing is not set. Enroll a machine owner key (mokutil --import cert.der, "
+                            f"confirmed in MokManager at the next boot) and set nvidia.signing.key (PEM) and .cert "
+                            f"to it" + (", or turn Secure Boot off" if secure_boot else ""))
+        elif secure_boot is None:
+            notes.append("Secure Boot state unknown (no mokutil answer, EFI variables not readable): if it is on, "
+                         "the unsigned modules will not load")
+        return refusals, notes
+    files = state.get("signing_files") or {}
+    missing = [path for path in (signing.key, signing.cert) if not files.get(path)]
+    if missing:
+        refusals.append(f"nvidia.signing names {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+                        f"not readable on the host; give the PEM private key and the certificate that sign the modules")
+        return refusals, notes
+    if state.get("signing_key_pem") is False:
+        refusals.append(f"nvidia.signing.key {signing.key} is not a PEM private key; the kernel's scripts/sign-file "
+                        f"reads the key as PEM only, so signing would fail after the whole build. Convert it "
+                        f"(openssl pkey -inform DER -in KEY -out KEY.pem) and name the PEM file")
+    mok = state.get("mok")
+    if mok in MOK_WORDS:
+        message = (f"nvidia.signing.cert {signing.cert} {MOK_WORDS[mok]}; the kernel would refuse modules signed "
+                   f"with it ('Key was rejected by service')")
+        if sources:
+            refusals.append(f"{message} because {'; '.join(sources)}. Enroll it (mokutil --import, then confirm "
+                            f"in MokManager at the next boot) and run again")
+        else:
+            notes.append(f"{message} once signatures are enforced; nothing enforces them now")
+    elif mok == "in db":
+        notes.append(f"nvidia.signing.cert {signing.cert} is in the firmware's db, not the MOK list; kernels "
+                     f"that verify modules only against built-in and machine-owner keys will not trust it")
+    elif mok == "not DER":
+        notes.append(f"nvidia.signing.cert {signing.cert} is not a DER certificate, so mokutil cannot say whether "
+                     f"it is enrolled (enrolment unknown); give the DER form (openssl x509 -outform DER)")
+    elif mok is None:
+        notes.append(f"enrolment of nvidia.signing.cert {signing.cert} unknown (mokutil not installed); if it is "
+                     f"not enrolled, the signed modules will not load while signatures are enforced")
+    return refusals, notes
 
 
 # -- versions of modules, firmware and user space (incidents 2, 6) -------------------------
@@ -421,6 +481,23 @@ def source_mismatch(what: str, source, checked: dict | None) -> str | None:
             f"refusing to build or install from it (nothing was changed)")
 
 
+def reboot_reason(version: str, loaded: str | None, running: str | None, steps: dict, state: dict) -> str | None:
+    """Why the host must reboot after this run, or None: the loaded nvidia module (`loaded`, from
+    /proc/driver/nvidia/version) is another version than the one the running kernel has (or gets
+    this run) on disk. Until the old module is unloaded, nvidia-smi and CUDA fail with
+    "Driver/library version mismatch" against the new user space on the host and in every
+    container; a reboot loads the installed one. No module loaded (a first install) is no reason.
+    """
+    if not loaded or loaded == version or not running:
+        return None
+    entry = (steps.get("releases") or {}).get(running) or {}
+    module = ((state.get("releases") or {}).get(running) or {}).get("module") or {}
+    if not (entry.get("build") or module.get("version") == version):
+        return None
+    return (f"nvidia {loaded} is loaded but {version} is installed for {running}; nvidia-smi and CUDA "
+            f"fail with 'Driver/library version mismatch' until the new module is loaded")
+
+
 def driver_steps(version: str, releases: list[str], state: dict, *, modules_source=None,
                  installer=None, want_firmware: bool = True, required: set[str] | None = None,
                  open_tree: bool = False, signing=None, gpu_ids: dict[str, str] | None = None) -> dict:
@@ -483,12 +560,15 @@ def driver_steps(version: str, releases: list[str], state: dict, *, modules_sour
             refusals.append(f"kernel {release}: {reason}, and nvidia.modules_source is not set; give the "
                             f"open-gpu-kernel-modules archive (url + sha256) to build from")
             continue
-        entry.update(build=True, cc=toolchain["cc"], cxx=toolchain["cxx"])
+        # sign with the hash the kernel signs its own modules with (Proxmox: sha512)
+        entry.update(build=True, cc=toolchain["cc"], cxx=toolchain["cxx"],
+                     sig_hash=(info.get("config") or {}).get("CONFIG_MODULE_SIG_HASH") or "sha256")
 
-    if any(e["build"] for e in per_release.values()):
-        problem = secure_boot_problem(state.get("secure_boot"), signing, state.get("signing_files") or {})
-        if problem:
-            refusals.append(problem)
+    built = [r for r, e in per_release.items() if e["build"]]
+    if built:
+        sign_refusals, sign_notes = signing_problems(state, signing, built)
+        refusals += sign_refusals
+        notes += sign_notes
     have_userspace = userspace_versions(state.get("userspace") or [])
     installer_given = installer is not None
     firmware = state.get("firmware") or {}

@@ -5,7 +5,8 @@ The verdict weighs together what the facts say (no I/O here; callers pass the fa
 - the driver's own answer (`GpuP2P` read/write: ``OK``, ``CNS``, ``GNS``, ``TNS``, ``NS``, ``DR``, ``U``),
 - the topology level (`GpuTopology` links: ``NV#``, ``PIX``, ``PXB``, ``PHB``, ``NODE``, ``SYS``;
   derived from the PCI tree when the driver does not see a GPU),
-- root complexes and upstream bridges (`PciDevices`), ACS redirect on those bridges,
+- root complexes and upstream bridges (`PciDevices`), ACS control of every port on the path
+  (`PciAcs`, read from each bridge's PCIe extended config space),
 - the IOMMU domain type of each GPU's group and SEV-SNP,
 - each GPU's role (a GPU passed to a VM is not the host's to use for P2P).
 
@@ -30,6 +31,8 @@ P2P_STATUS_WORDS = {
 }
 
 # nvidia-smi topology levels in words (its own legend, shortened).
+# Older drivers print SOC for what newer ones call SYS (same legend text); `normal_level` maps it.
+LEVEL_ALIASES = {"SOC": "SYS"}
 LEVEL_WORDS = {
     "PIX": "through at most one PCIe bridge (one switch)",
     "PXB": "through several PCIe bridges, not through the host bridge",
@@ -41,8 +44,20 @@ LEVEL_WORDS = {
 # QEMU's PCIe root port (vendor 1b36 = Red Hat/QEMU): seen inside a VM, never on bare metal.
 VIRTUAL_ROOT_PORT_IDS = {("1b36", "000c")}
 
-# ACS control flags that send peer traffic up to the root complex instead of across a switch.
-ACS_REDIRECT_FLAGS = ("ReqRedir", "CmpltRedir", "EgressCtrl")
+# ACS control flags that make a port send peer traffic elsewhere than straight to the peer, or
+# check it on the way: P2P Request/Completion Redirect and Egress Control are what the kernel's
+# drivers/pci/p2pdma.c pci_bridge_has_acs_redir() counts (on every bridge from each device up to
+# their common upstream bridge, __upstream_bridge_distance()); Upstream Forwarding and Source
+# Validation are what drivers/pci/pci.c pci_std_enable_acs() turns on with them, and root ports
+# with that set made NCCL's P2P path hang on NODE hosts until ACS was cleared (issue 30).
+ACS_REDIRECT_FLAGS = ("SrcValid", "ReqRedir", "CmpltRedir", "UpstreamFwd", "EgressCtrl")
+ACS_FLAG_WORDS = {
+    "SrcValid": "Source Validation",
+    "ReqRedir": "P2P Request Redirect",
+    "CmpltRedir": "P2P Completion Redirect",
+    "UpstreamFwd": "Upstream Forwarding",
+    "EgressCtrl": "P2P Egress Control",
+}
 
 # IOMMU group types in /sys/kernel/iommu_groups/*/type, mapped to what they mean for P2P DMA.
 IOMMU_DOMAIN_KINDS = {
@@ -57,6 +72,13 @@ CUDA_IOMMU_REFERENCE = (
     "https://docs.nvidia.com/cuda/cuda-programming-guide/03-advanced/multi-gpu-systems.html"
     "#host-iommu-hardware-pci-access-control-services-and-vms"
 )
+
+
+def normal_level(level: str | None) -> str | None:
+    """A topology cell with the legacy ``SOC`` read as ``SYS`` (nvidia-smi's older name for it)."""
+    if not level:
+        return level
+    return LEVEL_ALIASES.get(level, level)
 
 
 def _nvidia_gpu(device: dict) -> bool:
@@ -96,7 +118,7 @@ def sev_snp_enabled(sev: dict | bool | None) -> bool | None:
 
 
 def acs_redirect_flags(entry: dict | None) -> list[str] | None:
-    """ACS control flags of one bridge that send peer requests up to the root complex.
+    """ACS control flags of one port that redirect or check peer requests (`ACS_REDIRECT_FLAGS`).
 
     + entry: the PciAcs fact's value for the bridge,
       ``{"status": "enabled", "redirect": True, "ctl": {"ReqRedir": True, …}}``
@@ -187,14 +209,22 @@ def derived_level(a: dict, b: dict) -> str | None:
     return "PXB"
 
 
-def _path_bridges(a: dict, b: dict) -> list[str]:
-    """Bridges whose ACS decides whether peer traffic between a and b turns below the root complex:
-    those not shared above their meeting point. None across root complexes: there the traffic
-    goes up through the CPU whatever ACS says."""
-    if a["root"] != b["root"]:
-        return []
-    shared = set(a["bridges"]) & set(b["bridges"])
-    return [x for x in a["bridges"] if x not in shared] + [x for x in b["bridges"] if x not in shared]
+def path_ports(a: dict, b: dict) -> list[str]:
+    """Every port peer traffic between a and b passes, in order: a's upstream bridges from a up to
+    the deepest bridge both share (that one included), then b's below it, back down to b. With no
+    shared bridge (different root ports or root complexes) each side's whole chain, root ports
+    included: the traffic climbs to the root complex on both sides. Follows the walk of the
+    kernel's drivers/pci/p2pdma.c __upstream_bridge_distance(), which counts ACS redirect on the
+    common bridge too."""
+    common = 0
+    for x, y in zip(a["bridges"], b["bridges"], strict=False):
+        if x != y or a["root"] != b["root"]:
+            break
+        common += 1
+    ports = list(reversed(a["bridges"][common:]))
+    if common:
+        ports.append(a["bridges"][common - 1])
+    return ports + list(b["bridges"][common:])
 
 
 def _driver_answer(matrix: dict | None, a: dict, b: dict) -> str | None:
@@ -220,12 +250,13 @@ def _role_reason(gpu: dict) -> str | None:
 def _pair_verdict(a, b, *, topology, p2p_read, p2p_write, iommu, sev_snp, acs, pci) -> dict:
     blocking: list[tuple[str, str]] = []  # (kind, sentence): make P2P impossible
     unsafe: list[tuple[str, str]] = []    # make it unsafe even where it happens
+    unknown: list[tuple[str, str]] = []   # leave open whether it is possible
     notes: list[str] = []
     la, lb = _label(a), _label(b)
 
     level = None
     if a["name"] and b["name"]:
-        level = ((topology or {}).get("links", {}).get(a["name"]) or {}).get(b["name"])
+        level = normal_level(((topology or {}).get("links", {}).get(a["name"]) or {}).get(b["name"]))
     level_source = "driver" if level else None
     if not level:
         level = derived_level(a, b)
@@ -267,6 +298,15 @@ def _pair_verdict(a, b, *, topology, p2p_read, p2p_write, iommu, sev_snp, acs, p
                     f"{la} and {lb} are on different root complexes ({a['root']}, {b['root']}); "
                     "the driver reports P2P through the CPU as OK"
                 )
+            elif answers["read"] is None:
+                # No driver answer yet (no nvidia-smi, a first converge): whether the CPU routes
+                # peer traffic between root complexes is the chipset's to say, and only the driver
+                # knows (nvidia-smi topo -p2p r); the host check after the driver settles it.
+                unknown.append((
+                    "root_complex_unknown",
+                    f"{la} and {lb} are on different root complexes ({a['root']}, {b['root']}); whether "
+                    "the CPU routes P2P between them is unknown until the driver answers (nvidia-smi topo -p2p r)",
+                ))
             else:
                 blocking.append((
                     "root_complex",
@@ -282,17 +322,19 @@ def _pair_verdict(a, b, *, topology, p2p_read, p2p_write, iommu, sev_snp, acs, p
                 f"{la} and {lb} sit behind separate virtual root ports of this VM "
                 f"({virtual_ports[0]}, {virtual_ports[1]}): P2P between them is impossible",
             ))
-        for bridge in _path_bridges(a, b):
-            if acs is None:
-                break
-            flags = acs_redirect_flags(acs.get(bridge))
+        for port in path_ports(a, b) if acs is not None else []:
+            flags = acs_redirect_flags(acs.get(port))
+            kind = "root port" if port in (a["bridges"][:1] + b["bridges"][:1]) else "switch port"
             if flags:
-                blocking.append((
+                words = ", ".join(ACS_FLAG_WORDS[flag] for flag in flags)
+                unsafe.append((
                     "acs",
-                    f"ACS on bridge {bridge} redirects peer requests to the root complex ({'+ '.join(flags)}+)",
+                    f"ACS on {kind} {port} between {la} and {lb} has {words} on ({'+ '.join(flags)}+): peer "
+                    "requests are sent up to the root complex or checked there, where NCCL's P2P path "
+                    "hung until ACS was cleared",
                 ))
             elif flags is None:
-                notes.append(f"ACS state of bridge {bridge} is unknown")
+                notes.append(f"ACS state of {kind} {port} is unknown")
         if translating:
             which = " and ".join(f"{gpu['name'] or gpu['bdf']} (group {gpu['iommu_group']})" for gpu in translating)
             blocking.append((
@@ -319,8 +361,15 @@ def _pair_verdict(a, b, *, topology, p2p_read, p2p_write, iommu, sev_snp, acs, p
         if snp is None and translating:
             notes.append("whether SEV-SNP is on is unknown")
 
-    possible = not blocking
-    reasons = blocking + unsafe
+    possible: bool | None = not blocking
+    if possible and unknown:
+        possible = None
+    safe: bool | None = bool(possible) and not unsafe
+    if possible is None:
+        safe = False if unsafe else None
+    status = ("impossible" if possible is False else "unsafe" if unsafe
+              else "unknown" if possible is None else "usable")
+    reasons = blocking + unsafe + unknown
     if not reasons and possible:
         how = LEVEL_WORDS.get(level or "", "over NVLink" if nvlink else "by an unknown path")
         reasons = [("path", f"{la} and {lb} connect {how}" + (" and the driver reports P2P OK" if driver_ok else ""))]
@@ -329,7 +378,8 @@ def _pair_verdict(a, b, *, topology, p2p_read, p2p_write, iommu, sev_snp, acs, p
         "b": b["bdf"] or b["name"],
         "names": [a["name"], b["name"]],
         "possible": possible,
-        "safe": possible and not unsafe,
+        "safe": safe,
+        "status": status,
         "level": level,
         "level_source": level_source,
         "driver_read": answers["read"],
@@ -345,7 +395,8 @@ REASON_KIND_WORDS = {
     "virtual_root_port": "separate virtual root ports in a VM",
     "driver": "the driver reports P2P unsupported",
     "root_complex": "different root complexes with no P2P path",
-    "acs": "ACS redirect on an upstream bridge",
+    "root_complex_unknown": "different root complexes, P2P unknown until the driver answers",
+    "acs": "ACS redirect or source validation on a port of the path",
     "iommu": "the IOMMU translates GPU DMA",
     "sev_snp": "SEV-SNP with a translating IOMMU (P2P DMA corrupts data)",
     "sev_snp_identity": "identity IOMMU domain for Blackwell GPUs on a SEV-SNP host",
@@ -359,14 +410,19 @@ def summarize(pairs: list[dict]) -> str:
         return "Fewer than two GPUs: no GPU pairs, nothing to decide about P2P."
     usable = sum(1 for p in pairs if p["possible"] and p["safe"])
     possible = sum(1 for p in pairs if p["possible"])
+    unknown = sum(1 for p in pairs if p["possible"] is None)
     counts: dict[str, int] = {}
     for pair in pairs:
         for kind in dict.fromkeys(pair["reason_kinds"]):
             counts[kind] = counts.get(kind, 0) + 1
     n = len(pairs)
     every = "the only GPU pair" if n == 1 else f"all {n} GPU pairs"
-    if possible == 0:
+    if unknown == n:
+        head = f"Whether P2P is possible is unknown for {every}."
+    elif possible == 0 and unknown == 0:
         head = f"P2P is impossible for {every}."
+    elif unknown:
+        head = f"P2P is possible for {possible}, unknown for {unknown} and safe for {usable} of {n} GPU pairs."
     elif usable == n:
         head = f"P2P is possible and safe for {every}."
     else:

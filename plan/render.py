@@ -3,7 +3,10 @@ script it runs there, is one of them).
 
 Shell templates (`templates/*.sh.j2`) take plain values and quote each one where it lands with
 the `q` filter (`{{ release | q }}`: shlex.quote, so a space, `;`, `$(…)` or a quote in a spec
-value stays one literal word). `python -m plan.render --check-shell` renders each of them with
+value stays one literal word); the operands of a command that takes options go through the
+`operands` filter (`git clone {{ [url, 'src'] | operands }}`: `--`, then each one quoted), so
+a value starting with '-' is never an option. Python command builders use the same two
+functions. `python -m plan.render --check-shell` renders each of them with
 the representative values in SHELL_EXAMPLES (every branch a caller can take) and runs
 shellcheck on the result; scripts/lint.sh runs it.
 """
@@ -12,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -21,14 +23,22 @@ from pathlib import Path
 
 import jinja2
 
+from facts import shell
+
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
 
 def quote(value: object) -> str:
     """The `q` filter: one shell word that is `value` literally (shlex.quote of its str)."""
-    if value is None or isinstance(value, jinja2.Undefined):
+    if isinstance(value, jinja2.Undefined):
         raise ValueError("the q filter got no value (None); a shell word needs one")
-    return shlex.quote(str(value))
+    return shell.word(value)
+
+
+# The operands helper lives with the facts (facts/shell.py: the facts' own commands use it and
+# facts/ imports nothing of plan/); the templates get it as the `operands` filter.
+END_OF_OPTIONS = shell.END_OF_OPTIONS
+operands = shell.operands
 
 
 def environment(*search: Path) -> jinja2.Environment:
@@ -42,6 +52,7 @@ def environment(*search: Path) -> jinja2.Environment:
         autoescape=False,
     )
     env.filters["q"] = quote
+    env.filters["operands"] = operands
     return env
 
 
@@ -58,7 +69,7 @@ def render_template(name: str, **context) -> str:
 # (the callers' contexts have exactly these keys: tests/unit/test_shell_templates.py).
 _BUILD = dict(archive="/var/cache/pvegpu/sources/" + "a" * 64 + "-595.45.04.tar.gz", version="595.45.04",
               release="6.14.11-4-pve", cc="gcc-12", cxx=None, jobs=4, ccache=True, conftest_cache=True,
-              signing=None, build_root="/var/tmp/pvegpu/nvidia-build",
+              signing=None, sig_hash="sha256", build_root="/var/tmp/pvegpu/nvidia-build",
               build_parent="/var/tmp/pvegpu/nvidia-build/595.45.04",
               src_dir="/var/tmp/pvegpu/nvidia-build/595.45.04/tree-gcc-12-none",
               ccache_dir="/var/cache/pvegpu/ccache", ccache_masquerade="/usr/lib/ccache",
@@ -82,7 +93,7 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
     "nvidia-build.sh.j2": [
         _BUILD,
         {**_BUILD, "cxx": "g++-12", "ccache": False, "conftest_cache": False,
-         "signing": ("/root/mok.key", "/root/mok.der")},
+         "signing": ("/root/mok.key", "/root/mok.der"), "sig_hash": "sha512"},
         {**_BUILD, "release": None},  # the kernel hook's: the release in $R, set from its $1
     ],
     "kernel-postinst-nvidia.sh.j2": [

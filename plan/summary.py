@@ -29,5 +29,10 @@ def spec_summary(name: str, spec: HostSpec) -> list[str]:
         lines.append(f"  CT {ctid}: {len(ct.gpus)} GPU(s)" + (", NCCL overrides " + ", ".join(ct.nccl) if ct.nccl else ""))
     for vmid, vm in sorted(spec.vms.items()):
         lines.append(f"  VM {vmid}: {len(vm.gpus)} GPU(s), machine {vm.machine}")
+    if spec.nccl.profile != "none" or spec.nccl.overrides or spec.nccl.services:
+        services = ", ".join(spec.nccl.services)
+        lines.append(f"  NCCL profile {spec.nccl.profile}: /etc/nccl.conf on the host and in GPU CTs"
+                     + (f", drop-ins for {services}" if services else "")
+                     + "; processes read it at NCCL's init, so running services keep old values until restarted")
     lines.append(f"  reboot {'allowed' if spec.reboot.allowed else 'not allowed (pending reasons are reported)'}")
     return lines

@@ -10,7 +10,7 @@ import html
 import re
 import textwrap
 
-from plan.nccl import describe_nccl_environment
+from plan.nccl import PRECEDENCE, describe_nccl_environment, opt_in_note
 from plan.p2p import LEVEL_WORDS, p2p_verdict
 
 NETWORK_CLASS_PREFIX = "02"  # PCI class 02xxxx: Ethernet, InfiniBand, … controllers
@@ -171,8 +171,8 @@ def _tree(pci: dict, endpoints: list[str]) -> dict:
 def _cell(pair: dict | None) -> str:
     if pair is None:
         return "X"
-    verdict = "yes" if pair["possible"] and pair["safe"] else ("UNSAFE" if pair["possible"] else "no")
-    return f"{verdict}/{pair['level'] or '?'}"
+    words = {"usable": "yes", "unsafe": "UNSAFE", "unknown": "?", "impossible": "no"}
+    return f"{words[verdict_kind(pair)]}/{pair['level'] or '?'}"
 
 
 def topology_text(host: str, hardware: dict, verdict: dict, nccl_env: dict | None = None) -> str:
@@ -243,8 +243,10 @@ def topology_text(host: str, hardware: dict, verdict: dict, nccl_env: dict | Non
     lines.append(verdict["summary"])
     for pair in verdict["pairs"]:
         a, b = (n or x for n, x in zip(pair["names"], (pair["a"], pair["b"]), strict=True))
-        state = "possible and safe" if pair["possible"] and pair["safe"] else (
-            "possible but UNSAFE" if pair["possible"] else "impossible")
+        state = {"usable": "possible and safe", "unsafe": "possible but UNSAFE", "unknown": "unknown",
+                 "impossible": "impossible"}[verdict_kind(pair)]
+        if state == "possible but UNSAFE" and pair["possible"] is None:
+            state = "UNSAFE (whether possible is unknown)"
         answer = f", driver read {pair['driver_read']}" if pair["driver_read"] else ""
         lines.append(f"  {a} - {b} ({pair['level'] or 'level unknown'}{answer}): {state}")
         lines.extend(f"      - {reason}" for reason in pair["reasons"])
@@ -253,6 +255,10 @@ def topology_text(host: str, hardware: dict, verdict: dict, nccl_env: dict | Non
         lines.append("")
         lines.append("NCCL environment (/etc/nccl.conf on the host):")
         lines.extend(f"  {line}" for line in describe_nccl_environment(nccl_env) or ["(nothing to set)"])
+        note = opt_in_note(verdict, nccl_env)
+        if note:
+            lines.append(f"  note: {note}")
+        lines.append(f"  ({PRECEDENCE})")
     return "\n".join(lines) + "\n"
 
 
@@ -304,13 +310,17 @@ def _node_id(kind: str, name: str) -> str:
 P2P_KINDS = {
     "usable": ("#a5d6a7", "ok", "possible and safe"),
     "unsafe": ("#ffcc80", "unsafe", "possible but unsafe"),
+    "unknown": ("#e0e0e0", "?", "unknown until the driver answers"),
     "impossible": ("#ef9a9a", "no", "impossible"),
 }
 SELF_CELL_COLOUR = "#eeeeee"
 
 
 def verdict_kind(pair: dict) -> str:
-    """``usable`` (possible and safe), ``unsafe`` (possible but unsafe) or ``impossible``."""
+    """``usable`` (possible and safe), ``unsafe`` (possible, or not known to be impossible, and
+    unsafe), ``unknown`` (no driver answer yet where it decides) or ``impossible``."""
+    if "status" in pair:
+        return pair["status"]
     if pair["possible"] and pair["safe"]:
         return "usable"
     return "unsafe" if pair["possible"] else "impossible"

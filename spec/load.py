@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import ErrorDetails
 
 from group_data.all import PVEGPU_DEFAULTS
@@ -45,11 +45,70 @@ class SpecError(Exception):
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys (YAML would silently keep the last one)."""
+    """SafeLoader that refuses duplicate keys (YAML would silently keep the last one) and turns
+    every failure of a constructor into a YAML error at the node's line."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            value = super().construct_object(node, deep=deep)
+        except (yaml.YAMLError, SpecError, RecursionError):
+            raise
+        except Exception as exc:  # PyYAML's own constructors: int('abc'), bool_values['maybe'], …
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{_scalar(node)} is not a valid {_tag_name(node.tag)} ({_reason(exc)})",
+                node.start_mark) from None
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a lone UTF-16 surrogate (written as an escape like \\ud800) is no character; "
+                    "no file or SSH command can hold it", node.start_mark) from None
+        return value
+
+
+def _scalar(node: yaml.Node) -> str:
+    if isinstance(node, yaml.ScalarNode):
+        text = node.value if len(node.value) <= 40 else node.value[:40] + "…"
+        return repr(text)
+    return "this value"
+
+
+def _tag_name(tag: str) -> str:
+    return "!!" + tag.rsplit(":", 1)[-1] if tag.startswith("tag:yaml.org,2002:") else tag
+
+
+def _reason(exc: Exception) -> str:
+    text = str(exc).split("\n", 1)[0]
+    if "integer string conversion" in text:  # CPython's int() refuses more than 4300 digits
+        return "a number of more than 4300 digits"
+    if isinstance(exc, KeyError):  # SafeConstructor's bool_values lookup
+        return "not one of the words this tag takes"
+    return text[:120] if text else type(exc).__name__
+
+
+# Keys pydantic reads as the same key once coerced: int 200, "200", 200.0 (guest IDs) or
+# b"x" (!!binary) beside "x" (names). Each key is compared in every form it can take.
+_INT_KEY = TypeAdapter(int)
+_STR_KEY = TypeAdapter(str)
+
+
+def _key_forms(key: Any) -> list[tuple]:
+    """The key as written (first: an exact repeat is said as such), then as pydantic's int and
+    str coercions read it, where they take it."""
+    forms: list[tuple] = [("raw", type(key).__name__, key)]
+    for kind, adapter in (("int", _INT_KEY), ("str", _STR_KEY)):
+        if isinstance(key, bool):
+            continue
+        try:
+            forms.append((kind, adapter.validate_python(key)))
+        except (ValidationError, ValueError, TypeError):
+            pass
+    return forms
 
 
 def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False):
-    seen: dict[Any, int] = {}
+    seen: dict[Any, tuple[Any, int]] = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
         try:
@@ -58,13 +117,18 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
             raise yaml.constructor.ConstructorError(
                 None, None, "a key here is a list or mapping; keys are names, numbers or PCI addresses",
                 key_node.start_mark) from None
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None,
-                f"key {key!r} appears twice (first on line {seen[key] + 1}); each key, e.g. a GPU address, may appear once",
-                key_node.start_mark,
-            )
-        seen[key] = key_node.start_mark.line
+        forms = _key_forms(key)
+        for form in forms:
+            if form in seen:
+                first, line = seen[form]
+                if form[0] == "raw":
+                    what = f"key {key!r} appears twice (first on line {line + 1})"
+                else:
+                    what = f"key {key!r} and key {first!r} (line {line + 1}) are the same key once read as {form[0]}"
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{what}; each key, e.g. a GPU address or guest ID, may appear once",
+                    key_node.start_mark)
+        seen.update((form, (key, key_node.start_mark.line)) for form in forms)
     return loader.construct_mapping(node, deep=deep)
 
 
@@ -142,8 +206,10 @@ def _read_yaml(path: Path) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise _refuse(path, "(file)", f"is not UTF-8 text (byte {exc.start})") from None
-    loader = _UniqueKeyLoader(text)
+    loader = None
     try:
+        # PyYAML's reader checks the characters when the loader is made: inside the try
+        loader = _UniqueKeyLoader(text)
         _check_depth(text, path)  # before composing: the composer recurses once per level
         node = loader.get_single_node()
         if node is None:
@@ -151,11 +217,28 @@ def _read_yaml(path: Path) -> Any:
         _check_shape(node, path)
         return loader.construct_document(node)
     except yaml.YAMLError as exc:
-        raise _refuse(path, "(yaml)", str(exc).replace("\n", " ")) from None
+        raise _refuse(path, "(yaml)", _yaml_sentence(exc, text)) from None
     except RecursionError:
         raise _refuse(path, "(yaml)", "nested too deeply to read; a host spec is a few levels") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
+
+
+def _yaml_sentence(exc: yaml.YAMLError, text: str) -> str:
+    """PyYAML's error as one line: what is wrong and where (line, column), without its
+    '<unicode string>' source name and the echoed snippet."""
+    if isinstance(exc, yaml.reader.ReaderError):
+        line = text.count("\n", 0, exc.position) + 1
+        char = f"U+{exc.character:04X}" if isinstance(exc.character, int) else repr(exc.character)
+        return f"line {line}: the character {char} is not allowed in YAML text ({exc.reason})"
+    if isinstance(exc, yaml.MarkedYAMLError):
+        parts = []
+        for what, mark in ((exc.context, exc.context_mark), (exc.problem, exc.problem_mark)):
+            if what:
+                parts.append(f"{what} (line {mark.line + 1}, column {mark.column + 1})" if mark else what)
+        return "; ".join(parts) or type(exc).__name__
+    return " ".join(str(exc).split())
 
 
 def _merge(defaults: Any, value: Any) -> Any:
@@ -282,8 +365,14 @@ def validate_spec(data: Any, file: str | Path) -> dict[str, HostSpec]:
 
 
 def load_spec_file(path: str | Path) -> dict[str, HostSpec]:
+    """The file's hosts, validated; any failure is a `SpecError` (never another exception)."""
     path = Path(path)
-    return validate_spec(_read_yaml(path), path)
+    try:
+        return validate_spec(_read_yaml(path), path)
+    except SpecError:
+        raise
+    except Exception as exc:  # a case the checks above do not know: still a sentence, not a traceback
+        raise _refuse(path, "(file)", f"could not be checked ({type(exc).__name__}: {_reason(exc)})") from None
 
 
 def host_data(name: str, spec: HostSpec, spec_file: str | Path) -> dict[str, Any]:

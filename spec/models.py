@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import unicodedata
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -43,6 +44,8 @@ from spec.values import NoBool
 BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]$")
 DRIVER_VERSION_RE = re.compile(r"^\d{3}\.\d{1,3}(\.\d{1,3})?$")
 KERNEL_VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?(\+[0-9A-Za-z.~]+)?(-[0-9A-Za-z][0-9A-Za-z.+~-]*)?$")  # 6.12.118+deb12-amd64
+# linux include/uapi/linux/utsname.h __NEW_UTS_LEN: `uname -r` is at most 64 characters
+KERNEL_RELEASE_MAX = 64
 NCCL_KEY_RE = re.compile(r"^NCCL_[A-Z0-9_]+$")
 NVREG_KEY_RE = re.compile(r"^NVreg_[A-Za-z0-9_]+$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -53,6 +56,12 @@ GUEST_ID_MIN, GUEST_ID_MAX = 100, 999_999_999
 def _no_control(value: str) -> str:
     if "\n" in value or "\r" in value or "\x00" in value:
         raise ValueError("must not contain a newline or NUL byte (it would end up in a shell command or config file)")
+    # other control characters and line separators (str.splitlines and many parsers end a line at
+    # \v \f \x1c-\x1e \x85 \u2028 \u2029), and lone surrogates, which no UTF-8 file or SSH command holds
+    odd = sorted({c for c in value if unicodedata.category(c) in ("Cc", "Cs", "Zl", "Zp")})
+    if odd:
+        shown = "".join(f"\\u{ord(c):04x}" for c in odd)
+        raise ValueError(f"must not contain control characters, line separators or lone surrogates (has {shown})")
     return value
 
 
@@ -136,9 +145,7 @@ class SourceSpec(Strict):
     @field_validator("sha256")
     @classmethod
     def _sha(cls, v: str) -> str:
-        if not SHA256_RE.match(v):
-            raise ValueError("must be 64 lowercase hex characters (the archive's sha256)")
-        return v
+        return V.sha256_digest(v)
 
 
 class SigningSpec(Strict):
@@ -153,19 +160,23 @@ class SigningSpec(Strict):
     def _absolute(cls, v: str) -> str:
         if not v.startswith("/"):
             raise ValueError(f"{v!r} is not an absolute path on the host")
-        return v
+        return V.host_abs_path(v)  # as every host path: no '.', '..', '//', at most 4095
 
 
 class KernelSourceSpec(Strict):
     kind: Literal["proxmox-git", "tarball"] = "proxmox-git"
-    url: SafeStr
-    ref: SafeStr | None = None  # git ref for proxmox-git (pinned: a tag or commit)
+    url: SafeStr  # proxmox-git: spec.values.git_url; tarball: spec.values.source_location
+    ref: Annotated[SafeStr, AfterValidator(V.git_ref)] | None = None  # git ref for proxmox-git (pinned: a tag or commit)
     sha256: SafeStr | None = None  # for tarball
 
     @model_validator(mode="after")
     def _pinned(self) -> KernelSourceSpec:
         if self.kind == "proxmox-git" and not self.ref:
             raise ValueError("a proxmox-git source needs 'ref' (a tag or commit) so builds are reproducible")
+        try:
+            (V.git_url if self.kind == "proxmox-git" else V.source_location)(self.url)
+        except ValueError as exc:
+            raise ValueError(f"@url: {exc}") from None
         if self.kind == "tarball" and not (self.sha256 and SHA256_RE.match(self.sha256)):
             raise ValueError("a tarball source needs 'sha256' (64 lowercase hex characters)")
         return self
@@ -195,6 +206,8 @@ class KernelSpec(Strict):
     def _version(cls, v: str) -> str:
         if not KERNEL_VERSION_RE.match(v):
             raise ValueError(f"{v!r} is not a kernel release; write it like '6.14.8-2-pve'")
+        if len(v) > KERNEL_RELEASE_MAX:
+            raise ValueError(f"a release of {len(v)} characters; a kernel release is at most {KERNEL_RELEASE_MAX}")
         return v
 
 
@@ -221,8 +234,8 @@ class NvidiaSpec(Strict):
         for release in v:
             if not KERNEL_VERSION_RE.match(release):
                 raise ValueError(f"{release!r} is not a kernel release; write it like '6.14.8-2-pve'")
-            if len(release) > 64:  # linux include/uapi/linux/utsname.h __NEW_UTS_LEN: 64
-                raise ValueError(f"{release!r} is longer than a kernel release can be (64)")
+            if len(release) > KERNEL_RELEASE_MAX:
+                raise ValueError(f"{release!r} is longer than a kernel release can be ({KERNEL_RELEASE_MAX})")
         return list(dict.fromkeys(v))
 
     @field_validator("version")
@@ -278,9 +291,14 @@ class GpuSpec(Strict):
 
 
 def _nccl_keys(v: dict) -> dict:
+    from plan.nccl import override_problem  # pure: NCCL's own reading of a value (levels, verbatim values)
+
     for k in v:
         if not NCCL_KEY_RE.match(k):
             raise ValueError(f"{k!r} is not an NCCL variable; NCCL keys are NCCL_* in upper case, like 'NCCL_P2P_DISABLE'")
+        problem = override_problem(k, str(v[k]))
+        if problem:
+            raise ValueError(problem)
     return v
 
 

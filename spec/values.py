@@ -93,9 +93,16 @@ def kconfig_line(line: str) -> str:
 
 # follows linux arch/x86/include/asm/setup.h COMMAND_LINE_SIZE (2048 with the NUL)
 CMDLINE_MAX = 2047
-# a parameter is one word: no whitespace, and nothing a shell or GRUB's sourced
-# /etc/default/grub.d/*.cfg, /etc/kernel/cmdline or a quoted value would read differently
-CMDLINE_WORD_RE = re.compile(r"^[A-Za-z0-9_.,:;=+/@%~^-]+$")
+# One rule for both places a word lands, each read by its consumer's own parser:
+# - grub-mkconfig's util/grub.d/10_linux.in linux_entry writes `linux … ro ${args}` unquoted into
+#   grub.cfg, where grub-core/script/yylex.l ends a word at blanks and at {}|&$;<> and quotes or
+#   backslashes, starts a comment with '#' at a word's start, and expands '$';
+# - linux lib/cmdline.c next_arg() splits at whitespace and treats '"' as quoting, and
+#   kernel/params.c parse_args() stops at a lone '--' (the rest goes to init), while
+#   init/main.c hands words without '=' that no parameter claims to init as arguments ('-s').
+# So: letters, digits and '_.,:=+/@%~^-', starting with a letter, digit or '_'.
+CMDLINE_WORD_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.,:=+/@%~^-]*$")
+CMDLINE_CHARS_RE = re.compile(r"^[A-Za-z0-9_.,:=+/@%~^-]$")
 
 
 def cmdline_word(word: str) -> str:
@@ -103,12 +110,17 @@ def cmdline_word(word: str) -> str:
         raise ValueError("an empty kernel parameter; write one word like 'pci=realloc'")
     if any(c.isspace() for c in word):
         raise ValueError(f"{word!r}: each cmdline parameter is one word without spaces, like 'pci=realloc'")
+    odd = "".join(sorted({c for c in word if not CMDLINE_CHARS_RE.match(c)}))
+    if odd:
+        raise ValueError(f"{word!r}: a kernel parameter here is letters, digits and '_.,:=+/@%~^-' (not {odd!r}: "
+                         "grub.cfg's script lexer or the kernel's parser would read it as quoting, a command "
+                         "separator, a redirection or a variable)")
     if not CMDLINE_WORD_RE.match(word):
-        odd = "".join(sorted({c for c in word if not CMDLINE_WORD_RE.match(c)}))
-        raise ValueError(f"{word!r}: a kernel parameter here is letters, digits and '_.,:;=+/@%~^-' "
-                         f"(not {odd!r}, which the boot loader's files would quote or split)")
+        raise ValueError(f"{word!r}: a kernel parameter starts with a letter, digit or '_' (a lone '--' ends the "
+                         "kernel's parameters and hands the rest to init; a word starting with '-' is an "
+                         "argument of init)")
     if len(word) > CMDLINE_MAX:
-        raise ValueError(f"{word!r} is {len(word)} characters; the whole kernel command line holds {CMDLINE_MAX}")
+        raise ValueError(f"a parameter of {len(word)} characters; the whole kernel command line holds {CMDLINE_MAX}")
     return word
 
 
@@ -148,22 +160,169 @@ def host_abs_path(value: str) -> str:
     return value
 
 
-def source_location(url: str) -> str:
-    """A source archive's place: https:// or http:// URL, file:///abs/path or /abs/path."""
-    if url.startswith("file://"):
-        host_abs_path(url[len("file://"):])
-        return url
-    if url.startswith("/"):
-        host_abs_path(url)
-        return url
-    m = re.match(r"^(https?)://([^/?#\s]+)(/[^\s]*)?$", url)
-    if not m:
-        raise ValueError(f"{url!r}: a source is an https:// URL, file:///absolute/path or /absolute/path")
-    host_part = m.group(2).rsplit("@", 1)[-1]
-    hostname = host_part.rsplit(":", 1)[0] if not host_part.startswith("[") else host_part
-    if hostname.startswith("-"):
-        raise ValueError(f"{url!r}: the host name starts with '-'")
-    return url
+# follows linux include/uapi/linux/limits.h NAME_MAX: one file name is at most 255 bytes
+NAME_MAX = 255
+# a source archive is kept as <sha256>-<its last URL segment>(.part) in the source cache
+# (facts/nvidia.py source_name, operations/nvidia.py cached_source): 255 - 65 - 5 bytes left
+SOURCE_NAME_MAX = NAME_MAX - 65 - len(".part")
+URL_MAX = 2048
+# RFC 3986 path characters (unreserved, sub-delims, ':' '@', '/' and %XX escapes)
+URL_PATH_RE = re.compile(r"^(?:[A-Za-z0-9._~!$&'()*+,;=:@/-]|%[0-9A-Fa-f]{2})*$")
+URL_USER_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def _file_names_fit(value: str, what: str) -> None:
+    for part in value.split("/"):
+        if len(part.encode("utf-8", "surrogatepass")) > NAME_MAX:
+            raise ValueError(f"{what}: the part {part[:40]!r}… is longer than a file name may be ({NAME_MAX} bytes)")
+
+
+def url(value: str, schemes: tuple[str, ...], what: str = "a source") -> str:
+    """A URL whose parts each say what it looks like: the scheme from `schemes`, a host that
+    `hostname_or_ip` takes (no zone id), an optional port, a path of RFC 3986 characters;
+    parsed by urllib and rebuilt, it must come out as written (so git, curl and Python read
+    the same host). No password in it (it would be printed); no fragment."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    allowed = ", ".join(f"{s}://" for s in schemes)
+    if len(value) > URL_MAX:
+        raise ValueError(f"a URL of {len(value)} characters; {what} URL here is at most {URL_MAX}")
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"{value!r} is not a URL ({exc})") from None
+    if parts.scheme not in schemes or not value.startswith(parts.scheme + "://"):
+        raise ValueError(f"{value!r}: {what} is a URL starting with {allowed}")
+    if "#" in value:
+        raise ValueError(f"{value!r} holds a '#' fragment; a source URL has none")
+    if urlunsplit(parts) != value:
+        raise ValueError(f"{value!r} does not read back as written once parsed; write a plain URL")
+    if parts.password is not None:
+        raise ValueError(f"{value!r} holds a password; keep credentials out of the spec")
+    if parts.username is not None and not URL_USER_RE.match(parts.username):
+        raise ValueError(f"{value!r}: the user name before '@' is letters, digits, '.', '_' and '-'")
+    host = parts.hostname or ""
+    netloc_host = parts.netloc.rsplit("@", 1)[-1]
+    if port is not None:
+        netloc_host = netloc_host[: netloc_host.rindex(":")]
+    if netloc_host.startswith("["):
+        if "%" in netloc_host or not netloc_host.endswith("]"):
+            raise ValueError(f"{value!r}: an IPv6 host in a URL is [address] without a zone id")
+        try:
+            ipaddress.IPv6Address(netloc_host[1:-1])
+        except ValueError:
+            raise ValueError(f"{value!r}: {netloc_host!r} is not an IPv6 address") from None
+    else:
+        try:
+            hostname_or_ip(netloc_host)
+        except ValueError as exc:
+            raise ValueError(f"{value!r}: the host {netloc_host!r} is not a host name or address") from exc
+        if ":" in netloc_host:
+            raise ValueError(f"{value!r}: an IPv6 host in a URL is written in brackets, [address]")
+    if not host:
+        raise ValueError(f"{value!r} has no host")
+    if not URL_PATH_RE.match(parts.path) or not URL_PATH_RE.match(parts.query.replace("?", "")):
+        odd = "".join(sorted({c for c in parts.path + parts.query if not URL_PATH_RE.match(c) and c != "%"}))
+        raise ValueError(f"{value!r}: a URL path holds letters, digits and RFC 3986 punctuation "
+                         f"(write {odd or 'a stray %'!r} %-escaped)")
+    return value
+
+
+def source_location(value: str) -> str:
+    """A source archive's place: https:// or http:// URL, file:///abs/path or /abs/path; its
+    last segment becomes part of a file name in the host's source cache, so it is bounded."""
+    if value.startswith("file://"):
+        host_abs_path(value[len("file://"):])
+    elif value.startswith("/"):
+        host_abs_path(value)
+    elif value.split(":", 1)[0] in ("https", "http"):
+        url(value, ("https", "http"))
+    else:
+        raise ValueError(f"{value!r}: a source is an https:// URL, file:///absolute/path or /absolute/path")
+    last = value.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+    if len(last) > SOURCE_NAME_MAX:
+        raise ValueError(f"{value!r}: its last part is {len(last)} characters; the host keeps the archive as "
+                         f"<sha256>-<that part>, a file name of at most {NAME_MAX} bytes, so at most {SOURCE_NAME_MAX}")
+    return value
+
+
+# git clone takes these transports (git's transport.c / remote helpers); 'ext::' and other
+# helpers that run commands are not among them, nor scp-like 'host:path'
+GIT_SCHEMES = ("https", "http", "git", "ssh")
+
+
+def git_url(value: str) -> str:
+    """kernel.source.url for proxmox-git: an https://, http://, git:// or ssh:// URL, or a local
+    repository as /abs/path or file:///abs/path."""
+    if value.startswith("file://"):
+        host_abs_path(value[len("file://"):])
+        return value
+    if value.startswith("/"):
+        return host_abs_path(value)
+    if value.split(":", 1)[0] not in GIT_SCHEMES or "://" not in value:
+        raise ValueError(f"{value!r}: a git source is an https://, git:// or ssh:// URL, or a local repository "
+                         "as /absolute/path or file:///absolute/path")
+    return url(value, GIT_SCHEMES, "a git source")
+
+
+# follows git refs.c check_refname_component() (and git check-ref-format --branch, which also
+# refuses a leading '-'): no control characters, space, ~ ^ : ? * [ \, no '..', no '@{', no
+# component starting with '.' or ending with '.lock', no empty component, not ending in '.'
+REF_BAD_CHARS = set(" ~^:?*[\\") | {chr(c) for c in range(0x20)} | {"\x7f"}
+COMMIT_ID_RE = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
+
+
+def git_ref(value: str) -> str:
+    """kernel.source.ref: a full commit id (40 or 64 hex digits) or a tag/branch name that git
+    check-ref-format takes and that cannot be read as an option."""
+    if COMMIT_ID_RE.match(value):
+        return value
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{value!r} is not a git ref: {why} (write a tag like 'v6.14.11-4', a branch, or a full "
+                          "40-hex commit id)")
+
+    if not value:
+        raise bad("it is empty")
+    if value.startswith("-"):
+        raise bad("it starts with '-' (git would read it as an option)")
+    odd = "".join(sorted({c for c in value if c in REF_BAD_CHARS}))
+    if odd:
+        raise bad(f"it holds {odd!r}")
+    if ".." in value or "@{" in value or value == "@":
+        raise bad("it holds '..' or '@{', or is '@'")
+    if value.endswith((".", "/")) or value.startswith("/"):
+        raise bad("it starts with '/' or ends with '.' or '/'")
+    for part in value.split("/"):
+        if not part:
+            raise bad("it has an empty part ('//')")
+        if part.startswith("."):
+            raise bad("a part starts with '.'")
+        if part.endswith(".lock"):
+            raise bad("a part ends with '.lock'")
+    _file_names_fit(value, f"{value[:40]!r}")  # each part is a file under .git/refs
+    return value
+
+
+# ----------------------------------------------------------------- file digests
+
+SHA256_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
+SHA256_OF_NOTHING = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # sha256 of zero bytes
+
+
+def sha256_digest(value: str) -> str:
+    """A file's sha256 as `sha256sum` prints it, and not a placeholder: all zeros, one digit or
+    a short pattern repeated ("deadbeef" x 8), few distinct digits (a real digest shows about 16;
+    8 or fewer happens by chance about once in 10^15) or the sha256 of an empty file."""
+    if not SHA256_HEX_RE.match(value):
+        raise ValueError("must be 64 lowercase hex characters (the archive's sha256)")
+    if value == SHA256_OF_NOTHING:
+        raise ValueError(f"{value} is the sha256 of an empty file, not of an archive; put the file's sha256 here "
+                         "(sha256sum FILE)")
+    if any(value == value[:n] * (64 // n) for n in (1, 2, 4, 8, 16, 32)) or len(set(value)) <= 8:
+        raise ValueError(f"{value[:16]}… is a placeholder, not a digest; put the file's sha256 here (sha256sum FILE)")
+    return value
 
 
 # ----------------------------------------------------------------- names and identifiers
@@ -186,10 +345,35 @@ def _regex_validator(name: str, pattern: re.Pattern[str], what: str, doc: str,
 HOST_LABEL_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 
 
+# follows linux include/uapi/linux/if.h IFNAMSIZ (16 with the NUL) and net/core/dev.c
+# dev_valid_name(): an interface name is 1-15 bytes, not '.' or '..', without '/', ':' or
+# whitespace; here also without the characters a URL or ssh_config would read ('%]@#?' …)
+IFNAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
+
+
+def zone_id(zone: str) -> str:
+    """An IPv6 zone id: the name of a network interface (or its index)."""
+    if not IFNAME_RE.match(zone) or zone in (".", ".."):
+        raise ValueError(f"zone id {zone!r} is not a network interface name (1-15 letters, digits, '_', '.', '-', "
+                         "like 'vmbr0')")
+    return zone
+
+
 def hostname_or_ip(value: str) -> str:
-    """A DNS name (RFC 1123 labels) or an IPv4/IPv6 address."""
+    """A DNS name (RFC 1123 labels) or an IPv4/IPv6 address (an IPv6 link-local one may name
+    its interface: fe80::1%vmbr0). Written bare, without brackets or a port."""
+    if value.startswith("[") or value.endswith("]"):
+        raise ValueError(f"{value!r}: write an IPv6 address without brackets, like 'fe80::1%vmbr0'")
+    address, pct, zone = value.partition("%")
+    if pct:
+        zone_id(zone)
+        try:
+            ipaddress.IPv6Address(address)
+        except ValueError:
+            raise ValueError(f"{value!r}: only an IPv6 address takes a zone id ('%<interface>')") from None
+        return value
     try:
-        ipaddress.ip_address(value.strip("[]"))
+        ipaddress.ip_address(value)
         return value
     except ValueError:
         pass
@@ -290,11 +474,15 @@ def nvreg_value(value: Any) -> Any:
     return value
 
 
-# NCCL reads one NAME=value per line of /etc/nccl.conf and systemd one Environment= operand
-NCCL_VALUE_MAX = 4096
+# NCCL reads one NAME=value per line of /etc/nccl.conf and systemd one Environment= operand;
+# follows nccl src/misc/param.cc setEnvFile(): a value is copied into a 1024-byte buffer, so
+# NCCL keeps its first 1023 bytes and silently drops the rest
+NCCL_VALUE_MAX = 1023
 
 
 def nccl_value(value: Any) -> Any:
-    if isinstance(value, str) and len(value) > NCCL_VALUE_MAX:
-        raise ValueError(f"a value of {len(value)} characters; NCCL variables here hold at most {NCCL_VALUE_MAX}")
+    size = len(str(value).encode("utf-8", "surrogatepass"))
+    if size > NCCL_VALUE_MAX:
+        raise ValueError(f"a value of {size} bytes; NCCL keeps at most {NCCL_VALUE_MAX} bytes of a value "
+                         "(src/misc/param.cc) and would cut the rest")
     return value

@@ -20,7 +20,6 @@ from pyinfra.api.exceptions import DeployError
 
 from spec.models import KernelSpec
 
-
 spec = host.data.get("pvegpu_spec")
 kernel_json = os.environ.get("PVEGPU_E2E_KERNEL")
 if kernel_json:

@@ -23,6 +23,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -83,7 +84,7 @@ class ApiTwin:
             self.ssh(f"kill {self.pid}")
             self.pid = None
 
-    def spec(self, ct: list[str], vm: list[str], lxc_spare: list[str] = (), unused: list[str] = ()) -> dict:
+    def spec(self, ct: list[str], vm: list[str], lxc_spare: Sequence[str] = (), unused: Sequence[str] = ()) -> dict:
         gpus = {b: "lxc" for b in [*ct, *lxc_spare]} | {b: "vm:300" for b in vm} | {b: "unused" for b in unused}
         return {"hosts": {"kpro6": {
             "node": "kpro6", "iommu": {"vendor": "amd", "params": ["pci=realloc"]}, "gpus": gpus,

@@ -18,7 +18,9 @@ changing nothing; the real build + install for both releases (five modules each:
 vermagic, firmware lines, signer, no debug info; src/ reused for the second release); the
 options file and boot unit; the host checks of the stage; checksum, toolchain and firmware
 refusals for another version, each leaving the installed modules byte-for-byte untouched; a
-second run that compiles nothing and changes nothing.
+second run that compiles nothing and changes nothing; a rebuild for one release whose modules
+were removed, answered by ccache (hits > 0: tests/unit/test_ccache_stats.py shows the check
+failing on a cold cache's stats).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.harness import PYTEST, REPO, run_pyinfra
-from tests.twin import installer, runtime
+from tests.twin import hardware, installer, runtime
 
 pytestmark = [pytest.mark.twin, pytest.mark.slow]
 
@@ -47,8 +49,35 @@ KEY, CERT = "/root/pvegpu-mok/mok.key", "/root/pvegpu-mok/mok.der"
 SIGNER = "pvegpu twin MOK"
 STAGES = {"PVEGPU_STAGES": "operations.nvidia,operations.module_options"}
 STAGE_DEPLOY = str(REPO / "tests/e2e/stage_deploy.py")
-CCACHE_STATS = ("CCACHE_DIR=/var/cache/pvegpu/ccache ccache --print-stats "
-                "| grep -E '^(cache_miss|direct_cache_hit|preprocessed_cache_hit)[[:space:]]'")
+CCACHE_STATS = "CCACHE_DIR=/var/cache/pvegpu/ccache ccache --print-stats"
+
+
+def ccache_counters(stats: str) -> dict[str, int]:
+    """`ccache --print-stats` (ccache 4.x: one "name<TAB>value" line per counter) as numbers;
+    ValueError when the text is not that (no cache_miss and hit counters in it)."""
+    counters = {}
+    for line in stats.splitlines():
+        name, _, value = line.partition("\t")
+        if value.strip().isdigit():
+            counters[name.strip()] = int(value)
+    if not {"cache_miss", "direct_cache_hit", "preprocessed_cache_hit"} <= set(counters):
+        raise ValueError(f"not ccache --print-stats output: {stats[:200]!r}")
+    return counters
+
+
+def ccache_hits(stats: str) -> int:
+    """Compiles ccache answered from the cache (direct or preprocessed mode)."""
+    c = ccache_counters(stats)
+    return c["direct_cache_hit"] + c["preprocessed_cache_hit"]
+
+
+def ccache_compiles(stats: str) -> int:
+    """Compiles that went through ccache at all: its hits and its misses."""
+    return ccache_hits(stats) + ccache_counters(stats)["cache_miss"]
+
+
+def root_of(twin) -> Path:
+    return Path(twin.root)
 
 
 def twin_sh(twin, command: str, check: bool = True) -> str:
@@ -104,13 +133,17 @@ def driver_twin(twin_factory, twin_root_cache):
     # user space yet. Its seeded GSP firmware stays (the firmware refusal uses it).
     twin_sh(twin, "rm -f /usr/lib/x86_64-linux-gnu/libnvidia-ml.so*")
     seeded_fw = twin_sh(twin, "ls /lib/firmware/nvidia").split()
-    # Secure Boot on: the EFI variable as firmware exposes it (4 attribute bytes, then 1)
+    # Secure Boot on: in the twin's firmware (what its mokutil reads) and the EFI variable as firmware
+    # exposes it now (4 attribute bytes, then 1), without a reboot
+    hardware.set_secure_boot(root, True)
     var = root / "var/lib/twin/hw/sys" / SECURE_BOOT_VAR
     var.parent.mkdir(parents=True, exist_ok=True)
     var.write_bytes(b"\x06\x00\x00\x00\x01")
-    # a machine owner key, as `mokutil --import` would enroll (DER cert, as sign-file takes it)
+    # a machine owner key (PEM key, DER cert), enrolled as `mokutil --import` and MokManager's
+    # confirmation at boot would leave it
     twin_sh(twin, f"mkdir -p /root/pvegpu-mok && cd /root/pvegpu-mok && openssl req -new -x509 -newkey rsa:2048 "
                   f"-nodes -days 3650 -subj '/CN={SIGNER}/' -outform DER -keyout {KEY} -out {CERT} 2>/dev/null")
+    hardware.enroll_mok(root, (root / CERT.lstrip("/")).read_bytes())
     # NVIDIA's .run of the same version (the twin's stand-in), as an operator's download
     run_file = installer.build(VERSION, root / "opt/nvidia")
     run_source = {"url": f"/opt/nvidia/{run_file.name}", "sha256": hashlib.sha256(run_file.read_bytes()).hexdigest()}
@@ -138,7 +171,8 @@ def test_driver_builds_installs_refuses_and_skips(driver_twin, tmp_path):
 
     # 1. refusals before any build; each changes nothing
     run = deploy(tmp_path, twin, nvidia_spec(releases, sha, signing=None))
-    assert refused(run, "Secure Boot is on and nvidia.signing is not set"), run.output[-3000:]
+    assert refused(run, "Secure Boot is on: the kernel would refuse the unsigned NVIDIA modules, and "
+                        "nvidia.signing is not set"), run.output[-3000:]
     run = deploy(tmp_path, twin, nvidia_spec(releases, sha, signing={"key": "/root/none.key", "cert": CERT}))
     assert refused(run, "nvidia.signing names /root/none.key, which is not readable"), run.output[-3000:]
     run = deploy(tmp_path, twin, nvidia_spec([*releases, "6.1.0-99-amd64"], sha))
@@ -176,7 +210,7 @@ def test_driver_builds_installs_refuses_and_skips(driver_twin, tmp_path):
     for release in releases:
         for module in MODULES:
             info = twin_sh(twin, f"modinfo -k {release} {module}")
-            fields = {}
+            fields: dict[str, list[str]] = {}
             for line in info.splitlines():
                 key, _, value = line.partition(":")
                 fields.setdefault(key.strip(), []).append(value.strip())
@@ -188,7 +222,8 @@ def test_driver_builds_installs_refuses_and_skips(driver_twin, tmp_path):
         assert sorted(firmware) == [f"nvidia/{VERSION}/gsp_ga10x.bin", f"nvidia/{VERSION}/gsp_tu10x.bin"]
         sections = twin_sh(twin, f"objdump -h /lib/modules/{release}/updates/pvegpu-nvidia/nvidia.ko")
         assert ".debug_info" not in sections, "installed modules keep their debug info"
-    assert "cache_miss" in twin_sh(twin, CCACHE_STATS), "the build did not go through ccache"
+    first_build = twin_sh(twin, CCACHE_STATS)
+    assert ccache_counters(first_build)["cache_miss"] > 0, f"the build did not go through ccache:\n{first_build}"
     assert twin_sh(twin, "ls /var/tmp/pvegpu/nvidia-build 2>/dev/null || true").strip() == ""
     # progress while it built (issue 20): at least one report between its start and its end
     what = f"nvidia {VERSION} build for {first}"
@@ -207,6 +242,10 @@ def test_driver_builds_installs_refuses_and_skips(driver_twin, tmp_path):
     assert run.rc == 0, run.output[-5000:]
     assert "building nvidia" not in run.output
     assert twin_sh(twin, f"ls /lib/firmware/nvidia/{VERSION}").split() == ["gsp_ga10x.bin", "gsp_tu10x.bin"]
+    # the very files the .run of this version carries (not just files of those names)
+    for name in ("gsp_ga10x.bin", "gsp_tu10x.bin"):
+        assert (root_of(twin) / f"lib/firmware/nvidia/{VERSION}/{name}").read_bytes() == \
+            installer.payload_files(VERSION)[f"firmware/{name}"][1]
     assert twin_sh(twin, "ls /usr/lib/x86_64-linux-gnu").split().count(f"libnvidia-ml.so.{VERSION}") == 1
 
     # 5. the stage's host checks pass on the converged twin
@@ -227,8 +266,9 @@ def test_driver_builds_installs_refuses_and_skips(driver_twin, tmp_path):
     # 6. refusals for another version: each stops the run and leaves the installed modules untouched
     before = installed_state(twin, releases)
     other = "595.45.99"
-    run = deploy(tmp_path, twin, nvidia_spec(releases, "0" * 64, version=other))
-    assert refused(run, f"has sha256 {sha} but the spec says {'0' * 64}"), run.output[-3000:]
+    wrong = hashlib.sha256(b"not this archive").hexdigest()  # a digest, of another file (all zeros is refused at load)
+    run = deploy(tmp_path, twin, nvidia_spec(releases, wrong, version=other))
+    assert refused(run, f"has sha256 {sha} but the spec says {wrong}"), run.output[-3000:]
     assert installed_state(twin, releases) == before
     conf = f"/lib/modules/{first}/build/include/config/auto.conf"
     twin_sh(twin, f"cp {conf} /root/auto.conf.orig && "
@@ -254,4 +294,14 @@ def test_driver_builds_installs_refuses_and_skips(driver_twin, tmp_path):
         assert f"nvidia {VERSION} is installed for {release}" in run.output
     assert installed_state(twin, releases) == before
     assert twin_sh(twin, "ls /var/tmp/pvegpu/nvidia-build 2>/dev/null || true").strip() == ""
-    assert twin_sh(twin, CCACHE_STATS) == ccache_before, "the second run ran the compiler"
+    assert ccache_compiles(twin_sh(twin, CCACHE_STATS)) == ccache_compiles(ccache_before), "the second run ran the compiler"
+
+    # 8. a rebuild of the same source for the same kernel (its modules gone) comes from the cache:
+    #    ccache hits > 0 (a first build's stats show misses only: "cache_miss" printed proves nothing)
+    twin_sh(twin, f"rm -rf /lib/modules/{first}/updates/pvegpu-nvidia && depmod {first}")
+    before_rebuild = twin_sh(twin, CCACHE_STATS)
+    run = deploy(tmp_path, twin, full, timeout=3600)
+    assert run.rc == 0, run.output[-3000:]
+    hits = ccache_hits(twin_sh(twin, CCACHE_STATS)) - ccache_hits(before_rebuild)
+    assert hits > 0, f"the rebuild of {first} got no ccache hit"
+    assert twin_sh(twin, f"modinfo -k {first} -F version nvidia").strip() == VERSION

@@ -29,6 +29,7 @@ import tarfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -106,7 +107,7 @@ def twin_pids(twin, *, comm: str | None = None, cmdline_has: str | None = None) 
 
 def log_is_still(twin, quiet_s: float):
     """A predicate: true once the sshd log has not changed for `quiet_s` seconds."""
-    seen = {"lines": None, "since": time.monotonic()}
+    seen: dict[str, Any] = {"lines": None, "since": time.monotonic()}
 
     def still() -> bool:
         lines = sshd_log_lines(twin)
@@ -245,23 +246,35 @@ INVALID_SPECS = {
                                            "source": {"kind": "tarball", "url": "/root/l.tar.xz", "sha256": "0" * 64}}},
                 ["kernel.config_fragments[0]", "is not a kernel config line"]),
     "laughs": (None, ["expands to more than 100000 values"]),
+    # issue 31: values a consumer would read differently, and YAML that raised a traceback
+    "cmdline-word": (lambda c: {**c, "iommu": {"params": ["quiet;reboot"]}}, ["iommu.params", "not ';'"]),
+    "ref-option": (lambda c: {**c, "kernel": {"version": "6.14.11-4-pve", "source": {
+        "kind": "proxmox-git", "url": "git://git.proxmox.com/git/pve-kernel.git", "ref": "--"}}},
+        ["kernel.source.ref", "starts with '-'"]),
+    "api-host": (lambda c: {**c, "proxmox_api": {"host": "fe80::1%x]@evil.example:443#", "token_name": "pvegpu",
+                                                 "token_env": "PVE_TOKEN"}},
+                 ["proxmox_api.host", "is not a network interface name"]),
+    "tag": (lambda c: "hosts:\n  HOST:\n    ssh: " + json.dumps(c["ssh"]) + "\n    guests: {shutdown_timeout: !!int abc}\n",
+            ["'abc' is not a valid !!int", "line 4"]),
 }
 
 
 @pytest.mark.parametrize("case", sorted(INVALID_SPECS))
 def test_invalid_spec_stops_before_any_connection(twin_factory, tmp_path, case):
-    twin = twin_factory("kpro6", name="flt-spec")
+    twin = twin_factory("kpro6", name=f"flt-spec-{os.getpid()}")  # unique: other runs may use this test too
     make, words = INVALID_SPECS[case]
     connection = {"ssh": {"hostname": twin.address, "port": twin.port, "user": "root", "key": twin.key},
                   "node": "kpro6"}
     yml = tmp_path / "broken.yml"
     if make is None:  # aliases that multiply ("billion laughs"), under the twin's host
         levels = ["a: &a [" + ",".join(['"lol"'] * 9) + "]"]
-        levels += [f"{n}: &{n} [" + ",".join([f"*{p}"] * 9) + "]" for p, n in zip("abcdefgh", "bcdefghi")]
+        levels += [f"{n}: &{n} [" + ",".join([f"*{p}"] * 9) + "]" for p, n in zip("abcdefgh", "bcdefghi", strict=True)]
         yml.write_text("\n".join(levels) + f"\nhosts:\n  {twin.name}:\n    ssh: {json.dumps(connection['ssh'])}\n"
                        "    iommu: {params: *i}\n")
+    elif isinstance(made := make(connection), str):  # YAML text: HOST is the twin's name
+        yml.write_text(made.replace("HOST", twin.name))
     else:
-        yml.write_text(json.dumps({"hosts": {twin.name: make(connection)}}))  # JSON is YAML
+        yml.write_text(json.dumps({"hosts": {twin.name: made}}))  # JSON is YAML
     inventory = tmp_path / "broken_inventory.py"
     inventory.write_text("from spec.load import inventory_hosts\n"
                          f"hosts = inventory_hosts({str(yml)!r}, overrides={{{twin.name!r}: "
@@ -280,7 +293,7 @@ def test_invalid_spec_stops_before_any_connection(twin_factory, tmp_path, case):
     run = run_pyinfra(str(inventory), "deploy.py")
     assert run.rc == 2, f"exit status {run.rc}, want 2:\n{run.output[-3000:]}"
     assert str(yml) in run.output, run.output[-3000:]
-    assert case == "laughs" or f"host {twin.name}" in run.output, run.output[-3000:]
+    assert case in ("laughs", "tag") or f"host {twin.name}" in run.output, run.output[-3000:]
     assert all(w in run.output for w in words) and "Traceback" not in run.output, run.output[-3000:]
     assert "Connected" not in run.output and "Running command" not in run.output
     time.sleep(1)  # sshd logs a connection as it happens; give a straggler time to show

@@ -17,6 +17,7 @@ import json
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,7 +32,7 @@ STAGES = "operations.kernel,operations.reboot"
 RELEASE = "6.14.11-9-bpo12-pve"
 DEB_VERSION = "6.14.11-9~bpo12+1"
 OLD = "6.14.8-2-pve"
-KERNEL = {"version": RELEASE, "source": {"kind": "proxmox-git", "url": "git://git.proxmox.com/git/pve-kernel.git",
+KERNEL: dict[str, Any] = {"version": RELEASE, "source": {"kind": "proxmox-git", "url": "git://git.proxmox.com/git/pve-kernel.git",
                                          "ref": "ad58d1445425ea4742e3470b2edbee35df0657e9"},
           "jobs": 1, "ccache": False}
 ESP = "var/lib/twin/esp/5A1C-9E27"

@@ -67,7 +67,8 @@ def module_source(name: str, fail_from_6_12: bool) -> str:
 
 
 def mini_tree(out: Path, fail_from_6_12: bool = False) -> Path:
-    files = {"kernel-open/Kbuild": KBUILD, "kernel-open/Makefile": MAKEFILE}
+    # version.mk: the open tree names its version there (the build template checks it)
+    files = {"version.mk": f"NVIDIA_VERSION = {VERSION}\n", "kernel-open/Kbuild": KBUILD, "kernel-open/Makefile": MAKEFILE}
     for m in MODULES:
         files[f"kernel-open/{m}.c"] = module_source(m, fail_from_6_12 and m == "nvidia")
     archive = out / f"open-gpu-kernel-modules-{VERSION}{'-fails' if fail_from_6_12 else ''}.tar.gz"
@@ -96,10 +97,10 @@ def deb(out: Path, package: str, version: str, files: dict[str, str], depends: s
     if postinst:
         (tree / "DEBIAN/postinst").write_text(postinst)
         (tree / "DEBIAN/postinst").chmod(0o755)
-    path = out / f"{package}_{version}_all.deb"
-    subprocess.run(["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", str(tree), str(path)], check=True,
+    built = out / f"{package}_{version}_all.deb"
+    subprocess.run(["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", str(tree), str(built)], check=True,
                    capture_output=True)
-    return path
+    return built
 
 
 def kernel_deb(out: Path, root: Path, release: str) -> Path:

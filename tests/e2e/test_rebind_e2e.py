@@ -9,7 +9,6 @@ on a real host the same run rebinds through sysfs.
 from __future__ import annotations
 
 import json
-import os
 import re
 import textwrap
 from pathlib import Path

@@ -56,6 +56,7 @@ def frozen_holder(twin, env: dict | None = None) -> subprocess.Popen:
         return False
 
     assert wait_for(lambda: holds() or a.poll() is not None, timeout=60, step=0.01)
+    assert a.stdout is not None  # stdout=PIPE
     assert a.poll() is None, "run A ended before it could be held:\n" + a.stdout.read()[-3000:]
     os.kill(a.pid, signal.SIGSTOP)
     return a

@@ -11,14 +11,16 @@ check takes the `target` fixture:
                   read once per host and arguments for the whole session)
 
 Assertion messages are sentences about the host; a failing check is reported as that sentence
-(see pytest_runtest_makereport), not as a Python traceback.
+(see pytest_runtest_makereport), not as a Python traceback. A host that cannot be reached (its
+name does not resolve, nothing answers on its ssh port, ssh refuses the login) fails its first
+check with one sentence naming host, address and why; its other checks are not run (skipped).
 """
 
 from __future__ import annotations
 
 import runpy
+import socket
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -48,6 +50,8 @@ class Target:
     data: dict
     host: Any = field(repr=False)
     facts: dict = field(default_factory=dict, repr=False)
+    reached: bool | None = None  # None: not tried yet
+    unreachable: str | None = None  # why not, once tried
 
     @property
     def spec(self):
@@ -92,6 +96,33 @@ def _testinfra_host(name: str, data: dict):
 
 
 _TARGETS: dict[str, Target] = {}
+CONNECT_TIMEOUT_S = 10
+
+
+def _unreachable(t: Target) -> str | None:
+    """Why `t` cannot be checked (a sentence naming host, address and cause), or None."""
+    if t.name.startswith("@local"):
+        return None
+    hostname = t.data.get("ssh_hostname", t.name)
+    port = int(t.data.get("ssh_port", 22))
+    user = t.data.get("ssh_user", "root")
+    try:
+        address = str(socket.getaddrinfo(hostname, port, type=socket.SOCK_STREAM)[0][4][0])
+    except (socket.gaierror, UnicodeError) as e:
+        return (f"{t.name}: cannot reach {hostname}: the name does not resolve "
+                f"({getattr(e, 'strerror', None) or e}); set ssh.hostname to a name or address this machine reaches")
+    try:
+        with socket.create_connection((address, port), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except OSError as e:
+        why = f"no answer within {CONNECT_TIMEOUT_S} s" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        return f"{t.name}: cannot reach {hostname} ({address}) on ssh port {port}: {why}"
+    try:
+        t.host.run("true")
+    except Exception as e:  # paramiko's and testinfra's own errors: authentication, key, protocol
+        return (f"{t.name}: {hostname} ({address}) answers on port {port}, but ssh as {user} fails: "
+                f"{type(e).__name__}: {e}")
+    return None
 
 
 def pytest_generate_tests(metafunc):
@@ -111,6 +142,13 @@ def target(request) -> Target:
     t = _TARGETS[request.param]
     if t.host is None:
         t.host = _testinfra_host(t.name, t.data)
+    if t.reached is None:
+        t.unreachable = _unreachable(t)
+        t.reached = t.unreachable is None
+        if t.unreachable:
+            pytest.fail(t.unreachable, pytrace=False)  # the one failure for this host
+    if t.unreachable:
+        pytest.skip(f"{t.name}: not checked, the host cannot be reached (see its first check)")
     return t
 
 
@@ -122,3 +160,8 @@ def pytest_runtest_makereport(item, call):
         message = str(call.excinfo.value).split("\nassert ")[0].strip()
         if message:
             report.longrepr = f"{item.nodeid}\n  HOST CHECK FAILED: {message}"
+    target = _TARGETS.get(getattr(getattr(item, "callspec", None), "params", {}).get("target", ""))
+    if report.when == "setup" and report.failed and target is not None and target.unreachable:
+        # an unreachable host is a failed check of that host, not an error of the test suite
+        report.when = "call"
+        report.longrepr = f"{item.nodeid}\n  HOST CHECK FAILED: {target.unreachable}"

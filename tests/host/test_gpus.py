@@ -11,14 +11,12 @@ import pytest
 
 from facts.devices import parse_char_majors
 from facts.gpu import parse_bus_ids
-from facts.nvidia import NvidiaDriver, parse_driver_version, parse_gpu_information
-from facts.pci import parse_pci_devices
+from facts.nvidia import NvidiaDriver, NvidiaGpus, parse_driver_version, parse_gpu_information
+from facts.pci import PciDevices, parse_pci_devices
 from facts.proxmox import parse_guest_config, parse_pci_mappings
-from facts.pci import PciDevices
-from facts.nvidia import NvidiaGpus
 from plan.gpus import desired_bindings
-from plan.nvidia import nvidia_gpu_ids
 from plan.guests import config_gpu_nodes, mapping_id, render_mapping_entry
+from plan.nvidia import nvidia_gpu_ids
 
 
 def _read(target, command):

@@ -33,7 +33,7 @@ def planned(target) -> tuple[dict, dict]:
         found = nccl.NcclState().process(
             _lines(target, nccl.NcclState().command(paths, running_containers(guests, ctids))))
         state = with_ct_status(found, guests)
-        _PLANS[target.name] = (nccl.desired(spec, hardware, state["rdma_devices"]), state)
+        _PLANS[target.name] = (nccl.desired(spec, hardware, state["rdma_devices"], state), state)
     return _PLANS[target.name]
 
 
@@ -108,3 +108,49 @@ def test_services_get_the_nccl_environment_and_nothing_stale(target):
     stale = [p for p in state["dropins"] if p not in want["dropins"]]
     problems += [f"{p} is left from a service the spec no longer lists" for p in stale]
     assert not problems, f"{target.name}: " + "; ".join(problems)
+
+
+def test_gpu_containers_dev_shm_holds_what_nccl_needs(target):
+    """Containers whose GPU pairs are not all usable for P2P run NCCL's intra-host traffic through
+    /dev/shm (charged to the container's memory): a missing or small one fails NCCL's init."""
+    from plan.nccl import shm_problem
+
+    want, state = planned(target)
+    spec = target.spec
+    checked, problems = 0, []
+    for ctid in sorted(want["plan"]["containers"]):
+        gpus = len(spec.containers[int(ctid)].gpus)
+        if gpus < 2 or state["status"].get(int(ctid)) != "running":
+            continue
+        rc, out = target.run(f"pct exec {shlex.quote(str(ctid))} -- df -Pk /dev/shm")
+        checked += 1
+        problem = shm_problem(f"CT {ctid}", out.splitlines() if rc == 0 else [], gpus)
+        if problem:
+            problems.append(problem)
+    if not checked:
+        pytest.skip(f"{target.name}: no running container with two or more GPUs")
+    assert not problems, f"{target.name}: " + "; ".join(problems)
+
+
+def test_where_p2p_dma_is_stopped_the_remaining_paths_are_said(target):
+    """NCCL_P2P_DISABLE closes NCCL's P2P transport only: the plan names symmetric memory
+    (closed by NCCL_WIN_ENABLE=0) and the paths NCCL variables cannot close."""
+    want, _ = planned(target)
+    problems = []
+    for scope, env in [("host", want["plan"]["host"]), *want["plan"]["containers"].items()]:
+        p2p = env.get("NCCL_P2P_DISABLE")
+        if not p2p or p2p["source"] != "rule":
+            continue
+        if (env.get("NCCL_WIN_ENABLE") or {}).get("value") != "0":
+            problems.append(f"{scope}: NCCL_P2P_DISABLE=1 without NCCL_WIN_ENABLE=0 leaves NCCL's symmetric memory on")
+        if not p2p.get("remains"):
+            problems.append(f"{scope}: NCCL_P2P_DISABLE=1 does not say which GPU-to-GPU paths remain")
+    assert not problems, f"{target.name}: " + "; ".join(problems)
+
+
+def test_no_service_of_the_spec_bypasses_a_p2p_stop(target):
+    """Where the rules stop P2P DMA, a service that runs vLLM/SGLang with their custom allreduce
+    on still does it (that path reads no NCCL variable)."""
+    want, _ = planned(target)
+    warnings = want.get("service_warnings") or []
+    assert not warnings, f"{target.name}: " + "; ".join(warnings)

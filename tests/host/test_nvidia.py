@@ -43,13 +43,21 @@ def host_gpu_ids(target) -> dict[str, str]:
 def test_module_firmware_and_userspace_versions_are_equal(target):
     nv = nvidia_spec(target)
     _, running = target.run("uname -r")
+    _, loaded = target.run("cat /proc/driver/nvidia/version 2>/dev/null")
+    match = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", loaded)
     for release in nv.releases or [running.strip()]:  # the spec's build targets, else the running kernel
         _, module = target.run(f"modinfo -k {release} -F version nvidia 2>/dev/null")
         module = module.strip()
+        if not module and match and release == running.strip():
+            # a driver runs, but nothing under /lib/modules/<release> provides it (a module loaded by
+            # path or from another tree, as on the recorded H200 host): say so, not "none"
+            pytest.fail(
+                f"{target.name}: the running kernel {release} has the NVIDIA driver {match.group(1)} loaded, but "
+                f"no nvidia module under /lib/modules/{release} (modinfo -k {release} nvidia finds none): the "
+                f"loaded one came from elsewhere, so the next boot has no driver; the spec wants {nv.version} "
+                f"installed there", pytrace=False)
         assert module == nv.version, (
             f"{target.name}: kernel {release} has nvidia module {module or 'none'}, but the spec wants {nv.version}")
-    _, loaded = target.run("cat /proc/driver/nvidia/version 2>/dev/null")
-    match = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", loaded)
     if match:
         assert match.group(1) == nv.version, (
             f"{target.name}: the loaded NVIDIA driver is {match.group(1)}, the installed modules are {nv.version}; "
@@ -178,6 +186,17 @@ def test_modules_are_signed_where_secure_boot_needs_it(target):
                 assert signed.strip() == signer, (
                     f"{target.name}: {module} for kernel {release} is signed by {signed.strip()!r}, not by the spec's "
                     f"certificate {nv.signing.cert} ({signer!r})")
+    if nv.signing is not None:
+        # a signer name verifies nothing: the kernel loads the modules only if it trusts the cert
+        from facts.nvidia import NvidiaHostState
+
+        signed_state = target.fact(NvidiaHostState, tuple(releases), None, (nv.signing.key, nv.signing.cert))
+        configs = {r: ((signed_state.get("releases") or {}).get(r) or {}).get("config") or {} for r in releases}
+        sources = nvplan.enforcement_sources(signed_state.get("secure_boot"), signed_state.get("sig_enforce"), configs)
+        mok = signed_state.get("mok")
+        assert not (sources and mok in nvplan.MOK_WORDS), (
+            f"{target.name}: the modules are signed with {nv.signing.cert}, which {nvplan.MOK_WORDS.get(mok, '')}; "
+            f"{'; '.join(sources)}, so the kernel refuses them ('Key was rejected by service')")
 
 
 def test_gsp_firmware_for_each_gpu_generation(target):

@@ -47,3 +47,16 @@ def test_report_says_p2p_is_impossible_between_the_gpus_of_one_vm(target):
         elif not all(sentence in text for sentence in said):
             problems.append(f"the printed report leaves out why VM {vmid}'s GPUs {a} and {b} have no P2P")
     assert not problems, f"{target.name}: " + "; ".join(problems)
+
+
+def test_no_gpu_pair_is_left_unknown_once_the_driver_answers(target):
+    """Issue 30: without the driver's answer (a first converge, before the NVIDIA stage) a pair on
+    different root complexes is 'unknown'; with the driver loaded, its answer settles every pair."""
+    hardware = target.fact(HardwareProbe)
+    if not (hardware.get("nvidia_driver") or {}).get("version"):
+        pytest.skip(f"{target.name}: the NVIDIA driver is not loaded; P2P between root complexes stays unknown")
+    roles = {bdf: gpu.role for bdf, gpu in target.spec.gpus.items()}
+    verdict = verdict_from_hardware(hardware, roles)
+    unknown = [f"{p['a']} - {p['b']}" for p in verdict["pairs"] if p["status"] == "unknown"]
+    assert not unknown, (f"{target.name}: the driver is loaded but did not answer for P2P between "
+                         f"{', '.join(unknown)} (nvidia-smi topo -p2p r gave nothing for them)")

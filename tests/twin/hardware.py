@@ -33,7 +33,9 @@ Profile shape (tests/twin/profiles/<name>.yml; every key below is used by render
             secondary_bus, link: {speed, width, max_speed, max_width},
             bars: [{index, start, size, flags}], rom: {start, size},
             iommu_group, driver, gpu: {name, uuid, serial, vbios, memory_mib, power_limit_w,
-            compute_cap}, nic: "mlx5_0"} ]
+            compute_cap}, nic: "mlx5_0", acs_cap: 0x5f, acs_ctl: 0x00} ]
+            (acs_cap: the bridge's ACS Capability bits, rendered into its sysfs `config`;
+            acs_ctl: its Control bits, default what the kernel enables with the IOMMU on)
     guests: {lxc: {vmid: "<pct.conf text>"}, qemu: {vmid: "<qm.conf text>"}}
 """
 from __future__ import annotations
@@ -44,6 +46,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import tempfile
 import time
@@ -62,7 +65,8 @@ TWIN_DIR = "var/lib/twin"
 STANDIN_PATHS = {
     "nvidia_smi.py": ["usr/local/bin/nvidia-smi"],
     "proxmox.py": ["usr/local/sbin/pct", "usr/local/sbin/qm", "usr/local/sbin/pvesh",
-                   "usr/local/bin/pveversion", "usr/local/sbin/ha-manager"],
+                   "usr/local/bin/pveversion", "usr/local/sbin/ha-manager",
+                   "usr/local/bin/lxc-ls", "usr/local/bin/lxc-info"],
     "boot.py": ["usr/local/sbin/proxmox-boot-tool", "usr/local/sbin/update-grub",
                 "usr/local/sbin/reboot", "usr/local/sbin/shutdown", "usr/local/bin/systemctl",
                 # the real names point at systemctl; absolute callers must reach the stand-in too
@@ -70,7 +74,7 @@ STANDIN_PATHS = {
                 # proxmox-kernel-helper's kernel hook: a kernel package's postinst runs it
                 "etc/kernel/postinst.d/zz-proxmox-boot", "etc/kernel/postrm.d/zz-proxmox-boot"],
     "hostdev.py": ["usr/local/bin/fuser", "usr/local/bin/nvidia-modprobe", "usr/local/bin/uname",
-                   "usr/local/sbin/modprobe"],
+                   "usr/local/sbin/modprobe", "usr/local/bin/mokutil"],
 }
 # The Python stand-ins as modules (the stand-in server imports them) and as programs (run
 # directly where the server is not reachable); each program path gets the small client
@@ -323,6 +327,90 @@ def _nvidia_module(root: Path, release: str) -> dict | None:
     return None
 
 
+# -- module signatures: the twin's model of what the kernel loads (kernel/module/signing.c) -----
+
+EFI_DIR = f"{TWIN_DIR}/efi"  # the twin's EFI variables: SecureBoot ("1"/"0"), MokListRT/ and MokNew/ (*.der)
+MODULE_SIG_MAGIC = b"~Module signature appended~\n"  # include/linux/module_signature.h MODULE_SIG_STRING
+PKEY_ID_PKCS7 = 2
+
+
+def is_efi(profile: dict) -> bool:
+    return profile["boot"]["loader"] == "systemd-boot" or bool(profile["boot"].get("uefi"))
+
+
+def set_secure_boot(root: Path, on: bool) -> None:
+    """Turn Secure Boot on or off in the twin's firmware (takes effect at the next render/boot)."""
+    _write(Path(root) / EFI_DIR / "SecureBoot", "1\n" if on else "0\n")
+
+
+def enroll_mok(root: Path, der: bytes, pending: bool = False) -> None:
+    """Put a DER certificate in the twin's MOK list (MokListRT: enrolled, as after MokManager's
+    confirmation) or, `pending`, in MokNew (imported with mokutil --import, not yet confirmed)."""
+    d = Path(root) / EFI_DIR / ("MokNew" if pending else "MokListRT")
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{hashlib.sha256(der).hexdigest()[:16]}.der").write_bytes(der)
+
+
+def _secure_boot(root: Path, profile: dict) -> bool:
+    return is_efi(profile) and (_read(root, f"{EFI_DIR}/SecureBoot") or "0").strip() == "1"
+
+
+def _enrolled(root: Path) -> list[bytes]:
+    d = root / EFI_DIR / "MokListRT"
+    return [p.read_bytes() for p in sorted(d.glob("*.der"))] if d.is_dir() else []
+
+
+def module_signature_error(path: Path, enrolled: list[bytes]) -> str | None:
+    """None when the module carries a signature that verifies with one of the `enrolled` DER certs,
+    else the kernel's reason: "unsigned module" or "module with unavailable key" (the errors
+    module_sig_check() lets through unless signatures are enforced). Follows kernel/module/signing.c
+    mod_verify_sig(): the PKCS#7 blob and struct module_signature (12 bytes, sig_len big-endian
+    last) sit before the magic string at the end; the signature covers everything before the blob.
+    The verification is openssl's CMS check against each enrolled cert alone (the kernel looks the
+    signer up in its keyrings: built-in keys plus the machine-owner keys)."""
+    data = path.read_bytes()
+    if not data.endswith(MODULE_SIG_MAGIC):
+        return "unsigned module"
+    end = len(data) - len(MODULE_SIG_MAGIC) - 12
+    info = data[end:end + 12]
+    sig_len = int.from_bytes(info[8:12], "big")
+    if info[2] != PKEY_ID_PKCS7 or sig_len <= 0 or sig_len > end:
+        return "module with unsupported crypto"
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "sig").write_bytes(data[end - sig_len:end])
+        (Path(tmp) / "body").write_bytes(data[:end - sig_len])
+        for i, der in enumerate(enrolled):
+            pem = subprocess.run(["openssl", "x509", "-inform", "DER"], input=der, capture_output=True)
+            if pem.returncode != 0:
+                continue
+            (Path(tmp) / f"c{i}.pem").write_bytes(pem.stdout)
+            done = subprocess.run(["openssl", "cms", "-verify", "-binary", "-inform", "DER", "-in", f"{tmp}/sig",
+                                   "-content", f"{tmp}/body", "-certfile", f"{tmp}/c{i}.pem", "-nointern",
+                                   "-noverify", "-out", "/dev/null"], capture_output=True)
+            if done.returncode == 0:
+                return None
+    return "module with unavailable key"
+
+
+def module_load_refusal(root: Path, profile: dict, release: str, params: dict[str, str], path: Path) -> str | None:
+    """The kernel's message when it refuses to load the module at `path` at boot, or None.
+
+    A signature problem refuses the load when signatures are enforced (CONFIG_MODULE_SIG_FORCE=y in
+    the release's config, module.sig_enforce=1 on the command line: "Loading of <reason> is
+    rejected", modprobe then says "Key was rejected by service") or, with Secure Boot on, by
+    lockdown (Debian's and Proxmox's kernels lock down under Secure Boot: LOCKDOWN_MODULE_SIGNATURE);
+    otherwise the module loads and taints the kernel."""
+    error = module_signature_error(path, _enrolled(root))
+    if error is None:
+        return None
+    config = _read(root, f"boot/config-{release}") or ""
+    if "CONFIG_MODULE_SIG_FORCE=y" in config.splitlines() or _truthy(params.get("module.sig_enforce", "")):
+        return f"Loading of {error} is rejected"
+    if _secure_boot(root, profile):
+        return "Lockdown: modprobe: unsigned module loading is restricted; see man kernel_lockdown.7"
+    return None
+
+
 def _boot_units_nvidia_modprobe(root: Path) -> list[str]:
     """Command lines of nvidia-modprobe that an enabled unit or a udev rule runs at boot."""
     cmds = []
@@ -412,11 +500,19 @@ def compute(root: Path, profile: dict, previous: str | None = None) -> dict:
     # nvidia driver: the module for the booted kernel if we find one, else the profile's
     nv = dict(profile.get("nvidia") or {})
     module = _nvidia_module(root, release)
+    kernel_log: list[str] = []
+    refused = None
     if module:
         nv.update(version=module["version"], open=module["open"], module_path=module["path"])
         if module["gcc"]:
             nv["gcc"] = module["gcc"]
+        refused = module_load_refusal(root, profile, release, params, root / module["path"].lstrip("/"))
     loaded = list(dict.fromkeys([m.replace("-", "_") for m in profile.get("modules_loaded", [])] + loaded_extra))
+    if refused:
+        # the kernel refused nvidia.ko: it and the modules that need it stay out, its GPUs get no driver
+        kernel_log.append(f"nvidia: {refused}")
+        loaded = [m for m in loaded if not m.startswith("nvidia")]
+        drivers = {bdf: (None if d == "nvidia" else d) for bdf, d in drivers.items()}
     if any(d == "nvidia" for d in drivers.values()) and "nvidia" not in loaded:
         loaded.append("nvidia")
     if vfio_at_boot:
@@ -520,6 +616,9 @@ def compute(root: Path, profile: dict, previous: str | None = None) -> dict:
         "p2p": profile.get("p2p") or {}, "char_majors": majors,
         "drivers": drivers, "bindings": bindings, "vfio_at_boot": vfio_at_boot,
         "dev_nodes": nodes, "pve": profile.get("pve"),
+        "secure_boot": _secure_boot(root, profile), "kernel_log": kernel_log,
+        "sig_enforce": "CONFIG_MODULE_SIG_FORCE=y" in (_read(root, f"boot/config-{release}") or "").splitlines()
+        or _truthy(params.get("module.sig_enforce", "")),
     }
 
 
@@ -610,6 +709,29 @@ def _resource_lines(dev: dict, profile: dict) -> str:
     return "".join(f"0x{s:016x} 0x{e:016x} 0x{f:016x}\n" for s, e, f in rows)
 
 
+# ACS Control bits the kernel turns on where the port's ACS Capability has them: Source Validation,
+# P2P Request/Completion Redirect, Upstream Forwarding (drivers/pci/pci.c pci_std_enable_acs(),
+# run for every device once an IOMMU driver has called pci_request_acs(), i.e. with the IOMMU on).
+ACS_KERNEL_ENABLES = 0x01 | 0x04 | 0x08 | 0x10
+
+
+def _config_bytes(dev: dict, iommu_on: bool) -> bytes:
+    """The function's sysfs `config` as root reads it: 4096 bytes for a PCIe function (it has a
+    link), 256 for conventional PCI; the header's IDs and class, and for a bridge with ``acs_cap``
+    in the profile one extended capability at 0x100: ACS (ID 0x000D, version 1, no next), its
+    Capability word at +4 and its Control word at +6 (``acs_ctl`` from the profile, else what the
+    kernel enables with the IOMMU on)."""
+    config = bytearray(4096 if dev.get("link") else 256)
+    struct.pack_into("<HH", config, 0, int(dev["vendor"], 16), int(str(dev["device"]), 16))
+    config[8] = int(dev.get("revision", "00"), 16)
+    config[9:12] = bytes.fromhex(dev["class"])[::-1]
+    if "acs_cap" in dev and len(config) == 4096:
+        cap = _int(dev["acs_cap"])
+        ctl = _int(dev["acs_ctl"]) if "acs_ctl" in dev else (cap & ACS_KERNEL_ENABLES if iommu_on else 0)
+        struct.pack_into("<IHH", config, 0x100, 0x000D | (1 << 16), cap, ctl)
+    return bytes(config)
+
+
 def _int(v) -> int:
     return v if isinstance(v, int) else int(str(v), 0)
 
@@ -618,6 +740,7 @@ def _size(v) -> int:
     if isinstance(v, int):
         return v
     m = re.fullmatch(r"(\d+)([KMGT]?)", str(v))
+    assert m, f"not a size: {v!r}"
     return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}[m.group(2)]
 
 
@@ -664,6 +787,7 @@ def _render_sys(sys: Path, profile: dict, state: dict) -> None:
             files["secondary_bus_number"] = str(int(dev.get("secondary_bus", "0"), 16))
         for name, text in files.items():
             (d / name).write_text(text + "\n")
+        (d / "config").write_bytes(_config_bytes(dev, iommu_on))
         for bar in dev.get("bars") or []:
             (d / f"resource{bar['index']}").write_text("")
         bus_link = sys / "bus/pci/devices" / bdf
@@ -694,7 +818,8 @@ def _render_sys(sys: Path, profile: dict, state: dict) -> None:
     _write(sys / "bus/pci/drivers_probe", "")
     _write(sys / "bus/pci/rescan", "")
     (sys / "kernel/iommu_groups").mkdir(parents=True, exist_ok=True)
-    # modules and their parameters
+    # modules and their parameters; module.sig_enforce (built in: always there)
+    _write(sys / "module/module/parameters/sig_enforce", "Y\n" if state.get("sig_enforce") else "N\n")
     for mod in state["modules"]:
         mdir = sys / "module" / mod
         mdir.mkdir(parents=True, exist_ok=True)
@@ -709,6 +834,10 @@ def _render_sys(sys: Path, profile: dict, state: dict) -> None:
     _write(sys / "devices/system/cpu/online", _all_cpus(profile) + "\n")
     if profile["boot"]["loader"] == "systemd-boot" or profile["boot"].get("uefi"):
         _write(sys / "firmware/efi/fw_platform_size", "64\n")
+        # efivarfs: 4 attribute bytes (NV|BS|RT), then the value byte (1: Secure Boot on)
+        var = sys / "firmware/efi/efivars/SecureBoot-8be4df61-93ca-11d2-aa0d-00e098032b8c"
+        var.parent.mkdir(parents=True, exist_ok=True)
+        var.write_bytes(b"\x06\x00\x00\x00" + (b"\x01" if state.get("secure_boot") else b"\x00"))
 
 
 def _ranges(nums: list[int]) -> str:
@@ -980,6 +1109,30 @@ def _seed_pve(root: Path, data: dict) -> None:
             if not p.exists():
                 _write(p, text if text.endswith("\n") else text + "\n")
     _write(root / "etc/hostname", node + "\n")
+    _seed_pve_packages(root, data)
+
+
+def _seed_pve_packages(root: Path, data: dict) -> None:
+    """The profile's Proxmox VE packages as dpkg knows installed ones: a stanza each in the
+    root's real /var/lib/dpkg/status (state `install ok installed`), so `dpkg-query` and apt read
+    them as on a node (pve-manager at `pve.version`, the others at `pve.packages`). They carry
+    no files and no dependencies."""
+    pve = data["pve"]
+    versions = {"pve-manager": str(pve["version"]), **{k: str(v) for k, v in (pve.get("packages") or {}).items()}}
+    status = root / "var/lib/dpkg/status"
+    text = status.read_text() if status.exists() else ""
+    known = set(re.findall(r"^Package: (\S+)$", text, re.M))
+    stanzas = [f"Package: {name}\nStatus: install ok installed\nPriority: optional\nSection: admin\n"
+               f"Maintainer: Proxmox Support Team <support@proxmox.com>\nArchitecture: all\n"
+               f"Version: {version}\nDescription: {name} (pvegpu twin: the profile's Proxmox VE package, no files)\n"
+               for name, version in versions.items() if name not in known]
+    if stanzas:
+        _write(status, text.rstrip("\n") + "\n\n" + "\n".join(stanzas) if text.strip() else "\n".join(stanzas))
+    for name in versions:  # what dpkg keeps of an installed package: its file list and md5sums (none)
+        for suffix in ("list", "md5sums"):
+            info = root / "var/lib/dpkg/info" / f"{name}.{suffix}"
+            if not info.exists():
+                _write(info, "")
 
 
 def _busy_path(root: Path) -> Path:

@@ -35,6 +35,7 @@ import struct
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 # ---------------------------------------------------------------------------------------------
@@ -60,7 +61,7 @@ class KernelModel:
         self.lock = threading.Lock()
         self.alive = True  # False once the twin shuts down or reboots: late writes change nothing
         self.shutdown = threading.Event()  # cuts a slow unbind short at shutdown (see close())
-        self.on_driver = None  # called with a driver name when a module load registers it
+        self.on_driver: Callable[[str], None] | None = None  # called with a driver name when a module load registers it
         self.log = log
         from tests.twin import hardware  # the twin's boot computation (paths, texts)
 
@@ -371,7 +372,7 @@ class FuseFiles:
 
     def __init__(self, mountpoint: Path, log=print):
         self.mountpoint = Path(mountpoint)
-        self.files: dict[str, tuple[int, object]] = {}  # name -> (nodeid, callback)
+        self.files: dict[str, tuple[int, Callable[[bytes], None]]] = {}  # name -> (nodeid, callback)
         self.nodes: dict[int, str] = {}
         self.log = log
         self.fd = -1
@@ -435,7 +436,7 @@ class FuseFiles:
                                4096, 1, 0, 0, 0, 0, *[0] * 6)
             self.reply(unique, 0, body)
         elif opcode == FUSE_LOOKUP:
-            name = arg.split(b"\0", 1)[0].decode()
+            name: str | None = arg.split(b"\0", 1)[0].decode()
             if nodeid != 1 or name not in self.files:
                 self.reply(unique, errno.ENOENT)
             else:

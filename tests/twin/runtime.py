@@ -86,6 +86,10 @@ import time
 import traceback
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tests.twin import livesys
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = REPO / ".cache" / "twin"
@@ -361,6 +365,7 @@ def load_hardware(spec: str) -> ModuleType:
     """Import the hardware module: a dotted module name or the path of a .py file."""
     if spec.endswith(".py"):
         module_spec = importlib.util.spec_from_file_location("twin_hardware_standin", spec)
+        assert module_spec is not None and module_spec.loader is not None, spec
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
         return module
@@ -464,11 +469,33 @@ def status() -> list[dict]:
     return result
 
 
+# Machine-wide claims of twin addresses: a twin's supervisor holds an flock on its address's
+# file for the twin's whole life, reboots included (sshd is down then and the port looks free);
+# twins of other checkouts of the repository on this machine see the claim.
+ADDRESS_CLAIMS = Path("/run/lock/pvegpu-twins")
+
+
+def _claim_file(address: str) -> int:
+    ADDRESS_CLAIMS.mkdir(parents=True, exist_ok=True)
+    return os.open(ADDRESS_CLAIMS / address, os.O_RDWR | os.O_CREAT, 0o644)
+
+
+def _claimed(address: str) -> bool:
+    fd = _claim_file(address)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # releases the probe's lock
+    return False
+
+
 def _pick_address() -> str:
     taken = {s["address"] for s in status() if _in_use(s)}
     for n in range(2, 255):
         address = f"127.0.0.{n}"
-        if address in taken:
+        if address in taken or _claimed(address):
             continue
         with socket.socket() as probe:  # something else (a stale sshd) may listen there
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as sshd does
@@ -576,7 +603,7 @@ def start(name: str, profile: str, address: str | None = None,
         root, key = tdir / "root", tdir / "id_ed25519"
         for sub in ("upper", "work", "root"):
             (tdir / sub).mkdir(parents=True)
-        spec = {"name": name, "profile": profile, "address": address, "port": SSH_PORT,
+        spec: dict[str, Any] = {"name": name, "profile": profile, "address": address, "port": SSH_PORT,
                 "key": str(key), "pid": None, "root": str(root), "hardware": hardware,
                 "lower": str(lower), "owner": owner, "starter": os.getpid(),
                 "live_sysfs": bool(live_sysfs)}
@@ -657,7 +684,7 @@ def kill_sshd(name: str) -> list[int]:
 
 
 def count_pve_calls(root: Path | str, on: bool) -> list[str]:
-    """Start (on=True: an empty log) or stop counting the twin's pct/qm/pvesh calls; returns
+    """Start (on=True: an empty log) or stop counting the twin's pct/qm/pvesh/pveversion calls; returns
     the calls logged so far (one line each: program and arguments)."""
     marker, log_file = Path(root) / "var/lib/twin/pve-count", Path(root) / "var/lib/twin/pve-calls.log"
     calls = log_file.read_text().splitlines() if log_file.exists() else []
@@ -785,7 +812,7 @@ class Supervisor:
         self.root = Path(self.spec["root"])
         self.sshd: int | None = None
         self.standins: int | None = None
-        self.kernel = None  # tests.twin.livesys.KernelModel of this boot (live_sysfs twins)
+        self.kernel: livesys.KernelModel | None = None  # the model of this boot (live_sysfs twins)
         self.standin_restarts = 0
         self.boot_time = 0.0
         self.boots = 0
@@ -794,6 +821,11 @@ class Supervisor:
     def run(self) -> None:
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
+        claim = _claim_file(self.spec["address"])  # held (never closed) until this process ends
+        try:
+            fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"{self.spec['name']}: {self.spec['address']} is claimed by a twin of another checkout")
         self.boot()
         uptime_fd = os.open(self.dir / "uptime", os.O_WRONLY)
         while not self.stopping:
@@ -828,6 +860,7 @@ class Supervisor:
         self.boot_time = time.monotonic()
         if (self.root / STANDIN_SERVER).exists():
             self.start_standins()
+        self.start_guests()
         self.start_sshd()
         self.wait_for_sshd()  # a boot is done when the host answers on SSH
         self.boots += 1
@@ -850,6 +883,16 @@ class Supervisor:
         (self.root / REBOOT_REQUEST).unlink(missing_ok=True)
         log(f"{self.spec['name']}: rebooted in {time.monotonic() - t0:.2f} s (shutdown "
             f"{t1 - t0:.2f} s, render {t2 - t1:.2f} s)")
+
+    def start_guests(self) -> None:
+        """The VMs still marked running get their process again (tests/twin/standins/proxmox.py
+        onboot), in the twin's PID namespace like every process of this boot."""
+        if not (self.root / "usr/local/lib/twin/proxmox.py").exists():
+            return  # not a Proxmox twin
+        subprocess.run(["chroot", str(self.root), "/usr/bin/python3", "-ISB", "-c",
+                        "import sys; sys.path.insert(0, '/usr/local/lib/twin'); import proxmox; proxmox.onboot()"],
+                       env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, check=False)
 
     def start_sshd(self) -> None:
         proc = subprocess.Popen(

@@ -154,6 +154,31 @@ def test_kpro6_sysfs_agrees_with_profile(twin):
     assert "sev_snp" in hw(root, "proc/cpuinfo").read_text().split("\n\n")[0]
 
 
+@pytest.mark.parametrize("profile", ["kpro6", "intel2"])
+def test_bridges_config_carries_the_acs_the_kernel_enabled(twin, profile):
+    """Each bridge's sysfs `config` holds the ACS capability of the profile (root ports, switch
+    downstream ports), with the control bits the kernel turns on with the IOMMU on (SV, RR, CR,
+    UF), read by PciAcs's own command; a bridge without one (a switch upstream port) has none."""
+    from facts.pci import PciAcs
+
+    root = twin(profile)
+    prof = hardware.load_profile(profile)
+    sys_root = hw(root, "sys")
+    command = PciAcs().command.replace("/sys/", f"{sys_root}/")
+    run = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=60)
+    acs = PciAcs().process(run.stdout.splitlines())
+    bridges = {dev["bdf"]: dev for dev in prof["pci"] if dev["class"].startswith("0604")}
+    assert bridges and set(acs) == set(bridges)
+    for bdf, dev in bridges.items():
+        assert len((sys_root / "bus/pci/devices" / bdf / "config").read_bytes()) == 4096
+        if "acs_cap" not in dev:
+            assert acs[bdf]["status"] == "absent"
+            continue
+        assert acs[bdf]["status"] == "enabled" and acs[bdf]["redirect"] is True
+        on = [flag for flag, value in acs[bdf]["ctl"].items() if value]
+        assert on == ["SrcValid", "ReqRedir", "CmpltRedir", "UpstreamFwd"]
+
+
 def test_kpro6_nvidia_views_agree(twin):
     root = twin("kpro6")
     prof = hardware.load_profile("kpro6")
@@ -161,7 +186,7 @@ def test_kpro6_nvidia_views_agree(twin):
     info_dir = hw(root, "proc/driver/nvidia/gpus")
     assert sorted(p.name for p in info_dir.iterdir()) == [g["bdf"] for g in gpus]
     rows = smi(root, "--query-gpu=index,pci.bus_id,uuid,minor_number", "--format=csv,noheader").stdout.splitlines()
-    for i, (g, row) in enumerate(zip(gpus, rows)):
+    for i, (g, row) in enumerate(zip(gpus, rows, strict=True)):
         info = (info_dir / g["bdf"] / "information").read_text()
         assert f"Device Minor: \t {i}\n" in info and f"GPU UUID: \t {g['gpu']['uuid']}\n" in info
         assert row == f"{i}, 0000{g['bdf'].upper()}, {g['gpu']['uuid']}, {i}"

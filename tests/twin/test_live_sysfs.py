@@ -150,7 +150,7 @@ def test_stop_and_reboot_answer_a_slow_unbind(twin_factory):
     # the boot computed the binding again: the unbind cut short by the reboot changed nothing
     assert len(gpus(twin)) == 8 and sys_mount_options(twin).startswith("rw")
     writer = subprocess.Popen(runtime.ssh_command(twin.name, [f"echo {GPU0} > {S}/drivers/nvidia/unbind"]),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
     time.sleep(0.7)
     t0 = time.monotonic()
     twin_factory.stop(twin)

@@ -34,7 +34,7 @@ def test_pve_delay_and_call_count(twin_factory, monkeypatch):
     runtime.count_pve_calls(root, True)
     subprocess.run(runtime.ssh_command(twin.name, ["pct list; qm list; pvesh get /version; pveversion; uname -r"]),
                    check=True, capture_output=True, timeout=60)
-    assert runtime.count_pve_calls(root, False) == ["pct list", "qm list", "pvesh get /version"]
+    assert runtime.count_pve_calls(root, False) == ["pct list", "qm list", "pvesh get /version", "pveversion"]
     assert not (root / "var/lib/twin/pve-calls.log").exists()
 
     runtime.set_pve_delay(root, None)  # the default: no delay

@@ -103,7 +103,7 @@ def real_profiles() -> list[str]:
     if not all((hardware.STANDINS_DIR / name).exists() for name in needed):
         return []
     names = sorted(p.stem for p in profiles.glob("*.yml"))
-    wanted = [p for p in ("kpro6", "intel2") if p in names]
+    wanted: list[str] = [p for p in ("kpro6", "intel2") if p in names]
     return wanted if len(wanted) == 2 else names[:2]
 
 
@@ -194,7 +194,7 @@ def test_two_twins_pyinfra_reads_os_and_topology_then_nothing_is_left(twin_facto
     assert any(m.startswith(str(twins[0].dir)) for m in runtime.host_mounts())
     for twin in twins:
         twin_factory.stop(twin)
-    for twin, spec_ in zip(twins, specs):
+    for twin, spec_ in zip(twins, specs, strict=True):
         assert runtime.twin_processes(spec_) == []
         assert not runtime._alive(spec_["pid"])
         assert [m for m in runtime.host_mounts() if m.startswith(str(twin.dir))] == []

@@ -41,6 +41,7 @@ def served(tmp_path_factory):
     server = subprocess.Popen([sys.executable, "-ISB", str(root / "usr/local/lib/twin/standind.py"), str(sock)],
                               env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 20
+    assert server.stderr is not None  # stderr=PIPE
     while not sock.exists():
         assert server.poll() is None and time.monotonic() < deadline, server.stderr.read().decode()
         time.sleep(0.02)

@@ -111,8 +111,6 @@ def test_pct_exec_refuses_a_stopped_ct(root):
 
 
 def test_qm_and_pct_list_print_what_proxmox_prints(root):
-    from facts.guest_state import parse_guest_state
-
     conf = root / "etc/pve/qemu-server/300.conf"
     conf.write_text("".join(line for line in conf.read_text().splitlines(True) if not line.startswith("name:")))
     qm = run(root, "qm", "list", check=True).stdout.splitlines()
@@ -120,7 +118,8 @@ def test_qm_and_pct_list_print_what_proxmox_prints(root):
     assert qm[1].split()[:4] == ["300", "VM", "300", "stopped"]  # unnamed: "VM <vmid>"
     pct = run(root, "pct", "list", check=True).stdout.splitlines()
     assert pct[0].split() == ["VMID", "Status", "Lock", "Name"]
-    assert parse_guest_state(["@@ pct", *pct, "@@ qm", *qm])["qemu"] == {300: "stopped"}
+    # lxc's own view of the same CTs (what facts.guest_state reads instead of pct list)
+    assert run(root, "lxc-ls", "-1").stdout.split() == ["200"] and run(root, "lxc-ls", "--active", "-1").stdout == ""
 
 
 # ---------------------------------------------------------------- PCI mappings + qm
@@ -464,3 +463,17 @@ def test_live_proxmoxer_over_ssh(twin_factory):
     px.nodes("kpro6").qemu(300).config.put(hostpci0="mapping=gpu0,pcie=1")
     assert px.nodes("kpro6").qemu(300).status.start.post().startswith("UPID:kpro6:")
     assert px.nodes("kpro6").qemu(300).status.current.get()["status"] == "running"
+
+
+def test_qm_set_cpu_follows_qemu_servers_schema_of_the_installed_version(root):
+    """qemu-server CPUConfig.pm: phys-bits 8-64 or host (PVE 8 and 9), guest-phys-bits only from
+    PVE 9, VM-specific flags from its short list; the kpro6 twin runs qemu-server 8.3."""
+    conf = root / "etc/pve/qemu-server/300.conf"
+    run(root, "qm", "set", "300", "--cpu", "kvm64,phys-bits=43,flags=+pdpe1gb", check=True)
+    assert "cpu: kvm64,phys-bits=43,flags=+pdpe1gb" in conf.read_text()
+    for bad, message in (("kvm64,phys-bits=70", "between 8 and 64 or 'host'"),
+                         ("host,guest-phys-bits=43", "'guest-phys-bits' is not defined"),
+                         ("kvm64,flags=+avx512f", "must be a subset of")):
+        r = run(root, "qm", "set", "300", "--cpu", bad)
+        assert r.returncode != 0 and message in r.stderr, r.stderr
+    assert "cpu: kvm64,phys-bits=43,flags=+pdpe1gb" in conf.read_text()

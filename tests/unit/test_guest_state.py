@@ -1,4 +1,4 @@
-"""facts.guest_state: `pct list` / `qm list` parsed, and the run's one reading of them: kept while
+"""facts.guest_state: the guests' configs, lxc's running CTs and the VMs' pid files parsed, and the run's one reading of them: kept while
 nothing changes guests, read again after an operation yielded a guest stop/start while pyinfra
 executes (the rebind transaction, a CT start), kept when that yield came while pyinfra only
 generated operations (nothing ran then)."""
@@ -15,10 +15,10 @@ from tests.unit.operations.test_guests_ops import IGPU, facts_for
 NO_GPUS = {103: {"gpus": [], "gid": 44}}  # CT 103's config already passes exactly these (none)
 
 
-def test_pct_and_qm_list_in_pve_formats():
-    parsed = parse_guest_state(["@@ pct", *PCT_LIST.splitlines(), "@@ qm", *QM_LIST.splitlines()])
+def test_ct_and_vm_states():
+    parsed = parse_guest_state(["@@ lxc", *PCT_LIST.splitlines(), "@@ qemu", *QM_LIST.splitlines()])
     assert parsed == {"pct": True, "lxc": {200: "running", 201: "stopped"}, "qemu": {300: "running"}}
-    assert GuestState().process(["@@ qm"]) == GuestState.default() == {"pct": False, "lxc": {}, "qemu": {}}
+    assert GuestState().process(["@@ qemu"]) == GuestState.default() == {"pct": False, "lxc": {}, "qemu": {}}
 
 
 def node(lxc: dict):
@@ -92,16 +92,9 @@ def test_guest_state_changes_drops_the_reading_only_while_executing():
     assert host.guest_reads == 2
 
 
-# `qm list` as qemu-server's PVE/CLI/qm.pm prints it ("%10s %-20s %-10s %-10s %12.2f %-10s"): an
-# unnamed VM is listed under its default name "VM <vmid>" (two words), a long name overflows its column
-QM_LIST_UNNAMED = """\
-      VMID NAME                 STATUS     MEM(MB)    BOOTDISK(GB) PID       
-       300 gpu-vm               running    65536             64.00 12345     
-       301 VM 301               stopped    2048              32.00 0         
-       302 a-very-long-vm-name-beyond-twenty paused     512                0.00 777       
-"""
-
-
-def test_qm_list_with_an_unnamed_vm_reads_the_status_column():
-    parsed = parse_guest_state(["@@ qm", *QM_LIST_UNNAMED.splitlines()])
-    assert parsed["qemu"] == {300: "running", 301: "stopped", 302: "paused"}
+def test_vm_section_takes_only_id_and_state_lines():
+    """Only `VMID running|stopped` lines count: anything else the shell printed (an error text)
+    is not a VM."""
+    parsed = parse_guest_state(["@@ qemu", "300 running", "301 stopped", "sh: 1: cannot open x: No such file",
+                                "302 paused", "303"])
+    assert parsed["qemu"] == {300: "running", 301: "stopped"}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import importlib
 import re
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -30,7 +30,7 @@ TEST_DIRS = {"host check": ("tests/host/",), "tests": ("tests/unit/", "tests/e2e
 
 def _table_rows(text: str) -> list[list[str]]:
     """Cells of the markdown table's body rows (header and rule lines dropped)."""
-    rows = []
+    rows: list[list[str]] = []
     for line in text.splitlines():
         if not line.startswith("|"):
             if rows:
@@ -57,7 +57,7 @@ def handling_rows() -> dict[int, dict[str, str]]:
         assert len(cells) == 1 + len(COLUMNS), f"row {cells[0]} has {len(cells)} cells, want {1 + len(COLUMNS)}"
         number = int(cells[0])
         assert number not in rows, f"incident {number} has two rows"
-        rows[number] = dict(zip(COLUMNS, cells[1:]))
+        rows[number] = dict(zip(COLUMNS, cells[1:], strict=True))
     return rows
 
 
@@ -72,7 +72,7 @@ def refs(cell: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     return code, tests
 
 
-@lru_cache(maxsize=None)
+@cache
 def defined_functions(path: str) -> frozenset[str]:
     """Names of every function (module level, in classes, nested) defined in a test file."""
     tree = ast.parse((REPO / path).read_text(), filename=path)

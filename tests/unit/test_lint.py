@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -22,11 +23,14 @@ def _tree(tmp_path: Path) -> Path:
     shutil.copy(REPO / "scripts" / "lint.sh", tmp_path / "scripts" / "lint.sh")
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
     (tmp_path / ".venv").symlink_to(REPO / ".venv")
-    for package in ("spec", "facts", "plan", "operations", "compat"):
-        (tmp_path / package).mkdir()
-        (tmp_path / package / "__init__.py").write_text("")
-    (tmp_path / "deploy.py").write_text("")
+    for path in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mypy"]["files"]:  # mypy's paths
+        if path.endswith(".py"):
+            (tmp_path / path).write_text("")
+        else:
+            (tmp_path / path).mkdir()
+            (tmp_path / path / "__init__.py").write_text("")
     shutil.copy(REPO / "plan" / "render.py", tmp_path / "plan" / "render.py")
+    shutil.copy(REPO / "facts" / "shell.py", tmp_path / "facts" / "shell.py")  # render's shell words
     shutil.copytree(REPO / "templates", tmp_path / "templates")
     for script in (".ci/run", "bench/x.sh", "tests/twin/twinctl"):
         (tmp_path / script).parent.mkdir(parents=True, exist_ok=True)
@@ -53,7 +57,7 @@ def test_each_tool_fails_the_run_and_all_of_them_run(tmp_path):
     (root / "plan" / "typed.py").write_text("def f() -> int:\n    return 'x'\n")  # mypy return-value
     (root / "bench" / "x.sh").write_text("#!/bin/sh\ncd $1\n")  # SC2086 and SC2164
     install = root / "templates" / "nvidia-install.sh.j2"  # a value left unquoted where it lands
-    install.write_text(install.read_text().replace('mkdir -p "$D.new"', "mkdir -p $(echo {{ module_dir }}).new"))
+    install.write_text(install.read_text().replace('mkdir -p "$D.new"', "mkdir -p $(echo {{ module_subdir }}).new"))
     run = _lint(root)
     assert run.returncode != 0
     for tool in ("ruff", "mypy", "shellcheck", "shell-templates"):

@@ -1,3 +1,5 @@
+from typing import Any
+
 """NCCL variables from the P2P verdict, RDMA devices and the spec; /etc/nccl.conf rendering."""
 
 import pytest
@@ -6,7 +8,10 @@ from facts.gpu import parse_p2p_matrix, parse_topo_matrix
 from plan.nccl import (
     NCCL_P2P_LEVELS,
     NCCL_RULES,
+    describe_nccl_environment,
+    nccl_default_level,
     nccl_environment,
+    nccl_level_value,
     nccl_plan,
     nccl_plan_for_spec,
     render_nccl_conf,
@@ -56,12 +61,20 @@ def test_kpro6_disables_p2p_with_the_sev_snp_reason():
     assert "NCCL_P2P_LEVEL" not in env
 
 
-def test_no_p2p_path_without_sev_snp_disables_p2p_with_the_path_reason():
-    verdict = kpro6_verdict(sev_snp={"snp": False, "enabled": False}, iommu={"enabled": False, "groups": {}})  # IOMMU off, no driver answer
-    entry = nccl_environment(verdict, rdma_devices=[])["NCCL_P2P_DISABLE"]
-    assert entry["value"] == "1"
-    assert "no safe P2P path" in entry["reason"] and "different root complexes" in entry["reason"]
-    assert "SEV-SNP" not in entry["reason"]
+def test_no_driver_answer_across_root_complexes_sets_nothing_nccl_asks_the_driver_itself():
+    """Issue 30: unknown is not impossible, and NCCL checks the driver's answer per pair at init."""
+    verdict = kpro6_verdict(sev_snp={"snp": False, "enabled": False}, iommu={"enabled": False, "groups": {}})
+    assert all(p["status"] == "unknown" for p in verdict["pairs"])
+    assert nccl_environment(verdict, rdma_devices=[]) == {}
+
+
+def test_unknown_driver_answer_with_a_hidden_risk_is_marked_unknown():
+    env = nccl_environment(kpro6_verdict(), rdma_devices=[])  # no driver answer, SEV-SNP + IOMMU
+    assert env["NCCL_P2P_DISABLE"]["unknown"] is True
+    assert "[from unknown]" in render_nccl_conf(env)
+    assert any(line.startswith("NCCL_P2P_DISABLE=1  — [from unknown]") for line in describe_nccl_environment(env))
+    answered = nccl_environment(kpro6_verdict(p2p_read=all_codes("OK")), rdma_devices=[])
+    assert answered["NCCL_P2P_DISABLE"]["unknown"] is False
 
 
 def test_nvlink_8x_fixture_does_not_disable_p2p():
@@ -69,35 +82,60 @@ def test_nvlink_8x_fixture_does_not_disable_p2p():
     assert "NCCL_P2P_DISABLE" not in env and "NCCL_P2P_LEVEL" not in env
 
 
-def test_ib_disabled_without_rdma_devices_and_kept_with_them():
-    verdict = nvlink_verdict()
-    env = nccl_environment(verdict, rdma_devices=[], topology_nics={})
-    assert env["NCCL_IB_DISABLE"]["value"] == "1" and "no RDMA devices" in env["NCCL_IB_DISABLE"]["reason"]
-    assert "NCCL_IB_DISABLE" not in nccl_environment(verdict, rdma_devices=["mlx5_0"])
-    nics = parse_topo_matrix(fixture_lines("topo-m/4x-rtx6000ada-asus-esc8000a-e12-epyc-genoa-4nic.txt"))["nics"]
-    assert "NCCL_IB_DISABLE" not in nccl_environment(verdict, rdma_devices=[], topology_nics=nics)
+def test_no_ib_disable_without_rdma_devices_nccl_falls_back_to_sockets_itself():
+    assert "NCCL_IB_DISABLE" not in nccl_environment(nvlink_verdict(), rdma_devices=[], topology_nics={})
 
 
-def test_p2p_level_stops_at_the_last_safe_level_never_beyond_the_topology():
+def test_pairs_the_driver_refuses_set_nothing_nccl_drops_them_itself():
+    """paths.cc ncclTopoCheckP2p drops every pair whose NVML P2P status is not OK; before, pvegpu
+    wrote NCCL_P2P_LEVEL=PHB here, which lifts NCCL >= 2.23 from PXB (4 pairs) to PHB (12 pairs)."""
     _, verdict = pcie_8x(cross_socket_refused())
-    env = nccl_environment(verdict, rdma_devices=["mlx5_0"])
-    assert env["NCCL_P2P_LEVEL"]["value"] == "PHB"  # nvidia-smi NODE is NCCL's PHB
-    assert "farther than PHB" in env["NCCL_P2P_LEVEL"]["reason"] and "CNS" in env["NCCL_P2P_LEVEL"]["reason"]
-    assert "NCCL_P2P_DISABLE" not in env
-    # All pairs fine: no level at all (NCCL picks), and never a level beyond the farthest pair.
+    assert nccl_environment(verdict, rdma_devices=["mlx5_0"]) == {}
     _, all_ok = pcie_8x()
-    assert "NCCL_P2P_LEVEL" not in nccl_environment(all_ok, rdma_devices=["mlx5_0"])
+    assert nccl_environment(all_ok, rdma_devices=["mlx5_0"]) == {}
     assert safe_p2p_cutoff(all_ok["pairs"]) == "SYS"
 
 
+def with_hidden_risk(verdict: dict, levels: set[str], kind: str = "acs") -> dict:
+    """The verdict with a reason NCCL cannot see (ACS redirect) on every pair at these levels."""
+    pairs = []
+    for pair in verdict["pairs"]:
+        if pair["level"] in levels:
+            pair = {**pair, "safe": False, "status": "unsafe", "reason_kinds": [kind],
+                    "reasons": [f"ACS on root port 0000:00:01.1 between {pair['names'][0]} and {pair['names'][1]}"]}
+        pairs.append(pair)
+    return {**verdict, "pairs": pairs}
+
+
+def test_hidden_risk_beyond_nodes_sets_a_level_only_below_nccls_own_default():
+    _, verdict = pcie_8x()
+    risky = with_hidden_risk(verdict, {"SYS"})
+    assert safe_p2p_cutoff(risky["pairs"]) == "PHB"
+    # NCCL 2.23+ on Intel stops at PXB by itself: nothing to write (PHB would make it worse)
+    env = nccl_environment(risky, nccl_version="2.26.5", cpu_vendor="GenuineIntel")
+    assert "NCCL_P2P_LEVEL" not in env and env["NCCL_WIN_ENABLE"]["value"] == "0"
+    # NCCL 2.22 goes to SYS by default: PHB, the last safe level
+    env = nccl_environment(risky, nccl_version="2.22.3", cpu_vendor="GenuineIntel")
+    assert env["NCCL_P2P_LEVEL"]["value"] == "PHB" and "farther than PHB" in env["NCCL_P2P_LEVEL"]["reason"]
+    # version unknown: no farther than PXB, NCCL's default since 2.23
+    env = nccl_environment(risky)
+    assert env["NCCL_P2P_LEVEL"]["value"] == "PXB" and "version is unknown" in env["NCCL_P2P_LEVEL"]["reason"]
+    assert "NCCL_P2P_DISABLE" not in env
+
+
+def test_nccl_default_levels_follow_paths_cc():
+    assert nccl_default_level("2.22.3", "GenuineIntel", 8) == "SYS"
+    assert nccl_default_level("2.23.4", "GenuineIntel", 8) == "PXB"
+    assert nccl_default_level("2.30.7", "AuthenticAMD", 2) == "SYS"
+    assert nccl_default_level("2.30.7", "AuthenticAMD", 4) == "PXB"
+    assert nccl_default_level(None, "AuthenticAMD", 2) is None
+
+
 def test_p2p_level_cutoff_when_only_switch_pairs_are_safe():
-    codes = cross_socket_refused()
-    for a, row in codes.items():
-        for b in row:
-            if {a, b} not in ({"GPU0", "GPU1"}, {"GPU2", "GPU3"}, {"GPU4", "GPU5"}, {"GPU6", "GPU7"}):
-                row[b] = "CNS"
-    _, verdict = pcie_8x(codes)
-    assert nccl_environment(verdict, rdma_devices=["x"])["NCCL_P2P_LEVEL"]["value"] == "PIX"
+    _, verdict = pcie_8x()
+    risky = with_hidden_risk(verdict, {"NODE", "SYS"})
+    env = nccl_environment(risky, nccl_version="2.30.7", cpu_vendor="GenuineIntel")
+    assert env["NCCL_P2P_LEVEL"]["value"] == "PIX"
 
 
 def test_overrides_win_and_are_marked_with_what_they_replace():
@@ -109,14 +147,52 @@ def test_overrides_win_and_are_marked_with_what_they_replace():
     assert "P2P stays on against the facts" in p2p["warning"]
     assert env["NCCL_DEBUG"] == {"value": "WARN", "reason": "set by the spec's NCCL overrides",
                                  "source": "override", "replaces": None, "warning": None}
-    assert env["NCCL_IB_DISABLE"]["source"] == "rule"
+    assert env["NCCL_WIN_ENABLE"]["source"] == "rule"
 
 
 def test_override_of_p2p_level_beyond_the_safe_topology_is_applied_with_a_warning():
-    _, verdict = pcie_8x(cross_socket_refused())
-    env = nccl_environment(verdict, rdma_devices=["x"], nccl={"overrides": {"NCCL_P2P_LEVEL": "SYS"}})
+    _, verdict = pcie_8x()
+    risky = with_hidden_risk(verdict, {"SYS"})
+    env = nccl_environment(risky, rdma_devices=["x"], nccl={"overrides": {"NCCL_P2P_LEVEL": "SYS"}})
     assert env["NCCL_P2P_LEVEL"]["value"] == "SYS"
     assert env["NCCL_P2P_LEVEL"]["warning"] == "SYS reaches beyond the farthest safe P2P level of this topology (PHB)"
+
+
+@pytest.mark.parametrize("value, level", [
+    ("PHB", "PHB"), ("NVB", "NVB"), ("C2C", "C2C"), ("P2C", "P2C"), ("PXN", "PXN"), ("3", "PHB"), ("9", "SYS"),
+    ("0", "LOC"), ("phb", None), ("PHB ", None), ("Phb", None), ("NODE", None),
+])
+def test_level_values_as_ncclgetlevel_reads_them(value, level):
+    assert nccl_level_value(value) == level
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"NCCL_P2P_LEVEL": "phb"}, "case-sensitively: PHB"),
+    ({"NCCL_P2P_LEVEL": "NODE"}, "no level NCCL knows"),
+    ({"NCCL_DEBUG": '"WARN"'}, "verbatim"),
+    ({"NCCL_DEBUG": " WARN"}, "verbatim"),
+])
+def test_overrides_nccl_would_read_otherwise_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        nccl_environment(kpro6_verdict(), nccl={"overrides": overrides})
+
+
+def test_levels_nccl_knows_are_accepted():
+    env = nccl_environment(nvlink_verdict(), nccl={"overrides": {"NCCL_P2P_LEVEL": "NVB"}})
+    assert env["NCCL_P2P_LEVEL"]["value"] == "NVB" and env["NCCL_P2P_LEVEL"]["warning"] is None
+
+
+def test_dangerous_overrides_are_warned():
+    _, pcie = pcie_8x()
+    warn = nccl_environment(pcie, nccl={"overrides": {"NCCL_PROTO": "LL,LL128,Simple"}})["NCCL_PROTO"]["warning"]
+    assert "LL128 on a PCIe-only host" in warn
+    assert nccl_environment(pcie, nccl={"overrides": {"NCCL_PROTO": "^LL"}})["NCCL_PROTO"]["warning"]
+    assert nccl_environment(pcie, nccl={"overrides": {"NCCL_PROTO": "^LL128"}})["NCCL_PROTO"]["warning"] is None
+    assert nccl_environment(nvlink_verdict(), nccl={"overrides": {"NCCL_PROTO": "LL128"}})["NCCL_PROTO"]["warning"] is None
+    ignore = nccl_environment(pcie, nccl={"overrides": {"NCCL_IGNORE_DISABLED_P2P": "2"}})
+    assert "check of the driver's P2P status" in ignore["NCCL_IGNORE_DISABLED_P2P"]["warning"]
+    level = nccl_environment(kpro6_verdict(), nccl={"overrides": {"NCCL_P2P_LEVEL": "PIX"}})["NCCL_P2P_LEVEL"]
+    assert level["warning"].startswith("has no effect: NCCL_P2P_DISABLE=1")
 
 
 def test_profile_none_keeps_only_overrides():
@@ -136,11 +212,12 @@ def test_overrides_that_cannot_be_nccl_conf_lines_are_refused(overrides, message
 
 
 def test_per_container_sets_follow_each_containers_gpus_and_overrides():
-    topology, verdict = pcie_8x(cross_socket_refused())
+    topology, verdict = pcie_8x()
+    verdict = with_hidden_risk(verdict, {"SYS"})
     spec = {"overrides": {"NCCL_DEBUG": "WARN"},
             "containers": {"101": {"NCCL_DEBUG": "INFO", "NCCL_MIN_NCHANNELS": "4"}}}
     plan = nccl_plan(verdict, containers={"101": ["GPU0", "GPU1"], "102": ["GPU0", "GPU4"], "103": ["GPU3"]},
-                     rdma_devices=[], topology_nics=topology["nics"], nccl=spec)
+                     rdma_devices=[], topology_nics=topology["nics"], nccl=spec, nccl_version="2.22.3")
     host, cts = plan["host"], plan["containers"]
     assert host["NCCL_P2P_LEVEL"]["value"] == "PHB" and host["NCCL_DEBUG"]["value"] == "WARN"
     # 101: one PIX pair, safe -> no P2P variables; its own overrides on top of the host's.
@@ -148,11 +225,13 @@ def test_per_container_sets_follow_each_containers_gpus_and_overrides():
     assert cts["101"]["NCCL_DEBUG"]["value"] == "INFO"
     assert cts["101"]["NCCL_DEBUG"]["reason"] == "set by the spec's NCCL overrides for container 101"
     assert cts["101"]["NCCL_MIN_NCHANNELS"]["source"] == "override"
-    # 102: its only pair crosses sockets, where the driver refuses P2P.
-    assert cts["102"]["NCCL_P2P_DISABLE"]["value"] == "1" and "CNS" in cts["102"]["NCCL_P2P_DISABLE"]["reason"]
+    # 102: its only pair crosses sockets, where ACS redirects: P2P and symmetric memory closed.
+    assert cts["102"]["NCCL_P2P_DISABLE"]["value"] == "1" and "ACS" in cts["102"]["NCCL_P2P_DISABLE"]["reason"]
+    assert cts["102"]["NCCL_WIN_ENABLE"]["value"] == "0"
+    assert "--disable-custom-all-reduce" in cts["102"]["NCCL_P2P_DISABLE"]["remains"]
     assert cts["102"]["NCCL_DEBUG"]["value"] == "WARN" and "NCCL_MIN_NCHANNELS" not in cts["102"]
     # 103: one GPU, nothing to decide about P2P.
-    assert sorted(cts["103"]) == ["NCCL_DEBUG", "NCCL_IB_DISABLE"]
+    assert sorted(cts["103"]) == ["NCCL_DEBUG"]
 
 
 def test_kpro6_containers_by_bdf_get_p2p_disabled_too():
@@ -203,13 +282,13 @@ def test_plan_for_the_kpro6_spec_file_covers_its_gpu_containers():
             assert "role" in pair["reason_kinds"]
 
 
-def test_unknown_levels_disable_p2p_only_when_a_pair_is_unusable():
+def test_unknown_levels_and_refused_pairs_disable_nothing():
     gpus = {f"0000:0{i}:00.0": {"model": "NVIDIA H200", "minor": i} for i in range(1, 3)}
     usable = p2p_verdict(nvidia_gpus=gpus, p2p_read=all_codes("OK", 2))
     assert usable["pairs"][0]["level"] is None and usable["pairs"][0]["possible"]
     assert "NCCL_P2P_DISABLE" not in nccl_environment(usable, rdma_devices=[])
     refused = p2p_verdict(nvidia_gpus=gpus, p2p_read=all_codes("NS", 2))
-    assert nccl_environment(refused, rdma_devices=[])["NCCL_P2P_DISABLE"]["value"] == "1"
+    assert nccl_environment(refused, rdma_devices=[]) == {}
 
 
 def test_host_file_ignores_pairs_with_gpus_passed_to_vms():
@@ -233,5 +312,72 @@ def test_host_file_ignores_pairs_with_gpus_passed_to_vms():
                                           "vms": {301: {"gpus": ["0000:1a:00.0"]}}}}}, "x.yml")["h"]
     plan = nccl_plan_for_spec(verdict, spec, rdma_devices=[])
     assert "NCCL_P2P_DISABLE" not in plan["host"] and "NCCL_P2P_LEVEL" not in plan["host"]
-    # without the spec's roles (e.g. the topology report), the pair still counts
-    assert nccl_plan(verdict, rdma_devices=[])["host"]["NCCL_P2P_DISABLE"]["value"] == "1"
+    # without the spec's roles the pair still counts, and NCCL keeps off it by itself (not the host's)
+    assert nccl_plan(verdict, rdma_devices=[])["host"] == {}
+
+
+
+
+@pytest.mark.parametrize("value, message", [
+    ("phb", "case-sensitively: PHB"),
+    ('"PHB"', "verbatim"),
+])
+def test_spec_refuses_levels_nccl_would_ignore_before_any_connection(value, message):
+    from spec.load import SpecError, validate_spec
+
+    with pytest.raises(SpecError, match=message) as error:
+        validate_spec({"hosts": {"h": {"containers": {201: {"nccl": {"NCCL_P2P_LEVEL": value}}}}}}, "x.yml")
+    assert "x.yml" in str(error.value) and "host h" in str(error.value) and "containers[201].nccl" in str(error.value)
+
+
+def test_shm_floor_follows_nccls_buffer_sizes_and_checks_a_containers_dev_shm():
+    from plan.nccl import NCCL_SHM_CONNECTION_BYTES, shm_floor_bytes, shm_problem
+
+    assert NCCL_SHM_CONNECTION_BYTES == 9633792  # LL 512 KiB + LL128 4.69 MiB + Simple 4 MiB
+    assert shm_floor_bytes(1) == 0 and shm_floor_bytes(4) == 4 * 2 * 9633792
+    header = "Filesystem 1024-blocks Used Available Capacity Mounted on"
+    small = [header, "shm 65536 0 65536 0% /dev/shm"]  # Docker's default 64 MiB
+    assert "holds 64 MiB; NCCL's SHM transport needs at least 74 MiB for 4 GPUs" in (shm_problem("CT 200", small, 4) or "")
+    assert shm_problem("CT 200", small, 2) is None
+    assert "has no /dev/shm mount" in (shm_problem("CT 200", [header, "/dev/sda1 100 1 99 1% /"], 2) or "")
+    assert shm_problem("CT 200", [header, "tmpfs 65536000 0 65536000 0% /dev/shm"], 8) is None
+
+
+def test_plan_uses_each_scopes_nccl_version():
+    _, verdict = pcie_8x()
+    risky = with_hidden_risk(verdict, {"SYS"})
+    plan = nccl_plan(risky, containers={"200": ["GPU0", "GPU1", "GPU2", "GPU3", "GPU4"]},
+                     nccl_version="2.22.3", cpu_vendor="intel", container_versions={"200": "2.26.5"})
+    assert plan["host"]["NCCL_P2P_LEVEL"]["value"] == "PHB"  # 2.22 goes to SYS by itself
+    assert "NCCL_P2P_LEVEL" not in plan["containers"]["200"]  # 2.26 stops at PXB by itself
+    assert plan["containers"]["200"]["NCCL_WIN_ENABLE"]["value"] == "0"
+
+
+def test_report_names_the_sys_opt_in_where_p2p_is_safe_across_root_complexes():
+    from plan.nccl import opt_in_note
+    from plan.topology_report import topology_text
+    from tests.unit.test_p2p import kpro6_iommu, kpro6_nvidia_gpus, kpro6_pci, kpro6_topology
+
+    facts: dict[str, Any] = dict(pci=kpro6_pci(), nvidia_gpus=kpro6_nvidia_gpus(), topology=kpro6_topology(),
+                                 iommu=kpro6_iommu("identity"), sev_snp=False, p2p_read=all_codes("OK"),
+                                 p2p_write=all_codes("OK"))
+    verdict = p2p_verdict(**facts)
+    env = nccl_environment(verdict)
+    assert env == {}
+    note = opt_in_note(verdict, env) or ""
+    assert note.startswith("28 of 28 GPU pairs have safe P2P through the CPU (NODE, SYS)")
+    assert "NCCL_P2P_LEVEL=SYS in nccl.overrides is an opt-in to measure" in note
+    hardware = {"pci_devices": facts["pci"], "nvidia_gpus": facts["nvidia_gpus"], "topology": facts["topology"],
+                "iommu": facts["iommu"], "sev_snp": {"snp": False, "enabled": False}, "pci_acs": {},
+                "p2p_read": facts["p2p_read"], "p2p_write": facts["p2p_write"]}
+    text = topology_text("box", hardware, verdict, env)
+    assert "note: 28 of 28 GPU pairs have safe P2P" in text and "restarted" in text
+
+
+def test_plan_summary_says_nccl_values_need_a_restart():
+    from plan.summary import spec_summary
+    from spec.load import validate_spec
+
+    spec = validate_spec({"hosts": {"h": {"nccl": {"services": ["vllm"]}}}}, "x.yml")["h"]
+    line = next(line for line in spec_summary("h", spec) if "NCCL" in line)
+    assert "drop-ins for vllm" in line and "until restarted" in line

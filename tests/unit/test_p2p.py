@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from facts.gpu import parse_p2p_matrix, parse_topo_matrix
-from plan.p2p import derived_level, p2p_verdict, restrict_verdict
+from plan.p2p import derived_level, p2p_verdict, path_ports, restrict_verdict
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -100,11 +100,16 @@ def test_kpro6_every_pair_impossible_with_root_complex_and_sev_snp_reasons(drive
         a_root = "pci0000:" + KPRO6_ROOTS[kpro6_gpu_bdfs().index(pair["a"])]
         b_root = "pci0000:" + KPRO6_ROOTS[kpro6_gpu_bdfs().index(pair["b"])]
         root_reason = next(r for r in pair["reasons"] if "different root complexes" in r)
-        assert f"({a_root}, {b_root}) with no P2P path" in root_reason
+        if driver_answer:
+            assert f"({a_root}, {b_root}) with no P2P path" in root_reason
+        else:  # no driver answer: the root complexes leave P2P open; the IOMMU still blocks it
+            assert f"({a_root}, {b_root}); whether the CPU routes P2P between them is unknown" in root_reason
+            assert "iommu" in pair["reason_kinds"] and "root_complex" not in pair["reason_kinds"]
         assert any("SEV-SNP is on" in r for r in pair["reasons"])
         assert pair["driver_read"] == driver_answer
     assert verdict["summary"].startswith("P2P is impossible for all 28 GPU pairs.")
-    assert "different root complexes with no P2P path: 28 of 28" in verdict["summary"]
+    if driver_answer:
+        assert "different root complexes with no P2P path: 28 of 28" in verdict["summary"]
 
 
 def test_kpro6_levels_come_from_the_driver_and_names_follow_pci_order():
@@ -232,28 +237,88 @@ def switch_pci() -> dict:
 
 
 def acs(redirect: bool) -> dict:
-    ctl = {"SrcValid": True, "ReqRedir": redirect, "CmpltRedir": redirect, "EgressCtrl": False}
+    ctl = {"SrcValid": False, "ReqRedir": redirect, "CmpltRedir": redirect, "EgressCtrl": False}
     return {"status": "enabled", "redirect": redirect, "ctl": ctl}
 
 
-def test_acs_redirect_on_a_switch_port_blocks_p2p_and_names_the_bridge():
+def test_acs_redirect_on_a_switch_port_makes_the_pair_unsafe_and_names_the_port():
     pci = switch_pci()
     bridges = {bdf: acs(bdf == "0000:42:01.0") for bdf, dev in pci.items() if dev["class"] == "060400"}
     (pair,) = p2p_verdict(pci=pci, acs=bridges, iommu={"enabled": False, "groups": {}})["pairs"]
-    assert not pair["possible"]
-    assert pair["reasons"] == [
-        "ACS on bridge 0000:42:01.0 redirects peer requests to the root complex (ReqRedir+ CmpltRedir+)"
-    ]
+    assert pair["possible"] and pair["safe"] is False and pair["status"] == "unsafe"
+    assert pair["reason_kinds"] == ["acs"]
+    assert pair["reasons"][0].startswith(
+        "ACS on switch port 0000:42:01.0 between GPU0 (0000:43:00.0) and GPU1 (0000:44:00.0) has P2P Request Redirect, "
+        "P2P Completion Redirect on (ReqRedir+ CmpltRedir+)")
     assert pair["level"] == "PIX"
 
 
-def test_switch_without_acs_redirect_is_possible_and_unknown_acs_is_noted():
+def test_acs_on_the_switch_upstream_port_both_meet_at_counts_too():
+    """p2pdma.c's walk counts the common upstream bridge: ACS there decides as well."""
     pci = switch_pci()
-    bridges = {"0000:42:00.0": acs(False), "0000:42:01.0": {"status": "unknown", "redirect": None, "ctl": None}}
+    bridges = {bdf: acs(bdf == "0000:41:00.0") for bdf, dev in pci.items() if dev["class"] == "060400"}
     (pair,) = p2p_verdict(pci=pci, acs=bridges, iommu={"enabled": False, "groups": {}})["pairs"]
-    assert pair["possible"] and pair["safe"]
-    assert pair["notes"] == ["ACS state of bridge 0000:42:01.0 is unknown"]
+    assert pair["status"] == "unsafe" and "0000:41:00.0" in pair["reasons"][0]
+    # the root port above the meeting point is not on the path
+    bridges = {bdf: acs(bdf == "0000:40:01.1") for bdf, dev in pci.items() if dev["class"] == "060400"}
+    (pair,) = p2p_verdict(pci=pci, acs=bridges, iommu={"enabled": False, "groups": {}})["pairs"]
+    assert pair["status"] == "usable"
+
+
+def test_switch_without_acs_redirect_is_usable_and_unknown_acs_is_noted():
+    pci = switch_pci()
+    bridges = {"0000:41:00.0": acs(False), "0000:42:00.0": acs(False),
+               "0000:42:01.0": {"status": "unknown", "redirect": None, "ctl": None}}
+    (pair,) = p2p_verdict(pci=pci, acs=bridges, iommu={"enabled": False, "groups": {}})["pairs"]
+    assert pair["possible"] and pair["safe"] and pair["status"] == "usable"
+    assert pair["notes"] == ["ACS state of switch port 0000:42:01.0 is unknown"]
     assert "through at most one PCIe bridge" in pair["reasons"][0]
+
+
+def test_source_validation_alone_on_a_root_port_of_a_node_pair_makes_it_unsafe():
+    """Issue 30: GPUs under different root complexes (NODE), the driver says OK, the IOMMU is in
+    identity mode: before, only bridges inside a shared hierarchy were looked at and the pair was
+    usable; the root ports' ACS decides too."""
+    sv_only = {"status": "enabled", "redirect": False,
+               "ctl": {"SrcValid": True, "ReqRedir": False, "CmpltRedir": False, "UpstreamFwd": False}}
+    ports = {f"0000:{bus}:01.1": (sv_only if bus == "20" else acs(False)) for bus in KPRO6_ROOTS}
+    verdict = kpro6_verdict(p2p_read=all_codes("OK"), p2p_write=all_codes("OK"), iommu=kpro6_iommu("identity"),
+                            sev_snp=False, acs=ports)
+    pairs = {tuple(p["names"]): p for p in verdict["pairs"]}
+    bad = pairs[("GPU0", "GPU1")]
+    assert bad["possible"] and bad["safe"] is False and bad["status"] == "unsafe"
+    assert bad["reason_kinds"] == ["acs"]
+    assert "ACS on root port 0000:20:01.1 between GPU0 (0000:01:00.0) and GPU1 (0000:21:00.0) has Source " \
+           "Validation on (SrcValid+)" in bad["reasons"][0]
+    assert pairs[("GPU0", "GPU2")]["status"] == "usable"
+    assert sum(p["status"] == "unsafe" for p in verdict["pairs"]) == 7  # every pair with GPU1
+
+
+def test_no_driver_answer_across_root_complexes_is_unknown_not_impossible():
+    verdict = kpro6_verdict(iommu=kpro6_iommu("identity"), sev_snp=False)
+    pair = verdict["pairs"][0]
+    assert pair["possible"] is None and pair["safe"] is None and pair["status"] == "unknown"
+    assert pair["reason_kinds"] == ["root_complex_unknown"]
+    assert "no P2P path" not in " ".join(pair["reasons"])
+    assert verdict["summary"].startswith("Whether P2P is possible is unknown for all 28 GPU pairs.")
+    # the driver's answer settles it
+    settled = kpro6_verdict(iommu=kpro6_iommu("identity"), sev_snp=False, p2p_read=all_codes("CNS"))
+    assert settled["pairs"][0]["status"] == "impossible"
+
+
+def test_legacy_soc_level_is_sys():
+    topology = kpro6_topology()
+    topology["links"]["GPU0"]["GPU7"] = "SOC"
+    pairs = {tuple(p["names"]): p for p in kpro6_verdict(topology=topology)["pairs"]}
+    assert pairs[("GPU0", "GPU7")]["level"] == "SYS"
+
+
+def test_path_ports_walk_both_sides_up_to_the_meeting_point_or_the_root_complexes():
+    a = gpu("pci0000:40", ["r", "u", "d0"])
+    b = gpu("pci0000:40", ["r", "u", "d1"])
+    assert path_ports(a, b) == ["d0", "u", "d1"]
+    assert path_ports(gpu("pci0000:40", ["r0"]), gpu("pci0000:40", ["r1"])) == ["r0", "r1"]
+    assert path_ports(gpu("pci0000:40", ["r0", "u0"]), gpu("pci0000:60", ["r1"])) == ["u0", "r0", "r1"]
 
 
 def gpu(root, bridges, numa=0):
@@ -307,3 +372,29 @@ def test_kpro6_twin_hardware_read_by_the_real_probe_gives_the_kpro6_verdict(tmp_
         assert not pair["possible"] and not pair["safe"]
         assert pair["reason_kinds"][0] == "root_complex" and "sev_snp" in pair["reason_kinds"]
     assert verdict["summary"].startswith("P2P is impossible for all 28 GPU pairs.")
+
+
+def test_real_recorded_acs_control_on_a_port_of_the_path_names_it():
+    """The ACSCtl line recorded on a Matisse downstream port (tests/fixtures/lspci, SrcValid+
+    ReqRedir+ CmpltRedir+ UpstreamFwd+, what the kernel enables with the IOMMU on) on the path of
+    a GPU pair; the ESC8000A's recorded 'all off' on every port leaves the pair usable."""
+    from facts.pci import parse_acs
+
+    port = "0000:03:02.0"
+    recorded = parse_acs(["bridge 0000:03:02.0"] + fixture_lines(
+        "lspci/amd-matisse-switch-downstream-port-acs-enabled-lspci-vvv.txt"))
+    assert recorded[port]["status"] == "enabled"
+    pci = switch_pci()
+    pci = {bdf.replace("0000:42:01.0", port): {**dev, "bridges": [b.replace("0000:42:01.0", port) for b in dev["bridges"]]}
+           for bdf, dev in pci.items()}
+    off_line = next(line for line in fixture_lines("lspci/4x-rtx6000ada-asus-esc8000a-e12-acsctl-all-off.txt")
+                    if "ACSCtl" in line)
+    all_off = parse_acs(["0000:00:00.0 0604: 1022:14ab", off_line])["0000:00:00.0"]
+    acs_facts = {bdf: all_off for bdf, dev in pci.items() if dev["class"] == "060400"}
+    (usable,) = p2p_verdict(pci=pci, acs=acs_facts, iommu={"enabled": False, "groups": {}})["pairs"]
+    assert usable["status"] == "usable"
+    (pair,) = p2p_verdict(pci=pci, acs={**acs_facts, port: recorded[port]},
+                          iommu={"enabled": False, "groups": {}})["pairs"]
+    assert pair["status"] == "unsafe" and pair["reason_kinds"] == ["acs"]
+    assert f"ACS on switch port {port}" in pair["reasons"][0]
+    assert "(SrcValid+ ReqRedir+ CmpltRedir+ UpstreamFwd+)" in pair["reasons"][0]

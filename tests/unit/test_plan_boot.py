@@ -122,7 +122,7 @@ def test_sh_double_quoted_round_trips_through_the_grub_parser():
     assert parse_grub_defaults([f"GRUB_CMDLINE_LINUX_DEFAULT={sh_double_quoted(value)}"]) != {}
     # the parser expands $VARS like sh; an escaped dollar must stay literal in sh itself
     import subprocess
-    out = subprocess.run(["sh", "-c", f". /dev/stdin; printf %s \"$V\""], input=f"V={sh_double_quoted(value)}\n",
+    out = subprocess.run(["sh", "-c", ". /dev/stdin; printf %s \"$V\""], input=f"V={sh_double_quoted(value)}\n",
                          capture_output=True, text=True, check=True).stdout
     assert out == value
 

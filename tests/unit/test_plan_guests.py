@@ -42,19 +42,24 @@ KPRO6_MINORS = {"0000:01:00.0": 0, "0000:21:00.0": 1, "0000:41:00.0": 2, "0000:6
 
 
 def test_dev_entries_syntax_follows_the_installed_pve_container():
-    from facts.proxmox import parse_pve_packages
+    from facts.proxmox import parse_dpkg_versions
 
     assert not pve_supports_dev_entries(None) and not pve_supports_dev_entries({})
     # pve-manager 8.1.3 with a pve-container from before devN (5.0.6): raw lxc.* lines
     assert not pve_supports_dev_entries({"pve-manager": "8.1.3", "pve-container": "5.0.6"})
     assert pve_supports_dev_entries({"pve-manager": "8.0.4", "pve-container": "5.0.7"})
     assert pve_supports_dev_entries({"pve-container": "5.0.12"})  # numbers compare as numbers
-    # real `pveversion -v` output (tests/fixtures/pveversion)
-    fixture = Path(__file__).resolve().parents[1] / "fixtures/pveversion/pve-8.4.11-verbose-package-versions-ceph-reef.txt"
-    packages = parse_pve_packages(fixture.read_text().splitlines()[2:])
-    assert packages["pve-manager"] == "8.4.11" and packages["pve-container"] == "5.3.0"
-    assert packages["proxmox-ve"] == "8.4.0" and packages["pve-edk2-firmware"] == "4.2025.02-4~bpo12+1"
+    # the versions as PvePackages reads them from dpkg (recorded on the kpro6 twin), and the same
+    # package versions in the form a real `pveversion -v` prints them (tests/fixtures/pveversion)
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
+    packages = parse_dpkg_versions((fixtures / "twin-kpro6/pve-packages-dpkg.txt").read_text().splitlines()[2:])
+    assert packages["pve-manager"] == "8.4.1" and packages["pve-container"] == "5.2.7"
     assert pve_supports_dev_entries(packages)
+    real = (fixtures / "pveversion/pve-8.4.11-verbose-package-versions-ceph-reef.txt").read_text().splitlines()[2:]
+    assert "pve-container: 5.3.0" in real
+    # dpkg's line for what that host's pveversion -v listed: the same version string
+    assert parse_dpkg_versions(["ii  pve-container 5.3.0", "rc  pve-firewall 5.1.0", "iU  qemu-server 8.3.8"]) == {
+        "pve-container": "5.3.0"}
 
 
 def test_dev_entries_pick_minors_by_bdf_not_by_position():

@@ -51,6 +51,7 @@ def test_gcc_version_from_real_banners():
     proc_version = fixture_lines("h200-vm/proc-version.txt")[0]  # "(gcc (GCC) 15.3.0, GNU ld … 2.46)"
     assert nv.gcc_version(proc_version.split("(gcc ")[1].split(",")[0]) == "15.3.0"
     driver = parse_driver_version(fixture_lines("driver-version/open-555.42.02-ubuntu2204-ec2-t4.txt"))
+    assert driver is not None
     assert driver["gcc"] == "11.4.0"
 
 
@@ -102,6 +103,7 @@ def test_module_current_needs_version_and_vermagic_of_the_release():
 def test_firmware_missing_for_version_is_refused_unless_installer_brings_it():
     firmware = {"535.261.03": ["gsp_ga10x.bin", "gsp_tu10x.bin"]}
     problem = nv.firmware_problem("535.309.01", firmware, want_firmware=True, installer_configured=False)
+    assert problem is not None
     assert "found GSP firmware only for 535.261.03" in problem and "incident 2" in problem
     assert nv.firmware_problem("535.309.01", firmware, True, installer_configured=True) is None
     assert nv.firmware_problem("535.261.03", firmware, True, False) is None
@@ -258,8 +260,9 @@ def test_proprietary_modules_refused_only_with_blackwell_gpus():
     assert nv.open_modules_problem(True, {"0000:01:00.0": "2bb5"}) is None
     assert nv.open_modules_problem(False, {"0000:01:00.0": "2230"}) is None
     problem = nv.open_modules_problem(False, {"0000:01:00.0": "2230", "0000:41:00.0": "2bb5"})
+    assert problem is not None
     assert "0000:41:00.0" in problem and "0000:01:00.0" not in problem and "nvidia.open: true" in problem
-    assert "0000:81:00.0" in nv.open_modules_problem(False, {}, {"0000:81:00.0": "NVIDIA B200"})
+    assert "0000:81:00.0" in (nv.open_modules_problem(False, {}, {"0000:81:00.0": "NVIDIA B200"}) or "")
 
 
 # -- issue 17: the open tree's C++ compiler, objtool -Werror, Secure Boot, GSP firmware per GPU --
@@ -322,7 +325,8 @@ def test_secure_boot_refuses_unsigned_modules_and_unreadable_keys():
     from spec.models import SigningSpec
 
     state = {**recorded_two_releases(), "secure_boot": True}
-    assert any("Secure Boot is on and nvidia.signing is not set" in r for r in open_steps(state)["refusals"])
+    assert any("Secure Boot is on: the kernel would refuse the unsigned NVIDIA modules, and nvidia.signing is not set"
+               in r for r in open_steps(state)["refusals"])
     signing = SigningSpec(key="/root/mok.key", cert="/root/mok.der")
     assert open_steps({**state, "signing_files": {"/root/mok.key": True, "/root/mok.der": True}}, signing=signing)["refusals"] == []
     unreadable = open_steps({**state, "signing_files": {"/root/mok.key": False, "/root/mok.der": True}}, signing=signing)
@@ -356,6 +360,7 @@ def test_gsp_firmware_per_gpu_generation():
     assert needed == {"gsp_ga10x.bin": ["Blackwell 0000:01:00.0", "Blackwell 0000:02:00.0"]}
     # the version's dir has only the Turing file: the Blackwell GPUs' file is missing
     problem = nv.firmware_problem("595.45.04", {"595.45.04": ["gsp_tu10x.bin"]}, True, False, needed)
+    assert problem is not None
     assert "gsp_ga10x.bin for Blackwell 0000:01:00.0, Blackwell 0000:02:00.0" in problem
     assert nv.firmware_problem("595.45.04", {"595.45.04": ["gsp_ga10x.bin"]}, True, False, needed) is None
 
@@ -365,10 +370,97 @@ def test_missing_firmware_reruns_the_installer_the_one_source():
              "firmware": {"595.45.04": ["gsp_tu10x.bin"]}}
     for release in TWO:
         state["releases"][release]["module"] = {"version": "595.45.04", "vermagic": f"{release} SMP", "filename": "x"}
-    installer = SourceSpec(url="/opt/nvidia/NVIDIA-Linux-x86_64-595.45.04.run", sha256="a" * 64)
+    installer = SourceSpec(url="/opt/nvidia/NVIDIA-Linux-x86_64-595.45.04.run", sha256=SHA)
     gpus = {"0000:01:00.0": "2bb5"}
     result = open_steps(state, installer=installer, want_firmware=True, gpu_ids=gpus)
     assert result["install_userspace"] and result["fetch_installer"] and result["firmware_files"] == ["gsp_ga10x.bin"]
     state["firmware"]["595.45.04"].append("gsp_ga10x.bin")
     result = open_steps(state, installer=installer, want_firmware=True, gpu_ids=gpus)
     assert not result["install_userspace"] and not result["verify"] and result["refusals"] == []
+
+
+def test_reboot_reason_when_the_loaded_module_is_not_the_installed_one():
+    state = {"releases": {"6.8.12-4-pve": {"module": {"version": "595.71.05"}}}}
+    steps = {"releases": {"6.8.12-4-pve": {"build": False}}}
+    reason = nv.reboot_reason("595.71.05", "580.159.04", "6.8.12-4-pve", steps, state)
+    assert reason and "nvidia 580.159.04 is loaded but 595.71.05 is installed for 6.8.12-4-pve" in reason
+    # converged (loaded = installed), first install (nothing loaded), nothing of ours for the running kernel
+    assert nv.reboot_reason("595.71.05", "595.71.05", "6.8.12-4-pve", steps, state) is None
+    assert nv.reboot_reason("595.71.05", None, "6.8.12-4-pve", steps, state) is None
+    assert nv.reboot_reason("595.71.05", "580.159.04", "6.8.12-4-pve", steps,
+                                {"releases": {"6.8.12-4-pve": {"module": None}}}) is None
+    # built this run for the running kernel
+    assert nv.reboot_reason("595.71.05", "580.159.04", "6.8.12-4-pve",
+                                {"releases": {"6.8.12-4-pve": {"build": True}}}, {"releases": {}})
+
+
+# -- Secure Boot that loads (issue 28 part 2) ------------------------------------------------
+
+def _signed(state_extra: dict, signing=True):
+    from spec.models import SigningSpec
+
+    spec = SigningSpec(key="/root/mok.key", cert="/root/mok.der") if signing else None
+    state = {**recorded_two_releases(), "signing_files": {"/root/mok.key": True, "/root/mok.der": True}, **state_extra}
+    return open_steps(state, signing=spec)
+
+
+def test_each_enforcement_source_refuses_unsigned_modules():
+    """Secure Boot off but module.sig_enforce=Y, or a target kernel with CONFIG_MODULE_SIG_FORCE=y:
+    unsigned modules would not load either."""
+    assert _signed({"secure_boot": False, "sig_enforce": False}, signing=False)["refusals"] == []
+    enforced = _signed({"secure_boot": False, "sig_enforce": True}, signing=False)["refusals"]
+    assert any(r.startswith("module.sig_enforce is Y: the kernel would refuse the unsigned") for r in enforced), enforced
+    state = recorded_two_releases()
+    state["releases"]["6.1.0-57-amd64"]["config"]["CONFIG_MODULE_SIG_FORCE"] = "y"
+    forced = open_steps({**state, "secure_boot": False})["refusals"]
+    assert any("kernel 6.1.0-57-amd64 has CONFIG_MODULE_SIG_FORCE=y" in r for r in forced), forced
+
+
+def test_a_cert_the_kernel_will_not_trust_is_refused_while_enforced():
+    for mok, words in (("not enrolled", "is not enrolled as a machine owner key"),
+                       ("pending", "is imported but not enrolled: its MokManager confirmation at boot was never done"),
+                       ("blocked", "is blocked")):
+        refusals = _signed({"secure_boot": True, "mok": mok})["refusals"]
+        assert any(f"nvidia.signing.cert /root/mok.der {words}" in r and "Key was rejected by service" in r
+                   for r in refusals), (mok, refusals)
+    assert _signed({"secure_boot": True, "mok": "enrolled"})["refusals"] == []
+    relaxed = _signed({"secure_boot": False, "mok": "not enrolled"})
+    assert relaxed["refusals"] == [] and any("nothing enforces them now" in n for n in relaxed["notes"])
+
+
+def test_unknown_states_are_said_as_such():
+    unknown_sb = _signed({"secure_boot": None}, signing=False)
+    assert unknown_sb["refusals"] == [] and any(n.startswith("Secure Boot state unknown") for n in unknown_sb["notes"])
+    unknown_mok = _signed({"secure_boot": True, "mok": None})
+    assert any("enrolment of nvidia.signing.cert /root/mok.der unknown" in n for n in unknown_mok["notes"])
+    not_der = _signed({"secure_boot": True, "mok": "not DER"})
+    assert any("not a DER certificate" in n and "enrolment unknown" in n for n in not_der["notes"])
+
+
+def test_a_key_sign_file_cannot_read_is_refused_up_front():
+    refusals = _signed({"secure_boot": True, "mok": "enrolled", "signing_key_pem": False})["refusals"]
+    assert any("nvidia.signing.key /root/mok.key is not a PEM private key" in r for r in refusals), refusals
+    assert _signed({"secure_boot": True, "mok": "enrolled", "signing_key_pem": True})["refusals"] == []
+
+
+def test_modules_are_signed_with_the_kernels_hash():
+    state = recorded_two_releases()
+    state["releases"]["6.1.0-57-amd64"]["config"]["CONFIG_MODULE_SIG_HASH"] = "sha512"
+    releases = open_steps(state)["releases"]
+    assert releases["6.1.0-57-amd64"]["sig_hash"] == "sha512"
+    assert all(e["sig_hash"] == "sha256" for r, e in releases.items() if r != "6.1.0-57-amd64" and e["build"])
+
+
+def test_secure_boot_and_mok_states_parsed_from_the_fact():
+    from facts.nvidia import parse_host_state, parse_mok, parse_secure_boot
+
+    assert parse_secure_boot(["efivars not readable"]) is None
+    assert parse_secure_boot(["efivars without SecureBoot variable"]) is False
+    assert parse_mok(["mok /root/mok.der is not enrolled"]) == "not enrolled"
+    assert parse_mok(["mok /root/mok.der is already enrolled"]) == "enrolled"
+    assert parse_mok(["mok /root/mok.der is already in the enrollment request"]) == "pending"
+    assert parse_mok(["mok Not a valid x509 certificate"]) == "not DER"
+    assert parse_mok(["mok unknown: no mokutil"]) is None
+    state = parse_host_state(["@@ sig_enforce", "Y", "@@ signing /root/mok.key", "readable",
+                              "@@ signing /root/mok.der", "readable", "mok /root/mok.der is not enrolled"])
+    assert (state["sig_enforce"], state["signing_key_pem"], state["mok"]) == (True, False, "not enrolled")

@@ -7,11 +7,13 @@ import os
 import re
 import subprocess
 
+from pyinfra.api import FactBase
+
+from facts.boot import BootStageFacts
 from facts.cpu import CpuInfo
 from facts.files import ManagedFiles
 from facts.hardware import SECTION_MARKER, HardwareProbe, HostConfigProbe, combined_probe
 from facts.kernel import KernelCmdline
-from facts.boot import BootStageFacts
 
 PATHS = ["/etc/hostname", "/etc/pvegpu-does-not-exist"]
 REQUESTS = [(BootStageFacts, {}), (HardwareProbe, {}), (HostConfigProbe, {}), (ManagedFiles, {"paths": PATHS}),
@@ -22,6 +24,12 @@ def _run(command: str) -> list[str]:
     return subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=120).stdout.splitlines()
 
 
+def _command(fact: FactBase) -> str:
+    """The command of a fact whose `command` is a str (facts/base.py; pyinfra types it as a method)."""
+    assert isinstance(fact.command, str), fact.command
+    return fact.command
+
+
 def _alone(fact_class, kwargs):
     fact = fact_class()
     command = fact.command(**kwargs) if callable(fact.command) else fact.command
@@ -30,7 +38,7 @@ def _alone(fact_class, kwargs):
 
 
 def test_shared_sections_run_once():
-    command = combined_probe(REQUESTS)().command
+    command = _command(combined_probe(REQUESTS)())
     cpu_command = str(CpuInfo().command)
     assert command.count(cpu_command) == 1  # CpuInfo is in BootStageFacts and in HardwareProbe
     assert command.count(str(KernelCmdline().command)) == 1  # in both probes and asked for alone
@@ -42,9 +50,9 @@ def test_shared_sections_run_once():
 
 def test_values_equal_each_fact_read_alone():
     probe = combined_probe(REQUESTS)
-    values = probe().process(_run(probe().command))
+    values = probe().process(_run(_command(probe())))
     assert len(values) == len(REQUESTS)
-    for (fact_class, kwargs), value in zip(REQUESTS, values):
+    for (fact_class, kwargs), value in zip(REQUESTS, values, strict=True):
         assert value == _alone(fact_class, kwargs), fact_class.__name__
     files = values[3]
     assert files["/etc/pvegpu-does-not-exist"] is None and files["/etc/hostname"]["sha256"]
@@ -52,7 +60,7 @@ def test_values_equal_each_fact_read_alone():
 
 def test_shared_values_are_separate_copies():
     probe = combined_probe([(BootStageFacts, {}), (HardwareProbe, {})])
-    boot, hardware = probe().process(_run(probe().command))
+    boot, hardware = probe().process(_run(_command(probe())))
     assert boot["cpu"] == hardware["cpu"] and boot["cpu"] is not hardware["cpu"]
     boot["cpu"]["mutated"] = True
     assert "mutated" not in hardware["cpu"]
@@ -82,7 +90,7 @@ def test_prefetch_reads_once_and_fact_once_finds_every_value():
         assert prefetch(REQUESTS) == 0  # nothing left to read
         assert prefetch([(ManagedFiles, {"paths": ["/etc/hostname"]})]) == 1  # new args: one plain read
         assert shell_host.commands[-1] == ManagedFiles().command(paths=["/etc/hostname"])
-    for (fact_class, kwargs), value in zip(REQUESTS, values):
+    for (fact_class, kwargs), value in zip(REQUESTS, values, strict=True):
         assert value == _alone(fact_class, kwargs), fact_class.__name__
 
 
@@ -103,7 +111,7 @@ def test_on_the_gpu_machine_the_combined_probe_equals_each_probe_of_the_same_run
     assert list(hardware["nvidia_gpus"]) == ["0000:00:06.0"] and hardware["pci_devices"]["0000:00:06.0"]["driver"] == "nvidia"
     # the boot stage's sections it shares with the hardware probe: read once, the same values
     assert boot["cpu"] == hardware["cpu"] and boot["cmdline"] == hardware["cmdline"] and boot["sev_snp"] == hardware["sev_snp"]
-    assert probe().command.count(str(CpuInfo().command)) == 1
+    assert _command(probe()).count(str(CpuInfo().command)) == 1
 
 
 def test_a_probe_hands_its_whole_output_over_in_one_write():
@@ -118,6 +126,7 @@ def test_a_probe_hands_its_whole_output_over_in_one_write():
              "[ $i = 100 ] && sleep 0.5; i=$((i+1)); done"
     t0 = time.monotonic()
     proc = subprocess.Popen(["sh", "-c", _one_write(script)], stdout=subprocess.PIPE)
+    assert proc.stdout is not None  # stdout=PIPE
     os.set_blocking(proc.stdout.fileno(), True)  # gevent's Popen (once pyinfra_cli was imported) makes it non-blocking
     first = os.read(proc.stdout.fileno(), 1 << 20)  # blocks until the first write
     waited = time.monotonic() - t0
@@ -125,4 +134,4 @@ def test_a_probe_hands_its_whole_output_over_in_one_write():
     proc.wait(timeout=30)
     assert waited >= 0.5 and first  # unbuffered, lines 0-100 would arrive before the pause
     assert (first + rest).decode().splitlines() == [f"line {i} of the probe, padded to some length" for i in range(200)]
-    assert "dd bs=4M iflag=fullblock" in combined_probe(REQUESTS)().command and "dd " in HardwareProbe().command
+    assert "dd bs=4M iflag=fullblock" in _command(combined_probe(REQUESTS)()) and "dd " in HardwareProbe().command

@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from types import SimpleNamespace
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -73,11 +73,12 @@ def test_preflight_refuses_a_version_the_ref_does_not_build():
     k = KernelSpec(version="6.14.8-2-pve", source={"kind": "proxmox-git", "url": "git://git.proxmox.com/git/pve-kernel.git",
                                                   "ref": REF})
     refusal = plan.release_refusal(k, RELEASE, "kpro6:/var/lib/pvegpu/kernel-build/x/src")
+    assert refusal is not None
     assert "kernel.version is 6.14.8-2-pve" in refusal and f"builds {RELEASE}" in refusal and REF in refusal
     assert plan.release_refusal(k.model_copy(update={"version": RELEASE}), RELEASE, "x") is None
 
 
-def script(version: str, jobs: int = 3, ccache: bool = True, url: str = "unused", ref: str = REF, build_dir: str = "/b") -> str:
+def script(version: str, jobs: int = 3, ccache: bool = True, url: str = "git://git.proxmox.com/git/pve-kernel.git", ref: str = REF, build_dir: str = "/b") -> str:
     k = KernelSpec(version=version, source={"kind": "proxmox-git", "url": url, "ref": ref}, ccache=ccache)
     return kernel.build_script(k, "running", jobs, build_dir)
 
@@ -109,7 +110,9 @@ def test_job_count_and_ccache_reach_debian_rules(pve_kernel, tmp_path):
     (tmp_path / "print.mk").write_text(PRINT_MK)
     text = script(RELEASE, jobs=3)
     assert not re.search(r"^[^#]*make deb", text, re.M) and "DEB_BUILD_OPTIONS=parallel" not in text
-    call = re.search(r'\(cd "\$build_dir" && (dpkg-buildpackage [^)]*)\)', text).group(1)
+    found = re.search(r'\(cd "\$build_dir" && (dpkg-buildpackage [^)]*)\)', text)
+    assert found, text
+    call = found.group(1)
     assert call == "dpkg-buildpackage --jobs=3 -b -uc -us"
     assert text.index('export PATH="/usr/lib/ccache:$PATH"') < text.index(call)
     probe = f" -d -nc -T pvegpu-print --rules-file='make -f debian/rules -f {tmp_path}/print.mk'"

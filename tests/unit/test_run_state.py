@@ -66,7 +66,10 @@ def test_fact_once_keeps_its_readings_in_the_run_state():
     state = FakeState()
     host = create_host(state)
     calls = []
-    host.get_fact = lambda cls, **kw: calls.append(cls) or {"pct": False, "lxc": {}, "qemu": {}}
+    def get_fact(cls, **kw):
+        calls.append(cls)
+        return {"pct": False, "lxc": {}, "qemu": {}}
+    host.get_fact = get_fact
     with ctx_state.use(state), ctx_host.use(host):
         fact_once(GuestState)
         fact_once(GuestState)

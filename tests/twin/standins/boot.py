@@ -193,8 +193,8 @@ def zz_proxmox_boot(argv):
     """/etc/kernel/{postinst,postrm}.d/zz-proxmox-boot as a kernel package's maintainer script
     runs it (run-parts --arg=<version> --arg=<image>): follows zz-proxmox-boot's case on
     $DEB_MAINT_PARAMS (configure/remove or none: sync the ESPs)."""
-    mode = (os.environ.get("DEB_MAINT_PARAMS") or "").split()
-    mode = mode[0].strip("'") if mode else ""
+    params = (os.environ.get("DEB_MAINT_PARAMS") or "").split()
+    mode = params[0].strip("'") if params else ""
     if mode not in ("", "configure", "remove"):
         return 0
     return esp_sync(argv[0] if argv and mode != "remove" else None)

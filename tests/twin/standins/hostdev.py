@@ -7,6 +7,12 @@ uname            the real uname, with the release/version of the twin's current 
 modprobe         a module the current boot lists as loaded: nothing to do (exit 0); on a twin
                  with live sysfs, a PCI driver module is loaded by its kernel model
                  (tests/twin/livesys.py); anything else goes to the real modprobe
+mokutil          --sb-state and --test-key <der> against the twin's EFI variables (/var/lib/twin/efi:
+                 SecureBoot, MokListRT/*.der, MokNew/*.der; tests/twin/hardware.py writes them); follows
+                 mokutil.c main(): no EFI variables -> "EFI variables are not supported on this system",
+                 exit 1, before any command; test_key(): not a DER X.509 (openssl decides) -> "Not a valid
+                 x509 certificate", exit 255; "<file> is not enrolled", exit 1; print_skip_message()'s
+                 "is already enrolled" / "is already in the enrollment request", exit 0
 """
 import json
 import os
@@ -75,15 +81,15 @@ def nvidia_modprobe(argv):
     if any(a in ("-m", "--modeset") for a in argv):
         nodes.append({"path": "/dev/nvidia-modeset", "major": 195, "minor": 254})
     made = []
-    for n in nodes:
-        p = twinstate.path(n["path"])
+    for node in nodes:
+        p = twinstate.path(node["path"])
         if os.path.lexists(p):
             continue
         try:
             os.makedirs(os.path.dirname(p), exist_ok=True)
-            os.mknod(p, 0o666 | stat.S_IFCHR, os.makedev(n["major"], n["minor"]))
+            os.mknod(p, 0o666 | stat.S_IFCHR, os.makedev(node["major"], node["minor"]))
             os.chmod(p, 0o666)
-            made.append(n["path"])
+            made.append(node["path"])
         except PermissionError:
             pass  # not root (tests on a tmp root): the record below is what counts
     with open(twinstate.path(f"{twinstate.TWIN}/nvidia-modprobe.log"), "a") as f:
@@ -139,7 +145,60 @@ def modprobe(argv):
     os.execv(real, [real] + argv)
 
 
-HANDLERS = {"fuser": fuser, "nvidia-modprobe": nvidia_modprobe, "uname": uname, "modprobe": modprobe}
+EFI = f"{twinstate.TWIN}/efi"
+
+
+def _efi_files(var):
+    d = twinstate.path(f"{EFI}/{var}")
+    try:
+        names = sorted(os.listdir(d))
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        with open(os.path.join(d, name), "rb") as f:
+            out.append(f.read())
+    return out
+
+
+def mokutil(argv):
+    import subprocess
+
+    prof = twinstate.profile()
+    boot = prof.get("boot") or {}
+    if not (boot.get("loader") == "systemd-boot" or boot.get("uefi")):
+        sys.stderr.write("EFI variables are not supported on this system\n")
+        return 1
+    if argv[:1] == ["--sb-state"]:
+        on = (twinstate.read(f"{EFI}/SecureBoot", "0") or "0").strip() == "1"
+        sys.stdout.write("SecureBoot enabled\n" if on else "SecureBoot disabled\n")
+        return 0
+    if len(argv) == 2 and argv[0] in ("--test-key", "-t"):
+        name = argv[1]
+        try:
+            with open(name, "rb") as f:
+                data = f.read()
+        except OSError:
+            sys.stderr.write(f"Failed to open {name}\n")
+            return 255
+        der = subprocess.run(["openssl", "x509", "-inform", "DER", "-noout"], input=data, capture_output=True)
+        if der.returncode != 0:
+            sys.stderr.write("Not a valid x509 certificate\n")
+            return 255
+        if data in _efi_files("MokListRT"):
+            sys.stdout.write(f"{name} is already enrolled\n")
+            return 0
+        if data in _efi_files("MokNew"):
+            sys.stdout.write(f"{name} is already in the enrollment request\n")
+            return 0
+        sys.stdout.write(f"{name} is not enrolled\n")
+        return 1
+    sys.stderr.write(f"mokutil (pvegpu twin stand-in): {' '.join(argv)} is not modelled\n")
+    return 1
+
+
+HANDLERS = {"fuser": fuser, "nvidia-modprobe": nvidia_modprobe, "uname": uname, "modprobe": modprobe,
+            "mokutil": mokutil}
 PROGRAMS = tuple(HANDLERS)
 
 

@@ -85,6 +85,33 @@ def upid(kind, action, vmid):
 
 # ---------------------------------------------------------------- config changes
 
+# qemu-server src/PVE/QemuServer/CPUConfig.pm: the VM `cpu` option's keys (PVE 8, stable-bookworm;
+# PVE 9 adds guest-phys-bits and level), the VM-specific flags it allows, parse_phys_bits.
+CPU_KEYS_8 = {"_", "cputype", "reported-model", "hidden", "hv-vendor-id", "flags", "phys-bits"}
+CPU_KEYS_9 = CPU_KEYS_8 | {"guest-phys-bits", "level"}
+CPU_VM_FLAGS = {"pcid", "spec-ctrl", "ibpb", "ssbd", "virt-ssbd", "amd-ssbd", "amd-no-ssb", "pdpe1gb",
+                "md-clear", "hv-tlbflush", "hv-evmcs", "aes"}
+
+
+def cpu_errors(value):
+    p = ts.prop_string(value)
+    version = ((ts.profile().get("pve") or {}).get("packages") or {}).get("qemu-server", "8")
+    keys = CPU_KEYS_9 if ts.version_key(version)[0] >= 9 else CPU_KEYS_8
+    errors = [f"cpu: invalid format - property '{k}' is not defined in schema" for k in p if k not in keys]
+    bits = p.get("phys-bits")
+    if bits is not None and not (bits == "host" or (re.fullmatch(r"\d{1,2}", bits) and 8 <= int(bits) <= 64)):
+        errors.append("cpu: invalid format - value must be an integer between 8 and 64 or 'host'")
+    guest = p.get("guest-phys-bits")
+    if guest is not None and not (guest.isdigit() and 32 <= int(guest) <= 64):
+        errors.append("cpu: invalid format - guest-phys-bits: value must have a minimum value of 32 and at most 64")
+    flags = p.get("flags")
+    if flags is not None and not all(re.fullmatch(r"[+-](.+)", f) and f[1:] in CPU_VM_FLAGS for f in flags.split(";")):
+        errors.append("cpu: VM-specific CPU flags must be a subset of: " + ", ".join(sorted(CPU_VM_FLAGS)))
+    if "reported-model" in p:
+        errors.append("cpu: Property 'reported-model' not allowed in VM-specific CPU config.")
+    return errors
+
+
 def verify_params(kind, opts):
     errors = []
     for k, v in opts:
@@ -99,6 +126,8 @@ def verify_params(kind, opts):
         elif kind == "qemu":
             if k.startswith("lxc.") or k.startswith("hookscript."):
                 errors.append(f"{k}: property is not defined in schema and the schema does not allow additional properties")
+            elif k == "cpu":
+                errors += cpu_errors(v)
             elif re.match(r"^hostpci\d+$", k):
                 p = ts.prop_string(v)
                 # follows qemu-server PVE/API2/Qemu.pm update_vm (check_hostpci_perm): for root only the
@@ -238,7 +267,7 @@ def check_qemu_start(conf):
                 try:
                     assert_mapping_valid(p["mapping"], m, maps)
                 except ApiError as e:
-                    raise ApiError(f"PCI device mapping invalid (hardware probably changed): {e}")
+                    raise ApiError(f"PCI device mapping invalid (hardware probably changed): {e}") from e
             paths = mine[0]["path"].split(";")
         else:
             paths = [p.get("_") or p.get("host")]
@@ -276,12 +305,14 @@ def start(kind, vmid):
 def boot_guest(kind, vmid, conf, action="start"):
     if kind == "lxc":
         ct_boot(vmid, conf)
+    else:
+        kvm_spawn(vmid)
     set_run_state(kind, vmid, "running")
     ts.log_guest(action, kind, vmid)
 
 
 def stop(kind, vmid, action="stop", timeout=None):
-    conf = load(kind, vmid)
+    load(kind, vmid)  # refuses a guest without a config
     label = KINDS[kind][1]
     running = status_of(kind, vmid) == "running"
     if kind == "lxc" and not running:
@@ -304,6 +335,8 @@ def stop(kind, vmid, action="stop", timeout=None):
 def halt_guest(kind, vmid, action):
     if kind == "lxc":
         ct_halt(vmid)
+    else:
+        kvm_kill(vmid)
     set_run_state(kind, vmid, "stopped")
     ts.log_guest(action, kind, vmid)
 
@@ -334,7 +367,7 @@ class config_lock:
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     self.fh.close()
-                    raise ApiError(f"can't lock file '{self.name}' - got timeout")
+                    raise ApiError(f"can't lock file '{self.name}' - got timeout") from None
                 time.sleep(0.05)
 
     def __exit__(self, *exc):
@@ -357,7 +390,7 @@ HA_DAEMON = "/var/lib/twin/ha.json"  # the twin's CRM/LRM: {"mode": "active"|"st
 
 def ha_read():
     """resources.cfg as [(type, name, {key: value})] in file order."""
-    out = []
+    out: list[tuple[str, str, dict[str, str]]] = []
     for line in (ts.read(HA_RESOURCES) or "").splitlines():
         if not line.strip() or line.lstrip().startswith("#"):
             continue
@@ -409,7 +442,8 @@ def ha_age(p):
 
 
 def ha_step():
-    """What the HA stack would have done by now, run lazily by every pct/qm/pvesh/ha-manager call.
+    """What the HA stack would have done by now, run lazily by every pct/qm/pvesh/ha-manager call
+    (and lxc-ls/lxc-info, which the facts run instead of pct list).
     The CRM takes queued commands after `delay_s` (a `stop` sets the resource's requested state to
     stopped: pve-ha-manager PVE/HA/Manager.pm), and the LRM brings each guest to its requested
     state `delay_s` after resources.cfg last changed. mode "stalled" (no quorum, dead CRM): never."""
@@ -494,6 +528,98 @@ def create_guest(kind, vmid, opts):
     ts.write(conf_path(kind, vmid), "")
     verify_params(kind, [(k, v) for k, v in opts if k not in ("ostemplate", "storage", "password")])
     update_config(kind, vmid, [(k, v) for k, v in opts if k not in ("ostemplate", "storage", "password", "start")], [])
+
+
+# ---------------------------------------------------------------- VMs: a process per running VM
+
+QEMU_RUN = "/var/run/qemu-server"
+
+
+def kvm_pidfile(vmid):
+    # follows qemu-server PVE/QemuServer/Helpers.pm pidfile_name(): <var_run_tmpdir>/<vmid>.pid
+    return f"{QEMU_RUN}/{vmid}.pid"
+
+
+def kvm_spawn(vmid):
+    """A running VM is a process, as on a real node: argv[0] ends in `kvm` and `-pidfile` names
+    its pid file, which holds its pid (qemu-server PVE/QemuServer.pm config_to_command passes
+    `-id`, `-pidfile` and `-daemonize`; QEMU writes the file). The process only sleeps; it dies
+    with the twin (its PID namespace) and is started again at the twin's next boot (`onboot`)."""
+    if ts.ROOT != "/":
+        return  # a TWIN_ROOT run on the build machine starts no process
+    kvm_kill(vmid)
+    pidfile = kvm_pidfile(vmid)
+    os.makedirs(QEMU_RUN, exist_ok=True)
+    r, w = os.pipe()
+    first = os.fork()
+    if first == 0:  # daemonize as QEMU does: a new session, parent gone, stdio on /dev/null
+        try:
+            os.close(r)
+            os.setsid()
+            if os.fork():
+                os._exit(0)
+            null = os.open("/dev/null", os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.write(w, str(os.getpid()).encode())
+            os.close(w)
+            os.execv("/usr/bin/python3", ["/usr/bin/kvm", "-ISc", "import signal\nwhile True: signal.pause()",
+                                          "-id", str(vmid), "-name", f"VM{vmid}", "-pidfile", pidfile,
+                                          "-daemonize"])
+        finally:
+            os._exit(1)
+    os.close(w)
+    os.waitpid(first, 0)
+    with os.fdopen(r) as f:
+        pid = f.read().strip()
+    if pid:
+        ts.write(pidfile, pid + "\n")
+
+
+def kvm_kill(vmid):
+    """qm stop: the VM's process ends and its pid file goes (qemu-server vm_stop)."""
+    if ts.ROOT != "/":
+        return
+    pidfile = kvm_pidfile(vmid)
+    try:
+        pid = int((ts.read(pidfile) or "").strip())
+    except ValueError:
+        pid = 0
+    if pid and f"-pidfile\0{pidfile}\0" in _cmdline(pid):
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+        for _ in range(100):
+            if not _cmdline(pid):
+                break
+            time.sleep(0.01)
+    try:
+        os.unlink(pidfile)
+    except FileNotFoundError:
+        pass
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def onboot():
+    """At the twin's boot (tests/twin/runtime.py): the guests still marked running were started
+    again (onboot): each VM gets its process, each CT its root, /dev and init."""
+    for key, status in sorted(run_state().items()):
+        kind, _, vmid = key.partition("/")
+        if kind == "qemu" and status == "running":
+            kvm_spawn(int(vmid))
+        elif kind == "lxc" and status == "running":
+            try:
+                ct_boot(int(vmid), load("lxc", int(vmid)))
+            except ApiError:
+                pass  # its config is gone: pct list will not show it either
 
 
 # ---------------------------------------------------------------- containers: own root, own /dev
@@ -613,6 +739,115 @@ def ct_boot(vmid, conf):
              json.dumps({"vmid": vmid, "hostname": hostname, "booted_at": ts.state().get("booted_at"),
                          "devices": ct_devices(vmid, conf)}, indent=1))
     ct_mount(vmid)
+    ct_init(vmid)
+
+
+def ct_init(vmid):
+    """The CT's init: one process that lives as long as the CT runs, in the CT's root with its
+    own /dev (the same enter script as `pct exec`), detached from the caller. Its pid is what
+    `lxc-info -n <vmid> -p` answers (pve-container PVE/LXC.pm find_lxc_pid asks lxc-info), and
+    /proc/<pid>/root is the CT's root as its processes see it. `pct stop` ends it (ct_kill)."""
+    if ts.ROOT != "/":
+        return  # a TWIN_ROOT run on the build machine starts no process
+    snapshot = json.loads(ts.read(f"{CT_DIR}/{vmid}/devices.json"))
+    script = ct_enter_script(vmid, snapshot)
+    r, w = os.pipe()
+    first = os.fork()
+    if first == 0:
+        try:
+            os.close(r)
+            os.setsid()
+            if os.fork():
+                os._exit(0)
+            null = os.open("/dev/null", os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.write(w, str(os.getpid()).encode())
+            os.close(w)
+            # unshare, sh and chroot exec in turn: the pid stays the init's
+            os.execvp("unshare", ["unshare", "--mount", "--uts", "--propagation", "private", "--",
+                                  "sh", "-c", script, "ct-init", "sleep", "infinity"])
+        finally:
+            os._exit(1)
+    os.close(w)
+    os.waitpid(first, 0)
+    with os.fdopen(r) as f:
+        pid = f.read().strip()
+    ts.write(f"{CT_DIR}/{vmid}/init.pid", pid + "\n")
+    root = f"{CT_DIR}/{vmid}/root"
+    for _ in range(200):  # up once its root is the CT's (the enter script has run)
+        try:
+            if os.readlink(f"/proc/{pid}/root").endswith(root) and _cmdline(pid).startswith("sleep\0"):
+                return
+        except OSError:
+            return  # it died: lxc-info will say so
+        time.sleep(0.01)
+
+
+def ct_init_pid(vmid):
+    """The pid of CT `vmid`'s init while it lives, else None."""
+    if ts.ROOT != "/":
+        return None
+    try:
+        pid = int((ts.read(f"{CT_DIR}/{vmid}/init.pid") or "").strip())
+        alive = os.readlink(f"/proc/{pid}/root").endswith(f"{CT_DIR}/{vmid}/root")
+    except (ValueError, OSError):
+        return None
+    return pid if alive else None
+
+
+def ct_active():
+    """The CTs lxc counts as running. Follows lxc src/lxc/lxccontainer.c list_active_containers
+    (what lxc-ls --active prints, and what pve-container PVE/LXC.pm list_active_containers reads
+    the same way): a CT runs while its monitor's command socket exists. Here: a CT marked running
+    whose init lives (on the build machine without processes: the mark alone)."""
+    ids = [int(k.split("/")[1]) for k, v in run_state().items() if k.startswith("lxc/") and v == "running"]
+    return sorted(i for i in ids if ts.ROOT != "/" or ct_init_pid(i) is not None)
+
+
+def lxc_ls(argv):
+    """lxc-ls [--active] [-1]: CT names (the vmids on Proxmox VE), one per line with -1."""
+    # follows lxc src/lxc/tools/lxc_ls.c: --active lists the running ones; -1 one name per line
+    ha_step()  # the twin's HA acts lazily, at each call of its programs (lxc-ls too: facts call it)
+    names = [str(i) for i in (ct_active() if "--active" in argv else guest_ids("lxc"))]
+    if names:
+        print("\n".join(names) if "-1" in argv or "--line" in argv else "  ".join(names))
+    return 0
+
+
+def lxc_info(argv):
+    """lxc-info -n <name> [-p] [-s] [-H]: follows lxc src/lxc/tools/lxc_info.c print_info (one
+    filter and -H: the bare value; a stopped CT has no PID line)."""
+    name: str = ""
+    flags: set[str] = set()
+    rest = list(argv)
+    while rest:
+        a = rest.pop(0)
+        if a in ("-n", "--name") and rest:
+            name = rest.pop(0)
+        elif a.startswith("--name="):
+            name = a.split("=", 1)[1]
+        elif a in ("--pid", "--state", "--no-humanize"):
+            flags.add({"--pid": "p", "--state": "s", "--no-humanize": "H"}[a])
+        elif re.fullmatch(r"-[psH]+", a):
+            flags.update(a[1:])
+        else:
+            ts.die(f"lxc-info: unrecognized option '{a}'", 1)
+    if not name:
+        ts.die("lxc-info: missing container name, use --name option", 1)
+    vmid = int(name) if name.isdigit() else None
+    if vmid is None or vmid not in guest_ids("lxc"):
+        ts.die(f"{name} doesn't exist", 1)
+    raw, state, want_pid = "H" in flags, "s" in flags, "p" in flags
+    ha_step()
+    pid = ct_init_pid(vmid) if vmid in ct_active() else None
+    count = int(state) + int(want_pid)
+    if state:
+        value = "RUNNING" if pid or vmid in ct_active() else "STOPPED"
+        print(value if raw and count == 1 else f"{'State:':<15} {value}")
+    if want_pid and pid:
+        print(pid if raw and count == 1 else f"{'PID:':<15} {pid}")
+    return 0
 
 
 def ct_halt(vmid):
@@ -755,7 +990,7 @@ def ct_cli(cmd, rest):
         try:
             fd = os.open(src, os.O_RDONLY)
         except OSError as e:
-            raise ApiError(f"unable to open file '{src}' - {e.strerror}")
+            raise ApiError(f"unable to open file '{src}' - {e.strerror}") from e
         perms = perms or f"{stat.S_IMODE(os.fstat(fd).st_mode):o}"
         script = 'cat > "$1" && chmod "$2" "$1" && { [ -z "$3" ] || chown "$3" "$1"; }'
         os.dup2(fd, 0)
@@ -763,7 +998,7 @@ def ct_cli(cmd, rest):
     try:
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, int(perms or "644", 8))
     except OSError as e:
-        raise ApiError(f"unable to open file '{dest}' - {e.strerror}")
+        raise ApiError(f"unable to open file '{dest}' - {e.strerror}") from e
     os.dup2(fd, 1)
     return ct_execvp(vmid, ["cat", "--", src])
 
@@ -786,7 +1021,8 @@ def ct_execvp(vmid, command):
 
 def read_mappings():
     """{id: {"map": [str], "description": str?, ...}} from /etc/pve/mapping/pci.cfg."""
-    out, cur = {}, None
+    out: dict[str, dict] = {}
+    cur = None
     for line in (ts.read("/etc/pve/mapping/pci.cfg") or "").splitlines():
         if not line.strip():
             cur = None
@@ -829,7 +1065,7 @@ def check_map_strings(maps):
 
 def api(method, path, opts):
     parts = [p for p in path.strip("/").split("/") if p]
-    single = {}
+    single: dict[str, str] = {}
     for k, v in opts:
         single.setdefault(k, v)
     if parts == ["version"] and method == "get":
@@ -1146,7 +1382,8 @@ def pveversion(argv):
 
 
 HANDLERS = {"pct": lambda a: guest_cli("lxc", a), "qm": lambda a: guest_cli("qemu", a),
-            "pvesh": pvesh, "pveversion": pveversion, "ha-manager": ha_manager}
+            "pvesh": pvesh, "pveversion": pveversion, "ha-manager": ha_manager,
+            "lxc-ls": lxc_ls, "lxc-info": lxc_info}
 PROGRAMS = tuple(HANDLERS)
 
 

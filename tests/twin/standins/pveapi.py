@@ -49,6 +49,7 @@ def load_proxmox_standin():
     path = os.path.join(os.environ.get("TWIN_ROOT", "/"), "usr/local/lib/twin/proxmox.py")
     loader = importlib.machinery.SourceFileLoader("proxmox_standin", path)
     spec = importlib.util.spec_from_loader("proxmox_standin", loader)
+    assert spec is not None  # spec_from_loader with a loader gives one
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module

@@ -77,7 +77,7 @@ def run_worker(programs: dict, fds: list[int], strings: list[str]) -> int:
             os.close(fd)
     os.chdir(cwd)
     os.environ.clear()
-    os.environ.update(e.split("=", 1) for e in env if "=" in e)
+    os.environ.update(dict(e.split("=", 1) for e in env if "=" in e))
     sys.argv = [exe, *args]
     prog = os.path.basename(argv0)
     module = programs.get(prog)
@@ -174,9 +174,9 @@ def main() -> int:
                         break
                     if pid == 0:
                         break
-                    conn = waiting.pop(pid, None)
-                    if conn is None:
+                    if pid not in waiting:
                         continue
+                    conn = waiting.pop(pid)
                     code = os.waitstatus_to_exitcode(status)
                     code = 128 - code if code < 0 else code
                     try:

@@ -30,6 +30,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -130,7 +131,16 @@ TWIN_RECORDINGS_GUESTS = [
     ("file-texts-vm300-and-missing", "files.FileTexts", [["/etc/pve/qemu-server/300.conf", "/etc/nccl.conf"]]),
     ("pci-id-names-kpro6", "pci.PciIdNames", [["10de:2bb5", "10de:22e8", "1022:14ab", "8086:1572", "144d:a80a"]]),
 ]
-RECORDING_GROUPS = {"stages": (TWIN_RECORDINGS, TWIN_PREPARED), "guests": (TWIN_RECORDINGS_GUESTS, TWIN_PREPARED_GUESTS)}
+# A third recording (session 8, `--record-twin NAME packages`): the Proxmox VE versions read from
+# dpkg (no pveversion), on a kpro6 twin whose root carries the profile's Proxmox VE packages in its
+# real dpkg database (tests/twin/hardware.py _seed_pve_packages); dpkg-query is Debian's own.
+TWIN_PREPARED_PACKAGES = "a kpro6 twin as started (its profile's Proxmox VE packages in dpkg's database)"
+TWIN_RECORDINGS_PACKAGES = [
+    ("pve-version-dpkg", "proxmox.PveVersion", None),
+    ("pve-packages-dpkg", "proxmox.PvePackages", None),
+]
+RECORDING_GROUPS: dict[str, tuple[list, str]] = {"stages": (TWIN_RECORDINGS, TWIN_PREPARED), "guests": (TWIN_RECORDINGS_GUESTS, TWIN_PREPARED_GUESTS),
+                    "packages": (TWIN_RECORDINGS_PACKAGES, TWIN_PREPARED_PACKAGES)}
 
 
 def fact_command(fact_path: str, args) -> str:
@@ -140,7 +150,8 @@ def fact_command(fact_path: str, args) -> str:
     return StringCommand(command).get_raw_value()
 
 
-def record_twin(name: str, group: str = "stages", date: str = "2026-12-03") -> None:
+def record_twin(name: str, group: str = "stages", date: str | None = None) -> None:
+    date = date or time.strftime("%Y-%m-%d")
     recordings, prepared = RECORDING_GROUPS[group]
     twinctl = ROOT / "tests" / "twin" / "twinctl"
     folder = FIXTURES / TWIN_DIR
@@ -244,10 +255,6 @@ CASES = [
           ("pve9-116-xtts-unprivileged-raw-lxc-nvidia-allow-a.txt", 116, None),
           ("telmate-1138-gpu-and-coral-snippet.txt", 100, "the source names no CT id; 100 is assumed"),
       )],
-    *[case("proxmox.PveVersion", Path(name).stem, f"pveversion/{name}") for name in (
-        "pve-8.3.3-debian-install-kernel-6.11.txt", "pve-9.1.7-prefixed-by-author.txt")],
-    case("proxmox.PvePackages", "pve-8.4.11-verbose-package-versions-ceph-reef",
-         "pveversion/pve-8.4.11-verbose-package-versions-ceph-reef.txt"),
     *[case("kernel.ProxmoxKernels", name, f"proxmox-boot-tool/{fixture}",
            sections=[("@@ kernel list", f"proxmox-boot-tool/{fixture}", ranges), ("@@ /boot", None, None),
                      ("@@ running", None, None), ("@@ pin", None, None), ("@@ next-boot-pin", None, None)],
@@ -265,10 +272,11 @@ CASES = [
     case("hardware.HardwareProbe", "h200-vm-one-command", "h200-vm-probe/hardware-probe.txt",
          note="the probe's own single command, run on the H200 VM"),
     case("hardware.HostConfigProbe", "h200-vm-one-command", "h200-vm-probe/host-config-probe.txt",
-         note="the probe's own single command, run on the H200 VM (no Proxmox there)"),
+         note="the probe's own single command, run on the H200 VM (no Proxmox there); its pve_version "
+              "section was pveversion then, which prints nothing there, as dpkg-query of pve-manager does"),
     *[case(fact_path, f"twin-kpro6-{fixture}", f"{TWIN_DIR}/{fixture}.txt", args=args,
            note="recorded on the kpro6 twin (INDEX.tsv says how it was prepared)")
-      for fixture, fact_path, args in TWIN_RECORDINGS + TWIN_RECORDINGS_GUESTS],
+      for fixture, fact_path, args in TWIN_RECORDINGS + TWIN_RECORDINGS_GUESTS + TWIN_RECORDINGS_PACKAGES],
     *[case("boot.GrubFiles", Path(name).stem, f"cmdline/{name}",
            sections=[("@@ /etc/default/grub", f"cmdline/{name}", None)],
            note="/etc/default/grub alone (no grub.d drop-ins in the source)")

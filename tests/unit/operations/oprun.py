@@ -27,7 +27,7 @@ from pyinfra.context import ctx_host, ctx_state
 from pyinfra_testing.util import FakeState, create_host, get_command_string
 
 # facts for an operation that reports progress (operations.progress.reported): no build recorded on this host
-NO_BUILDS = {"progress.Durations": {}}
+NO_BUILDS: dict[str, Any] = {"progress.Durations": {}}
 
 
 def text(command: Any) -> Any:

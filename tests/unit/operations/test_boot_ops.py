@@ -71,7 +71,9 @@ def test_systemd_boot_writes_etc_kernel_cmdline_keeping_zfs_root_then_refreshes(
     assert "/etc/kernel/cmdline" in commands[0] and "base64 -d" in commands[0]
     assert "refresh" not in commands[0]  # the BOOT_REFRESH handler does it once, at the end
     assert p["refresh_command"] == "proxmox-boot-tool refresh"
-    written = re.search(r"printf %s (\S+) \| base64 -d", commands[0]).group(1)
+    found = re.search(r"printf %s (\S+) \| base64 -d", commands[0])
+    assert found, commands[0]
+    written = found.group(1)
     assert base64.b64decode(written).decode() == p["cmdline_content"]
 
 
@@ -135,7 +137,7 @@ def test_early_modules_writes_only_the_changed_files_and_leaves_the_initramfs_to
     p = boot.boot_plan(spec, systemd_boot_facts("root=/dev/sda", "root=/dev/sda"))
     assert p["modules"][boot.VFIO_CONF].splitlines()[-3:] == ["vfio", "vfio_iommu_type1", "vfio_pci"]
     assert "blacklist nouveau" in p["modules"][boot.NOUVEAU_CONF]
-    states = {boot.NOUVEAU_CONF: {"mode": "644", "sha256": sha256_text(p["modules"][boot.NOUVEAU_CONF])}}
+    states: dict[str, dict | None] = {boot.NOUVEAU_CONF: {"mode": "644", "sha256": sha256_text(p["modules"][boot.NOUVEAU_CONF])}}
     commands, noop = run_op(boot.early_modules, p["modules"], states)
     assert len(commands) == 1 and boot.VFIO_CONF in commands[0] and boot.NOUVEAU_CONF not in commands[0]
     assert "update-initramfs" not in commands[0]

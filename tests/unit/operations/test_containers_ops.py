@@ -1,6 +1,7 @@
-"""Container user space stage: the fact and the install command run in a real shell against a `pct`
-that chroots into the container's own root (its /usr an overlay of the host's), with a small
-stand-in of NVIDIA's .run that honours the flags pvegpu passes."""
+"""Container user space stage: the fact and the install command run in a real shell on a fake
+node whose running CT has its own root (its /usr an overlay of the host's) and init, read through
+/proc/<init>/root and written by a `pct` that enters it, with a small stand-in of NVIDIA's .run
+that honours the flags pvegpu passes."""
 
 import hashlib
 import os
@@ -13,24 +14,11 @@ import pytest
 from operations import containers
 from plan.containers import INSTALLER_FLAGS, plan_userspace
 from spec.models import ContainerSpec
+from tests.unit.operations.fake_node import FakeNode
 from tests.unit.operations.oprun import NO_BUILDS, run_op
-from tests.unit.operations.test_nccl_ops import pct_list, read_in_shell
+from tests.unit.operations.test_nccl_ops import read_in_shell
 
 VERSION = "595.71.05"
-
-FAKE_PCT = r"""#!/bin/sh
-# pct for tests: `list` prints $FAKE_PCT/list; `push ID SRC DST [--perms M]` copies into the CT's root;
-# `exec ID -- CMD…` runs CMD chrooted in $FAKE_PCT/ct<ID> with /usr an overlay of the host's /usr.
-echo "$*" >> "$FAKE_PCT/calls"
-root="$FAKE_PCT/ct$2"
-case "$1" in
-list) cat "$FAKE_PCT/list" ;;
-push) cp "$3" "$root$4" && { [ "$5" != --perms ] || chmod "$6" "$root$4"; } ;;
-exec) shift 3
-      exec unshare --mount sh -c 'mount -t overlay overlay -o "lowerdir=/usr,upperdir=$0/.usr-upper,workdir=$0/.usr-work" "$0/usr" && exec chroot "$0" "$@"' "$root" "$@" ;;
-*) echo "fake pct: $1 not supported" >&2; exit 255 ;;
-esac
-"""
 
 # A .run as far as pvegpu uses it: refuses to build modules, installs the NVML/CUDA libraries.
 TEST_RUN = r"""#!/bin/sh
@@ -51,35 +39,28 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare")
 
 @pytest.fixture
 def node(tmp_path):
-    """A fake node: CT 200 running with its own root; the installer at a local path."""
-    fake = tmp_path / "pct-state"
-    root = fake / "ct200"
-    for sub in ("usr", "etc", "root", "tmp", ".usr-upper", ".usr-work"):
-        (root / sub).mkdir(parents=True)
-    for link in ("bin", "lib", "lib64", "sbin"):
-        if Path(f"/{link}").is_symlink():
-            (root / link).symlink_to(os.readlink(f"/{link}"))
-    (fake / "list").write_text("\n".join(pct_list(**{"200": "running", "201": "stopped"})) + "\n")
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "pct").write_text(FAKE_PCT)
-    (bindir / "pct").chmod(0o755)
+    """A fake node (tests/unit/operations/fake_node.py): CT 200 running with its own root and
+    init, CT 201 stopped; the installer at a local path."""
+    fake = FakeNode(tmp_path)
+    root = fake.ct(200, "running")
+    fake.ct(201, "stopped")
     run = tmp_path / f"NVIDIA-Linux-x86_64-{VERSION}.run"
     run.write_text(TEST_RUN.replace("@VERSION@", VERSION))
-    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", FAKE_PCT=str(fake))
-    return {"fake": fake, "root": root, "env": env, "run": run,
-            "sha": hashlib.sha256(run.read_bytes()).hexdigest(), "cache": tmp_path / "cache"}
+    yield {"fake": fake.dir, "node": fake, "root": root, "env": fake.env, "run": run,
+           "sha": hashlib.sha256(run.read_bytes()).hexdigest(), "cache": tmp_path / "cache"}
+    fake.stop()
 
 
 def shell(command, env):
     return subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env)
 
 
-def read_state(env, ctids=(200, 201)):
-    """`container_userspace_state` on the fake node: the guest state read first (the only
-    `pct list`), then only the running CT looked into."""
-    state, commands = read_in_shell(env, containers.container_userspace_state, list(ctids))
-    assert [c.count("pct list") for c in commands] == [1, 0] and "for id in 200; do" in commands[1]
+def read_state(node, ctids=(200, 201)):
+    """`container_userspace_state` on the fake node: the guest state read first, then only the
+    running CT looked into (through its init's root), no Proxmox CLI started."""
+    calls = node["node"].calls()
+    state, commands = read_in_shell(node["env"], containers.container_userspace_state, list(ctids))
+    assert "for id in 200; do" in commands[1] and node["node"].calls() == calls
     return state
 
 
@@ -93,8 +74,8 @@ def test_fact_parses_stopped_and_missing_containers_and_host_driver():
     assert state == {"host_root": "64:2", "host_driver": VERSION,
                      "containers": {200: {"root": "65:34", "arch": "x86_64", "glibc": True,
                                           "libs": [f"/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.{VERSION}"]}}}
-    # pct exec failed (its message instead of the probe): no answer, not an empty CT
-    failed = fact.process(["@@ ct 200", "CT 200 not running"])
+    # its init was not found (the CT stopped since): no answer, not an empty CT
+    failed = fact.process(["@@ ct 200"])
     assert failed["containers"] == {} and failed["host_driver"] is None
 
 
@@ -115,7 +96,7 @@ def test_install_command_quotes_values_and_passes_the_no_modules_flags():
 @needs_root
 def test_install_into_the_containers_own_root_then_nothing_to_do(node):
     env = node["env"]
-    state = read_state(env)
+    state = read_state(node)
     assert state["status"] == {200: "running", 201: "stopped"}
     assert state["containers"][200]["libs"] == [] and state["containers"][200]["root"] != state["host_root"]
     cts = {200: ContainerSpec(gpus=["0000:01:00.0"]), 201: ContainerSpec(gpus=["0000:21:00.0"])}
@@ -134,7 +115,7 @@ def test_install_into_the_containers_own_root_then_nothing_to_do(node):
     assert (node["root"] / "installer-flags").read_text().split() == list(INSTALLER_FLAGS)
     assert not (node["root"] / f"root/.pvegpu-NVIDIA-Linux-x86_64-{VERSION}.run").exists(), "installer removed"
 
-    again = plan_userspace(VERSION, cts, read_state(env))
+    again = plan_userspace(VERSION, cts, read_state(node))
     assert [(s.ctid, s.action) for s in again] == [(200, "ok"), (201, "skip")]
 
 
@@ -162,8 +143,9 @@ def test_failed_install_reports_removes_the_installer_and_bad_checksum_pushes_no
     ("Failed to initialize NVML: Driver/library version mismatch\nNVML library version: 580.95", False),
 ])
 def test_after_install_only_a_version_mismatch_fails_the_run(node, smi_says, ok):
-    smi = node["root"] / ".usr-upper/local/bin/nvidia-smi"
-    smi.parent.mkdir(parents=True)
+    # written through the CT's mounted root (its init's view), as a file of the CT
+    smi = Path(f"/proc/{(node['fake'] / 'ct200.pid').read_text().strip()}/root/usr/local/bin/nvidia-smi")
+    smi.parent.mkdir(parents=True, exist_ok=True)
     smi.write_text(f"#!/bin/sh\nprintf '%s\\n' '{smi_says}'\nexit 9\n")
     smi.chmod(0o755)
     cached = str(node["cache"] / f"{node['sha']}-installer.run")

@@ -1,8 +1,8 @@
 """operations.gpus: stage facts' parsers, the binding rule file, and the rebind operation's
 commands. The runner script itself runs for real in tests/unit/operations/test_rebind_runner.py."""
 
-import os
 import subprocess
+import sys
 from pathlib import Path
 
 from facts.rebind import GpuHolders, GuestRuntime, parse_guest_runtime
@@ -10,39 +10,74 @@ from operations.gpus import binding_rules, close_rebind_journal, rebind_gpus
 from plan.gpus import Bindings, Move, RebindPlan
 from plan.rebind import Journal
 from tests.twin.hardware import RULE_RE
+from tests.unit.operations.fake_node import NODE, FakeNode
 from tests.unit.operations.oprun import run_op
 
+# what facts.guest_state.GUEST_STATE_COMMAND prints: this node's CT configs, lxc's running CTs,
+# then each VM config's id and state from its pid file
 PCT_LIST = """\
-VMID       Status     Lock         Name
-200        running                 gpu-ct
-201        stopped                 spare
+200
+201
+@@ lxc-active
+200
 """
 QM_LIST = """\
-      VMID NAME                 STATUS     MEM(MB)    BOOTDISK(GB) PID
-       300 gpu-vm               running    65536             64.00 12345
+300 running
 """
 
 
-def test_guest_runtime_parses_pct_qm_and_how_sys_is_mounted():
-    out = ["@@ sysfs", "rw,nosuid,nodev,noexec,relatime", "@@ pct", *PCT_LIST.splitlines(), "@@ qm",
+def test_guest_runtime_parses_guests_and_how_sys_is_mounted():
+    out = ["@@ sysfs", "rw,nosuid,nodev,noexec,relatime", "@@ lxc", *PCT_LIST.splitlines(), "@@ qemu",
            *QM_LIST.splitlines()]
     assert parse_guest_runtime(out) == {"sysfs_live": True, "status": {
         "pct": True, "lxc": {200: "running", 201: "stopped"}, "qemu": {300: "running"}}}
     # a read-only /sys (a container; the twin without its kernel model): no live rebind; no pct: not PVE
-    assert parse_guest_runtime(["@@ sysfs", "ro,nosuid,nodev,noexec,relatime", "@@ qm"]) == {
+    assert parse_guest_runtime(["@@ sysfs", "ro,nosuid,nodev,noexec,relatime", "@@ qemu"]) == {
         "sysfs_live": False, "status": {"pct": False, "lxc": {}, "qemu": {}}}
-    assert parse_guest_runtime(["@@ sysfs", "@@ qm"])["sysfs_live"] is False  # no /sys mount at all
+    assert parse_guest_runtime(["@@ sysfs", "@@ qemu"])["sysfs_live"] is False  # no /sys mount at all
 
 
-def test_guest_runtime_runs_pct_and_qm_list_in_a_real_shell(tmp_path):
-    """Its one command, with stub pct/qm printing PVE's list formats (the run's guest state comes from it)."""
-    for tool, listing in (("pct", PCT_LIST), ("qm", QM_LIST)):
-        (tmp_path / tool).write_text(f"#!/bin/sh\n[ \"$1\" = list ] && printf %s '{listing}'\n")
-        (tmp_path / tool).chmod(0o755)
-    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
-    out = subprocess.run(["sh", "-c", GuestRuntime.command], capture_output=True, text=True, env=env, check=True)
+def test_guest_runtime_reads_configs_lxc_and_vm_pid_files_in_a_real_shell(tmp_path):
+    """Its one command in a real shell on a fake node (tests/unit/operations/fake_node.py): the
+    guests are this node's configs, the CTs' state lxc's, the VMs' their pid files with real
+    processes (only a live process whose argv[0] ends in kvm and whose -pidfile is that file runs);
+    no Proxmox CLI starts (each stub logs its call)."""
+    node = FakeNode(tmp_path)
+    node.ct(200)
+    node.ct(201)
+    (node.dir / "active").write_text("200\n")  # lxc's running CTs
+    confs, run = node.dir / "pve/nodes" / NODE / "qemu-server", node.dir / "qemu-server"
+    for vmid in (300, 301, 302, 303, 304):
+        (confs / f"{vmid}.conf").write_text("memory: 2048\n")
+    (node.dir / "pve/nodes/other/qemu-server").mkdir(parents=True)
+    (node.dir / "pve/nodes/other/qemu-server/400.conf").write_text("")  # another node's VM
+    (node.dir / "pve/nodes/other/lxc").mkdir(parents=True)
+    (node.dir / "pve/nodes/other/lxc/500.conf").write_text("")  # another node's CT
+    sleeper = "import time; time.sleep(60)"
+
+    procs: list[subprocess.Popen] = []
+
+    def spawn(argv0: str, pidfile: Path) -> int:  # a real process whose argv[0] is argv0
+        p = subprocess.Popen([argv0, "-c", sleeper, "-id", "x", "-pidfile", str(pidfile)], executable=sys.executable)
+        procs.append(p)
+        return p.pid
+
+    try:
+        (run / "300.pid").write_text(f"{spawn('/usr/bin/kvm', run / '300.pid')}\n")        # running
+        (run / "301.pid").write_text(f"{spawn('/usr/bin/kvm', run / 'other.pid')}\n")      # another pid file
+        (run / "302.pid").write_text(f"{spawn('/usr/bin/python3', run / '302.pid')}\n")    # not a kvm
+        (run / "303.pid").write_text("999999999\n")                                         # no such process
+        out = subprocess.run(["sh", "-c", node.rewrite(GuestRuntime.command)], capture_output=True, text=True,
+                             env=node.env, check=True)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert node.calls() == []
     runtime = GuestRuntime().process(out.stdout.splitlines())
-    assert runtime["status"] == {"pct": True, "lxc": {200: "running", 201: "stopped"}, "qemu": {300: "running"}}
+    assert runtime["status"] == {"pct": True, "lxc": {200: "running", 201: "stopped"},
+                                 "qemu": {300: "running", 301: "stopped", 302: "stopped", 303: "stopped",
+                                          304: "stopped"}}
     # the options of the /sys mount this process sees, read here without awk
     sys_opts = [line.split()[5] for line in Path("/proc/self/mountinfo").read_text().splitlines()
                 if line.split()[4] == "/sys"]
@@ -63,7 +98,7 @@ def test_binding_rules_follow_the_twin_contract_format():
                                    "0000:01:00.0": "nvidia", "0000:e1:00.0": None}))
     rules = [l for l in text.splitlines() if l and not l.startswith("#")]
     assert rules[0] == 'ACTION=="add", SUBSYSTEM=="pci", KERNEL=="0000:01:00.0", ATTR{driver_override}="nvidia"'
-    assert {(m["bdf"], m["drv"]) for m in map(RULE_RE.search, rules)} == {
+    assert {(m["bdf"], m["drv"]) if m else None for m in map(RULE_RE.search, rules)} == {
         ("0000:01:00.0", "nvidia"), ("0000:81:00.0", "vfio-pci"), ("0000:81:00.1", "vfio-pci")}
 
 
@@ -85,7 +120,7 @@ def test_rebind_op_is_one_detached_start_or_a_noop():
     commands, _ = run_op(rebind_gpus, PLAN, NVIDIA, systemd=True, txid="tx-1", render=None)
     assert "systemd-run --unit pvegpu-rebind --collect --quiet flock /run/pvegpu/rebind.lock" in str(commands[0])
     commands, noop = run_op(rebind_gpus, RebindPlan([], [], [], True), NVIDIA, render=None)
-    assert commands == [] and "every GPU is bound" in noop
+    assert commands == [] and "every GPU is bound" in (noop or "")
 
 
 def test_carried_guests_are_recorded_in_the_new_journal():
@@ -114,7 +149,7 @@ def test_with_the_api_guests_shut_down_through_it_before_the_runner(monkeypatch)
 
 def test_close_journal_only_when_there_is_one():
     commands, noop = run_op(close_rebind_journal, Journal(), False, render=None)
-    assert commands == [] and "no rebind journal" in noop
+    assert commands == [] and "no rebind journal" in (noop or "")
     commands, _ = run_op(close_rebind_journal, Journal(lines=["t begin x pid=1"]), False, render=None)
     assert "mv /var/lib/pvegpu/rebind/journal /var/lib/pvegpu/rebind/history/" in str(commands[0])
     commands, _ = run_op(close_rebind_journal, Journal(), True, render=None)

@@ -47,9 +47,10 @@ def test_container_state_fact_splits_real_outputs():
 
 def written(command):
     """The content a write_file_command writes, and its path."""
-    b64 = re.search(r"printf %s (\S+) \| base64 -d", command).group(1)
-    path = re.search(r"&& mv -f \S+ (\S+?)(?: \) 9>\S+)?$", command).group(1)
-    return path, base64.b64decode(b64).decode()
+    content = re.search(r"printf %s (\S+) \| base64 -d", command)
+    target = re.search(r"&& mv -f \S+ (\S+?)(?: \) 9>\S+)?$", command)
+    assert content and target, command
+    return target.group(1), base64.b64decode(content.group(1)).decode()
 
 
 def facts_for(configs, status):

@@ -64,7 +64,7 @@ def test_second_converge_runs_nothing():
     for run in h.handler_runs(h.pending(second), stamps):
         assert run["reasons"] == []
         commands, noop = run_op(h.run_handler, **{k: v for k, v in run.items() if k != "name"})
-        assert commands == [] and "no stage changed" in noop
+        assert commands == [] and "no stage changed" in (noop or "")
 
 
 def test_a_run_that_stopped_before_the_update_retries_it_next_run():

@@ -39,7 +39,7 @@ def test_tarball_script_verifies_sha_configures_and_runs_bindeb_pkg():
     assert "merge_config.sh -m .config pvegpu.config" in text
     assert 'make -j2 CC="ccache gcc" LOCALVERSION=-pvegpu-ci KDEB_PKGVERSION=1 KDEB_COMPRESS=gzip bindeb-pkg' in text
     assert "xz -dc -T0 source.tar | tar -x -C src --strip-components=1" in text
-    assert "cp /var/cache/linux-source-6.1.tar.xz source.tar.part" in text
+    assert "cp -- /var/cache/linux-source-6.1.tar.xz source.tar.part" in text
     running = script_for(KernelSpec(version="6.1.192-x", source=TARBALL, ccache=False))
     assert 'cp "/boot/config-$(uname -r)" .config' in running and "ccache" not in running
 

@@ -16,12 +16,12 @@ from facts.run_state import run_state
 from operations import handlers, nccl
 from operations.files import sha256_text
 from spec.load import load_spec_file
+from tests.unit.operations.fake_node import FakeNode, rewrite
 from tests.unit.operations.oprun import NO_BUILDS, run_op
 from tests.unit.test_nccl import nccl_conf_values
 from tests.unit.test_topology_report import kpro6_hardware
 
 ROOT = Path(__file__).resolve().parents[3]
-PCT_HEADER = f"{'VMID':<10} {'Status':<10} {'Lock':<12} {'Name':<20}"  # pct list's header (PVE's format)
 
 
 
@@ -47,7 +47,7 @@ class ShellHost:
         fact = fact_cls()
         command = fact.command(**kwargs) if callable(fact.command) else fact.command
         self.commands.append(command)
-        return fact.process(sh(command, self.env).splitlines())
+        return fact.process(sh(rewrite(self.env, command), self.env).splitlines())
 
 
 def read_in_shell(env, read, *args):
@@ -64,8 +64,9 @@ def kpro6_spec(**nccl_changes):
     return spec
 
 
-def pct_list(**status):
-    return [PCT_HEADER] + [f"{ctid:<10} {st:<10} {'':<12} {'llm':<20}" for ctid, st in status.items()]
+def guest_lines(**status):
+    """What `GuestState`'s command prints for CTs of these states (configs, lxc's running CTs)."""
+    return ["@@ lxc", *status, "@@ lxc-active", *(ctid for ctid, st in status.items() if st == "running")]
 
 
 def state_for(want, *, ct_status="running", ct_root="65:34", systemd=True, dropins=None, converged=True):
@@ -83,7 +84,7 @@ def state_for(want, *, ct_status="running", ct_root="65:34", systemd=True, dropi
         for ctid, text in want["containers"].items():
             lines += [f"@@ ct {ctid}", ct_root,
                       *(["644", sha256_text(text)] if converged else ["MISSING"])]
-    guests = GuestState().process(["@@ pct", *pct_list(**{str(c): ct_status for c in want["containers"]})])
+    guests = GuestState().process(guest_lines(**{str(c): ct_status for c in want["containers"]}))
     return with_ct_status(nccl.NcclState().process(lines), guests)
 
 
@@ -101,17 +102,19 @@ def commands_of(ops):
 def test_kpro6_host_and_container_files_disable_p2p_with_the_sev_snp_reason():
     want = nccl.desired(kpro6_spec(), kpro6_hardware(), rdma_devices=[])
     host_values = nccl_conf_values(want["host"])
-    assert host_values == {"NCCL_IB_DISABLE": "1", "NCCL_P2P_DISABLE": "1"}
-    assert "# P2P DMA is unsafe on this host: SEV-SNP is on" in want["host"]
+    # no NCCL_IB_DISABLE: without RDMA devices NCCL uses sockets by itself
+    assert host_values == {"NCCL_P2P_DISABLE": "1", "NCCL_WIN_ENABLE": "0"}
+    assert "P2P DMA is unsafe on this host: SEV-SNP is on" in want["host"]
     assert set(want["containers"]) == {200}
-    assert nccl_conf_values(want["containers"][200]) == {"NCCL_IB_DISABLE": "1", "NCCL_P2P_DISABLE": "1"}
+    assert nccl_conf_values(want["containers"][200]) == {"NCCL_P2P_DISABLE": "1", "NCCL_WIN_ENABLE": "0"}
     assert "(container 200)" in want["containers"][200]
     dry = nccl.describe(want)
-    assert any(line.startswith("NCCL (host): NCCL_P2P_DISABLE=1  — P2P DMA is unsafe") for line in dry)
-    assert any(line.startswith("NCCL (CT 200): NCCL_IB_DISABLE=1") for line in dry)
+    assert any(line.startswith("NCCL (host): NCCL_P2P_DISABLE=1  — ") and "P2P DMA is unsafe" in line for line in dry)
+    assert any(line.startswith("NCCL (CT 200): NCCL_WIN_ENABLE=0") for line in dry)
+    assert any("restarted" in line for line in dry)
 
 
-def test_rdma_devices_keep_ib_and_services_get_the_host_variables_as_environment():
+def test_services_get_the_host_variables_as_environment():
     spec = kpro6_spec(services=["vllm", "ray-head.service"], overrides={"NCCL_DEBUG": "WARN"})
     want = nccl.desired(spec, kpro6_hardware(), rdma_devices=["mlx5_0"])
     assert "NCCL_IB_DISABLE" not in nccl_conf_values(want["host"])
@@ -120,7 +123,8 @@ def test_rdma_devices_keep_ib_and_services_get_the_host_variables_as_environment
     unit, text = want["dropins"]["/etc/systemd/system/vllm.service.d/pvegpu-nccl.conf"]
     assert unit == "vllm.service"
     env_lines = [line for line in text.splitlines() if line.startswith("Environment=")]
-    assert env_lines == ['Environment="NCCL_DEBUG=WARN"', 'Environment="NCCL_P2P_DISABLE=1"']
+    assert env_lines == ['Environment="NCCL_DEBUG=WARN"', 'Environment="NCCL_P2P_DISABLE=1"',
+                         'Environment="NCCL_WIN_ENABLE=0"']
     assert "# [override] set by the spec's NCCL overrides" in text
 
 
@@ -275,12 +279,12 @@ def test_container_file_is_skipped_with_a_reason_when_pct_exec_cannot_reach_its_
 
 def test_missing_container_and_host_without_pct_are_noops():
     found = nccl.NcclState().process(["@@ root", "64:2"])
-    state = with_ct_status(found, GuestState().process(["@@ pct", PCT_HEADER, "@@ qm"]))
+    state = with_ct_status(found, GuestState().process(["@@ lxc", "@@ lxc-active", "@@ qemu"]))
     assert run_op(nccl.container_nccl_conf, ctid=201, content="x\n", state=state, facts=NO_BUILDS) == (
         [], "CT 201 does not exist on this node; its /etc/nccl.conf is written once it exists and runs")
-    no_pct = with_ct_status(found, GuestState().process(["@@ qm"]))
-    assert run_op(nccl.container_nccl_conf, ctid=201, content="x\n", state=no_pct,
-                  facts=NO_BUILDS)[1].startswith("CT 201: no pct on this host")
+    no_pct = with_ct_status(found, GuestState().process(["@@ qemu"]))
+    assert (run_op(nccl.container_nccl_conf, ctid=201, content="x\n", state=no_pct,
+                  facts=NO_BUILDS)[1] or "").startswith("CT 201: no pct on this host")
 
 
 def test_state_fact_runs_in_a_real_shell(tmp_path):
@@ -301,51 +305,69 @@ def test_state_fact_runs_in_a_real_shell(tmp_path):
     assert GuestState().process(sh(GuestState.command).splitlines())["pct"] is bool(shutil.which("pct"))
 
 
-FAKE_PCT = """#!/bin/sh
-# pct for tests: `list` prints $FAKE_PCT/list; `exec ID -- CMD…` runs CMD chrooted in $FAKE_PCT/ct<ID>
-# (its own /, the host's /usr bound read-only into it), as a container's own root filesystem.
-case "$1" in
-list) cat "$FAKE_PCT/list" ;;
-exec) root="$FAKE_PCT/ct$2"; shift 3
-      exec unshare --mount sh -c 'mount --bind -o ro /usr "$0/usr" && exec chroot "$0" "$@"' "$root" "$@" ;;
-*) echo "fake pct: $1 not supported" >&2; exit 255 ;;
-esac
-"""
-
-
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root (mount namespace, chroot)")
 def test_container_file_goes_through_pct_exec_into_the_containers_own_root(tmp_path):
     """Fact → op → write through `pct exec` → fact again: the CT's file lands in its root, not the
-    host's, and the second run is a noop."""
-    fake = tmp_path / "pct-state"
-    ct_root = fake / "ct200"
-    for sub in ("usr", "etc", "tmp"):
-        (ct_root / sub).mkdir(parents=True)
-    for link in ("bin", "lib", "lib64", "sbin"):
-        if Path(f"/{link}").is_symlink():
-            (ct_root / link).symlink_to(os.readlink(f"/{link}"))
-    (fake / "list").write_text("\n".join(pct_list(**{"200": "running"})) + "\n")
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "pct").write_text(FAKE_PCT)
-    (bindir / "pct").chmod(0o755)
-    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", FAKE_PCT=str(fake))
+    host's, the fact reads it through the CT's init (no Proxmox CLI), and the second run is a noop."""
+    node = FakeNode(tmp_path)
+    try:
+        ct_root = node.ct(200, "running")
+        node.ct(201, "stopped")
+        env = node.env
+        want = nccl.desired(kpro6_spec(), kpro6_hardware(), rdma_devices=[])
+        content = want["containers"][200]
+        paths = [str(tmp_path / "host-nccl.conf")]
+        state, commands = read_in_shell(env, nccl.nccl_state, paths, [200])
+        assert node.calls() == [], "the state is read without a Proxmox CLI"
+        assert state["status"] == {200: "running", 201: "stopped"} and state["pct"]
+        assert state["containers"][200]["readable"] and state["containers"][200]["file"] is None
+        assert state["containers"][200]["root"] != state["host_root"]
 
-    want = nccl.desired(kpro6_spec(), kpro6_hardware(), rdma_devices=[])
-    content = want["containers"][200]
-    paths = [str(tmp_path / "host-nccl.conf")]
-    state, commands = read_in_shell(env, nccl.nccl_state, paths, [200])
-    assert [c.count("pct list") for c in commands] == [1, 0]  # GuestState, then NcclState
-    assert state["status"] == {200: "running"} and state["pct"]
-    assert state["containers"][200]["readable"] and state["containers"][200]["file"] is None
-    assert state["containers"][200]["root"] != state["host_root"]
+        commands, _ = run_op(nccl.container_nccl_conf, ctid=200, content=content, state=state, facts=NO_BUILDS)
+        assert len(commands) == 1
+        sh(commands[0], env)
+        assert (ct_root / "etc" / "nccl.conf").read_text() == content
+        assert oct((ct_root / "etc" / "nccl.conf").stat().st_mode & 0o777) == "0o644"
 
-    commands, _ = run_op(nccl.container_nccl_conf, ctid=200, content=content, state=state, facts=NO_BUILDS)
-    assert len(commands) == 1
-    sh(commands[0], env)
-    assert (ct_root / "etc" / "nccl.conf").read_text() == content
-    assert oct((ct_root / "etc" / "nccl.conf").stat().st_mode & 0o777) == "0o644"
+        again, _ = read_in_shell(env, nccl.nccl_state, paths, [200])
+        assert run_op(nccl.container_nccl_conf, ctid=200, content=content, state=again, facts=NO_BUILDS) == (
+            [], "CT 200: /etc/nccl.conf is up to date")
+        # a link in the CT is not followed out of it: read as missing, so the write replaces it
+        (ct_root / "etc" / "nccl.conf").unlink()
+        (ct_root / "etc" / "nccl.conf").symlink_to(paths[0])
+        (tmp_path / "host-nccl.conf").write_text(content)
+        linked, _ = read_in_shell(env, nccl.nccl_state, paths, [200])
+        assert linked["containers"][200] == {**again["containers"][200], "file": None}
+    finally:
+        node.stop()
 
-    again, _ = read_in_shell(env, nccl.nccl_state, paths, [200])
-    assert run_op(nccl.container_nccl_conf, ctid=200, content=content, state=again, facts=NO_BUILDS) == (
-        [], "CT 200: /etc/nccl.conf is up to date")
+
+def test_nccl_versions_found_on_host_and_in_containers_set_nccls_default_level():
+    """The NCCL library's version decides NCCL's own default level (paths.cc: PXB from 2.23)."""
+    from facts.nccl import nccl_version_of
+
+    lines = ["@@ root", "64:2", "@@ libnccl", "libnccl /usr/lib/x86_64-linux-gnu/libnccl.so.2.26.5",
+             "libnccl /usr/local/lib/python3.11/dist-packages/nvidia_nccl_cu12-2.21.5.dist-info",
+             "@@ ct 200", "65:34", "MISSING", "libnccl /usr/lib/x86_64-linux-gnu/libnccl.so.2.27.7"]
+    state = nccl.NcclState().process(lines)
+    assert state["nccl_versions"] == ["2.21.5", "2.26.5"] and nccl.oldest(state["nccl_versions"]) == "2.21.5"
+    assert state["containers"][200]["nccl_versions"] == ["2.27.7"]
+    assert state["containers"][200]["readable"] is True and state["containers"][200]["file"] is None
+    assert nccl_version_of("/usr/lib/x86_64-linux-gnu/libnccl.so.2") is None
+
+
+def test_services_running_vllm_with_custom_allreduce_are_warned_where_p2p_stops():
+    lines = ["@@ root", "64:2", "@@ unit vllm.service",
+             "ExecStart=/opt/vllm/bin/vllm serve /models/m --tensor-parallel-size 2",
+             "@@ unit sglang.service",
+             "ExecStart=/usr/bin/python3 -m sglang.launch_server --tp 2 --disable-custom-all-reduce"]
+    state = nccl.NcclState().process(lines)
+    assert set(state["exec_start"]) == {"vllm.service", "sglang.service"}
+    spec = kpro6_spec(services=["vllm", "sglang"])
+    want = nccl.desired(spec, kpro6_hardware(), rdma_devices=[], state=state)
+    assert want["service_warnings"] == [
+        "vllm.service runs vLLM with its custom allreduce on: its GPU-to-GPU DMA ignores the NCCL variables; "
+        "add --disable-custom-all-reduce to its ExecStart"]
+    assert any(line.startswith("NCCL: WARNING: vllm.service runs vLLM") for line in nccl.describe(want))
+    command = nccl.NcclState().command([nccl.dropin_path("vllm.service")], [])
+    assert "systemctl cat -- vllm.service" in command

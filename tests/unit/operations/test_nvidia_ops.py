@@ -90,8 +90,8 @@ def test_source_names_and_local_paths():
     assert ops.local_path("file:///srv/a.run") == "/srv/a.run"
     assert ops.local_path("/srv/a.run") == "/srv/a.run"
     assert ops.local_path(url) is None
-    src = SourceSpec(url=url, sha256="a" * 64)
-    assert ops.cached_source(src) == f"{ops.SOURCE_CACHE}/{'a' * 64}-595.71.05.tar.gz"
+    src = SourceSpec(url=url, sha256=SHA)
+    assert ops.cached_source(src) == f"{ops.SOURCE_CACHE}/{SHA}-595.71.05.tar.gz"
 
 
 def test_fetch_checks_sha256_before_the_file_is_usable(tmp_path):
@@ -121,13 +121,15 @@ def test_fetch_op_always_fetches():
 
 
 def _apply_with_steps(monkeypatch, steps: dict, state: dict | None = None, stamps: dict | None = None,
-                      releases: list[str] | None = None) -> tuple[list[str], list[str]]:
-    """ops.apply with the plan's steps given: (operations it called, lines it logged)."""
+                      releases: list[str] | None = None, loaded: str | None = None,
+                      reboots: list | None = None) -> tuple[list[str], list[str]]:
+    """ops.apply with the plan's steps given: (operations it called, lines it logged). `loaded`:
+    the version /proc/driver/nvidia/version shows; `reboots` receives the reboot reasons declared."""
     from spec.load import load_spec_file
 
     called: list[str] = []
-    for name in ("fetch_source", "build_modules", "install_modules", "clean_builds", "install_userspace",
-                 "verify_versions", "link_unit"):
+    for name in ("fetch_source", "check_installer", "build_modules", "install_modules", "clean_builds",
+                 "install_userspace", "verify_versions", "link_unit"):
         monkeypatch.setattr(ops, name, lambda *a, _n=name, **kw: called.append(_n))
     # the depmod handler, flushed by the stage: which command, why (the stamps as given)
     monkeypatch.setattr(ops.handlers, "run_handler",
@@ -137,15 +139,24 @@ def _apply_with_steps(monkeypatch, steps: dict, state: dict | None = None, stamp
     monkeypatch.setattr(ops.logger, "info", said.append)
     host_state = state or {"running": "6.1.0-57-amd64", "releases": {}, "sources": {}, "persistenced": {}}
     monkeypatch.setattr(ops, "_state_and_steps", lambda spec: (host_state, releases or ["6.1.0-57-amd64"], steps))
+    monkeypatch.setattr(ops, "fact_once", lambda fact, **kw: {"nvidia_driver": {"version": loaded} if loaded else None})
     spec = load_spec_file(ROOT / "inventories" / "kpro6.yml")["kpro6"]
-    spec = spec.model_copy(update={"nvidia": spec.nvidia.model_copy(update={"persistenced": False})})
+    assert spec.nvidia is not None
+    # the example leaves modules_source for the operator to fill in (no published sha256 of the archive)
+    modules = SourceSpec(url="https://github.com/NVIDIA/open-gpu-kernel-modules/archive/refs/tags/595.71.05.tar.gz",
+                         sha256=SHA)
+    spec = spec.model_copy(update={"nvidia": spec.nvidia.model_copy(update={"persistenced": False,
+                                                                            "modules_source": modules})})
     fake_state = FakeState()
     with ctx_state.use(fake_state), ctx_host.use(create_host(fake_state)):
-        ops.apply._inner(spec) if hasattr(ops.apply, "_inner") else ops.apply.__wrapped__(spec)
+        ops.apply._inner(spec)
+        if reboots is not None:
+            from facts.run_state import reboot_reasons
+            reboots.extend(reboot_reasons())
     return called, said
 
 
-NOTHING_TO_DO = {"jobs": 2, "ccache": True, "fetch_modules": False, "fetch_installer": False,
+NOTHING_TO_DO: dict = {"jobs": 2, "ccache": True, "fetch_modules": False, "fetch_installer": False,
                  "install_userspace": False, "firmware_files": [], "verify": False, "refusals": [], "notes": [],
                  "releases": {"6.1.0-57-amd64": {"build": False, "cc": "gcc-12", "cxx": None,
                                                  "reason": "nvidia 595.45.04 is installed for 6.1.0-57-amd64"}}}
@@ -163,7 +174,7 @@ def test_apply_calls_each_operation_the_plan_runs(monkeypatch):
              "verify": True, "releases": {"6.1.0-57-amd64": {**NOTHING_TO_DO["releases"]["6.1.0-57-amd64"],
                                                              "build": True}}}
     called, _ = _apply_with_steps(monkeypatch, steps)
-    assert called == ["fetch_source", "fetch_source", "build_modules", "install_modules", "clean_builds",
+    assert called == ["fetch_source", "fetch_source", "check_installer", "build_modules", "install_modules", "clean_builds",
                       "depmod 6.1.0-57-amd64 (nvidia 595.71.05 modules installed for 6.1.0-57-amd64)",
                       "install_userspace", "verify_versions"]
 
@@ -277,6 +288,17 @@ def test_conftest_key_changes_with_archive_headers_and_compiler(tmp_path):
     assert conftest_key(archive, str(fake_cc), modules) != other, "another compiler"
 
 
+# `modinfo -F FIELD FILE` as kmod answers it for a module of $VER built for $REL (one line per
+# value: nvidia.ko declares one MODULE_FIRMWARE per GSP file, kernel-open/nvidia/nv.c)
+FAKE_MODINFO = """#!/bin/sh
+case "$2" in
+  vermagic) echo "$REL SMP preempt mod_unload modversions ";;
+  version) echo "$VER";;
+  firmware) echo "nvidia/$VER/gsp_ga10x.bin"; echo "nvidia/$VER/gsp_tu10x.bin";;
+esac
+"""
+
+
 def fake_build_tools(tmp_path):
     """A `make` that runs the conftest step only when conftest/ is absent, a `modinfo` for vermagic."""
     bindir = tmp_path / "tools"
@@ -286,11 +308,12 @@ def fake_build_tools(tmp_path):
         "if [ -f conftest/functions.h ]; then echo reused >> \"$LOG\"; "
         "else mkdir -p conftest; echo '#define NV_FOO_PRESENT' > conftest/functions.h; echo ran >> \"$LOG\"; fi\n"
         "touch nvidia.ko\n")
-    (bindir / "modinfo").write_text("#!/bin/sh\necho '6.1.0-57-amd64 SMP preempt mod_unload modversions '\n")
+    (bindir / "modinfo").write_text(FAKE_MODINFO)
     (bindir / "strip").write_text("#!/bin/sh\necho \"strip $*\" >> \"$LOG.strip\"\n")  # the fake .ko is no ELF
     for tool in ("make", "modinfo", "strip"):
         (bindir / tool).chmod(0o755)
-    return {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "LOG": str(tmp_path / "conftest.log")}
+    return {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "LOG": str(tmp_path / "conftest.log"),
+            "REL": "6.1.0-57-amd64", "VER": "535.309.01"}
 
 
 def conftest_build(tmp_path, monkeypatch):
@@ -371,7 +394,6 @@ def test_open_tree_src_built_once_for_two_releases_stripped_then_signed(tmp_path
     archive = tmp_path / "open.tar"
     subprocess.run(["tar", "-C", str(tmp_path / "tree"), "-cf", str(archive), top.name], check=True)
     env = fake_build_tools(tmp_path)
-    log = tmp_path / "conftest.log"
     bindir = Path(env["PATH"].split(":")[0])
     # make: the top-level .o_binary targets build src/ (as the tree's Makefile links them); else kernel-open
     (bindir / "make").write_text(
@@ -384,7 +406,6 @@ def test_open_tree_src_built_once_for_two_releases_stripped_then_signed(tmp_path
         "mkdir -p conftest; touch nvidia.ko nvidia-uvm.ko\n")
     (bindir / "sign-file").write_text("#!/bin/sh\necho \"sign $*\" >> \"$LOG.strip\"\n")
     (bindir / "sign-file").chmod(0o755)
-    (bindir / "modinfo").write_text("#!/bin/sh\necho \"$REL SMP preempt mod_unload modversions \"\n")
     outs = []
     for release in ("6.1.0-57-amd64", "6.12.118+deb12-amd64"):
         modules = tmp_path / "lib/modules" / release / "build/scripts"
@@ -393,7 +414,7 @@ def test_open_tree_src_built_once_for_two_releases_stripped_then_signed(tmp_path
         command = ops.build_command(str(archive), "595.71.05", release, "gcc-12", 2, ccache=False, cxx="g++-12",
                                     signing=("/root/mok.key", "/root/mok.der"))
         command = command.replace("/lib/modules/", str(tmp_path / "lib/modules") + "/")
-        done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env={**env, "REL": release})
+        done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env={**env, "REL": release, "VER": "595.71.05"})
         assert done.returncode == 0, done.stderr
         outs.append(done.stdout)
         assert sorted(p.name for p in (tmp_path / "build/595.71.05" / release / "out").iterdir()) == ["nvidia-uvm.ko", "nvidia.ko"]
@@ -446,3 +467,112 @@ def test_a_written_persistenced_unit_declares_the_daemon_reload(monkeypatch):
         entry = run_state(fake).handlers[handlers.DAEMON_RELOAD]
         assert list(entry["inputs"]) == [ops.PERSISTENCED_UNIT] and entry["reasons"] == reasons
     assert written == [ops.PERSISTENCED_UNIT] * 2
+
+
+# -- version identity before install (issue 28 part 1) --------------------------------------
+
+def _tiny_tree(tmp_path, version_mk: str | None):
+    """A one-Kbuild tree (with version.mk when given) and the fake build tools: (archive, env)."""
+    top = tmp_path / "tree/open-gpu-kernel-modules"
+    top.mkdir(parents=True)
+    (top / "Kbuild").write_text("obj-m += nvidia.o\n")
+    if version_mk is not None:
+        (top / "version.mk").write_text(version_mk)
+    archive = tmp_path / "tree.tar"
+    subprocess.run(["tar", "-C", str(tmp_path / "tree"), "-cf", str(archive), top.name], check=True)
+    return archive, fake_build_tools(tmp_path)
+
+
+def _build(tmp_path, monkeypatch, archive, env, version="595.71.05"):
+    monkeypatch.setattr(ops, "BUILD_ROOT", str(tmp_path / "build"))
+    monkeypatch.setattr(ops, "CONFTEST_CACHE", str(tmp_path / "conftest-cache"))
+    command = ops.build_command(str(archive), version, "6.1.0-57-amd64", "gcc", 2, ccache=False)
+    return subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env)
+
+
+def test_a_tree_of_another_version_stops_before_any_compile(tmp_path, monkeypatch):
+    """A 595.45.04 tree configured as 595.71.05: refused from its version.mk, `make` never runs."""
+    archive, env = _tiny_tree(tmp_path, "NVIDIA_VERSION = 595.45.04\nNVIDIA_NVID_VERSION = 595.45.04\n")
+    done = _build(tmp_path, monkeypatch, archive, {**env, "VER": "595.45.04"})
+    assert done.returncode == 1
+    assert "is version '595.45.04' (its version.mk NVIDIA_VERSION), but nvidia.version is 595.71.05" in done.stderr
+    assert not (tmp_path / "conftest.log").exists(), "make ran"
+    archive, env = _tiny_tree(tmp_path / "same", "NVIDIA_VERSION = 595.71.05\n")
+    assert _build(tmp_path / "same", monkeypatch, archive, {**env, "VER": "595.71.05"}).returncode == 0
+
+
+def test_built_modules_of_another_version_are_not_installed(tmp_path, monkeypatch):
+    """A tree without version.mk (Debian's module source, an extracted .run) whose modules say
+    another MODULE_VERSION: the build fails naming both, before the install step."""
+    archive, env = _tiny_tree(tmp_path, None)
+    done = _build(tmp_path, monkeypatch, archive, {**env, "VER": "595.45.04"})
+    assert done.returncode == 1
+    assert "built module nvidia.ko is version '595.45.04', but nvidia.version is 595.71.05" in done.stderr
+    assert (tmp_path / "conftest.log").exists(), "the check follows the compile"
+
+
+def test_built_nvidia_ko_asking_for_other_firmware_is_not_installed(tmp_path, monkeypatch):
+    archive, env = _tiny_tree(tmp_path, None)
+    bindir = Path(env["PATH"].split(":")[0])
+    (bindir / "modinfo").write_text(FAKE_MODINFO.replace('"nvidia/$VER/gsp_tu10x.bin"', '"nvidia/595.45.04/gsp_tu10x.bin"'))
+    done = _build(tmp_path, monkeypatch, archive, {**env, "VER": "595.71.05"})
+    assert done.returncode == 1
+    assert "asks for firmware nvidia/595.45.04/gsp_tu10x.bin, not under nvidia/595.71.05/" in done.stderr
+
+
+def test_an_installer_of_another_version_is_refused_before_anything_is_built(tmp_path):
+    """The twin's .run stand-in answers --version as nvidia-installer does; the check reads it."""
+    from tests.twin import installer
+
+    run = str(installer.build("595.45.04", tmp_path))
+    bad = sh(ops.installer_version_command(run, "595.71.05"))
+    assert bad.returncode == 1
+    assert f"the NVIDIA installer {run} is version '595.45.04', but nvidia.version is 595.71.05" in bad.stderr
+    assert sh(ops.installer_version_command(run, "595.45.04")).returncode == 0
+    junk = tmp_path / "not-a-run"
+    junk.write_text("echo hello\n")
+    assert "is version 'unknown'" in sh(ops.installer_version_command(str(junk), "595.45.04")).stderr
+
+
+def test_userspace_install_passes_when_nouveau_is_bound(tmp_path):
+    """A GPU still on nouveau (given to a VM, blacklisted for the next boot): the installer call the
+    stage makes installs; the call without --no-nouveau-check is refused as nvidia-installer does,
+    leaving its own modprobe.d blacklist behind."""
+    from tests.twin import installer
+
+    run = str(installer.build("595.71.05", tmp_path))
+    env = {**os.environ, "PVEGPU_TWIN_INSTALL_ROOT": str(tmp_path / "root")}
+    (tmp_path / "root/sys/bus/pci/drivers/nouveau").mkdir(parents=True)
+    (tmp_path / "root/sys/bus/pci/devices/0000:81:00.0").mkdir(parents=True)
+    (tmp_path / "root/sys/bus/pci/devices/0000:81:00.0/driver").symlink_to("../../drivers/nouveau")
+    (tmp_path / "root/etc/modprobe.d").mkdir(parents=True)
+    old = sh(f"sh {run} --silent --no-kernel-modules", env=env)
+    assert old.returncode == 1 and "nouveau" in old.stderr
+    assert (tmp_path / "root/etc/modprobe.d/nvidia-installer-disable-nouveau.conf").read_text().splitlines()[1:] == [
+        "blacklist nouveau", "options nouveau modeset=0"]
+    assert not (tmp_path / "root/usr/lib/x86_64-linux-gnu").exists()
+    (tmp_path / "root/etc/modprobe.d/nvidia-installer-disable-nouveau.conf").unlink()
+    done = sh(ops.userspace_command(run), env=env)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "root/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.595.71.05").exists()
+    assert (tmp_path / "root/lib/firmware/nvidia/595.71.05/gsp_ga10x.bin").exists()
+    assert not (tmp_path / "root/etc/modprobe.d/nvidia-installer-disable-nouveau.conf").exists()
+
+
+# -- a driver upgrade declares its reboot (issue 28 part 3) ----------------------------------
+
+def test_an_upgrade_over_a_loaded_older_driver_declares_a_reboot(monkeypatch):
+    """595.45.04 loaded, 595.71.05 built and installed for the running kernel this run: the stage
+    declares a reboot (the reboot stage then reboots or says it is pending); the same run with the
+    new driver loaded, or with nothing loaded, declares none."""
+    steps = {**NOTHING_TO_DO, "install_userspace": True, "verify": True,
+             "releases": {"6.1.0-57-amd64": {**NOTHING_TO_DO["releases"]["6.1.0-57-amd64"], "build": True}}}
+    reboots: list = []
+    _apply_with_steps(monkeypatch, steps, loaded="595.45.04", reboots=reboots)
+    assert reboots == [("nvidia", "nvidia 595.45.04 is loaded but 595.71.05 is installed for 6.1.0-57-amd64; "
+                                  "nvidia-smi and CUDA fail with 'Driver/library version mismatch' until the new "
+                                  "module is loaded")]
+    for loaded in ("595.71.05", None):
+        reboots = []
+        _apply_with_steps(monkeypatch, steps, loaded=loaded, reboots=reboots)
+        assert reboots == []

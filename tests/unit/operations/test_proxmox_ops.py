@@ -54,6 +54,7 @@ def server(tmp_path_factory):
     proc = subprocess.Popen(["python3", str(STANDIN), "--listen", "127.0.0.1", "--port", str(port)],
                             env={**os.environ, "TWIN_ROOT": str(root)}, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert proc.stderr is not None  # stderr=PIPE
     deadline = time.monotonic() + 20
     while not (root / "run/pveapi.pid").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
@@ -189,7 +190,7 @@ def test_an_unverifiable_certificate_is_an_error(server, monkeypatch):
 def test_token_problems_are_sentences(monkeypatch, tmp_path):
     monkeypatch.delenv("PVEGPU_NO_SUCH_TOKEN", raising=False)
     api = PveApi(ProxmoxApiSpec(host="127.0.0.1", token_name="pvegpu", token_env="PVEGPU_NO_SUCH_TOKEN"), "n")
-    assert "PVEGPU_NO_SUCH_TOKEN" in api.problem() and "is not set" in api.problem()
+    assert "PVEGPU_NO_SUCH_TOKEN" in (api.problem() or "") and "is not set" in (api.problem() or "")
     (tmp_path / "t").write_text("secret\n")
     api = PveApi(ProxmoxApiSpec(host="127.0.0.1", token_name="pvegpu", token_file=str(tmp_path / "t")), "n")
     assert api.problem() is None
@@ -220,6 +221,6 @@ def test_missing_requests_is_refused_not_an_exit(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "requests" else real(name, *a))
     monkeypatch.setenv("PVEGPU_UNIT_TOKEN", "x")
     api = PveApi(ProxmoxApiSpec(host="127.0.0.1", token_name="pvegpu", token_env="PVEGPU_UNIT_TOKEN"), "n")
-    assert "needs the Python package requests" in api.problem()
+    assert "needs the Python package requests" in (api.problem() or "")
     with pytest.raises(PveApiError, match="needs the Python package requests"):
         api.request("get", "/version")

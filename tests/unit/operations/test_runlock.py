@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from typing import IO
 
 import pytest
 
@@ -17,11 +18,18 @@ def start(tmp_path, pid: str, timeout_s: int = 60) -> tuple[subprocess.Popen, tu
     proc = subprocess.Popen(["sh", "-c", runlock.keeper_command(me, timeout_s, lock_dir=str(tmp_path / "lk"))],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     lines = []
+    assert proc.stdout is not None  # stdout=PIPE
     for line in proc.stdout:
         lines.append(line)
         if line.strip() == "END":
             break
     return proc, runlock.parse_reply(lines)
+
+
+def stdin(proc: subprocess.Popen) -> IO[str]:
+    """The keeper's stdin (start() opens it as a text pipe)."""
+    assert proc.stdin is not None
+    return proc.stdin
 
 
 def test_second_keeper_is_refused_and_told_the_holder(tmp_path):
@@ -32,13 +40,13 @@ def test_second_keeper_is_refused_and_told_the_holder(tmp_path):
     assert holder["pid"] == "111" and holder["user"] == "alice" and holder["machine"] == "laptop"
     msg = runlock.held_message("kpro6", holder)
     assert "alice@laptop (pid 111, converge) since 2026-12-03T15:00:00Z" in msg and "nothing was read or changed" in msg
-    first.stdin.write("done\n")
-    first.stdin.flush()
+    stdin(first).write("done\n")
+    stdin(first).flush()
     assert first.wait(5) == 0
     assert not (tmp_path / "lk" / "holder").exists(), "a run that ends removes its record"
     third, (state3, _, stale3) = start(tmp_path, "333")
     assert state3 == "locked" and stale3 == {}, "after a clean end nothing is stale"
-    third.stdin.close()
+    stdin(third).close()
     third.wait(5)
 
 
@@ -47,7 +55,7 @@ def test_a_dead_holder_is_stale_and_said(tmp_path, how):
     first, (state, info, _) = start(tmp_path, "111", timeout_s=1)
     assert state == "locked"
     if how == "closed":
-        first.stdin.close()
+        stdin(first).close()
     elif how == "silent":
         time.sleep(1.5)
     else:
@@ -61,8 +69,8 @@ def test_a_dead_holder_is_stale_and_said(tmp_path, how):
     want = {"closed": "the connection closed before the run ended", "silent": "no word from the run for 1 s",
             "keeper-killed": "its lock keeper on the host is gone"}[how]
     assert want in msg, msg
-    second.stdin.write("done\n")
-    second.stdin.close()
+    stdin(second).write("done\n")
+    stdin(second).close()
     second.wait(5)
 
 
@@ -107,13 +115,13 @@ def test_a_run_waits_for_a_rebind_runner_an_earlier_run_left_going(tmp_path):
     second, (state, _, _) = start(tmp_path, "222")
     assert state == "locked" and time.monotonic() - t0 >= 1.0, "it waited for the runner"
     assert runner.wait(5) == 0
-    second.stdin.write("done\n")
-    second.stdin.close()
+    stdin(second).write("done\n")
+    stdin(second).close()
     second.wait(5)
 
 
 def test_wait_is_said_as_it_happens():
-    said = []
+    said: list[str] = []
 
     class Reader:
         host_name = "kpro6"

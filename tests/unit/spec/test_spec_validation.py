@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import socket
 import subprocess
 import sys
@@ -37,6 +36,7 @@ def test_reference_spec_is_valid():
     assert len(spec.gpus) == 8
     assert [g.driver for g in spec.gpus.values()].count("vfio-pci") == 4
     assert spec.containers[200].gpus == sorted(b for b, g in spec.gpus.items() if g.role == "lxc")
+    assert spec.nvidia is not None
     assert spec.nvidia.version == "595.71.05" and spec.nvidia.uvm_disable_hmm is True
 
 
@@ -98,8 +98,16 @@ def test_defaults_come_from_group_data(tmp_path):
          "unknown key"),
         # other things a person gets wrong
         (lambda d: d["nvidia"].update(nvreg={"EnableGpuFirmware": 1}), "hosts.kpro6.nvidia.nvreg", "NVreg_* names"),
-        (lambda d: d["nvidia"]["modules_source"].update(sha256="abc"), "hosts.kpro6.nvidia.modules_source.sha256", "64 lowercase hex"),
-        (lambda d: d["nvidia"]["modules_source"].update(sha256=0), "hosts.kpro6.nvidia.modules_source.sha256", "in quotes"),
+        (lambda d: d["nvidia"]["installer"].update(sha256="abc"), "hosts.kpro6.nvidia.installer.sha256", "64 lowercase hex"),
+        (lambda d: d["nvidia"]["installer"].update(sha256=0), "hosts.kpro6.nvidia.installer.sha256", "in quotes"),
+        # placeholders where a digest goes (issue 28 part 5): refused at load, not at the stage-3 download
+        (lambda d: d["nvidia"]["installer"].update(sha256="0" * 64), "hosts.kpro6.nvidia.installer.sha256", "is a placeholder"),
+        (lambda d: d["nvidia"].update(modules_source={"url": "/root/m.tar.gz", "sha256": "deadbeef" * 8}),
+         "hosts.kpro6.nvidia.modules_source.sha256", "is a placeholder"),
+        (lambda d: d["nvidia"]["installer"].update(sha256="0123456789abcdef" * 4), "hosts.kpro6.nvidia.installer.sha256",
+         "is a placeholder"),
+        (lambda d: d["nvidia"]["installer"].update(sha256="e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"),
+         "hosts.kpro6.nvidia.installer.sha256", "the sha256 of an empty file"),
         (lambda d: d.update(boot_loader="lilo"), "hosts.kpro6.boot_loader", "'auto', 'grub' or 'systemd-boot'"),
         (lambda d: d["kernel"]["source"].pop("ref"), "hosts.kpro6.kernel.source", "needs 'ref'"),
         (lambda d: d["iommu"]["params"].append("pci=realloc quiet"), "hosts.kpro6.iommu.params", "one word without spaces"),
@@ -133,6 +141,7 @@ def test_token_is_secret_and_never_printed(tmp_path, monkeypatch):
     data["hosts"]["kpro6"]["proxmox_api"] = {"host": "127.0.0.1", "token_name": "pvegpu", "token_env": "PVEGPU_TEST_TOKEN"}
     monkeypatch.setenv("PVEGPU_TEST_TOKEN", "s3cr3t-token-value")
     spec = validate_spec(data, tmp_path / "x.yml")["kpro6"]
+    assert spec.proxmox_api is not None
     token = spec.proxmox_api.token()
     assert token.get_secret_value() == "s3cr3t-token-value"
     assert "s3cr3t" not in repr(spec) and "s3cr3t" not in str(token) and "s3cr3t" not in spec.model_dump_json()
@@ -180,7 +189,8 @@ def test_valid_spec_fails_on_connection_not_on_spec(tmp_path):
 def test_kernel_base_config_is_a_known_target_or_a_path(tmp_path):
     data = kpro6()
     data["hosts"]["kpro6"]["kernel"]["base_config"] = "tinyconfig"
-    assert validate_spec(data, tmp_path / "x.yml")["kpro6"].kernel.base_config == "tinyconfig"
+    kernel = validate_spec(data, tmp_path / "x.yml")["kpro6"].kernel
+    assert kernel is not None and kernel.base_config == "tinyconfig"
     data["hosts"]["kpro6"]["kernel"]["base_config"] = "config-6.14"
     msg = errors_of(data, tmp_path)
     assert "hosts.kpro6.kernel.base_config: 'config-6.14': use 'running', 'tinyconfig'" in msg

@@ -146,7 +146,7 @@ def test_usual_kernel_parameters_pass(tmp_path):
      "cannot hold a double quote"),
     (("nvidia", "releases"), ["6.14.8-" + "a" * 70], "hosts.kpro6.nvidia.releases",
      "longer than a kernel release can be (64)"),
-    (("nccl", "overrides", "NCCL_DEBUG"), "x" * 5000, 'hosts.kpro6.nccl.overrides["NCCL_DEBUG"]', "at most 4096"),
+    (("nccl", "overrides", "NCCL_DEBUG"), "x" * 1024, 'hosts.kpro6.nccl.overrides["NCCL_DEBUG"]', "at most 1023 bytes"),
 ])
 def test_counts_and_sizes_have_real_ranges(tmp_path, where, value, path, words):
     h = host()
@@ -176,7 +176,7 @@ def test_proxmox_api_port_has_a_range(tmp_path):
     (("nvidia", "installer", "url"), "../NVIDIA.run", "hosts.kpro6.nvidia.installer.url", "a source is an https:// URL"),
     (("nvidia", "installer", "url"), "ftp://example.org/x.run", "hosts.kpro6.nvidia.installer.url",
      "a source is an https:// URL"),
-    (("nvidia", "modules_source", "url"), "/opt/src/", "hosts.kpro6.nvidia.modules_source.url", "no trailing '/'"),
+    (("nvidia", "installer", "url"), "/opt/src/", "hosts.kpro6.nvidia.installer.url", "no trailing '/'"),
 ])
 def test_paths_cannot_climb_out(tmp_path, where, value, path, words):
     h = host()

@@ -1,0 +1,99 @@
+"""The twin's running guests are processes, as on a real node (issue 26 part 5).
+
+A VM: `qm start` leaves a daemon whose argv[0] ends in kvm and whose `-pidfile` names
+/var/run/qemu-server/<vmid>.pid, the file holds its pid (qemu-server PVE/QemuServer.pm
+config_to_command, PVE/QemuServer/Helpers.pm vm_running_locally); `qm stop` ends it and removes
+the file. A CT: `pct start` leaves its init in the CT's own root, whose pid `lxc-info -n <id> -p`
+answers and which `lxc-ls --active` counts (lxc src/lxc/tools); `pct stop` ends it. A twin reboot
+ends them all and the guests' start at boot (onboot) brings new ones. `facts.guest_state.GuestState`
+reads this without any Proxmox CLI, and the CT's files are read through /proc/<init>/root."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from facts.guest_state import GuestState
+from tests.twin import runtime
+
+pytestmark = [pytest.mark.twin]
+
+
+def boots(twin: runtime.Twin) -> int:
+    path = twin.dir / "boots"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def ssh(twin, command: str) -> str:
+    return subprocess.run(runtime.ssh_command(twin.name, [command]), check=True, capture_output=True,
+                          text=True, timeout=60).stdout
+
+
+def vm_state(twin) -> dict:
+    return GuestState().process(ssh(twin, GuestState.command).splitlines())["qemu"]
+
+
+def cmdline(twin, pid: str) -> list[str]:
+    return ssh(twin, f"tr '\\0' '\\n' < /proc/{pid}/cmdline").splitlines()
+
+
+def test_qm_start_leaves_a_kvm_process_that_stop_and_reboot_end(twin_factory):
+    twin = twin_factory("kpro6", name="vmproc")
+    root = Path(twin.root)
+    runtime.count_pve_calls(root, True)
+    assert vm_state(twin) == {300: "stopped"}
+    assert runtime.count_pve_calls(root, False) == [], "the guests are read without a Proxmox CLI"
+
+    ssh(twin, "qm start 300")
+    pid = ssh(twin, "cat /var/run/qemu-server/300.pid").strip()
+    argv = cmdline(twin, pid)
+    assert argv[0].endswith("kvm") and argv[argv.index("-pidfile") + 1] == "/var/run/qemu-server/300.pid"
+    assert vm_state(twin) == {300: "running"}
+
+    request = root / runtime.REBOOT_REQUEST
+    ssh(twin, "reboot")  # the twin's reboot stand-in asks the supervisor
+    deadline = time.monotonic() + 60
+    while (request.exists() or boots(twin) < 2) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert boots(twin) == 2
+    after = ssh(twin, "cat /var/run/qemu-server/300.pid").strip()
+    assert after and after != pid, "the VM was started again at boot, a new process"
+    assert vm_state(twin) == {300: "running"}
+
+    ssh(twin, "qm stop 300")
+    assert ssh(twin, "ls /var/run/qemu-server/").strip() == ""
+    assert vm_state(twin) == {300: "stopped"}
+    assert ssh(twin, f"[ -e /proc/{after} ] && tr '\\0' ' ' < /proc/{after}/cmdline || true").strip() == ""
+
+
+def ct_state(twin) -> dict:
+    return GuestState().process(ssh(twin, GuestState.command).splitlines())["lxc"]
+
+
+def test_pct_start_leaves_an_init_in_the_cts_root_that_stop_and_reboot_end(twin_factory):
+    twin = twin_factory("kpro6", name="ctproc")
+    assert ct_state(twin) == {200: "stopped"} and ssh(twin, "lxc-ls --active -1") == ""
+    assert ssh(twin, "lxc-info -n 200 -p -H") == ""  # lxc prints no PID for a stopped CT
+    ssh(twin, "pct start 200 && pct exec 200 -- sh -c 'echo inside > /etc/pvegpu-probe'")
+    pid = ssh(twin, "lxc-info -n 200 -p -H").strip()
+    assert pid.isdigit() and ct_state(twin) == {200: "running"}
+    # the CT's files through its init, the same view pct exec has; the host's / is another
+    assert ssh(twin, f"cat /proc/{pid}/root/etc/pvegpu-probe") == "inside\n"
+    assert not ssh(twin, "ls /etc/pvegpu-probe 2>/dev/null || true").strip()
+    assert (ssh(twin, f"stat -L -c %d:%i /proc/{pid}/root/") == ssh(twin, "pct exec 200 -- stat -c %d:%i /"))
+
+    request = Path(twin.root) / runtime.REBOOT_REQUEST
+    ssh(twin, "reboot")
+    deadline = time.monotonic() + 60
+    while (request.exists() or boots(twin) < 2) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = ssh(twin, "lxc-info -n 200 -p -H").strip()
+    assert after.isdigit() and after != pid, "started again at boot: a new init"
+    assert ssh(twin, f"cat /proc/{after}/root/etc/pvegpu-probe") == "inside\n"
+
+    ssh(twin, "pct stop 200")
+    assert ct_state(twin) == {200: "stopped"} and ssh(twin, "lxc-info -n 200 -p -H") == ""
+    assert ssh(twin, f"[ -e /proc/{after} ] && echo alive || true").strip() == ""

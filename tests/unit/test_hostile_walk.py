@@ -1,0 +1,475 @@
+"""Issue 31: the hostile-value walk. Thousands of generated values per field class are loaded
+the way the CLI loads them (a YAML file through `spec.load.load_spec_file`'s two halves,
+`_read_yaml` then `validate_spec`, as `inventory_hosts` does); each is refused with a sentence naming its host and field, or it is
+accepted and then rendered by the real builders into every command and file it reaches, and
+the rendered shell runs under `sh` with logging stand-ins for git, cp, curl, make … on PATH
+(no real git or cp): each value arrives as exactly one argument, after the end of options
+where the command takes one, and nothing in it runs. Where a value lands in a file another
+program parses (the GRUB drop-in, /etc/kernel/cmdline, proxmoxer's URL), that program's
+reading of it is modelled from its source and must give the value back.
+
+The values are a base value of each field with one or two hostile fragments put before, in
+or after it (shell and config metacharacters, quotes, line separators, NUL and control
+characters, leading dashes, path tricks, IPv6 zone ids, long runs). Loading is batched: one
+file holds a few hundred hosts, one value each; a file the YAML layer refuses as a whole is
+loaded value by value. Running is batched too: one `sh` runs every accepted value's script of
+a field, each with its own stand-in log; the values run are the accepted ones with distinct
+character shapes (which characters, where), up to RUN_MAX per field.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from facts import kernel as kernel_facts
+from facts.nvidia import SOURCE_CACHE
+from operations import kernel as kernel_ops
+from operations import nvidia as nvidia_ops
+from plan import boot as boot_plan
+from plan import kernel as kernel_plan
+from plan.render import operands, render_template
+from spec.load import SpecError, _read_yaml, validate_spec
+from spec.models import HostSpec, KernelSpec, NvidiaSpec, SourceSpec
+
+FRAGMENTS = [
+    ";", "&", "|", "<", ">", "$", "$(touch PWNa)", "`touch PWNb`", "'", '"', "\\", "{", "}", "#", " ", "\t", "\n",
+    "\r", "\x00", "\x07", "\x0b", "\x1b", "\x7f", "\x85", "\u2028", "\ud800", "-", "--", "-o", "--upload-pack=x",
+    "..", "../", "/", "//", "%", "%25", "%x]@evil.example:443#", "]", "[", "@", "@{", ":", "~", "^", "*", "?",
+    "!", "=", ",", ".lock", "é", "\u00a0", "\u0120", "x" * 70, "y" * 300,  # U+0120: UTF-8 C4 A0, a kernel space byte
+]
+VALUES_PER_FIELD = 2000
+RUN_MAX = 60
+STANDINS = ("git", "cp", "curl", "wget", "make", "sha256sum", "xz", "tar", "mv")
+STANDIN = r"""#!/bin/sh
+# a logging stand-in: its name, its argument count, then each argument, NUL-terminated
+# (one file per process: stand-ins in a pipeline run at the same time)
+{ printf '%s\0' "${0##*/}" "$#"; for a in "$@"; do printf '%s\0' "$a"; done; } >> "$PVEGPU_STANDIN_LOG.$$"
+case "${0##*/}" in
+  git) [ "$1" = clone ] && { for last in "$@"; do :; done; mkdir -p "$last/.git"; }
+       [ "$3" = config ] && cat "$PVEGPU_STANDIN_DIR/remote-url" ;;
+  sha256sum) for a in "$@"; do [ "$a" = --status ] && exit 1; done ;;  # nothing is cached yet
+esac
+exit 0
+"""
+
+
+
+# digests that look like real ones (placeholders such as "c" * 64 are refused at load)
+KERNEL_SHA = "257089c6a8a5623bf34734d59210d322076d3a0cbe69c7c0da6a5348ebb45762"
+INSTALLER_SHA = "7b082bd9790d3fa9dbe3e814d0b3d1186576002c9ddb66e18d10bf641eda7adb"
+
+def kernel_of(spec: HostSpec) -> KernelSpec:
+    assert spec.kernel is not None
+    return spec.kernel
+
+
+def nvidia_of(spec: HostSpec) -> NvidiaSpec:
+    assert spec.nvidia is not None
+    return spec.nvidia
+
+
+def installer_of(spec: HostSpec) -> SourceSpec:
+    installer = nvidia_of(spec).installer
+    assert installer is not None
+    return installer
+
+def generate(bases: list[str], count: int = VALUES_PER_FIELD) -> list[str]:
+    """Each base alone, with each fragment before, inside and after it, then with pairs of
+    fragments (one before or inside, one after), in a fixed order, up to `count` values."""
+    out: dict[str, None] = dict.fromkeys(bases)
+    for frag, base in itertools.product(FRAGMENTS, bases):
+        mid = len(base) // 2
+        out.update(dict.fromkeys([frag + base, base[:mid] + frag + base[mid:], base + frag, frag]))
+    for (a, b), base in itertools.product(itertools.product(FRAGMENTS, FRAGMENTS), bases):
+        if len(out) >= count:
+            break
+        mid = len(base) // 2
+        out.update(dict.fromkeys([a + base + b, base[:mid] + a + base[mid:] + b]))
+    return list(out)[:count]
+
+
+# ------------------------------------------------------------------ loading as the CLI does
+
+def load_values(tmp: Path, field: str, values: list, make_host) -> tuple[dict[int, HostSpec], int]:
+    """{index: HostSpec} of the accepted values, and how many were refused; a refusal must be a
+    SpecError whose message names the value's host and the field."""
+    accepted: dict[int, HostSpec] = {}
+    refused = 0
+    # a value no UTF-8 text can hold (a lone surrogate) fails its whole file at the YAML layer
+    # (written as an escape, spec.load refuses it there): those go one per file
+    alone = [i for i, v in enumerate(values) if not _utf8(v)]
+    together = [i for i in range(len(values)) if i not in set(alone)]
+    batches = [together[k:k + 400] for k in range(0, len(together), 400)] + [[i] for i in alone]
+    for indexes in batches:
+        batch = {i: values[i] for i in indexes}
+        data, problems = _load(tmp, {f"h{i}": make_host(v) for i, v in batch.items()})
+        if problems is None:  # refused at the YAML layer (a lone value here)
+            refused += len(batch)
+            continue
+        bad = {host for host, _, _ in problems}
+        for host, path, _ in problems:
+            assert path.startswith(f"hosts.{host}.{field}"), f"{field}: the refusal names {path}"
+        refused += len(bad)
+        good = {i for i in batch if f"h{i}" not in bad}
+        if good:  # the accepted hosts, validated again without the refused ones (load_spec_file's second half)
+            specs = validate_spec({"hosts": {f"h{i}": data["hosts"][f"h{i}"] for i in good}}, tmp / "walk.yml")
+            accepted.update({i: specs[f"h{i}"] for i in good})
+    return accepted, refused
+
+
+def _utf8(value: object) -> bool:
+    try:
+        str(value).encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _load(tmp: Path, hosts: dict) -> tuple[dict, list | None]:
+    """load_spec_file in its two halves (the parsed YAML is kept to validate the accepted hosts
+    again): (the parsed data, the problems: empty when all were accepted, None when a problem
+    is not a host's, i.e. the YAML layer refused the file)."""
+    f = tmp / "walk.yml"
+    f.write_text(yaml.safe_dump({"hosts": hosts}))  # escapes NUL, controls, lone surrogates
+    data: dict = {}
+    try:  # what load_spec_file does; any exception but SpecError fails the test here
+        data = _read_yaml(f)
+        validate_spec(data, f)
+    except SpecError as exc:
+        assert str(f) in str(exc) and "Traceback" not in str(exc)
+        if any(host is None for host, _, _ in exc.problems):
+            return data, None
+        return data, exc.problems
+    return data, []
+
+
+# ------------------------------------------------------------------ running with stand-ins
+
+def traits(value: str) -> set[str]:
+    """What the shell (or a parser) can tell apart: each odd character, what it starts and ends
+    with, and whether it is long."""
+    odd = {f"has {c!r}" for c in value if not c.isalnum()}
+    return odd | {f"starts {value[:1] if not value[:1].isalnum() else 'alnum'}",
+                  f"ends {value[-1:] if not value[-1:].isalnum() else 'alnum'}", f"long {len(value) > 100}"}
+
+
+def to_run(accepted: dict[int, HostSpec], value_of) -> dict[int, HostSpec]:
+    """The accepted values that together show every trait any accepted value has (greedy, in
+    the order generated), at most RUN_MAX of them."""
+    left = {i: traits(value_of(spec)) for i, spec in accepted.items()}
+    missing = set().union(*left.values()) if left else set()
+    chosen: list[int] = []
+    while missing and len(chosen) < RUN_MAX:
+        best = max(left, key=lambda i: len(left[i] & missing))
+        chosen.append(best)
+        missing -= left.pop(best)
+    return {i: accepted[i] for i in sorted(chosen)}
+
+
+def run_scripts(tmp: Path, scripts: dict[int, tuple[str, Path]], remote_url: dict[int, str] | None = None) -> dict[int, list]:
+    """Run each (script, cwd) under sh with the stand-ins; {index: [(command, [args])]}."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in STANDINS:
+        (bin_dir / name).write_text(STANDIN)
+        (bin_dir / name).chmod(0o755)
+    driver = []
+    for i, (script, cwd) in scripts.items():
+        cwd.mkdir(parents=True, exist_ok=True)
+        (tmp / f"s{i}.sh").write_text(script)
+        d = tmp / f"d{i}"
+        d.mkdir(exist_ok=True)
+        (d / "remote-url").write_text((remote_url or {}).get(i, "") + "\n")
+        driver.append(f"(cd {shlex.quote(str(cwd))} && PVEGPU_STANDIN_LOG={shlex.quote(str(tmp / f'log{i}'))} "
+                      f"PVEGPU_STANDIN_DIR={shlex.quote(str(d))} sh {shlex.quote(str(tmp / f's{i}.sh'))}) "
+                      ">/dev/null 2>&1 || true")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    subprocess.run(["sh", "-c", "\n".join(driver)], env=env, check=True, timeout=120)
+    assert not list(tmp.rglob("PWN*")), "a value was run as a command"
+    return {i: parse_log(tmp / f"log{i}") for i in scripts}
+
+
+def parse_log(path: Path) -> list[tuple[str, list[str]]]:
+    fields = []
+    for one in sorted(path.parent.glob(path.name + ".*"), key=lambda p: int(p.suffix[1:])):
+        fields += one.read_bytes().split(b"\0")[:-1]
+    calls, k = [], 0
+    while k < len(fields):
+        name, n = fields[k].decode(), int(fields[k + 1])
+        calls.append((name, [f.decode("utf-8", "surrogateescape") for f in fields[k + 2:k + 2 + n]]))
+        k += 2 + n
+    return calls
+
+
+def calls_of(calls: list, name: str, first: str | None = None) -> list[list[str]]:
+    return [args for cmd, args in calls if cmd == name and (first is None or first in args)]
+
+
+# ------------------------------------------------------------------ the consumers' readings
+
+# follows grub-core/script/yylex.l: a word's characters are its CHAR class (not {}|&$;<>, blanks,
+# newline, quotes or backslash); a '#' that starts a word starts a comment
+GRUB_CHAR = re.compile(r"^[^{}|&$;<> \t\n'\"\\]+$")
+
+
+def grub_linux_words(args: str) -> list[str]:
+    """The words GRUB's lexer makes of util/grub.d/10_linux.in's `linux … ro ${args}` line
+    (args written unquoted); fails when a word is anything but plain characters."""
+    words = [w for w in re.split(r"[ \t]+", args) if w]
+    for w in words:
+        assert GRUB_CHAR.match(w) and not w.startswith("#") and w not in ("{", "}", "[[", "]]"), w
+    return words
+
+
+def kernel_words(line: str) -> list[str]:
+    """linux lib/cmdline.c next_arg(): whitespace splits, '"' quotes; kernel/params.c
+    parse_args() stops at a lone '--'. Fails on a quote or a '--' (the word would not arrive)."""
+    words = line.split()
+    assert not any('"' in w for w in words) and "--" not in words, line
+    return words
+
+
+# ------------------------------------------------------------------ the fields
+
+def kernel_host(**source) -> dict:
+    return {"kernel": {"version": "6.14.11-4-pve",
+                       "source": {"kind": "proxmox-git", "url": "git://git.proxmox.com/git/pve-kernel.git",
+                                  "ref": "v6.14.11-4", **source}}}
+
+
+def test_walk_kernel_source_ref(tmp_path):
+    values = generate(["v6.14.11-4", "refs/tags/v6.14.11-4", "a" * 40])
+    accepted, refused = load_values(tmp_path, "kernel.source.ref", values, lambda v: kernel_host(ref=v))
+    assert len(values) >= 1500 and refused and accepted
+    run = to_run(accepted, lambda s: kernel_of(s).source.ref)
+    scripts = {i: (kernel_ops.build_script(kernel_of(s), "running", 2, str(tmp_path / f"b{i}")), tmp_path / f"b{i}")
+               for i, s in run.items()}
+    logs = run_scripts(tmp_path, scripts)
+    for i, spec in run.items():
+        ref = kernel_of(spec).source.ref
+        assert calls_of(logs[i], "git", "checkout") == [["checkout", "--force", ref, "--"]], (ref, logs[i])
+    facts_run(tmp_path / "facts", run)
+
+
+def test_walk_kernel_source_url(tmp_path):
+    values = generate(["git://git.proxmox.com/git/pve-kernel.git", "https://git.example:8443/a/b.git",
+                       "/srv/pve-kernel", "file:///srv/pve-kernel", "ssh://git@git.example/p.git"])
+    accepted, refused = load_values(tmp_path, "kernel.source.url", values, lambda v: kernel_host(url=v))
+    assert len(values) >= 1500 and refused and accepted
+    run = to_run(accepted, lambda s: kernel_of(s).source.url)
+    scripts = {i: (kernel_ops.build_script(kernel_of(s), "running", 2, str(tmp_path / f"b{i}")), tmp_path / f"b{i}")
+               for i, s in run.items()}
+    logs = run_scripts(tmp_path, scripts)
+    for i, spec in run.items():
+        assert calls_of(logs[i], "git", "clone") == [["clone", "--", kernel_of(spec).source.url, "src"]], logs[i]
+    facts_run(tmp_path / "facts", run)
+
+
+def facts_run(tmp: Path, run: dict[int, HostSpec]) -> None:
+    """facts/kernel.py source_makefile_command: the clone's remote URL compares equal to the
+    spec's (one literal word), then cat-file and show get the ref after --end-of-options."""
+    tmp.mkdir()
+    scripts, urls = {}, {}
+    for i, spec in run.items():
+        root = tmp / f"r{i}"
+        (root / "x" / "src" / ".git").mkdir(parents=True)
+        src = kernel_of(spec).source
+        scripts[i] = (kernel_facts.source_makefile_command(src.url, src.ref or "").replace(
+            kernel_plan.BUILD_ROOT, str(root)), root)
+        urls[i] = src.url
+    logs = run_scripts(tmp, scripts, urls)
+    for i, spec in run.items():
+        wanted = f"{kernel_of(spec).source.ref}:Makefile"
+        assert [a[2:] for a in calls_of(logs[i], "git", "cat-file")] == [["cat-file", "-e", "--end-of-options", wanted]]
+        assert [a[2:] for a in calls_of(logs[i], "git", "show")] == [["show", "--end-of-options", wanted]]
+
+
+def test_walk_kernel_tarball_url_and_base_config(tmp_path):
+    values = generate(["/srv/linux.tar.xz", "file:///srv/linux.tar.xz", "https://cdn.example/v6.x/linux-6.1.tar.xz"])
+
+    def host(v: str) -> dict:
+        h = kernel_host(kind="tarball", url=v, sha256=KERNEL_SHA)
+        h["kernel"]["source"].pop("ref")
+        h["kernel"]["base_config"] = "/root/" + v.rsplit("/", 1)[-1] if "/" in v else v
+        return h
+
+    accepted, refused = load_values(tmp_path, "kernel", values, host)
+    assert len(values) >= 1500 and refused and accepted
+    run = to_run(accepted, lambda s: kernel_of(s).source.url + kernel_of(s).base_config)
+    scripts = {i: (kernel_ops.build_script(kernel_of(s), kernel_of(s).base_config, 2, str(tmp_path / f"b{i}")),
+                   tmp_path / f"b{i}") for i, s in run.items()}
+    logs = run_scripts(tmp_path, scripts)
+    for i, spec in run.items():
+        url, base = kernel_of(spec).source.url, kernel_of(spec).base_config
+        if url.startswith(("http://", "https://")):
+            assert calls_of(logs[i], "curl") == [["-fL", "--retry", "3", "-o", "source.tar.part", url]], logs[i]
+        else:
+            assert ["--", url.removeprefix("file://"), "source.tar.part"] in calls_of(logs[i], "cp"), logs[i]
+        assert ["--", base, ".config"] in calls_of(logs[i], "cp"), logs[i]
+
+
+def test_walk_kernel_version(tmp_path):
+    values = generate(["6.14.11-4-pve", "6.1.192-pvegpu+ci~1", "6.12.118+deb12-amd64"])
+    accepted, refused = load_values(tmp_path, "kernel.version", values, lambda v: {
+        **kernel_host(kind="tarball", url="/srv/l.tar.xz", sha256=KERNEL_SHA), "kernel": {
+            "version": v, "base_config": "tinyconfig",
+            "source": {"kind": "tarball", "url": "/srv/l.tar.xz", "sha256": KERNEL_SHA}}})
+    assert len(values) >= 1500 and refused and accepted
+    for spec in accepted.values():  # the build directory: one file name, within NAME_MAX
+        name = kernel_plan.build_dir(kernel_of(spec), "tinyconfig").removeprefix(kernel_plan.BUILD_ROOT + "/")
+        assert "/" not in name and len(name.encode()) <= 255
+    run = to_run(accepted, lambda s: kernel_of(s).version)
+    scripts = {i: (kernel_ops.build_script(kernel_of(s), "tinyconfig", 2, str(tmp_path / f"b{i}")), tmp_path / f"b{i}")
+               for i, s in run.items()}
+    logs = run_scripts(tmp_path, scripts)
+    for i, spec in run.items():
+        lv = kernel_plan.localversion(kernel_of(spec))
+        assert ["-s", f"LOCALVERSION={lv}", "kernelrelease"] in calls_of(logs[i], "make"), logs[i]
+
+
+def test_walk_nvidia_source_url(tmp_path):
+    values = generate(["https://us.download.nvidia.com/XFree86/Linux-x86_64/595.71.05/NVIDIA-Linux-x86_64-595.71.05.run",
+                       "/opt/nvidia/NVIDIA-Linux-x86_64-595.71.05.run", "file:///opt/nvidia/x.run"])
+    accepted, refused = load_values(tmp_path, "nvidia.installer.url", values, lambda v: {
+        "nvidia": {"version": "595.71.05", "installer": {"url": v, "sha256": INSTALLER_SHA}}})
+    assert len(values) >= 1500 and refused and accepted
+    for spec in accepted.values():  # the cached file (and its .part) is one file name within NAME_MAX
+        assert len((nvidia_ops.cached_source(installer_of(spec)).rsplit("/", 1)[-1] + ".part").encode()) <= 255
+    run = to_run(accepted, lambda s: installer_of(s).url)
+    scripts = {}
+    for i, spec in run.items():
+        src = installer_of(spec)
+        dest = nvidia_ops.cached_source(src).replace(SOURCE_CACHE, str(tmp_path / f"c{i}"))
+        scripts[i] = (nvidia_ops.fetch_source_command(src.url, src.sha256, dest), tmp_path / f"b{i}")
+    logs = run_scripts(tmp_path, scripts)
+    for i, spec in run.items():
+        url = installer_of(spec).url
+        dest = nvidia_ops.cached_source(installer_of(spec)).replace(SOURCE_CACHE, str(tmp_path / f"c{i}"))
+        if url.startswith(("http://", "https://")):
+            assert calls_of(logs[i], "curl") == [["-fsSL", "--retry", "3", "-o", dest + ".part", url]], logs[i]
+        else:
+            assert calls_of(logs[i], "cp") == [["-f", "--", url.removeprefix("file://"), dest + ".part"]], logs[i]
+
+
+def test_walk_kernel_cmdline_words(tmp_path):
+    values = generate(["pci=realloc", "vfio-pci.ids=10de:2204,10de:1aef", "console=ttyS0,115200n8"])
+    accepted, refused = load_values(tmp_path, "iommu.params", values, lambda v: {
+        "iommu": {"vendor": "amd", "params": ["pcie_aspm=off", v]}})
+    assert len(values) >= 1500 and refused and accepted
+    grub_files = [("/etc/default/grub", ['GRUB_CMDLINE_LINUX_DEFAULT="quiet"', 'GRUB_CMDLINE_LINUX=""'])]
+    dropins = {}
+    for i, spec in accepted.items():
+        desired = boot_plan.desired_params(spec, None)
+        # /etc/kernel/cmdline (systemd-boot): the kernel reads the file's words
+        content = render_template("kernel-cmdline.j2", cmdline=boot_plan.merge_cmdline("root=ZFS=rpool/ROOT/pve-1 boot=zfs",
+                                                                                          desired, spec))
+        assert kernel_words(content)[2:] == desired
+        # GRUB: the drop-in grub-mkconfig sources, then 10_linux's unquoted `linux … ro ${args}`
+        values_ = boot_plan.grub_dropin_values(grub_files, desired, spec)
+        dropins[i] = (render_template("grub-pvegpu.cfg.j2", values={k: boot_plan.sh_double_quoted(v)
+                                                                     for k, v in values_.items()}), desired)
+    script = []
+    for i, (content, _) in dropins.items():
+        (tmp_path / f"g{i}.cfg").write_text(content)
+        script.append(f'(GRUB_CMDLINE_LINUX=""; . {shlex.quote(str(tmp_path / f"g{i}.cfg"))}; '
+                      f'printf "%s\\0" "$GRUB_CMDLINE_LINUX $GRUB_CMDLINE_LINUX_DEFAULT")')
+    out = subprocess.run(["sh", "-c", "\n".join(script)], capture_output=True, check=True, cwd=tmp_path,
+                         timeout=120).stdout.decode().split("\0")[:-1]
+    assert not list(tmp_path.rglob("PWN*"))
+    for (_content, desired), args in zip(dropins.values(), out, strict=True):
+        words = grub_linux_words(f"/vmlinuz-6.14.11-4-pve root=/dev/sda1 ro {args}")[3:]
+        assert kernel_words(" ".join(words)) == ["quiet", *desired]
+
+
+# linux lib/ctype.c: isspace() is true for ' ', \t \n \v \f \r and byte 0xA0 (Latin-1 NBSP), which
+# also occurs inside UTF-8 sequences
+KERNEL_SPACE = frozenset(b" \t\n\v\f\r\xa0")
+
+
+def module_options(text: str) -> list[tuple[str, str | None]]:
+    """The (param, value) pairs the kernel's module loader gets from a modprobe.d `options` line:
+    kmod (libkmod-config.c) takes what follows `options <module>` as one string (a '#' comments
+    only at a line's start), the kernel splits its bytes with lib/cmdline.c next_arg():
+    isspace() outside double quotes, quotes around a value dropped."""
+    out: list[tuple[str, str | None]] = []
+    for line in text.splitlines():
+        if not line.startswith("options nvidia "):
+            continue
+        rest = line[len("options nvidia "):].encode()
+        while rest and rest[0] in KERNEL_SPACE:
+            rest = rest[1:]
+        while rest:
+            i, in_quote, equals = 0, False, -1
+            while i < len(rest) and (in_quote or rest[i] not in KERNEL_SPACE):
+                if equals < 0 and rest[i] == ord("="):
+                    equals = i
+                if rest[i] == ord('"'):
+                    in_quote = not in_quote
+                i += 1
+            word, rest = rest[:i], rest[i:]
+            while rest and rest[0] in KERNEL_SPACE:
+                rest = rest[1:]
+            if equals < 0:
+                out.append((word.decode(), None))
+                continue
+            value = word[equals + 1:]
+            if value.startswith(b'"'):
+                value = value[1:-1] if value.endswith(b'"') and len(value) > 1 else value[1:]
+            out.append((word[:equals].decode(), value.decode()))
+    return out
+
+
+def test_walk_nvreg_values(tmp_path):
+    """nvidia.nvreg string values: the modprobe.d line gives the module exactly the value."""
+    from plan import nvidia as nvidia_plan
+
+    values = generate(["RmMsg=:0x40", "0x1;2", "a/b,c"])
+    accepted, refused = load_values(tmp_path, "nvidia.nvreg", values, lambda v: {
+        "nvidia": {"version": "595.71.05", "nvreg": {"NVreg_RegistryDwords": v}}})
+    assert len(values) >= 1500 and refused and accepted
+    for spec in accepted.values():
+        nvreg = dict(nvidia_of(spec).nvreg)
+        text = nvidia_plan.render_modprobe_conf(False, "", nvreg)
+        assert module_options(text) == [(k, str(v)) for k, v in sorted(nvreg.items())], text
+
+
+GOOD_HOSTS = ["fe80::1%vmbr0", "2001:db8::1", "10.0.0.1", "kpro6.lab.internal"]
+
+
+@pytest.mark.parametrize("field", ["proxmox_api.host", "ssh.hostname"])
+def test_walk_hosts(tmp_path, field):
+    """Every accepted host is exactly the host of the URL proxmoxer's https backend builds
+    (requests sends the token there), and a bare host for paramiko (no '%' beyond a zone id
+    that is an interface name, no URL or ssh_config characters)."""
+    urllib3 = pytest.importorskip("urllib3")
+    from proxmoxer.backends.https import Backend
+
+    values = generate(GOOD_HOSTS)
+    section, key = field.split(".")
+    accepted, refused = load_values(tmp_path, field, values, lambda v: {section: {
+        key: v, **({"token_name": "pvegpu", "token_env": "PVE_TOKEN"} if section == "proxmox_api" else {})}})
+    assert len(values) >= 1500 and refused and accepted
+    for spec in accepted.values():
+        host = getattr(getattr(spec, section), key)
+        assert re.match(r"^[A-Za-z0-9.:-]+(%[A-Za-z0-9_.-]{1,15})?$", host), host
+        url = Backend(host=host, port=8006, user="root@pam", token_name="t", token_value="x").get_base_url()
+        parsed = urllib3.util.parse_url(url)
+        assert parsed.host == (f"[{host}]" if ":" in host else host) and parsed.auth is None and parsed.port == 8006
+
+
+def test_operands_end_options_or_refuse_a_dash():
+    assert operands(["-oProxyCommand=x", "src"]) == "-- -oProxyCommand=x src"
+    assert operands("v1:Makefile", "--end-of-options") == "--end-of-options v1:Makefile"
+    assert operands("v 1", "") == "'v 1'"
+    bad_calls: list[tuple[str | list[str], str]] = [("-b", ""), ("--", ""), ("x", "-e"), ([], "--")]
+    for bad in bad_calls:
+        with pytest.raises(ValueError):
+            operands(*bad)

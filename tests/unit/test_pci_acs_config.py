@@ -1,0 +1,73 @@
+"""PciAcs reads each bridge's ACS Control from its sysfs `config` (PCIe extended capability
+0x000D, control word at +6), on synthetic sysfs trees run through the fact's own command."""
+
+import struct
+import subprocess
+
+import pytest
+
+from facts.pci import PciAcs
+
+
+def config(size: int = 4096, caps=()) -> bytes:
+    """Config space bytes: vendor/device, then the extended capabilities ``[(id, control)]``
+    chained from 0x100, 0x40 apart (the ACS one with Capability 0x5f)."""
+    data = bytearray(size)
+    struct.pack_into("<HH", data, 0, 0x1022, 0x14AB)
+    offset = 0x100
+    for index, (cap_id, ctl) in enumerate(caps):
+        following = offset + 0x40 if index + 1 < len(caps) else 0
+        struct.pack_into("<I", data, offset, cap_id | (1 << 16) | (following << 20))
+        if cap_id == 0x000D:
+            struct.pack_into("<HH", data, offset + 4, 0x5F, ctl)
+        offset = following
+    return bytes(data)
+
+
+def read_acs(tmp_path, devices: dict) -> tuple[dict, str]:
+    for bdf, (cls, data) in devices.items():
+        d = tmp_path / "sys/bus/pci/devices" / bdf
+        d.mkdir(parents=True)
+        (d / "class").write_text(cls + "\n")
+        (d / "config").write_bytes(data)
+    command = PciAcs().command.replace("/sys/", f"{tmp_path}/sys/")
+    # no lspci on PATH: only the config walk speaks
+    run = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin"})
+    return PciAcs().process(run.stdout.splitlines()), run.stdout
+
+
+def test_acs_found_after_other_capabilities_and_its_control_bits_named(tmp_path):
+    acs, _ = read_acs(tmp_path, {
+        "0000:40:01.1": ("0x060400", config(caps=[(0x0001, 0), (0x000B, 0), (0x000D, 0x1D)])),
+        "0000:41:00.0": ("0x030200", config(caps=[(0x000D, 0x1D)])),  # not a bridge: not read
+    })
+    assert set(acs) == {"0000:40:01.1"}
+    entry = acs["0000:40:01.1"]
+    assert entry["status"] == "enabled" and entry["redirect"] is True
+    assert [flag for flag, on in entry["ctl"].items() if on] == ["SrcValid", "ReqRedir", "CmpltRedir", "UpstreamFwd"]
+
+
+@pytest.mark.parametrize("data, status", [
+    (config(caps=[(0x000D, 0)]), "disabled"),        # ACS present, all off
+    (config(caps=[(0x0001, 0)]), "absent"),          # extended space, no ACS capability
+    (config(4096), "absent"),                         # extended space empty
+    (config(256), "absent"),                          # conventional PCI bridge: no extended space
+    (config(64), "unknown"),                          # what a non-root reader gets
+])
+def test_each_config_form_gives_its_status(tmp_path, data, status):
+    acs, _ = read_acs(tmp_path, {"0000:00:01.1": ("0x060400", data)})
+    assert acs["0000:00:01.1"]["status"] == status
+
+
+def test_a_capability_list_that_loops_ends(tmp_path):
+    data = bytearray(config(caps=[(0x0001, 0)]))
+    struct.pack_into("<I", data, 0x100, 0x0001 | (1 << 16) | (0x100 << 20))  # next points at itself
+    acs, _ = read_acs(tmp_path, {"0000:00:01.1": ("0x060400", bytes(data))})
+    assert acs["0000:00:01.1"]["status"] == "absent"
+
+
+def test_config_answer_wins_over_lspci_text_for_the_same_bridge():
+    lines = ["bridge 0000:00:01.1", "acs 0000:00:01.1 0 1024",
+             "0000:00:01.1 0604: 1022:14ab", "\t\tACSCtl:\tSrcValid+ TransBlk- ReqRedir+ CmpltRedir+ UpstreamFwd+"]
+    assert PciAcs().process(lines)["0000:00:01.1"]["status"] == "disabled"
