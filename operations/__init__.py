@@ -9,6 +9,7 @@ STAGES = [
     ("host kernel & IOMMU", "operations.boot"),
     ("kernel", "operations.kernel"),
     ("NVIDIA open driver", "operations.nvidia"),
+    ("kernel updates", "operations.kernel_hook"),  # the hook builds nvidia for kernels apt installs later
     ("module options", "operations.module_options"),
     ("GPU assignment", "operations.gpus"),
     ("guests", "operations.guests"),

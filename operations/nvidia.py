@@ -98,8 +98,8 @@ def conftest_key_command(archive: str, release: str, cc: str, make_args: str = "
     machine and `make_args` (the variables `make` gets). Any change there gives a new key, so a
     rebuild never reads stale results.
     """
-    return render_template("nvidia-conftest-key.sh.j2", archive=archive, release=release, cc=cc,
-                           make_args=make_args, modules_dir=modules_dir)
+    return f"R={shlex.quote(release)}\n" + render_template("nvidia-conftest-key.sh.j2", archive=archive, cc=cc,
+                                                                make_args=make_args, modules_dir=modules_dir)
 
 
 def src_dir(version: str, cc: str, cxx: str | None) -> str:
@@ -107,7 +107,7 @@ def src_dir(version: str, cc: str, cxx: str | None) -> str:
     return f"{BUILD_ROOT}/{version}/tree-{re.sub(r'[^A-Za-z0-9._+-]', '_', cc)}-{re.sub(r'[^A-Za-z0-9._+-]', '_', cxx or 'none')}"
 
 
-def build_command(archive: str, version: str, release: str, cc: str, jobs: int, ccache: bool,
+def build_command(archive: str, version: str, release: str | None, cc: str, jobs: int, ccache: bool,
                   conftest_cache: bool = True, cxx: str | None = None,
                   signing: tuple[str, str] | None = None, sig_hash: str = "sha256") -> str:
     """Build the NVIDIA modules for `release` in a fresh scratch dir; the .ko files land in <scratch>/out
@@ -135,17 +135,29 @@ def build_command(archive: str, version: str, release: str, cc: str, jobs: int, 
     scripts/sign-file with `sig_hash` (the release's CONFIG_MODULE_SIG_HASH), in that order: stripping after signing would drop the signature.
     Nothing outside the scratch dirs, the ccache and the conftest cache is touched.
 
+    release None: the script builds for the release in its shell variable R, which the caller
+    sets (the kernel hook, templates/kernel-postinst-nvidia.sh.j2, from its first argument).
+
     conftest_cache: before `make`, restore kernel-open/conftest/ from a previous successful
     build with the same `conftest_key_command` key (mtimes kept, so NVIDIA's Kbuild finds every
     result newer than conftest.sh and reruns only its always-run checks); after a successful
     build, store this build's conftest/ under its key.
     """
+    return render_template("nvidia-build.sh.j2", **build_context(archive, version, release, cc, jobs, ccache,
+                                                                conftest_cache, cxx, signing, sig_hash))
+
+
+def build_context(archive: str, version: str, release: str | None, cc: str, jobs: int, ccache: bool,
+                  conftest_cache: bool = True, cxx: str | None = None,
+                  signing: tuple[str, str] | None = None, sig_hash: str = "sha256") -> dict:
+    """templates/nvidia-build.sh.j2's values (`build_command`; the kernel hook includes the same
+    template with these values and release None)."""
     # ccache by masquerade (/usr/lib/ccache/<cc> first on PATH): NVIDIA's conftest.sh runs
     # "$CC" quoted, so CC="ccache gcc-12" makes every conftest fail.
-    return render_template(
-        "nvidia-build.sh.j2", archive=archive, version=version, release=release, cc=cc, cxx=cxx, jobs=int(jobs),
+    return dict(
+        archive=archive, version=version, release=release, cc=cc, cxx=cxx, jobs=int(jobs),
         ccache=ccache, conftest_cache=conftest_cache, signing=tuple(signing) if signing else None, sig_hash=sig_hash,
-        build_root=BUILD_ROOT, build_dir=build_dir(version, release), src_dir=src_dir(version, cc, cxx),
+        build_root=BUILD_ROOT, build_parent=f"{BUILD_ROOT}/{version}", src_dir=src_dir(version, cc, cxx),
         ccache_dir=CCACHE_DIR, ccache_masquerade=CCACHE_MASQUERADE, ccache_ignore_options=CCACHE_IGNORE_OPTIONS,
         conftest_cache_dir=CONFTEST_CACHE, conftest_cache_keep=CONFTEST_CACHE_KEEP, sign_file=SIGN_FILE,
         modules_dir="/lib/modules")
@@ -160,11 +172,12 @@ def module_dir(release: str) -> str:
     return f"/lib/modules/{release}/{MODULE_SUBDIR}"
 
 
-def install_command(version: str, release: str) -> str:
+def install_command(version: str, release: str | None) -> str:
     """Swap the built modules into /lib/modules/<rel>/updates/pvegpu-nvidia
-    (templates/nvidia-install.sh.j2); depmod is the DEPMOD handler's (`declare_depmod`)."""
-    return render_template("nvidia-install.sh.j2", build_dir=build_dir(version, release),
-                           module_dir=module_dir(release))
+    (templates/nvidia-install.sh.j2); depmod is the DEPMOD handler's (`declare_depmod`).
+    release None: the release in the shell variable R (the kernel hook's)."""
+    return render_template("nvidia-install.sh.j2", release=release, build_parent=f"{BUILD_ROOT}/{version}",
+                           modules_dir="/lib/modules", module_subdir=MODULE_SUBDIR)
 
 
 # --no-nouveau-check: GPUs this run gives to VMs or containers may still be on nouveau until the

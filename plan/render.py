@@ -70,7 +70,7 @@ def render_template(name: str, **context) -> str:
 _BUILD = dict(archive="/var/cache/pvegpu/sources/" + "a" * 64 + "-595.45.04.tar.gz", version="595.45.04",
               release="6.14.11-4-pve", cc="gcc-12", cxx=None, jobs=4, ccache=True, conftest_cache=True,
               signing=None, sig_hash="sha256", build_root="/var/tmp/pvegpu/nvidia-build",
-              build_dir="/var/tmp/pvegpu/nvidia-build/595.45.04/6.14.11-4-pve",
+              build_parent="/var/tmp/pvegpu/nvidia-build/595.45.04",
               src_dir="/var/tmp/pvegpu/nvidia-build/595.45.04/tree-gcc-12-none",
               ccache_dir="/var/cache/pvegpu/ccache", ccache_masquerade="/usr/lib/ccache",
               ccache_ignore_options='-DKBUILD_BASENAME="#conftest* -DKBUILD_MODNAME="#conftest*',
@@ -88,17 +88,27 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
              sha256="b" * 64, dest="/var/cache/pvegpu/sources/" + "b" * 64 + "-NVIDIA-Linux-x86_64-595.45.04.run"),
     ],
     "nvidia-conftest-key.sh.j2": [
-        dict(archive=_BUILD["archive"], release="6.14.11-4-pve", cc="gcc-12", make_args="modules CC=gcc-12",
-             modules_dir="/lib/modules"),
+        dict(archive=_BUILD["archive"], cc="gcc-12", make_args="modules CC=gcc-12", modules_dir="/lib/modules"),
     ],
     "nvidia-build.sh.j2": [
         _BUILD,
         {**_BUILD, "cxx": "g++-12", "ccache": False, "conftest_cache": False,
          "signing": ("/root/mok.key", "/root/mok.der"), "sig_hash": "sha512"},
+        {**_BUILD, "release": None},  # the kernel hook's: the release in $R, set from its $1
+    ],
+    "kernel-postinst-nvidia.sh.j2": [
+        {**_BUILD, "release": None, "sha256": "a" * 64, "state_dir": "/var/lib/pvegpu/kernel-hook",
+         "pin_file": "/etc/kernel/proxmox-boot-pin", "motd_dir": "/etc/motd.d", "motd_file": "/etc/motd.d/pvegpu-kernel",
+         "module_subdir": "updates/pvegpu-nvidia"},
+        {**_BUILD, "release": None, "cxx": "g++-12", "signing": ("/root/mok.key", "/root/mok.der"), "sha256": "a" * 64,
+         "state_dir": "/var/lib/pvegpu/kernel-hook", "pin_file": "/etc/kernel/proxmox-boot-pin", "motd_dir": "/etc/motd.d",
+         "motd_file": "/etc/motd.d/pvegpu-kernel", "module_subdir": "updates/pvegpu-nvidia"},
     ],
     "nvidia-install.sh.j2": [
-        dict(build_dir=_BUILD["build_dir"],
-             module_dir="/lib/modules/6.14.11-4-pve/updates/pvegpu-nvidia"),
+        dict(release="6.14.11-4-pve", build_parent=_BUILD["build_parent"], modules_dir="/lib/modules",
+             module_subdir="updates/pvegpu-nvidia"),
+        dict(release=None, build_parent=_BUILD["build_parent"], modules_dir="/lib/modules",
+             module_subdir="updates/pvegpu-nvidia"),
     ],
     "nvidia-verify.sh.j2": [
         dict(version="595.45.04", releases=["6.14.11-4-pve", "6.1.0-57-amd64"], firmware=True,

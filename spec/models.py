@@ -393,6 +393,10 @@ class HostSpec(Strict):
     boot_loader: Literal["auto", "grub", "systemd-boot"] = "auto"
     iommu: IommuSpec = Field(default_factory=IommuSpec)
     kernel: KernelSpec | None = None
+    # how Proxmox kernels move between runs (operations/kernel_hook.py): follow (apt installs them; the
+    # kernel hook builds nvidia for each) or hold (the kernel meta-packages held at the spec's kernel series,
+    # else the running one's)
+    kernel_updates: Literal["follow", "hold"] = "follow"
     nvidia: NvidiaSpec | None = None
     gpus: dict[Bdf, GpuSpec] = Field(default_factory=dict)
     containers: dict[GuestId, ContainerSpec] = Field(default_factory=dict)

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 import re
+from shlex import quote
 
 import pytest
 
 from facts.cpu import CpuInfo
 from facts.kernel import BootLoader, ProxmoxKernels, parse_cmdline_text
+from facts.kernel_hook import KernelHookState
 from plan.boot import cmdline_difference, describe_difference, desired_params, vfio_modules
 from plan.kernel import PER_JOB_KIB, STATE_DIR, build_jobs
+from plan.kernel_hook import failure_lines, module_problems, next_boot_kernels
 
 
 def _cpu(target) -> dict:
@@ -109,3 +112,49 @@ def test_kernel_build_jobs_fit_the_hosts_memory(target):
         f"{target.name}: kernel {kernel.version} was built with -j{jobs}; {cores} cores and "
         f"{mem_kib // (1024 * 1024)} GiB of RAM allow -j{limit} at ~{PER_JOB_KIB // (1024 * 1024)} GiB per compile "
         "job (a bigger -j risks the OOM of incident 14)")
+
+
+def test_no_installed_kernel_was_left_without_its_nvidia_driver(target):
+    """The kernel hook (operations/kernel_hook.py) could not build nvidia for a kernel a package
+    installed: the reason it kept on the host, and what the boot default became."""
+    if target.spec.nvidia is None:
+        pytest.skip(f"{target.name}: no nvidia in the spec")
+    lines = failure_lines(target.fact(KernelHookState))
+    assert not lines, f"{target.name}: " + "; ".join(lines)
+
+
+def _nvidia_module(target, release: str) -> tuple[dict, str | None, list[str]]:
+    """nvidia's version, vermagic, compiler (.comment) and firmware for `release`, the kernel's
+    CONFIG_CC_VERSION_TEXT (its headers' auto.conf, else /boot/config-<rel>), firmware lines."""
+    r = quote(release)
+    _, out = target.run(
+        f"modinfo -k {r} -F version nvidia 2>/dev/null; echo '@@'; modinfo -k {r} -F vermagic nvidia 2>/dev/null; "
+        f"echo '@@'; f=$(modinfo -k {r} -F filename nvidia 2>/dev/null); [ -n \"$f\" ] && readelf -p .comment \"$f\" "
+        f"2>/dev/null | grep -m 1 -o 'GCC: .*'; echo '@@'; modinfo -k {r} -F firmware nvidia 2>/dev/null; echo '@@'; "
+        f"grep -h -m 1 '^CONFIG_CC_VERSION_TEXT=' /lib/modules/{r}/build/include/config/auto.conf /boot/config-{r} "
+        "2>/dev/null | head -n 1")
+    parts = [[line.strip() for line in part.strip().splitlines() if line.strip()] for part in out.split("@@")] + [[]] * 5
+    first = [p[0] if p else None for p in parts[:5]]
+    cc = (first[4] or "").split("=", 1)[-1].strip('"') or None
+    return {"version": first[0], "vermagic": first[1], "gcc": first[2]}, cc, parts[3]
+
+
+def test_kernels_the_loader_boots_next_have_the_nvidia_driver(target):
+    """Every kernel the loader boots next (the one-shot entry and the default) has nvidia
+    `nvidia.version`, built for it by the compiler that built it, with its firmware (issue 25)."""
+    nv = target.spec.nvidia
+    if nv is None:
+        pytest.skip(f"{target.name}: no nvidia in the spec")
+    _, out = target.run(ProxmoxKernels.command)
+    releases = next_boot_kernels(ProxmoxKernels().process(out.splitlines()))
+    if not releases:
+        pytest.skip(f"{target.name}: no kernel installed in /boot")
+    problems = []
+    for release in releases:
+        module, cc, firmware = _nvidia_module(target, release)
+        present = None
+        if nv.firmware and firmware:
+            present = {name: target.run(f"test -e /lib/firmware/{quote(name)}")[0] == 0 for name in firmware}
+        problems += module_problems(release, nv.version, module, cc, present)
+    assert not problems, f"{target.name}: the next boot ({', '.join(releases)}) would come up without its GPU driver: " \
+        + "; ".join(problems)

@@ -272,12 +272,13 @@ def test_build_takes_hostile_values_literally(tmp_path, monkeypatch):
 
 def test_install_and_verify_take_hostile_values_literally(tmp_path):
     release, version = spec_hostile("release"), spec_hostile("version")
-    build, dest = tmp_path / spec_hostile("build"), tmp_path / "modules" / release / "pvegpu"
+    parent = tmp_path / spec_hostile("build")
+    build, dest = parent / release, tmp_path / "modules" / release / "pvegpu"
     (build / "out").mkdir(parents=True)
     (build / "out" / "nvidia.ko").write_text("ko")
     env = {**tools(tmp_path), "VER": "535.1"}
-    done = sh(render.render_template("nvidia-install.sh.j2", build_dir=str(build),
-                                     module_dir=str(dest)), tmp_path, env)
+    done = sh(render.render_template("nvidia-install.sh.j2", release=release, build_parent=str(parent),
+                                     modules_dir=str(tmp_path / "modules"), module_subdir="pvegpu"), tmp_path, env)
     assert done.returncode == 0, done.stderr
     assert (dest / "nvidia.ko").read_text() == "ko" and not build.exists()
     assert not (tmp_path / "argv").exists()  # no tool ran: depmod is the handler's (operations.handlers)

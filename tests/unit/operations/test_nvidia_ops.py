@@ -223,7 +223,8 @@ def test_depmod_retried_from_its_stamp_and_quiet_once_it_matches(monkeypatch):
 def test_build_command_uses_kernel_compiler_ccache_and_jobs():
     command = ops.build_command("/var/cache/pvegpu/sources/x.tar.xz", "535.309.01", "6.1.0-57-amd64",
                                 "gcc-12", 3, ccache=True)
-    assert "-j3 modules KERNEL_UNAME=6.1.0-57-amd64 CC=gcc-12 " in command
+    assert "\nR=6.1.0-57-amd64\n" in command  # the release the script builds for (the kernel hook sets R itself)
+    assert '-j3 modules KERNEL_UNAME="$R" CC=gcc-12 ' in command
     assert ("PATH=/usr/lib/ccache:$PATH CCACHE_DIR=/var/cache/pvegpu/ccache "
             "CCACHE_IGNOREOPTIONS='-DKBUILD_BASENAME=\"#conftest* -DKBUILD_MODNAME=\"#conftest*' make") in command
     plain = ops.build_command("/a", "1", "r", "gcc-12", 1, ccache=False, conftest_cache=False)

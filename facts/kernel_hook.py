@@ -1,0 +1,108 @@
+"""What the kernel hook (operations/kernel_hook.py) left on a host and how its kernels move:
+the hook's failure records, the pin it set, the kernel meta-packages and their apt holds."""
+
+from __future__ import annotations
+
+import re
+
+from facts.base import ShellFact
+from facts.sections import parse_sections, section_echo
+
+HOOK_STATE = "/var/lib/pvegpu/kernel-hook"  # <release>.failed / .ok / .log, `pinned`
+HOLD_RECORD = "/var/lib/pvegpu/kernel-hold"  # the packages pvegpu put on hold, one a line
+PIN_FILE = "/etc/kernel/proxmox-boot-pin"  # proxmox-kernel-helper's pin (proxmox-boot-tool kernel pin)
+NEXT_PIN_FILE = "/etc/kernel/next-boot-pin"
+# proxmox-kernel-meta debian/control: proxmox-default-kernel / -headers depend on proxmox-kernel-X.Y /
+# proxmox-headers-X.Y; pve-kernel debian/control.in: those depend on proxmox-kernel-<rel>(-signed) /
+# proxmox-headers-<rel>, and a new ABI moves them to the new release
+META_RE = re.compile(r"^proxmox-(kernel|headers)-(\d+\.\d+)$")
+DEFAULT_METAS = ("proxmox-default-kernel", "proxmox-default-headers")
+# apt reads without writing its cache files (a --dry changes nothing): apt.conf(5) Dir::Cache, an empty
+# pkgcache / srcpkgcache turns that cache file off (the cache is then built in memory)
+NO_CACHE = "-o Dir::Cache::pkgcache= -o Dir::Cache::srcpkgcache="
+
+
+def parse_failed(lines: list[str]) -> dict[str, dict]:
+    """``<release>.failed`` records: a ``== <file>`` line, then its lines (time, reason, what the
+    boot default became). {release: {"time", "reason", "kept"}}"""
+    out: dict[str, dict] = {}
+    current: list[str] | None = None
+    for line in lines:
+        if line.startswith("== ") and line.endswith(".failed"):
+            current = []
+            out[line[3:-len(".failed")]] = {"lines": current}
+        elif current is not None:
+            current.append(line)
+    return {rel: {"time": (v["lines"] + [""])[0], "reason": (v["lines"] + ["", ""])[1],
+                  "kept": (v["lines"] + ["", "", ""])[2]} for rel, v in out.items()}
+
+
+def parse_packages(lines: list[str]) -> dict[str, dict]:
+    """``dpkg-query -W -f '${db:Status-Abbrev} ${Package} ${Version}'`` lines: the installed
+    ones ({package: {"version"}}; status "ii"/"hi", not "un"/"rc")."""
+    out: dict[str, dict] = {}
+    for line in lines:
+        words = line.split()
+        if len(words) >= 3 and len(words[0]) >= 2 and words[0][1] == "i":
+            out[words[1]] = {"version": words[2], "held": words[0][0] == "h"}
+    return out
+
+
+def _first(lines: list[str]) -> str | None:
+    return next((line.strip() for line in lines if line.strip()), None)
+
+
+def parse_kernel_hook(lines: list[str]) -> dict:
+    return parse_sections(lines, {
+        "failed": parse_failed,
+        "pinned": _first,
+        "pin": _first,
+        "next_pin": _first,
+        "holds": lambda ls: sorted(line.strip() for line in ls if line.strip()),
+        "hold_record": lambda ls: sorted(line.strip() for line in ls if line.strip()),
+        "packages": parse_packages,
+        "headers_candidate": lambda ls: (c if (c := _first(ls)) and c != "(none)" else None),
+        "hook": lambda ls: bool(ls) and ls[0].strip() == "yes",
+        "running": _first,
+        "installed": lambda ls: sorted(line.strip() for line in ls if line.strip()),
+    })
+
+
+class KernelHookState(ShellFact):
+    """.. code:: python
+
+        {"failed": {"6.14.11-1-pve": {"time": "2026-…", "reason": "nvidia … could not be built …",
+                                      "kept": "6.14.8-2-pve stays the boot default (pinned by pvegpu; …)"}},
+         "pinned": "6.14.8-2-pve" | None, "pin": …, "next_pin": …,
+         "holds": ["proxmox-kernel-6.14"], "hold_record": […],
+         "packages": {"proxmox-default-kernel": {"version": "1.1.0", "held": False}, …},
+         "headers_candidate": "1.1.0" | None, "hook": True, "running": "6.14.8-2-pve",
+         "installed": ["6.14.11-1-pve", "6.14.8-2-pve"]}   # /boot/vmlinuz-*
+    """
+
+    command = "; ".join([
+        section_echo("failed"),
+        f'for f in {HOOK_STATE}/*.failed; do [ -f "$f" ] && echo "== ${{f##*/}}" && head -n 3 "$f"; done',
+        section_echo("pinned"), f"cat {HOOK_STATE}/pinned 2>/dev/null",
+        section_echo("pin"), f"head -n 1 {PIN_FILE} 2>/dev/null",
+        section_echo("next_pin"), f"head -n 1 {NEXT_PIN_FILE} 2>/dev/null",
+        section_echo("holds"), f"apt-mark {NO_CACHE} showhold 2>/dev/null",
+        section_echo("hold_record"), f"cat {HOLD_RECORD} 2>/dev/null",
+        section_echo("packages"),
+        "dpkg-query -W -f '${db:Status-Abbrev} ${Package} ${Version}\\n' proxmox-default-kernel "
+        "proxmox-default-headers 'proxmox-kernel-[0-9]*' 'proxmox-headers-[0-9]*' 2>/dev/null",
+        section_echo("headers_candidate"),
+        f"apt-cache {NO_CACHE} policy proxmox-default-headers 2>/dev/null "
+        "| sed -n 's/^ *Candidate: //p'",
+        section_echo("hook"), "[ -e /etc/kernel/postinst.d/pvegpu-nvidia ] && echo yes",
+        section_echo("running"), "uname -r",
+        section_echo("installed"), 'for f in /boot/vmlinuz-*; do [ -e "$f" ] && echo "${f#/boot/vmlinuz-}"; done',
+        "true",
+    ])
+
+    @staticmethod
+    def default() -> dict:
+        return parse_kernel_hook([])
+
+    def process(self, output):
+        return parse_kernel_hook(list(output))

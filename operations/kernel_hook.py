@@ -1,0 +1,157 @@
+"""Stage after the NVIDIA driver — kernels that apt installs between runs (issue 25).
+
+follow (spec `kernel_updates`, the default): `/etc/kernel/postinst.d/pvegpu-nvidia`
+(templates/kernel-postinst-nvidia.sh.j2) builds and installs nvidia `nvidia.version` for each
+kernel a package installs, offline, from the sha256-checked archive the NVIDIA stage keeps, with
+that stage's own build and install scripts (templates/nvidia-build.sh.j2, nvidia-install.sh.j2
+with the release from the hook's argument), its toolchain rule and its signing key. It runs
+before zz-proxmox-boot and zz-update-grub (run-parts order), so when the build cannot be done it
+pins the last kernel with working modules before the loader is refreshed; the reason is kept in
+/var/lib/pvegpu/kernel-hook/<release>.failed, shown at login (/etc/motd.d/pvegpu-kernel), by
+this stage (--dry too) and by the host checks. The hook always exits 0: pve-kernel's postinst
+runs the hooks with `run-parts --exit-on-error` and dies on a failure (debian/proxmox-kernel.
+postinst.in), which would leave the kernel package half-configured. The headers follow the
+kernels through proxmox-default-headers.
+
+hold: the installed kernel meta-packages of the series are held (`apt-mark hold`), so
+`apt full-upgrade` installs no new release; `follow` releases exactly the holds pvegpu set.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from pyinfra import host, logger
+from pyinfra.api import StringCommand, deploy, operation
+
+from facts.files import ManagedFiles
+from facts.kernel_hook import HOLD_RECORD, HOOK_STATE, PIN_FILE, KernelHookState
+from facts.once import fact_once
+from operations import nvidia
+from operations.files import file_current, managed_file
+from plan import kernel_hook as khplan
+from plan import nvidia as nvplan
+from plan.render import render_template
+
+HOOK = "/etc/kernel/postinst.d/pvegpu-nvidia"  # before zz-proxmox-boot and zz-update-grub in run-parts' order
+MOTD_DIR = "/etc/motd.d"
+# Linux-PAM modules/pam_motd/pam_motd.c: DEFAULT_MOTD_D (/etc/motd.d:…) is read when neither
+# motd= nor motd_dir= is given, as on Debian's second pam_motd line (/etc/pam.d/sshd, login)
+MOTD = f"{MOTD_DIR}/pvegpu-kernel"
+
+
+def hook_context(spec, cc: str, cxx: str | None, jobs: int, ccache: bool, sig_hash: str = "sha256") -> dict:
+    nv = spec.nvidia
+    build = nvidia.build_context(nvidia.cached_source(nv.modules_source), nv.version, None, cc, jobs, ccache,
+                                 cxx=cxx, signing=(nv.signing.key, nv.signing.cert) if nv.signing else None,
+                                 sig_hash=sig_hash)
+    return {**build, "sha256": nv.modules_source.sha256, "state_dir": HOOK_STATE, "pin_file": PIN_FILE,
+            "motd_dir": MOTD_DIR, "motd_file": MOTD, "module_subdir": nvidia.MODULE_SUBDIR}
+
+
+def hook_script(spec, cc: str, cxx: str | None, jobs: int, ccache: bool, sig_hash: str = "sha256") -> str:
+    """The hook's text (templates/kernel-postinst-nvidia.sh.j2)."""
+    return render_template("kernel-postinst-nvidia.sh.j2", **hook_context(spec, cc, cxx, jobs, ccache, sig_hash))
+
+
+def hook_toolchain(spec, state: dict, releases: list[str]) -> tuple[str, str | None]:
+    """The compilers the stage's toolchain rule picks for the first target release it can (the
+    hook checks each new kernel's CONFIG_CC_VERSION_TEXT against them when it runs)."""
+    for release in releases:
+        info = state["releases"].get(release) or {}
+        if not info.get("cc_version_text"):
+            continue
+        chosen = nvplan.toolchain_for(release, info["cc_version_text"], state.get("compilers") or {},
+                                      need_cxx=spec.nvidia.open)
+        if chosen["cc"]:
+            return chosen["cc"], chosen["cxx"]
+    return "gcc", ("g++" if spec.nvidia.open else None)
+
+
+def prefetch(spec) -> list:
+    return [(KernelHookState, {}), (ManagedFiles, {"paths": [HOOK, HOLD_RECORD]})]
+
+
+def preflight(spec) -> list[str]:
+    state = fact_once(KernelHookState)
+    refusals = [khplan.updates_plan(spec.kernel_updates, spec.kernel.version if spec.kernel else None,
+                                    state)["refusal"]]
+    if spec.kernel is not None and spec.nvidia is not None:
+        refusals.append(khplan.driver_kernel_refusal(spec.nvidia.version, spec.kernel.version, state))
+    return [r for r in refusals if r]
+
+
+@operation()
+def apt_mark(action: str, packages: list[str]):
+    """`apt-mark hold|unhold` of kernel meta-packages."""
+    yield StringCommand(f"apt-mark {shlex.quote(action)} " + " ".join(shlex.quote(p) for p in packages))
+
+
+@operation()
+def install_default_headers():
+    """proxmox-default-headers: the headers of every new kernel come with it."""
+    yield StringCommand("DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends proxmox-default-headers")
+
+
+@operation()
+def forget_failures(releases: list[str], last: bool):
+    """Remove the failure records of kernels no longer installed (and the login notice with the last)."""
+    paths = [f"{HOOK_STATE}/{r}.failed" for r in releases] + ([MOTD] if last else [])
+    yield StringCommand("rm -f " + " ".join(shlex.quote(p) for p in paths))
+
+
+@operation()
+def remove_hook():
+    yield StringCommand(f"rm -f {shlex.quote(HOOK)}")
+
+
+@deploy("Kernel updates")
+def apply(spec) -> None:
+    state = fact_once(KernelHookState)
+    for line in khplan.failure_lines(state):
+        logger.warning(f"{host.name}: kernel hook: {line}")
+    stale = khplan.stale_failures(state)
+    if stale:
+        forget_failures(name=f"Forget the kernel hook's records of removed kernels: {', '.join(stale)}", releases=stale,
+                        last=not khplan.live_failures(state))
+    updates = khplan.updates_plan(spec.kernel_updates, spec.kernel.version if spec.kernel else None, state)
+    logger.info(f"{host.name}: {updates['summary']}")
+    if updates["unhold"]:
+        apt_mark(name=f"Release the kernel holds pvegpu set: {', '.join(updates['unhold'])}", action="unhold",
+                 packages=updates["unhold"])
+    if updates["hold"]:
+        apt_mark(name=f"Hold the kernel series {updates['series']}: {', '.join(updates['hold'])}", action="hold",
+                 packages=updates["hold"])
+    record = "".join(f"{p}\n" for p in updates["record"])
+    files = fact_once(ManagedFiles, paths=[HOOK, HOLD_RECORD])
+    if record or files.get(HOLD_RECORD):
+        managed_file(name="Record the kernel holds pvegpu set", path=HOLD_RECORD, content=record, mode="644",
+                     state=files.get(HOLD_RECORD), keep_previous=False)
+    nv = spec.nvidia
+    if nv is None or nv.modules_source is None:
+        if state.get("hook"):
+            remove_hook(name="Remove the kernel hook (no nvidia.modules_source to build from)")
+        return
+    # follow only: held kernels need no new headers (and proxmox-default-headers may name a newer series)
+    headers, note = khplan.headers_step(state) if spec.kernel_updates == "follow" else (False, None)
+    if note:
+        logger.warning(f"{host.name}: kernel hook: {note}")
+    if headers:
+        install_default_headers(name="Install proxmox-default-headers (headers follow the kernels)")
+    nv_state, releases, steps = nvidia._state_and_steps(spec)
+    # the hook builds from the verified archive on the host: fetched even when the NVIDIA stage builds nothing
+    archive = nvidia.cached_source(nv.modules_source)
+    if not (nv_state["sources"].get("modules") or {}).get("cached") and not steps["fetch_modules"]:
+        nvidia.fetch_source(name=f"Fetch and verify NVIDIA modules source {archive} for the kernel hook",
+                            url=nv.modules_source.url, sha256=nv.modules_source.sha256, dest=archive)
+    cc, cxx = hook_toolchain(spec, nv_state, releases)
+    # sign-file's hash: the target kernels' CONFIG_MODULE_SIG_HASH (a series keeps its config), else sha256
+    sig_hash = next((h for r in releases if (h := ((nv_state["releases"].get(r) or {}).get("config") or {})
+                                             .get("CONFIG_MODULE_SIG_HASH"))), "sha256")
+    content = hook_script(spec, cc, cxx, steps["jobs"], steps["ccache"], sig_hash)
+    current = files.get(HOOK)
+    if file_current(current, content, "755"):
+        logger.info(f"{host.name}: kernel hook: {HOOK} builds nvidia {nv.version} for new kernels ({cc})")
+        return
+    managed_file(name=f"Kernel hook: build nvidia {nv.version} for each kernel apt installs", path=HOOK,
+                 content=content, mode="755", state=current, keep_previous=False)

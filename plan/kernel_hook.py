@@ -1,0 +1,152 @@
+"""How kernels move on a host between runs (issue 25), decided from the spec and the
+`facts.kernel_hook.KernelHookState` fact; pure.
+
+follow: apt installs new Proxmox kernels; the kernel hook builds nvidia for each as it is
+installed, and keeps the last kernel with working modules the boot default when it cannot.
+hold: Proxmox's kernel meta-packages are held at the series, so apt installs no new release.
+"""
+
+from __future__ import annotations
+
+import re
+
+from facts.kernel_hook import DEFAULT_METAS
+
+SERIES_RE = re.compile(r"^(\d+\.\d+)\.")
+
+
+def series_of(release: str | None) -> str | None:
+    """`6.14.8-2-pve` -> `6.14`."""
+    m = SERIES_RE.match(release or "")
+    return m.group(1) if m else None
+
+
+def hold_packages(series: str, installed: dict[str, dict]) -> list[str]:
+    """The installed meta-packages that pull a new kernel release: proxmox-default-kernel /
+    -headers (they move to a new series) and proxmox-kernel-X.Y / proxmox-headers-X.Y (each new
+    ABI of the series; proxmox-kernel-meta and pve-kernel debian/control)."""
+    wanted = [*DEFAULT_METAS, f"proxmox-kernel-{series}", f"proxmox-headers-{series}"]
+    return [p for p in wanted if p in installed]
+
+
+def updates_plan(mode: str, spec_release: str | None, state: dict) -> dict:
+    """What the kernel-updates setting does on this host.
+
+    {"mode": "hold", "series": "6.8", "hold": [...], "unhold": [...], "record": [...],
+     "summary": "kernel updates: hold at 6.8 (...)", "refusal": None}
+    `record`: the packages pvegpu holds after this run (kept on the host, so `follow` releases
+    exactly those and no hold an operator set by hand)."""
+    packages = state.get("packages") or {}
+    holds = set(state.get("holds") or [])
+    record = list(state.get("hold_record") or [])
+    if mode == "follow":
+        unhold = [p for p in record if p in holds]
+        summary = ("kernel updates: follow (apt installs new kernels; the kernel hook builds nvidia for each, "
+                   "else the boot default stays on the last kernel with working modules)")
+        return {"mode": mode, "series": None, "hold": [], "unhold": unhold, "record": [], "summary": summary,
+                "refusal": None}
+    series = series_of(spec_release) or series_of(state.get("running"))
+    if series is None:
+        return {"mode": mode, "series": None, "hold": [], "unhold": [], "record": record, "summary": "",
+                "refusal": "kernel_updates is hold but neither the spec's kernel nor the running one names a series"}
+    wanted = hold_packages(series, packages)
+    if f"proxmox-kernel-{series}" not in packages:
+        return {"mode": mode, "series": series, "hold": [], "unhold": [], "record": record, "summary": "",
+                "refusal": f"kernel_updates is hold at {series}, but proxmox-kernel-{series} is not installed "
+                           f"(installed: {', '.join(sorted(packages)) or 'no Proxmox kernel meta-package'})"}
+    hold = [p for p in wanted if p not in holds]
+    unhold = [p for p in record if p in holds and p not in wanted]
+    summary = (f"kernel updates: hold at {series} ({', '.join(wanted)} held: apt installs no new kernel "
+               f"release until the spec changes)")
+    return {"mode": mode, "series": series, "hold": hold, "unhold": unhold, "record": sorted(wanted),
+            "summary": summary, "refusal": None}
+
+
+def live_failures(state: dict) -> dict[str, dict]:
+    """The hook's failure records of kernels still installed (/boot/vmlinuz-<rel>)."""
+    installed = set(state.get("installed") or [])
+    return {rel: rec for rel, rec in (state.get("failed") or {}).items() if rel in installed}
+
+
+def stale_failures(state: dict) -> list[str]:
+    """Failure records of kernels removed since (nothing boots them any more)."""
+    return sorted(set(state.get("failed") or {}) - set(live_failures(state)))
+
+
+def failure_lines(state: dict) -> list[str]:
+    """The kernel hook's failures on this host, in words (the --dry and the run say them)."""
+    return [f"kernel {rel}: {rec['reason'] or 'the kernel hook failed'} ({rec['time']}); {rec['kept']}; "
+            f"once the cause is fixed, `dpkg-reconfigure proxmox-kernel-{rel}` runs the hook again"
+            for rel, rec in sorted(live_failures(state).items())]
+
+
+def headers_step(state: dict) -> tuple[bool, str | None]:
+    """(install proxmox-default-headers?, note): on a host with proxmox-default-kernel, the
+    headers follow the kernels through proxmox-default-headers (proxmox-kernel-meta: it depends on
+    proxmox-headers-X.Y, which depends on the newest release's headers)."""
+    packages = state.get("packages") or {}
+    if "proxmox-default-kernel" not in packages or "proxmox-default-headers" in packages:
+        return False, None
+    if state.get("headers_candidate"):
+        return True, None
+    return False, ("proxmox-default-headers is not installed and apt has no candidate for it: a new kernel "
+                   "will come without headers and the kernel hook will refuse it")
+
+
+def next_boot_kernels(kernels: dict) -> list[str]:
+    """The kernels the loader boots next on a Proxmox host (`facts.kernel.ProxmoxKernels`): the
+    one-shot next-boot pin, then the default: the pin, else the newest installed kernel
+    (proxmox-kernel-helper zz-proxmox-boot sets the systemd-boot default to the pinned entry,
+    else `proxmox-*`, which systemd-boot resolves to the newest version; on GRUB the pin is the
+    default through Proxmox's /etc/grub.d/000_proxmox_boot_header, else GRUB_DEFAULT=0, the
+    first entry, which grub-mkconfig's 10_linux orders newest first)."""
+    installed = list(kernels.get("installed") or [])
+    out = []
+    if kernels.get("next_boot") in installed:
+        out.append(kernels["next_boot"])
+    default = kernels.get("pinned") if kernels.get("pinned") in installed else (installed[-1] if installed else None)
+    if default:
+        out.append(default)
+    return list(dict.fromkeys(out))
+
+
+def module_problems(release: str, version: str, module: dict, cc_version_text: str | None,
+                    firmware_present: dict[str, bool] | None) -> list[str]:
+    """What is wrong with nvidia for `release`: `module` is {"version", "vermagic", "gcc"
+    (the .ko's .comment GCC line), "firmware": [files it loads]}; `cc_version_text` the kernel's
+    CONFIG_CC_VERSION_TEXT; `firmware_present` {firmware file: exists} (None: not checked)."""
+    if module.get("version") != version:
+        return [f"kernel {release} has nvidia {module.get('version') or 'missing'}, not {version}"]
+    problems = []
+    vermagic = (module.get("vermagic") or "").split(" ", 1)[0]
+    if vermagic != release:
+        problems.append(f"kernel {release}: its nvidia module was built for {vermagic or 'an unknown kernel'}")
+    gcc = module.get("gcc") or ""
+    want = cc_version_text or ""
+    if want and gcc:
+        same = gcc.split(" ", 1)[-1] == want.split(" ", 1)[-1]
+        if not same and gcc_xyz(gcc) != gcc_xyz(want):
+            problems.append(f"kernel {release} was built with {want!r} but its nvidia module with {gcc!r}")
+    elif want:
+        problems.append(f"kernel {release}: its nvidia module does not say which compiler built it")
+    for name, present in sorted((firmware_present or {}).items()):
+        if not present:
+            problems.append(f"kernel {release}: nvidia {version} loads /lib/firmware/{name}, which is missing")
+    return problems
+
+
+def gcc_xyz(banner: str) -> str | None:
+    found = re.findall(r"\b(\d+\.\d+\.\d+)\b", banner)
+    return found[-1] if found else None
+
+
+def driver_kernel_refusal(version: str, release: str | None, state: dict) -> str | None:
+    """The driver x kernel gate for the spec's kernel (`kernel.version`): the kernel hook already
+    tried nvidia `version` against that release when its package was installed and could not build
+    it (the record quotes the first compile error); the run is refused before the kernel stage
+    pins it. A record of another driver version does not count (the spec moved on)."""
+    rec = live_failures(state).get(release or "")
+    if rec is None or not rec["reason"].startswith(f"nvidia {version} "):
+        return None
+    return (f"kernel {release} (kernel.version) cannot run nvidia {version}: {rec['reason']}; pick a driver version "
+            f"that builds for it (nvidia.version) or another kernel.version")

@@ -1,0 +1,357 @@
+"""`apt full-upgrade` installs a new kernel between two runs (issue 25), on the intel2 twin (GRUB).
+
+The host first runs Debian's 6.1.0-57-amd64 (its real headers are in the twin root) with nvidia
+built by the NVIDIA stage; the converge also installs the kernel hook. Then a local apt
+repository (file:/opt/repo inside the twin, nothing leaves it) offers a newer kernel the way
+Proxmox's metas do: proxmox-default-kernel 2 -> proxmox-kernel-6.12 -> the kernel package of
+6.12.118+deb12-amd64 (whose real headers are in the twin root too). Each kernel package is a real
+.deb whose postinst runs depmod and `run-parts --exit-on-error --arg=<rel> --arg=<image>
+/etc/kernel/postinst.d` as pve-kernel's debian/proxmox-kernel.postinst.in does, so Debian's own
+dkms, initramfs-tools and zz-update-grub hooks run beside ours.
+
+The NVIDIA tree is a miniature one in NVIDIA's layout (kernel-open/ with Kbuild, a Makefile
+that hands KERNEL_UNAME to kbuild, and five tiny modules named like NVIDIA's, carrying the
+version), compiled by real kbuild against the real headers through the stage's build template;
+the real tree through that template is tests/e2e/test_driver_build.py's.
+
+follow, builds: modules for 6.12 appear, it becomes the default and boots, dpkg is clean.
+follow, fails (#error on kernels from 6.12): the default stays 6.1 (pinned), dpkg is clean,
+the reason is kept, shown at login, by --dry and by the host checks.
+hold: the metas are held, `apt full-upgrade` installs nothing new.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import tarfile
+import time
+from io import BytesIO
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import PYTEST, REPO, manifest_diff, root_manifest, run_pyinfra
+from tests.twin import runtime
+
+pytestmark = [pytest.mark.twin]
+
+PROFILE = "intel2"  # GRUB, Proxmox VE 8
+VERSION = "580.95.05"
+OLD = "6.1.0-57-amd64"
+NEW = "6.12.118+deb12-amd64"
+MODULES = ("nvidia", "nvidia-uvm", "nvidia-modeset", "nvidia-drm", "nvidia-peermem")
+ARCHIVE = f"/opt/src/open-gpu-kernel-modules-{VERSION}.tar.gz"
+STAGE_DEPLOY = str(REPO / "tests/e2e/stage_deploy.py")
+STAGES = {"PVEGPU_STAGES": "operations.nvidia,operations.kernel_hook"}
+HOOK_LOG = f"/var/lib/pvegpu/kernel-hook/{NEW}.log"
+
+
+# -- the miniature NVIDIA tree ---------------------------------------------------------------------
+
+KBUILD = "".join(f"obj-m += {m}.o\n" for m in MODULES)
+# NVIDIA's kernel-open/Makefile: KERNEL_UNAME names /lib/modules/<rel>/build, kbuild builds M=here
+MAKEFILE = ("KERNEL_UNAME ?= $(shell uname -r)\n"
+            "modules:\n\t$(MAKE) -C /lib/modules/$(KERNEL_UNAME)/build M=$(CURDIR) modules\n")
+
+
+def module_source(name: str, fail_from_6_12: bool) -> str:
+    guard = ("#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 12, 0)\n"
+             "#error \"nvidia-mini does not support kernel 6.12 and later\"\n#endif\n") if fail_from_6_12 else ""
+    firmware = "".join(f'MODULE_FIRMWARE("nvidia/{VERSION}/{f}");\n' for f in ("gsp_ga10x.bin", "gsp_tu10x.bin")) \
+        if name == "nvidia" else ""
+    return ("#include <linux/module.h>\n#include <linux/version.h>\n" + guard
+            + f'MODULE_LICENSE("Dual MIT/GPL");\nMODULE_VERSION("{VERSION}");\n'
+            + f'MODULE_DESCRIPTION("pvegpu e2e miniature of {name}");\n' + firmware)
+
+
+def mini_tree(out: Path, fail_from_6_12: bool = False) -> Path:
+    # version.mk: the open tree names its version there (the build template checks it)
+    files = {"version.mk": f"NVIDIA_VERSION = {VERSION}\n", "kernel-open/Kbuild": KBUILD, "kernel-open/Makefile": MAKEFILE}
+    for m in MODULES:
+        files[f"kernel-open/{m}.c"] = module_source(m, fail_from_6_12 and m == "nvidia")
+    archive = out / f"open-gpu-kernel-modules-{VERSION}{'-fails' if fail_from_6_12 else ''}.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for path, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"open-gpu-kernel-modules-{VERSION}/{path}")
+            info.size, info.mode, info.mtime = len(data), 0o644, 1700000000
+            tar.addfile(info, BytesIO(data))
+    return archive
+
+
+# -- kernel packages the way Proxmox ships them ----------------------------------------------------
+
+def deb(out: Path, package: str, version: str, files: dict[str, str], depends: str = "",
+        postinst: str | None = None) -> Path:
+    tree = out / f"{package}_{version}"
+    (tree / "DEBIAN").mkdir(parents=True)
+    for path, text in files.items():
+        (tree / path).parent.mkdir(parents=True, exist_ok=True)
+        (tree / path).write_text(text)
+    (tree / "DEBIAN/control").write_text(
+        f"Package: {package}\nVersion: {version}\nArchitecture: all\n"
+        + (f"Depends: {depends}\n" if depends else "")
+        + "Maintainer: pvegpu tests <tests@example.invalid>\nDescription: pvegpu e2e stand-in\n")
+    if postinst:
+        (tree / "DEBIAN/postinst").write_text(postinst)
+        (tree / "DEBIAN/postinst").chmod(0o755)
+    built = out / f"{package}_{version}_all.deb"
+    subprocess.run(["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", str(tree), str(built)], check=True,
+                   capture_output=True)
+    return built
+
+
+def kernel_deb(out: Path, root: Path, release: str) -> Path:
+    """proxmox-kernel-<rel>: an image, the kernel's real config (from its headers) and its modules
+    dir; postinst as pve-kernel debian/proxmox-kernel.postinst.in (configure only: depmod, then
+    the hooks with --exit-on-error and the version and image as arguments)."""
+    config = (root / f"usr/src/linux-headers-{release}/.config").read_text()
+    postinst = ("#!/bin/sh\nset -e\n[ \"$1\" = configure ] || exit 0\n"
+                f"depmod {release}\n"
+                f"run-parts --verbose --exit-on-error --arg={release} --arg=/boot/vmlinuz-{release} "
+                "/etc/kernel/postinst.d\n")
+    return deb(out, f"proxmox-kernel-{release}", "1", {
+        f"boot/vmlinuz-{release}": "twin stand-in kernel image\n", f"boot/config-{release}": config,
+        f"boot/System.map-{release}": "", f"lib/modules/{release}/modules.order": "",
+        f"lib/modules/{release}/modules.builtin": ""}, postinst=postinst)
+
+
+def repo_debs(out: Path, root: Path, upgrade: bool) -> list[Path]:
+    """The chain of proxmox-kernel-meta's and pve-kernel's debian/control: proxmox-default-kernel ->
+    proxmox-kernel-X.Y -> the release (and the same for the headers)."""
+    debs = []
+    for release, series in ((OLD, "6.1"), (NEW, "6.12"))[:2 if upgrade else 1]:
+        version = "2" if series == "6.12" else "1"
+        debs += [kernel_deb(out, root, release),
+                 deb(out, f"proxmox-kernel-{series}", "1", {}, depends=f"proxmox-kernel-{release}"),
+                 deb(out, "proxmox-default-kernel", version, {}, depends=f"proxmox-kernel-{series}"),
+                 # the headers chain (its files are already in the twin root, unpacked from Debian's packages)
+                 deb(out, f"proxmox-headers-{release}", "1", {}),
+                 deb(out, f"proxmox-headers-{series}", "1", {}, depends=f"proxmox-headers-{release}"),
+                 deb(out, "proxmox-default-headers", version, {}, depends=f"proxmox-headers-{series}")]
+    return debs
+
+
+# -- the twin --------------------------------------------------------------------------------------
+
+def twin_sh(twin, command: str, check: bool = True, timeout: int = 600) -> str:
+    deadline = time.monotonic() + 20
+    while True:
+        done = subprocess.run(runtime.ssh_command(twin.name, [command]), capture_output=True, text=True,
+                              timeout=timeout)
+        if done.returncode != 255 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if check and done.returncode != 0:
+        raise AssertionError(f"in twin: {command}: exit {done.returncode}\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return done.stdout + (done.stderr if not check else "")
+
+
+def publish(twin, tmp: Path, upgrade: bool) -> None:
+    """The local repository in the twin, and apt pointed at it alone."""
+    root = Path(twin.root)
+    repo = root / "opt/repo"
+    if repo.exists():
+        subprocess.run(["rm", "-rf", str(repo)], check=True)
+    repo.mkdir(parents=True)
+    out = tmp / ("debs-2" if upgrade else "debs-1")
+    out.mkdir()
+    for path in repo_debs(out, root, upgrade):
+        (repo / path.name).write_bytes(path.read_bytes())
+    twin_sh(twin, "mkdir -p /root/apt-sources && mv /etc/apt/sources.list /etc/apt/sources.list.d/* /root/apt-sources/ "
+                  "2>/dev/null; echo 'deb [trusted=yes] file:/opt/repo ./' > /etc/apt/sources.list.d/pvegpu-e2e.list; "
+                  "cd /opt/repo && dpkg-scanpackages -m . > Packages 2>/dev/null && apt-get -q update")
+    # apt runs dpkg with PATH=DPkg::Path (apt-pkg/deb/dpkgpm.cc, default /usr/sbin:/usr/bin:/sbin:/bin);
+    # the twin's stand-ins of /usr/sbin/update-grub and /usr/sbin/proxmox-boot-tool are in /usr/local/sbin
+    (root / "etc/apt/apt.conf.d/99pvegpu-twin-standins").write_text(
+        'DPkg::Path "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";\n')
+
+
+def reboot(twin) -> None:
+    boots = runtime.twin_dir(twin.name) / "boots"
+    before = len(boots.read_text().splitlines())
+    subprocess.run(runtime.ssh_command(twin.name, ["reboot"]), capture_output=True, timeout=60)
+    deadline = time.monotonic() + 60
+    while len(boots.read_text().splitlines()) == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(boots.read_text().splitlines()) > before, "the twin did not reboot"
+
+
+def write_inventory(tmp: Path, twin, sha: str, updates: str, node: str = PROFILE) -> str:
+    nvidia = {"version": VERSION, "open": True, "modules_source": {"url": f"file://{ARCHIVE}", "sha256": sha},
+              "firmware": False, "persistenced": False}
+    spec = {"hosts": {twin.name: {"ssh": {"hostname": twin.address, "port": twin.port, "user": "root", "key": twin.key},
+                                  "node": node, "kernel_updates": updates, "nvidia": nvidia}}}
+    yml = tmp / "upgrade.yml"
+    yml.write_text(json.dumps(spec))
+    inv = tmp / "upgrade_inventory.py"
+    overrides = {twin.name: {"ssh_known_hosts_file": "/dev/null", "ssh_strict_host_key_checking": "off"}}
+    inv.write_text("from spec.load import inventory_hosts\n"
+                   f"hosts = inventory_hosts({str(yml)!r}, overrides={overrides!r})\n")
+    return str(inv)
+
+
+def converge(inventory: str, *args: str):
+    return run_pyinfra(inventory, STAGE_DEPLOY, *args, env=STAGES, timeout=900)
+
+
+def host_checks(inventory: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTEST, "-q", "-rA", "-p", "no:cacheprovider", "tests/host/test_boot.py", "-k", "nvidia_driver",
+                           "--inventory", inventory], cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def nvidia_version(twin, release: str) -> str:
+    return twin_sh(twin, f"modinfo -k {release} -F version nvidia 2>/dev/null || true").strip()
+
+
+def grub_default(twin) -> str:
+    """The kernel the twin boots next (its GRUB model: next-boot pin, pin, else the newest)."""
+    return twin_sh(twin, "head -n1 /etc/kernel/next-boot-pin 2>/dev/null || head -n1 /etc/kernel/proxmox-boot-pin "
+                         "2>/dev/null || true").strip()
+
+
+@pytest.fixture
+def host_on_6_1(twin_factory, tmp_path):
+    """A Proxmox host running 6.1.0-57-amd64 with nvidia VERSION's (miniature) modules, installed
+    through apt from the local repository, before any converge."""
+    def make(fail_from_6_12: bool, updates: str = "follow", profile: str = PROFILE):
+        twin = twin_factory(profile)
+        root = Path(twin.root)
+        archive = mini_tree(tmp_path, fail_from_6_12)
+        (root / "opt/src").mkdir(parents=True, exist_ok=True)
+        (root / ARCHIVE.lstrip("/")).write_bytes(archive.read_bytes())
+        # the profile seeds its own driver's NVML library; this host has no NVIDIA user space yet
+        twin_sh(twin, "rm -f /usr/lib/x86_64-linux-gnu/libnvidia-ml.so*")
+        publish(twin, tmp_path, upgrade=False)
+        twin_sh(twin, "DEBIAN_FRONTEND=noninteractive apt-get -q install -y proxmox-default-kernel")
+        # one boot into 6.1 (on ESPs the pin reaches the loader through the refresh)
+        twin_sh(twin, f"proxmox-boot-tool kernel pin {OLD} --next-boot && proxmox-boot-tool refresh")
+        reboot(twin)
+        assert twin_sh(twin, "uname -r").strip() == OLD
+        inventory = write_inventory(tmp_path, twin, hashlib.sha256(archive.read_bytes()).hexdigest(), updates, profile)
+        first = converge(inventory)
+        assert first.rc == 0, first.output[-6000:]
+        assert nvidia_version(twin, OLD) == VERSION
+        installed = twin_sh(twin, "dpkg-query -W -f '${Package} ${Status}\\n' 'proxmox-*headers*' 2>/dev/null || true")
+        if updates == "follow":  # the headers follow the kernels from now on
+            assert "Install proxmox-default-headers" in first.output, first.output[-3000:]
+            assert "proxmox-default-headers install ok installed" in installed, installed
+        else:
+            assert "proxmox-default-headers install ok installed" not in installed, installed
+        assert twin_sh(twin, "test -x /etc/kernel/postinst.d/pvegpu-nvidia && echo yes").strip() == "yes"
+        again = converge(inventory)
+        assert again.rc == 0 and again.changed == 0, again.output[-4000:]
+        return twin, inventory
+    return make
+
+
+def full_upgrade(twin, tmp_path) -> str:
+    publish(twin, tmp_path, upgrade=True)
+    return twin_sh(twin, "DEBIAN_FRONTEND=noninteractive apt-get -q full-upgrade -y 2>&1")
+
+
+def test_follow_builds_the_new_kernel_s_modules_and_it_becomes_the_default(host_on_6_1, tmp_path):
+    twin, inventory = host_on_6_1(fail_from_6_12=False)
+    upgrade = full_upgrade(twin, tmp_path)
+    assert f"proxmox-kernel-{NEW}" in upgrade, upgrade[-3000:]
+    assert f"pvegpu: nvidia {VERSION} installed for {NEW}" in upgrade, upgrade[-4000:]
+    assert f"proxmox-headers-{NEW}" in upgrade, upgrade[-3000:]  # came with proxmox-default-headers 2
+    assert twin_sh(twin, "dpkg --audit").strip() == ""
+    for module in MODULES:
+        info = twin_sh(twin, f"modinfo -k {NEW} -F filename {module}; modinfo -k {NEW} -F vermagic {module}").split("\n")
+        assert info[0].startswith(f"/lib/modules/{NEW}/updates/pvegpu-nvidia/"), info
+        assert info[1].split()[0] == NEW, info
+    assert nvidia_version(twin, NEW) == VERSION
+    assert grub_default(twin) == ""  # nothing pinned: the newest kernel is the default
+    reboot(twin)
+    assert twin_sh(twin, "uname -r").strip() == NEW
+    checks = host_checks(inventory)
+    assert checks.returncode == 0, checks.stdout[-3000:]
+
+
+# intel2: GRUB (the pin reaches grub.cfg through update-grub); kpro6: systemd-boot on an ESP listed in
+# /etc/kernel/proxmox-boot-uuids (the pin reaches loader.conf through zz-proxmox-boot, which runs after the hook)
+@pytest.mark.parametrize("profile", ["intel2", "kpro6"])
+def test_follow_keeps_the_old_default_when_the_new_kernel_cannot_build(host_on_6_1, tmp_path, profile):
+    twin, inventory = host_on_6_1(fail_from_6_12=True, profile=profile)
+    upgrade = full_upgrade(twin, tmp_path)
+    assert f"proxmox-kernel-{NEW}" in upgrade, upgrade[-3000:]
+    assert "nvidia-mini does not support kernel 6.12 and later" in upgrade, upgrade[-4000:]
+    assert twin_sh(twin, "dpkg --audit").strip() == ""  # the kernel package is configured
+    assert twin_sh(twin, f"dpkg-query -W -f '${{Status}}' proxmox-kernel-{NEW}") == "install ok installed"
+    assert nvidia_version(twin, NEW) == ""
+    assert grub_default(twin) == OLD
+    failed = twin_sh(twin, f"cat /var/lib/pvegpu/kernel-hook/{NEW}.failed")
+    assert "nvidia-mini does not support kernel 6.12 and later" in failed and f"{OLD} stays the boot default" in failed
+    motd = twin_sh(twin, "cat /etc/motd.d/pvegpu-kernel")
+    assert NEW in motd and "nvidia-mini does not support kernel 6.12" in motd
+    if profile == "kpro6":
+        loader = (Path(twin.root) / "var/lib/twin/esp/5A1C-9E27/loader/loader.conf").read_text()
+        assert f"default proxmox-{OLD}.conf" in loader, loader
+    reboot(twin)
+    assert twin_sh(twin, "uname -r").strip() == OLD
+
+    before = root_manifest(twin.root)
+    dry = converge(inventory, "--dry")
+    assert dry.rc == 0, dry.output[-4000:]
+    assert manifest_diff(before, root_manifest(twin.root)) == [], "--dry changed the twin"
+    assert "kernel updates: follow" in dry.output
+    assert f"kernel {NEW}: nvidia {VERSION} could not be built for kernel {NEW}" in dry.output, dry.output[-4000:]
+    assert f"`dpkg-reconfigure proxmox-kernel-{NEW}` runs the hook again" in dry.output
+    assert "nvidia-mini does not support kernel 6.12 and later" in dry.output
+    checks = host_checks(inventory)
+    assert checks.returncode == 1, checks.stdout[-3000:]
+    assert f"kernel {NEW}: nvidia {VERSION} could not be built" in checks.stdout, checks.stdout[-3000:]
+    # the pinned 6.1 boots next, and it has them
+    assert "PASSED tests/host/test_boot.py::test_kernels_the_loader_boots_next_have_the_nvidia_driver" in checks.stdout, \
+        checks.stdout[-3000:]
+
+    # a one-shot entry for 6.12 (`kernel pin --next-boot`): the next-boot check names it
+    twin_sh(twin, f"proxmox-boot-tool kernel pin {NEW} --next-boot && proxmox-boot-tool refresh")
+    checks = host_checks(inventory)
+    assert f"the next boot ({NEW}, {OLD}) would come up without its GPU driver: kernel {NEW} has nvidia missing, " \
+        f"not {VERSION}" in checks.stdout, checks.stdout[-3000:]
+    twin_sh(twin, "proxmox-boot-tool kernel unpin --next-boot && proxmox-boot-tool refresh")
+
+    # the cause fixed (a tree that builds for 6.12, through the spec): the converge fetches it for the
+    # hook, `dpkg-reconfigure` reruns the kernel's postinst and so the hook, which builds and drops its pin
+    (tmp_path / "fixed").mkdir()
+    fixed = mini_tree(tmp_path / "fixed", fail_from_6_12=False)
+    (Path(twin.root) / ARCHIVE.lstrip("/")).write_bytes(fixed.read_bytes())
+    inventory = write_inventory(tmp_path, twin, hashlib.sha256(fixed.read_bytes()).hexdigest(), "follow", profile)
+    run = converge(inventory)
+    assert run.rc == 0 and "for the kernel hook" in run.output, run.output[-4000:]
+    again = twin_sh(twin, f"DEBIAN_FRONTEND=noninteractive dpkg-reconfigure proxmox-kernel-{NEW} 2>&1")
+    assert f"pvegpu: nvidia {VERSION} installed for {NEW}" in again, again[-3000:]
+    # its own pin goes where unpinned the loader boots 6.12 (intel2); on kpro6 the newest kernel is the
+    # profile's 6.14.8-2-pve (other modules), so the pin moves to 6.12 instead
+    assert nvidia_version(twin, NEW) == VERSION and grub_default(twin) == ("" if profile == "intel2" else NEW)
+    assert twin_sh(twin, "ls /var/lib/pvegpu/kernel-hook/ /etc/motd.d/").split().count(f"{NEW}.failed") == 0
+    assert twin_sh(twin, "test -e /etc/motd.d/pvegpu-kernel || echo gone").strip() == "gone"
+    checks = host_checks(inventory)
+    assert checks.returncode == 0, checks.stdout[-3000:]
+
+
+def test_hold_installs_no_new_kernel(host_on_6_1, tmp_path):
+    twin, inventory = host_on_6_1(fail_from_6_12=False, updates="hold")
+    held = twin_sh(twin, "apt-mark showhold").split()
+    assert held == ["proxmox-default-kernel", "proxmox-kernel-6.1"], held
+    dry = converge(inventory, "--dry")
+    assert "kernel updates: hold at 6.1" in dry.output, dry.output[-3000:]
+    upgrade = full_upgrade(twin, tmp_path)
+    assert "proxmox-default-kernel" in upgrade and f"proxmox-kernel-{NEW}" not in upgrade.split("kept back")[-1], upgrade
+    assert not (Path(twin.root) / f"boot/vmlinuz-{NEW}").exists()
+    assert twin_sh(twin, f"dpkg-query -W -f '${{Status}}' proxmox-kernel-{NEW} 2>/dev/null || true").strip() \
+        in ("", "unknown ok not-installed")
+    assert twin_sh(twin, "dpkg-query -W -f '${Version}' proxmox-default-kernel") == "1"
+
+    # back to follow: pvegpu's holds go, and the next full-upgrade brings 6.12 with its modules
+    follow = write_inventory(tmp_path, twin, hashlib.sha256((Path(twin.root) / ARCHIVE.lstrip("/")).read_bytes())
+                             .hexdigest(), "follow")
+    run = converge(follow)
+    assert run.rc == 0 and "Release the kernel holds pvegpu set" in run.output, run.output[-4000:]
+    assert twin_sh(twin, "apt-mark showhold").split() == []
+    upgrade = twin_sh(twin, "DEBIAN_FRONTEND=noninteractive apt-get -q full-upgrade -y 2>&1")
+    assert f"pvegpu: nvidia {VERSION} installed for {NEW}" in upgrade, upgrade[-3000:]

@@ -1,0 +1,121 @@
+"""plan/kernel_hook.py and facts/kernel_hook.py: how kernels move between runs (issue 25)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from facts.kernel_hook import KernelHookState, parse_kernel_hook
+from plan import kernel_hook as plan
+from spec.models import HostSpec
+
+PACKAGES = ["ii proxmox-default-kernel 1.1.0", "ii proxmox-kernel-6.8 6.8.12-11", "ii proxmox-kernel-6.8.12-11-pve-signed 6.8.12-11",
+            "un proxmox-kernel-6.5 <none>", "ii proxmox-headers-6.8 6.8.12-11"]
+
+
+def state(*, holds=(), record=(), packages=PACKAGES, failed=(), running="6.8.12-11-pve",
+          installed=("6.1.0-57-amd64", "6.8.12-11-pve", "6.12.118+deb12-amd64")):
+    lines = ["@@ failed", *failed, "@@ holds", *holds, "@@ hold_record", *record, "@@ packages", *packages,
+             "@@ running", running, "@@ headers_candidate", "(none)", "@@ installed", *installed]
+    return parse_kernel_hook(lines)
+
+
+def test_hold_holds_the_series_metas_installed_and_records_them():
+    p = plan.updates_plan("hold", None, state())
+    assert p["series"] == "6.8" and p["refusal"] is None
+    assert p["hold"] == ["proxmox-default-kernel", "proxmox-kernel-6.8", "proxmox-headers-6.8"]
+    assert p["record"] == sorted(p["hold"])
+    assert "hold at 6.8" in p["summary"]
+    again = plan.updates_plan("hold", None, state(holds=p["hold"], record=p["record"]))
+    assert again["hold"] == [] and again["unhold"] == [], "a held host changes nothing"
+
+
+def test_hold_takes_the_spec_kernel_series_and_refuses_one_not_installed():
+    p = plan.updates_plan("hold", "6.14.8-2-pve", state())
+    assert p["refusal"] and "proxmox-kernel-6.14 is not installed" in p["refusal"]
+
+
+def test_follow_releases_only_the_holds_pvegpu_set():
+    p = plan.updates_plan("follow", None, state(holds=["proxmox-kernel-6.8", "zfs-dkms"],
+                                                record=["proxmox-default-kernel", "proxmox-kernel-6.8"]))
+    assert p["unhold"] == ["proxmox-kernel-6.8"] and p["hold"] == [] and p["record"] == []
+
+
+def test_failure_records_are_read_and_said():
+    s = state(failed=["== 6.12.118+deb12-amd64.failed", "2026-12-04T05:00:00Z",
+                      "nvidia 580.95.05 could not be built for kernel 6.12.118+deb12-amd64: the build failed",
+                      "6.1.0-57-amd64 stays the boot default (pinned by pvegpu)"])
+    [line] = plan.failure_lines(s)
+    assert line.startswith("kernel 6.12.118+deb12-amd64: nvidia 580.95.05 could not be built")
+    assert "; 6.1.0-57-amd64 stays the boot default (pinned by pvegpu); once the cause is fixed" in line
+    assert plan.failure_lines(state()) == []
+
+
+def test_packages_parse_installed_and_held_only():
+    s = state()
+    assert set(s["packages"]) == {"proxmox-default-kernel", "proxmox-kernel-6.8", "proxmox-kernel-6.8.12-11-pve-signed",
+                                  "proxmox-headers-6.8"}
+    assert parse_kernel_hook(["@@ packages", "hi proxmox-kernel-6.8 1"])["packages"]["proxmox-kernel-6.8"]["held"]
+    assert s["headers_candidate"] is None and KernelHookState.default()["failed"] == {}
+
+
+def test_headers_follow_kernels_when_apt_can():
+    assert plan.headers_step(state()) == (False, plan.headers_step(state())[1])
+    assert "no candidate" in (plan.headers_step(state())[1] or "")
+    with_candidate = {**state(), "headers_candidate": "1.1.0"}
+    assert plan.headers_step(with_candidate) == (True, None)
+    has = state(packages=[*PACKAGES, "ii proxmox-default-headers 1.1.0"])
+    assert plan.headers_step(has) == (False, None)
+
+
+def test_kernel_updates_is_follow_or_hold():
+    assert HostSpec().kernel_updates == "follow"
+    assert HostSpec(kernel_updates="hold").kernel_updates == "hold"
+    with pytest.raises(ValidationError, match="kernel_updates"):
+        HostSpec(kernel_updates="latest")
+
+
+def test_next_boot_is_the_one_shot_pin_then_the_pin_else_the_newest():
+    installed = ["6.1.0-57-amd64", "6.8.12-11-pve", "6.12.118+deb12-amd64"]
+    assert plan.next_boot_kernels({"installed": installed}) == ["6.12.118+deb12-amd64"]
+    assert plan.next_boot_kernels({"installed": installed, "pinned": "6.1.0-57-amd64"}) == ["6.1.0-57-amd64"]
+    assert plan.next_boot_kernels({"installed": installed, "pinned": "6.1.0-57-amd64",
+                                   "next_boot": "6.8.12-11-pve"}) == ["6.8.12-11-pve", "6.1.0-57-amd64"]
+    assert plan.next_boot_kernels({"installed": installed, "pinned": "6.99.0-1-pve"}) == ["6.12.118+deb12-amd64"]
+    assert plan.next_boot_kernels({"installed": []}) == []
+
+
+def test_module_problems_name_version_kernel_compiler_and_firmware():
+    rel, ver = "6.12.118+deb12-amd64", "580.95.05"
+    cc = "x86_64-linux-gnu-gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0"
+    good = {"version": ver, "vermagic": f"{rel} SMP preempt mod_unload modversions",
+            "gcc": "GCC: (Debian 12.2.0-14+deb12u1) 12.2.0"}
+    assert plan.module_problems(rel, ver, good, cc, {"nvidia/580.95.05/gsp_ga10x.bin": True}) == []
+    assert plan.module_problems(rel, ver, {}, cc, None) == [f"kernel {rel} has nvidia missing, not {ver}"]
+    other = {**good, "gcc": "GCC: (Debian 14.2.0-19) 14.2.0", "vermagic": "6.1.0-57-amd64 SMP"}
+    problems = plan.module_problems(rel, ver, other, cc, {"nvidia/580.95.05/gsp_ga10x.bin": False})
+    assert [p.split(":")[0] if ": " in p else p for p in problems] and len(problems) == 3
+    assert "built for 6.1.0-57-amd64" in problems[0] and "14.2.0" in problems[1] and "gsp_ga10x.bin" in problems[2]
+    revision = {**good, "gcc": "GCC: (Debian 12.2.0-14) 12.2.0"}
+    assert plan.module_problems(rel, ver, revision, cc, None) == [], "the same GCC x.y.z is the toolchain rule's match"
+
+
+def test_records_of_removed_kernels_are_stale_not_failures():
+    s = {**state(failed=["== 6.12.1-1-pve.failed", "t", "nvidia could not be built", "kept",
+                         "== 6.11.1-1-pve.failed", "t", "nvidia could not be built", "kept"]),
+         "installed": ["6.8.12-11-pve", "6.12.1-1-pve"]}
+    assert list(plan.live_failures(s)) == ["6.12.1-1-pve"]
+    assert plan.stale_failures(s) == ["6.11.1-1-pve"]
+    [line] = plan.failure_lines(s)
+    assert line.startswith("kernel 6.12.1-1-pve:") and "dpkg-reconfigure proxmox-kernel-6.12.1-1-pve" in line
+
+
+def test_the_spec_kernel_is_refused_when_the_hook_could_not_build_this_driver_for_it():
+    rec = ["== 6.12.118+deb12-amd64.failed", "t",
+           "nvidia 580.95.05 could not be built for kernel 6.12.118+deb12-amd64: the build failed (exit 2): "
+           "nvidia.c:4:2: error: #error \"no 6.12\"", "6.1.0-57-amd64 stays the boot default"]
+    s = state(failed=rec)
+    refusal = plan.driver_kernel_refusal("580.95.05", "6.12.118+deb12-amd64", s)
+    assert refusal and "cannot run nvidia 580.95.05" in refusal and 'error: #error "no 6.12"' in refusal
+    assert plan.driver_kernel_refusal("590.1.2", "6.12.118+deb12-amd64", s) is None, "another driver: try again"
+    assert plan.driver_kernel_refusal("580.95.05", "6.1.0-57-amd64", s) is None
