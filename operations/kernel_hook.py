@@ -38,6 +38,7 @@ MOTD_DIR = "/etc/motd.d"
 # Linux-PAM modules/pam_motd/pam_motd.c: DEFAULT_MOTD_D (/etc/motd.d:…) is read when neither
 # motd= nor motd_dir= is given, as on Debian's second pam_motd line (/etc/pam.d/sshd, login)
 MOTD = f"{MOTD_DIR}/pvegpu-kernel"
+GRUB_CFG = "/boot/grub/grub.cfg"  # grub-mkconfig's output: whether GRUB boots saved_entry, and the entries' ids
 
 
 def hook_context(spec, cc: str, cxx: str | None, jobs: int, ccache: bool, sig_hash: str = "sha256") -> dict:
@@ -46,7 +47,8 @@ def hook_context(spec, cc: str, cxx: str | None, jobs: int, ccache: bool, sig_ha
                                  cxx=cxx, signing=(nv.signing.key, nv.signing.cert) if nv.signing else None,
                                  sig_hash=sig_hash)
     return {**build, "sha256": nv.modules_source.sha256, "state_dir": HOOK_STATE, "pin_file": PIN_FILE,
-            "motd_dir": MOTD_DIR, "motd_file": MOTD, "module_subdir": nvidia.MODULE_SUBDIR}
+            "motd_dir": MOTD_DIR, "motd_file": MOTD, "module_subdir": nvidia.MODULE_SUBDIR,
+            "boot_dir": "/boot", "grub_cfg": GRUB_CFG}
 
 
 def hook_script(spec, cc: str, cxx: str | None, jobs: int, ccache: bool, sig_hash: str = "sha256") -> str:

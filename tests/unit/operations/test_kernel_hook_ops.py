@@ -23,7 +23,8 @@ def hook(tmp: Path, archive: Path, sha: str, cc: str = "gcc-12") -> str:
     context.update(archive=str(archive), state_dir=str(tmp / "state"), pin_file=str(tmp / "pin"),
                    motd_dir=str(tmp / "motd.d"), motd_file=str(tmp / "motd.d/pvegpu-kernel"),
                    modules_dir=str(tmp / "modules"), build_root=str(tmp / "build"),
-                   build_parent=str(tmp / "build/580.95.05"))
+                   build_parent=str(tmp / "build/580.95.05"), boot_dir=str(tmp / "boot"),
+                   grub_cfg=str(tmp / "grub.cfg"))
     return render_template("kernel-postinst-nvidia.sh.j2", **context)
 
 
@@ -69,3 +70,50 @@ def test_a_changed_archive_is_refused(tmp_path):
     done = run(tmp_path, hook(tmp_path, archive, hashlib.sha256(b"tree").hexdigest()))
     assert done.returncode == 0
     assert "does not have sha256" in (tmp_path / f"state/{RELEASE}.failed").read_text()
+
+
+GOOD = "6.14.8-2-pve"
+# what grub-mkconfig writes with GRUB_DEFAULT=saved (00_header.in) and 10_linux's submenu line
+GRUB_CFG = """set default="${saved_entry}"
+submenu 'Advanced options for Proxmox VE GNU/Linux' $menuentry_id_option 'gnulinux-advanced-4f1e' {
+"""
+
+
+def grub_host(tmp: Path, releases: list[str]) -> None:
+    """A GRUB host whose default is saved: stub uname, modinfo (nvidia 580.95.05 for `releases`)
+    and grub-set-default (logs its argument), and kernels in a boot dir."""
+    (tmp / "bin").mkdir()
+    (tmp / "boot").mkdir()
+    for rel in (GOOD, RELEASE):
+        (tmp / f"boot/vmlinuz-{rel}").write_text("")
+    (tmp / "grub.cfg").write_text(GRUB_CFG)
+    stubs = {"uname": f"echo {GOOD}",
+             "modinfo": 'case " $* " in ' + "".join(f'*" {r} "*) echo 580.95.05 ;; ' for r in releases) + "esac",
+             "grub-set-default": f'echo "$1" >> {tmp}/grub-set-default'}
+    for name, body in stubs.items():
+        (tmp / "bin" / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp / "bin" / name).chmod(0o755)
+
+
+def test_on_grub_with_a_saved_default_a_failed_kernel_leaves_saved_entry_on_the_good_one(tmp_path):
+    """GRUB boots saved_entry, not the pin file (the boot stage's GRUB_DEFAULT=saved): the hook
+    sets it to the last kernel with modules, by the entry id proxmox-kernel-helper uses."""
+    grub_host(tmp_path, [GOOD])
+    done = run(tmp_path, hook(tmp_path, tmp_path / "none.tar.gz", hashlib.sha256(b"none").hexdigest()))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "grub-set-default").read_text() == (
+        f"gnulinux-advanced-4f1e>gnulinux-{GOOD}-advanced-4f1e\n")
+    assert (tmp_path / f"state/{RELEASE}.failed").read_text().splitlines()[2].startswith(
+        f"{GOOD} stays the boot default (GRUB's saved entry, set by pvegpu")
+
+
+def test_on_grub_a_later_kernel_with_modules_moves_the_saved_entry_on(tmp_path):
+    grub_host(tmp_path, [GOOD, RELEASE])
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state/grub-default").write_text(f"{GOOD}\n")  # set by the hook for a failure before
+    (tmp_path / "modules" / RELEASE / "updates/pvegpu-nvidia").mkdir(parents=True)  # its modules are installed
+    done = run(tmp_path, hook(tmp_path, tmp_path / "none.tar.gz", hashlib.sha256(b"none").hexdigest()))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "grub-set-default").read_text() == (
+        f"gnulinux-advanced-4f1e>gnulinux-{RELEASE}-advanced-4f1e\n")
+    assert (tmp_path / "state/grub-default").read_text() == f"{RELEASE}\n"
