@@ -270,6 +270,25 @@ def test_build_takes_hostile_values_literally(tmp_path, monkeypatch):
     no_injection(tmp_path)
 
 
+def test_a_failed_build_says_it_failed_and_that_nothing_was_installed(tmp_path, monkeypatch):
+    """The stage's and the kernel hook's build (one template, the release in $R): when make fails,
+    the message names version and release and says the build failed (the e2e faults test reads it)."""
+    monkeypatch.setattr(ops, "BUILD_ROOT", str(tmp_path / "build"))
+    monkeypatch.setattr(ops, "CONFTEST_CACHE", str(tmp_path / "conftest-cache"))
+    tree = tmp_path / "tree/nvidia-kernel"
+    tree.mkdir(parents=True)
+    (tree / "Kbuild").write_text("obj-m += nvidia.o\n")
+    archive = tmp_path / "nvidia.tar"
+    subprocess.run(["tar", "-C", str(tmp_path / "tree"), "-cf", str(archive), "nvidia-kernel"], check=True)
+    env = tools(tmp_path)
+    (tmp_path / "tools/make").write_text("#!/bin/sh\necho 'second.c:1: error: expected expression'\nexit 2\n")
+    command = ops.build_command(str(archive), "595.71.05", "6.12.118+deb12-amd64", "gcc-12", 2, ccache=False)
+    done = sh(command, tmp_path, env)
+    assert done.returncode != 0
+    assert ("pvegpu: building nvidia 595.71.05 for 6.12.118+deb12-amd64 failed; installed modules are untouched"
+            in done.stderr), done.stderr
+
+
 def test_install_and_verify_take_hostile_values_literally(tmp_path):
     release, version = spec_hostile("release"), spec_hostile("version")
     parent = tmp_path / spec_hostile("build")
