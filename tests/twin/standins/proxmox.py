@@ -540,19 +540,13 @@ def kvm_pidfile(vmid):
     return f"{QEMU_RUN}/{vmid}.pid"
 
 
-def kvm_spawn(vmid):
-    """A running VM is a process, as on a real node: argv[0] ends in `kvm` and `-pidfile` names
-    its pid file, which holds its pid (qemu-server PVE/QemuServer.pm config_to_command passes
-    `-id`, `-pidfile` and `-daemonize`; QEMU writes the file). The process only sleeps; it dies
-    with the twin (its PID namespace) and is started again at the twin's next boot (`onboot`)."""
-    if ts.ROOT != "/":
-        return  # a TWIN_ROOT run on the build machine starts no process
-    kvm_kill(vmid)
-    pidfile = kvm_pidfile(vmid)
-    os.makedirs(QEMU_RUN, exist_ok=True)
+def daemon(program, argv):
+    """Start `program` (argv[0] as given) detached, as a daemon is (a new session, its parent
+    gone, stdio on /dev/null); its pid as text. QEMU with -daemonize and lxc's monitor/init run
+    so; here the twin's VM processes and CT inits."""
     r, w = os.pipe()
     first = os.fork()
-    if first == 0:  # daemonize as QEMU does: a new session, parent gone, stdio on /dev/null
+    if first == 0:
         try:
             os.close(r)
             os.setsid()
@@ -563,15 +557,27 @@ def kvm_spawn(vmid):
                 os.dup2(null, fd)
             os.write(w, str(os.getpid()).encode())
             os.close(w)
-            os.execv("/usr/bin/python3", ["/usr/bin/kvm", "-ISc", "import signal\nwhile True: signal.pause()",
-                                          "-id", str(vmid), "-name", f"VM{vmid}", "-pidfile", pidfile,
-                                          "-daemonize"])
+            os.execvp(program, argv)
         finally:
             os._exit(1)
     os.close(w)
     os.waitpid(first, 0)
     with os.fdopen(r) as f:
-        pid = f.read().strip()
+        return f.read().strip()
+
+
+def kvm_spawn(vmid):
+    """A running VM is a process, as on a real node: argv[0] ends in `kvm` and `-pidfile` names
+    its pid file, which holds its pid (qemu-server PVE/QemuServer.pm config_to_command passes
+    `-id`, `-pidfile` and `-daemonize`; QEMU writes the file). The process only sleeps; it dies
+    with the twin (its PID namespace) and is started again at the twin's next boot (`onboot`)."""
+    if ts.ROOT != "/":
+        return  # a TWIN_ROOT run on the build machine starts no process
+    kvm_kill(vmid)
+    pidfile = kvm_pidfile(vmid)
+    os.makedirs(QEMU_RUN, exist_ok=True)
+    pid = daemon("/usr/bin/python3", ["/usr/bin/kvm", "-ISc", "import signal\nwhile True: signal.pause()",
+                                      "-id", str(vmid), "-name", f"VM{vmid}", "-pidfile", pidfile, "-daemonize"])
     if pid:
         ts.write(pidfile, pid + "\n")
 
@@ -751,28 +757,9 @@ def ct_init(vmid):
         return  # a TWIN_ROOT run on the build machine starts no process
     snapshot = json.loads(ts.read(f"{CT_DIR}/{vmid}/devices.json"))
     script = ct_enter_script(vmid, snapshot)
-    r, w = os.pipe()
-    first = os.fork()
-    if first == 0:
-        try:
-            os.close(r)
-            os.setsid()
-            if os.fork():
-                os._exit(0)
-            null = os.open("/dev/null", os.O_RDWR)
-            for fd in (0, 1, 2):
-                os.dup2(null, fd)
-            os.write(w, str(os.getpid()).encode())
-            os.close(w)
-            # unshare, sh and chroot exec in turn: the pid stays the init's
-            os.execvp("unshare", ["unshare", "--mount", "--uts", "--propagation", "private", "--",
-                                  "sh", "-c", script, "ct-init", "sleep", "infinity"])
-        finally:
-            os._exit(1)
-    os.close(w)
-    os.waitpid(first, 0)
-    with os.fdopen(r) as f:
-        pid = f.read().strip()
+    # unshare, sh and chroot exec in turn: the pid stays the init's
+    pid = daemon("unshare", ["unshare", "--mount", "--uts", "--propagation", "private", "--",
+                             "sh", "-c", script, "ct-init", "sleep", "infinity"])
     ts.write(f"{CT_DIR}/{vmid}/init.pid", pid + "\n")
     root = f"{CT_DIR}/{vmid}/root"
     for _ in range(200):  # up once its root is the CT's (the enter script has run)
