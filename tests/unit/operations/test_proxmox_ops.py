@@ -98,13 +98,15 @@ def test_without_api_the_writes_are_shell_commands():
     [cmd] = write_commands(None, write)
     assert isinstance(cmd, StringCommand) and str(cmd) == "pvesh delete /cluster/mapping/pci/pvegpu-x"
     assert str(write_commands(None, write, "qm set 300 --delete hostpci1")[0]) == "qm set 300 --delete hostpci1"
-    assert str(guest_start_commands(None, "lxc", 200)[0]) == "pct start 200"
-    assert str(guest_stop_commands(None, "qemu", 300, 90)[0]).startswith("qm shutdown 300 --timeout 90 || ")
+    # guest start/stop record the guest change in the host's run state: a host context of its own
+    # (outside one, the test passed only when an earlier test had left a host behind)
+    assert str(in_host(guest_start_commands, None, "lxc", 200)[0]) == "pct start 200"
+    assert str(in_host(guest_stop_commands, None, "qemu", 300, 90)[0]).startswith("qm shutdown 300 --timeout 90 || ")
 
 
 def test_api_commands_are_function_commands_whose_repr_hides_the_token(api):
     commands = (write_commands(api, PveWrite("create", "/cluster/mapping/pci", (("id", "x"), ("map", MAP))))
-                + guest_stop_commands(api, "qemu", 300, 60) + guest_start_commands(api, "lxc", 200))
+                + in_host(guest_stop_commands, api, "qemu", 300, 60) + in_host(guest_start_commands, api, "lxc", 200))
     assert all(isinstance(c, FunctionCommand) for c in commands)
     text = " ".join(repr(c) + str(c) + repr(c.args) + repr(c.kwargs) for c in commands)
     assert TOKEN not in text and "PveApi(https://127.0.0.1:" in text and "root@pam!pvegpu" in text
@@ -115,7 +117,7 @@ def test_generating_the_commands_sends_nothing(api, server):
     log = server["root"] / "var/log/pveapi.log"
     before = log.read_text() if log.exists() else ""
     write_commands(api, PveWrite("delete", "/cluster/mapping/pci/none"))
-    guest_stop_commands(api, "qemu", 300, 60)
+    in_host(guest_stop_commands, api, "qemu", 300, 60)
     assert (log.read_text() if log.exists() else "") == before
 
 
