@@ -180,6 +180,8 @@ def fields(name: str) -> list[tuple[int, str, object]]:
 def test_each_field_rendered_hostile_stays_quoted(name):
     """Each field, in each example, hostile: quoted wherever it lands, and it lands somewhere."""
     reached: dict[str, int] = {}
+    if not any(render.SHELL_EXAMPLES[name]):  # a template of no values (nvidia-first-error.sh.j2): nothing to quote
+        return
     for i, key, value in fields(name):
         context = {**render.SHELL_EXAMPLES[name][i], key: value}
         reached[key] = reached.get(key, 0) + assert_quoted(render.render_template(name, **context))
