@@ -346,3 +346,15 @@ def test_the_gate_refuses_a_kernel_the_driver_cannot_build_for_quoting_the_first
     tree = f"{debs}/nvidia-gate-headers/usr/src/linux-headers-{GATE_RELEASE}"
     assert f"trees: {tree} {tree}" in (tmp_path / f"gate/{GATE_RELEASE}.log").read_text()
     assert not (debs / "nvidia-gate-headers").exists() and not (tmp_path / f"nvidia-build/595.45.04/{GATE_RELEASE}").exists()
+
+
+def test_the_gate_stops_without_a_record_when_it_has_no_headers_to_build_against(tmp_path):
+    """No headers package in the build dir and none installed: nothing is said about the driver and
+    the kernel (no .refused record, the next run tries again), and nothing is installed."""
+    script, debs = gate_host(tmp_path, "595.45.04-kernel-without-of_gpio.txt")
+    for deb in debs.glob("*.deb"):
+        deb.unlink()
+    done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert f"could not build nvidia 595.45.04 for kernel {GATE_RELEASE}: no headers of it" in done.stderr
+    assert not (tmp_path / f"gate/{GATE_RELEASE}.refused").exists()
