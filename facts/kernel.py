@@ -719,3 +719,54 @@ class KernelStageFacts(FactBase):
     def process(self, output):
         return parse_sections(output, {"kernels": ProxmoxKernels().process, "build": parse_build_state,
                                        "source": parse_source_makefile}, PROBE_SECTION)
+
+
+# The driver x kernel gate (operations/kernel.py nvidia_gate, templates/kernel-nvidia-gate.sh.j2):
+# before the kernel stage installs or trial-boots its kernel, nvidia.version is built against that
+# kernel's headers; a kernel it cannot build for is refused and recorded here as <release>.refused:
+# the time, the reason (the first compile error quoted), "nvidia <version> <archive sha256>",
+# "kernel build <build id>". <release>.log keeps the build's log.
+GATE_DIR = f"{STATE_DIR}/nvidia-gate"
+
+
+def parse_gate_records(lines: list[str]) -> dict[str, dict]:
+    """``== <release>.refused`` then the record's four lines, per refused kernel:
+    {release: {"time", "reason", "version", "archive_sha256", "build_id"}}"""
+    records: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in lines:
+        if line.startswith("== ") and line.endswith(".refused"):
+            current = records.setdefault(line[3:-len(".refused")], [])
+        elif current is not None:
+            current.append(line.rstrip("\n"))
+    out = {}
+    for release, rec in records.items():
+        rec = rec + [""] * 4
+        driver = rec[2].split()
+        build = rec[3].split()
+        out[release] = {"time": rec[0], "reason": rec[1],
+                        "version": driver[1] if len(driver) == 3 and driver[0] == "nvidia" else None,
+                        "archive_sha256": driver[2] if len(driver) == 3 and driver[0] == "nvidia" else None,
+                        "build_id": build[2] if len(build) == 3 and build[:2] == ["kernel", "build"] else None}
+    return out
+
+
+class NvidiaGateRecords(ShellFact):
+    """The kernels the driver x kernel gate refused (GATE_DIR).
+
+    .. code:: python
+
+        {"6.12.118+deb12-amd64": {"time": "2026-12-04T10:40:02Z",
+            "reason": "nvidia 580.95.05 could not be built for kernel 6.12.118+deb12-amd64: the build failed "
+                      "(exit 1): kernel-open/nvidia.c:4:2: error: #error …",
+            "version": "580.95.05", "archive_sha256": "…", "build_id": "…"}}
+    """
+
+    command = f'for f in {GATE_DIR}/*.refused; do [ -f "$f" ] && echo "== ${{f##*/}}" && head -n 4 "$f"; done; true'
+
+    @staticmethod
+    def default() -> dict:
+        return {}
+
+    def process(self, output):
+        return parse_gate_records(list(output))

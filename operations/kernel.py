@@ -22,10 +22,10 @@ import shlex
 from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
 
-from facts.kernel import KernelStageFacts
+from facts.kernel import KernelStageFacts, NvidiaGateRecords
 from facts.once import fact_once
 from facts.run_state import need_reboot, record_trial_boot
-from operations import progress
+from operations import nvidia, progress
 from operations.files import write_file_command
 from plan import kernel as plan
 from plan.render import render_template
@@ -85,6 +85,32 @@ def build_kernel(build_dir: str, script: str, manifest_in: str, systemd: bool, t
         yield StringCommand(write_file_command(f"{build_dir}/manifest.json.in", manifest_in, "644", keep_previous=False))
         yield StringCommand(start_build_command(build_dir, systemd, memory_max_kib))
     yield FunctionCommand(wait_for_build, (build_dir, total), {"key": record} if record else {})
+
+
+def gate_script(spec: HostSpec, build_dir: str, jobs: int) -> str:
+    """The driver x kernel gate of the spec's kernel (templates/kernel-nvidia-gate.sh.j2): the NVIDIA
+    stage's build script against that kernel's headers, with the compiler that built the kernel
+    (the build runs `gcc`: kernel-build.sh.j2) and g++ for the open tree's C++."""
+    k, nv = spec.kernel, spec.nvidia
+    assert k is not None and nv is not None and nv.modules_source is not None
+    build = nvidia.build_context(nvidia.cached_source(nv.modules_source), nv.version, None, "gcc", jobs, k.ccache,
+                                 conftest_cache=False, cxx="g++" if nv.open else None, kernel_dirs=True)
+    return render_template(
+        "kernel-nvidia-gate.sh.j2", **build, kernel_release=k.version, sha256=nv.modules_source.sha256,
+        build_id=plan.build_id(k, base_config_of(k)), state_dir=plan.GATE_DIR, debs_dir=build_dir,
+        headers_prefix=plan.headers_package(k.source.kind, k.version), headers_root=f"{build_dir}/nvidia-gate-headers")
+
+
+@operation()
+def nvidia_gate(fetch: str, script: str):
+    """Build nvidia.version against the new kernel's headers before it is installed or trial-booted;
+    fails (nothing installed or pinned) with the first compile error quoted, recorded for later runs.
+
+    + fetch: the NVIDIA stage's fetch of the verified source (a no-op when it is there)
+    + script: rendered templates/kernel-nvidia-gate.sh.j2 (gate_script)
+    """
+    yield StringCommand(fetch)
+    yield StringCommand(f"/bin/sh -c {shlex.quote(script)}")
 
 
 @operation()
@@ -205,6 +231,9 @@ def preflight(spec: HostSpec) -> list[str]:
         refusals.append(f"kernel.trial_boot is on, but a trial that is one boot cannot be set up on this host: {no_trial}. "
                         "Fix that, or set kernel.trial_boot: false to install the kernel without a trial (then it is "
                         "booted only when chosen at the console)")
+    gate = gate_refusal(spec)
+    if gate and decision["action"] in ("build", "attach", "install", "trial"):
+        refusals.append(gate)
     if k.source.kind == "proxmox-git" and decision["action"] == "build" and facts["build"].get("headers_installed"):
         # pve-kernel debian/control: Build-Conflicts: proxmox-headers-<KVNAME>; mk-build-deps would remove them
         refusals.append(f"proxmox-headers-{k.version} is installed and pve-kernel's debian/control Build-Conflicts "
@@ -213,12 +242,27 @@ def preflight(spec: HostSpec) -> list[str]:
     return refusals
 
 
+def gated(spec: HostSpec) -> bool:
+    """Is there a driver to gate the spec's kernel with (nvidia with a modules source)?"""
+    return spec.kernel is not None and spec.nvidia is not None and spec.nvidia.modules_source is not None
+
+
+def gate_refusal(spec: HostSpec) -> str | None:
+    """The driver x kernel gate's earlier refusal of this kernel build for this driver, if any."""
+    if not gated(spec):
+        return None
+    k, nv = spec.kernel, spec.nvidia
+    assert k is not None and nv is not None and nv.modules_source is not None
+    return plan.gate_refusal(k, base_config_of(k), nv.version, nv.modules_source.sha256, fact_once(NvidiaGateRecords))
+
+
 def prefetch(spec: HostSpec) -> list:
     """The facts this stage reads (deploy.py reads every stage's in one command)."""
     k = spec.kernel
     if k is None:
         return []
-    return [(KernelStageFacts, fact_args(k, base_config_of(k))), *progress.prefetch()]
+    return [(KernelStageFacts, fact_args(k, base_config_of(k))), *([(NvidiaGateRecords, {})] if gated(spec) else []),
+            *progress.prefetch()]
 
 
 @deploy("pvegpu: kernel")
@@ -258,6 +302,15 @@ def apply(spec: HostSpec) -> None:
     keep = None
     if loader and k.trial_boot and running and decision["default"] != running:
         keep = plan.keep_default_command(running, loader, adv)
+    if gated(spec) and plan.gate_due(action, k, loader):
+        nv = spec.nvidia
+        assert nv is not None and nv.modules_source is not None
+        jobs = plan.resolve_jobs(k.jobs, build["cores"], build["mem_total_kib"])
+        nvidia_gate(name=f"Driver x kernel gate: build nvidia {nv.version} against kernel {k.version}'s headers "
+                         "before it is installed or booted",
+                    fetch=nvidia.fetch_source_command(nv.modules_source.url, nv.modules_source.sha256,
+                                                      nvidia.cached_source(nv.modules_source)),
+                    script=gate_script(spec, build_dir, jobs))
     if action in ("build", "attach", "install"):
         install_kernel(name=f"Install kernel {k.version} packages" + (f" ({running} made the default first)" if keep else ""),
                        build_dir=build_dir, release=k.version, kind=k.source.kind, keep_default=keep)

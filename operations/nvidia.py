@@ -149,9 +149,10 @@ def build_command(archive: str, version: str, release: str | None, cc: str, jobs
 
 def build_context(archive: str, version: str, release: str | None, cc: str, jobs: int, ccache: bool,
                   conftest_cache: bool = True, cxx: str | None = None,
-                  signing: tuple[str, str] | None = None, sig_hash: str = "sha256") -> dict:
-    """templates/nvidia-build.sh.j2's values (`build_command`; the kernel hook includes the same
-    template with these values and release None)."""
+                  signing: tuple[str, str] | None = None, sig_hash: str = "sha256", kernel_dirs: bool = False) -> dict:
+    """templates/nvidia-build.sh.j2's values (`build_command`; the kernel hook and the kernel stage's
+    gate include the same template with these values and release None; the gate with kernel_dirs:
+    the kernel trees in $KSRC/$KOUT)."""
     # ccache by masquerade (/usr/lib/ccache/<cc> first on PATH): NVIDIA's conftest.sh runs
     # "$CC" quoted, so CC="ccache gcc-12" makes every conftest fail.
     return dict(
@@ -160,7 +161,7 @@ def build_context(archive: str, version: str, release: str | None, cc: str, jobs
         build_root=BUILD_ROOT, build_parent=f"{BUILD_ROOT}/{version}", src_dir=src_dir(version, cc, cxx),
         ccache_dir=CCACHE_DIR, ccache_masquerade=CCACHE_MASQUERADE, ccache_ignore_options=CCACHE_IGNORE_OPTIONS,
         conftest_cache_dir=CONFTEST_CACHE, conftest_cache_keep=CONFTEST_CACHE_KEEP, sign_file=SIGN_FILE,
-        modules_dir="/lib/modules")
+        modules_dir="/lib/modules", kernel_dirs=kernel_dirs)
 
 
 def cleanup_command(version: str) -> str:

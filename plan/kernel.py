@@ -33,6 +33,7 @@ import shlex
 # them (facts.kernel); plan.kernel names them too, for its own use and its callers'.
 from facts.kernel import (  # noqa: F401
     BUILD_ROOT,
+    GATE_DIR,
     LOCAL_KREL_SUFFIX,
     STATE_DIR,
     TRIAL_ARMED,
@@ -123,8 +124,40 @@ def package_globs(kind: str, release: str) -> list[str]:
     """The .debs a build leaves in its build dir (relative names, shell globs)."""
     if kind == "proxmox-git":
         # pve-kernel's `make deb`: proxmox-kernel-<rel>_*.deb, proxmox-headers-<rel>_*.deb
-        return [f"proxmox-kernel-{release}_*.deb", f"proxmox-headers-{release}_*.deb"]
-    return [f"linux-image-{release}_*.deb", f"linux-headers-{release}_*.deb"]
+        return [f"proxmox-kernel-{release}_*.deb", f"{headers_package(kind, release)}_*.deb"]
+    return [f"linux-image-{release}_*.deb", f"{headers_package(kind, release)}_*.deb"]
+
+
+def headers_package(kind: str, release: str) -> str:
+    """The headers package a build of `release` leaves (pve-kernel: proxmox-headers-<rel>; bindeb-pkg: linux-headers-<rel>)."""
+    return f"proxmox-headers-{release}" if kind == "proxmox-git" else f"linux-headers-{release}"
+
+
+# -- the driver x kernel gate ---------------------------------------------------------------
+#
+# Before the stage installs its kernel or sets up its trial boot, nvidia.version is built against
+# that kernel's headers (operations/kernel.py nvidia_gate, templates/kernel-nvidia-gate.sh.j2, which
+# includes the NVIDIA stage's build script); a kernel the driver cannot build for is refused and the
+# refusal recorded on the host (facts.kernel.GATE_DIR), so a later run refuses it at preflight,
+# quoting the first compile error, until the driver, its source or the kernel build changes.
+
+def gate_due(action: str, kernel: KernelSpec, loader: str | None) -> bool:
+    """Does the stage's next step install the kernel or arm its trial (the gate runs first)?"""
+    return action in ("build", "attach", "install") or (action == "trial" and kernel.trial_boot and bool(loader))
+
+
+def gate_refusal(kernel: KernelSpec, base_config: str, nvidia_version: str, archive_sha256: str,
+                 records: dict[str, dict]) -> str | None:
+    """The preflight refusal when the gate already refused this kernel build for this driver and
+    source (`facts.kernel.NvidiaGateRecords`); a record of another driver, source or kernel build
+    does not count (the gate runs again)."""
+    rec = records.get(kernel.version)
+    if not rec or (rec.get("version"), rec.get("archive_sha256"), rec.get("build_id")) != (
+            nvidia_version, archive_sha256, build_id(kernel, base_config)):
+        return None
+    return (f"kernel {kernel.version} (kernel.version) is refused: {rec['reason']} (driver x kernel gate, "
+            f"{rec['time']}); it was not installed and is not booted. Pick a driver version that builds for it "
+            f"(nvidia.version) or another kernel; rm {GATE_DIR}/{kernel.version}.refused to try the same again")
 
 
 def kernel_decision(kernel: KernelSpec, facts: dict, base_config: str = "running") -> dict:

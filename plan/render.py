@@ -75,7 +75,7 @@ _BUILD = dict(archive="/var/cache/pvegpu/sources/" + "a" * 64 + "-595.45.04.tar.
               ccache_dir="/var/cache/pvegpu/ccache", ccache_masquerade="/usr/lib/ccache",
               ccache_ignore_options='-DKBUILD_BASENAME="#conftest* -DKBUILD_MODNAME="#conftest*',
               conftest_cache_dir="/var/cache/pvegpu/nvidia-conftest", conftest_cache_keep=16,
-              sign_file="scripts/sign-file", modules_dir="/lib/modules")
+              sign_file="scripts/sign-file", modules_dir="/lib/modules", kernel_dirs=False)
 _KERNEL = dict(build_dir="/var/lib/pvegpu/kernel-build/6.14.11-4-pve-0123456789ab", version="6.14.11-4-pve",
                kind="proxmox-git", jobs=4, ccache=True, base_config="running",
                fragments=[], url="https://git.proxmox.com/git/pve-kernel.git", sha256="", ref="v6.14.11-4",
@@ -95,6 +95,7 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
         {**_BUILD, "cxx": "g++-12", "ccache": False, "conftest_cache": False,
          "signing": ("/root/mok.key", "/root/mok.der"), "sig_hash": "sha512"},
         {**_BUILD, "release": None},  # the kernel hook's: the release in $R, set from its $1
+        {**_BUILD, "release": None, "kernel_dirs": True, "conftest_cache": False},  # the kernel stage's gate
     ],
     "kernel-postinst-nvidia.sh.j2": [
         {**_BUILD, "release": None, "sha256": "a" * 64, "state_dir": "/var/lib/pvegpu/kernel-hook",
@@ -147,6 +148,18 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
              nodes=[], timeout_s=30, shutdowns=[], ha_waits=[], api_stopped=[("qemu", 300)], carried=[]),
     ],
     "kernel-zfs-guard.sh.j2": [dict(release="6.14.11-9-bpo12-pvegpu-pve")],
+    "nvidia-first-error.sh.j2": [dict()],
+    "kernel-nvidia-gate.sh.j2": [
+        {**_BUILD, "release": None, "kernel_release": "6.14.11-9-bpo12-pvegpu-pve", "cc": "gcc", "cxx": "g++", "ccache": False,
+         "conftest_cache": False, "kernel_dirs": True, "sha256": "a" * 64, "build_id": "b" * 64,
+         "state_dir": "/var/lib/pvegpu/kernel/nvidia-gate", "debs_dir": _KERNEL["build_dir"],
+         "headers_prefix": "proxmox-headers-6.14.11-9-bpo12-pvegpu-pve",
+         "headers_root": f"{_KERNEL['build_dir']}/nvidia-gate-headers"},
+        {**_BUILD, "release": None, "kernel_release": "6.1.192-pvegpu", "cc": "gcc", "cxx": None, "ccache": True,
+         "conftest_cache": False, "kernel_dirs": True, "sha256": "a" * 64, "build_id": "b" * 64,
+         "state_dir": "/var/lib/pvegpu/kernel/nvidia-gate", "debs_dir": _KERNEL["build_dir"],
+         "headers_prefix": "linux-headers-6.1.192-pvegpu", "headers_root": f"{_KERNEL['build_dir']}/nvidia-gate-headers"},
+    ],  # a function of its log alone (included by the hook and the gate)
     "kernel-trial-entry.sh.j2": [
         dict(release="6.14.11-9-bpo12-pve", mode="arm", entry="pvegpu-trial-6.14.11-9-bpo12-pve.conf", panic_s=10),
         dict(release="6.14.11-9-bpo12-pve", mode="clear", entry="pvegpu-trial-6.14.11-9-bpo12-pve.conf", panic_s=0),

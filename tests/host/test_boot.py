@@ -11,10 +11,10 @@ from shlex import quote
 import pytest
 
 from facts.cpu import CpuInfo
-from facts.kernel import BootLoader, ProxmoxKernels, parse_cmdline_text
+from facts.kernel import BootLoader, NvidiaGateRecords, ProxmoxKernels, parse_cmdline_text
 from facts.kernel_hook import KernelHookState
 from plan.boot import cmdline_difference, describe_difference, desired_params, vfio_modules
-from plan.kernel import PER_JOB_KIB, STATE_DIR, build_jobs
+from plan.kernel import PER_JOB_KIB, STATE_DIR, build_jobs, gate_refusal
 from plan.kernel_hook import failure_lines, module_problems, next_boot_kernels
 
 
@@ -85,6 +85,17 @@ def test_spec_kernel_runs_and_is_pinned(target):
         assert kernels["pinned"] == kernel.version, (
             f"{target.name}: kernel {kernel.version} runs but is not pinned (pinned: {kernels['pinned']}); "
             "the next boot may pick another kernel")
+
+
+def test_the_spec_kernel_was_not_refused_by_the_driver_gate(target):
+    """The kernel stage's driver x kernel gate (operations/kernel.py nvidia_gate) could not build
+    `nvidia.version` from its source for the spec's kernel: its record quotes the first compile error."""
+    kernel, nv = target.spec.kernel, target.spec.nvidia
+    if kernel is None or nv is None or nv.modules_source is None:
+        pytest.skip(f"{target.name}: no kernel stage or no nvidia source to gate it with")
+    refusal = gate_refusal(kernel, kernel.base_config or "running", nv.version, nv.modules_source.sha256,
+                           target.fact(NvidiaGateRecords))
+    assert refusal is None, f"{target.name}: {refusal}"
 
 
 def test_kernel_build_jobs_fit_the_hosts_memory(target):

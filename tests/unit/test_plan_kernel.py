@@ -345,3 +345,36 @@ def test_zfs_guard_names_the_root_pools_features_the_new_module_does_not_know(tm
     env = _zfs_host(tmp_path, "zfs", POOL, [], module=False)
     r = subprocess.run(["sh", "-c", plan.zfs_guard_command("6.1.0-x")], env=env, capture_output=True, text=True)
     assert r.returncode == 1 and "has no zfs module" in r.stderr
+
+
+# -- the driver x kernel gate ---------------------------------------------------------------
+
+GATE_KERNEL = KernelSpec(version="6.14.11-9-bpo12-pvegpu-pve", source={
+    "kind": "proxmox-git", "url": "git://git.proxmox.com/git/pve-kernel.git", "ref": "ad58d1445425ea4742e3470b2edbee35df0657e9"})
+
+
+@pytest.mark.parametrize("action,trial_boot,loader,due", [
+    ("build", True, "grub", True), ("attach", True, None, True), ("install", False, None, True),
+    ("trial", True, "systemd-boot", True), ("trial", True, None, False), ("trial", False, "grub", False),
+    ("await-reboot", True, "grub", False), ("finish", True, "grub", False), ("pin", True, "grub", False),
+    ("done", True, "grub", False)])
+def test_the_gate_runs_before_an_install_or_a_trial_only(action, trial_boot, loader, due):
+    k = GATE_KERNEL.model_copy(update={"trial_boot": trial_boot})
+    assert plan.gate_due(action, k, loader) is due
+
+
+def test_a_gate_record_refuses_the_same_driver_source_and_kernel_build_only():
+    bid = plan.build_id(GATE_KERNEL, "running")
+    record = {"time": "2026-12-04T10:40:02Z", "version": "595.45.04", "archive_sha256": "a" * 64, "build_id": bid,
+              "reason": "nvidia 595.45.04 could not be built for kernel 6.14.11-9-bpo12-pvegpu-pve: the build failed "
+                        "(exit 2): kernel-open/common/inc/nv-linux.h:1730:10: fatal error: linux/of_gpio.h: No such file "
+                        "or directory"}
+    records = {GATE_KERNEL.version: record}
+    refusal = plan.gate_refusal(GATE_KERNEL, "running", "595.45.04", "a" * 64, records)
+    assert refusal is not None and refusal.startswith(
+        f"kernel {GATE_KERNEL.version} (kernel.version) is refused: {record['reason']} (driver x kernel gate, ")
+    assert f"rm {plan.GATE_DIR}/{GATE_KERNEL.version}.refused" in refusal
+    assert plan.gate_refusal(GATE_KERNEL, "running", "595.71.05", "a" * 64, records) is None  # another driver
+    assert plan.gate_refusal(GATE_KERNEL, "running", "595.45.04", "b" * 64, records) is None  # another source
+    assert plan.gate_refusal(GATE_KERNEL, "defconfig", "595.45.04", "a" * 64, records) is None  # another build
+    assert plan.gate_refusal(GATE_KERNEL, "running", "595.45.04", "a" * 64, {}) is None

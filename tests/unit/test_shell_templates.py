@@ -22,7 +22,7 @@ from operations import gpus, kernel
 from operations import nvidia as ops
 from plan import rebind, render
 from plan.gpus import Move, RebindPlan
-from spec.models import KernelSpec
+from spec.models import HostSpec, KernelSpec
 
 
 def hostile(tag: str) -> str:
@@ -130,6 +130,10 @@ def captured(monkeypatch, module, call) -> tuple[str, dict]:
                                                    [], True), {"0000:01:00.0": {"minor": 0}}, "tx")),
     (kernel, lambda: kernel.build_script(KernelSpec(version="6.14.8-2-pve", source={
         "kind": "proxmox-git", "url": "git://x/pve-kernel.git", "ref": "v1"}), "running", 2, "/b")),
+    (kernel, lambda: kernel.gate_script(HostSpec(
+        kernel={"version": "6.14.8-2-pve", "source": {"kind": "proxmox-git", "url": "git://x/pve-kernel.git", "ref": "v1"}},
+        nvidia={"version": "595.45.04", "modules_source": {"url": "https://x/a.tgz", "sha256": hashlib.sha256(b"a").hexdigest()}}),
+        "/b", 2)),
 ])
 def test_examples_have_the_keys_the_operations_pass(monkeypatch, module, call):
     name, context = captured(monkeypatch, module, call)
@@ -180,10 +184,20 @@ def fields(name: str) -> list[tuple[int, str, object]]:
 def test_each_field_rendered_hostile_stays_quoted(name):
     """Each field, in each example, hostile: quoted wherever it lands, and it lands somewhere."""
     reached: dict[str, int] = {}
+    if not any(render.SHELL_EXAMPLES[name]):  # a template of no values (nvidia-first-error.sh.j2): nothing to quote
+        return
     for i, key, value in fields(name):
         context = {**render.SHELL_EXAMPLES[name][i], key: value}
         reached[key] = reached.get(key, 0) + assert_quoted(render.render_template(name, **context))
+    for key in UNREACHED.get(name, ()):
+        assert reached.pop(key) == 0, f"{key} reaches {name} now: drop it from UNREACHED"
     assert reached and all(reached.values()), f"fields that never reach the script: {reached}"
+
+
+# values of the NVIDIA build context whose branches a caller including nvidia-build.sh.j2 never takes:
+# the driver x kernel gate builds unsigned and without the conftest cache (its key reads the
+# installed headers' tree; the gate's are unpacked elsewhere)
+UNREACHED = {"kernel-nvidia-gate.sh.j2": ("sig_hash", "conftest_cache_dir", "sign_file")}
 
 
 def test_kernel_base_config_path_stays_quoted():

@@ -117,3 +117,43 @@ def test_on_grub_a_later_kernel_with_modules_moves_the_saved_entry_on(tmp_path):
     assert (tmp_path / "grub-set-default").read_text() == (
         f"gnulinux-advanced-4f1e>gnulinux-{RELEASE}-advanced-4f1e\n")
     assert (tmp_path / "state/grub-default").read_text() == f"{RELEASE}\n"
+
+
+LOGS = Path(__file__).resolve().parents[2] / "fixtures/nvidia-build-log"
+
+
+def replaying_tree(tmp: Path, log: str) -> Path:
+    """An archive in the open tree's layout whose kernel-open make prints a real failed build's
+    log (tests/fixtures/nvidia-build-log) and fails as that make did."""
+    import tarfile
+    top = tmp / "tree/open-gpu-kernel-modules-580.95.05"
+    (top / "kernel-open").mkdir(parents=True)
+    (top / "version.mk").write_text("NVIDIA_VERSION = 580.95.05\n")
+    (top / "kernel-open/Kbuild").write_text("")
+    body = "".join((LOGS / log).read_text().splitlines(keepends=True)[2:])
+    (top / "kernel-open/recorded.log").write_text(body)
+    (top / "kernel-open/Makefile").write_text("modules:\n\t@cat recorded.log; exit 2\n")
+    archive = tmp / "tree.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(top, arcname=top.name)
+    return archive
+
+
+def test_a_compile_error_is_kept_quoted_as_the_reason(tmp_path):
+    """The hook's reason (the .failed record, the login notice, --dry and the host check read it)
+    quotes the first compile error of the real 595.45.04 log against a kernel without
+    <linux/of_gpio.h>, cut at kernel-open/ by the extractor the kernel stage's gate uses."""
+    archive = replaying_tree(tmp_path, "595.45.04-kernel-without-of_gpio.txt")
+    build = tmp_path / "modules" / RELEASE / "build"
+    build.mkdir(parents=True)
+    (build / "Makefile").write_text("")
+    (build / ".config").write_text('CONFIG_CC_VERSION_TEXT="gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0"\n')
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin/gcc-12").write_text("#!/bin/sh\necho 'gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0'\n")
+    (tmp_path / "bin/gcc-12").chmod(0o755)
+    done = run(tmp_path, hook(tmp_path, archive, hashlib.sha256(archive.read_bytes()).hexdigest()))
+    assert done.returncode == 0, done.stderr
+    reason = (tmp_path / f"state/{RELEASE}.failed").read_text().splitlines()[1]
+    assert reason == (f"nvidia 580.95.05 could not be built for kernel {RELEASE}: the build failed (exit 1): "
+                      "kernel-open/common/inc/nv-linux.h:1730:10: fatal error: linux/of_gpio.h: No such file or directory")
+    assert reason.split(": ", 1)[1] in (tmp_path / "motd.d/pvegpu-kernel").read_text()

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -271,3 +272,89 @@ def test_preflight_refuses_an_unsigned_kernel_under_secure_boot(monkeypatch):
     assert len(refusals) == 1 and refusals[0].startswith("Secure Boot is on") and "would not boot" in refusals[0]
     build["secure_boot"] = kernel_facts.parse_build_state(["sb SecureBoot disabled"])["secure_boot"]
     assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT})) == []
+
+
+# -- the driver x kernel gate (templates/kernel-nvidia-gate.sh.j2) -----------------------------
+
+LOGS = Path(__file__).resolve().parents[2] / "fixtures/nvidia-build-log"
+GATE_RELEASE = "6.14.11-9-bpo12-pvegpu-pve"
+
+
+def gate_host(tmp: Path, log: str) -> tuple[str, Path]:
+    """A build dir holding proxmox-headers-<rel> (a build tree and pve-kernel's usr/lib/modules/<rel>/
+    build link), an open tree whose kernel-open make prints a real failed build's log and fails as
+    it did, and the rendered gate with every host path in `tmp`."""
+    import hashlib
+    import tarfile
+
+    from operations import nvidia
+    from spec.models import HostSpec
+    top = tmp / "tree/open-gpu-kernel-modules-595.45.04"
+    (top / "kernel-open").mkdir(parents=True)
+    (top / "version.mk").write_text("NVIDIA_VERSION = 595.45.04\n")
+    (top / "kernel-open/Kbuild").write_text("")
+    (top / "kernel-open/recorded.log").write_text("".join((LOGS / log).read_text().splitlines(keepends=True)[2:]))
+    # it also says which trees it was handed (NVIDIA's kernel-open/Makefile SYSSRC/SYSOUT)
+    (top / "kernel-open/Makefile").write_text("modules:\n\t@echo \"trees: $(SYSSRC) $(SYSOUT)\"; cat recorded.log; exit 2\n")
+    archive = tmp / "tree.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(top, arcname=top.name)
+    pkg = tmp / "pkg"
+    (pkg / "DEBIAN").mkdir(parents=True)
+    (pkg / f"usr/src/linux-headers-{GATE_RELEASE}").mkdir(parents=True)
+    (pkg / f"usr/src/linux-headers-{GATE_RELEASE}/Makefile").write_text("")
+    (pkg / f"usr/lib/modules/{GATE_RELEASE}").mkdir(parents=True)
+    os.symlink(f"/usr/src/linux-headers-{GATE_RELEASE}", pkg / f"usr/lib/modules/{GATE_RELEASE}/build")
+    (pkg / "DEBIAN/control").write_text(f"Package: proxmox-headers-{GATE_RELEASE}\nVersion: 1\nArchitecture: all\n"
+                                        "Maintainer: t <t@example.invalid>\nDescription: t\n")
+    debs = tmp / "build"
+    debs.mkdir()
+    subprocess.run(["dpkg-deb", "--root-owner-group", "--build", str(pkg),
+                    str(debs / f"proxmox-headers-{GATE_RELEASE}_1_all.deb")], check=True, capture_output=True)
+    sha = hashlib.sha256(archive.read_bytes()).hexdigest()
+    spec = HostSpec(kernel={"version": GATE_RELEASE, "source": {"kind": "proxmox-git", "url": "git://x/pve-kernel.git",
+                                                                "ref": "v1"}},
+                    nvidia={"version": "595.45.04", "modules_source": {"url": f"file://{archive}", "sha256": sha}})
+    script = kernel.gate_script(spec, str(debs), 2)
+    assert spec.nvidia is not None and spec.nvidia.modules_source is not None
+    for old, new in ((nvidia.cached_source(spec.nvidia.modules_source), str(archive)),
+                     (nvidia.BUILD_ROOT, str(tmp / "nvidia-build")), (plan.GATE_DIR, str(tmp / "gate"))):
+        script = script.replace(old, new)
+    return script, debs
+
+
+def test_the_gate_refuses_a_kernel_the_driver_cannot_build_for_quoting_the_first_error(tmp_path):
+    """Run for real on the recorded 595.45.04 failure: exit 1 (the stage stops before the install),
+    the record quotes the first compile error and names the driver, its source and the kernel build;
+    the headers were unpacked, not installed, and handed to the tree as SYSSRC/SYSOUT."""
+    script, debs = gate_host(tmp_path, "595.45.04-kernel-without-of_gpio.txt")
+    gcc = tmp_path / "bin"
+    gcc.mkdir()
+    for name in ("gcc", "g++"):
+        (gcc / name).write_text("#!/bin/sh\necho 'gcc (Debian 12.2.0-14+deb12u1) 12.2.0'\n")
+        (gcc / name).chmod(0o755)
+    done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": f"{gcc}:/usr/bin:/bin"})
+    assert done.returncode == 1, done.stdout + done.stderr
+    error = "kernel-open/common/inc/nv-linux.h:1730:10: fatal error: linux/of_gpio.h: No such file or directory"
+    reason = f"nvidia 595.45.04 could not be built for kernel {GATE_RELEASE}: the build failed (exit 1): {error}"
+    assert reason in done.stderr and "was not installed and is not booted" in done.stderr
+    record = (tmp_path / f"gate/{GATE_RELEASE}.refused").read_text().splitlines()
+    assert record[1:] == [reason, f"nvidia 595.45.04 {record[2].split()[-1]}", f"kernel build {record[3].split()[-1]}"]
+    parsed = kernel_facts.parse_gate_records([f"== {GATE_RELEASE}.refused", *record])[GATE_RELEASE]
+    assert parsed["reason"] == reason and parsed["version"] == "595.45.04" and len(parsed["build_id"]) == 64
+    tree = f"{debs}/nvidia-gate-headers/usr/src/linux-headers-{GATE_RELEASE}"
+    assert f"trees: {tree} {tree}" in (tmp_path / f"gate/{GATE_RELEASE}.log").read_text()
+    assert not (debs / "nvidia-gate-headers").exists() and not (tmp_path / f"nvidia-build/595.45.04/{GATE_RELEASE}").exists()
+
+
+def test_the_gate_stops_without_a_record_when_it_has_no_headers_to_build_against(tmp_path):
+    """No headers package in the build dir and none installed: nothing is said about the driver and
+    the kernel (no .refused record, the next run tries again), and nothing is installed."""
+    script, debs = gate_host(tmp_path, "595.45.04-kernel-without-of_gpio.txt")
+    for deb in debs.glob("*.deb"):
+        deb.unlink()
+    done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert f"could not build nvidia 595.45.04 for kernel {GATE_RELEASE}: no headers of it" in done.stderr
+    assert not (tmp_path / f"gate/{GATE_RELEASE}.refused").exists()
