@@ -111,7 +111,7 @@ def trial_boot(release: str, loader: str, panic_s: int, advanced_id: str | None 
     known-good kernel) and mark the trial (written last: a failed one-shot leaves no marker).
 
     + loader: plan.kernel.SYSTEMD_BOOT or GRUB (plan.kernel.trial_loader)
-    + panic_s: panic=<s> on the trial's command line (systemd-boot trial entry)
+    + panic_s: panic=<s> on the trial entry's command line (either loader)
     + advanced_id: GRUB's "Advanced options" submenu id (plan.kernel.grub_entry_id)
     + keep_default: a command making the known-good kernel the default first
     """

@@ -12,7 +12,7 @@
     boot loader interface (one trial = one boot; see the section below):
     trial_loader(build_facts)                      -> ("systemd-boot"|"grub", None) or (None, why not)
     set_default_command(release, loader, adv_id)   # the default for good
-    oneshot_command(release, loader, panic_s, adv_id)  # the next boot only (systemd-boot: with panic=)
+    oneshot_command(release, loader, panic_s, adv_id)  # the next boot only, with panic=
     clear_oneshot_command(release, loader)
     finish_trial_command(release, loader, build_id, adv_id)  # after the boot: default, or record the failure
 
@@ -199,13 +199,18 @@ def kernel_decision(kernel: KernelSpec, facts: dict, base_config: str = "running
 # - GRUB: grubenv `next_entry`, which the generated header boots and clears (grub
 #   util/grub.d/00_header.in), else `saved_entry` when GRUB_DEFAULT=saved (grub-mkconfig turns
 #   it into ${saved_entry}). grub-reboot / grub-set-default write them (util/grub-reboot.in,
-#   grub-set-default.in, through grub-editenv). Entries are named by their ids, as
-#   proxmox-kernel-helper set_grub_default() names them.
+#   grub-set-default.in, through grub-editenv). Kernel entries are named by their ids, as
+#   proxmox-kernel-helper set_grub_default() names them. GRUB's kernel entries all share
+#   GRUB_CMDLINE_LINUX*, so the one-shot names a trial entry of our own (GRUB_TRIAL_SCRIPT, a
+#   /etc/grub.d script that grub-mkconfig runs: 10_linux's entry of the release with panic= added).
 
 SYSTEMD_BOOT = "systemd-boot"
 GRUB = "grub"
 TRIAL_ENTRY_PREFIX = "pvegpu-trial-"
 GRUBENV = "/boot/grub/grubenv"
+GRUB_CFG = "/boot/grub/grub.cfg"
+# after 10_linux and Debian's 40_custom/41_custom: never entry 0 (an unset saved_entry boots entry 0)
+GRUB_TRIAL_SCRIPT = "/etc/grub.d/42_pvegpu_trial"
 REFRESH = "proxmox-boot-tool refresh"
 # grub-mkconfig writes GRUB_DEFAULT=saved as `set default="${saved_entry}"` (00_header.in); without
 # it grub-set-default changes nothing and the newest kernel stays the default
@@ -217,6 +222,11 @@ GRUB_SAVED_CHECK = ("{ grep -q 'set default=\"${saved_entry}\"' /boot/grub/grub.
 def trial_entry(release: str) -> str:
     """The systemd-boot loader entry of a trial boot (a file name on each ESP)."""
     return f"{TRIAL_ENTRY_PREFIX}{release}.conf"
+
+
+def grub_trial_id(release: str) -> str:
+    """The id of the GRUB trial entry of a kernel release (a top-level menuentry of grub.cfg)."""
+    return f"{TRIAL_ENTRY_PREFIX}{release}"
 
 
 def grub_entry_id(release: str, advanced_id: str) -> str:
@@ -242,23 +252,36 @@ def set_default_command(release: str, loader: str, advanced_id: str | None = Non
 
 
 def oneshot_command(release: str, loader: str, panic_s: int, advanced_id: str | None = None) -> str:
-    """Boot `release` once, at the next boot only; the default stays where it is.
+    """Boot `release` once, at the next boot only, with panic=<panic_s>; the default stays where it is.
 
-    systemd-boot: the trial entry (templates/kernel-trial-entry.sh.j2, panic=<panic_s>) on every
-    ESP and the one-shot variable. GRUB: `grub-reboot` (next_entry); GRUB's entries all share
-    GRUB_CMDLINE_LINUX*, so a GRUB trial carries no panic= of its own."""
+    systemd-boot: the trial entry (templates/kernel-trial-entry.sh.j2) on every ESP and the
+    one-shot variable. GRUB: the trial entry script (templates/grub-trial-entry.sh.j2) in
+    /etc/grub.d, update-grub, then `grub-reboot` (next_entry) of that entry."""
     if loader == SYSTEMD_BOOT:
         return trial_entry_command(release, "arm", panic_s)
     if not advanced_id:
         raise ValueError("a GRUB one-shot needs the Advanced-options id of /boot/grub/grub.cfg")
-    return f"update-grub && {GRUB_SAVED_CHECK} && grub-reboot {shlex.quote(grub_entry_id(release, advanced_id))}"
+    from plan.render import render_template
+    script = render_template("grub-trial-entry.sh.j2", release=release, panic_s=int(panic_s))
+    ident = grub_trial_id(release)
+    tmp = shlex.quote(GRUB_TRIAL_SCRIPT + ".tmp")
+    line = shlex.quote(f"$menuentry_id_option '{ident}'")
+    missing = shlex.quote(f"pvegpu: update-grub wrote no trial entry {ident} in {GRUB_CFG} "
+                          f"(10_linux lists no entry for {release}): no trial")
+    return (f"printf '%s\\n' {shlex.quote(script)} > {tmp} && chmod 755 {tmp} && mv {tmp} {shlex.quote(GRUB_TRIAL_SCRIPT)} && "
+            f"update-grub && {GRUB_SAVED_CHECK} && "
+            f"{{ grep -qF {line} {GRUB_CFG} || {{ echo {missing} >&2; exit 1; }}; }} && "
+            f"grub-reboot {shlex.quote(ident)}")
 
 
 def clear_oneshot_command(release: str, loader: str) -> str:
-    """Forget a trial: its systemd-boot entries, or GRUB's next_entry (grub-editenv unset)."""
+    """Forget a trial: its systemd-boot entries, or GRUB's next_entry (grub-editenv unset) and
+    its trial entry (the script goes, update-grub writes grub.cfg without it)."""
     if loader == SYSTEMD_BOOT:
         return trial_entry_command(release, "clear", 0)
-    return f"grub-editenv {GRUBENV} unset next_entry"
+    script = shlex.quote(GRUB_TRIAL_SCRIPT)
+    return (f"grub-editenv {GRUBENV} unset next_entry && "
+            f"if [ -e {script} ]; then rm -f {script} && update-grub; fi")
 
 
 def trial_entry_command(release: str, mode: str, panic_s: int) -> str:

@@ -312,7 +312,8 @@ def test_grub_trial_that_hangs_is_left_after_one_reset_and_a_good_one_becomes_th
     assert 'set default="${saved_entry}"' in cfg  # GRUB_DEFAULT=saved from the boot stage's drop-in
     env = grubenv(twin.name)
     assert f">gnulinux-{old}-advanced-" in env["saved_entry"]
-    assert f">gnulinux-{RELEASE}-advanced-" in env["next_entry"]
+    assert env["next_entry"] == f"pvegpu-trial-{RELEASE}"
+    assert_grub_trial_entry(root, old)
     subprocess.run(runtime.ssh_command(twin.name, ["reboot"]), capture_output=True, timeout=60)
     deadline = time.monotonic() + 60
     while not boots(twin.name)[-1].endswith(" hung") and time.monotonic() < deadline:
@@ -321,11 +322,14 @@ def test_grub_trial_that_hangs_is_left_after_one_reset_and_a_good_one_becomes_th
     press_reset(twin.name)
     assert twin_run(twin.name, "uname", "-r").strip() == old
     assert not grubenv(twin.name).get("next_entry")
+    assert attempts(root)[-2].startswith(f"{RELEASE} pvegpu-trial-{RELEASE} hung")
 
     second = converge(twin.name, stages=GRUB_STAGES)
     assert second.rc == 0, second.output[-6000:]
     assert f"the trial boot of {RELEASE} came up on {old}" in second.output
     assert f">gnulinux-{old}-advanced-" in grubenv(twin.name)["saved_entry"]
+    assert "pvegpu-trial-" not in (root / "boot/grub/grub.cfg").read_text()  # the trial entry is gone
+    assert not (root / plan.GRUB_TRIAL_SCRIPT.lstrip("/")).exists()
     third = converge(twin.name, stages=GRUB_STAGES)
     assert third.rc == 0 and third.changed == 0, third.output[-6000:]
 
@@ -336,8 +340,44 @@ def test_grub_trial_that_hangs_is_left_after_one_reset_and_a_good_one_becomes_th
     assert fourth.rc == 0, fourth.output[-6000:]
     assert twin_run(twin.name, "uname", "-r").strip() == RELEASE
     assert f">gnulinux-{RELEASE}-advanced-" in grubenv(twin.name)["saved_entry"]  # the default for good
+    assert "pvegpu-trial-" not in (root / "boot/grub/grub.cfg").read_text()
     reboot(twin.name)
     assert twin_run(twin.name, "uname", "-r").strip() == RELEASE
+    assert "panic=" not in twin_run(twin.name, "cat", "/proc/cmdline")
+
+
+def assert_grub_trial_entry(root: Path, old: str) -> None:
+    """grub.cfg holds the trial entry (10_linux's entry of the release, panic= added) and no
+    other entry has panic=; saved_entry stays on the old kernel."""
+    cfg = (root / "boot/grub/grub.cfg").read_text()
+    trial = cfg.split(f"$menuentry_id_option 'pvegpu-trial-{RELEASE}' {{", 1)[1].split("\n}", 1)[0]
+    linux = [line.strip() for line in trial.splitlines() if line.strip().startswith("linux")]
+    assert linux and linux[0].startswith(f"linux\t/boot/vmlinuz-{RELEASE} root=") and linux[0].endswith(" panic=10")
+    assert sum("panic=" in line for line in cfg.splitlines() if line.strip().startswith("linux")) == 1
+
+
+def test_grub_trial_that_panics_comes_back_by_itself(twin_factory, tmp_path):
+    """GRUB's trial entry carries panic=: a trial kernel that panics resets by itself, and GRUB,
+    whose next_entry it cleared as it read it, boots saved_entry: the old kernel, with no one at
+    the console (before, the GRUB trial had no panic= and waited at the console for a reset)."""
+    twin, root = grub_twin(twin_factory, "")
+    seed_finished_build(root, tmp_path)
+    (root / "var/lib/twin/boot/no-boot").write_text(f"{RELEASE} panics\n")
+    old = twin_run(twin.name, "uname", "-r").strip()
+
+    first = converge(twin.name, reboot_allowed=True, stages=GRUB_STAGES)  # trial, reboot, check fails
+    assert first.rc != 0, first.output[-6000:]
+    assert f"the trial boot of {RELEASE} came up on {old}" in first.output
+    assert attempts(root)[-2:] == [f"{RELEASE} pvegpu-trial-{RELEASE} panic, reset after 10 s (panic=10)",
+                                   f"{old} {grubenv(twin.name)['saved_entry'].split('>')[-1]} up"]
+    assert twin_run(twin.name, "uname", "-r").strip() == old
+    env = grubenv(twin.name)
+    assert not env.get("next_entry") and f">gnulinux-{old}-advanced-" in env["saved_entry"]
+    assert "pvegpu-trial-" not in (root / "boot/grub/grub.cfg").read_text()
+
+    second = converge(twin.name, stages=GRUB_STAGES)
+    assert second.rc == 0 and second.changed == 0, second.output[-6000:]
+    assert f"the trial boot of {RELEASE} came up on {old}" in second.output
 
 
 def test_grub_with_grubenv_on_lvm_refuses_the_trial_before_any_change(twin_factory, tmp_path):

@@ -74,7 +74,9 @@ STANDIN_PATHS = {
                 # proxmox-kernel-helper's kernel hook: a kernel package's postinst runs it
                 "etc/kernel/postinst.d/zz-proxmox-boot", "etc/kernel/postrm.d/zz-proxmox-boot",
                 # systemd's bootctl (set-oneshot) and grub-probe (--target=abstraction)
-                "usr/local/bin/bootctl", "usr/local/sbin/grub-probe"],
+                "usr/local/bin/bootctl", "usr/local/sbin/grub-probe",
+                # grub-mkconfig's Linux entries (a grub.d script of ours runs it by itself)
+                "etc/grub.d/10_linux"],
     "hostdev.py": ["usr/local/bin/fuser", "usr/local/bin/nvidia-modprobe", "usr/local/bin/uname",
                    "usr/local/sbin/modprobe", "usr/local/bin/mokutil"],
 }

@@ -1,5 +1,6 @@
 """plan.kernel: build parallelism (incident 14), build identity, the stage's next action, pins."""
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -159,8 +160,7 @@ def test_default_and_oneshot_commands():
         "proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool refresh")
     assert plan.set_default_command("6.14.8-2-pve", "grub", "ab") == (
         "grub-set-default 'gnulinux-advanced-ab>gnulinux-6.14.8-2-pve-advanced-ab'")
-    assert plan.oneshot_command("6.14.8-2-pve", "grub", 10, "ab").endswith(
-        " && grub-reboot 'gnulinux-advanced-ab>gnulinux-6.14.8-2-pve-advanced-ab'")
+    assert plan.oneshot_command("6.14.8-2-pve", "grub", 10, "ab").endswith(" && grub-reboot pvegpu-trial-6.14.8-2-pve")
     one = plan.oneshot_command("6.14.8-2-pve", "systemd-boot", 10)
     assert one.startswith("unshare --mount --propagation private /bin/sh -c ")
     assert "pvegpu-trial-6.14.8-2-pve.conf" in one and "panic=10" not in one.split("-c", 1)[0]
@@ -244,23 +244,100 @@ def test_systemd_boot_trial_entry_adds_panic_only_to_its_own_entry(tmp_path):
     assert (tmp_path / "bootctl").read_text().count("set-oneshot") == 1
 
 
-def test_a_grub_one_shot_needs_grub_default_saved_in_the_generated_config(tmp_path):
+def _grub_oneshot_env(tmp_path: Path, cfg_text: str) -> tuple[str, dict]:
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     for name in ("update-grub", "grub-reboot"):
         (bin_dir / name).write_text(f'#!/bin/sh\necho {name} "$@" >> {tmp_path}/calls\n')
         (bin_dir / name).chmod(0o755)
     cfg = tmp_path / "grub.cfg"
-    cmd = plan.oneshot_command("6.14.8-2-pve", "grub", 10, "ab").replace("/boot/grub/grub.cfg", str(cfg))
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
-    cfg.write_text('if [ "${next_entry}" ] ; then\nelse\n   set default="0"\nfi\n')
+    cfg.write_text(cfg_text)
+    cmd = (plan.oneshot_command("6.14.8-2-pve", "grub", 10, "ab").replace("/boot/grub/grub.cfg", str(cfg))
+           .replace(plan.GRUB_TRIAL_SCRIPT, str(tmp_path / "42_pvegpu_trial")))
+    return cmd, {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+
+SAVED = 'if [ "${next_entry}" ] ; then\nelse\n   set default="${saved_entry}"\nfi\n'
+
+
+def test_a_grub_one_shot_needs_grub_default_saved_in_the_generated_config(tmp_path):
+    cmd, env = _grub_oneshot_env(tmp_path, 'if [ "${next_entry}" ] ; then\nelse\n   set default="0"\nfi\n')
     r = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
     assert r.returncode == 1 and "GRUB_DEFAULT is not saved" in r.stderr
     assert (tmp_path / "calls").read_text() == "update-grub\n"
-    cfg.write_text('if [ "${next_entry}" ] ; then\nelse\n   set default="${saved_entry}"\nfi\n')
+    (tmp_path / "grub.cfg").write_text(SAVED + "menuentry 'pvegpu trial' $menuentry_id_option 'pvegpu-trial-6.14.8-2-pve' {\n}\n")
     r = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "calls").read_text().endswith("grub-reboot gnulinux-advanced-ab>gnulinux-6.14.8-2-pve-advanced-ab\n")
+    assert (tmp_path / "calls").read_text().endswith("grub-reboot pvegpu-trial-6.14.8-2-pve\n")
+    assert os.access(tmp_path / "42_pvegpu_trial", os.X_OK)
+
+
+def test_a_grub_one_shot_needs_its_trial_entry_in_the_generated_config(tmp_path):
+    cmd, env = _grub_oneshot_env(tmp_path, SAVED)
+    r = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and "wrote no trial entry pvegpu-trial-6.14.8-2-pve" in r.stderr
+    assert "grub-reboot" not in (tmp_path / "calls").read_text()
+
+
+# 10_linux's output with GRUB_DISABLE_SUBMENU=true (util/grub.d/10_linux.in: every kernel's entry
+# at the top level, args GRUB_CMDLINE_LINUX then GRUB_CMDLINE_LINUX_DEFAULT); the fake prints it
+# for the GRUB_* values it is given, as the real script does
+FAKE_10_LINUX = r"""#!/bin/sh
+[ "$GRUB_DISABLE_SUBMENU" = true ] || echo "submenu 'Advanced' \$menuentry_id_option 'gnulinux-advanced-ab' {"
+echo 'function gfxmode {'
+echo '}'
+for v in 6.14.11-9-bpo12-pvegpu-pve 6.14.8-2-pve 6.14.8-2-pve-old; do
+cat <<EOT
+menuentry 'Proxmox VE GNU/Linux, with Linux $v' --class proxmox --class gnu-linux \$menuentry_id_option 'gnulinux-$v-advanced-ab' {
+	load_video
+	insmod gzio
+	search --no-floppy --fs-uuid --set=root ab
+	echo	'Loading Linux $v ...'
+	linux	/boot/vmlinuz-$v root=/dev/mapper/pve-root ro $GRUB_CMDLINE_LINUX $GRUB_CMDLINE_LINUX_DEFAULT
+	initrd	/boot/initrd.img-$v
+}
+EOT
+done
+echo 'Found linux image' >&2
+"""
+
+
+def test_grub_trial_script_prints_10_linux_entry_of_the_release_with_panic(tmp_path):
+    """templates/grub-trial-entry.sh.j2 against a 10_linux that prints what the real one does:
+    the release's own entry (root=, search, initrd) renamed to pvegpu-trial-<rel>, panic= last."""
+    from plan.render import render_template
+    linux = tmp_path / "10_linux"
+    linux.write_text(FAKE_10_LINUX)
+    linux.chmod(0o755)
+    script = render_template("grub-trial-entry.sh.j2", release="6.14.8-2-pve", panic_s=7).replace(
+        "/etc/grub.d/10_linux", str(linux))
+    env = {"PATH": "/usr/bin:/bin", "GRUB_CMDLINE_LINUX": "intel_iommu=on", "GRUB_CMDLINE_LINUX_DEFAULT": "quiet"}
+    r = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == (
+        "menuentry 'pvegpu trial (panic=7): Proxmox VE GNU/Linux, with Linux 6.14.8-2-pve' --class proxmox "
+        "--class gnu-linux $menuentry_id_option 'pvegpu-trial-6.14.8-2-pve' {\n"
+        "\tload_video\n\tinsmod gzio\n\tsearch --no-floppy --fs-uuid --set=root ab\n"
+        "\techo\t'Loading Linux 6.14.8-2-pve ...'\n"
+        "\tlinux\t/boot/vmlinuz-6.14.8-2-pve root=/dev/mapper/pve-root ro intel_iommu=on quiet panic=7\n"
+        "\tinitrd\t/boot/initrd.img-6.14.8-2-pve\n}\n")
+    # a release 10_linux does not list: nothing (the one-shot then refuses: no entry in grub.cfg)
+    other = render_template("grub-trial-entry.sh.j2", release="6.99.1-1-pve", panic_s=7).replace(
+        "/etc/grub.d/10_linux", str(linux))
+    r = subprocess.run(["sh", "-c", other], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout == ""
+
+
+def test_clearing_a_grub_trial_removes_its_entry_script_and_regenerates(tmp_path):
+    env = _stubs(tmp_path, **{"grub-editenv": f'echo editenv "$@" >> {tmp_path}/calls',
+                              "update-grub": f'echo update-grub >> {tmp_path}/calls'})
+    script = tmp_path / "42_pvegpu_trial"
+    cmd = plan.clear_oneshot_command("6.14.8-2-pve", "grub").replace(plan.GRUB_TRIAL_SCRIPT, str(script))
+    script.write_text("#!/bin/sh\n")
+    r = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert not script.exists()
+    assert (tmp_path / "calls").read_text() == "editenv /boot/grub/grubenv unset next_entry\nupdate-grub\n"
 
 
 # -- kernel.remove_old ---------------------------------------------------------------------
