@@ -131,6 +131,7 @@ def finish_trial(release: str, loader: str, build_id: str, advanced_id: str | No
 @operation()
 def pin_kernel(release: str, loader: str, advanced_id: str | None = None):
     """Make `release` (it is running) the loader default for good."""
+    yield StringCommand(plan.zfs_guard_command(release))
     yield StringCommand(plan.set_default_command(release, loader, advanced_id))
 
 

@@ -346,7 +346,8 @@ def finish_trial_command(release: str, loader: str, wanted_build_id: str, advanc
     tail = shlex.quote("; the default stays on the known-good kernel and the trial is not tried again until "
                        f"the spec changes (rm {TRIAL_FAILED} to try again)")
     return (
-        f'if [ "$(uname -r)" = {q} ]; then {set_default_command(release, loader, advanced_id)} && {clear} && '
+        f'if [ "$(uname -r)" = {q} ]; then {zfs_guard_command(release)} && '
+        f"{set_default_command(release, loader, advanced_id)} && {clear} && "
         f"rm -f {shlex.quote(TRIAL_MARKER)} {shlex.quote(TRIAL_FAILED)}; "
         f"else {record} && {clear} && rm -f {shlex.quote(TRIAL_MARKER)} && "
         f'echo {message}"$(uname -r)"{tail} >&2{"; exit 1" if fail else ""}; fi'

@@ -57,8 +57,47 @@ def twin_run(name: str, *command: str) -> str:
     return r.stdout
 
 
-def stand_in_debs(out: Path) -> list[Path]:
-    """proxmox-kernel-<rel> and proxmox-headers-<rel> with the files the stages read."""
+# OpenZFS's feature table (module/zcommon/zfeature_common.c zpool_feature_init(), the GUIDs it
+# registers) at zfs-2.2.7 (Proxmox VE 8's kernels) and what zfs-2.3.4 adds (facts read from the tags)
+ZFS_2_2_GUIDS = (
+    "com.delphix:async_destroy com.delphix:empty_bpobj org.illumos:lz4_compress com.joyent:multi_vdev_crash_dump "
+    "com.delphix:spacemap_histogram com.delphix:enabled_txg com.delphix:hole_birth com.delphix:zpool_checkpoint "
+    "com.delphix:spacemap_v2 com.delphix:extensible_dataset com.delphix:bookmarks com.joyent:filesystem_limits "
+    "com.delphix:embedded_data com.delphix:livelist com.delphix:log_spacemap org.open-zfs:large_blocks "
+    "org.zfsonlinux:large_dnode org.illumos:sha512 org.illumos:skein org.illumos:edonr com.delphix:redaction_bookmarks "
+    "com.delphix:redacted_datasets com.delphix:bookmark_written com.delphix:device_removal com.delphix:obsolete_counts "
+    "org.zfsonlinux:userobj_accounting com.datto:bookmark_v2 com.datto:encryption org.zfsonlinux:project_quota "
+    "org.zfsonlinux:allocation_classes com.datto:resilver_defer org.openzfs:device_rebuild org.freebsd:zstd_compress "
+    "org.openzfs:draid org.openzfs:zilsaxattr com.delphix:head_errlog org.openzfs:blake3 com.fudosecurity:block_cloning "
+    "com.klarasystems:vdev_zaps_v2").split()
+ZFS_2_3_GUIDS = ZFS_2_2_GUIDS + ("com.delphix:redaction_list_spill org.openzfs:raidz_expansion "
+                                 "com.klarasystems:fast_dedup org.zfsonlinux:longname "
+                                 "com.klarasystems:large_microzap").split()
+
+
+def zfs_module(path: Path, guids: list[str]) -> None:
+    """A zfs.ko as depmod/modinfo read it (an ELF object with .modinfo) whose read-only data holds
+    the feature table's GUID strings, as the real module's does (zfeature_common.c literals)."""
+    source = path.with_suffix(".c")
+    table = ", ".join(f'"{g}"' for g in guids)
+    source.write_text('static const char modinfo[] __attribute__((section(".modinfo"), used, aligned(1))) = '
+                      f'"license=CDDL\\0name=zfs\\0vermagic={RELEASE} SMP preempt mod_unload modversions \\0";\n'
+                      f"const char *const zfeature_guids[] = {{{table}}};\n")
+    subprocess.run(["gcc", "-c", "-O2", "-o", str(path), str(source)], check=True)
+    source.unlink()
+
+
+def zfs_root(root: Path, features: dict[str, str]) -> None:
+    """The twin's / is the dataset rpool/ROOT/pve-1 of the pool rpool with `features` (zpool get's
+    feature@<name>: enabled|active|disabled): profile.json's zfs (findmnt and zpool read it)."""
+    data = json.loads((root / "var/lib/twin/profile.json").read_text())
+    data["zfs"] = {"root": "rpool/ROOT/pve-1", "pools": {"rpool": {"features": features}}}
+    (root / "var/lib/twin/profile.json").write_text(json.dumps(data))
+
+
+def stand_in_debs(out: Path, zfs_guids: list[str] | None = None) -> list[Path]:
+    """proxmox-kernel-<rel> and proxmox-headers-<rel> with the files the stages read (and a zfs.ko
+    carrying `zfs_guids`, as pve-kernel's image carries its own ZFS module)."""
     kernel = out / "kernel"
     (kernel / "DEBIAN").mkdir(parents=True)
     (kernel / "boot").mkdir()
@@ -70,6 +109,9 @@ def stand_in_debs(out: Path) -> list[Path]:
     (kernel / f"lib/modules/{RELEASE}").mkdir(parents=True)
     (kernel / f"lib/modules/{RELEASE}/modules.order").write_text("")
     (kernel / f"lib/modules/{RELEASE}/modules.builtin").write_text("")
+    if zfs_guids is not None:
+        (kernel / f"lib/modules/{RELEASE}/zfs").mkdir()
+        zfs_module(kernel / f"lib/modules/{RELEASE}/zfs/zfs.ko", zfs_guids)
     (kernel / "DEBIAN/control").write_text(
         f"Package: proxmox-kernel-{RELEASE}\nVersion: {DEB_VERSION}\nArchitecture: amd64\n"
         "Maintainer: pvegpu tests <tests@example.invalid>\nDescription: twin stand-in of the Proxmox kernel image\n")
@@ -95,11 +137,11 @@ def stand_in_debs(out: Path) -> list[Path]:
     return debs
 
 
-def seed_finished_build(root: Path, tmp: Path) -> None:
+def seed_finished_build(root: Path, tmp: Path, zfs_guids: list[str] | None = None) -> None:
     k = KernelSpec(**KERNEL)
     build = root / plan.build_dir(k, "running").lstrip("/")
     build.mkdir(parents=True)
-    for deb in stand_in_debs(tmp):
+    for deb in stand_in_debs(tmp, zfs_guids):
         (build / deb.name).write_bytes(deb.read_bytes())
     (build / "build.rc").write_text("0\n")
     (build / "manifest.json").write_text(json.dumps({
@@ -274,6 +316,40 @@ def test_systemd_boot_trial_that_panics_comes_back_by_itself(twin_factory, tmp_p
     second = converge(twin.name)
     assert second.rc == 0 and second.changed == 0, second.output[-6000:]
     assert f"the trial boot of {RELEASE} came up on {OLD}" in second.output
+
+
+def test_a_kernel_whose_zfs_lacks_the_root_pools_features_is_not_tried(twin_factory, tmp_path):
+    """kpro6's / on ZFS, the pool upgraded under OpenZFS 2.3 (fast_dedup active, the rest of 2.3's
+    features enabled); the new kernel carries 2.2's module: its ZFS would not import the pool
+    (zfeature.c spa_features_check), so no trial is set up and the features are named; with a
+    module of 2.3 the same kernel is tried."""
+    twin = twin_factory("kpro6", address=quiet_address())
+    root = Path(twin.root)
+    features = {g.split(":")[1]: "active" for g in ZFS_2_2_GUIDS[:12]}
+    features.update({g.split(":")[1]: "enabled" for g in ZFS_2_3_GUIDS[12:]})
+    features["fast_dedup"] = "active"
+    zfs_root(root, features)
+    assert twin_run(twin.name, "findmnt", "-n", "-o", "FSTYPE", "/").strip() == "zfs"
+    seed_finished_build(root, tmp_path, ZFS_2_2_GUIDS)
+
+    run = converge(twin.name)
+    assert run.rc != 0, run.output[-6000:]
+    assert ("does not support these features of the root pool rpool: redaction_list_spill raidz_expansion fast_dedup "
+            "longname large_microzap") in run.output, run.output[-6000:]
+    assert oneshot(root) is None and loader_default(root) == f"proxmox-{OLD}.conf"
+    assert not (root / ESP / "loader/entries" / TRIAL_ENTRY).exists()
+    assert not (root / plan.TRIAL_MARKER.lstrip("/")).exists()
+    assert twin_run(twin.name, "uname", "-r").strip() == OLD
+
+    # the same release built again with OpenZFS 2.3 (another build; the twin's build dir is replaced)
+    build = root / plan.build_dir(KernelSpec(**KERNEL), "running").lstrip("/")
+    subprocess.run(["rm", "-rf", str(build)], check=True)
+    twin_run(twin.name, "dpkg", "--purge", f"proxmox-kernel-{RELEASE}", f"proxmox-headers-{RELEASE}")
+    twin_run(twin.name, "rm", "-f", f"{plan.STATE_DIR}/{RELEASE}.json")
+    seed_finished_build(root, tmp_path / "2.3", ZFS_2_3_GUIDS)
+    again = converge(twin.name)
+    assert again.rc == 0, again.output[-6000:]
+    assert_systemd_boot_trial_set_up(root)
 
 
 GRUB_STAGES = "operations.boot,operations.kernel,operations.reboot"

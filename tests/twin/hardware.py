@@ -78,7 +78,9 @@ STANDIN_PATHS = {
                 # grub-mkconfig's Linux entries (a grub.d script of ours runs it by itself)
                 "etc/grub.d/10_linux"],
     "hostdev.py": ["usr/local/bin/fuser", "usr/local/bin/nvidia-modprobe", "usr/local/bin/uname",
-                   "usr/local/sbin/modprobe", "usr/local/bin/mokutil"],
+                   "usr/local/sbin/modprobe", "usr/local/bin/mokutil",
+                   # OpenZFS's zpool (get) and findmnt of / (the profile's ZFS root: zfs.root)
+                   "usr/local/sbin/zpool", "usr/local/bin/findmnt"],
 }
 # Stand-ins that are shell scripts run in the caller's process (standins/<name> -> paths)
 SHELL_STANDIN_PATHS = {"mount.sh": ["usr/local/bin/mount"]}

@@ -199,8 +199,8 @@ def test_install_makes_the_running_kernel_the_default_first_where_asked():
 def test_reboot_stage_finishes_the_trial_and_fails_when_it_did_not_come_up():
     cmds, _ = run_op(reboot.pin_trial_kernel, "6.14.8-2-pve", "systemd-boot", "b1d")
     assert cmds == [plan.finish_trial_command("6.14.8-2-pve", "systemd-boot", "b1d", None, fail=True)]
-    assert cmds[0].startswith('if [ "$(uname -r)" = 6.14.8-2-pve ]; then proxmox-boot-tool kernel pin 6.14.8-2-pve '
-                              "&& proxmox-boot-tool refresh && ")
+    assert cmds[0].startswith('if [ "$(uname -r)" = 6.14.8-2-pve ]; then ' + plan.zfs_guard_command("6.14.8-2-pve")
+                              + " && proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool refresh && ")
     assert cmds[0].endswith("; exit 1; fi")
 
 
@@ -271,3 +271,12 @@ def test_preflight_refuses_an_unsigned_kernel_under_secure_boot(monkeypatch):
     assert len(refusals) == 1 and refusals[0].startswith("Secure Boot is on") and "would not boot" in refusals[0]
     build["secure_boot"] = kernel_facts.parse_build_state(["sb SecureBoot disabled"])["secure_boot"]
     assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT})) == []
+
+
+def test_a_kernel_is_made_the_default_for_good_only_past_the_zfs_guard():
+    """A default for good (pin, or the end of a trial that came up) checks the kernel's ZFS module
+    against the root pool first, as the trial does (issue 27 part 5)."""
+    cmds, _ = run_op(kernel.pin_kernel, "6.14.8-2-pve", "systemd-boot")
+    assert cmds == [plan.zfs_guard_command("6.14.8-2-pve"), plan.set_default_command("6.14.8-2-pve", "systemd-boot")]
+    finish = plan.finish_trial_command("6.14.8-2-pve", "grub", "b1d", "ab")
+    assert finish.index(plan.zfs_guard_command("6.14.8-2-pve")) < finish.index("grub-set-default")
