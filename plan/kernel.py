@@ -399,6 +399,51 @@ def purge_command(packages: list[str]) -> str:
 
 
 
+# mokutil --test-key states that leave the kernel unbootable under Secure Boot (facts.nvidia.parse_mok)
+MOK_REFUSED = {
+    "not enrolled": "is not enrolled as a machine owner key (mokutil --test-key)",
+    "pending": "is imported but not enrolled: its MokManager confirmation at boot was never done",
+    "blocked": "is blocked (in dbx or MokListX)",
+    "not DER": "is not a DER certificate, so whether it is enrolled cannot be told (openssl x509 -outform DER)",
+}
+
+
+def secure_boot_refusal(kernel: KernelSpec, build: dict) -> str | None:
+    """With Secure Boot on, why the spec's kernel cannot be booted, naming the field; else None.
+
+    Proxmox boots a Secure Boot host through shim + GRUB (pve-docs system-booting.adoc), and shim
+    verifies the kernel image GRUB loads: the stage's build must be signed (kernel.signing, sbsign)
+    with a certificate the firmware trusts, the MOK list (`mokutil --test-key`)."""
+    if not build.get("secure_boot"):
+        return None
+    if kernel.signing is None:
+        return (f"Secure Boot is on: shim verifies the kernel image GRUB loads, and the build of {kernel.version} is "
+                "not signed, so it would not boot. Set kernel.signing (key: a PEM private key, cert: its DER "
+                "certificate, enrolled with mokutil --import and confirmed in MokManager at the next boot), or turn "
+                "Secure Boot off in the firmware, or keep Proxmox's signed kernels (drop spec.kernel)")
+    cert = kernel.signing.cert
+    mok = build.get("mok")
+    if mok in MOK_REFUSED:
+        return (f"kernel.signing.cert {cert} {MOK_REFUSED[mok]}; with Secure Boot on, shim would refuse the kernel "
+                f"{kernel.version} signed with it. Enroll it (mokutil --import {cert}, then confirm in MokManager at "
+                "the next boot) or name an enrolled one")
+    if mok not in ("enrolled", "in db"):
+        return (f"kernel.signing.cert {cert}: whether it is enrolled is unknown (no answer from mokutil --test-key); "
+                "with Secure Boot on an unenrolled key leaves the kernel unbootable. Install mokutil")
+    if not build.get("sbsign"):
+        return "kernel.signing is set but sbsign is not installed on the host: apt-get install sbsigntool"
+    if build.get("esps"):
+        return ("Secure Boot is on and this host boots from proxmox-boot-tool ESPs, which Proxmox runs through shim + "
+                "GRUB there; the kernel stage sets up a one-boot trial only with GRUB from /boot/grub or systemd-boot")
+    return None
+
+
+def sign_command(release: str, key: str, cert: str) -> str:
+    """Sign /boot/vmlinuz-<release> with kernel.signing (templates/kernel-sign.sh.j2)."""
+    from plan.render import render_template
+    return f"/bin/sh -c {shlex.quote(render_template('kernel-sign.sh.j2', release=release, key=key, cert=cert))}"
+
+
 def zfs_guard_command(release: str) -> str:
     """Fails, naming the features, when / is on a ZFS pool with a feature enabled or active that
     the ZFS module of `release` does not know (templates/kernel-zfs-guard.sh.j2); else nothing."""

@@ -147,6 +147,7 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
              nodes=[], timeout_s=30, shutdowns=[], ha_waits=[], api_stopped=[("qemu", 300)], carried=[]),
     ],
     "kernel-zfs-guard.sh.j2": [dict(release="6.14.11-9-bpo12-pvegpu-pve")],
+    "kernel-sign.sh.j2": [dict(release="6.14.11-9-bpo12-pvegpu-pve", key="/root/mok.pem", cert="/root/mok.der")],
     "grub-trial-entry.sh.j2": [dict(release="6.14.11-9-bpo12-pvegpu-pve", panic_s=10)],
     "kernel-trial-entry.sh.j2": [
         dict(release="6.14.11-9-bpo12-pve", mode="arm", entry="pvegpu-trial-6.14.11-9-bpo12-pve.conf", panic_s=10),

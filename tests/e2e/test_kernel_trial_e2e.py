@@ -75,6 +75,28 @@ ZFS_2_3_GUIDS = ZFS_2_2_GUIDS + ("com.delphix:redaction_list_spill org.openzfs:r
                                  "com.klarasystems:large_microzap").split()
 
 
+def pe_image(payload: bytes) -> bytes:
+    """A PE32+ image as a kernel's EFI stub makes bzImage one (what sbsign signs and shim checks):
+    DOS header, PE header, optional header with 16 data directories (the 5th, the certificate
+    table, empty), one section holding `payload`; file alignment 0x200, section alignment 0x1000."""
+    import struct
+    fa, sa = 0x200, 0x1000
+    text = payload + b"\0" * (-len(payload) % fa)
+    opt_size = 112 + 16 * 8
+    end = 0x80 + 4 + 20 + opt_size + 40
+    size_headers = end + (-end % fa)
+    dos = b"MZ" + b"\0" * 0x3A + struct.pack("<I", 0x80)
+    dos += b"\0" * (0x80 - len(dos))
+    coff = struct.pack("<HHIIIHH", 0x8664, 1, 0, 0, 0, opt_size, 0x0206)
+    opt = struct.pack("<HBBIIIII", 0x20B, 2, 0, len(text), 0, 0, sa, sa)
+    opt += struct.pack("<QIIHHHHHHIIIIHHQQQQII", 0, sa, fa, 0, 0, 0, 0, 0, 0, 0, sa + len(text) + (-len(text) % sa),
+                       size_headers, 0, 10, 0, 0x100000, 0x1000, 0x100000, 0x1000, 0, 16)
+    opt += b"\0" * (16 * 8)
+    section = struct.pack("<8sIIIIIIHHI", b".text", len(payload), sa, len(text), size_headers, 0, 0, 0, 0, 0x60000020)
+    head = dos + b"PE\0\0" + coff + opt + section
+    return head + b"\0" * (size_headers - len(head)) + text
+
+
 def zfs_module(path: Path, guids: list[str]) -> None:
     """A zfs.ko as depmod/modinfo read it (an ELF object with .modinfo) whose read-only data holds
     the feature table's GUID strings, as the real module's does (zfeature_common.c literals)."""
@@ -101,7 +123,7 @@ def stand_in_debs(out: Path, zfs_guids: list[str] | None = None) -> list[Path]:
     kernel = out / "kernel"
     (kernel / "DEBIAN").mkdir(parents=True)
     (kernel / "boot").mkdir()
-    (kernel / f"boot/vmlinuz-{RELEASE}").write_bytes(b"twin stand-in kernel image\n")
+    (kernel / f"boot/vmlinuz-{RELEASE}").write_bytes(pe_image(b"twin stand-in kernel image\n"))
     (kernel / f"boot/System.map-{RELEASE}").write_text("")
     (kernel / f"boot/config-{RELEASE}").write_text(
         f'CONFIG_CC_VERSION_TEXT="{GCC}"\nCONFIG_BLK_DEV_INITRD=y\nCONFIG_RD_GZIP=y\nCONFIG_RD_ZSTD=y\n'
@@ -180,8 +202,8 @@ def reboot(name: str) -> None:
     assert len(boots.read_text().splitlines()) > before, "the twin did not reboot"
 
 
-def converge(name: str, reboot_allowed: bool = False, stages: str = STAGES):
-    env = {"PVEGPU_TWINS": name, "PVEGPU_STAGES": stages, "PVEGPU_E2E_KERNEL": json.dumps(KERNEL)}
+def converge(name: str, reboot_allowed: bool = False, stages: str = STAGES, kernel: dict | None = None):
+    env = {"PVEGPU_TWINS": name, "PVEGPU_STAGES": stages, "PVEGPU_E2E_KERNEL": json.dumps(kernel or KERNEL)}
     if not reboot_allowed:
         env["PVEGPU_E2E_NO_REBOOT"] = "1"
     return run_pyinfra("inventories/twin.py", "tests/e2e/stage_deploy.py", env=env, timeout=600)
@@ -478,3 +500,57 @@ def test_secure_boot_refuses_the_unsigned_build_before_any_change(twin_factory, 
     assert run.rc != 0 and "Secure Boot is on" in run.output and "would not boot" in run.output, run.output[-4000:]
     assert f"vmlinuz-{RELEASE}" not in twin_run(twin.name, "ls", "/boot").split()
     assert loader_default(root) == "proxmox-*" and oneshot(root) is None
+
+
+def test_secure_boot_grub_shim_kernel_is_signed_with_an_enrolled_mok_or_refused(twin_factory, tmp_path):
+    """intel2 booting with UEFI through shim + GRUB with Secure Boot on (as Proxmox boots a Secure
+    Boot host). The build is refused while kernel.signing is unset and while its cert is not
+    enrolled (nothing installed); once enrolled, the image is signed (sbsign), the twin's shim
+    verifies it, the trial comes up and becomes the default. An image that loses its signature (a
+    package reinstalled) is refused by the twin's shim: never kinder than shim."""
+    import yaml
+
+    from tests.twin import hardware
+    twin, root = grub_twin(twin_factory, "")
+    profile = yaml.safe_load((root / "var/lib/twin/profile.yml").read_text())
+    profile["boot"]["uefi"] = True
+    (root / "var/lib/twin/profile.yml").write_text(yaml.safe_dump(profile))
+    data = json.loads((root / "var/lib/twin/profile.json").read_text())
+    data["boot"]["uefi"] = True
+    (root / "var/lib/twin/profile.json").write_text(json.dumps(data))
+    hardware.set_secure_boot(root, True)
+    reboot(twin.name)
+    old = twin_run(twin.name, "uname", "-r").strip()
+    assert twin_run(twin.name, "mokutil", "--sb-state").strip() == "SecureBoot enabled"
+    subprocess.run(["openssl", "req", "-new", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(root / "root/mok.pem"), "-outform", "DER", "-out", str(root / "root/mok.der"), "-days", "3650",
+                    "-subj", "/CN=pvegpu twin kernel MOK"], check=True, capture_output=True)
+    seed_finished_build(root, tmp_path)
+    signed = {**KERNEL, "signing": {"key": "/root/mok.pem", "cert": "/root/mok.der"}}
+
+    run = converge(twin.name, stages=GRUB_STAGES)
+    assert run.rc != 0 and "Secure Boot is on" in run.output and "Set kernel.signing" in run.output, run.output[-4000:]
+    run = converge(twin.name, stages=GRUB_STAGES, kernel=signed)
+    assert run.rc != 0 and "kernel.signing.cert /root/mok.der is not enrolled" in run.output, run.output[-4000:]
+    assert f"vmlinuz-{RELEASE}" not in twin_run(twin.name, "ls", "/boot").split()
+
+    hardware.enroll_mok(root, (root / "root/mok.der").read_bytes())
+    run = converge(twin.name, reboot_allowed=True, stages=GRUB_STAGES, kernel=signed)
+    assert run.rc == 0, run.output[-6000:]
+    assert twin_run(twin.name, "uname", "-r").strip() == RELEASE
+    assert attempts(root)[-1] == f"{RELEASE} pvegpu-trial-{RELEASE} up"
+    twin_run(twin.name, "openssl x509 -inform DER -in /root/mok.der -out /tmp/mok.pem && "
+                        f"sbverify --cert /tmp/mok.pem /boot/vmlinuz-{RELEASE}")  # signed with the MOK
+    assert f">gnulinux-{RELEASE}-advanced-" in grubenv(twin.name)["saved_entry"]
+    again = converge(twin.name, stages=GRUB_STAGES, kernel=signed)
+    assert again.rc == 0 and again.changed == 0, again.output[-4000:]
+
+    # the image without its signature (the package installed again): shim refuses it
+    (root / f"boot/vmlinuz-{RELEASE}").write_bytes(pe_image(b"twin stand-in kernel image\n"))
+    subprocess.run(runtime.ssh_command(twin.name, ["reboot"]), capture_output=True, timeout=60)
+    deadline = time.monotonic() + 60
+    while not boots(twin.name)[-1].endswith(" hung") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert boots(twin.name)[-1].endswith(" hung"), boots(twin.name)
+    assert attempts(root)[-1].endswith("hung (Secure Boot: error: bad shim signature)"), attempts(root)
+    assert old != RELEASE

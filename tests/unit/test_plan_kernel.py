@@ -422,3 +422,22 @@ def test_zfs_guard_names_the_root_pools_features_the_new_module_does_not_know(tm
     env = _zfs_host(tmp_path, "zfs", POOL, [], module=False)
     r = subprocess.run(["sh", "-c", plan.zfs_guard_command("6.1.0-x")], env=env, capture_output=True, text=True)
     assert r.returncode == 1 and "has no zfs module" in r.stderr
+
+
+def test_secure_boot_refusals_name_the_field():
+    """Secure Boot on: shim verifies the image GRUB loads; the build needs kernel.signing with an
+    enrolled cert, sbsign on the host, and no proxmox-boot-tool ESPs (shim + GRUB there)."""
+    base = {"version": "6.14.11-9-bpo12-pvegpu-pve", "source": {"kind": "proxmox-git", "url": "https://example.invalid/k.git",
+                                                                 "ref": "ad58d1445425ea4742e3470b2edbee35df0657e9"}}
+    unsigned = KernelSpec(**base)
+    signed = KernelSpec(**base, signing={"key": "/root/mok.pem", "cert": "/root/mok.der"})
+    assert plan.secure_boot_refusal(unsigned, {"secure_boot": False}) is None
+    assert "Set kernel.signing" in str(plan.secure_boot_refusal(unsigned, {"secure_boot": True}))
+    for mok, words in (("not enrolled", "is not enrolled"), ("pending", "MokManager confirmation"),
+                       ("blocked", "is blocked"), (None, "unknown")):
+        why = plan.secure_boot_refusal(signed, {"secure_boot": True, "mok": mok, "sbsign": True})
+        assert why and why.startswith("kernel.signing.cert /root/mok.der") and words in why
+    assert "apt-get install sbsigntool" in str(plan.secure_boot_refusal(signed, {"secure_boot": True, "mok": "enrolled"}))
+    assert "proxmox-boot-tool ESPs" in str(plan.secure_boot_refusal(
+        signed, {"secure_boot": True, "mok": "enrolled", "sbsign": True, "esps": True}))
+    assert plan.secure_boot_refusal(signed, {"secure_boot": True, "mok": "enrolled", "sbsign": True}) is None
