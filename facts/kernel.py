@@ -22,7 +22,9 @@ BUILD_ROOT = "/var/lib/pvegpu/kernel-build"
 STATE_DIR = "/var/lib/pvegpu/kernel"  # manifests of installed builds, trial-boot marker
 TRIAL_MARKER = f"{STATE_DIR}/trial-boot"  # release of the trial set up (kept until it is decided)
 TRIAL_ARMED = "/run/pvegpu/kernel-trial"  # the same, on a tmpfs: present = the trial boot is still ahead
-TRIAL_FAILED = f"{STATE_DIR}/trial-failed"  # {"release", "build_id", "came_up_on"} of a trial that failed
+TRIAL_FAILED = f"{STATE_DIR}/trial-failed"  # {"release", "build_id", "came_up_on", "checks", "journal"} of a failed trial
+TRIAL_CHECKS = f"{STATE_DIR}/trial-checks"  # what held on the known-good kernel: `nvidia <ver>`, `gpu <bdf> <driver>`
+TRIAL_LOG = f"{STATE_DIR}/trial-failed.log"  # the failed trial boot's last journal lines, where the journal kept them
 
 
 def kernel_version_key(release: str) -> list:

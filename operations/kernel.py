@@ -106,7 +106,7 @@ def install_kernel(build_dir: str, release: str, kind: str, keep_default: str | 
 
 @operation()
 def trial_boot(release: str, loader: str, panic_s: int, advanced_id: str | None = None,
-               keep_default: str | None = None, sign: str | None = None):
+               keep_default: str | None = None, sign: str | None = None, expect: dict | None = None):
     """Choose `release` for the next boot only (the loader's one-shot; the default stays on the
     known-good kernel) and mark the trial (written last: a failed one-shot leaves no marker).
 
@@ -115,6 +115,7 @@ def trial_boot(release: str, loader: str, panic_s: int, advanced_id: str | None 
     + advanced_id: GRUB's "Advanced options" submenu id (plan.kernel.grub_entry_id)
     + keep_default: a command making the known-good kernel the default first
     + sign: a command signing the kernel image for Secure Boot first (plan.kernel.sign_command)
+    + expect: the host checks the trial kernel must pass too (plan.kernel.host_expectations)
     """
     if keep_default:
         yield StringCommand(keep_default)
@@ -122,7 +123,7 @@ def trial_boot(release: str, loader: str, panic_s: int, advanced_id: str | None 
     if sign:
         yield StringCommand(sign)
     yield StringCommand(plan.oneshot_command(release, loader, panic_s, advanced_id))
-    yield StringCommand(plan.arm_trial_command(release))
+    yield StringCommand(plan.arm_trial_command(release, expect))
 
 
 @operation()
@@ -270,7 +271,8 @@ def apply(spec: HostSpec) -> None:
                    release=k.version, loader=loader, panic_s=k.trial_panic_s, advanced_id=adv,
                    keep_default=keep if action == "trial" else None,
                    sign=plan.sign_command(k.version, k.signing.key, k.signing.cert)
-                   if k.signing and build.get("secure_boot") else None)
+                   if k.signing and build.get("secure_boot") else None,
+                   expect=plan.host_expectations(spec))
         action = "await-reboot"
     if action == "await-reboot":
         record_trial_boot(k.version, loader or "", bool(build["esps"]), build_id=bid, advanced_id=adv)

@@ -36,7 +36,9 @@ from facts.kernel import (  # noqa: F401
     LOCAL_KREL_SUFFIX,
     STATE_DIR,
     TRIAL_ARMED,
+    TRIAL_CHECKS,
     TRIAL_FAILED,
+    TRIAL_LOG,
     TRIAL_MARKER,
     built_release_from_makefile,
     makefile_variables,
@@ -158,15 +160,19 @@ def kernel_decision(kernel: KernelSpec, facts: dict, base_config: str = "running
             return {"action": "finish",
                     "why": f"the trial boot of {release} came up on {running}: the loader's one-shot was used and "
                            f"{default or running} stays the default; recording it (not tried again until the spec changes)"}
+        if failed.get("release") == release and failed.get("build_id") == wanted and default != release:
+            # evidence kept by finish_trial_command: the kernel that came up, the host checks that
+            # failed on the trial kernel, what the journal kept of the trial boot
+            checks = f", but the host checks failed:{failed['checks']}" if failed.get("checks") else ""
+            journal = f"; journal: {failed['journal']}" if failed.get("journal") else ""
+            return {"action": "failed-trial",
+                    "why": f"the trial boot of {release} came up on {failed.get('came_up_on')}{checks}; "
+                           f"{default or running} stays the default and {release} is not tried again until the spec "
+                           f"changes{journal} (rm {TRIAL_FAILED} to try again)"}
         if running == release:
             if default != release:
                 return {"action": "pin", "why": f"{release} is running; make it the default for good"}
             return {"action": "done", "why": f"{release} (built from the same source and config) is installed, running and the default"}
-        if failed.get("release") == release and failed.get("build_id") == wanted:
-            return {"action": "failed-trial",
-                    "why": f"the trial boot of {release} came up on {failed.get('came_up_on')}; {default or running} "
-                           f"stays the default and {release} is not tried again until the spec changes "
-                           f"(look at the console/journal of that boot; rm {TRIAL_FAILED} to try again)"}
         if trial == release:
             return {"action": "await-reboot", "why": f"{release} is installed and chosen for the next boot only (trial)"}
         if not kernel.trial_boot:
@@ -324,33 +330,85 @@ def default_release(kernels: dict, build: dict, loader: str | None) -> str | Non
     return kernels.get("pinned")
 
 
-def arm_trial_command(release: str) -> str:
+def host_expectations(spec) -> dict:
+    """What the host checks that matter expect of a kernel, from the spec (HostSpec): the NVIDIA
+    module's version loaded (nvidia.version) and each GPU on its role's driver.
+    {"nvidia": "595.71.05" | None, "drivers": {"0000:01:00.0": "nvidia", "0000:41:00.0": "vfio-pci"}}"""
+    return {"nvidia": spec.nvidia.version if getattr(spec, "nvidia", None) else None,
+            "drivers": {bdf: g.driver for bdf, g in sorted((getattr(spec, "gpus", None) or {}).items()) if g.driver}}
+
+
+def arm_trial_command(release: str, expect: dict | None = None) -> str:
     """Mark the trial as set up: TRIAL_MARKER (kept) and TRIAL_ARMED (under /run, a tmpfs: gone at
-    the next boot, so a later run tells "not rebooted yet" from "the trial boot happened")."""
+    the next boot, so a later run tells "not rebooted yet" from "the trial boot happened"). And
+    TRIAL_CHECKS: which of `expect` (host_expectations) hold now, on the known-good kernel; the
+    trial kernel is made the default only if they hold on it too (finish_trial_command)."""
     r = shlex.quote(release + "\n")
+    expect = expect or {}
+    lines = []
+    if expect.get("nvidia"):
+        v = shlex.quote(expect["nvidia"])
+        lines.append(f"grep -qwF -- {v} /proc/driver/nvidia/version 2>/dev/null && echo nvidia {v}")
+    for bdf, driver in (expect.get("drivers") or {}).items():
+        b, d = shlex.quote(bdf), shlex.quote(driver)
+        lines.append(f'[ "$(basename "$(readlink /sys/bus/pci/devices/{b}/driver)")" = {d} ] && echo gpu {b} {d}')
+    record = "{ " + "; ".join([*lines, "true"]) + "; }"
     return (f"mkdir -p {shlex.quote(STATE_DIR)} {shlex.quote(TRIAL_ARMED.rsplit('/', 1)[0])} && "
+            f"{record} > {shlex.quote(TRIAL_CHECKS)} && "
             f"printf %s {r} > {shlex.quote(TRIAL_MARKER)} && printf %s {r} > {shlex.quote(TRIAL_ARMED)}")
+
+
+# The host checks of the trial kernel: each line of TRIAL_CHECKS must hold again (prints what does not)
+TRIAL_CHECKS_COMMAND = (
+    f"bad=; [ -f {TRIAL_CHECKS} ] && while read -r what a b; do case $what in "
+    "nvidia) grep -qwF -- \"$a\" /proc/driver/nvidia/version 2>/dev/null || "
+    "bad=\"$bad nvidia $a is not loaded ($(head -n 1 /proc/driver/nvidia/version 2>/dev/null || echo no NVIDIA module));\" ;; "
+    "gpu) d=$(basename \"$(readlink /sys/bus/pci/devices/$a/driver)\"); [ \"$d\" = \"$b\" ] || "
+    "bad=\"$bad GPU $a is on ${d:-no driver}, not $b;\" ;; esac; "
+    f"done < {TRIAL_CHECKS}; [ -z \"$bad\" ] || {{ echo \"$bad\"; false; }}"
+)
+
+# Evidence of a trial that did not come up, kept for the next runs: the trial boot's last journal
+# lines when the journal is persistent (/var/log/journal; systemd journald.conf Storage=auto keeps
+# it only there) and holds a boot of the trial kernel (the boot before this one: journalctl -b -1;
+# its kernel's first message names the release), else why there is none
+_JOURNAL_EVIDENCE = (
+    "if [ ! -d /var/log/journal ]; then journal='not persistent (no /var/log/journal): the trial boot left no log "
+    "here; look at the console (BMC)'; "
+    "elif journalctl -b -1 -k -o cat --no-pager 2>/dev/null | grep -m 1 '^Linux version ' | grep -qF \"Linux version $rel \"; "
+    f"then journalctl -b -1 -n 40 -o short-monotonic --no-pager > {TRIAL_LOG} 2>&1; journal='the trial boot log: {TRIAL_LOG}'; "
+    "else journal=\"persistent, but no boot of $rel in it (journalctl --list-boots): it stopped before journald wrote "
+    "to /var/log/journal (initramfs)\"; fi"
+)
 
 
 def finish_trial_command(release: str, loader: str, wanted_build_id: str, advanced_id: str | None = None,
                          fail: bool = True) -> str:
-    """After the boot a trial was set up for: if the host runs `release`, make it the default for
-    good; else keep the evidence (TRIAL_FAILED: the release, its build id, the kernel that came
-    up) so later runs report it and do not try again until the spec changes. Either way the
-    trial's one-shot is cleared and the marker goes. `fail`: exit 1 after a failed trial."""
+    """After the boot a trial was set up for: if the host runs `release` and the host checks that
+    held on the known-good kernel hold on it too (TRIAL_CHECKS: the NVIDIA module loads, every GPU
+    on its driver), make it the default for good; else keep the evidence (TRIAL_FAILED: the
+    release, its build id, the kernel that came up, the failed checks, what the journal kept of
+    the trial boot, TRIAL_LOG) so later runs report it and do not try again until the spec
+    changes. Either way the trial's one-shot is cleared and the marker goes. `fail`: exit 1 after
+    a failed trial."""
     q = shlex.quote(release)
     clear = clear_oneshot_command(release, loader)
-    record = (f"printf '{{\"release\": \"%s\", \"build_id\": \"%s\", \"came_up_on\": \"%s\"}}\\n' {q} "
-              f"{shlex.quote(wanted_build_id)} \"$(uname -r)\" > {shlex.quote(TRIAL_FAILED)}")
+    record = (f"printf '{{\"release\": \"%s\", \"build_id\": \"%s\", \"came_up_on\": \"%s\", \"checks\": \"%s\", "
+              f"\"journal\": \"%s\"}}\\n' {q} {shlex.quote(wanted_build_id)} \"$(uname -r)\" "
+              f"\"$(printf %s \"$checks\" | tr -d '\"\\\\')\" \"$(printf %s \"$journal\" | tr -d '\"\\\\')\" > {shlex.quote(TRIAL_FAILED)}")
     message = shlex.quote(f"pvegpu: the trial boot of {release} came up on ")
     tail = shlex.quote("; the default stays on the known-good kernel and the trial is not tried again until "
                        f"the spec changes (rm {TRIAL_FAILED} to try again)")
     return (
-        f'if [ "$(uname -r)" = {q} ]; then {zfs_guard_command(release)} && '
+        f"rel={q}; checks=; journal=; "
+        f'if [ "$(uname -r)" = {q} ] && checks=$({TRIAL_CHECKS_COMMAND}); then {zfs_guard_command(release)} && '
         f"{set_default_command(release, loader, advanced_id)} && {clear} && "
-        f"rm -f {shlex.quote(TRIAL_MARKER)} {shlex.quote(TRIAL_FAILED)}; "
-        f"else {record} && {clear} && rm -f {shlex.quote(TRIAL_MARKER)} && "
-        f'echo {message}"$(uname -r)"{tail} >&2{"; exit 1" if fail else ""}; fi'
+        f"rm -f {shlex.quote(TRIAL_MARKER)} {shlex.quote(TRIAL_FAILED)} {shlex.quote(TRIAL_CHECKS)}; "
+        f'else if [ "$(uname -r)" != {q} ]; then checks=; {_JOURNAL_EVIDENCE}; '
+        "else journal='the trial kernel is running'; fi; "
+        f"{record} && {clear} && rm -f {shlex.quote(TRIAL_MARKER)} {shlex.quote(TRIAL_CHECKS)} && "
+        f'echo {message}"$(uname -r)"${{checks:+", but the host checks failed:$checks"}}{tail} >&2'
+        f'{"; exit 1" if fail else ""}; fi'
     )
 
 

@@ -117,7 +117,16 @@ def zfs_root(root: Path, features: dict[str, str]) -> None:
     (root / "var/lib/twin/profile.json").write_text(json.dumps(data))
 
 
-def stand_in_debs(out: Path, zfs_guids: list[str] | None = None) -> list[Path]:
+def nvidia_module(path: Path, version: str) -> None:
+    """An nvidia.ko whose .modinfo says `version` (what modinfo and the twin's boot read from it)."""
+    source = path.with_suffix(".c")
+    source.write_text('static const char modinfo[] __attribute__((section(".modinfo"), used, aligned(1))) = '
+                      f'"license=Dual MIT/GPL\\0version={version}\\0name=nvidia\\0vermagic={RELEASE} SMP mod_unload \\0";\n')
+    subprocess.run(["gcc", "-c", "-O2", "-o", str(path), str(source)], check=True)
+    source.unlink()
+
+
+def stand_in_debs(out: Path, zfs_guids: list[str] | None = None, nvidia: str | None = None) -> list[Path]:
     """proxmox-kernel-<rel> and proxmox-headers-<rel> with the files the stages read (and a zfs.ko
     carrying `zfs_guids`, as pve-kernel's image carries its own ZFS module)."""
     kernel = out / "kernel"
@@ -131,6 +140,9 @@ def stand_in_debs(out: Path, zfs_guids: list[str] | None = None) -> list[Path]:
     (kernel / f"lib/modules/{RELEASE}").mkdir(parents=True)
     (kernel / f"lib/modules/{RELEASE}/modules.order").write_text("")
     (kernel / f"lib/modules/{RELEASE}/modules.builtin").write_text("")
+    if nvidia is not None:
+        (kernel / f"lib/modules/{RELEASE}/updates/dkms").mkdir(parents=True)
+        nvidia_module(kernel / f"lib/modules/{RELEASE}/updates/dkms/nvidia.ko", nvidia)
     if zfs_guids is not None:
         (kernel / f"lib/modules/{RELEASE}/zfs").mkdir()
         zfs_module(kernel / f"lib/modules/{RELEASE}/zfs/zfs.ko", zfs_guids)
@@ -159,11 +171,11 @@ def stand_in_debs(out: Path, zfs_guids: list[str] | None = None) -> list[Path]:
     return debs
 
 
-def seed_finished_build(root: Path, tmp: Path, zfs_guids: list[str] | None = None) -> None:
+def seed_finished_build(root: Path, tmp: Path, zfs_guids: list[str] | None = None, nvidia: str | None = None) -> None:
     k = KernelSpec(**KERNEL)
     build = root / plan.build_dir(k, "running").lstrip("/")
     build.mkdir(parents=True)
-    for deb in stand_in_debs(tmp, zfs_guids):
+    for deb in stand_in_debs(tmp, zfs_guids, nvidia):
         (build / deb.name).write_bytes(deb.read_bytes())
     (build / "build.rc").write_text("0\n")
     (build / "manifest.json").write_text(json.dumps({
@@ -309,7 +321,9 @@ def test_systemd_boot_trial_that_hangs_is_left_after_one_reset_and_not_retried(t
     assert (root / "etc/kernel/proxmox-boot-pin").read_text().strip() == OLD
     assert not (root / ESP / "loader/entries" / TRIAL_ENTRY).exists()
     failed = json.loads((root / plan.TRIAL_FAILED.lstrip("/")).read_text())
-    assert failed == {"release": RELEASE, "build_id": plan.build_id(KernelSpec(**KERNEL), "running"), "came_up_on": OLD}
+    assert failed == {"release": RELEASE, "build_id": plan.build_id(KernelSpec(**KERNEL), "running"), "came_up_on": OLD,
+                      "checks": "", "journal": f"persistent, but no boot of {RELEASE} in it (journalctl --list-boots): it "
+                                               "stopped before journald wrote to /var/log/journal (initramfs)"}
 
     third = converge(twin.name)  # reported, not tried again
     assert third.rc == 0 and third.changed == 0, third.output[-6000:]
@@ -554,3 +568,60 @@ def test_secure_boot_grub_shim_kernel_is_signed_with_an_enrolled_mok_or_refused(
     assert boots(twin.name)[-1].endswith(" hung"), boots(twin.name)
     assert attempts(root)[-1].endswith("hung (Secure Boot: error: bad shim signature)"), attempts(root)
     assert old != RELEASE
+
+
+def test_a_trial_kernel_that_comes_up_without_its_nvidia_module_is_not_made_the_default(twin_factory, tmp_path):
+    """Issue 27 part 1: pinned for good only after it booted and the host checks that matter pass.
+    kpro6 runs nvidia 595.71.05 on the old kernel; the trial kernel comes up with an NVIDIA module
+    of another version (its own build went wrong): the check after the reboot fails naming it,
+    the default stays on the old kernel, and the next run reports it (with what the journal kept:
+    the twin's journal is not persistent) instead of pinning the running kernel."""
+    twin = twin_factory("kpro6", address=quiet_address())
+    root = Path(twin.root)
+    seed_finished_build(root, tmp_path, nvidia="590.44.01")
+    assert "595.71.05" in twin_run(twin.name, "cat", "/proc/driver/nvidia/version")
+
+    first = converge(twin.name, reboot_allowed=True)
+    assert first.rc != 0, first.output[-6000:]
+    assert f"the trial boot of {RELEASE} came up on {RELEASE}, but the host checks failed: nvidia 595.71.05 is not " \
+        "loaded" in first.output, first.output[-6000:]
+    assert twin_run(twin.name, "uname", "-r").strip() == RELEASE
+    assert loader_default(root) == f"proxmox-{OLD}.conf" and oneshot(root) is None
+    assert (root / "etc/kernel/proxmox-boot-pin").read_text().strip() == OLD
+    failed = json.loads((root / plan.TRIAL_FAILED.lstrip("/")).read_text())
+    assert failed["came_up_on"] == RELEASE and "590.44.01" in failed["checks"]
+
+    second = converge(twin.name)
+    assert second.rc == 0 and second.changed == 0, second.output[-6000:]
+    assert "but the host checks failed: nvidia 595.71.05 is not loaded" in second.output
+    assert "journal: the trial kernel is running" in second.output
+    assert (root / "etc/kernel/proxmox-boot-pin").read_text().strip() == OLD
+    reboot(twin.name)
+    assert twin_run(twin.name, "uname", "-r").strip() == OLD
+
+
+def test_a_failed_trial_is_reported_with_what_the_journal_kept(twin_factory, tmp_path):
+    """A trial kernel that panics in the initramfs: the next run names the kernel that came up and
+    what the journal kept of the trial boot. Debian 12's systemd keeps the journal in
+    /var/log/journal (persistent, the twin's root has it), but a boot that stopped in the
+    initramfs never reached journald: no boot of the trial kernel in it (the twin runs no journald:
+    journalctl finds none)."""
+    twin = twin_factory("kpro6", address=quiet_address())
+    root = Path(twin.root)
+    seed_finished_build(root, tmp_path)
+    (root / "var/lib/twin/boot").mkdir(parents=True, exist_ok=True)
+    (root / "var/lib/twin/boot/no-boot").write_text(f"{RELEASE} panics\n")
+    assert (root / "var/log/journal").is_dir()
+    first = converge(twin.name, reboot_allowed=True)
+    assert first.rc != 0, first.output[-6000:]
+    second = converge(twin.name)
+    assert second.rc == 0 and second.changed == 0, second.output[-6000:]
+    assert f"the trial boot of {RELEASE} came up on {OLD};" in second.output, second.output[-4000:]
+    assert f"journal: persistent, but no boot of {RELEASE} in it" in second.output, second.output[-4000:]
+    (root / "var/log/journal").rmdir()  # Storage=auto without the directory: volatile
+    (root / plan.TRIAL_FAILED.lstrip("/")).unlink()
+    (root / "var/lib/twin/boot/no-boot").write_text(f"{RELEASE} panics\n")
+    third = converge(twin.name, reboot_allowed=True)
+    assert third.rc != 0 and "came up on" in third.output, third.output[-6000:]
+    fourth = converge(twin.name)
+    assert "journal: not persistent (no /var/log/journal)" in fourth.output, fourth.output[-4000:]

@@ -177,7 +177,7 @@ def _stubs(tmp_path: Path, **programs: str) -> dict:
 
 
 def _paths(command: str, tmp_path: Path) -> str:
-    for path in (plan.TRIAL_MARKER, plan.TRIAL_FAILED):
+    for path in (plan.TRIAL_MARKER, plan.TRIAL_FAILED, plan.TRIAL_CHECKS, plan.TRIAL_LOG):
         command = command.replace(path, str(tmp_path / Path(path).name))
     return command
 
@@ -199,16 +199,90 @@ def test_finish_records_a_failed_trial_with_the_kernel_that_came_up(tmp_path):
     env = _stubs(tmp_path, uname="echo 6.8.12-4-pve", **{"grub-set-default": f'echo "$@" >> {tmp_path}/calls',
                                                         "grub-editenv": f'echo editenv "$@" >> {tmp_path}/calls'})
     (tmp_path / "trial-boot").write_text("6.14.8-2-pve\n")
-    cmd = _paths(plan.finish_trial_command("6.14.8-2-pve", "grub", "b1d", "ab"), tmp_path)
+    cmd = _paths(plan.finish_trial_command("6.14.8-2-pve", "grub", "b1d", "ab"), tmp_path).replace(
+        "/var/log/journal", str(tmp_path / "no-journal"))
     r = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
     assert r.returncode == 1 and "the trial boot of 6.14.8-2-pve came up on 6.8.12-4-pve" in r.stderr
     assert json.loads((tmp_path / "trial-failed").read_text()) == {
-        "release": "6.14.8-2-pve", "build_id": "b1d", "came_up_on": "6.8.12-4-pve"}
+        "release": "6.14.8-2-pve", "build_id": "b1d", "came_up_on": "6.8.12-4-pve", "checks": "",
+        "journal": f"not persistent (no {tmp_path}/no-journal): the trial boot left no log here; look at the console (BMC)"}
     assert (tmp_path / "calls").read_text() == "editenv /boot/grub/grubenv unset next_entry\n"  # no new default
     assert not (tmp_path / "trial-boot").exists()
     r = subprocess.run(["sh", "-c", _paths(plan.finish_trial_command("6.14.8-2-pve", "grub", "b1d", "ab", fail=False),
                                            tmp_path)], env=env, capture_output=True, text=True)
     assert r.returncode == 0
+
+
+def test_finish_keeps_the_failed_trial_boots_journal_where_the_journal_is_persistent(tmp_path):
+    """The evidence a later run reports: journalctl -b -1 (the trial boot) when /var/log/journal
+    exists and that boot's kernel is the trial's; else why there is no log."""
+    import json
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    env = _stubs(tmp_path, uname="echo 6.8.12-4-pve", **{
+        "grub-editenv": "true",
+        "journalctl": 'case "$*" in *-k*) echo "Linux version 6.14.8-2-pve (build@pve) (gcc 12.2.0) #1 SMP";; '
+                      '*) echo "[    3.100000] pve kernel: zfs: pool rpool: cannot import";; esac'})
+    (tmp_path / "trial-boot").write_text("6.14.8-2-pve\n")
+    cmd = _paths(plan.finish_trial_command("6.14.8-2-pve", "grub", "b1d", "ab"), tmp_path)
+    r = subprocess.run(["sh", "-c", cmd.replace("/var/log/journal", str(journal_dir))], env=env, capture_output=True,
+                       text=True)
+    assert r.returncode == 1
+    failed = json.loads((tmp_path / "trial-failed").read_text())
+    assert failed["journal"] == f"the trial boot log: {tmp_path}/trial-failed.log"
+    assert "cannot import" in (tmp_path / "trial-failed.log").read_text()
+    # the boot before this one was another kernel: the trial stopped before journald wrote anything
+    env = _stubs(tmp_path, journalctl='echo "Linux version 6.8.12-4-pve (build@pve)"')
+    (tmp_path / "trial-boot").write_text("6.14.8-2-pve\n")
+    r = subprocess.run(["sh", "-c", cmd.replace("/var/log/journal", str(journal_dir))], env=env, capture_output=True,
+                       text=True)
+    assert "no boot of 6.14.8-2-pve in it" in json.loads((tmp_path / "trial-failed").read_text())["journal"]
+
+
+def test_trial_is_made_the_default_only_when_the_host_checks_that_held_before_hold_on_it(tmp_path):
+    """arm_trial_command records which expectations hold on the known-good kernel (the NVIDIA
+    module of nvidia.version loaded, each GPU on its driver); finish makes the trial kernel the
+    default only if they hold on it too, else records the failed checks (and it is not retried)."""
+    import json
+    proc = tmp_path / "nvidia-version"
+    sysfs = tmp_path / "devices"
+    for bdf, driver in (("0000:01:00.0", "nvidia"), ("0000:41:00.0", "vfio-pci"), ("0000:61:00.0", "nvidia")):
+        (sysfs / bdf).mkdir(parents=True)
+        (sysfs / bdf / "driver").symlink_to(f"/sys/bus/pci/drivers/{driver}")
+    proc.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  595.71.05  Release Build\n")
+    expect = {"nvidia": "595.71.05", "drivers": {"0000:01:00.0": "nvidia", "0000:41:00.0": "vfio-pci",
+                                                 "0000:61:00.0": "vfio-pci"}}
+
+    def local(command: str) -> str:
+        command = command.replace("/proc/driver/nvidia/version", str(proc)).replace("/sys/bus/pci/devices", str(sysfs))
+        return _paths(command, tmp_path).replace(plan.TRIAL_CHECKS, str(tmp_path / "trial-checks")).replace(
+            plan.STATE_DIR, str(tmp_path)).replace(plan.TRIAL_ARMED, str(tmp_path / "armed"))
+
+    r = subprocess.run(["sh", "-c", local(plan.arm_trial_command("6.14.8-2-pve", expect))], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    # 0000:61:00.0 is not on its driver now: not asked of the trial kernel either
+    assert (tmp_path / "trial-checks").read_text() == ("nvidia 595.71.05\ngpu 0000:01:00.0 nvidia\n"
+                                                      "gpu 0000:41:00.0 vfio-pci\n")
+    env = _stubs(tmp_path, uname="echo 6.14.8-2-pve", **{"grub-set-default": f'echo "$@" >> {tmp_path}/calls',
+                                                        "grub-editenv": "true"})
+    # on the trial kernel the NVIDIA module did not load and 0000:01:00.0 has no driver
+    proc.unlink()
+    (sysfs / "0000:01:00.0" / "driver").unlink()
+    k = KernelSpec(version="6.14.8-2-pve", source={"kind": "tarball", "url": "https://x.invalid/k.tar.xz", "sha256": "0" * 64})
+    bid = plan.build_id(k)
+    r = subprocess.run(["sh", "-c", local(plan.finish_trial_command("6.14.8-2-pve", "grub", bid, "ab"))], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "the trial boot of 6.14.8-2-pve came up on 6.14.8-2-pve, but the host checks failed" \
+        in r.stderr, r.stderr
+    failed = json.loads((tmp_path / "trial-failed").read_text())
+    assert "nvidia 595.71.05 is not loaded" in failed["checks"] and "GPU 0000:01:00.0 is on no driver, not nvidia" \
+        in failed["checks"]
+    assert not (tmp_path / "calls").exists()  # not made the default
+    # the next run: the trial kernel still runs, but it is reported, not pinned
+    decision = plan.kernel_decision(k, {
+        "kernels": {"installed": ["6.14.8-2-pve"], "running": "6.14.8-2-pve"},
+        "installed_manifest": {"build_id": bid}, "failed": failed, "default": "6.8.12-4-pve"})
+    assert decision["action"] == "failed-trial" and "the host checks failed: nvidia 595.71.05" in decision["why"]
 
 
 def test_systemd_boot_trial_entry_adds_panic_only_to_its_own_entry(tmp_path):

@@ -199,8 +199,9 @@ def test_install_makes_the_running_kernel_the_default_first_where_asked():
 def test_reboot_stage_finishes_the_trial_and_fails_when_it_did_not_come_up():
     cmds, _ = run_op(reboot.pin_trial_kernel, "6.14.8-2-pve", "systemd-boot", "b1d")
     assert cmds == [plan.finish_trial_command("6.14.8-2-pve", "systemd-boot", "b1d", None, fail=True)]
-    assert cmds[0].startswith('if [ "$(uname -r)" = 6.14.8-2-pve ]; then ' + plan.zfs_guard_command("6.14.8-2-pve")
-                              + " && proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool refresh && ")
+    assert cmds[0].startswith('rel=6.14.8-2-pve; checks=; journal=; if [ "$(uname -r)" = 6.14.8-2-pve ] && checks=$(')
+    assert ("); then " + plan.zfs_guard_command("6.14.8-2-pve") + " && proxmox-boot-tool kernel pin 6.14.8-2-pve && "
+            "proxmox-boot-tool refresh && ") in cmds[0]
     assert cmds[0].endswith("; exit 1; fi")
 
 
