@@ -11,7 +11,7 @@ import shlex
 from pyinfra.api import FactBase
 
 from facts.base import ShellFact
-from facts.nvidia import SECURE_BOOT_EFIVAR, parse_secure_boot
+from facts.nvidia import SECURE_BOOT_EFIVAR, parse_mok, parse_secure_boot
 from facts.sections import PROBE_SECTION, parse_sections, split_sections
 from facts.shell import operands  # the one quoting helper (plan.render gives it to the templates)
 
@@ -22,7 +22,9 @@ BUILD_ROOT = "/var/lib/pvegpu/kernel-build"
 STATE_DIR = "/var/lib/pvegpu/kernel"  # manifests of installed builds, trial-boot marker
 TRIAL_MARKER = f"{STATE_DIR}/trial-boot"  # release of the trial set up (kept until it is decided)
 TRIAL_ARMED = "/run/pvegpu/kernel-trial"  # the same, on a tmpfs: present = the trial boot is still ahead
-TRIAL_FAILED = f"{STATE_DIR}/trial-failed"  # {"release", "build_id", "came_up_on"} of a trial that failed
+TRIAL_FAILED = f"{STATE_DIR}/trial-failed"  # {"release", "build_id", "came_up_on", "checks", "journal"} of a failed trial
+TRIAL_CHECKS = f"{STATE_DIR}/trial-checks"  # what held on the known-good kernel: `nvidia <ver>`, `gpu <bdf> <driver>`
+TRIAL_LOG = f"{STATE_DIR}/trial-failed.log"  # the failed trial boot's last journal lines, where the journal kept them
 
 
 def kernel_version_key(release: str) -> list:
@@ -522,8 +524,10 @@ def parse_build_state(lines: list[str]) -> dict:
                    "trial": None, "cores": None, "mem_total_kib": None, "systemd": False, "pbt": False, "esps": False, "headers_installed": False,
                    "log_objects": 0, "log_last": None, "armed": None, "failed": None, "uefi": False,
                    "grubenv_abstraction": None, "grub_advanced_id": None, "grub_default": None,
-                   "grub_saved": None, "grub_next": None, "kernel_packages": [], "secure_boot": None}
+                   "grub_saved": None, "grub_next": None, "kernel_packages": [], "secure_boot": None,
+                   "mok": None, "sbsign": False}
     sb_lines = []
+    mok_lines = []
     for line in lines:
         key, _, value = line.partition(" ")
         value = value.strip()
@@ -555,6 +559,10 @@ def parse_build_state(lines: list[str]) -> dict:
             state["kernel_packages"].append(value)
         elif key == "sb":
             sb_lines.append(value)
+        elif key == "mok":
+            mok_lines.append(line)
+        elif key == "sbsign":
+            state["sbsign"] = True
         elif key in ("cores", "mem_total_kib", "log_objects") and value.isdigit():
             state[key] = int(value)
         elif key == "systemd":
@@ -568,10 +576,11 @@ def parse_build_state(lines: list[str]) -> dict:
         elif key == "log_last":
             state["log_last"] = value or None
     state["secure_boot"] = parse_secure_boot(sb_lines)
+    state["mok"] = parse_mok(mok_lines)
     return state
 
 
-def build_state_command(build_dir: str, release: str) -> str:
+def build_state_command(build_dir: str, release: str, signing_cert: str | None = None) -> str:
     d = shlex.quote(build_dir)
     installed = shlex.quote(f"{STATE_DIR}/{release}.json")
     trial = shlex.quote(TRIAL_MARKER)
@@ -592,6 +601,9 @@ def build_state_command(build_dir: str, release: str) -> str:
         f"if [ -r {SECURE_BOOT_EFIVAR} ]; then echo \"efivar $(od -An -v -t u1 {SECURE_BOOT_EFIVAR} | tr -s ' ' '\\n' | tail -n 1)\"; "
         "elif [ -n \"$(ls -A /sys/firmware/efi/efivars 2>/dev/null)\" ]; then echo 'efivars without SecureBoot variable'; "
         "elif [ -d /sys/firmware/efi ]; then echo 'efivars not readable'; else echo 'no efi'; fi; } | sed 's/^/sb /'; "
+        # kernel.signing: is its cert enrolled (mokutil --test-key, as facts.nvidia asks), is sbsign there
+        + (f"mokutil --test-key {shlex.quote(signing_cert)} 2>&1 | sed 's/^/mok /'; command -v sbsign >/dev/null && echo sbsign; "
+           if signing_cert else "") +
         # GRUB: what grub-mkconfig sources for GRUB_DEFAULT, the submenu id proxmox-kernel-helper's
         # set_grub_default() reads from grub.cfg, grubenv's entries and what holds grubenv
         "if [ -f /etc/default/grub ]; then "
@@ -707,12 +719,13 @@ class KernelStageFacts(FactBase):
          "source": {"release": "6.14.11-9-bpo12-pve", "from": "<clone>"} or None}   # proxmox-git
     """
 
-    def command(self, build_dir: str, release: str, url: str | None = None, ref: str | None = None) -> str:
+    def command(self, build_dir: str, release: str, url: str | None = None, ref: str | None = None,
+                signing_cert: str | None = None) -> str:
         source = (f"echo '{PROBE_SECTION}source'; ( {source_makefile_command(url, ref)} ) 2>/dev/null; "
                   if url and ref else "")
         return (
             f"echo '{PROBE_SECTION}kernels'; ( {ProxmoxKernels.command} ) 2>/dev/null; "
-            f"echo '{PROBE_SECTION}build'; ( {build_state_command(build_dir, release)} ) 2>/dev/null; "
+            f"echo '{PROBE_SECTION}build'; ( {build_state_command(build_dir, release, signing_cert)} ) 2>/dev/null; "
             f"{source}true"
         )
 

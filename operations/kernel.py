@@ -132,20 +132,24 @@ def install_kernel(build_dir: str, release: str, kind: str, keep_default: str | 
 
 @operation()
 def trial_boot(release: str, loader: str, panic_s: int, advanced_id: str | None = None,
-               keep_default: str | None = None):
+               keep_default: str | None = None, sign: str | None = None, expect: dict | None = None):
     """Choose `release` for the next boot only (the loader's one-shot; the default stays on the
     known-good kernel) and mark the trial (written last: a failed one-shot leaves no marker).
 
     + loader: plan.kernel.SYSTEMD_BOOT or GRUB (plan.kernel.trial_loader)
-    + panic_s: panic=<s> on the trial's command line (systemd-boot trial entry)
+    + panic_s: panic=<s> on the trial entry's command line (either loader)
     + advanced_id: GRUB's "Advanced options" submenu id (plan.kernel.grub_entry_id)
     + keep_default: a command making the known-good kernel the default first
+    + sign: a command signing the kernel image for Secure Boot first (plan.kernel.sign_command)
+    + expect: the host checks the trial kernel must pass too (plan.kernel.host_expectations)
     """
     if keep_default:
         yield StringCommand(keep_default)
     yield StringCommand(plan.zfs_guard_command(release))
+    if sign:
+        yield StringCommand(sign)
     yield StringCommand(plan.oneshot_command(release, loader, panic_s, advanced_id))
-    yield StringCommand(plan.arm_trial_command(release))
+    yield StringCommand(plan.arm_trial_command(release, expect))
 
 
 @operation()
@@ -157,6 +161,7 @@ def finish_trial(release: str, loader: str, build_id: str, advanced_id: str | No
 @operation()
 def pin_kernel(release: str, loader: str, advanced_id: str | None = None):
     """Make `release` (it is running) the loader default for good."""
+    yield StringCommand(plan.zfs_guard_command(release))
     yield StringCommand(plan.set_default_command(release, loader, advanced_id))
 
 
@@ -177,6 +182,8 @@ def stage_facts(k: KernelSpec) -> dict:
 
 def fact_args(k: KernelSpec, base: str) -> dict:
     args: dict[str, str | None] = {"build_dir": plan.build_dir(k, base), "release": k.version}
+    if k.signing:
+        args["signing_cert"] = k.signing.cert
     if k.source.kind == "proxmox-git":
         args.update(url=k.source.url, ref=k.source.ref)
     return args
@@ -219,13 +226,11 @@ def preflight(spec: HostSpec) -> list[str]:
                         "Conflicts/Replaces proxmox-kernel-<release>). Boot that kernel as it is (drop spec.kernel), "
                         "or build a release of your own (proxmox-git builds get KREL_EXTRA + "
                         f"{plan.LOCAL_KREL_SUFFIX}; a tarball build a LOCALVERSION in kernel.version)")
-    if facts["build"].get("secure_boot") and decision["action"] in ("build", "attach", "install", "trial"):
-        # shim and GRUB verify the kernel image (Proxmox's Secure Boot chain: shim -> GRUB -> the
-        # kernel signed by the Proxmox CA or a MOK); our build is not signed
-        refusals.append(f"Secure Boot is on: shim/GRUB verify the kernel image, and the kernel stage does not sign "
-                        f"its build of {k.version}, so it would not boot. Turn Secure Boot off in the firmware, or keep "
-                        "Proxmox's signed kernels (drop spec.kernel); signing the build with an enrolled MOK is not "
-                        "implemented yet")
+    sb_refusal = plan.secure_boot_refusal(k, facts["build"])
+    if sb_refusal and decision["action"] in ("build", "attach", "install", "trial"):
+        # shim verifies the kernel image GRUB loads (Proxmox's Secure Boot chain: shim -> GRUB ->
+        # a kernel signed by the Proxmox CA or a MOK): the build is signed with kernel.signing
+        refusals.append(sb_refusal)
     _, no_trial = plan.trial_loader(facts["build"])
     if k.trial_boot and no_trial and decision["action"] in ("build", "attach", "install", "trial"):
         refusals.append(f"kernel.trial_boot is on, but a trial that is one boot cannot be set up on this host: {no_trial}. "
@@ -317,7 +322,10 @@ def apply(spec: HostSpec) -> None:
     if action in ("build", "attach", "install", "trial") and k.trial_boot and loader:
         trial_boot(name=f"Trial boot {k.version} on the next boot only ({loader} one-shot)",
                    release=k.version, loader=loader, panic_s=k.trial_panic_s, advanced_id=adv,
-                   keep_default=keep if action == "trial" else None)
+                   keep_default=keep if action == "trial" else None,
+                   sign=plan.sign_command(k.version, k.signing.key, k.signing.cert)
+                   if k.signing and build.get("secure_boot") else None,
+                   expect=plan.host_expectations(spec))
         action = "await-reboot"
     if action == "await-reboot":
         record_trial_boot(k.version, loader or "", bool(build["esps"]), build_id=bid, advanced_id=adv)

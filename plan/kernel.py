@@ -12,7 +12,7 @@
     boot loader interface (one trial = one boot; see the section below):
     trial_loader(build_facts)                      -> ("systemd-boot"|"grub", None) or (None, why not)
     set_default_command(release, loader, adv_id)   # the default for good
-    oneshot_command(release, loader, panic_s, adv_id)  # the next boot only (systemd-boot: with panic=)
+    oneshot_command(release, loader, panic_s, adv_id)  # the next boot only, with panic=
     clear_oneshot_command(release, loader)
     finish_trial_command(release, loader, build_id, adv_id)  # after the boot: default, or record the failure
 
@@ -37,7 +37,9 @@ from facts.kernel import (  # noqa: F401
     LOCAL_KREL_SUFFIX,
     STATE_DIR,
     TRIAL_ARMED,
+    TRIAL_CHECKS,
     TRIAL_FAILED,
+    TRIAL_LOG,
     TRIAL_MARKER,
     built_release_from_makefile,
     makefile_variables,
@@ -191,15 +193,19 @@ def kernel_decision(kernel: KernelSpec, facts: dict, base_config: str = "running
             return {"action": "finish",
                     "why": f"the trial boot of {release} came up on {running}: the loader's one-shot was used and "
                            f"{default or running} stays the default; recording it (not tried again until the spec changes)"}
+        if failed.get("release") == release and failed.get("build_id") == wanted and default != release:
+            # evidence kept by finish_trial_command: the kernel that came up, the host checks that
+            # failed on the trial kernel, what the journal kept of the trial boot
+            checks = f", but the host checks failed:{failed['checks']}" if failed.get("checks") else ""
+            journal = f"; journal: {failed['journal']}" if failed.get("journal") else ""
+            return {"action": "failed-trial",
+                    "why": f"the trial boot of {release} came up on {failed.get('came_up_on')}{checks}; "
+                           f"{default or running} stays the default and {release} is not tried again until the spec "
+                           f"changes{journal} (rm {TRIAL_FAILED} to try again)"}
         if running == release:
             if default != release:
                 return {"action": "pin", "why": f"{release} is running; make it the default for good"}
             return {"action": "done", "why": f"{release} (built from the same source and config) is installed, running and the default"}
-        if failed.get("release") == release and failed.get("build_id") == wanted:
-            return {"action": "failed-trial",
-                    "why": f"the trial boot of {release} came up on {failed.get('came_up_on')}; {default or running} "
-                           f"stays the default and {release} is not tried again until the spec changes "
-                           f"(look at the console/journal of that boot; rm {TRIAL_FAILED} to try again)"}
         if trial == release:
             return {"action": "await-reboot", "why": f"{release} is installed and chosen for the next boot only (trial)"}
         if not kernel.trial_boot:
@@ -232,13 +238,18 @@ def kernel_decision(kernel: KernelSpec, facts: dict, base_config: str = "running
 # - GRUB: grubenv `next_entry`, which the generated header boots and clears (grub
 #   util/grub.d/00_header.in), else `saved_entry` when GRUB_DEFAULT=saved (grub-mkconfig turns
 #   it into ${saved_entry}). grub-reboot / grub-set-default write them (util/grub-reboot.in,
-#   grub-set-default.in, through grub-editenv). Entries are named by their ids, as
-#   proxmox-kernel-helper set_grub_default() names them.
+#   grub-set-default.in, through grub-editenv). Kernel entries are named by their ids, as
+#   proxmox-kernel-helper set_grub_default() names them. GRUB's kernel entries all share
+#   GRUB_CMDLINE_LINUX*, so the one-shot names a trial entry of our own (GRUB_TRIAL_SCRIPT, a
+#   /etc/grub.d script that grub-mkconfig runs: 10_linux's entry of the release with panic= added).
 
 SYSTEMD_BOOT = "systemd-boot"
 GRUB = "grub"
 TRIAL_ENTRY_PREFIX = "pvegpu-trial-"
 GRUBENV = "/boot/grub/grubenv"
+GRUB_CFG = "/boot/grub/grub.cfg"
+# after 10_linux and Debian's 40_custom/41_custom: never entry 0 (an unset saved_entry boots entry 0)
+GRUB_TRIAL_SCRIPT = "/etc/grub.d/42_pvegpu_trial"
 REFRESH = "proxmox-boot-tool refresh"
 # grub-mkconfig writes GRUB_DEFAULT=saved as `set default="${saved_entry}"` (00_header.in); without
 # it grub-set-default changes nothing and the newest kernel stays the default
@@ -250,6 +261,11 @@ GRUB_SAVED_CHECK = ("{ grep -q 'set default=\"${saved_entry}\"' /boot/grub/grub.
 def trial_entry(release: str) -> str:
     """The systemd-boot loader entry of a trial boot (a file name on each ESP)."""
     return f"{TRIAL_ENTRY_PREFIX}{release}.conf"
+
+
+def grub_trial_id(release: str) -> str:
+    """The id of the GRUB trial entry of a kernel release (a top-level menuentry of grub.cfg)."""
+    return f"{TRIAL_ENTRY_PREFIX}{release}"
 
 
 def grub_entry_id(release: str, advanced_id: str) -> str:
@@ -275,23 +291,36 @@ def set_default_command(release: str, loader: str, advanced_id: str | None = Non
 
 
 def oneshot_command(release: str, loader: str, panic_s: int, advanced_id: str | None = None) -> str:
-    """Boot `release` once, at the next boot only; the default stays where it is.
+    """Boot `release` once, at the next boot only, with panic=<panic_s>; the default stays where it is.
 
-    systemd-boot: the trial entry (templates/kernel-trial-entry.sh.j2, panic=<panic_s>) on every
-    ESP and the one-shot variable. GRUB: `grub-reboot` (next_entry); GRUB's entries all share
-    GRUB_CMDLINE_LINUX*, so a GRUB trial carries no panic= of its own."""
+    systemd-boot: the trial entry (templates/kernel-trial-entry.sh.j2) on every ESP and the
+    one-shot variable. GRUB: the trial entry script (templates/grub-trial-entry.sh.j2) in
+    /etc/grub.d, update-grub, then `grub-reboot` (next_entry) of that entry."""
     if loader == SYSTEMD_BOOT:
         return trial_entry_command(release, "arm", panic_s)
     if not advanced_id:
         raise ValueError("a GRUB one-shot needs the Advanced-options id of /boot/grub/grub.cfg")
-    return f"update-grub && {GRUB_SAVED_CHECK} && grub-reboot {shlex.quote(grub_entry_id(release, advanced_id))}"
+    from plan.render import render_template
+    script = render_template("grub-trial-entry.sh.j2", release=release, panic_s=int(panic_s))
+    ident = grub_trial_id(release)
+    tmp = shlex.quote(GRUB_TRIAL_SCRIPT + ".tmp")
+    line = shlex.quote(f"$menuentry_id_option '{ident}'")
+    missing = shlex.quote(f"pvegpu: update-grub wrote no trial entry {ident} in {GRUB_CFG} "
+                          f"(10_linux lists no entry for {release}): no trial")
+    return (f"printf '%s\\n' {shlex.quote(script)} > {tmp} && chmod 755 {tmp} && mv {tmp} {shlex.quote(GRUB_TRIAL_SCRIPT)} && "
+            f"update-grub && {GRUB_SAVED_CHECK} && "
+            f"{{ grep -qF {line} {GRUB_CFG} || {{ echo {missing} >&2; exit 1; }}; }} && "
+            f"grub-reboot {shlex.quote(ident)}")
 
 
 def clear_oneshot_command(release: str, loader: str) -> str:
-    """Forget a trial: its systemd-boot entries, or GRUB's next_entry (grub-editenv unset)."""
+    """Forget a trial: its systemd-boot entries, or GRUB's next_entry (grub-editenv unset) and
+    its trial entry (the script goes, update-grub writes grub.cfg without it)."""
     if loader == SYSTEMD_BOOT:
         return trial_entry_command(release, "clear", 0)
-    return f"grub-editenv {GRUBENV} unset next_entry"
+    script = shlex.quote(GRUB_TRIAL_SCRIPT)
+    return (f"grub-editenv {GRUBENV} unset next_entry && "
+            f"if [ -e {script} ]; then rm -f {script} && update-grub; fi")
 
 
 def trial_entry_command(release: str, mode: str, panic_s: int) -> str:
@@ -334,32 +363,85 @@ def default_release(kernels: dict, build: dict, loader: str | None) -> str | Non
     return kernels.get("pinned")
 
 
-def arm_trial_command(release: str) -> str:
+def host_expectations(spec) -> dict:
+    """What the host checks that matter expect of a kernel, from the spec (HostSpec): the NVIDIA
+    module's version loaded (nvidia.version) and each GPU on its role's driver.
+    {"nvidia": "595.71.05" | None, "drivers": {"0000:01:00.0": "nvidia", "0000:41:00.0": "vfio-pci"}}"""
+    return {"nvidia": spec.nvidia.version if getattr(spec, "nvidia", None) else None,
+            "drivers": {bdf: g.driver for bdf, g in sorted((getattr(spec, "gpus", None) or {}).items()) if g.driver}}
+
+
+def arm_trial_command(release: str, expect: dict | None = None) -> str:
     """Mark the trial as set up: TRIAL_MARKER (kept) and TRIAL_ARMED (under /run, a tmpfs: gone at
-    the next boot, so a later run tells "not rebooted yet" from "the trial boot happened")."""
+    the next boot, so a later run tells "not rebooted yet" from "the trial boot happened"). And
+    TRIAL_CHECKS: which of `expect` (host_expectations) hold now, on the known-good kernel; the
+    trial kernel is made the default only if they hold on it too (finish_trial_command)."""
     r = shlex.quote(release + "\n")
+    expect = expect or {}
+    lines = []
+    if expect.get("nvidia"):
+        v = shlex.quote(expect["nvidia"])
+        lines.append(f"grep -qwF -- {v} /proc/driver/nvidia/version 2>/dev/null && echo nvidia {v}")
+    for bdf, driver in (expect.get("drivers") or {}).items():
+        b, d = shlex.quote(bdf), shlex.quote(driver)
+        lines.append(f'[ "$(basename "$(readlink /sys/bus/pci/devices/{b}/driver)")" = {d} ] && echo gpu {b} {d}')
+    record = "{ " + "; ".join([*lines, "true"]) + "; }"
     return (f"mkdir -p {shlex.quote(STATE_DIR)} {shlex.quote(TRIAL_ARMED.rsplit('/', 1)[0])} && "
+            f"{record} > {shlex.quote(TRIAL_CHECKS)} && "
             f"printf %s {r} > {shlex.quote(TRIAL_MARKER)} && printf %s {r} > {shlex.quote(TRIAL_ARMED)}")
+
+
+# The host checks of the trial kernel: each line of TRIAL_CHECKS must hold again (prints what does not)
+TRIAL_CHECKS_COMMAND = (
+    f"bad=; [ -f {TRIAL_CHECKS} ] && while read -r what a b; do case $what in "
+    "nvidia) grep -qwF -- \"$a\" /proc/driver/nvidia/version 2>/dev/null || "
+    "bad=\"$bad nvidia $a is not loaded ($(head -n 1 /proc/driver/nvidia/version 2>/dev/null || echo no NVIDIA module));\" ;; "
+    "gpu) d=$(basename \"$(readlink /sys/bus/pci/devices/$a/driver)\"); [ \"$d\" = \"$b\" ] || "
+    "bad=\"$bad GPU $a is on ${d:-no driver}, not $b;\" ;; esac; "
+    f"done < {TRIAL_CHECKS}; [ -z \"$bad\" ] || {{ echo \"$bad\"; false; }}"
+)
+
+# Evidence of a trial that did not come up, kept for the next runs: the trial boot's last journal
+# lines when the journal is persistent (/var/log/journal; systemd journald.conf Storage=auto keeps
+# it only there) and holds a boot of the trial kernel (the boot before this one: journalctl -b -1;
+# its kernel's first message names the release), else why there is none
+_JOURNAL_EVIDENCE = (
+    "if [ ! -d /var/log/journal ]; then journal='not persistent (no /var/log/journal): the trial boot left no log "
+    "here; look at the console (BMC)'; "
+    "elif journalctl -b -1 -k -o cat --no-pager 2>/dev/null | grep -m 1 '^Linux version ' | grep -qF \"Linux version $rel \"; "
+    f"then journalctl -b -1 -n 40 -o short-monotonic --no-pager > {TRIAL_LOG} 2>&1; journal='the trial boot log: {TRIAL_LOG}'; "
+    "else journal=\"persistent, but no boot of $rel in it (journalctl --list-boots): it stopped before journald wrote "
+    "to /var/log/journal (initramfs)\"; fi"
+)
 
 
 def finish_trial_command(release: str, loader: str, wanted_build_id: str, advanced_id: str | None = None,
                          fail: bool = True) -> str:
-    """After the boot a trial was set up for: if the host runs `release`, make it the default for
-    good; else keep the evidence (TRIAL_FAILED: the release, its build id, the kernel that came
-    up) so later runs report it and do not try again until the spec changes. Either way the
-    trial's one-shot is cleared and the marker goes. `fail`: exit 1 after a failed trial."""
+    """After the boot a trial was set up for: if the host runs `release` and the host checks that
+    held on the known-good kernel hold on it too (TRIAL_CHECKS: the NVIDIA module loads, every GPU
+    on its driver), make it the default for good; else keep the evidence (TRIAL_FAILED: the
+    release, its build id, the kernel that came up, the failed checks, what the journal kept of
+    the trial boot, TRIAL_LOG) so later runs report it and do not try again until the spec
+    changes. Either way the trial's one-shot is cleared and the marker goes. `fail`: exit 1 after
+    a failed trial."""
     q = shlex.quote(release)
     clear = clear_oneshot_command(release, loader)
-    record = (f"printf '{{\"release\": \"%s\", \"build_id\": \"%s\", \"came_up_on\": \"%s\"}}\\n' {q} "
-              f"{shlex.quote(wanted_build_id)} \"$(uname -r)\" > {shlex.quote(TRIAL_FAILED)}")
+    record = (f"printf '{{\"release\": \"%s\", \"build_id\": \"%s\", \"came_up_on\": \"%s\", \"checks\": \"%s\", "
+              f"\"journal\": \"%s\"}}\\n' {q} {shlex.quote(wanted_build_id)} \"$(uname -r)\" "
+              f"\"$(printf %s \"$checks\" | tr -d '\"\\\\')\" \"$(printf %s \"$journal\" | tr -d '\"\\\\')\" > {shlex.quote(TRIAL_FAILED)}")
     message = shlex.quote(f"pvegpu: the trial boot of {release} came up on ")
     tail = shlex.quote("; the default stays on the known-good kernel and the trial is not tried again until "
                        f"the spec changes (rm {TRIAL_FAILED} to try again)")
     return (
-        f'if [ "$(uname -r)" = {q} ]; then {set_default_command(release, loader, advanced_id)} && {clear} && '
-        f"rm -f {shlex.quote(TRIAL_MARKER)} {shlex.quote(TRIAL_FAILED)}; "
-        f"else {record} && {clear} && rm -f {shlex.quote(TRIAL_MARKER)} && "
-        f'echo {message}"$(uname -r)"{tail} >&2{"; exit 1" if fail else ""}; fi'
+        f"rel={q}; checks=; journal=; "
+        f'if [ "$(uname -r)" = {q} ] && checks=$({TRIAL_CHECKS_COMMAND}); then {zfs_guard_command(release)} && '
+        f"{set_default_command(release, loader, advanced_id)} && {clear} && "
+        f"rm -f {shlex.quote(TRIAL_MARKER)} {shlex.quote(TRIAL_FAILED)} {shlex.quote(TRIAL_CHECKS)}; "
+        f'else if [ "$(uname -r)" != {q} ]; then checks=; {_JOURNAL_EVIDENCE}; '
+        "else journal='the trial kernel is running'; fi; "
+        f"{record} && {clear} && rm -f {shlex.quote(TRIAL_MARKER)} {shlex.quote(TRIAL_CHECKS)} && "
+        f'echo {message}"$(uname -r)"${{checks:+", but the host checks failed:$checks"}}{tail} >&2'
+        f'{"; exit 1" if fail else ""}; fi'
     )
 
 
@@ -406,6 +488,51 @@ def purge_command(packages: list[str]) -> str:
             f'; nothing removed" >&2; exit 1; fi; '
             f"DEBIAN_FRONTEND=noninteractive apt-get -y purge {names}")
 
+
+
+# mokutil --test-key states that leave the kernel unbootable under Secure Boot (facts.nvidia.parse_mok)
+MOK_REFUSED = {
+    "not enrolled": "is not enrolled as a machine owner key (mokutil --test-key)",
+    "pending": "is imported but not enrolled: its MokManager confirmation at boot was never done",
+    "blocked": "is blocked (in dbx or MokListX)",
+    "not DER": "is not a DER certificate, so whether it is enrolled cannot be told (openssl x509 -outform DER)",
+}
+
+
+def secure_boot_refusal(kernel: KernelSpec, build: dict) -> str | None:
+    """With Secure Boot on, why the spec's kernel cannot be booted, naming the field; else None.
+
+    Proxmox boots a Secure Boot host through shim + GRUB (pve-docs system-booting.adoc), and shim
+    verifies the kernel image GRUB loads: the stage's build must be signed (kernel.signing, sbsign)
+    with a certificate the firmware trusts, the MOK list (`mokutil --test-key`)."""
+    if not build.get("secure_boot"):
+        return None
+    if kernel.signing is None:
+        return (f"Secure Boot is on: shim verifies the kernel image GRUB loads, and the build of {kernel.version} is "
+                "not signed, so it would not boot. Set kernel.signing (key: a PEM private key, cert: its DER "
+                "certificate, enrolled with mokutil --import and confirmed in MokManager at the next boot), or turn "
+                "Secure Boot off in the firmware, or keep Proxmox's signed kernels (drop spec.kernel)")
+    cert = kernel.signing.cert
+    mok = build.get("mok")
+    if mok in MOK_REFUSED:
+        return (f"kernel.signing.cert {cert} {MOK_REFUSED[mok]}; with Secure Boot on, shim would refuse the kernel "
+                f"{kernel.version} signed with it. Enroll it (mokutil --import {cert}, then confirm in MokManager at "
+                "the next boot) or name an enrolled one")
+    if mok not in ("enrolled", "in db"):
+        return (f"kernel.signing.cert {cert}: whether it is enrolled is unknown (no answer from mokutil --test-key); "
+                "with Secure Boot on an unenrolled key leaves the kernel unbootable. Install mokutil")
+    if not build.get("sbsign"):
+        return "kernel.signing is set but sbsign is not installed on the host: apt-get install sbsigntool"
+    if build.get("esps"):
+        return ("Secure Boot is on and this host boots from proxmox-boot-tool ESPs, which Proxmox runs through shim + "
+                "GRUB there; the kernel stage sets up a one-boot trial only with GRUB from /boot/grub or systemd-boot")
+    return None
+
+
+def sign_command(release: str, key: str, cert: str) -> str:
+    """Sign /boot/vmlinuz-<release> with kernel.signing (templates/kernel-sign.sh.j2)."""
+    from plan.render import render_template
+    return f"/bin/sh -c {shlex.quote(render_template('kernel-sign.sh.j2', release=release, key=key, cert=cert))}"
 
 
 def zfs_guard_command(release: str) -> str:

@@ -160,6 +160,8 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
          "state_dir": "/var/lib/pvegpu/kernel/nvidia-gate", "debs_dir": _KERNEL["build_dir"],
          "headers_prefix": "linux-headers-6.1.192-pvegpu", "headers_root": f"{_KERNEL['build_dir']}/nvidia-gate-headers"},
     ],  # a function of its log alone (included by the hook and the gate)
+    "kernel-sign.sh.j2": [dict(release="6.14.11-9-bpo12-pvegpu-pve", key="/root/mok.pem", cert="/root/mok.der")],
+    "grub-trial-entry.sh.j2": [dict(release="6.14.11-9-bpo12-pvegpu-pve", panic_s=10)],
     "kernel-trial-entry.sh.j2": [
         dict(release="6.14.11-9-bpo12-pve", mode="arm", entry="pvegpu-trial-6.14.11-9-bpo12-pve.conf", panic_s=10),
         dict(release="6.14.11-9-bpo12-pve", mode="clear", entry="pvegpu-trial-6.14.11-9-bpo12-pve.conf", panic_s=0),

@@ -57,12 +57,82 @@ def twin_run(name: str, *command: str) -> str:
     return r.stdout
 
 
-def stand_in_debs(out: Path) -> list[Path]:
-    """proxmox-kernel-<rel> and proxmox-headers-<rel> with the files the stages read."""
+# OpenZFS's feature table (module/zcommon/zfeature_common.c zpool_feature_init(), the GUIDs it
+# registers) at zfs-2.2.7 (Proxmox VE 8's kernels) and what zfs-2.3.4 adds (facts read from the tags)
+ZFS_2_2_GUIDS = (
+    "com.delphix:async_destroy com.delphix:empty_bpobj org.illumos:lz4_compress com.joyent:multi_vdev_crash_dump "
+    "com.delphix:spacemap_histogram com.delphix:enabled_txg com.delphix:hole_birth com.delphix:zpool_checkpoint "
+    "com.delphix:spacemap_v2 com.delphix:extensible_dataset com.delphix:bookmarks com.joyent:filesystem_limits "
+    "com.delphix:embedded_data com.delphix:livelist com.delphix:log_spacemap org.open-zfs:large_blocks "
+    "org.zfsonlinux:large_dnode org.illumos:sha512 org.illumos:skein org.illumos:edonr com.delphix:redaction_bookmarks "
+    "com.delphix:redacted_datasets com.delphix:bookmark_written com.delphix:device_removal com.delphix:obsolete_counts "
+    "org.zfsonlinux:userobj_accounting com.datto:bookmark_v2 com.datto:encryption org.zfsonlinux:project_quota "
+    "org.zfsonlinux:allocation_classes com.datto:resilver_defer org.openzfs:device_rebuild org.freebsd:zstd_compress "
+    "org.openzfs:draid org.openzfs:zilsaxattr com.delphix:head_errlog org.openzfs:blake3 com.fudosecurity:block_cloning "
+    "com.klarasystems:vdev_zaps_v2").split()
+ZFS_2_3_GUIDS = ZFS_2_2_GUIDS + ("com.delphix:redaction_list_spill org.openzfs:raidz_expansion "
+                                 "com.klarasystems:fast_dedup org.zfsonlinux:longname "
+                                 "com.klarasystems:large_microzap").split()
+
+
+def pe_image(payload: bytes) -> bytes:
+    """A PE32+ image as a kernel's EFI stub makes bzImage one (what sbsign signs and shim checks):
+    DOS header, PE header, optional header with 16 data directories (the 5th, the certificate
+    table, empty), one section holding `payload`; file alignment 0x200, section alignment 0x1000."""
+    import struct
+    fa, sa = 0x200, 0x1000
+    text = payload + b"\0" * (-len(payload) % fa)
+    opt_size = 112 + 16 * 8
+    end = 0x80 + 4 + 20 + opt_size + 40
+    size_headers = end + (-end % fa)
+    dos = b"MZ" + b"\0" * 0x3A + struct.pack("<I", 0x80)
+    dos += b"\0" * (0x80 - len(dos))
+    coff = struct.pack("<HHIIIHH", 0x8664, 1, 0, 0, 0, opt_size, 0x0206)
+    opt = struct.pack("<HBBIIIII", 0x20B, 2, 0, len(text), 0, 0, sa, sa)
+    opt += struct.pack("<QIIHHHHHHIIIIHHQQQQII", 0, sa, fa, 0, 0, 0, 0, 0, 0, 0, sa + len(text) + (-len(text) % sa),
+                       size_headers, 0, 10, 0, 0x100000, 0x1000, 0x100000, 0x1000, 0, 16)
+    opt += b"\0" * (16 * 8)
+    section = struct.pack("<8sIIIIIIHHI", b".text", len(payload), sa, len(text), size_headers, 0, 0, 0, 0, 0x60000020)
+    head = dos + b"PE\0\0" + coff + opt + section
+    return head + b"\0" * (size_headers - len(head)) + text
+
+
+def zfs_module(path: Path, guids: list[str]) -> None:
+    """A zfs.ko as depmod/modinfo read it (an ELF object with .modinfo) whose read-only data holds
+    the feature table's GUID strings, as the real module's does (zfeature_common.c literals)."""
+    source = path.with_suffix(".c")
+    table = ", ".join(f'"{g}"' for g in guids)
+    source.write_text('static const char modinfo[] __attribute__((section(".modinfo"), used, aligned(1))) = '
+                      f'"license=CDDL\\0name=zfs\\0vermagic={RELEASE} SMP preempt mod_unload modversions \\0";\n'
+                      f"const char *const zfeature_guids[] = {{{table}}};\n")
+    subprocess.run(["gcc", "-c", "-O2", "-o", str(path), str(source)], check=True)
+    source.unlink()
+
+
+def zfs_root(root: Path, features: dict[str, str]) -> None:
+    """The twin's / is the dataset rpool/ROOT/pve-1 of the pool rpool with `features` (zpool get's
+    feature@<name>: enabled|active|disabled): profile.json's zfs (findmnt and zpool read it)."""
+    data = json.loads((root / "var/lib/twin/profile.json").read_text())
+    data["zfs"] = {"root": "rpool/ROOT/pve-1", "pools": {"rpool": {"features": features}}}
+    (root / "var/lib/twin/profile.json").write_text(json.dumps(data))
+
+
+def nvidia_module(path: Path, version: str) -> None:
+    """An nvidia.ko whose .modinfo says `version` (what modinfo and the twin's boot read from it)."""
+    source = path.with_suffix(".c")
+    source.write_text('static const char modinfo[] __attribute__((section(".modinfo"), used, aligned(1))) = '
+                      f'"license=Dual MIT/GPL\\0version={version}\\0name=nvidia\\0vermagic={RELEASE} SMP mod_unload \\0";\n')
+    subprocess.run(["gcc", "-c", "-O2", "-o", str(path), str(source)], check=True)
+    source.unlink()
+
+
+def stand_in_debs(out: Path, zfs_guids: list[str] | None = None, nvidia: str | None = None) -> list[Path]:
+    """proxmox-kernel-<rel> and proxmox-headers-<rel> with the files the stages read (and a zfs.ko
+    carrying `zfs_guids`, as pve-kernel's image carries its own ZFS module)."""
     kernel = out / "kernel"
     (kernel / "DEBIAN").mkdir(parents=True)
     (kernel / "boot").mkdir()
-    (kernel / f"boot/vmlinuz-{RELEASE}").write_bytes(b"twin stand-in kernel image\n")
+    (kernel / f"boot/vmlinuz-{RELEASE}").write_bytes(pe_image(b"twin stand-in kernel image\n"))
     (kernel / f"boot/System.map-{RELEASE}").write_text("")
     (kernel / f"boot/config-{RELEASE}").write_text(
         f'CONFIG_CC_VERSION_TEXT="{GCC}"\nCONFIG_BLK_DEV_INITRD=y\nCONFIG_RD_GZIP=y\nCONFIG_RD_ZSTD=y\n'
@@ -70,6 +140,12 @@ def stand_in_debs(out: Path) -> list[Path]:
     (kernel / f"lib/modules/{RELEASE}").mkdir(parents=True)
     (kernel / f"lib/modules/{RELEASE}/modules.order").write_text("")
     (kernel / f"lib/modules/{RELEASE}/modules.builtin").write_text("")
+    if nvidia is not None:
+        (kernel / f"lib/modules/{RELEASE}/updates/dkms").mkdir(parents=True)
+        nvidia_module(kernel / f"lib/modules/{RELEASE}/updates/dkms/nvidia.ko", nvidia)
+    if zfs_guids is not None:
+        (kernel / f"lib/modules/{RELEASE}/zfs").mkdir()
+        zfs_module(kernel / f"lib/modules/{RELEASE}/zfs/zfs.ko", zfs_guids)
     (kernel / "DEBIAN/control").write_text(
         f"Package: proxmox-kernel-{RELEASE}\nVersion: {DEB_VERSION}\nArchitecture: amd64\n"
         "Maintainer: pvegpu tests <tests@example.invalid>\nDescription: twin stand-in of the Proxmox kernel image\n")
@@ -95,11 +171,11 @@ def stand_in_debs(out: Path) -> list[Path]:
     return debs
 
 
-def seed_finished_build(root: Path, tmp: Path) -> None:
+def seed_finished_build(root: Path, tmp: Path, zfs_guids: list[str] | None = None, nvidia: str | None = None) -> None:
     k = KernelSpec(**KERNEL)
     build = root / plan.build_dir(k, "running").lstrip("/")
     build.mkdir(parents=True)
-    for deb in stand_in_debs(tmp):
+    for deb in stand_in_debs(tmp, zfs_guids, nvidia):
         (build / deb.name).write_bytes(deb.read_bytes())
     (build / "build.rc").write_text("0\n")
     (build / "manifest.json").write_text(json.dumps({
@@ -138,8 +214,8 @@ def reboot(name: str) -> None:
     assert len(boots.read_text().splitlines()) > before, "the twin did not reboot"
 
 
-def converge(name: str, reboot_allowed: bool = False, stages: str = STAGES):
-    env = {"PVEGPU_TWINS": name, "PVEGPU_STAGES": stages, "PVEGPU_E2E_KERNEL": json.dumps(KERNEL)}
+def converge(name: str, reboot_allowed: bool = False, stages: str = STAGES, kernel: dict | None = None):
+    env = {"PVEGPU_TWINS": name, "PVEGPU_STAGES": stages, "PVEGPU_E2E_KERNEL": json.dumps(kernel or KERNEL)}
     if not reboot_allowed:
         env["PVEGPU_E2E_NO_REBOOT"] = "1"
     return run_pyinfra("inventories/twin.py", "tests/e2e/stage_deploy.py", env=env, timeout=600)
@@ -245,7 +321,9 @@ def test_systemd_boot_trial_that_hangs_is_left_after_one_reset_and_not_retried(t
     assert (root / "etc/kernel/proxmox-boot-pin").read_text().strip() == OLD
     assert not (root / ESP / "loader/entries" / TRIAL_ENTRY).exists()
     failed = json.loads((root / plan.TRIAL_FAILED.lstrip("/")).read_text())
-    assert failed == {"release": RELEASE, "build_id": plan.build_id(KernelSpec(**KERNEL), "running"), "came_up_on": OLD}
+    assert failed == {"release": RELEASE, "build_id": plan.build_id(KernelSpec(**KERNEL), "running"), "came_up_on": OLD,
+                      "checks": "", "journal": f"persistent, but no boot of {RELEASE} in it (journalctl --list-boots): it "
+                                               "stopped before journald wrote to /var/log/journal (initramfs)"}
 
     third = converge(twin.name)  # reported, not tried again
     assert third.rc == 0 and third.changed == 0, third.output[-6000:]
@@ -274,6 +352,40 @@ def test_systemd_boot_trial_that_panics_comes_back_by_itself(twin_factory, tmp_p
     second = converge(twin.name)
     assert second.rc == 0 and second.changed == 0, second.output[-6000:]
     assert f"the trial boot of {RELEASE} came up on {OLD}" in second.output
+
+
+def test_a_kernel_whose_zfs_lacks_the_root_pools_features_is_not_tried(twin_factory, tmp_path):
+    """kpro6's / on ZFS, the pool upgraded under OpenZFS 2.3 (fast_dedup active, the rest of 2.3's
+    features enabled); the new kernel carries 2.2's module: its ZFS would not import the pool
+    (zfeature.c spa_features_check), so no trial is set up and the features are named; with a
+    module of 2.3 the same kernel is tried."""
+    twin = twin_factory("kpro6", address=quiet_address())
+    root = Path(twin.root)
+    features = {g.split(":")[1]: "active" for g in ZFS_2_2_GUIDS[:12]}
+    features.update({g.split(":")[1]: "enabled" for g in ZFS_2_3_GUIDS[12:]})
+    features["fast_dedup"] = "active"
+    zfs_root(root, features)
+    assert twin_run(twin.name, "findmnt", "-n", "-o", "FSTYPE", "/").strip() == "zfs"
+    seed_finished_build(root, tmp_path, ZFS_2_2_GUIDS)
+
+    run = converge(twin.name)
+    assert run.rc != 0, run.output[-6000:]
+    assert ("does not support these features of the root pool rpool: redaction_list_spill raidz_expansion fast_dedup "
+            "longname large_microzap") in run.output, run.output[-6000:]
+    assert oneshot(root) is None and loader_default(root) == f"proxmox-{OLD}.conf"
+    assert not (root / ESP / "loader/entries" / TRIAL_ENTRY).exists()
+    assert not (root / plan.TRIAL_MARKER.lstrip("/")).exists()
+    assert twin_run(twin.name, "uname", "-r").strip() == OLD
+
+    # the same release built again with OpenZFS 2.3 (another build; the twin's build dir is replaced)
+    build = root / plan.build_dir(KernelSpec(**KERNEL), "running").lstrip("/")
+    subprocess.run(["rm", "-rf", str(build)], check=True)
+    twin_run(twin.name, "dpkg", "--purge", f"proxmox-kernel-{RELEASE}", f"proxmox-headers-{RELEASE}")
+    twin_run(twin.name, "rm", "-f", f"{plan.STATE_DIR}/{RELEASE}.json")
+    seed_finished_build(root, tmp_path / "2.3", ZFS_2_3_GUIDS)
+    again = converge(twin.name)
+    assert again.rc == 0, again.output[-6000:]
+    assert_systemd_boot_trial_set_up(root)
 
 
 GRUB_STAGES = "operations.boot,operations.kernel,operations.reboot"
@@ -312,7 +424,8 @@ def test_grub_trial_that_hangs_is_left_after_one_reset_and_a_good_one_becomes_th
     assert 'set default="${saved_entry}"' in cfg  # GRUB_DEFAULT=saved from the boot stage's drop-in
     env = grubenv(twin.name)
     assert f">gnulinux-{old}-advanced-" in env["saved_entry"]
-    assert f">gnulinux-{RELEASE}-advanced-" in env["next_entry"]
+    assert env["next_entry"] == f"pvegpu-trial-{RELEASE}"
+    assert_grub_trial_entry(root, old)
     subprocess.run(runtime.ssh_command(twin.name, ["reboot"]), capture_output=True, timeout=60)
     deadline = time.monotonic() + 60
     while not boots(twin.name)[-1].endswith(" hung") and time.monotonic() < deadline:
@@ -321,11 +434,14 @@ def test_grub_trial_that_hangs_is_left_after_one_reset_and_a_good_one_becomes_th
     press_reset(twin.name)
     assert twin_run(twin.name, "uname", "-r").strip() == old
     assert not grubenv(twin.name).get("next_entry")
+    assert attempts(root)[-2].startswith(f"{RELEASE} pvegpu-trial-{RELEASE} hung")
 
     second = converge(twin.name, stages=GRUB_STAGES)
     assert second.rc == 0, second.output[-6000:]
     assert f"the trial boot of {RELEASE} came up on {old}" in second.output
     assert f">gnulinux-{old}-advanced-" in grubenv(twin.name)["saved_entry"]
+    assert "pvegpu-trial-" not in (root / "boot/grub/grub.cfg").read_text()  # the trial entry is gone
+    assert not (root / plan.GRUB_TRIAL_SCRIPT.lstrip("/")).exists()
     third = converge(twin.name, stages=GRUB_STAGES)
     assert third.rc == 0 and third.changed == 0, third.output[-6000:]
 
@@ -336,8 +452,44 @@ def test_grub_trial_that_hangs_is_left_after_one_reset_and_a_good_one_becomes_th
     assert fourth.rc == 0, fourth.output[-6000:]
     assert twin_run(twin.name, "uname", "-r").strip() == RELEASE
     assert f">gnulinux-{RELEASE}-advanced-" in grubenv(twin.name)["saved_entry"]  # the default for good
+    assert "pvegpu-trial-" not in (root / "boot/grub/grub.cfg").read_text()
     reboot(twin.name)
     assert twin_run(twin.name, "uname", "-r").strip() == RELEASE
+    assert "panic=" not in twin_run(twin.name, "cat", "/proc/cmdline")
+
+
+def assert_grub_trial_entry(root: Path, old: str) -> None:
+    """grub.cfg holds the trial entry (10_linux's entry of the release, panic= added) and no
+    other entry has panic=; saved_entry stays on the old kernel."""
+    cfg = (root / "boot/grub/grub.cfg").read_text()
+    trial = cfg.split(f"$menuentry_id_option 'pvegpu-trial-{RELEASE}' {{", 1)[1].split("\n}", 1)[0]
+    linux = [line.strip() for line in trial.splitlines() if line.strip().startswith("linux")]
+    assert linux and linux[0].startswith(f"linux\t/boot/vmlinuz-{RELEASE} root=") and linux[0].endswith(" panic=10")
+    assert sum("panic=" in line for line in cfg.splitlines() if line.strip().startswith("linux")) == 1
+
+
+def test_grub_trial_that_panics_comes_back_by_itself(twin_factory, tmp_path):
+    """GRUB's trial entry carries panic=: a trial kernel that panics resets by itself, and GRUB,
+    whose next_entry it cleared as it read it, boots saved_entry: the old kernel, with no one at
+    the console (before, the GRUB trial had no panic= and waited at the console for a reset)."""
+    twin, root = grub_twin(twin_factory, "")
+    seed_finished_build(root, tmp_path)
+    (root / "var/lib/twin/boot/no-boot").write_text(f"{RELEASE} panics\n")
+    old = twin_run(twin.name, "uname", "-r").strip()
+
+    first = converge(twin.name, reboot_allowed=True, stages=GRUB_STAGES)  # trial, reboot, check fails
+    assert first.rc != 0, first.output[-6000:]
+    assert f"the trial boot of {RELEASE} came up on {old}" in first.output
+    assert attempts(root)[-2:] == [f"{RELEASE} pvegpu-trial-{RELEASE} panic, reset after 10 s (panic=10)",
+                                   f"{old} {grubenv(twin.name)['saved_entry'].split('>')[-1]} up"]
+    assert twin_run(twin.name, "uname", "-r").strip() == old
+    env = grubenv(twin.name)
+    assert not env.get("next_entry") and f">gnulinux-{old}-advanced-" in env["saved_entry"]
+    assert "pvegpu-trial-" not in (root / "boot/grub/grub.cfg").read_text()
+
+    second = converge(twin.name, stages=GRUB_STAGES)
+    assert second.rc == 0 and second.changed == 0, second.output[-6000:]
+    assert f"the trial boot of {RELEASE} came up on {old}" in second.output
 
 
 def test_grub_with_grubenv_on_lvm_refuses_the_trial_before_any_change(twin_factory, tmp_path):
@@ -362,3 +514,114 @@ def test_secure_boot_refuses_the_unsigned_build_before_any_change(twin_factory, 
     assert run.rc != 0 and "Secure Boot is on" in run.output and "would not boot" in run.output, run.output[-4000:]
     assert f"vmlinuz-{RELEASE}" not in twin_run(twin.name, "ls", "/boot").split()
     assert loader_default(root) == "proxmox-*" and oneshot(root) is None
+
+
+def test_secure_boot_grub_shim_kernel_is_signed_with_an_enrolled_mok_or_refused(twin_factory, tmp_path):
+    """intel2 booting with UEFI through shim + GRUB with Secure Boot on (as Proxmox boots a Secure
+    Boot host). The build is refused while kernel.signing is unset and while its cert is not
+    enrolled (nothing installed); once enrolled, the image is signed (sbsign), the twin's shim
+    verifies it, the trial comes up and becomes the default. An image that loses its signature (a
+    package reinstalled) is refused by the twin's shim: never kinder than shim."""
+    import yaml
+
+    from tests.twin import hardware
+    twin, root = grub_twin(twin_factory, "")
+    profile = yaml.safe_load((root / "var/lib/twin/profile.yml").read_text())
+    profile["boot"]["uefi"] = True
+    (root / "var/lib/twin/profile.yml").write_text(yaml.safe_dump(profile))
+    data = json.loads((root / "var/lib/twin/profile.json").read_text())
+    data["boot"]["uefi"] = True
+    (root / "var/lib/twin/profile.json").write_text(json.dumps(data))
+    hardware.set_secure_boot(root, True)
+    reboot(twin.name)
+    old = twin_run(twin.name, "uname", "-r").strip()
+    assert twin_run(twin.name, "mokutil", "--sb-state").strip() == "SecureBoot enabled"
+    subprocess.run(["openssl", "req", "-new", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(root / "root/mok.pem"), "-outform", "DER", "-out", str(root / "root/mok.der"), "-days", "3650",
+                    "-subj", "/CN=pvegpu twin kernel MOK"], check=True, capture_output=True)
+    seed_finished_build(root, tmp_path)
+    signed = {**KERNEL, "signing": {"key": "/root/mok.pem", "cert": "/root/mok.der"}}
+
+    run = converge(twin.name, stages=GRUB_STAGES)
+    assert run.rc != 0 and "Secure Boot is on" in run.output and "Set kernel.signing" in run.output, run.output[-4000:]
+    run = converge(twin.name, stages=GRUB_STAGES, kernel=signed)
+    assert run.rc != 0 and "kernel.signing.cert /root/mok.der is not enrolled" in run.output, run.output[-4000:]
+    assert f"vmlinuz-{RELEASE}" not in twin_run(twin.name, "ls", "/boot").split()
+
+    hardware.enroll_mok(root, (root / "root/mok.der").read_bytes())
+    run = converge(twin.name, reboot_allowed=True, stages=GRUB_STAGES, kernel=signed)
+    assert run.rc == 0, run.output[-6000:]
+    assert twin_run(twin.name, "uname", "-r").strip() == RELEASE
+    assert attempts(root)[-1] == f"{RELEASE} pvegpu-trial-{RELEASE} up"
+    twin_run(twin.name, "openssl x509 -inform DER -in /root/mok.der -out /tmp/mok.pem && "
+                        f"sbverify --cert /tmp/mok.pem /boot/vmlinuz-{RELEASE}")  # signed with the MOK
+    assert f">gnulinux-{RELEASE}-advanced-" in grubenv(twin.name)["saved_entry"]
+    again = converge(twin.name, stages=GRUB_STAGES, kernel=signed)
+    assert again.rc == 0 and again.changed == 0, again.output[-4000:]
+
+    # the image without its signature (the package installed again): shim refuses it
+    (root / f"boot/vmlinuz-{RELEASE}").write_bytes(pe_image(b"twin stand-in kernel image\n"))
+    subprocess.run(runtime.ssh_command(twin.name, ["reboot"]), capture_output=True, timeout=60)
+    deadline = time.monotonic() + 60
+    while not boots(twin.name)[-1].endswith(" hung") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert boots(twin.name)[-1].endswith(" hung"), boots(twin.name)
+    assert attempts(root)[-1].endswith("hung (Secure Boot: error: bad shim signature)"), attempts(root)
+    assert old != RELEASE
+
+
+def test_a_trial_kernel_that_comes_up_without_its_nvidia_module_is_not_made_the_default(twin_factory, tmp_path):
+    """Issue 27 part 1: pinned for good only after it booted and the host checks that matter pass.
+    kpro6 runs nvidia 595.71.05 on the old kernel; the trial kernel comes up with an NVIDIA module
+    of another version (its own build went wrong): the check after the reboot fails naming it,
+    the default stays on the old kernel, and the next run reports it (with what the journal kept:
+    the twin's journal is not persistent) instead of pinning the running kernel."""
+    twin = twin_factory("kpro6", address=quiet_address())
+    root = Path(twin.root)
+    seed_finished_build(root, tmp_path, nvidia="590.44.01")
+    assert "595.71.05" in twin_run(twin.name, "cat", "/proc/driver/nvidia/version")
+
+    first = converge(twin.name, reboot_allowed=True)
+    assert first.rc != 0, first.output[-6000:]
+    assert f"the trial boot of {RELEASE} came up on {RELEASE}, but the host checks failed: nvidia 595.71.05 is not " \
+        "loaded" in first.output, first.output[-6000:]
+    assert twin_run(twin.name, "uname", "-r").strip() == RELEASE
+    assert loader_default(root) == f"proxmox-{OLD}.conf" and oneshot(root) is None
+    assert (root / "etc/kernel/proxmox-boot-pin").read_text().strip() == OLD
+    failed = json.loads((root / plan.TRIAL_FAILED.lstrip("/")).read_text())
+    assert failed["came_up_on"] == RELEASE and "590.44.01" in failed["checks"]
+
+    second = converge(twin.name)
+    assert second.rc == 0 and second.changed == 0, second.output[-6000:]
+    assert "but the host checks failed: nvidia 595.71.05 is not loaded" in second.output
+    assert "journal: the trial kernel is running" in second.output
+    assert (root / "etc/kernel/proxmox-boot-pin").read_text().strip() == OLD
+    reboot(twin.name)
+    assert twin_run(twin.name, "uname", "-r").strip() == OLD
+
+
+def test_a_failed_trial_is_reported_with_what_the_journal_kept(twin_factory, tmp_path):
+    """A trial kernel that panics in the initramfs: the next run names the kernel that came up and
+    what the journal kept of the trial boot. Debian 12's systemd keeps the journal in
+    /var/log/journal (persistent, the twin's root has it), but a boot that stopped in the
+    initramfs never reached journald: no boot of the trial kernel in it (the twin runs no journald:
+    journalctl finds none)."""
+    twin = twin_factory("kpro6", address=quiet_address())
+    root = Path(twin.root)
+    seed_finished_build(root, tmp_path)
+    (root / "var/lib/twin/boot").mkdir(parents=True, exist_ok=True)
+    (root / "var/lib/twin/boot/no-boot").write_text(f"{RELEASE} panics\n")
+    assert (root / "var/log/journal").is_dir()
+    first = converge(twin.name, reboot_allowed=True)
+    assert first.rc != 0, first.output[-6000:]
+    second = converge(twin.name)
+    assert second.rc == 0 and second.changed == 0, second.output[-6000:]
+    assert f"the trial boot of {RELEASE} came up on {OLD};" in second.output, second.output[-4000:]
+    assert f"journal: persistent, but no boot of {RELEASE} in it" in second.output, second.output[-4000:]
+    (root / "var/log/journal").rmdir()  # Storage=auto without the directory: volatile
+    (root / plan.TRIAL_FAILED.lstrip("/")).unlink()
+    (root / "var/lib/twin/boot/no-boot").write_text(f"{RELEASE} panics\n")
+    third = converge(twin.name, reboot_allowed=True)
+    assert third.rc != 0 and "came up on" in third.output, third.output[-6000:]
+    fourth = converge(twin.name)
+    assert "journal: not persistent (no /var/log/journal)" in fourth.output, fourth.output[-4000:]

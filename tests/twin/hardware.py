@@ -74,9 +74,13 @@ STANDIN_PATHS = {
                 # proxmox-kernel-helper's kernel hook: a kernel package's postinst runs it
                 "etc/kernel/postinst.d/zz-proxmox-boot", "etc/kernel/postrm.d/zz-proxmox-boot",
                 # systemd's bootctl (set-oneshot) and grub-probe (--target=abstraction)
-                "usr/local/bin/bootctl", "usr/local/sbin/grub-probe"],
+                "usr/local/bin/bootctl", "usr/local/sbin/grub-probe",
+                # grub-mkconfig's Linux entries (a grub.d script of ours runs it by itself)
+                "etc/grub.d/10_linux"],
     "hostdev.py": ["usr/local/bin/fuser", "usr/local/bin/nvidia-modprobe", "usr/local/bin/uname",
-                   "usr/local/sbin/modprobe", "usr/local/bin/mokutil"],
+                   "usr/local/sbin/modprobe", "usr/local/bin/mokutil",
+                   # OpenZFS's zpool (get) and findmnt of / (the profile's ZFS root: zfs.root)
+                   "usr/local/sbin/zpool", "usr/local/bin/findmnt"],
 }
 # Stand-ins that are shell scripts run in the caller's process (standins/<name> -> paths)
 SHELL_STANDIN_PATHS = {"mount.sh": ["usr/local/bin/mount"]}
@@ -394,6 +398,11 @@ def choose_boot(root: Path, profile: dict, consume: bool = False) -> dict:
     attempts: list[list[str]] = []
     while True:
         release, cmdline, ident = _loader_choice(root, profile, installed, consume)
+        refused = shim_refusal(root, profile, release)
+        if refused:
+            attempts.append([release, ident, f"hung ({refused})"])
+            return {"release": release, "cmdline": cmdline, "entry": ident, "hung": True, "attempts": attempts,
+                    "loader": loader}
         mode = no_boot.get(release)
         panic = _cmdline_params(cmdline).get("panic")
         if mode is None:
@@ -538,6 +547,37 @@ def module_signature_error(path: Path, enrolled: list[bytes]) -> str | None:
             if done.returncode == 0:
                 return None
     return "module with unavailable key"
+
+
+def shim_refusal(root: Path, profile: dict, release: str) -> str | None:
+    """Why shim refuses the kernel image GRUB loads under Secure Boot, or None. Proxmox boots a
+    Secure Boot host through shim + GRUB (pve-docs system-booting.adoc): GRUB asks shim's verifier
+    (shim_lock) about each image, and shim accepts an Authenticode signature by its vendor cert
+    (Proxmox's, built into shim), a db cert or a MOK; otherwise GRUB says "bad shim signature" and
+    stays at its menu (the twin: hung until a reset). The profile's own kernels stand for Proxmox's
+    signed packages (vendor cert); any other image must verify (the twin's real sbverify, run in
+    its root) against an enrolled MOK (MokListRT). Only GRUB profiles with UEFI are modelled."""
+    if profile["boot"]["loader"] != "grub" or not _secure_boot(root, profile):
+        return None
+    stock = profile["kernel"].get("installed") or [profile["kernel"]["release"]]
+    if release in stock:
+        return None
+    image = f"/boot/vmlinuz-{release}"
+    if not (root / image.lstrip("/")).exists():
+        return f"error: file `{image}' not found"
+    work = root / TWIN_DIR / "boot"
+    work.mkdir(parents=True, exist_ok=True)
+    for i, der in enumerate(_enrolled(root)):
+        pem = subprocess.run(["openssl", "x509", "-inform", "DER"], input=der, capture_output=True)
+        if pem.returncode != 0:
+            continue
+        (work / f"mok-{i}.pem").write_bytes(pem.stdout)
+        done = subprocess.run(["chroot", str(root), "sbverify", "--cert", f"/{TWIN_DIR}/boot/mok-{i}.pem", image],
+                              capture_output=True)
+        (work / f"mok-{i}.pem").unlink()
+        if done.returncode == 0:
+            return None
+    return "Secure Boot: error: bad shim signature"
 
 
 def module_load_refusal(root: Path, profile: dict, release: str, params: dict[str, str], path: Path) -> str | None:

@@ -112,6 +112,8 @@ PACKAGES = (
     "linux-headers-amd64", "build-essential", "gcc", "make", "dpkg-dev", "fakeroot", "dkms",
     "ccache", "bc", "flex", "bison", "libelf-dev", "libssl-dev", "dwarves", "rsync", "cpio",
     "xz-utils", "zstd", "debhelper", "perl",
+    # Secure Boot: sbsign/sbverify, the kernel stage signs its kernel image (Authenticode) with a MOK
+    "sbsigntool",
 )
 # Headers of a second kernel release, unpacked (not installed) into the root: bookworm-security's
 # 6.12 (the Debian kernel closest to Proxmox's 6.14, built with gcc-12), so the driver stage is

@@ -477,3 +477,21 @@ def test_qm_set_cpu_follows_qemu_servers_schema_of_the_installed_version(root):
         r = run(root, "qm", "set", "300", "--cpu", bad)
         assert r.returncode != 0 and message in r.stderr, r.stderr
     assert "cpu: kvm64,phys-bits=43,flags=+pdpe1gb" in conf.read_text()
+
+
+def test_zpool_get_prints_feature_states_as_openzfs_does_and_findmnt_the_zfs_root(root):
+    """zpool_main.c zpool_do_get -H: tab-separated, no header; libzfs_pool.c zpool_prop_get_feature:
+    disabled / enabled (refcount 0) / active. findmnt of / says zfs only where the profile's root is a dataset."""
+    import json
+    data = json.loads((root / "var/lib/twin/profile.json").read_text())
+    data["zfs"] = {"root": "rpool/ROOT/pve-1",
+                   "pools": {"rpool": {"features": {"async_destroy": "enabled", "fast_dedup": "active",
+                                                    "longname": "disabled"}}}}
+    (root / "var/lib/twin/profile.json").write_text(json.dumps(data))
+    r = run(root, "zpool", "get", "-H", "-o", "property,value", "all", "rpool", check=True)
+    assert [line for line in r.stdout.splitlines() if line.startswith("feature@")] == [
+        "feature@async_destroy\tenabled", "feature@fast_dedup\tactive", "feature@longname\tdisabled"]
+    r = run(root, "zpool", "get", "-H", "-o", "property,value", "all", "tank")
+    assert r.returncode == 1 and "cannot open 'tank': no such pool" in r.stderr
+    assert run(root, "findmnt", "-n", "-o", "FSTYPE", "/", check=True).stdout == "zfs\n"
+    assert run(root, "findmnt", "-n", "-o", "SOURCE", "/", check=True).stdout == "rpool/ROOT/pve-1\n"

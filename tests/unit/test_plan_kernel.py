@@ -1,5 +1,6 @@
 """plan.kernel: build parallelism (incident 14), build identity, the stage's next action, pins."""
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -159,8 +160,7 @@ def test_default_and_oneshot_commands():
         "proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool refresh")
     assert plan.set_default_command("6.14.8-2-pve", "grub", "ab") == (
         "grub-set-default 'gnulinux-advanced-ab>gnulinux-6.14.8-2-pve-advanced-ab'")
-    assert plan.oneshot_command("6.14.8-2-pve", "grub", 10, "ab").endswith(
-        " && grub-reboot 'gnulinux-advanced-ab>gnulinux-6.14.8-2-pve-advanced-ab'")
+    assert plan.oneshot_command("6.14.8-2-pve", "grub", 10, "ab").endswith(" && grub-reboot pvegpu-trial-6.14.8-2-pve")
     one = plan.oneshot_command("6.14.8-2-pve", "systemd-boot", 10)
     assert one.startswith("unshare --mount --propagation private /bin/sh -c ")
     assert "pvegpu-trial-6.14.8-2-pve.conf" in one and "panic=10" not in one.split("-c", 1)[0]
@@ -177,7 +177,7 @@ def _stubs(tmp_path: Path, **programs: str) -> dict:
 
 
 def _paths(command: str, tmp_path: Path) -> str:
-    for path in (plan.TRIAL_MARKER, plan.TRIAL_FAILED):
+    for path in (plan.TRIAL_MARKER, plan.TRIAL_FAILED, plan.TRIAL_CHECKS, plan.TRIAL_LOG):
         command = command.replace(path, str(tmp_path / Path(path).name))
     return command
 
@@ -199,16 +199,90 @@ def test_finish_records_a_failed_trial_with_the_kernel_that_came_up(tmp_path):
     env = _stubs(tmp_path, uname="echo 6.8.12-4-pve", **{"grub-set-default": f'echo "$@" >> {tmp_path}/calls',
                                                         "grub-editenv": f'echo editenv "$@" >> {tmp_path}/calls'})
     (tmp_path / "trial-boot").write_text("6.14.8-2-pve\n")
-    cmd = _paths(plan.finish_trial_command("6.14.8-2-pve", "grub", "b1d", "ab"), tmp_path)
+    cmd = _paths(plan.finish_trial_command("6.14.8-2-pve", "grub", "b1d", "ab"), tmp_path).replace(
+        "/var/log/journal", str(tmp_path / "no-journal"))
     r = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
     assert r.returncode == 1 and "the trial boot of 6.14.8-2-pve came up on 6.8.12-4-pve" in r.stderr
     assert json.loads((tmp_path / "trial-failed").read_text()) == {
-        "release": "6.14.8-2-pve", "build_id": "b1d", "came_up_on": "6.8.12-4-pve"}
+        "release": "6.14.8-2-pve", "build_id": "b1d", "came_up_on": "6.8.12-4-pve", "checks": "",
+        "journal": f"not persistent (no {tmp_path}/no-journal): the trial boot left no log here; look at the console (BMC)"}
     assert (tmp_path / "calls").read_text() == "editenv /boot/grub/grubenv unset next_entry\n"  # no new default
     assert not (tmp_path / "trial-boot").exists()
     r = subprocess.run(["sh", "-c", _paths(plan.finish_trial_command("6.14.8-2-pve", "grub", "b1d", "ab", fail=False),
                                            tmp_path)], env=env, capture_output=True, text=True)
     assert r.returncode == 0
+
+
+def test_finish_keeps_the_failed_trial_boots_journal_where_the_journal_is_persistent(tmp_path):
+    """The evidence a later run reports: journalctl -b -1 (the trial boot) when /var/log/journal
+    exists and that boot's kernel is the trial's; else why there is no log."""
+    import json
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    env = _stubs(tmp_path, uname="echo 6.8.12-4-pve", **{
+        "grub-editenv": "true",
+        "journalctl": 'case "$*" in *-k*) echo "Linux version 6.14.8-2-pve (build@pve) (gcc 12.2.0) #1 SMP";; '
+                      '*) echo "[    3.100000] pve kernel: zfs: pool rpool: cannot import";; esac'})
+    (tmp_path / "trial-boot").write_text("6.14.8-2-pve\n")
+    cmd = _paths(plan.finish_trial_command("6.14.8-2-pve", "grub", "b1d", "ab"), tmp_path)
+    r = subprocess.run(["sh", "-c", cmd.replace("/var/log/journal", str(journal_dir))], env=env, capture_output=True,
+                       text=True)
+    assert r.returncode == 1
+    failed = json.loads((tmp_path / "trial-failed").read_text())
+    assert failed["journal"] == f"the trial boot log: {tmp_path}/trial-failed.log"
+    assert "cannot import" in (tmp_path / "trial-failed.log").read_text()
+    # the boot before this one was another kernel: the trial stopped before journald wrote anything
+    env = _stubs(tmp_path, journalctl='echo "Linux version 6.8.12-4-pve (build@pve)"')
+    (tmp_path / "trial-boot").write_text("6.14.8-2-pve\n")
+    r = subprocess.run(["sh", "-c", cmd.replace("/var/log/journal", str(journal_dir))], env=env, capture_output=True,
+                       text=True)
+    assert "no boot of 6.14.8-2-pve in it" in json.loads((tmp_path / "trial-failed").read_text())["journal"]
+
+
+def test_trial_is_made_the_default_only_when_the_host_checks_that_held_before_hold_on_it(tmp_path):
+    """arm_trial_command records which expectations hold on the known-good kernel (the NVIDIA
+    module of nvidia.version loaded, each GPU on its driver); finish makes the trial kernel the
+    default only if they hold on it too, else records the failed checks (and it is not retried)."""
+    import json
+    proc = tmp_path / "nvidia-version"
+    sysfs = tmp_path / "devices"
+    for bdf, driver in (("0000:01:00.0", "nvidia"), ("0000:41:00.0", "vfio-pci"), ("0000:61:00.0", "nvidia")):
+        (sysfs / bdf).mkdir(parents=True)
+        (sysfs / bdf / "driver").symlink_to(f"/sys/bus/pci/drivers/{driver}")
+    proc.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  595.71.05  Release Build\n")
+    expect = {"nvidia": "595.71.05", "drivers": {"0000:01:00.0": "nvidia", "0000:41:00.0": "vfio-pci",
+                                                 "0000:61:00.0": "vfio-pci"}}
+
+    def local(command: str) -> str:
+        command = command.replace("/proc/driver/nvidia/version", str(proc)).replace("/sys/bus/pci/devices", str(sysfs))
+        return _paths(command, tmp_path).replace(plan.TRIAL_CHECKS, str(tmp_path / "trial-checks")).replace(
+            plan.STATE_DIR, str(tmp_path)).replace(plan.TRIAL_ARMED, str(tmp_path / "armed"))
+
+    r = subprocess.run(["sh", "-c", local(plan.arm_trial_command("6.14.8-2-pve", expect))], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    # 0000:61:00.0 is not on its driver now: not asked of the trial kernel either
+    assert (tmp_path / "trial-checks").read_text() == ("nvidia 595.71.05\ngpu 0000:01:00.0 nvidia\n"
+                                                      "gpu 0000:41:00.0 vfio-pci\n")
+    env = _stubs(tmp_path, uname="echo 6.14.8-2-pve", **{"grub-set-default": f'echo "$@" >> {tmp_path}/calls',
+                                                        "grub-editenv": "true"})
+    # on the trial kernel the NVIDIA module did not load and 0000:01:00.0 has no driver
+    proc.unlink()
+    (sysfs / "0000:01:00.0" / "driver").unlink()
+    k = KernelSpec(version="6.14.8-2-pve", source={"kind": "tarball", "url": "https://x.invalid/k.tar.xz", "sha256": "0" * 64})
+    bid = plan.build_id(k)
+    r = subprocess.run(["sh", "-c", local(plan.finish_trial_command("6.14.8-2-pve", "grub", bid, "ab"))], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "the trial boot of 6.14.8-2-pve came up on 6.14.8-2-pve, but the host checks failed" \
+        in r.stderr, r.stderr
+    failed = json.loads((tmp_path / "trial-failed").read_text())
+    assert "nvidia 595.71.05 is not loaded" in failed["checks"] and "GPU 0000:01:00.0 is on no driver, not nvidia" \
+        in failed["checks"]
+    assert not (tmp_path / "calls").exists()  # not made the default
+    # the next run: the trial kernel still runs, but it is reported, not pinned
+    decision = plan.kernel_decision(k, {
+        "kernels": {"installed": ["6.14.8-2-pve"], "running": "6.14.8-2-pve"},
+        "installed_manifest": {"build_id": bid}, "failed": failed, "default": "6.8.12-4-pve"})
+    assert decision["action"] == "failed-trial" and "the host checks failed: nvidia 595.71.05" in decision["why"]
 
 
 def test_systemd_boot_trial_entry_adds_panic_only_to_its_own_entry(tmp_path):
@@ -244,23 +318,100 @@ def test_systemd_boot_trial_entry_adds_panic_only_to_its_own_entry(tmp_path):
     assert (tmp_path / "bootctl").read_text().count("set-oneshot") == 1
 
 
-def test_a_grub_one_shot_needs_grub_default_saved_in_the_generated_config(tmp_path):
+def _grub_oneshot_env(tmp_path: Path, cfg_text: str) -> tuple[str, dict]:
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     for name in ("update-grub", "grub-reboot"):
         (bin_dir / name).write_text(f'#!/bin/sh\necho {name} "$@" >> {tmp_path}/calls\n')
         (bin_dir / name).chmod(0o755)
     cfg = tmp_path / "grub.cfg"
-    cmd = plan.oneshot_command("6.14.8-2-pve", "grub", 10, "ab").replace("/boot/grub/grub.cfg", str(cfg))
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
-    cfg.write_text('if [ "${next_entry}" ] ; then\nelse\n   set default="0"\nfi\n')
+    cfg.write_text(cfg_text)
+    cmd = (plan.oneshot_command("6.14.8-2-pve", "grub", 10, "ab").replace("/boot/grub/grub.cfg", str(cfg))
+           .replace(plan.GRUB_TRIAL_SCRIPT, str(tmp_path / "42_pvegpu_trial")))
+    return cmd, {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+
+SAVED = 'if [ "${next_entry}" ] ; then\nelse\n   set default="${saved_entry}"\nfi\n'
+
+
+def test_a_grub_one_shot_needs_grub_default_saved_in_the_generated_config(tmp_path):
+    cmd, env = _grub_oneshot_env(tmp_path, 'if [ "${next_entry}" ] ; then\nelse\n   set default="0"\nfi\n')
     r = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
     assert r.returncode == 1 and "GRUB_DEFAULT is not saved" in r.stderr
     assert (tmp_path / "calls").read_text() == "update-grub\n"
-    cfg.write_text('if [ "${next_entry}" ] ; then\nelse\n   set default="${saved_entry}"\nfi\n')
+    (tmp_path / "grub.cfg").write_text(SAVED + "menuentry 'pvegpu trial' $menuentry_id_option 'pvegpu-trial-6.14.8-2-pve' {\n}\n")
     r = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "calls").read_text().endswith("grub-reboot gnulinux-advanced-ab>gnulinux-6.14.8-2-pve-advanced-ab\n")
+    assert (tmp_path / "calls").read_text().endswith("grub-reboot pvegpu-trial-6.14.8-2-pve\n")
+    assert os.access(tmp_path / "42_pvegpu_trial", os.X_OK)
+
+
+def test_a_grub_one_shot_needs_its_trial_entry_in_the_generated_config(tmp_path):
+    cmd, env = _grub_oneshot_env(tmp_path, SAVED)
+    r = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and "wrote no trial entry pvegpu-trial-6.14.8-2-pve" in r.stderr
+    assert "grub-reboot" not in (tmp_path / "calls").read_text()
+
+
+# 10_linux's output with GRUB_DISABLE_SUBMENU=true (util/grub.d/10_linux.in: every kernel's entry
+# at the top level, args GRUB_CMDLINE_LINUX then GRUB_CMDLINE_LINUX_DEFAULT); the fake prints it
+# for the GRUB_* values it is given, as the real script does
+FAKE_10_LINUX = r"""#!/bin/sh
+[ "$GRUB_DISABLE_SUBMENU" = true ] || echo "submenu 'Advanced' \$menuentry_id_option 'gnulinux-advanced-ab' {"
+echo 'function gfxmode {'
+echo '}'
+for v in 6.14.11-9-bpo12-pvegpu-pve 6.14.8-2-pve 6.14.8-2-pve-old; do
+cat <<EOT
+menuentry 'Proxmox VE GNU/Linux, with Linux $v' --class proxmox --class gnu-linux \$menuentry_id_option 'gnulinux-$v-advanced-ab' {
+	load_video
+	insmod gzio
+	search --no-floppy --fs-uuid --set=root ab
+	echo	'Loading Linux $v ...'
+	linux	/boot/vmlinuz-$v root=/dev/mapper/pve-root ro $GRUB_CMDLINE_LINUX $GRUB_CMDLINE_LINUX_DEFAULT
+	initrd	/boot/initrd.img-$v
+}
+EOT
+done
+echo 'Found linux image' >&2
+"""
+
+
+def test_grub_trial_script_prints_10_linux_entry_of_the_release_with_panic(tmp_path):
+    """templates/grub-trial-entry.sh.j2 against a 10_linux that prints what the real one does:
+    the release's own entry (root=, search, initrd) renamed to pvegpu-trial-<rel>, panic= last."""
+    from plan.render import render_template
+    linux = tmp_path / "10_linux"
+    linux.write_text(FAKE_10_LINUX)
+    linux.chmod(0o755)
+    script = render_template("grub-trial-entry.sh.j2", release="6.14.8-2-pve", panic_s=7).replace(
+        "/etc/grub.d/10_linux", str(linux))
+    env = {"PATH": "/usr/bin:/bin", "GRUB_CMDLINE_LINUX": "intel_iommu=on", "GRUB_CMDLINE_LINUX_DEFAULT": "quiet"}
+    r = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == (
+        "menuentry 'pvegpu trial (panic=7): Proxmox VE GNU/Linux, with Linux 6.14.8-2-pve' --class proxmox "
+        "--class gnu-linux $menuentry_id_option 'pvegpu-trial-6.14.8-2-pve' {\n"
+        "\tload_video\n\tinsmod gzio\n\tsearch --no-floppy --fs-uuid --set=root ab\n"
+        "\techo\t'Loading Linux 6.14.8-2-pve ...'\n"
+        "\tlinux\t/boot/vmlinuz-6.14.8-2-pve root=/dev/mapper/pve-root ro intel_iommu=on quiet panic=7\n"
+        "\tinitrd\t/boot/initrd.img-6.14.8-2-pve\n}\n")
+    # a release 10_linux does not list: nothing (the one-shot then refuses: no entry in grub.cfg)
+    other = render_template("grub-trial-entry.sh.j2", release="6.99.1-1-pve", panic_s=7).replace(
+        "/etc/grub.d/10_linux", str(linux))
+    r = subprocess.run(["sh", "-c", other], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout == ""
+
+
+def test_clearing_a_grub_trial_removes_its_entry_script_and_regenerates(tmp_path):
+    env = _stubs(tmp_path, **{"grub-editenv": f'echo editenv "$@" >> {tmp_path}/calls',
+                              "update-grub": f'echo update-grub >> {tmp_path}/calls'})
+    script = tmp_path / "42_pvegpu_trial"
+    cmd = plan.clear_oneshot_command("6.14.8-2-pve", "grub").replace(plan.GRUB_TRIAL_SCRIPT, str(script))
+    script.write_text("#!/bin/sh\n")
+    r = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert not script.exists()
+    assert (tmp_path / "calls").read_text() == "editenv /boot/grub/grubenv unset next_entry\nupdate-grub\n"
 
 
 # -- kernel.remove_old ---------------------------------------------------------------------
@@ -378,3 +529,20 @@ def test_a_gate_record_refuses_the_same_driver_source_and_kernel_build_only():
     assert plan.gate_refusal(GATE_KERNEL, "running", "595.45.04", "b" * 64, records) is None  # another source
     assert plan.gate_refusal(GATE_KERNEL, "defconfig", "595.45.04", "a" * 64, records) is None  # another build
     assert plan.gate_refusal(GATE_KERNEL, "running", "595.45.04", "a" * 64, {}) is None
+def test_secure_boot_refusals_name_the_field():
+    """Secure Boot on: shim verifies the image GRUB loads; the build needs kernel.signing with an
+    enrolled cert, sbsign on the host, and no proxmox-boot-tool ESPs (shim + GRUB there)."""
+    base = {"version": "6.14.11-9-bpo12-pvegpu-pve", "source": {"kind": "proxmox-git", "url": "https://example.invalid/k.git",
+                                                                 "ref": "ad58d1445425ea4742e3470b2edbee35df0657e9"}}
+    unsigned = KernelSpec(**base)
+    signed = KernelSpec(**base, signing={"key": "/root/mok.pem", "cert": "/root/mok.der"})
+    assert plan.secure_boot_refusal(unsigned, {"secure_boot": False}) is None
+    assert "Set kernel.signing" in str(plan.secure_boot_refusal(unsigned, {"secure_boot": True}))
+    for mok, words in (("not enrolled", "is not enrolled"), ("pending", "MokManager confirmation"),
+                       ("blocked", "is blocked"), (None, "unknown")):
+        why = plan.secure_boot_refusal(signed, {"secure_boot": True, "mok": mok, "sbsign": True})
+        assert why and why.startswith("kernel.signing.cert /root/mok.der") and words in why
+    assert "apt-get install sbsigntool" in str(plan.secure_boot_refusal(signed, {"secure_boot": True, "mok": "enrolled"}))
+    assert "proxmox-boot-tool ESPs" in str(plan.secure_boot_refusal(
+        signed, {"secure_boot": True, "mok": "enrolled", "sbsign": True, "esps": True}))
+    assert plan.secure_boot_refusal(signed, {"secure_boot": True, "mok": "enrolled", "sbsign": True}) is None

@@ -3,8 +3,10 @@
 
 proxmox-boot-tool  status | refresh | kernel list | kernel pin <rel> [--next-boot] | kernel unpin [--next-boot]
 update-grub        writes /boot/grub/grub.cfg from /etc/default/grub as grub-mkconfig would
-                   (it cannot probe devices inside the twin); grub-reboot, grub-set-default and
-                   grub-editenv are the real Debian programs (grub2-common)
+                   (it cannot probe devices inside the twin), running the other scripts of
+                   /etc/grub.d; grub-reboot, grub-set-default and grub-editenv are the real
+                   Debian programs (grub2-common)
+10_linux           /etc/grub.d/10_linux: the Linux entries for the exported GRUB_* values
 grub-probe         --target=abstraction only (the profile's boot.grubenv_abstraction)
 bootctl            set-oneshot | set-default: the EFI variable, in the twin's NVRAM
                    (/var/lib/twin/efivars, read and cleared by the twin's boot)
@@ -295,6 +297,10 @@ def set_grub_default(kver):
     twinstate.write(GRUB_PIN_SNIPPET, f'GRUB_DEFAULT="gnulinux-advanced-{devid}>gnulinux-{kver}-advanced-{devid}"\n')
 
 
+GRUB_NAMES = ("GRUB_CMDLINE_LINUX", "GRUB_CMDLINE_LINUX_DEFAULT", "GRUB_DEFAULT", "GRUB_DISTRIBUTOR",
+              "GRUB_DISABLE_RECOVERY", "GRUB_DISABLE_SUBMENU")
+
+
 def grub_defaults():
     """Values of /etc/default/grub (+ grub.d/*.cfg) as the shell sees them (grub-mkconfig sources
     them in this order)."""
@@ -303,13 +309,11 @@ def grub_defaults():
     if os.path.isdir(d):
         files += [os.path.join(d, f) for f in sorted(os.listdir(d)) if f.endswith(".cfg")]
     script = "".join(f'[ -f "{f}" ] && . "{f}"\n' for f in files)
-    names = ("GRUB_CMDLINE_LINUX", "GRUB_CMDLINE_LINUX_DEFAULT", "GRUB_DEFAULT", "GRUB_DISTRIBUTOR",
-             "GRUB_DISABLE_RECOVERY", "GRUB_DISABLE_SUBMENU")
-    script += "".join(f'printf "%s\\n" "${name}"\n' for name in names)
+    script += "".join(f'printf "%s\\n" "${name}"\n' for name in GRUB_NAMES)
     import subprocess  # only update-grub needs it; proxmox-boot-tool status runs on every converge
 
     out = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True).stdout.split("\n")
-    return dict(zip(names, out, strict=False))
+    return dict(zip(GRUB_NAMES, out, strict=False))
 
 
 def grub_device_id():
@@ -322,21 +326,78 @@ def grub_device_id():
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
-def update_grub(argv):
-    """grub-mkconfig cannot probe devices inside the twin; this writes what it would:
-    follows grub-mkconfig.in (GRUB_DEFAULT=saved becomes ${saved_entry}), util/grub.d/00_header.in
-    (load_env; next_entry boots once and is cleared with save_env; else the default) and
-    10_linux.in (a plain entry for the newest kernel, then the 'Advanced options' submenu with
-    every kernel, newest first, each with its recovery entry unless GRUB_DISABLE_RECOVERY=true;
-    ids gnulinux-simple-<dev>, gnulinux-advanced-<dev>, gnulinux-<version>-advanced-<dev>)."""
-    g = grub_defaults()
+def grub_10_linux(g):
+    """What /etc/grub.d/10_linux prints for the GRUB_* values `g` (grub-mkconfig exports them to
+    every script): follows 10_linux.in: a plain entry for the newest kernel, then the 'Advanced
+    options' submenu with every kernel, newest first, each with its recovery entry unless
+    GRUB_DISABLE_RECOVERY=true; with GRUB_DISABLE_SUBMENU true/y/yes no plain entry and no
+    submenu, every kernel's entry at the top level; ids gnulinux-simple-<dev>,
+    gnulinux-advanced-<dev>, gnulinux-<version>-advanced-<dev>; args GRUB_CMDLINE_LINUX then
+    GRUB_CMDLINE_LINUX_DEFAULT."""
     root = (twinstate.profile().get("boot") or {}).get("root", "/dev/mapper/pve-root")
     dev = grub_device_id()
+    os_name = f"{g.get('GRUB_DISTRIBUTOR') or 'Debian'} GNU/Linux"
+    flat = (g.get("GRUB_DISABLE_SUBMENU") or "") in ("true", "y", "yes")
+    rels = list(reversed(kernels()))
+    out = []
+
+    def entry(title, ident, rel, args, indent=""):
+        return (f"{indent}menuentry '{title}' --class proxmox $menuentry_id_option '{ident}' {{\n"
+                f"{indent}\tlinux\t/boot/vmlinuz-{rel} root={root} ro {args}\n"
+                f"{indent}\tinitrd\t/boot/initrd.img-{rel}\n{indent}}}\n")
+
+    normal = f"{g.get('GRUB_CMDLINE_LINUX') or ''} {g.get('GRUB_CMDLINE_LINUX_DEFAULT') or ''}".strip()
+    indent = ""
+    for i, rel in enumerate(rels):
+        sys.stderr.write(f"Found linux image: /boot/vmlinuz-{rel}\nFound initrd image: /boot/initrd.img-{rel}\n")
+        if i == 0 and not flat:
+            out.append(entry(os_name, f"gnulinux-simple-{dev}", rel, normal))
+            out.append(f"submenu 'Advanced options for {os_name}' $menuentry_id_option 'gnulinux-advanced-{dev}' {{\n")
+            indent = "\t"
+        out.append(entry(f"{os_name}, with Linux {rel}", f"gnulinux-{rel}-advanced-{dev}", rel, normal, indent))
+        if g.get("GRUB_DISABLE_RECOVERY") != "true":
+            out.append(entry(f"{os_name}, with Linux {rel} (recovery mode)", f"gnulinux-{rel}-recovery-{dev}", rel,
+                             " ".join(x for x in ("single", g.get("GRUB_CMDLINE_LINUX")) if x), indent))
+    if rels and not flat:
+        out.append("}\n")
+    return "".join(out)
+
+
+def linux_10(argv):
+    """/etc/grub.d/10_linux run by itself (a grub.d script of ours runs it): the GRUB_* values
+    from the environment, as grub-mkconfig exported them."""
+    sys.stdout.write(grub_10_linux({name: os.environ.get(name, "") for name in GRUB_NAMES}))
+    return 0
+
+
+GRUB_D = "/etc/grub.d"
+# grub-common's scripts that the twin does not run: 00_header and 10_linux are the stand-in's own
+# (update_grub, grub_10_linux: the real ones probe devices the twin cannot show); the theme, Xen,
+# os-prober and firmware-setup scripts add no Linux entry on a server. Every other executable
+# script of /etc/grub.d (40_custom, 41_custom, those other packages or the admin put there) runs.
+GRUB_D_OWN = ("00_header", "10_linux")
+GRUB_D_NOT_MODELLED = ("05_debian_theme", "20_linux_xen", "30_os-prober", "30_uefi-firmware")
+
+
+def grub_file_is_not_garbage(name):
+    """follows grub-mkconfig_lib grub_file_is_not_garbage() (and grub-mkconfig's editor backups)."""
+    return not (name.endswith("~") or (name.startswith("#") and name.endswith("#")) or ".dpkg-" in name
+                or name.endswith((".rpmsave", ".rpmnew", ".sig")) or name.startswith("README"))
+
+
+def update_grub(argv):
+    """grub-mkconfig cannot probe devices inside the twin; this writes what it would:
+    follows grub-mkconfig.in (GRUB_DEFAULT=saved becomes ${saved_entry}; the scripts of
+    /etc/grub.d run in name order with GRUB_* exported, each one's output between BEGIN/END
+    lines), util/grub.d/00_header.in (load_env; next_entry boots once and is cleared with
+    save_env; else the default) and 10_linux.in (grub_10_linux). The scripts other than the
+    stand-in's own run only inside the twin (TWIN_ROOT /): never on the machine that seeds it."""
+    import subprocess
+
+    g = grub_defaults()
     default = g["GRUB_DEFAULT"] or "0"
     if default == "saved":
         default = "${saved_entry}"
-    os_name = f"{g['GRUB_DISTRIBUTOR'] or 'Debian'} GNU/Linux"
-    rels = list(reversed(kernels()))
     sys.stderr.write("Generating grub configuration file ...\n")
     out = ["### generated by the twin's update-grub stand-in ###\n",
            "### BEGIN /etc/grub.d/00_header ###\n",
@@ -344,26 +405,23 @@ def update_grub(argv):
            'if [ "${next_entry}" ] ; then\n   set default="${next_entry}"\n   set next_entry=\n'
            "   save_env next_entry\n   set boot_once=true\nelse\n"
            f'   set default="{default}"\nfi\n',
-           "### END /etc/grub.d/00_header ###\n", "### BEGIN /etc/grub.d/10_linux ###\n"]
-
-    def entry(title, ident, rel, args, indent=""):
-        return (f"{indent}menuentry '{title}' --class proxmox $menuentry_id_option '{ident}' {{\n"
-                f"{indent}\tlinux\t/boot/vmlinuz-{rel} root={root} ro {args}\n"
-                f"{indent}\tinitrd\t/boot/initrd.img-{rel}\n{indent}}}\n")
-
-    normal = " ".join(x for x in (g["GRUB_CMDLINE_LINUX"], g["GRUB_CMDLINE_LINUX_DEFAULT"]) if x)
-    for i, rel in enumerate(rels):
-        sys.stderr.write(f"Found linux image: /boot/vmlinuz-{rel}\nFound initrd image: /boot/initrd.img-{rel}\n")
-        if i == 0:
-            out.append(entry(os_name, f"gnulinux-simple-{dev}", rel, normal))
-            out.append(f"submenu 'Advanced options for {os_name}' $menuentry_id_option 'gnulinux-advanced-{dev}' {{\n")
-        out.append(entry(f"{os_name}, with Linux {rel}", f"gnulinux-{rel}-advanced-{dev}", rel, normal, "\t"))
-        if g["GRUB_DISABLE_RECOVERY"] != "true":
-            out.append(entry(f"{os_name}, with Linux {rel} (recovery mode)", f"gnulinux-{rel}-recovery-{dev}", rel,
-                             " ".join(x for x in ("single", g["GRUB_CMDLINE_LINUX"]) if x), "\t"))
-    if rels:
-        out.append("}\n")
-    out.append("### END /etc/grub.d/10_linux ###\n")
+           "### END /etc/grub.d/00_header ###\n"]
+    env = {**os.environ, **g}
+    grub_d = twinstate.path(GRUB_D)
+    for name in sorted(os.listdir(grub_d)) if os.path.isdir(grub_d) else ["10_linux"]:
+        script = os.path.join(grub_d, name)
+        if name == "00_header" or name in GRUB_D_NOT_MODELLED or not grub_file_is_not_garbage(name):
+            continue
+        if name == "10_linux":
+            text = grub_10_linux(g)
+        elif twinstate.ROOT != "/" or not (os.path.isfile(script) and os.access(script, os.X_OK)):
+            continue
+        else:
+            done = subprocess.run([script], env=env, stdout=subprocess.PIPE, text=True)
+            if done.returncode != 0:
+                twinstate.die(f"/usr/sbin/grub-mkconfig: {script} failed (exit {done.returncode})", 1)
+            text = done.stdout
+        out.append(f"### BEGIN {GRUB_D}/{name} ###\n{text}### END {GRUB_D}/{name} ###\n")
     twinstate.write("/boot/grub/grub.cfg", "".join(out))
     sys.stderr.write("done\n")
     return 0
@@ -448,6 +506,7 @@ def shutdown(argv):
 
 
 HANDLERS = {"proxmox-boot-tool": proxmox_boot_tool, "update-grub": update_grub, "zz-proxmox-boot": zz_proxmox_boot,
+            "10_linux": linux_10,
             "bootctl": bootctl, "grub-probe": grub_probe,
             "reboot": lambda a: request_reboot("reboot " + " ".join(a)), "shutdown": shutdown,
             "systemctl": systemctl}

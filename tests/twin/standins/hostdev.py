@@ -13,6 +13,12 @@ mokutil          --sb-state and --test-key <der> against the twin's EFI variable
                  exit 1, before any command; test_key(): not a DER X.509 (openssl decides) -> "Not a valid
                  x509 certificate", exit 255; "<file> is not enrolled", exit 1; print_skip_message()'s
                  "is already enrolled" / "is already in the enrollment request", exit 0
+zpool            get [-H] [-p] [-o property,value] all|<props> <pool>: the profile's zfs.pools (a twin
+                 has no disks); follows OpenZFS zpool_main.c zpool_do_get (-H: tab-separated, no
+                 header) and libzfs_pool.c zpool_prop_get_feature (feature@<name>: "disabled" when the
+                 pool does not have it, "enabled" at refcount 0, else "active")
+findmnt          -n -o FSTYPE|SOURCE / on a profile whose root is a ZFS dataset (zfs.root: the
+                 twin's / is an overlay); anything else goes to the real findmnt
 """
 import json
 import os
@@ -197,7 +203,63 @@ def mokutil(argv):
     return 1
 
 
-HANDLERS = {"fuser": fuser, "nvidia-modprobe": nvidia_modprobe, "uname": uname, "modprobe": modprobe,
+def _zfs():
+    return twinstate.profile().get("zfs") or {}
+
+
+def zpool(argv):
+    if argv[:1] != ["get"]:
+        twinstate.die("twin: zpool stand-in: only `zpool get` is modelled", 2)
+    args = argv[1:]
+    scripted, fields = False, ["name", "property", "value", "source"]
+    rest = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "-H":
+            scripted = True
+        elif a == "-p":
+            pass
+        elif a == "-o":
+            i += 1
+            fields = args[i].split(",")
+        elif a.startswith("-o"):
+            fields = a[2:].split(",")
+        else:
+            rest.append(a)
+        i += 1
+    if len(rest) != 2:
+        twinstate.die("twin: zpool stand-in: zpool get <props> <pool>", 2)
+    props, name = rest
+    pool = (_zfs().get("pools") or {}).get(name)
+    if pool is None:
+        return twinstate.die(f"cannot open '{name}': no such pool", 1)
+    # pool properties, then one feature@ per feature of the userland's table (the profile's
+    # `features`: every feature the host's zpool knows, with its state on this pool)
+    values = [("size", pool.get("size", "1.73T"), "-"), ("health", pool.get("health", "ONLINE"), "-")]
+    values += [(f"feature@{f}", state, "local") for f, state in (pool.get("features") or {}).items()]
+    wanted = None if props == "all" else props.split(",")
+    rows = [(name, p, v, src) for p, v, src in values if wanted is None or p in wanted]
+    col = {"name": 0, "property": 1, "value": 2, "source": 3}
+    out = []
+    if not scripted:
+        out.append("  ".join(f.upper() for f in fields))
+    for row in rows:
+        out.append(("\t" if scripted else "  ").join(row[col[f]] for f in fields))
+    sys.stdout.write("".join(line + "\n" for line in out))
+    return 0
+
+
+def findmnt(argv):
+    root = _zfs().get("root")
+    opts = [a for a in argv if a != "-n"]
+    if root and "-n" in argv and len(opts) == 3 and opts[0] == "-o" and opts[2] == "/" and opts[1] in ("FSTYPE", "SOURCE"):
+        sys.stdout.write(("zfs" if opts[1] == "FSTYPE" else root) + "\n")
+        return 0
+    os.execv("/usr/bin/findmnt", ["findmnt", *argv])
+
+
+HANDLERS = {"zpool": zpool, "findmnt": findmnt, "fuser": fuser, "nvidia-modprobe": nvidia_modprobe, "uname": uname, "modprobe": modprobe,
             "mokutil": mokutil}
 PROGRAMS = tuple(HANDLERS)
 

@@ -178,7 +178,7 @@ def test_trial_boot_sets_the_loaders_one_shot_and_marks_it_last():
     assert cmds[2] == plan.arm_trial_command("6.14.8-2-pve") and len(cmds) == 3
     assert "/var/lib/pvegpu/kernel/trial-boot" in cmds[2] and "/run/pvegpu/kernel-trial" in cmds[2]
     cmds, _ = run_op(kernel.trial_boot, "6.1.0-x", "grub", 10, "ab")
-    assert cmds[1].endswith("grub-reboot 'gnulinux-advanced-ab>gnulinux-6.1.0-x-advanced-ab'")
+    assert cmds[1].endswith("grub-reboot pvegpu-trial-6.1.0-x") and "panic=" in cmds[1]
 
 
 def test_trial_of_an_installed_kernel_makes_the_running_one_the_default_first_where_asked():
@@ -200,8 +200,9 @@ def test_install_makes_the_running_kernel_the_default_first_where_asked():
 def test_reboot_stage_finishes_the_trial_and_fails_when_it_did_not_come_up():
     cmds, _ = run_op(reboot.pin_trial_kernel, "6.14.8-2-pve", "systemd-boot", "b1d")
     assert cmds == [plan.finish_trial_command("6.14.8-2-pve", "systemd-boot", "b1d", None, fail=True)]
-    assert cmds[0].startswith('if [ "$(uname -r)" = 6.14.8-2-pve ]; then proxmox-boot-tool kernel pin 6.14.8-2-pve '
-                              "&& proxmox-boot-tool refresh && ")
+    assert cmds[0].startswith('rel=6.14.8-2-pve; checks=; journal=; if [ "$(uname -r)" = 6.14.8-2-pve ] && checks=$(')
+    assert ("); then " + plan.zfs_guard_command("6.14.8-2-pve") + " && proxmox-boot-tool kernel pin 6.14.8-2-pve && "
+            "proxmox-boot-tool refresh && ") in cmds[0]
     assert cmds[0].endswith("; exit 1; fi")
 
 
@@ -358,3 +359,10 @@ def test_the_gate_stops_without_a_record_when_it_has_no_headers_to_build_against
     assert done.returncode == 1
     assert f"could not build nvidia 595.45.04 for kernel {GATE_RELEASE}: no headers of it" in done.stderr
     assert not (tmp_path / f"gate/{GATE_RELEASE}.refused").exists()
+def test_a_kernel_is_made_the_default_for_good_only_past_the_zfs_guard():
+    """A default for good (pin, or the end of a trial that came up) checks the kernel's ZFS module
+    against the root pool first, as the trial does (issue 27 part 5)."""
+    cmds, _ = run_op(kernel.pin_kernel, "6.14.8-2-pve", "systemd-boot")
+    assert cmds == [plan.zfs_guard_command("6.14.8-2-pve"), plan.set_default_command("6.14.8-2-pve", "systemd-boot")]
+    finish = plan.finish_trial_command("6.14.8-2-pve", "grub", "b1d", "ab")
+    assert finish.index(plan.zfs_guard_command("6.14.8-2-pve")) < finish.index("grub-set-default")
