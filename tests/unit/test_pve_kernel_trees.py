@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from plan import kernel as plan
+from spec.models import KernelSpec
 
 REPO = Path(__file__).resolve().parents[2]
 # name in scripts/upstream-sources.tsv -> (Proxmox's KVNAME, the tree's KREL_EXTRA, BUILD_DIR)
@@ -70,7 +71,7 @@ def test_release_rule_agrees_with_the_trees_own_make(tree):
 def test_debian_control_from_control_in_names_our_packages(tree, tmp_path):
     """`make debian.prepared` for real: debian/rules turns control.in into debian/control with
     our KVNAME; its Build-Depends are what the build script's dpkg-checkbuilddeps/mk-build-deps
-    read."""
+    read, and the tools the stage installs first are what that step itself needs."""
     name, root = tree
     _, krel_extra, build_dir = TREES[name]
     work = tmp_path / "tree"
@@ -89,6 +90,10 @@ def test_debian_control_from_control_in_names_our_packages(tree, tmp_path):
     assert build_depends, source
     names = {re.split(r"[\s(:]", d.strip())[0] for d in build_depends.group(1).split(",") if d.strip()}
     assert {"git", "gcc", "bc", "bison", "flex", "libelf-dev", "libssl-dev"} <= names
+    # what the stage installs before the build, not left to mk-build-deps: mk-build-deps itself
+    # (devscripts, equivs), and what the Makefile needs to get this far (make, dpkg-dev, git)
+    k = KernelSpec(version=ours, source={"kind": "proxmox-git", "url": "git://x/pve-kernel.git", "ref": "x"})
+    assert {"devscripts", "equivs", "make", "dpkg-dev", "git", "build-essential"} <= set(plan.build_tools(k))
     assert f"KVNAME={ours}" in (work / build_dir / "debian/rules.d/env.mk").read_text()
 
 
