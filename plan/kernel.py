@@ -179,8 +179,9 @@ def tools_refusal(kernel: KernelSpec, needs: dict) -> str | None:
 # figure was measured (2026-12-04, on this repo's CI machine):
 # - the tarball source CI builds (Debian's linux-source-6.1, 6.1.192): source.tar 139 MB; unpacked,
 #   1.30 GB of file bytes in 83,731 files (`xz -dc | tar -tv`, sizes summed): ~1.5 GiB on disk.
-# - a tinyconfig build of it (tests/e2e/test_kernel_build.py) adds a few hundred objects and two
-#   small .debs to that: 1.5 + 0.14 GiB of source and the rest under 1 GiB -> 3 GiB.
+# - a tinyconfig build of it (tests/e2e/test_kernel_build.py, `du -sk` of the twin's build dir
+#   every 45 s): 1,607,104 KiB once unpacked, 1,773,564 KiB at its peak (objects and .debs
+#   included) = 1.7 GiB -> 3 GiB.
 # - a distro config (a Proxmox kernel: Ubuntu's annotations config, debug info on): its objects
 #   carry DWARF once as .o and again linked into each .ko and vmlinux; Debian's 6.12 -dbg package
 #   (that DWARF alone, from bookworm-security's Packages: Installed-Size 6,710,153 KiB) gives
