@@ -88,7 +88,7 @@ def run(jobs: int) -> dict:
         done = subprocess.run(["unshare", "--mount", "--pid", "--fork", "bash", "-c", shell], capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"build failed:\n{done.stdout[-6000:]}{done.stderr[-3000:]}")
-    runs = {}
+    runs: dict[str, dict] = {}
     for name, release, d in builds:
         start = re.search(rf"^start {name} ([\d.]+) ([\d.]+)$", done.stdout, re.M)
         end = re.search(rf"^end {name} ([\d.]+) ([\d.]+)$", done.stdout, re.M)
@@ -96,7 +96,7 @@ def run(jobs: int) -> dict:
         runs[name] = {"release": release, "build_dir": d, "s": round(float(end.group(1)) - float(start.group(1)), 1),
                       "load_1min": [float(start.group(2)), float(end.group(2))],
                       "ccache": {k: int(v) for k, v in re.findall(rf"^stat {name} (\w+)\s+(\d+)$", done.stdout, re.M)}}
-    cold, warm = runs["cold"]["s"], runs["warm"]["s"]
+    cold, warm = float(runs["cold"]["s"]), float(runs["warm"]["s"])
     return {"value": round(warm / cold, 3), "benchmark": "kernel_ccache", "source": tarball.name,
             "source_sha256": sha256, "config": "tinyconfig + tests/e2e/test_kernel_build.py FRAGMENTS", "jobs": jobs,
             "cold_s": cold, "warm_s": warm, "ratio": round(warm / cold, 3), "runs": runs}
