@@ -14,6 +14,8 @@ Figures (issue 9):
                          rebuild with warm ccache + conftest cache / cold build
   second_release_vs_first  the same tree for a second kernel release in the same run      target <= 0.5
                          (src/ objects reused, kernel-open/ alone) / the first (cold)
+  kernel_second_ref_vs_first  the kernel stage's build of a second ref (another build dir) with  (reported)
+                         the ccache the first left / the first, cold (bench/kernel_ccache.py)
   facts_commands         remote commands for the full hardware picture                 target <= 3
   pve_calls_nochange     Proxmox CLI calls (pct, qm, pvesh) of a no-change converge    target <= 2
   pve_calls_move         the same for a two-GPU move from VM 300 to CT 200 (reported)
@@ -224,6 +226,7 @@ BENCHES = {
     "fleet": bench_fleet,
     "facts": lambda r: bench_script(r, "facts_commands", "facts_commands.py"),
     "ccache": lambda r: bench_driver(r),
+    "kernel": lambda r: bench_script(r, "kernel_second_ref_vs_first", "kernel_ccache.py"),
     "pve": bench_pve_calls,
 }
 
@@ -272,6 +275,11 @@ def main() -> int:
         ok = "-" if value is None else ("yes" if value <= target else "NO")
         when = "" if key in results or key not in merged else f"  (not measured now: {merged[key].get('measured_at', 'earlier')})"
         print(f"{key:24} {str(value):>10}  {op}{target:>6}  {ok}{when}")
+    kernel = results.get("kernel_second_ref_vs_first") or {}
+    if kernel.get("value") is not None:
+        warm = kernel["runs"]["warm"]["ccache"]
+        print(f"{'kernel_second_ref_vs_first':24} {kernel['value']:>10} (warm {kernel['warm_s']} s / cold "
+              f"{kernel['cold_s']} s; second ref's ccache: {warm})")
     for key in ("pve_calls_move", "pve_delay_converge_s"):
         if key in results:
             val = results[key]

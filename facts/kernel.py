@@ -700,12 +700,49 @@ def parse_source_makefile(lines: list[str]) -> dict | None:
     return {"release": built_release_from_makefile("\n".join(lines[1:])), "from": lines[0][len("from "):].strip()}
 
 
+def build_needs_command(tools: list[str], release: str, path: str = BUILD_ROOT) -> str:
+    """What a build needs from the host before it starts: which of `tools` (Debian packages) are
+    installed, apt's candidate for each missing one, and the space available (df -P, KiB) on the
+    file system that holds `path` (its nearest existing parent). apt-cache policy reads all of
+    apt's lists (~1 s): it is asked only for a missing package and only while no build of
+    `release` is installed (else `unasked <package>`: a converged host pays nothing for it)."""
+    names = " ".join(shlex.quote(t) for t in tools)
+    installed = shlex.quote(f"{STATE_DIR}/{release}.json")
+    return (
+        f"inst=$(dpkg-query -W -f='${{db:Status-Abbrev}} ${{Package}}\\n' {names} 2>/dev/null | awk '$1 == \"ii\" {{print $2}}'); "
+        f"for t in {names}; do if printf '%s\\n' \"$inst\" | grep -qxF -e \"$t\"; then echo \"installed $t\"; "
+        f"elif [ -f {installed} ]; then echo \"unasked $t\"; "
+        "else echo \"candidate $t $(apt-cache policy -- \"$t\" 2>/dev/null | sed -n 's/^ *Candidate: //p')\"; fi; done; "
+        f"p={shlex.quote(path)}; while [ ! -d \"$p\" ]; do p=${{p%/*}}; [ -n \"$p\" ] || p=/; done; "
+        "echo \"free $(df -Pk \"$p\" | awk 'NR == 2 {print $4}') $p\"; true"
+    )
+
+
+def parse_build_needs(lines: list[str]) -> dict:
+    """Pure parser of `build_needs_command` output:
+    {"installed": ["git", …], "candidates": {"equivs": "2.3.1" or None}, "unasked": ["devscripts"],
+    "free_kib": 52428800 or None, "free_path": "/var/lib"}."""
+    needs: dict = {"installed": [], "candidates": {}, "unasked": [], "free_kib": None, "free_path": None}
+    for line in lines:
+        key, _, rest = line.strip().partition(" ")
+        name, _, value = rest.partition(" ")
+        if key in ("installed", "unasked") and name:
+            needs[key].append(name)
+        elif key == "candidate" and name:
+            needs["candidates"][name] = value.strip() if value.strip() not in ("", "(none)") else None
+        elif key == "free" and name.isdigit():
+            needs["free_kib"], needs["free_path"] = int(name), value.strip() or None
+    return needs
+
+
 class KernelStageFacts(FactBase):
     """Everything the kernel stage reads, in one remote command.
 
     + build_dir: the build dir of the spec'd build (plan.kernel.build_dir)
     + release: the spec'd kernel release
     + url, ref: a proxmox-git source: its Makefile at ref is read from an earlier clone, if any
+    + tools: the Debian packages a build needs (space-separated; plan.kernel.build_tools): with
+      it, the "needs" section (`build_needs_command`: installed, apt candidates, free space)
 
     .. code:: python
 
@@ -716,22 +753,26 @@ class KernelStageFacts(FactBase):
                    "systemd": False, "pbt": True,
                    "esps": True,    # /etc/kernel/proxmox-boot-uuids exists: pins need a refresh
                    "headers_installed": False},   # proxmox-headers-<release> (pve-kernel Build-Conflicts)
-         "source": {"release": "6.14.11-9-bpo12-pve", "from": "<clone>"} or None}   # proxmox-git
+         "source": {"release": "6.14.11-9-bpo12-pve", "from": "<clone>"} or None,   # proxmox-git
+         "needs": {"installed": ["git", …], "candidates": {"equivs": "2.3.1"}, "free_kib": 52428800,
+                   "free_path": "/var/lib"}}   # with tools (parse_build_needs)
     """
 
     def command(self, build_dir: str, release: str, url: str | None = None, ref: str | None = None,
-                signing_cert: str | None = None) -> str:
+                signing_cert: str | None = None, tools: str | None = None) -> str:
         source = (f"echo '{PROBE_SECTION}source'; ( {source_makefile_command(url, ref)} ) 2>/dev/null; "
                   if url and ref else "")
+        needs = (f"echo '{PROBE_SECTION}needs'; ( {build_needs_command(tools.split(), release)} ) 2>/dev/null; "
+                 if tools else "")
         return (
             f"echo '{PROBE_SECTION}kernels'; ( {ProxmoxKernels.command} ) 2>/dev/null; "
             f"echo '{PROBE_SECTION}build'; ( {build_state_command(build_dir, release, signing_cert)} ) 2>/dev/null; "
-            f"{source}true"
+            f"{source}{needs}true"
         )
 
     def process(self, output):
         return parse_sections(output, {"kernels": ProxmoxKernels().process, "build": parse_build_state,
-                                       "source": parse_source_makefile}, PROBE_SECTION)
+                                       "source": parse_source_makefile, "needs": parse_build_needs}, PROBE_SECTION)
 
 
 # The driver x kernel gate (operations/kernel.py nvidia_gate, templates/kernel-nvidia-gate.sh.j2):

@@ -55,7 +55,8 @@ def build_script(k: KernelSpec, base: str, jobs: int, build_dir: str) -> str:
         "kernel-build.sh.j2", build_dir=build_dir, version=k.version, kind=k.source.kind, jobs=int(jobs),
         ccache=k.ccache, base_config=base, fragments=list(k.config_fragments),
         url=k.source.url, sha256=k.source.sha256 or "", ref=k.source.ref or "", localversion=plan.localversion(k),
-        pkgversion="1", local_suffix=plan.LOCAL_KREL_SUFFIX)
+        pkgversion="1", local_suffix=plan.LOCAL_KREL_SUFFIX, ccache_dir=plan.CCACHE_DIR,
+        ccache_max_size=plan.CCACHE_MAX_SIZE)
 
 
 def wait_for_build(state, host, build_dir: str, total: int | None, poll_s: float = POLL_S,
@@ -111,6 +112,16 @@ def nvidia_gate(fetch: str, script: str):
     """
     yield StringCommand(fetch)
     yield StringCommand(f"/bin/sh -c {shlex.quote(script)}")
+
+
+@operation()
+def install_build_tools(packages: list[str]):
+    """apt-get install the Debian packages the build needs and lacks (plan.kernel.build_tools),
+    before the build starts; when apt cannot, the op fails naming them and nothing is built."""
+    if not packages:
+        host.noop("the kernel build's packages are installed")
+        return
+    yield StringCommand(plan.install_tools_command(packages))
 
 
 @operation()
@@ -181,7 +192,8 @@ def stage_facts(k: KernelSpec) -> dict:
 
 
 def fact_args(k: KernelSpec, base: str) -> dict:
-    args: dict[str, str | None] = {"build_dir": plan.build_dir(k, base), "release": k.version}
+    args: dict[str, str | None] = {"build_dir": plan.build_dir(k, base), "release": k.version,
+                                   "tools": " ".join(plan.build_tools(k))}
     if k.signing:
         args["signing_cert"] = k.signing.cert
     if k.source.kind == "proxmox-git":
@@ -226,6 +238,9 @@ def preflight(spec: HostSpec) -> list[str]:
                         "Conflicts/Replaces proxmox-kernel-<release>). Boot that kernel as it is (drop spec.kernel), "
                         "or build a release of your own (proxmox-git builds get KREL_EXTRA + "
                         f"{plan.LOCAL_KREL_SUFFIX}; a tarball build a LOCALVERSION in kernel.version)")
+    if decision["action"] == "build":
+        needs = facts.get("needs") or {}
+        refusals += [r for r in (plan.tools_refusal(k, needs), plan.space_refusal(k, base_config_of(k), needs)) if r]
     sb_refusal = plan.secure_boot_refusal(k, facts["build"])
     if sb_refusal and decision["action"] in ("build", "attach", "install", "trial"):
         # shim verifies the kernel image GRUB loads (Proxmox's Secure Boot chain: shim -> GRUB ->
@@ -291,6 +306,11 @@ def apply(spec: HostSpec) -> None:
             "kernel-build-manifest.json.j2", build_id=plan.build_id(k, base), version=k.version, kind=k.source.kind,
             url=k.source.url, ref=k.source.ref or k.source.sha256, base_config=base,
             fragments=list(k.config_fragments), jobs=jobs)
+        if action == "build":
+            to_install, _ = plan.missing_tools(k, facts.get("needs") or {})
+            if to_install:
+                install_build_tools(name=f"Install the kernel build's packages: {' '.join(to_install)}",
+                                    packages=to_install)
         last = progress.announce(f"kernel {k.version} build", f"kernel-{plan.build_id(k, base)}")
         total = (build["manifest"] or {}).get("objects") or (last or {}).get("objects") or None
         build_kernel(

@@ -8,6 +8,9 @@
     release_from_makefile(pve_kernel_makefile_text) -> "6.14.11-9-bpo12-pve"   # Proxmox's release of a ref (facts.kernel)
     built_release_from_makefile(text)              -> "6.14.11-9-bpo12-pvegpu-pve"  # what our build of it produces
     build_memory_max_kib(mem_total_kib, jobs)      -> MemoryMax= of the detached build
+    build_tools(kernel_spec)                       -> ["git", "make", "dpkg-dev", …]  # Debian packages build.sh runs
+    missing_tools(kernel_spec, needs)              -> (to install with apt, with no apt candidate)
+    build_space_kib(kernel_spec, base_config)      -> KiB free a build needs under BUILD_ROOT (measured: BUILD_SPACE_KIB)
     package_globs(kind, release)                   -> ["linux-image-6.1.0-pvegpu_*.deb", …]
     boot loader interface (one trial = one boot; see the section below):
     trial_loader(build_facts)                      -> ("systemd-boot"|"grub", None) or (None, why not)
@@ -48,6 +51,13 @@ from facts.kernel import (  # noqa: F401
 from spec.models import KernelSpec
 
 GIB_KIB = 1024 * 1024
+# The kernel build's ccache (templates/kernel-build.sh.j2): a directory and a cap of its own, so a
+# kernel build never evicts the NVIDIA module builds' cache (operations.nvidia CCACHE_DIR, ccache's
+# default 5 GB). The cap holds one full Proxmox build's objects: Debian's 6.12 -dbg package (the
+# DWARF of every module and vmlinux of a distro config) installs 6.4 GiB; ccache stores its
+# results zstd-compressed (ccache's default), so one build's objects fit with room for a second ref.
+CCACHE_DIR = "/var/cache/pvegpu/ccache-kernel"
+CCACHE_MAX_SIZE = "12G"
 PER_JOB_KIB = 2 * GIB_KIB
 BUILD_UNIT = "pvegpu-kernel-build"
 # a kbuild output line that produced one object / target
@@ -115,6 +125,104 @@ def build_memory_max_kib(mem_total_kib: int | None, jobs: int, per_job_kib: int 
     wanted = jobs * per_job_kib + 2 * GIB_KIB
     ceiling = mem_total_kib - max(2 * GIB_KIB, mem_total_kib // 8)
     return max(per_job_kib, min(wanted, ceiling))
+
+
+# The Debian packages build.sh itself runs, before (proxmox-git) mk-build-deps installs the
+# Build-Depends of pve-kernel's debian/control at the ref (its README: devscripts, then
+# mk-build-deps on the generated control). The stage installs the missing ones with apt before it
+# starts a build (operations.kernel install_build_tools), or refuses when apt has no candidate.
+PROXMOX_GIT_TOOLS = (
+    "git",  # clone, checkout, submodules; pve-kernel's Makefile (debian.prepared) runs git rev-parse
+    "make",
+    "dpkg-dev",  # the Makefile's include /usr/share/dpkg/pkg-info.mk; dpkg-buildpackage, dpkg-checkbuilddeps
+    "build-essential",  # dpkg-checkbuilddeps adds build-essential:native (dpkg Dpkg/Vendor/Debian.pm builtin-build-depends)
+    "devscripts",  # mk-build-deps
+    "equivs",  # equivs-build, which mk-build-deps runs (devscripts only recommends it)
+)
+# `make bindeb-pkg` of a kernel.org/Debian tarball: the Build-Depends the kernel's own
+# scripts/package/mkdebian writes (bc, rsync, kmod, cpio, bison, flex, libelf-dev, libssl-dev),
+# the compiler and dpkg-dev (dpkg-buildpackage), xz to unpack
+TARBALL_TOOLS = ("make", "build-essential", "dpkg-dev", "xz-utils", "bc", "rsync", "kmod", "cpio", "bison", "flex",
+                 "libelf-dev", "libssl-dev")
+
+
+def build_tools(kernel: KernelSpec) -> list[str]:
+    """The Debian packages a build of `kernel` needs before it starts (see PROXMOX_GIT_TOOLS)."""
+    tools = list(PROXMOX_GIT_TOOLS if kernel.source.kind == "proxmox-git" else TARBALL_TOOLS)
+    if kernel.source.kind == "tarball" and kernel.source.url.startswith(("http://", "https://")):
+        tools.append("curl")
+    if kernel.ccache:
+        tools.append("ccache")
+    return tools
+
+
+def missing_tools(kernel: KernelSpec, needs: dict) -> tuple[list[str], list[str]]:
+    """(packages apt installs, packages apt has no candidate for) among build_tools(kernel) that
+    are not installed. `needs`: KernelStageFacts["needs"] ({"installed": [...], "candidates":
+    {package: version or None}, "unasked": [...]}); a package apt was not asked about is left to
+    apt-get (install_tools_command stops with the list when it cannot)."""
+    installed = set(needs.get("installed") or [])
+    candidates = needs.get("candidates") or {}
+    missing = [t for t in build_tools(kernel) if t not in installed]
+    unavailable = [t for t in missing if t in candidates and not candidates[t]]
+    return [t for t in missing if t not in unavailable], unavailable
+
+
+def tools_refusal(kernel: KernelSpec, needs: dict) -> str | None:
+    """The preflight refusal when a package the build needs is missing and apt cannot install it."""
+    _, unavailable = missing_tools(kernel, needs)
+    if not unavailable:
+        return None
+    return (f"the kernel build ({kernel.source.kind}) needs {', '.join(unavailable)}, not installed, and apt has no "
+            f"candidate for {'it' if len(unavailable) == 1 else 'them'} (apt-get update, or add the Debian repository "
+            "that has them); nothing was built")
+
+
+# Free space a build needs under BUILD_ROOT, checked before it starts (space_refusal). How each
+# figure was measured (2026-12-04, on this repo's CI machine):
+# - the tarball source CI builds (Debian's linux-source-6.1, 6.1.192): source.tar 139 MB; unpacked,
+#   1.30 GB of file bytes in 83,731 files (`xz -dc | tar -tv`, sizes summed): ~1.5 GiB on disk.
+# - a tinyconfig build of it (tests/e2e/test_kernel_build.py, `du -sk` of the twin's build dir
+#   every 45 s): 1,607,104 KiB once unpacked, 1,773,564 KiB at its peak (objects and .debs
+#   included) = 1.7 GiB -> 3 GiB.
+# - a distro config (a Proxmox kernel: Ubuntu's annotations config, debug info on): its objects
+#   carry DWARF once as .o and again linked into each .ko and vmlinux; Debian's 6.12 -dbg package
+#   (that DWARF alone, from bookworm-security's Packages: Installed-Size 6,710,153 KiB) gives
+#   2 x 6.4 = 12.8 GiB of objects, plus the packaging trees and .debs (~1.5 GiB: the 6.1 image
+#   package installs 0.4 GiB, and dpkg-buildpackage's debian/<pkg> trees hold it again).
+#   A tarball build with such a config: 1.5 + 12.8 + 1.5 = 15.8 GiB -> 20 GiB.
+# - proxmox-git adds, per pve-kernel's Makefile and debian/rules: the ubuntu-kernel submodule's
+#   worktree and its full-history git objects (a linux.git clone: ~5 GiB, not measured here), a
+#   `cp -a` of the worktree into BUILD_DIR and debian/rules' KERNEL_SRC_COPY for the headers
+#   (3 x 1.6 GiB) -> 15.8 + 5 + 4.8 = 25.6 GiB -> 32 GiB.
+BUILD_SPACE_KIB = {"tiny": 3 * GIB_KIB, "tarball": 20 * GIB_KIB, "proxmox-git": 32 * GIB_KIB}
+
+
+def build_space_kib(kernel: KernelSpec, base_config: str = "running") -> int:
+    """KiB of free space a build of `kernel` needs under BUILD_ROOT (BUILD_SPACE_KIB)."""
+    if kernel.source.kind == "proxmox-git":
+        return BUILD_SPACE_KIB["proxmox-git"]
+    return BUILD_SPACE_KIB["tiny" if base_config in ("tinyconfig", "allnoconfig") else "tarball"]
+
+
+def space_refusal(kernel: KernelSpec, base_config: str, needs: dict) -> str | None:
+    """The preflight refusal when the file system of BUILD_ROOT has less free than the build needs."""
+    free, where = needs.get("free_kib"), needs.get("free_path") or BUILD_ROOT
+    wanted = build_space_kib(kernel, base_config)
+    if free is None or free >= wanted:
+        return None
+    return (f"the kernel build of {kernel.version} needs {wanted / GIB_KIB:.1f} GiB free under {BUILD_ROOT}, and the "
+            f"file system of {where} has {free / GIB_KIB:.1f} GiB free; free some space there (old build dirs under "
+            f"{BUILD_ROOT} can go), nothing was built")
+
+
+def install_tools_command(packages: list[str]) -> str:
+    """apt-get install of the build's missing packages; on failure it says which and stops."""
+    names = " ".join(shlex.quote(p) for p in packages)
+    message = shlex.quote(f"pvegpu: apt could not install {' '.join(packages)}, which the kernel build needs; "
+                          "nothing was built")
+    return (f"DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends {names} "
+            f"|| {{ echo {message} >&2; exit 1; }}")
 
 
 def debs_of_release(kind: str, release: str, debs: list[str]) -> bool:

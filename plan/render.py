@@ -79,7 +79,8 @@ _BUILD = dict(archive="/var/cache/pvegpu/sources/" + "a" * 64 + "-595.45.04.tar.
 _KERNEL = dict(build_dir="/var/lib/pvegpu/kernel-build/6.14.11-4-pve-0123456789ab", version="6.14.11-4-pve",
                kind="proxmox-git", jobs=4, ccache=True, base_config="running",
                fragments=[], url="https://git.proxmox.com/git/pve-kernel.git", sha256="", ref="v6.14.11-4",
-               localversion="-4-pve", pkgversion="1", local_suffix="-pvegpu")
+               localversion="-4-pve", pkgversion="1", local_suffix="-pvegpu",
+               ccache_dir="/var/cache/pvegpu/ccache-kernel", ccache_max_size="12G")
 SHELL_EXAMPLES: dict[str, list[dict]] = {
     "nvidia-fetch-source.sh.j2": [
         dict(url="https://github.com/NVIDIA/open-gpu-kernel-modules/archive/refs/tags/595.45.04.tar.gz",

@@ -7,8 +7,10 @@ still installed; a re-run changes nothing.
 Where the time goes (2 cores): compiling ~600 objects is the floor of an x86_64 tinyconfig; the
 fragments below switch off what tinyconfig still builds and nobody here needs (VT + input,
 six initramfs decompressors, speculation thunks; about 70 objects), and the stage unpacks with
-xz -T0 and packs gzip .debs. ccache only when a warm cache exists (.cache/kernel-ccache): a cold
-one (CI) costs a second preprocessor pass per object and saves nothing.
+xz -T0 and packs gzip .debs. ccache is on (the kernel's own cache dir, seeded from
+.cache/kernel-ccache when an earlier run left one): then a second ref (another release, so
+another build dir) is built, and its compiles are answered from the cache the first left
+(issue 27 part 4: CCACHE_BASEDIR + hash_dir off; the build dir is not in the hash).
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from plan import kernel as plan
+from spec.models import KernelSpec
 from tests.e2e.harness import REPO, run_pyinfra
+from tests.e2e.test_driver_build import ccache_counters
 from tests.e2e.test_kernel_trial_e2e import loader_default, oneshot
 from tests.twin import runtime
 
@@ -29,7 +34,7 @@ pytestmark = [pytest.mark.twin, pytest.mark.slow]
 STAGES = "operations.kernel,operations.reboot"
 CCACHE = REPO / ".cache" / "kernel-ccache"
 TWIN_SOURCE = "/var/cache/pvegpu/linux-source-6.1.tar.xz"
-TWIN_CCACHE = "var/cache/pvegpu/ccache"
+TWIN_CCACHE = plan.CCACHE_DIR.lstrip("/")
 FRAGMENTS = ["CONFIG_64BIT=y", "CONFIG_MODULES=y", "CONFIG_BLK_DEV_INITRD=y", "CONFIG_RD_GZIP=y",
              "CONFIG_PRINTK=y", "CONFIG_TTY=y", "CONFIG_BINFMT_ELF=y", "CONFIG_PROC_FS=y", "CONFIG_SYSFS=y",
              # not needed to boot the twin's root; each is compile time on a 2-core CI
@@ -64,7 +69,7 @@ def test_kernel_build_install_trial_boot_and_pin(twin_factory, linux_source):
         shutil.copytree(CCACHE, root / TWIN_CCACHE, dirs_exist_ok=True)
     old_release = twin_run(twin.name, "uname", "-r").strip()
     kernel = {"version": release, "source": {"kind": "tarball", "url": TWIN_SOURCE, "sha256": sha256},
-              "config_fragments": FRAGMENTS, "base_config": "tinyconfig", "jobs": "auto", "ccache": CCACHE.is_dir()}
+              "config_fragments": FRAGMENTS, "base_config": "tinyconfig", "jobs": "auto", "ccache": True}
     env = {"PVEGPU_TWINS": twin.name, "PVEGPU_STAGES": STAGES, "PVEGPU_E2E_KERNEL": json.dumps(kernel)}
 
     # 1: build + install + trial pin; reboot not allowed yet, so we can look at the pin
@@ -104,3 +109,17 @@ def test_kernel_build_install_trial_boot_and_pin(twin_factory, linux_source):
     third = run_pyinfra("inventories/twin.py", "tests/e2e/stage_deploy.py", env=env, timeout=600)
     assert third.rc == 0, third.output[-4000:]
     assert third.changed == 0 and "no reboot pending" in third.output, third.output[-4000:]
+
+    # 4: a second ref (another release: another build dir), built and installed without a trial:
+    # the compiles the first build did are hits now
+    stats = f"CCACHE_DIR={plan.CCACHE_DIR} ccache"
+    twin_run(twin.name, f"{stats} -z")  # one argument: ssh hands the remote shell one line
+    second_ref = {**kernel, "version": f"{upstream}-pvegpu-ci2", "trial_boot": False}
+    assert plan.build_dir(KernelSpec(**second_ref), "tinyconfig") != plan.build_dir(KernelSpec(**kernel), "tinyconfig")
+    fourth = run_pyinfra("inventories/twin.py", "tests/e2e/stage_deploy.py", timeout=1800,
+                         env={**env, "PVEGPU_E2E_KERNEL": json.dumps(second_ref), "PVEGPU_E2E_NO_REBOOT": "1"})
+    assert fourth.rc == 0, fourth.output[-6000:]
+    counters = ccache_counters(twin_run(twin.name, f"{stats} --print-stats"))
+    hits = counters["direct_cache_hit"] + counters["preprocessed_cache_hit"]
+    print(f"second ref: ccache {hits} hits, {counters['cache_miss']} misses")
+    assert hits > 0 and counters["cache_miss"] * 10 <= hits, counters

@@ -45,3 +45,13 @@ def test_import_takes_the_other_machines_figure(monkeypatch, tmp_path):
     _write(other, {"fleet8_vs_1": {"value": 1.19}, "fleet8_vs_1_many_cores": MANY})
     got = _main(monkeypatch, tmp_path, ["--import-many-cores", str(other)], {})
     assert got == {"fleet8_vs_1": {"value": 1.76}, "fleet8_vs_1_many_cores": MANY}
+
+
+def test_kernel_second_ref_figure_is_reported_and_kept(monkeypatch, tmp_path, capsys):
+    _write(tmp_path / "results.json", {"facts_commands": {"value": 2}})
+    figure = {"value": 0.25, "cold_s": 600.0, "warm_s": 150.0,
+              "runs": {"warm": {"ccache": {"direct_cache_hit": 700, "preprocessed_cache_hit": 0, "cache_miss": 7}}}}
+    got = _main(monkeypatch, tmp_path, ["--only", "kernel"],
+                {"kernel": lambda r: r.update(kernel_second_ref_vs_first=dict(figure))})
+    assert got["kernel_second_ref_vs_first"]["value"] == 0.25 and got["facts_commands"]["value"] == 2
+    assert "kernel_second_ref_vs_first       0.25 (warm 150.0 s / cold 600.0 s" in capsys.readouterr().out

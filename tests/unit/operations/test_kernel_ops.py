@@ -50,12 +50,14 @@ def test_proxmox_git_script_follows_the_pve_kernel_readme():
     k = KernelSpec(version="6.14.8-2-pve", source=GIT)
     text = script_for(k, jobs=12)
     assert sh(f"sh -n /dev/stdin <<'EOF'\n{text}\nEOF").returncode == 0
-    order = ["git checkout --force v6.14.8-2", "pvegpu-kvname", "git submodule update", "make build-dir-fresh",
-             "mk-build-deps -ir", 'export PATH="/usr/lib/ccache:$PATH"', "dpkg-buildpackage --jobs=12 -b -uc -us"]
+    # the ref's Build-Depends (debian/control of debian.prepared) before the submodules are fetched
+    order = ["git checkout --force v6.14.8-2", "pvegpu-kvname", "make debian.prepared", "dpkg-checkbuilddeps",
+             "mk-build-deps -ir", "git submodule update", "make build-dir-fresh",
+             'export PATH="/usr/lib/ccache:$PATH"', "dpkg-buildpackage --jobs=12 -b -uc -us"]
     positions = [text.index(s) for s in order]
     assert positions == sorted(positions)
     # pve-kernel has no PVE_KERNEL_CC, and its `make deb` would run dpkg-buildpackage --jobs=auto
-    assert "PVE_KERNEL_CC" not in text and not re.search(r"^[^#]*make deb", text, re.M)
+    assert "PVE_KERNEL_CC" not in text and not re.search(r"^[^#]*make deb\b", text, re.M)
 
 
 def test_manifest_is_json_once_build_sh_fills_it(tmp_path):
