@@ -27,10 +27,7 @@ import fnmatch
 import hashlib
 import json
 import re
-import shlex
 
-# The kernel stage's host paths and pve-kernel's Makefile reader live with the fact that reads
-# them (facts.kernel); plan.kernel names them too, for its own use and its callers'.
 from facts.kernel import (  # noqa: F401
     BUILD_ROOT,
     LOCAL_KREL_SUFFIX,
@@ -42,6 +39,10 @@ from facts.kernel import (  # noqa: F401
     makefile_variables,
     release_from_makefile,
 )
+
+# The kernel stage's host paths and pve-kernel's Makefile reader live with the fact that reads
+# them (facts.kernel); plan.kernel names them too, for its own use and its callers'.
+from facts.shell import operands, word
 from spec.models import KernelSpec
 
 GIB_KIB = 1024 * 1024
@@ -235,10 +236,14 @@ def grub_release_of(entry: str | None) -> str | None:
 def set_default_command(release: str, loader: str, advanced_id: str | None = None) -> str:
     """Make `release` the loader default for good (every later boot)."""
     if loader == SYSTEMD_BOOT:
-        return f"proxmox-boot-tool kernel pin {shlex.quote(release)} && {REFRESH}"
+        # proxmox-boot-tool (proxmox-kernel-helper bin/proxmox-boot-tool) reads the release as "$2",
+        # no '--': a leading '-' is refused (kernel.version starts with a digit at load)
+        return f"proxmox-boot-tool kernel pin {operands(release, '')} && {REFRESH}"
     if not advanced_id:
         raise ValueError("a GRUB default needs the Advanced-options id of /boot/grub/grub.cfg")
-    return f"grub-set-default {shlex.quote(grub_entry_id(release, advanced_id))}"
+    # grub-set-default/grub-reboot (grub util/grub-set-default.in): any '-*' is an unknown option,
+    # no '--'; the entry id starts with 'gnulinux-'
+    return f"grub-set-default {operands(grub_entry_id(release, advanced_id), '')}"
 
 
 def oneshot_command(release: str, loader: str, panic_s: int, advanced_id: str | None = None) -> str:
@@ -251,7 +256,7 @@ def oneshot_command(release: str, loader: str, panic_s: int, advanced_id: str | 
         return trial_entry_command(release, "arm", panic_s)
     if not advanced_id:
         raise ValueError("a GRUB one-shot needs the Advanced-options id of /boot/grub/grub.cfg")
-    return f"update-grub && {GRUB_SAVED_CHECK} && grub-reboot {shlex.quote(grub_entry_id(release, advanced_id))}"
+    return f"update-grub && {GRUB_SAVED_CHECK} && grub-reboot {operands(grub_entry_id(release, advanced_id), '')}"
 
 
 def clear_oneshot_command(release: str, loader: str) -> str:
@@ -265,7 +270,7 @@ def trial_entry_command(release: str, mode: str, panic_s: int) -> str:
     from plan.render import render_template
     script = render_template("kernel-trial-entry.sh.j2", release=release, mode=mode, entry=trial_entry(release),
                              panic_s=int(panic_s))
-    return f"unshare --mount --propagation private /bin/sh -c {shlex.quote(script)}"
+    return f"unshare --mount --propagation private /bin/sh -c {word(script)}"
 
 
 def trial_loader(build: dict) -> tuple[str | None, str | None]:
@@ -304,9 +309,9 @@ def default_release(kernels: dict, build: dict, loader: str | None) -> str | Non
 def arm_trial_command(release: str) -> str:
     """Mark the trial as set up: TRIAL_MARKER (kept) and TRIAL_ARMED (under /run, a tmpfs: gone at
     the next boot, so a later run tells "not rebooted yet" from "the trial boot happened")."""
-    r = shlex.quote(release + "\n")
-    return (f"mkdir -p {shlex.quote(STATE_DIR)} {shlex.quote(TRIAL_ARMED.rsplit('/', 1)[0])} && "
-            f"printf %s {r} > {shlex.quote(TRIAL_MARKER)} && printf %s {r} > {shlex.quote(TRIAL_ARMED)}")
+    r = word(release + "\n")
+    return (f"mkdir -p {word(STATE_DIR)} {word(TRIAL_ARMED.rsplit('/', 1)[0])} && "
+            f"printf %s {r} > {word(TRIAL_MARKER)} && printf %s {r} > {word(TRIAL_ARMED)}")
 
 
 def finish_trial_command(release: str, loader: str, wanted_build_id: str, advanced_id: str | None = None,
@@ -315,17 +320,17 @@ def finish_trial_command(release: str, loader: str, wanted_build_id: str, advanc
     good; else keep the evidence (TRIAL_FAILED: the release, its build id, the kernel that came
     up) so later runs report it and do not try again until the spec changes. Either way the
     trial's one-shot is cleared and the marker goes. `fail`: exit 1 after a failed trial."""
-    q = shlex.quote(release)
+    q = word(release)
     clear = clear_oneshot_command(release, loader)
     record = (f"printf '{{\"release\": \"%s\", \"build_id\": \"%s\", \"came_up_on\": \"%s\"}}\\n' {q} "
-              f"{shlex.quote(wanted_build_id)} \"$(uname -r)\" > {shlex.quote(TRIAL_FAILED)}")
-    message = shlex.quote(f"pvegpu: the trial boot of {release} came up on ")
-    tail = shlex.quote("; the default stays on the known-good kernel and the trial is not tried again until "
+              f"{word(wanted_build_id)} \"$(uname -r)\" > {word(TRIAL_FAILED)}")
+    message = word(f"pvegpu: the trial boot of {release} came up on ")
+    tail = word("; the default stays on the known-good kernel and the trial is not tried again until "
                        f"the spec changes (rm {TRIAL_FAILED} to try again)")
     return (
         f'if [ "$(uname -r)" = {q} ]; then {set_default_command(release, loader, advanced_id)} && {clear} && '
-        f"rm -f {shlex.quote(TRIAL_MARKER)} {shlex.quote(TRIAL_FAILED)}; "
-        f"else {record} && {clear} && rm -f {shlex.quote(TRIAL_MARKER)} && "
+        f"rm -f {word(TRIAL_MARKER)} {word(TRIAL_FAILED)}; "
+        f"else {record} && {clear} && rm -f {word(TRIAL_MARKER)} && "
         f'echo {message}"$(uname -r)"{tail} >&2{"; exit 1" if fail else ""}; fi'
     )
 
@@ -365,11 +370,11 @@ def purge_command(packages: list[str]) -> str:
     """apt-get purge of exactly `packages`: a simulation first, and nothing is removed when apt
     would remove more (a meta package such as proxmox-default-kernel, and proxmox-ve with it,
     depending on one of them)."""
-    names = " ".join(shlex.quote(p) for p in packages)
-    wanted = shlex.quote("\n".join(sorted(packages)))
+    names = " ".join(word(p) for p in packages)
+    wanted = word("\n".join(sorted(packages)))
     return (f"sim=$(apt-get -s -y purge {names} | awk '/^(Remv|Purg) / {{print $2}}' | sort -u); "
             f'if [ "$sim" != {wanted} ]; then echo "pvegpu: kernel.remove_old: apt would also remove: '
-            f"$(printf '%s\\n' \"$sim\" | grep -vxF -e {' -e '.join(shlex.quote(p) for p in packages)} | tr '\\n' ' ')"
+            f"$(printf '%s\\n' \"$sim\" | grep -vxF -e {' -e '.join(word(p) for p in packages)} | tr '\\n' ' ')"
             f'; nothing removed" >&2; exit 1; fi; '
             f"DEBIAN_FRONTEND=noninteractive apt-get -y purge {names}")
 
@@ -379,4 +384,4 @@ def zfs_guard_command(release: str) -> str:
     """Fails, naming the features, when / is on a ZFS pool with a feature enabled or active that
     the ZFS module of `release` does not know (templates/kernel-zfs-guard.sh.j2); else nothing."""
     from plan.render import render_template
-    return f"/bin/sh -c {shlex.quote(render_template('kernel-zfs-guard.sh.j2', release=release))}"
+    return f"/bin/sh -c {word(render_template('kernel-zfs-guard.sh.j2', release=release))}"
