@@ -342,8 +342,16 @@ def test_walk_nvidia_source_url(tmp_path):
     accepted, refused = load_values(tmp_path, "nvidia.installer.url", values, lambda v: {
         "nvidia": {"version": "595.71.05", "installer": {"url": v, "sha256": INSTALLER_SHA}}})
     assert len(values) >= 1500 and refused and accepted
+    from operations import containers as ct_ops
+
     for spec in accepted.values():  # the cached file (and its .part) is one file name within NAME_MAX
-        assert len((nvidia_ops.cached_source(installer_of(spec)).rsplit("/", 1)[-1] + ".part").encode()) <= 255
+        cached = nvidia_ops.cached_source(installer_of(spec))
+        assert len((cached.rsplit("/", 1)[-1] + ".part").encode()) <= 255
+        # the host's installer commands and the CT install take the cached path (and the URL) as one word
+        for script in (nvidia_ops.installer_version_command(cached, "595.71.05"), nvidia_ops.userspace_command(cached),
+                       ct_ops.install_command(200, "595.71.05", installer_of(spec).url, INSTALLER_SHA, cached, True)):
+            one_word_each(script, [cached, installer_of(spec).url])
+        assert nvidia_ops.userspace_command(cached).startswith(f"sh -- {shlex.quote(cached)} ")
     run = to_run(accepted, lambda s: installer_of(s).url)
     scripts = {}
     for i, spec in run.items():
