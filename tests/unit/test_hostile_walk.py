@@ -448,6 +448,21 @@ def test_walk_nvreg_values(tmp_path):
         nvreg = dict(nvidia_of(spec).nvreg)
         text = nvidia_plan.render_modprobe_conf(False, "", nvreg)
         assert module_options(text) == [(k, str(v)) for k, v in sorted(nvreg.items())], text
+    # kmod itself (the twin root's Debian kmod, `modprobe -C DIR -c`) reads each file's options line whole
+    kmod = sorted((Path(__file__).resolve().parents[2] / ".cache/twin").glob("root-*/bin/kmod"))
+    if not kmod:
+        return  # no twin root cached here: the model above stands alone
+    root = kmod[0].parent.parent
+    for i, spec in to_run(accepted, lambda s: str(nvidia_of(s).nvreg["NVreg_RegistryDwords"])).items():
+        text = nvidia_plan.render_modprobe_conf(False, "", dict(nvidia_of(spec).nvreg))
+        (tmp_path / f"m{i}").mkdir()
+        (tmp_path / f"m{i}" / "nvidia.conf").write_text(text)
+        shown = subprocess.run([str(root / "lib64/ld-linux-x86-64.so.2"), "--library-path", str(root / "lib/x86_64-linux-gnu"),
+                                "--argv0", "modprobe", str(kmod[0]), "-C", str(tmp_path / f"m{i}"), "-c"],
+                               capture_output=True, text=True, timeout=30)
+        ours = [line for line in text.splitlines() if line.startswith("options nvidia ")]
+        # (kmod also lists the kernel command line's nvidia.* parameters as options lines: ours must be there)
+        assert ours and set(ours) <= set(shown.stdout.splitlines()), (ours, shown.stdout[:400], shown.stderr)
 
 
 GOOD_HOSTS = ["fe80::1%vmbr0", "2001:db8::1", "10.0.0.1", "kpro6.lab.internal"]
