@@ -19,11 +19,12 @@ e.g. ``cp /var/lib/pvegpu/backup/etc/pve/lxc/200.conf/<time> /etc/pve/lxc/200.co
 from __future__ import annotations
 
 import difflib
-import shlex
 import sys
 
 from pyinfra import host, logger
 from pyinfra.api import StringCommand, operation
+
+from facts.shell import operands, word
 
 BACKUP_ROOT = "/var/lib/pvegpu/backup"
 PCI_CFG = "/etc/pve/mapping/pci.cfg"
@@ -36,9 +37,9 @@ def backup_dir(path: str, root: str = BACKUP_ROOT) -> str:
 
 def backup_command(path: str, keep: int = KEEP, root: str = BACKUP_ROOT) -> str:
     """Copy `path` (if it exists) to its backup directory and keep the newest `keep` copies."""
-    q, d = shlex.quote(path), shlex.quote(backup_dir(path, root))
-    return (f"{{ if [ -f {q} ]; then mkdir -p {d} && chmod 700 {shlex.quote(root)} && "
-            f"cp {q} {d}/\"$(date -u +%Y%m%dT%H%M%S.%NZ)\" && "
+    q, d = word(path), word(backup_dir(path, root))
+    return (f"{{ if [ -f {q} ]; then mkdir -p {operands(backup_dir(path, root))} && chmod 700 {operands(root)} && "
+            f"cp -- {q} {d}/\"$(date -u +%Y%m%dT%H%M%S.%NZ)\" && "
             f"ls -1 {d} | sort | head -n -{int(keep)} | while read -r old; do rm -f {d}/\"$old\"; done; fi; }}")
 
 

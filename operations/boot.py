@@ -17,14 +17,13 @@ Facts: one batched remote command (`BootStageFacts`) for the whole stage.
 
 from __future__ import annotations
 
-import shlex
-
 from pyinfra import host
 from pyinfra.api import StringCommand, deploy, operation
 
 from facts.boot import KERNEL_CMDLINE, NOUVEAU_CONF, VFIO_CONF, BootStageFacts
 from facts.once import fact_once
 from facts.run_state import need_reboot
+from facts.shell import word
 from operations import handlers
 from operations.files import file_current, write_file_command
 from plan import boot as plan
@@ -118,8 +117,9 @@ def grub_keep_default_command(grub_default: str) -> str:
     """grub-set-default <the old GRUB_DEFAULT> unless grubenv has a saved_entry (saved_entry
     takes what GRUB_DEFAULT takes: an index, a title or an id path; grub util/grub-set-default.in
     writes it with grub-editenv)."""
+    # GRUB_DEFAULT is the host's, not the spec's; grub-set-default has no '--' and fails on a '-*' word
     return (f"if ! grub-editenv /boot/grub/grubenv list 2>/dev/null | grep -q '^saved_entry='; then "
-            f"grub-set-default {shlex.quote(grub_default)}; fi")
+            f"grub-set-default {word(grub_default)}; fi")
 
 
 def cmdline_mode(state: dict | None) -> str:

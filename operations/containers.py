@@ -18,14 +18,13 @@ state is this run's `facts.guest_state.guest_state()` (read by the GPU stage).
 
 from __future__ import annotations
 
-import shlex
-
 from pyinfra import host, logger
 from pyinfra.api import deploy, operation
 
 from facts.containers import ContainerUserspace
 from facts.guest_state import guest_state, running_containers, with_ct_status
 from facts.once import fact_once
+from facts.shell import word
 from operations import progress
 from operations.nvidia import cached_source, fetch_source_command
 from plan.containers import INSTALLER_FLAGS, LIB_DIRS, ct_installer_path, plan_userspace
@@ -56,20 +55,22 @@ def install_command(ctid: int, version: str, installer_url: str, sha256: str, ca
     CT, run it without kernel modules, remove it, check the library (and, when the host runs
     `version`, that NVML inside does not report a driver/library version mismatch). Every value
     is quoted."""
-    q_ct, inside = shlex.quote(str(ctid)), ct_installer_path(version)
-    q_in = shlex.quote(inside)
+    # pct parses with Getopt::Long (pve-common JSONSchema.pm get_options): its operands here are the
+    # CT id (an int >= 100 from the spec) and absolute paths pvegpu makes, never an option
+    q_ct, inside = word(str(int(ctid))), ct_installer_path(version)
+    q_in = word(inside)
     flags = " ".join(INSTALLER_FLAGS)
-    lib_check = " || ".join(f"[ -e {shlex.quote(f'{d}/libnvidia-ml.so.{version}')} ]" for d in LIB_DIRS)
-    failed = shlex.quote(f"pvegpu: the NVIDIA {version} installer failed in CT {ctid} (exit ")
-    failed_tail = shlex.quote("); see /var/log/nvidia-installer.log inside it")
-    nolib = shlex.quote(f"pvegpu: after the install CT {ctid} has no libnvidia-ml.so.{version}")
-    nvml = shlex.quote(f"pvegpu: nvidia-smi fails in CT {ctid} after installing {version}: ")
+    lib_check = " || ".join(f"[ -e {word(f'{d}/libnvidia-ml.so.{version}')} ]" for d in LIB_DIRS)
+    failed = word(f"pvegpu: the NVIDIA {version} installer failed in CT {ctid} (exit ")
+    failed_tail = word("); see /var/log/nvidia-installer.log inside it")
+    nolib = word(f"pvegpu: after the install CT {ctid} has no libnvidia-ml.so.{version}")
+    nvml = word(f"pvegpu: nvidia-smi fails in CT {ctid} after installing {version}: ")
     parts = [
         f"( {fetch_source_command(installer_url, sha256, cached)} )",
-        f"pct push {q_ct} {shlex.quote(cached)} {q_in} --perms 0700",
+        f"pct push {q_ct} {word(cached)} {q_in} --perms 0700",
         f"{{ pct exec {q_ct} -- sh {q_in} {flags}; rc=$?; pct exec {q_ct} -- rm -f {q_in}; "
         f"[ $rc -eq 0 ] || {{ echo {failed}\"$rc\"{failed_tail} >&2; exit 1; }}; }}",
-        f"{{ pct exec {q_ct} -- sh -c {shlex.quote(lib_check)} || {{ echo {nolib} >&2; exit 1; }}; }}",
+        f"{{ pct exec {q_ct} -- sh -c {word(lib_check)} || {{ echo {nolib} >&2; exit 1; }}; }}",
     ]
     if check_nvml:
         # Only NVML's verdict on the versions is this stage's to judge: nvidia-smi also fails while

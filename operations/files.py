@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import shlex
 
 from pyinfra import host
 from pyinfra.api import StringCommand, operation
 
 from facts.files import FileTexts, ManagedFiles
+from facts.shell import operands, word
 from operations.backup import is_dry, log_diff
 
 
@@ -25,14 +25,15 @@ def sha256_text(content: str) -> str:
 
 def write_file_command(path: str, content: str, mode: str = "644", keep_previous: bool = True) -> str:
     """The one shell command that writes `content` to `path` atomically."""
-    q = shlex.quote(path)
-    tmp = shlex.quote(path + ".pvegpu-tmp")
+    # a path may hold spec values (a unit's drop-in dir): coreutils' operands after '--'
+    q = word(path)
+    tmp = word(path + ".pvegpu-tmp")
     b64 = base64.b64encode(content.encode()).decode()
-    keep = f"if [ -f {q} ]; then cp -p {q} {shlex.quote(path + '.pvegpu-prev')}; fi; " if keep_previous else ""
+    keep = f"if [ -f {q} ]; then cp -p {operands([path, path + '.pvegpu-prev'])}; fi; " if keep_previous else ""
     return (
-        f"mkdir -p {shlex.quote(path.rsplit('/', 1)[0] or '/')} && "
-        f"printf %s {b64} | base64 -d > {tmp} && chmod {shlex.quote(mode)} {tmp} && "
-        f"{keep}mv -f {tmp} {q}"
+        f"mkdir -p {operands(path.rsplit('/', 1)[0] or '/')} && "
+        f"printf %s {b64} | base64 -d > {tmp} && chmod {word(mode)} {operands(path + '.pvegpu-tmp')} && "
+        f"{keep}mv -f {operands([path + '.pvegpu-tmp', path])}"
     )
 
 
@@ -74,7 +75,7 @@ def absent_file(path: str, state: dict | None = None):
     if state is None:
         host.noop(f"{path} is absent")
         return
-    yield StringCommand(f"rm -f {shlex.quote(path)}")
+    yield StringCommand(f"rm -f {operands(path)}")
 
 
 @operation()
@@ -83,4 +84,4 @@ def link_unit(link: str, target: str, current: str | None):
     if current == target:
         host.noop(f"{link} -> {target}")
         return
-    yield StringCommand(f"mkdir -p {shlex.quote(link.rsplit('/', 1)[0])} && ln -sfn {shlex.quote(target)} {shlex.quote(link)}")
+    yield StringCommand(f"mkdir -p {operands(link.rsplit('/', 1)[0])} && ln -sfn {operands([target, link])}")

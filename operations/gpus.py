@@ -43,7 +43,6 @@ that boot will give (`plan.gpus.boot_minors`). On a real host the same run rebin
 from __future__ import annotations
 
 import datetime
-import shlex
 from collections.abc import Sequence
 
 from pyinfra import host, logger
@@ -56,6 +55,7 @@ from facts.once import fact_once
 from facts.proxmox import HaResources, NodeName, PvePackages
 from facts.rebind import GpuHolders, GuestRuntime, RebindJournal
 from facts.run_state import need_reboot, run_state
+from facts.shell import word
 from operations import handlers
 from operations.files import file_current, managed_file
 from operations.proxmox import PveApi, api_of, guest_stop_commands, shutdown_shell, wait_stopped_shell
@@ -204,7 +204,7 @@ def rebind_gpus(plan: RebindPlan, nvidia: dict[str, dict], api: PveApi | None = 
     txid = txid or transaction_id(datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), host.name)
     script = rebind_script(plan, nvidia, txid, stop_guests=api is None, shutdown_timeout=shutdown_timeout,
                            ha_wait=list(ha_wait or []), carried=list(carried or []))
-    yield StringCommand("sh", "-c", shlex.quote(start_command(script, txid, systemd)))
+    yield StringCommand("sh", "-c", word(start_command(script, txid, systemd)))
 
 
 @operation()

@@ -29,13 +29,13 @@ way (raw `lxc.*` keys cannot go through the API).
 from __future__ import annotations
 
 import re
-import shlex
 
 from pyinfra import host, logger
 from pyinfra.api import OperationError, StringCommand, deploy, operation
 
 from facts.guest_state import guest_state
 from facts.guests import LXC_DIR, ContainerGpuState, VmMappingReferences
+from facts.shell import word
 from operations.backup import PCI_CFG, backup_command, keep_config, log_diff, pci_cfg_after, vm_config_after
 from operations.files import write_file_command
 from operations.gpus import (
@@ -88,7 +88,7 @@ def locked_config_write(kind: str, gid: int, path: str, text: str) -> str:
     GUI/API edit cannot interleave), and only while the config carries no `lock:` (checked under
     that flock; a lock makes the command fail naming it)."""
     lock = CONFIG_LOCK_FILE[kind].format(gid=gid)
-    q = shlex.quote
+    q = word
     label = "CT" if kind == "lxc" else "VM"
     locked = q(f"pvegpu: {label} {gid} is locked (") + '"$l"' + q("): its config is not written; re-run when the lock is gone")
     return (f"mkdir -p {q(lock.rsplit('/', 1)[0])} && ( flock -w {CONFIG_LOCK_TIMEOUT_S} 9 || "
@@ -195,8 +195,8 @@ def pci_mappings(changes: list, api: PveApi | None = None, unchanged: str = "PCI
 def vm_config_write(node: str, plan) -> tuple[PveWrite, str]:
     """One VM's config change as an API write and as the `qm set` line SSH runs."""
     params = tuple(plan.set_options.items()) + ((("delete", ",".join(plan.delete)),) if plan.delete else ())
-    q = shlex.quote(str(plan.vmid))
-    shell = " ".join([f"qm set {q}", *(f"--{k} {shlex.quote(v)}" for k, v in params)])
+    q = word(str(int(plan.vmid)))  # an int >= 100; option values as PveWrite.pvesh says
+    shell = " ".join([f"qm set {q}", *(f"--{k} {word(v)}" for k, v in params)])
     return PveWrite("set", f"/nodes/{node}/qemu/{plan.vmid}/config", params), shell
 
 

@@ -29,7 +29,6 @@ and the end-of-run step does not run it again.
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +38,7 @@ from pyinfra.api import StringCommand, deploy, operation
 from facts.files import ManagedFiles
 from facts.once import fact_once
 from facts.run_state import run_state
+from facts.shell import operands
 from operations.files import sha256_text, write_file_command
 
 DEPMOD = "depmod"
@@ -109,9 +109,10 @@ def notify(handler: str, why: str, target: Any = None) -> None:
 def depmod_command(inputs: dict) -> str:
     """`depmod <release>` for each release whose module dir (/lib/modules/<release>/…) is an input;
     depmod indexes one release per call (kmod 30 tools/depmod.c do_depmod: the first operand is the
-    one version, any further operands are module files to index instead of all)."""
+    one version, any further operands are module files to index instead of all; its getopt_long
+    loop ends at '--')."""
     releases = sorted({path[len(MODULES_ROOT):].split("/", 1)[0] for path in inputs if path.startswith(MODULES_ROOT)})
-    return " && ".join(f"depmod {shlex.quote(release)}" for release in releases) or "true"
+    return " && ".join(f"depmod {operands(release)}" for release in releases) or "true"
 
 
 def pending(target: Any = None) -> dict:
@@ -127,7 +128,7 @@ def stamp_text(inputs: dict[str, tuple[str, str]]) -> str:
 
 def run_command(command: str, stamp: str, stamp_file: str, legacy: Sequence[str] = ()) -> str:
     """The side effect, then (only if it succeeded) its stamp; old stamps go with it."""
-    cleanup = "".join(f" && rm -f {shlex.quote(p)}" for p in legacy)
+    cleanup = f" && rm -f {operands(list(legacy))}" if legacy else ""
     return f"{command} && {write_file_command(stamp_file, stamp, '644', False)}{cleanup}"
 
 

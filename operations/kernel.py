@@ -17,14 +17,13 @@ Facts: one batched remote command (`facts.kernel.KernelStageFacts`).
 
 from __future__ import annotations
 
-import shlex
-
 from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
 
 from facts.kernel import KernelStageFacts, NvidiaGateRecords
 from facts.once import fact_once
 from facts.run_state import need_reboot, record_trial_boot
+from facts.shell import operands, word
 from operations import nvidia, progress
 from operations.files import write_file_command
 from plan import kernel as plan
@@ -111,7 +110,7 @@ def nvidia_gate(fetch: str, script: str):
     + script: rendered templates/kernel-nvidia-gate.sh.j2 (gate_script)
     """
     yield StringCommand(fetch)
-    yield StringCommand(f"/bin/sh -c {shlex.quote(script)}")
+    yield StringCommand(f"/bin/sh -c {word(script)}")
 
 
 @operation()
@@ -132,13 +131,14 @@ def install_kernel(build_dir: str, release: str, kind: str, keep_default: str | 
     + keep_default: a command making the known-good kernel the loader default first
       (plan.kernel.keep_default_command), so the package's postinst does not make the new one it
     """
-    d = shlex.quote(build_dir)
+    d = word(build_dir)
     if keep_default:
         yield StringCommand(keep_default)
     globs = " ".join(f"{d}/{g}" for g in plan.package_globs(kind, release))
-    manifest = shlex.quote(f"{plan.STATE_DIR}/{release}.json")
-    yield StringCommand(f"DEBIAN_FRONTEND=noninteractive dpkg -i {globs}")
-    yield StringCommand(f"mkdir -p {shlex.quote(plan.STATE_DIR)} && cp {d}/manifest.json {manifest}")
+    manifest = word(f"{plan.STATE_DIR}/{release}.json")
+    # dpkg (lib/dpkg/options.c dpkg_options_parse) ends its options at '--'; the globs stay unquoted
+    yield StringCommand(f"DEBIAN_FRONTEND=noninteractive dpkg -i -- {globs}")
+    yield StringCommand(f"mkdir -p {operands(plan.STATE_DIR)} && cp -- {d}/manifest.json {manifest}")
 
 
 @operation()

@@ -19,14 +19,13 @@ hold: the installed kernel meta-packages of the series are held (`apt-mark hold`
 
 from __future__ import annotations
 
-import shlex
-
 from pyinfra import host, logger
 from pyinfra.api import StringCommand, deploy, operation
 
 from facts.files import ManagedFiles
 from facts.kernel_hook import HOLD_RECORD, HOOK_STATE, PIN_FILE, KernelHookState
 from facts.once import fact_once
+from facts.shell import operands, word
 from operations import nvidia
 from operations.files import file_current, managed_file
 from plan import kernel_hook as khplan
@@ -86,7 +85,7 @@ def preflight(spec) -> list[str]:
 @operation()
 def apt_mark(action: str, packages: list[str]):
     """`apt-mark hold|unhold` of kernel meta-packages."""
-    yield StringCommand(f"apt-mark {shlex.quote(action)} " + " ".join(shlex.quote(p) for p in packages))
+    yield StringCommand(f"apt-mark {word(action)} " + " ".join(word(p) for p in packages))
 
 
 @operation()
@@ -99,12 +98,12 @@ def install_default_headers():
 def forget_failures(releases: list[str], last: bool):
     """Remove the failure records of kernels no longer installed (and the login notice with the last)."""
     paths = [f"{HOOK_STATE}/{r}.failed" for r in releases] + ([MOTD] if last else [])
-    yield StringCommand("rm -f " + " ".join(shlex.quote(p) for p in paths))
+    yield StringCommand(f"rm -f {operands(paths)}")
 
 
 @operation()
 def remove_hook():
-    yield StringCommand(f"rm -f {shlex.quote(HOOK)}")
+    yield StringCommand(f"rm -f {operands(HOOK)}")
 
 
 @deploy("Kernel updates")

@@ -25,8 +25,6 @@ state, `facts.run_state`; pyinfra 3 has no fact cache); the CT run state is this
 
 from __future__ import annotations
 
-import shlex
-
 from pyinfra import host, logger
 from pyinfra.api import StringCommand, deploy, operation
 
@@ -34,6 +32,7 @@ from facts.guest_state import guest_state, running_containers, with_ct_status
 from facts.hardware import HardwareProbe
 from facts.nccl import DROPIN_NAME, NCCL_CONF, SYSTEMD_DIR, NcclState
 from facts.once import fact_once
+from facts.shell import word
 from operations import handlers
 from operations.files import absent_file, file_current, managed_file, write_file_command
 from plan.nccl import (
@@ -128,7 +127,7 @@ def container_nccl_conf(ctid: int, content: str, state: dict, mode: str = NCCL_C
         host.noop(f"CT {ctid}: {NCCL_CONF} is up to date")
         return
     script = write_file_command(NCCL_CONF, content, mode)
-    yield StringCommand(f"pct exec {shlex.quote(str(ctid))} -- sh -c {shlex.quote(script)}")
+    yield StringCommand(f"pct exec {word(str(ctid))} -- sh -c {word(script)}")
 
 
 # ---------------------------------------------------------------- plan → operations

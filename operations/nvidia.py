@@ -25,7 +25,6 @@ Host paths:
 from __future__ import annotations
 
 import re
-import shlex
 
 from pyinfra import host, logger
 from pyinfra.api import StringCommand, deploy, operation
@@ -44,6 +43,7 @@ from facts.nvidia import (
 )
 from facts.once import fact_once
 from facts.run_state import need_reboot
+from facts.shell import operands, word
 from operations import handlers, progress
 from operations.files import file_current, link_unit, managed_file
 from plan import nvidia as nvplan
@@ -98,7 +98,7 @@ def conftest_key_command(archive: str, release: str, cc: str, make_args: str = "
     machine and `make_args` (the variables `make` gets). Any change there gives a new key, so a
     rebuild never reads stale results.
     """
-    return f"R={shlex.quote(release)}\n" + render_template("nvidia-conftest-key.sh.j2", archive=archive, cc=cc,
+    return f"R={word(release)}\n" + render_template("nvidia-conftest-key.sh.j2", archive=archive, cc=cc,
                                                                 make_args=make_args, modules_dir=modules_dir)
 
 
@@ -166,7 +166,7 @@ def build_context(archive: str, version: str, release: str | None, cc: str, jobs
 
 def cleanup_command(version: str) -> str:
     """Remove every scratch dir of `version`'s builds (the shared src/ tree included)."""
-    return f"rm -rf {shlex.quote(f'{BUILD_ROOT}/{version}')}"
+    return f"rm -rf {operands(f'{BUILD_ROOT}/{version}')}"
 
 
 def module_dir(release: str) -> str:
@@ -197,14 +197,15 @@ def installer_version_command(installer: str, version: str) -> str:
     nvidia-installer, which prints its NV_ID_STRING, "nvidia-installer:  version <v>"
     (nvidia-installer.c print_version()).
     """
-    q = shlex.quote
-    return (f"v=$(sh {q(installer)} --version 2>/dev/null | sed -n {q(INSTALLER_VERSION_RE)} | head -n 1); "
+    q = word
+    # dash (the host's sh; src/options.c procargs) takes '--' as the end of its own options
+    return (f"v=$(sh {operands(installer)} --version 2>/dev/null | sed -n {q(INSTALLER_VERSION_RE)} | head -n 1); "
             f"[ \"$v\" = {q(version)} ] || {{ echo {q('pvegpu: the NVIDIA installer ' + installer + ' is version ')}"
             f"\"'${{v:-unknown}}'\"{q(', but nvidia.version is ' + version + '; nothing was installed')} >&2; exit 1; }}")
 
 
 def userspace_command(installer: str) -> str:
-    return " ".join(["sh", shlex.quote(installer), *USERSPACE_FLAGS])
+    return " ".join(["sh", operands(installer), *USERSPACE_FLAGS])
 
 
 def verify_command(version: str, releases: list[str], firmware: bool, firmware_files: list[str] | None = None) -> str:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import time
 
 import gevent
@@ -35,6 +34,7 @@ from pyinfra.api import FunctionCommand, StringCommand
 
 from facts.once import fact_once
 from facts.progress import RECORD_DIR, Durations
+from facts.shell import word
 
 # Seconds between two progress lines (PVEGPU_PROGRESS_EVERY_S: tests use a few seconds).
 REPORT_EVERY_S = float(os.environ.get("PVEGPU_PROGRESS_EVERY_S") or 30)
@@ -76,9 +76,9 @@ def record_key(*parts: str) -> str:
 
 
 def record_command(key: str, seconds: float, objects: int | None) -> str:
-    path = shlex.quote(f"{RECORD_DIR}/{record_key(key)}")
-    text = shlex.quote(f"seconds {int(round(seconds))}\nobjects {objects if objects is not None else ''}\n")
-    return f"mkdir -p {shlex.quote(RECORD_DIR)} && printf '%s' {text} > {path}.part && mv -f {path}.part {path}"
+    path = word(f"{RECORD_DIR}/{record_key(key)}")
+    text = word(f"seconds {int(round(seconds))}\nobjects {objects if objects is not None else ''}\n")
+    return f"mkdir -p {word(RECORD_DIR)} && printf '%s' {text} > {path}.part && mv -f {path}.part {path}"
 
 
 def prefetch() -> list:
@@ -107,8 +107,8 @@ def log_probe(log: str | None, count: bool = True) -> str:
     """Shell printing two lines: the log's object lines so far (empty when not counted) and its last line."""
     if not log:
         return "echo; echo"
-    q = shlex.quote(log)
-    counted = f"grep -c -E {shlex.quote(OBJECT_LINE)} {q} 2>/dev/null || true" if count else "echo"
+    q = word(log)
+    counted = f"grep -c -E {word(OBJECT_LINE)} {q} 2>/dev/null || true" if count else "echo"
     return f"{counted}; tail -n 1 {q} 2>/dev/null; echo"
 
 
@@ -164,7 +164,7 @@ def follow_detached(state, host, what: str, run_dir: str, log: str, key: str | N
     running), then a final line; on success record the time under `key`. False on failure (the
     log's last lines are logged) or timeout."""
     every_s = REPORT_EVERY_S if every_s is None else every_s
-    d = shlex.quote(run_dir)
+    d = word(run_dir)
     probe = (f"cat {d}/build.rc 2>/dev/null || echo pending; "
              f"echo $(( $(date +%s) - $(stat -c %Y {d}/build.pid 2>/dev/null || date +%s) )); "
              + log_probe(log))
@@ -183,7 +183,7 @@ def follow_detached(state, host, what: str, run_dir: str, log: str, key: str | N
                 if key:
                     host.run_shell_command(StringCommand(record_command(key, elapsed, built)))
                 return True
-            _, tail = host.run_shell_command(StringCommand(f"tail -n 30 {shlex.quote(log)}"))
+            _, tail = host.run_shell_command(StringCommand(f"tail -n 30 {word(log)}"))
             logger.error(f"{host.name}: {what} failed (exit {status}) after {duration_words(elapsed)}; "
                          f"last lines of {log}:\n" + "\n".join(getattr(tail, "stdout_lines", []) or []))
             return False
@@ -215,5 +215,5 @@ def _checks_for_changes() -> bool:
 
 def ct_log_probe(ctid: int, log: str) -> str:
     """`log_probe` for a log inside a running container (`pct exec`): its last line, no objects."""
-    inside = f"tail -n 1 {shlex.quote(log)} 2>/dev/null"
-    return f"echo; pct exec {shlex.quote(str(int(ctid)))} -- sh -c {shlex.quote(inside)} 2>/dev/null; echo"
+    inside = f"tail -n 1 {word(log)} 2>/dev/null"
+    return f"echo; pct exec {word(str(int(ctid)))} -- sh -c {word(inside)} 2>/dev/null; echo"

@@ -23,7 +23,6 @@ Guest stop (`guest_stop_commands`): a clean `shutdown --timeout N` first; only w
 from __future__ import annotations
 
 import importlib.util
-import shlex
 import time
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, StringCommand
 
 from facts.guest_state import guest_state_changes
+from facts.shell import word
 from spec.models import ProxmoxApiSpec
 
 KIND_TOOL = {"lxc": "pct", "qemu": "qm"}
@@ -59,8 +59,10 @@ class PveWrite:
 
     def pvesh(self) -> str:
         """The same write as a `pvesh` command line (every value quoted)."""
-        args = "".join(f" --{k} {shlex.quote(v)}" for k, v in self.params)
-        return f"pvesh {self.method} {shlex.quote(self.path)}{args}"
+        # pvesh/qm/pct (pve-common JSONSchema.pm get_options, Getopt::Long '=s'): an option's value is
+        # the next word whatever it starts with; the path starts with '/', guest ids are ints >= 100
+        args = "".join(f" --{k} {word(v)}" for k, v in self.params)
+        return f"pvesh {self.method} {word(self.path)}{args}"
 
     def data(self) -> dict[str, str | list[str]]:
         out: dict[str, str | list[str]] = {}
@@ -186,15 +188,15 @@ def api_guest_start(api: PveApi, kind: str, gid: int) -> None:
 def shutdown_shell(kind: str, gid: int, timeout: int) -> str:
     """`qm shutdown 300 --timeout 120`, falling back to `qm stop` with a line on stderr and in
     the host's syslog when the shutdown fails; non-zero only when the stop fails too."""
-    tool, q = KIND_TOOL[kind], shlex.quote(str(gid))
-    msg = shlex.quote(f"pvegpu: {KIND_LABEL[kind]} {gid} did not shut down within {timeout} s; stopping it")
+    tool, q = KIND_TOOL[kind], word(str(gid))
+    msg = word(f"pvegpu: {KIND_LABEL[kind]} {gid} did not shut down within {timeout} s; stopping it")
     return (f"{tool} shutdown {q} --timeout {int(timeout)} || {{ echo {msg} >&2; "
             f"logger -t pvegpu {msg} 2>/dev/null || true; {tool} stop {q}; }}")
 
 
 def wait_stopped_shell(kind: str, gid: int, timeout: int) -> str:
     """Waits (up to `timeout` s) until `qm/pct status <gid>` says stopped; non-zero if it does not."""
-    tool, q = KIND_TOOL[kind], shlex.quote(str(gid))
+    tool, q = KIND_TOOL[kind], word(str(gid))
     return (f"( n=0; until {tool} status {q} 2>/dev/null | grep -qx 'status: stopped'; do "
             f"n=$((n+1)); [ $n -le {int(timeout)} ] || exit 1; sleep 1; done )")
 
@@ -213,7 +215,7 @@ def guest_start_commands(api: PveApi | None, kind: str, gid: int) -> list:
     the run's guest state is read again after it."""
     guest_state_changes()
     if api is None:
-        return [StringCommand(f"{KIND_TOOL[kind]} start {shlex.quote(str(gid))}")]
+        return [StringCommand(f"{KIND_TOOL[kind]} start {word(str(gid))}")]
     return [FunctionCommand(api_guest_start, (api, kind, gid), {})]
 
 

@@ -31,7 +31,6 @@ import datetime
 import getpass
 import logging
 import os
-import shlex
 import socket
 import subprocess
 import sys
@@ -39,6 +38,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from pyinfra.api.exceptions import DeployError
+
+from facts.shell import word
 
 LOCK_DIR = "/run/pvegpu"
 LOCK_FILE = f"{LOCK_DIR}/run.lock"
@@ -102,11 +103,11 @@ def whoami() -> dict[str, str]:
 
 def keeper_command(me: dict[str, str], timeout_s: int = HEARTBEAT_TIMEOUT_S, lock_dir: str = LOCK_DIR) -> str:
     """The remote command: bash running KEEPER with the holder record as its arguments."""
-    script = KEEPER % {"dir": shlex.quote(lock_dir), "lock": shlex.quote(f"{lock_dir}/run.lock"),
-                       "info": shlex.quote(f"{lock_dir}/holder"), "rebind": shlex.quote(f"{lock_dir}/rebind.lock"),
+    script = KEEPER % {"dir": word(lock_dir), "lock": word(f"{lock_dir}/run.lock"),
+                       "info": word(f"{lock_dir}/holder"), "rebind": word(f"{lock_dir}/rebind.lock"),
                        "rebind_wait": REBIND_WAIT_S}
     args = [me["user"], me["machine"], me["since"], me["pid"], me["mode"], str(timeout_s)]
-    return "exec bash -c " + shlex.quote(script) + " pvegpu-lock " + " ".join(shlex.quote(a) for a in args)
+    return "exec bash -c " + word(script) + " pvegpu-lock " + " ".join(word(a) for a in args)
 
 
 def parse_reply(lines: list[str]) -> tuple[str, dict[str, str], dict[str, str]]:

@@ -30,10 +30,7 @@ import fnmatch
 import hashlib
 import json
 import re
-import shlex
 
-# The kernel stage's host paths and pve-kernel's Makefile reader live with the fact that reads
-# them (facts.kernel); plan.kernel names them too, for its own use and its callers'.
 from facts.kernel import (  # noqa: F401
     BUILD_ROOT,
     GATE_DIR,
@@ -48,6 +45,10 @@ from facts.kernel import (  # noqa: F401
     makefile_variables,
     release_from_makefile,
 )
+
+# The kernel stage's host paths and pve-kernel's Makefile reader live with the fact that reads
+# them (facts.kernel); plan.kernel names them too, for its own use and its callers'.
+from facts.shell import operands, word
 from spec.models import KernelSpec
 
 GIB_KIB = 1024 * 1024
@@ -218,8 +219,8 @@ def space_refusal(kernel: KernelSpec, base_config: str, needs: dict) -> str | No
 
 def install_tools_command(packages: list[str]) -> str:
     """apt-get install of the build's missing packages; on failure it says which and stops."""
-    names = " ".join(shlex.quote(p) for p in packages)
-    message = shlex.quote(f"pvegpu: apt could not install {' '.join(packages)}, which the kernel build needs; "
+    names = " ".join(word(p) for p in packages)
+    message = word(f"pvegpu: apt could not install {' '.join(packages)}, which the kernel build needs; "
                           "nothing was built")
     return (f"DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends {names} "
             f"|| {{ echo {message} >&2; exit 1; }}")
@@ -392,10 +393,14 @@ def grub_release_of(entry: str | None) -> str | None:
 def set_default_command(release: str, loader: str, advanced_id: str | None = None) -> str:
     """Make `release` the loader default for good (every later boot)."""
     if loader == SYSTEMD_BOOT:
-        return f"proxmox-boot-tool kernel pin {shlex.quote(release)} && {REFRESH}"
+        # proxmox-boot-tool (proxmox-kernel-helper bin/proxmox-boot-tool) reads the release as "$2",
+        # no '--': a leading '-' is refused (kernel.version starts with a digit at load)
+        return f"proxmox-boot-tool kernel pin {operands(release, '')} && {REFRESH}"
     if not advanced_id:
         raise ValueError("a GRUB default needs the Advanced-options id of /boot/grub/grub.cfg")
-    return f"grub-set-default {shlex.quote(grub_entry_id(release, advanced_id))}"
+    # grub-set-default/grub-reboot (grub util/grub-set-default.in): any '-*' is an unknown option,
+    # no '--'; the entry id starts with 'gnulinux-'
+    return f"grub-set-default {operands(grub_entry_id(release, advanced_id), '')}"
 
 
 def oneshot_command(release: str, loader: str, panic_s: int, advanced_id: str | None = None) -> str:
@@ -411,14 +416,14 @@ def oneshot_command(release: str, loader: str, panic_s: int, advanced_id: str | 
     from plan.render import render_template
     script = render_template("grub-trial-entry.sh.j2", release=release, panic_s=int(panic_s))
     ident = grub_trial_id(release)
-    tmp = shlex.quote(GRUB_TRIAL_SCRIPT + ".tmp")
-    line = shlex.quote(f"$menuentry_id_option '{ident}'")
-    missing = shlex.quote(f"pvegpu: update-grub wrote no trial entry {ident} in {GRUB_CFG} "
+    tmp = word(GRUB_TRIAL_SCRIPT + ".tmp")
+    line = word(f"$menuentry_id_option '{ident}'")
+    missing = word(f"pvegpu: update-grub wrote no trial entry {ident} in {GRUB_CFG} "
                           f"(10_linux lists no entry for {release}): no trial")
-    return (f"printf '%s\\n' {shlex.quote(script)} > {tmp} && chmod 755 {tmp} && mv {tmp} {shlex.quote(GRUB_TRIAL_SCRIPT)} && "
+    return (f"printf '%s\\n' {word(script)} > {tmp} && chmod 755 {tmp} && mv {tmp} {word(GRUB_TRIAL_SCRIPT)} && "
             f"update-grub && {GRUB_SAVED_CHECK} && "
             f"{{ grep -qF {line} {GRUB_CFG} || {{ echo {missing} >&2; exit 1; }}; }} && "
-            f"grub-reboot {shlex.quote(ident)}")
+            f"grub-reboot {word(ident)}")
 
 
 def clear_oneshot_command(release: str, loader: str) -> str:
@@ -426,7 +431,7 @@ def clear_oneshot_command(release: str, loader: str) -> str:
     its trial entry (the script goes, update-grub writes grub.cfg without it)."""
     if loader == SYSTEMD_BOOT:
         return trial_entry_command(release, "clear", 0)
-    script = shlex.quote(GRUB_TRIAL_SCRIPT)
+    script = word(GRUB_TRIAL_SCRIPT)
     return (f"grub-editenv {GRUBENV} unset next_entry && "
             f"if [ -e {script} ]; then rm -f {script} && update-grub; fi")
 
@@ -435,7 +440,7 @@ def trial_entry_command(release: str, mode: str, panic_s: int) -> str:
     from plan.render import render_template
     script = render_template("kernel-trial-entry.sh.j2", release=release, mode=mode, entry=trial_entry(release),
                              panic_s=int(panic_s))
-    return f"unshare --mount --propagation private /bin/sh -c {shlex.quote(script)}"
+    return f"unshare --mount --propagation private /bin/sh -c {word(script)}"
 
 
 def trial_loader(build: dict) -> tuple[str | None, str | None]:
@@ -484,19 +489,19 @@ def arm_trial_command(release: str, expect: dict | None = None) -> str:
     the next boot, so a later run tells "not rebooted yet" from "the trial boot happened"). And
     TRIAL_CHECKS: which of `expect` (host_expectations) hold now, on the known-good kernel; the
     trial kernel is made the default only if they hold on it too (finish_trial_command)."""
-    r = shlex.quote(release + "\n")
+    r = word(release + "\n")
     expect = expect or {}
     lines = []
     if expect.get("nvidia"):
-        v = shlex.quote(expect["nvidia"])
+        v = word(expect["nvidia"])
         lines.append(f"grep -qwF -- {v} /proc/driver/nvidia/version 2>/dev/null && echo nvidia {v}")
     for bdf, driver in (expect.get("drivers") or {}).items():
-        b, d = shlex.quote(bdf), shlex.quote(driver)
+        b, d = word(bdf), word(driver)
         lines.append(f'[ "$(basename "$(readlink /sys/bus/pci/devices/{b}/driver)")" = {d} ] && echo gpu {b} {d}')
     record = "{ " + "; ".join([*lines, "true"]) + "; }"
-    return (f"mkdir -p {shlex.quote(STATE_DIR)} {shlex.quote(TRIAL_ARMED.rsplit('/', 1)[0])} && "
-            f"{record} > {shlex.quote(TRIAL_CHECKS)} && "
-            f"printf %s {r} > {shlex.quote(TRIAL_MARKER)} && printf %s {r} > {shlex.quote(TRIAL_ARMED)}")
+    return (f"mkdir -p {word(STATE_DIR)} {word(TRIAL_ARMED.rsplit('/', 1)[0])} && "
+            f"{record} > {word(TRIAL_CHECKS)} && "
+            f"printf %s {r} > {word(TRIAL_MARKER)} && printf %s {r} > {word(TRIAL_ARMED)}")
 
 
 # The host checks of the trial kernel: each line of TRIAL_CHECKS must hold again (prints what does not)
@@ -532,22 +537,22 @@ def finish_trial_command(release: str, loader: str, wanted_build_id: str, advanc
     the trial boot, TRIAL_LOG) so later runs report it and do not try again until the spec
     changes. Either way the trial's one-shot is cleared and the marker goes. `fail`: exit 1 after
     a failed trial."""
-    q = shlex.quote(release)
+    q = word(release)
     clear = clear_oneshot_command(release, loader)
     record = (f"printf '{{\"release\": \"%s\", \"build_id\": \"%s\", \"came_up_on\": \"%s\", \"checks\": \"%s\", "
-              f"\"journal\": \"%s\"}}\\n' {q} {shlex.quote(wanted_build_id)} \"$(uname -r)\" "
-              f"\"$(printf %s \"$checks\" | tr -d '\"\\\\')\" \"$(printf %s \"$journal\" | tr -d '\"\\\\')\" > {shlex.quote(TRIAL_FAILED)}")
-    message = shlex.quote(f"pvegpu: the trial boot of {release} came up on ")
-    tail = shlex.quote("; the default stays on the known-good kernel and the trial is not tried again until "
+              f"\"journal\": \"%s\"}}\\n' {q} {word(wanted_build_id)} \"$(uname -r)\" "
+              f"\"$(printf %s \"$checks\" | tr -d '\"\\\\')\" \"$(printf %s \"$journal\" | tr -d '\"\\\\')\" > {word(TRIAL_FAILED)}")
+    message = word(f"pvegpu: the trial boot of {release} came up on ")
+    tail = word("; the default stays on the known-good kernel and the trial is not tried again until "
                        f"the spec changes (rm {TRIAL_FAILED} to try again)")
     return (
         f"rel={q}; checks=; journal=; "
         f'if [ "$(uname -r)" = {q} ] && checks=$({TRIAL_CHECKS_COMMAND}); then {zfs_guard_command(release)} && '
         f"{set_default_command(release, loader, advanced_id)} && {clear} && "
-        f"rm -f {shlex.quote(TRIAL_MARKER)} {shlex.quote(TRIAL_FAILED)} {shlex.quote(TRIAL_CHECKS)}; "
+        f"rm -f {word(TRIAL_MARKER)} {word(TRIAL_FAILED)} {word(TRIAL_CHECKS)}; "
         f'else if [ "$(uname -r)" != {q} ]; then checks=; {_JOURNAL_EVIDENCE}; '
         "else journal='the trial kernel is running'; fi; "
-        f"{record} && {clear} && rm -f {shlex.quote(TRIAL_MARKER)} {shlex.quote(TRIAL_CHECKS)} && "
+        f"{record} && {clear} && rm -f {word(TRIAL_MARKER)} {word(TRIAL_CHECKS)} && "
         f'echo {message}"$(uname -r)"${{checks:+", but the host checks failed:$checks"}}{tail} >&2'
         f'{"; exit 1" if fail else ""}; fi'
     )
@@ -588,11 +593,11 @@ def purge_command(packages: list[str]) -> str:
     """apt-get purge of exactly `packages`: a simulation first, and nothing is removed when apt
     would remove more (a meta package such as proxmox-default-kernel, and proxmox-ve with it,
     depending on one of them)."""
-    names = " ".join(shlex.quote(p) for p in packages)
-    wanted = shlex.quote("\n".join(sorted(packages)))
+    names = " ".join(word(p) for p in packages)
+    wanted = word("\n".join(sorted(packages)))
     return (f"sim=$(apt-get -s -y purge {names} | awk '/^(Remv|Purg) / {{print $2}}' | sort -u); "
             f'if [ "$sim" != {wanted} ]; then echo "pvegpu: kernel.remove_old: apt would also remove: '
-            f"$(printf '%s\\n' \"$sim\" | grep -vxF -e {' -e '.join(shlex.quote(p) for p in packages)} | tr '\\n' ' ')"
+            f"$(printf '%s\\n' \"$sim\" | grep -vxF -e {' -e '.join(word(p) for p in packages)} | tr '\\n' ' ')"
             f'; nothing removed" >&2; exit 1; fi; '
             f"DEBIAN_FRONTEND=noninteractive apt-get -y purge {names}")
 
@@ -640,11 +645,11 @@ def secure_boot_refusal(kernel: KernelSpec, build: dict) -> str | None:
 def sign_command(release: str, key: str, cert: str) -> str:
     """Sign /boot/vmlinuz-<release> with kernel.signing (templates/kernel-sign.sh.j2)."""
     from plan.render import render_template
-    return f"/bin/sh -c {shlex.quote(render_template('kernel-sign.sh.j2', release=release, key=key, cert=cert))}"
+    return f"/bin/sh -c {word(render_template('kernel-sign.sh.j2', release=release, key=key, cert=cert))}"
 
 
 def zfs_guard_command(release: str) -> str:
     """Fails, naming the features, when / is on a ZFS pool with a feature enabled or active that
     the ZFS module of `release` does not know (templates/kernel-zfs-guard.sh.j2); else nothing."""
     from plan.render import render_template
-    return f"/bin/sh -c {shlex.quote(render_template('kernel-zfs-guard.sh.j2', release=release))}"
+    return f"/bin/sh -c {word(render_template('kernel-zfs-guard.sh.j2', release=release))}"

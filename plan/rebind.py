@@ -27,11 +27,11 @@ transaction archives a journal it finds (its guests still down are carried over)
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from facts.rebind import JOURNAL, LOCK, STATE_DIR  # the paths the RebindJournal fact reads
+from facts.shell import word
 from plan.gpus import Move, RebindPlan
 from plan.render import render_template
 
@@ -72,7 +72,7 @@ def runner_script(plan: RebindPlan, nvidia: dict[str, dict], txid: str, *, shutd
 
 def archive_command(state_dir: str = STATE_DIR, keep: int = KEEP) -> str:
     """Move the journal (if any) into history/ under a UTC timestamp, keep the newest `keep`."""
-    q = shlex.quote
+    q = word
     j, h = q(f"{state_dir}/journal"), q(f"{state_dir}/history")
     return (f"if [ -f {j} ]; then mkdir -p {h} && mv {j} {h}/\"$(date -u +%Y%m%dT%H%M%SZ)-$$.journal\"; fi; "
             f"ls -1t {h} 2>/dev/null | tail -n +{int(keep) + 1} | while read -r old; do rm -f {h}/\"$old\"; done")
@@ -83,7 +83,7 @@ def start_command(script: str, txid: str, systemd: bool, state_dir: str = STATE_
     """Archive a journal left by an earlier transaction, write the runner, start it detached,
     then follow the journal until an end line: exit 0 on ``done``, 1 otherwise (printing the
     journal as it grows). A second transaction while one runs is refused."""
-    q = shlex.quote
+    q = word
     d, j, r, h, lk = (q(state_dir), q(f"{state_dir}/journal"), q(f"{state_dir}/run.sh"), q(f"{state_dir}/history"),
                       q(lock))
     lock_dir = q(lock.rsplit("/", 1)[0])

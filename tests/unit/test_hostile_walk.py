@@ -23,6 +23,7 @@ import itertools
 import os
 import re
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -341,8 +342,16 @@ def test_walk_nvidia_source_url(tmp_path):
     accepted, refused = load_values(tmp_path, "nvidia.installer.url", values, lambda v: {
         "nvidia": {"version": "595.71.05", "installer": {"url": v, "sha256": INSTALLER_SHA}}})
     assert len(values) >= 1500 and refused and accepted
+    from operations import containers as ct_ops
+
     for spec in accepted.values():  # the cached file (and its .part) is one file name within NAME_MAX
-        assert len((nvidia_ops.cached_source(installer_of(spec)).rsplit("/", 1)[-1] + ".part").encode()) <= 255
+        cached = nvidia_ops.cached_source(installer_of(spec))
+        assert len((cached.rsplit("/", 1)[-1] + ".part").encode()) <= 255
+        # the host's installer commands and the CT install take the cached path (and the URL) as one word
+        for script in (nvidia_ops.installer_version_command(cached, "595.71.05"), nvidia_ops.userspace_command(cached),
+                       ct_ops.install_command(200, "595.71.05", installer_of(spec).url, INSTALLER_SHA, cached, True)):
+            one_word_each(script, [cached, installer_of(spec).url])
+        assert nvidia_ops.userspace_command(cached).startswith(f"sh -- {shlex.quote(cached)} ")
     run = to_run(accepted, lambda s: installer_of(s).url)
     scripts = {}
     for i, spec in run.items():
@@ -439,6 +448,21 @@ def test_walk_nvreg_values(tmp_path):
         nvreg = dict(nvidia_of(spec).nvreg)
         text = nvidia_plan.render_modprobe_conf(False, "", nvreg)
         assert module_options(text) == [(k, str(v)) for k, v in sorted(nvreg.items())], text
+    # kmod itself (the twin root's Debian kmod, `modprobe -C DIR -c`) reads each file's options line whole
+    kmod = sorted((Path(__file__).resolve().parents[2] / ".cache/twin").glob("root-*/bin/kmod"))
+    if not kmod:
+        return  # no twin root cached here: the model above stands alone
+    root = kmod[0].parent.parent
+    for i, spec in to_run(accepted, lambda s: str(nvidia_of(s).nvreg["NVreg_RegistryDwords"])).items():
+        text = nvidia_plan.render_modprobe_conf(False, "", dict(nvidia_of(spec).nvreg))
+        (tmp_path / f"m{i}").mkdir()
+        (tmp_path / f"m{i}" / "nvidia.conf").write_text(text)
+        shown = subprocess.run([str(root / "lib64/ld-linux-x86-64.so.2"), "--library-path", str(root / "lib/x86_64-linux-gnu"),
+                                "--argv0", "modprobe", str(kmod[0]), "-C", str(tmp_path / f"m{i}"), "-c"],
+                               capture_output=True, text=True, timeout=30)
+        ours = [line for line in text.splitlines() if line.startswith("options nvidia ")]
+        # (kmod also lists the kernel command line's nvidia.* parameters as options lines: ours must be there)
+        assert ours and set(ours) <= set(shown.stdout.splitlines()), (ours, shown.stdout[:400], shown.stderr)
 
 
 GOOD_HOSTS = ["fe80::1%vmbr0", "2001:db8::1", "10.0.0.1", "kpro6.lab.internal"]
@@ -473,3 +497,454 @@ def test_operands_end_options_or_refuse_a_dash():
     for bad in bad_calls:
         with pytest.raises(ValueError):
             operands(*bad)
+
+
+# ------------------------------------------------------------------ NCCL: nccl.conf and the drop-ins
+
+def nccl_file_values(text: str, skips_comments: bool) -> dict[str, str]:
+    """What NCCL sets from an nccl.conf (src/misc/param.cc setEnvFile): lines split at '\\n' only
+    (getline/fgets), a trailing '\\r' dropped (2.26+), '#' lines skipped only from 2.26 (before,
+    a comment with '=' sets a variable), the name up to the first '=', the rest the value, both
+    cut at 1023 bytes; a line without '=' is skipped."""
+    out: dict[str, str] = {}
+    for line in text.split("\n"):
+        if skips_comments:
+            line = line.removesuffix("\r")
+            if line.startswith("#"):
+                continue
+        if "=" not in line:
+            continue
+        name, value = line.split("=", 1)
+        cut = lambda s: s.encode()[:1023].decode("utf-8", "replace")  # noqa: E731
+        out.setdefault(cut(name), cut(value))  # setenv(..., 0): the first line of a name wins
+    return out
+
+
+SYSTEMD_WS = " \t\n\r"
+SYSTEMD_ESCAPES = {"a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v", "\\": "\\",
+                   '"': '"', "'": "'", "s": " "}
+
+
+def systemd_lines(text: str) -> list[tuple[str, str]]:
+    """(section, 'Key=value') assignments of a unit file as systemd's conf-parser.c config_parse()
+    reads it: a line whose first non-blank is '#' or ';' is a comment (also inside a
+    continuation), a line ending in an unescaped '\\' continues on the next (the '\\' becomes a
+    space), then the line is stripped; '[Section]' lines switch sections."""
+    out, section, cont = [], "", None
+    for raw in text.split("\n"):
+        if raw.lstrip(SYSTEMD_WS)[:1] in ("#", ";"):
+            continue
+        line = raw if cont is None else cont + raw
+        escaped = False
+        for ch in line:
+            escaped = not escaped and ch == "\\"
+        if escaped:
+            cont = line[:-1] + " "
+            continue
+        cont, line = None, line.strip(SYSTEMD_WS)
+        if not line:
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+            continue
+        out.append((section, line))
+    return out
+
+
+def systemd_words(rvalue: str) -> list[str] | None:
+    """extract-word.c extract_first_word(EXTRACT_UNQUOTE|EXTRACT_CUNESCAPE), word after word:
+    blanks separate, '...' and "..." quote (the other quote is plain inside), '\\' escapes as
+    escape.c cunescape_one() reads them (an unknown escape or an open quote: the whole value is
+    ignored, None)."""
+    words: list[str] = []
+    i, n = 0, len(rvalue)
+    while True:
+        while i < n and rvalue[i] in SYSTEMD_WS:
+            i += 1
+        if i >= n:
+            return words
+        word, quote = [], None
+        while i < n and (quote or rvalue[i] not in SYSTEMD_WS):
+            c = rvalue[i]
+            if c == "\\":
+                if i + 1 >= n:
+                    return None
+                e = rvalue[i + 1]
+                if e in SYSTEMD_ESCAPES:
+                    word.append(SYSTEMD_ESCAPES[e])
+                    i += 2
+                elif e == "x" and re.match(r"[0-9a-fA-F]{2}", rvalue[i + 2:i + 4]):
+                    word.append(chr(int(rvalue[i + 2:i + 4], 16)))
+                    i += 4
+                elif re.match(r"[0-7]{3}", rvalue[i + 1:i + 4]):
+                    word.append(chr(int(rvalue[i + 1:i + 4], 8)))
+                    i += 4
+                else:
+                    return None
+            elif quote is None and c in "'\"":
+                quote, i = c, i + 1
+            elif c == quote:
+                quote, i = None, i + 1
+            else:
+                word.append(c)
+                i += 1
+        if quote:
+            return None
+        words.append("".join(word))
+
+
+def systemd_environment(text: str) -> dict[str, str]:
+    """The Environment= of a drop-in's [Service] as systemd gets it (load-fragment.c
+    config_parse_environ: each word unquoted and unescaped, then its %-specifiers resolved
+    (specifier.c specifier_printf: '%%' is '%', a '%' at the very end stays; any other '%x' is
+    replaced or an error, so here it marks the value as changed), then kept when env_assignment_is_valid; a later one replaces an earlier)."""
+    env: dict[str, str] = {}
+    for section, line in systemd_lines(text):
+        key, _, rvalue = line.partition("=")
+        if section != "Service" or key.strip(SYSTEMD_WS) != "Environment":
+            continue
+        for word in systemd_words(rvalue.strip(SYSTEMD_WS)) or []:
+            resolved = re.sub(r"%(.)", lambda m: "%" if m.group(1) == "%" else f"<specifier %{m.group(1)}>", word)
+            name, eq, value = resolved.partition("=")
+            if eq and re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name) and not any(ord(c) < 32 or c == "\x7f" for c in value):
+                env[name] = value
+    return env
+
+
+def test_systemd_model_reads_what_systemd_reads():
+    """The model against the examples systemd.exec(5) and the drop-in test give (and an
+    escape done wrong, which it must read differently)."""
+    text = ('[Service]\n# a comment \\\nEnvironment="A=x y" B=\'c "d"\' "C=100%% \\\\"\n'
+            "; another\nEnvironment=D=1 \\\n  E=2\n")
+    assert systemd_environment(text) == {"A": "x y", "B": 'c "d"', "C": "100% \\", "D": "1", "E": "2"}
+    assert systemd_environment('[Service]\nEnvironment="A=100%h"\n')["A"] != "100%h"
+    assert systemd_environment('[Service]\nEnvironment="A=100%"\n')["A"] == "100%"  # a stray '%' at the end stays
+    assert systemd_environment('[Service]\nEnvironment="A=a\\zb"\n') == {}  # \z: no such escape
+    assert nccl_file_values("# x=1\nNCCL_A= b\r\n", True) == {"NCCL_A": " b"}
+    assert nccl_file_values("# x=1\nNCCL_A= b\r\n", False) == {"# x": "1", "NCCL_A": " b\r"}
+
+
+def nccl_want(spec: HostSpec) -> dict:
+    """The NCCL stage's files for `spec` on the recorded kpro6 (operations.nccl.desired)."""
+    from operations import nccl as nccl_ops
+    from tests.unit.test_topology_report import kpro6_hardware
+
+    return nccl_ops.desired(spec, kpro6_hardware(), rdma_devices=[])
+
+
+def test_walk_nccl_values(tmp_path):
+    """nccl.overrides values: NCCL reads each from /etc/nccl.conf as written (both line readers),
+    and systemd gives each service exactly the same value through the drop-in's Environment=;
+    systemd-analyze verify (the real parser) takes every drop-in without a word."""
+    values = generate(["INIT,NET", "^INIT", "/tmp/nccl %h.%p", "eth0,eth1", "=x"])
+    accepted, refused = load_values(tmp_path, "nccl.overrides", values, lambda v: {
+        "nccl": {"overrides": {"NCCL_DEBUG_SUBSYS": v}, "services": ["vllm"]}})
+    assert len(values) >= 1500 and refused and accepted
+    dropins = {}
+    for i, spec in accepted.items():
+        value = spec.nccl.overrides["NCCL_DEBUG_SUBSYS"]
+        want = nccl_want(spec)
+        env = {name: entry["value"] for name, entry in want["plan"]["host"].items()}
+        assert env["NCCL_DEBUG_SUBSYS"] == value
+        assert nccl_file_values(want["host"], skips_comments=True) == env, value
+        assert nccl_file_values(want["host"], skips_comments=False) == env, value
+        (unit, text), = want["dropins"].values()
+        assert systemd_environment(text) == env, (value, text)
+        dropins[i] = text
+    run = to_run(accepted, lambda s: str(s.nccl.overrides["NCCL_DEBUG_SUBSYS"]))
+    systemd_verify(tmp_path / "root", {f"w{i}.service": dropins[i] for i in run})
+
+
+def systemd_verify(root: Path, dropins: dict[str, str]) -> None:
+    """systemd-analyze verify (systemd's own unit loader) of one unit per drop-in: no warning."""
+    if not shutil.which("systemd-analyze") or not Path("/lib/systemd/system/sysinit.target").exists():
+        return  # the model above still ran; this is the real parser where the machine has it
+    shutil.copytree("/lib/systemd/system", root / "lib/systemd/system", symlinks=True)
+    (root / "usr/bin").mkdir(parents=True)
+    (root / "usr/bin/true").write_text("#!/bin/sh\n")
+    (root / "usr/bin/true").chmod(0o755)
+    units = root / "etc/systemd/system"
+    for unit, text in dropins.items():
+        (units / f"{unit}.d").mkdir(parents=True)
+        (units / unit).write_text("[Unit]\nDescription=x\n[Service]\nExecStart=/usr/bin/true\n")
+        (units / f"{unit}.d" / "pvegpu-nccl.conf").write_text(text)
+    done = subprocess.run(["systemd-analyze", "verify", "--man=no", f"--root={root}",
+                           *(f"/etc/systemd/system/{u}" for u in dropins)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+def test_walk_nccl_services(tmp_path):
+    """nccl.services: each accepted name is one unit whose drop-in directory is one file name
+    under /etc/systemd/system; the drop-in's comment lines name it and stay comments."""
+    from operations import nccl as nccl_ops
+
+    values = generate(["vllm", "vllm@1.service", "sglang.service", "a:b-c_d.e\\x2d"])
+    accepted, refused = load_values(tmp_path, "nccl.services", values, lambda v: {
+        "nccl": {"overrides": {"NCCL_DEBUG": "WARN"}, "services": [v]}})
+    assert len(values) >= 1500 and refused and accepted
+    for spec in accepted.values():
+        want = nccl_want(spec)
+        (path, (unit, text)), = want["dropins"].items()
+        assert path == nccl_ops.dropin_path(nccl_ops.unit_name(spec.nccl.services[0]))
+        directory = path.removeprefix(nccl_ops.SYSTEMD_DIR + "/").removesuffix("/" + nccl_ops.DROPIN_NAME)
+        assert directory == f"{unit}.d" and "/" not in directory and len(directory.encode()) <= 255
+        env = {name: entry["value"] for name, entry in want["plan"]["host"].items()}
+        assert systemd_environment(text) == env and env["NCCL_DEBUG"] == "WARN"
+        assert [line for line in text.split("\n") if unit in line and not line.startswith("#")] == []
+
+
+# ------------------------------------------------------------------ udev rule and initramfs hook
+
+def udev_rule_tokens(line: str) -> list[tuple[str, str | None, str, str]]:
+    """(key, attr, op, value) of one rule line as systemd's src/udev/udev-rules.c reads it
+    (parse_line/parse_value): KEY{attr}OP"value" pairs separated by ',' and blanks; a value is
+    double-quoted and a '\\"' inside stays a quote. Fails on anything else."""
+    tokens, rest = [], line.strip()
+    pair = re.compile(r'([A-Z_]+)(?:\{([^}]*)\})?(==|!=|\+=|-=|:=|=)"((?:[^"\\]|\\.)*)"\s*(?:,\s*|$)')
+    while rest:
+        m = pair.match(rest)
+        assert m, f"udev would not read {rest!r}"
+        tokens.append((m.group(1), m.group(2), m.group(3), m.group(4).replace('\\"', '"')))
+        rest = rest[m.end():]
+    return tokens
+
+
+def test_walk_gpu_bdfs(tmp_path):
+    """gpus keys (PCI addresses): the udev rule names each by KERNEL=="<bdf>" exactly (no glob
+    character fnmatch would widen, no $/% udev would substitute), and the initramfs hook that
+    copies the rule file runs with its path as one argument."""
+    from operations import gpus as gpu_ops
+    from plan.gpus import desired_bindings
+
+    values = generate(["0000:01:00.0", "0000:c1:00.1", "abcd:ff:1f.7"])
+    accepted, refused = load_values(tmp_path, "gpus", values, lambda v: {"gpus": {v: "unused"}})
+    assert len(values) >= 1500 and refused and accepted
+    for spec in accepted.values():
+        (bdf,) = spec.gpus
+        text = gpu_ops.binding_rules(desired_bindings(spec, {bdf: {}}))
+        rules = [udev_rule_tokens(line) for line in text.splitlines() if line and not line.startswith("#")]
+        assert rules == [[("ACTION", None, "==", "add"), ("SUBSYSTEM", None, "==", "pci"), ("KERNEL", None, "==", bdf),
+                          ("ATTR", "driver_override", "=", "vfio-pci")]], text
+        assert not set(bdf) & set("*?[]|$%\\\"")
+    # the hook: its rules path (a constant) as one argument of cp, whatever it holds
+    hook = render_template("initramfs-gpu-binding-hook.j2", rules_path=str(tmp_path / "r s;$(touch PWNh)'x"))
+    lib = tmp_path / "hook-functions"
+    lib.write_text(":\n")
+    (tmp_path / "r s;$(touch PWNh)'x").write_text("rule\n")
+    script = hook.replace("/usr/share/initramfs-tools/hook-functions", str(lib))
+    (tmp_path / "hook").write_text(script)
+    logs = run_scripts(tmp_path, {0: (f"DESTDIR={shlex.quote(str(tmp_path / 'dest'))} sh {tmp_path / 'hook'}\n", tmp_path)})
+    assert calls_of(logs[0], "cp") == [["-p", "--", str(tmp_path / "r s;$(touch PWNh)'x"),
+                                        f"{tmp_path / 'dest'}/lib/udev/rules.d/"]], logs[0]
+
+
+# ------------------------------------------------------------------ the other templates
+
+def one_word_each(script: str, values: list[str]) -> None:
+    """`script` parses (sh -n), and every character of a value the shell would act on sits inside
+    single quotes wherever the value occurs (tests/unit/test_shell_templates.py's
+    lexer; a value holding "'" is checked piece by piece, as shlex.quote splits it)."""
+    from tests.unit.test_shell_templates import single_quoted
+
+    check = subprocess.run(["sh", "-n"], input=script, capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    quoted = single_quoted(script)
+    for value in values:
+        for piece in value.split("'"):
+            if re.fullmatch(r"[A-Za-z0-9._+~:/=@%,-]*", piece):
+                continue  # nothing in it a shell acts on
+            at = script.find(piece)
+            while at != -1:
+                assert all(quoted[at:at + len(piece)]), f"{piece!r} unquoted in: {script[max(0, at - 60):at + 60]!r}"
+                at = script.find(piece, at + 1)
+
+
+def test_walk_kernel_release_files(tmp_path):
+    """kernel.version into the trial entry, the ZFS guard, the detached build's start and the
+    build manifest: every accepted release is shell-inert (the kernel-release rule), each script
+    parses, and the manifest (JSON, read back by facts.kernel) gives every value back."""
+    import json
+
+    values = generate(["6.14.11-4-pve", "6.1.192-pvegpu+ci~1"], 600)
+    accepted, refused = load_values(tmp_path, "kernel.version", values, lambda v: {"kernel": {
+        "version": v, "base_config": "tinyconfig", "config_fragments": ['CONFIG_LOCALVERSION="-x;$(touch PWNf)"'],
+        "source": {"kind": "tarball", "url": "/srv/l.tar.xz", "sha256": KERNEL_SHA}}})
+    assert refused and accepted
+    for spec in accepted.values():
+        k = kernel_of(spec)
+        assert re.fullmatch(r"[0-9A-Za-z.+~-]+", k.version) and k.version[0].isdigit(), k.version
+        for script in (kernel_plan.trial_entry_command(k.version, "arm", 10), kernel_plan.zfs_guard_command(k.version),
+                       kernel_ops.start_build_command(kernel_plan.build_dir(k, "tinyconfig"), True, 1024)):
+            one_word_each(script, [k.version])
+        manifest = render_template("kernel-build-manifest.json.j2", build_id=kernel_plan.build_id(k, "tinyconfig"),
+                                   version=k.version, kind=k.source.kind, url=k.source.url, ref=k.source.sha256,
+                                   base_config="tinyconfig", fragments=list(k.config_fragments), jobs=2)
+        data = json.loads(manifest.replace("@OBJECTS@", "0"))
+        assert (data["version"], data["url"], data["fragments"]) == (k.version, k.source.url, list(k.config_fragments))
+
+
+def test_walk_kernel_config_fragments(tmp_path):
+    """kernel.config_fragments: the build writes each accepted line to pvegpu.config as written
+    (printf of one word per line, run under sh with the stand-ins)."""
+    values = generate(['CONFIG_LOCALVERSION="-pvegpu"', "CONFIG_VFIO=m", "# CONFIG_DEBUG_INFO is not set"])
+    accepted, refused = load_values(tmp_path, "kernel.config_fragments", values, lambda v: {"kernel": {
+        "version": "6.1.192-x", "base_config": "tinyconfig", "config_fragments": [v],
+        "source": {"kind": "tarball", "url": "/srv/l.tar.xz", "sha256": KERNEL_SHA}}})
+    assert len(values) >= 1500 and refused and accepted
+    run = to_run(accepted, lambda s: kernel_of(s).config_fragments[0])
+    scripts = {i: (kernel_ops.build_script(kernel_of(s), "tinyconfig", 2, str(tmp_path / f"b{i}")), tmp_path / f"b{i}")
+               for i, s in run.items()}
+    run_scripts(tmp_path, scripts)
+    for i, spec in run.items():
+        written = (tmp_path / f"b{i}" / "src" / "pvegpu.config")
+        if not written.exists():
+            written = next((tmp_path / f"b{i}").rglob("pvegpu.config"))
+        assert written.read_text() == "".join(f"{line}\n" for line in kernel_of(spec).config_fragments)
+
+
+def test_walk_nvidia_signing_paths(tmp_path, monkeypatch):
+    """nvidia.signing.key/.cert (absolute paths, anything but control characters): the build
+    script, the kernel hook and the verify script hold each as one word, and the build run with
+    stand-ins (sign-file logging) gets each as exactly one argument."""
+    from operations import kernel_hook
+    from tests.unit import test_shell_templates as shell_tests
+
+    values = generate(["/root/mok.key", "/etc/pvegpu/signing key.pem"])
+    accepted, refused = load_values(tmp_path, "nvidia.signing", values, lambda v: {"nvidia": {
+        "version": "595.71.05", "signing": {"key": v, "cert": v + ".der"},
+        "modules_source": {"url": "/srv/open-gpu-kernel-modules-595.71.05.tar.gz", "sha256": INSTALLER_SHA}}})
+    assert len(values) >= 1500 and refused and accepted
+    for spec in accepted.values():
+        sig = nvidia_of(spec).signing
+        assert sig is not None
+        build = nvidia_ops.build_command("/a.tgz", "595.71.05", "6.14.8-2-pve", "gcc", 2, True,
+                                         signing=(sig.key, sig.cert))
+        one_word_each(build, [sig.key, sig.cert])
+        assert f"{shlex.quote(sig.key)} {shlex.quote(sig.cert)}" in build
+        one_word_each(kernel_hook.hook_script(spec, "gcc", "g++", 2, True), [sig.key, sig.cert])
+    # the build runs for a few of them (each is a tar, a fake make and sign-file)
+    run = list(to_run(accepted, lambda s: getattr(nvidia_of(s).signing, "key", "")).values())[:6]
+    for n, spec in enumerate(run):
+        sig = nvidia_of(spec).signing
+        assert sig is not None
+        root = tmp_path / f"run{n}"
+        root.mkdir()
+        monkeypatch.setattr(nvidia_ops, "BUILD_ROOT", str(root / "build"))
+        monkeypatch.setattr(nvidia_ops, "CONFTEST_CACHE", str(root / "conftest"))
+        monkeypatch.setattr(nvidia_ops, "CCACHE_DIR", str(root / "ccache"))
+        tree = root / "tree/nvidia-kernel"
+        tree.mkdir(parents=True)
+        (tree / "Kbuild").write_text("obj-m += nvidia.o\n")
+        subprocess.run(["tar", "-C", str(root / "tree"), "-cf", str(root / "a.tar"), "nvidia-kernel"], check=True)
+        env = {**shell_tests.tools(root), "REL": "6.14.8-2-pve", "VER": "595.71.05"}
+        command = nvidia_ops.build_command(str(root / "a.tar"), "595.71.05", "6.14.8-2-pve", "gcc", 2, ccache=False,
+                                           signing=(sig.key, sig.cert))
+        (root / "lib/modules/6.14.8-2-pve/build/scripts").mkdir(parents=True)
+        (root / "lib/modules/6.14.8-2-pve/build/scripts/sign-file").symlink_to(root / "tools/sign-file")
+        done = shell_tests.sh(command.replace("/lib/modules", str(root / "lib/modules")), root, env)
+        assert done.returncode == 0, done.stderr
+        signed = [c for c in shell_tests.calls(root) if c[0] == "sign-file"]
+        assert signed and signed[0][1:4] == ["sha256", sig.key, sig.cert], signed
+    assert not list(tmp_path.rglob("PWN*"))
+
+
+def test_walk_nvidia_version_and_releases(tmp_path):
+    """nvidia.version and nvidia.releases into the build, install, verify and conftest-key
+    scripts and the kernel hook: every accepted value is shell-inert and each script parses."""
+    from operations import kernel_hook
+
+    values = generate(["595.71.05", "550.54"], 600)
+    accepted, refused = load_values(tmp_path, "nvidia.version", values, lambda v: {"nvidia": {
+        "version": v, "releases": ["6.14.8-2-pve"],
+        "modules_source": {"url": "/srv/o.tar.gz", "sha256": INSTALLER_SHA}}})
+    releases = generate(["6.14.8-2-pve", "6.12.118+deb12-amd64"], 600)
+    accepted_r, refused_r = load_values(tmp_path, "nvidia.releases", releases, lambda v: {"nvidia": {
+        "version": "595.71.05", "releases": [v]}})
+    assert refused and accepted and refused_r and accepted_r
+    for spec in [*accepted.values(), *accepted_r.values()]:
+        nv = nvidia_of(spec)
+        assert nv.releases
+        words = [nv.version, *nv.releases]
+        assert all(re.fullmatch(r"[0-9A-Za-z.+~-]+", w) and w[0].isdigit() for w in words), words
+        for release in nv.releases:
+            for script in (nvidia_ops.build_command("/a.tgz", nv.version, release, "gcc", 2, True),
+                           nvidia_ops.install_command(nv.version, release),
+                           nvidia_ops.verify_command(nv.version, nv.releases, True, ["gsp.bin"]),
+                           nvidia_ops.conftest_key_command("/a.tgz", release, "gcc", "modules"),
+                           nvidia_ops.cleanup_command(nv.version)):
+                one_word_each(script, words)
+        if nv.modules_source is not None:
+            one_word_each(kernel_hook.hook_script(spec, "gcc", "g++", 2, True), words)
+
+
+def test_walk_rebind_script(tmp_path):
+    """gpus keys and guest ids into the rebind runner (rebind.sh.j2): every accepted address is
+    shell-inert, the runner parses and names it."""
+    from operations import gpus as gpu_ops
+    from plan.gpus import Move, RebindPlan
+
+    values = generate(["0000:01:00.0", "abcd:ff:1f.7"], 600)
+    accepted, refused = load_values(tmp_path, "gpus", values, lambda v: {"gpus": {v: "unused"}})
+    assert refused and accepted
+    for spec in accepted.values():
+        (bdf,) = spec.gpus
+        assert re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", bdf)
+        script = gpu_ops.rebind_script(RebindPlan([Move(bdf, "nvidia", "vfio-pci")], [("qemu", 300)], [], True),
+                                       {bdf: {"minor": 0}}, "tx")
+        one_word_each(script, [bdf])
+        assert bdf in script
+
+
+# templates whose text takes no value from the spec: their context (if any) is pvegpu's own constants
+NO_SPEC_VALUE = {
+    "blacklist-nouveau.conf.j2": set(),
+    "nvidia-device-nodes.service.j2": set(),
+    "nvidia-persistenced.service.j2": set(),
+    "modules-load-vfio.conf.j2": {"modules"},  # operations/boot.py: vfio module names, by PVE version
+}
+
+
+def test_templates_without_spec_values_take_none():
+    import jinja2.meta
+
+    from plan.render import _env
+
+    for name, allowed in NO_SPEC_VALUE.items():
+        source = (Path(__file__).resolve().parents[2] / "templates" / name).read_text()
+        assert jinja2.meta.find_undeclared_variables(_env.parse(source)) == allowed, name
+    assert render_template("modules-load-vfio.conf.j2", modules=["vfio", "vfio_pci"]).splitlines()[-2:] == ["vfio", "vfio_pci"]
+
+
+# Every template in templates/ and the walks that render it from hostile spec values (each test
+# here loads its values as the CLI does and renders them with the real builders).
+WALKS = {
+    "kernel-build.sh.j2": ["test_walk_kernel_source_ref", "test_walk_kernel_source_url", "test_walk_kernel_version",
+                           "test_walk_kernel_tarball_url_and_base_config", "test_walk_kernel_config_fragments"],
+    "kernel-build-start.sh.j2": ["test_walk_kernel_release_files"],
+    "kernel-build-manifest.json.j2": ["test_walk_kernel_release_files"],
+    "kernel-trial-entry.sh.j2": ["test_walk_kernel_release_files"],
+    "kernel-zfs-guard.sh.j2": ["test_walk_kernel_release_files"],
+    "kernel-cmdline.j2": ["test_walk_kernel_cmdline_words"],
+    "grub-pvegpu.cfg.j2": ["test_walk_kernel_cmdline_words"],
+    "nvidia-fetch-source.sh.j2": ["test_walk_nvidia_source_url"],
+    "nvidia-build.sh.j2": ["test_walk_nvidia_signing_paths", "test_walk_nvidia_version_and_releases"],
+    "nvidia-install.sh.j2": ["test_walk_nvidia_version_and_releases"],
+    "nvidia-verify.sh.j2": ["test_walk_nvidia_version_and_releases"],
+    "nvidia-conftest-key.sh.j2": ["test_walk_nvidia_version_and_releases"],
+    "kernel-postinst-nvidia.sh.j2": ["test_walk_nvidia_signing_paths", "test_walk_nvidia_version_and_releases"],
+    "modprobe-nvidia.conf.j2": ["test_walk_nvreg_values"],
+    "nccl.conf.j2": ["test_walk_nccl_values"],
+    "nccl-service-dropin.conf.j2": ["test_walk_nccl_values", "test_walk_nccl_services"],
+    "gpu-binding.rules.j2": ["test_walk_gpu_bdfs"],
+    "initramfs-gpu-binding-hook.j2": ["test_walk_gpu_bdfs"],
+    "rebind.sh.j2": ["test_walk_rebind_script"],
+    **{name: ["test_templates_without_spec_values_take_none"] for name in NO_SPEC_VALUE},
+}
+
+
+def test_every_template_is_walked():
+    """A template added to templates/ fails here until a walk renders it (or it takes no spec value)."""
+    names = {p.name for p in (Path(__file__).resolve().parents[2] / "templates").iterdir() if p.is_file()}
+    assert set(WALKS) == names, f"not walked: {sorted(names - set(WALKS))}; gone: {sorted(set(WALKS) - names)}"
+    for tests in WALKS.values():
+        assert all(callable(globals().get(t)) for t in tests), tests

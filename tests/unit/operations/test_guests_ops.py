@@ -48,7 +48,7 @@ def test_container_state_fact_splits_real_outputs():
 def written(command):
     """The content a write_file_command writes, and its path."""
     content = re.search(r"printf %s (\S+) \| base64 -d", command)
-    target = re.search(r"&& mv -f \S+ (\S+?)(?: \) 9>\S+)?$", command)
+    target = re.search(r"&& mv -f -- \S+ (\S+?)(?: \) 9>\S+)?$", command)
     assert content and target, command
     return target.group(1), base64.b64decode(content.group(1)).decode()
 

@@ -48,7 +48,7 @@ def test_three_stages_one_initramfs_update_then_one_refresh():
     commands = [run_op(h.run_handler, **{k: v for k, v in r.items() if k != "name"})[0] for r in runs]
     assert [len(c) for c in commands] == [1, 1]
     assert commands[0][0].startswith("update-initramfs -u -k all && ") and "/var/lib/pvegpu/initramfs.stamp" in commands[0][0]
-    assert "rm -f /var/lib/pvegpu/gpu-binding-initramfs.stamp" in commands[0][0]  # the old GPU stage stamp goes
+    assert "rm -f -- /var/lib/pvegpu/gpu-binding-initramfs.stamp" in commands[0][0]  # the old GPU stage stamp goes
     assert commands[1][0].startswith("proxmox-boot-tool refresh && ") and "boot-refresh.stamp" in commands[1][0]
     # the stamp: sha256, mode and path of every file, sorted by path
     assert h.stamp_text(h.pending(target)[h.INITRAMFS]["inputs"]).splitlines()[0] == \
@@ -124,8 +124,8 @@ def test_depmod_first_one_command_per_release_each_quoted():
                      changed=True, why=f"installed for {release}", target=target)
     runs = h.handler_runs(h.pending(target), {})
     assert [r["handler"] for r in runs] == [h.DEPMOD, h.INITRAMFS, h.BOOT_REFRESH]
-    assert runs[0]["command"] == "depmod 6.1.0-57-amd64 && depmod 6.14.11-4-pve && depmod 'x; touch $HOME'"
-    assert runs[0]["name"].startswith("depmod 6.1.0-57-amd64 && depmod 6.14.11-4-pve && ")
+    assert runs[0]["command"] == "depmod -- 6.1.0-57-amd64 && depmod -- 6.14.11-4-pve && depmod -- 'x; touch $HOME'"
+    assert runs[0]["name"].startswith("depmod -- 6.1.0-57-amd64 && depmod -- 6.14.11-4-pve && ")
 
 
 def test_daemon_reload_last_with_its_reasons_and_a_removed_file_is_a_reason_without_input():
@@ -154,7 +154,7 @@ def test_flush_runs_a_handler_now_and_the_end_of_run_step_not_again(monkeypatch)
     h.depends_on(h.INITRAMFS, "/etc/modprobe.d/pvegpu-nvidia.conf", "x\n", "644", changed=True, why="options",
                  target=target)
     h.flush(h.DEPMOD, target=target)
-    assert ran == ["depmod 6.14.11-4-pve"]
+    assert ran == ["depmod -- 6.14.11-4-pve"]
     assert [r["handler"] for r in h.handler_runs(h.pending(target), {})] == [h.INITRAMFS]
 
 

@@ -166,10 +166,10 @@ def test_build_op_writes_starts_and_waits_or_only_waits_when_attaching():
 
 def test_install_keeps_running_kernel_and_records_manifest():
     cmds, _ = run_op(kernel.install_kernel, "/b", "6.14.8-2-pve", "proxmox-git")
-    assert cmds[0] == ("DEBIAN_FRONTEND=noninteractive dpkg -i /b/proxmox-kernel-6.14.8-2-pve_*.deb "
+    assert cmds[0] == ("DEBIAN_FRONTEND=noninteractive dpkg -i -- /b/proxmox-kernel-6.14.8-2-pve_*.deb "
                        "/b/proxmox-headers-6.14.8-2-pve_*.deb")
     assert "apt-get" not in cmds[0] and "remove" not in cmds[0]
-    assert cmds[1] == "mkdir -p /var/lib/pvegpu/kernel && cp /b/manifest.json /var/lib/pvegpu/kernel/6.14.8-2-pve.json"
+    assert cmds[1] == "mkdir -p -- /var/lib/pvegpu/kernel && cp -- /b/manifest.json /var/lib/pvegpu/kernel/6.14.8-2-pve.json"
 
 
 def test_trial_boot_sets_the_loaders_one_shot_and_marks_it_last():

@@ -214,8 +214,8 @@ def test_fresh_host_writes_host_container_dropin_and_reloads_systemd_once_late()
     results = commands_of(nccl.stage_operations(want, state))
     assert [len(c) for _, c, _ in results] == [1, 1, 1]
     host_write, ct_write, dropin_write = (c[0] for _, c, _ in results)
-    assert host_write.endswith("mv -f /etc/nccl.conf.pvegpu-tmp /etc/nccl.conf")
-    assert ct_write.startswith("pct exec 200 -- sh -c 'mkdir -p /etc && printf %s ")
+    assert host_write.endswith("mv -f -- /etc/nccl.conf.pvegpu-tmp /etc/nccl.conf")
+    assert ct_write.startswith("pct exec 200 -- sh -c 'mkdir -p -- /etc && printf %s ")
     assert "vllm.service.d/pvegpu-nccl.conf" in dropin_write
     (run,) = reload_runs(want, state)
     assert run["reasons"] == ["NCCL environment of vllm.service changed"]
@@ -230,7 +230,7 @@ def test_service_dropped_from_the_spec_loses_its_dropin_and_reloads():
     stale = "/etc/systemd/system/old.service.d/pvegpu-nccl.conf"
     state = state_for(want, dropins=[stale], systemd=False)
     results = commands_of(nccl.stage_operations(want, state))
-    assert results[-1][:2] == ("absent_file", [f"rm -f {stale}"])
+    assert results[-1][:2] == ("absent_file", [f"rm -f -- {stale}"])
     (run,) = reload_runs(want, state)
     assert run["reasons"] == [f"{stale} removed"] and run["stamp"] == ""  # the removed file is no input
     # next run: nothing to remove, the empty stamp matches: no reload again

@@ -175,7 +175,7 @@ def test_apply_calls_each_operation_the_plan_runs(monkeypatch):
                                                              "build": True}}}
     called, _ = _apply_with_steps(monkeypatch, steps)
     assert called == ["fetch_source", "fetch_source", "check_installer", "build_modules", "install_modules", "clean_builds",
-                      "depmod 6.1.0-57-amd64 (nvidia 595.71.05 modules installed for 6.1.0-57-amd64)",
+                      "depmod -- 6.1.0-57-amd64 (nvidia 595.71.05 modules installed for 6.1.0-57-amd64)",
                       "install_userspace", "verify_versions"]
 
 
@@ -198,7 +198,7 @@ def test_one_depmod_for_every_release_installed_before_the_version_check(monkeyp
     and it runs before verify_versions (modinfo -k <release> nvidia reads the index depmod wrote)."""
     called = _two_releases(monkeypatch, {r: True for r in TWO_RELEASES})
     depmod = [c for c in called if c.startswith("depmod ")]
-    assert depmod == ["depmod 6.1.0-57-amd64 && depmod 6.14.8-2-pve (nvidia 595.71.05 modules installed for "
+    assert depmod == ["depmod -- 6.1.0-57-amd64 && depmod -- 6.14.8-2-pve (nvidia 595.71.05 modules installed for "
                       "6.1.0-57-amd64; nvidia 595.71.05 modules installed for 6.14.8-2-pve)"]
     assert called.index(depmod[0]) > max(i for i, c in enumerate(called) if c == "install_modules")
     assert called.index(depmod[0]) < called.index("verify_versions")
@@ -210,14 +210,14 @@ def test_depmod_retried_from_its_stamp_and_quiet_once_it_matches(monkeypatch):
     """Nothing built: with no depmod stamp (a run that installed modules and stopped before depmod)
     it runs for the releases with our modules; with the stamp of that run it is handed no reason."""
     called = _two_releases(monkeypatch, {r: False for r in TWO_RELEASES})
-    assert called == ["depmod 6.1.0-57-amd64 && depmod 6.14.8-2-pve "
+    assert called == ["depmod -- 6.1.0-57-amd64 && depmod -- 6.14.8-2-pve "
                       "(no /var/lib/pvegpu/depmod.stamp yet (its first run on this host, or a previous run "
                       "stopped before it))"]
     stamp = "".join(f"{hashlib.sha256(b'nvidia 595.71.05').hexdigest()} 755 /lib/modules/{r}/updates/pvegpu-nvidia\n"
                     for r in TWO_RELEASES)
     stamps = {"/var/lib/pvegpu/depmod.stamp": {"mode": "644", "sha256": hashlib.sha256(stamp.encode()).hexdigest()}}
     assert _two_releases(monkeypatch, {r: False for r in TWO_RELEASES}, stamps) == [
-        "depmod 6.1.0-57-amd64 && depmod 6.14.8-2-pve (no reason)"]  # run_handler then noops (handlers tests)
+        "depmod -- 6.1.0-57-amd64 && depmod -- 6.14.8-2-pve (no reason)"]  # run_handler then noops (handlers tests)
 
 
 def test_build_command_uses_kernel_compiler_ccache_and_jobs():
