@@ -64,3 +64,40 @@ def test_cgroup_v1_key_of_a_gpu_ct_is_reported_with_its_fix(twin_factory, tmp_pa
     assert ("CT 200: `lxc.cgroup.devices.allow: c 10:200 rwm` is a cgroup v1 key, which Proxmox VE 9 "
             "(cgroup v2 only) ignores") in out, out[-4000:]
     assert "write it as `lxc.cgroup2.devices.allow: c 10:200 rwm`" in out
+
+
+PREPARE_UPGRADE = (  # what pve8to9 warns about that pvegpu owns: a DKMS module, the systemd-boot meta-package's file
+    "mkdir -p /usr/src/nvidia-550.163.01 && printf 'PACKAGE_NAME=nvidia\\nPACKAGE_VERSION=550.163.01\\n"
+    "BUILT_MODULE_NAME[0]=nvidia\\nDEST_MODULE_LOCATION[0]=/updates/dkms\\n' > /usr/src/nvidia-550.163.01/dkms.conf && "
+    "dkms add -m nvidia -v 550.163.01 >/dev/null && "
+    "mkdir -p /usr/share/doc/systemd-boot && : > /usr/share/doc/systemd-boot/changelog.Debian.gz")
+
+
+@pytest.mark.parametrize("profile,on_8", [("kpro6", True), ("kpro6-pve9", False)])
+def test_upgrade_check_when_the_spec_says_9(twin_factory, tmp_path, monkeypatch, profile, on_8):
+    """proxmox_ve: 9 on a host still on 8: the run (here --dry, which changes nothing) lists the
+    upgrade's to-dos with their fixes; on a host that runs 9 it says nothing."""
+    from tests.e2e import test_rebind_e2e as rebind
+    from tests.e2e.harness import manifest_diff
+
+    base = rebind.spec_yaml
+    monkeypatch.setattr(rebind, "spec_yaml", lambda ct, vm: {"hosts": {"kpro6": {**base(ct, vm)["hosts"]["kpro6"],
+                                                                                "proxmox_ve": 9}}})
+    twin = twin_factory(profile, name=f"s29-upg-{'8' if on_8 else '9'}")
+    run = Run(twin, tmp_path)
+    pin = " && proxmox-boot-tool kernel pin 6.8.12-11-pve" if on_8 else ""
+    assert ssh(twin.name, PREPARE_UPGRADE + pin).returncode == 0
+    conf = run.root / "etc/pve/lxc/200.conf"
+    conf.write_text(conf.read_text() + "lxc.cgroup.devices.allow: c 10:200 rwm\n")
+    before = run.snapshot()
+    rc, out, _ = run.deploy([BDFS[0]], [], "--dry")
+    assert rc == 0, out[-4000:]
+    assert manifest_diff(before, run.snapshot()) == []
+    if not on_8:
+        assert "upgrade check" not in out
+        return
+    assert "kpro6: upgrade check: the spec says Proxmox VE 9 (proxmox_ve: 9) and this host runs 8.4.1" in out, out[-4000:]
+    for finding in ("dkms status lists nvidia/550.163.01: added", "the systemd-boot meta-package is installed",
+                    "proxmox-boot-tool pins kernel 6.8.12-11-pve, a Proxmox VE 8 kernel",
+                    "CT 200: `lxc.cgroup.devices.allow: c 10:200 rwm` is a cgroup v1 key"):
+        assert f"  - {finding}" in out, finding
