@@ -141,7 +141,9 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
         devices = render_container_devices(ctid, want["gpus"], minors, majors, dev_entries, want["gid"],
                                            used_dev_indices(text, nvidia_majors(majors)),
                                            caps_present=state.get("caps"),
-                                           current=current_dev_entries(text, nvidia_majors(majors)))
+                                           # kept indices make a GPU added to a CT only added
+                                           # lines; without hotplug the compact numbering stays
+                                           current=current_dev_entries(text, nvidia_majors(majors)) if hotplug else None)
         for problem in devices.problems:
             logger.warning(f"{host.name}: {problem}")
         merged = merge_container_config(text, devices.lines, majors)

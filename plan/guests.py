@@ -132,8 +132,9 @@ def render_container_devices(ctid: int, bdfs: list[str], minors: Mapping[str, in
       `devN:` entry whose path is missing stops the CT from starting ("Device … does not exist"),
       and the caps nodes exist only once something (nvidia-modprobe -c, MIG) created them.
     + current: our `devN` entries the config holds now, ``{"/dev/nvidia0,gid=44": 0}``
-      (`current_dev_entries`): an entry wanted again keeps its index, new ones take the lowest
-      free, so a GPU added to a CT is only added lines (hotplug on pve-container >= 6.0.4)
+      (`current_dev_entries`; given where pve-container >= 6.0.4 hotplugs): an entry wanted
+      again keeps its index, new ones take the lowest free, so a GPU added to a CT is only added
+      lines; without it the entries are numbered from the lowest free index in order
     """
     gpu_nodes, missing = gpu_nodes_for(bdfs, minors)
     problems = [f"CT {ctid}: GPU {b} has no /dev/nvidia minor (not bound to the nvidia driver)"

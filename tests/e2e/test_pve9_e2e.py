@@ -40,12 +40,14 @@ def test_gpu_added_to_a_running_ct(twin_factory, tmp_path, profile, hotplug):
     assert rc == 0, out[-4000:]
     actions = guest_actions(run)[len(before):]
     conf = run.read("etc/pve/lxc/200.conf")
-    assert "dev4: /dev/nvidia1,gid=44" in conf and "lxc.cgroup." not in conf, conf
-    if hotplug:
+    assert "lxc.cgroup." not in conf, conf
+    if hotplug:  # the entries of the first GPU keep dev0-dev3, the new one takes dev4
+        assert "dev0: /dev/nvidia0,gid=44" in conf and "dev4: /dev/nvidia1,gid=44" in conf, conf
         assert "CT 200 runs: its new device entries are hotplugged (dev4), no restart" in out, out[-4000:]
         assert actions == [], actions  # not restarted
         assert "[pve:pending]" not in conf
-    else:
+    else:  # numbered afresh (the CT restarts anyway)
+        assert "dev1: /dev/nvidia1,gid=44" in conf, conf
         assert actions == ["shutdown lxc 200", "start lxc 200"], actions
     # the running CT has both GPUs' nodes either way (pve-container's prestart hook / hotplug: 0660, gid 44)
     nodes = ssh(twin.name, "pct exec 200 -- stat -c '%n %a %g' /dev/nvidia0 /dev/nvidia1").stdout
