@@ -1306,6 +1306,27 @@ def _seed_pve(root: Path, data: dict) -> None:
                 _write(p, text if text.endswith("\n") else text + "\n")
     _write(root / "etc/hostname", node + "\n")
     _seed_pve_packages(root, data)
+    _seed_pve_repository(root, data)
+
+
+# The Proxmox VE repository file pve-manager installs (its configs/Makefile): on 8 (stable-8)
+# /etc/apt/sources.list.d/pve-enterprise.list, one-line format; on 9 (master)
+# pve-enterprise.sources, deb822 (configs/pve-sources.sources). Nothing in the twin reaches it.
+PVE_REPOSITORY = {
+    8: ("etc/apt/sources.list.d/pve-enterprise.list",
+        "deb https://enterprise.proxmox.com/debian/pve bookworm pve-enterprise\n"),
+    9: ("etc/apt/sources.list.d/pve-enterprise.sources",
+        "Types: deb\nURIs: https://enterprise.proxmox.com/debian/pve\nSuites: trixie\n"
+        "Components: pve-enterprise\nSigned-By: /usr/share/keyrings/proxmox-archive-keyring.gpg\n"),
+}
+
+
+def _seed_pve_repository(root: Path, data: dict) -> None:
+    major = int(str(data["pve"]["version"]).split(".")[0])
+    if major in PVE_REPOSITORY:
+        rel, text = PVE_REPOSITORY[major]
+        if not (root / rel).exists():
+            _write(root / rel, text)
 
 
 def _seed_pve_packages(root: Path, data: dict) -> None:

@@ -21,6 +21,17 @@ def test_profile_extends_kpro6_and_names_trixie():
     assert hardware.profile_suite("kpro6-pve9") == "trixie" and hardware.profile_suite("kpro6") == "bookworm"
 
 
+def test_proxmox_repository_file_follows_the_version(tmp_path):
+    """pve-manager installs the enterprise repository: a one-line .list on 8, deb822 .sources on 9
+    (configs/Makefile of stable-8 and master)."""
+    for profile, name, words in (("kpro6", "pve-enterprise.list", "deb https://enterprise.proxmox.com/debian/pve bookworm"),
+                                 ("kpro6-pve9", "pve-enterprise.sources", "Suites: trixie\nComponents: pve-enterprise")):
+        root = tmp_path / profile
+        hardware.install(root, profile)
+        files = sorted(p.name for p in (root / "etc/apt/sources.list.d").iterdir())
+        assert files == [name] and words in (root / "etc/apt/sources.list.d" / name).read_text()
+
+
 def test_overlay_merges_mappings_and_replaces_lists():
     assert hardware._overlay({"a": {"x": 1, "y": [1]}, "b": 2}, {"a": {"y": [2]}, "c": 3}) == \
         {"a": {"x": 1, "y": [2]}, "b": 2, "c": 3}
