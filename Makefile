@@ -16,9 +16,11 @@ $(VENV)/.installed: pyproject.toml
 debs:
 	bash scripts/install-debs.sh
 
-# Main job on the built-in kpro6 twin: start it, preview (--dry), converge, converge again, host checks.
+# Main job on a built-in twin: start it, preview (--dry), converge, converge again, host checks.
+# PROFILE=kpro6 (default: Proxmox VE 8, bookworm) or PROFILE=kpro6-pve9 (Proxmox VE 9.2, trixie).
+PROFILE ?= kpro6
 demo: venv debs
-	bash scripts/demo.sh
+	PVEGPU_DEMO_PROFILE=$(PROFILE) bash scripts/demo.sh
 
 # All tests (what CI runs): the two real builds run beside the rest (scripts/run-tests.sh).
 test: venv debs

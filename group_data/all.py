@@ -23,4 +23,5 @@ PVEGPU_DEFAULTS: dict = {
     "reboot": {"allowed": False},
     "guests": {},  # allow_stop, shutdown_timeout: spec.models.GuestPolicy holds the defaults
     "proxmox_api": None,
+    "proxmox_ve": None,  # 8 or 9; 9 on a host still on 8: the run reports the upgrade's to-dos
 }

@@ -8,7 +8,10 @@ rebind transaction — because minors shift when GPUs change driver; the CT run 
 run's `facts.guest_state.guest_state()`, read again when the rebind stopped guests. While a
 rebind waits for the next boot, it uses the minors that boot will give
 (`plan.gpus.boot_minors`). A running CT is restarted (shutdown, then start) only when its set
-of GPU nodes changed and those nodes exist now; CTs the rebind stopped are started again.
+of GPU nodes changed and those nodes exist now; CTs the rebind stopped are started again. On
+pve-container >= 6.0.4 a change that only adds `devN` entries goes through `pct set`/the API
+instead, which hotplugs them into the running CT (no restart). Raw cgroup v1 `lxc.cgroup.*`
+lines of a GPU CT are reported with their `lxc.cgroup2.*` fix (ignored on Proxmox VE 9).
 
 VMs: PCI resource mappings (`/cluster/mapping/pci`; entries that no longer match the hardware
 corrected from the facts), hostpci lines (VM config); VMs the rebind stopped are started after
@@ -58,6 +61,9 @@ from plan.guest_control import CONFIG_LOCK_FILE, CONFIG_LOCK_TIMEOUT_S, config_l
 from plan.guests import (
     MappingChange,
     config_gpu_nodes,
+    current_dev_entries,
+    hotplug_additions,
+    legacy_cgroup_keys,
     map_string,
     mapping_references,
     merge_container_config,
@@ -66,6 +72,7 @@ from plan.guests import (
     plan_mappings,
     plan_stale_mappings,
     plan_vm,
+    pve_hotplugs_dev_entries,
     pve_supports_dev_entries,
     render_container_devices,
     used_dev_indices,
@@ -102,11 +109,15 @@ def locked_config_write(kind: str, gid: int, path: str, text: str) -> str:
 @operation()
 def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minors: dict[str, int] | None = None,
                           start_after: list[int] | None = None, api: PveApi | None = None,
-                          shutdown_timeout: int = SHUTDOWN_TIMEOUT_S, ha: dict | None = None):
+                          shutdown_timeout: int = SHUTDOWN_TIMEOUT_S, ha: dict | None = None,
+                          hotplug: bool = False, node: str = "localhost"):
     """Give each CT the device lines of exactly its GPUs; restart/start CTs as needed.
 
     + wanted: ``{200: {"gpus": ["0000:01:00.0"], "gid": 44}}``
     + dev_entries: `devN:` syntax (pve-container >= 5.0.7), else raw `lxc.*` lines
+    + hotplug: pve-container >= 6.0.4: a running CT whose change only adds `devN` entries gets them
+      through `pct set`/the API, which hotplugs them (no restart; HA needs no stop either)
+    + node: the Proxmox node (API paths)
     + boot_minors: minors to use while a rebind waits for a reboot (no restarts then)
     + start_after: CTs the rebind transaction stopped (started again here)
     + api: `operations.proxmox.PveApi` for start/shutdown, or None for pct over SSH
@@ -129,20 +140,36 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
             continue
         devices = render_container_devices(ctid, want["gpus"], minors, majors, dev_entries, want["gid"],
                                            used_dev_indices(text, nvidia_majors(majors)),
-                                           caps_present=state.get("caps"))
+                                           caps_present=state.get("caps"),
+                                           # kept indices make a GPU added to a CT only added
+                                           # lines; without hotplug the compact numbering stays
+                                           current=current_dev_entries(text, nvidia_majors(majors)) if hotplug else None)
         for problem in devices.problems:
             logger.warning(f"{host.name}: {problem}")
         merged = merge_container_config(text, devices.lines, majors)
+        for finding in legacy_cgroup_keys(ctid, merged.text):
+            logger.warning(f"{host.name}: {finding}")
         running = status.get(ctid) == "running"
+        adds = hotplug_additions(merged) if hotplug and running and boot_minors is None \
+            and not devices.problems and ctid not in to_start else None
         lock = re.search(r"^lock:\s*(\S+)", text.split("\n[", 1)[0], re.M)
         if lock and (merged.changed or ctid in to_start):
             # a backup/migration/snapshot holds it: neither its config nor its run state is ours to change
             locked.append(lock_refusal("lxc", ctid, lock.group(1), "write its config or stop/start it"))
             continue
         managed = ha_resource(ha or {}, "lxc", ctid)
-        if managed and running and boot_minors is None and not devices.problems \
+        if managed and running and boot_minors is None and not devices.problems and adds is None \
                 and config_gpu_nodes(text) != config_gpu_nodes(merged.text):
             locked.append(ha_restart_refusal("lxc", ctid, managed[0]))
+            continue
+        if adds:
+            changed_any = True
+            log_diff(f"{LXC_DIR}/{ctid}.conf", text, merged.text)
+            logger.info(f"{host.name}: CT {ctid} runs: its new device entries are hotplugged "
+                        f"({', '.join(k for k, _ in adds)}), no restart")
+            yield StringCommand(backup_command(f"{LXC_DIR}/{ctid}.conf"))
+            shell = " ".join([f"pct set {shlex.quote(str(ctid))}", *(f"--{k} {shlex.quote(v)}" for k, v in adds)])
+            yield from write_commands(api, PveWrite("set", f"/nodes/{node}/lxc/{ctid}/config", tuple(adds)), shell)
             continue
         if merged.changed:
             changed_any = True
@@ -313,6 +340,7 @@ def apply(spec: HostSpec) -> None:
         container_gpu_devices(
             name="guests: container GPU devices", wanted=wanted,
             dev_entries=pve_supports_dev_entries(facts["packages"]),
+            hotplug=pve_hotplugs_dev_entries(facts["packages"]), node=node,
             boot_minors=facts["config_minors"] if pending_boot else None,
             start_after=[i for k, i in stopped if k == "lxc"], api=api, shutdown_timeout=timeout,
             ha=facts["ha"],

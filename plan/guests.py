@@ -4,12 +4,15 @@ Containers (`/etc/pve/lxc/<ctid>.conf`): the device lines for exactly the CT's G
 by BDF → *Device Minor* (`NvidiaGpus` fact; minors shift when GPUs move, so never by N), plus
 the control nodes every CUDA process needs. Two syntaxes (DESIGN.md §7):
 
-    pve-container >= 5.0.7:  dev0: /dev/nvidia2,gid=44   (PVE resolves majors at CT start)
+    pve-container >= 5.0.7:  dev0: /dev/nvidia2,gid=44   (PVE resolves majors at CT start;
+                             >= 6.0.4 hotplugs new ones into a running CT)
     older:       lxc.cgroup2.devices.allow: c 195:* rwm      (majors from /proc/devices)
                  lxc.mount.entry: /dev/nvidia2 dev/nvidia2 none bind,optional,create=file
 
 `merge_container_config` touches only the lines pvegpu owns (see `owned_line`), keeps every
 other line where it was, and leaves `[snapshot]` sections and commented lines byte-identical.
+pvegpu never writes a cgroup v1 `lxc.cgroup.*` key (ours of that kind are replaced); other
+`lxc.cgroup.*` lines are reported with their `lxc.cgroup2.*` fix (`legacy_cgroup_keys`).
 
 VMs: one PCI resource mapping per GPU (`/etc/pve/mapping/pci.cfg`, id
 `pvegpu-<node>-<bdf>`), and `hostpciN: mapping=<id>,pcie=1` lines (pcie only on q35).
@@ -65,6 +68,24 @@ def pve_supports_dev_entries(pve_packages: dict | None) -> bool:
     return debian_version_key(version) >= debian_version_key(DEV_ENTRIES_PVE_CONTAINER)
 
 
+# follows pve-container debian/changelog 6.0.4 ("implement device hotplug", add only) and
+# src/PVE/LXC/Config.pm vmconfig_hotplug_pending: `pct set`/the API on a running CT hotplugs a
+# devN whose index the config does not hold yet (PVE::LXC device_passthrough_hotplug: the node
+# bind-mounted into the CT, its cgroup2 device rule allowed); a devN that exists is skipped (stays
+# pending until the restart), and a deleted one is never hot-unplugged
+HOTPLUG_DEV_PVE_CONTAINER = "6.0.4"
+
+
+def pve_hotplugs_dev_entries(pve_packages: dict | None) -> bool:
+    """New `devN:` entries reach a running CT without a restart: pve-container >= 6.0.4."""
+    from facts.proxmox import debian_version_key
+
+    version = (pve_packages or {}).get("pve-container")
+    if not version:
+        return False
+    return debian_version_key(version) >= debian_version_key(HOTPLUG_DEV_PVE_CONTAINER)
+
+
 def nvidia_majors(char_majors: dict[str, int]) -> set[int]:
     """The char majors that belong to NVIDIA (from `CharDeviceMajors`), always including 195."""
     return {NVIDIA_MAJOR} | {m for name, m in char_majors.items() if name in NVIDIA_MAJOR_NAMES}
@@ -99,7 +120,8 @@ def gpu_nodes_for(bdfs: list[str], minors: Mapping[str, int | None]) -> tuple[li
 def render_container_devices(ctid: int, bdfs: list[str], minors: Mapping[str, int | None],
                              char_majors: dict[str, int], dev_entries: bool, gid: int,
                              used_dev_indices: AbstractSet[int] = frozenset(),
-                             caps_present: list[str] | None = None) -> ContainerDevices:
+                             caps_present: list[str] | None = None,
+                             current: Mapping[str, int] | None = None) -> ContainerDevices:
     """The device lines a CT needs for exactly `bdfs`.
 
     + minors: {bdf: Device Minor} (from `NvidiaGpus`: ``{bdf: v["minor"]}``)
@@ -109,6 +131,10 @@ def render_container_devices(ctid: int, bdfs: list[str], minors: Mapping[str, in
     + caps_present: the /dev/nvidia-caps/* nodes that exist on the host (None: assume all). A
       `devN:` entry whose path is missing stops the CT from starting ("Device … does not exist"),
       and the caps nodes exist only once something (nvidia-modprobe -c, MIG) created them.
+    + current: our `devN` entries the config holds now, ``{"/dev/nvidia0,gid=44": 0}``
+      (`current_dev_entries`; given where pve-container >= 6.0.4 hotplugs): an entry wanted
+      again keeps its index, new ones take the lowest free, so a GPU added to a CT is only added
+      lines; without it the entries are numbered from the lowest free index in order
     """
     gpu_nodes, missing = gpu_nodes_for(bdfs, minors)
     problems = [f"CT {ctid}: GPU {b} has no /dev/nvidia minor (not bound to the nvidia driver)"
@@ -118,10 +144,12 @@ def render_container_devices(ctid: int, bdfs: list[str], minors: Mapping[str, in
     nodes = gpu_nodes + list(CONTROL_NODES)
     lines: list[tuple[str, str]] = []
     if dev_entries:
-        free = (i for i in range(10_000) if i not in used_dev_indices)
         caps = [n for n in CAPS_NODES if caps_present is None or n in caps_present]
-        for node in nodes + caps:
-            lines.append((f"dev{next(free)}", f"{node},gid={gid}"))
+        values = [f"{node},gid={gid}" for node in nodes + caps]
+        kept = {v: i for v, i in (current or {}).items() if v in values and i not in used_dev_indices}
+        free = (i for i in range(10_000) if i not in used_dev_indices and i not in kept.values())
+        index = {v: kept[v] if v in kept else next(free) for v in values}
+        lines = [(f"dev{index[v]}", v) for v in sorted(values, key=index.__getitem__)]
         return ContainerDevices(ctid, gpu_nodes, lines, problems)
     majors = [NVIDIA_MAJOR]
     for name in ("nvidia-uvm", "nvidia-caps"):
@@ -190,6 +218,57 @@ def used_dev_indices(text: str, majors: set[int]) -> set[int]:
         if match and dev and not owned_line(match.group(1), match.group(2), majors, False):
             used.add(int(dev.group(1)))
     return used
+
+
+def current_dev_entries(text: str, majors: set[int]) -> dict[str, int]:
+    """Our devN entries of the main section: ``{"/dev/nvidia0,gid=44": 0}``."""
+    entries: dict[str, int] = {}
+    for line in split_config(text)[0]:
+        match = KEY_RE.match(line)
+        dev = DEV_KEY_RE.match(match.group(1)) if match else None
+        if match and dev and owned_line(match.group(1), match.group(2), majors, False):
+            entries.setdefault(match.group(2), int(dev.group(1)))
+    return entries
+
+
+def hotplug_additions(merged: MergedConfig) -> list[tuple[str, str]] | None:
+    """The `devN` entries a change only adds (none of ours removed or changed), as (key, value)
+    pairs for `pct set`; None when the change is anything else (a restart applies it)."""
+    if not merged.changed or merged.removed or not merged.added:
+        return None
+    pairs = []
+    for line in merged.added:
+        match = KEY_RE.match(line)
+        if not match or not DEV_KEY_RE.match(match.group(1)):
+            return None
+        pairs.append((match.group(1), match.group(2)))
+    return pairs
+
+
+# follows pve-container src/PVE/LXC/Config.pm is_valid_lxc_conf_key (6.1.6, "warn about deprecated
+# cgroupv1 keys"): any raw `lxc.cgroup.` key is accepted with "… is deprecated, this will be a hard
+# error in the future!", and lxc >= 7.0 ignores it (PVE 9 runs a pure cgroup v2 hierarchy;
+# pve-manager PVE/CLI/pve8to9.pm check_virtual_guests lists such CTs). Files whose cgroup v2 name
+# is the v1 one keep it under `lxc.cgroup2.`; the others are renamed in cgroup v2.
+CGROUP_V2_SAME_NAME = ("devices.allow", "devices.deny", "cpuset.cpus", "cpuset.mems")
+
+
+def legacy_cgroup_keys(ctid: int, text: str) -> list[str]:
+    """A sentence, with its fix, for each raw `lxc.cgroup.*` line of a CT config's main section."""
+    found = []
+    for line in split_config(text)[0]:
+        match = KEY_RE.match(line)
+        if not match or not match.group(1).startswith("lxc.cgroup."):
+            continue
+        key, value = match.groups()
+        rest = key[len("lxc.cgroup."):]
+        if rest in CGROUP_V2_SAME_NAME:
+            fix = f"write it as `lxc.cgroup2.{rest}: {value}`"
+        else:
+            fix = f"write its cgroup v2 equivalent under `lxc.cgroup2.` (cgroup v2 renames {rest!r})"
+        found.append(f"CT {ctid}: `{key}: {value}` is a cgroup v1 key, which Proxmox VE 9 (cgroup v2 only) "
+                     f"ignores with a warning (pve-container 6.1.6; to become an error); {fix}")
+    return found
 
 
 def merge_container_config(text: str, wanted: list[tuple[str, str]], char_majors: dict[str, int]) -> MergedConfig:

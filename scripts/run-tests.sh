@@ -12,7 +12,9 @@ mkdir -p .cache
 start=$(date +%s)
 bash scripts/lint.sh || { echo "pvegpu: lint failed (scripts/lint.sh); no test ran" >&2; exit 1; }
 # The twin root cache is shared by both runs: build it once, first.
-tests/twin/twinctl cache >/dev/null || { echo "pvegpu: could not build the twin root cache" >&2; exit 1; }
+for suite in bookworm trixie; do  # bookworm: Proxmox VE 8 profiles; trixie: kpro6-pve9
+  tests/twin/twinctl cache --suite "$suite" >/dev/null || { echo "pvegpu: could not build the twin root cache ($suite)" >&2; exit 1; }
+done
 log=.cache/test-builds.log
 "$PYTEST" -p no:cacheprovider "${BUILDS[@]}" "$@" >"$log" 2>&1 &
 builds_pid=$!

@@ -408,6 +408,9 @@ class HostSpec(Strict):
     reboot: RebootSpec = Field(default_factory=RebootSpec)
     guests: GuestPolicy = Field(default_factory=GuestPolicy)
     proxmox_api: ProxmoxApiSpec | None = None
+    # the Proxmox VE major the host runs or is being moved to: 9 on a host that still runs 8 makes
+    # the run report what to fix for the 8 -> 9 upgrade (operations/upgrade.py); None: not checked
+    proxmox_ve: Literal[8, 9] | None = None
 
     @field_validator("gpus", mode="before")
     @classmethod
@@ -455,6 +458,12 @@ class HostSpec(Strict):
                     errors.append(f'@{where}: GPU "{bdf}" is not declared under gpus; add it with role "vm:{vmid}"')
                 elif gpu.role != f"vm:{vmid}":
                     errors.append(f'@{where}: GPU "{bdf}" has role {gpu.role!r}, but VM {vmid} can only use GPUs with role "vm:{vmid}"')
+
+        # pve-kernel Makefile: bookworm branches set KREL_EXTRA=-bpo12, trixie branches and master none
+        if self.proxmox_ve == 9 and self.kernel is not None and "-bpo12" in self.kernel.version:
+            errors.append(f"@kernel.version: {self.kernel.version} is a Proxmox VE 8 (bookworm, -bpo12) kernel, but "
+                          "proxmox_ve is 9; build a trixie branch of pve-kernel (e.g. master at 6e44995: "
+                          "7.0.14-14-pve, or trixie-6.17 at 74c6afb: 6.17.13-21-pve) with its ref")
 
         for ctid, ct in self.containers.items():
             if ct.userspace_driver is True and ct.gpus and (self.nvidia is None or self.nvidia.installer is None):

@@ -11,8 +11,9 @@ from tests.twin import runtime
 pytestmark = [pytest.mark.twin]
 
 
-def test_checks_pass_converged_and_fail_readably_when_one_thing_breaks(twin_factory):
-    twin = twin_factory("kpro6", name="checks-kpro6")
+@pytest.mark.parametrize("profile", ["kpro6", "kpro6-pve9"])  # Proxmox VE 8 (bookworm) and 9.2 (trixie)
+def test_checks_pass_converged_and_fail_readably_when_one_thing_breaks(twin_factory, profile):
+    twin = twin_factory(profile, name=f"checks-{profile}")
     env = {"PVEGPU_TWINS": twin.name}
     converge = run_pyinfra("inventories/twin.py", "deploy.py", env=env)
     assert converge.rc == 0, converge.output[-4000:]

@@ -1,5 +1,6 @@
 """Whole-run guarantees on fresh twins: --dry changes nothing, converge, a second converge
-reports no changes, host checks pass. Same on the GRUB/Intel twin."""
+reports no changes, host checks pass. Same on the GRUB/Intel twin and on kpro6's hardware on
+Proxmox VE 9.2 (kpro6-pve9: trixie root, GCC 14, pve-container 6.1)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tests.e2e.harness import manifest_diff, root_manifest, run_host_checks, run
 pytestmark = [pytest.mark.twin]
 
 
-@pytest.mark.parametrize("profile", ["kpro6", "intel2"])
+@pytest.mark.parametrize("profile", ["kpro6", "intel2", "kpro6-pve9"])
 def test_dry_converge_idempotent_checks(twin_factory, profile):
     twin = twin_factory(profile, name=f"e2e-{profile}")
     env = {"PVEGPU_TWINS": twin.name}

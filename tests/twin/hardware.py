@@ -12,6 +12,8 @@ Public API (see /work/notes/TWIN-CONTRACT.md):
 
 Profile shape (tests/twin/profiles/<name>.yml; every key below is used by render):
     name, node                      profile name, Proxmox node name (hostname)
+    extends: <profile>              optional: that profile's data with this file's keys over it
+    debian: bookworm|trixie         the twin root's Debian suite (default bookworm; PVE 9: trixie)
     cpu: {vendor_id, model_name, family, model, stepping, microcode, mhz, cache_kb, sockets,
           cores_per_socket, threads_per_core, flags: "fpu ... sev_snp", bugs, address_sizes}
     numa_nodes: {0: "0-31,64-95", ...}          node -> cpulist
@@ -117,12 +119,29 @@ MODULE_SYSFS_NAMES = {"vfio-pci": "vfio_pci"}
 
 # ---------------------------------------------------------------- profile + persisted config
 
+def _overlay(base: dict, over: dict) -> dict:
+    """`base` with `over`'s keys put over it: mappings merged key by key, anything else replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _overlay(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def load_profile(name_or_path) -> dict:
+    """A profile's data; `extends: <profile>` takes that profile's data and puts this file's keys
+    over it (mappings merged, lists replaced): kpro6-pve9 is kpro6's hardware on Proxmox VE 9."""
     p = Path(name_or_path)
     if not p.suffix:
         p = PROFILES_DIR / f"{name_or_path}.yml"
     with open(p) as f:
-        return yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        data = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    parent = data.pop("extends", None)
+    return _overlay(load_profile(parent), data) if parent else data
+
+
+def profile_suite(name_or_path) -> str:
+    """The Debian suite of a profile's twin root: `debian:` (PVE 9: trixie), else bookworm (PVE 8)."""
+    return str(load_profile(name_or_path).get("debian") or "bookworm")
 
 
 def _read(root: Path, rel: str) -> str | None:
@@ -1255,10 +1274,19 @@ def _seed_nvidia_install(root: Path, data: dict) -> None:
         fields = [f"version={version}", f"license={lic}", "name=nvidia",
                   f"vermagic={release} SMP preempt mod_unload modversions "]
         body = "".join(f.replace("\\", "\\\\").replace('"', '\\"') + "\\0" for f in fields)
-        with tempfile.TemporaryDirectory() as tmp:
+        # compiled by the twin root's own gcc (bookworm: 12.2.0, trixie: 14.2.0), as the host built its
+        # module: its .comment names that GCC, which the module-vs-kernel compiler check reads (a
+        # test's bare tmp root has no gcc: this machine's then)
+        in_root = (root / "usr/bin/gcc").exists() and (root / "tmp").is_dir()
+        with tempfile.TemporaryDirectory(dir=root / "tmp" if in_root else None) as tmp:
             src = Path(tmp) / "nvidia_modinfo.c"
             src.write_text(f'__attribute__((section(".modinfo"), used)) static const char m[] = "{body}";\n')
-            subprocess.run(["gcc", "-c", str(src), "-o", str(moddir / "nvidia.ko")], check=True)
+            if in_root:
+                inside = "/" + str(src.relative_to(root))
+                subprocess.run(["chroot", str(root), "gcc", "-c", inside, "-o", inside[:-2] + ".o"], check=True)
+            else:
+                subprocess.run(["gcc", "-c", str(src), "-o", str(src.with_suffix(".o"))], check=True)
+            shutil.move(str(src.with_suffix(".o")), moddir / "nvidia.ko")
         subprocess.run(["chroot", str(root), "/sbin/depmod", release], check=False,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if nv.get("open", True):
@@ -1318,6 +1346,27 @@ def _seed_pve(root: Path, data: dict) -> None:
                 _write(p, text if text.endswith("\n") else text + "\n")
     _write(root / "etc/hostname", node + "\n")
     _seed_pve_packages(root, data)
+    _seed_pve_repository(root, data)
+
+
+# The Proxmox VE repository file pve-manager installs (its configs/Makefile): on 8 (stable-8)
+# /etc/apt/sources.list.d/pve-enterprise.list, one-line format; on 9 (master)
+# pve-enterprise.sources, deb822 (configs/pve-sources.sources). Nothing in the twin reaches it.
+PVE_REPOSITORY = {
+    8: ("etc/apt/sources.list.d/pve-enterprise.list",
+        "deb https://enterprise.proxmox.com/debian/pve bookworm pve-enterprise\n"),
+    9: ("etc/apt/sources.list.d/pve-enterprise.sources",
+        "Types: deb\nURIs: https://enterprise.proxmox.com/debian/pve\nSuites: trixie\n"
+        "Components: pve-enterprise\nSigned-By: /usr/share/keyrings/proxmox-archive-keyring.gpg\n"),
+}
+
+
+def _seed_pve_repository(root: Path, data: dict) -> None:
+    major = int(str(data["pve"]["version"]).split(".")[0])
+    if major in PVE_REPOSITORY:
+        rel, text = PVE_REPOSITORY[major]
+        if not (root / rel).exists():
+            _write(root / rel, text)
 
 
 def _seed_pve_packages(root: Path, data: dict) -> None:

@@ -124,6 +124,12 @@ PACKAGES = (
 # has not installed, as a host has for the kernel stage's release before its reboot.
 EXTRA_HEADERS = ("linux-headers-6.12-amd64",)
 CACHE_FORMAT = 1  # bump when the way the root is configured changes
+# Debian suites a profile can name (`debian:` in tests/twin/profiles/*.yml; default SUITE). Each
+# has its own cached root (its own cache key), so a trixie root never touches the bookworm one.
+# trixie (Proxmox VE 9's base): the same package list; `gcc` is gcc-14 (14.2.0) and
+# linux-headers-amd64 Debian's 6.12, built with gcc-14; no second headers release (yet).
+SUITES = ("bookworm", "trixie")
+SUITE_EXTRA_HEADERS: dict[str, tuple[str, ...]] = {"trixie": ()}
 
 
 class TwinError(RuntimeError):
@@ -170,11 +176,18 @@ def require_root() -> None:
 # Root cache
 
 
-def cache_key() -> str:
-    spec = {"suite": SUITE, "components": COMPONENTS, "packages": sorted(PACKAGES),
+def extra_headers(suite: str | None = None) -> tuple[str, ...]:
+    suite = suite or SUITE
+    return SUITE_EXTRA_HEADERS.get(suite, EXTRA_HEADERS if suite == "bookworm" else ())
+
+
+def cache_key(suite: str | None = None) -> str:
+    """Key of a suite's cached root (default SUITE): what the root is built from, nothing else."""
+    suite = suite or SUITE
+    spec = {"suite": suite, "components": COMPONENTS, "packages": sorted(PACKAGES),
             "format": CACHE_FORMAT}
-    if EXTRA_HEADERS:
-        spec["extra_headers"] = list(EXTRA_HEADERS)
+    if extra_headers(suite):
+        spec["extra_headers"] = list(extra_headers(suite))
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -197,17 +210,17 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=True, **kw)
 
 
-def _build_root(target: Path) -> None:
-    """debootstrap minbase into `target`, then apt-get install PACKAGES inside it."""
+def _build_root(target: Path, suite: str) -> None:
+    """debootstrap minbase of `suite` into `target`, then apt-get install PACKAGES inside it."""
     archive, security = debian_mirrors()
     _run(["debootstrap", "--variant=minbase", f"--components={','.join(COMPONENTS)}",
-          SUITE, str(target), archive])
+          suite, str(target), archive])
     (target / "etc/apt/sources.list").unlink(missing_ok=True)
     (target / "etc/apt/sources.list.d/debian.sources").write_text(
-        f"Types: deb\nURIs: {archive}\nSuites: {SUITE} {SUITE}-updates\n"
+        f"Types: deb\nURIs: {archive}\nSuites: {suite} {suite}-updates\n"
         f"Components: {' '.join(COMPONENTS)}\n"
         "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n\n"
-        f"Types: deb\nURIs: {security}\nSuites: {SUITE}-security\n"
+        f"Types: deb\nURIs: {security}\nSuites: {suite}-security\n"
         f"Components: {' '.join(COMPONENTS)}\n"
         "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
     )
@@ -221,7 +234,7 @@ def _build_root(target: Path) -> None:
     # downloaded and unpacked (their file trees) with nothing registered in dpkg's database
     (target / "tmp/pvegpu-extra-headers.sh").write_text(
         "set -e\ncd /tmp\n"
-        f"for meta in {' '.join(EXTRA_HEADERS)}; do\n"
+        f"for meta in {' '.join(extra_headers(suite))}; do\n"
         "  h=$(apt-cache depends \"$meta\" | sed -n 's/^ *Depends: \\(linux-headers-.*\\)$/\\1/p' | head -n 1)\n"
         "  [ -n \"$h\" ] || { echo \"twin: $meta names no headers package\" >&2; exit 1; }\n"
         "  deps=$(apt-cache depends \"$h\" | sed -n 's/^ *Depends: \\(linux-headers-.*-common\\|linux-kbuild-.*\\)$/\\1/p')\n"
@@ -239,7 +252,7 @@ def _build_root(target: Path) -> None:
         "DEBIAN_FRONTEND=noninteractive LC_ALL=C.UTF-8 sh -c '"
         "apt-get -q update && "
         f"apt-get -q install -y --no-install-recommends {' '.join(PACKAGES)} && "
-        "sh /tmp/pvegpu-extra-headers.sh && rm -f /tmp/pvegpu-extra-headers.sh && "
+        f"{'sh /tmp/pvegpu-extra-headers.sh && ' if extra_headers(suite) else ''}rm -f /tmp/pvegpu-extra-headers.sh && "
         "apt-get clean'\n"
     )
     # Own mount+pid namespace: the build's mounts and any stray process die with it.
@@ -252,13 +265,17 @@ def _build_root(target: Path) -> None:
     (target / "run/sshd").mkdir(parents=True, exist_ok=True)
 
 
-def ensure_root_cache() -> Path:
-    """Return the unpacked cached root (overlay lowerdir), building or unpacking it if needed.
+def ensure_root_cache(suite: str | None = None) -> Path:
+    """Return the unpacked cached root of `suite` (default SUITE; the overlay lowerdir),
+    building or unpacking it if needed.
 
     Cold: debootstrap + apt (minutes, network to the Debian mirror). Warm tarball only: unpack.
     """
     require_root()
-    key = cache_key()
+    suite = suite or SUITE
+    if suite not in SUITES:
+        raise TwinError(f"no twin root for Debian suite {suite!r} (known: {', '.join(SUITES)})")
+    key = cache_key(suite)
     lower = CACHE_DIR / f"root-{key}"
     tarball = CACHE_DIR / f"root-{key}.tar.zst"
     if (lower / ".twin-complete").exists():
@@ -279,8 +296,8 @@ def ensure_root_cache() -> Path:
         else:
             if not shutil.which("debootstrap"):
                 raise TwinError("building the twin's root needs debootstrap (make debs)")
-            log(f"building root cache {key} (debootstrap {SUITE} + {len(PACKAGES)} packages)")
-            _build_root(building)
+            log(f"building root cache {key} (debootstrap {suite} + {len(PACKAGES)} packages)")
+            _build_root(building, suite)
             part = tarball.with_suffix(".part")
             _run(["tar", "-C", str(building), "--numeric-owner", "--xattrs", "-I", "zstd -T0 -3",
                   "-cpf", str(part), "."])
@@ -588,7 +605,9 @@ def start(name: str, profile: str, address: str | None = None,
     if address is not None and not 2 <= int(address.rsplit(".", 1)[1]) <= 254:
         raise TwinError(f"twin address {address!r}: N must be 2..254 (127.0.0.1 is never used)")
     t0 = time.monotonic()
-    lower = ensure_root_cache()
+    # the profile's Debian suite (hardware.profile_suite; a test's hardware module without it: SUITE)
+    suite = getattr(load_hardware(hardware), "profile_suite", lambda _p: SUITE)(profile)
+    lower = ensure_root_cache(suite)
     t_cache = time.monotonic() - t0
     tdir = TWINS_DIR / name
     TWINS_DIR.mkdir(exist_ok=True)
@@ -1081,7 +1100,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name")
     p.add_argument("--keep", action="store_true", help="keep .twin/<name> (upper dir, logs)")
     sub.add_parser("status", help="list twins")
-    sub.add_parser("cache", help="build or unpack the cached root")
+    p = sub.add_parser("cache", help="build or unpack the cached root of a Debian suite")
+    p.add_argument("--suite", choices=SUITES, default=SUITE)
     p = sub.add_parser("busy", help="mark a GPU of a twin as held by a process")
     p.add_argument("name")
     p.add_argument("bdf")
@@ -1110,7 +1130,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "kill-sshd":
             print(" ".join(map(str, kill_sshd(args.name))))
         elif args.command == "cache":
-            print(ensure_root_cache())
+            print(ensure_root_cache(args.suite))
         elif args.command == "busy":
             spec = spec_of(args.name)
             load_hardware(spec["hardware"]).mark_busy(Path(spec["root"]), args.bdf, args.holder)

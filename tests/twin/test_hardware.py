@@ -155,7 +155,7 @@ def test_kpro6_sysfs_agrees_with_profile(twin):
     assert "sev_snp" in hw(root, "proc/cpuinfo").read_text().split("\n\n")[0]
 
 
-@pytest.mark.parametrize("profile", ["kpro6", "intel2"])
+@pytest.mark.parametrize("profile", ["kpro6", "intel2", "kpro6-pve9"])
 def test_bridges_config_carries_the_acs_the_kernel_enabled(twin, profile):
     """Each bridge's sysfs `config` holds the ACS capability of the profile (root ports, switch
     downstream ports), with the control bits the kernel turns on with the IOMMU on (SV, RR, CR,

@@ -345,6 +345,21 @@ def test_cache_key_follows_suite_and_package_list(monkeypatch):
     assert runtime.cache_key() != key
 
 
+def test_each_suite_has_its_own_root_and_bookworm_keeps_its_key():
+    """A trixie root (Proxmox VE 9 profiles) has its own cache key: building it never replaces the
+    bookworm root, whose key is what it was before suites existed (CI's cached tarball stays valid)."""
+    assert runtime.cache_key("bookworm") == runtime.cache_key() == "650135823d95775c"
+    assert runtime.cache_key("trixie") not in (runtime.cache_key("bookworm"), None)
+    assert runtime.extra_headers("bookworm") == ("linux-headers-6.12-amd64",)
+    assert runtime.extra_headers("trixie") == ()
+
+
+def test_unknown_suite_is_refused(monkeypatch):
+    monkeypatch.setattr(runtime, "require_root", lambda: None)
+    with pytest.raises(runtime.TwinError, match="no twin root for Debian suite 'sid'"):
+        runtime.ensure_root_cache("sid")
+
+
 def test_twin_processes_ignores_a_recycled_namespace_number():
     """After a twin's supervisor died, its namespace numbers may be reused by the kernel: processes
     in a namespace with that number are not the twin's (a stop then saw another twin's processes

@@ -73,6 +73,36 @@ def test_pct_start_with_device_nodes_present(root):
     assert guests_log(root) == ["start lxc 200", "reboot lxc 200", "stop lxc 200"]
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
+@pytest.mark.parametrize("pve_container,hotplugged", [("5.2.7", False), ("6.0.4", True)])
+def test_pct_set_dev_on_a_running_ct_hotplugs_from_6_0_4_else_pends(root, pve_container, hotplugged):
+    """pve-container update_pct_config + vmconfig_hotplug_pending: a new devN on a running CT is
+    hotplugged from 6.0.4 on; before, and for an index the config holds, it waits in [pve:pending]
+    until the CT stops or starts (vm_start / the poststop hook apply it)."""
+    profile = json.loads((root / "var/lib/twin/profile.json").read_text())
+    profile["pve"]["packages"]["pve-container"] = pve_container
+    (root / "var/lib/twin/profile.json").write_text(json.dumps(profile))
+    (root / "dev").mkdir(exist_ok=True)
+    for name, minor in (("nvidia0", 0), ("nvidia1", 1)):
+        os.mknod(root / "dev" / name, 0o666 | stat.S_IFCHR, os.makedev(195, minor))
+    run(root, "pct", "set", "200", "--dev0", "/dev/nvidia0,gid=44", check=True)
+    run(root, "pct", "start", "200", check=True)
+    r = run(root, "pct", "set", "200", "--dev1", "/dev/nvidia2,gid=44")  # no such node: refused while it runs
+    assert r.returncode != 0 and "Device /dev/nvidia2 does not exist" in r.stderr
+    run(root, "pct", "set", "200", "--dev1", "/dev/nvidia1,gid=44", "--dev0", "/dev/nvidia1", check=True)
+    conf = (root / "etc/pve/lxc/200.conf").read_text()
+    devices = [d["path"] for d in json.loads((root / "var/lib/twin/ct/200/devices.json").read_text())["devices"]]
+    main, _, pending = conf.partition("[pve:pending]\n")
+    assert "dev0: /dev/nvidia0,gid=44" in main and "dev0: /dev/nvidia1\n" in pending  # an existing devN: never hot
+    if hotplugged:
+        assert "dev1: /dev/nvidia1,gid=44" in main and devices == ["/dev/nvidia0", "/dev/nvidia1"]
+    else:
+        assert "dev1: /dev/nvidia1,gid=44" in pending and devices == ["/dev/nvidia0"]
+    run(root, "pct", "stop", "200", check=True)
+    conf = (root / "etc/pve/lxc/200.conf").read_text()
+    assert "[pve:pending]" not in conf and "dev0: /dev/nvidia1\n" in conf and "dev1: /dev/nvidia1,gid=44" in conf
+
+
 def test_pct_start_refuses_a_regular_file_as_device(root):
     (root / "dev").mkdir(exist_ok=True)
     (root / "dev/nvidia0").write_text("")

@@ -380,3 +380,78 @@ def test_references_use_this_runs_hostpci_changes_for_our_vms():
     assert refs == {"pvegpu-kpro6-0000-a1-00-0": ["VM 300 on kpro6"],
                     "pvegpu-kpro6-0000-81-00-0": ["VM 300 on pve2"],
                     "pvegpu-kpro6-0000-c1-00-0": ["a snapshot or pending change of VM 301 on kpro6"]}
+
+
+# ---------------------------------------------------------------- Proxmox VE 9 (issue 29)
+
+def test_hotplug_needs_pve_container_6_0_4():
+    # pve-container debian/changelog 6.0.4: "implement device hotplug" (add only)
+    from plan.guests import pve_hotplugs_dev_entries
+
+    assert pve_hotplugs_dev_entries({"pve-container": "6.0.4"})
+    assert pve_hotplugs_dev_entries({"pve-container": "6.1.10"})
+    assert not pve_hotplugs_dev_entries({"pve-container": "6.0.3"})
+    assert not pve_hotplugs_dev_entries({"pve-container": "5.2.7"})
+    assert not pve_hotplugs_dev_entries({}) and not pve_hotplugs_dev_entries(None)
+
+
+def test_a_gpu_added_to_a_ct_only_adds_dev_entries():
+    """Entries the config holds keep their index; the new GPU takes the lowest free one, so the
+    change is only added lines, which pve-container >= 6.0.4 hotplugs (an edited devN is not)."""
+    from plan.guests import current_dev_entries, hotplug_additions
+
+    one = render_container_devices(200, ["0000:21:00.0"], KPRO6_MINORS, {}, True, 44)
+    text = merge_container_config("arch: amd64\nhostname: llm\n", one.lines, {}).text
+    two = render_container_devices(200, ["0000:21:00.0", "0000:61:00.0"], KPRO6_MINORS, {}, True, 44,
+                                   current=current_dev_entries(text, {195}))
+    merged = merge_container_config(text, two.lines, {})
+    assert merged.removed == [] and merged.added == ["dev6: /dev/nvidia3,gid=44"]
+    assert hotplug_additions(merged) == [("dev6", "/dev/nvidia3,gid=44")]
+    # a GPU taken away is a removal: no hotplug (hot-unplug is not supported), a restart applies it
+    back = render_container_devices(200, ["0000:21:00.0"], KPRO6_MINORS, {}, True, 44,
+                                    current=current_dev_entries(merged.text, {195}))
+    assert hotplug_additions(merge_container_config(merged.text, back.lines, {})) is None
+    # the old syntax never hotplugs
+    old = render_container_devices(200, ["0000:21:00.0"], KPRO6_MINORS, PVE9_MAJORS, False, 44)
+    assert hotplug_additions(merge_container_config("arch: amd64\n", old.lines, PVE9_MAJORS)) is None
+
+
+def test_kept_indices_leave_the_converged_config_unchanged():
+    from plan.guests import current_dev_entries
+
+    ct = render_container_devices(200, ["0000:61:00.0", "0000:21:00.0"], KPRO6_MINORS, {}, True, 44)
+    text = merge_container_config("arch: amd64\n", ct.lines, {}).text
+    again = render_container_devices(200, ["0000:61:00.0", "0000:21:00.0"], KPRO6_MINORS, {}, True, 44,
+                                     current=current_dev_entries(text, {195}))
+    assert again.lines == ct.lines and not merge_container_config(text, again.lines, {}).changed
+
+
+LEGACY_CGROUP = """\
+arch: amd64
+hostname: llm
+lxc.cgroup.devices.allow: c 226:* rwm
+lxc.cgroup.memory.limit_in_bytes: 8G
+lxc.cgroup2.devices.allow: c 10:200 rwm
+
+[snap]
+lxc.cgroup.devices.allow: c 4:* rwm
+"""
+
+
+def test_cgroup_v1_keys_are_reported_with_their_fix_and_never_written():
+    """pve-container 6.1.6 (src/PVE/LXC/Config.pm is_valid_lxc_conf_key) warns about every raw
+    `lxc.cgroup.` key and lxc >= 7.0 ignores it: each is reported with the lxc.cgroup2 form;
+    snapshot sections are not the running config."""
+    from plan.guests import legacy_cgroup_keys
+
+    found = legacy_cgroup_keys(200, LEGACY_CGROUP)
+    assert len(found) == 2
+    assert found[0].startswith("CT 200: `lxc.cgroup.devices.allow: c 226:* rwm` is a cgroup v1 key")
+    assert found[0].endswith("write it as `lxc.cgroup2.devices.allow: c 226:* rwm`")
+    assert "cgroup v2 renames 'memory.limit_in_bytes'" in found[1]
+    # our own v1 lines (an NVIDIA major) are replaced, in either syntax, by cgroup2/devN ones
+    text = "arch: amd64\nlxc.cgroup.devices.allow: c 195:* rwm\n"
+    for dev_entries in (True, False):
+        ct = render_container_devices(200, ["0000:21:00.0"], KPRO6_MINORS, PVE9_MAJORS, dev_entries, 44)
+        merged = merge_container_config(text, ct.lines, PVE9_MAJORS)
+        assert "lxc.cgroup." not in merged.text and legacy_cgroup_keys(200, merged.text) == []

@@ -464,3 +464,32 @@ def test_secure_boot_and_mok_states_parsed_from_the_fact():
     state = parse_host_state(["@@ sig_enforce", "Y", "@@ signing /root/mok.key", "readable",
                               "@@ signing /root/mok.der", "readable", "mok /root/mok.der is not enrolled"])
     assert (state["sig_enforce"], state["signing_key_pem"], state["mok"]) == (True, False, "not enrolled")
+
+
+# -- Proxmox VE 9 (trixie, GCC 14; issue 29) ------------------------------------------------------
+# Real banners of the trixie twin root (debootstrapped; tests/twin/runtime.py): `gcc --version`,
+# `gcc-14`/`g++-14 --version` first lines, and CONFIG_CC_VERSION_TEXT of Debian trixie's
+# linux-headers-6.12.118+deb13-amd64. Proxmox builds its 9.x kernels with that GCC 14 (the
+# kpro6-pve9 profile's /proc/version).
+TRIXIE = {"gcc": "gcc (Debian 14.2.0-19) 14.2.0", "gcc-14": "gcc-14 (Debian 14.2.0-19) 14.2.0",
+          "g++": "g++ (Debian 14.2.0-19) 14.2.0", "g++-14": "g++-14 (Debian 14.2.0-19) 14.2.0"}
+TRIXIE_612_CC_TEXT = "x86_64-linux-gnu-gcc-14 (Debian 14.2.0-19) 14.2.0"
+PVE9_CC_TEXT = "gcc (Debian 14.2.0-19) 14.2.0"
+
+
+def test_pve9_kernels_take_gcc_14():
+    assert nv.toolchain_for("7.0.14-14-pve", PVE9_CC_TEXT, TRIXIE, need_cxx=True) == {
+        "cc": "gcc", "cxx": "g++", "note": None, "refusal": None}
+    # Debian's own trixie kernel names x86_64-linux-gnu-gcc-14: gcc-14 of the same banner builds it
+    assert nv.toolchain_for("6.12.118+deb13-amd64", TRIXIE_612_CC_TEXT, TRIXIE, need_cxx=True) == {
+        "cc": "gcc-14", "cxx": "g++-14", "note": None, "refusal": None}
+
+
+def test_pve9_kernel_on_a_host_that_still_has_only_gcc_12_is_refused():
+    """A host upgraded to 9 whose toolchain is still bookworm's: the 9.x kernel was built with
+    GCC 14, and modules built with 12 are the incident-1 mismatch."""
+    result = nv.toolchain_for("7.0.14-14-pve", PVE9_CC_TEXT, {"gcc": BOOKWORM_GCC, "gcc-12": BOOKWORM_GCC12})
+    assert result["cc"] is None and "Install GCC 14.2.0 (apt install gcc-14)" in result["refusal"]
+    # and the other way round: an 8.x kernel on a trixie toolchain
+    result = nv.toolchain_for("6.14.8-2-pve", PVE_CC_TEXT, TRIXIE)
+    assert result["cc"] is None and "Install GCC 12.2.0 (apt install gcc-12)" in result["refusal"]

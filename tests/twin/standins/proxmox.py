@@ -147,7 +147,60 @@ def update_config(kind, vmid, opts, delete):
         verify_params(kind, opts)
         # follows qemu-server PVE/API2/Qemu.pm update_vm_api / pve-container API2/LXC/Config.pm: a locked config is not changed
         check_lock(kind, conf)
+        if kind == "lxc":
+            opts = lxc_dev_changes(vmid, conf, opts)
         _update_config(kind, vmid, conf, opts, delete)
+
+
+# follows pve-container debian/changelog 6.0.4 ("implement device hotplug"; hot-unplug and editing
+# an existing device are not supported)
+DEV_HOTPLUG_PVE_CONTAINER = (6, 0, 4)
+
+
+def pve_container_version():
+    v = str(((ts.profile().get("pve") or {}).get("packages") or {}).get("pve-container") or "0")
+    return tuple(int(n) for n in re.findall(r"\d+", v.split("-")[0])[:3])
+
+
+def lxc_dev_changes(vmid, conf, opts):
+    """`devN` options of a CT config change as pve-container handles them; returns the options
+    written to the main section now. Follows src/PVE/LXC/Config.pm update_pct_config: each devN
+    path must be a device node (PVE::LXC::Tools get_device_mode_and_rdev; checked here for a
+    running CT only, for a stopped one at its start); on a running CT every change goes to
+    [pve:pending] and vmconfig_hotplug_pending applies
+    a devN whose index the config does not hold yet (pve-container >= 6.0.4:
+    PVE::LXC device_passthrough_hotplug puts the node into the running CT); any other devN stays
+    pending until the CT restarts."""
+    dev = [(k, v) for k, v in opts if re.fullmatch(r"dev\d+", k)]
+    if not dev or status_of("lxc", vmid) != "running":
+        return opts  # (a stopped CT's devN paths are checked at `pct start`, check_lxc_start)
+    for _k, v in dev:
+        p = ts.prop_string(v)
+        path = p.get("path", p.get("_"))
+        if not os.path.exists(ts.path(path)):
+            raise ApiError(f"Device {path} does not exist")
+        if twin_char_node(path) is None:
+            raise ApiError(f"{path} is not a device")
+    hot = [(k, v) for k, v in dev
+           if pve_container_version() >= DEV_HOTPLUG_PVE_CONTAINER and ts.conf_get(conf, k) is None]
+    pending = [o for o in dev if o not in hot]
+    if hot:
+        ids = [(k, v) for k, v in conf["keys"] if k in ("unprivileged", "lxc.idmap")]
+        added = ct_devices(vmid, {"keys": ids + hot, "description": [], "rest": ""})
+        path = f"{CT_DIR}/{vmid}/devices.json"
+        data = json.loads(ts.read(path, "{}") or "{}")
+        have = {d["path"] for d in data.get("devices", [])}
+        data["devices"] = sorted(data.get("devices", []) + [d for d in added if d["path"] not in have],
+                                 key=lambda d: d["path"])
+        ts.write(path, json.dumps(data, indent=1))
+    if pending:
+        lines = "".join(f"{k}: {v}\n" for k, v in pending)
+        rest = conf["rest"]
+        if rest.startswith("[pve:pending]\n"):
+            conf["rest"] = "[pve:pending]\n" + lines + rest[len("[pve:pending]\n"):]
+        else:
+            conf["rest"] = "[pve:pending]\n" + lines + ("\n" + rest if rest else "")
+    return [o for o in opts if o not in pending]
 
 
 def _update_config(kind, vmid, conf, opts, delete):
@@ -298,8 +351,27 @@ def start(kind, vmid):
         if status_of(kind, vmid) == "running":
             raise ApiError(f"{label} {vmid} already running")
         check_lock(kind, conf)
+        if kind == "lxc":
+            conf = apply_pending(vmid, conf)
         (check_lxc_start if kind == "lxc" else check_qemu_start)(conf)
         boot_guest(kind, vmid, conf)
+
+
+def apply_pending(vmid, conf):
+    """A CT's [pve:pending] keys moved into its config (follows pve-container src/PVE/LXC.pm
+    vm_start: "apply pending changes while starting", vmconfig_apply_pending; the poststop hook
+    does the same when a CT stops)."""
+    rest = conf["rest"]
+    if not rest.startswith("[pve:pending]\n"):
+        return conf
+    section, _, others = rest[len("[pve:pending]\n"):].partition("\n[")
+    for line in section.splitlines():
+        k, sep, v = line.partition(":")
+        if sep and k.strip():
+            ts.conf_set(conf, k.strip(), v.strip())
+    conf["rest"] = ("[" + others) if others else ""
+    save("lxc", vmid, conf)
+    return conf
 
 
 def boot_guest(kind, vmid, conf, action="start"):
@@ -330,6 +402,8 @@ def stop(kind, vmid, action="stop", timeout=None):
     with config_lock(kind, vmid):
         check_lock(kind, load(kind, vmid))
         halt_guest(kind, vmid, action)
+        if kind == "lxc":  # src/lxc-pve-poststop-hook applies pending changes
+            apply_pending(vmid, load(kind, vmid))
 
 
 def halt_guest(kind, vmid, action):
@@ -515,6 +589,8 @@ def reboot(kind, vmid):
     if status_of(kind, vmid) != "running":
         raise ApiError(f"{KINDS[kind][1]} {vmid} not running")
     conf = load(kind, vmid)
+    if kind == "lxc":  # stop (the poststop hook) and start both apply pending changes
+        conf = apply_pending(vmid, conf)
     (check_lxc_start if kind == "lxc" else check_qemu_start)(conf)
     if kind == "lxc":
         ct_kill(vmid)
@@ -623,7 +699,7 @@ def onboot():
             kvm_spawn(int(vmid))
         elif kind == "lxc" and status == "running":
             try:
-                ct_boot(int(vmid), load("lxc", int(vmid)))
+                ct_boot(int(vmid), apply_pending(int(vmid), load("lxc", int(vmid))))
             except ApiError:
                 pass  # its config is gone: pct list will not show it either
 
@@ -995,7 +1071,7 @@ def ct_execvp(vmid, command):
     if snapshot is None or snapshot.get("booted_at") != ts.state().get("booted_at"):
         # still "running" across a twin reboot: it was started again at boot (onboot), so its
         # /dev follows the config and the nodes of this boot
-        ct_boot(vmid, load("lxc", vmid))
+        ct_boot(vmid, apply_pending(vmid, load("lxc", vmid)))
         snapshot = json.loads(ts.read(f"{CT_DIR}/{vmid}/devices.json"))
     ct_mount(vmid)
     script = ct_enter_script(vmid, snapshot)

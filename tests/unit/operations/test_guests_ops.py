@@ -243,3 +243,41 @@ def test_locked_or_ha_managed_vm_is_refused_at_preflight_only_when_it_would_chan
     (refusal,) = locked_vm_refusals(spec, facts("machine: q35\n", ha=ha))
     assert "VM 300 needs a restart for its new GPUs but is HA resource vm:300" in refusal
     assert locked_vm_refusals(spec, facts("machine: q35\n", running="stopped", ha=ha)) == []
+
+
+# ---------------------------------------------------------------- hotplug (pve-container >= 6.0.4, issue 29)
+
+def test_running_ct_gets_added_gpus_hotplugged_not_restarted():
+    facts = facts_for({103: IGPU}, {103: "running"})
+    commands, _ = run_op(container_gpu_devices, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True,
+                         hotplug=True, facts=facts)
+    assert commands[0].startswith("{ if [ -f /etc/pve/lxc/103.conf ]; then mkdir -p /var/lib/pvegpu/backup/")
+    assert commands[1] == ("pct set 103 --dev0 /dev/nvidia0,gid=44 --dev1 /dev/nvidiactl,gid=44 "
+                           "--dev2 /dev/nvidia-uvm,gid=44 --dev3 /dev/nvidia-uvm-tools,gid=44")
+    assert len(commands) == 2 and not any("pct shutdown" in c or "pct start" in c for c in commands)
+    # without hotplug (pve-container < 6.0.4) the same change is a file write and a restart
+    commands, _ = run_op(container_gpu_devices, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True,
+                         hotplug=False, facts=facts)
+    assert commands[-1] == "pct start 103" and commands[1].startswith("pct shutdown 103")
+
+
+def test_hotplug_through_the_api_and_not_for_a_stopped_ct():
+    api = PveApi(ProxmoxApiSpec(host="127.0.0.1", token_name="pvegpu", token_env="PVEGPU_UNIT_TOKEN"), "kpro6")
+    facts = facts_for({103: IGPU}, {103: "running"})
+    commands, _ = run_op(container_gpu_devices, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True,
+                         hotplug=True, api=api, node="kpro6", facts=facts, render=None)
+    write = commands[1].args[1]
+    assert commands[1].function is api_write and write.method == "set" and write.path == "/nodes/kpro6/lxc/103/config"
+    assert write.params[0] == ("dev0", "/dev/nvidia0,gid=44")
+    # a stopped CT just gets its file (it starts with the new entries)
+    commands, _ = run_op(container_gpu_devices, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True,
+                         hotplug=True, facts=facts_for({103: IGPU}, {103: "stopped"}))
+    assert len(commands) == 1 and written(commands[0])[0] == "/etc/pve/lxc/103.conf"
+
+
+def test_ha_managed_ct_needs_no_stop_when_its_gpus_are_hotplugged():
+    facts = facts_for({103: IGPU}, {103: "running"})
+    ha = {"ct:103": {"state": "started"}}
+    commands, _ = run_op(container_gpu_devices, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True,
+                         hotplug=True, ha=ha, facts=facts)
+    assert commands[1].startswith("pct set 103 --dev0 /dev/nvidia0,gid=44")
