@@ -1006,11 +1006,14 @@ def ct_execvp(vmid, command):
 
 # ---------------------------------------------------------------- PCI mappings
 
-def read_mappings():
+PCI_CFG = "mapping/pci.cfg"  # under /etc/pve; pve-guest-common src/PVE/Mapping/PCI.pm $FILENAME
+
+
+def read_mappings(raw=None):
     """{id: {"map": [str], "description": str?, ...}} from /etc/pve/mapping/pci.cfg."""
     out: dict[str, dict] = {}
     cur = None
-    for line in (ts.read("/etc/pve/mapping/pci.cfg") or "").splitlines():
+    for line in (ts.read("/etc/pve/" + PCI_CFG) or "" if raw is None else raw).splitlines():
         if not line.strip():
             cur = None
             continue
@@ -1036,7 +1039,21 @@ def write_mappings(maps):
             else:
                 text += f"\t{k} {entry[k]}\n"
         text += "\n"
-    ts.write("/etc/pve/mapping/pci.cfg", text)
+    ts.write("/etc/pve/" + PCI_CFG, text)
+
+
+def locked_mappings(errmsg, code):
+    """`code(maps, digest)` under the cluster lock of pci.cfg, reading the file inside it, as
+    pve-guest-common PVE/Mapping/PCI.pm lock_pci_config (cfs_lock_file, 10 s) and pve-manager
+    PVE/API2/Cluster/Mapping/PCI.pm do; an error is prefixed with `errmsg`. `digest`: sha1 of
+    the raw file (pve-common SectionConfig parse_config)."""
+    def locked():
+        raw = ts.read("/etc/pve/" + PCI_CFG) or ""
+        return code(read_mappings(raw), ts.digest(raw))
+    try:
+        return ts.cfs_lock(ts.cfs_file_lockid(PCI_CFG), locked)
+    except (ApiError, TimeoutError) as e:
+        raise ApiError(f"{errmsg}: {e}") from e
 
 
 def check_map_strings(maps):
@@ -1138,47 +1155,61 @@ def guest_api(method, kind, rest, opts, single):
 
 
 def mapping_api(method, rest, opts, single):
-    maps = read_mappings()
     if not rest:
         if method == "get":
-            return [dict(entry, id=mid) for mid, entry in maps.items()]
+            return [dict(entry, id=mid) for mid, entry in read_mappings().items()]
         if method == "create":
             mid = single.get("id")
             if not mid:
                 raise ApiError("400 Parameter verification failed.\nid: property is missing and it is not optional")
-            if mid in maps:
-                raise ApiError(f"400 Parameter verification failed.\nid: pci mapping '{mid}' already defined")
             new = [v for k, v in opts if k == "map"]
             check_map_strings(new)
-            maps[mid] = {"map": new}
-            for k, v in opts:
-                if k not in ("id", "map"):
-                    maps[mid][k] = v
-            write_mappings(maps)
-            return None
+
+            def create(maps, _digest):
+                if mid in maps:
+                    raise ApiError(f"pci ID '{mid}' already defined")
+                maps[mid] = {"map": new}
+                for k, v in opts:
+                    if k not in ("id", "map"):
+                        maps[mid][k] = v
+                write_mappings(maps)
+            return locked_mappings("create hardware mapping failed", create)
     else:
         mid = rest[0]
-        if mid not in maps:
-            raise ApiError(f"PCI mapping '{mid}' not found")
         if method == "get":
-            return dict(maps[mid], id=mid)
+            raw = ts.read("/etc/pve/" + PCI_CFG) or ""
+            maps = read_mappings(raw)
+            if mid not in maps:
+                raise ApiError(f"mapping '{mid}' not found")
+            return dict(maps[mid], id=mid, digest=ts.digest(raw))  # the API's get adds the file's digest
         if method == "set":
             new = [v for k, v in opts if k == "map"]
             if new:
                 check_map_strings(new)
-                maps[mid]["map"] = new
-            for k, v in opts:
-                if k == "delete":
-                    for d in v.split(","):
-                        maps[mid].pop(d, None)
-                elif k not in ("map", "digest", "id"):
-                    maps[mid][k] = v
-            write_mappings(maps)
-            return None
+
+            def update(maps, digest):
+                # PVE::Tools::assert_if_modified: a given digest must be the file's
+                if single.get("digest") and single["digest"] != digest:
+                    raise ApiError("detected modified configuration - file changed by other user? Try again.")
+                if mid not in maps:
+                    raise ApiError(f"pci ID '{mid}' does not exist")
+                if new:
+                    maps[mid]["map"] = new  # the given maps replace every node's (all of `map`)
+                for k, v in opts:
+                    if k == "delete":
+                        for d in v.split(","):
+                            maps[mid].pop(d, None)
+                    elif k not in ("map", "digest", "id"):
+                        maps[mid][k] = v
+                if "map" not in maps[mid]:
+                    maps[mid]["map"] = []
+                write_mappings(maps)
+            return locked_mappings("update hardware mapping failed", update)
         if method == "delete":
-            del maps[mid]
-            write_mappings(maps)
-            return None
+            def delete(maps, _digest):
+                maps.pop(mid, None)  # the API deletes an id that does not exist without error
+                write_mappings(maps)
+            return locked_mappings("delete pci mapping failed", delete)
     raise ApiError(f"No '{method}' handler defined for '/cluster/mapping/pci/{'/'.join(rest)}'")
 
 
