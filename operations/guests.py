@@ -32,7 +32,7 @@ import re
 import shlex
 
 from pyinfra import host, logger
-from pyinfra.api import OperationError, StringCommand, deploy, operation
+from pyinfra.api import FunctionCommand, OperationError, StringCommand, deploy, operation
 
 from facts.guest_state import guest_state
 from facts.guests import LXC_DIR, ContainerGpuState, VmMappingReferences
@@ -47,8 +47,10 @@ from operations.gpus import (
     stage_facts,
 )
 from operations.proxmox import (
+    MERGE_TRIES,
     PveApi,
     PveWrite,
+    api_merge_mapping,
     api_of,
     guest_start_commands,
     guest_stop_commands,
@@ -71,6 +73,7 @@ from plan.guests import (
     used_dev_indices,
     vm_mappings_after,
 )
+from plan.render import render_template
 from spec.models import HostSpec
 
 
@@ -169,19 +172,28 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
         host.noop("every container passes exactly its GPUs")
 
 
-def mapping_write(change: MappingChange) -> PveWrite:
-    """The API/pvesh write of one `MappingChange` (create, set or delete)."""
-    maps = tuple(("map", map_string(m)) for m in change.maps)
-    if change.action == "create":
-        return PveWrite("create", "/cluster/mapping/pci", (("id", change.id),) + maps)
-    if change.action == "set":
-        return PveWrite("set", f"/cluster/mapping/pci/{change.id}", maps)
-    return PveWrite("delete", f"/cluster/mapping/pci/{change.id}")
+def mapping_merge_command(change: MappingChange, cfg: str = PCI_CFG) -> str:
+    """The SSH command that merges this node's entries of a mapping (templates/mapping-merge.sh.j2)."""
+    script = render_template("mapping-merge.sh.j2", cfg=cfg, id=change.id, node=change.node,
+                             maps=[map_string(m) for m in change.maps], tries=MERGE_TRIES)
+    return f"/bin/sh -c {shlex.quote(script)}"
+
+
+def mapping_commands(api: PveApi | None, change: MappingChange) -> list:
+    """The write of one `MappingChange`: a merge of this node's entries (other nodes' entries as
+    they are when it runs, never as the facts saw them: no lost update when nodes of a cluster
+    converge at once), or the deletion of an id."""
+    if change.action == "merge":
+        if api is None:
+            return [StringCommand(mapping_merge_command(change))]
+        return [FunctionCommand(api_merge_mapping, (api, change.id, change.node, [map_string(m) for m in change.maps]), {})]
+    return write_commands(api, PveWrite("delete", f"/cluster/mapping/pci/{change.id}"))
 
 
 @operation()
 def pci_mappings(changes: list, api: PveApi | None = None, unchanged: str = "PCI resource mappings match the hardware"):
-    """Create, correct or delete PCI resource mappings (`plan.guests.MappingChange` list).
+    """Merge this node's entries into PCI resource mappings, or delete mappings
+    (`plan.guests.MappingChange` list).
 
     + api: `operations.proxmox.PveApi`, or None for pvesh over SSH
     """
@@ -189,7 +201,7 @@ def pci_mappings(changes: list, api: PveApi | None = None, unchanged: str = "PCI
         host.noop(unchanged)
         return
     for change in changes:
-        yield from write_commands(api, mapping_write(change))
+        yield from mapping_commands(api, change)
 
 
 def vm_config_write(node: str, plan) -> tuple[PveWrite, str]:

@@ -303,13 +303,15 @@ def map_string(entry: dict[str, str]) -> str:
 
 @dataclass
 class MappingChange:
-    """`action`: "create", "set" or "delete"; `maps`: every map entry the id should have (other
-    nodes' entries kept as they were; empty for delete)."""
+    """`action`: "merge" (this node's entries become `maps`; other nodes' entries are kept as
+    they are when the write runs, not as the facts saw them: `operations.guests`) or "delete"
+    (the whole id; `maps` empty)."""
 
     id: str
     action: str
     maps: list[dict[str, str]]
     reason: str
+    node: str = ""
 
 
 def plan_mappings(node: str, vm_gpus: list[str], pci_devices: dict[str, dict],
@@ -325,9 +327,8 @@ def plan_mappings(node: str, vm_gpus: list[str], pci_devices: dict[str, dict],
         mid = mapping_id(node, bdf)
         current = existing.get(mid)
         if current is None:
-            changes.append(MappingChange(mid, "create", [wanted], f"{bdf} has no mapping {mid}"))
+            changes.append(MappingChange(mid, "merge", [wanted], f"{bdf} has no mapping {mid}", node))
             continue
-        others = [m for m in current["map"] if m.get("node") != node]
         mine = [m for m in current["map"] if m.get("node") == node]
         if mine == [wanted]:
             continue
@@ -336,7 +337,7 @@ def plan_mappings(node: str, vm_gpus: list[str], pci_devices: dict[str, dict],
             reason = f"mapping {mid} does not match the hardware ({', '.join(diffs)})"
         else:
             reason = f"mapping {mid} has no entry for node {node}"
-        changes.append(MappingChange(mid, "set", others + [wanted], reason))
+        changes.append(MappingChange(mid, "merge", [wanted], reason, node))
     return changes
 
 

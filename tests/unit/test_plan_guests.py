@@ -259,22 +259,23 @@ def test_mapping_ids_are_proxmox_ids():
     assert mapping_id("KPro6", "0000:81:00.0") == "pvegpu-kpro6-0000-81-00-0"
 
 
-def test_stale_mapping_is_corrected_other_nodes_kept_current_one_left():
+def test_stale_mapping_is_corrected_current_one_left():
+    # the change names only this node's entries: other nodes' are kept as they are when the
+    # write runs (operations.guests mapping_commands), not as these facts saw them
     existing = parse_pci_mappings(PCI_CFG.splitlines())
     changes = plan_mappings("kpro6", ["0000:a1:00.0", "0000:81:00.0"], PCI, existing)
     assert len(changes) == 1
     (c,) = changes
-    assert (c.id, c.action) == ("pvegpu-kpro6-0000-81-00-0", "set")
+    assert (c.id, c.action, c.node) == ("pvegpu-kpro6-0000-81-00-0", "merge", "kpro6")
     assert "iommugroup" in c.reason
     assert c.maps == [
-        {"id": "10de:2bb5", "iommugroup": "7", "node": "kpro5", "path": "0000:01:00.0", "subsystem-id": "10de:204e"},
         {"id": "10de:2bb5", "iommugroup": "40", "node": "kpro6", "path": "0000:81:00", "subsystem-id": "10de:204e"},
     ]
 
 
 def test_missing_mapping_is_created_single_function_by_bdf():
     (c,) = plan_mappings("kpro6", ["0000:a1:00.0"], PCI, {})
-    assert c.action == "create" and c.maps[0]["path"] == "0000:a1:00.0"
+    assert c.action == "merge" and c.maps[0]["path"] == "0000:a1:00.0"
 
 
 def _vm(text):
