@@ -66,6 +66,7 @@ from plan.guests import (
     nvidia_majors,
     plan_bar_fit,
     plan_mappings,
+    plan_pool_mappings,
     plan_stale_mappings,
     plan_vm,
     pve_supports_dev_entries,
@@ -294,7 +295,8 @@ def locked_vm_refusals(spec: HostSpec, facts: dict) -> list[str]:
         if config is None or not (lock or managed):
             continue
         plan = plan_vm(vmid, facts["node"], [b for b in vm.gpus if b in pci], vm.machine, vm.allow_machine_change,
-                       config, pci, set(spec.gpus), host_phys_bits=host_phys_bits(facts["hw"]))
+                       config, pci, set(spec.gpus), host_phys_bits=host_phys_bits(facts["hw"]), pool=vm.pool,
+                       running=running.get(vmid) == "running")
         if lock and (plan.changed or ("qemu", vmid) in facts["rebind"].stop):
             refusals.append(lock_refusal("qemu", vmid, lock, "change its config or stop/start it"))
         elif managed and plan.changed and running.get(vmid) == "running" \
@@ -331,23 +333,33 @@ def apply(spec: HostSpec) -> None:
         )
 
     pci = hw["pci_devices"]
-    vm_gpus = [b for vm in spec.vms.values() for b in vm.gpus if b in pci]
+    status = facts["runtime"]["status"]["qemu"]
+    plans = {vmid: plan_vm(vmid, node, [b for b in vm.gpus if b in pci], vm.machine, vm.allow_machine_change,
+                           cfg["qemu_configs"].get(vmid), pci, set(spec.gpus), host_phys_bits=host_phys_bits(hw),
+                           pool=vm.pool, running=status.get(vmid) == "running")
+             for vmid, vm in sorted(spec.vms.items())}
+    # per-node mappings: VMs without a pool, and pooled VMs that run on theirs until stopped
+    vm_gpus = [b for vmid, vm in spec.vms.items() for b in vm.gpus
+               if b in pci and (not vm.pool or plans[vmid].per_node_kept)]
+    pools: dict[str, list[str]] = {}
+    for vm in spec.vms.values():
+        if vm.pool:
+            pools.setdefault(vm.pool, []).extend(b for b in vm.gpus if b in pci)
     planned_main: dict[int, set[str]] = {}
     if spec.vms:
-        changes = plan_mappings(node, vm_gpus, pci, cfg["pci_mappings"])
+        changes = plan_mappings(node, vm_gpus, pci, cfg["pci_mappings"]) + \
+            plan_pool_mappings(node, pools, pci, cfg["pci_mappings"])
         if changes:  # issue 19: the previous pci.cfg kept, and --dry shows the diff
             keep_config(name=f"guests: keep {PCI_CFG}", path=PCI_CFG, after=lambda t: pci_cfg_after(t, changes))
         pci_mappings(name="guests: PCI resource mappings", changes=changes, api=api)
-        status = facts["runtime"]["status"]["qemu"]
-        for vmid, vm in sorted(spec.vms.items()):
-            plan = plan_vm(vmid, node, [b for b in vm.gpus if b in pci], vm.machine, vm.allow_machine_change,
-                           cfg["qemu_configs"].get(vmid), pci, set(spec.gpus), host_phys_bits=host_phys_bits(hw))
+        for vmid, plan in plans.items():
             for line in plan.problems:
                 logger.warning(f"{host.name}: {line}")
             for line in plan.notes:
                 logger.info(f"{host.name}: {line}")
             if cfg["qemu_configs"].get(vmid) is None:
                 continue
+            vm = spec.vms[vmid]
             planned_main[vmid] = vm_mappings_after(cfg["qemu_configs"][vmid], plan)
             vm_gpus_moving = any(m.bdf in vm.gpus for m in rebind.moves)
             if plan.changed:  # issue 19: the previous VM config kept, and --dry shows the diff
@@ -358,7 +370,7 @@ def apply(spec: HostSpec) -> None:
                        start=("qemu", vmid) in stopped,
                        restart=status.get(vmid) == "running" and not (pending_boot and vm_gpus_moving),
                        node=node, api=api, shutdown_timeout=timeout)
-    remove_stale_mappings(spec, node, vm_gpus, cfg["pci_mappings"], planned_main, api)
+    remove_stale_mappings(spec, node, vm_gpus, cfg["pci_mappings"], planned_main, api, set(pools))
     journal = facts["journal"]
     if journal.exists or (rebind.moves and rebind.live):  # the guests the transaction stopped run again
         close_rebind_journal(name="guests: close the GPU rebind journal", journal=journal,
@@ -366,15 +378,16 @@ def apply(spec: HostSpec) -> None:
 
 
 def remove_stale_mappings(spec: HostSpec, node: str, vm_gpus: list[str], existing: dict[str, dict],
-                          planned_main: dict[int, set[str]], api: PveApi | None) -> None:
+                          planned_main: dict[int, set[str]], api: PveApi | None, pools: set[str] | None = None) -> None:
     """Delete this node's `pvegpu-*` mappings nothing uses any more (after the VM configs);
     report other mappings that point at the spec's GPUs. The cluster's VM configs are read
     only when there is a candidate (no extra remote command otherwise)."""
-    stale = plan_stale_mappings(node, existing, vm_gpus, {}, set(spec.gpus), candidates_only=True)
+    pools = pools or set()
+    stale = plan_stale_mappings(node, existing, vm_gpus, {}, set(spec.gpus), candidates_only=True, pools=pools)
     references: dict[str, list[str]] = {}
     if stale.delete:
         references = mapping_references(host.get_fact(VmMappingReferences), node, planned_main)
-        stale = plan_stale_mappings(node, existing, vm_gpus, references, set(spec.gpus))
+        stale = plan_stale_mappings(node, existing, vm_gpus, references, set(spec.gpus), pools=pools)
     for line in stale.notes:
         logger.warning(f"{host.name}: {line}")
     for change in stale.delete:

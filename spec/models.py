@@ -324,6 +324,10 @@ class VmSpec(Strict):
     gpus: list[Bdf] = Field(default_factory=list)
     machine: Literal["q35", "i440fx"] = "q35"
     allow_machine_change: bool = False  # opt-in: switch an i440fx VM to q35 for pcie=1
+    # a GPU pool: the VM's GPUs become this node's entries of the cluster-wide mapping of this
+    # name (every node's VMs of the pool add theirs), its hostpciN lines reference the pool, so
+    # the VM can start on any node with a free GPU of the pool (plan/guests.py)
+    pool: Annotated[SafeStr, AfterValidator(V.gpu_pool)] | None = None
 
 
 class NcclSpec(Strict):

@@ -14,6 +14,7 @@ from plan.guests import (
     mapping_references,
     merge_container_config,
     plan_mappings,
+    plan_pool_mappings,
     plan_stale_mappings,
     plan_vm,
     pve_supports_dev_entries,
@@ -381,3 +382,47 @@ def test_references_use_this_runs_hostpci_changes_for_our_vms():
     assert refs == {"pvegpu-kpro6-0000-a1-00-0": ["VM 300 on kpro6"],
                     "pvegpu-kpro6-0000-81-00-0": ["VM 300 on pve2"],
                     "pvegpu-kpro6-0000-c1-00-0": ["a snapshot or pending change of VM 301 on kpro6"]}
+
+
+# ---------------------------------------------------------------- GPU pools (issue 26)
+
+POOL_CFG = """\
+rtx6000
+\tmap id=10de:2bb5,iommugroup=7,node=kpro5,path=0000:01:00.0,subsystem-id=10de:204e
+\tmap id=10de:2bb5,iommugroup=40,node=kpro6,path=0000:81:00,subsystem-id=10de:204e
+"""
+
+
+def test_pool_mapping_carries_this_nodes_gpus_only():
+    existing = parse_pci_mappings(POOL_CFG.splitlines())
+    # kpro6 has its entry already: nothing to write
+    assert plan_pool_mappings("kpro6", {"rtx6000": ["0000:81:00.0"]}, PCI, existing) == []
+    # a second GPU of kpro6 joins: kpro6's two entries, kpro5's left to kpro5 (merge)
+    (c,) = plan_pool_mappings("kpro6", {"rtx6000": ["0000:a1:00.0", "0000:81:00.0"]}, PCI, existing)
+    assert (c.id, c.action, c.node) == ("rtx6000", "merge", "kpro6")
+    assert [m["path"] for m in c.maps] == ["0000:81:00", "0000:a1:00.0"] and all(m["node"] == "kpro6" for m in c.maps)
+    (new,) = plan_pool_mappings("kpro6", {"h200": ["0000:a1:00.0"]}, PCI, existing)
+    assert new.id == "h200" and "no mapping yet" in new.reason
+
+
+def test_pooled_vm_references_the_pool_once_stopped_and_keeps_per_node_lines_while_running():
+    config = _vm("machine: q35\nhostpci0: mapping=pvegpu-kpro6-0000-81-00-0,pcie=1\n"
+                 "hostpci1: mapping=pvegpu-kpro6-0000-a1-00-0,pcie=1\n")
+    gpus = ["0000:81:00.0", "0000:a1:00.0"]
+    stopped = plan_vm(300, "kpro6", gpus, "q35", False, config, PCI, set(PCI), pool="rtx6000")
+    assert stopped.set_options == {"hostpci0": "mapping=rtx6000,pcie=1", "hostpci1": "mapping=rtx6000,pcie=1"}
+    assert not stopped.delete and not stopped.per_node_kept
+    running = plan_vm(300, "kpro6", gpus, "q35", False, config, PCI, set(PCI), pool="rtx6000", running=True)
+    assert not running.changed and running.per_node_kept and "once it is stopped" in running.notes[0]
+    # already on the pool: nothing to do, running or not; a GPU less drops its line
+    pooled = _vm("machine: q35\nhostpci0: mapping=rtx6000,pcie=1\nhostpci1: mapping=rtx6000,pcie=1\n")
+    assert not plan_vm(300, "kpro6", gpus, "q35", False, pooled, PCI, set(PCI), pool="rtx6000", running=True).changed
+    fewer = plan_vm(300, "kpro6", gpus[:1], "q35", False, pooled, PCI, set(PCI), pool="rtx6000")
+    assert fewer.delete == ["hostpci1"] and not fewer.set_options
+
+
+def test_the_specs_pools_are_not_reported_as_foreign_mappings():
+    existing = parse_pci_mappings(POOL_CFG.splitlines())
+    assert plan_stale_mappings("kpro6", existing, [], {}, {"0000:81:00.0"}).notes  # without the pool: reported
+    stale = plan_stale_mappings("kpro6", existing, [], {}, {"0000:81:00.0"}, pools={"rtx6000"})
+    assert stale.notes == [] and stale.delete == []
