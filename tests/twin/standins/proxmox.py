@@ -522,10 +522,28 @@ def reboot(kind, vmid):
     ts.log_guest("reboot", kind, vmid)
 
 
+def vmlist():
+    """{vmid: {"node", "type"}} of every node, what pmxcfs's .vmlist holds (status.c), from the
+    configs under /etc/pve/nodes/ (a cluster twin shares them)."""
+    out = {}
+    base = ts.path("/etc/pve/nodes")
+    for n in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        for kind, (sub, _) in KINDS.items():
+            d = os.path.join(base, n, sub)
+            for f in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+                if f.endswith(".conf") and f[:-5].isdigit():
+                    out[f[:-5]] = {"node": n, "type": kind, "version": 1}
+    return out
+
+
 def create_guest(kind, vmid, opts):
-    if ts.read(conf_path(kind, vmid)) is not None:
-        raise ApiError(f"{KINDS[kind][1]} {vmid} already exists on node '{node()}'")
+    # pve-cluster Cluster.pm check_vmid_unused: a guest id is the cluster's, whatever its node
+    other = vmlist().get(str(vmid))
+    if other is not None:
+        raise ApiError(f"{'VM' if other['type'] == 'qemu' else 'CT'} {vmid} already exists on node '{other['node']}'")
     ts.write(conf_path(kind, vmid), "")
+    if ts.read("/etc/pve/.vmlist") is not None:
+        ts.write("/etc/pve/.vmlist", json.dumps({"version": 1, "ids": vmlist()}, indent=1) + "\n")
     verify_params(kind, [(k, v) for k, v in opts if k not in ("ostemplate", "storage", "password")])
     update_config(kind, vmid, [(k, v) for k, v in opts if k not in ("ostemplate", "storage", "password", "start")], [])
 
