@@ -1,0 +1,81 @@
+"""A Proxmox cluster of GPU nodes (issue 26), end to end on a cluster twin: three kpro6 twins
+sharing one /etc/pve (tests/twin/runtime.py "Clusters"), converged in one pyinfra run (pyinfra
+drives the hosts at once), each node's VM in the same GPU pool.
+
+Proves: every node's pool entries survive the others' writes (the mapping merge under the
+digest, templates/mapping-merge.sh.j2, through the twin's pvesh that holds pmxcfs's cluster
+lock), each VM references the pool, and a second converge changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.e2e.harness import run_pyinfra
+from tests.twin import runtime
+
+REPO = Path(__file__).resolve().parents[2]
+POOL_GPUS = ["0000:81:00.0", "0000:a1:00.0"]
+
+INVENTORY = textwrap.dedent("""\
+    import json
+    from pathlib import Path
+    from spec.load import inventory_hosts
+    specs = dict(inventory_hosts(Path(__file__).with_suffix(".yml")))
+    gpu_hosts = []
+    for name in {names!r}:
+        twin = json.loads((Path({twins!r}) / name / "twin.json").read_text())
+        gpu_hosts.append((name, dict(specs[name], ssh_hostname=twin["address"], ssh_port=twin["port"],
+                                     ssh_user="root", ssh_key=twin["key"], ssh_known_hosts_file="/dev/null",
+                                     ssh_strict_host_key_checking="no", pvegpu_node=name)))
+""")
+
+
+def node_spec(name: str, vmid: int) -> dict:
+    return {"node": name, "iommu": {"vendor": "amd", "params": ["pci=realloc"]},
+            "gpus": {b: f"vm:{vmid}" for b in POOL_GPUS},
+            "vms": {vmid: {"gpus": POOL_GPUS, "machine": "q35", "pool": "rtx6000"}},
+            "reboot": {"allowed": True}, "guests": {"allow_stop": True}}
+
+
+def ssh(name: str, command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(runtime.ssh_command(name, [command]), capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.twin
+@pytest.mark.slow
+def test_three_nodes_converged_at_once_share_one_gpu_pool(twin_factory, tmp_path):
+    cluster = f"c{os.getpid()}"
+    names = [twin_factory("kpro6", name=f"s26{x}-{os.getpid()}", cluster=cluster).name for x in "abc"]
+    vmids = {names[0]: 300, names[1]: 301, names[2]: 302}
+    for name in names[1:]:  # VM 300 is the profile's, on the first node
+        assert ssh(name, f"qm create {vmids[name]} --machine q35 --bios ovmf").returncode == 0
+    (tmp_path / "inv.yml").write_text(yaml.safe_dump({"hosts": {n: node_spec(n, vmids[n]) for n in names}}))
+    (tmp_path / "inv.py").write_text(INVENTORY.format(names=names, twins=str(runtime.TWINS_DIR)))
+
+    result = run_pyinfra(str(tmp_path / "inv.py"), "deploy.py", env={"PYTHONPATH": str(REPO)}, timeout=900)
+    assert result.rc == 0, result.output
+    pve = runtime.cluster_pve(cluster)
+    cfg = (pve / "mapping/pci.cfg").read_text()
+    pool = cfg.split("rtx6000\n", 1)[1].split("\n\n", 1)[0]
+    entries = sorted(line.strip() for line in pool.splitlines() if line.strip().startswith("map "))
+    assert len(entries) == 6, cfg
+    for name in names:
+        for bdf in POOL_GPUS:
+            assert any(f"node={name},path={bdf[:-2]}" in e for e in entries), (name, bdf, cfg)
+        conf = (pve / "nodes" / name / "qemu-server" / f"{vmids[name]}.conf").read_text()
+        assert sorted(line for line in conf.splitlines() if line.startswith("hostpci")) == [
+            "hostpci0: mapping=rtx6000,pcie=1", "hostpci1: mapping=rtx6000,pcie=1"], conf
+    assert "pvegpu-" not in cfg  # pooled VMs need no per-node mappings
+    assert not list((pve / "priv/lock").iterdir())  # every cluster lock given back
+
+    again = run_pyinfra(str(tmp_path / "inv.py"), "deploy.py", env={"PYTHONPATH": str(REPO)}, timeout=900)
+    assert again.rc == 0 and again.changed == 0, again.output
+    assert json.loads(ssh(names[1], "cat /etc/pve/.vmlist").stdout)["ids"]["302"]["node"] == names[2]
