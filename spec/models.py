@@ -347,6 +347,11 @@ class NcclSpec(Strict):
 
 class RebootSpec(Strict):
     allowed: bool = False
+    # nodes of one Proxmox cluster rebooted at once in a run (fewer when quorum needs it): each
+    # back in its cluster, quorate, before the next (operations/reboot.py)
+    max_parallel: Annotated[int, NoBool, Field(ge=1, le=64)] = 1
+    # seconds a rebooted node may take to be online in its cluster again (after SSH answers)
+    rejoin_timeout: Annotated[int, NoBool, Field(ge=1, le=3600)] = 300
 
 
 class GuestPolicy(Strict):

@@ -4,7 +4,10 @@ drives the hosts at once), each node's VM in the same GPU pool.
 
 Proves: every node's pool entries survive the others' writes (the mapping merge under the
 digest, templates/mapping-merge.sh.j2, through the twin's pvesh that holds pmxcfs's cluster
-lock), each VM references the pool, and a second converge changes nothing.
+lock), each VM references the pool, and a second converge changes nothing. The reboots the
+first converge needs (IOMMU on the command line, GPUs to vfio-pci) roll one node at a time, each
+back in the cluster before the next; a node that does not come back stops the roll, naming it,
+and the nodes after it are not rebooted.
 """
 
 from __future__ import annotations
@@ -38,11 +41,17 @@ INVENTORY = textwrap.dedent("""\
 """)
 
 
-def node_spec(name: str, vmid: int) -> dict:
-    return {"node": name, "iommu": {"vendor": "amd", "params": ["pci=realloc"]},
+def node_spec(name: str, vmid: int, params: tuple[str, ...] = ("pci=realloc",)) -> dict:
+    return {"node": name, "iommu": {"vendor": "amd", "params": list(params)},
             "gpus": {b: f"vm:{vmid}" for b in POOL_GPUS},
             "vms": {vmid: {"gpus": POOL_GPUS, "machine": "q35", "pool": "rtx6000"}},
-            "reboot": {"allowed": True}, "guests": {"allow_stop": True}}
+            "reboot": {"allowed": True, "rejoin_timeout": 8}, "guests": {"allow_stop": True}}
+
+
+def reboots(name: str) -> list[tuple[float, float]]:
+    """(requested, booted) of each reboot of twin `name` (tests/twin/runtime.py)."""
+    f = runtime.TWINS_DIR / name / "reboots"
+    return [(float(a), float(b)) for a, b in (line.split() for line in f.read_text().splitlines())] if f.exists() else []
 
 
 def ssh(name: str, command: str) -> subprocess.CompletedProcess:
@@ -76,6 +85,22 @@ def test_three_nodes_converged_at_once_share_one_gpu_pool(twin_factory, tmp_path
     assert "pvegpu-" not in cfg  # pooled VMs need no per-node mappings
     assert not list((pve / "priv/lock").iterdir())  # every cluster lock given back
 
+    # the reboots rolled: one node at a time, each booted before the next was asked to reboot
+    rolled = sorted(r for n in names for r in reboots(n))
+    assert [len(reboots(n)) for n in names] == [1, 1, 1], rolled
+    assert all(rolled[i][1] < rolled[i + 1][0] for i in range(len(rolled) - 1)), rolled
+    assert "rolling reboot, 1 node(s) at a time (3 of 3 votes online, quorum 2)" in result.output
+
     again = run_pyinfra(str(tmp_path / "inv.py"), "deploy.py", env={"PYTHONPATH": str(REPO)}, timeout=900)
     assert again.rc == 0 and again.changed == 0, again.output
     assert json.loads(ssh(names[1], "cat /etc/pve/.vmlist").stdout)["ids"]["302"]["node"] == names[2]
+
+    # a change that needs a reboot everywhere; the second node does not come back into the cluster
+    runtime.set_fault(names[1], no_cluster_rejoin=True)
+    (tmp_path / "inv.yml").write_text(yaml.safe_dump({"hosts": {
+        n: node_spec(n, vmids[n], ("pci=realloc", "pcie_aspm=off")) for n in names}}))
+    failed = run_pyinfra(str(tmp_path / "inv.py"), "deploy.py", env={"PYTHONPATH": str(REPO)}, timeout=900)
+    assert failed.rc != 0
+    assert f"did not come back into cluster {cluster} within 8 s ({names[1]} offline)" in failed.output
+    assert f"the rolling reboot of cluster {cluster} stopped at node {names[1]}" in failed.output
+    assert [len(reboots(n)) for n in names] == [2, 2, 1]  # the third node was left alone

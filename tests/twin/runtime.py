@@ -71,9 +71,10 @@ its node and type, as pmxcfs status.c dumps it; rewritten by the stand-ins when 
 created). The twin's node name is its twin name. Each boot the supervisor bind-mounts the shared
 tree at <root>/etc/pve and, over its placeholders, the node-local views pmxcfs gives as
 symlinks (cfs-plug-link.c): `lxc`, `qemu-server` -> nodes/<node>/..., `local` -> nodes/<node>,
-and `.members` (this node's name, the cluster's nodes, online = its twin runs, quorate = more
-than half online with one vote each: corosync votequorum's default), .twin/<name>/members,
-rewritten in place whenever a twin of the cluster starts or stops. Guest ids are cluster-wide: a
+and `.members` (this node's name, the cluster's nodes, online = its twin runs and is not
+rebooting, quorate = more than half online with one vote each: corosync votequorum's default),
+.twin/<name>/members, rewritten in place whenever a twin of the cluster starts, stops, begins a
+reboot or finishes booting; the shared tree's corosync.conf lists the nodes (quorum_votes 1). Guest ids are cluster-wide: a
 profile guest whose id another node has is not seeded. The tree goes when the last twin stops.
 """
 
@@ -683,11 +684,15 @@ def set_pve_delay(root: Path | str, seconds: str | float | None) -> None:
     target.write_text(f"{float(seconds)}\n")
 
 
-def set_fault(name: str, unbind_delay_s: float = 0.0) -> None:
+def set_fault(name: str, unbind_delay_s: float = 0.0, no_cluster_rejoin: bool = False) -> None:
     """Fault knobs of running twin `name`, read by its kernel model (tests/twin/livesys.py) at each
-    write: `unbind_delay_s` makes every driver unbind take that long. 0 turns a knob off."""
+    write: `unbind_delay_s` makes every driver unbind take that long; read by its supervisor at each
+    boot: `no_cluster_rejoin` keeps a cluster twin offline in its cluster after it booted (corosync
+    does not come up). 0/False turns a knob off."""
     root = Path(spec_of(name)["root"])
-    faults = {"unbind_delay_s": float(unbind_delay_s)} if unbind_delay_s else {}
+    faults: dict[str, Any] = {"unbind_delay_s": float(unbind_delay_s)} if unbind_delay_s else {}
+    if no_cluster_rejoin:
+        faults["no_cluster_rejoin"] = True
     target = root / "var/lib/twin/faults.json"
     tmp = target.with_name("faults.json.tmp")
     tmp.write_text(json.dumps(faults) + "\n")
@@ -781,6 +786,8 @@ def stop(name: str, keep: bool = False) -> None:
         shutil.rmtree(tdir)
     cluster = spec.get("cluster")
     if cluster:
+        if tdir.exists():
+            (tdir / "offline").touch()
         if any(_in_use(s) and s.get("cluster") == cluster for s in status() if s["name"] != name):
             write_members(cluster)
         elif not keep:
@@ -814,9 +821,17 @@ def write_members(cluster: str, also: str | None = None) -> None:
     if also and also in specs:
         nodes.setdefault(also, specs[also]["address"])
         registry.write_text(json.dumps(nodes, indent=1) + "\n")
-    online = {n: int(n == also or (n in specs and _in_use(specs[n]))) for n in nodes}
+    # online: its twin runs and is not rebooting (the supervisor marks .twin/<name>/offline)
+    online = {n: int(n == also or (n in specs and bool(specs[n].get("pid"))
+                                   and not (TWINS_DIR / n / "offline").exists())) for n in nodes}
     nodelist = {n: {"id": i + 1, "online": online[n], "ip": nodes[n]} for i, n in enumerate(sorted(nodes))}
     quorate = int(sum(online.values()) * 2 > len(nodes))  # one vote each (votequorum's default)
+    # the cluster's corosync.conf nodelist (pve-cluster writes it to /etc/pve at `pvecm add`)
+    (cluster_pve(cluster) / "corosync.conf").write_text(
+        f"totem {{\n  cluster_name: {cluster}\n  version: 2\n}}\n\nnodelist {{\n"
+        + "".join(f"  node {{\n    name: {n}\n    nodeid: {i + 1}\n    quorum_votes: 1\n    ring0_addr: {nodes[n]}\n  }}\n"
+                  for i, n in enumerate(sorted(nodes)))
+        + "}\n\nquorum {\n  provider: corosync_votequorum\n}\n")
     for name in sorted(nodes):
         target = TWINS_DIR / name / "members"
         if name not in specs or not target.parent.exists():
@@ -959,11 +974,30 @@ class Supervisor:
         self.boots += 1
         with open(self.dir / "boots", "a") as boots:
             boots.write(f"{time.time():.3f} {self.boots}\n")
+        self.cluster_presence(True)
         log(f"{self.spec['name']}: boot {self.boots} done")
+
+    def cluster_presence(self, online: bool) -> None:
+        """A cluster twin leaves its cluster while it reboots and is back once booted (the other
+        nodes' .members say so: corosync sees the node go and come)."""
+        cluster = self.spec.get("cluster")
+        if not cluster:
+            return
+        marker = self.dir / "offline"
+        faults = _read_text(self.root / "var/lib/twin/faults.json")
+        if online and faults and json.loads(faults).get("no_cluster_rejoin"):
+            log(f"{self.spec['name']}: fault no_cluster_rejoin: stays offline in cluster {cluster}")
+            return
+        if online:
+            marker.unlink(missing_ok=True)
+        else:
+            marker.touch()
+        write_members(cluster, also=self.spec["name"] if online else None)
 
     def reboot(self) -> None:
         log(f"{self.spec['name']}: reboot requested")
         t0 = time.monotonic()
+        self.cluster_presence(False)
         self.kill_all()
         self.unmount_all()
         t1 = time.monotonic()
@@ -974,6 +1008,8 @@ class Supervisor:
         t2 = time.monotonic()
         self.boot()
         (self.root / REBOOT_REQUEST).unlink(missing_ok=True)
+        with open(self.dir / "reboots", "a") as reboots:  # "<requested> <booted>" (unix times) per reboot
+            reboots.write(f"{time.time() - (time.monotonic() - t0):.3f} {time.time():.3f}\n")
         log(f"{self.spec['name']}: rebooted in {time.monotonic() - t0:.2f} s (shutdown "
             f"{t1 - t0:.2f} s, render {t2 - t1:.2f} s)")
 
@@ -1167,6 +1203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name")
     p.add_argument("--unbind-delay", type=float, default=0.0, metavar="S",
                    help="each driver unbind takes S seconds (0: off)")
+    p.add_argument("--no-cluster-rejoin", action="store_true",
+                   help="a cluster twin stays offline in its cluster after its next boots")
     p = sub.add_parser("kill-sshd", help="SIGKILL every sshd of a twin (it starts again in ~1 s)")
     p.add_argument("name")
     p = sub.add_parser("stop", help="stop a twin and remove its files")
@@ -1199,7 +1237,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{spec['name']}\t{spec['profile']}\t{spec['address']}:{spec['port']}"
                       f"\t{state}\tpid={spec['pid']}")
         elif args.command == "fault":
-            set_fault(args.name, unbind_delay_s=args.unbind_delay)
+            set_fault(args.name, unbind_delay_s=args.unbind_delay, no_cluster_rejoin=args.no_cluster_rejoin)
         elif args.command == "kill-sshd":
             print(" ".join(map(str, kill_sshd(args.name))))
         elif args.command == "cache":
