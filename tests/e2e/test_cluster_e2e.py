@@ -7,7 +7,8 @@ digest, templates/mapping-merge.sh.j2, through the twin's pvesh that holds pmxcf
 lock), each VM references the pool, and a second converge changes nothing. The reboots the
 first converge needs (IOMMU on the command line, GPUs to vfio-pci) roll one node at a time, each
 back in the cluster before the next; a node that does not come back stops the roll, naming it,
-and the nodes after it are not rebooted.
+and the nodes after it are not rebooted. A pooled VM whose node has no free GPU of the pool
+left migrates (offline) to a node that has one and starts there.
 """
 
 from __future__ import annotations
@@ -95,12 +96,37 @@ def test_three_nodes_converged_at_once_share_one_gpu_pool(twin_factory, tmp_path
     assert again.rc == 0 and again.changed == 0, again.output
     assert json.loads(ssh(names[1], "cat /etc/pve/.vmlist").stdout)["ids"]["302"]["node"] == names[2]
 
-    # a change that needs a reboot everywhere; the second node does not come back into the cluster
-    runtime.set_fault(names[1], no_cluster_rejoin=True)
+    # a change that needs a reboot everywhere, and no node comes back into the cluster after its
+    # boot (the fault on all three: pyinfra's order of hosts is its own): the first one rebooted
+    # stops the roll, the two others are left alone, each saying why
+    for n in names:
+        runtime.set_fault(n, no_cluster_rejoin=True)
     (tmp_path / "inv.yml").write_text(yaml.safe_dump({"hosts": {
         n: node_spec(n, vmids[n], ("pci=realloc", "pcie_aspm=off")) for n in names}}))
     failed = run_pyinfra(str(tmp_path / "inv.py"), "deploy.py", env={"PYTHONPATH": str(REPO)}, timeout=900)
     assert failed.rc != 0
-    assert f"did not come back into cluster {cluster} within 8 s ({names[1]} offline)" in failed.output
-    assert f"the rolling reboot of cluster {cluster} stopped at node {names[1]}" in failed.output
-    assert [len(reboots(n)) for n in names] == [2, 2, 1]  # the third node was left alone
+    (first,) = [n for n in names if len(reboots(n)) == 2]
+    assert f"did not come back into cluster {cluster} within 8 s ({first} offline)" in failed.output
+    left = sorted(n for n in names
+                  if f"{n}: not rebooted: the rolling reboot of cluster {cluster} stopped at node {first}" in failed.output)
+    assert left == sorted(n for n in names if n != first) and all(len(reboots(n)) == 1 for n in left)
+    for n in names:
+        runtime.set_fault(n)
+
+    # the first node's pooled GPUs are taken by another VM of the pool: VM 300 finds no free one
+    # there, migrates offline to the second node (whose pooled VM is stopped) and starts on it
+    a, b = names[0], names[1]
+    assert ssh(a, "qm create 310 --machine q35 --hostpci0 mapping=rtx6000,pcie=1 "
+                  "--hostpci1 mapping=rtx6000,pcie=1 && qm start 310").returncode == 0
+    r = ssh(a, "qm start 300")
+    assert r.returncode != 0 and "could not find a free device for 'hostpci0'" in r.stderr, r.stderr
+    r = ssh(a, f"qm migrate 300 {b}")
+    assert r.returncode == 0, r.stderr
+    r = ssh(b, "qm start 300")
+    assert r.returncode == 0, r.stderr
+    assert "running" in ssh(b, "qm status 300").stdout
+    held = ssh(b, "cat /run/qemu-server/pci-id-reservations").stdout
+    ids = [line.split()[0] for line in held.splitlines() if line.split()[1] == "300"]
+    assert ids and {i.rsplit(".", 1)[0] for i in ids} == {g[:-2] for g in POOL_GPUS}, held
+    ssh(a, "qm stop 310")
+    ssh(b, "qm stop 300")

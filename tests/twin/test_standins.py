@@ -209,6 +209,50 @@ def test_a_held_cluster_lock_times_out_and_an_old_one_expires(root):
     assert not lock.exists()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the VM process stand-in needs root")
+def test_a_pooled_mapping_gives_each_vm_a_free_device_then_none(root):
+    # qemu-server PCI.pm choose_hostpci_devices + reserve_pci_usage: of a mapping's entries for
+    # this node, the first no running VM holds; none free: "could not find a free device"
+    groups = {}
+    for b in ("0000:81:00.0", "0000:a1:00.0"):
+        groups[b] = os.path.basename(os.readlink(root / f"var/lib/twin/hw/sys/bus/pci/devices/{b}/iommu_group"))
+    maps = [gpu_map(bdf=b, group=int(groups[b])) for b in groups]
+    run(root, "pvesh", "create", "/cluster/mapping/pci", "--id", "pool", *[a for m in maps for a in ("--map", m)],
+        check=True)
+    for vmid in (300, 310, 320):
+        if vmid != 300:
+            run(root, "qm", "create", str(vmid), "--machine", "q35", check=True)
+        run(root, "qm", "set", str(vmid), "--hostpci0", "mapping=pool,pcie=1", check=True)
+    try:
+        run(root, "qm", "start", "300", check=True)
+        run(root, "qm", "start", "310", check=True)
+        held = (root / "run/qemu-server/pci-id-reservations").read_text().split()
+        assert [held[i] for i in (0, 3)] == ["0000:81:00.0", "0000:a1:00.0"] and [held[1], held[4]] == ["300", "310"]
+        r = run(root, "qm", "start", "320")
+        assert r.returncode != 0 and "could not find a free device for 'hostpci0'" in r.stderr
+        run(root, "qm", "stop", "300", check=True)
+        run(root, "qm", "start", "320", check=True)  # the device 300 gave back
+    finally:
+        for vmid in (300, 310, 320):
+            run(root, "qm", "stop", str(vmid))
+
+
+def test_offline_migration_moves_the_config_when_the_target_has_the_mapping(root):
+    # qemu-server API2/Qemu.pm migrate_vm and QemuMigrate.pm: a stopped VM's config moves to the
+    # target node; a mapped device needs an entry for the target
+    (root / "etc/pve/nodes/kpro7/qemu-server").mkdir(parents=True)
+    run(root, "pvesh", "create", "/cluster/mapping/pci", "--id", "pool", "--map", gpu_map(), check=True)
+    run(root, "qm", "set", "300", "--hostpci0", "mapping=pool,pcie=1", check=True)
+    r = run(root, "qm", "migrate", "300", "kpro7")
+    assert r.returncode != 0 and "can't migrate to 'kpro7': missing mapped devices hostpci0:pool" in r.stderr
+    assert run(root, "qm", "migrate", "300", "nosuch").returncode != 0
+    run(root, "pvesh", "set", "/cluster/mapping/pci/pool", "--map", gpu_map(), "--map", gpu_map(node="kpro7"), check=True)
+    run(root, "qm", "migrate", "300", "kpro7", check=True)
+    assert (root / "etc/pve/nodes/kpro7/qemu-server/300.conf").exists()
+    assert not (root / "etc/pve/nodes/kpro6/qemu-server/300.conf").exists()
+    assert run(root, "qm", "status", "300").returncode != 0  # no longer this node's
+
+
 def test_qm_shutdown_of_a_stopped_vm_succeeds_pct_refuses(root):
     # qemu-server PVE/QemuServer.pm _do_vm_stop: no process, nothing to do; pve-container Status.pm: "not running"
     assert run(root, "qm", "shutdown", "300").returncode == 0

@@ -244,11 +244,46 @@ def assert_mapping_valid(name, entry, mapping_cfg=None):
                 raise ApiError(f"'{prop}' does not match for '{name}' ({want.replace('0x', '')} != {have.replace('0x', '')})")
 
 
-def check_qemu_start(conf):
+PCI_RESERVATIONS = "/run/qemu-server/pci-id-reservations"  # qemu-server PVE/QemuServer/PCI.pm
+
+
+def pci_reservations():
+    """{pci id: vmid} of VMs running now (qemu-server PCI.pm reserve_pci_usage: `<id> <vmid> pid:<pid>`
+    lines; a reservation whose VM no longer runs is a leftover that may be taken)."""
+    out = {}
+    for line in (ts.read(PCI_RESERVATIONS) or "").splitlines():
+        m = re.match(r"^(\S+)\s(\d+)\s(?:time|pid):(\d+)$", line)
+        if m and status_of("qemu", int(m.group(2))) == "running":
+            out[m.group(1)] = int(m.group(2))
+    return out
+
+
+def write_reservations(vmid, ids):
+    """Drop `vmid`'s reservations and add `ids` for it (with its kvm pid)."""
+    pid = (ts.read(kvm_pidfile(vmid)) or "0").strip() or "0"
+    lines = [line for line in (ts.read(PCI_RESERVATIONS) or "").splitlines() if line.split()[1:2] != [str(vmid)]]
+    lines += [f"{i} {vmid} pid:{pid}" for i in ids]
+    ts.write(PCI_RESERVATIONS, "".join(f"{line}\n" for line in sorted(lines)))  # sorted by id, as PCI.pm writes it
+
+
+def path_ids(path):
+    """The PCI functions a hostpci path names (a slot without function: every function of it)."""
+    bdf = path if path.count(":") == 2 else "0000:" + path
+    if re.search(r"\.[0-7]$", bdf):
+        return [bdf]
+    base = ts.path("/var/lib/twin/hw/sys/bus/pci/devices")
+    found = sorted(d for d in (os.listdir(base) if os.path.isdir(base) else []) if d.startswith(bdf + "."))
+    return found or [bdf + ".0"]
+
+
+def check_qemu_start(conf, vmid=None):
+    """Refuses what qemu-server refuses at start; the PCI functions chosen for the VM."""
     machine = ts.conf_get(conf, "machine") or ""
     groups = ts.path("/var/lib/twin/hw/sys/kernel/iommu_groups")
     busy = ts.busy()
-    for k, v in conf["keys"]:
+    reserved = {i: v for i, v in pci_reservations().items() if v != vmid}
+    chosen = []
+    for k, v in sorted(conf["keys"], key=lambda kv: int(kv[0][7:]) if re.match(r"^hostpci\d+$", kv[0]) else -1):
         if not re.match(r"^hostpci\d+$", k):
             continue
         p = ts.prop_string(v)
@@ -268,19 +303,55 @@ def check_qemu_start(conf):
                     assert_mapping_valid(p["mapping"], m, maps)
                 except ApiError as e:
                     raise ApiError(f"PCI device mapping invalid (hardware probably changed): {e}") from e
-            paths = mine[0]["path"].split(";")
+            alternatives = [[i for path in m["path"].split(";") for i in path_ids(path)] for m in mine]
         else:
-            paths = [p.get("_") or p.get("host")]
-        for path in paths:
-            bdf = path if path.count(":") == 2 else "0000:" + path
-            if not re.search(r"\.[0-7]$", bdf):
-                bdf += ".0"
+            alternatives = [[i for path in (p.get("_") or p.get("host") or "").split(";") for i in path_ids(path)]]
+        # follows qemu-server PCI.pm choose_hostpci_devices(): one alternative is taken as it is (its
+        # reservation fails when another VM holds it); of several, the first one neither this VM's
+        # other hostpci lines nor a running VM (reserve_pci_usage) hold, else no free device
+        free = [a for a in alternatives if not any(i in reserved or i in chosen for i in a)]
+        if len(alternatives) == 1 and not free:
+            held = next(i for i in alternatives[0] if i in reserved)
+            raise ApiError(f"PCI device '{held}' already in use by VMID '{reserved[held]}'")
+        if not free:
+            raise ApiError(f"could not find a free device for '{k}'")
+        for bdf in free[0]:
             info = sysfs_dev(bdf)
             if info is None:
-                raise ApiError(f"no PCI device found for '{path}'")
+                raise ApiError(f"no PCI device found for '{bdf}'")
             if info["driver"] == "nvidia" and bdf in busy:
                 raise ApiError(f"unable to unbind PCI device {bdf} from nvidia: in use by "
                                f"{busy[bdf]['holder']} (pid {busy[bdf]['pid']})")
+        chosen += free[0]
+    return chosen
+
+
+def migrate(vmid, target, opts):
+    """qm migrate <vmid> <target> of a stopped VM (offline): its config moves to the target node's
+    directory (pmxcfs: the guest now belongs to that node), after qemu-server's checks."""
+    conf = load("qemu", vmid)
+    # follows qemu-server PVE/API2/Qemu.pm migrate_vm: a running VM needs --online, the target a known other node
+    if status_of("qemu", vmid) == "running" and "online" not in dict(opts):
+        raise ApiError("can't migrate running VM without --online")
+    if target == node():
+        raise ApiError("target is local node.")
+    if not os.path.isdir(ts.path(f"/etc/pve/nodes/{target}")):
+        raise ApiError(f"no such cluster node '{target}'")
+    check_lock("qemu", conf)
+    # PVE/QemuMigrate.pm prepare + QemuMigrate/Helpers.pm check_local_resources: every mapped hostpci
+    # needs an entry of its mapping for the target node
+    maps = read_mappings()
+    missing = [f"{k}:{ts.prop_string(v)['mapping']}" for k, v in conf["keys"]
+               if re.match(r"^hostpci\d+$", k) and "mapping" in ts.prop_string(v)
+               and not any(ts.prop_string(m).get("node") == target
+                           for m in maps.get(ts.prop_string(v)["mapping"], {}).get("map", []))]
+    if missing:
+        raise ApiError(f"can't migrate to '{target}': missing mapped devices {', '.join(sorted(missing))}")
+    with config_lock("qemu", vmid):
+        os.rename(ts.path(conf_path("qemu", vmid)), ts.path(f"/etc/pve/nodes/{target}/qemu-server/{vmid}.conf"))
+    if ts.read("/etc/pve/.vmlist") is not None:
+        ts.write("/etc/pve/.vmlist", json.dumps({"version": 1, "ids": vmlist()}, indent=1) + "\n")
+    print(f"migration finished successfully (VM {vmid} to node {target})")
 
 
 def start(kind, vmid):
@@ -298,15 +369,16 @@ def start(kind, vmid):
         if status_of(kind, vmid) == "running":
             raise ApiError(f"{label} {vmid} already running")
         check_lock(kind, conf)
-        (check_lxc_start if kind == "lxc" else check_qemu_start)(conf)
-        boot_guest(kind, vmid, conf)
+        devices = check_lxc_start(conf) if kind == "lxc" else check_qemu_start(conf, vmid)
+        boot_guest(kind, vmid, conf, devices=devices)
 
 
-def boot_guest(kind, vmid, conf, action="start"):
+def boot_guest(kind, vmid, conf, action="start", devices=None):
     if kind == "lxc":
         ct_boot(vmid, conf)
     else:
         kvm_spawn(vmid)
+        write_reservations(vmid, devices or [])
     set_run_state(kind, vmid, "running")
     ts.log_guest(action, kind, vmid)
 
@@ -337,6 +409,7 @@ def halt_guest(kind, vmid, action):
         ct_halt(vmid)
     else:
         kvm_kill(vmid)
+        write_reservations(vmid, [])  # qemu-server vm_stop_cleanup: remove_pci_reservation
     set_run_state(kind, vmid, "stopped")
     ts.log_guest(action, kind, vmid)
 
@@ -475,8 +548,8 @@ def ha_step():
         elif want in ("started", "enabled") and have != "running":
             try:
                 conf = load(kind, int(n))
-                (check_lxc_start if kind == "lxc" else check_qemu_start)(conf)
-                boot_guest(kind, int(n), conf, "ha-start")
+                devices = check_lxc_start(conf) if kind == "lxc" else check_qemu_start(conf, int(n))
+                boot_guest(kind, int(n), conf, "ha-start", devices=devices)
             except ApiError:
                 pass  # real HA retries and then sets the service to "error"
 
@@ -515,7 +588,10 @@ def reboot(kind, vmid):
     if status_of(kind, vmid) != "running":
         raise ApiError(f"{KINDS[kind][1]} {vmid} not running")
     conf = load(kind, vmid)
-    (check_lxc_start if kind == "lxc" else check_qemu_start)(conf)
+    if kind == "lxc":
+        check_lxc_start(conf)
+    else:
+        check_qemu_start(conf, vmid)
     if kind == "lxc":
         ct_kill(vmid)
         ct_boot(vmid, conf)
@@ -1367,6 +1443,11 @@ def guest_cli(kind, argv):
             return 0
         if cmd == "start":
             start(kind, vmid)
+            return 0
+        if cmd == "migrate" and kind == "qemu":
+            if len(rest) < 2:
+                raise ApiError("400 not enough arguments\nqm migrate <vmid> <target> [OPTIONS]")
+            migrate(vmid, rest[1], opts)
             return 0
         if cmd in ("stop", "shutdown"):
             timeout = dict(opts).get("timeout")

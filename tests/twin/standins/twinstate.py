@@ -192,13 +192,20 @@ def _cfs_unlock_request(lockdir):
         st = os.stat(path(lockdir))
     except FileNotFoundError:
         return
-    seen = json.loads(read(CFS_LOCKS_SEEN, "{}") or "{}")
+    try:
+        seen = json.loads(read(CFS_LOCKS_SEEN, "{}") or "{}")
+    except ValueError:
+        seen = {}
     mark = f"{st.st_ino}:{st.st_mtime_ns}"
     entry = seen.get(lockdir)
     now = time.time()
     if not entry or entry[1] != mark:
         seen[lockdir] = [now, mark]
-        write(CFS_LOCKS_SEEN, json.dumps(seen))
+        full = path(CFS_LOCKS_SEEN)  # several waiters at once: each its own temporary file
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(f"{full}.{os.getpid()}", "w") as f:
+            f.write(json.dumps(seen))
+        os.replace(f"{full}.{os.getpid()}", full)
     elif now - entry[0] > CFS_LOCK_TIMEOUT:
         try:
             os.rmdir(path(lockdir))
