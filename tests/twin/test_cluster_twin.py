@@ -34,6 +34,8 @@ def test_two_nodes_share_etc_pve_and_each_lists_its_own_guests(twin_factory):
     assert "300.conf" in ssh(a, "ls /etc/pve/qemu-server").stdout.split()
     ssh(a, "pvesh create /cluster/mapping/pci --id rtx6000 --map node=x,path=0000:81:00.0,id=10de:2bb5")
     assert "rtx6000" in ssh(b, "cat /etc/pve/mapping/pci.cfg").stdout
+    assert ssh(b, "qm create 302 && qm destroy 302").returncode == 0
+    assert "302" not in json.loads(ssh(a, "cat /etc/pve/.vmlist").stdout)["ids"]
     members = [json.loads(ssh(t, "cat /etc/pve/.members").stdout) for t in (a, b)]
     assert [m["nodename"] for m in members] == [a.name, b.name]
     assert members[0]["nodelist"] == members[1]["nodelist"] and members[0]["cluster"]["quorate"] == 1

@@ -1471,6 +1471,8 @@ def guest_cli(kind, argv):
             if status_of(kind, vmid) == "running":
                 raise ApiError(f"{label} {vmid} is running - destroy failed")
             os.unlink(ts.path(conf_path(kind, vmid)))
+            if ts.read("/etc/pve/.vmlist") is not None:  # pmxcfs drops it from the vmlist with its config
+                ts.write("/etc/pve/.vmlist", json.dumps({"version": 1, "ids": vmlist()}, indent=1) + "\n")
             if kind == "lxc":  # its root filesystem goes with it
                 ct_umount(vmid)
                 import shutil
