@@ -60,6 +60,7 @@ from plan.guest_control import CONFIG_LOCK_FILE, CONFIG_LOCK_TIMEOUT_S, config_l
 from plan.guests import (
     MappingChange,
     config_gpu_nodes,
+    gpu_pool_ids,
     map_string,
     mapping_references,
     merge_container_config,
@@ -68,6 +69,7 @@ from plan.guests import (
     plan_mappings,
     plan_pool_mappings,
     plan_stale_mappings,
+    plan_stale_pools,
     plan_vm,
     pve_supports_dev_entries,
     render_container_devices,
@@ -176,7 +178,8 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
 def mapping_merge_command(change: MappingChange, cfg: str = PCI_CFG) -> str:
     """The SSH command that merges this node's entries of a mapping (templates/mapping-merge.sh.j2)."""
     script = render_template("mapping-merge.sh.j2", cfg=cfg, id=change.id, node=change.node,
-                             maps=[map_string(m) for m in change.maps], tries=MERGE_TRIES)
+                             maps=[map_string(m) for m in change.maps], tries=MERGE_TRIES,
+                             description=change.description)
     return f"/bin/sh -c {shlex.quote(script)}"
 
 
@@ -187,7 +190,8 @@ def mapping_commands(api: PveApi | None, change: MappingChange) -> list:
     if change.action == "merge":
         if api is None:
             return [StringCommand(mapping_merge_command(change))]
-        return [FunctionCommand(api_merge_mapping, (api, change.id, change.node, [map_string(m) for m in change.maps]), {})]
+        return [FunctionCommand(api_merge_mapping, (api, change.id, change.node, [map_string(m) for m in change.maps]),
+                                {"description": change.description})]
     return write_commands(api, PveWrite("delete", f"/cluster/mapping/pci/{change.id}"))
 
 
@@ -296,7 +300,8 @@ def locked_vm_refusals(spec: HostSpec, facts: dict) -> list[str]:
             continue
         plan = plan_vm(vmid, facts["node"], [b for b in vm.gpus if b in pci], vm.machine, vm.allow_machine_change,
                        config, pci, set(spec.gpus), host_phys_bits=host_phys_bits(facts["hw"]), pool=vm.pool,
-                       running=running.get(vmid) == "running")
+                       running=running.get(vmid) == "running",
+                       pools=gpu_pool_ids(cfg["pci_mappings"], {v.pool for v in spec.vms.values() if v.pool}))
         if lock and (plan.changed or ("qemu", vmid) in facts["rebind"].stop):
             refusals.append(lock_refusal("qemu", vmid, lock, "change its config or stop/start it"))
         elif managed and plan.changed and running.get(vmid) == "running" \
@@ -334,9 +339,10 @@ def apply(spec: HostSpec) -> None:
 
     pci = hw["pci_devices"]
     status = facts["runtime"]["status"]["qemu"]
+    all_pools = gpu_pool_ids(cfg["pci_mappings"], {vm.pool for vm in spec.vms.values() if vm.pool})
     plans = {vmid: plan_vm(vmid, node, [b for b in vm.gpus if b in pci], vm.machine, vm.allow_machine_change,
                            cfg["qemu_configs"].get(vmid), pci, set(spec.gpus), host_phys_bits=host_phys_bits(hw),
-                           pool=vm.pool, running=status.get(vmid) == "running")
+                           pool=vm.pool, running=status.get(vmid) == "running", pools=all_pools)
              for vmid, vm in sorted(spec.vms.items())}
     # per-node mappings: VMs without a pool, and pooled VMs that run on theirs until stopped
     vm_gpus = [b for vmid, vm in spec.vms.items() for b in vm.gpus
@@ -347,8 +353,11 @@ def apply(spec: HostSpec) -> None:
             pools.setdefault(vm.pool, []).extend(b for b in vm.gpus if b in pci)
     planned_main: dict[int, set[str]] = {}
     if spec.vms:
+        stale_pools = plan_stale_pools(node, set(pools), cfg["pci_mappings"])
+        for change in stale_pools:
+            logger.info(f"{host.name}: {change.reason}")
         changes = plan_mappings(node, vm_gpus, pci, cfg["pci_mappings"]) + \
-            plan_pool_mappings(node, pools, pci, cfg["pci_mappings"])
+            plan_pool_mappings(node, pools, pci, cfg["pci_mappings"]) + stale_pools
         if changes:  # issue 19: the previous pci.cfg kept, and --dry shows the diff
             keep_config(name=f"guests: keep {PCI_CFG}", path=PCI_CFG, after=lambda t: pci_cfg_after(t, changes))
         pci_mappings(name="guests: PCI resource mappings", changes=changes, api=api)

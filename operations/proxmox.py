@@ -169,7 +169,7 @@ def node_of_map(entry: str) -> str | None:
     return None
 
 
-def api_merge_mapping(api: PveApi, mid: str, node: str, mine: list[str]) -> None:
+def api_merge_mapping(api: PveApi, mid: str, node: str, mine: list[str], description: str = "") -> None:
     """This node's `map` entries of PCI mapping `mid` become `mine`, other nodes' entries kept as
     they are when the write runs (a FunctionCommand body; templates/mapping-merge.sh.j2 is the
     same over SSH): the API's get returns the file's digest, and the set carrying it is refused
@@ -186,7 +186,8 @@ def api_merge_mapping(api: PveApi, mid: str, node: str, mine: list[str]) -> None
         try:
             if current is None:
                 if mine:
-                    api.request("create", "/cluster/mapping/pci", {"id": mid, "map": list(mine)})
+                    api.request("create", "/cluster/mapping/pci", {"id": mid, "map": list(mine),
+                                                                   **({"description": description} if description else {})})
                 return
             maps = [m for m in current.get("map") or [] if node_of_map(m) != node] + list(mine)
             params: dict = {"digest": current.get("digest"), **({"map": maps} if maps else {"delete": "map"})}

@@ -315,6 +315,12 @@ class MappingChange:
     maps: list[dict[str, str]]
     reason: str
     node: str = ""
+    description: str = ""  # given to a mapping this write creates (GPU pools: POOL_DESCRIPTION)
+
+
+# the description of the GPU pools' mappings pvegpu creates: a pool that leaves the spec is found
+# by it, and this node's entries are taken out of it (plan_stale_pools)
+POOL_DESCRIPTION = "pvegpu-gpu-pool"
 
 
 def plan_mappings(node: str, vm_gpus: list[str], pci_devices: dict[str, dict],
@@ -492,11 +498,13 @@ class VmPlan:
 
 def plan_vm(vmid: int, node: str, gpus: list[str], want_machine: str, allow_machine_change: bool,
             config: dict | None, pci_devices: dict[str, dict], managed_bdfs: set[str],
-            host_phys_bits: int | None = None, pool: str | None = None, running: bool = False) -> VmPlan:
+            host_phys_bits: int | None = None, pool: str | None = None, running: bool = False,
+            pools: AbstractSet[str] = frozenset()) -> VmPlan:
     """hostpci lines for exactly the VM's GPUs (`QemuConfigs` entry as `config`).
 
-    Ours: hostpci entries whose mapping id is a pvegpu id or the VM's `pool`, or whose raw host
-    BDFs are GPUs the spec manages (`managed_bdfs`); other passthrough devices keep their index.
+    Ours: hostpci entries whose mapping id is a pvegpu id, the VM's `pool` or one of pvegpu's GPU
+    pools (`pools`, see `gpu_pool_ids`), or whose raw host BDFs are GPUs the spec manages
+    (`managed_bdfs`); other passthrough devices keep their index.
     pcie=1 needs q35: a VM on i440fx is reported, and switched only with `allow_machine_change`.
     With a `pool`, each GPU's line is `mapping=<pool>` (qemu-server takes a free device of the
     mapping's entries for this node at start); a `running` VM whose lines are exactly its GPUs'
@@ -520,7 +528,8 @@ def plan_vm(vmid: int, node: str, gpus: list[str], want_machine: str, allow_mach
                             f"or machine: i440fx to pass the GPUs as plain PCI")
     ours = {}
     for key, entry in config.get("hostpci", {}).items():
-        is_ours = (entry.get("mapping") or "").startswith("pvegpu-") or (pool and entry.get("mapping") == pool) or any(
+        mapping = entry.get("mapping") or ""
+        is_ours = mapping.startswith("pvegpu-") or mapping == pool or (mapping and mapping in pools) or any(
             h.rsplit(".", 1)[0] in {b.rsplit(".", 1)[0] for b in managed_bdfs} for h in entry.get("host", []))
         if is_ours:
             ours[key] = entry
@@ -572,8 +581,24 @@ def plan_pool_mappings(node: str, pools: dict[str, list[str]], pci_devices: dict
             continue
         reason = (f"GPU pool {pool} has no mapping yet" if current is None else
                   f"GPU pool {pool}: this node's entries ({len(mine)}) are not its GPUs ({len(wanted)}) as they are now")
-        changes.append(MappingChange(pool, "merge", wanted, reason, node))
+        changes.append(MappingChange(pool, "merge", wanted, reason, node, POOL_DESCRIPTION))
     return changes
+
+
+def gpu_pool_ids(existing: dict[str, dict], spec_pools: AbstractSet[str]) -> set[str]:
+    """The GPU pools' mapping ids: the spec's and every one pvegpu created (`POOL_DESCRIPTION`)."""
+    return set(spec_pools) | {mid for mid, m in existing.items() if m.get("description") == POOL_DESCRIPTION}
+
+
+def plan_stale_pools(node: str, pools: AbstractSet[str], existing: dict[str, dict]) -> list[MappingChange]:
+    """GPU pools pvegpu created (`POOL_DESCRIPTION`) that no VM of this node's spec names any more
+    but that still have entries of this node: those entries are taken out (a merge with none),
+    so Proxmox no longer hands this node's GPUs to the pool's VMs; other nodes' entries stay."""
+    return [MappingChange(mid, "merge", [], f"GPU pool {mid} is not in this node's spec any more: "
+                                            f"taking out {node}'s entries", node)
+            for mid, mapping in sorted(existing.items())
+            if mapping.get("description") == POOL_DESCRIPTION and mid not in pools
+            and any(m.get("node") == node for m in mapping.get("map", []))]
 
 
 def vm_mappings_after(config: dict, plan: VmPlan) -> set[str]:
@@ -632,7 +657,7 @@ def plan_stale_mappings(node: str, existing: dict[str, dict], vm_gpus: list[str]
     managed_slots = {b.rsplit(".", 1)[0]: b for b in sorted(managed_bdfs)}
     for mid, mapping in sorted(existing.items()):
         entries = mapping.get("map", [])
-        if mid in pools:  # the spec's GPU pools (plan_pool_mappings)
+        if mid in pools or mapping.get("description") == POOL_DESCRIPTION:  # pools: plan_(stale_)pool(s|_mappings)
             continue
         if not mid.startswith("pvegpu-"):
             for entry in entries:

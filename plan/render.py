@@ -148,9 +148,10 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
     ],
     "kernel-zfs-guard.sh.j2": [dict(release="6.14.11-9-bpo12-pvegpu-pve")],
     "mapping-merge.sh.j2": [
-        dict(cfg="/etc/pve/mapping/pci.cfg", id="rtx6000", node="kpro6", tries=10,
+        dict(cfg="/etc/pve/mapping/pci.cfg", id="rtx6000", node="kpro6", tries=10, description="pvegpu-gpu-pool",
              maps=["id=10de:2bb5,iommugroup=3,node=kpro6,path=0000:81:00,subsystem-id=10de:204e"]),
-        dict(cfg="/etc/pve/mapping/pci.cfg", id="rtx6000", node="kpro6", tries=10, maps=[]),
+        dict(cfg="/etc/pve/mapping/pci.cfg", id="pvegpu-kpro6-0000-81-00-0", node="kpro6", tries=10,
+             description="", maps=[]),
     ],
     "kernel-trial-entry.sh.j2": [
         dict(release="6.14.11-9-bpo12-pve", mode="arm", entry="pvegpu-trial-6.14.11-9-bpo12-pve.conf", panic_s=10),

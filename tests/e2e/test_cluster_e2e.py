@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import textwrap
 from pathlib import Path
@@ -42,10 +43,11 @@ INVENTORY = textwrap.dedent("""\
 """)
 
 
-def node_spec(name: str, vmid: int, params: tuple[str, ...] = ("pci=realloc",)) -> dict:
+def node_spec(name: str, vmid: int, params: tuple[str, ...] = ("pci=realloc",), pool: str | None = "rtx6000") -> dict:
+    vm = {"gpus": POOL_GPUS, "machine": "q35"} | ({"pool": pool} if pool else {})
     return {"node": name, "iommu": {"vendor": "amd", "params": list(params)},
             "gpus": {b: f"vm:{vmid}" for b in POOL_GPUS},
-            "vms": {vmid: {"gpus": POOL_GPUS, "machine": "q35", "pool": "rtx6000"}},
+            "vms": {vmid: vm},
             "reboot": {"allowed": True, "rejoin_timeout": 8}, "guests": {"allow_stop": True}}
 
 
@@ -83,7 +85,7 @@ def test_three_nodes_converged_at_once_share_one_gpu_pool(twin_factory, tmp_path
         conf = (pve / "nodes" / name / "qemu-server" / f"{vmids[name]}.conf").read_text()
         assert sorted(line for line in conf.splitlines() if line.startswith("hostpci")) == [
             "hostpci0: mapping=rtx6000,pcie=1", "hostpci1: mapping=rtx6000,pcie=1"], conf
-    assert "pvegpu-" not in cfg  # pooled VMs need no per-node mappings
+    assert not re.search(r"^pvegpu-", cfg, re.M)  # pooled VMs need no per-node mappings
     assert not list((pve / "priv/lock").iterdir())  # every cluster lock given back
 
     # the reboots rolled: one node at a time, each booted before the next was asked to reboot
@@ -95,6 +97,22 @@ def test_three_nodes_converged_at_once_share_one_gpu_pool(twin_factory, tmp_path
     again = run_pyinfra(str(tmp_path / "inv.py"), "deploy.py", env={"PYTHONPATH": str(REPO)}, timeout=900)
     assert again.rc == 0 and again.changed == 0, again.output
     assert json.loads(ssh(names[1], "cat /etc/pve/.vmlist").stdout)["ids"]["302"]["node"] == names[2]
+    assert "\tdescription pvegpu-gpu-pool\n" in cfg  # how a later run knows the pool is pvegpu's
+
+    # the third node's VM leaves the pool: that node's entries leave it, the others' stay, and
+    # its (stopped) VM gets per-node mappings
+    c = names[2]
+    (tmp_path / "inv.yml").write_text(yaml.safe_dump({"hosts": {
+        n: node_spec(n, vmids[n], pool=None if n == c else "rtx6000") for n in names}}))
+    out = run_pyinfra(str(tmp_path / "inv.py"), "deploy.py", env={"PYTHONPATH": str(REPO)}, timeout=900)
+    assert out.rc == 0, out.output
+    cfg = (pve / "mapping/pci.cfg").read_text()
+    pool = cfg.split("rtx6000\n", 1)[1].split("\n\n", 1)[0]
+    assert pool.count("\tmap ") == 4 and f"node={c}," not in pool, cfg
+    assert f"GPU pool rtx6000 is not in this node's spec any more: taking out {c}'s entries" in out.output
+    conf = (pve / "nodes" / c / "qemu-server" / f"{vmids[c]}.conf").read_text()
+    assert sorted(line for line in conf.splitlines() if line.startswith("hostpci")) == [
+        f"hostpci0: mapping=pvegpu-{c}-0000-81-00-0,pcie=1", f"hostpci1: mapping=pvegpu-{c}-0000-a1-00-0,pcie=1"], conf
 
     # a change that needs a reboot everywhere, and no node comes back into the cluster after its
     # boot (the fault on all three: pyinfra's order of hosts is its own): the first one rebooted

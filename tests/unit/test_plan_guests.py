@@ -9,6 +9,7 @@ from facts.devices import parse_char_majors
 from facts.nvidia import parse_gpu_information
 from facts.proxmox import parse_guest_config, parse_pci_mappings
 from plan.guests import (
+    POOL_DESCRIPTION,
     config_gpu_nodes,
     mapping_id,
     mapping_references,
@@ -16,6 +17,7 @@ from plan.guests import (
     plan_mappings,
     plan_pool_mappings,
     plan_stale_mappings,
+    plan_stale_pools,
     plan_vm,
     pve_supports_dev_entries,
     render_container_devices,
@@ -426,3 +428,30 @@ def test_the_specs_pools_are_not_reported_as_foreign_mappings():
     assert plan_stale_mappings("kpro6", existing, [], {}, {"0000:81:00.0"}).notes  # without the pool: reported
     stale = plan_stale_mappings("kpro6", existing, [], {}, {"0000:81:00.0"}, pools={"rtx6000"})
     assert stale.notes == [] and stale.delete == []
+
+
+def test_a_pool_pvegpu_made_that_left_the_spec_loses_this_nodes_entries_only():
+    text = POOL_CFG.replace("rtx6000\n", f"rtx6000\n\tdescription {POOL_DESCRIPTION}\n") + \
+        "other\n\tmap id=10de:2bb5,iommugroup=50,node=kpro6,path=0000:a1:00.0,subsystem-id=10de:204e\n"
+    existing = parse_pci_mappings(text.splitlines())
+    (c,) = plan_stale_pools("kpro6", set(), existing)  # a mapping without pvegpu's description is not ours
+    assert (c.id, c.action, c.maps, c.node) == ("rtx6000", "merge", [], "kpro6")
+    assert plan_stale_pools("kpro6", {"rtx6000"}, existing) == []  # still a pool of the spec
+    assert plan_stale_pools("kpro7", set(), existing) == []  # kpro7 has no entry in it
+    (created,) = plan_pool_mappings("kpro6", {"h200": ["0000:a1:00.0"]}, PCI, existing)
+    assert created.description == POOL_DESCRIPTION
+    # and it is not reported as someone else's mapping
+    assert plan_stale_mappings("kpro6", existing, [], {}, {"0000:81:00.0"}).notes == []
+
+
+def test_a_vm_that_leaves_a_pool_gets_per_node_lines_in_place_of_the_pools():
+    pooled = _vm("machine: q35\nhostpci0: mapping=rtx6000,pcie=1\nhostpci1: mapping=rtx6000,pcie=1\n"
+                 "hostpci2: mapping=nic,pcie=1\n")
+    gpus = ["0000:81:00.0", "0000:a1:00.0"]
+    plan = plan_vm(300, "kpro6", gpus, "q35", False, pooled, PCI, set(PCI), pools={"rtx6000"})
+    assert plan.set_options == {"hostpci0": "mapping=pvegpu-kpro6-0000-81-00-0,pcie=1",
+                                "hostpci1": "mapping=pvegpu-kpro6-0000-a1-00-0,pcie=1"}
+    assert plan.delete == []  # hostpci2 (someone else's mapping) is kept
+    # without knowing rtx6000 is a pool, its lines would stay beside new ones (the bug this guards)
+    unknown = plan_vm(300, "kpro6", gpus, "q35", False, pooled, PCI, set(PCI))
+    assert set(unknown.set_options) == {"hostpci3", "hostpci4"}
