@@ -301,7 +301,7 @@ def locked_vm_refusals(spec: HostSpec, facts: dict) -> list[str]:
         plan = plan_vm(vmid, facts["node"], [b for b in vm.gpus if b in pci], vm.machine, vm.allow_machine_change,
                        config, pci, set(spec.gpus), host_phys_bits=host_phys_bits(facts["hw"]), pool=vm.pool,
                        running=running.get(vmid) == "running",
-                       pools=gpu_pool_ids(cfg["pci_mappings"], {v.pool for v in spec.vms.values() if v.pool}))
+                       pools=gpu_pool_ids(cfg.get("pci_mappings") or {}, {v.pool for v in spec.vms.values() if v.pool}))
         if lock and (plan.changed or ("qemu", vmid) in facts["rebind"].stop):
             refusals.append(lock_refusal("qemu", vmid, lock, "change its config or stop/start it"))
         elif managed and plan.changed and running.get(vmid) == "running" \
