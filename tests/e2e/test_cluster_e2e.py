@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e.harness import run_pyinfra
+from tests.e2e.harness import run_host_checks, run_pyinfra
 from tests.twin import runtime
 
 REPO = Path(__file__).resolve().parents[2]
@@ -98,6 +98,9 @@ def test_three_nodes_converged_at_once_share_one_gpu_pool(twin_factory, tmp_path
     assert again.rc == 0 and again.changed == 0, again.output
     assert json.loads(ssh(names[1], "cat /etc/pve/.vmlist").stdout)["ids"]["302"]["node"] == names[2]
     assert "\tdescription pvegpu-gpu-pool\n" in cfg  # how a later run knows the pool is pvegpu's
+    # the host checks of every node pass with pooled VMs (tests/host/test_gpus.py)
+    checks = run_host_checks(str(tmp_path / "inv.py"), env={"PYTHONPATH": str(REPO)})
+    assert checks.returncode == 0, checks.stdout[-3000:] + checks.stderr[-2000:]
 
     # the third node's VM leaves the pool: that node's entries leave it, the others' stay, and
     # its (stopped) VM gets per-node mappings
