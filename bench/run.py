@@ -19,6 +19,9 @@ Figures (issue 9):
   facts_commands         remote commands for the full hardware picture                 target <= 3
   pve_calls_nochange     Proxmox CLI calls (pct, qm, pvesh) of a no-change converge    target <= 2
   pve_calls_move         the same for a two-GPU move from VM 300 to CT 200 (reported)
+  cluster3_vs_1          no-change converge of a 3-node cluster twin (one /etc/pve, the  target <= 1.5
+                         kpro6 spec on each node) / of one of its nodes (wall time; with the
+                         CPU floor of this machine's cores, as fleet8_vs_1)
   pve_delay_converge_s   no-change converge wall time with the twin's Proxmox CLIs taking
                          PVE_DELAY_S to start, like the real Perl ones (reported, with the
                          time without the delay)
@@ -52,6 +55,7 @@ TARGETS = {
     "converge_vs_fact": ("<=", 3.0),
     "fleet8_vs_1": ("<=", 1.5),
     "fleet8_vs_1_many_cores": ("<=", 1.5),
+    "cluster3_vs_1": ("<=", 1.5),
     "ccache_warm_vs_cold": ("<=", 0.1),
     "second_release_vs_first": ("<=", 0.5),
     "facts_commands": ("<=", 3),
@@ -60,10 +64,11 @@ TARGETS = {
 PVE_DELAY_S = 0.4  # a real node's pct/qm/pvesh start: 0.3-0.6 s (issue 19)
 
 
-def _converge(names: list[str]) -> tuple[float, int, PyinfraRun]:
-    env = {"PVEGPU_TWINS": ",".join(names)}
+def _converge(names: list[str], inventory: str | None = None) -> tuple[float, int, PyinfraRun]:
+    """A converge of twins `names` (inventories/twin.py), or of `inventory` when given."""
+    env = {"PVEGPU_TWINS": ",".join(names), "PYTHONPATH": str(REPO)}
     t0 = time.monotonic()
-    run = run_pyinfra("inventories/twin.py", "deploy.py", env=env)
+    run = run_pyinfra(inventory or "inventories/twin.py", "deploy.py", env=env)
     return time.monotonic() - t0, run.remote_commands, run
 
 
@@ -93,7 +98,7 @@ def bench_converge(results: dict) -> None:
             runtime.stop(n)
 
 
-def _cpu_converge(names: list[str]) -> dict:
+def _cpu_converge(names: list[str], inventory: str | None = None) -> dict:
     """No-change converge of `names` with its CPU: runner (the pyinfra process, from
     RUSAGE_CHILDREN) and twins (each twin's sshd tree, bench/fleet_profile.py's twin_cpu)."""
     from bench.fleet_profile import loadavg, settle, twin_cpu
@@ -101,7 +106,7 @@ def _cpu_converge(names: list[str]) -> dict:
     twins0 = sum(twin_cpu(n)["sshd"] for n in names)
     load0 = loadavg()
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    wall, commands, run = _converge(names)
+    wall, commands, run = _converge(names, inventory)
     ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     settle(names)
     if run.rc != 0:
@@ -159,6 +164,68 @@ def bench_fleet(results: dict) -> None:
             results["fleet8_vs_1_many_cores"] = dict(results["fleet8_vs_1"])
     finally:
         for n in started:
+            runtime.stop(n)
+
+
+CLUSTER_INVENTORY = """\
+import json
+from pathlib import Path
+from spec.load import inventory_hosts
+specs = dict(inventory_hosts(Path(__file__).with_suffix(".yml")))
+gpu_hosts = []
+for name in {names!r}:
+    twin = json.loads((Path({twins!r}) / name / "twin.json").read_text())
+    gpu_hosts.append((name, dict(specs[name], ssh_hostname=twin["address"], ssh_port=twin["port"],
+                                 ssh_user="root", ssh_key=twin["key"], ssh_known_hosts_file="/dev/null",
+                                 ssh_strict_host_key_checking="no", pvegpu_node=name)))
+"""
+
+
+def bench_cluster(results: dict) -> None:
+    """cluster3_vs_1: three kpro6 twins of one cluster (tests/twin/runtime.py "Clusters"), each
+    with inventories/twin.yml's kpro6 spec under its own node name (the profile's CT 200 and VM
+    300 live on the first node), converged once, then no-change converges of all three and of
+    the first alone, alternating, 3 each: the medians' ratio."""
+    import tempfile
+
+    import yaml
+
+    names = [f"bench-cl-{i}" for i in range(1, 4)]
+    base = yaml.safe_load((REPO / "inventories" / "twin.yml").read_text())["hosts"]["kpro6"]
+    tmp = Path(tempfile.mkdtemp(prefix="pvegpu-bench-cluster-"))
+    inventories = {}
+    for count in (1, 3):
+        inv = tmp / f"cluster{count}.py"
+        inv.with_suffix(".yml").write_text(yaml.safe_dump({"hosts": {n: dict(base, node=n) for n in names[:count]}}))
+        inv.write_text(CLUSTER_INVENTORY.format(names=names[:count], twins=str(runtime.TWINS_DIR)))
+        inventories[count] = str(inv)
+    started = []
+    try:
+        for n in names:
+            runtime.start(n, "kpro6", cluster="bench-cl")
+            started.append(n)
+        first = run_pyinfra(inventories[3], "deploy.py", env={"PYTHONPATH": str(REPO)})
+        if first.rc != 0:
+            raise RuntimeError("cluster converge failed:\n" + first.output[-3000:])
+        ones, threes = [], []
+        for _ in range(3):
+            ones.append(_cpu_converge(names[:1], inventories[1]))
+            threes.append(_cpu_converge(names, inventories[3]))
+        one = sorted(ones, key=lambda r: r["wall_s"])[1]
+        three = sorted(threes, key=lambda r: r["wall_s"])[1]
+        cores = os.cpu_count() or 1
+        floor = max((three["runner_cpu_s"] + three["twin_cpu_s"]) / cores, three["runner_cpu_s"])
+        results["cluster3_vs_1"] = {
+            "value": round(three["wall_s"] / one["wall_s"], 2), "one_s": round(one["wall_s"], 2),
+            "three_s": round(three["wall_s"], 2), "changed_ops": three["changed"], "commands": three["commands"],
+            "cpu_s": {"one": {"runner": round(one["runner_cpu_s"], 2), "twins": round(one["twin_cpu_s"], 2)},
+                      "three": {"runner": round(three["runner_cpu_s"], 2), "twins": round(three["twin_cpu_s"], 2)}},
+            "cores": cores, "floor_three_s": round(floor, 2), "floor_ratio": round(floor / one["wall_s"], 2),
+            "walls_s": {"one": [round(r["wall_s"], 2) for r in ones], "three": [round(r["wall_s"], 2) for r in threes]},
+            "machine": _machine(),
+        }
+    finally:
+        for n in reversed(started):
             runtime.stop(n)
 
 
@@ -224,6 +291,7 @@ def bench_driver(results: dict) -> None:
 BENCHES = {
     "converge": bench_converge,
     "fleet": bench_fleet,
+    "cluster": bench_cluster,
     "facts": lambda r: bench_script(r, "facts_commands", "facts_commands.py"),
     "ccache": lambda r: bench_driver(r),
     "kernel": lambda r: bench_script(r, "kernel_second_ref_vs_first", "kernel_ccache.py"),

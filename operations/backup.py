@@ -117,7 +117,7 @@ def vm_config_after(text: str, set_options: dict[str, str], delete: list[str]) -
 
 
 def pci_cfg_after(text: str, changes) -> str:
-    """/etc/pve/mapping/pci.cfg after the `plan.guests.MappingChange`s (create, set, delete).
+    """/etc/pve/mapping/pci.cfg after the `plan.guests.MappingChange`s (merge, delete).
     follows pve-guest-common src/PVE/Mapping/PCI.pm format_section_header(): the id alone on
     its line, then tab-indented 'map <key=value,...>' lines; a blank line between sections"""
     from plan.guests import map_string
@@ -139,10 +139,13 @@ def pci_cfg_after(text: str, changes) -> str:
             sections.pop(change.id, None)
             order = [o for o in order if o != change.id]
             continue
-        kept = [line for line in sections.get(change.id, []) if not line.strip().startswith("map ")]
+        lines = sections.get(change.id, [])
+        kept = [line for line in lines if not line.strip().startswith("map ")]
+        others = [line for line in lines if line.strip().startswith("map ")
+                  and f"node={change.node}" not in line.strip()[4:].split(",")]  # merge: other nodes' entries stay
         if change.id not in sections:
             order.append(change.id)
-        sections[change.id] = [f"\tmap {map_string(m)}" for m in change.maps] + kept
+        sections[change.id] = others + [f"\tmap {map_string(m)}" for m in change.maps] + kept
     return "".join(f"{name}\n" + "".join(f"{line}\n" for line in sections[name]) + "\n" for name in order)
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 
 from pyinfra import host, logger
-from pyinfra.api import OperationError, StringCommand, deploy, operation
+from pyinfra.api import FunctionCommand, OperationError, StringCommand, deploy, operation
 
 from facts.guest_state import guest_state
 from facts.guests import LXC_DIR, ContainerGpuState, VmMappingReferences
@@ -50,8 +50,10 @@ from operations.gpus import (
     stage_facts,
 )
 from operations.proxmox import (
+    MERGE_TRIES,
     PveApi,
     PveWrite,
+    api_merge_mapping,
     api_of,
     guest_start_commands,
     guest_stop_commands,
@@ -62,6 +64,7 @@ from plan.guests import (
     MappingChange,
     config_gpu_nodes,
     current_dev_entries,
+    gpu_pool_ids,
     hotplug_additions,
     legacy_cgroup_keys,
     map_string,
@@ -70,7 +73,9 @@ from plan.guests import (
     nvidia_majors,
     plan_bar_fit,
     plan_mappings,
+    plan_pool_mappings,
     plan_stale_mappings,
+    plan_stale_pools,
     plan_vm,
     pve_hotplugs_dev_entries,
     pve_supports_dev_entries,
@@ -78,6 +83,7 @@ from plan.guests import (
     used_dev_indices,
     vm_mappings_after,
 )
+from plan.render import render_template
 from spec.models import HostSpec
 
 
@@ -168,7 +174,7 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
             logger.info(f"{host.name}: CT {ctid} runs: its new device entries are hotplugged "
                         f"({', '.join(k for k, _ in adds)}), no restart")
             yield StringCommand(backup_command(f"{LXC_DIR}/{ctid}.conf"))
-            shell = " ".join([f"pct set {shlex.quote(str(ctid))}", *(f"--{k} {shlex.quote(v)}" for k, v in adds)])
+            shell = " ".join([f"pct set {word(str(ctid))}", *(f"--{k} {word(v)}" for k, v in adds)])
             yield from write_commands(api, PveWrite("set", f"/nodes/{node}/lxc/{ctid}/config", tuple(adds)), shell)
             continue
         if merged.changed:
@@ -196,19 +202,30 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
         host.noop("every container passes exactly its GPUs")
 
 
-def mapping_write(change: MappingChange) -> PveWrite:
-    """The API/pvesh write of one `MappingChange` (create, set or delete)."""
-    maps = tuple(("map", map_string(m)) for m in change.maps)
-    if change.action == "create":
-        return PveWrite("create", "/cluster/mapping/pci", (("id", change.id),) + maps)
-    if change.action == "set":
-        return PveWrite("set", f"/cluster/mapping/pci/{change.id}", maps)
-    return PveWrite("delete", f"/cluster/mapping/pci/{change.id}")
+def mapping_merge_command(change: MappingChange, cfg: str = PCI_CFG) -> str:
+    """The SSH command that merges this node's entries of a mapping (templates/mapping-merge.sh.j2)."""
+    script = render_template("mapping-merge.sh.j2", cfg=cfg, id=change.id, node=change.node,
+                             maps=[map_string(m) for m in change.maps], tries=MERGE_TRIES,
+                             description=change.description)
+    return f"/bin/sh -c {word(script)}"
+
+
+def mapping_commands(api: PveApi | None, change: MappingChange) -> list:
+    """The write of one `MappingChange`: a merge of this node's entries (other nodes' entries as
+    they are when it runs, never as the facts saw them: no lost update when nodes of a cluster
+    converge at once), or the deletion of an id."""
+    if change.action == "merge":
+        if api is None:
+            return [StringCommand(mapping_merge_command(change))]
+        return [FunctionCommand(api_merge_mapping, (api, change.id, change.node, [map_string(m) for m in change.maps]),
+                                {"description": change.description})]
+    return write_commands(api, PveWrite("delete", f"/cluster/mapping/pci/{change.id}"))
 
 
 @operation()
 def pci_mappings(changes: list, api: PveApi | None = None, unchanged: str = "PCI resource mappings match the hardware"):
-    """Create, correct or delete PCI resource mappings (`plan.guests.MappingChange` list).
+    """Merge this node's entries into PCI resource mappings, or delete mappings
+    (`plan.guests.MappingChange` list).
 
     + api: `operations.proxmox.PveApi`, or None for pvesh over SSH
     """
@@ -216,7 +233,7 @@ def pci_mappings(changes: list, api: PveApi | None = None, unchanged: str = "PCI
         host.noop(unchanged)
         return
     for change in changes:
-        yield from write_commands(api, mapping_write(change))
+        yield from mapping_commands(api, change)
 
 
 def vm_config_write(node: str, plan) -> tuple[PveWrite, str]:
@@ -309,7 +326,9 @@ def locked_vm_refusals(spec: HostSpec, facts: dict) -> list[str]:
         if config is None or not (lock or managed):
             continue
         plan = plan_vm(vmid, facts["node"], [b for b in vm.gpus if b in pci], vm.machine, vm.allow_machine_change,
-                       config, pci, set(spec.gpus), host_phys_bits=host_phys_bits(facts["hw"]))
+                       config, pci, set(spec.gpus), host_phys_bits=host_phys_bits(facts["hw"]), pool=vm.pool,
+                       running=running.get(vmid) == "running",
+                       pools=gpu_pool_ids(cfg.get("pci_mappings") or {}, {v.pool for v in spec.vms.values() if v.pool}))
         if lock and (plan.changed or ("qemu", vmid) in facts["rebind"].stop):
             refusals.append(lock_refusal("qemu", vmid, lock, "change its config or stop/start it"))
         elif managed and plan.changed and running.get(vmid) == "running" \
@@ -347,23 +366,37 @@ def apply(spec: HostSpec) -> None:
         )
 
     pci = hw["pci_devices"]
-    vm_gpus = [b for vm in spec.vms.values() for b in vm.gpus if b in pci]
+    status = facts["runtime"]["status"]["qemu"]
+    all_pools = gpu_pool_ids(cfg["pci_mappings"], {vm.pool for vm in spec.vms.values() if vm.pool})
+    plans = {vmid: plan_vm(vmid, node, [b for b in vm.gpus if b in pci], vm.machine, vm.allow_machine_change,
+                           cfg["qemu_configs"].get(vmid), pci, set(spec.gpus), host_phys_bits=host_phys_bits(hw),
+                           pool=vm.pool, running=status.get(vmid) == "running", pools=all_pools)
+             for vmid, vm in sorted(spec.vms.items())}
+    # per-node mappings: VMs without a pool, and pooled VMs that run on theirs until stopped
+    vm_gpus = [b for vmid, vm in spec.vms.items() for b in vm.gpus
+               if b in pci and (not vm.pool or plans[vmid].per_node_kept)]
+    pools: dict[str, list[str]] = {}
+    for vm in spec.vms.values():
+        if vm.pool:
+            pools.setdefault(vm.pool, []).extend(b for b in vm.gpus if b in pci)
     planned_main: dict[int, set[str]] = {}
     if spec.vms:
-        changes = plan_mappings(node, vm_gpus, pci, cfg["pci_mappings"])
+        stale_pools = plan_stale_pools(node, set(pools), cfg["pci_mappings"])
+        for change in stale_pools:
+            logger.info(f"{host.name}: {change.reason}")
+        changes = plan_mappings(node, vm_gpus, pci, cfg["pci_mappings"]) + \
+            plan_pool_mappings(node, pools, pci, cfg["pci_mappings"]) + stale_pools
         if changes:  # issue 19: the previous pci.cfg kept, and --dry shows the diff
             keep_config(name=f"guests: keep {PCI_CFG}", path=PCI_CFG, after=lambda t: pci_cfg_after(t, changes))
         pci_mappings(name="guests: PCI resource mappings", changes=changes, api=api)
-        status = facts["runtime"]["status"]["qemu"]
-        for vmid, vm in sorted(spec.vms.items()):
-            plan = plan_vm(vmid, node, [b for b in vm.gpus if b in pci], vm.machine, vm.allow_machine_change,
-                           cfg["qemu_configs"].get(vmid), pci, set(spec.gpus), host_phys_bits=host_phys_bits(hw))
+        for vmid, plan in plans.items():
             for line in plan.problems:
                 logger.warning(f"{host.name}: {line}")
             for line in plan.notes:
                 logger.info(f"{host.name}: {line}")
             if cfg["qemu_configs"].get(vmid) is None:
                 continue
+            vm = spec.vms[vmid]
             planned_main[vmid] = vm_mappings_after(cfg["qemu_configs"][vmid], plan)
             vm_gpus_moving = any(m.bdf in vm.gpus for m in rebind.moves)
             if plan.changed:  # issue 19: the previous VM config kept, and --dry shows the diff
@@ -374,7 +407,7 @@ def apply(spec: HostSpec) -> None:
                        start=("qemu", vmid) in stopped,
                        restart=status.get(vmid) == "running" and not (pending_boot and vm_gpus_moving),
                        node=node, api=api, shutdown_timeout=timeout)
-    remove_stale_mappings(spec, node, vm_gpus, cfg["pci_mappings"], planned_main, api)
+    remove_stale_mappings(spec, node, vm_gpus, cfg["pci_mappings"], planned_main, api, set(pools))
     journal = facts["journal"]
     if journal.exists or (rebind.moves and rebind.live):  # the guests the transaction stopped run again
         close_rebind_journal(name="guests: close the GPU rebind journal", journal=journal,
@@ -382,15 +415,16 @@ def apply(spec: HostSpec) -> None:
 
 
 def remove_stale_mappings(spec: HostSpec, node: str, vm_gpus: list[str], existing: dict[str, dict],
-                          planned_main: dict[int, set[str]], api: PveApi | None) -> None:
+                          planned_main: dict[int, set[str]], api: PveApi | None, pools: set[str] | None = None) -> None:
     """Delete this node's `pvegpu-*` mappings nothing uses any more (after the VM configs);
     report other mappings that point at the spec's GPUs. The cluster's VM configs are read
     only when there is a candidate (no extra remote command otherwise)."""
-    stale = plan_stale_mappings(node, existing, vm_gpus, {}, set(spec.gpus), candidates_only=True)
+    pools = pools or set()
+    stale = plan_stale_mappings(node, existing, vm_gpus, {}, set(spec.gpus), candidates_only=True, pools=pools)
     references: dict[str, list[str]] = {}
     if stale.delete:
         references = mapping_references(host.get_fact(VmMappingReferences), node, planned_main)
-        stale = plan_stale_mappings(node, existing, vm_gpus, references, set(spec.gpus))
+        stale = plan_stale_mappings(node, existing, vm_gpus, references, set(spec.gpus), pools=pools)
     for line in stale.notes:
         logger.warning(f"{host.name}: {line}")
     for change in stale.delete:

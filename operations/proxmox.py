@@ -160,6 +160,49 @@ def api_write(api: PveApi, write: PveWrite) -> None:
             raise PveApiError(f"{write} via {api!r}: task ended with {status}")
 
 
+MERGE_TRIES = 10  # writes of other nodes in between a read and its digest-checked set
+
+
+def node_of_map(entry: str) -> str | None:
+    """The `node=` of one `map` property string of a PCI mapping."""
+    for part in entry.split(","):
+        if part.startswith("node="):
+            return part[5:]
+    return None
+
+
+def api_merge_mapping(api: PveApi, mid: str, node: str, mine: list[str], description: str = "") -> None:
+    """This node's `map` entries of PCI mapping `mid` become `mine`, other nodes' entries kept as
+    they are when the write runs (a FunctionCommand body; templates/mapping-merge.sh.j2 is the
+    same over SSH): the API's get returns the file's digest, and the set carrying it is refused
+    when another node wrote in between (pve-manager PVE/API2/Cluster/Mapping/PCI.pm update:
+    assert_if_modified under lock_pci_config); then it is read and computed again."""
+    error = ""
+    for _ in range(MERGE_TRIES):
+        try:
+            current = api.request("get", f"/cluster/mapping/pci/{mid}")
+        except PveApiError as e:
+            if "not found" not in str(e):
+                raise
+            current = None
+        try:
+            if current is None:
+                if mine:
+                    api.request("create", "/cluster/mapping/pci", {"id": mid, "map": list(mine),
+                                                                   **({"description": description} if description else {})})
+                return
+            maps = [m for m in current.get("map") or [] if node_of_map(m) != node] + list(mine)
+            params: dict = {"digest": current.get("digest"), **({"map": maps} if maps else {"delete": "map"})}
+            api.request("set", f"/cluster/mapping/pci/{mid}", params)
+            return
+        except PveApiError as e:
+            if "detected modified configuration" not in str(e) and "already defined" not in str(e):
+                raise
+            error = str(e)
+        time.sleep(1)
+    raise PveApiError(f"PCI mapping {mid} (node {node}): other nodes kept writing it: {error}")
+
+
 def api_guest_stop(api: PveApi, kind: str, gid: int, timeout: int) -> None:
     """Shut a guest down cleanly; stop it hard only when that fails (a FunctionCommand body)."""
     label = f"{KIND_LABEL[kind]} {gid}"

@@ -5,18 +5,34 @@ Here: no reasons → nothing. Reasons and `spec.reboot.allowed` → one `server.
 when the kernel stage set a trial boot, make the new release the default for good if it is
 the one running (else record the failed trial and say so; the default stays on the old kernel). Reasons without permission → a
 "reboot pending" summary (logged as a warning, `--dry` included).
+
+Rolling reboots (issue 26): a node of a Proxmox cluster (its /etc/pve/.members names a cluster
+of more than one node) reboots in batches of at most `reboot.max_parallel` hosts of the run,
+fewer when the cluster's quorum needs it (`plan.reboot.roll_width`, votes from corosync.conf);
+each node must be online in its cluster again and the cluster quorate (`.members`) within
+`reboot.rejoin_timeout` before the next batch starts; a node that does not come back stops the
+roll: every later node of that cluster is left unrebooted, naming it. A node whose reboot would
+cost quorum is not rebooted (reboot pending, with the numbers).
 """
 
 from __future__ import annotations
 
+import time
+
 from pyinfra import host, logger
-from pyinfra.api import StringCommand, deploy, operation
+from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
 from pyinfra.operations import server
 
+from facts.files import FileTexts
 from facts.run_state import reboot_reasons, trial_boot_of
 from plan.kernel import finish_trial_command
-from plan.reboot import pending_summary
+from plan.reboot import member_back, parse_cluster, pending_summary, roll_width
 from spec.models import HostSpec
+
+MEMBERS = "/etc/pve/.members"  # pmxcfs: this node's view of its cluster (status.c)
+COROSYNC_CONF = "/etc/pve/corosync.conf"  # the cluster's nodelist with quorum_votes
+# clusters whose roll stopped in this run (pyinfra runs every host in one process): cluster -> node
+ROLL_STOPPED: dict[str, str] = {}
 
 REBOOT_TIMEOUT_S = 900  # a many-GPU host takes minutes through firmware and POST
 
@@ -33,6 +49,54 @@ def pin_trial_kernel(release: str, loader: str, build_id: str, advanced_id: str 
     yield StringCommand(finish_trial_command(release, loader, build_id, advanced_id, fail=True))
 
 
+def roll_gate(state, host, cluster: str) -> bool:
+    """Before a node of `cluster` reboots: none of its cluster failed to come back in this run."""
+    failed = ROLL_STOPPED.get(cluster)
+    if failed:
+        logger.error(f"{host.name}: not rebooted: the rolling reboot of cluster {cluster} stopped at node "
+                     f"{failed}, which did not come back into the cluster; fix {failed}, then re-run")
+        return False
+    return True
+
+
+def wait_rejoined(state, host, cluster: str, node: str, timeout: int) -> bool:
+    """After the reboot: `node` online in `cluster` again and the cluster quorate, read from its
+    .members; else the roll of the cluster stops here (`ROLL_STOPPED`)."""
+    deadline = time.monotonic() + timeout
+    probe = StringCommand(f"cat {MEMBERS} 2>/dev/null; echo; echo '==> corosync'; cat {COROSYNC_CONF} 2>/dev/null; true")
+    view = None
+    while True:
+        ok, output = host.run_shell_command(probe)
+        if ok:
+            members, _, corosync = "\n".join(output.stdout_lines).partition("==> corosync")
+            view = parse_cluster(members, corosync)
+            if member_back(view, node):
+                logger.info(f"{host.name}: back in cluster {cluster} (quorate, {view.online_votes} of "
+                            f"{view.expected_votes} votes online)")
+                return True
+        if time.monotonic() > deadline:
+            ROLL_STOPPED[cluster] = node
+            seen = "no answer" if view is None else ("no quorum" if not view.quorate else f"{node} offline")
+            logger.error(f"{host.name}: did not come back into cluster {cluster} within {timeout} s ({seen}); "
+                         "the rolling reboot stops: its other nodes are not rebooted")
+            return False
+        time.sleep(2)
+
+
+@operation(is_idempotent=False)
+def cluster_reboot(cluster: str, node: str, rejoin_timeout: int, delay: int = 5, interval: int = 2,
+                   reboot_timeout: int = REBOOT_TIMEOUT_S):
+    """Reboot one node of a rolling reboot: only while its cluster's roll has not stopped; then
+    wait for the node to be back in the cluster (see the module docstring).
+
+    + cluster, node: the node's cluster and node name (from /etc/pve/.members)
+    + rejoin_timeout: seconds after SSH answers for the node to be online and the cluster quorate
+    """
+    yield FunctionCommand(roll_gate, (cluster,), {})
+    yield from server.reboot._inner(delay=delay, interval=interval, reboot_timeout=reboot_timeout)
+    yield FunctionCommand(wait_rejoined, (cluster, node, rejoin_timeout), {})
+
+
 @deploy("pvegpu: reboot policy")
 def apply(spec: HostSpec) -> None:
     reasons = reboot_reasons()
@@ -44,15 +108,27 @@ def apply(spec: HostSpec) -> None:
         for line in summary + [f"{host.name}: reboot.allowed is false in the spec; reboot the host to apply"]:
             logger.warning(line)
         return
+    # the reasons themselves are logged below; the name stays one readable line
+    name = f"Reboot for {len(reasons)} reason(s): " + ", ".join(sorted({kind for kind, _ in reasons}))
+    texts = host.get_fact(FileTexts, paths=[MEMBERS, COROSYNC_CONF])
+    view = parse_cluster(texts.get(MEMBERS), texts.get(COROSYNC_CONF))
+    width, problem = roll_width(view, spec.reboot.max_parallel)
+    if problem:
+        for line in summary + [f"{host.name}: not rebooted: {problem}; reboot it when the cluster can spare it"]:
+            logger.warning(line)
+        return
     for line in summary:
         logger.info(line)
-    server.reboot(
-        # the reasons themselves are logged above; the name stays one readable line
-        name=f"Reboot for {len(reasons)} reason(s): " + ", ".join(sorted({kind for kind, _ in reasons})),
-        delay=5,
-        interval=2,
-        reboot_timeout=REBOOT_TIMEOUT_S,
-    )
+    if view.name is None or width == 0:
+        server.reboot(name=name, delay=5, interval=2, reboot_timeout=REBOOT_TIMEOUT_S)
+    else:
+        logger.info(f"{host.name}: node {view.node} of cluster {view.name}: rolling reboot, {width} node(s) at a time "
+                    f"({view.online_votes} of {view.expected_votes} votes online, quorum {view.quorum})")
+        # pyinfra runs an operation host by host (_serial) or in batches (_parallel), every
+        # host's run of it before the next operation
+        batching = {"_serial": True} if width == 1 else {"_parallel": width}
+        cluster_reboot(name=name, cluster=view.name, node=view.node or host.name,
+                       rejoin_timeout=spec.reboot.rejoin_timeout, **batching)
     trial = trial_boot_of()
     if trial:
         pin_trial_kernel(

@@ -15,7 +15,10 @@ pvegpu never writes a cgroup v1 `lxc.cgroup.*` key (ours of that kind are replac
 `lxc.cgroup.*` lines are reported with their `lxc.cgroup2.*` fix (`legacy_cgroup_keys`).
 
 VMs: one PCI resource mapping per GPU (`/etc/pve/mapping/pci.cfg`, id
-`pvegpu-<node>-<bdf>`), and `hostpciN: mapping=<id>,pcie=1` lines (pcie only on q35).
+`pvegpu-<node>-<bdf>`), and `hostpciN: mapping=<id>,pcie=1` lines (pcie only on q35). A VM of
+a GPU pool (`vms.<id>.pool`) references the pool's mapping instead, one line per GPU; the pool's
+mapping holds one entry per pooled GPU of every node (`plan_pool_mappings`: each node writes
+only its own entries).
 A `pvegpu-*` mapping of this node that no VM of the spec uses and no VM config of the
 cluster references any more is stale and deleted (`plan_stale_mappings`); other mappings are
 never deleted.
@@ -382,13 +385,21 @@ def map_string(entry: dict[str, str]) -> str:
 
 @dataclass
 class MappingChange:
-    """`action`: "create", "set" or "delete"; `maps`: every map entry the id should have (other
-    nodes' entries kept as they were; empty for delete)."""
+    """`action`: "merge" (this node's entries become `maps`; other nodes' entries are kept as
+    they are when the write runs, not as the facts saw them: `operations.guests`) or "delete"
+    (the whole id; `maps` empty)."""
 
     id: str
     action: str
     maps: list[dict[str, str]]
     reason: str
+    node: str = ""
+    description: str = ""  # given to a mapping this write creates (GPU pools: POOL_DESCRIPTION)
+
+
+# the description of the GPU pools' mappings pvegpu creates: a pool that leaves the spec is found
+# by it, and this node's entries are taken out of it (plan_stale_pools)
+POOL_DESCRIPTION = "pvegpu-gpu-pool"
 
 
 def plan_mappings(node: str, vm_gpus: list[str], pci_devices: dict[str, dict],
@@ -404,9 +415,8 @@ def plan_mappings(node: str, vm_gpus: list[str], pci_devices: dict[str, dict],
         mid = mapping_id(node, bdf)
         current = existing.get(mid)
         if current is None:
-            changes.append(MappingChange(mid, "create", [wanted], f"{bdf} has no mapping {mid}"))
+            changes.append(MappingChange(mid, "merge", [wanted], f"{bdf} has no mapping {mid}", node))
             continue
-        others = [m for m in current["map"] if m.get("node") != node]
         mine = [m for m in current["map"] if m.get("node") == node]
         if mine == [wanted]:
             continue
@@ -415,7 +425,7 @@ def plan_mappings(node: str, vm_gpus: list[str], pci_devices: dict[str, dict],
             reason = f"mapping {mid} does not match the hardware ({', '.join(diffs)})"
         else:
             reason = f"mapping {mid} has no entry for node {node}"
-        changes.append(MappingChange(mid, "set", others + [wanted], reason))
+        changes.append(MappingChange(mid, "merge", [wanted], reason, node))
     return changes
 
 
@@ -558,6 +568,7 @@ class VmPlan:
     delete: list[str]             # ["hostpci3"]
     problems: list[str]
     notes: list[str]
+    per_node_kept: bool = False   # a running pooled VM keeps its per-node mappings until stopped
 
     @property
     def changed(self) -> bool:
@@ -566,12 +577,18 @@ class VmPlan:
 
 def plan_vm(vmid: int, node: str, gpus: list[str], want_machine: str, allow_machine_change: bool,
             config: dict | None, pci_devices: dict[str, dict], managed_bdfs: set[str],
-            host_phys_bits: int | None = None) -> VmPlan:
+            host_phys_bits: int | None = None, pool: str | None = None, running: bool = False,
+            pools: AbstractSet[str] = frozenset()) -> VmPlan:
     """hostpci lines for exactly the VM's GPUs (`QemuConfigs` entry as `config`).
 
-    Ours: hostpci entries whose mapping id is a pvegpu id, or whose raw host BDFs are GPUs the
-    spec manages (`managed_bdfs`); other passthrough devices keep their index. pcie=1 needs
-    q35: a VM on i440fx is reported, and switched only with `allow_machine_change`.
+    Ours: hostpci entries whose mapping id is a pvegpu id, the VM's `pool` or one of pvegpu's GPU
+    pools (`pools`, see `gpu_pool_ids`), or whose raw host BDFs are GPUs the spec manages
+    (`managed_bdfs`); other passthrough devices keep their index.
+    pcie=1 needs q35: a VM on i440fx is reported, and switched only with `allow_machine_change`.
+    With a `pool`, each GPU's line is `mapping=<pool>` (qemu-server takes a free device of the
+    mapping's entries for this node at start); a `running` VM whose lines are exactly its GPUs'
+    per-node mappings keeps them (a config change of a running VM would need a restart) and
+    moves to the pool once it is stopped (`per_node_kept`).
     """
     if config is None:
         return VmPlan(vmid, {}, [], [f"VM {vmid} does not exist on this node; create it, then re-run"], [])
@@ -590,10 +607,16 @@ def plan_vm(vmid: int, node: str, gpus: list[str], want_machine: str, allow_mach
                             f"or machine: i440fx to pass the GPUs as plain PCI")
     ours = {}
     for key, entry in config.get("hostpci", {}).items():
-        is_ours = (entry.get("mapping") or "").startswith("pvegpu-") or any(
+        mapping = entry.get("mapping") or ""
+        is_ours = mapping.startswith("pvegpu-") or mapping == pool or (mapping and mapping in pools) or any(
             h.rsplit(".", 1)[0] in {b.rsplit(".", 1)[0] for b in managed_bdfs} for h in entry.get("host", []))
         if is_ours:
             ours[key] = entry
+    per_node_kept = bool(pool and running and gpus) and \
+        sorted(e.get("mapping") or "" for e in ours.values()) == sorted(mapping_id(node, b) for b in gpus)
+    if per_node_kept:
+        notes.append(f"VM {vmid} runs: its GPUs move to pool {pool} once it is stopped (pvegpu does not change "
+                     "the config of a running VM for that); until then it keeps its per-node mappings")
     taken = {int(k[len("hostpci"):]) for k in config.get("hostpci", {}) if k not in ours}
     free = (i for i in range(10_000) if i not in taken)
     wanted: dict[str, str] = {}
@@ -603,7 +626,8 @@ def plan_vm(vmid: int, node: str, gpus: list[str], want_machine: str, allow_mach
             problems.append(f"VM {vmid}: no free hostpci line for GPU {bdf}: hostpci0-hostpci"
                             f"{MAX_HOSTPCI_DEVICES - 1} are taken by other passthrough devices; free one")
             continue
-        wanted[f"hostpci{index}"] = f"mapping={mapping_id(node, bdf)}" + (",pcie=1" if q35 else "")
+        target = pool if pool and not per_node_kept else mapping_id(node, bdf)
+        wanted[f"hostpci{index}"] = f"mapping={target}" + (",pcie=1" if q35 else "")
     for key, value in wanted.items():
         current = ours.get(key)
         want_opts = {"pcie": "1"} if q35 else {}
@@ -618,7 +642,42 @@ def plan_vm(vmid: int, node: str, gpus: list[str], want_machine: str, allow_mach
                                          f"{_gib(gpu_mmio64_need(gpus, pci_devices))} need machine q35 with pcie=1"]
         set_options.update(fit_options)
         notes += fit_notes
-    return VmPlan(vmid, set_options, delete, problems, notes)
+    return VmPlan(vmid, set_options, delete, problems, notes, per_node_kept)
+
+
+def plan_pool_mappings(node: str, pools: dict[str, list[str]], pci_devices: dict[str, dict],
+                       existing: dict[str, dict]) -> list[MappingChange]:
+    """This node's entries of each GPU pool's mapping (`pools`: ``{"rtx6000": [bdf, ...]}``,
+    the GPUs of this node's VMs of that pool): one entry per GPU, every other node's entries
+    left to that node (a merge, `MappingChange`)."""
+    changes = []
+    for pool, bdfs in sorted(pools.items()):
+        wanted = [render_mapping_entry(node, b, pci_devices) for b in sorted(set(bdfs))]
+        current = existing.get(pool)
+        mine = [m for m in (current or {}).get("map", []) if m.get("node") == node]
+        key = lambda m: sorted(m.items())  # noqa: E731 — the order of entries is not the pool's business
+        if current is not None and sorted(mine, key=key) == sorted(wanted, key=key):
+            continue
+        reason = (f"GPU pool {pool} has no mapping yet" if current is None else
+                  f"GPU pool {pool}: this node's entries ({len(mine)}) are not its GPUs ({len(wanted)}) as they are now")
+        changes.append(MappingChange(pool, "merge", wanted, reason, node, POOL_DESCRIPTION))
+    return changes
+
+
+def gpu_pool_ids(existing: dict[str, dict], spec_pools: AbstractSet[str]) -> set[str]:
+    """The GPU pools' mapping ids: the spec's and every one pvegpu created (`POOL_DESCRIPTION`)."""
+    return set(spec_pools) | {mid for mid, m in existing.items() if m.get("description") == POOL_DESCRIPTION}
+
+
+def plan_stale_pools(node: str, pools: AbstractSet[str], existing: dict[str, dict]) -> list[MappingChange]:
+    """GPU pools pvegpu created (`POOL_DESCRIPTION`) that no VM of this node's spec names any more
+    but that still have entries of this node: those entries are taken out (a merge with none),
+    so Proxmox no longer hands this node's GPUs to the pool's VMs; other nodes' entries stay."""
+    return [MappingChange(mid, "merge", [], f"GPU pool {mid} is not in this node's spec any more: "
+                                            f"taking out {node}'s entries", node)
+            for mid, mapping in sorted(existing.items())
+            if mapping.get("description") == POOL_DESCRIPTION and mid not in pools
+            and any(m.get("node") == node for m in mapping.get("map", []))]
 
 
 def vm_mappings_after(config: dict, plan: VmPlan) -> set[str]:
@@ -661,7 +720,7 @@ def _slot_paths(entry: dict[str, str]) -> set[str]:
 
 def plan_stale_mappings(node: str, existing: dict[str, dict], vm_gpus: list[str],
                         references: dict[str, list[str]], managed_bdfs: set[str],
-                        candidates_only: bool = False) -> StaleMappings:
+                        candidates_only: bool = False, pools: AbstractSet[str] = frozenset()) -> StaleMappings:
     """Which of this node's `pvegpu-*` mappings (`PciMappings` shape) nothing uses any more.
 
     A candidate: id starts with `pvegpu-`, every map entry is for this node (a mapping with no
@@ -677,6 +736,8 @@ def plan_stale_mappings(node: str, existing: dict[str, dict], vm_gpus: list[str]
     managed_slots = {b.rsplit(".", 1)[0]: b for b in sorted(managed_bdfs)}
     for mid, mapping in sorted(existing.items()):
         entries = mapping.get("map", [])
+        if mid in pools or mapping.get("description") == POOL_DESCRIPTION:  # pools: plan_(stale_)pool(s|_mappings)
+            continue
         if not mid.startswith("pvegpu-"):
             for entry in entries:
                 hit = sorted(managed_slots[s] for s in _slot_paths(entry) if s in managed_slots)

@@ -163,6 +163,12 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
     ],  # a function of its log alone (included by the hook and the gate)
     "kernel-sign.sh.j2": [dict(release="6.14.11-9-bpo12-pvegpu-pve", key="/root/mok.pem", cert="/root/mok.der")],
     "grub-trial-entry.sh.j2": [dict(release="6.14.11-9-bpo12-pvegpu-pve", panic_s=10)],
+    "mapping-merge.sh.j2": [
+        dict(cfg="/etc/pve/mapping/pci.cfg", id="rtx6000", node="kpro6", tries=10, description="pvegpu-gpu-pool",
+             maps=["id=10de:2bb5,iommugroup=3,node=kpro6,path=0000:81:00,subsystem-id=10de:204e"]),
+        dict(cfg="/etc/pve/mapping/pci.cfg", id="pvegpu-kpro6-0000-81-00-0", node="kpro6", tries=10,
+             description="", maps=[]),
+    ],
     "kernel-trial-entry.sh.j2": [
         dict(release="6.14.11-9-bpo12-pve", mode="arm", entry="pvegpu-trial-6.14.11-9-bpo12-pve.conf", panic_s=10),
         dict(release="6.14.11-9-bpo12-pve", mode="clear", entry="pvegpu-trial-6.14.11-9-bpo12-pve.conf", panic_s=0),

@@ -327,6 +327,10 @@ class VmSpec(Strict):
     gpus: list[Bdf] = Field(default_factory=list)
     machine: Literal["q35", "i440fx"] = "q35"
     allow_machine_change: bool = False  # opt-in: switch an i440fx VM to q35 for pcie=1
+    # a GPU pool: the VM's GPUs become this node's entries of the cluster-wide mapping of this
+    # name (every node's VMs of the pool add theirs), its hostpciN lines reference the pool, so
+    # the VM can start on any node with a free GPU of the pool (plan/guests.py)
+    pool: Annotated[SafeStr, AfterValidator(V.gpu_pool)] | None = None
 
 
 class NcclSpec(Strict):
@@ -346,6 +350,11 @@ class NcclSpec(Strict):
 
 class RebootSpec(Strict):
     allowed: bool = False
+    # nodes of one Proxmox cluster rebooted at once in a run (fewer when quorum needs it): each
+    # back in its cluster, quorate, before the next (operations/reboot.py)
+    max_parallel: Annotated[int, NoBool, Field(ge=1, le=64)] = 1
+    # seconds a rebooted node may take to be online in its cluster again (after SSH answers)
+    rejoin_timeout: Annotated[int, NoBool, Field(ge=1, le=3600)] = 300
 
 
 class GuestPolicy(Strict):

@@ -403,6 +403,23 @@ pve_node = _regex_validator(
     "A Proxmox node name (one DNS label, at most 63 characters).", max_len=63)
 
 
+# follows pve-common src/PVE/JSONSchema.pm $CONFIGID_RE (format pve-configid), the format of a
+# PCI mapping id (pve-guest-common src/PVE/Mapping/PCI.pm) and of hostpciN's mapping= (qemu-server);
+# `pvegpu-` names the per-node mappings pvegpu creates and deletes when stale (plan/guests.py)
+PVE_CONFIGID_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]+$")
+
+
+def gpu_pool(value: str) -> str:
+    """A GPU pool: the id of its cluster-wide PCI resource mapping."""
+    if not PVE_CONFIGID_RE.match(value):
+        raise ValueError(f"{value!r} is not a Proxmox mapping id (a letter, then letters, digits, '_' or '-'; "
+                         "at least 2 characters, like 'rtx6000')")
+    if value.lower().startswith("pvegpu-"):
+        raise ValueError(f"{value!r}: mapping ids starting with 'pvegpu-' are pvegpu's per-node mappings "
+                         "(deleted when unused); name the pool otherwise, like 'rtx6000'")
+    return value
+
+
 # follows pve-access-control src/PVE/Auth/Plugin.pm $user_regex / $realm_regex and
 # verify_username() (at most 64 characters)
 PVE_USERID_RE = re.compile(r"^[^\s:/]+@[A-Za-z][A-Za-z0-9._-]+$")

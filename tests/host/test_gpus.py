@@ -89,6 +89,16 @@ def test_vm_mappings_and_hostpci_match_the_hardware(target):
         config = parse_guest_config((target.read(f"/etc/pve/qemu-server/{vmid}.conf") or "").splitlines(), "qemu")
         used = sorted(e["mapping"] for e in config["hostpci"].values() if e.get("mapping"))
         want = sorted(mapping_id(node, b) for b in vm.gpus)
+        if vm.pool:  # GPU pool (issue 26): one line per GPU on the pool; this node's entries are its GPUs
+            pooled = [m for m in used if m == vm.pool]
+            if len(pooled) != len(vm.gpus) and used != want:  # a running VM keeps per-node ones until stopped
+                problems.append(f"VM {vmid} maps {', '.join(used) or 'nothing'} but its {len(vm.gpus)} GPU(s) "
+                                f"need pool {vm.pool}")
+            entries = [m for m in mappings.get(vm.pool, {}).get("map", []) if m.get("node") == node]
+            for bdf in vm.gpus:
+                if bdf in pci and render_mapping_entry(node, bdf, pci) not in entries:
+                    problems.append(f"pool {vm.pool} has no entry of {node} matching GPU {bdf} (ids, path or IOMMU group)")
+            continue
         if used != want:
             problems.append(f"VM {vmid} maps {', '.join(used) or 'nothing'} but its GPUs need {', '.join(want)}")
         for bdf in vm.gpus:

@@ -43,13 +43,14 @@ class TwinFactory:
         self.names: list[str] = []
 
     def __call__(self, profile: str, name: str | None = None, address: str | None = None,
-                 hardware: str = runtime.DEFAULT_HARDWARE, live_sysfs: bool = False) -> runtime.Twin:
+                 hardware: str = runtime.DEFAULT_HARDWARE, live_sysfs: bool = False,
+                 cluster: str | None = None) -> runtime.Twin:
         if name is None:
             slug = re.sub(r"[^a-z0-9-]+", "-", Path(profile).stem.lower())[:12].strip("-")
             name = f"{slug or 'twin'}-{os.getpid()}-{len(self.names)}"
         self.names.append(name)
         return runtime.start(name, profile, address=address, hardware=hardware,
-                             owner=os.getpid(), live_sysfs=live_sysfs)
+                             owner=os.getpid(), live_sysfs=live_sysfs, cluster=cluster)
 
     def stop(self, twin: runtime.Twin | str) -> None:
         runtime.stop(twin if isinstance(twin, str) else twin.name)

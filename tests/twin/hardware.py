@@ -1224,14 +1224,24 @@ def install_standins(root: Path, data: dict) -> None:
             p.chmod(0o755)
 
 
-def install(root: Path, profile: str) -> None:
-    """Prepare a fresh twin root for `profile` (a name under profiles/ or a path), then render."""
+def install(root: Path, profile: str, node: str | None = None, pve_dir: Path | None = None) -> None:
+    """Prepare a fresh twin root for `profile` (a name under profiles/ or a path), then render.
+
+    `node`: the Proxmox node name (default: the profile's); `pve_dir`: seed /etc/pve there
+    instead of under the root (a cluster's shared /etc/pve: tests/twin/runtime.py "Clusters");
+    a guest id another node of that cluster has already is not seeded (ids are cluster-wide)."""
     root = Path(root)
     data = load_profile(profile)
+    if node:
+        data["node"] = node
     twin = root / TWIN_DIR
     twin.mkdir(parents=True, exist_ok=True)
     src = Path(profile) if Path(profile).suffix else PROFILES_DIR / f"{profile}.yml"
     shutil.copyfile(src, twin / "profile.yml")
+    if node:  # every boot renders from profile.yml: the node name goes there too
+        text = (twin / "profile.yml").read_text()
+        text, n = re.subn(r"^node: .*$", f"node: {node}", text, count=1, flags=re.M)
+        (twin / "profile.yml").write_text(text if n else text + f"node: {node}\n")
     (twin / "profile.json").write_text(json.dumps(data, indent=1))  # stand-ins have no pyyaml
     install_standins(root, data)
     _seed_kernels(root, data)
@@ -1240,7 +1250,7 @@ def install(root: Path, profile: str) -> None:
         installer.build(data["nvidia"]["version"], root / "opt/nvidia")
     _seed_boot(root, data)
     if data.get("pve"):
-        _seed_pve(root, data)
+        _seed_pve(root, data, pve_dir)
     render(root)
 
 
@@ -1328,21 +1338,24 @@ def _seed_boot(root: Path, data: dict) -> None:
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _seed_pve(root: Path, data: dict) -> None:
+def _seed_pve(root: Path, data: dict, pve_dir: Path | None = None) -> None:
     node = data.get("node", data["name"])
-    pve = root / "etc/pve"
+    pve = pve_dir or root / "etc/pve"
     for sub in ("lxc", "qemu-server"):
         (pve / "nodes" / node / sub).mkdir(parents=True, exist_ok=True)
-        _symlink(pve / sub, f"nodes/{node}/{sub}")
-    _symlink(pve / "local", f"nodes/{node}")
+        if pve_dir is None:  # a cluster's node-local links are its twin's mounts (runtime.py)
+            _symlink(pve / sub, f"nodes/{node}/{sub}")
+    if pve_dir is None:
+        _symlink(pve / "local", f"nodes/{node}")
     (pve / "mapping").mkdir(parents=True, exist_ok=True)
     if not (pve / "mapping/pci.cfg").exists():
         _write(pve / "mapping/pci.cfg", "")
     guests = data.get("guests") or {}
+    taken = {c.stem for c in pve.glob("nodes/*/*/*.conf")}
     for kind, sub in (("lxc", "lxc"), ("qemu", "qemu-server")):
         for vmid, text in (guests.get(kind) or {}).items():
             p = pve / "nodes" / node / sub / f"{vmid}.conf"
-            if not p.exists():
+            if not p.exists() and str(vmid) not in taken:
                 _write(p, text if text.endswith("\n") else text + "\n")
     _write(root / "etc/hostname", node + "\n")
     _seed_pve_packages(root, data)

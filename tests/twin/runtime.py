@@ -62,6 +62,20 @@ twin and, on top of ct/<id>/root, mounts a tmpfs /dev with the basic nodes plus 
 the twin's /proc (rbind) and /sys (ro), a tmpfs /run holding /run/twin/ (the twin's
 /var/lib/twin, its stand-in library and nvidia-smi, read-only, for the NVIDIA user space that
 tests/twin/installer.py installs), then chroots. Those mounts vanish with the command.
+
+Clusters (`start(..., cluster=C)`, `twinctl start NAME --cluster C`): twins of one cluster share
+one /etc/pve, .twin/.cluster-C/pve, as pmxcfs gives every node of a cluster the same tree
+(pve-cluster src/pmxcfs): `nodes/<node>/{lxc,qemu-server}/`, `mapping/`, `priv/` (its `lock/`
+is the cluster lock: tests/twin/standins/twinstate.py cfs_lock), `ha/`, `.vmlist` (every guest,
+its node and type, as pmxcfs status.c dumps it; rewritten by the stand-ins when a guest is
+created). The twin's node name is its twin name. Each boot the supervisor bind-mounts the shared
+tree at <root>/etc/pve and, over its placeholders, the node-local views pmxcfs gives as
+symlinks (cfs-plug-link.c): `lxc`, `qemu-server` -> nodes/<node>/..., `local` -> nodes/<node>,
+and `.members` (this node's name, the cluster's nodes, online = its twin runs and is not
+rebooting, quorate = more than half online with one vote each: corosync votequorum's default),
+.twin/<name>/members, rewritten in place whenever a twin of the cluster starts, stops, begins a
+reboot or finishes booting; the shared tree's corosync.conf lists the nodes (quorum_votes 1). Guest ids are cluster-wide: a
+profile guest whose id another node has is not seeded. The tree goes when the last twin stops.
 """
 
 from __future__ import annotations
@@ -585,7 +599,8 @@ def _prepare_root(root: Path, name: str, address: str, key: Path) -> None:
 
 
 def start(name: str, profile: str, address: str | None = None,
-          hardware: str = DEFAULT_HARDWARE, owner: int | None = None, live_sysfs: bool = False) -> Twin:
+          hardware: str = DEFAULT_HARDWARE, owner: int | None = None, live_sysfs: bool = False,
+          cluster: str | None = None) -> Twin:
     """Start twin `name` with hardware `profile`; returns once its sshd answers.
 
     `hardware` is the module providing install(root, profile) and render(root): a dotted
@@ -600,6 +615,8 @@ def start(name: str, profile: str, address: str | None = None,
                         "this machine has no /dev/fuse (modprobe fuse)")
     if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,30}", name):
         raise TwinError(f"twin name {name!r}: use 1-31 of a-z 0-9 -, starting alnum")
+    if cluster is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,30}", cluster):
+        raise TwinError(f"cluster name {cluster!r}: use 1-31 of a-z 0-9 -, starting alnum")
     if address is not None and not re.fullmatch(r"127\.0\.0\.(\d+)", address):
         raise TwinError(f"twin address {address!r}: must be 127.0.0.N (N >= 2)")
     if address is not None and not 2 <= int(address.rsplit(".", 1)[1]) <= 254:
@@ -627,7 +644,7 @@ def start(name: str, profile: str, address: str | None = None,
         spec: dict[str, Any] = {"name": name, "profile": profile, "address": address, "port": SSH_PORT,
                 "key": str(key), "pid": None, "root": str(root), "hardware": hardware,
                 "lower": str(lower), "owner": owner, "starter": os.getpid(),
-                "live_sysfs": bool(live_sysfs)}
+                "live_sysfs": bool(live_sysfs), "cluster": cluster}
         _write_spec(tdir, spec)
     try:
         _mount("overlay", root, "overlay", 0,
@@ -637,7 +654,18 @@ def start(name: str, profile: str, address: str | None = None,
         _prepare_root(root, name, address, key)
         set_pve_delay(root, os.environ.get("PVEGPU_TWIN_PVE_DELAY"))
         (tdir / "uptime").write_text("0.00 0.00".ljust(40) + "\n")
-        load_hardware(hardware).install(root, profile)
+        if cluster is None:
+            load_hardware(hardware).install(root, profile)
+        else:
+            shared = cluster_pve(cluster)
+            with open(TWINS_DIR / ".lock", "w") as lock:  # one seeding of the shared tree at a time
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                for sub in ("nodes", "mapping", "priv/lock", "ha", "lxc", "qemu-server", "local"):
+                    (shared / sub).mkdir(parents=True, exist_ok=True)
+                (root / "etc/pve").mkdir(parents=True, exist_ok=True)
+                load_hardware(hardware).install(root, profile, node=name, pve_dir=shared)
+                write_vmlist(shared)
+                write_members(cluster, also=name)
         log_file = tdir / "supervisor.log"
         with open(log_file, "ab") as out:
             proc = subprocess.Popen(
@@ -677,11 +705,15 @@ def set_pve_delay(root: Path | str, seconds: str | float | None) -> None:
     target.write_text(f"{float(seconds)}\n")
 
 
-def set_fault(name: str, unbind_delay_s: float = 0.0) -> None:
+def set_fault(name: str, unbind_delay_s: float = 0.0, no_cluster_rejoin: bool = False) -> None:
     """Fault knobs of running twin `name`, read by its kernel model (tests/twin/livesys.py) at each
-    write: `unbind_delay_s` makes every driver unbind take that long. 0 turns a knob off."""
+    write: `unbind_delay_s` makes every driver unbind take that long; read by its supervisor at each
+    boot: `no_cluster_rejoin` keeps a cluster twin offline in its cluster after it booted (corosync
+    does not come up). 0/False turns a knob off."""
     root = Path(spec_of(name)["root"])
-    faults = {"unbind_delay_s": float(unbind_delay_s)} if unbind_delay_s else {}
+    faults: dict[str, Any] = {"unbind_delay_s": float(unbind_delay_s)} if unbind_delay_s else {}
+    if no_cluster_rejoin:
+        faults["no_cluster_rejoin"] = True
     target = root / "var/lib/twin/faults.json"
     tmp = target.with_name("faults.json.tmp")
     tmp.write_text(json.dumps(faults) + "\n")
@@ -773,6 +805,65 @@ def stop(name: str, keep: bool = False) -> None:
         raise TwinLeak(f"twin {name} left {left} behind: {what}")
     if not keep and tdir.exists():
         shutil.rmtree(tdir)
+    cluster = spec.get("cluster")
+    if cluster:
+        if tdir.exists():
+            (tdir / "offline").touch()
+        if any(_in_use(s) and s.get("cluster") == cluster for s in status() if s["name"] != name):
+            write_members(cluster)
+        elif not keep:
+            shutil.rmtree(cluster_pve(cluster).parent, ignore_errors=True)
+
+
+def cluster_pve(cluster: str) -> Path:
+    """The shared /etc/pve of cluster `cluster` (module docstring, "Clusters")."""
+    return TWINS_DIR / f".cluster-{cluster}" / "pve"
+
+
+def write_vmlist(pve: Path) -> None:
+    """<pve>/.vmlist from the guest configs under nodes/ (pmxcfs status.c: {"version", "ids":
+    {vmid: {"node", "type", "version"}}})."""
+    ids = {}
+    for conf in sorted(pve.glob("nodes/*/*/*.conf")):
+        kind = {"qemu-server": "qemu", "lxc": "lxc"}.get(conf.parent.name)
+        if kind and conf.stem.isdigit():
+            ids[conf.stem] = {"node": conf.parent.parent.name, "type": kind, "version": 1}
+    (pve / ".vmlist").write_text(json.dumps({"version": 1, "ids": ids}, indent=1) + "\n")
+
+
+def write_members(cluster: str, also: str | None = None) -> None:
+    """Every running member twin's .twin/<name>/members (bind-mounted as its /etc/pve/.members),
+    written in place; pmxcfs status.c's layout. The cluster's nodes are every twin that ever
+    joined it (.twin/.cluster-C/nodes.json; corosync's nodelist is configuration, a node that is
+    down stays in it, offline). `also`: a twin being started (joins; online already)."""
+    registry = cluster_pve(cluster).parent / "nodes.json"
+    nodes = json.loads(registry.read_text()) if registry.exists() else {}
+    specs = {s["name"]: s for s in status() if s.get("cluster") == cluster}
+    if also and also in specs:
+        nodes.setdefault(also, specs[also]["address"])
+        registry.write_text(json.dumps(nodes, indent=1) + "\n")
+    # online: its twin runs and is not rebooting (the supervisor marks .twin/<name>/offline)
+    online = {n: int(n == also or (n in specs and bool(specs[n].get("pid"))
+                                   and not (TWINS_DIR / n / "offline").exists())) for n in nodes}
+    nodelist = {n: {"id": i + 1, "online": online[n], "ip": nodes[n]} for i, n in enumerate(sorted(nodes))}
+    quorate = int(sum(online.values()) * 2 > len(nodes))  # one vote each (votequorum's default)
+    # the cluster's corosync.conf nodelist (pve-cluster writes it to /etc/pve at `pvecm add`)
+    (cluster_pve(cluster) / "corosync.conf").write_text(
+        f"totem {{\n  cluster_name: {cluster}\n  version: 2\n}}\n\nnodelist {{\n"
+        + "".join(f"  node {{\n    name: {n}\n    nodeid: {i + 1}\n    quorum_votes: 1\n    ring0_addr: {nodes[n]}\n  }}\n"
+                  for i, n in enumerate(sorted(nodes)))
+        + "}\n\nquorum {\n  provider: corosync_votequorum\n}\n")
+    for name in sorted(nodes):
+        target = TWINS_DIR / name / "members"
+        if name not in specs or not target.parent.exists():
+            continue
+        text = json.dumps({"nodename": name, "version": len(nodes),
+                           "cluster": {"name": cluster, "version": 1, "nodes": len(nodes), "quorate": quorate},
+                           "nodelist": nodelist}, indent=1) + "\n"
+        with open(target, "a+") as f:  # in place: the twin's bind mount keeps this inode
+            f.seek(0)
+            f.truncate()
+            f.write(text)
 
 
 def stop_orphans() -> list[str]:
@@ -904,11 +995,30 @@ class Supervisor:
         self.boots += 1
         with open(self.dir / "boots", "a") as boots:
             boots.write(f"{time.time():.3f} {self.boots}\n")
+        self.cluster_presence(True)
         log(f"{self.spec['name']}: boot {self.boots} done")
+
+    def cluster_presence(self, online: bool) -> None:
+        """A cluster twin leaves its cluster while it reboots and is back once booted (the other
+        nodes' .members say so: corosync sees the node go and come)."""
+        cluster = self.spec.get("cluster")
+        if not cluster:
+            return
+        marker = self.dir / "offline"
+        faults = _read_text(self.root / "var/lib/twin/faults.json")
+        if online and faults and json.loads(faults).get("no_cluster_rejoin"):
+            log(f"{self.spec['name']}: fault no_cluster_rejoin: stays offline in cluster {cluster}")
+            return
+        if online:
+            marker.unlink(missing_ok=True)
+        else:
+            marker.touch()
+        write_members(cluster, also=self.spec["name"] if online else None)
 
     def reboot(self) -> None:
         log(f"{self.spec['name']}: reboot requested")
         t0 = time.monotonic()
+        self.cluster_presence(False)
         self.kill_all()
         self.unmount_all()
         t1 = time.monotonic()
@@ -919,6 +1029,8 @@ class Supervisor:
         t2 = time.monotonic()
         self.boot()
         (self.root / REBOOT_REQUEST).unlink(missing_ok=True)
+        with open(self.dir / "reboots", "a") as reboots:  # "<requested> <booted>" (unix times) per reboot
+            reboots.write(f"{time.time() - (time.monotonic() - t0):.3f} {time.time():.3f}\n")
         log(f"{self.spec['name']}: rebooted in {time.monotonic() - t0:.2f} s (shutdown "
             f"{t1 - t0:.2f} s, render {t2 - t1:.2f} s)")
 
@@ -1028,10 +1140,27 @@ class Supervisor:
         for sub in ("sshd", "lock"):
             (root / "run" / sub).mkdir(mode=0o755, exist_ok=True)
         self.mount_containers()
+        self.mount_cluster()
         if self.spec.get("live_sysfs") and (hw / "sys").is_dir():
             from tests.twin import livesys
 
             self.kernel = livesys.serve(root, log)
+
+    def mount_cluster(self) -> None:
+        """A cluster twin's /etc/pve: the shared tree, then its node-local views (module docstring)."""
+        cluster = self.spec.get("cluster")
+        if not cluster:
+            return
+        shared, pve, node = cluster_pve(cluster), self.root / "etc/pve", self.spec["name"]
+        _mount(str(shared), pve, flags=MS_BIND)
+        for view, source in (("lxc", f"nodes/{node}/lxc"), ("qemu-server", f"nodes/{node}/qemu-server"),
+                             ("local", f"nodes/{node}")):
+            _mount(str(shared / source), pve / view, flags=MS_BIND)
+        members = self.dir / "members"
+        if not members.exists():
+            members.write_text("{}\n")
+        (pve / ".members").touch()
+        _mount(str(members), pve / ".members", flags=MS_BIND)
 
     def mount_containers(self) -> None:
         """CT files (host fs, rw) and the pristine root every CT overlays (ro); module docstring."""
@@ -1090,10 +1219,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hardware", default=DEFAULT_HARDWARE, help=argparse.SUPPRESS)
     p.add_argument("--live-sysfs", action="store_true",
                    help="/sys read-write, driver rebinds served by the twin's kernel model")
+    p.add_argument("--cluster", help="share /etc/pve with the other twins of this cluster")
     p = sub.add_parser("fault", help="set a fault knob of a running twin")
     p.add_argument("name")
     p.add_argument("--unbind-delay", type=float, default=0.0, metavar="S",
                    help="each driver unbind takes S seconds (0: off)")
+    p.add_argument("--no-cluster-rejoin", action="store_true",
+                   help="a cluster twin stays offline in its cluster after its next boots")
     p = sub.add_parser("kill-sshd", help="SIGKILL every sshd of a twin (it starts again in ~1 s)")
     p.add_argument("name")
     p = sub.add_parser("stop", help="stop a twin and remove its files")
@@ -1116,7 +1248,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "supervise":
             Supervisor(Path(args.dir)).run()
         elif args.command == "start":
-            twin = start(args.name, args.profile, args.address, args.hardware, live_sysfs=args.live_sysfs)
+            twin = start(args.name, args.profile, args.address, args.hardware, live_sysfs=args.live_sysfs,
+                         cluster=args.cluster)
             print(json.dumps(dataclasses.asdict(twin)))
         elif args.command == "stop":
             stop(args.name, keep=args.keep)
@@ -1126,7 +1259,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{spec['name']}\t{spec['profile']}\t{spec['address']}:{spec['port']}"
                       f"\t{state}\tpid={spec['pid']}")
         elif args.command == "fault":
-            set_fault(args.name, unbind_delay_s=args.unbind_delay)
+            set_fault(args.name, unbind_delay_s=args.unbind_delay, no_cluster_rejoin=args.no_cluster_rejoin)
         elif args.command == "kill-sshd":
             print(" ".join(map(str, kill_sshd(args.name))))
         elif args.command == "cache":

@@ -64,7 +64,9 @@ def test_qm_start_leaves_a_kvm_process_that_stop_and_reboot_end(twin_factory):
     assert vm_state(twin) == {300: "running"}
 
     ssh(twin, "qm stop 300")
-    assert ssh(twin, "ls /var/run/qemu-server/").strip() == ""
+    # the pid file goes; the PCI reservation list stays, without 300 (qemu-server PCI.pm remove_pci_reservation)
+    assert ssh(twin, "ls /var/run/qemu-server/").split() == ["pci-id-reservations"]
+    assert ssh(twin, "cat /var/run/qemu-server/pci-id-reservations") == ""
     assert vm_state(twin) == {300: "stopped"}
     assert ssh(twin, f"[ -e /proc/{after} ] && tr '\\0' ' ' < /proc/{after}/cmdline || true").strip() == ""
 

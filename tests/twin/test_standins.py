@@ -3,6 +3,7 @@ import json
 import os
 import stat
 import subprocess
+import time
 
 import pytest
 from proxmoxer import ProxmoxAPI
@@ -195,6 +196,91 @@ def test_every_mapping_entry_of_the_node_is_checked_and_qm_set_takes_a_missing_m
     r = run(root, "qm", "start", "300")
     assert r.returncode != 0
     assert r.stderr.startswith("PCI device mapping invalid (hardware probably changed): 'iommugroup' does not match")
+
+
+def test_mapping_writes_of_many_writers_at_once_keep_every_entry(root):
+    # pve-manager API2/Cluster/Mapping/PCI.pm: every write reads, changes and writes pci.cfg
+    # under lock_pci_config (pve-cluster Cluster.pm cfs_lock: mkdir priv/lock/file-mapping_pci_cfg)
+    env = dict(os.environ, TWIN_ROOT=str(root))
+    procs = [subprocess.Popen([str(root / "usr/local/sbin/pvesh"), "create", "/cluster/mapping/pci", "--id", f"gpu{i}",
+                               "--map", gpu_map(node=f"n{i}")], env=env, stderr=subprocess.PIPE, text=True)
+             for i in range(8)]
+    assert [p.wait() for p in procs] == [0] * 8, [p.stderr.read() for p in procs if p.stderr]
+    listed = json.loads(run(root, "pvesh", "get", "/cluster/mapping/pci", "--output-format", "json").stdout)
+    assert sorted(m["id"] for m in listed) == [f"gpu{i}" for i in range(8)]
+    assert not (root / "etc/pve/priv/lock/file-mapping_pci_cfg").exists()
+
+
+def test_mapping_set_with_an_old_digest_is_refused(root):
+    # PVE::Tools::assert_if_modified: the digest a client read must still be the file's
+    run(root, "pvesh", "create", "/cluster/mapping/pci", "--id", "pool", "--map", gpu_map(node="a"), check=True)
+    got = json.loads(run(root, "pvesh", "get", "/cluster/mapping/pci/pool", "--output-format", "json").stdout)
+    run(root, "pvesh", "set", "/cluster/mapping/pci/pool", "--digest", got["digest"],
+        "--map", gpu_map(node="a"), "--map", gpu_map(node="b"), check=True)
+    r = run(root, "pvesh", "set", "/cluster/mapping/pci/pool", "--digest", got["digest"], "--map", gpu_map(node="c"))
+    assert r.returncode != 0 and "update hardware mapping failed: detected modified configuration" in r.stderr
+    assert (root / "etc/pve/mapping/pci.cfg").read_text().count("\tmap ") == 2
+
+
+def test_a_held_cluster_lock_times_out_and_an_old_one_expires(root):
+    # Cluster.pm $cfs_lock: 10 s to get it, then "got lock request timeout"; pmxcfs removes a lock
+    # this node has seen for more than 120 s on the next unlock request (memdb.c memdb_lock_expired)
+    lock = root / "etc/pve/priv/lock/file-mapping_pci_cfg"
+    lock.mkdir(parents=True)
+    t0 = time.monotonic()
+    r = run(root, "pvesh", "create", "/cluster/mapping/pci", "--id", "gpu0", "--map", gpu_map())
+    assert r.returncode != 0 and 9 <= time.monotonic() - t0 < 20
+    assert "create hardware mapping failed: cfs-lock 'file-mapping_pci_cfg' error: got lock request timeout" in r.stderr
+    seen = json.loads((root / "var/lib/twin/cfs-locks.json").read_text())
+    entry = seen["/etc/pve/priv/lock/file-mapping_pci_cfg"]
+    entry[0] -= 121  # as if this node saw the same lock two minutes ago
+    (root / "var/lib/twin/cfs-locks.json").write_text(json.dumps(seen))
+    run(root, "pvesh", "create", "/cluster/mapping/pci", "--id", "gpu0", "--map", gpu_map(), check=True)
+    assert not lock.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the VM process stand-in needs root")
+def test_a_pooled_mapping_gives_each_vm_a_free_device_then_none(root):
+    # qemu-server PCI.pm choose_hostpci_devices + reserve_pci_usage: of a mapping's entries for
+    # this node, the first no running VM holds; none free: "could not find a free device"
+    groups = {}
+    for b in ("0000:81:00.0", "0000:a1:00.0"):
+        groups[b] = os.path.basename(os.readlink(root / f"var/lib/twin/hw/sys/bus/pci/devices/{b}/iommu_group"))
+    maps = [gpu_map(bdf=b, group=int(groups[b])) for b in groups]
+    run(root, "pvesh", "create", "/cluster/mapping/pci", "--id", "pool", *[a for m in maps for a in ("--map", m)],
+        check=True)
+    for vmid in (300, 310, 320):
+        if vmid != 300:
+            run(root, "qm", "create", str(vmid), "--machine", "q35", check=True)
+        run(root, "qm", "set", str(vmid), "--hostpci0", "mapping=pool,pcie=1", check=True)
+    try:
+        run(root, "qm", "start", "300", check=True)
+        run(root, "qm", "start", "310", check=True)
+        held = (root / "run/qemu-server/pci-id-reservations").read_text().split()
+        assert [held[i] for i in (0, 3)] == ["0000:81:00.0", "0000:a1:00.0"] and [held[1], held[4]] == ["300", "310"]
+        r = run(root, "qm", "start", "320")
+        assert r.returncode != 0 and "could not find a free device for 'hostpci0'" in r.stderr
+        run(root, "qm", "stop", "300", check=True)
+        run(root, "qm", "start", "320", check=True)  # the device 300 gave back
+    finally:
+        for vmid in (300, 310, 320):
+            run(root, "qm", "stop", str(vmid))
+
+
+def test_offline_migration_moves_the_config_when_the_target_has_the_mapping(root):
+    # qemu-server API2/Qemu.pm migrate_vm and QemuMigrate.pm: a stopped VM's config moves to the
+    # target node; a mapped device needs an entry for the target
+    (root / "etc/pve/nodes/kpro7/qemu-server").mkdir(parents=True)
+    run(root, "pvesh", "create", "/cluster/mapping/pci", "--id", "pool", "--map", gpu_map(), check=True)
+    run(root, "qm", "set", "300", "--hostpci0", "mapping=pool,pcie=1", check=True)
+    r = run(root, "qm", "migrate", "300", "kpro7")
+    assert r.returncode != 0 and "can't migrate to 'kpro7': missing mapped devices hostpci0:pool" in r.stderr
+    assert run(root, "qm", "migrate", "300", "nosuch").returncode != 0
+    run(root, "pvesh", "set", "/cluster/mapping/pci/pool", "--map", gpu_map(), "--map", gpu_map(node="kpro7"), check=True)
+    run(root, "qm", "migrate", "300", "kpro7", check=True)
+    assert (root / "etc/pve/nodes/kpro7/qemu-server/300.conf").exists()
+    assert not (root / "etc/pve/nodes/kpro6/qemu-server/300.conf").exists()
+    assert run(root, "qm", "status", "300").returncode != 0  # no longer this node's
 
 
 def test_qm_shutdown_of_a_stopped_vm_succeeds_pct_refuses(root):

@@ -9,12 +9,15 @@ from facts.devices import parse_char_majors
 from facts.nvidia import parse_gpu_information
 from facts.proxmox import parse_guest_config, parse_pci_mappings
 from plan.guests import (
+    POOL_DESCRIPTION,
     config_gpu_nodes,
     mapping_id,
     mapping_references,
     merge_container_config,
     plan_mappings,
+    plan_pool_mappings,
     plan_stale_mappings,
+    plan_stale_pools,
     plan_vm,
     pve_supports_dev_entries,
     render_container_devices,
@@ -259,22 +262,23 @@ def test_mapping_ids_are_proxmox_ids():
     assert mapping_id("KPro6", "0000:81:00.0") == "pvegpu-kpro6-0000-81-00-0"
 
 
-def test_stale_mapping_is_corrected_other_nodes_kept_current_one_left():
+def test_stale_mapping_is_corrected_current_one_left():
+    # the change names only this node's entries: other nodes' are kept as they are when the
+    # write runs (operations.guests mapping_commands), not as these facts saw them
     existing = parse_pci_mappings(PCI_CFG.splitlines())
     changes = plan_mappings("kpro6", ["0000:a1:00.0", "0000:81:00.0"], PCI, existing)
     assert len(changes) == 1
     (c,) = changes
-    assert (c.id, c.action) == ("pvegpu-kpro6-0000-81-00-0", "set")
+    assert (c.id, c.action, c.node) == ("pvegpu-kpro6-0000-81-00-0", "merge", "kpro6")
     assert "iommugroup" in c.reason
     assert c.maps == [
-        {"id": "10de:2bb5", "iommugroup": "7", "node": "kpro5", "path": "0000:01:00.0", "subsystem-id": "10de:204e"},
         {"id": "10de:2bb5", "iommugroup": "40", "node": "kpro6", "path": "0000:81:00", "subsystem-id": "10de:204e"},
     ]
 
 
 def test_missing_mapping_is_created_single_function_by_bdf():
     (c,) = plan_mappings("kpro6", ["0000:a1:00.0"], PCI, {})
-    assert c.action == "create" and c.maps[0]["path"] == "0000:a1:00.0"
+    assert c.action == "merge" and c.maps[0]["path"] == "0000:a1:00.0"
 
 
 def _vm(text):
@@ -455,3 +459,74 @@ def test_cgroup_v1_keys_are_reported_with_their_fix_and_never_written():
         ct = render_container_devices(200, ["0000:21:00.0"], KPRO6_MINORS, PVE9_MAJORS, dev_entries, 44)
         merged = merge_container_config(text, ct.lines, PVE9_MAJORS)
         assert "lxc.cgroup." not in merged.text and legacy_cgroup_keys(200, merged.text) == []
+
+
+# ---------------------------------------------------------------- GPU pools (issue 26)
+
+POOL_CFG = """\
+rtx6000
+\tmap id=10de:2bb5,iommugroup=7,node=kpro5,path=0000:01:00.0,subsystem-id=10de:204e
+\tmap id=10de:2bb5,iommugroup=40,node=kpro6,path=0000:81:00,subsystem-id=10de:204e
+"""
+
+
+def test_pool_mapping_carries_this_nodes_gpus_only():
+    existing = parse_pci_mappings(POOL_CFG.splitlines())
+    # kpro6 has its entry already: nothing to write
+    assert plan_pool_mappings("kpro6", {"rtx6000": ["0000:81:00.0"]}, PCI, existing) == []
+    # a second GPU of kpro6 joins: kpro6's two entries, kpro5's left to kpro5 (merge)
+    (c,) = plan_pool_mappings("kpro6", {"rtx6000": ["0000:a1:00.0", "0000:81:00.0"]}, PCI, existing)
+    assert (c.id, c.action, c.node) == ("rtx6000", "merge", "kpro6")
+    assert [m["path"] for m in c.maps] == ["0000:81:00", "0000:a1:00.0"] and all(m["node"] == "kpro6" for m in c.maps)
+    (new,) = plan_pool_mappings("kpro6", {"h200": ["0000:a1:00.0"]}, PCI, existing)
+    assert new.id == "h200" and "no mapping yet" in new.reason
+
+
+def test_pooled_vm_references_the_pool_once_stopped_and_keeps_per_node_lines_while_running():
+    config = _vm("machine: q35\nhostpci0: mapping=pvegpu-kpro6-0000-81-00-0,pcie=1\n"
+                 "hostpci1: mapping=pvegpu-kpro6-0000-a1-00-0,pcie=1\n")
+    gpus = ["0000:81:00.0", "0000:a1:00.0"]
+    stopped = plan_vm(300, "kpro6", gpus, "q35", False, config, PCI, set(PCI), pool="rtx6000")
+    assert stopped.set_options == {"hostpci0": "mapping=rtx6000,pcie=1", "hostpci1": "mapping=rtx6000,pcie=1"}
+    assert not stopped.delete and not stopped.per_node_kept
+    running = plan_vm(300, "kpro6", gpus, "q35", False, config, PCI, set(PCI), pool="rtx6000", running=True)
+    assert not running.changed and running.per_node_kept and "once it is stopped" in running.notes[0]
+    # already on the pool: nothing to do, running or not; a GPU less drops its line
+    pooled = _vm("machine: q35\nhostpci0: mapping=rtx6000,pcie=1\nhostpci1: mapping=rtx6000,pcie=1\n")
+    assert not plan_vm(300, "kpro6", gpus, "q35", False, pooled, PCI, set(PCI), pool="rtx6000", running=True).changed
+    fewer = plan_vm(300, "kpro6", gpus[:1], "q35", False, pooled, PCI, set(PCI), pool="rtx6000")
+    assert fewer.delete == ["hostpci1"] and not fewer.set_options
+
+
+def test_the_specs_pools_are_not_reported_as_foreign_mappings():
+    existing = parse_pci_mappings(POOL_CFG.splitlines())
+    assert plan_stale_mappings("kpro6", existing, [], {}, {"0000:81:00.0"}).notes  # without the pool: reported
+    stale = plan_stale_mappings("kpro6", existing, [], {}, {"0000:81:00.0"}, pools={"rtx6000"})
+    assert stale.notes == [] and stale.delete == []
+
+
+def test_a_pool_pvegpu_made_that_left_the_spec_loses_this_nodes_entries_only():
+    text = POOL_CFG.replace("rtx6000\n", f"rtx6000\n\tdescription {POOL_DESCRIPTION}\n") + \
+        "other\n\tmap id=10de:2bb5,iommugroup=50,node=kpro6,path=0000:a1:00.0,subsystem-id=10de:204e\n"
+    existing = parse_pci_mappings(text.splitlines())
+    (c,) = plan_stale_pools("kpro6", set(), existing)  # a mapping without pvegpu's description is not ours
+    assert (c.id, c.action, c.maps, c.node) == ("rtx6000", "merge", [], "kpro6")
+    assert plan_stale_pools("kpro6", {"rtx6000"}, existing) == []  # still a pool of the spec
+    assert plan_stale_pools("kpro7", set(), existing) == []  # kpro7 has no entry in it
+    (created,) = plan_pool_mappings("kpro6", {"h200": ["0000:a1:00.0"]}, PCI, existing)
+    assert created.description == POOL_DESCRIPTION
+    # and it is not reported as someone else's mapping
+    assert plan_stale_mappings("kpro6", existing, [], {}, {"0000:81:00.0"}).notes == []
+
+
+def test_a_vm_that_leaves_a_pool_gets_per_node_lines_in_place_of_the_pools():
+    pooled = _vm("machine: q35\nhostpci0: mapping=rtx6000,pcie=1\nhostpci1: mapping=rtx6000,pcie=1\n"
+                 "hostpci2: mapping=nic,pcie=1\n")
+    gpus = ["0000:81:00.0", "0000:a1:00.0"]
+    plan = plan_vm(300, "kpro6", gpus, "q35", False, pooled, PCI, set(PCI), pools={"rtx6000"})
+    assert plan.set_options == {"hostpci0": "mapping=pvegpu-kpro6-0000-81-00-0,pcie=1",
+                                "hostpci1": "mapping=pvegpu-kpro6-0000-a1-00-0,pcie=1"}
+    assert plan.delete == []  # hostpci2 (someone else's mapping) is kept
+    # without knowing rtx6000 is a pool, its lines would stay beside new ones (the bug this guards)
+    unknown = plan_vm(300, "kpro6", gpus, "q35", False, pooled, PCI, set(PCI))
+    assert set(unknown.set_options) == {"hostpci3", "hostpci4"}

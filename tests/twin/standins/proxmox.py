@@ -297,11 +297,46 @@ def assert_mapping_valid(name, entry, mapping_cfg=None):
                 raise ApiError(f"'{prop}' does not match for '{name}' ({want.replace('0x', '')} != {have.replace('0x', '')})")
 
 
-def check_qemu_start(conf):
+PCI_RESERVATIONS = "/run/qemu-server/pci-id-reservations"  # qemu-server PVE/QemuServer/PCI.pm
+
+
+def pci_reservations():
+    """{pci id: vmid} of VMs running now (qemu-server PCI.pm reserve_pci_usage: `<id> <vmid> pid:<pid>`
+    lines; a reservation whose VM no longer runs is a leftover that may be taken)."""
+    out = {}
+    for line in (ts.read(PCI_RESERVATIONS) or "").splitlines():
+        m = re.match(r"^(\S+)\s(\d+)\s(?:time|pid):(\d+)$", line)
+        if m and status_of("qemu", int(m.group(2))) == "running":
+            out[m.group(1)] = int(m.group(2))
+    return out
+
+
+def write_reservations(vmid, ids):
+    """Drop `vmid`'s reservations and add `ids` for it (with its kvm pid)."""
+    pid = (ts.read(kvm_pidfile(vmid)) or "0").strip() or "0"
+    lines = [line for line in (ts.read(PCI_RESERVATIONS) or "").splitlines() if line.split()[1:2] != [str(vmid)]]
+    lines += [f"{i} {vmid} pid:{pid}" for i in ids]
+    ts.write(PCI_RESERVATIONS, "".join(f"{line}\n" for line in sorted(lines)))  # sorted by id, as PCI.pm writes it
+
+
+def path_ids(path):
+    """The PCI functions a hostpci path names (a slot without function: every function of it)."""
+    bdf = path if path.count(":") == 2 else "0000:" + path
+    if re.search(r"\.[0-7]$", bdf):
+        return [bdf]
+    base = ts.path("/var/lib/twin/hw/sys/bus/pci/devices")
+    found = sorted(d for d in (os.listdir(base) if os.path.isdir(base) else []) if d.startswith(bdf + "."))
+    return found or [bdf + ".0"]
+
+
+def check_qemu_start(conf, vmid=None):
+    """Refuses what qemu-server refuses at start; the PCI functions chosen for the VM."""
     machine = ts.conf_get(conf, "machine") or ""
     groups = ts.path("/var/lib/twin/hw/sys/kernel/iommu_groups")
     busy = ts.busy()
-    for k, v in conf["keys"]:
+    reserved = {i: v for i, v in pci_reservations().items() if v != vmid}
+    chosen = []
+    for k, v in sorted(conf["keys"], key=lambda kv: int(kv[0][7:]) if re.match(r"^hostpci\d+$", kv[0]) else -1):
         if not re.match(r"^hostpci\d+$", k):
             continue
         p = ts.prop_string(v)
@@ -321,19 +356,55 @@ def check_qemu_start(conf):
                     assert_mapping_valid(p["mapping"], m, maps)
                 except ApiError as e:
                     raise ApiError(f"PCI device mapping invalid (hardware probably changed): {e}") from e
-            paths = mine[0]["path"].split(";")
+            alternatives = [[i for path in m["path"].split(";") for i in path_ids(path)] for m in mine]
         else:
-            paths = [p.get("_") or p.get("host")]
-        for path in paths:
-            bdf = path if path.count(":") == 2 else "0000:" + path
-            if not re.search(r"\.[0-7]$", bdf):
-                bdf += ".0"
+            alternatives = [[i for path in (p.get("_") or p.get("host") or "").split(";") for i in path_ids(path)]]
+        # follows qemu-server PCI.pm choose_hostpci_devices(): one alternative is taken as it is (its
+        # reservation fails when another VM holds it); of several, the first one neither this VM's
+        # other hostpci lines nor a running VM (reserve_pci_usage) hold, else no free device
+        free = [a for a in alternatives if not any(i in reserved or i in chosen for i in a)]
+        if len(alternatives) == 1 and not free:
+            held = next(i for i in alternatives[0] if i in reserved)
+            raise ApiError(f"PCI device '{held}' already in use by VMID '{reserved[held]}'")
+        if not free:
+            raise ApiError(f"could not find a free device for '{k}'")
+        for bdf in free[0]:
             info = sysfs_dev(bdf)
             if info is None:
-                raise ApiError(f"no PCI device found for '{path}'")
+                raise ApiError(f"no PCI device found for '{bdf}'")
             if info["driver"] == "nvidia" and bdf in busy:
                 raise ApiError(f"unable to unbind PCI device {bdf} from nvidia: in use by "
                                f"{busy[bdf]['holder']} (pid {busy[bdf]['pid']})")
+        chosen += free[0]
+    return chosen
+
+
+def migrate(vmid, target, opts):
+    """qm migrate <vmid> <target> of a stopped VM (offline): its config moves to the target node's
+    directory (pmxcfs: the guest now belongs to that node), after qemu-server's checks."""
+    conf = load("qemu", vmid)
+    # follows qemu-server PVE/API2/Qemu.pm migrate_vm: a running VM needs --online, the target a known other node
+    if status_of("qemu", vmid) == "running" and "online" not in dict(opts):
+        raise ApiError("can't migrate running VM without --online")
+    if target == node():
+        raise ApiError("target is local node.")
+    if not os.path.isdir(ts.path(f"/etc/pve/nodes/{target}")):
+        raise ApiError(f"no such cluster node '{target}'")
+    check_lock("qemu", conf)
+    # PVE/QemuMigrate.pm prepare + QemuMigrate/Helpers.pm check_local_resources: every mapped hostpci
+    # needs an entry of its mapping for the target node
+    maps = read_mappings()
+    missing = [f"{k}:{ts.prop_string(v)['mapping']}" for k, v in conf["keys"]
+               if re.match(r"^hostpci\d+$", k) and "mapping" in ts.prop_string(v)
+               and not any(ts.prop_string(m).get("node") == target
+                           for m in maps.get(ts.prop_string(v)["mapping"], {}).get("map", []))]
+    if missing:
+        raise ApiError(f"can't migrate to '{target}': missing mapped devices {', '.join(sorted(missing))}")
+    with config_lock("qemu", vmid):
+        os.rename(ts.path(conf_path("qemu", vmid)), ts.path(f"/etc/pve/nodes/{target}/qemu-server/{vmid}.conf"))
+    if ts.read("/etc/pve/.vmlist") is not None:
+        ts.write("/etc/pve/.vmlist", json.dumps({"version": 1, "ids": vmlist()}, indent=1) + "\n")
+    print(f"migration finished successfully (VM {vmid} to node {target})")
 
 
 def start(kind, vmid):
@@ -353,8 +424,8 @@ def start(kind, vmid):
         check_lock(kind, conf)
         if kind == "lxc":
             conf = apply_pending(vmid, conf)
-        (check_lxc_start if kind == "lxc" else check_qemu_start)(conf)
-        boot_guest(kind, vmid, conf)
+        devices = check_lxc_start(conf) if kind == "lxc" else check_qemu_start(conf, vmid)
+        boot_guest(kind, vmid, conf, devices=devices)
 
 
 def apply_pending(vmid, conf):
@@ -374,11 +445,12 @@ def apply_pending(vmid, conf):
     return conf
 
 
-def boot_guest(kind, vmid, conf, action="start"):
+def boot_guest(kind, vmid, conf, action="start", devices=None):
     if kind == "lxc":
         ct_boot(vmid, conf)
     else:
         kvm_spawn(vmid)
+        write_reservations(vmid, devices or [])
     set_run_state(kind, vmid, "running")
     ts.log_guest(action, kind, vmid)
 
@@ -411,6 +483,7 @@ def halt_guest(kind, vmid, action):
         ct_halt(vmid)
     else:
         kvm_kill(vmid)
+        write_reservations(vmid, [])  # qemu-server vm_stop_cleanup: remove_pci_reservation
     set_run_state(kind, vmid, "stopped")
     ts.log_guest(action, kind, vmid)
 
@@ -549,8 +622,8 @@ def ha_step():
         elif want in ("started", "enabled") and have != "running":
             try:
                 conf = load(kind, int(n))
-                (check_lxc_start if kind == "lxc" else check_qemu_start)(conf)
-                boot_guest(kind, int(n), conf, "ha-start")
+                devices = check_lxc_start(conf) if kind == "lxc" else check_qemu_start(conf, int(n))
+                boot_guest(kind, int(n), conf, "ha-start", devices=devices)
             except ApiError:
                 pass  # real HA retries and then sets the service to "error"
 
@@ -591,17 +664,37 @@ def reboot(kind, vmid):
     conf = load(kind, vmid)
     if kind == "lxc":  # stop (the poststop hook) and start both apply pending changes
         conf = apply_pending(vmid, conf)
-    (check_lxc_start if kind == "lxc" else check_qemu_start)(conf)
+        check_lxc_start(conf)
+    else:
+        check_qemu_start(conf, vmid)
     if kind == "lxc":
         ct_kill(vmid)
         ct_boot(vmid, conf)
     ts.log_guest("reboot", kind, vmid)
 
 
+def vmlist():
+    """{vmid: {"node", "type"}} of every node, what pmxcfs's .vmlist holds (status.c), from the
+    configs under /etc/pve/nodes/ (a cluster twin shares them)."""
+    out = {}
+    base = ts.path("/etc/pve/nodes")
+    for n in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        for kind, (sub, _) in KINDS.items():
+            d = os.path.join(base, n, sub)
+            for f in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+                if f.endswith(".conf") and f[:-5].isdigit():
+                    out[f[:-5]] = {"node": n, "type": kind, "version": 1}
+    return out
+
+
 def create_guest(kind, vmid, opts):
-    if ts.read(conf_path(kind, vmid)) is not None:
-        raise ApiError(f"{KINDS[kind][1]} {vmid} already exists on node '{node()}'")
+    # pve-cluster Cluster.pm check_vmid_unused: a guest id is the cluster's, whatever its node
+    other = vmlist().get(str(vmid))
+    if other is not None:
+        raise ApiError(f"{'VM' if other['type'] == 'qemu' else 'CT'} {vmid} already exists on node '{other['node']}'")
     ts.write(conf_path(kind, vmid), "")
+    if ts.read("/etc/pve/.vmlist") is not None:
+        ts.write("/etc/pve/.vmlist", json.dumps({"version": 1, "ids": vmlist()}, indent=1) + "\n")
     verify_params(kind, [(k, v) for k, v in opts if k not in ("ostemplate", "storage", "password")])
     update_config(kind, vmid, [(k, v) for k, v in opts if k not in ("ostemplate", "storage", "password", "start")], [])
 
@@ -1082,11 +1175,14 @@ def ct_execvp(vmid, command):
 
 # ---------------------------------------------------------------- PCI mappings
 
-def read_mappings():
+PCI_CFG = "mapping/pci.cfg"  # under /etc/pve; pve-guest-common src/PVE/Mapping/PCI.pm $FILENAME
+
+
+def read_mappings(raw=None):
     """{id: {"map": [str], "description": str?, ...}} from /etc/pve/mapping/pci.cfg."""
     out: dict[str, dict] = {}
     cur = None
-    for line in (ts.read("/etc/pve/mapping/pci.cfg") or "").splitlines():
+    for line in (ts.read("/etc/pve/" + PCI_CFG) or "" if raw is None else raw).splitlines():
         if not line.strip():
             cur = None
             continue
@@ -1112,7 +1208,21 @@ def write_mappings(maps):
             else:
                 text += f"\t{k} {entry[k]}\n"
         text += "\n"
-    ts.write("/etc/pve/mapping/pci.cfg", text)
+    ts.write("/etc/pve/" + PCI_CFG, text)
+
+
+def locked_mappings(errmsg, code):
+    """`code(maps, digest)` under the cluster lock of pci.cfg, reading the file inside it, as
+    pve-guest-common PVE/Mapping/PCI.pm lock_pci_config (cfs_lock_file, 10 s) and pve-manager
+    PVE/API2/Cluster/Mapping/PCI.pm do; an error is prefixed with `errmsg`. `digest`: sha1 of
+    the raw file (pve-common SectionConfig parse_config)."""
+    def locked():
+        raw = ts.read("/etc/pve/" + PCI_CFG) or ""
+        return code(read_mappings(raw), ts.digest(raw))
+    try:
+        return ts.cfs_lock(ts.cfs_file_lockid(PCI_CFG), locked)
+    except (ApiError, TimeoutError) as e:
+        raise ApiError(f"{errmsg}: {e}") from e
 
 
 def check_map_strings(maps):
@@ -1214,47 +1324,61 @@ def guest_api(method, kind, rest, opts, single):
 
 
 def mapping_api(method, rest, opts, single):
-    maps = read_mappings()
     if not rest:
         if method == "get":
-            return [dict(entry, id=mid) for mid, entry in maps.items()]
+            return [dict(entry, id=mid) for mid, entry in read_mappings().items()]
         if method == "create":
             mid = single.get("id")
             if not mid:
                 raise ApiError("400 Parameter verification failed.\nid: property is missing and it is not optional")
-            if mid in maps:
-                raise ApiError(f"400 Parameter verification failed.\nid: pci mapping '{mid}' already defined")
             new = [v for k, v in opts if k == "map"]
             check_map_strings(new)
-            maps[mid] = {"map": new}
-            for k, v in opts:
-                if k not in ("id", "map"):
-                    maps[mid][k] = v
-            write_mappings(maps)
-            return None
+
+            def create(maps, _digest):
+                if mid in maps:
+                    raise ApiError(f"pci ID '{mid}' already defined")
+                maps[mid] = {"map": new}
+                for k, v in opts:
+                    if k not in ("id", "map"):
+                        maps[mid][k] = v
+                write_mappings(maps)
+            return locked_mappings("create hardware mapping failed", create)
     else:
         mid = rest[0]
-        if mid not in maps:
-            raise ApiError(f"PCI mapping '{mid}' not found")
         if method == "get":
-            return dict(maps[mid], id=mid)
+            raw = ts.read("/etc/pve/" + PCI_CFG) or ""
+            maps = read_mappings(raw)
+            if mid not in maps:
+                raise ApiError(f"mapping '{mid}' not found")
+            return dict(maps[mid], id=mid, digest=ts.digest(raw))  # the API's get adds the file's digest
         if method == "set":
             new = [v for k, v in opts if k == "map"]
             if new:
                 check_map_strings(new)
-                maps[mid]["map"] = new
-            for k, v in opts:
-                if k == "delete":
-                    for d in v.split(","):
-                        maps[mid].pop(d, None)
-                elif k not in ("map", "digest", "id"):
-                    maps[mid][k] = v
-            write_mappings(maps)
-            return None
+
+            def update(maps, digest):
+                # PVE::Tools::assert_if_modified: a given digest must be the file's
+                if single.get("digest") and single["digest"] != digest:
+                    raise ApiError("detected modified configuration - file changed by other user? Try again.")
+                if mid not in maps:
+                    raise ApiError(f"pci ID '{mid}' does not exist")
+                if new:
+                    maps[mid]["map"] = new  # the given maps replace every node's (all of `map`)
+                for k, v in opts:
+                    if k == "delete":
+                        for d in v.split(","):
+                            maps[mid].pop(d, None)
+                    elif k not in ("map", "digest", "id"):
+                        maps[mid][k] = v
+                if "map" not in maps[mid]:
+                    maps[mid]["map"] = []
+                write_mappings(maps)
+            return locked_mappings("update hardware mapping failed", update)
         if method == "delete":
-            del maps[mid]
-            write_mappings(maps)
-            return None
+            def delete(maps, _digest):
+                maps.pop(mid, None)  # the API deletes an id that does not exist without error
+                write_mappings(maps)
+            return locked_mappings("delete pci mapping failed", delete)
     raise ApiError(f"No '{method}' handler defined for '/cluster/mapping/pci/{'/'.join(rest)}'")
 
 
@@ -1395,6 +1519,11 @@ def guest_cli(kind, argv):
         if cmd == "start":
             start(kind, vmid)
             return 0
+        if cmd == "migrate" and kind == "qemu":
+            if len(rest) < 2:
+                raise ApiError("400 not enough arguments\nqm migrate <vmid> <target> [OPTIONS]")
+            migrate(vmid, rest[1], opts)
+            return 0
         if cmd in ("stop", "shutdown"):
             timeout = dict(opts).get("timeout")
             stop(kind, vmid, cmd, int(timeout) if timeout is not None else None)
@@ -1417,6 +1546,8 @@ def guest_cli(kind, argv):
             if status_of(kind, vmid) == "running":
                 raise ApiError(f"{label} {vmid} is running - destroy failed")
             os.unlink(ts.path(conf_path(kind, vmid)))
+            if ts.read("/etc/pve/.vmlist") is not None:  # pmxcfs drops it from the vmlist with its config
+                ts.write("/etc/pve/.vmlist", json.dumps({"version": 1, "ids": vmlist()}, indent=1) + "\n")
             if kind == "lxc":  # its root filesystem goes with it
                 ct_umount(vmid)
                 import shutil

@@ -172,3 +172,73 @@ def prop_string(value):
 
 def version_key(rel):
     return [int(x) if x.isdigit() else x for x in re.split(r"[.\-+~]", rel)]
+
+
+# ---- pmxcfs's cluster lock ------------------------------------------------------------------
+
+CFS_LOCK_DIR = "/etc/pve/priv/lock"
+CFS_LOCK_TIMEOUT = 120  # pve-cluster src/pmxcfs/memdb.c CFS_LOCK_TIMEOUT: a lock lives 120 s
+CFS_LOCKS_SEEN = TWIN + "/cfs-locks.json"  # this node's "first seen" time of each lock
+
+
+def _cfs_unlock_request(lockdir):
+    """utime(0, 0) on a held lock (pmxcfs cfs-plug-memdb.c cfs_plug_memdb_utimens ->
+    memdb.c memdb_lock_expired): the lock is removed when this node first saw it (this lock
+    instance: its mtime) more than CFS_LOCK_TIMEOUT s ago; pmxcfs never uses the stored mtime
+    for the age (nodes' clocks drift, src/README "File Locking")."""
+    import time
+
+    try:
+        st = os.stat(path(lockdir))
+    except FileNotFoundError:
+        return
+    try:
+        seen = json.loads(read(CFS_LOCKS_SEEN, "{}") or "{}")
+    except ValueError:
+        seen = {}
+    mark = f"{st.st_ino}:{st.st_mtime_ns}"
+    entry = seen.get(lockdir)
+    now = time.time()
+    if not entry or entry[1] != mark:
+        seen[lockdir] = [now, mark]
+        full = path(CFS_LOCKS_SEEN)  # several waiters at once: each its own temporary file
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(f"{full}.{os.getpid()}", "w") as f:
+            f.write(json.dumps(seen))
+        os.replace(f"{full}.{os.getpid()}", full)
+    elif now - entry[0] > CFS_LOCK_TIMEOUT:
+        try:
+            os.rmdir(path(lockdir))
+        except OSError:
+            pass
+
+
+def cfs_lock(lockid, code, timeout=10):
+    """Run `code()` holding pmxcfs's cluster lock `lockid`, as pve-cluster src/PVE/Cluster.pm
+    $cfs_lock does: mkdir /etc/pve/priv/lock/<lockid> is the lock (atomic cluster-wide); while
+    it exists, an unlock request (utime 0,0) and a short sleep, until `timeout` s (default 10)
+    have passed: then "got lock request timeout"; rmdir once `code` returned or failed. The
+    lock of a config file is `file-<name>` with `.` and `/` as `_` (cfs_lock_file)."""
+    import time
+
+    lockdir = f"{CFS_LOCK_DIR}/{lockid}"
+    os.makedirs(path(CFS_LOCK_DIR), exist_ok=True)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.mkdir(path(lockdir))
+            break
+        except FileExistsError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"cfs-lock '{lockid}' error: got lock request timeout") from None
+            _cfs_unlock_request(lockdir)
+            time.sleep(0.1)
+    try:
+        return code()
+    finally:
+        os.rmdir(path(lockdir))
+
+
+def cfs_file_lockid(name):
+    """cfs_lock_file's lock name: 'mapping/pci.cfg' -> 'file-mapping_pci_cfg'."""
+    return "file-" + re.sub(r"[./]", "_", name)

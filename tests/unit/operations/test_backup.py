@@ -67,11 +67,13 @@ other
 """
 
 
-def test_pci_cfg_after_create_set_delete():
+def test_pci_cfg_after_merge_delete():
     changes = [MappingChange("pvegpu-kpro6-0000-81-00-0", "delete", [], "stale"),
-               MappingChange("other", "set", [{"id": "10de:1", "node": "kpro7", "path": "0000:02:00.0"}], "moved"),
-               MappingChange("pvegpu-kpro6-0000-c1-00-0", "create",
-                             [{"id": "10de:2bb5", "node": "kpro6", "path": "0000:c1:00"}], "new")]
+               MappingChange("other", "merge", [{"id": "10de:1", "node": "kpro6", "path": "0000:02:00.0"}], "moved",
+                             "kpro6"),
+               MappingChange("pvegpu-kpro6-0000-c1-00-0", "merge",
+                             [{"id": "10de:2bb5", "node": "kpro6", "path": "0000:c1:00"}], "new", "kpro6")]
     after = backup.pci_cfg_after(PCI_CFG, changes)
-    assert after == ("other\n\tmap id=10de:1,node=kpro7,path=0000:02:00.0\n\tdescription kept\n\n"
+    assert after == ("other\n\tmap id=10de:1,node=kpro7,path=0000:01:00.0\n\tmap id=10de:1,node=kpro6,path=0000:02:00.0\n"
+                     "\tdescription kept\n\n"
                      "pvegpu-kpro6-0000-c1-00-0\n\tmap id=10de:2bb5,node=kpro6,path=0000:c1:00\n\n")

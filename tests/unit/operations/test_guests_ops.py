@@ -1,7 +1,7 @@
 """operations.guests: facts in, commands out (fake host), on real config/proc fixtures."""
-
 import base64
 import re
+import shlex
 from pathlib import Path
 
 from facts.guests import ContainerGpuState, VmMappingReferences
@@ -11,7 +11,7 @@ from operations.guests import (
     pci_mappings,
     vm_hostpci,
 )
-from operations.proxmox import PveApi, api_guest_start, api_guest_stop, api_write
+from operations.proxmox import PveApi, api_guest_start, api_guest_stop, api_merge_mapping, api_write
 from plan.guests import MappingChange, plan_vm
 from spec.models import ProxmoxApiSpec
 from tests.unit.operations.oprun import run_op
@@ -104,11 +104,13 @@ def test_ct_stopped_by_the_rebind_is_started_again():
 
 
 def test_mapping_commands_quote_values():
-    change = MappingChange("pvegpu-kpro6-0000-81-00-0", "set",
-                           [{"id": "10de:2bb5", "iommugroup": "40", "node": "kpro6", "path": "0000:81:00"}], "stale")
+    change = MappingChange("pvegpu-kpro6-0000-81-00-0", "merge",
+                           [{"id": "10de:2bb5", "iommugroup": "40", "node": "kpro6", "path": "0000:81:00"}], "stale", "kpro6")
     commands, _ = run_op(pci_mappings, [change])
-    assert commands == ["pvesh set /cluster/mapping/pci/pvegpu-kpro6-0000-81-00-0 "
-                        "--map id=10de:2bb5,iommugroup=40,node=kpro6,path=0000:81:00"]
+    assert len(commands) == 1 and commands[0].startswith("/bin/sh -c ")
+    script = shlex.split(commands[0])[2]
+    assert "id=pvegpu-kpro6-0000-81-00-0\n" in script and "node=kpro6\n" in script
+    assert 'set -- "$@" --map id=10de:2bb5,iommugroup=40,node=kpro6,path=0000:81:00\n' in script
     assert run_op(pci_mappings, [])[1] == "PCI resource mappings match the hardware"
 
 
@@ -156,10 +158,11 @@ def test_with_the_api_vm_writes_and_power_actions_are_function_commands(monkeypa
     write = commands[0].args[1]
     assert (write.method, write.path, write.params) == ("set", "/nodes/kpro6/qemu/300/config", (("delete", "hostpci1"),))
     assert commands[1].args[1:] == ("qemu", 300, 60)
-    mapping, _ = run_op(pci_mappings, [MappingChange("pvegpu-x", "create", [{"id": "10de:2bb5", "node": "kpro6",
-                                                                             "path": "0000:81:00"}], "new")],
+    mapping, _ = run_op(pci_mappings, [MappingChange("pvegpu-x", "merge", [{"id": "10de:2bb5", "node": "kpro6",
+                                                                            "path": "0000:81:00"}], "new", "kpro6")],
                         api=api, render=None)
-    assert mapping[0].args[1].params == (("id", "pvegpu-x"), ("map", "id=10de:2bb5,node=kpro6,path=0000:81:00"))
+    assert mapping[0].function is api_merge_mapping
+    assert mapping[0].args[1:] == ("pvegpu-x", "kpro6", ["id=10de:2bb5,node=kpro6,path=0000:81:00"])
     assert "unit-secret-value" not in " ".join(repr(c) for c in commands + mapping)
 
 

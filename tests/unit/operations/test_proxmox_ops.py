@@ -22,6 +22,7 @@ from operations.proxmox import (
     PveWrite,
     api_guest_start,
     api_guest_stop,
+    api_merge_mapping,
     api_write,
     guest_start_commands,
     guest_stop_commands,
@@ -226,3 +227,26 @@ def test_missing_requests_is_refused_not_an_exit(monkeypatch):
     assert "needs the Python package requests" in (api.problem() or "")
     with pytest.raises(PveApiError, match="needs the Python package requests"):
         api.request("get", "/version")
+
+
+def test_mapping_merge_through_the_api_keeps_a_write_of_another_node_in_between(api, server, monkeypatch):
+    # issue 26: the set carries the digest of the get it was computed from; another node's write
+    # in between makes the API refuse it (assert_if_modified) and the merge reads again
+    cfg = server["root"] / "etc/pve/mapping/pci.cfg"
+    in_host(api_write, api, PveWrite("create", "/cluster/mapping/pci", (("id", "pool-t"), ("map", MAP.replace("kpro6", "n0")))))
+    real = api.request
+    raced: list[str] = []
+
+    def request(method, path, params=None):
+        reply = real(method, path, params)
+        if method == "get" and not raced:  # another node merges its entry right after our read
+            raced.append(path)
+            real("set", path, {"map": [*reply["map"], MAP.replace("kpro6", "n1")]})
+        return reply
+    monkeypatch.setattr(api, "request", request)
+    monkeypatch.setattr("operations.proxmox.time.sleep", lambda s: None)
+    in_host(api_merge_mapping, api, "pool-t", "kpro6", [MAP])
+    text = cfg.read_text()
+    assert raced and all(f"node={n}," in text for n in ("n0", "n1", "kpro6")), text
+    in_host(api_merge_mapping, api, "pool-t", "n1", [])  # a node without such GPUs takes only its own out
+    assert "node=n1," not in cfg.read_text() and "node=n0," in cfg.read_text() and "node=kpro6," in cfg.read_text()

@@ -315,3 +315,24 @@ def test_a_billion_laughs_spec_stops_pyinfra_before_any_connection(tmp_path):
     assert f"expands to more than {MAX_NODES} values" in out and "Traceback" not in out
     assert "Connecting to hosts" not in out
     assert time.monotonic() - start < 30
+
+
+# ------------------------------------------------------------------ GPU pools (issue 26)
+
+@pytest.mark.parametrize("pool, words", [
+    ("1gpu", "is not a Proxmox mapping id"),
+    ("r", "is not a Proxmox mapping id"),
+    ("rtx 6000", "is not a Proxmox mapping id"),
+    ("rtx6000;reboot", "is not a Proxmox mapping id"),
+    ("pvegpu-kpro6-0000-81-00-0", "pvegpu's per-node mappings"),
+])
+def test_pool_names_are_mapping_ids_pvegpu_does_not_own(tmp_path, pool, words):
+    h = host()
+    h["vms"][300]["pool"] = pool
+    refused(tmp_path, h, "vms[300].pool", words)
+
+
+def test_a_mapping_id_is_a_pool_name(tmp_path):
+    h = host()
+    h["vms"][300]["pool"] = "RTX_6000-blackwell"
+    assert accepted(tmp_path, h).vms[300].pool == "RTX_6000-blackwell"
