@@ -6,6 +6,7 @@ to count hardware calls) a small stand-in hardware module written to tmp_path.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -347,8 +348,13 @@ def test_cache_key_follows_suite_and_package_list(monkeypatch):
 
 def test_each_suite_has_its_own_root_and_bookworm_keeps_its_key():
     """A trixie root (Proxmox VE 9 profiles) has its own cache key: building it never replaces the
-    bookworm root, whose key is what it was before suites existed (CI's cached tarball stays valid)."""
-    assert runtime.cache_key("bookworm") == runtime.cache_key() == "650135823d95775c"
+    bookworm root, whose key is built from the same inputs as before suites existed: suite,
+    components, packages, format and bookworm's extra headers (so a bookworm root cached before
+    suites stays valid while PACKAGES is unchanged; 650135823d95775c before sbsigntool joined)."""
+    spec = {"suite": "bookworm", "components": runtime.COMPONENTS, "packages": sorted(runtime.PACKAGES),
+            "format": runtime.CACHE_FORMAT, "extra_headers": ["linux-headers-6.12-amd64"]}
+    assert runtime.cache_key("bookworm") == runtime.cache_key() == hashlib.sha256(
+        json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16] == "3e98ee92fc73592e"
     assert runtime.cache_key("trixie") not in (runtime.cache_key("bookworm"), None)
     assert runtime.extra_headers("bookworm") == ("linux-headers-6.12-amd64",)
     assert runtime.extra_headers("trixie") == ()
