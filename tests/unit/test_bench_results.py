@@ -55,3 +55,17 @@ def test_kernel_second_ref_figure_is_reported_and_kept(monkeypatch, tmp_path, ca
                 {"kernel": lambda r: r.update(kernel_second_ref_vs_first=dict(figure))})
     assert got["kernel_second_ref_vs_first"]["value"] == 0.25 and got["facts_commands"]["value"] == 2
     assert "kernel_second_ref_vs_first       0.25 (warm 150.0 s / cold 600.0 s" in capsys.readouterr().out
+
+
+def test_the_cluster_many_core_figure_is_kept_and_imported_too(monkeypatch, tmp_path):
+    """cluster3_vs_1_many_cores (3 twins + pyinfra, a core each) is taken on the device machine as
+    fleet8_vs_1_many_cores is: a run here keeps it, --import-many-cores brings both."""
+    cluster = {"value": 1.14, "machine": "16 cores", "measured_at": "2026-12-04T11:24:20Z"}
+    _write(tmp_path / "results.json", {"cluster3_vs_1_many_cores": cluster, "facts_commands": {"value": 9}})
+    got = _main(monkeypatch, tmp_path, [], {"converge": lambda r: r.update(converge_commands={"value": 3})})
+    assert got["cluster3_vs_1_many_cores"] == cluster and "facts_commands" not in got
+    other = tmp_path / "other.json"
+    _write(other, {"fleet8_vs_1_many_cores": MANY, "cluster3_vs_1_many_cores": cluster, "cluster3_vs_1": {"value": 1.14}})
+    _write(tmp_path / "results.json", {"cluster3_vs_1": {"value": 1.28}})
+    got = _main(monkeypatch, tmp_path, ["--import-many-cores", str(other)], {})
+    assert got == {"cluster3_vs_1": {"value": 1.28}, "fleet8_vs_1_many_cores": MANY, "cluster3_vs_1_many_cores": cluster}
