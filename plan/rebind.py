@@ -111,7 +111,9 @@ def start_command(script: str, txid: str, systemd: bool, state_dir: str = STATE_
         f"  total=$(wc -l < {j})",
         f"  if [ \"$total\" -gt \"$seen\" ]; then tail -n +$((seen + 1)) {j} | head -n $((total - seen)) "
         "| sed 's/^/pvegpu rebind: /'; seen=$total; fi",
-        f"  last=$(tail -n 1 {j} | cut -d' ' -f2)",
+        # the last line printed, not the journal's last: an end line that came after the count is
+        # printed by the next turn (read from the file once more), never skipped
+        f"  last=$(head -n \"$seen\" {j} | tail -n 1 | cut -d' ' -f2)",
         f"  case $last in {end}) break ;; esac",
         f"  if flock -n {lk} true; then sleep 0.2; last=$(tail -n 1 {j} | cut -d' ' -f2); "
         f"case $last in {end}) continue ;; esac; "

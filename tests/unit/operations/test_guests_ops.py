@@ -254,7 +254,7 @@ def test_running_ct_gets_added_gpus_hotplugged_not_restarted():
     facts = facts_for({103: IGPU}, {103: "running"})
     commands, _ = run_op(container_gpu_devices, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True,
                          hotplug=True, facts=facts)
-    assert commands[0].startswith("{ if [ -f /etc/pve/lxc/103.conf ]; then mkdir -p /var/lib/pvegpu/backup/")
+    assert commands[0].startswith("{ if [ -f /etc/pve/lxc/103.conf ]; then mkdir -p -- /var/lib/pvegpu/backup/")
     assert commands[1] == ("pct set 103 --dev0 /dev/nvidia0,gid=44 --dev1 /dev/nvidiactl,gid=44 "
                            "--dev2 /dev/nvidia-uvm,gid=44 --dev3 /dev/nvidia-uvm-tools,gid=44")
     assert len(commands) == 2 and not any("pct shutdown" in c or "pct start" in c for c in commands)

@@ -317,7 +317,27 @@ def test_start_command_follows_to_the_end_and_exits_by_the_outcome(scratch):
                             capture_output=True, text=True, env=env_of(scratch), timeout=60)
     assert result.returncode == 1
     printed = [line.split(None, 3)[-1] for line in result.stdout.splitlines()]
-    assert printed[0].startswith("begin tx-2") and printed[-1] == "rolledback"
+    assert printed[0].startswith("begin tx-2") and printed[-1] == "rolledback", result.stdout
     archived = list((state / "history").iterdir())
     assert len(archived) == 1 and "begin old" in archived[0].read_text()
     assert oct((state).stat().st_mode & 0o777) == "0o700"
+
+
+def test_the_follower_prints_the_end_line_that_arrived_while_it_read(tmp_path):
+    """The end line can land in the journal between the follower's count of lines and its look at
+    the last one (seen under load: the outcome line was missing from the output). A `wc` on PATH
+    appends `done` right after it counted, the first time: the output must still end with it."""
+    state, lock, stubs = tmp_path / "state", tmp_path / "run" / "rebind.lock", tmp_path / "bin"
+    stubs.mkdir()
+    real_wc = subprocess.run(["sh", "-c", "command -v wc"], capture_output=True, text=True).stdout.strip()
+    (stubs / "wc").write_text(f"#!/bin/sh\n{real_wc} \"$@\"\n"
+                              f"if [ ! -e {tmp_path}/appended ] && grep -q ' begin ' {state}/journal; then "
+                              f": > {tmp_path}/appended; echo \"$(date +%s) done\" >> {state}/journal; fi\n")
+    (stubs / "wc").chmod(0o755)
+    runner = f'echo "$(date +%s) begin tx-9 pid=$$" >> {state}/journal; sleep 1\n'
+    result = subprocess.run(["sh", "-c", start_command(runner, "tx-9", systemd=False, state_dir=str(state), lock=str(lock))],
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}"})
+    assert (tmp_path / "appended").exists()
+    events = [line.split()[3] for line in result.stdout.splitlines()]
+    assert events == ["begin", "done"] and result.returncode == 0, result.stdout + result.stderr
