@@ -895,12 +895,66 @@ def test_walk_rebind_script(tmp_path):
         assert bdf in script
 
 
+def test_walk_kernel_signing_paths(tmp_path):
+    """kernel.signing.key/.cert (host paths) into the kernel image's signing script (sbsign): each
+    stays one word of the rendered script, which parses."""
+    values = generate(["/root/mok.pem", "/etc/pvegpu/kernel key.pem"], 600)
+    accepted, refused = load_values(tmp_path, "kernel.signing", values, lambda v: {"kernel": {
+        "version": "6.14.11-9-bpo12-pvegpu-pve", "signing": {"key": v, "cert": v + ".der"},
+        "source": {"kind": "tarball", "url": "/srv/l.tar.xz", "sha256": KERNEL_SHA}}})
+    assert refused and accepted
+    for spec in accepted.values():
+        k = kernel_of(spec)
+        assert k.signing is not None
+        one_word_each(render_template("kernel-sign.sh.j2", release=k.version, key=k.signing.key, cert=k.signing.cert),
+                      [k.version, k.signing.key, k.signing.cert])
+
+
+def test_walk_kernel_release_into_the_grub_trial_and_the_driver_gate(tmp_path):
+    """kernel.version into the GRUB trial entry script (/etc/grub.d/42_pvegpu_trial) and the driver
+    x kernel gate (which includes the NVIDIA build script): one word each, scripts that parse."""
+    from operations import kernel as kernel_stage
+
+    values = generate(["6.14.11-4-pve", "6.1.192-pvegpu+ci~1"], 400)
+    accepted, refused = load_values(tmp_path, "kernel.version", values, lambda v: {
+        "kernel": {"version": v, "source": {"kind": "tarball", "url": "/srv/l.tar.xz", "sha256": KERNEL_SHA}},
+        "nvidia": {"version": "595.71.05", "modules_source": {"url": "/srv/open-gpu-kernel-modules-595.71.05.tar.gz",
+                                                               "sha256": INSTALLER_SHA}}})
+    assert refused and accepted
+    for spec in accepted.values():
+        k = kernel_of(spec)
+        one_word_each(render_template("grub-trial-entry.sh.j2", release=k.version, panic_s=10), [k.version])
+        one_word_each(kernel_stage.gate_script(spec, "/var/lib/pvegpu/kernel-build/b", 2), [k.version])
+
+
+def test_walk_gpu_pool_into_the_mapping_merge(tmp_path):
+    """vms[].pool (a Proxmox mapping id) and the node name into the mapping merge script
+    (templates/mapping-merge.sh.j2, run over SSH): one word each, a script that parses."""
+    from operations.guests import mapping_merge_command
+    from plan.guests import MappingChange
+
+    values = generate(["rtx6000", "h200_pool-2"], 600)
+    accepted, refused = load_values(tmp_path, "vms[300].pool", values, lambda v: {
+        "gpus": {"0000:81:00.0": {"role": "vm:300"}}, "vms": {300: {"gpus": ["0000:81:00.0"], "pool": v}}})
+    assert refused and accepted
+    for spec in accepted.values():
+        pool = spec.vms[300].pool
+        assert pool is not None and re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]+", pool)
+        change = MappingChange(id=pool, action="merge", node=spec.node or "kpro6",
+                               maps=[{"id": "10de:2bb5", "iommugroup": "3", "node": "kpro6", "path": "0000:81:00"}],
+                               reason="walk", description="pvegpu-gpu-pool")
+        script = mapping_merge_command(change)
+        inner = shlex.split(script)[2]
+        one_word_each(inner, [pool])
+
+
 # templates whose text takes no value from the spec: their context (if any) is pvegpu's own constants
 NO_SPEC_VALUE = {
     "blacklist-nouveau.conf.j2": set(),
     "nvidia-device-nodes.service.j2": set(),
     "nvidia-persistenced.service.j2": set(),
     "modules-load-vfio.conf.j2": {"modules"},  # operations/boot.py: vfio module names, by PVE version
+    "nvidia-first-error.sh.j2": set(),  # reads a build log named at run time (the gate's and the hook's)
 }
 
 
@@ -938,6 +992,10 @@ WALKS = {
     "gpu-binding.rules.j2": ["test_walk_gpu_bdfs"],
     "initramfs-gpu-binding-hook.j2": ["test_walk_gpu_bdfs"],
     "rebind.sh.j2": ["test_walk_rebind_script"],
+    "kernel-sign.sh.j2": ["test_walk_kernel_signing_paths"],
+    "grub-trial-entry.sh.j2": ["test_walk_kernel_release_into_the_grub_trial_and_the_driver_gate"],
+    "kernel-nvidia-gate.sh.j2": ["test_walk_kernel_release_into_the_grub_trial_and_the_driver_gate"],
+    "mapping-merge.sh.j2": ["test_walk_gpu_pool_into_the_mapping_merge"],
     **{name: ["test_templates_without_spec_values_take_none"] for name in NO_SPEC_VALUE},
 }
 
