@@ -7,9 +7,10 @@ instead read all their files' state at once with `ManagedFiles` and compare loca
 from __future__ import annotations
 
 import re
-import shlex
 
 from pyinfra.api import FactBase
+
+from facts.shell import word
 
 _MARK = "==> pvegpu-file "
 _MODES = "==> pvegpu-modes"  # then `stat -c '%a %n'` of every regular file
@@ -36,13 +37,13 @@ class ManagedFiles(FactBase):
         for p in paths:
             if "\n" in p or "\r" in p:
                 raise ValueError(f"ManagedFiles: a path with a line break cannot be read back: {p!r}")
-        quoted = " ".join(shlex.quote(p) for p in paths)
+        quoted = " ".join(word(p) for p in paths)
         return (
-            f"set --; for f in {quoted}; do printf '%s\\n' {shlex.quote(_MARK)}\"$f\"; "
+            f"set --; for f in {quoted}; do printf '%s\\n' {word(_MARK)}\"$f\"; "
             'if [ -L "$f" ]; then echo LINK; readlink -- "$f"; '
             'elif [ -f "$f" ]; then echo FILE; set -- "$@" "$f"; else echo MISSING; fi; done; '
-            f"if [ $# -gt 0 ]; then echo {shlex.quote(_MODES)}; stat -c '%a %n' -- \"$@\"; "
-            f"echo {shlex.quote(_SUMS)}; sha256sum -- \"$@\"; fi"
+            f"if [ $# -gt 0 ]; then echo {word(_MODES)}; stat -c '%a %n' -- \"$@\"; "
+            f"echo {word(_SUMS)}; sha256sum -- \"$@\"; fi"
         )
 
     def process(self, output):
@@ -110,8 +111,8 @@ class FileTexts(FactBase):
         for p in paths:
             if "\n" in p or "\r" in p:
                 raise ValueError(f"FileTexts: a path with a line break cannot be read back: {p!r}")
-            q = shlex.quote(p)
-            parts.append(f"echo {shlex.quote(_TEXT + p)}; if [ -f {q} ] && [ -r {q} ]; then "
+            q = word(p)
+            parts.append(f"echo {word(_TEXT + p)}; if [ -f {q} ] && [ -r {q} ]; then "
                          f"base64 -w0 < {q}; echo; else echo MISSING; fi")
         return "; ".join(parts) + "; true" if parts else "true"
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import re
-import shlex
 
 from pyinfra.api import FactBase
 
 from facts.base import ShellFact
+from facts.shell import word
 
 # nvidia-smi underlines the matrix header with ANSI escapes, even into a pipe.
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -178,7 +178,7 @@ class GpuP2P(FactBase):
     def command(self, kind: str = "r") -> str:
         if kind not in P2P_KINDS:
             raise ValueError(f"GpuP2P kind must be one of {sorted(P2P_KINDS)}, not {kind!r}")
-        return f"nvidia-smi topo -p2p {shlex.quote(kind)} 2>/dev/null || true"
+        return f"nvidia-smi topo -p2p {word(kind)} 2>/dev/null || true"
 
     def requires_command(self, *args, **kwargs) -> str:
         return "nvidia-smi"

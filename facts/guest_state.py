@@ -24,7 +24,6 @@ The reading is the run state's ``guests`` (`facts.run_state`: one object per hos
 
 from __future__ import annotations
 
-import shlex
 from typing import Any
 
 from pyinfra import host
@@ -32,6 +31,7 @@ from pyinfra import host
 from facts.base import ShellFact
 from facts.run_state import run_state
 from facts.sections import SECTION, split_sections
+from facts.shell import word
 
 # The guests without `pct list` / `qm list` (Perl programs). A node's guests are the configs
 # under /etc/pve/nodes/<node>/ (pve-cluster's vmlist holds a guest under the node whose directory
@@ -64,7 +64,7 @@ def ct_root_loop(ctids, body: str) -> str:
     `pct exec` (Perl) and no program of the CT runs. A CT whose init is not found prints its
     marker alone. Through /proc/<pid>/root an absolute symlink inside the CT still resolves on
     the host: `body` tests the files it reads with `-L` and does not follow them."""
-    ids = " ".join(shlex.quote(str(int(c))) for c in ctids)
+    ids = " ".join(word(str(int(c))) for c in ctids)
     if not ids:
         return ""
     return (f"for id in {ids}; do echo \"{SECTION}ct $id\"; "

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 
 from pyinfra.api import FactBase
 
 from facts.base import ShellFact
 from facts.nvidia import SECURE_BOOT_EFIVAR, parse_mok, parse_secure_boot
 from facts.sections import PROBE_SECTION, parse_sections, split_sections
-from facts.shell import operands  # the one quoting helper (plan.render gives it to the templates)
+from facts.shell import operands, word  # the one quoting helper (plan.render gives it to the templates)
 
 VERSION = r"\d+\.\d+\.\d+"
 # The kernel stage's host paths (`KernelStageFacts` reads them; plan.kernel and operations.kernel
@@ -394,9 +393,9 @@ class KernelToolchain(FactBase):
         command = "echo '@@ /proc/version'; cat /proc/version"
         if headers:
             path = headers if headers.startswith("/") else f"/lib/modules/{headers}/build"
-            quoted = shlex.quote(path)
+            quoted = word(path)
             command += (
-                f"; echo {shlex.quote('@@ headers ' + path)}; "
+                f"; echo {word('@@ headers ' + path)}; "
                 f"grep -h '^CONFIG_CC_VERSION_TEXT=' {quoted}/include/config/auto.conf "
                 f"{quoted}/.config 2>/dev/null | head -n 1; true"
             )
@@ -505,7 +504,7 @@ class ModuleParameters(FactBase):
     """
 
     def command(self, module: str) -> str:
-        directory = shlex.quote(f"/sys/module/{module}/parameters")
+        directory = word(f"/sys/module/{module}/parameters")
         return f"grep -H . {directory}/* 2>/dev/null; true"
 
     @staticmethod
@@ -581,9 +580,9 @@ def parse_build_state(lines: list[str]) -> dict:
 
 
 def build_state_command(build_dir: str, release: str, signing_cert: str | None = None) -> str:
-    d = shlex.quote(build_dir)
-    installed = shlex.quote(f"{STATE_DIR}/{release}.json")
-    trial = shlex.quote(TRIAL_MARKER)
+    d = word(build_dir)
+    installed = word(f"{STATE_DIR}/{release}.json")
+    trial = word(TRIAL_MARKER)
     return (
         f"d={d}; "
         'if [ -f "$d/build.pid" ] && p=$(cat "$d/build.pid") && [ -n "$p" ] && kill -0 "$p" 2>/dev/null '
@@ -593,8 +592,8 @@ def build_state_command(build_dir: str, release: str, signing_cert: str | None =
         '[ -f "$d/manifest.json" ] && echo "manifest $(tr -d \'\\n\' < "$d/manifest.json")"; '
         f'[ -f {installed} ] && echo "installed-manifest $(tr -d \'\\n\' < {installed})"; '
         f'[ -f {trial} ] && echo "trial $(cat {trial})"; '
-        f'[ -f {shlex.quote(TRIAL_ARMED)} ] && echo "armed $(cat {shlex.quote(TRIAL_ARMED)})"; '
-        f'[ -f {shlex.quote(TRIAL_FAILED)} ] && echo "failed $(tr -d \'\\n\' < {shlex.quote(TRIAL_FAILED)})"; '
+        f'[ -f {word(TRIAL_ARMED)} ] && echo "armed $(cat {word(TRIAL_ARMED)})"; '
+        f'[ -f {word(TRIAL_FAILED)} ] && echo "failed $(tr -d \'\\n\' < {word(TRIAL_FAILED)})"; '
         "[ -d /sys/firmware/efi ] && echo uefi; "
         # Secure Boot as the NVIDIA stage reads it (facts.nvidia: mokutil, else the EFI variable)
         f"{{ command -v mokutil >/dev/null 2>&1 && mokutil --sb-state 2>&1; "
@@ -602,7 +601,7 @@ def build_state_command(build_dir: str, release: str, signing_cert: str | None =
         "elif [ -n \"$(ls -A /sys/firmware/efi/efivars 2>/dev/null)\" ]; then echo 'efivars without SecureBoot variable'; "
         "elif [ -d /sys/firmware/efi ]; then echo 'efivars not readable'; else echo 'no efi'; fi; } | sed 's/^/sb /'; "
         # kernel.signing: is its cert enrolled (mokutil --test-key, as facts.nvidia asks), is sbsign there
-        + (f"mokutil --test-key {shlex.quote(signing_cert)} 2>&1 | sed 's/^/mok /'; command -v sbsign >/dev/null && echo sbsign; "
+        + (f"mokutil --test-key {word(signing_cert)} 2>&1 | sed 's/^/mok /'; command -v sbsign >/dev/null && echo sbsign; "
            if signing_cert else "") +
         # GRUB: what grub-mkconfig sources for GRUB_DEFAULT, the submenu id proxmox-kernel-helper's
         # set_grub_default() reads from grub.cfg, grubenv's entries and what holds grubenv
@@ -621,7 +620,7 @@ def build_state_command(build_dir: str, release: str, signing_cert: str | None =
         # installed kernel image packages (kernel.remove_old purges what is really there)
         "dpkg-query -W -f='${db:Status-Abbrev} ${Package}\\n' 'proxmox-kernel-*' 'pve-kernel-*' 'linux-image-*' "
         "2>/dev/null | awk '$1 == \"ii\" {print \"kpkg \" $2}'; "
-        f"dpkg-query -W -f='${{Status}}\\n' {shlex.quote('proxmox-headers-' + release)} 2>/dev/null "
+        f"dpkg-query -W -f='${{Status}}\\n' {word('proxmox-headers-' + release)} 2>/dev/null "
         "| grep -q ' ok installed' && echo headers-installed; "
         "true"
     )
@@ -683,9 +682,9 @@ def source_makefile_command(url: str, ref: str) -> str:
     """Print pve-kernel's Makefile at `ref` from a clone of `url` an earlier build left under
     BUILD_ROOT (read-only: `git show`), after a `from <clone>` line; nothing when none has it."""
     return (
-        f"for d in {shlex.quote(BUILD_ROOT)}/*/src; do "
+        f"for d in {word(BUILD_ROOT)}/*/src; do "
         '[ -d "$d/.git" ] || continue; '
-        f'[ "$(git -C "$d" config --get remote.origin.url)" = {shlex.quote(url)} ] || continue; '
+        f'[ "$(git -C "$d" config --get remote.origin.url)" = {word(url)} ] || continue; '
         f'if git -C "$d" cat-file -e {operands(ref + ":Makefile", "--end-of-options")} 2>/dev/null; then '
         f'echo "from $d"; git -C "$d" show {operands(ref + ":Makefile", "--end-of-options")}; break; fi; '
         "done; true"
@@ -706,14 +705,14 @@ def build_needs_command(tools: list[str], release: str, path: str = BUILD_ROOT) 
     file system that holds `path` (its nearest existing parent). apt-cache policy reads all of
     apt's lists (~1 s): it is asked only for a missing package and only while no build of
     `release` is installed (else `unasked <package>`: a converged host pays nothing for it)."""
-    names = " ".join(shlex.quote(t) for t in tools)
-    installed = shlex.quote(f"{STATE_DIR}/{release}.json")
+    names = " ".join(word(t) for t in tools)
+    installed = word(f"{STATE_DIR}/{release}.json")
     return (
         f"inst=$(dpkg-query -W -f='${{db:Status-Abbrev}} ${{Package}}\\n' {names} 2>/dev/null | awk '$1 == \"ii\" {{print $2}}'); "
         f"for t in {names}; do if printf '%s\\n' \"$inst\" | grep -qxF -e \"$t\"; then echo \"installed $t\"; "
         f"elif [ -f {installed} ]; then echo \"unasked $t\"; "
         "else echo \"candidate $t $(apt-cache policy -- \"$t\" 2>/dev/null | sed -n 's/^ *Candidate: //p')\"; fi; done; "
-        f"p={shlex.quote(path)}; while [ ! -d \"$p\" ]; do p=${{p%/*}}; [ -n \"$p\" ] || p=/; done; "
+        f"p={word(path)}; while [ ! -d \"$p\" ]; do p=${{p%/*}}; [ -n \"$p\" ] || p=/; done; "
         "echo \"free $(df -Pk \"$p\" | awk 'NR == 2 {print $4}') $p\"; true"
     )
 

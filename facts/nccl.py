@@ -5,7 +5,6 @@ command (`NcclState`)."""
 from __future__ import annotations
 
 import re
-import shlex
 from typing import Any
 
 from pyinfra.api import FactBase
@@ -13,6 +12,7 @@ from pyinfra.api import FactBase
 from facts.files import ManagedFiles
 from facts.guest_state import ct_root_loop
 from facts.sections import SECTION, split_sections
+from facts.shell import word
 
 NCCL_CONF = "/etc/nccl.conf"
 SYSTEMD_DIR = "/etc/systemd/system"
@@ -58,7 +58,7 @@ def _ct_probe(path: str) -> str:
     """Shell for `facts.guest_state.ct_root_loop` (``$r``: the CT's root): the root's identity,
     then the file's mode and sha256, or MISSING (also for a link: it is not followed out of the CT,
     and the stage's write replaces it), then the CT's NCCL libraries (their paths in the CT)."""
-    q = '"$r"' + shlex.quote(path)
+    q = '"$r"' + word(path)
     return (f'stat -L -c %d:%i "$r/"; if [ -f {q} ] && [ ! -L {q} ]; then stat -c %a {q}; '
             f"sha256sum < {q} | cut -d' ' -f1; else echo MISSING; fi; {_LIBNCCL_LIST_IN_CT}")
 
@@ -125,7 +125,7 @@ class NcclState(FactBase):
             f"echo '{SECTION}libnccl'; {_LIBNCCL_LIST}",
         ]
         # each drop-in's service: its ExecStart= lines (what it runs: vLLM/SGLang custom allreduce)
-        parts += [f"echo '{SECTION}unit {unit}'; systemctl cat -- {shlex.quote(unit)} 2>/dev/null | grep '^ExecStart='"
+        parts += [f"echo '{SECTION}unit {unit}'; systemctl cat -- {word(unit)} 2>/dev/null | grep '^ExecStart='"
                   for unit in _dropin_units(paths)]
         return "; ".join(parts) + "; " + ct_root_loop(ctids, _ct_probe(NCCL_CONF)) + "true"
 

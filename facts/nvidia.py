@@ -4,12 +4,12 @@ driver stage (operations/nvidia.py) decides from (`NvidiaHostState`)."""
 from __future__ import annotations
 
 import re
-import shlex
 
 from pyinfra.api import FactBase
 
 from facts.base import ShellFact
 from facts.sections import SECTION, split_sections
+from facts.shell import operands, word
 
 GPU_INFORMATION_MARKER = "== "
 
@@ -223,7 +223,7 @@ class NvidiaHostState(FactBase):
         ]
         # the running release ($k, named at run time), then each target; each release once,
         # one modinfo per release (its version/vermagic/filename lines)
-        targets = " ".join(['"$k"', *[shlex.quote(r) for r in releases]])
+        targets = " ".join(['"$k"', *[word(r) for r in releases]])
         parts.append(
             f"seen=; for r in {targets}; do "
             '[ -n "$r" ] || continue; case " $seen " in *" $r "*) continue;; esac; seen="$seen $r"; '
@@ -252,11 +252,11 @@ class NvidiaHostState(FactBase):
         # print_skip_message()'s "is already enrolled" / "is already in db" / "is already in the enrollment
         # request" / "is blocked in …"; its exit status differs between versions, so the text is read)
         for i, path in enumerate(signing or ()):
-            qp = shlex.quote(path)
-            check = (f"head -n 1 {qp} | grep -q -- '-----BEGIN .*PRIVATE KEY-----' && echo pem" if i == 0 else
+            qp = word(path)
+            check = (f"head -n 1 {operands(path)} | grep -q -- '-----BEGIN .*PRIVATE KEY-----' && echo pem" if i == 0 else
                      f"if command -v mokutil >/dev/null 2>&1; then mokutil --test-key {qp} 2>&1 | sed 's/^/mok /'; "
                      "else echo 'mok unknown: no mokutil'; fi")
-            parts.append(f"echo {shlex.quote(SECTION + 'signing ' + path)}; [ -r {qp} ] && echo readable && {check}")
+            parts.append(f"echo {word(SECTION + 'signing ' + path)}; [ -r {qp} ] && echo readable && {check}")
         parts.append(f"echo '{SECTION}firmware'; for f in /lib/firmware/nvidia/*/gsp*.bin*; do [ -e \"$f\" ] && echo \"$f\"; done")
         libs = " ".join(f"{d}/libnvidia-ml.so.*" for d in LIB_DIRS)
         parts.append(f"echo '{SECTION}userspace'; for f in {libs}; do [ -e \"$f\" ] && echo \"$f\"; done")
@@ -267,11 +267,11 @@ class NvidiaHostState(FactBase):
             f"[ -e {WANTS_DIR}/nvidia-persistenced.service ] && echo enabled"
         )
         for key, (url, sha256) in sorted((sources or {}).items()):
-            dest = shlex.quote(f"{SOURCE_CACHE}/{sha256}-{source_name(url)}")
+            dest = word(f"{SOURCE_CACHE}/{sha256}-{source_name(url)}")
             local = local_path(url)
-            check = (f"elif [ -f {shlex.quote(local)} ]; then echo \"sha256 $(sha256sum < {shlex.quote(local)} | cut -d' ' -f1)\"; "
+            check = (f"elif [ -f {word(local)} ]; then echo \"sha256 $(sha256sum < {word(local)} | cut -d' ' -f1)\"; "
                      if local else "")
-            parts.append(f"echo {shlex.quote(SECTION + 'source ' + key)}; if [ -f {dest} ]; then echo cached; "
+            parts.append(f"echo {word(SECTION + 'source ' + key)}; if [ -f {dest} ]; then echo cached; "
                          f"{check}else echo absent; fi")
         return "; ".join(f"{{ {p}; }} 2>/dev/null" for p in parts) + "; true"
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import re
-import shlex
 
 from pyinfra.api import FactBase
 
 from facts.base import ShellFact
+from facts.shell import word
 
 BDF = r"(?:[0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
 SYSFS_ATTRIBUTES = (
@@ -361,7 +361,7 @@ class PciIdNames(FactBase):
             raise ValueError(f"PciIdNames: not a vendor:device ID: {', '.join(bad)}")
         return (
             f"for f in {' '.join(PCI_IDS_PATHS)}; do [ -r \"$f\" ] || continue; echo \"file $f\"; "
-            f"awk -v want={shlex.quote(' '.join(wanted))} {shlex.quote(_PCI_IDS_AWK)} \"$f\"; break; done; true"
+            f"awk -v want={word(' '.join(wanted))} {word(_PCI_IDS_AWK)} \"$f\"; break; done; true"
         )
 
     @staticmethod

@@ -9,13 +9,13 @@ writes, so the binding is persisted and applied at the next boot; a read-write o
 from __future__ import annotations
 
 import re
-import shlex
 
 from pyinfra.api import FactBase
 
 from facts.base import ShellFact
 from facts.guest_state import GUEST_STATE_COMMAND, GuestState, parse_guest_state
 from facts.sections import parse_sections, split_sections
+from facts.shell import word
 
 # The rebind transaction's host paths (plan.rebind writes them; `RebindJournal` reads them).
 STATE_DIR = "/var/lib/pvegpu/rebind"
@@ -105,7 +105,7 @@ class GpuHolders(FactBase):
     """
 
     def command(self, nodes):
-        fuser = f"fuser -v {' '.join(shlex.quote(n) for n in nodes)} 2>&1" if nodes else "true"
+        fuser = f"fuser -v {' '.join(word(n) for n in nodes)} 2>&1" if nodes else "true"
         return ("echo '@@ apps'; nvidia-smi --query-compute-apps=gpu_bus_id,pid,process_name "
                 f"--format=csv,noheader 2>/dev/null; echo '@@ fuser'; {fuser}; true")
 

@@ -14,9 +14,10 @@ Neither prefix is a prefix of the other.
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+
+from facts.shell import word
 
 SECTION = "@@ "
 PROBE_SECTION = "@@pvegpu-section "
@@ -24,7 +25,7 @@ PROBE_SECTION = "@@pvegpu-section "
 
 def section_echo(name: str, marker: str = SECTION) -> str:
     """The shell that prints the marker line of section `name` (quoted as one word)."""
-    return f"echo {shlex.quote(marker + name)}"
+    return f"echo {word(marker + name)}"
 
 
 def split_sections(output_lines: Iterable[str], marker: str = SECTION) -> dict[str, list[str]]:

@@ -2,13 +2,13 @@
 facts' own commands, the Python command builders and the templates (plan/render.py gives these
 to jinja as the `q` and `operands` filters).
 
-The one rule (operations/ and plan/ never call shlex themselves; tests/unit/test_shell_helper.py
-holds the line): an operand of a command that takes options goes through `operands`, with the
-command's own end of options (`--` for getopt and Getopt::Long programs, git's
-`--end-of-options`), or `end=""` where the program has none (a shell script reading "$2", a
-'-*' case arm): then a leading '-' is refused here and the spec's rule refuses it at load. Every
-other word (an assignment, a message, a `sh -c` script, an option's value, a path pvegpu makes
-itself) goes through `word`."""
+The one rule (operations/, plan/ and the other facts/ modules never call shlex themselves;
+tests/unit/test_shell_helper.py holds the line): an operand of a command that takes options goes
+through `operands`, with the command's own end of options (`--` for getopt and Getopt::Long
+programs, git's `--end-of-options`), or `end=""` where the program has none (a shell script
+reading "$2", a '-*' case arm): then a leading '-' is refused here and the spec's rule refuses it
+at load. Every other word (an assignment, a message, a `sh -c` script, an option's value, a path
+pvegpu makes itself) goes through `word`."""
 
 from __future__ import annotations
 

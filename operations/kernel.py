@@ -21,12 +21,14 @@ from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
 
 from facts.kernel import KernelStageFacts, NvidiaGateRecords
+from facts.nvidia import NvidiaHostState
 from facts.once import fact_once
 from facts.run_state import need_reboot, record_trial_boot
 from facts.shell import operands, word
 from operations import nvidia, progress
 from operations.files import write_file_command
 from plan import kernel as plan
+from plan import nvidia as nvplan
 from plan.render import render_template
 from spec.models import HostSpec, KernelSpec
 
@@ -87,14 +89,34 @@ def build_kernel(build_dir: str, script: str, manifest_in: str, systemd: bool, t
     yield FunctionCommand(wait_for_build, (build_dir, total), {"key": record} if record else {})
 
 
-def gate_script(spec: HostSpec, build_dir: str, jobs: int) -> str:
+def gate_toolchain(spec: HostSpec, state: dict, manifest: dict | None) -> tuple[str, str | None]:
+    """The compilers the NVIDIA stage's toolchain rule (plan/nvidia.py toolchain_for) picks for the
+    spec's kernel, so the gate builds with the stage's compiler and its src/ build is the stage's:
+    from the kernel's installed headers' CONFIG_CC_VERSION_TEXT, else the finished build's recorded
+    compiler, else the host's `gcc` (kernel-build.sh.j2 records `gcc --version`'s first line: the gcc
+    Kbuild runs, which Kbuild writes as CONFIG_CC_VERSION_TEXT). The gate checks the unpacked headers'
+    own text against them. `state`: the NvidiaHostState fact. None fits: the program the kernel names,
+    which the gate's check then says is missing or another GCC."""
+    k, nv = spec.kernel, spec.nvidia
+    assert k is not None and nv is not None
+    compilers = state.get("compilers") or {}
+    info = (state.get("releases") or {}).get(k.version) or {}
+    text = info.get("cc_version_text") or (manifest or {}).get("compiler") or compilers.get("gcc")
+    chosen = nvplan.toolchain_for(k.version, text, compilers, need_cxx=nv.open)
+    if chosen["cc"]:
+        return chosen["cc"], chosen["cxx"]
+    program = (text or "gcc").split(" ", 1)[0]
+    return program, (program.replace("gcc", "g++") if nv.open else None)
+
+
+def gate_script(spec: HostSpec, build_dir: str, jobs: int, cc: str, cxx: str | None) -> str:
     """The driver x kernel gate of the spec's kernel (templates/kernel-nvidia-gate.sh.j2): the NVIDIA
-    stage's build script against that kernel's headers, with the compiler that built the kernel
-    (the build runs `gcc`: kernel-build.sh.j2) and g++ for the open tree's C++."""
+    stage's build script against that kernel's headers, with the compilers the stage picks for that
+    kernel (`gate_toolchain`: `cc`, and `cxx` for the open tree's C++), so the src/ build is shared."""
     k, nv = spec.kernel, spec.nvidia
     assert k is not None and nv is not None and nv.modules_source is not None
-    build = nvidia.build_context(nvidia.cached_source(nv.modules_source), nv.version, None, "gcc", jobs, k.ccache,
-                                 conftest_cache=False, cxx="g++" if nv.open else None, kernel_dirs=True)
+    build = nvidia.build_context(nvidia.cached_source(nv.modules_source), nv.version, None, cc, jobs, k.ccache,
+                                 conftest_cache=False, cxx=cxx, kernel_dirs=True)
     return render_template(
         "kernel-nvidia-gate.sh.j2", **build, kernel_release=k.version, sha256=nv.modules_source.sha256,
         build_id=plan.build_id(k, base_config_of(k)), state_dir=plan.GATE_DIR, debs_dir=build_dir,
@@ -281,7 +303,8 @@ def prefetch(spec: HostSpec) -> list:
     k = spec.kernel
     if k is None:
         return []
-    return [(KernelStageFacts, fact_args(k, base_config_of(k))), *([(NvidiaGateRecords, {})] if gated(spec) else []),
+    return [(KernelStageFacts, fact_args(k, base_config_of(k))),
+            *([(NvidiaGateRecords, {}), (NvidiaHostState, nvidia.state_kwargs(spec))] if gated(spec) else []),
             *progress.prefetch()]
 
 
@@ -335,7 +358,8 @@ def apply(spec: HostSpec) -> None:
                          "before it is installed or booted",
                     fetch=nvidia.fetch_source_command(nv.modules_source.url, nv.modules_source.sha256,
                                                       nvidia.cached_source(nv.modules_source)),
-                    script=gate_script(spec, build_dir, jobs))
+                    script=gate_script(spec, build_dir, jobs, *gate_toolchain(
+                        spec, fact_once(NvidiaHostState, **nvidia.state_kwargs(spec)), build["manifest"])))
     if action in ("build", "attach", "install"):
         install_kernel(name=f"Install kernel {k.version} packages" + (f" ({running} made the default first)" if keep else ""),
                        build_dir=build_dir, release=k.version, kind=k.source.kind, keep_default=keep)

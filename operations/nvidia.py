@@ -297,7 +297,7 @@ def _sources(nv) -> dict:
             (("modules", nv.modules_source), ("installer", nv.installer)) if src is not None}
 
 
-def _state_kwargs(spec) -> dict:
+def state_kwargs(spec) -> dict:
     """`NvidiaHostState`'s arguments: the running release is probed by name at run time, plus
     the kernel stage's, the configured sources and the signing key/cert."""
     signing = spec.nvidia.signing
@@ -313,7 +313,7 @@ def _gpu_ids() -> dict[str, str]:
 
 def _state_and_steps(spec) -> tuple[dict, list[str], dict]:
     nv = spec.nvidia
-    state = fact_once(NvidiaHostState, **_state_kwargs(spec))
+    state = fact_once(NvidiaHostState, **state_kwargs(spec))
     releases, required = _releases(spec, state["running"])
     steps = nvplan.driver_steps(nv.version, releases, state, modules_source=nv.modules_source,
                                 installer=nv.installer, want_firmware=nv.firmware, required=required,
@@ -325,7 +325,7 @@ def prefetch(spec) -> list:
     """The facts this stage reads (deploy.py reads every stage's in one command)."""
     if spec.nvidia is None:
         return []
-    return [(NvidiaHostState, _state_kwargs(spec)), (HardwareProbe, {}), *progress.prefetch(),
+    return [(NvidiaHostState, state_kwargs(spec)), (HardwareProbe, {}), *progress.prefetch(),
             *handlers.prefetch(spec)]  # the depmod stamp (the stage flushes that handler itself)
 
 

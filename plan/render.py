@@ -150,6 +150,7 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
     ],
     "kernel-zfs-guard.sh.j2": [dict(release="6.14.11-9-bpo12-pvegpu-pve")],
     "nvidia-first-error.sh.j2": [dict()],
+    "nvidia-toolchain-check.sh.j2": [dict(cc="gcc-12", cxx="g++-12"), dict(cc="gcc", cxx=None)],
     "kernel-nvidia-gate.sh.j2": [
         {**_BUILD, "release": None, "kernel_release": "6.14.11-9-bpo12-pvegpu-pve", "cc": "gcc", "cxx": "g++", "ccache": False,
          "conftest_cache": False, "kernel_dirs": True, "sha256": "a" * 64, "build_id": "b" * 64,

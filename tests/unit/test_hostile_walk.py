@@ -985,6 +985,7 @@ WALKS = {
     "nvidia-install.sh.j2": ["test_walk_nvidia_version_and_releases"],
     "nvidia-verify.sh.j2": ["test_walk_nvidia_version_and_releases"],
     "nvidia-conftest-key.sh.j2": ["test_walk_nvidia_version_and_releases"],
+    "nvidia-toolchain-check.sh.j2": ["test_walk_nvidia_version_and_releases"],  # included by the hook and the gate
     "kernel-postinst-nvidia.sh.j2": ["test_walk_nvidia_signing_paths", "test_walk_nvidia_version_and_releases"],
     "modprobe-nvidia.conf.j2": ["test_walk_nvreg_values"],
     "nccl.conf.j2": ["test_walk_nccl_values"],

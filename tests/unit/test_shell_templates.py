@@ -133,7 +133,7 @@ def captured(monkeypatch, module, call) -> tuple[str, dict]:
     (kernel, lambda: kernel.gate_script(HostSpec(
         kernel={"version": "6.14.8-2-pve", "source": {"kind": "proxmox-git", "url": "git://x/pve-kernel.git", "ref": "v1"}},
         nvidia={"version": "595.45.04", "modules_source": {"url": "https://x/a.tgz", "sha256": hashlib.sha256(b"a").hexdigest()}}),
-        "/b", 2)),
+        "/b", 2, "gcc-12", "g++-12")),
 ])
 def test_examples_have_the_keys_the_operations_pass(monkeypatch, module, call):
     name, context = captured(monkeypatch, module, call)

@@ -14,7 +14,7 @@ from pyinfra.api import FunctionCommand
 from pyinfra_testing.util import get_command_string
 
 from facts import kernel as kernel_facts
-from operations import kernel, reboot
+from operations import kernel, nvidia, reboot
 from plan import kernel as plan
 from plan.render import render_template
 from spec.models import KernelSpec
@@ -283,10 +283,16 @@ LOGS = Path(__file__).resolve().parents[2] / "fixtures/nvidia-build-log"
 GATE_RELEASE = "6.14.11-9-bpo12-pvegpu-pve"
 
 
-def gate_host(tmp: Path, log: str) -> tuple[str, Path]:
-    """A build dir holding proxmox-headers-<rel> (a build tree and pve-kernel's usr/lib/modules/<rel>/
-    build link), an open tree whose kernel-open make prints a real failed build's log and fails as
-    it did, and the rendered gate with every host path in `tmp`."""
+GCC12 = "gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0"
+GCC14 = "gcc-14 (Debian 14.2.0-19) 14.2.0"
+
+
+def gate_host(tmp: Path, log: str, cc: str = "gcc", cxx: str = "g++",
+              cc_text: str = "gcc (Debian 12.2.0-14+deb12u1) 12.2.0") -> tuple[str, Path]:
+    """A build dir holding proxmox-headers-<rel> (a build tree whose auto.conf names `cc_text` as the
+    compiler and pve-kernel's usr/lib/modules/<rel>/build link), an open tree whose kernel-open make
+    prints a real failed build's log and fails as it did, and the rendered gate (building with
+    `cc`/`cxx`) with every host path in `tmp`."""
     import hashlib
     import tarfile
 
@@ -306,6 +312,9 @@ def gate_host(tmp: Path, log: str) -> tuple[str, Path]:
     (pkg / "DEBIAN").mkdir(parents=True)
     (pkg / f"usr/src/linux-headers-{GATE_RELEASE}").mkdir(parents=True)
     (pkg / f"usr/src/linux-headers-{GATE_RELEASE}/Makefile").write_text("")
+    (pkg / f"usr/src/linux-headers-{GATE_RELEASE}/include/config").mkdir(parents=True)
+    (pkg / f"usr/src/linux-headers-{GATE_RELEASE}/include/config/auto.conf").write_text(
+        f'CONFIG_CC_VERSION_TEXT="{cc_text}"\n')
     (pkg / f"usr/lib/modules/{GATE_RELEASE}").mkdir(parents=True)
     os.symlink(f"/usr/src/linux-headers-{GATE_RELEASE}", pkg / f"usr/lib/modules/{GATE_RELEASE}/build")
     (pkg / "DEBIAN/control").write_text(f"Package: proxmox-headers-{GATE_RELEASE}\nVersion: 1\nArchitecture: all\n"
@@ -318,7 +327,7 @@ def gate_host(tmp: Path, log: str) -> tuple[str, Path]:
     spec = HostSpec(kernel={"version": GATE_RELEASE, "source": {"kind": "proxmox-git", "url": "git://x/pve-kernel.git",
                                                                 "ref": "v1"}},
                     nvidia={"version": "595.45.04", "modules_source": {"url": f"file://{archive}", "sha256": sha}})
-    script = kernel.gate_script(spec, str(debs), 2)
+    script = kernel.gate_script(spec, str(debs), 2, cc, cxx)
     assert spec.nvidia is not None and spec.nvidia.modules_source is not None
     for old, new in ((nvidia.cached_source(spec.nvidia.modules_source), str(archive)),
                      (nvidia.BUILD_ROOT, str(tmp / "nvidia-build")), (plan.GATE_DIR, str(tmp / "gate"))):
@@ -349,6 +358,69 @@ def test_the_gate_refuses_a_kernel_the_driver_cannot_build_for_quoting_the_first
     tree = f"{debs}/nvidia-gate-headers/usr/src/linux-headers-{GATE_RELEASE}"
     assert f"trees: {tree} {tree}" in (tmp_path / f"gate/{GATE_RELEASE}.log").read_text()
     assert not (debs / "nvidia-gate-headers").exists() and not (tmp_path / f"nvidia-build/595.45.04/{GATE_RELEASE}").exists()
+
+
+def fake_compilers(tmp: Path, banners: dict[str, str]) -> Path:
+    bindir = tmp / "bin"
+    bindir.mkdir()
+    for name, banner in banners.items():
+        (bindir / name).write_text(f"#!/bin/sh\necho '{banner}'\n")
+        (bindir / name).chmod(0o755)
+    return bindir
+
+
+def gate_spec():
+    import hashlib
+
+    from spec.models import HostSpec
+    return HostSpec(kernel={"version": GATE_RELEASE, "source": {"kind": "proxmox-git", "url": "git://x/pve-kernel.git",
+                                                                "ref": "v1"}},
+                    nvidia={"version": "595.45.04", "modules_source": {"url": "https://x/a.tgz", "sha256": hashlib.sha256(b"a").hexdigest()}})
+
+
+DEBIAN_GCCS = {"gcc": "gcc (Debian 12.2.0-14+deb12u1) 12.2.0", "gcc-12": GCC12,
+               "g++": "g++ (Debian 12.2.0-14+deb12u1) 12.2.0", "g++-12": "g++-12 (Debian 12.2.0-14+deb12u1) 12.2.0"}
+
+
+def test_the_gate_builds_with_the_compiler_the_nvidia_stage_picks_for_the_kernel():
+    """A kernel built by `gcc-12` (its CONFIG_CC_VERSION_TEXT, or the finished build's recorded
+    compiler): the NVIDIA stage builds its modules with gcc-12/g++-12 (plan/nvidia.py toolchain_for),
+    so the gate does too, and shares the stage's src/ build dir; the kernel's installed headers come
+    first, and a kernel not built yet is built by the host's `gcc`."""
+    spec = gate_spec()
+    state = {"compilers": DEBIAN_GCCS, "releases": {}}
+    assert kernel.gate_toolchain(spec, state, {"compiler": GCC12}) == ("gcc-12", "g++-12")
+    assert kernel.gate_toolchain(spec, {**state, "releases": {GATE_RELEASE: {"cc_version_text": GCC12}}},
+                                 {"compiler": DEBIAN_GCCS["gcc"]}) == ("gcc-12", "g++-12")
+    assert kernel.gate_toolchain(spec, state, None) == ("gcc", "g++")
+    # none fits: the kernel's own program, which the gate's check names as missing
+    assert kernel.gate_toolchain(spec, {"compilers": {"gcc": "gcc (Debian 14.2.0-19) 14.2.0"}, "releases": {}},
+                                 {"compiler": GCC12}) == ("gcc-12", "g++-12")
+    script = kernel.gate_script(spec, "/b", 2, *kernel.gate_toolchain(spec, state, {"compiler": GCC12}))
+    assert "CC=gcc-12 CXX=g++-12" in script
+    assert f"T={nvidia.src_dir('595.45.04', 'gcc-12', 'g++-12')}" in script
+
+
+def test_the_gate_stops_without_a_record_when_the_kernels_compiler_is_missing_or_another(tmp_path):
+    """The gate checks the unpacked headers' CONFIG_CC_VERSION_TEXT against its compilers as the
+    kernel hook does: gcc-14 absent (a GCC this machine lacks), or a gcc-14 of another GCC, stops it
+    naming that (the host's compiler, not the driver: no .refused record), before anything is built."""
+    script, _ = gate_host(tmp_path, "595.45.04-kernel-without-of_gpio.txt", "gcc-14", "g++-14", GCC14)
+    bindir = fake_compilers(tmp_path, {"gcc": DEBIAN_GCCS["gcc"], "g++": DEBIAN_GCCS["g++"]})
+    done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": f"{bindir}:/usr/bin:/bin"})
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert (f"could not build nvidia 595.45.04 for kernel {GATE_RELEASE}: the compiler gcc-14 is not installed"
+            in done.stderr)
+    assert not (tmp_path / f"gate/{GATE_RELEASE}.refused").exists()
+    assert not (tmp_path / "nvidia-build/595.45.04").exists()
+    (bindir / "gcc-14").write_text("#!/bin/sh\necho 'gcc-14 (Debian 14.3.0-1) 14.3.0'\n")
+    (bindir / "gcc-14").chmod(0o755)
+    done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": f"{bindir}:/usr/bin:/bin"})
+    assert done.returncode == 1
+    assert f"it was built with '{GCC14}', this host's gcc-14 is 'gcc-14 (Debian 14.3.0-1) 14.3.0'" in done.stderr
+    assert not (tmp_path / f"gate/{GATE_RELEASE}.refused").exists()
 
 
 def test_the_gate_stops_without_a_record_when_it_has_no_headers_to_build_against(tmp_path):
