@@ -924,7 +924,7 @@ def test_walk_kernel_release_into_the_grub_trial_and_the_driver_gate(tmp_path):
     for spec in accepted.values():
         k = kernel_of(spec)
         one_word_each(render_template("grub-trial-entry.sh.j2", release=k.version, panic_s=10), [k.version])
-        one_word_each(kernel_stage.gate_script(spec, "/var/lib/pvegpu/kernel-build/b", 2), [k.version])
+        one_word_each(kernel_stage.gate_script(spec, "/var/lib/pvegpu/kernel-build/b", 2, "gcc-12", "g++-12"), [k.version])
 
 
 def test_walk_gpu_pool_into_the_mapping_merge(tmp_path):
