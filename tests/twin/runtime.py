@@ -791,7 +791,16 @@ def stop(name: str, keep: bool = False) -> None:
             os.kill(pid, signal.SIGKILL)  # the pid namespace dies with its init
     unshare_pid = spec.get("unshare_pid")
     if unshare_pid in _spawned:
-        _spawned.pop(unshare_pid).wait(timeout=10)
+        # unshare exits once its child's pid namespace is torn down, which takes long on a loaded
+        # machine (CI: the builds lane compiling beside it); what must not survive is checked next
+        # (twin_processes), so a slow unshare is waited for, then killed, never a failure of its own
+        proc = _spawned.pop(unshare_pid)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            log(f"{name}: unshare {unshare_pid} still waiting on its namespace after 30 s; SIGKILL")
+            proc.kill()
+            proc.wait(timeout=10)
     if not _wait_until(lambda: not twin_processes(spec), 5.0):
         for leftover in twin_processes(spec):
             os.kill(leftover, signal.SIGKILL)
