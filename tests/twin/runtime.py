@@ -723,7 +723,7 @@ def upgrade_in_place(name: str, profile: str) -> Twin:
 
     What the upgrade replaces goes: every file of the old root's dpkg packages (their trixie
     versions are in the new root: gcc-14, the libraries, dpkg's own database) except under /etc,
-    where dpkg keeps a conffile the admin changed (dpkg --force-confold, the guide's default answer).
+    where dpkg keeps a conffile the admin changed (its conffile prompt's default answer: keep yours).
     What no package owns stays as it was: /etc/pve, /etc/modprobe.d, /etc/kernel/cmdline,
     /var/lib/pvegpu, the NVIDIA modules built for 8's kernel under /lib/modules/<8 kernel> (8's
     kernel packages stay installed: dist-upgrade does not remove them), the driver's user space.
@@ -743,7 +743,17 @@ def upgrade_in_place(name: str, profile: str) -> Twin:
     _remove_tree(kept)
     shutil.move(str(tdir / "upper"), kept)
     shutil.rmtree(tdir)
-    owned = _owned_paths(old_lower)
+    try:
+        _prune_upgraded(kept, _owned_paths(old_lower))
+    except BaseException:
+        shutil.rmtree(kept, ignore_errors=True)
+        raise
+    return start(name, profile, address=spec["address"], hardware=spec["hardware"],
+                 owner=spec.get("owner"), live_sysfs=bool(spec.get("live_sysfs")), upgraded_upper=kept)
+
+
+def _prune_upgraded(kept: Path, owned: set[str]) -> None:
+    """Drop from upper dir `kept` what the distribution upgrade replaces (upgrade_in_place)."""
     shutil.rmtree(kept / "var/lib/dpkg", ignore_errors=True)  # dpkg's database: the new root's, rewritten
     for dirpath, dirnames, filenames in os.walk(kept):
         rel_dir = os.path.relpath(dirpath, kept)
@@ -754,8 +764,6 @@ def upgrade_in_place(name: str, profile: str) -> Twin:
             rel = os.path.normpath(os.path.join(rel_dir, entry))
             if rel in owned:  # a file, symlink or whiteout over an old package's path
                 os.unlink(os.path.join(dirpath, entry))
-    return start(name, profile, address=spec["address"], hardware=spec["hardware"],
-                 owner=spec.get("owner"), live_sysfs=bool(spec.get("live_sysfs")), upgraded_upper=kept)
 
 
 def set_pve_delay(root: Path | str, seconds: str | float | None) -> None:
