@@ -714,6 +714,11 @@ def compute(root: Path, profile: dict, previous: str | None = None, choice: dict
         if module["gcc"]:
             nv["gcc"] = module["gcc"]
         refused = module_load_refusal(root, profile, release, params, root / module["path"].lstrip("/"))
+    elif profile.get("pve") and nv.get("version") and nv.get("installed") is not False:
+        # a Proxmox host whose driver is installed files (_seed_nvidia_install) booting a kernel without
+        # an nvidia.ko (9's kernel after the 8 -> 9 upgrade, before the converge builds one): modprobe
+        # finds nothing to load (kmod tools/modprobe.c: "Module %s not found in directory %s")
+        refused = f"Module nvidia not found in directory /lib/modules/{release}"
     loaded = list(dict.fromkeys([m.replace("-", "_") for m in profile.get("modules_loaded", [])] + loaded_extra))
     if refused:
         # the kernel refused nvidia.ko: it and the modules that need it stay out, its GPUs get no driver
@@ -1234,6 +1239,19 @@ def install(root: Path, profile: str, node: str | None = None, pve_dir: Path | N
     data = load_profile(profile)
     if node:
         data["node"] = node
+    _write_profile(root, profile, data, node)
+    install_standins(root, data)
+    _seed_kernels(root, data)
+    _seed_nvidia_install(root, data)
+    if (data.get("nvidia") or {}).get("version"):  # an operator's download of the host's driver
+        installer.build(data["nvidia"]["version"], root / "opt/nvidia")
+    _seed_boot(root, data)
+    if data.get("pve"):
+        _seed_pve(root, data, pve_dir)
+    render(root)
+
+
+def _write_profile(root: Path, profile: str, data: dict, node: str | None) -> None:
     twin = root / TWIN_DIR
     twin.mkdir(parents=True, exist_ok=True)
     src = Path(profile) if Path(profile).suffix else PROFILES_DIR / f"{profile}.yml"
@@ -1243,14 +1261,46 @@ def install(root: Path, profile: str, node: str | None = None, pve_dir: Path | N
         text, n = re.subn(r"^node: .*$", f"node: {node}", text, count=1, flags=re.M)
         (twin / "profile.yml").write_text(text if n else text + f"node: {node}\n")
     (twin / "profile.json").write_text(json.dumps(data, indent=1))  # stand-ins have no pyyaml
+
+
+def upgrade_install(root: Path, profile: str) -> None:
+    """The packages of `profile` over a root an older profile's twin left (tests/twin/runtime.py
+    upgrade_in_place pruned what the distribution upgrade replaces): its stand-ins, its kernels
+    (8's stay beside them), its Proxmox VE packages in the new dpkg database, its repository file
+    (the 8 one-line file gives way to 9's deb822 file, as the upgrade guide moves the sources to
+    trixie), boot entries for the new kernels. Not seeded: the NVIDIA modules for the new kernel
+    (nothing builds them during the upgrade in the twin; pvegpu's converge has to), the guests and
+    /etc/pve (they carry over)."""
+    root = Path(root)
+    data = load_profile(profile)
+    node = (json.loads((root / TWIN_DIR / "profile.json").read_text()).get("node")
+            if (root / TWIN_DIR / "profile.json").exists() else None)
+    if node:
+        data["node"] = node
+    _write_profile(root, profile, data, node)
     install_standins(root, data)
     _seed_kernels(root, data)
-    _seed_nvidia_install(root, data)
-    if (data.get("nvidia") or {}).get("version"):  # an operator's download of the host's driver
-        installer.build(data["nvidia"]["version"], root / "opt/nvidia")
-    _seed_boot(root, data)
+    boot = data["boot"]
+    if boot["loader"] == "systemd-boot":
+        # the kernel packages' postinst hook (/etc/kernel/postinst.d/zz-proxmox-boot, proxmox-kernel-helper)
+        # runs `proxmox-boot-tool refresh`: each installed kernel copied to the ESPs with an entry whose
+        # options are /etc/kernel/cmdline (proxmox-boot-tool's refresh / zz-proxmox-boot)
+        cmdline = (_read(root, "etc/kernel/cmdline") or boot["cmdline"]).strip()
+        uuid = (_read(root, "etc/kernel/proxmox-boot-uuids") or boot.get("esp_uuid", "0E4E-3C5A")).split()[0]
+        esp = root / ESP_ROOT / uuid
+        for rel in data["kernel"].get("installed") or [data["kernel"]["release"]]:
+            if not (esp / "loader/entries" / f"proxmox-{rel}.conf").exists():
+                _write(esp / "EFI/proxmox" / rel / f"vmlinuz-{rel}", "")
+                _write(esp / "EFI/proxmox" / rel / f"initrd.img-{rel}", "")
+                _write(esp / "loader/entries" / f"proxmox-{rel}.conf",
+                       f"title    Proxmox Virtual Environment\nversion  {rel}\noptions  {cmdline}\n"
+                       f"linux    /EFI/proxmox/{rel}/vmlinuz-{rel}\ninitrd   /EFI/proxmox/{rel}/initrd.img-{rel}\n")
     if data.get("pve"):
-        _seed_pve(root, data, pve_dir)
+        _write(root / "etc/hostname", data.get("node", data["name"]) + "\n")  # the node's name, kept by the upgrade
+        _seed_pve_packages(root, data)
+        for rel, _text in PVE_REPOSITORY.values():
+            (root / rel).unlink(missing_ok=True)
+        _seed_pve_repository(root, data)
     render(root)
 
 

@@ -600,13 +600,16 @@ def _prepare_root(root: Path, name: str, address: str, key: Path) -> None:
 
 def start(name: str, profile: str, address: str | None = None,
           hardware: str = DEFAULT_HARDWARE, owner: int | None = None, live_sysfs: bool = False,
-          cluster: str | None = None) -> Twin:
+          cluster: str | None = None, upgraded_upper: Path | None = None) -> Twin:
     """Start twin `name` with hardware `profile`; returns once its sshd answers.
 
     `hardware` is the module providing install(root, profile) and render(root): a dotted
     name or a .py path (tests use stand-ins). `owner`: pid of a process whose death makes
     the twin stale (see stop_orphans). `live_sysfs`: /sys read-write with the kernel model
     (tests/twin/livesys.py) serving driver rebinds; False: /sys read-only (module docstring).
+    `upgraded_upper`: the upper dir of a stopped twin, pruned by upgrade_in_place: it becomes this
+    twin's upper over the new profile's root and the profile's packages are seeded over it
+    (hardware.upgrade_install), not a fresh install.
     Raises TwinError; cleans up after itself.
     """
     require_root()
@@ -640,7 +643,11 @@ def start(name: str, profile: str, address: str | None = None,
             raise TwinError(f"{address} is in use by another twin")
         root, key = tdir / "root", tdir / "id_ed25519"
         for sub in ("upper", "work", "root"):
-            (tdir / sub).mkdir(parents=True)
+            if sub == "upper" and upgraded_upper is not None:
+                tdir.mkdir(parents=True, exist_ok=True)
+                shutil.move(str(upgraded_upper), tdir / "upper")
+            else:
+                (tdir / sub).mkdir(parents=True)
         spec: dict[str, Any] = {"name": name, "profile": profile, "address": address, "port": SSH_PORT,
                 "key": str(key), "pid": None, "root": str(root), "hardware": hardware,
                 "lower": str(lower), "owner": owner, "starter": os.getpid(),
@@ -654,7 +661,9 @@ def start(name: str, profile: str, address: str | None = None,
         _prepare_root(root, name, address, key)
         set_pve_delay(root, os.environ.get("PVEGPU_TWIN_PVE_DELAY"))
         (tdir / "uptime").write_text("0.00 0.00".ljust(40) + "\n")
-        if cluster is None:
+        if upgraded_upper is not None:
+            load_hardware(hardware).upgrade_install(root, profile)
+        elif cluster is None:
             load_hardware(hardware).install(root, profile)
         else:
             shared = cluster_pve(cluster)
@@ -691,6 +700,70 @@ def start(name: str, profile: str, address: str | None = None,
         f"(root cache {t_cache:.2f} s)")
     return Twin(name=name, profile=profile, address=address, port=SSH_PORT, key=str(key),
                 pid=spec["pid"], root=str(root))
+
+
+def _owned_paths(lower: Path) -> set[str]:
+    """The paths dpkg's packages of root `lower` own (var/lib/dpkg/info/*.list), relative, under the
+    merged /usr where the root links bin, sbin, lib, lib64 to it."""
+    merged = {top: f"usr/{top}" for top in ("bin", "sbin", "lib", "lib64") if (lower / top).is_symlink()}
+    owned = set()
+    for listing in (lower / "var/lib/dpkg/info").glob("*.list"):
+        for line in listing.read_text(errors="replace").splitlines():
+            rel = line.strip().lstrip("/")
+            if not rel:
+                continue
+            top, _, rest = rel.partition("/")
+            owned.add(f"{merged[top]}/{rest}" if top in merged and rest else rel)
+    return owned
+
+
+def upgrade_in_place(name: str, profile: str) -> Twin:
+    """Move a stopped-and-kept twin's state onto `profile`'s root as a distribution upgrade leaves a
+    host (8 -> 9: Proxmox's "Upgrade from 8 to 9": sources moved to trixie, `apt dist-upgrade`, reboot).
+
+    What the upgrade replaces goes: every file of the old root's dpkg packages (their trixie
+    versions are in the new root: gcc-14, the libraries, dpkg's own database) except under /etc,
+    where dpkg keeps a conffile the admin changed (its conffile prompt's default answer: keep yours).
+    What no package owns stays as it was: /etc/pve, /etc/modprobe.d, /etc/kernel/cmdline,
+    /var/lib/pvegpu, the NVIDIA modules built for 8's kernel under /lib/modules/<8 kernel> (8's
+    kernel packages stay installed: dist-upgrade does not remove them), the driver's user space.
+    Nothing is built for 9's kernel: its /lib/modules has what its package ships (the twin: none).
+    Then the new profile's packages are seeded (hardware.upgrade_install) and the twin boots it,
+    as the reboot the guide ends with."""
+    require_root()
+    spec = _read_spec(name)
+    if not spec or not _in_use(spec):
+        raise TwinError(f"twin {name} is not running: nothing to upgrade")
+    if spec.get("cluster"):
+        raise TwinError(f"twin {name} is a cluster node: upgrade_in_place moves single twins only")
+    old_lower = Path(spec["lower"])
+    stop(name, keep=True)
+    tdir = TWINS_DIR / name
+    kept = TWINS_DIR / f".{name}.upper-upgrading"
+    _remove_tree(kept)
+    shutil.move(str(tdir / "upper"), kept)
+    shutil.rmtree(tdir)
+    try:
+        _prune_upgraded(kept, _owned_paths(old_lower))
+    except BaseException:
+        shutil.rmtree(kept, ignore_errors=True)
+        raise
+    return start(name, profile, address=spec["address"], hardware=spec["hardware"],
+                 owner=spec.get("owner"), live_sysfs=bool(spec.get("live_sysfs")), upgraded_upper=kept)
+
+
+def _prune_upgraded(kept: Path, owned: set[str]) -> None:
+    """Drop from upper dir `kept` what the distribution upgrade replaces (upgrade_in_place)."""
+    shutil.rmtree(kept / "var/lib/dpkg", ignore_errors=True)  # dpkg's database: the new root's, rewritten
+    for dirpath, dirnames, filenames in os.walk(kept):
+        rel_dir = os.path.relpath(dirpath, kept)
+        if rel_dir == "etc" or rel_dir.startswith("etc/"):
+            dirnames[:] = []
+            continue
+        for entry in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            rel = os.path.normpath(os.path.join(rel_dir, entry))
+            if rel in owned:  # a file, symlink or whiteout over an old package's path
+                os.unlink(os.path.join(dirpath, entry))
 
 
 def set_pve_delay(root: Path | str, seconds: str | float | None) -> None:
