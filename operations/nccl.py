@@ -40,7 +40,7 @@ from facts.guest_state import guest_state, running_containers, with_ct_status
 from facts.hardware import HardwareProbe
 from facts.nccl import DROPIN_NAME, NCCL_CONF, SYSTEMD_DIR, NcclState
 from facts.once import fact_once, forget
-from facts.run_state import run_state
+from facts.run_state import reboot_reasons, run_state
 from facts.shell import word
 from operations import handlers
 from operations.files import absent_file, file_current, managed_file, write_file_command
@@ -51,6 +51,7 @@ from plan.nccl import (
     nccl_conf_lines,
     nccl_plan_for_spec,
     render_nccl_conf,
+    unseen_gpus,
 )
 from plan.render import render_template
 from plan.topology_report import verdict_from_hardware
@@ -270,6 +271,16 @@ def converge(spec, after_reboot: bool = False) -> None:
     state = nccl_state(paths, ctids)
     want = desired(spec, hardware, state["rdma_devices"], state)
     prefix = "after the reboot: " if after_reboot else ""
+    unseen = unseen_gpus({bdf: gpu.driver for bdf, gpu in spec.gpus.items()}, hardware.get("nvidia_gpus"))
+    if unseen:
+        if after_reboot:
+            then = "still not listed after the reboot (the host checks say why)"
+        elif spec.reboot.allowed and reboot_reasons():
+            then = "planned again when this run's reboot is over"
+        else:
+            then = "converge again once they are on nvidia (after the pending reboot)"
+        logger.warning(f"{host.name}: {prefix}NCCL: WARNING: planned without {', '.join(unseen)} (for the nvidia driver, "
+                       f"not listed by nvidia-smi now): {then}")
     for line in describe(want):
         (logger.warning if "WARNING:" in line else logger.info)(f"{host.name}: {prefix}{line}")
     for op, kwargs in stage_operations(want, state):

@@ -130,6 +130,8 @@ def test_8_to_9_in_place(twin_factory, tmp_path, monkeypatch):
     # The NCCL stage planned from the facts read before the run, when 9's kernel had no nvidia.ko and
     # no GPU a driver; after the reboot it plans again on the booted host: SEV-SNP's
     # NCCL_P2P_DISABLE=1 is there when the run ends (before: missing until a second converge)
+    assert "NCCL: WARNING: planned without 0000:01:00.0" in conv.output  # said, with what follows
+    assert "planned again when this run's reboot is over" in conv.output
     assert "NCCL environment: planned again on the rebooted host" in conv.output
     assert "NCCL_P2P_DISABLE=1" in (root / "etc/nccl.conf").read_text(), conv.output[-6000:]
     again = run_pyinfra(inv9, "deploy.py")
