@@ -611,7 +611,8 @@ def start(name: str, profile: str, address: str | None = None,
     `upgraded_upper`: the upper dir of a stopped twin, pruned by upgrade_in_place: it becomes this
     twin's upper over the new profile's root and the profile's packages are seeded over it
     (hardware.upgrade_install), not a fresh install. `address_hold`: an fd holding the claim of
-    `address` (upgrade_in_place), closed just before the supervisor takes the claim over.
+    `address` (upgrade_in_place); else start takes the claim itself once the address is chosen.
+    Either is closed just before the supervisor takes the claim over.
     Raises TwinError; cleans up after itself.
     """
     require_root()
@@ -643,8 +644,15 @@ def start(name: str, profile: str, address: str | None = None,
             address = _pick_address()
         elif any(_in_use(s) and s["address"] == address for s in status()):
             raise TwinError(f"{address} is in use by another twin")
-        elif address_hold is None and _claimed(address):
-            raise TwinError(f"{address} is claimed by a twin of another checkout")
+        if address_hold is None:
+            # claimed from here on, not only once the supervisor runs (seconds later, after the
+            # install): a twin of another checkout picking meanwhile skips it
+            address_hold = _claim_file(address)
+            try:
+                fcntl.flock(address_hold, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(address_hold)
+                raise TwinError(f"{address} is claimed by a twin of another checkout") from None
         root, key = tdir / "root", tdir / "id_ed25519"
         for sub in ("upper", "work", "root"):
             if sub == "upper" and upgraded_upper is not None:
