@@ -18,6 +18,8 @@ Stage protocol (one module per concern under operations/):
     apply(spec) -> None            # yields pyinfra operations; reports reboot reasons via plan.reboot
                                    # and what a slow side effect (update-initramfs, the boot loader
                                    # refresh) depends on via operations.handlers (run once, late)
+    after_reboot(spec) -> None     # when the run reboots the host: operations after the reboot that
+                                   # plan again from the booted host's facts; optional
 """
 
 from pyinfra import host, logger
@@ -25,6 +27,7 @@ from pyinfra.api.exceptions import DeployError
 
 from compat.pyinfra_speedups import install as install_speedups
 from facts.once import prefetch
+from facts.run_state import run_state
 from operations import MissingStage, load_stages, runlock, upgrade
 from operations.backup import is_dry, show_dry_diffs
 from plan.summary import spec_summary
@@ -74,6 +77,13 @@ prefetch([request for _, module in stages if hasattr(module, "prefetch_apply")
 
 for _name, module in stages:
     module.apply(spec)
+
+# The reboot stage reboots the host this run: a stage whose plan reads what a boot changes (the GPUs
+# on their driver, the topology nvidia-smi reports) plans again once the host is back.
+if run_state().rebooting:
+    for _name, module in stages:
+        if hasattr(module, "after_reboot"):
+            module.after_reboot(spec)
 
 # --dry: every file and Proxmox config that would change, as a unified diff (operations/backup.py)
 if is_dry():

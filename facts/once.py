@@ -53,3 +53,12 @@ def fact_once(fact_cls, **kwargs):
     if key not in memo:
         memo[key] = host.get_fact(fact_cls, **kwargs)
     return memo[key]
+
+
+def forget(*fact_classes) -> None:
+    """Drop this host's readings of `fact_classes` (every kwargs): the next `fact_once` reads them
+    again. For a stage that plans again once the run's reboot is over (deploy.py, `after_reboot`)."""
+    memo = run_state().facts
+    names = {(cls.__module__, cls.__name__) for cls in fact_classes}
+    for key in [key for key in memo if key[:2] in names]:
+        del memo[key]

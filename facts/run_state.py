@@ -11,6 +11,8 @@ run), created on first use:
   stage's bindings and rebind plan, `operations.gpus.stage_facts`), by stage name;
 - ``reboot``: reboot reasons the stages report (`need_reboot`), read by the reboot stage;
 - ``trial_boot``: the kernel a trial boot selects this run (`record_trial_boot`);
+- ``rebooting``: the reboot stage reboots the host this run (then deploy.py has the stages with an
+  ``after_reboot`` plan again on the booted host);
 - ``handlers``: what the run's slow side effects depend on (`operations.handlers`).
 
 **One rule for when a reading is stale.** Stages read facts while operations are *generated*,
@@ -39,6 +41,7 @@ class RunState:
     memos: dict[str, Any] = field(default_factory=dict)
     reboot: list[tuple[str, str]] = field(default_factory=list)
     trial_boot: dict | None = None
+    rebooting: bool = False
     handlers: dict[str, Any] = field(default_factory=dict)
 
     def need_reboot(self, kind: str, detail: str) -> None:

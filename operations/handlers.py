@@ -106,6 +106,13 @@ def notify(handler: str, why: str, target: Any = None) -> None:
         reasons.append(why)
 
 
+def clear_reasons(handler: str, target: Any = None) -> None:
+    """Forget `handler`'s reasons so far (the end-of-run step ran it for them); the files it depends
+    on stay. A stage that declares again after the run's reboot (operations/nccl.py) starts here,
+    so `flush` runs the side effect only for what that pass changes."""
+    _entry(handler, target)["reasons"].clear()
+
+
 def depmod_command(inputs: dict) -> str:
     """`depmod <release>` for each release whose module dir (/lib/modules/<release>/…) is an input;
     depmod indexes one release per call (kmod 30 tools/depmod.c do_depmod: the first operand is the

@@ -17,6 +17,13 @@ a run while it runs). A CT whose ``/`` is the host's ``/`` (same device:inode: a
 runs commands on the host itself) is skipped too: writing "its" /etc/nccl.conf would overwrite
 the host's.
 
+After a reboot the run takes (`after_reboot`, called by deploy.py): the plan was made from facts
+read before the run, when the GPUs may have had no driver (the run built nvidia.ko for the kernel
+it boots: a new kernel, the 8 -> 9 upgrade, a driver change) and nvidia-smi listed none of them,
+so no pair and no variable (on a SEV-SNP host, incident 7, no NCCL_P2P_DISABLE=1). Once the host
+is back, the stage reads its facts again and runs the same operations against them; what already
+holds is a no-op.
+
 No-change cost: one remote command (`NcclState`: file states, RDMA list, systemd, drop-ins and
 each running GPU CT's file) plus the HardwareProbe, read once per run for every stage (the run
 state, `facts.run_state`; pyinfra 3 has no fact cache); the CT run state is this run's
@@ -27,11 +34,13 @@ from __future__ import annotations
 
 from pyinfra import host, logger
 from pyinfra.api import StringCommand, deploy, operation
+from pyinfra.operations import python
 
 from facts.guest_state import guest_state, running_containers, with_ct_status
 from facts.hardware import HardwareProbe
 from facts.nccl import DROPIN_NAME, NCCL_CONF, SYSTEMD_DIR, NcclState
-from facts.once import fact_once
+from facts.once import fact_once, forget
+from facts.run_state import reboot_reasons, run_state
 from facts.shell import word
 from operations import handlers
 from operations.files import absent_file, file_current, managed_file, write_file_command
@@ -42,6 +51,7 @@ from plan.nccl import (
     nccl_conf_lines,
     nccl_plan_for_spec,
     render_nccl_conf,
+    unseen_gpus,
 )
 from plan.render import render_template
 from plan.topology_report import verdict_from_hardware
@@ -249,12 +259,55 @@ def preflight(spec) -> list[str]:
 
 @deploy("NCCL environment")
 def apply(spec) -> None:
+    converge(spec)
+
+
+def converge(spec, after_reboot: bool = False) -> None:
+    """The stage's operations from this run's facts (`apply`), or, `after_reboot`, from facts read
+    again on the rebooted host, where every operation runs at once (pyinfra executes an operation
+    called while the run executes immediately: api/operation.py execute_immediately)."""
     hardware = hardware_facts(spec)
     ctids, paths = stage_targets(spec)
     state = nccl_state(paths, ctids)
     want = desired(spec, hardware, state["rdma_devices"], state)
+    prefix = "after the reboot: " if after_reboot else ""
+    unseen = unseen_gpus({bdf: gpu.driver for bdf, gpu in spec.gpus.items()}, hardware.get("nvidia_gpus"))
+    if unseen:
+        if after_reboot:
+            then = "still not listed after the reboot (the host checks say why)"
+        elif spec.reboot.allowed and reboot_reasons():
+            then = "planned again when this run's reboot is over"
+        else:
+            then = "converge again once they are on nvidia (after the pending reboot)"
+        logger.warning(f"{host.name}: {prefix}NCCL: WARNING: planned without {', '.join(unseen)} (for the nvidia driver, "
+                       f"not listed by nvidia-smi now): {then}")
     for line in describe(want):
-        (logger.warning if "WARNING:" in line else logger.info)(f"{host.name}: {line}")
+        (logger.warning if "WARNING:" in line else logger.info)(f"{host.name}: {prefix}{line}")
     for op, kwargs in stage_operations(want, state):
         op(**kwargs)
-    declare_reload(want, state)
+    if not after_reboot:
+        declare_reload(want, state)
+        return
+    if declare_reload_again(want, state):
+        handlers.flush(handlers.DAEMON_RELOAD)
+
+
+def declare_reload_again(want: dict, state: dict, target=None) -> bool:
+    """After the reboot: the end-of-run step already ran the daemon-reload for the reasons declared
+    before it; whether this pass needs it again (a drop-in it changes or removes)."""
+    handlers.clear_reasons(handlers.DAEMON_RELOAD, target)
+    declare_reload(want, state, target)
+    return bool(handlers.pending(target).get(handlers.DAEMON_RELOAD, {}).get("reasons"))
+
+
+def plan_again(spec) -> None:
+    """`python.call` target: forget the readings made before the reboot, then converge again."""
+    forget(HardwareProbe, NcclState)
+    run_state().guests_changed()  # CTs start at boot (onboot) or not: read their state again
+    converge(spec, after_reboot=True)
+
+
+def after_reboot(spec) -> None:
+    """deploy.py calls this when the run reboots the host: one operation after the reboot stage's
+    that plans the NCCL environment again from the booted host's facts (`plan_again`)."""
+    python.call(name="NCCL environment: planned again on the rebooted host", function=plan_again, spec=spec)

@@ -24,7 +24,7 @@ from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
 from pyinfra.operations import server
 
 from facts.files import FileTexts
-from facts.run_state import reboot_reasons, trial_boot_of
+from facts.run_state import reboot_reasons, run_state, trial_boot_of
 from plan.kernel import finish_trial_command
 from plan.reboot import member_back, parse_cluster, pending_summary, roll_width
 from spec.models import HostSpec
@@ -119,6 +119,7 @@ def apply(spec: HostSpec) -> None:
         return
     for line in summary:
         logger.info(line)
+    run_state().rebooting = True  # deploy.py: stages with an after_reboot plan again after it
     if view.name is None or width == 0:
         server.reboot(name=name, delay=5, interval=2, reboot_timeout=REBOOT_TIMEOUT_S)
     else:

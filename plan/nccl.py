@@ -562,3 +562,11 @@ def custom_allreduce_warnings(env: dict[str, dict], exec_start: dict[str, list[s
             out.append(f"{unit} runs {program} with its custom allreduce on: its GPU-to-GPU DMA ignores the NCCL "
                        "variables; add --disable-custom-all-reduce to its ExecStart")
     return out
+
+
+def unseen_gpus(drivers: dict[str, str | None], nvidia_gpus: dict | None) -> list[str]:
+    """The GPUs the spec puts on the nvidia driver (`drivers`: BDF -> the driver its role binds)
+    that nvidia-smi did not list this run (no driver yet: a kernel whose nvidia.ko this run builds,
+    a reboot pending). A plan made without them misses their pairs and what those call for."""
+    listed = set(nvidia_gpus or {})
+    return sorted(bdf for bdf, driver in drivers.items() if driver == "nvidia" and bdf not in listed)

@@ -18,6 +18,7 @@ import os
 from pyinfra import host
 from pyinfra.api.exceptions import DeployError
 
+from facts.run_state import run_state
 from spec.models import KernelSpec
 
 spec = host.data.get("pvegpu_spec")
@@ -39,3 +40,7 @@ if refusals:
     raise DeployError("preflight refused:\n  - " + "\n  - ".join(refusals))
 for m in modules:
     m.apply(spec)
+if run_state().rebooting:  # as deploy.py: the stages with an after_reboot plan again once it is back
+    for m in modules:
+        if hasattr(m, "after_reboot"):
+            m.after_reboot(spec)

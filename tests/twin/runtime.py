@@ -600,7 +600,8 @@ def _prepare_root(root: Path, name: str, address: str, key: Path) -> None:
 
 def start(name: str, profile: str, address: str | None = None,
           hardware: str = DEFAULT_HARDWARE, owner: int | None = None, live_sysfs: bool = False,
-          cluster: str | None = None, upgraded_upper: Path | None = None) -> Twin:
+          cluster: str | None = None, upgraded_upper: Path | None = None,
+          address_hold: int | None = None) -> Twin:
     """Start twin `name` with hardware `profile`; returns once its sshd answers.
 
     `hardware` is the module providing install(root, profile) and render(root): a dotted
@@ -609,7 +610,9 @@ def start(name: str, profile: str, address: str | None = None,
     (tests/twin/livesys.py) serving driver rebinds; False: /sys read-only (module docstring).
     `upgraded_upper`: the upper dir of a stopped twin, pruned by upgrade_in_place: it becomes this
     twin's upper over the new profile's root and the profile's packages are seeded over it
-    (hardware.upgrade_install), not a fresh install.
+    (hardware.upgrade_install), not a fresh install. `address_hold`: an fd holding the claim of
+    `address` (upgrade_in_place); else start takes the claim itself once the address is chosen.
+    Either is closed just before the supervisor takes the claim over.
     Raises TwinError; cleans up after itself.
     """
     require_root()
@@ -641,6 +644,15 @@ def start(name: str, profile: str, address: str | None = None,
             address = _pick_address()
         elif any(_in_use(s) and s["address"] == address for s in status()):
             raise TwinError(f"{address} is in use by another twin")
+        if address_hold is None:
+            # claimed from here on, not only once the supervisor runs (seconds later, after the
+            # install): a twin of another checkout picking meanwhile skips it
+            address_hold = _claim_file(address)
+            try:
+                fcntl.flock(address_hold, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(address_hold)
+                raise TwinError(f"{address} is claimed by a twin of another checkout") from None
         root, key = tdir / "root", tdir / "id_ed25519"
         for sub in ("upper", "work", "root"):
             if sub == "upper" and upgraded_upper is not None:
@@ -676,6 +688,9 @@ def start(name: str, profile: str, address: str | None = None,
                 write_vmlist(shared)
                 write_members(cluster, also=name)
         log_file = tdir / "supervisor.log"
+        if address_hold is not None:  # the supervisor claims the address as it starts
+            os.close(address_hold)
+            address_hold = None
         with open(log_file, "ab") as out:
             proc = subprocess.Popen(
                 ["unshare", "--mount", "--pid", "--uts", "--fork", "--propagation", "private",
@@ -691,6 +706,8 @@ def start(name: str, profile: str, address: str | None = None,
         _write_spec(tdir, spec)
         _wait_for_sshd(address, spec["pid"], log_file)
     except BaseException:
+        if address_hold is not None:
+            os.close(address_hold)
         try:
             stop(name)
         except Exception as cleanup_error:  # report the first error, keep the second visible
@@ -737,7 +754,15 @@ def upgrade_in_place(name: str, profile: str) -> Twin:
     if spec.get("cluster"):
         raise TwinError(f"twin {name} is a cluster node: upgrade_in_place moves single twins only")
     old_lower = Path(spec["lower"])
+    # the address stays this twin's across the stop and the start: a twin another checkout starts
+    # in between would otherwise find it free (its sshd would answer this twin's ssh)
+    hold = _claim_file(spec["address"])
     stop(name, keep=True)
+    try:
+        fcntl.flock(hold, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(hold)
+        raise TwinError(f"twin {name}: {spec['address']} was claimed by another twin while it stopped") from None
     tdir = TWINS_DIR / name
     kept = TWINS_DIR / f".{name}.upper-upgrading"
     _remove_tree(kept)
@@ -747,9 +772,11 @@ def upgrade_in_place(name: str, profile: str) -> Twin:
         _prune_upgraded(kept, _owned_paths(old_lower))
     except BaseException:
         shutil.rmtree(kept, ignore_errors=True)
+        os.close(hold)
         raise
     return start(name, profile, address=spec["address"], hardware=spec["hardware"],
-                 owner=spec.get("owner"), live_sysfs=bool(spec.get("live_sysfs")), upgraded_upper=kept)
+                 owner=spec.get("owner"), live_sysfs=bool(spec.get("live_sysfs")), upgraded_upper=kept,
+                 address_hold=hold)
 
 
 def _prune_upgraded(kept: Path, owned: set[str]) -> None:

@@ -312,6 +312,25 @@ def test_start_refuses_addresses_outside_the_twin_range(tmp_path):
     assert not (runtime.TWINS_DIR / "refused").exists()
 
 
+def test_start_refuses_an_address_a_twin_of_another_checkout_claims(twin_root_cache, hardware):
+    """An address another checkout's twin holds (its supervisor's flock under ADDRESS_CLAIMS) is
+    refused, not shared: the new twin's ssh would reach the other one (seen when upgrade_in_place
+    restarted a twin on its address while another checkout started one). Fails on a start that
+    checked only this checkout's twins."""
+    import fcntl
+
+    module, profiles = hardware
+    address = runtime._pick_address()
+    other = runtime._claim_file(address)  # what another checkout's supervisor holds
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(runtime.TwinError, match="claimed by a twin of another checkout"):
+            runtime.start("claimed", profiles[0], address=address, hardware=module)
+    finally:
+        os.close(other)
+    assert not (runtime.TWINS_DIR / "claimed").exists()
+
+
 def test_not_root_is_refused_with_a_clear_message(tmp_path):
     twinctl = str(runtime.REPO / "tests/twin/twinctl")
     if os.geteuid() == 0:  # drop to nobody to see what a non-root user sees

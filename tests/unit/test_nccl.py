@@ -381,3 +381,14 @@ def test_plan_summary_says_nccl_values_need_a_restart():
     spec = validate_spec({"hosts": {"h": {"nccl": {"services": ["vllm"]}}}}, "x.yml")["h"]
     line = next(line for line in spec_summary("h", spec) if "NCCL" in line)
     assert "drop-ins for vllm" in line and "until restarted" in line
+
+
+def test_gpus_for_nvidia_that_nvidia_smi_does_not_list_are_named():
+    """A plan made while the spec's nvidia GPUs have no driver (nvidia-smi lists none) says which."""
+    from plan.nccl import unseen_gpus
+
+    drivers = {"0000:01:00.0": "nvidia", "0000:02:00.0": "nvidia", "0000:81:00.0": "vfio-pci", "0000:82:00.0": None}
+    assert unseen_gpus(drivers, {}) == ["0000:01:00.0", "0000:02:00.0"]
+    assert unseen_gpus(drivers, None) == ["0000:01:00.0", "0000:02:00.0"]
+    assert unseen_gpus(drivers, {"0000:01:00.0": {}}) == ["0000:02:00.0"]
+    assert unseen_gpus(drivers, {"0000:01:00.0": {}, "0000:02:00.0": {}}) == []

@@ -187,6 +187,22 @@ def reload_runs(want, state, stamps=None):
     return [r for r in handlers.handler_runs(handlers.pending(target), stamps or {}) if r["handler"] == handlers.DAEMON_RELOAD]
 
 
+def test_after_the_reboot_daemon_reload_runs_again_only_for_a_dropin_that_pass_changes():
+    """The pass after the reboot (operations.nccl:converge, after_reboot) declares the drop-ins
+    again: the reasons of the pass before the reboot (already reloaded) do not count, a drop-in
+    the new plan changes does."""
+    spec = kpro6_spec(services=["vllm"])
+    want = nccl.desired(spec, kpro6_hardware(), rdma_devices=[])
+    target = Target()
+    nccl.declare_reload(want, state_for(want, converged=False), target=target)  # before the reboot: written
+    assert handlers.pending(target)[handlers.DAEMON_RELOAD]["reasons"]
+    assert nccl.declare_reload_again(want, state_for(want), target=target) is False
+    other = nccl.desired(kpro6_spec(services=["vllm"], overrides={"NCCL_DEBUG": "WARN"}), kpro6_hardware(),
+                         rdma_devices=[])
+    assert nccl.declare_reload_again(other, state_for(want), target=target) is True
+    assert handlers.pending(target)[handlers.DAEMON_RELOAD]["reasons"] == ["NCCL environment of vllm.service changed"]
+
+
 def test_converged_host_every_operation_is_a_noop():
     spec = kpro6_spec(services=["vllm"])
     want = nccl.desired(spec, kpro6_hardware(), rdma_devices=[])
