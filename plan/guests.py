@@ -366,8 +366,12 @@ def mapping_path(bdf: str, pci_devices: dict[str, dict]) -> str:
     return slot if siblings else bdf
 
 
+# follows pve-guest-common src/PVE/Mapping/PCI.pm $map_fmt (5.2.2, PVE 8.4; 6.0.2 on master, for
+# PVE 9: the same keys): node, id and path required (id vendor:device in hex, path one or more BDFs
+# or slots), subsystem-id and iommugroup optional; 9's mdev / live-migration-capable are mapping
+# options, not entry keys, and pvegpu sets neither (GPUs passed whole, offline migration)
 def render_mapping_entry(node: str, bdf: str, pci_devices: dict[str, dict]) -> dict[str, str]:
-    """One node's `map` entry for a GPU (key order as Proxmox writes them)."""
+    """One node's `map` entry for a GPU (keys in sorted order, as Proxmox writes them)."""
     dev = pci_devices[bdf]
     entry = {"id": f"{dev['vendor']}:{dev['device']}"}
     if dev.get("iommu_group") is not None:
@@ -627,6 +631,9 @@ def plan_vm(vmid: int, node: str, gpus: list[str], want_machine: str, allow_mach
                             f"{MAX_HOSTPCI_DEVICES - 1} are taken by other passthrough devices; free one")
             continue
         target = pool if pool and not per_node_kept else mapping_id(node, bdf)
+        # follows qemu-server src/PVE/QemuServer/PCI.pm $hostpci_fmt (8.4.10 on stable-bookworm, 9.2.6 on
+        # master): `mapping` (a pve-configid) in place of the default key `host`, `pcie` only on
+        # q35; 9.1's `driver` defaults to vfio, the binding pvegpu gives VM GPUs, so it is not written
         wanted[f"hostpci{index}"] = f"mapping={target}" + (",pcie=1" if q35 else "")
     for key, value in wanted.items():
         current = ours.get(key)
