@@ -368,7 +368,7 @@ def mapping_path(bdf: str, pci_devices: dict[str, dict]) -> str:
 
 # follows pve-guest-common src/PVE/Mapping/PCI.pm $map_fmt (5.2.2, PVE 8.4; 6.0.2 on master, for
 # PVE 9: the same keys): node, id and path required (id vendor:device in hex, path one or more BDFs
-# or slots), subsystem-id and iommugroup optional; 9's mdev / live-migration-capable are mapping
+# or slots), subsystem-id and iommugroup optional; mdev / live-migration-capable (8.4) are mapping
 # options, not entry keys, and pvegpu sets neither (GPUs passed whole, offline migration)
 def render_mapping_entry(node: str, bdf: str, pci_devices: dict[str, dict]) -> dict[str, str]:
     """One node's `map` entry for a GPU (keys in sorted order, as Proxmox writes them)."""
