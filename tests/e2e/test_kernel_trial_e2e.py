@@ -171,7 +171,17 @@ def stand_in_debs(out: Path, zfs_guids: list[str] | None = None, nvidia: str | N
     return debs
 
 
-def seed_finished_build(root: Path, tmp: Path, zfs_guids: list[str] | None = None, nvidia: str | None = None) -> None:
+# `nvidia` of seed_finished_build: the driver the twin's profile runs. On a real host the kernel hook
+# (/etc/kernel/postinst.d, operations/kernel_hook.py) builds it for each kernel the package installs;
+# the stand-in package ships that result, since the twin, like a real host, loads no nvidia on a
+# kernel without an nvidia.ko (tests/twin/hardware.py compute)
+HOST_DRIVER = "host"
+
+
+def seed_finished_build(root: Path, tmp: Path, zfs_guids: list[str] | None = None,
+                        nvidia: str | None = HOST_DRIVER) -> None:
+    if nvidia == HOST_DRIVER:
+        nvidia = json.loads((root / "var/lib/twin/profile.json").read_text())["nvidia"]["version"]
     k = KernelSpec(**KERNEL)
     build = root / plan.build_dir(k, "running").lstrip("/")
     build.mkdir(parents=True)
