@@ -10,8 +10,12 @@ Rolling reboots (issue 26): a node of a Proxmox cluster (its /etc/pve/.members n
 of more than one node) reboots in batches of at most `reboot.max_parallel` hosts of the run,
 fewer when the cluster's quorum needs it (`plan.reboot.roll_width`, votes from corosync.conf);
 each node must be online in its cluster again and the cluster quorate (`.members`) within
-`reboot.rejoin_timeout` before the next batch starts; a node that does not come back stops the
-roll: every later node of that cluster is left unrebooted, naming it. A node whose reboot would
+`reboot.rejoin_timeout` before the next batch starts, and its host checks must pass: the NVIDIA
+module of `nvidia.version` loaded, each spec GPU on its role's driver, the command line the boot
+stage configured, and a trial kernel made the default (the checks of the kernel trial, one loop:
+plan.kernel.HOST_CHECKS_LOOP; `plan.reboot.roll_check_lines`). A node that does not come back or
+fails a check stops the roll: every later node of that cluster is left unrebooted, naming the
+node and the failed check, its reboot reasons printed as still pending. A node whose reboot would
 cost quorum is not rebooted (reboot pending, with the numbers).
 """
 
@@ -25,14 +29,16 @@ from pyinfra.operations import server
 
 from facts.files import FileTexts
 from facts.run_state import reboot_reasons, trial_boot_of
-from plan.kernel import finish_trial_command
-from plan.reboot import member_back, parse_cluster, pending_summary, roll_width
+from operations.boot import boot_plan
+from operations.boot import stage_facts as boot_facts
+from plan.kernel import finish_trial_command, host_checks_command, host_expectations
+from plan.reboot import member_back, parse_cluster, pending_summary, roll_check_lines, roll_width
 from spec.models import HostSpec
 
 MEMBERS = "/etc/pve/.members"  # pmxcfs: this node's view of its cluster (status.c)
 COROSYNC_CONF = "/etc/pve/corosync.conf"  # the cluster's nodelist with quorum_votes
-# clusters whose roll stopped in this run (pyinfra runs every host in one process): cluster -> node
-ROLL_STOPPED: dict[str, str] = {}
+# clusters whose roll stopped in this run (pyinfra runs every host in one process): cluster -> (node, why)
+ROLL_STOPPED: dict[str, tuple[str, str]] = {}
 
 REBOOT_TIMEOUT_S = 900  # a many-GPU host takes minutes through firmware and POST
 
@@ -50,12 +56,37 @@ def pin_trial_kernel(release: str, loader: str, build_id: str, advanced_id: str 
 
 
 def roll_gate(state, host, cluster: str) -> bool:
-    """Before a node of `cluster` reboots: none of its cluster failed to come back in this run."""
-    failed = ROLL_STOPPED.get(cluster)
-    if failed:
+    """Before a node of `cluster` reboots: none of its cluster failed to come back or failed its
+    host checks in this run; else this node is left as it is, its reboot still pending."""
+    stopped = ROLL_STOPPED.get(cluster)
+    if stopped:
+        failed, why = stopped
         logger.error(f"{host.name}: not rebooted: the rolling reboot of cluster {cluster} stopped at node "
-                     f"{failed}, which did not come back into the cluster; fix {failed}, then re-run")
+                     f"{failed}, which {why}; fix {failed}, then re-run")
+        for line in pending_summary(host.name, reboot_reasons(host)):
+            logger.error(line)
         return False
+    return True
+
+
+def roll_checks(state, host, cluster: str, node: str, checks: list[str], trial: dict | None) -> bool:
+    """After the node is back in its cluster: a trial kernel made the default if it came up and
+    its trial checks hold (plan.kernel.finish_trial_command), then the host checks of the roll
+    (plan.reboot.roll_check_lines); a failure stops the roll of `cluster` (`ROLL_STOPPED`)."""
+    commands = []
+    if trial:
+        commands.append(finish_trial_command(trial["release"], trial["pin_tool"], trial.get("build_id", ""),
+                                             trial.get("advanced_id"), fail=True))
+    commands.append(host_checks_command(checks))
+    for command in commands:
+        ok, output = host.run_shell_command(StringCommand(command))
+        if not ok:
+            said = " ".join(" ".join(output.stdout_lines + output.stderr_lines).split())
+            ROLL_STOPPED[cluster] = (node, f"failed its host checks after the reboot ({said})")
+            logger.error(f"{host.name}: host checks failed after the reboot: {said}; the rolling reboot of cluster "
+                         f"{cluster} stops: its other nodes are not rebooted")
+            return False
+    logger.info(f"{host.name}: host checks passed after the reboot ({len(checks)} check(s))")
     return True
 
 
@@ -75,7 +106,7 @@ def wait_rejoined(state, host, cluster: str, node: str, timeout: int) -> bool:
                             f"{view.expected_votes} votes online)")
                 return True
         if time.monotonic() > deadline:
-            ROLL_STOPPED[cluster] = node
+            ROLL_STOPPED[cluster] = (node, "did not come back into the cluster")
             seen = "no answer" if view is None else ("no quorum" if not view.quorate else f"{node} offline")
             logger.error(f"{host.name}: did not come back into cluster {cluster} within {timeout} s ({seen}); "
                          "the rolling reboot stops: its other nodes are not rebooted")
@@ -84,17 +115,21 @@ def wait_rejoined(state, host, cluster: str, node: str, timeout: int) -> bool:
 
 
 @operation(is_idempotent=False)
-def cluster_reboot(cluster: str, node: str, rejoin_timeout: int, delay: int = 5, interval: int = 2,
+def cluster_reboot(cluster: str, node: str, rejoin_timeout: int, checks: list[str] | None = None,
+                   trial: dict | None = None, delay: int = 5, interval: int = 2,
                    reboot_timeout: int = REBOOT_TIMEOUT_S):
     """Reboot one node of a rolling reboot: only while its cluster's roll has not stopped; then
-    wait for the node to be back in the cluster (see the module docstring).
+    wait for the node to be back in the cluster and pass its host checks (see the module docstring).
 
     + cluster, node: the node's cluster and node name (from /etc/pve/.members)
     + rejoin_timeout: seconds after SSH answers for the node to be online and the cluster quorate
+    + checks: plan.reboot.roll_check_lines of the node
+    + trial: the kernel stage's trial boot (facts.run_state.trial_boot_of), finished here
     """
     yield FunctionCommand(roll_gate, (cluster,), {})
     yield from server.reboot._inner(delay=delay, interval=interval, reboot_timeout=reboot_timeout)
     yield FunctionCommand(wait_rejoined, (cluster, node, rejoin_timeout), {})
+    yield FunctionCommand(roll_checks, (cluster, node, list(checks or []), trial), {})
 
 
 @deploy("pvegpu: reboot policy")
@@ -119,6 +154,7 @@ def apply(spec: HostSpec) -> None:
         return
     for line in summary:
         logger.info(line)
+    trial = trial_boot_of()
     if view.name is None or width == 0:
         server.reboot(name=name, delay=5, interval=2, reboot_timeout=REBOOT_TIMEOUT_S)
     else:
@@ -127,9 +163,11 @@ def apply(spec: HostSpec) -> None:
         # pyinfra runs an operation host by host (_serial) or in batches (_parallel), every
         # host's run of it before the next operation
         batching = {"_serial": True} if width == 1 else {"_parallel": width}
+        cmdline = boot_plan(spec, boot_facts())["difference"] if "cmdline" in {k for k, _ in reasons} else None
+        checks = roll_check_lines(host_expectations(spec), reasons, cmdline, trial["release"] if trial else None)
         cluster_reboot(name=name, cluster=view.name, node=view.node or host.name,
-                       rejoin_timeout=spec.reboot.rejoin_timeout, **batching)
-    trial = trial_boot_of()
+                       rejoin_timeout=spec.reboot.rejoin_timeout, checks=checks, trial=trial, **batching)
+        return  # the trial, if any, was finished in the roll's checks
     if trial:
         pin_trial_kernel(
             name=f"Pin kernel {trial['release']} for good if it came up",

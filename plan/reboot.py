@@ -91,3 +91,22 @@ def roll_width(view: ClusterView, max_parallel: int) -> tuple[int, str | None]:
 def member_back(view: ClusterView, node: str) -> bool:
     """`node` is online in its cluster again and the cluster is quorate."""
     return view.name is None or (view.quorate and view.online.get(node, False))
+
+
+def roll_check_lines(expect: dict, reasons: list[tuple[str, str]], cmdline: dict | None = None,
+                     release: str | None = None) -> list[str]:
+    """The host checks a node of a rolling reboot must pass before the next node reboots, as
+    lines for plan.kernel.host_checks_command (the loop the kernel trial's checks run through):
+    the NVIDIA module of the spec's version loaded and each spec GPU on its role's driver
+    (`expect`: plan.kernel.host_expectations), and what the reboot was for: the command line the
+    boot stage configured (`cmdline`: plan.boot.cmdline_difference of the run, when a reason is
+    "cmdline") and the kernel a trial boot selected (`release`)."""
+    kinds = {kind for kind, _ in reasons}
+    lines = [f"nvidia {expect['nvidia']}"] if expect.get("nvidia") else []
+    lines += [f"gpu {bdf} {driver}" for bdf, driver in sorted((expect.get("drivers") or {}).items())]
+    if release:
+        lines.append(f"kernel {release}")
+    if cmdline and "cmdline" in kinds:
+        lines += [f"cmdline {w}" for w in cmdline.get("missing") or []]
+        lines += [f"nocmdline {w}" for w in cmdline.get("extra") or []]
+    return lines

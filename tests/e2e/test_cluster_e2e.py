@@ -6,8 +6,8 @@ Proves: every node's pool entries survive the others' writes (the mapping merge 
 digest, templates/mapping-merge.sh.j2, through the twin's pvesh that holds pmxcfs's cluster
 lock), each VM references the pool, and a second converge changes nothing. The reboots the
 first converge needs (IOMMU on the command line, GPUs to vfio-pci) roll one node at a time, each
-back in the cluster before the next; a node that does not come back stops the roll, naming it,
-and the nodes after it are not rebooted. A pooled VM whose node has no free GPU of the pool
+back in the cluster and its host checks passed before the next; a node that does not come back or
+fails its checks stops the roll, naming it (and the check), and the nodes after it are not rebooted. A pooled VM whose node has no free GPU of the pool
 left migrates (offline) to a node that has one and starts there.
 """
 
@@ -61,6 +61,18 @@ def ssh(name: str, command: str) -> subprocess.CompletedProcess:
     return subprocess.run(runtime.ssh_command(name, [command]), capture_output=True, text=True, timeout=60)
 
 
+def reboot_by_hand(name: str) -> None:
+    """Reboot twin `name` as an operator would (its reboot request) and wait until it is online in
+    its cluster again."""
+    before = len(reboots(name))
+    ssh(name, "touch /var/lib/twin/reboot-request")
+
+    def online() -> bool:
+        r = ssh(name, "cat /etc/pve/.members")
+        return r.returncode == 0 and json.loads(r.stdout or "{}").get("nodelist", {}).get(name, {}).get("online") == 1
+    assert runtime._wait_until(lambda: len(reboots(name)) > before and online(), 120), name
+
+
 @pytest.mark.twin
 @pytest.mark.slow
 def test_three_nodes_converged_at_once_share_one_gpu_pool(twin_factory, tmp_path):
@@ -93,6 +105,10 @@ def test_three_nodes_converged_at_once_share_one_gpu_pool(twin_factory, tmp_path
     assert [len(reboots(n)) for n in names] == [1, 1, 1], rolled
     assert all(rolled[i][1] < rolled[i + 1][0] for i in range(len(rolled) - 1)), rolled
     assert "rolling reboot, 1 node(s) at a time (3 of 3 votes online, quorum 2)" in result.output
+    # each node passed its host checks before the next rebooted: both pooled GPUs on vfio-pci, the
+    # configured command line booted (plan.reboot.roll_check_lines)
+    for n in names:
+        assert f"{n}: host checks passed after the reboot (" in result.output, result.output
 
     again = run_pyinfra(str(tmp_path / "inv.py"), "deploy.py", env={"PYTHONPATH": str(REPO)}, timeout=900)
     assert again.rc == 0 and again.changed == 0, again.output
@@ -133,6 +149,29 @@ def test_three_nodes_converged_at_once_share_one_gpu_pool(twin_factory, tmp_path
     assert left == sorted(n for n in names if n != first) and all(len(reboots(n)) == 1 for n in left)
     for n in names:
         runtime.set_fault(n)
+
+    # the node that did not come back is rebooted by hand, into its cluster; the two others still
+    # need their reboot. The next of them rebooted comes up with one pooled GPU its driver's probe
+    # failed for (the fault on both): its host checks fail, the roll stops naming the node and the
+    # check, and the last node is not rebooted, its reboot printed as pending
+    reboot_by_hand(first)
+    rest = [n for n in names if n != first]
+    for n in rest:
+        runtime.set_fault(n, probe_fails=(POOL_GPUS[1],))
+    counts = {n: len(reboots(n)) for n in names}
+    bad = run_pyinfra(str(tmp_path / "inv.py"), "deploy.py", env={"PYTHONPATH": str(REPO)}, timeout=900)
+    assert bad.rc != 0
+    (broken,) = [n for n in rest if len(reboots(n)) == counts[n] + 1]
+    (spared,) = [n for n in rest if n != broken]
+    said = f"GPU {POOL_GPUS[1]} is on no driver, not vfio-pci"
+    assert f"{broken}: host checks failed after the reboot: {said}" in bad.output, bad.output
+    assert (f"{spared}: not rebooted: the rolling reboot of cluster {cluster} stopped at node {broken}, which failed "
+            f"its host checks after the reboot ({said};)") in bad.output, bad.output
+    assert f"{spared}: reboot pending (" in bad.output
+    assert len(reboots(spared)) == counts[spared] and len(reboots(first)) == counts[first]
+    for n in rest:
+        runtime.set_fault(n)
+    reboot_by_hand(broken)  # its GPU probes again
 
     # the first node's pooled GPUs are taken by another VM of the pool: VM 300 finds no free one
     # there, migrates offline to the second node (whose pooled VM is stopped) and starts on it

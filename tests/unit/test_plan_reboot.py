@@ -78,3 +78,49 @@ def test_a_node_is_back_when_online_and_the_cluster_quorate():
     assert not member_back(parse_cluster(members({"kpro5": 1, "kpro6": 0, "kpro7": 1}), None), "kpro6")
     assert not member_back(parse_cluster(members({"kpro5": 0, "kpro6": 1, "kpro7": 0}, quorate=0), None), "kpro6")
     assert parse_cluster("not json", None).name is None
+
+
+def test_roll_checks_are_the_spec_state_and_what_the_reboot_was_for():
+    from plan.reboot import roll_check_lines
+    expect = {"nvidia": "595.71.05", "drivers": {"0000:81:00.0": "vfio-pci", "0000:01:00.0": "nvidia"}}
+    reasons = [("cmdline", "the booted cmdline lacks amd_iommu=on"), ("nvidia", "595.71.05 not loaded")]
+    lines = roll_check_lines(expect, reasons, {"missing": ["amd_iommu=on"], "extra": ["iommu=pt"]}, "6.14.8-2-pve")
+    assert lines == ["nvidia 595.71.05", "gpu 0000:01:00.0 nvidia", "gpu 0000:81:00.0 vfio-pci",
+                     "kernel 6.14.8-2-pve", "cmdline amd_iommu=on", "nocmdline iommu=pt"]
+    # no cmdline reason: the command line is not asked of the node; no NVIDIA in the spec: not its module
+    assert roll_check_lines({"nvidia": None, "drivers": {}}, [("gpu-binding", "x")],
+                            {"missing": ["amd_iommu=on"], "extra": []}) == []
+
+
+def test_the_roll_checks_run_through_the_trial_checks_loop_and_name_what_failed(tmp_path):
+    """plan.kernel.host_checks_command: the loop TRIAL_CHECKS_COMMAND runs (one copy), over the
+    roll's lines; it fails printing each check that does not hold."""
+    import subprocess
+
+    from plan.kernel import HOST_CHECKS_LOOP, TRIAL_CHECKS_COMMAND, host_checks_command
+    assert HOST_CHECKS_LOOP in TRIAL_CHECKS_COMMAND
+    sysfs, proc = tmp_path / "devices", tmp_path / "cmdline"
+    (sysfs / "0000:81:00.0").mkdir(parents=True)
+    (sysfs / "0000:81:00.0" / "driver").symlink_to("/sys/bus/pci/drivers/vfio-pci")
+    (sysfs / "0000:a1:00.0").mkdir(parents=True)
+    proc.write_text("BOOT_IMAGE=/vmlinuz root=ZFS=rpool amd_iommu=on pci=realloc\n")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "uname").write_text("#!/bin/sh\necho 6.14.8-2-pve\n")
+    (bindir / "uname").chmod(0o755)
+
+    def run(lines):
+        command = host_checks_command(lines).replace("/sys/bus/pci/devices", str(sysfs)).replace("/proc/cmdline", str(proc))
+        return subprocess.run(["sh", "-c", command], capture_output=True, text=True,
+                              env={"PATH": f"{bindir}:/usr/bin:/bin"})
+
+    good = run(["gpu 0000:81:00.0 vfio-pci", "kernel 6.14.8-2-pve", "cmdline amd_iommu=on", "nocmdline iommu=pt"])
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert run([]).returncode == 0
+    bad = run(["gpu 0000:a1:00.0 vfio-pci", "kernel 6.17.1-1-pve", "cmdline pcie_aspm=off", "nocmdline pci=realloc",
+               "nvidia 595.71.05"])
+    assert bad.returncode != 0
+    for said in ("GPU 0000:a1:00.0 is on no driver, not vfio-pci", "the running kernel is 6.14.8-2-pve, not 6.17.1-1-pve",
+                 "the booted command line lacks pcie_aspm=off", "the booted command line still has pci=realloc",
+                 "nvidia 595.71.05 is not loaded"):
+        assert said in bad.stdout, bad.stdout
