@@ -17,28 +17,45 @@ plan.kernel.HOST_CHECKS_LOOP; `plan.reboot.roll_check_lines`). A node that does 
 fails a check stops the roll: every later node of that cluster is left unrebooted, naming the
 node and the failed check, its reboot reasons printed as still pending. A node whose reboot would
 cost quorum is not rebooted (reboot pending, with the numbers).
+
+Guests (`reboot.guests`): `stop` leaves a node's running guests to its own shutdown. `migrate`,
+when the node's turn comes: each running VM whose hostpci lines all name mappings (GPU pools) is
+shut down, moved offline (`qm migrate`) to the first other online node of the run with free
+entries of its pools, and started there; a running VM with a per-node hostpci address and a
+running CT with NVIDIA devices are shut down (`plan.reboot.plan_guest_moves`). After the node is
+back and its checks passed, the moved VMs come back (shut down there, migrated back, started
+here; as HA's maintenance mode brings its services back: pve-ha-manager PVE/HA/Manager.pm
+maintenance_node) and the stopped guests are started. A VM no node has room for stops the roll
+(`reboot.migrate_fallback: refuse`) or is stopped (`stop`); a locked guest or an HA resource
+always stops it, naming the fix.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
 from pyinfra.operations import server
 
 from facts.files import FileTexts
+from facts.reboot import NODE_GUESTS_COMMAND, parse_node_guests
 from facts.run_state import reboot_reasons, trial_boot_of
+from facts.shell import word
 from operations.boot import boot_plan
 from operations.boot import stage_facts as boot_facts
+from operations.proxmox import shutdown_shell
 from plan.kernel import finish_trial_command, host_checks_command, host_expectations
-from plan.reboot import member_back, parse_cluster, pending_summary, roll_check_lines, roll_width
+from plan.reboot import member_back, parse_cluster, pending_summary, plan_guest_moves, roll_check_lines, roll_width
 from spec.models import HostSpec
 
 MEMBERS = "/etc/pve/.members"  # pmxcfs: this node's view of its cluster (status.c)
 COROSYNC_CONF = "/etc/pve/corosync.conf"  # the cluster's nodelist with quorum_votes
 # clusters whose roll stopped in this run (pyinfra runs every host in one process): cluster -> (node, why)
 ROLL_STOPPED: dict[str, tuple[str, str]] = {}
+# what clear_guests did to a node's guests, undone by restore_guests: host name -> [(what, kind, vmid, target)]
+ROLL_MOVED: dict[str, list[tuple[str, str, int, str]]] = {}
 
 REBOOT_TIMEOUT_S = 900  # a many-GPU host takes minutes through firmware and POST
 
@@ -90,6 +107,94 @@ def roll_checks(state, host, cluster: str, node: str, checks: list[str], trial: 
     return True
 
 
+def run_nodes(state) -> dict[str, Any]:
+    """{Proxmox node name: pyinfra host} of the run (the node its spec or inventory names)."""
+    return {h.data.get("pvegpu_node") or h.name: h for h in state.inventory}
+
+
+def _run(host, command: str) -> tuple[bool, str]:
+    ok, output = host.run_shell_command(StringCommand(command))
+    return ok, " ".join(" ".join(output.stdout_lines + output.stderr_lines).split())
+
+
+def _stop_roll(host, cluster: str, node: str, why: str) -> bool:
+    ROLL_STOPPED[cluster] = (node, why)
+    logger.error(f"{host.name}: not rebooted: {why}; the rolling reboot of cluster {cluster} stops: its other "
+                 "nodes are not rebooted")
+    for line in pending_summary(host.name, reboot_reasons(host)):
+        logger.error(line)
+    return False
+
+
+def _read_guests(host) -> dict | None:
+    ok, output = host.run_shell_command(StringCommand(NODE_GUESTS_COMMAND))
+    return parse_node_guests(list(output.stdout_lines)) if ok else None
+
+
+def clear_guests(state, host, cluster: str, node: str, fallback: str, timeout: int) -> bool:
+    """Before `node` reboots (`reboot.guests: migrate`): its running GPU guests moved or stopped as
+    plan.reboot.plan_guest_moves says; a refusal stops the roll here, the node not rebooted."""
+    mine = _read_guests(host)
+    if mine is None:
+        return _stop_roll(host, cluster, node, f"its guests could not be read on {node}")
+    online = sorted(n for n, v in ((mine["members"] or {}).get("nodelist") or {}).items()
+                    if v.get("online") and n != node)
+    hosts = run_nodes(state)
+    targets = {}
+    for n in online:
+        if n in hosts:
+            reading = _read_guests(hosts[n])
+            if reading is not None and ((reading["members"] or {}).get("cluster") or {}).get("name") == cluster:
+                targets[n] = reading
+    moves = plan_guest_moves(node, mine, targets, fallback, tuple(n for n in online if n not in hosts))
+    if moves["refusals"]:
+        return _stop_roll(host, cluster, node, "its GPU guests cannot leave it: " + " ".join(moves["refusals"]))
+    done = ROLL_MOVED.setdefault(host.name, [])
+    for kind, vmid in moves["stop"]:
+        ok, said = _run(host, shutdown_shell(kind, vmid, timeout))
+        if not ok:
+            return _stop_roll(host, cluster, node, f"{'VM' if kind == 'qemu' else 'CT'} {vmid} did not stop ({said})")
+        done.append(("start", kind, vmid, node))
+        logger.info(f"{host.name}: {'VM' if kind == 'qemu' else 'CT'} {vmid} stopped for the reboot; started again after it")
+    for vmid, target in moves["migrate"]:
+        # offline: qemu-server PVE/API2/Qemu.pm migrate_vm refuses a running VM without --online
+        ok, said = _run(host, f"{shutdown_shell('qemu', vmid, timeout)} && qm migrate {word(str(vmid))} {word(target)}")
+        if not ok:
+            return _stop_roll(host, cluster, node, f"VM {vmid} could not be migrated to {target} ({said})")
+        # the VM is the target's now (its config under /etc/pve/nodes/<target>/): started there
+        ok, said = _run(hosts[target], f"qm start {word(str(vmid))}")
+        if not ok:
+            return _stop_roll(host, cluster, node, f"VM {vmid} was migrated to {target} but did not start there ({said}); "
+                              f"it is stopped on {target}")
+        done.append(("back", "qemu", vmid, target))
+        logger.info(f"{host.name}: VM {vmid} moved to node {target} before the reboot (shut down, migrated offline, "
+                    f"started there); it comes back after the reboot")
+    return True
+
+
+def restore_guests(state, host, cluster: str, node: str, timeout: int) -> bool:
+    """After `node` is back and passed its checks: the VMs clear_guests moved come back and the
+    guests it stopped start again (in the reverse order)."""
+    hosts = run_nodes(state)
+    for what, kind, vmid, target in reversed(ROLL_MOVED.pop(host.name, [])):
+        label = "VM" if kind == "qemu" else "CT"
+        if what == "back":
+            ok, said = _run(hosts[target], f"{shutdown_shell('qemu', vmid, timeout)} && qm migrate {word(str(vmid))} {word(node)}")
+            if ok:
+                ok, said = _run(host, f"qm start {word(str(vmid))}")
+            if not ok:
+                logger.error(f"{host.name}: VM {vmid} did not come back from node {target}: {said}")
+                return False
+            logger.info(f"{host.name}: VM {vmid} back from node {target}, running here again")
+        else:
+            ok, said = _run(host, f"{'qm' if kind == 'qemu' else 'pct'} start {word(str(vmid))}")
+            if not ok:
+                logger.error(f"{host.name}: {label} {vmid} did not start again after the reboot: {said}")
+                return False
+            logger.info(f"{host.name}: {label} {vmid} started again after the reboot")
+    return True
+
+
 def wait_rejoined(state, host, cluster: str, node: str, timeout: int) -> bool:
     """After the reboot: `node` online in `cluster` again and the cluster quorate, read from its
     .members; else the roll of the cluster stops here (`ROLL_STOPPED`)."""
@@ -116,7 +221,8 @@ def wait_rejoined(state, host, cluster: str, node: str, timeout: int) -> bool:
 
 @operation(is_idempotent=False)
 def cluster_reboot(cluster: str, node: str, rejoin_timeout: int, checks: list[str] | None = None,
-                   trial: dict | None = None, delay: int = 5, interval: int = 2,
+                   trial: dict | None = None, guests: str = "stop", fallback: str = "refuse",
+                   shutdown_timeout: int = 120, delay: int = 5, interval: int = 2,
                    reboot_timeout: int = REBOOT_TIMEOUT_S):
     """Reboot one node of a rolling reboot: only while its cluster's roll has not stopped; then
     wait for the node to be back in the cluster and pass its host checks (see the module docstring).
@@ -125,11 +231,17 @@ def cluster_reboot(cluster: str, node: str, rejoin_timeout: int, checks: list[st
     + rejoin_timeout: seconds after SSH answers for the node to be online and the cluster quorate
     + checks: plan.reboot.roll_check_lines of the node
     + trial: the kernel stage's trial boot (facts.run_state.trial_boot_of), finished here
+    + guests, fallback: reboot.guests and reboot.migrate_fallback
+    + shutdown_timeout: seconds a guest gets to shut down (guests.shutdown_timeout)
     """
     yield FunctionCommand(roll_gate, (cluster,), {})
+    if guests == "migrate":
+        yield FunctionCommand(clear_guests, (cluster, node, fallback, shutdown_timeout), {})
     yield from server.reboot._inner(delay=delay, interval=interval, reboot_timeout=reboot_timeout)
     yield FunctionCommand(wait_rejoined, (cluster, node, rejoin_timeout), {})
     yield FunctionCommand(roll_checks, (cluster, node, list(checks or []), trial), {})
+    if guests == "migrate":
+        yield FunctionCommand(restore_guests, (cluster, node, shutdown_timeout), {})
 
 
 @deploy("pvegpu: reboot policy")
@@ -166,7 +278,9 @@ def apply(spec: HostSpec) -> None:
         cmdline = boot_plan(spec, boot_facts())["difference"] if "cmdline" in {k for k, _ in reasons} else None
         checks = roll_check_lines(host_expectations(spec), reasons, cmdline, trial["release"] if trial else None)
         cluster_reboot(name=name, cluster=view.name, node=view.node or host.name,
-                       rejoin_timeout=spec.reboot.rejoin_timeout, checks=checks, trial=trial, **batching)
+                       rejoin_timeout=spec.reboot.rejoin_timeout, checks=checks, trial=trial,
+                       guests=spec.reboot.guests, fallback=spec.reboot.migrate_fallback,
+                       shutdown_timeout=spec.guests.shutdown_timeout, **batching)
         return  # the trial, if any, was finished in the roll's checks
     if trial:
         pin_trial_kernel(

@@ -12,6 +12,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from plan.guest_control import config_lock, ha_resource, lock_refusal
+
 
 def pending_summary(name: str, reasons: list[tuple[str, str]]) -> list[str]:
     if not reasons:
@@ -110,3 +112,92 @@ def roll_check_lines(expect: dict, reasons: list[tuple[str, str]], cmdline: dict
         lines += [f"cmdline {w}" for w in cmdline.get("missing") or []]
         lines += [f"nocmdline {w}" for w in cmdline.get("extra") or []]
     return lines
+
+
+# ---------------------------------------------------------------- GPU guests before a node reboots
+
+
+def _entry_free(entry: dict, reserved: set[str]) -> bool:
+    """A mapping entry none of whose devices a running VM holds (qemu-server PVE/QemuServer/PCI.pm
+    choose_hostpci_devices(): an entry is taken when no reservation of another running VM covers
+    any of its paths; a path without a function covers every function of the slot)."""
+    paths = [p for p in str(entry.get("path") or "").split(";") if p]
+    return bool(paths) and not any(r == p or r.startswith(p + ".") for p in paths for r in reserved)
+
+
+def free_devices(node: str, guests: dict) -> dict[str, int]:
+    """{mapping id: entries for `node` no running VM holds}, from a facts.reboot.parse_node_guests
+    reading of `node` (its reservations and the running VMs of `qm list`)."""
+    running = {v for v, s in guests["status"]["qemu"].items() if s == "running"}
+    reserved = {i for i, v in guests["reserved"].items() if v in running}
+    return {mid: sum(1 for e in m.get("map") or [] if e.get("node") == node and _entry_free(e, reserved))
+            for mid, m in guests["mappings"].items()}
+
+
+def _has_gpu_devices(config: dict) -> bool:
+    """A CT with NVIDIA device nodes passed in (devN or lxc.mount.entry of /dev/nvidia*)."""
+    if any(str(d.get("path", "")).startswith("/dev/nvidia") for d in (config.get("devices") or {}).values()):
+        return True
+    return any(k.startswith("lxc.mount.entry") and "/dev/nvidia" in v for k, v in config.get("lxc") or [])
+
+
+def plan_guest_moves(node: str, mine: dict, targets: dict[str, dict], fallback: str = "refuse",
+                     absent: tuple[str, ...] = ()) -> dict:
+    """What `reboot.guests: migrate` does with `node`'s running GPU guests before it reboots.
+
+    `mine`, `targets[n]`: facts.reboot.parse_node_guests readings of this node and of each other
+    online node of the run; `absent`: online nodes not in the run (their free devices are not
+    known here). Returns ``{"migrate": [(vmid, target)], "stop": [(kind, vmid)], "refusals": [why]}``:
+    a running VM whose every hostpci line names a mapping goes to the first target (by name) with
+    a free entry of those mappings for each line (offline: qemu-server PVE/API2/Qemu.pm migrate_vm
+    refuses a running VM without --online, and a VM with passthrough devices cannot migrate
+    online); a VM with a hostpci line bound to this node's address, and a running CT with NVIDIA
+    device nodes (pve-container PVE/LXC/Migrate.pm prepare: no live migration of containers), are
+    stopped (started again after). Refused: a locked guest, an HA resource (HA owns its placement),
+    and a pooled VM no target has room for, unless `fallback` is "stop"."""
+    free = {n: free_devices(n, g) for n, g in sorted(targets.items())}
+    out: dict[str, list] = {"migrate": [], "stop": [], "refusals": []}
+    for kind in ("qemu", "lxc"):
+        for vmid, status in sorted(mine["status"][kind].items()):
+            config = mine["configs"][kind].get(vmid) or {}
+            if status != "running":
+                continue
+            lines = list((config.get("hostpci") or {}).values()) if kind == "qemu" else []
+            if kind == "qemu" and not lines or kind == "lxc" and not _has_gpu_devices(config):
+                continue
+            label = "VM" if kind == "qemu" else "CT"
+            lock = config_lock(config)
+            if lock:
+                out["refusals"].append(lock_refusal(kind, vmid, lock, "move it off the node for its reboot"))
+                continue
+            managed = ha_resource(mine["ha"], kind, vmid)
+            if managed:
+                out["refusals"].append(
+                    f"{label} {vmid} is HA resource {managed[0]}: HA decides where it runs, so pvegpu does not move "
+                    f"or stop it. Relocate it first (`ha-manager crm-command relocate {managed[0]} <node>`: stop, "
+                    f"migrate, start) or take the node out of HA's choices, then re-run")
+                continue
+            pools = [h["mapping"] for h in lines if h.get("mapping")]
+            if kind == "lxc" or len(pools) < len(lines):
+                out["stop"].append((kind, vmid))
+                continue
+            need: dict[str, int] = {}
+            for m in pools:
+                need[m] = need.get(m, 0) + 1
+            target = next((n for n, f in free.items() if all(f.get(m, 0) >= k for m, k in need.items())), None)
+            if target:
+                for m, k in need.items():
+                    free[target][m] -= k
+                out["migrate"].append((vmid, target))
+                continue
+            if fallback == "stop":
+                out["stop"].append((kind, vmid))
+                continue
+            wanted = ", ".join(f"{k} of {m}" for m, k in sorted(need.items()))
+            seen = "; ".join(f"{n}: " + ", ".join(f"{f.get(m, 0)} of {m}" for m in sorted(need)) for n, f in free.items())
+            out["refusals"].append(
+                f"VM {vmid} needs {wanted} free on another node, and no online node of the run has them"
+                f" ({seen or 'no other online node in the run'}"
+                + (f"; not in the run, so not known: {', '.join(absent)}" if absent else "")
+                + "); set reboot.migrate_fallback: stop to stop it for the reboot instead, or free a device")
+    return out

@@ -13,6 +13,7 @@ left migrates (offline) to a node that has one and starts there.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -43,12 +44,24 @@ INVENTORY = textwrap.dedent("""\
 """)
 
 
-def node_spec(name: str, vmid: int, params: tuple[str, ...] = ("pci=realloc",), pool: str | None = "rtx6000") -> dict:
+def node_spec(name: str, vmid: int, params: tuple[str, ...] = ("pci=realloc",), pool: str | None = "rtx6000",
+              guests: str = "stop") -> dict:
     vm = {"gpus": POOL_GPUS, "machine": "q35"} | ({"pool": pool} if pool else {})
     return {"node": name, "iommu": {"vendor": "amd", "params": list(params)},
             "gpus": {b: f"vm:{vmid}" for b in POOL_GPUS},
             "vms": {vmid: vm},
-            "reboot": {"allowed": True, "rejoin_timeout": 8}, "guests": {"allow_stop": True}}
+            "reboot": {"allowed": True, "rejoin_timeout": 8, "guests": guests},
+            "guests": {"allow_stop": True, "shutdown_timeout": 5}}
+
+
+def guest_log(name: str) -> list[tuple[float, str]]:
+    """(unix time, "action kind id") of twin `name`'s guest starts and stops (tests/twin/standins/twinstate.py)."""
+    f = Path(runtime.spec_of(name)["root"]) / "var/lib/twin/guests.log"
+    out = []
+    for line in (f.read_text().splitlines() if f.exists() else []):
+        when, _, what = line.partition(" ")
+        out.append((datetime.datetime.fromisoformat(when).timestamp(), what))
+    return out
 
 
 def reboots(name: str) -> list[tuple[float, float]]:
@@ -172,6 +185,33 @@ def test_three_nodes_converged_at_once_share_one_gpu_pool(twin_factory, tmp_path
     for n in rest:
         runtime.set_fault(n)
     reboot_by_hand(broken)  # its GPU probes again
+
+    # reboot.guests: migrate. VM 300 runs on the first node, holding both of its pooled GPUs; a
+    # change every node reboots for: when the first node's turn comes, VM 300 is shut down,
+    # migrated offline to the first other node with two free devices of the pool (the second,
+    # whose pooled VM is stopped), started there, and brought back once the first node is back
+    # and its checks passed
+    a, b = names[0], names[1]
+    assert ssh(a, "qm start 300").returncode == 0
+    (tmp_path / "inv.yml").write_text(yaml.safe_dump({"hosts": {
+        n: node_spec(n, vmids[n], ("pci=realloc", "pcie_aspm=off", "pcie_port_pm=off"), guests="migrate")
+        for n in names}}))
+    counts = {n: len(reboots(n)) for n in names}
+    moved = run_pyinfra(str(tmp_path / "inv.py"), "deploy.py", env={"PYTHONPATH": str(REPO)}, timeout=900)
+    assert moved.rc == 0, moved.output
+    assert {n: len(reboots(n)) - counts[n] for n in names} == {n: 1 for n in names}
+    assert (f"{a}: VM 300 moved to node {b} before the reboot (shut down, migrated offline, started there)"
+            in moved.output), moved.output
+    assert f"{a}: VM 300 back from node {b}, running here again" in moved.output
+    requested, booted = reboots(a)[-1]
+    on_b = [(t, what) for t, what in guest_log(b) if what.endswith(" qemu 300")]
+    started = [t for t, what in on_b if what.startswith("start ")]
+    halted = [t for t, what in on_b if not what.startswith("start ")]
+    # it ran on the second node while the first rebooted (the log has whole seconds)
+    assert started and int(started[-1]) <= requested and halted and halted[-1] >= int(booted), (on_b, requested, booted)
+    assert "status: running" in ssh(a, "qm status 300").stdout
+    assert json.loads(ssh(b, "cat /etc/pve/.vmlist").stdout)["ids"]["300"]["node"] == a
+    assert ssh(a, "qm stop 300").returncode == 0
 
     # the first node's pooled GPUs are taken by another VM of the pool: VM 300 finds no free one
     # there, migrates offline to the second node (whose pooled VM is stopped) and starts on it

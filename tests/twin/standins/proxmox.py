@@ -388,9 +388,20 @@ def migrate(vmid, target, opts):
         raise ApiError("can't migrate running VM without --online")
     if target == node():
         raise ApiError("target is local node.")
+    # PVE::Cluster::check_cfs_quorum(): refused while this node's cluster is not quorate
+    members = json.loads(ts.read("/etc/pve/.members") or "{}")
+    if members.get("cluster") and not members["cluster"].get("quorate"):
+        raise ApiError("cluster not ready - no quorum?")
     if not os.path.isdir(ts.path(f"/etc/pve/nodes/{target}")):
         raise ApiError(f"no such cluster node '{target}'")
     check_lock("qemu", conf)
+    sid = ha_sid("qemu", vmid)
+    if sid:
+        # migrate_vm: an HA resource's migration is only requested from HA (`ha-manager migrate`,
+        # queued as a CRM command); the twin's HA stack does not carry it out
+        print(f"Requesting HA migration for VM {vmid} to node {target}")
+        ha_queue(f"migrate {sid} {target}")
+        return
     # PVE/QemuMigrate.pm prepare + QemuMigrate/Helpers.pm check_local_resources: every mapped hostpci
     # needs an entry of its mapping for the target node
     maps = read_mappings()
