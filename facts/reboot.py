@@ -31,14 +31,16 @@ NODE_GUESTS_COMMAND = "; ".join([
 ])
 
 
-def parse_guest_list(lines: list[str], status_column: int) -> dict[int, str]:
-    """`qm list` (status: third column) / `pct list` (second) → ``{vmid: status}``; the header and
-    anything not starting with an id are skipped."""
+def parse_guest_list(lines: list[str], kind: str) -> dict[int, str]:
+    """`qm list` / `pct list` → ``{vmid: status}``; the header and anything not starting with an
+    id are skipped. qemu-server PVE/CLI/qm.pm list prints VMID, NAME, STATUS, MEM, BOOTDISK, PID (an
+    unnamed VM is "VM <id>", two words: the status is the fourth word from the end); pve-container
+    PVE/CLI/pct.pm list prints VMID, Status, Lock, Name (the status second)."""
     out: dict[int, str] = {}
     for line in lines:
         words = line.split()
-        if len(words) > status_column and words[0].isdigit():
-            out[int(words[0])] = words[status_column]
+        if len(words) >= (6 if kind == "qemu" else 2) and words[0].isdigit():
+            out[int(words[0])] = words[-4] if kind == "qemu" else words[1]
     return out
 
 
@@ -67,8 +69,8 @@ def parse_node_guests(output_lines: list[str]) -> dict:
         members = json.loads("\n".join(sections.get("members", [])) or "{}")
     except ValueError:
         members = {}
-    return {"status": {"qemu": parse_guest_list(sections.get("qm list", []), 2),
-                       "lxc": parse_guest_list(sections.get("pct list", []), 1)},
+    return {"status": {"qemu": parse_guest_list(sections.get("qm list", []), "qemu"),
+                       "lxc": parse_guest_list(sections.get("pct list", []), "lxc")},
             "configs": configs, "reserved": reserved,
             "mappings": parse_pci_mappings(sections.get("mappings", [])),
             "ha": parse_ha_resources(sections.get("ha", [])), "members": members}

@@ -54,7 +54,7 @@ MEMBERS = "/etc/pve/.members"  # pmxcfs: this node's view of its cluster (status
 COROSYNC_CONF = "/etc/pve/corosync.conf"  # the cluster's nodelist with quorum_votes
 # clusters whose roll stopped in this run (pyinfra runs every host in one process): cluster -> (node, why)
 ROLL_STOPPED: dict[str, tuple[str, str]] = {}
-# what clear_guests did to a node's guests, undone by restore_guests: host name -> [(what, kind, vmid, target)]
+# what clear_guests did to a node's guests, undone by restore_guests: host name -> [(what, kind or HA sid, vmid, target)]
 ROLL_MOVED: dict[str, list[tuple[str, str, int, str]]] = {}
 
 REBOOT_TIMEOUT_S = 900  # a many-GPU host takes minutes through firmware and POST
@@ -149,6 +149,8 @@ def clear_guests(state, host, cluster: str, node: str, fallback: str, timeout: i
     moves = plan_guest_moves(node, mine, targets, fallback, tuple(n for n in online if n not in hosts))
     if moves["refusals"]:
         return _stop_roll(host, cluster, node, "its GPU guests cannot leave it: " + " ".join(moves["refusals"]))
+    if not (moves["stop"] or moves["migrate"] or moves["relocate"]):
+        logger.info(f"{host.name}: no running GPU guest to move or stop before the reboot")
     done = ROLL_MOVED.setdefault(host.name, [])
     for kind, vmid in moves["stop"]:
         ok, said = _run(host, shutdown_shell(kind, vmid, timeout))
@@ -169,16 +171,47 @@ def clear_guests(state, host, cluster: str, node: str, fallback: str, timeout: i
         done.append(("back", "qemu", vmid, target))
         logger.info(f"{host.name}: VM {vmid} moved to node {target} before the reboot (shut down, migrated offline, "
                     f"started there); it comes back after the reboot")
+    for vmid, sid, target in moves["relocate"]:
+        ok, said = _ha_relocate(host, hosts[target], sid, vmid, target, timeout)
+        if not ok:
+            return _stop_roll(host, cluster, node, said)
+        done.append(("ha-back", sid, vmid, target))
+        logger.info(f"{host.name}: VM {vmid} (HA resource {sid}) relocated by HA to node {target} before the reboot; "
+                    "relocated back after it")
     return True
 
 
+def _ha_relocate(source, target_host, sid: str, vmid: int, target: str, timeout: int) -> tuple[bool, str]:
+    """Ask HA to relocate `sid` to `target` (pve-ha-manager `ha-manager crm-command relocate`: the
+    CRM queues it, the source's LRM shuts the VM down and migrates it offline, the target's starts
+    it) and wait until it runs there: reading both nodes' guests each round (what their LRMs did)."""
+    ok, said = _run(source, f"ha-manager crm-command relocate {word(sid)} {word(target)}")
+    if not ok:
+        return False, f"HA did not take the relocation of {sid} to {target} ({said})"
+    deadline = time.monotonic() + timeout + 120  # the shutdown, then HA's rounds (10 s each on a real CRM/LRM)
+    while time.monotonic() < deadline:
+        _read_guests(source)
+        there = _read_guests(target_host)
+        if there and there["status"]["qemu"].get(vmid) == "running":
+            return True, ""
+        time.sleep(2)
+    return False, (f"HA did not relocate {sid} to {target} within {timeout + 120} s (`ha-manager status`); "
+                   "where it is now is HA's")
+
+
 def restore_guests(state, host, cluster: str, node: str, timeout: int) -> bool:
-    """After `node` is back and passed its checks: the VMs clear_guests moved come back and the
-    guests it stopped start again (in the reverse order)."""
+    """After `node` is back and passed its checks: the VMs clear_guests moved come back (an HA
+    resource relocated back by HA) and the guests it stopped start again (in the reverse order)."""
     hosts = run_nodes(state)
     for what, kind, vmid, target in reversed(ROLL_MOVED.pop(host.name, [])):
         label = "VM" if kind == "qemu" else "CT"
-        if what == "back":
+        if what == "ha-back":
+            ok, said = _ha_relocate(hosts[target], host, kind, vmid, node, timeout)
+            if not ok:
+                logger.error(f"{host.name}: VM {vmid} did not come back from node {target}: {said}")
+                return False
+            logger.info(f"{host.name}: VM {vmid} (HA resource {kind}) relocated back from node {target}, running here again")
+        elif what == "back":
             ok, said = _run(hosts[target], f"{shutdown_shell('qemu', vmid, timeout)} && qm migrate {word(str(vmid))} {word(node)}")
             if ok:
                 ok, said = _run(host, f"qm start {word(str(vmid))}")

@@ -147,16 +147,19 @@ def plan_guest_moves(node: str, mine: dict, targets: dict[str, dict], fallback: 
 
     `mine`, `targets[n]`: facts.reboot.parse_node_guests readings of this node and of each other
     online node of the run; `absent`: online nodes not in the run (their free devices are not
-    known here). Returns ``{"migrate": [(vmid, target)], "stop": [(kind, vmid)], "refusals": [why]}``:
+    known here). Returns ``{"migrate": [(vmid, target)], "relocate": [(vmid, sid, target)],
+    "stop": [(kind, vmid)], "refusals": [why]}``:
     a running VM whose every hostpci line names a mapping goes to the first target (by name) with
     a free entry of those mappings for each line (offline: qemu-server PVE/API2/Qemu.pm migrate_vm
     refuses a running VM without --online, and a VM with passthrough devices cannot migrate
     online); a VM with a hostpci line bound to this node's address, and a running CT with NVIDIA
     device nodes (pve-container PVE/LXC/Migrate.pm prepare: no live migration of containers), are
-    stopped (started again after). Refused: a locked guest, an HA resource (HA owns its placement),
-    and a pooled VM no target has room for, unless `fallback` is "stop"."""
+    stopped (started again after). A pooled VM that is an HA resource HA keeps started is relocated
+    by HA to the target instead. Refused: a locked guest, any other HA resource (HA owns its
+    placement, a shutdown only asks HA), and a pooled VM no target has room for, unless `fallback`
+    is "stop" (not for an HA resource)."""
     free = {n: free_devices(n, g) for n, g in sorted(targets.items())}
-    out: dict[str, list] = {"migrate": [], "stop": [], "refusals": []}
+    out: dict[str, list] = {"migrate": [], "relocate": [], "stop": [], "refusals": []}
     for kind in ("qemu", "lxc"):
         for vmid, status in sorted(mine["status"][kind].items()):
             config = mine["configs"][kind].get(vmid) or {}
@@ -171,14 +174,16 @@ def plan_guest_moves(node: str, mine: dict, targets: dict[str, dict], fallback: 
                 out["refusals"].append(lock_refusal(kind, vmid, lock, "move it off the node for its reboot"))
                 continue
             managed = ha_resource(mine["ha"], kind, vmid)
-            if managed:
-                out["refusals"].append(
-                    f"{label} {vmid} is HA resource {managed[0]}: HA decides where it runs, so pvegpu does not move "
-                    f"or stop it. Relocate it first (`ha-manager crm-command relocate {managed[0]} <node>`: stop, "
-                    f"migrate, start) or take the node out of HA's choices, then re-run")
-                continue
             pools = [h["mapping"] for h in lines if h.get("mapping")]
-            if kind == "lxc" or len(pools) < len(lines):
+            movable = kind == "qemu" and len(pools) == len(lines)
+            if managed and not (movable and managed[1].get("state") == "started"):
+                out["refusals"].append(
+                    f"{label} {vmid} is HA resource {managed[0]} (requested state {managed[1].get('state')}): HA "
+                    f"decides where it runs and `{'qm' if kind == 'qemu' else 'pct'} shutdown` only asks HA, so pvegpu "
+                    f"does not move or stop it. Relocate it first (`ha-manager crm-command relocate {managed[0]} "
+                    f"<node>`) or stop it through HA, then re-run")
+                continue
+            if not movable:
                 out["stop"].append((kind, vmid))
                 continue
             need: dict[str, int] = {}
@@ -188,9 +193,14 @@ def plan_guest_moves(node: str, mine: dict, targets: dict[str, dict], fallback: 
             if target:
                 for m, k in need.items():
                     free[target][m] -= k
-                out["migrate"].append((vmid, target))
+                if managed:
+                    # pve-ha-manager: `ha-manager crm-command relocate` has the CRM move it (the LRM shuts
+                    # it down, migrates it offline: PVE/HA/Resources/PVEVM.pm migrate; the target's starts it)
+                    out["relocate"].append((vmid, managed[0], target))
+                else:
+                    out["migrate"].append((vmid, target))
                 continue
-            if fallback == "stop":
+            if fallback == "stop" and not managed:
                 out["stop"].append((kind, vmid))
                 continue
             wanted = ", ".join(f"{k} of {m}" for m, k in sorted(need.items()))

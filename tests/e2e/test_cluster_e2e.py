@@ -191,8 +191,14 @@ def test_three_nodes_converged_at_once_share_one_gpu_pool(twin_factory, tmp_path
     # migrated offline to the first other node with two free devices of the pool (the second,
     # whose pooled VM is stopped), started there, and brought back once the first node is back
     # and its checks passed
+    # VM 302 on the third node is an HA resource HA keeps started: HA relocates it (the twin's CRM/LRM,
+    # tests/twin/standins/proxmox.py ha_step) to the second node before the third reboots, and back
     a, b = names[0], names[1]
     assert ssh(a, "qm start 300").returncode == 0
+    (pve / "ha").mkdir(exist_ok=True)
+    (pve / "ha/resources.cfg").write_text("vm: 302\n\tstate started\n")
+    assert "Requesting HA start for VM 302" in ssh(c, "qm start 302").stdout
+    assert runtime._wait_until(lambda: "status: running" in ssh(c, "qm status 302").stdout, 30)
     (tmp_path / "inv.yml").write_text(yaml.safe_dump({"hosts": {
         n: node_spec(n, vmids[n], ("pci=realloc", "pcie_aspm=off", "pcie_port_pm=off"), guests="migrate")
         for n in names}}))
@@ -203,6 +209,11 @@ def test_three_nodes_converged_at_once_share_one_gpu_pool(twin_factory, tmp_path
     assert (f"{a}: VM 300 moved to node {b} before the reboot (shut down, migrated offline, started there)"
             in moved.output), moved.output
     assert f"{a}: VM 300 back from node {b}, running here again" in moved.output
+    assert f"{c}: VM 302 (HA resource vm:302) relocated by HA to node {b} before the reboot" in moved.output
+    assert f"{c}: VM 302 (HA resource vm:302) relocated back from node {b}, running here again" in moved.output
+    assert "ha-relocate qemu 302" in [what for _, what in guest_log(c)]
+    assert "ha-start qemu 302" in [what for _, what in guest_log(b)]
+    assert "status: running" in ssh(c, "qm status 302").stdout
     requested, booted = reboots(a)[-1]
     on_b = [(t, what) for t, what in guest_log(b) if what.endswith(" qemu 300")]
     started = [t for t, what in on_b if what.startswith("start ")]
@@ -212,6 +223,8 @@ def test_three_nodes_converged_at_once_share_one_gpu_pool(twin_factory, tmp_path
     assert "status: running" in ssh(a, "qm status 300").stdout
     assert json.loads(ssh(b, "cat /etc/pve/.vmlist").stdout)["ids"]["300"]["node"] == a
     assert ssh(a, "qm stop 300").returncode == 0
+    (pve / "ha/resources.cfg").write_text("")
+    assert ssh(c, "qm stop 302").returncode == 0
 
     # the first node's pooled GPUs are taken by another VM of the pool: VM 300 finds no free one
     # there, migrates offline to the second node (whose pooled VM is stopped) and starts on it

@@ -134,7 +134,8 @@ def _reading(node: str, running: dict[int, list[str]] | None = None, reserved: d
     pool = "pci: rtx6000\n\tdescription pvegpu-gpu-pool\n" + "".join(
         f"\tmap id=10de:2bb5,node={n},path=0000:{bus}:00\n" for n in ("a", "b", "c") for bus in ("81", "a1"))
     lines = ["@@ qm list", "      VMID NAME                 STATUS     MEM(MB)    BOOTDISK(GB) PID"]
-    lines += [f"{v:>10} vm{v:<18} running    0                  0.00 100" for v in (running or {})]
+    # an unnamed VM is listed as "VM <id>" (qemu-server vmstatus): two words in the NAME column
+    lines += [f"{v:>10} {'VM ' + str(v):<20} running    0                  0.00 100" for v in (running or {})]
     lines += ["@@ pct list", "VMID       Status     Lock         Name"]
     lines += [f"{c:<10} running                 ct{c}" for c in (cts or {})]
     lines += ["@@ reservations", *[f"{i} {v} pid:100" for i, v in (reserved or {}).items()]]
@@ -161,11 +162,12 @@ def test_a_pooled_vm_goes_to_the_first_node_with_free_devices_of_its_pool():
     assert free_devices("b", b) == {"rtx6000": 1} and free_devices("c", c) == {"rtx6000": 2}
     # a reservation of a VM that no longer runs is a leftover: the device is free
     assert free_devices("b", _reading("b", {}, {"0000:81:00.0": 301})) == {"rtx6000": 2}
-    assert plan_guest_moves("a", mine, {"b": b, "c": c}) == {"migrate": [(300, "c")], "stop": [], "refusals": []}
+    assert plan_guest_moves("a", mine, {"b": b, "c": c}) == {"migrate": [(300, "c")], "relocate": [], "stop": [],
+                                                            "refusals": []}
     # a GPU container is stopped (no live migration of containers); a VM on a per-node address too
     mine = _reading("a", {300: POOLED, 310: ["0000:c1:00.0,pcie=1"], 320: []}, cts={200: "/dev/nvidia0"})
     assert plan_guest_moves("a", mine, {"b": b, "c": c}) == {
-        "migrate": [(300, "c")], "stop": [("qemu", 310), ("lxc", 200)], "refusals": []}
+        "migrate": [(300, "c")], "relocate": [], "stop": [("qemu", 310), ("lxc", 200)], "refusals": []}
 
 
 def test_no_node_with_free_devices_refuses_or_stops_as_the_spec_says():
@@ -178,18 +180,27 @@ def test_no_node_with_free_devices_refuses_or_stops_as_the_spec_says():
     assert why.startswith("VM 300 needs 2 of rtx6000 free on another node, and no online node of the run has them "
                           "(b: 0 of rtx6000; not in the run, so not known: c)"), why
     assert "reboot.migrate_fallback: stop" in why
-    assert plan_guest_moves("a", mine, {"b": b}, "stop") == {"migrate": [], "stop": [("qemu", 300)], "refusals": []}
+    assert plan_guest_moves("a", mine, {"b": b}, "stop") == {"migrate": [], "relocate": [], "stop": [("qemu", 300)],
+                                                            "refusals": []}
     # two VMs, room for one: the second is refused
     two = _reading("a", {300: POOLED, 302: POOLED})
     moves = plan_guest_moves("a", two, {"c": _reading("c")})
     assert moves["migrate"] == [(300, "c")] and len(moves["refusals"]) == 1 and "VM 302" in moves["refusals"][0]
 
 
-def test_locked_and_ha_guests_are_never_moved_by_pvegpu():
+def test_ha_vms_are_relocated_by_ha_and_locked_or_other_ha_guests_refused():
     from plan.reboot import plan_guest_moves
     mine = _reading("a", {300: POOLED}, ha="vm: 300\n\tstate started\n")
-    (why,) = plan_guest_moves("a", mine, {"c": _reading("c")}, "stop")["refusals"]
-    assert "VM 300 is HA resource vm:300" in why and "ha-manager crm-command relocate vm:300" in why
+    assert plan_guest_moves("a", mine, {"c": _reading("c")}) == {
+        "migrate": [], "relocate": [(300, "vm:300", "c")], "stop": [], "refusals": []}
+    # no room: refused even with fallback stop (a shutdown of an HA resource only asks HA)
+    (why,) = plan_guest_moves("a", mine, {}, "stop")["refusals"]
+    assert why.startswith("VM 300 needs 2 of rtx6000 free on another node"), why
+    # an HA VM on a per-node address, or one HA is stopping: refused with the fix
+    other = _reading("a", {310: ["0000:c1:00.0,pcie=1"]}, ha="vm: 310\n\tstate started\n")
+    (why,) = plan_guest_moves("a", other, {"c": _reading("c")}, "stop")["refusals"]
+    assert "VM 310 is HA resource vm:310 (requested state started)" in why
+    assert "ha-manager crm-command relocate vm:310" in why
     mine["configs"]["qemu"][300]["options"]["lock"] = "backup"
     mine["ha"] = {}
     (why,) = plan_guest_moves("a", mine, {"c": _reading("c")})["refusals"]
