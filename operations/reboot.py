@@ -199,6 +199,14 @@ def _ha_relocate(source, target_host, sid: str, vmid: int, target: str, timeout:
                    "where it is now is HA's")
 
 
+def _restore_failed(host, cluster: str, node: str, why: str) -> bool:
+    """A guest of `node` did not come back: the roll of `cluster` stops here (the next node would
+    move its guests on top of an unsettled cluster)."""
+    ROLL_STOPPED[cluster] = (node, f"did not get its guests back after its reboot ({why})")
+    logger.error(f"{host.name}: {why}; the rolling reboot of cluster {cluster} stops: its other nodes are not rebooted")
+    return False
+
+
 def restore_guests(state, host, cluster: str, node: str, timeout: int) -> bool:
     """After `node` is back and passed its checks: the VMs clear_guests moved come back (an HA
     resource relocated back by HA) and the guests it stopped start again (in the reverse order)."""
@@ -208,22 +216,19 @@ def restore_guests(state, host, cluster: str, node: str, timeout: int) -> bool:
         if what == "ha-back":
             ok, said = _ha_relocate(hosts[target], host, kind, vmid, node, timeout)
             if not ok:
-                logger.error(f"{host.name}: VM {vmid} did not come back from node {target}: {said}")
-                return False
+                return _restore_failed(host, cluster, node, f"VM {vmid} did not come back from node {target}: {said}")
             logger.info(f"{host.name}: VM {vmid} (HA resource {kind}) relocated back from node {target}, running here again")
         elif what == "back":
             ok, said = _run(hosts[target], f"{shutdown_shell('qemu', vmid, timeout)} && qm migrate {word(str(vmid))} {word(node)}")
             if ok:
                 ok, said = _run(host, f"qm start {word(str(vmid))}")
             if not ok:
-                logger.error(f"{host.name}: VM {vmid} did not come back from node {target}: {said}")
-                return False
+                return _restore_failed(host, cluster, node, f"VM {vmid} did not come back from node {target}: {said}")
             logger.info(f"{host.name}: VM {vmid} back from node {target}, running here again")
         else:
             ok, said = _run(host, f"{'qm' if kind == 'qemu' else 'pct'} start {word(str(vmid))}")
             if not ok:
-                logger.error(f"{host.name}: {label} {vmid} did not start again after the reboot: {said}")
-                return False
+                return _restore_failed(host, cluster, node, f"{label} {vmid} did not start again after the reboot: {said}")
             logger.info(f"{host.name}: {label} {vmid} started again after the reboot")
     return True
 
