@@ -10,29 +10,52 @@ Rolling reboots (issue 26): a node of a Proxmox cluster (its /etc/pve/.members n
 of more than one node) reboots in batches of at most `reboot.max_parallel` hosts of the run,
 fewer when the cluster's quorum needs it (`plan.reboot.roll_width`, votes from corosync.conf);
 each node must be online in its cluster again and the cluster quorate (`.members`) within
-`reboot.rejoin_timeout` before the next batch starts; a node that does not come back stops the
-roll: every later node of that cluster is left unrebooted, naming it. A node whose reboot would
+`reboot.rejoin_timeout` before the next batch starts, and its host checks must pass: the NVIDIA
+module of `nvidia.version` loaded, each spec GPU on its role's driver, the command line the boot
+stage configured, and a trial kernel made the default (the checks of the kernel trial, one loop:
+plan.kernel.HOST_CHECKS_LOOP; `plan.reboot.roll_check_lines`). A node that does not come back or
+fails a check stops the roll: every later node of that cluster is left unrebooted, naming the
+node and the failed check, its reboot reasons printed as still pending. A node whose reboot would
 cost quorum is not rebooted (reboot pending, with the numbers).
+
+Guests (`reboot.guests`): `stop` leaves a node's running guests to its own shutdown. `migrate`,
+when the node's turn comes: each running VM whose hostpci lines all name mappings (GPU pools) is
+shut down, moved offline (`qm migrate`) to the first other online node of the run with free
+entries of its pools, and started there; a running VM with a per-node hostpci address and a
+running CT with NVIDIA devices are shut down (`plan.reboot.plan_guest_moves`). After the node is
+back and its checks passed, the moved VMs come back (shut down there, migrated back, started
+here; as HA's maintenance mode brings its services back: pve-ha-manager PVE/HA/Manager.pm
+maintenance_node) and the stopped guests are started. A VM no node has room for stops the roll
+(`reboot.migrate_fallback: refuse`) or is stopped (`stop`); a locked guest or an HA resource
+always stops it, naming the fix.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
 from pyinfra.operations import server
 
 from facts.files import FileTexts
+from facts.reboot import NODE_GUESTS_COMMAND, parse_node_guests
 from facts.run_state import reboot_reasons, run_state, trial_boot_of
-from plan.kernel import finish_trial_command
-from plan.reboot import member_back, parse_cluster, pending_summary, roll_width
+from facts.shell import word
+from operations.boot import boot_plan
+from operations.boot import stage_facts as boot_facts
+from operations.proxmox import shutdown_shell
+from plan.kernel import finish_trial_command, host_checks_command, host_expectations
+from plan.reboot import member_back, parse_cluster, pending_summary, plan_guest_moves, roll_check_lines, roll_width
 from spec.models import HostSpec
 
 MEMBERS = "/etc/pve/.members"  # pmxcfs: this node's view of its cluster (status.c)
 COROSYNC_CONF = "/etc/pve/corosync.conf"  # the cluster's nodelist with quorum_votes
-# clusters whose roll stopped in this run (pyinfra runs every host in one process): cluster -> node
-ROLL_STOPPED: dict[str, str] = {}
+# clusters whose roll stopped in this run (pyinfra runs every host in one process): cluster -> (node, why)
+ROLL_STOPPED: dict[str, tuple[str, str]] = {}
+# what clear_guests did to a node's guests, undone by restore_guests: host name -> [(what, kind or HA sid, vmid, target)]
+ROLL_MOVED: dict[str, list[tuple[str, str, int, str]]] = {}
 
 REBOOT_TIMEOUT_S = 900  # a many-GPU host takes minutes through firmware and POST
 
@@ -50,12 +73,163 @@ def pin_trial_kernel(release: str, loader: str, build_id: str, advanced_id: str 
 
 
 def roll_gate(state, host, cluster: str) -> bool:
-    """Before a node of `cluster` reboots: none of its cluster failed to come back in this run."""
-    failed = ROLL_STOPPED.get(cluster)
-    if failed:
+    """Before a node of `cluster` reboots: none of its cluster failed to come back or failed its
+    host checks in this run; else this node is left as it is, its reboot still pending."""
+    stopped = ROLL_STOPPED.get(cluster)
+    if stopped:
+        failed, why = stopped
         logger.error(f"{host.name}: not rebooted: the rolling reboot of cluster {cluster} stopped at node "
-                     f"{failed}, which did not come back into the cluster; fix {failed}, then re-run")
+                     f"{failed}, which {why}; fix {failed}, then re-run")
+        for line in pending_summary(host.name, reboot_reasons(host)):
+            logger.error(line)
         return False
+    return True
+
+
+def roll_checks(state, host, cluster: str, node: str, checks: list[str], trial: dict | None) -> bool:
+    """After the node is back in its cluster: a trial kernel made the default if it came up and
+    its trial checks hold (plan.kernel.finish_trial_command), then the host checks of the roll
+    (plan.reboot.roll_check_lines); a failure stops the roll of `cluster` (`ROLL_STOPPED`)."""
+    commands = []
+    if trial:
+        commands.append(finish_trial_command(trial["release"], trial["pin_tool"], trial.get("build_id", ""),
+                                             trial.get("advanced_id"), fail=True))
+    commands.append(host_checks_command(checks))
+    for command in commands:
+        ok, output = host.run_shell_command(StringCommand(command))
+        if not ok:
+            said = " ".join(" ".join(output.stdout_lines + output.stderr_lines).split())
+            ROLL_STOPPED[cluster] = (node, f"failed its host checks after the reboot ({said})")
+            logger.error(f"{host.name}: host checks failed after the reboot: {said}; the rolling reboot of cluster "
+                         f"{cluster} stops: its other nodes are not rebooted")
+            return False
+    logger.info(f"{host.name}: host checks passed after the reboot ({len(checks)} check(s))")
+    return True
+
+
+def run_nodes(state) -> dict[str, Any]:
+    """{Proxmox node name: pyinfra host} of the run (the node its spec or inventory names)."""
+    return {h.data.get("pvegpu_node") or h.name: h for h in state.inventory}
+
+
+def _run(host, command: str) -> tuple[bool, str]:
+    ok, output = host.run_shell_command(StringCommand(command))
+    return ok, " ".join(" ".join(output.stdout_lines + output.stderr_lines).split())
+
+
+def _stop_roll(host, cluster: str, node: str, why: str) -> bool:
+    ROLL_STOPPED[cluster] = (node, why)
+    logger.error(f"{host.name}: not rebooted: {why}; the rolling reboot of cluster {cluster} stops: its other "
+                 "nodes are not rebooted")
+    for line in pending_summary(host.name, reboot_reasons(host)):
+        logger.error(line)
+    return False
+
+
+def _read_guests(host) -> dict | None:
+    ok, output = host.run_shell_command(StringCommand(NODE_GUESTS_COMMAND))
+    return parse_node_guests(list(output.stdout_lines)) if ok else None
+
+
+def clear_guests(state, host, cluster: str, node: str, fallback: str, timeout: int) -> bool:
+    """Before `node` reboots (`reboot.guests: migrate`): its running GPU guests moved or stopped as
+    plan.reboot.plan_guest_moves says; a refusal stops the roll here, the node not rebooted."""
+    mine = _read_guests(host)
+    if mine is None:
+        return _stop_roll(host, cluster, node, f"its guests could not be read on {node}")
+    online = sorted(n for n, v in ((mine["members"] or {}).get("nodelist") or {}).items()
+                    if v.get("online") and n != node)
+    hosts = run_nodes(state)
+    targets = {}
+    for n in online:
+        if n in hosts:
+            reading = _read_guests(hosts[n])
+            if reading is not None and ((reading["members"] or {}).get("cluster") or {}).get("name") == cluster:
+                targets[n] = reading
+    moves = plan_guest_moves(node, mine, targets, fallback, tuple(n for n in online if n not in hosts))
+    if moves["refusals"]:
+        return _stop_roll(host, cluster, node, "its GPU guests cannot leave it: " + " ".join(moves["refusals"]))
+    if not (moves["stop"] or moves["migrate"] or moves["relocate"]):
+        logger.info(f"{host.name}: no running GPU guest to move or stop before the reboot")
+    done = ROLL_MOVED.setdefault(host.name, [])
+    for kind, vmid in moves["stop"]:
+        ok, said = _run(host, shutdown_shell(kind, vmid, timeout))
+        if not ok:
+            return _stop_roll(host, cluster, node, f"{'VM' if kind == 'qemu' else 'CT'} {vmid} did not stop ({said})")
+        done.append(("start", kind, vmid, node))
+        logger.info(f"{host.name}: {'VM' if kind == 'qemu' else 'CT'} {vmid} stopped for the reboot; started again after it")
+    for vmid, target in moves["migrate"]:
+        # offline: qemu-server PVE/API2/Qemu.pm migrate_vm refuses a running VM without --online
+        ok, said = _run(host, f"{shutdown_shell('qemu', vmid, timeout)} && qm migrate {word(str(vmid))} {word(target)}")
+        if not ok:
+            return _stop_roll(host, cluster, node, f"VM {vmid} could not be migrated to {target} ({said})")
+        # the VM is the target's now (its config under /etc/pve/nodes/<target>/): started there
+        ok, said = _run(hosts[target], f"qm start {word(str(vmid))}")
+        if not ok:
+            return _stop_roll(host, cluster, node, f"VM {vmid} was migrated to {target} but did not start there ({said}); "
+                              f"it is stopped on {target}")
+        done.append(("back", "qemu", vmid, target))
+        logger.info(f"{host.name}: VM {vmid} moved to node {target} before the reboot (shut down, migrated offline, "
+                    f"started there); it comes back after the reboot")
+    for vmid, sid, target in moves["relocate"]:
+        ok, said = _ha_relocate(host, hosts[target], sid, vmid, target, timeout)
+        if not ok:
+            return _stop_roll(host, cluster, node, said)
+        done.append(("ha-back", sid, vmid, target))
+        logger.info(f"{host.name}: VM {vmid} (HA resource {sid}) relocated by HA to node {target} before the reboot; "
+                    "relocated back after it")
+    return True
+
+
+def _ha_relocate(source, target_host, sid: str, vmid: int, target: str, timeout: int) -> tuple[bool, str]:
+    """Ask HA to relocate `sid` to `target` (pve-ha-manager `ha-manager crm-command relocate`: the
+    CRM queues it, the source's LRM shuts the VM down and migrates it offline, the target's starts
+    it) and wait until it runs there: reading both nodes' guests each round (what their LRMs did)."""
+    ok, said = _run(source, f"ha-manager crm-command relocate {word(sid)} {word(target)}")
+    if not ok:
+        return False, f"HA did not take the relocation of {sid} to {target} ({said})"
+    deadline = time.monotonic() + timeout + 120  # the shutdown, then HA's rounds (10 s each on a real CRM/LRM)
+    while time.monotonic() < deadline:
+        _read_guests(source)
+        there = _read_guests(target_host)
+        if there and there["status"]["qemu"].get(vmid) == "running":
+            return True, ""
+        time.sleep(2)
+    return False, (f"HA did not relocate {sid} to {target} within {timeout + 120} s (`ha-manager status`); "
+                   "where it is now is HA's")
+
+
+def _restore_failed(host, cluster: str, node: str, why: str) -> bool:
+    """A guest of `node` did not come back: the roll of `cluster` stops here (the next node would
+    move its guests on top of an unsettled cluster)."""
+    ROLL_STOPPED[cluster] = (node, f"did not get its guests back after its reboot ({why})")
+    logger.error(f"{host.name}: {why}; the rolling reboot of cluster {cluster} stops: its other nodes are not rebooted")
+    return False
+
+
+def restore_guests(state, host, cluster: str, node: str, timeout: int) -> bool:
+    """After `node` is back and passed its checks: the VMs clear_guests moved come back (an HA
+    resource relocated back by HA) and the guests it stopped start again (in the reverse order)."""
+    hosts = run_nodes(state)
+    for what, kind, vmid, target in reversed(ROLL_MOVED.pop(host.name, [])):
+        label = "VM" if kind == "qemu" else "CT"
+        if what == "ha-back":
+            ok, said = _ha_relocate(hosts[target], host, kind, vmid, node, timeout)
+            if not ok:
+                return _restore_failed(host, cluster, node, f"VM {vmid} did not come back from node {target}: {said}")
+            logger.info(f"{host.name}: VM {vmid} (HA resource {kind}) relocated back from node {target}, running here again")
+        elif what == "back":
+            ok, said = _run(hosts[target], f"{shutdown_shell('qemu', vmid, timeout)} && qm migrate {word(str(vmid))} {word(node)}")
+            if ok:
+                ok, said = _run(host, f"qm start {word(str(vmid))}")
+            if not ok:
+                return _restore_failed(host, cluster, node, f"VM {vmid} did not come back from node {target}: {said}")
+            logger.info(f"{host.name}: VM {vmid} back from node {target}, running here again")
+        else:
+            ok, said = _run(host, f"{'qm' if kind == 'qemu' else 'pct'} start {word(str(vmid))}")
+            if not ok:
+                return _restore_failed(host, cluster, node, f"{label} {vmid} did not start again after the reboot: {said}")
+            logger.info(f"{host.name}: {label} {vmid} started again after the reboot")
     return True
 
 
@@ -75,7 +249,7 @@ def wait_rejoined(state, host, cluster: str, node: str, timeout: int) -> bool:
                             f"{view.expected_votes} votes online)")
                 return True
         if time.monotonic() > deadline:
-            ROLL_STOPPED[cluster] = node
+            ROLL_STOPPED[cluster] = (node, "did not come back into the cluster")
             seen = "no answer" if view is None else ("no quorum" if not view.quorate else f"{node} offline")
             logger.error(f"{host.name}: did not come back into cluster {cluster} within {timeout} s ({seen}); "
                          "the rolling reboot stops: its other nodes are not rebooted")
@@ -84,17 +258,28 @@ def wait_rejoined(state, host, cluster: str, node: str, timeout: int) -> bool:
 
 
 @operation(is_idempotent=False)
-def cluster_reboot(cluster: str, node: str, rejoin_timeout: int, delay: int = 5, interval: int = 2,
+def cluster_reboot(cluster: str, node: str, rejoin_timeout: int, checks: list[str] | None = None,
+                   trial: dict | None = None, guests: str = "stop", fallback: str = "refuse",
+                   shutdown_timeout: int = 120, delay: int = 5, interval: int = 2,
                    reboot_timeout: int = REBOOT_TIMEOUT_S):
     """Reboot one node of a rolling reboot: only while its cluster's roll has not stopped; then
-    wait for the node to be back in the cluster (see the module docstring).
+    wait for the node to be back in the cluster and pass its host checks (see the module docstring).
 
     + cluster, node: the node's cluster and node name (from /etc/pve/.members)
     + rejoin_timeout: seconds after SSH answers for the node to be online and the cluster quorate
+    + checks: plan.reboot.roll_check_lines of the node
+    + trial: the kernel stage's trial boot (facts.run_state.trial_boot_of), finished here
+    + guests, fallback: reboot.guests and reboot.migrate_fallback
+    + shutdown_timeout: seconds a guest gets to shut down (guests.shutdown_timeout)
     """
     yield FunctionCommand(roll_gate, (cluster,), {})
+    if guests == "migrate":
+        yield FunctionCommand(clear_guests, (cluster, node, fallback, shutdown_timeout), {})
     yield from server.reboot._inner(delay=delay, interval=interval, reboot_timeout=reboot_timeout)
     yield FunctionCommand(wait_rejoined, (cluster, node, rejoin_timeout), {})
+    yield FunctionCommand(roll_checks, (cluster, node, list(checks or []), trial), {})
+    if guests == "migrate":
+        yield FunctionCommand(restore_guests, (cluster, node, shutdown_timeout), {})
 
 
 @deploy("pvegpu: reboot policy")
@@ -120,6 +305,7 @@ def apply(spec: HostSpec) -> None:
     for line in summary:
         logger.info(line)
     run_state().rebooting = True  # deploy.py: stages with an after_reboot plan again after it
+    trial = trial_boot_of()
     if view.name is None or width == 0:
         server.reboot(name=name, delay=5, interval=2, reboot_timeout=REBOOT_TIMEOUT_S)
     else:
@@ -128,9 +314,13 @@ def apply(spec: HostSpec) -> None:
         # pyinfra runs an operation host by host (_serial) or in batches (_parallel), every
         # host's run of it before the next operation
         batching = {"_serial": True} if width == 1 else {"_parallel": width}
+        cmdline = boot_plan(spec, boot_facts())["difference"] if "cmdline" in {k for k, _ in reasons} else None
+        checks = roll_check_lines(host_expectations(spec), reasons, cmdline, trial["release"] if trial else None)
         cluster_reboot(name=name, cluster=view.name, node=view.node or host.name,
-                       rejoin_timeout=spec.reboot.rejoin_timeout, **batching)
-    trial = trial_boot_of()
+                       rejoin_timeout=spec.reboot.rejoin_timeout, checks=checks, trial=trial,
+                       guests=spec.reboot.guests, fallback=spec.reboot.migrate_fallback,
+                       shutdown_timeout=spec.guests.shutdown_timeout, **batching)
+        return  # the trial, if any, was finished in the roll's checks
     if trial:
         pin_trial_kernel(
             name=f"Pin kernel {trial['release']} for good if it came up",

@@ -504,15 +504,30 @@ def arm_trial_command(release: str, expect: dict | None = None) -> str:
             f"printf %s {r} > {word(TRIAL_MARKER)} && printf %s {r} > {word(TRIAL_ARMED)}")
 
 
-# The host checks of the trial kernel: each line of TRIAL_CHECKS must hold again (prints what does not)
-TRIAL_CHECKS_COMMAND = (
-    f"bad=; [ -f {TRIAL_CHECKS} ] && while read -r what a b; do case $what in "
+# The host checks after a boot, one loop for both users: the trial kernel (TRIAL_CHECKS: what held
+# on the known-good kernel) and each node of a rolling reboot (plan.reboot.roll_check_lines: what
+# the reboot was for). Reads lines from stdin: `nvidia <ver>`, `gpu <bdf> <driver>`, `kernel
+# <release>`, `cmdline <word>`, `nocmdline <word>`; prints what does not hold and fails.
+HOST_CHECKS_LOOP = (
+    "bad=; while read -r what a b; do case $what in "
     "nvidia) grep -qwF -- \"$a\" /proc/driver/nvidia/version 2>/dev/null || "
     "bad=\"$bad nvidia $a is not loaded ($(head -n 1 /proc/driver/nvidia/version 2>/dev/null || echo no NVIDIA module));\" ;; "
     "gpu) d=$(basename \"$(readlink /sys/bus/pci/devices/$a/driver)\"); [ \"$d\" = \"$b\" ] || "
-    "bad=\"$bad GPU $a is on ${d:-no driver}, not $b;\" ;; esac; "
-    f"done < {TRIAL_CHECKS}; [ -z \"$bad\" ] || {{ echo \"$bad\"; false; }}"
+    "bad=\"$bad GPU $a is on ${d:-no driver}, not $b;\" ;; "
+    "kernel) [ \"$(uname -r)\" = \"$a\" ] || bad=\"$bad the running kernel is $(uname -r), not $a;\" ;; "
+    "cmdline) case \" $(cat /proc/cmdline) \" in *\" $a \"*) ;; *) bad=\"$bad the booted command line lacks $a;\" ;; esac ;; "
+    "nocmdline) case \" $(cat /proc/cmdline) \" in *\" $a \"*) bad=\"$bad the booted command line still has $a;\" ;; esac ;; "
+    "esac; done; [ -z \"$bad\" ] || { echo \"$bad\"; false; }"
 )
+
+# The host checks of the trial kernel: each line of TRIAL_CHECKS must hold again (prints what does not)
+TRIAL_CHECKS_COMMAND = f"if [ -f {TRIAL_CHECKS} ]; then {{ {HOST_CHECKS_LOOP}; }} < {TRIAL_CHECKS}; fi"
+
+
+def host_checks_command(lines: list[str]) -> str:
+    """HOST_CHECKS_LOOP over `lines` (each `<what> <a> [<b>]`): fails printing what does not hold."""
+    return f"printf '%s\\n' {' '.join(word(line) for line in lines) or word('')} | {{ {HOST_CHECKS_LOOP}; }}"
+
 
 # Evidence of a trial that did not come up, kept for the next runs: the trial boot's last journal
 # lines when the journal is persistent (/var/log/journal; systemd journald.conf Storage=auto keeps

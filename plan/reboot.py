@@ -12,6 +12,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from plan.guest_control import config_lock, ha_resource, lock_refusal
+
 
 def pending_summary(name: str, reasons: list[tuple[str, str]]) -> list[str]:
     if not reasons:
@@ -91,3 +93,121 @@ def roll_width(view: ClusterView, max_parallel: int) -> tuple[int, str | None]:
 def member_back(view: ClusterView, node: str) -> bool:
     """`node` is online in its cluster again and the cluster is quorate."""
     return view.name is None or (view.quorate and view.online.get(node, False))
+
+
+def roll_check_lines(expect: dict, reasons: list[tuple[str, str]], cmdline: dict | None = None,
+                     release: str | None = None) -> list[str]:
+    """The host checks a node of a rolling reboot must pass before the next node reboots, as
+    lines for plan.kernel.host_checks_command (the loop the kernel trial's checks run through):
+    the NVIDIA module of the spec's version loaded and each spec GPU on its role's driver
+    (`expect`: plan.kernel.host_expectations), and what the reboot was for: the command line the
+    boot stage configured (`cmdline`: plan.boot.cmdline_difference of the run, when a reason is
+    "cmdline") and the kernel a trial boot selected (`release`)."""
+    kinds = {kind for kind, _ in reasons}
+    lines = [f"nvidia {expect['nvidia']}"] if expect.get("nvidia") else []
+    lines += [f"gpu {bdf} {driver}" for bdf, driver in sorted((expect.get("drivers") or {}).items())]
+    if release:
+        lines.append(f"kernel {release}")
+    if cmdline and "cmdline" in kinds:
+        lines += [f"cmdline {w}" for w in cmdline.get("missing") or []]
+        lines += [f"nocmdline {w}" for w in cmdline.get("extra") or []]
+    return lines
+
+
+# ---------------------------------------------------------------- GPU guests before a node reboots
+
+
+def _entry_free(entry: dict, reserved: set[str]) -> bool:
+    """A mapping entry none of whose devices a running VM holds (qemu-server PVE/QemuServer/PCI.pm
+    choose_hostpci_devices(): an entry is taken when no reservation of another running VM covers
+    any of its paths; a path without a function covers every function of the slot)."""
+    paths = [p for p in str(entry.get("path") or "").split(";") if p]
+    return bool(paths) and not any(r == p or r.startswith(p + ".") for p in paths for r in reserved)
+
+
+def free_devices(node: str, guests: dict) -> dict[str, int]:
+    """{mapping id: entries for `node` no running VM holds}, from a facts.reboot.parse_node_guests
+    reading of `node` (its reservations and the running VMs of `qm list`)."""
+    running = {v for v, s in guests["status"]["qemu"].items() if s == "running"}
+    reserved = {i for i, v in guests["reserved"].items() if v in running}
+    return {mid: sum(1 for e in m.get("map") or [] if e.get("node") == node and _entry_free(e, reserved))
+            for mid, m in guests["mappings"].items()}
+
+
+def _has_gpu_devices(config: dict) -> bool:
+    """A CT with NVIDIA device nodes passed in (devN or lxc.mount.entry of /dev/nvidia*)."""
+    if any(str(d.get("path", "")).startswith("/dev/nvidia") for d in (config.get("devices") or {}).values()):
+        return True
+    return any(k.startswith("lxc.mount.entry") and "/dev/nvidia" in v for k, v in config.get("lxc") or [])
+
+
+def plan_guest_moves(node: str, mine: dict, targets: dict[str, dict], fallback: str = "refuse",
+                     absent: tuple[str, ...] = ()) -> dict:
+    """What `reboot.guests: migrate` does with `node`'s running GPU guests before it reboots.
+
+    `mine`, `targets[n]`: facts.reboot.parse_node_guests readings of this node and of each other
+    online node of the run; `absent`: online nodes not in the run (their free devices are not
+    known here). Returns ``{"migrate": [(vmid, target)], "relocate": [(vmid, sid, target)],
+    "stop": [(kind, vmid)], "refusals": [why]}``:
+    a running VM whose every hostpci line names a mapping goes to the first target (by name) with
+    a free entry of those mappings for each line (offline: qemu-server PVE/API2/Qemu.pm migrate_vm
+    refuses a running VM without --online, and a VM with passthrough devices cannot migrate
+    online); a VM with a hostpci line bound to this node's address, and a running CT with NVIDIA
+    device nodes (pve-container PVE/LXC/Migrate.pm prepare: no live migration of containers), are
+    stopped (started again after). A pooled VM that is an HA resource HA keeps started is relocated
+    by HA to the target instead. Refused: a locked guest, any other HA resource (HA owns its
+    placement, a shutdown only asks HA), and a pooled VM no target has room for, unless `fallback`
+    is "stop" (not for an HA resource)."""
+    free = {n: free_devices(n, g) for n, g in sorted(targets.items())}
+    out: dict[str, list] = {"migrate": [], "relocate": [], "stop": [], "refusals": []}
+    for kind in ("qemu", "lxc"):
+        for vmid, status in sorted(mine["status"][kind].items()):
+            config = mine["configs"][kind].get(vmid) or {}
+            if status != "running":
+                continue
+            lines = list((config.get("hostpci") or {}).values()) if kind == "qemu" else []
+            if kind == "qemu" and not lines or kind == "lxc" and not _has_gpu_devices(config):
+                continue
+            label = "VM" if kind == "qemu" else "CT"
+            lock = config_lock(config)
+            if lock:
+                out["refusals"].append(lock_refusal(kind, vmid, lock, "move it off the node for its reboot"))
+                continue
+            managed = ha_resource(mine["ha"], kind, vmid)
+            pools = [h["mapping"] for h in lines if h.get("mapping")]
+            movable = kind == "qemu" and len(pools) == len(lines)
+            if managed and not (movable and managed[1].get("state") == "started"):
+                out["refusals"].append(
+                    f"{label} {vmid} is HA resource {managed[0]} (requested state {managed[1].get('state')}): HA "
+                    f"decides where it runs and `{'qm' if kind == 'qemu' else 'pct'} shutdown` only asks HA, so pvegpu "
+                    f"does not move or stop it. Relocate it first (`ha-manager crm-command relocate {managed[0]} "
+                    f"<node>`) or stop it through HA, then re-run")
+                continue
+            if not movable:
+                out["stop"].append((kind, vmid))
+                continue
+            need: dict[str, int] = {}
+            for m in pools:
+                need[m] = need.get(m, 0) + 1
+            target = next((n for n, f in free.items() if all(f.get(m, 0) >= k for m, k in need.items())), None)
+            if target:
+                for m, k in need.items():
+                    free[target][m] -= k
+                if managed:
+                    # pve-ha-manager: `ha-manager crm-command relocate` has the CRM move it (the LRM shuts
+                    # it down, migrates it offline: PVE/HA/Resources/PVEVM.pm migrate; the target's starts it)
+                    out["relocate"].append((vmid, managed[0], target))
+                else:
+                    out["migrate"].append((vmid, target))
+                continue
+            if fallback == "stop" and not managed:
+                out["stop"].append((kind, vmid))
+                continue
+            wanted = ", ".join(f"{k} of {m}" for m, k in sorted(need.items()))
+            seen = "; ".join(f"{n}: " + ", ".join(f"{f.get(m, 0)} of {m}" for m in sorted(need)) for n, f in free.items())
+            out["refusals"].append(
+                f"VM {vmid} needs {wanted} free on another node, and no online node of the run has them"
+                f" ({seen or 'no other online node in the run'}"
+                + (f"; not in the run, so not known: {', '.join(absent)}" if absent else "")
+                + "); set reboot.migrate_fallback: stop to stop it for the reboot instead, or free a device")
+    return out

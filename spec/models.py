@@ -355,6 +355,14 @@ class RebootSpec(Strict):
     max_parallel: Annotated[int, NoBool, Field(ge=1, le=64)] = 1
     # seconds a rebooted node may take to be online in its cluster again (after SSH answers)
     rejoin_timeout: Annotated[int, NoBool, Field(ge=1, le=3600)] = 300
+    # a cluster node's running GPU guests before it reboots in a roll (operations/reboot.py): `stop`
+    # leaves them to the node's shutdown; `migrate` moves each VM of a GPU pool offline to another
+    # node of the run with free devices of its pools and back after, stops GPU containers and
+    # starts them again after
+    guests: Literal["stop", "migrate"] = "stop"
+    # `migrate` found no node with free devices for a VM: `refuse` (the node is not rebooted, the
+    # roll stops) or `stop` (the VM is stopped, and started again after the reboot)
+    migrate_fallback: Literal["refuse", "stop"] = "refuse"
 
 
 class GuestPolicy(Strict):

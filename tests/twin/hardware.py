@@ -725,6 +725,16 @@ def compute(root: Path, profile: dict, previous: str | None = None, choice: dict
         kernel_log.append(f"nvidia: {refused}")
         loaded = [m for m in loaded if not m.startswith("nvidia")]
         drivers = {bdf: (None if d == "nvidia" else d) for bdf, d in drivers.items()}
+    # fault knob (runtime.set_fault probe_fails): the driver's probe of these devices fails at boot;
+    # the device stays without a driver and the kernel logs it (linux drivers/base/dd.c call_driver_probe)
+    try:
+        faults = json.loads((root / "var/lib/twin/faults.json").read_text() or "{}")
+    except (OSError, ValueError):
+        faults = {}
+    for bdf in faults.get("probe_fails") or []:
+        if drivers.get(bdf):
+            kernel_log.append(f"{drivers[bdf]} {bdf}: probe of {bdf} failed with error -22")
+            drivers[bdf] = None
     if any(d == "nvidia" for d in drivers.values()) and "nvidia" not in loaded:
         loaded.append("nvidia")
     if vfio_at_boot:

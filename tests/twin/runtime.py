@@ -805,15 +805,20 @@ def set_pve_delay(root: Path | str, seconds: str | float | None) -> None:
     target.write_text(f"{float(seconds)}\n")
 
 
-def set_fault(name: str, unbind_delay_s: float = 0.0, no_cluster_rejoin: bool = False) -> None:
+def set_fault(name: str, unbind_delay_s: float = 0.0, no_cluster_rejoin: bool = False,
+              probe_fails: tuple[str, ...] = ()) -> None:
     """Fault knobs of running twin `name`, read by its kernel model (tests/twin/livesys.py) at each
     write: `unbind_delay_s` makes every driver unbind take that long; read by its supervisor at each
     boot: `no_cluster_rejoin` keeps a cluster twin offline in its cluster after it booted (corosync
-    does not come up). 0/False turns a knob off."""
+    does not come up); read by its kernel model at each boot (tests/twin/hardware.py compute):
+    `probe_fails` (PCI addresses) makes the driver's probe of those devices fail. 0/False/() turns a
+    knob off."""
     root = Path(spec_of(name)["root"])
     faults: dict[str, Any] = {"unbind_delay_s": float(unbind_delay_s)} if unbind_delay_s else {}
     if no_cluster_rejoin:
         faults["no_cluster_rejoin"] = True
+    if probe_fails:
+        faults["probe_fails"] = list(probe_fails)
     target = root / "var/lib/twin/faults.json"
     tmp = target.with_name("faults.json.tmp")
     tmp.write_text(json.dumps(faults) + "\n")
@@ -1335,6 +1340,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="each driver unbind takes S seconds (0: off)")
     p.add_argument("--no-cluster-rejoin", action="store_true",
                    help="a cluster twin stays offline in its cluster after its next boots")
+    p.add_argument("--probe-fails", action="append", default=[], metavar="BDF",
+                   help="the driver's probe of this PCI device fails at the next boots (repeatable)")
     p = sub.add_parser("kill-sshd", help="SIGKILL every sshd of a twin (it starts again in ~1 s)")
     p.add_argument("name")
     p = sub.add_parser("stop", help="stop a twin and remove its files")
@@ -1368,7 +1375,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{spec['name']}\t{spec['profile']}\t{spec['address']}:{spec['port']}"
                       f"\t{state}\tpid={spec['pid']}")
         elif args.command == "fault":
-            set_fault(args.name, unbind_delay_s=args.unbind_delay, no_cluster_rejoin=args.no_cluster_rejoin)
+            set_fault(args.name, unbind_delay_s=args.unbind_delay, no_cluster_rejoin=args.no_cluster_rejoin,
+                      probe_fails=tuple(args.probe_fails))
         elif args.command == "kill-sshd":
             print(" ".join(map(str, kill_sshd(args.name))))
         elif args.command == "cache":

@@ -283,6 +283,41 @@ def test_offline_migration_moves_the_config_when_the_target_has_the_mapping(root
     assert run(root, "qm", "status", "300").returncode != 0  # no longer this node's
 
 
+def test_migration_without_quorum_is_refused_and_ha_relocates_through_the_crm(root):
+    # PVE::Cluster::check_cfs_quorum in migrate_vm; pve-ha-manager: `crm-command relocate` queues a CRM
+    # command, the service's LRM shuts it down and migrates it offline (PVEVM.pm migrate), the
+    # target's LRM starts it; an HA resource's `qm migrate` is only a request to HA
+    import json
+    import os
+    import time
+    (root / "etc/pve/nodes/kpro7/qemu-server").mkdir(parents=True)
+    run(root, "pvesh", "create", "/cluster/mapping/pci", "--id", "pool", "--map", gpu_map(), "--map",
+        gpu_map(node="kpro7"), check=True)
+    run(root, "qm", "set", "300", "--hostpci0", "mapping=pool,pcie=1", check=True)
+    def members(up: int) -> str:
+        return json.dumps({"nodename": "kpro6", "cluster": {"name": "c", "quorate": up},
+                           "nodelist": {"kpro6": {"online": 1}, "kpro7": {"online": up}}})
+    (root / "etc/pve/.members").write_text(members(0))
+    r = run(root, "qm", "migrate", "300", "kpro7")
+    assert r.returncode != 0 and "cluster not ready - no quorum?" in r.stderr
+    (root / "etc/pve/.members").write_text(members(1))
+    (root / "etc/pve/ha").mkdir(exist_ok=True)
+    (root / "etc/pve/ha/resources.cfg").write_text("vm: 300\n\tstate started\n")
+    r = run(root, "ha-manager", "crm-command", "relocate", "vm:999", "kpro7")
+    assert r.returncode != 0 and "resource 'vm:999' is not HA managed" in r.stderr
+    assert "Requesting HA migration for VM 300 to node kpro7" in run(root, "qm", "migrate", "300", "kpro7").stdout
+    assert (root / "etc/pve/nodes/kpro6/qemu-server/300.conf").exists()  # only asked
+    (root / "etc/pve/ha/crm_commands").write_text("")
+    run(root, "ha-manager", "crm-command", "relocate", "vm:300", "kpro7", check=True)
+    run(root, "ha-manager", "status", check=True)  # the CRM has not had its round yet (delay_s)
+    assert (root / "etc/pve/nodes/kpro6/qemu-server/300.conf").exists()
+    old = time.time() - 5
+    os.utime(root / "etc/pve/ha/crm_commands", (old, old))
+    run(root, "ha-manager", "status", check=True)
+    assert (root / "etc/pve/nodes/kpro7/qemu-server/300.conf").exists()
+    assert not (root / "etc/pve/nodes/kpro6/qemu-server/300.conf").exists()
+
+
 def test_qm_shutdown_of_a_stopped_vm_succeeds_pct_refuses(root):
     # qemu-server PVE/QemuServer.pm _do_vm_stop: no process, nothing to do; pve-container Status.pm: "not running"
     assert run(root, "qm", "shutdown", "300").returncode == 0

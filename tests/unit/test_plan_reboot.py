@@ -78,3 +78,130 @@ def test_a_node_is_back_when_online_and_the_cluster_quorate():
     assert not member_back(parse_cluster(members({"kpro5": 1, "kpro6": 0, "kpro7": 1}), None), "kpro6")
     assert not member_back(parse_cluster(members({"kpro5": 0, "kpro6": 1, "kpro7": 0}, quorate=0), None), "kpro6")
     assert parse_cluster("not json", None).name is None
+
+
+def test_roll_checks_are_the_spec_state_and_what_the_reboot_was_for():
+    from plan.reboot import roll_check_lines
+    expect = {"nvidia": "595.71.05", "drivers": {"0000:81:00.0": "vfio-pci", "0000:01:00.0": "nvidia"}}
+    reasons = [("cmdline", "the booted cmdline lacks amd_iommu=on"), ("nvidia", "595.71.05 not loaded")]
+    lines = roll_check_lines(expect, reasons, {"missing": ["amd_iommu=on"], "extra": ["iommu=pt"]}, "6.14.8-2-pve")
+    assert lines == ["nvidia 595.71.05", "gpu 0000:01:00.0 nvidia", "gpu 0000:81:00.0 vfio-pci",
+                     "kernel 6.14.8-2-pve", "cmdline amd_iommu=on", "nocmdline iommu=pt"]
+    # no cmdline reason: the command line is not asked of the node; no NVIDIA in the spec: not its module
+    assert roll_check_lines({"nvidia": None, "drivers": {}}, [("gpu-binding", "x")],
+                            {"missing": ["amd_iommu=on"], "extra": []}) == []
+
+
+def test_the_roll_checks_run_through_the_trial_checks_loop_and_name_what_failed(tmp_path):
+    """plan.kernel.host_checks_command: the loop TRIAL_CHECKS_COMMAND runs (one copy), over the
+    roll's lines; it fails printing each check that does not hold."""
+    import subprocess
+
+    from plan.kernel import HOST_CHECKS_LOOP, TRIAL_CHECKS_COMMAND, host_checks_command
+    assert HOST_CHECKS_LOOP in TRIAL_CHECKS_COMMAND
+    sysfs, proc = tmp_path / "devices", tmp_path / "cmdline"
+    (sysfs / "0000:81:00.0").mkdir(parents=True)
+    (sysfs / "0000:81:00.0" / "driver").symlink_to("/sys/bus/pci/drivers/vfio-pci")
+    (sysfs / "0000:a1:00.0").mkdir(parents=True)
+    proc.write_text("BOOT_IMAGE=/vmlinuz root=ZFS=rpool amd_iommu=on pci=realloc\n")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "uname").write_text("#!/bin/sh\necho 6.14.8-2-pve\n")
+    (bindir / "uname").chmod(0o755)
+
+    def run(lines):
+        command = host_checks_command(lines).replace("/sys/bus/pci/devices", str(sysfs)).replace("/proc/cmdline", str(proc))
+        return subprocess.run(["sh", "-c", command], capture_output=True, text=True,
+                              env={"PATH": f"{bindir}:/usr/bin:/bin"})
+
+    good = run(["gpu 0000:81:00.0 vfio-pci", "kernel 6.14.8-2-pve", "cmdline amd_iommu=on", "nocmdline iommu=pt"])
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert run([]).returncode == 0
+    bad = run(["gpu 0000:a1:00.0 vfio-pci", "kernel 6.17.1-1-pve", "cmdline pcie_aspm=off", "nocmdline pci=realloc",
+               "nvidia 595.71.05"])
+    assert bad.returncode != 0
+    for said in ("GPU 0000:a1:00.0 is on no driver, not vfio-pci", "the running kernel is 6.14.8-2-pve, not 6.17.1-1-pve",
+                 "the booted command line lacks pcie_aspm=off", "the booted command line still has pci=realloc",
+                 "nvidia 595.71.05 is not loaded"):
+        assert said in bad.stdout, bad.stdout
+
+
+def _reading(node: str, running: dict[int, list[str]] | None = None, reserved: dict[str, int] | None = None,
+             ha: str = "", cts: dict[int, str] | None = None) -> dict:
+    """A facts.reboot.parse_node_guests reading built from the command's output: `running`
+    {vmid: hostpci values} of VMs running on `node`; `cts` {ctid: devN path} of running CTs."""
+    from facts.reboot import parse_node_guests
+    pool = "pci: rtx6000\n\tdescription pvegpu-gpu-pool\n" + "".join(
+        f"\tmap id=10de:2bb5,node={n},path=0000:{bus}:00\n" for n in ("a", "b", "c") for bus in ("81", "a1"))
+    lines = ["@@ qm list", "      VMID NAME                 STATUS     MEM(MB)    BOOTDISK(GB) PID"]
+    # an unnamed VM is listed as "VM <id>" (qemu-server vmstatus): two words in the NAME column
+    lines += [f"{v:>10} {'VM ' + str(v):<20} running    0                  0.00 100" for v in (running or {})]
+    lines += ["@@ pct list", "VMID       Status     Lock         Name"]
+    lines += [f"{c:<10} running                 ct{c}" for c in (cts or {})]
+    lines += ["@@ reservations", *[f"{i} {v} pid:100" for i, v in (reserved or {}).items()]]
+    lines += ["@@ mappings", *pool.splitlines(), "@@ ha", *ha.splitlines(), "@@ members",
+              json.dumps({"nodename": node, "cluster": {"name": "c1", "quorate": 1},
+                          "nodelist": {n: {"online": 1} for n in "abc"}})]
+    for v, hostpci in (running or {}).items():
+        lines += [f"@@ qemu /etc/pve/qemu-server/{v}.conf", "machine: q35",
+                  *[f"hostpci{i}: {h}" for i, h in enumerate(hostpci)]]
+    for c, dev in (cts or {}).items():
+        lines += [f"@@ lxc /etc/pve/lxc/{c}.conf", f"dev0: {dev}"]
+    return parse_node_guests(lines)
+
+
+POOLED = ["mapping=rtx6000,pcie=1", "mapping=rtx6000,pcie=1"]
+
+
+def test_a_pooled_vm_goes_to_the_first_node_with_free_devices_of_its_pool():
+    from plan.reboot import free_devices, plan_guest_moves
+    mine = _reading("a", {300: POOLED}, {"0000:81:00.0": 300, "0000:a1:00.0": 300})
+    # b: one of its two pooled GPUs is held by a running VM; c: both free
+    b = _reading("b", {301: ["mapping=rtx6000,pcie=1"]}, {"0000:81:00.0": 301})
+    c = _reading("c")
+    assert free_devices("b", b) == {"rtx6000": 1} and free_devices("c", c) == {"rtx6000": 2}
+    # a reservation of a VM that no longer runs is a leftover: the device is free
+    assert free_devices("b", _reading("b", {}, {"0000:81:00.0": 301})) == {"rtx6000": 2}
+    assert plan_guest_moves("a", mine, {"b": b, "c": c}) == {"migrate": [(300, "c")], "relocate": [], "stop": [],
+                                                            "refusals": []}
+    # a GPU container is stopped (no live migration of containers); a VM on a per-node address too
+    mine = _reading("a", {300: POOLED, 310: ["0000:c1:00.0,pcie=1"], 320: []}, cts={200: "/dev/nvidia0"})
+    assert plan_guest_moves("a", mine, {"b": b, "c": c}) == {
+        "migrate": [(300, "c")], "relocate": [], "stop": [("qemu", 310), ("lxc", 200)], "refusals": []}
+
+
+def test_no_node_with_free_devices_refuses_or_stops_as_the_spec_says():
+    from plan.reboot import plan_guest_moves
+    mine = _reading("a", {300: POOLED})
+    b = _reading("b", {301: POOLED}, {"0000:81:00.0": 301, "0000:a1:00.0": 301})
+    moves = plan_guest_moves("a", mine, {"b": b}, absent=("c",))
+    assert moves["migrate"] == [] and moves["stop"] == []
+    (why,) = moves["refusals"]
+    assert why.startswith("VM 300 needs 2 of rtx6000 free on another node, and no online node of the run has them "
+                          "(b: 0 of rtx6000; not in the run, so not known: c)"), why
+    assert "reboot.migrate_fallback: stop" in why
+    assert plan_guest_moves("a", mine, {"b": b}, "stop") == {"migrate": [], "relocate": [], "stop": [("qemu", 300)],
+                                                            "refusals": []}
+    # two VMs, room for one: the second is refused
+    two = _reading("a", {300: POOLED, 302: POOLED})
+    moves = plan_guest_moves("a", two, {"c": _reading("c")})
+    assert moves["migrate"] == [(300, "c")] and len(moves["refusals"]) == 1 and "VM 302" in moves["refusals"][0]
+
+
+def test_ha_vms_are_relocated_by_ha_and_locked_or_other_ha_guests_refused():
+    from plan.reboot import plan_guest_moves
+    mine = _reading("a", {300: POOLED}, ha="vm: 300\n\tstate started\n")
+    assert plan_guest_moves("a", mine, {"c": _reading("c")}) == {
+        "migrate": [], "relocate": [(300, "vm:300", "c")], "stop": [], "refusals": []}
+    # no room: refused even with fallback stop (a shutdown of an HA resource only asks HA)
+    (why,) = plan_guest_moves("a", mine, {}, "stop")["refusals"]
+    assert why.startswith("VM 300 needs 2 of rtx6000 free on another node"), why
+    # an HA VM on a per-node address, or one HA is stopping: refused with the fix
+    other = _reading("a", {310: ["0000:c1:00.0,pcie=1"]}, ha="vm: 310\n\tstate started\n")
+    (why,) = plan_guest_moves("a", other, {"c": _reading("c")}, "stop")["refusals"]
+    assert "VM 310 is HA resource vm:310 (requested state started)" in why
+    assert "ha-manager crm-command relocate vm:310" in why
+    mine["configs"]["qemu"][300]["options"]["lock"] = "backup"
+    mine["ha"] = {}
+    (why,) = plan_guest_moves("a", mine, {"c": _reading("c")})["refusals"]
+    assert why.startswith("VM 300 is locked (backup)")

@@ -388,9 +388,20 @@ def migrate(vmid, target, opts):
         raise ApiError("can't migrate running VM without --online")
     if target == node():
         raise ApiError("target is local node.")
+    # PVE::Cluster::check_cfs_quorum(): refused while this node's cluster is not quorate
+    members = json.loads(ts.read("/etc/pve/.members") or "{}")
+    if members.get("cluster") and not members["cluster"].get("quorate"):
+        raise ApiError("cluster not ready - no quorum?")
     if not os.path.isdir(ts.path(f"/etc/pve/nodes/{target}")):
         raise ApiError(f"no such cluster node '{target}'")
     check_lock("qemu", conf)
+    sid = ha_sid("qemu", vmid)
+    if sid:
+        # migrate_vm: an HA resource's migration is only requested from HA (`ha-manager migrate`,
+        # queued as a CRM command); the twin's HA stack does not carry it out
+        print(f"Requesting HA migration for VM {vmid} to node {target}")
+        ha_queue(f"migrate {sid} {target}")
+        return
     # PVE/QemuMigrate.pm prepare + QemuMigrate/Helpers.pm check_local_resources: every mapped hostpci
     # needs an entry of its mapping for the target node
     maps = read_mappings()
@@ -533,6 +544,9 @@ def check_lock(kind, conf):
 HA_RESOURCES = "/etc/pve/ha/resources.cfg"
 HA_COMMANDS = "/etc/pve/ha/crm_commands"
 HA_DAEMON = "/var/lib/twin/ha.json"  # the twin's CRM/LRM: {"mode": "active"|"stalled", "delay_s": 1}
+# the CRM's state (pve-ha-manager PVE/HA/Manager.pm, ha/manager_status); the twin keeps only the
+# service_status of services being moved: {"service_status": {sid: {"state", "node", "target"}}}
+HA_MANAGER_STATUS = "/etc/pve/ha/manager_status"
 
 
 def ha_read():
@@ -601,6 +615,8 @@ def ha_step():
         return
     delay = float(daemon.get("delay_s", 1))
     commands = (ts.read(HA_COMMANDS) or "").split("\n")
+    status = json.loads(ts.read(HA_MANAGER_STATUS) or "{}").get("service_status", {})
+    moving = dict(status)
     if any(c.strip() for c in commands) and (ha_age(HA_COMMANDS) or 0) >= delay:
         ts.write(HA_COMMANDS, "")
         for c in commands:
@@ -610,6 +626,35 @@ def ha_step():
                     ha_set_state(words[1], "stopped")
                 except ApiError:
                     pass
+            elif words[:1] in (["migrate"], ["relocate"]) and len(words) >= 3:
+                # Manager.pm update_crm_commands + next_state_started: a target that is online and
+                # not the service's node puts a started service into state migrate/relocate
+                sid, target = words[1], words[2]
+                where = vmlist().get(sid.partition(":")[2], {}).get("node")
+                online = json.loads(ts.read("/etc/pve/.members") or "{}").get("nodelist", {}).get(target, {})
+                wanted = {f"{t}:{n}": o.get("state", "started") for t, n, o in ha_read()}
+                if where and where != target and online.get("online") and wanted.get(sid) in ("started", "enabled"):
+                    moving[sid] = {"state": words[0], "node": where, "target": target}
+    for sid, st in list(moving.items()):
+        t, _, n = sid.partition(":")
+        kind = "lxc" if t == "ct" else "qemu"
+        if st.get("node") != node() or not n.isdigit() or ts.read(conf_path(kind, int(n))) is None:
+            continue  # the LRM of the service's node does the move
+        if st["state"] == "relocate":
+            # PVE/HA/Resources/PVEVM.pm migrate(): not online (relocate): shut down if running, then
+            # migrate_vm offline with force (local resources not checked); the target's LRM starts it
+            if status_of(kind, int(n)) == "running":
+                halt_guest(kind, int(n), "ha-relocate")
+            target_dir = ts.path(f"/etc/pve/nodes/{st['target']}/{KINDS[kind][0]}")
+            os.makedirs(target_dir, exist_ok=True)
+            os.rename(ts.path(conf_path(kind, int(n))), os.path.join(target_dir, f"{n}.conf"))
+            if ts.read("/etc/pve/.vmlist") is not None:
+                ts.write("/etc/pve/.vmlist", json.dumps({"version": 1, "ids": vmlist()}, indent=1) + "\n")
+        # an online migrate: the twin does no live migration; Manager.pm next_state_migrate_relocate
+        # keeps the service on its node when the LRM reports the failure
+        del moving[sid]
+    if moving != status:
+        ts.write(HA_MANAGER_STATUS, json.dumps({"service_status": moving}) + "\n")
     if (ha_age(HA_RESOURCES) or 0) < delay:
         return
     for t, n, opts in ha_read():
@@ -632,6 +677,13 @@ def ha_manager(argv):
     """ha-manager crm-command stop <sid> <timeout> | set <sid> --state S | remove <sid> | status."""
     try:
         ha_step()
+        if argv[:2] in (["crm-command", "migrate"], ["crm-command", "relocate"]) and len(argv) >= 4:
+            # PVE/API2/HA/Resources.pm migrate/relocate: service_is_ha_managed, then the request is
+            # queued for the CRM (PVE::HA::Config::queue_crm_commands); the target is checked by the CRM
+            if argv[2] not in {f"{t}:{n}" for t, n, _ in ha_read()}:
+                raise ApiError(f"resource '{argv[2]}' is not HA managed")
+            ha_queue(f"{argv[1]} {argv[2]} {argv[3]}")
+            return 0
         if argv[:2] == ["crm-command", "stop"] and len(argv) >= 4:
             if argv[2] not in {f"{t}:{n}" for t, n, _ in ha_read()}:
                 raise ApiError(f"resource '{argv[2]}' is not HA managed")

@@ -1,0 +1,41 @@
+"""The roll's execution-time steps (operations/reboot.py) against stand-in hosts: what stops the
+roll of a cluster and what the next node's gate then says."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import operations.reboot as reboot
+
+
+class FakeHost:
+    def __init__(self, name: str, answers: dict[str, tuple[bool, str]]):
+        self.name = name
+        self.data = {"pvegpu_node": name}
+        self.answers = answers
+        self.ran: list[str] = []
+
+    def run_shell_command(self, command):
+        text = str(command)
+        self.ran.append(text)
+        for prefix, (ok, out) in self.answers.items():
+            if text.startswith(prefix):
+                return ok, SimpleNamespace(stdout_lines=out.splitlines(), stderr_lines=[])
+        return True, SimpleNamespace(stdout_lines=[], stderr_lines=[])
+
+
+def test_a_vm_that_does_not_come_back_stops_the_roll_and_the_next_node_is_not_rebooted(monkeypatch, caplog):
+    monkeypatch.setattr(reboot, "ROLL_STOPPED", {})
+    monkeypatch.setattr(reboot, "reboot_reasons", lambda host=None: [("cmdline", "lacks x")])
+    a = FakeHost("a", {"qm start": (False, "could not find a free device for 'hostpci0'")})
+    b = FakeHost("b", {})
+    state = SimpleNamespace(inventory=[a, b])
+    monkeypatch.setattr(reboot, "ROLL_MOVED", {"a": [("back", "qemu", 300, "b")]})
+    assert reboot.restore_guests(state, a, "c1", "a", 5) is False
+    assert any("qm migrate 300 a" in r for r in b.ran)
+    assert reboot.ROLL_STOPPED["c1"][0] == "a"
+    other = FakeHost("c", {})
+    assert reboot.roll_gate(state, other, "c1") is False
+    assert ("c: not rebooted: the rolling reboot of cluster c1 stopped at node a, which did not get its guests back "
+            "after its reboot (VM 300 did not come back from node b: could not find a free device for 'hostpci0')") \
+        in caplog.text
+    assert "c: reboot pending (1 reason(s)):" in caplog.text
