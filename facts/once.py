@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pyinfra import host
 
-from facts.run_state import run_state
+from facts.run_state import nothing_executed, run_state
 
 
 def _key(fact_cls, kwargs: dict) -> tuple:
@@ -53,3 +53,16 @@ def fact_once(fact_cls, **kwargs):
     if key not in memo:
         memo[key] = host.get_fact(fact_cls, **kwargs)
     return memo[key]
+
+
+def fact_unless_changed(fact_cls, **kwargs):
+    """For an operation that reads `fact_cls` when it executes (earlier operations may have changed
+    what it reads): the reading `prefetch` took before the applies while no operation of this run
+    has run a command on the host yet (`facts.run_state.nothing_executed`: the host is as read),
+    else `host.get_fact` now. A no-change run thus reads it in the prefetch round, not in a
+    command of its own; not kept for later readers either way."""
+    key = _key(fact_cls, kwargs)
+    memo = run_state().facts
+    if key in memo and nothing_executed():
+        return memo[key]
+    return host.get_fact(fact_cls, **kwargs)
