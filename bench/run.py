@@ -31,7 +31,7 @@ Figures (issue 9):
                          time without the delay)
   pve_delay_vs_fact      issue 26 part 5: the kpro6 twin's no-change converge with CT 200   target <= 1.3
                          running and its Proxmox CLIs taking PVE_DELAY_S to start / a bare
-                         `pyinfra <twin> fact server.Os` against the same twin (medians of 3,
+                         `pyinfra <twin> fact server.Os` against the same twin (medians of 5,
                          alternating; taken by the converge bench, with the CLIs it started)
 Each figure is measured, never assumed; one that could not be measured is printed as such.
 --only NAME measures those benches and keeps the other figures of bench/results.json (each
@@ -72,6 +72,7 @@ TARGETS = {
     "pve_delay_vs_fact": ("<=", 1.3),
 }
 PVE_DELAY_S = 0.4  # a real node's pct/qm/pvesh start: 0.3-0.6 s (issue 19)
+PVE_DELAY_RUNS = 5  # pve_delay_vs_fact: converge/fact pairs, alternating; the medians make the figure
 
 
 def _converge(names: list[str], inventory: str | None = None, debug: bool = True) -> tuple[float, int, PyinfraRun]:
@@ -121,8 +122,9 @@ def _median(walls: list[float]) -> float:
 def bench_converge(results: dict) -> None:
     """converge_commands, converge_vs_fact; then pve_delay_vs_fact, issue 26 part 5's figure: on the
     same twin with CT 200 running (as on a serving host) and its Proxmox CLIs taking PVE_DELAY_S
-    to start, the no-change converge of the kpro6 spec against a bare fact, alternating, 3 each:
-    the medians' ratio, and every Proxmox CLI the converges started (the target needs none)."""
+    to start, the no-change converge of the kpro6 spec against a bare fact, alternating:
+    the medians' ratio (PVE_DELAY_RUNS pairs), and every Proxmox CLI the converges started (the
+    target needs none), with pyinfra's CPU seconds for each and the load of the machine."""
     names = []
     _bytecode()
     try:
@@ -144,14 +146,27 @@ def bench_converge(results: dict) -> None:
             raise RuntimeError("converge with CT 200 running failed:\n" + started.output[-3000:])
         runtime.set_pve_delay(twin.root, PVE_DELAY_S)
         runtime.count_pve_calls(twin.root, True)
+        from bench.fleet_profile import loadavg
+
+        def runner_cpu() -> float:  # CPU seconds of the finished pyinfra processes (this bench's children)
+            ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+            return ru.ru_utime + ru.ru_stime
+
         converges, facts, changed = [], [], 0
-        for _ in range(3):
+        cpu: dict[str, list[float]] = {"converge": [], "fact": []}
+        load = [loadavg()]
+        for _ in range(PVE_DELAY_RUNS):
+            c0 = runner_cpu()
             wall, _commands, run = _converge([twin.name], debug=False)  # as a user runs it, as the fact
             if run.rc != 0:
                 raise RuntimeError("converge failed:\n" + run.output[-3000:])
+            c1 = runner_cpu()
             converges.append(wall)
             changed += run.changed
             facts.append(_bare_fact(twin))
+            cpu["converge"].append(c1 - c0)
+            cpu["fact"].append(runner_cpu() - c1)
+        load.append(loadavg())
         calls = runtime.count_pve_calls(twin.root, False)
         runtime.set_pve_delay(twin.root, None)
         converge_s, fact_s = _median(converges), _median(facts)
@@ -159,7 +174,9 @@ def bench_converge(results: dict) -> None:
             "value": round(converge_s / fact_s, 2), "converge_s": round(converge_s, 2), "fact_s": round(fact_s, 2),
             "delay_s": PVE_DELAY_S, "pve_calls": calls, "changed_ops": changed, "ct_running": [200],
             "walls_s": {"converge": [round(w, 2) for w in converges], "fact": [round(w, 2) for w in facts]},
-            "machine": _machine()}
+            # pyinfra's own CPU seconds (medians), which the machine's load does not stretch
+            "runner_cpu_s": {k: round(_median(v), 2) for k, v in cpu.items()},
+            "loadavg": load, "machine": _machine()}
     finally:
         for n in names:
             runtime.stop(n)
@@ -431,7 +448,7 @@ def main() -> int:
     if delay:
         print(f"pve_delay_vs_fact: no-change converge {delay['converge_s']} s (CT 200 running, Proxmox CLIs taking "
               f"{delay['delay_s']} s to start, {len(delay['pve_calls'])} started) / bare fact {delay['fact_s']} s; "
-              f"walls {delay['walls_s']}")
+              f"walls {delay['walls_s']}; pyinfra CPU {delay.get('runner_cpu_s')}")
     for key, val in results.items():
         if key.endswith("_error"):
             print(f"{key}: {val['note']}")
