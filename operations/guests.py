@@ -131,7 +131,7 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
     + shutdown_timeout: seconds a CT gets to shut down before it is stopped hard
     + ha: `HaResources`; a running HA-managed CT that would need a restart is refused (nothing written)
     """
-    # read as it executes, unless no operation before it ran a command (then the prefetch_apply
+    # read as it executes, unless no operation before it ran a command (then the prefetched
     # reading, which holds: a no-change run spends no round trip on it)
     state = fact_unless_changed(ContainerGpuState)
     # this run's CT run state; read again when an earlier operation started or stopped guests
@@ -274,15 +274,11 @@ def vm_hostpci(plan, start: bool = False, restart: bool = False, node: str = "lo
 
 def prefetch(spec: HostSpec) -> list:
     """The facts this stage reads up front (deploy.py reads every stage's in one command)."""
-    # (ContainerGpuState is read inside its operation, which pyinfra runs when it executes)
-    return stage_fact_requests() if spec.containers or spec.vms or spec.gpus else []
-
-
-def prefetch_apply(spec: HostSpec) -> list:
-    """What `apply`'s CT operation reads when it executes, read in the round before the applies
-    too: the operation takes this reading while no earlier operation ran a command
-    (`facts.once.fact_unless_changed`), else reads its own."""
-    return [(ContainerGpuState, {})] if spec.containers else []
+    # ContainerGpuState is read inside its operation, which pyinfra runs when it executes; read
+    # here too, the operation takes this reading while no earlier operation ran a command
+    # (facts.once.fact_unless_changed), else reads its own
+    requests = stage_fact_requests() if spec.containers or spec.vms or spec.gpus else []
+    return requests + [(ContainerGpuState, {})] if spec.containers else requests
 
 
 def preflight(spec: HostSpec) -> list[str]:
