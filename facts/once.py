@@ -57,8 +57,8 @@ def fact_once(fact_cls, **kwargs):
 
 def fact_unless_changed(fact_cls, **kwargs):
     """For an operation that reads `fact_cls` when it executes (earlier operations may have changed
-    what it reads): the reading `prefetch` took before the applies while no operation of this run
-    has run a command on the host yet (`facts.run_state.nothing_executed`: the host is as read),
+    what it reads): the reading `prefetch` took up front while no operation of this run has run a
+    command on the host yet (`facts.run_state.nothing_executed`: the host is as read),
     else `host.get_fact` now. A no-change run thus reads it in the prefetch round, not in a
     command of its own; not kept for later readers either way."""
     key = _key(fact_cls, kwargs)

@@ -110,7 +110,7 @@ def test_nothing_executed_until_an_operation_runs_a_command():
 
 
 def test_fact_unless_changed_takes_the_prefetched_reading_only_while_nothing_ran(monkeypatch):
-    """An operation that reads its fact as it executes gets the prefetch_apply reading while every
+    """An operation that reads its fact as it executes gets the prefetched reading while every
     operation before it was a no-op (a no-change run: no command of its own), else a reading now."""
     from pyinfra import host as current_host
 
