@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pyinfra import host
 
-from facts.run_state import run_state
+from facts.run_state import nothing_executed, run_state
 
 
 def _key(fact_cls, kwargs: dict) -> tuple:
@@ -62,3 +62,16 @@ def forget(*fact_classes) -> None:
     names = {(cls.__module__, cls.__name__) for cls in fact_classes}
     for key in [key for key in memo if key[:2] in names]:
         del memo[key]
+
+
+def fact_unless_changed(fact_cls, **kwargs):
+    """For an operation that reads `fact_cls` when it executes (earlier operations may have changed
+    what it reads): the reading `prefetch` took up front while no operation of this run has run a
+    command on the host yet (`facts.run_state.nothing_executed`: the host is as read),
+    else `host.get_fact` now. A no-change run thus reads it in the prefetch round, not in a
+    command of its own; not kept for later readers either way."""
+    key = _key(fact_cls, kwargs)
+    memo = run_state().facts
+    if key in memo and nothing_executed():
+        return memo[key]
+    return host.get_fact(fact_cls, **kwargs)

@@ -20,7 +20,9 @@ before anything on the host changes (pyinfra generates every operation before it
 first), so every reading holds for the whole run, except the guest run state once an operation
 *executing* has started or stopped a guest (or rebound GPUs): `guests_changed()` drops it and the
 next `guest_state()` reads it again. Facts an operation needs after earlier operations changed the
-host are read in that operation, not kept here.
+host are read in that operation, not kept here; while no operation of the run has run a command
+on the host (`nothing_executed`), a reading taken up front still holds there too
+(`facts.once.fact_unless_changed`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,16 @@ def run_state(host: Any = None) -> RunState:
         found = RunState()
         setattr(h, _ATTR, found)
     return found
+
+
+def nothing_executed(host: Any = None) -> bool:
+    """True while no operation of this run has run a command on `host` (default: the current one):
+    every operation pyinfra has completed there generated no command (a no-op), so the host is as
+    the run's up-front facts read it. pyinfra records each completed operation's commands per host
+    (pyinfra/api/operations.py run_host_op -> OperationMeta.set_complete; `executed` = any)."""
+    h = current_host if host is None else host
+    ops = getattr(current_state, "ops", {}).get(h, {})  # a state that ran nothing (tests) has none
+    return not any(data.operation_meta.executed for data in ops.values())
 
 
 def need_reboot(kind: str, detail: str, host: Any = None) -> None:

@@ -33,18 +33,24 @@ from spec.models import HostSpec
 
 def container_userspace_state(ctids: list[int]) -> dict:
     """`ContainerUserspace` of the running CTs of `ctids`, with this run's CT run state added
-    (`facts.guest_state.with_ct_status`): one remote command, no `pct list` of its own."""
-    return with_ct_status(fact_once(ContainerUserspace, **_userspace_kwargs(ctids)), guest_state())
+    (`facts.guest_state.with_ct_status`): no `pct list` of its own. The fact looks into every CT
+    of `ctids` (read in the first prefetch round, beside the guest state); only the running ones
+    are kept."""
+    guests = guest_state()
+    found = fact_once(ContainerUserspace, **_userspace_kwargs(ctids))
+    running = set(running_containers(guests, ctids))
+    return with_ct_status({**found, "containers": {c: v for c, v in found["containers"].items() if c in running}},
+                          guests)
 
 
 def _userspace_kwargs(ctids: list[int]) -> dict:
-    """`ContainerUserspace`'s arguments: the running CTs of `ctids` (this run's guest state)."""
-    return {"ctids": running_containers(guest_state(), ctids)}
+    """`ContainerUserspace`'s arguments: the CTs of `ctids` (the spec's alone, so the stage's
+    facts go in the first prefetch round; `container_userspace_state` keeps the running ones)."""
+    return {"ctids": sorted(int(c) for c in ctids)}
 
 
-def prefetch_apply(spec: HostSpec) -> list:
-    """What `apply` reads, once the run's CT state is known (deploy.py reads every stage's in
-    one command after the preflights)."""
+def prefetch(spec: HostSpec) -> list:
+    """The facts this stage reads up front (deploy.py reads every stage's in one command)."""
     managed = managed_containers(spec)
     return [(ContainerUserspace, _userspace_kwargs(sorted(managed))), *progress.prefetch()] if managed else []
 

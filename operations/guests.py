@@ -38,6 +38,7 @@ from pyinfra.api import FunctionCommand, OperationError, StringCommand, deploy, 
 
 from facts.guest_state import guest_state
 from facts.guests import LXC_DIR, ContainerGpuState, VmMappingReferences
+from facts.once import fact_unless_changed
 from facts.shell import word
 from operations.backup import PCI_CFG, backup_command, keep_config, log_diff, pci_cfg_after, vm_config_after
 from operations.files import write_file_command
@@ -130,7 +131,9 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
     + shutdown_timeout: seconds a CT gets to shut down before it is stopped hard
     + ha: `HaResources`; a running HA-managed CT that would need a restart is refused (nothing written)
     """
-    state = host.get_fact(ContainerGpuState)
+    # read as it executes, unless no operation before it ran a command (then the prefetched
+    # reading, which holds: a no-change run spends no round trip on it)
+    state = fact_unless_changed(ContainerGpuState)
     # this run's CT run state; read again when an earlier operation started or stopped guests
     status = guest_state()["lxc"]
     live_minors = {b: g["minor"] for b, g in state["nvidia"].items() if g.get("minor") is not None}
@@ -271,8 +274,11 @@ def vm_hostpci(plan, start: bool = False, restart: bool = False, node: str = "lo
 
 def prefetch(spec: HostSpec) -> list:
     """The facts this stage reads up front (deploy.py reads every stage's in one command)."""
-    # (ContainerGpuState is read inside its operation, which pyinfra runs when it executes)
-    return stage_fact_requests() if spec.containers or spec.vms or spec.gpus else []
+    # ContainerGpuState is read inside its operation, which pyinfra runs when it executes; read
+    # here too, the operation takes this reading while no earlier operation ran a command
+    # (facts.once.fact_unless_changed), else reads its own
+    requests = stage_fact_requests() if spec.containers or spec.vms or spec.gpus else []
+    return requests + [(ContainerGpuState, {})] if spec.containers else requests
 
 
 def preflight(spec: HostSpec) -> list[str]:

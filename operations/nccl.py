@@ -90,13 +90,20 @@ def render_dropin(unit: str, env: dict[str, dict]) -> str:
 
 def nccl_state(paths: list[str], ctids: list[int]) -> dict:
     """`NcclState` of the running CTs of `ctids`, with this run's CT run state added
-    (`facts.guest_state.with_ct_status`): one remote command, no `pct list` of its own."""
-    return with_ct_status(fact_once(NcclState, **_state_kwargs(paths, ctids)), guest_state())
+    (`facts.guest_state.with_ct_status`): no `pct list` of its own. The fact looks into every CT
+    of `ctids` (read in the first prefetch round, beside the guest state); only the running ones
+    are kept (a stopped CT's init is not found: its entry says nothing)."""
+    guests = guest_state()
+    found = fact_once(NcclState, **_state_kwargs(paths, ctids))
+    running = set(running_containers(guests, ctids))
+    return with_ct_status({**found, "containers": {c: v for c, v in found["containers"].items() if c in running}},
+                          guests)
 
 
 def _state_kwargs(paths: list[str], ctids: list[int]) -> dict:
-    """`NcclState`'s arguments: the host paths and the running CTs of `ctids` (this run's guest state)."""
-    return {"paths": paths, "ctids": running_containers(guest_state(), ctids)}
+    """`NcclState`'s arguments: the host paths and the CTs of `ctids` (the spec's alone, so the
+    stage's facts go in the first prefetch round; `nccl_state` keeps the running ones)."""
+    return {"paths": paths, "ctids": sorted(int(c) for c in ctids)}
 
 
 def hardware_facts(spec) -> dict:
@@ -235,16 +242,11 @@ def stage_targets(spec) -> tuple[list[int], list[str]]:
     return ctids, [NCCL_CONF] + [dropin_path(unit_name(s)) for s in spec.nccl.services]
 
 
-def prefetch_apply(spec) -> list:
-    """What `apply` reads, once the run's CT state is known (deploy.py reads every stage's in
-    one command after the preflights)."""
-    ctids, paths = stage_targets(spec)
-    return [(NcclState, _state_kwargs(paths, ctids))]
-
-
 def prefetch(spec) -> list:
-    """The facts this stage reads up front (deploy.py reads every stage's in one command)."""
-    return [(HardwareProbe, {})]
+    """The facts this stage reads up front (deploy.py reads every stage's in one command): its
+    NcclState too, whose arguments come from the spec alone (`_state_kwargs`)."""
+    ctids, paths = stage_targets(spec)
+    return [(HardwareProbe, {}), (NcclState, _state_kwargs(paths, ctids))]
 
 
 def preflight(spec) -> list[str]:

@@ -5,11 +5,16 @@ Proxmox VE 9.2 (kpro6-pve9: trixie root, GCC 14, pve-container 6.1)."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.harness import manifest_diff, root_manifest, run_host_checks, run_pyinfra
+from tests.twin import runtime
+
+# each profile's GPU container (inventories/twin.yml)
+CONTAINER = {"kpro6": 200, "intel2": 201, "kpro6-pve9": 200}
 
 pytestmark = [pytest.mark.twin]
 
@@ -45,3 +50,20 @@ def test_dry_converge_idempotent_checks(twin_factory, profile):
 
     checks = run_host_checks("inventories/twin.py", env=env)
     assert checks.returncode == 0, checks.stdout[-6000:] + checks.stderr[-2000:]
+
+    # as on a serving host, its GPU container runs: a no-change converge still starts no Proxmox
+    # CLI (pct, qm, pvesh, pveversion; pct exec included), each a Perl start-up of 0.3-0.6 s on a
+    # real node (issue 26 part 5): guests, versions and the CT's files are read without them
+    subprocess.run(runtime.ssh_command(twin.name, [f"pct start {CONTAINER[profile]}"]), check=True,
+                   capture_output=True, timeout=120)
+    running = run_pyinfra("inventories/twin.py", "deploy.py", env=env)  # the CT's NCCL file
+    assert running.rc == 0, running.output[-6000:]
+    runtime.count_pve_calls(twin.root, True)
+    again = run_pyinfra("inventories/twin.py", "deploy.py", env=env)
+    calls = runtime.count_pve_calls(twin.root, False)
+    assert again.rc == 0 and again.changed == 0, again.output[-6000:]
+    assert calls == [], f"a no-change converge with CT {CONTAINER[profile]} running started Proxmox CLIs: {calls}"
+    # and it reads everything in one prefetch round: every stage's facts take their arguments from
+    # the spec (the CT ones keep the running CTs), and the CT operation takes that round's reading
+    # while nothing before it ran (facts.once.fact_unless_changed)
+    assert again.remote_commands == 1, f"no-change converge sent {again.remote_commands} commands, want 1"

@@ -69,3 +69,17 @@ def test_the_cluster_many_core_figure_is_kept_and_imported_too(monkeypatch, tmp_
     _write(tmp_path / "results.json", {"cluster3_vs_1": {"value": 1.28}})
     got = _main(monkeypatch, tmp_path, ["--import-many-cores", str(other)], {})
     assert got == {"cluster3_vs_1": {"value": 1.28}, "fleet8_vs_1_many_cores": MANY, "cluster3_vs_1_many_cores": cluster}
+
+
+def test_pve_delay_vs_fact_is_printed_against_its_target_with_both_walls(monkeypatch, tmp_path, capsys):
+    """Issue 26 part 5's figure: the delayed no-change converge over the bare fact, target 1.3,
+    printed with both medians and the Proxmox CLIs the converges started."""
+    figure = {"value": 1.9, "converge_s": 1.52, "fact_s": 0.8, "delay_s": 0.4, "pve_calls": [],
+              "walls_s": {"converge": [1.5, 1.52, 1.6], "fact": [0.8, 0.7, 0.9]}}
+    _write(tmp_path / "results.json", {})
+    got = _main(monkeypatch, tmp_path, ["--only", "converge"],
+                {"converge": lambda r: r.update(pve_delay_vs_fact=dict(figure))})
+    out = capsys.readouterr().out
+    assert got["pve_delay_vs_fact"]["value"] == 1.9 and bench.TARGETS["pve_delay_vs_fact"] == ("<=", 1.3)
+    assert "pve_delay_vs_fact               1.9  <=   1.3  NO" in out
+    assert "no-change converge 1.52 s (CT 200 running, Proxmox CLIs taking 0.4 s to start, 0 started) / bare fact 0.8 s" in out

@@ -8,7 +8,14 @@ from pathlib import Path
 from pyinfra.context import ctx_host, ctx_state
 from pyinfra_testing.util import FakeState, create_host
 
-from facts.run_state import need_reboot, reboot_reasons, record_trial_boot, run_state, trial_boot_of
+from facts.run_state import (
+    need_reboot,
+    nothing_executed,
+    reboot_reasons,
+    record_trial_boot,
+    run_state,
+    trial_boot_of,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,3 +82,55 @@ def test_fact_once_keeps_its_readings_in_the_run_state():
         fact_once(GuestState)
     assert calls == [GuestState]
     assert list(run_state(host).facts.values()) == [{"pct": False, "lxc": {}, "qemu": {}}]
+
+
+def _op(commands=None):
+    """pyinfra's per-host record of one operation: complete with `commands`, or not yet run (None)."""
+    from types import SimpleNamespace
+
+    from pyinfra.api.operation import OperationMeta
+    from pyinfra.connectors.util import CommandOutput
+
+    meta = OperationMeta("hash", None)
+    if commands is not None:
+        meta.set_complete(True, commands, CommandOutput([]))
+    return SimpleNamespace(operation_meta=meta)
+
+
+def test_nothing_executed_until_an_operation_runs_a_command():
+    state = FakeState()
+    host, other = create_host(state), create_host(state)
+    with ctx_state.use(state), ctx_host.use(host):
+        assert nothing_executed()  # no operation at all
+        state.ops = {host: {"a": _op([]), "b": _op(None)}, other: {"a": _op(["touch /x"])}}
+        assert nothing_executed()  # a no-op, one not run yet; the other host's command is its own
+        assert not nothing_executed(other)
+        state.ops[host]["c"] = _op(["pct set 200 --dev0 /dev/nvidia0"])
+        assert not nothing_executed()
+
+
+def test_fact_unless_changed_takes_the_prefetched_reading_only_while_nothing_ran(monkeypatch):
+    """An operation that reads its fact as it executes gets the prefetched reading while every
+    operation before it was a no-op (a no-change run: no command of its own), else a reading now."""
+    from pyinfra import host as current_host
+
+    from facts.guests import ContainerGpuState
+    from facts.once import _key, fact_unless_changed
+
+    state = FakeState()
+    host = create_host(state)
+    read: list = []
+
+    def get_fact(self, cls, **kwargs):
+        read.append(cls)
+        return "read now"
+
+    monkeypatch.setattr(type(host), "get_fact", get_fact, raising=False)
+    with ctx_state.use(state), ctx_host.use(host):
+        assert current_host.get_fact(ContainerGpuState) == "read now" and read.pop() is ContainerGpuState
+        assert fact_unless_changed(ContainerGpuState) == "read now" and read.pop()  # nothing prefetched
+        run_state().facts[_key(ContainerGpuState, {})] = "prefetched"
+        state.ops = {host: {"a": _op([])}}
+        assert fact_unless_changed(ContainerGpuState) == "prefetched" and read == []
+        state.ops[host]["b"] = _op(["echo 1 > /sys/bus/pci/drivers/vfio-pci/unbind"])
+        assert fact_unless_changed(ContainerGpuState) == "read now" and read == [ContainerGpuState]

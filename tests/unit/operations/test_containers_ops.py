@@ -56,11 +56,13 @@ def shell(command, env):
 
 
 def read_state(node, ctids=(200, 201)):
-    """`container_userspace_state` on the fake node: the guest state read first, then only the
-    running CT looked into (through its init's root), no Proxmox CLI started."""
+    """`container_userspace_state` on the fake node: the guest state read first, then every CT of
+    the spec looked into through its init's root (the fact's arguments come from the spec alone, so
+    it goes in the first prefetch round), no Proxmox CLI started; only the running CT is kept."""
     calls = node["node"].calls()
     state, commands = read_in_shell(node["env"], containers.container_userspace_state, list(ctids))
-    assert "for id in 200; do" in commands[1] and node["node"].calls() == calls
+    assert "for id in 200 201; do" in commands[1] and node["node"].calls() == calls
+    assert sorted(state["containers"]) == [200]  # 201 is stopped: its init is not found, nothing kept
     return state
 
 

@@ -354,6 +354,12 @@ def test_container_file_goes_through_pct_exec_into_the_containers_own_root(tmp_p
         (tmp_path / "host-nccl.conf").write_text(content)
         linked, _ = read_in_shell(env, nccl.nccl_state, paths, [200])
         assert linked["containers"][200] == {**again["containers"][200], "file": None}
+        # the fact looks into every CT of the spec (its arguments come from the spec alone: it is
+        # read in the first prefetch round); the stopped one has no init, and nothing of it is kept
+        calls = node.calls()
+        both, commands = read_in_shell(env, nccl.nccl_state, paths, [200, 201])
+        assert "for id in 200 201; do" in commands[-1] and node.calls() == calls
+        assert sorted(both["containers"]) == [200] and both["containers"][200] == linked["containers"][200]
     finally:
         node.stop()
 
