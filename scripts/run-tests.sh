@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # `make test`: lint and types first (scripts/lint.sh: ruff, mypy, shellcheck; any finding fails
 # the run before a test starts), then every test, on a fresh machine, in well under 30 minutes on 2 cores.
-# The two real builds (NVIDIA modules, a kernel) are CPU-bound and long; they run in a second
-# pytest process while the rest (unit, twin, end-to-end runs that mostly wait on SSH and twin
-# reboots) runs in the first. Both must pass. Extra arguments go to both pytest runs.
+# Three pytest processes run side by side, each with its own log, and all must pass:
+#   builds  the two real builds (NVIDIA modules, a kernel): CPU-bound and long
+#   unit    tests/unit: no twin; a third of its time is waiting (timeouts, sleeps, subprocesses)
+#   twins   tests/twin and the other end-to-end runs (mostly waiting on SSH and twin reboots),
+#           in the foreground: the longest
+# Twins of the processes never clash: a twin's address is picked under .twin/.lock and its
+# default name holds the pytest pid (tests/twin/fixtures.py). Extra arguments go to every pytest run.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 PYTEST=.venv/bin/pytest
@@ -11,21 +15,29 @@ BUILDS=(tests/e2e/test_driver_build.py tests/e2e/test_kernel_build.py)
 mkdir -p .cache
 start=$(date +%s)
 bash scripts/lint.sh || { echo "pvegpu: lint failed (scripts/lint.sh); no test ran" >&2; exit 1; }
-# The twin root cache is shared by both runs: build it once, first.
+# The twin root cache is shared by the runs: build it once, first.
 for suite in bookworm trixie; do  # bookworm: Proxmox VE 8 profiles; trixie: kpro6-pve9
   tests/twin/twinctl cache --suite "$suite" >/dev/null || { echo "pvegpu: could not build the twin root cache ($suite)" >&2; exit 1; }
 done
-log=.cache/test-builds.log
-"$PYTEST" -p no:cacheprovider "${BUILDS[@]}" "$@" >"$log" 2>&1 &
+builds_log=.cache/test-builds.log
+unit_log=.cache/test-unit.log
+"$PYTEST" -p no:cacheprovider "${BUILDS[@]}" "$@" >"$builds_log" 2>&1 &
 builds_pid=$!
+"$PYTEST" -p no:cacheprovider tests/unit --durations=10 "$@" >"$unit_log" 2>&1 &
+unit_pid=$!
 ignores=()
 for b in "${BUILDS[@]}"; do ignores+=(--ignore "$b"); done
-"$PYTEST" -p no:cacheprovider "${ignores[@]}" --durations=15 "$@"
-rest_rc=$?
+"$PYTEST" -p no:cacheprovider tests/twin tests/e2e "${ignores[@]}" --durations=15 "$@"
+twins_rc=$?
+wait "$unit_pid"
+unit_rc=$?
+echo
+echo "===== unit (run beside the rest; log: $unit_log) ====="
+cat "$unit_log"
 wait "$builds_pid"
 builds_rc=$?
 echo
-echo "===== builds (run beside the rest; log: $log) ====="
-cat "$log"
-echo "pvegpu tests: rest rc=$rest_rc, builds rc=$builds_rc, $(( $(date +%s) - start )) s"
-[ "$rest_rc" = 0 ] && [ "$builds_rc" = 0 ]
+echo "===== builds (run beside the rest; log: $builds_log) ====="
+cat "$builds_log"
+echo "pvegpu tests: twins and e2e rc=$twins_rc, unit rc=$unit_rc, builds rc=$builds_rc, $(( $(date +%s) - start )) s"
+[ "$twins_rc" = 0 ] && [ "$unit_rc" = 0 ] && [ "$builds_rc" = 0 ]
