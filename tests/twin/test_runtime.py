@@ -202,6 +202,39 @@ def test_two_twins_pyinfra_reads_os_and_topology_then_nothing_is_left(twin_facto
         assert not twin.dir.exists()
 
 
+def claim_holders(address: str) -> list[int]:
+    """Pids with the address's claim file open (runtime.ADDRESS_CLAIMS)."""
+    path, found = str(runtime.ADDRESS_CLAIMS / address), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == path for fd in os.listdir(f"/proc/{pid}/fd")):
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.twin
+def test_an_address_is_claimed_from_its_pick_to_the_twins_end(twin_factory, hardware):
+    """Another checkout starting a twin at the same moment cannot pick the address this start
+    picked: the claim is taken at the pick (not seconds later, by the supervisor), and the
+    supervisor inherits it; the starter keeps no descriptor of it."""
+    address, claim = runtime._pick_address()
+    try:
+        assert runtime._take_claim(address) is None, "a picked address is free for another starter"
+        second, other = runtime._pick_address()
+        os.close(other)
+        assert second != address
+    finally:
+        os.close(claim)
+    spec, profiles = hardware
+    twin = twin_factory(profiles[0], hardware=spec)
+    assert runtime._take_claim(twin.address) is None
+    supervisor = json.loads((twin.dir / "twin.json").read_text())["pid"]
+    holders = claim_holders(twin.address)
+    assert supervisor in holders and os.getpid() not in holders, holders
+
+
 @pytest.mark.twin
 def test_reboot_kills_rerenders_and_sshd_comes_back(twin_factory, counting_hardware):
     spec, profile = counting_hardware
