@@ -9,6 +9,7 @@ import re
 import stat
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +73,10 @@ def root_manifest(root: str | Path, volatile: tuple[str, ...] = VOLATILE) -> dic
     not crossing into proc/sys/dev (the twin's rendered hardware mounts) and skipping VOLATILE."""
     root = Path(root)
     out: dict[str, tuple] = {}
+    hashes = _HASHES.pop(str(root), {})
+    _HASHES[str(root)] = hashes  # the newest last; the oldest roots' hashes go
+    while len(_HASHES) > 4:
+        del _HASHES[next(iter(_HASHES))]
     for dirpath, dirnames, filenames in os.walk(root):
         rel_dir = os.path.relpath(dirpath, root)
         if rel_dir == ".":
@@ -85,16 +90,34 @@ def root_manifest(root: str | Path, volatile: tuple[str, ...] = VOLATILE) -> dic
             if stat.S_ISLNK(st.st_mode):
                 out[rel] = ("l", os.readlink(path))
             elif stat.S_ISREG(st.st_mode):
-                h = hashlib.sha256()
-                with open(path, "rb") as f:
-                    for chunk in iter(lambda: f.read(1 << 20), b""):
-                        h.update(chunk)
-                out[rel] = ("f", stat.S_IMODE(st.st_mode), h.hexdigest())
+                out[rel] = ("f", stat.S_IMODE(st.st_mode), _sha256(path, st, hashes))
             elif stat.S_ISDIR(st.st_mode):
                 out[rel] = ("d", stat.S_IMODE(st.st_mode))
             else:
                 out[rel] = ("o", st.st_mode)
     return out
+
+
+# Per root (the last few manifested), the sha256 of each regular file by what changes whenever its
+# content does: device, inode, size, mtime and ctime. A write sets ctime to now and nothing sets it
+# back, so a file with the same five was not written since; one whose ctime is within 2 s of its
+# hashing could still be written in the same clock tick, and is hashed again next time. A root's
+# second manifest (after a --dry run) then reads only what changed.
+_HASHES: dict[str, dict[tuple[int, int, int, int, int], str]] = {}
+RECENT_NS = 2_000_000_000
+
+
+def _sha256(path: str, st: os.stat_result, hashes: dict[tuple[int, int, int, int, int], str]) -> str:
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key in hashes:
+        return hashes[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    if time.time_ns() - st.st_ctime_ns > RECENT_NS:
+        hashes[key] = h.hexdigest()
+    return h.hexdigest()
 
 
 def manifest_diff(before: dict, after: dict) -> list[str]:

@@ -35,6 +35,7 @@ import pytest
 
 from tests.e2e.harness import PYINFRA, REPO, PyinfraRun, manifest_diff, root_manifest, run_host_checks, run_pyinfra
 from tests.twin import runtime
+from tests.twin.fixtures import TwinFactory
 
 pytestmark = [pytest.mark.twin]
 
@@ -259,9 +260,22 @@ INVALID_SPECS = {
 }
 
 
+@pytest.fixture(scope="module")
+def spec_twin(twin_root_cache):
+    """One kpro6 twin for every invalid-spec case: no case may reach it or change it, and each
+    checks that for its own run (the sshd log and the upper dir before and after it)."""
+    factory = TwinFactory()
+    try:
+        yield factory("kpro6", name=f"flt-spec-{os.getpid()}")  # unique: other runs may use this test too
+    finally:
+        errors = factory.stop_all()
+        if errors:
+            pytest.fail("twin teardown left something behind:\n" + "\n".join(errors))
+
+
 @pytest.mark.parametrize("case", sorted(INVALID_SPECS))
-def test_invalid_spec_stops_before_any_connection(twin_factory, tmp_path, case):
-    twin = twin_factory("kpro6", name=f"flt-spec-{os.getpid()}")  # unique: other runs may use this test too
+def test_invalid_spec_stops_before_any_connection(spec_twin, tmp_path, case):
+    twin = spec_twin
     make, words = INVALID_SPECS[case]
     connection = {"ssh": {"hostname": twin.address, "port": twin.port, "user": "root", "key": twin.key},
                   "node": "kpro6"}

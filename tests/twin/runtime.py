@@ -502,9 +502,12 @@ def status() -> list[dict]:
     return result
 
 
-# Machine-wide claims of twin addresses: a twin's supervisor holds an flock on its address's
-# file for the twin's whole life, reboots included (sshd is down then and the port looks free);
-# twins of other checkouts of the repository on this machine see the claim.
+# Machine-wide claims of twin addresses: the starter takes an flock on its address's file when it
+# picks the address, hands that lock to the supervisor (an inherited descriptor), and the
+# supervisor holds it for the twin's whole life, reboots included (sshd is down then and the port
+# looks free); twins of other checkouts of the repository on this machine see the claim. Taken
+# only by the supervisor, seconds after the pick (root install, keys), two checkouts starting
+# twins at once picked the same address: each test's ssh met the other twin's sshd.
 ADDRESS_CLAIMS = Path("/run/lock/pvegpu-twins")
 
 
@@ -513,30 +516,35 @@ def _claim_file(address: str) -> int:
     return os.open(ADDRESS_CLAIMS / address, os.O_RDWR | os.O_CREAT, 0o644)
 
 
-def _claimed(address: str) -> bool:
+def _take_claim(address: str) -> int | None:
+    """An open descriptor holding the address's claim, or None when another process holds it."""
     fd = _claim_file(address)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # releases the probe's lock
-    return False
+        os.close(fd)
+        return None
+    return fd
 
 
-def _pick_address() -> str:
+def _pick_address() -> tuple[str, int]:
+    """The first free 127.0.0.N and the descriptor holding its claim (ADDRESS_CLAIMS)."""
     taken = {s["address"] for s in status() if _in_use(s)}
     for n in range(2, 255):
         address = f"127.0.0.{n}"
-        if address in taken or _claimed(address):
+        if address in taken:
+            continue
+        claim = _take_claim(address)
+        if claim is None:
             continue
         with socket.socket() as probe:  # something else (a stale sshd) may listen there
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as sshd does
             try:
                 probe.bind((address, SSH_PORT))
             except OSError:
+                os.close(claim)
                 continue
-        return address
+        return address, claim
     raise TwinError("no free 127.0.0.N address for another twin")
 
 
@@ -612,7 +620,7 @@ def start(name: str, profile: str, address: str | None = None,
     twin's upper over the new profile's root and the profile's packages are seeded over it
     (hardware.upgrade_install), not a fresh install. `address_hold`: an fd holding the claim of
     `address` (upgrade_in_place); else start takes the claim itself once the address is chosen.
-    Either is closed just before the supervisor takes the claim over.
+    The supervisor inherits it (ADDRESS_CLAIMS).
     Raises TwinError; cleans up after itself.
     """
     require_root()
@@ -634,6 +642,7 @@ def start(name: str, profile: str, address: str | None = None,
     t_cache = time.monotonic() - t0
     tdir = TWINS_DIR / name
     TWINS_DIR.mkdir(exist_ok=True)
+    claim: int | None = None  # the address's claim until the supervisor holds it (ADDRESS_CLAIMS)
     with open(TWINS_DIR / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # address choice and twin.json are one step
         if _in_use(_read_spec(name) or {}):
@@ -641,18 +650,15 @@ def start(name: str, profile: str, address: str | None = None,
         if tdir.exists():
             stop(name)  # stale leftovers of a crashed run
         if address is None:
-            address = _pick_address()
+            address, claim = _pick_address()
         elif any(_in_use(s) and s["address"] == address for s in status()):
             raise TwinError(f"{address} is in use by another twin")
-        if address_hold is None:
-            # claimed from here on, not only once the supervisor runs (seconds later, after the
-            # install): a twin of another checkout picking meanwhile skips it
-            address_hold = _claim_file(address)
-            try:
-                fcntl.flock(address_hold, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(address_hold)
-                raise TwinError(f"{address} is claimed by a twin of another checkout") from None
+        elif address_hold is not None:
+            claim = address_hold  # upgrade_in_place kept it across its stop
+        else:
+            claim = _take_claim(address)
+            if claim is None:  # its sshd would answer this twin's ssh
+                raise TwinError(f"{address} is claimed by a twin of another checkout")
         root, key = tdir / "root", tdir / "id_ed25519"
         for sub in ("upper", "work", "root"):
             if sub == "upper" and upgraded_upper is not None:
@@ -688,15 +694,14 @@ def start(name: str, profile: str, address: str | None = None,
                 write_vmlist(shared)
                 write_members(cluster, also=name)
         log_file = tdir / "supervisor.log"
-        if address_hold is not None:  # the supervisor claims the address as it starts
-            os.close(address_hold)
-            address_hold = None
         with open(log_file, "ab") as out:
             proc = subprocess.Popen(
                 ["unshare", "--mount", "--pid", "--uts", "--fork", "--propagation", "private",
                  "--kill-child=SIGKILL", sys.executable, "-m", "tests.twin.runtime",
                  "supervise", str(tdir)],
-                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL,
+                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO),
+                               **({"PVEGPU_TWIN_CLAIM_FD": str(claim)} if claim is not None else {})},
+                pass_fds=() if claim is None else (claim,), stdin=subprocess.DEVNULL,
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         _spawned[proc.pid] = proc
         spec["unshare_pid"] = proc.pid
@@ -706,13 +711,14 @@ def start(name: str, profile: str, address: str | None = None,
         _write_spec(tdir, spec)
         _wait_for_sshd(address, spec["pid"], log_file)
     except BaseException:
-        if address_hold is not None:
-            os.close(address_hold)
         try:
             stop(name)
         except Exception as cleanup_error:  # report the first error, keep the second visible
             log(f"cleanup after failed start of {name} failed too: {cleanup_error}")
         raise
+    finally:
+        if claim is not None:
+            os.close(claim)  # the supervisor holds the claim now (or the start failed: released)
     log(f"{name} ({profile}) up on {address}:{SSH_PORT} in {time.monotonic() - t0:.2f} s "
         f"(root cache {t_cache:.2f} s)")
     return Twin(name=name, profile=profile, address=address, port=SSH_PORT, key=str(key),
@@ -1056,7 +1062,9 @@ class Supervisor:
     def run(self) -> None:
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
-        claim = _claim_file(self.spec["address"])  # held (never closed) until this process ends
+        # held (never closed) until this process ends: the starter's, inherited, else taken now
+        inherited = os.environ.pop("PVEGPU_TWIN_CLAIM_FD", None)
+        claim = int(inherited) if inherited else _claim_file(self.spec["address"])
         try:
             fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

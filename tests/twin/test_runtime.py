@@ -202,6 +202,39 @@ def test_two_twins_pyinfra_reads_os_and_topology_then_nothing_is_left(twin_facto
         assert not twin.dir.exists()
 
 
+def claim_holders(address: str) -> list[int]:
+    """Pids with the address's claim file open (runtime.ADDRESS_CLAIMS)."""
+    path, found = str(runtime.ADDRESS_CLAIMS / address), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == path for fd in os.listdir(f"/proc/{pid}/fd")):
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.twin
+def test_an_address_is_claimed_from_its_pick_to_the_twins_end(twin_factory, hardware):
+    """Another checkout starting a twin at the same moment cannot pick the address this start
+    picked: the claim is taken at the pick (not seconds later, by the supervisor), and the
+    supervisor inherits it; the starter keeps no descriptor of it."""
+    address, claim = runtime._pick_address()
+    try:
+        assert runtime._take_claim(address) is None, "a picked address is free for another starter"
+        second, other = runtime._pick_address()
+        os.close(other)
+        assert second != address
+    finally:
+        os.close(claim)
+    spec, profiles = hardware
+    twin = twin_factory(profiles[0], hardware=spec)
+    assert runtime._take_claim(twin.address) is None
+    supervisor = json.loads((twin.dir / "twin.json").read_text())["pid"]
+    holders = claim_holders(twin.address)
+    assert supervisor in holders and os.getpid() not in holders, holders
+
+
 @pytest.mark.twin
 def test_reboot_kills_rerenders_and_sshd_comes_back(twin_factory, counting_hardware):
     spec, profile = counting_hardware
@@ -319,13 +352,10 @@ def test_start_refuses_an_address_a_twin_of_another_checkout_claims(twin_root_ca
     refused, not shared: the new twin's ssh would reach the other one (seen when upgrade_in_place
     restarted a twin on its address while another checkout started one). Fails on a start that
     checked only this checkout's twins."""
-    import fcntl
-
     module, profiles = hardware
-    address = runtime._pick_address()
-    other = runtime._claim_file(address)  # what another checkout's supervisor holds
+    address, other = runtime._pick_address()  # its claim held here, as another checkout's starter holds it
+    assert other is not None
     try:
-        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(runtime.TwinError, match="claimed by a twin of another checkout"):
             runtime.start("claimed", profiles[0], address=address, hardware=module)
     finally:

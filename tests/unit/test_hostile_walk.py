@@ -19,12 +19,15 @@ character shapes (which characters, where), up to RUN_MAX per field.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
 import shlex
 import shutil
 import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -344,14 +347,15 @@ def test_walk_nvidia_source_url(tmp_path):
     assert len(values) >= 1500 and refused and accepted
     from operations import containers as ct_ops
 
-    for spec in accepted.values():  # the cached file (and its .part) is one file name within NAME_MAX
-        cached = nvidia_ops.cached_source(installer_of(spec))
-        assert len((cached.rsplit("/", 1)[-1] + ".part").encode()) <= 255
-        # the host's installer commands and the CT install take the cached path (and the URL) as one word
-        for script in (nvidia_ops.installer_version_command(cached, "595.71.05"), nvidia_ops.userspace_command(cached),
-                       ct_ops.install_command(200, "595.71.05", installer_of(spec).url, INSTALLER_SHA, cached, True)):
-            one_word_each(script, [cached, installer_of(spec).url])
-        assert nvidia_ops.userspace_command(cached).startswith(f"sh -- {shlex.quote(cached)} ")
+    with one_word_each() as check:
+        for spec in accepted.values():  # the cached file (and its .part) is one file name within NAME_MAX
+            cached = nvidia_ops.cached_source(installer_of(spec))
+            assert len((cached.rsplit("/", 1)[-1] + ".part").encode()) <= 255
+            # the host's installer commands and the CT install take the cached path (and the URL) as one word
+            for script in (nvidia_ops.installer_version_command(cached, "595.71.05"), nvidia_ops.userspace_command(cached),
+                           ct_ops.install_command(200, "595.71.05", installer_of(spec).url, INSTALLER_SHA, cached, True)):
+                check(script, [cached, installer_of(spec).url])
+            assert nvidia_ops.userspace_command(cached).startswith(f"sh -- {shlex.quote(cached)} ")
     run = to_run(accepted, lambda s: installer_of(s).url)
     scripts = {}
     for i, spec in run.items():
@@ -740,23 +744,42 @@ def test_walk_gpu_bdfs(tmp_path):
 
 # ------------------------------------------------------------------ the other templates
 
-def one_word_each(script: str, values: list[str]) -> None:
-    """`script` parses (sh -n), and every character of a value the shell would act on sits inside
-    single quotes wherever the value occurs (tests/unit/test_shell_templates.py's
-    lexer; a value holding "'" is checked piece by piece, as shlex.quote splits it)."""
+@contextlib.contextmanager
+def one_word_each() -> Iterator[Callable[[str, list[str]], None]]:
+    """Yields check(script, values); when the block ends, every script checked parses (sh -n,
+    each on its own) and every character of each of its values that the shell would act on sits
+    inside single quotes wherever the value occurs (tests/unit/test_shell_templates.py's lexer;
+    a value holding "'" is checked piece by piece, as shlex.quote splits it). The checks are
+    gathered so that one sh starts the `sh -n` of every script: a walk checks thousands."""
     from tests.unit.test_shell_templates import single_quoted
 
-    check = subprocess.run(["sh", "-n"], input=script, capture_output=True, text=True)
-    assert check.returncode == 0, check.stderr
-    quoted = single_quoted(script)
-    for value in values:
-        for piece in value.split("'"):
-            if re.fullmatch(r"[A-Za-z0-9._+~:/=@%,-]*", piece):
-                continue  # nothing in it a shell acts on
-            at = script.find(piece)
-            while at != -1:
-                assert all(quoted[at:at + len(piece)]), f"{piece!r} unquoted in: {script[max(0, at - 60):at + 60]!r}"
-                at = script.find(piece, at + 1)
+    checks: list[tuple[str, list[str]]] = []
+    yield lambda script, values: checks.append((script, list(values)))
+    assert checks, "nothing was checked"
+    each_parses([script for script, _ in checks])
+    for script, values in checks:
+        quoted = single_quoted(script)
+        for value in values:
+            for piece in value.split("'"):
+                if re.fullmatch(r"[A-Za-z0-9._+~:/=@%,-]*", piece):
+                    continue  # nothing in it a shell acts on
+                at = script.find(piece)
+                while at != -1:
+                    assert all(quoted[at:at + len(piece)]), f"{piece!r} unquoted in: {script[max(0, at - 60):at + 60]!r}"
+                    at = script.find(piece, at + 1)
+
+
+def each_parses(scripts: list[str]) -> None:
+    """`sh -n` of each script on its own (the same script once), all started by one sh."""
+    unique = list(dict.fromkeys(scripts))
+    with tempfile.TemporaryDirectory(prefix="pvegpu-walk-") as tmp:
+        for k, script in enumerate(unique):
+            Path(tmp, f"{k}.sh").write_text(script, encoding="utf-8")
+        done = subprocess.run(["sh", "-c", 'for f in "$1"/*.sh; do sh -n "$f" 2>"$f.err" || echo "${f##*/}"; done',
+                               "sh", tmp], capture_output=True, text=True, check=True, timeout=600)
+        bad = done.stdout.split()
+        assert not bad, [(Path(tmp, f"{b}.err").read_text(), unique[int(b.removesuffix(".sh"))][:2000]) for b in bad[:3]]
+        assert len(list(Path(tmp).glob("*.sh.err"))) == len(unique)  # every script was checked
 
 
 def test_walk_kernel_release_files(tmp_path):
@@ -770,17 +793,18 @@ def test_walk_kernel_release_files(tmp_path):
         "version": v, "base_config": "tinyconfig", "config_fragments": ['CONFIG_LOCALVERSION="-x;$(touch PWNf)"'],
         "source": {"kind": "tarball", "url": "/srv/l.tar.xz", "sha256": KERNEL_SHA}}})
     assert refused and accepted
-    for spec in accepted.values():
-        k = kernel_of(spec)
-        assert re.fullmatch(r"[0-9A-Za-z.+~-]+", k.version) and k.version[0].isdigit(), k.version
-        for script in (kernel_plan.trial_entry_command(k.version, "arm", 10), kernel_plan.zfs_guard_command(k.version),
-                       kernel_ops.start_build_command(kernel_plan.build_dir(k, "tinyconfig"), True, 1024)):
-            one_word_each(script, [k.version])
-        manifest = render_template("kernel-build-manifest.json.j2", build_id=kernel_plan.build_id(k, "tinyconfig"),
-                                   version=k.version, kind=k.source.kind, url=k.source.url, ref=k.source.sha256,
-                                   base_config="tinyconfig", fragments=list(k.config_fragments), jobs=2)
-        data = json.loads(manifest.replace("@OBJECTS@", "0"))
-        assert (data["version"], data["url"], data["fragments"]) == (k.version, k.source.url, list(k.config_fragments))
+    with one_word_each() as check:
+        for spec in accepted.values():
+            k = kernel_of(spec)
+            assert re.fullmatch(r"[0-9A-Za-z.+~-]+", k.version) and k.version[0].isdigit(), k.version
+            for script in (kernel_plan.trial_entry_command(k.version, "arm", 10), kernel_plan.zfs_guard_command(k.version),
+                           kernel_ops.start_build_command(kernel_plan.build_dir(k, "tinyconfig"), True, 1024)):
+                check(script, [k.version])
+            manifest = render_template("kernel-build-manifest.json.j2", build_id=kernel_plan.build_id(k, "tinyconfig"),
+                                       version=k.version, kind=k.source.kind, url=k.source.url, ref=k.source.sha256,
+                                       base_config="tinyconfig", fragments=list(k.config_fragments), jobs=2)
+            data = json.loads(manifest.replace("@OBJECTS@", "0"))
+            assert (data["version"], data["url"], data["fragments"]) == (k.version, k.source.url, list(k.config_fragments))
 
 
 def test_walk_kernel_config_fragments(tmp_path):
@@ -814,14 +838,15 @@ def test_walk_nvidia_signing_paths(tmp_path, monkeypatch):
         "version": "595.71.05", "signing": {"key": v, "cert": v + ".der"},
         "modules_source": {"url": "/srv/open-gpu-kernel-modules-595.71.05.tar.gz", "sha256": INSTALLER_SHA}}})
     assert len(values) >= 1500 and refused and accepted
-    for spec in accepted.values():
-        sig = nvidia_of(spec).signing
-        assert sig is not None
-        build = nvidia_ops.build_command("/a.tgz", "595.71.05", "6.14.8-2-pve", "gcc", 2, True,
-                                         signing=(sig.key, sig.cert))
-        one_word_each(build, [sig.key, sig.cert])
-        assert f"{shlex.quote(sig.key)} {shlex.quote(sig.cert)}" in build
-        one_word_each(kernel_hook.hook_script(spec, "gcc", "g++", 2, True), [sig.key, sig.cert])
+    with one_word_each() as check:
+        for spec in accepted.values():
+            sig = nvidia_of(spec).signing
+            assert sig is not None
+            build = nvidia_ops.build_command("/a.tgz", "595.71.05", "6.14.8-2-pve", "gcc", 2, True,
+                                             signing=(sig.key, sig.cert))
+            check(build, [sig.key, sig.cert])
+            assert f"{shlex.quote(sig.key)} {shlex.quote(sig.cert)}" in build
+            check(kernel_hook.hook_script(spec, "gcc", "g++", 2, True), [sig.key, sig.cert])
     # the build runs for a few of them (each is a tar, a fake make and sign-file)
     run = list(to_run(accepted, lambda s: getattr(nvidia_of(s).signing, "key", "")).values())[:6]
     for n, spec in enumerate(run):
@@ -861,20 +886,21 @@ def test_walk_nvidia_version_and_releases(tmp_path):
     accepted_r, refused_r = load_values(tmp_path, "nvidia.releases", releases, lambda v: {"nvidia": {
         "version": "595.71.05", "releases": [v]}})
     assert refused and accepted and refused_r and accepted_r
-    for spec in [*accepted.values(), *accepted_r.values()]:
-        nv = nvidia_of(spec)
-        assert nv.releases
-        words = [nv.version, *nv.releases]
-        assert all(re.fullmatch(r"[0-9A-Za-z.+~-]+", w) and w[0].isdigit() for w in words), words
-        for release in nv.releases:
-            for script in (nvidia_ops.build_command("/a.tgz", nv.version, release, "gcc", 2, True),
-                           nvidia_ops.install_command(nv.version, release),
-                           nvidia_ops.verify_command(nv.version, nv.releases, True, ["gsp.bin"]),
-                           nvidia_ops.conftest_key_command("/a.tgz", release, "gcc", "modules"),
-                           nvidia_ops.cleanup_command(nv.version)):
-                one_word_each(script, words)
-        if nv.modules_source is not None:
-            one_word_each(kernel_hook.hook_script(spec, "gcc", "g++", 2, True), words)
+    with one_word_each() as check:
+        for spec in [*accepted.values(), *accepted_r.values()]:
+            nv = nvidia_of(spec)
+            assert nv.releases
+            words = [nv.version, *nv.releases]
+            assert all(re.fullmatch(r"[0-9A-Za-z.+~-]+", w) and w[0].isdigit() for w in words), words
+            for release in nv.releases:
+                for script in (nvidia_ops.build_command("/a.tgz", nv.version, release, "gcc", 2, True),
+                               nvidia_ops.install_command(nv.version, release),
+                               nvidia_ops.verify_command(nv.version, nv.releases, True, ["gsp.bin"]),
+                               nvidia_ops.conftest_key_command("/a.tgz", release, "gcc", "modules"),
+                               nvidia_ops.cleanup_command(nv.version)):
+                    check(script, words)
+            if nv.modules_source is not None:
+                check(kernel_hook.hook_script(spec, "gcc", "g++", 2, True), words)
 
 
 def test_walk_rebind_script(tmp_path):
@@ -886,13 +912,14 @@ def test_walk_rebind_script(tmp_path):
     values = generate(["0000:01:00.0", "abcd:ff:1f.7"], 600)
     accepted, refused = load_values(tmp_path, "gpus", values, lambda v: {"gpus": {v: "unused"}})
     assert refused and accepted
-    for spec in accepted.values():
-        (bdf,) = spec.gpus
-        assert re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", bdf)
-        script = gpu_ops.rebind_script(RebindPlan([Move(bdf, "nvidia", "vfio-pci")], [("qemu", 300)], [], True),
-                                       {bdf: {"minor": 0}}, "tx")
-        one_word_each(script, [bdf])
-        assert bdf in script
+    with one_word_each() as check:
+        for spec in accepted.values():
+            (bdf,) = spec.gpus
+            assert re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", bdf)
+            script = gpu_ops.rebind_script(RebindPlan([Move(bdf, "nvidia", "vfio-pci")], [("qemu", 300)], [], True),
+                                           {bdf: {"minor": 0}}, "tx")
+            check(script, [bdf])
+            assert bdf in script
 
 
 def test_walk_kernel_signing_paths(tmp_path):
@@ -903,11 +930,12 @@ def test_walk_kernel_signing_paths(tmp_path):
         "version": "6.14.11-9-bpo12-pvegpu-pve", "signing": {"key": v, "cert": v + ".der"},
         "source": {"kind": "tarball", "url": "/srv/l.tar.xz", "sha256": KERNEL_SHA}}})
     assert refused and accepted
-    for spec in accepted.values():
-        k = kernel_of(spec)
-        assert k.signing is not None
-        one_word_each(render_template("kernel-sign.sh.j2", release=k.version, key=k.signing.key, cert=k.signing.cert),
-                      [k.version, k.signing.key, k.signing.cert])
+    with one_word_each() as check:
+        for spec in accepted.values():
+            k = kernel_of(spec)
+            assert k.signing is not None
+            check(render_template("kernel-sign.sh.j2", release=k.version, key=k.signing.key, cert=k.signing.cert),
+                  [k.version, k.signing.key, k.signing.cert])
 
 
 def test_walk_kernel_release_into_the_grub_trial_and_the_driver_gate(tmp_path):
@@ -921,10 +949,11 @@ def test_walk_kernel_release_into_the_grub_trial_and_the_driver_gate(tmp_path):
         "nvidia": {"version": "595.71.05", "modules_source": {"url": "/srv/open-gpu-kernel-modules-595.71.05.tar.gz",
                                                                "sha256": INSTALLER_SHA}}})
     assert refused and accepted
-    for spec in accepted.values():
-        k = kernel_of(spec)
-        one_word_each(render_template("grub-trial-entry.sh.j2", release=k.version, panic_s=10), [k.version])
-        one_word_each(kernel_stage.gate_script(spec, "/var/lib/pvegpu/kernel-build/b", 2, "gcc-12", "g++-12"), [k.version])
+    with one_word_each() as check:
+        for spec in accepted.values():
+            k = kernel_of(spec)
+            check(render_template("grub-trial-entry.sh.j2", release=k.version, panic_s=10), [k.version])
+            check(kernel_stage.gate_script(spec, "/var/lib/pvegpu/kernel-build/b", 2, "gcc-12", "g++-12"), [k.version])
 
 
 def test_walk_gpu_pool_into_the_mapping_merge(tmp_path):
@@ -937,15 +966,16 @@ def test_walk_gpu_pool_into_the_mapping_merge(tmp_path):
     accepted, refused = load_values(tmp_path, "vms[300].pool", values, lambda v: {
         "gpus": {"0000:81:00.0": {"role": "vm:300"}}, "vms": {300: {"gpus": ["0000:81:00.0"], "pool": v}}})
     assert refused and accepted
-    for spec in accepted.values():
-        pool = spec.vms[300].pool
-        assert pool is not None and re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]+", pool)
-        change = MappingChange(id=pool, action="merge", node=spec.node or "kpro6",
-                               maps=[{"id": "10de:2bb5", "iommugroup": "3", "node": "kpro6", "path": "0000:81:00"}],
-                               reason="walk", description="pvegpu-gpu-pool")
-        script = mapping_merge_command(change)
-        inner = shlex.split(script)[2]
-        one_word_each(inner, [pool])
+    with one_word_each() as check:
+        for spec in accepted.values():
+            pool = spec.vms[300].pool
+            assert pool is not None and re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]+", pool)
+            change = MappingChange(id=pool, action="merge", node=spec.node or "kpro6",
+                                   maps=[{"id": "10de:2bb5", "iommugroup": "3", "node": "kpro6", "path": "0000:81:00"}],
+                                   reason="walk", description="pvegpu-gpu-pool")
+            script = mapping_merge_command(change)
+            inner = shlex.split(script)[2]
+            check(inner, [pool])
 
 
 # templates whose text takes no value from the spec: their context (if any) is pvegpu's own constants

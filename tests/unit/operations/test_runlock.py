@@ -80,11 +80,13 @@ def test_keeper_command_quotes_the_record():
     assert "'x'\"'\"'; reboot #'" in cmd
 
 
-def test_heartbeat_outside_pyinfra_context_says_a_lost_lock(caplog):
+def test_heartbeat_outside_pyinfra_context_says_a_lost_lock(caplog, monkeypatch):
     """The heartbeat greenlet runs outside pyinfra's host context (seen in `make demo`: the
     reboot stage ended the keeper and reading the context-bound `host` raised in the greenlet)."""
     import gevent
     from pyinfra import host as context_host
+
+    monkeypatch.setattr(runlock, "HEARTBEAT_S", 0.05)  # one beat, then the check: not 5 s of waiting
 
     class Chan:
         closed = False
