@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # `make test`: lint and types first (scripts/lint.sh: ruff, mypy, shellcheck; any finding fails
 # the run before a test starts), then every test, on a fresh machine, in well under 30 minutes on 2 cores.
-# The two real builds (NVIDIA modules, a kernel) are CPU-bound and long; they run in a second
+# The real builds (NVIDIA modules on bookworm and on trixie, a kernel) are CPU-bound and long; they run in a second
 # pytest process while the rest (unit, twin, end-to-end runs that mostly wait on SSH and twin
 # reboots) runs in the first. Both must pass. Extra arguments go to both pytest runs.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 PYTEST=.venv/bin/pytest
-BUILDS=(tests/e2e/test_driver_build.py tests/e2e/test_kernel_build.py)
+BUILDS=(tests/e2e/test_driver_build.py tests/e2e/test_driver_build_trixie.py tests/e2e/test_kernel_build.py)
 mkdir -p .cache
 start=$(date +%s)
 bash scripts/lint.sh || { echo "pvegpu: lint failed (scripts/lint.sh); no test ran" >&2; exit 1; }
