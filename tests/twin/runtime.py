@@ -142,7 +142,8 @@ CACHE_FORMAT = 1  # bump when the way the root is configured changes
 # has its own cached root (its own cache key), so a trixie root never touches the bookworm one.
 # trixie (Proxmox VE 9's base): the same package list; `gcc` is gcc-14 (14.2.0) and
 # linux-headers-amd64 Debian's 6.12, built with gcc-14; its second release is trixie-backports' 7.x
-# (a name `<meta>/<suite>` is taken from that suite, as apt names a package of a release: the suite
+# (a name `<meta>/<suite>` is taken from that suite: apt-pkg/cacheset.cc VersionContainerInterface::
+# FromString reads `pkg/release` as that release's version, for apt-cache depends and apt-get download; the suite
 # is in the root's apt sources only while the headers are downloaded), built with the same gcc-14:
 # the open tree 595.45.04 does not build for it (tests/e2e/test_driver_build_trixie.py).
 SUITES = ("bookworm", "trixie")
