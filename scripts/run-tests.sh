@@ -2,7 +2,7 @@
 # `make test`: lint and types first (scripts/lint.sh: ruff, mypy, shellcheck; any finding fails
 # the run before a test starts), then every test, on a fresh machine, in well under 30 minutes on 2 cores.
 # Three pytest processes run side by side, each with its own log, and all must pass:
-#   builds  the two real builds (NVIDIA modules, a kernel): CPU-bound and long
+#   builds  the real builds (NVIDIA modules on bookworm and on trixie, a kernel): CPU-bound, long
 #   unit    tests/unit (no twin), then the end-to-end files of BESIDE: a third of the unit
 #           tests' time is waiting (timeouts, sleeps), and the e2e runs mostly wait on SSH
 #   twins   tests/twin and the other end-to-end files, in the foreground
@@ -14,7 +14,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 PYTEST=.venv/bin/pytest
-BUILDS=(tests/e2e/test_driver_build.py tests/e2e/test_kernel_build.py)
+BUILDS=(tests/e2e/test_driver_build.py tests/e2e/test_driver_build_trixie.py tests/e2e/test_kernel_build.py)
 BESIDE=(tests/e2e/test_api_e2e.py tests/e2e/test_backups_e2e.py tests/e2e/test_rebind_e2e.py
         tests/e2e/test_rebind_faults_e2e.py tests/e2e/test_kernel_gate_e2e.py tests/e2e/test_kernel_upgrade_e2e.py
         tests/e2e/test_host_checks_e2e.py tests/e2e/test_ct_userspace_e2e.py)

@@ -141,9 +141,13 @@ CACHE_FORMAT = 1  # bump when the way the root is configured changes
 # Debian suites a profile can name (`debian:` in tests/twin/profiles/*.yml; default SUITE). Each
 # has its own cached root (its own cache key), so a trixie root never touches the bookworm one.
 # trixie (Proxmox VE 9's base): the same package list; `gcc` is gcc-14 (14.2.0) and
-# linux-headers-amd64 Debian's 6.12, built with gcc-14; no second headers release (yet).
+# linux-headers-amd64 Debian's 6.12, built with gcc-14; its second release is trixie-backports' 7.x
+# (a name `<meta>/<suite>` is taken from that suite: apt-pkg/cacheset.cc VersionContainerInterface::
+# FromString reads `pkg/release` as that release's version, for apt-cache depends and apt-get download; the suite
+# is in the root's apt sources only while the headers are downloaded), built with the same gcc-14:
+# the open tree 595.45.04 does not build for it (tests/e2e/test_driver_build_trixie.py).
 SUITES = ("bookworm", "trixie")
-SUITE_EXTRA_HEADERS: dict[str, tuple[str, ...]] = {"trixie": ()}
+SUITE_EXTRA_HEADERS: dict[str, tuple[str, ...]] = {"trixie": ("linux-headers-amd64/trixie-backports",)}
 
 
 class TwinError(RuntimeError):
@@ -246,9 +250,15 @@ def _build_root(target: Path, suite: str) -> None:
     shutil.copy("/etc/resolv.conf", target / "etc/resolv.conf")  # only while building
     # EXTRA_HEADERS: the headers package a metapackage names, its -common and kbuild packages,
     # downloaded and unpacked (their file trees) with nothing registered in dpkg's database
+    extra_suites = sorted({name.split("/", 1)[1] for name in extra_headers(suite) if "/" in name})
+    extra_sources = "/etc/apt/sources.list.d/pvegpu-extra-headers.sources"
     (target / "tmp/pvegpu-extra-headers.sh").write_text(
         "set -e\ncd /tmp\n"
-        f"for meta in {' '.join(extra_headers(suite))}; do\n"
+        + (f"printf 'Types: deb\\nURIs: {archive}\\nSuites: {' '.join(extra_suites)}\\n"
+           f"Components: {' '.join(COMPONENTS)}\\n"
+           f"Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\\n' > {extra_sources}\n"
+           "apt-get -q update\n" if extra_suites else "")
+        + f"for meta in {' '.join(extra_headers(suite))}; do\n"
         "  h=$(apt-cache depends \"$meta\" | sed -n 's/^ *Depends: \\(linux-headers-.*\\)$/\\1/p' | head -n 1)\n"
         "  [ -n \"$h\" ] || { echo \"twin: $meta names no headers package\" >&2; exit 1; }\n"
         "  deps=$(apt-cache depends \"$h\" | sed -n 's/^ *Depends: \\(linux-headers-.*-common\\|linux-kbuild-.*\\)$/\\1/p')\n"
@@ -256,7 +266,10 @@ def _build_root(target: Path, suite: str) -> None:
         "done\n"
         # through tar --keep-directory-symlink: the packages' ./lib/ must not replace merged /usr's /lib link
         "for d in /tmp/*.deb; do dpkg-deb --fsys-tarfile \"$d\" | tar -C / --keep-directory-symlink -xf -; done\n"
-        "rm -f /tmp/*.deb\n")
+        "rm -f /tmp/*.deb\n"
+        # the extra suite leaves the root's sources and apt's lists as it came
+        + (f"rm -f {extra_sources}\n"
+           + "".join(f"rm -f /var/lib/apt/lists/*_dists_{s}_*\n" for s in extra_suites) if extra_suites else ""))
     script = (
         "set -e\n"
         f"mount -t proc proc {target}/proc\n"

@@ -408,7 +408,8 @@ def test_each_suite_has_its_own_root_and_bookworm_keeps_its_key():
         json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16] == "3e98ee92fc73592e"
     assert runtime.cache_key("trixie") not in (runtime.cache_key("bookworm"), None)
     assert runtime.extra_headers("bookworm") == ("linux-headers-6.12-amd64",)
-    assert runtime.extra_headers("trixie") == ()
+    # trixie's second headers release: trixie-backports' 7.x (test_driver_build_trixie.py)
+    assert runtime.extra_headers("trixie") == ("linux-headers-amd64/trixie-backports",)
 
 
 def test_unknown_suite_is_refused(monkeypatch):
