@@ -854,7 +854,9 @@ def onboot():
                 conf = load(kind, vmid)
             except ApiError:
                 continue
-            if ts.conf_get(conf, "onboot") != "1" or ts.conf_get(conf, "template") == "1" or ha_sid(kind, vmid):
+            # a boolean key: 1|on|yes|true (pve-common PVE/JSONSchema.pm parse_boolean; qemu-server check_type)
+            on = {k: (ts.conf_get(conf, k) or "").lower() in ("1", "on", "yes", "true") for k in ("onboot", "template")}
+            if not on["onboot"] or on["template"] or ha_sid(kind, vmid):
                 continue
             startup = ts.prop_string(ts.conf_get(conf, "startup") or "")  # "[order=]N[,up=S][,down=S]"
             order = startup.get("order", startup.get("_", ""))
