@@ -40,6 +40,10 @@ from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
 from pyinfra.operations import server
 
 from facts.files import FileTexts
+from facts.guest_state import guest_state
+from facts.once import fact_once
+from facts.once import prefetch as read_facts_now  # not `prefetch`: deploy.py takes that name as the stage protocol
+from facts.proxmox import HaResources, LxcConfigs, QemuConfigs
 from facts.reboot import NODE_GUESTS_COMMAND, parse_node_guests
 from facts.run_state import reboot_reasons, run_state, trial_boot_of
 from facts.shell import word
@@ -47,7 +51,15 @@ from operations.boot import boot_plan
 from operations.boot import stage_facts as boot_facts
 from operations.proxmox import shutdown_shell
 from plan.kernel import finish_trial_command, host_checks_command, host_expectations
-from plan.reboot import member_back, parse_cluster, pending_summary, plan_guest_moves, roll_check_lines, roll_width
+from plan.reboot import (
+    member_back,
+    not_started_at_boot,
+    parse_cluster,
+    pending_summary,
+    plan_guest_moves,
+    roll_check_lines,
+    roll_width,
+)
 from spec.models import HostSpec
 
 MEMBERS = "/etc/pve/.members"  # pmxcfs: this node's view of its cluster (status.c)
@@ -58,6 +70,22 @@ ROLL_STOPPED: dict[str, tuple[str, str]] = {}
 ROLL_MOVED: dict[str, list[tuple[str, str, int, str]]] = {}
 
 REBOOT_TIMEOUT_S = 900  # a many-GPU host takes minutes through firmware and POST
+
+
+def warn_not_started_at_boot() -> list[str]:
+    """Warn, before the node reboots, about the guests running now (this run's reading) that its
+    boot leaves stopped: Proxmox starts only `onboot: 1` guests at boot (plan.reboot.not_started_at_boot)."""
+    current = guest_state()
+    if "running" not in [*current["qemu"].values(), *current["lxc"].values()]:
+        return []
+    read_facts_now([(QemuConfigs, {}), (LxcConfigs, {}), (HaResources, {})])  # one command for the three
+    names = not_started_at_boot(current, {"qemu": fact_once(QemuConfigs), "lxc": fact_once(LxcConfigs)},
+                                fact_once(HaResources))
+    if names:
+        logger.warning(f"{host.name}: {', '.join(names)} run(s) now and will stay stopped after the reboot: "
+                       "Proxmox starts only guests with `onboot: 1` at boot (set it with `qm set <id> --onboot 1` / "
+                       "`pct set <id> --onboot 1`, or start them after the reboot)")
+    return names
 
 
 @operation()
@@ -306,6 +334,8 @@ def apply(spec: HostSpec) -> None:
         logger.info(line)
     run_state().rebooting = True  # deploy.py: stages with an after_reboot plan again after it
     trial = trial_boot_of()
+    if view.name is None or width == 0 or spec.reboot.guests == "stop":
+        warn_not_started_at_boot()
     if view.name is None or width == 0:
         server.reboot(name=name, delay=5, interval=2, reboot_timeout=REBOOT_TIMEOUT_S)
     else:
