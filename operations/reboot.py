@@ -49,7 +49,8 @@ from facts.run_state import reboot_reasons, run_state, trial_boot_of
 from facts.shell import word
 from operations.boot import boot_plan
 from operations.boot import stage_facts as boot_facts
-from operations.proxmox import shutdown_shell
+from operations.gpus import node_of
+from operations.proxmox import api_of, guest_start_commands, shutdown_shell
 from plan.kernel import finish_trial_command, host_checks_command, host_expectations
 from plan.reboot import (
     member_back,
@@ -82,10 +83,20 @@ def warn_not_started_at_boot() -> list[str]:
     names = not_started_at_boot(current, {"qemu": fact_once(QemuConfigs), "lxc": fact_once(LxcConfigs)},
                                 fact_once(HaResources))
     if names:
-        logger.warning(f"{host.name}: {', '.join(names)} run(s) now and will stay stopped after the reboot: "
-                       "Proxmox starts only guests with `onboot: 1` at boot (set it with `qm set <id> --onboot 1` / "
-                       "`pct set <id> --onboot 1`, or start them after the reboot)")
+        logger.warning(f"{host.name}: {', '.join(names)} run(s) now and will not start at boot: Proxmox starts only "
+                       "guests with `onboot: 1` (`qm set <id> --onboot 1` / `pct set <id> --onboot 1`); a single "
+                       "host's reboot in this run starts them again after it, a cluster node's does not")
     return names
+
+
+@operation(is_idempotent=False)
+def start_after_reboot(guests: list[str], api=None):
+    """After this run's reboot of a single host: start the guests that ran before it and that its
+    boot left stopped (`warn_not_started_at_boot`'s "VM 300" / "CT 200"), one by one; a start that
+    fails fails the run, naming the guest."""
+    for label in guests:
+        what, _, gid = label.partition(" ")
+        yield from guest_start_commands(api, "qemu" if what == "VM" else "lxc", int(gid))
 
 
 @operation()
@@ -334,10 +345,12 @@ def apply(spec: HostSpec) -> None:
         logger.info(line)
     run_state().rebooting = True  # deploy.py: stages with an after_reboot plan again after it
     trial = trial_boot_of()
-    if view.name is None or width == 0 or spec.reboot.guests == "stop":
-        warn_not_started_at_boot()
+    left_stopped = warn_not_started_at_boot() if view.name is None or width == 0 or spec.reboot.guests == "stop" else []
     if view.name is None or width == 0:
         server.reboot(name=name, delay=5, interval=2, reboot_timeout=REBOOT_TIMEOUT_S)
+        if left_stopped:
+            start_after_reboot(name="Start the guests that ran before the reboot: " + ", ".join(left_stopped),
+                               guests=left_stopped, api=api_of(spec, node_of(spec)))
     else:
         logger.info(f"{host.name}: node {view.node} of cluster {view.name}: rolling reboot, {width} node(s) at a time "
                     f"({view.online_votes} of {view.expected_votes} votes online, quorum {view.quorum})")

@@ -57,11 +57,18 @@ def test_before_a_reboot_the_running_guests_without_onboot_are_named(monkeypatch
     state = FakeState()
     with ctx_state.use(state), ctx_host.use(create_host(state, name="kpro6")):
         assert reboot.warn_not_started_at_boot() == ["VM 301", "CT 200"]
-    assert ("kpro6: VM 301, CT 200 run(s) now and will stay stopped after the reboot: Proxmox starts only guests "
-            "with `onboot: 1` at boot") in caplog.text
+    assert ("kpro6: VM 301, CT 200 run(s) now and will not start at boot: Proxmox starts only guests with "
+            "`onboot: 1`") in caplog.text
     assert len(read) == 1  # the configs and HA resources in one command
     # nothing running: nothing to read, nothing to say
     monkeypatch.setattr(reboot, "guest_state", lambda: {"pct": True, "qemu": {301: "stopped"}, "lxc": {}})
     with ctx_state.use(state), ctx_host.use(create_host(state, name="kpro6")):
         assert reboot.warn_not_started_at_boot() == []
     assert len(read) == 1
+
+
+def test_after_a_single_hosts_reboot_the_guests_its_boot_left_stopped_start_again():
+    from tests.unit.operations.oprun import run_op
+
+    cmds, _ = run_op(reboot.start_after_reboot, ["VM 301", "CT 200"])
+    assert cmds == ["qm start 301", "pct start 200"]
