@@ -40,7 +40,7 @@ from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
 from pyinfra.operations import server
 
 from facts.files import FileTexts
-from facts.guest_state import guest_state
+from facts.guest_state import guest_state, guest_state_changes
 from facts.once import fact_once
 from facts.once import prefetch as read_facts_now  # not `prefetch`: deploy.py takes that name as the stage protocol
 from facts.proxmox import HaResources, LxcConfigs, QemuConfigs
@@ -50,7 +50,7 @@ from facts.shell import word
 from operations.boot import boot_plan
 from operations.boot import stage_facts as boot_facts
 from operations.gpus import node_of
-from operations.proxmox import api_of, guest_start_commands, shutdown_shell
+from operations.proxmox import KIND_LABEL, KIND_TOOL, PveApiError, api_guest_start, api_of, shutdown_shell
 from plan.kernel import finish_trial_command, host_checks_command, host_expectations
 from plan.reboot import (
     member_back,
@@ -92,11 +92,27 @@ def warn_not_started_at_boot() -> list[str]:
 @operation(is_idempotent=False)
 def start_after_reboot(guests: list[str], api=None):
     """After this run's reboot of a single host: start the guests that ran before it and that its
-    boot left stopped (`warn_not_started_at_boot`'s "VM 300" / "CT 200"), one by one; a start that
-    fails fails the run, naming the guest."""
+    boot left stopped (`warn_not_started_at_boot`'s "VM 300" / "CT 200"), one by one. A start that
+    fails is a warning naming the guest and why (the converge itself is done; the boot would not
+    have started it either), not a failed run."""
+    guest_state_changes()
     for label in guests:
         what, _, gid = label.partition(" ")
-        yield from guest_start_commands(api, "qemu" if what == "VM" else "lxc", int(gid))
+        yield FunctionCommand(_start_or_warn, ("qemu" if what == "VM" else "lxc", int(gid), api), {})
+
+
+def _start_or_warn(state, host, kind: str, gid: int, api) -> bool:
+    if api is None:
+        ok, why = _run(host, f"{KIND_TOOL[kind]} start {word(str(gid))}")
+    else:
+        try:
+            api_guest_start(api, kind, gid)
+            ok, why = True, ""
+        except PveApiError as e:
+            ok, why = False, str(e)
+    if not ok:
+        logger.warning(f"{host.name}: {KIND_LABEL[kind]} {gid} ran before the reboot but did not start after it: {why}")
+    return True
 
 
 @operation()

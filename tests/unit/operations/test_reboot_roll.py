@@ -67,8 +67,12 @@ def test_before_a_reboot_the_running_guests_without_onboot_are_named(monkeypatch
     assert len(read) == 1
 
 
-def test_after_a_single_hosts_reboot_the_guests_its_boot_left_stopped_start_again():
+def test_after_a_single_hosts_reboot_the_guests_its_boot_left_stopped_start_again(caplog):
     from tests.unit.operations.oprun import run_op
 
-    cmds, _ = run_op(reboot.start_after_reboot, ["VM 301", "CT 200"])
-    assert cmds == ["qm start 301", "pct start 200"]
+    cmds, _ = run_op(reboot.start_after_reboot, ["VM 301", "CT 200"], render=None)
+    host = FakeHost("kpro6", {"pct start 200": (False, "startup for container '200' failed")})
+    assert all(c.function(None, host, *c.args, **c.kwargs) for c in cmds)  # a failed start does not fail the run
+    assert host.ran == ["qm start 301", "pct start 200"]
+    assert "kpro6: CT 200 ran before the reboot but did not start after it: startup for container '200' failed" \
+        in caplog.text
