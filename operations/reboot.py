@@ -40,14 +40,27 @@ from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
 from pyinfra.operations import server
 
 from facts.files import FileTexts
+from facts.guest_state import guest_state, guest_state_changes
+from facts.once import fact_once
+from facts.once import prefetch as read_facts_now  # not `prefetch`: deploy.py takes that name as the stage protocol
+from facts.proxmox import HaResources, LxcConfigs, QemuConfigs
 from facts.reboot import NODE_GUESTS_COMMAND, parse_node_guests
 from facts.run_state import reboot_reasons, run_state, trial_boot_of
 from facts.shell import word
 from operations.boot import boot_plan
 from operations.boot import stage_facts as boot_facts
-from operations.proxmox import shutdown_shell
+from operations.gpus import node_of
+from operations.proxmox import KIND_LABEL, KIND_TOOL, PveApiError, api_guest_start, api_of, shutdown_shell
 from plan.kernel import finish_trial_command, host_checks_command, host_expectations
-from plan.reboot import member_back, parse_cluster, pending_summary, plan_guest_moves, roll_check_lines, roll_width
+from plan.reboot import (
+    member_back,
+    not_started_at_boot,
+    parse_cluster,
+    pending_summary,
+    plan_guest_moves,
+    roll_check_lines,
+    roll_width,
+)
 from spec.models import HostSpec
 
 MEMBERS = "/etc/pve/.members"  # pmxcfs: this node's view of its cluster (status.c)
@@ -58,6 +71,48 @@ ROLL_STOPPED: dict[str, tuple[str, str]] = {}
 ROLL_MOVED: dict[str, list[tuple[str, str, int, str]]] = {}
 
 REBOOT_TIMEOUT_S = 900  # a many-GPU host takes minutes through firmware and POST
+
+
+def warn_not_started_at_boot() -> list[str]:
+    """Warn, before the node reboots, about the guests running now (this run's reading) that its
+    boot leaves stopped: Proxmox starts only `onboot: 1` guests at boot (plan.reboot.not_started_at_boot)."""
+    current = guest_state()
+    if "running" not in [*current["qemu"].values(), *current["lxc"].values()]:
+        return []
+    read_facts_now([(QemuConfigs, {}), (LxcConfigs, {}), (HaResources, {})])  # one command for the three
+    names = not_started_at_boot(current, {"qemu": fact_once(QemuConfigs), "lxc": fact_once(LxcConfigs)},
+                                fact_once(HaResources))
+    if names:
+        logger.warning(f"{host.name}: {', '.join(names)} run(s) now and will not start at boot: Proxmox starts only "
+                       "guests with `onboot: 1` (`qm set <id> --onboot 1` / `pct set <id> --onboot 1`); a single "
+                       "host's reboot in this run starts them again after it, a cluster node's does not")
+    return names
+
+
+@operation(is_idempotent=False)
+def start_after_reboot(guests: list[str], api=None):
+    """After this run's reboot of a single host: start the guests that ran before it and that its
+    boot left stopped (`warn_not_started_at_boot`'s "VM 300" / "CT 200"), one by one. A start that
+    fails is a warning naming the guest and why (the converge itself is done; the boot would not
+    have started it either), not a failed run."""
+    guest_state_changes()
+    for label in guests:
+        what, _, gid = label.partition(" ")
+        yield FunctionCommand(_start_or_warn, ("qemu" if what == "VM" else "lxc", int(gid), api), {})
+
+
+def _start_or_warn(state, host, kind: str, gid: int, api) -> bool:
+    if api is None:
+        ok, why = _run(host, f"{KIND_TOOL[kind]} start {word(str(gid))}")
+    else:
+        try:
+            api_guest_start(api, kind, gid)
+            ok, why = True, ""
+        except PveApiError as e:
+            ok, why = False, str(e)
+    if not ok:
+        logger.warning(f"{host.name}: {KIND_LABEL[kind]} {gid} ran before the reboot but did not start after it: {why}")
+    return True
 
 
 @operation()
@@ -306,8 +361,12 @@ def apply(spec: HostSpec) -> None:
         logger.info(line)
     run_state().rebooting = True  # deploy.py: stages with an after_reboot plan again after it
     trial = trial_boot_of()
+    left_stopped = warn_not_started_at_boot() if view.name is None or width == 0 or spec.reboot.guests == "stop" else []
     if view.name is None or width == 0:
         server.reboot(name=name, delay=5, interval=2, reboot_timeout=REBOOT_TIMEOUT_S)
+        if left_stopped:
+            start_after_reboot(name="Start the guests that ran before the reboot: " + ", ".join(left_stopped),
+                               guests=left_stopped, api=api_of(spec, node_of(spec)))
     else:
         logger.info(f"{host.name}: node {view.node} of cluster {view.name}: rolling reboot, {width} node(s) at a time "
                     f"({view.online_votes} of {view.expected_votes} votes online, quorum {view.quorum})")

@@ -117,6 +117,29 @@ def roll_check_lines(expect: dict, reasons: list[tuple[str, str]], cmdline: dict
 # ---------------------------------------------------------------- GPU guests before a node reboots
 
 
+def _pve_true(value) -> bool:
+    # a boolean config key: 1|on|yes|true (pve-common PVE/JSONSchema.pm parse_boolean)
+    return str(value or "").strip().lower() in ("1", "on", "yes", "true")
+
+
+def not_started_at_boot(guests: dict, configs: dict[str, dict[int, dict]], ha: dict) -> list[str]:
+    """The guests running now that the node's boot leaves stopped, as "VM 300" / "CT 200".
+
+    `guests`: a facts.guest_state.GuestState reading; `configs`: {"qemu": QemuConfigs, "lxc":
+    LxcConfigs}; `ha`: HaResources. At boot pve-guests.service runs `startall` (pve-manager
+    PVE/API2/Nodes.pm startall, get_start_stop_list): it starts only guests whose config has
+    `onboot` set, no template, no HA resource (the HA stack starts those by their requested state)."""
+    out = []
+    for kind, label in (("qemu", "VM"), ("lxc", "CT")):
+        for vmid, status in sorted((guests.get(kind) or {}).items()):
+            options = ((configs.get(kind) or {}).get(vmid) or {}).get("options") or {}
+            if status != "running" or ha_resource(ha, kind, vmid):
+                continue
+            if not _pve_true(options.get("onboot")) or _pve_true(options.get("template")):
+                out.append(f"{label} {vmid}")
+    return out
+
+
 def _entry_free(entry: dict, reserved: set[str]) -> bool:
     """A mapping entry none of whose devices a running VM holds (qemu-server PVE/QemuServer/PCI.pm
     choose_hostpci_devices(): an entry is taken when no reservation of another running VM covers

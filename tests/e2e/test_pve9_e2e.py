@@ -28,7 +28,8 @@ def test_gpu_added_to_a_running_ct(twin_factory, tmp_path, profile, hotplug):
     twin = twin_factory(profile, name=f"s29-hot-{'9' if hotplug else '8'}")
     run = Run(twin, tmp_path)
     # the UVM nodes a devN entry needs (the NVIDIA stage makes them on a real run; its spec section is absent here)
-    # (after the twin's reboot a CT that ran counts as running; its init comes back with the first exec)
+    # (after the twin's reboot the CT is stopped: no onboot, and the run's start after the reboot fails
+    # without the UVM nodes, a warning)
     start_ct = ("nvidia-modprobe -u -c=0 && { pct status 200 | grep -q running || pct start 200; } && "
                 "pct exec 200 -- true && lxc-ls --active -1 | grep -qx 200")
     assert ssh(twin.name, start_ct).returncode == 0

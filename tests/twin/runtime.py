@@ -1170,8 +1170,8 @@ class Supervisor:
             f"{t1 - t0:.2f} s, render {t2 - t1:.2f} s)")
 
     def start_guests(self) -> None:
-        """The VMs still marked running get their process again (tests/twin/standins/proxmox.py
-        onboot), in the twin's PID namespace like every process of this boot."""
+        """The guests whose config says `onboot: 1` start, the others stay stopped (tests/twin/standins/
+        proxmox.py onboot, as pve-guests.service), in the twin's PID namespace like every process of this boot."""
         if not (self.root / "usr/local/lib/twin/proxmox.py").exists():
             return  # not a Proxmox twin
         subprocess.run(["chroot", str(self.root), "/usr/bin/python3", "-ISB", "-c",

@@ -146,6 +146,7 @@ def test_raw_lxc_syntax_of_older_pve(twin):
 
 def test_ct_files_survive_a_twin_reboot_and_its_dev_follows_the_boot(twin):
     sh(twin, "pct set 200 --dev3 /dev/nvidia6")  # while running: the next boot's start applies it
+    sh(twin, "pct set 200 --onboot 1")  # started at boot (pve-guests.service: onboot guests only)
     boots = Path(runtime.TWINS_DIR / twin.name / "boots")
     before = len(boots.read_text().splitlines())
     sh(twin, "reboot", check=False)

@@ -5,7 +5,8 @@ A VM: `qm start` leaves a daemon whose argv[0] ends in kvm and whose `-pidfile` 
 config_to_command, PVE/QemuServer/Helpers.pm vm_running_locally); `qm stop` ends it and removes
 the file. A CT: `pct start` leaves its init in the CT's own root, whose pid `lxc-info -n <id> -p`
 answers and which `lxc-ls --active` counts (lxc src/lxc/tools); `pct stop` ends it. A twin reboot
-ends them all and the guests' start at boot (onboot) brings new ones. `facts.guest_state.GuestState`
+ends them all, and at boot only the guests whose config says `onboot: 1` start again (pve-manager
+services/pve-guests.service runs PVE/API2/Nodes.pm startall): a guest without it stays stopped. `facts.guest_state.GuestState`
 reads this without any Proxmox CLI, and the CT's files are read through /proc/<init>/root."""
 
 from __future__ import annotations
@@ -32,6 +33,16 @@ def ssh(twin, command: str) -> str:
                           text=True, timeout=60).stdout
 
 
+def reboot(twin, boot: int) -> None:
+    """The twin's reboot stand-in asks the supervisor; back once it has booted the `boot`th time."""
+    request = Path(twin.root) / runtime.REBOOT_REQUEST
+    ssh(twin, "reboot")
+    deadline = time.monotonic() + 60
+    while (request.exists() or boots(twin) < boot) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert boots(twin) == boot
+
+
 def vm_state(twin) -> dict:
     return GuestState().process(ssh(twin, GuestState.command).splitlines())["qemu"]
 
@@ -53,12 +64,15 @@ def test_qm_start_leaves_a_kvm_process_that_stop_and_reboot_end(twin_factory):
     assert argv[0].endswith("kvm") and argv[argv.index("-pidfile") + 1] == "/var/run/qemu-server/300.pid"
     assert vm_state(twin) == {300: "running"}
 
-    request = root / runtime.REBOOT_REQUEST
-    ssh(twin, "reboot")  # the twin's reboot stand-in asks the supervisor
-    deadline = time.monotonic() + 60
-    while (request.exists() or boots(twin) < 2) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert boots(twin) == 2
+    # no `onboot: 1`: the reboot stops it and startall leaves it stopped
+    reboot(twin, 2)
+    assert vm_state(twin) == {300: "stopped"}
+    assert ssh(twin, "ls /var/run/qemu-server/ 2>/dev/null || true").split() in ([], ["pci-id-reservations"])
+    assert ssh(twin, f"[ -e /proc/{pid} ] && echo alive || true").strip() == ""
+
+    # `onboot: 1`: started at boot, even though it was stopped before the reboot (startall does not ask)
+    ssh(twin, "qm set 300 --onboot 1")
+    reboot(twin, 3)
     after = ssh(twin, "cat /var/run/qemu-server/300.pid").strip()
     assert after and after != pid, "the VM was started again at boot, a new process"
     assert vm_state(twin) == {300: "running"}
@@ -87,11 +101,8 @@ def test_pct_start_leaves_an_init_in_the_cts_root_that_stop_and_reboot_end(twin_
     assert not ssh(twin, "ls /etc/pvegpu-probe 2>/dev/null || true").strip()
     assert (ssh(twin, f"stat -L -c %d:%i /proc/{pid}/root/") == ssh(twin, "pct exec 200 -- stat -c %d:%i /"))
 
-    request = Path(twin.root) / runtime.REBOOT_REQUEST
-    ssh(twin, "reboot")
-    deadline = time.monotonic() + 60
-    while (request.exists() or boots(twin) < 2) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    ssh(twin, "pct set 200 --onboot 1")
+    reboot(twin, 2)
     after = ssh(twin, "lxc-info -n 200 -p -H").strip()
     assert after.isdigit() and after != pid, "started again at boot: a new init"
     assert ssh(twin, f"cat /proc/{after}/root/etc/pvegpu-probe") == "inside\n"

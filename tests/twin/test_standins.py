@@ -382,6 +382,40 @@ def test_ha_resource_shutdown_only_queues_a_request_and_the_crm_stops_it_later(r
     assert run(root, "pct", "start", "200").stdout == ""
 
 
+def onboot(root):
+    """What the twin runs at each boot (tests/twin/runtime.py start_guests)."""
+    env = dict(os.environ, TWIN_ROOT=str(root))
+    subprocess.run(["python3", "-c", f"import sys; sys.path.insert(0, {str(root / 'usr/local/lib/twin')!r}); "
+                    "import proxmox; proxmox.onboot()"], env=env, check=True)
+
+
+def test_at_boot_only_onboot_guests_start_by_startup_order(root):
+    """pve-guests.service runs startall (pve-manager PVE/API2/Nodes.pm): every guest stopped by the
+    reboot, then only `onboot: 1` ones start, by startup order then VMID; not templates, not HA
+    resources (the HA stack starts those), and one whose start fails stays stopped."""
+    qm = root / "etc/pve/qemu-server"
+    base = (qm / "300.conf").read_text()
+    (qm / "300.conf").write_text("onboot: 1\nstartup: order=2,up=0\n" + base)
+    (qm / "301.conf").write_text("onboot: 1\nstartup: 1\n" + base)
+    (qm / "302.conf").write_text("onboot: 1\ntemplate: 1\n" + base)
+    (qm / "303.conf").write_text("onboot: 1\n" + base)  # an HA resource
+    (qm / "304.conf").write_text(base)  # ran before the reboot, no onboot
+    (qm / "305.conf").write_text("onboot: 1\nhostpci0: mapping=nosuchmap\n" + base)  # its start fails
+    write_ct(root, 200, "onboot: 1\n" + (root / "etc/pve/lxc/200.conf").read_text())
+    (root / "etc/pve/ha").mkdir(parents=True, exist_ok=True)
+    (root / "etc/pve/ha/resources.cfg").write_text("vm: 303\n\tstate started\n")
+    (root / "var/lib/twin/ha.json").write_text('{"mode": "stalled"}')
+    (root / "var/lib/twin/guests.json").write_text(json.dumps({"qemu/304": "running", "qemu/303": "running"}))
+    onboot(root)
+    assert guests_log(root) == ["onboot qemu 301", "onboot qemu 300", "onboot lxc 200", "onboot-failed qemu 305"]
+    status = {vmid: run(root, "qm", "status", str(vmid)).stdout.split()[-1] for vmid in range(300, 306)}
+    assert status == {300: "running", 301: "running", 302: "stopped", 303: "stopped", 304: "stopped",
+                      305: "stopped"}
+    assert run(root, "pct", "status", "200").stdout == "status: running\n"
+    (root / "var/lib/twin/ha.json").write_text('{"mode": "active", "delay_s": 0}')
+    assert run(root, "qm", "status", "303").stdout == "status: running\n"  # the HA stack started it
+
+
 def test_qm_refuses_pcie_without_q35_and_busy_gpu(root):
     conf = root / "etc/pve/qemu-server/300.conf"
     conf.write_text(conf.read_text().replace("machine: q35\n", ""))

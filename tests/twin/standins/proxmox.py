@@ -791,7 +791,7 @@ def kvm_spawn(vmid):
     """A running VM is a process, as on a real node: argv[0] ends in `kvm` and `-pidfile` names
     its pid file, which holds its pid (qemu-server PVE/QemuServer.pm config_to_command passes
     `-id`, `-pidfile` and `-daemonize`; QEMU writes the file). The process only sleeps; it dies
-    with the twin (its PID namespace) and is started again at the twin's next boot (`onboot`)."""
+    with the twin (its PID namespace); at the next boot it starts again only with `onboot: 1` (onboot())."""
     if ts.ROOT != "/":
         return  # a TWIN_ROOT run on the build machine starts no process
     kvm_kill(vmid)
@@ -836,17 +836,41 @@ def _cmdline(pid):
 
 
 def onboot():
-    """At the twin's boot (tests/twin/runtime.py): the guests still marked running were started
-    again (onboot): each VM gets its process, each CT its root, /dev and init."""
-    for key, status in sorted(run_state().items()):
+    """At the twin's boot (tests/twin/runtime.py), as pve-guests.service does on a real node: no
+    guest survives the reboot (every one is stopped now), then only those whose config says
+    `onboot: 1` start again, by `startup: order=` and then VMID. A template or an HA resource is
+    not started here (the HA stack starts the latter: ha_step); a start qm/pct would refuse fails
+    and leaves the guest stopped."""
+    # pve-manager services/pve-guests.service: at boot `pvesh create /nodes/localhost/startall`
+    # pve-manager PVE/API2/Nodes.pm startall + get_start_stop_list(): without force only onboot=1
+    # guests of this node, HA-managed and templates skipped, ascending startup order then vmid
+    for key in sorted(run_state()):
         kind, _, vmid = key.partition("/")
-        if kind == "qemu" and status == "running":
-            kvm_spawn(int(vmid))
-        elif kind == "lxc" and status == "running":
+        set_run_state(kind, int(vmid), "stopped")
+    todo = []
+    for kind in ("qemu", "lxc"):
+        for vmid in guest_ids(kind):
             try:
-                ct_boot(int(vmid), apply_pending(int(vmid), load("lxc", int(vmid))))
+                conf = load(kind, vmid)
             except ApiError:
-                pass  # its config is gone: pct list will not show it either
+                continue
+            # a boolean key: 1|on|yes|true (pve-common PVE/JSONSchema.pm parse_boolean; qemu-server check_type)
+            on = {k: (ts.conf_get(conf, k) or "").lower() in ("1", "on", "yes", "true") for k in ("onboot", "template")}
+            if not on["onboot"] or on["template"] or ha_sid(kind, vmid):
+                continue
+            startup = ts.prop_string(ts.conf_get(conf, "startup") or "")  # "[order=]N[,up=S][,down=S]"
+            order = startup.get("order", startup.get("_", ""))
+            todo.append((int(order) if order.isdigit() else sys.maxsize, vmid, kind))
+    for _, vmid, kind in sorted(todo):
+        try:
+            conf = load(kind, vmid)
+            if kind == "lxc":
+                conf = apply_pending(vmid, conf)
+            devices = check_lxc_start(conf) if kind == "lxc" else check_qemu_start(conf, vmid)
+            boot_guest(kind, vmid, conf, "onboot", devices=devices)
+        except ApiError:
+            # startall warns 'Starting VM <vmid> failed' and goes on with the next guest
+            ts.log_guest("onboot-failed", kind, vmid)
 
 
 # ---------------------------------------------------------------- containers: own root, own /dev
@@ -1214,8 +1238,8 @@ def ct_cli(cmd, rest):
 def ct_execvp(vmid, command):
     snapshot = json.loads(ts.read(f"{CT_DIR}/{vmid}/devices.json", "null") or "null")
     if snapshot is None or snapshot.get("booted_at") != ts.state().get("booted_at"):
-        # still "running" across a twin reboot: it was started again at boot (onboot), so its
-        # /dev follows the config and the nodes of this boot
+        # running, but its /dev is from an earlier boot (it was started again at boot: onboot), so
+        # its /dev follows the config and the nodes of this boot
         ct_boot(vmid, apply_pending(vmid, load("lxc", vmid)))
         snapshot = json.loads(ts.read(f"{CT_DIR}/{vmid}/devices.json"))
     ct_mount(vmid)

@@ -39,3 +39,40 @@ def test_a_vm_that_does_not_come_back_stops_the_roll_and_the_next_node_is_not_re
             "after its reboot (VM 300 did not come back from node b: could not find a free device for 'hostpci0')") \
         in caplog.text
     assert "c: reboot pending (1 reason(s)):" in caplog.text
+
+
+def test_before_a_reboot_the_running_guests_without_onboot_are_named(monkeypatch, caplog):
+    """Proxmox starts only `onboot: 1` guests at boot (pve-manager PVE/API2/Nodes.pm startall): the
+    reboot stage names the guests running now that the reboot leaves stopped."""
+    from pyinfra.context import ctx_host, ctx_state
+    from pyinfra_testing.util import FakeState, create_host
+
+    read: list = []
+    facts = {"QemuConfigs": {300: {"options": {"onboot": "1"}}, 301: {"options": {}}},
+             "LxcConfigs": {200: {"options": {}}}, "HaResources": {}}
+    monkeypatch.setattr(reboot, "read_facts_now", read.append)
+    monkeypatch.setattr(reboot, "fact_once", lambda cls: facts[cls.__name__])
+    monkeypatch.setattr(reboot, "guest_state", lambda: {"pct": True, "qemu": {300: "running", 301: "running"},
+                                                         "lxc": {200: "running"}})
+    state = FakeState()
+    with ctx_state.use(state), ctx_host.use(create_host(state, name="kpro6")):
+        assert reboot.warn_not_started_at_boot() == ["VM 301", "CT 200"]
+    assert ("kpro6: VM 301, CT 200 run(s) now and will not start at boot: Proxmox starts only guests with "
+            "`onboot: 1`") in caplog.text
+    assert len(read) == 1  # the configs and HA resources in one command
+    # nothing running: nothing to read, nothing to say
+    monkeypatch.setattr(reboot, "guest_state", lambda: {"pct": True, "qemu": {301: "stopped"}, "lxc": {}})
+    with ctx_state.use(state), ctx_host.use(create_host(state, name="kpro6")):
+        assert reboot.warn_not_started_at_boot() == []
+    assert len(read) == 1
+
+
+def test_after_a_single_hosts_reboot_the_guests_its_boot_left_stopped_start_again(caplog):
+    from tests.unit.operations.oprun import run_op
+
+    cmds, _ = run_op(reboot.start_after_reboot, ["VM 301", "CT 200"], render=None)
+    host = FakeHost("kpro6", {"pct start 200": (False, "startup for container '200' failed")})
+    assert all(c.function(None, host, *c.args, **c.kwargs) for c in cmds)  # a failed start does not fail the run
+    assert host.ran == ["qm start 301", "pct start 200"]
+    assert "kpro6: CT 200 ran before the reboot but did not start after it: startup for container '200' failed" \
+        in caplog.text

@@ -1,0 +1,52 @@
+"""A single host's reboot and its running guests, on a kpro6 twin: Proxmox starts only `onboot: 1`
+guests at boot (pve-manager services/pve-guests.service runs PVE/API2/Nodes.pm startall, as the
+twin's boot does), so the reboot stage names the running guests without it before it reboots
+and starts them again once the host is back; a guest with `onboot: 1` is the boot's to start."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import run_pyinfra
+from tests.twin import runtime
+
+pytestmark = [pytest.mark.twin]
+
+STAGES = "operations.boot,operations.reboot"
+
+
+def ssh(name: str, command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(runtime.ssh_command(name, [command]), capture_output=True, text=True, timeout=120)
+
+
+def converge(name: str):
+    return run_pyinfra("inventories/twin.py", "tests/e2e/stage_deploy.py",
+                       env={"PVEGPU_TWINS": name, "PVEGPU_STAGES": STAGES}, timeout=600)
+
+
+def test_a_reboot_names_the_guests_boot_leaves_stopped_and_starts_them_again(twin_factory):
+    twin = twin_factory("kpro6", name="s11o-reboot")
+    root = Path(twin.root)
+    for cmd in ("qm set 300 --onboot 1", "qm start 300", "pct start 200"):
+        r = ssh(twin.name, cmd)
+        assert r.returncode == 0, r.stderr
+    log = root / "var/lib/twin/guests.log"
+    before = len(log.read_text().splitlines())
+    boots = len((twin.dir / "boots").read_text().splitlines())
+
+    first = converge(twin.name)
+    assert first.rc == 0, first.output[-6000:]
+    assert len((twin.dir / "boots").read_text().splitlines()) == boots + 1, "the converge rebooted the twin"
+    warned = [line for line in first.output.splitlines() if "will not start at boot" in line]
+    assert len(warned) == 1 and "CT 200 run(s) now" in warned[0] and "VM 300" not in warned[0], first.output[-6000:]
+    # the boot started VM 300 (onboot), the run CT 200 (it ran before the reboot)
+    assert [line.split(" ", 1)[1] for line in log.read_text().splitlines()[before:]] == [
+        "onboot qemu 300", "start lxc 200"]
+    assert json.loads((root / "var/lib/twin/guests.json").read_text()) == {"lxc/200": "running", "qemu/300": "running"}
+
+    again = converge(twin.name)
+    assert again.rc == 0 and again.changed == 0, again.output[-6000:]
