@@ -211,7 +211,9 @@ def twin_profile_hardware(tmp_path, monkeypatch, profile: str, vfio: tuple = ())
     run = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "TWIN_ROOT": str(root)})
     hardware = HardwareProbe().process(run.stdout.replace(str(hw), "").splitlines())
-    databases = sorted(runtime.CACHE_DIR.glob("root-*/usr/share/misc/pci.ids"))
+    # bookworm's own (the trixie root's newer pci.ids knows Blackwell; root-<key> dirs sort by key)
+    databases = [p for p in [runtime.CACHE_DIR / f"root-{runtime.cache_key('bookworm')}/usr/share/misc/pci.ids"]
+                 if p.exists()]
     if databases:
         ids = sorted({f"{d['vendor']}:{d['device']}" for d in hardware["pci_devices"].values() if d["vendor"] == "10de"})
         names = subprocess.run(["bash", "-c", PciIdNames().command(ids).replace("/usr/share/misc/pci.ids", str(databases[0]))],
