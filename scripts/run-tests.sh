@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make test`: lint and types first (scripts/lint.sh: ruff, mypy, shellcheck; any finding fails
-# the run before a test starts), then every test, on a fresh machine, in well under 30 minutes on 2 cores.
+# the run before a test starts), then every test, on a fresh machine, in ~40 minutes on 2 cores (the builds process is the long pole).
 # Three pytest processes run side by side, each with its own log, and all must pass:
 #   builds  the real builds (NVIDIA modules on bookworm and on trixie, a kernel): CPU-bound, long
 #   unit    tests/unit (no twin), then the end-to-end files of BESIDE: a third of the unit
