@@ -26,7 +26,7 @@ from plan import kernel as plan
 from spec.models import KernelSpec
 from tests.e2e.harness import REPO, run_pyinfra
 from tests.e2e.test_driver_build import ccache_counters
-from tests.e2e.test_kernel_trial_e2e import loader_default, oneshot
+from tests.e2e.test_kernel_trial_e2e import loader_default, nvidia_module, oneshot
 from tests.twin import runtime
 
 pytestmark = [pytest.mark.twin, pytest.mark.slow]
@@ -95,6 +95,14 @@ def test_kernel_build_install_trial_boot_and_pin(twin_factory, linux_source):
     finally:
         if (root / TWIN_CCACHE).is_dir():
             shutil.copytree(root / TWIN_CCACHE, CCACHE, dirs_exist_ok=True)
+
+    # The driver for the new release, as the kernel hook builds it when the kernel package installs
+    # (STAGES build no NVIDIA modules; the twin, like a real host, loads no nvidia on a kernel without
+    # an nvidia.ko, and the trial is pinned only when the checks that held before hold: the driver
+    # loaded, every GPU on it)
+    driver = json.loads((root / "var/lib/twin/profile.json").read_text())["nvidia"]["version"]
+    (root / f"lib/modules/{release}/updates/dkms").mkdir(parents=True, exist_ok=True)
+    nvidia_module(root / f"lib/modules/{release}/updates/dkms/nvidia.ko", driver)
 
     # 2: reboot allowed: the trial boot happens, the new release comes up and is pinned for good
     second = run_pyinfra("inventories/twin.py", "tests/e2e/stage_deploy.py", env=env, timeout=900)
