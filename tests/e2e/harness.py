@@ -38,6 +38,23 @@ class PyinfraRun:
         return self.totals.get("success", 0)
 
 
+def spec_inventory(tmp: Path, twin, host: dict, name: str) -> str:
+    """A pyinfra inventory of one twin from a spec written as `<name>.yml` (JSON is YAML): the
+    twin's ssh block plus the spec fields `host`, loaded by spec.load as a user's inventory is, with
+    the twin's host key not checked. Returns the inventory's path (`<name>_inventory.py`)."""
+    import json
+
+    spec = {"hosts": {twin.name: {"ssh": {"hostname": twin.address, "port": twin.port, "user": "root",
+                                          "key": twin.key}, **host}}}
+    yml = tmp / f"{name}.yml"
+    yml.write_text(json.dumps(spec))
+    inv = tmp / f"{name}_inventory.py"
+    overrides = {twin.name: {"ssh_known_hosts_file": "/dev/null", "ssh_strict_host_key_checking": "off"}}
+    inv.write_text("from spec.load import inventory_hosts\n"
+                   f"hosts = inventory_hosts({str(yml)!r}, overrides={overrides!r})\n")
+    return str(inv)
+
+
 def parse_totals(output: str) -> dict[str, int]:
     """pyinfra's "Grand total" row: Hosts, Success (changed), Error, No Change ('-' = 0)."""
     for line in reversed(_ANSI.sub("", output).splitlines()):

@@ -26,7 +26,6 @@ failing on a cold cache's stats).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import subprocess
@@ -34,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import PYTEST, REPO, run_pyinfra
+from tests.e2e.harness import PYTEST, REPO, run_pyinfra, spec_inventory
 from tests.twin import hardware, installer, runtime
 
 pytestmark = [pytest.mark.twin, pytest.mark.slow]
@@ -88,16 +87,7 @@ def twin_sh(twin, command: str, check: bool = True) -> str:
 
 
 def write_inventory(tmp: Path, twin, nvidia: dict) -> str:
-    spec = {"hosts": {twin.name: {"ssh": {"hostname": twin.address, "port": twin.port, "user": "root",
-                                          "key": twin.key},
-                                  "node": "kpro6", "nvidia": nvidia}}}
-    yml = tmp / "driver.yml"
-    yml.write_text(json.dumps(spec))  # JSON is YAML
-    inv = tmp / "driver_inventory.py"
-    overrides = {twin.name: {"ssh_known_hosts_file": "/dev/null", "ssh_strict_host_key_checking": "off"}}
-    inv.write_text("from spec.load import inventory_hosts\n"
-                   f"hosts = inventory_hosts({str(yml)!r}, overrides={overrides!r})\n")
-    return str(inv)
+    return spec_inventory(tmp, twin, {"node": "kpro6", "nvidia": nvidia}, "driver")
 
 
 def deploy(tmp: Path, twin, nvidia: dict, timeout: int = 600):

@@ -26,14 +26,13 @@ Pairs on trixie (GCC 14): 595.45.04 x 6.12 builds; 595.45.04 x 7.x does not (of_
 from __future__ import annotations
 
 import hashlib
-import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.e2e import test_kernel_upgrade_e2e as ku
-from tests.e2e.harness import REPO, manifest_diff, root_manifest, run_pyinfra
+from tests.e2e.harness import REPO, manifest_diff, root_manifest, run_pyinfra, spec_inventory
 from tests.e2e.test_driver_build import ccache_hits
 from tests.twin import runtime
 
@@ -66,15 +65,8 @@ def trixie_releases(root: Path) -> tuple[str, str]:
 def write_inventory(tmp: Path, twin, sha: str) -> str:
     nvidia = {"version": VERSION, "open": True, "modules_source": {"url": f"file://{ARCHIVE}", "sha256": sha},
               "firmware": False, "persistenced": False}
-    spec = {"hosts": {twin.name: {"ssh": {"hostname": twin.address, "port": twin.port, "user": "root", "key": twin.key},
-                                  "node": "kpro6", "proxmox_ve": 9, "kernel_updates": "follow", "nvidia": nvidia}}}
-    yml = tmp / "trixie.yml"
-    yml.write_text(json.dumps(spec))  # JSON is YAML
-    inv = tmp / "trixie_inventory.py"
-    overrides = {twin.name: {"ssh_known_hosts_file": "/dev/null", "ssh_strict_host_key_checking": "off"}}
-    inv.write_text("from spec.load import inventory_hosts\n"
-                   f"hosts = inventory_hosts({str(yml)!r}, overrides={overrides!r})\n")
-    return str(inv)
+    return spec_inventory(tmp, twin, {"node": "kpro6", "proxmox_ve": 9, "kernel_updates": "follow", "nvidia": nvidia},
+                          "trixie")
 
 
 def publish(twin, tmp: Path, new: str | None) -> None:

@@ -30,7 +30,7 @@ import pytest
 
 from plan import kernel as plan
 from spec.models import KernelSpec
-from tests.e2e.harness import PYTEST, REPO, manifest_diff, root_manifest, run_pyinfra
+from tests.e2e.harness import PYTEST, REPO, manifest_diff, root_manifest, run_pyinfra, spec_inventory
 from tests.e2e.test_kernel_trial_e2e import ESP, OLD, loader_default, quiet_address, twin_run
 
 pytestmark = [pytest.mark.twin]
@@ -137,13 +137,7 @@ def seed_finished_build(root: Path, tmp: Path) -> None:
 def write_inventory(tmp: Path, twin, sha: str) -> str:
     nvidia = {"version": VERSION, "open": True, "modules_source": {"url": f"file://{ARCHIVE}", "sha256": sha},
               "firmware": False, "persistenced": False}
-    spec = {"hosts": {twin.name: {"ssh": {"hostname": twin.address, "port": twin.port, "user": "root", "key": twin.key},
-                                  "node": "kpro6", "kernel": KERNEL, "nvidia": nvidia}}}
-    (tmp / "gate.yml").write_text(json.dumps(spec))
-    overrides = {twin.name: {"ssh_known_hosts_file": "/dev/null", "ssh_strict_host_key_checking": "off"}}
-    (tmp / "gate_inventory.py").write_text("from spec.load import inventory_hosts\n"
-                                           f"hosts = inventory_hosts({str(tmp / 'gate.yml')!r}, overrides={overrides!r})\n")
-    return str(tmp / "gate_inventory.py")
+    return spec_inventory(tmp, twin, {"node": "kpro6", "kernel": KERNEL, "nvidia": nvidia}, "gate")
 
 
 def put_archive(root: Path, archive: Path) -> str:

@@ -23,7 +23,6 @@ hold: the metas are held, `apt full-upgrade` installs nothing new.
 from __future__ import annotations
 
 import hashlib
-import json
 import subprocess
 import tarfile
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import PYTEST, REPO, manifest_diff, root_manifest, run_pyinfra
+from tests.e2e.harness import PYTEST, REPO, manifest_diff, root_manifest, run_pyinfra, spec_inventory
 from tests.twin import runtime
 
 pytestmark = [pytest.mark.twin]
@@ -182,15 +181,7 @@ def reboot(twin) -> None:
 def write_inventory(tmp: Path, twin, sha: str, updates: str, node: str = PROFILE) -> str:
     nvidia = {"version": VERSION, "open": True, "modules_source": {"url": f"file://{ARCHIVE}", "sha256": sha},
               "firmware": False, "persistenced": False}
-    spec = {"hosts": {twin.name: {"ssh": {"hostname": twin.address, "port": twin.port, "user": "root", "key": twin.key},
-                                  "node": node, "kernel_updates": updates, "nvidia": nvidia}}}
-    yml = tmp / "upgrade.yml"
-    yml.write_text(json.dumps(spec))
-    inv = tmp / "upgrade_inventory.py"
-    overrides = {twin.name: {"ssh_known_hosts_file": "/dev/null", "ssh_strict_host_key_checking": "off"}}
-    inv.write_text("from spec.load import inventory_hosts\n"
-                   f"hosts = inventory_hosts({str(yml)!r}, overrides={overrides!r})\n")
-    return str(inv)
+    return spec_inventory(tmp, twin, {"node": node, "kernel_updates": updates, "nvidia": nvidia}, "upgrade")
 
 
 def converge(inventory: str, *args: str):
