@@ -11,18 +11,10 @@ from proxmoxer import ProxmoxAPI
 from tests.twin import hardware
 
 
-@pytest.fixture(scope="module")
-def clean_kpro6(tmp_path_factory):
-    root = tmp_path_factory.mktemp("base") / "kpro6"
-    hardware.install(root, "kpro6")
-    return root
-
-
 @pytest.fixture
-def root(tmp_path, clean_kpro6):
-    dest = tmp_path / "kpro6"
-    subprocess.run(["cp", "-a", str(clean_kpro6), str(dest)], check=True)
-    return dest
+def root(kpro6_tmp_root):
+    """A fresh kpro6 root per test (tests/twin/fixtures.py)."""
+    return kpro6_tmp_root
 
 
 def run(root, prog, *args, check=False):
