@@ -1654,13 +1654,7 @@ def pveversion(argv):
 HANDLERS = {"pct": lambda a: guest_cli("lxc", a), "qm": lambda a: guest_cli("qemu", a),
             "pvesh": pvesh, "pveversion": pveversion, "ha-manager": ha_manager,
             "lxc-ls": lxc_ls, "lxc-info": lxc_info}
-PROGRAMS = tuple(HANDLERS)
-
-
-def main(prog, argv):
-    """Run stand-in `prog` (what the program was called as) with `argv`; its exit status."""
-    return ts.dispatch(HANDLERS, "proxmox", prog, argv)
-
+PROGRAMS, main = ts.standin(HANDLERS, "proxmox")
 
 if __name__ == "__main__":
-    sys.exit(main(os.path.basename(sys.argv[0]), sys.argv[1:]))
+    ts.run_program(main)

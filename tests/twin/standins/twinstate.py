@@ -101,6 +101,19 @@ def dispatch(handlers, kind, prog, argv):
     return handlers[prog](argv)
 
 
+def standin(handlers, kind):
+    """A stand-in module's (PROGRAMS, main): the program names it answers to, and main(prog, argv)
+    running `handlers[prog]` through `dispatch` (the server calls it; so does `run_program`)."""
+    def main(prog, argv):
+        return dispatch(handlers, kind, prog, argv)
+    return tuple(handlers), main
+
+
+def run_program(main):
+    """A stand-in run as its own program: the one its name (argv[0]) says, exit with its status."""
+    sys.exit(main(os.path.basename(sys.argv[0]), sys.argv[1:]))
+
+
 # ---- Proxmox config files: pct.conf(5) / qm.conf(5) -------------------------------------
 
 def parse_conf(text):
