@@ -57,15 +57,15 @@ def busy():
     return out
 
 
-def now_iso():
+def now_iso(timespec="seconds"):
     import datetime
 
-    return datetime.datetime.now(datetime.UTC).astimezone().isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).astimezone().isoformat(timespec=timespec)
 
 
 def log_guest(action, kind, vmid):
     with open(path(f"{TWIN}/guests.log"), "a") as f:
-        f.write(f"{now_iso()} {action} {kind} {vmid}\n")
+        f.write(f"{now_iso('milliseconds')} {action} {kind} {vmid}\n")  # ms: boot's startup delays are seen
 
 
 def die(msg, code=255):
