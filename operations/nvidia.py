@@ -48,6 +48,7 @@ from operations import handlers, progress
 from operations.files import file_current, link_unit, managed_file
 from plan import nvidia as nvplan
 from plan.render import render_template
+from spec.models import SourceSpec
 
 CCACHE_DIR = "/var/cache/pvegpu/ccache"
 BUILD_ROOT = "/var/tmp/pvegpu/nvidia-build"
@@ -354,19 +355,10 @@ def apply(spec) -> None:
         logger.info(f"{host.name}: nvidia: {note}")
     modules_archive = cached_source(nv.modules_source) if nv.modules_source else None
     installer = cached_source(nv.installer) if nv.installer else None
-    sources = state["sources"]
     if nv.modules_source and modules_archive:
-        if steps["fetch_modules"] and not sources.get("modules", {}).get("cached", False):
-            fetch_source(name=f"Fetch and verify NVIDIA modules source {source_name(nv.modules_source.url)}",
-                         url=nv.modules_source.url, sha256=nv.modules_source.sha256, dest=modules_archive)
-        else:
-            _skip(f"{modules_archive} is already fetched and verified")
+        _fetch_or_skip("modules", "modules source", nv.modules_source, modules_archive, steps, state["sources"])
     if nv.installer and installer:
-        if steps["fetch_installer"] and not sources.get("installer", {}).get("cached", False):
-            fetch_source(name=f"Fetch and verify NVIDIA installer {source_name(nv.installer.url)}",
-                         url=nv.installer.url, sha256=nv.installer.sha256, dest=installer)
-        else:
-            _skip(f"{installer} is already fetched and verified")
+        _fetch_or_skip("installer", "installer", nv.installer, installer, steps, state["sources"])
     if steps["install_userspace"]:
         check_installer(name=f"Check the NVIDIA installer is {nv.version}", installer=installer or "",
                         version=nv.version)
@@ -423,6 +415,17 @@ def declare_depmod(version: str, releases: list[str], steps: dict, state: dict, 
 def _skip(why: str) -> None:
     """A step the plan does not run, and why (the operation is not called: nothing to do)."""
     logger.info(f"{host.name}: nvidia: {why}")
+
+
+def _fetch_or_skip(kind: str, label: str, source: SourceSpec, dest: str, steps: dict, sources: dict) -> None:
+    """Fetch and verify `source` (`kind` "modules" or "installer") into `dest` when the plan's
+    `fetch_<kind>` step runs and the host has no verified copy yet; else say it is there. Called
+    once per kind from its own line: pyinfra tells operations apart by the call stack's line numbers."""
+    if steps[f"fetch_{kind}"] and not sources.get(kind, {}).get("cached", False):
+        fetch_source(name=f"Fetch and verify NVIDIA {label} {source_name(source.url)}",
+                     url=source.url, sha256=source.sha256, dest=dest)
+    else:
+        _skip(f"{dest} is already fetched and verified")
 
 
 def _persistenced(state: dict, will_install: bool) -> None:

@@ -53,6 +53,7 @@ from operations.gpus import node_of
 from operations.proxmox import KIND_LABEL, KIND_TOOL, PveApiError, api_guest_start, api_of, shutdown_shell
 from plan.kernel import finish_trial_command, host_checks_command, host_expectations
 from plan.reboot import (
+    Guest,
     member_back,
     not_started_at_boot,
     parse_cluster,
@@ -73,32 +74,31 @@ ROLL_MOVED: dict[str, list[tuple[str, str, int, str]]] = {}
 REBOOT_TIMEOUT_S = 900  # a many-GPU host takes minutes through firmware and POST
 
 
-def warn_not_started_at_boot() -> list[str]:
+def warn_not_started_at_boot() -> list[Guest]:
     """Warn, before the node reboots, about the guests running now (this run's reading) that its
     boot leaves stopped: Proxmox starts only `onboot: 1` guests at boot (plan.reboot.not_started_at_boot)."""
     current = guest_state()
     if "running" not in [*current["qemu"].values(), *current["lxc"].values()]:
         return []
     read_facts_now([(QemuConfigs, {}), (LxcConfigs, {}), (HaResources, {})])  # one command for the three
-    names = not_started_at_boot(current, {"qemu": fact_once(QemuConfigs), "lxc": fact_once(LxcConfigs)},
-                                fact_once(HaResources))
-    if names:
-        logger.warning(f"{host.name}: {', '.join(names)} run(s) now and will not start at boot: Proxmox starts only "
+    left = not_started_at_boot(current, {"qemu": fact_once(QemuConfigs), "lxc": fact_once(LxcConfigs)},
+                               fact_once(HaResources))
+    if left:
+        logger.warning(f"{host.name}: {', '.join(g.label for g in left)} run(s) now and will not start at boot: Proxmox starts only "
                        "guests with `onboot: 1` (`qm set <id> --onboot 1` / `pct set <id> --onboot 1`); a single "
                        "host's reboot in this run starts them again after it, a cluster node's does not")
-    return names
+    return left
 
 
 @operation(is_idempotent=False)
-def start_after_reboot(guests: list[str], api=None):
+def start_after_reboot(guests: list[Guest], api=None):
     """After this run's reboot of a single host: start the guests that ran before it and that its
-    boot left stopped (`warn_not_started_at_boot`'s "VM 300" / "CT 200"), one by one. A start that
+    boot left stopped (`warn_not_started_at_boot`'s), one by one. A start that
     fails is a warning naming the guest and why (the converge itself is done; the boot would not
     have started it either), not a failed run."""
     guest_state_changes()
-    for label in guests:
-        what, _, gid = label.partition(" ")
-        yield FunctionCommand(_start_or_warn, ("qemu" if what == "VM" else "lxc", int(gid), api), {})
+    for guest in guests:
+        yield FunctionCommand(_start_or_warn, (guest.kind, guest.vmid, api), {})
 
 
 def _start_or_warn(state, host, kind: str, gid: int, api) -> bool:
@@ -365,7 +365,7 @@ def apply(spec: HostSpec) -> None:
     if view.name is None or width == 0:
         server.reboot(name=name, delay=5, interval=2, reboot_timeout=REBOOT_TIMEOUT_S)
         if left_stopped:
-            start_after_reboot(name="Start the guests that ran before the reboot: " + ", ".join(left_stopped),
+            start_after_reboot(name="Start the guests that ran before the reboot: " + ", ".join(g.label for g in left_stopped),
                                guests=left_stopped, api=api_of(spec, node_of(spec)))
     else:
         logger.info(f"{host.name}: node {view.node} of cluster {view.name}: rolling reboot, {width} node(s) at a time "

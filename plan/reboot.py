@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from plan.guest_control import config_lock, ha_resource, lock_refusal
+from plan.guest_control import KIND_LABEL, config_lock, ha_resource, lock_refusal
 
 
 def pending_summary(name: str, reasons: list[tuple[str, str]]) -> list[str]:
@@ -122,21 +123,33 @@ def _pve_true(value) -> bool:
     return str(value or "").strip().lower() in ("1", "on", "yes", "true")
 
 
-def not_started_at_boot(guests: dict, configs: dict[str, dict[int, dict]], ha: dict) -> list[str]:
-    """The guests running now that the node's boot leaves stopped, as "VM 300" / "CT 200".
+class Guest(NamedTuple):
+    """One guest of a node: `kind` "qemu" or "lxc", and its vmid."""
+
+    kind: str
+    vmid: int
+
+    @property
+    def label(self) -> str:
+        """"VM 300" / "CT 200", for messages."""
+        return f"{KIND_LABEL[self.kind]} {self.vmid}"
+
+
+def not_started_at_boot(guests: dict, configs: dict[str, dict[int, dict]], ha: dict) -> list[Guest]:
+    """The guests running now that the node's boot leaves stopped (VMs first, each kind by vmid).
 
     `guests`: a facts.guest_state.GuestState reading; `configs`: {"qemu": QemuConfigs, "lxc":
     LxcConfigs}; `ha`: HaResources. At boot pve-guests.service runs `startall` (pve-manager
     PVE/API2/Nodes.pm startall, get_start_stop_list): it starts only guests whose config has
     `onboot` set, no template, no HA resource (the HA stack starts those by their requested state)."""
     out = []
-    for kind, label in (("qemu", "VM"), ("lxc", "CT")):
+    for kind in ("qemu", "lxc"):
         for vmid, status in sorted((guests.get(kind) or {}).items()):
             options = ((configs.get(kind) or {}).get(vmid) or {}).get("options") or {}
             if status != "running" or ha_resource(ha, kind, vmid):
                 continue
             if not _pve_true(options.get("onboot")) or _pve_true(options.get("template")):
-                out.append(f"{label} {vmid}")
+                out.append(Guest(kind, vmid))
     return out
 
 

@@ -9,8 +9,10 @@ import re
 import stat
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import dataclass
+from io import BytesIO
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,6 +55,18 @@ def spec_inventory(tmp: Path, twin, host: dict, name: str) -> str:
     inv.write_text("from spec.load import inventory_hosts\n"
                    f"hosts = inventory_hosts({str(yml)!r}, overrides={overrides!r})\n")
     return str(inv)
+
+
+def write_tarball(archive: Path, top: str, files: dict[str, str]) -> Path:
+    """A .tar.gz at `archive` of `files` ({path: text}) under `top`/, each 0644 with one fixed
+    mtime (an upstream source archive as the stages fetch it)."""
+    with tarfile.open(archive, "w:gz") as tar:
+        for path, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"{top}/{path}")
+            info.size, info.mode, info.mtime = len(data), 0o644, 1700000000
+            tar.addfile(info, BytesIO(data))
+    return archive
 
 
 def parse_totals(output: str) -> dict[str, int]:

@@ -21,8 +21,6 @@ import json
 import os
 import shutil
 import subprocess
-import tarfile
-from io import BytesIO
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +28,7 @@ import pytest
 
 from plan import kernel as plan
 from spec.models import KernelSpec
-from tests.e2e.harness import PYTEST, REPO, manifest_diff, root_manifest, run_pyinfra, spec_inventory
+from tests.e2e.harness import PYTEST, REPO, manifest_diff, root_manifest, run_pyinfra, spec_inventory, write_tarball
 from tests.e2e.test_kernel_trial_e2e import ESP, OLD, loader_default, quiet_address, twin_run
 
 pytestmark = [pytest.mark.twin]
@@ -76,13 +74,7 @@ def mini_tree(out: Path, fail_from_6_12: bool) -> Path:
         files[f"kernel-open/{m}.c"] = ("#include <linux/module.h>\n#include <linux/version.h>\n" + guard
                                        + f'MODULE_LICENSE("Dual MIT/GPL");\nMODULE_VERSION("{VERSION}");\n' + firmware)
     archive = out / f"open-gpu-kernel-modules-{VERSION}{'-fails' if fail_from_6_12 else ''}.tar.gz"
-    with tarfile.open(archive, "w:gz") as tar:
-        for path, text in files.items():
-            data = text.encode()
-            info = tarfile.TarInfo(f"open-gpu-kernel-modules-{VERSION}/{path}")
-            info.size, info.mode, info.mtime = len(data), 0o644, 1700000000
-            tar.addfile(info, BytesIO(data))
-    return archive
+    return write_tarball(archive, f"open-gpu-kernel-modules-{VERSION}", files)
 
 
 def build_deb(tree: Path, out: Path) -> None:

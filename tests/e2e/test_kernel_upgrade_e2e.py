@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import hashlib
 import subprocess
-import tarfile
 import time
-from io import BytesIO
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import PYTEST, REPO, manifest_diff, root_manifest, run_pyinfra, spec_inventory
+from tests.e2e.harness import PYTEST, REPO, manifest_diff, root_manifest, run_pyinfra, spec_inventory, write_tarball
 from tests.twin import runtime
 
 pytestmark = [pytest.mark.twin]
@@ -71,13 +69,7 @@ def mini_tree(out: Path, fail_from_6_12: bool = False) -> Path:
     for m in MODULES:
         files[f"kernel-open/{m}.c"] = module_source(m, fail_from_6_12 and m == "nvidia")
     archive = out / f"open-gpu-kernel-modules-{VERSION}{'-fails' if fail_from_6_12 else ''}.tar.gz"
-    with tarfile.open(archive, "w:gz") as tar:
-        for path, text in files.items():
-            data = text.encode()
-            info = tarfile.TarInfo(f"open-gpu-kernel-modules-{VERSION}/{path}")
-            info.size, info.mode, info.mtime = len(data), 0o644, 1700000000
-            tar.addfile(info, BytesIO(data))
-    return archive
+    return write_tarball(archive, f"open-gpu-kernel-modules-{VERSION}", files)
 
 
 # -- kernel packages the way Proxmox ships them ----------------------------------------------------

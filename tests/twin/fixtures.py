@@ -5,6 +5,9 @@
                                 live_sysfs=False) -> Twin;
                                 every twin it started is stopped at teardown, also when the
                                 test failed; factory.stop(twin) stops one early
+    kpro6_tmp_root   (function) Path of a fresh copy of a kpro6 root (hardware.install, no
+                                twin started: stand-ins run against it through TWIN_ROOT);
+                                installed once per test module
     pyinfra_inventory(twins, path) -> Path   a pyinfra inventory file for running twins
 """
 
@@ -12,12 +15,13 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.twin import runtime
+from tests.twin import hardware, runtime
 
 
 def _skip_unless_root() -> None:
@@ -75,6 +79,20 @@ def twin_factory(twin_root_cache):
         errors = factory.stop_all()
         if errors:
             pytest.fail("twin teardown left something behind:\n" + "\n".join(errors))
+
+
+@pytest.fixture(scope="module")
+def kpro6_installed_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("base") / "kpro6"
+    hardware.install(root, "kpro6")
+    return root
+
+
+@pytest.fixture
+def kpro6_tmp_root(tmp_path, kpro6_installed_root) -> Path:
+    dest = tmp_path / "kpro6"
+    subprocess.run(["cp", "-a", str(kpro6_installed_root), str(dest)], check=True)
+    return dest
 
 
 def pyinfra_inventory(twins: list[runtime.Twin], path: Path) -> Path:

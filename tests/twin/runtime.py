@@ -1171,7 +1171,9 @@ class Supervisor:
 
     def start_guests(self) -> None:
         """The guests whose config says `onboot: 1` start, the others stay stopped (tests/twin/standins/
-        proxmox.py onboot, as pve-guests.service), in the twin's PID namespace like every process of this boot."""
+        proxmox.py onboot, as pve-guests.service), in the twin's PID namespace like every process of this boot.
+        Each start is followed by its `startup: up=` delay (3 s for a VM without one), and sshd starts
+        after the last: the boot is never done sooner than a real node has its guests started."""
         if not (self.root / "usr/local/lib/twin/proxmox.py").exists():
             return  # not a Proxmox twin
         subprocess.run(["chroot", str(self.root), "/usr/bin/python3", "-ISB", "-c",

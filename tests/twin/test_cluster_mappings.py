@@ -9,21 +9,12 @@ import pytest
 
 from operations.guests import mapping_merge_command
 from plan.guests import MappingChange
-from tests.twin import hardware
-
-
-@pytest.fixture(scope="module")
-def clean_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("base") / "kpro6"
-    hardware.install(root, "kpro6")
-    return root
 
 
 @pytest.fixture
-def root(tmp_path, clean_root):
-    dest = tmp_path / "kpro6"
-    subprocess.run(["cp", "-a", str(clean_root), str(dest)], check=True)
-    return dest
+def root(kpro6_tmp_root):
+    """A fresh kpro6 root per test (tests/twin/fixtures.py)."""
+    return kpro6_tmp_root
 
 
 def entry(node, bus="81", group="40"):

@@ -11,18 +11,10 @@ from proxmoxer import ProxmoxAPI
 from tests.twin import hardware
 
 
-@pytest.fixture(scope="module")
-def clean_kpro6(tmp_path_factory):
-    root = tmp_path_factory.mktemp("base") / "kpro6"
-    hardware.install(root, "kpro6")
-    return root
-
-
 @pytest.fixture
-def root(tmp_path, clean_kpro6):
-    dest = tmp_path / "kpro6"
-    subprocess.run(["cp", "-a", str(clean_kpro6), str(dest)], check=True)
-    return dest
+def root(kpro6_tmp_root):
+    """A fresh kpro6 root per test (tests/twin/fixtures.py)."""
+    return kpro6_tmp_root
 
 
 def run(root, prog, *args, check=False):
@@ -396,11 +388,11 @@ def test_at_boot_only_onboot_guests_start_by_startup_order(root):
     qm = root / "etc/pve/qemu-server"
     base = (qm / "300.conf").read_text()
     (qm / "300.conf").write_text("onboot: 1\nstartup: order=2,up=0\n" + base)
-    (qm / "301.conf").write_text("onboot: 1\nstartup: 1\n" + base)
+    (qm / "301.conf").write_text("onboot: 1\nstartup: 1,up=0\n" + base)  # up=0: no wait (the next test waits)
     (qm / "302.conf").write_text("onboot: 1\ntemplate: 1\n" + base)
     (qm / "303.conf").write_text("onboot: 1\n" + base)  # an HA resource
     (qm / "304.conf").write_text(base)  # ran before the reboot, no onboot
-    (qm / "305.conf").write_text("onboot: 1\nhostpci0: mapping=nosuchmap\n" + base)  # its start fails
+    (qm / "305.conf").write_text("onboot: 1\nstartup: up=0\nhostpci0: mapping=nosuchmap\n" + base)  # its start fails
     write_ct(root, 200, "onboot: 1\n" + (root / "etc/pve/lxc/200.conf").read_text())
     (root / "etc/pve/ha").mkdir(parents=True, exist_ok=True)
     (root / "etc/pve/ha/resources.cfg").write_text("vm: 303\n\tstate started\n")
@@ -414,6 +406,29 @@ def test_at_boot_only_onboot_guests_start_by_startup_order(root):
     assert run(root, "pct", "status", "200").stdout == "status: running\n"
     (root / "var/lib/twin/ha.json").write_text('{"mode": "active", "delay_s": 0}')
     assert run(root, "qm", "status", "303").stdout == "status: running\n"  # the HA stack started it
+
+
+def test_at_boot_each_start_is_followed_by_its_startup_up_delay(root):
+    """startall (pve-manager PVE/API2/Nodes.pm) waits after each start before the next: the
+    guest's `startup: up=` seconds when set (0 included), else 3 s for a VM and none for a CT; a
+    start that fails is followed by its delay too (the start's checks run in its task)."""
+    import datetime
+
+    qm = root / "etc/pve/qemu-server"
+    base = (qm / "300.conf").read_text()
+    write_ct(root, 200, "onboot: 1\nstartup: order=1,up=1\n" + (root / "etc/pve/lxc/200.conf").read_text())
+    (qm / "301.conf").write_text("onboot: 1\nstartup: order=2\n" + base)  # a VM without up: 3 s
+    (qm / "300.conf").write_text("onboot: 1\nstartup: order=3,up=0\n" + base)
+    (qm / "305.conf").write_text("onboot: 1\nstartup: order=4,up=1\nhostpci0: mapping=nosuchmap\n" + base)
+    onboot(root)
+    done = datetime.datetime.now(datetime.UTC)
+    lines = (root / "var/lib/twin/guests.log").read_text().splitlines()
+    assert [line.split(" ", 1)[1] for line in lines] == [
+        "onboot lxc 200", "onboot qemu 301", "onboot qemu 300", "onboot-failed qemu 305"]
+    at = [datetime.datetime.fromisoformat(line.split(" ", 1)[0]) for line in lines] + [done]
+    gaps = [(b - a).total_seconds() for a, b in zip(at, at[1:], strict=False)]
+    # each gap: the delay after one start, then the next start itself (quick; 1.5 s of slack)
+    assert 1 <= gaps[0] < 2.5 and 3 <= gaps[1] < 4.5 and gaps[2] < 1.5 and 1 <= gaps[3] < 2.5, gaps
 
 
 def test_qm_refuses_pcie_without_q35_and_busy_gpu(root):

@@ -854,15 +854,10 @@ def test_walk_nvidia_signing_paths(tmp_path, monkeypatch):
         assert sig is not None
         root = tmp_path / f"run{n}"
         root.mkdir()
-        monkeypatch.setattr(nvidia_ops, "BUILD_ROOT", str(root / "build"))
-        monkeypatch.setattr(nvidia_ops, "CONFTEST_CACHE", str(root / "conftest"))
         monkeypatch.setattr(nvidia_ops, "CCACHE_DIR", str(root / "ccache"))
-        tree = root / "tree/nvidia-kernel"
-        tree.mkdir(parents=True)
-        (tree / "Kbuild").write_text("obj-m += nvidia.o\n")
-        subprocess.run(["tar", "-C", str(root / "tree"), "-cf", str(root / "a.tar"), "nvidia-kernel"], check=True)
+        archive = shell_tests.nvidia_kernel_archive(root, monkeypatch)
         env = {**shell_tests.tools(root), "REL": "6.14.8-2-pve", "VER": "595.71.05"}
-        command = nvidia_ops.build_command(str(root / "a.tar"), "595.71.05", "6.14.8-2-pve", "gcc", 2, ccache=False,
+        command = nvidia_ops.build_command(str(archive), "595.71.05", "6.14.8-2-pve", "gcc", 2, ccache=False,
                                            signing=(sig.key, sig.cert))
         (root / "lib/modules/6.14.8-2-pve/build/scripts").mkdir(parents=True)
         (root / "lib/modules/6.14.8-2-pve/build/scripts/sign-file").symlink_to(root / "tools/sign-file")

@@ -209,7 +209,7 @@ def test_ha_vms_are_relocated_by_ha_and_locked_or_other_ha_guests_refused():
 
 def test_the_guests_a_boot_leaves_stopped_are_the_running_ones_without_onboot():
     # pve-manager PVE/API2/Nodes.pm startall: only onboot guests, no template, no HA resource
-    from plan.reboot import not_started_at_boot
+    from plan.reboot import Guest, not_started_at_boot
 
     guests = {"pct": True, "qemu": {300: "running", 301: "running", 302: "stopped", 303: "running", 304: "running"},
               "lxc": {200: "running", 201: "running"}}
@@ -218,8 +218,10 @@ def test_the_guests_a_boot_leaves_stopped_are_the_running_ones_without_onboot():
                  303: {"options": {"onboot": "1"}}, 304: {"options": {"onboot": "yes", "template": "1"}}},
         "lxc": {200: {"options": {"onboot": "0"}}, 201: {"options": {"onboot": "on"}}}}
     ha = {"vm:303": {"type": "vm", "id": 303, "state": "started", "options": {}}}
-    assert not_started_at_boot(guests, configs, ha) == ["VM 301", "VM 304", "CT 200"]
+    left = not_started_at_boot(guests, configs, ha)
+    assert left == [Guest("qemu", 301), Guest("qemu", 304), Guest("lxc", 200)]
+    assert [g.label for g in left] == ["VM 301", "VM 304", "CT 200"]
     # an HA resource is HA's to start (even without onboot); one HA ignores is not
     ha = {"vm:301": {"type": "vm", "id": 301, "state": "started", "options": {}},
           "ct:200": {"type": "ct", "id": 200, "state": "ignored", "options": {}}}
-    assert not_started_at_boot(guests, configs, ha) == ["VM 304", "CT 200"]
+    assert not_started_at_boot(guests, configs, ha) == [Guest("qemu", 304), Guest("lxc", 200)]

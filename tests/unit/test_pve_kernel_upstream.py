@@ -18,6 +18,7 @@ from facts import kernel as kernel_facts
 from operations import kernel
 from plan import kernel as plan
 from spec.models import HostSpec, KernelSpec
+from tests.unit.pve_kernel_tree import bookworm_git_tree
 
 REPO = Path(__file__).resolve().parents[2]
 REF = "ad58d1445425ea4742e3470b2edbee35df0657e9"
@@ -32,18 +33,7 @@ PRINT_MK = ("pvegpu-print:\n\t@echo \"MAKEFLAGS=$(MAKEFLAGS)\"\n\t@echo \"DEB_BU
 @pytest.fixture(scope="module")
 def pve_kernel(tmp_path_factory) -> Path:
     """The real tree as a git repository whose HEAD is ad58d14's content."""
-    out = subprocess.run([str(REPO / "scripts/fetch-upstream.sh"), "pve-kernel-bookworm-6.14"],
-                         capture_output=True, text=True, timeout=600)
-    if out.returncode != 0:
-        pytest.skip(f"pve-kernel tree not available: {out.stderr[-300:]}")
-    tree = tmp_path_factory.mktemp("pve-kernel") / "repo"
-    tree.mkdir()
-    subprocess.run(["tar", "-xf", out.stdout.strip(), "-C", str(tree), "--strip-components=1"], check=True)
-    git = ["git", "-C", str(tree), "-c", "user.email=t@example.invalid", "-c", "user.name=t"]
-    subprocess.run(git + ["init", "-q"], check=True)
-    subprocess.run(git + ["add", "-A"], check=True)
-    subprocess.run(git + ["commit", "-qm", "pve-kernel bookworm-6.14 at ad58d14"], check=True)
-    return tree
+    return bookworm_git_tree(tmp_path_factory)
 
 
 def test_release_from_the_real_makefile(pve_kernel):

@@ -313,6 +313,19 @@ def test_fetch_takes_a_hostile_path_literally(tmp_path):
     no_injection(tmp_path)
 
 
+def nvidia_kernel_archive(root: Path, monkeypatch, archive: Path | None = None) -> Path:
+    """operations.nvidia's build and conftest cache dirs under `root`, and a tar of a one-Kbuild
+    `nvidia-kernel/` source tree at `archive` (default: root/nvidia.tar)."""
+    monkeypatch.setattr(ops, "BUILD_ROOT", str(root / "build"))
+    monkeypatch.setattr(ops, "CONFTEST_CACHE", str(root / "conftest-cache"))
+    tree = root / "tree/nvidia-kernel"
+    tree.mkdir(parents=True)
+    (tree / "Kbuild").write_text("obj-m += nvidia.o\n")
+    archive = archive or root / "nvidia.tar"
+    subprocess.run(["tar", "-C", str(root / "tree"), "-cf", str(archive), "nvidia-kernel"], check=True)
+    return archive
+
+
 def tools(tmp_path: Path) -> dict:
     """Stand-ins that write their arguments one per line (NUL-separated: values hold newlines)."""
     bindir = tmp_path / "tools"
@@ -339,14 +352,8 @@ def calls(tmp_path: Path) -> list[list[str]]:
 def test_build_takes_hostile_values_literally(tmp_path, monkeypatch):
     """Archive path, version, release, compiler, signing key and cert all hostile at once: the build
     runs, `make` and sign-file get each one as one argument, nothing in them runs."""
-    monkeypatch.setattr(ops, "BUILD_ROOT", str(tmp_path / "build"))
-    monkeypatch.setattr(ops, "CONFTEST_CACHE", str(tmp_path / "conftest-cache"))
     monkeypatch.setattr(ops, "CCACHE_DIR", str(tmp_path / "ccache"))
-    tree = tmp_path / "tree/nvidia-kernel"
-    tree.mkdir(parents=True)
-    (tree / "Kbuild").write_text("obj-m += nvidia.o\n")
-    archive = tmp_path / spec_hostile("archive")
-    subprocess.run(["tar", "-C", str(tmp_path / "tree"), "-cf", str(archive), "nvidia-kernel"], check=True)
+    archive = nvidia_kernel_archive(tmp_path, monkeypatch, tmp_path / spec_hostile("archive"))
     version, release, cc = spec_hostile("version"), spec_hostile("release"), spec_hostile("cc")
     key, cert = str(tmp_path / spec_hostile("key")), str(tmp_path / spec_hostile("cert"))
     env = {**tools(tmp_path), "REL": release, "VER": version}
@@ -370,13 +377,7 @@ def test_build_takes_hostile_values_literally(tmp_path, monkeypatch):
 def test_a_failed_build_says_it_failed_and_that_nothing_was_installed(tmp_path, monkeypatch):
     """The stage's and the kernel hook's build (one template, the release in $R): when make fails,
     the message names version and release and says the build failed (the e2e faults test reads it)."""
-    monkeypatch.setattr(ops, "BUILD_ROOT", str(tmp_path / "build"))
-    monkeypatch.setattr(ops, "CONFTEST_CACHE", str(tmp_path / "conftest-cache"))
-    tree = tmp_path / "tree/nvidia-kernel"
-    tree.mkdir(parents=True)
-    (tree / "Kbuild").write_text("obj-m += nvidia.o\n")
-    archive = tmp_path / "nvidia.tar"
-    subprocess.run(["tar", "-C", str(tmp_path / "tree"), "-cf", str(archive), "nvidia-kernel"], check=True)
+    archive = nvidia_kernel_archive(tmp_path, monkeypatch)
     env = tools(tmp_path)
     (tmp_path / "tools/make").write_text("#!/bin/sh\necho 'second.c:1: error: expected expression'\nexit 2\n")
     command = ops.build_command(str(archive), "595.71.05", "6.12.118+deb12-amd64", "gcc-12", 2, ccache=False)

@@ -510,13 +510,7 @@ HANDLERS = {"proxmox-boot-tool": proxmox_boot_tool, "update-grub": update_grub, 
             "bootctl": bootctl, "grub-probe": grub_probe,
             "reboot": lambda a: request_reboot("reboot " + " ".join(a)), "shutdown": shutdown,
             "systemctl": systemctl}
-PROGRAMS = tuple(HANDLERS)
-
-
-def main(prog, argv):
-    """Run stand-in `prog` (what the program was called as) with `argv`; its exit status."""
-    return twinstate.dispatch(HANDLERS, "boot", prog, argv)
-
+PROGRAMS, main = twinstate.standin(HANDLERS, "boot")
 
 if __name__ == "__main__":
-    sys.exit(main(os.path.basename(sys.argv[0]), sys.argv[1:]))
+    twinstate.run_program(main)

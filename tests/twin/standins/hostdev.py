@@ -261,13 +261,7 @@ def findmnt(argv):
 
 HANDLERS = {"zpool": zpool, "findmnt": findmnt, "fuser": fuser, "nvidia-modprobe": nvidia_modprobe, "uname": uname, "modprobe": modprobe,
             "mokutil": mokutil}
-PROGRAMS = tuple(HANDLERS)
-
-
-def main(prog, argv):
-    """Run stand-in `prog` (what the program was called as) with `argv`; its exit status."""
-    return twinstate.dispatch(HANDLERS, "hostdev", prog, argv)
-
+PROGRAMS, main = twinstate.standin(HANDLERS, "hostdev")
 
 if __name__ == "__main__":
-    sys.exit(main(os.path.basename(sys.argv[0]), sys.argv[1:]))
+    twinstate.run_program(main)

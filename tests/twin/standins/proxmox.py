@@ -838,9 +838,10 @@ def _cmdline(pid):
 def onboot():
     """At the twin's boot (tests/twin/runtime.py), as pve-guests.service does on a real node: no
     guest survives the reboot (every one is stopped now), then only those whose config says
-    `onboot: 1` start again, by `startup: order=` and then VMID. A template or an HA resource is
-    not started here (the HA stack starts the latter: ha_step); a start qm/pct would refuse fails
-    and leaves the guest stopped."""
+    `onboot: 1` start again, by `startup: order=` and then VMID, each start followed by its
+    `startup: up=` seconds (3 for a VM without `up`, none for a CT) before the next. A template or
+    an HA resource is not started here (the HA stack starts the latter: ha_step); a start qm/pct
+    would refuse fails and leaves the guest stopped (the delay still follows it)."""
     # pve-manager services/pve-guests.service: at boot `pvesh create /nodes/localhost/startall`
     # pve-manager PVE/API2/Nodes.pm startall + get_start_stop_list(): without force only onboot=1
     # guests of this node, HA-managed and templates skipped, ascending startup order then vmid
@@ -860,8 +861,12 @@ def onboot():
                 continue
             startup = ts.prop_string(ts.conf_get(conf, "startup") or "")  # "[order=]N[,up=S][,down=S]"
             order = startup.get("order", startup.get("_", ""))
-            todo.append((int(order) if order.isdigit() else sys.maxsize, vmid, kind))
-    for _, vmid, kind in sorted(todo):
+            up = startup.get("up", "")
+            # startall: the wait after a start is `up` when set (0 included), else 3 s for a VM
+            # (spreading the load of the starts) and none for a CT
+            delay = int(up) if up.isdigit() else 3 if kind == "qemu" else 0
+            todo.append((int(order) if order.isdigit() else sys.maxsize, vmid, kind, delay))
+    for _, vmid, kind, delay in sorted(todo):
         try:
             conf = load(kind, vmid)
             if kind == "lxc":
@@ -871,6 +876,10 @@ def onboot():
         except ApiError:
             # startall warns 'Starting VM <vmid> failed' and goes on with the next guest
             ts.log_guest("onboot-failed", kind, vmid)
+        # startall waits after every start it hands to a worker, one that fails in it included
+        # (qemu-server PVE/API2/Qemu.pm and pve-container PVE/API2/LXC/Status.pm vm_start do their
+        # checks in the forked task); the twin's start is done before it waits, never sooner
+        time.sleep(delay)
 
 
 # ---------------------------------------------------------------- containers: own root, own /dev
@@ -1654,13 +1663,7 @@ def pveversion(argv):
 HANDLERS = {"pct": lambda a: guest_cli("lxc", a), "qm": lambda a: guest_cli("qemu", a),
             "pvesh": pvesh, "pveversion": pveversion, "ha-manager": ha_manager,
             "lxc-ls": lxc_ls, "lxc-info": lxc_info}
-PROGRAMS = tuple(HANDLERS)
-
-
-def main(prog, argv):
-    """Run stand-in `prog` (what the program was called as) with `argv`; its exit status."""
-    return ts.dispatch(HANDLERS, "proxmox", prog, argv)
-
+PROGRAMS, main = ts.standin(HANDLERS, "proxmox")
 
 if __name__ == "__main__":
-    sys.exit(main(os.path.basename(sys.argv[0]), sys.argv[1:]))
+    ts.run_program(main)

@@ -57,15 +57,15 @@ def busy():
     return out
 
 
-def now_iso():
+def now_iso(timespec="seconds"):
     import datetime
 
-    return datetime.datetime.now(datetime.UTC).astimezone().isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).astimezone().isoformat(timespec=timespec)
 
 
 def log_guest(action, kind, vmid):
     with open(path(f"{TWIN}/guests.log"), "a") as f:
-        f.write(f"{now_iso()} {action} {kind} {vmid}\n")
+        f.write(f"{now_iso('milliseconds')} {action} {kind} {vmid}\n")  # ms: boot's startup delays are seen
 
 
 def die(msg, code=255):
@@ -99,6 +99,19 @@ def dispatch(handlers, kind, prog, argv):
     if prog in PVE_PERL:
         _pve_start(prog, argv)
     return handlers[prog](argv)
+
+
+def standin(handlers, kind):
+    """A stand-in module's (PROGRAMS, main): the program names it answers to, and main(prog, argv)
+    running `handlers[prog]` through `dispatch` (the server calls it; so does `run_program`)."""
+    def main(prog, argv):
+        return dispatch(handlers, kind, prog, argv)
+    return tuple(handlers), main
+
+
+def run_program(main):
+    """A stand-in run as its own program: the one its name (argv[0]) says, exit with its status."""
+    sys.exit(main(os.path.basename(sys.argv[0]), sys.argv[1:]))
 
 
 # ---- Proxmox config files: pct.conf(5) / qm.conf(5) -------------------------------------

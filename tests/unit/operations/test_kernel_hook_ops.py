@@ -28,6 +28,18 @@ def hook(tmp: Path, archive: Path, sha: str, cc: str = "gcc-12") -> str:
     return render_template("kernel-postinst-nvidia.sh.j2", **context)
 
 
+def kernel_built_with(tmp: Path, cc_text: str) -> None:
+    """The kernel's build dir, its .config naming the compiler it was built with (`cc_text`), and
+    the host's gcc-12 on the hook's PATH printing bookworm's gcc-12 version line."""
+    build = tmp / "modules" / RELEASE / "build"
+    build.mkdir(parents=True)
+    (build / "Makefile").write_text("")
+    (build / ".config").write_text(f'CONFIG_CC_VERSION_TEXT="{cc_text}"\n')
+    (tmp / "bin").mkdir()
+    (tmp / "bin/gcc-12").write_text("#!/bin/sh\necho 'gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0'\n")
+    (tmp / "bin/gcc-12").chmod(0o755)
+
+
 def run(tmp: Path, script: str) -> subprocess.CompletedProcess:
     path = tmp / "pvegpu-nvidia"
     path.write_text(script)
@@ -49,13 +61,7 @@ def test_a_missing_archive_is_kept_as_the_reason_and_the_hook_exits_0(tmp_path):
 def test_another_compiler_than_the_kernel_s_is_refused_before_any_build(tmp_path):
     archive = tmp_path / "tree.tar.gz"
     archive.write_bytes(b"tree")
-    build = tmp_path / "modules" / RELEASE / "build"
-    build.mkdir(parents=True)
-    (build / "Makefile").write_text("")
-    (build / ".config").write_text('CONFIG_CC_VERSION_TEXT="gcc-14 (Debian 14.2.0-19) 14.2.0"\n')
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin/gcc-12").write_text("#!/bin/sh\necho 'gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0'\n")
-    (tmp_path / "bin/gcc-12").chmod(0o755)
+    kernel_built_with(tmp_path, "gcc-14 (Debian 14.2.0-19) 14.2.0")
     done = run(tmp_path, hook(tmp_path, archive, hashlib.sha256(b"tree").hexdigest()))
     assert done.returncode == 0, done.stderr
     reason = (tmp_path / f"state/{RELEASE}.failed").read_text().splitlines()[1]
@@ -144,13 +150,7 @@ def test_a_compile_error_is_kept_quoted_as_the_reason(tmp_path):
     quotes the first compile error of the real 595.45.04 log against a kernel without
     <linux/of_gpio.h>, cut at kernel-open/ by the extractor the kernel stage's gate uses."""
     archive = replaying_tree(tmp_path, "595.45.04-kernel-without-of_gpio.txt")
-    build = tmp_path / "modules" / RELEASE / "build"
-    build.mkdir(parents=True)
-    (build / "Makefile").write_text("")
-    (build / ".config").write_text('CONFIG_CC_VERSION_TEXT="gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0"\n')
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin/gcc-12").write_text("#!/bin/sh\necho 'gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0'\n")
-    (tmp_path / "bin/gcc-12").chmod(0o755)
+    kernel_built_with(tmp_path, "gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0")
     done = run(tmp_path, hook(tmp_path, archive, hashlib.sha256(archive.read_bytes()).hexdigest()))
     assert done.returncode == 0, done.stderr
     reason = (tmp_path / f"state/{RELEASE}.failed").read_text().splitlines()[1]

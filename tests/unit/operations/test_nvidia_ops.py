@@ -14,6 +14,7 @@ from operations import nvidia as ops
 from plan import nvidia as nvplan
 from spec.models import SourceSpec
 from tests.unit.operations.oprun import run_op
+from tests.unit.test_shell_templates import nvidia_kernel_archive
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -319,15 +320,7 @@ def fake_build_tools(tmp_path):
 def conftest_build(tmp_path, monkeypatch):
     """A one-Kbuild source archive, build and conftest cache dirs under tmp_path, fake make/modinfo:
     (archive path, environment)."""
-    monkeypatch.setattr(ops, "BUILD_ROOT", str(tmp_path / "build"))
-    monkeypatch.setattr(ops, "CONFTEST_CACHE", str(tmp_path / "conftest-cache"))
-    tree = tmp_path / "tree/nvidia-kernel"
-    tree.mkdir(parents=True)
-    (tree / "Kbuild").write_text("obj-m += nvidia.o\n")
-    archive = tmp_path / "nvidia.tar"
-    subprocess.run(["tar", "-C", str(tmp_path / "tree"), "-cf", str(archive), "nvidia-kernel"], check=True)
-    env = fake_build_tools(tmp_path)
-    return archive, env
+    return nvidia_kernel_archive(tmp_path, monkeypatch), fake_build_tools(tmp_path)
 
 
 def test_build_restores_conftest_results_only_for_the_same_key(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import operations.reboot as reboot
+from plan.reboot import Guest
 
 
 class FakeHost:
@@ -56,7 +57,7 @@ def test_before_a_reboot_the_running_guests_without_onboot_are_named(monkeypatch
                                                          "lxc": {200: "running"}})
     state = FakeState()
     with ctx_state.use(state), ctx_host.use(create_host(state, name="kpro6")):
-        assert reboot.warn_not_started_at_boot() == ["VM 301", "CT 200"]
+        assert reboot.warn_not_started_at_boot() == [Guest("qemu", 301), Guest("lxc", 200)]
     assert ("kpro6: VM 301, CT 200 run(s) now and will not start at boot: Proxmox starts only guests with "
             "`onboot: 1`") in caplog.text
     assert len(read) == 1  # the configs and HA resources in one command
@@ -70,7 +71,7 @@ def test_before_a_reboot_the_running_guests_without_onboot_are_named(monkeypatch
 def test_after_a_single_hosts_reboot_the_guests_its_boot_left_stopped_start_again(caplog):
     from tests.unit.operations.oprun import run_op
 
-    cmds, _ = run_op(reboot.start_after_reboot, ["VM 301", "CT 200"], render=None)
+    cmds, _ = run_op(reboot.start_after_reboot, [Guest("qemu", 301), Guest("lxc", 200)], render=None)
     host = FakeHost("kpro6", {"pct start 200": (False, "startup for container '200' failed")})
     assert all(c.function(None, host, *c.args, **c.kwargs) for c in cmds)  # a failed start does not fail the run
     assert host.ran == ["qm start 301", "pct start 200"]
