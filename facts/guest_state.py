@@ -31,6 +31,7 @@ from pyinfra import host
 from facts.base import ShellFact
 from facts.run_state import run_state
 from facts.sections import SECTION, split_sections
+from facts.shared import UNAME, take
 from facts.shell import word
 
 # The guests without `pct list` / `qm list` (Perl programs). A node's guests are the configs
@@ -44,7 +45,8 @@ from facts.shell import word
 # qemu-system-*) and whose -pidfile is that file (qemu-server PVE/QemuServer/Helpers.pm
 # vm_running_locally / parse_cmdline).
 GUEST_STATE_COMMAND = (
-    "n=$(uname -n); n=${n%%.*}; if command -v pct >/dev/null 2>&1; then echo '@@ lxc'; "
+    f"{take(UNAME['n'])}; n=${UNAME['n']}; "
+    "n=${n%%.*}; if command -v pct >/dev/null 2>&1; then echo '@@ lxc'; "
     "for f in /etc/pve/nodes/\"$n\"/lxc/*.conf; do [ -e \"$f\" ] || continue; f=${f##*/}; echo \"${f%.conf}\"; done; "
     "echo '@@ lxc-active'; lxc-ls --active -1 2>/dev/null; fi; "
     "echo '@@ qemu'; for f in /etc/pve/nodes/\"$n\"/qemu-server/*.conf; do [ -e \"$f\" ] || continue; "

@@ -9,6 +9,7 @@ from pyinfra.api import FactBase
 
 from facts.base import ShellFact
 from facts.sections import SECTION, split_sections
+from facts.shared import UNAME, take
 from facts.shell import operands, word
 
 GPU_INFORMATION_MARKER = "== "
@@ -216,7 +217,7 @@ class NvidiaHostState(FactBase):
         parts = [
             f"echo '{SECTION}cores'; nproc",
             f"echo '{SECTION}meminfo'; grep '^MemTotal:' /proc/meminfo",
-            f"echo '{SECTION}running'; k=$(uname -r); echo \"$k\"",
+            f"echo '{SECTION}running'; {take(UNAME['r'])}; k=${UNAME['r']}; echo \"$k\"",
             f"echo '{SECTION}ccache'; command -v ccache >/dev/null && [ -d {CCACHE_MASQUERADE} ] && echo {CCACHE_MASQUERADE}",
             f"echo '{SECTION}compilers'; for c in /usr/bin/gcc /usr/bin/gcc-[0-9]* /usr/bin/g++ /usr/bin/g++-[0-9]*; do "
             "[ -x \"$c\" ] && echo \"${c##*/}: $(\"$c\" --version 2>/dev/null | head -n 1)\"; done",
