@@ -29,7 +29,7 @@ READINGS: dict[str, str] = {
 
 def take(name: str) -> str:
     """Shell that sets $name to its reading (`READINGS`) unless this command took it already."""
-    return f'[ -n "${{{name}+x}}" ] || {name}=$({READINGS[name]})'
+    return f'[ -n "${{{name}+x}}" ] || {{ {name}=$({READINGS[name]}); }} 2>/dev/null'
 
 
 def uname(flag: str) -> str:
@@ -95,10 +95,21 @@ def dpkg_installed(package: str) -> str:
             f"awk '{_match(package)} {{ f = (substr($0, 2, 1) == \"i\"); exit }} END {{ exit !f }}'; }}")
 
 
+def ct_init_pids(ctids) -> str:
+    """The reading of each CT's init pid (`lxc-info -n <id> -p -H`, facts.guest_state.ct_root_loop),
+    one ``<id>:<pid>`` word per CT (`<id>:` where it runs none); returns the variable's name.
+    Facts that look into the same CTs share it."""
+    ids = [int(c) for c in ctids]
+    name = "_pvegpu_ct_pids_" + "_".join(str(i) for i in ids)
+    READINGS[name] = ("for id in " + " ".join(str(i) for i in ids) + "; do "
+                      'printf \'%s:%s\\n\' "$id" "$(lxc-info -n "$id" -p -H 2>/dev/null | tr -dc 0-9)"; done')
+    return name
+
+
 PRELUDE_MIN_USES = 2  # a reading one section takes stays in that section
 
 
 def prelude(script: str) -> str:
     """The readings `script`'s sections take more than once, taken once up front ('' if none)."""
-    return "".join(f"{name}=$({cmd}); " for name, cmd in READINGS.items()
+    return "".join(f"{{ {name}=$({cmd}); }} 2>/dev/null; " for name, cmd in READINGS.items()
                    if script.count(f'[ -n "${{{name}+x}}" ]') >= PRELUDE_MIN_USES)

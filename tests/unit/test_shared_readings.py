@@ -139,3 +139,32 @@ def test_package_patterns_match_as_fnmatch(pattern, name, matches):
     out = subprocess.run(["awk", f"$2 ~ /{_glob_regex(pattern)}/ {{ print \"yes\" }}"], input=f"ii {name} 1\n",
                          capture_output=True, text=True).stdout
     assert (out == "yes\n") is matches
+
+
+def test_facts_looking_into_the_same_cts_ask_lxc_info_once_per_probe(tmp_path):
+    """ContainerUserspace and NcclState both look into CT 200 through its init's root: one
+    lxc-info per CT for the probe (was one per fact), each value what the fact reads alone."""
+    from facts.containers import ContainerUserspace
+    from facts.nccl import NcclState
+
+    log, bin_dir = tmp_path / "lxc.log", tmp_path / "bin"
+    bin_dir.mkdir()
+    # CT 200 runs with this test's process as its init (its root: /), CT 201 runs nothing
+    (bin_dir / "lxc-info").write_text(
+        f'#!/bin/sh\nprintf "%s\\n" "$*" >> {log}\n[ "$2" = 200 ] && echo {os.getpid()}\ntrue\n')
+    (bin_dir / "lxc-info").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+    def run(command: str) -> list[str]:
+        return subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env,
+                              timeout=60).stdout.splitlines()
+
+    requests: list[tuple[type[FactBase], dict]] = [
+        (ContainerUserspace, {"ctids": [200, 201]}), (NcclState, {"paths": ["/etc/nccl.conf"], "ctids": [200, 201]})]
+    alone = [_alone(run, fc, kw) for fc, kw in requests]
+    assert log.read_text().count("-n 200") == 2
+    log.unlink()
+    probe = combined_probe(requests)
+    assert probe().process(run(str(probe().command))) == alone
+    assert log.read_text().splitlines() == ["-n 200 -p -H", "-n 201 -p -H"]  # was each twice
+    assert alone[0]["containers"][200]["root"] == alone[0]["host_root"] and 201 not in alone[0]["containers"]
