@@ -31,6 +31,7 @@ from pyinfra import host
 from facts.base import ShellFact
 from facts.run_state import run_state
 from facts.sections import SECTION, split_sections
+from facts.shared import UNAME, ct_init_pids, take
 from facts.shell import word
 
 # The guests without `pct list` / `qm list` (Perl programs). A node's guests are the configs
@@ -44,7 +45,8 @@ from facts.shell import word
 # qemu-system-*) and whose -pidfile is that file (qemu-server PVE/QemuServer/Helpers.pm
 # vm_running_locally / parse_cmdline).
 GUEST_STATE_COMMAND = (
-    "n=$(uname -n); n=${n%%.*}; if command -v pct >/dev/null 2>&1; then echo '@@ lxc'; "
+    f"{take(UNAME['n'])}; n=${UNAME['n']}; "
+    "n=${n%%.*}; if command -v pct >/dev/null 2>&1; then echo '@@ lxc'; "
     "for f in /etc/pve/nodes/\"$n\"/lxc/*.conf; do [ -e \"$f\" ] || continue; f=${f##*/}; echo \"${f%.conf}\"; done; "
     "echo '@@ lxc-active'; lxc-ls --active -1 2>/dev/null; fi; "
     "echo '@@ qemu'; for f in /etc/pve/nodes/\"$n\"/qemu-server/*.conf; do [ -e \"$f\" ] || continue; "
@@ -67,8 +69,11 @@ def ct_root_loop(ctids, body: str) -> str:
     ids = " ".join(word(str(int(c))) for c in ctids)
     if not ids:
         return ""
-    return (f"for id in {ids}; do echo \"{SECTION}ct $id\"; "
-            "pid=$(lxc-info -n \"$id\" -p -H 2>/dev/null | tr -dc 0-9); [ -n \"$pid\" ] || continue; "
+    # the pids through facts.shared: a probe whose facts look into the same CTs asks lxc-info once
+    pids = ct_init_pids(ctids)
+    return (f"{take(pids)}; for id in {ids}; do echo \"{SECTION}ct $id\"; "
+            f'pid=; for e in ${pids}; do case "$e" in "$id":*) pid=${{e#*:}};; esac; done; '
+            "[ -n \"$pid\" ] || continue; "
             f"r=/proc/$pid/root; {body}; done; ")
 
 

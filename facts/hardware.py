@@ -26,6 +26,7 @@ from facts.nvidia import NvidiaDriver, NvidiaDriverParams, NvidiaGpus
 from facts.pci import PciAcs, PciDevices
 from facts.proxmox import LxcConfigs, PciMappings, PveVersion, QemuConfigs
 from facts.sections import PROBE_SECTION, parse_sections
+from facts.shared import prelude
 
 SECTION_MARKER = PROBE_SECTION  # facts.sections: a probe's sections are whole facts' outputs
 
@@ -58,9 +59,11 @@ def _one_write(script: str) -> str:
 
 def _probe_command(sections) -> str:
     """One command for ``[(name, fact class, args, kwargs)]``: each fact's own command after its
-    section marker, all output in one write."""
-    return _one_write("; ".join(f"echo '{SECTION_MARKER}{name}'; {_section_run(fc, args, kwargs)}"
-                                for name, fc, args, kwargs in sections) + "; true")
+    section marker, all output in one write; a reading several sections take (`uname -r`, dpkg's
+    package list: facts.shared) is taken once before them."""
+    script = "; ".join(f"echo '{SECTION_MARKER}{name}'; {_section_run(fc, args, kwargs)}"
+                       for name, fc, args, kwargs in sections) + "; true"
+    return _one_write(prelude(script) + script)
 
 
 def fact_value(fact_class: type[FactBase], lines: list[str]):

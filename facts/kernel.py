@@ -12,6 +12,7 @@ from pyinfra.api import FactBase
 from facts.base import ShellFact
 from facts.nvidia import SECURE_BOOT_EFIVAR, parse_mok, parse_secure_boot
 from facts.sections import PROBE_SECTION, parse_sections, split_sections
+from facts.shared import uname
 from facts.shell import operands, word  # the one quoting helper (plan.render gives it to the templates)
 
 VERSION = r"\d+\.\d+\.\d+"
@@ -421,7 +422,7 @@ class ProxmoxKernels(ShellFact):
         "echo '@@ kernel list'; "
         "if command -v proxmox-boot-tool >/dev/null 2>&1; then proxmox-boot-tool kernel list 2>/dev/null; fi; "
         "echo '@@ /boot'; for f in /boot/vmlinuz-*; do [ -e \"$f\" ] && echo \"${f#/boot/vmlinuz-}\"; done; "
-        "echo '@@ running'; uname -r; "
+        f"echo '@@ running'; {uname('r')}; "
         "echo '@@ pin'; cat /etc/kernel/proxmox-boot-pin 2>/dev/null; "
         "echo '@@ next-boot-pin'; cat /etc/kernel/next-boot-pin 2>/dev/null; "
         "true"

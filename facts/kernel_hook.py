@@ -7,6 +7,7 @@ import re
 
 from facts.base import ShellFact
 from facts.sections import parse_sections, section_echo
+from facts.shared import dpkg_holds, dpkg_installed, dpkg_show, uname
 
 HOOK_STATE = "/var/lib/pvegpu/kernel-hook"  # <release>.failed / .ok / .log, `pinned`
 HOLD_RECORD = "/var/lib/pvegpu/kernel-hold"  # the packages pvegpu put on hold, one a line
@@ -88,19 +89,17 @@ class KernelHookState(ShellFact):
         section_echo("next_pin"), f"head -n 1 {NEXT_PIN_FILE} 2>/dev/null",
         # what apt-mark showhold prints (apt-private: packages whose dpkg selection is hold), read
         # from dpkg directly: the Status-Abbrev's first letter is the selection, h = hold
-        section_echo("holds"), "dpkg-query -W -f '${db:Status-Abbrev} ${Package}\\n' 2>/dev/null | awk '$1 ~ /^h/ {print $2}'",
+        section_echo("holds"), dpkg_holds(),
         section_echo("hold_record"), f"cat {HOLD_RECORD} 2>/dev/null",
         section_echo("packages"),
-        "dpkg-query -W -f '${db:Status-Abbrev} ${Package} ${Version}\\n' proxmox-default-kernel "
-        "proxmox-default-headers 'proxmox-kernel-[0-9]*' 'proxmox-headers-[0-9]*' 2>/dev/null",
+        dpkg_show(["proxmox-default-kernel", "proxmox-default-headers", "proxmox-kernel-[0-9]*", "proxmox-headers-[0-9]*"]),
         # apt's candidate only where plan.kernel_hook.headers_step asks for it (default-kernel
         # installed, default-headers not): apt-cache without its cache files costs ~0.5-1 s
         section_echo("headers_candidate"),
-        "if dpkg-query -W -f '${db:Status-Abbrev}' proxmox-default-kernel 2>/dev/null | grep -q '^.i' && "
-        "! dpkg-query -W -f '${db:Status-Abbrev}' proxmox-default-headers 2>/dev/null | grep -q '^.i'; then "
+        f"if {dpkg_installed('proxmox-default-kernel')} && ! {dpkg_installed('proxmox-default-headers')}; then "
         f"apt-cache {NO_CACHE} policy proxmox-default-headers 2>/dev/null | sed -n 's/^ *Candidate: //p'; fi",
         section_echo("hook"), "[ -e /etc/kernel/postinst.d/pvegpu-nvidia ] && echo yes",
-        section_echo("running"), "uname -r",
+        section_echo("running"), uname("r"),
         section_echo("installed"), 'for f in /boot/vmlinuz-*; do [ -e "$f" ] && echo "${f#/boot/vmlinuz-}"; done',
         "true",
     ])

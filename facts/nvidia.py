@@ -9,6 +9,7 @@ from pyinfra.api import FactBase
 
 from facts.base import ShellFact
 from facts.sections import SECTION, split_sections
+from facts.shared import UNAME, take
 from facts.shell import operands, word
 
 GPU_INFORMATION_MARKER = "== "
@@ -184,6 +185,21 @@ def local_path(url: str) -> str | None:
     return None
 
 
+# Each gcc/g++ program and the first line of its --version. GCC's driver prints its own name there,
+# argv[0] after the last directory separator, then the package and version strings built into it
+# (gcc/gcc.cc driver::set_progname, driver::maybe_print_and_exit): a program that is the same file
+# as the one asked just before it (`-ef`: gcc -> gcc-12, g++ -> g++-12, Debian's links) is not run
+# again; its line is that banner under its own name (only where the banner starts with that name).
+COMPILER_BANNERS = (
+    "p=; q=; for c in /usr/bin/gcc /usr/bin/gcc-[0-9]* /usr/bin/g++ /usr/bin/g++-[0-9]*; do "
+    '[ -x "$c" ] || continue; '
+    'if [ -n "$p" ] && [ "$c" -ef "$p" ] && case "$q" in "${p##*/} "*) true;; *) false;; esac; '
+    'then v="${c##*/}${q#"${p##*/}"}"; '
+    'else v=$("$c" --version 2>/dev/null | head -n 1); p=$c; q=$v; fi; '
+    'echo "${c##*/}: $v"; done'
+)
+
+
 class NvidiaHostState(FactBase):
     """Everything the driver stage decides from, in one command.
 
@@ -216,10 +232,9 @@ class NvidiaHostState(FactBase):
         parts = [
             f"echo '{SECTION}cores'; nproc",
             f"echo '{SECTION}meminfo'; grep '^MemTotal:' /proc/meminfo",
-            f"echo '{SECTION}running'; k=$(uname -r); echo \"$k\"",
+            f"echo '{SECTION}running'; {take(UNAME['r'])}; k=${UNAME['r']}; echo \"$k\"",
             f"echo '{SECTION}ccache'; command -v ccache >/dev/null && [ -d {CCACHE_MASQUERADE} ] && echo {CCACHE_MASQUERADE}",
-            f"echo '{SECTION}compilers'; for c in /usr/bin/gcc /usr/bin/gcc-[0-9]* /usr/bin/g++ /usr/bin/g++-[0-9]*; do "
-            "[ -x \"$c\" ] && echo \"${c##*/}: $(\"$c\" --version 2>/dev/null | head -n 1)\"; done",
+            f"echo '{SECTION}compilers'; {COMPILER_BANNERS}",
         ]
         # the running release ($k, named at run time), then each target; each release once,
         # one modinfo per release (its version/vermagic/filename lines)

@@ -258,6 +258,45 @@ class PciDevices(ShellFact):
         return parse_pci_devices(output)
 
 
+# One bridge's config read by its own od, its words walked by the shell: the per-bridge form
+# (PciAcs's fallback). Prints `bridge <bdf>` and `acs <bdf> <control|none|short> <words read>`.
+_ACS_PER_BRIDGE = (
+    "u=; for d in /sys/bus/pci/devices/*; do "
+    'c=; { read -r c; } 2>/dev/null < "$d/class"; '
+    'case "$c" in 0x0604*) ;; *) continue;; esac; '
+    'b=${d##*/}; echo "bridge $b"; '
+    'set -- $(od -An -tu4 -v "$d/config" 2>/dev/null); '
+    'if [ $# -lt 64 ]; then u=1; echo "acs $b short $#"; continue; fi; '
+    "r=none; if [ $# -ge 1024 ]; then o=256; k=0; "
+    "while [ $o -ge 256 ] && [ $k -lt 960 ]; do "
+    'eval "h=\\${$((o / 4 + 1))}"; case $h in 0|4294967295) break;; esac; '
+    'if [ $((h & 65535)) -eq 13 ]; then eval "w=\\${$((o / 4 + 2))}"; r=$((w >> 16)); break; fi; '
+    "o=$((h >> 20 & 4092)); k=$((k + 1)); done; fi; "
+    'echo "acs $b $r $#"; '
+    "done"
+)
+# The same for every bridge at once: `stat -c '%s %n'` lines (each config's size and path), `==`,
+# then od's words of all configs in that order. Plain POSIX awk (mawk: no bitwise operators, so
+# h & 65535 is h % 65536, h >> 20 & 4092 is the 12-bit offset less its low 2 bits). Prints at the
+# end, and only when every config has its size and the words add up to the sizes (else exit 2:
+# nothing printed); exit 1 when a bridge read short (lspci is asked then).
+_ACS_AWK = (
+    'phase == 0 && $0 == "==" { phase = 1; next } '
+    "phase == 0 { size[++nb] = $1; p = $2; sub(/\\/config$/, \"\", p); sub(/.*\\//, \"\", p); bdf[nb] = p; "
+    "total += $1 / 4; next } "
+    "{ for (i = 1; i <= NF; i++) w[++nw] = $i } "
+    "END { if (phase != 1 || nb != want || nw != total) exit 2; base = 0; short = 0; "
+    "for (j = 1; j <= nb; j++) { n = size[j] / 4; b = bdf[j]; out = out \"bridge \" b \"\\n\"; "
+    "if (n < 64) { short = 1; out = out \"acs \" b \" short \" n \"\\n\"; base += n; continue } "
+    "r = \"none\"; if (n >= 1024) { o = 256; k = 0; "
+    "while (o >= 256 && k < 960) { h = w[base + o / 4 + 1]; if (h == 0 || h == 4294967295) break; "
+    "if (h % 65536 == 13) { r = int(w[base + o / 4 + 2] / 65536); break } "
+    "x = int(h / 1048576); o = x - x % 4; k++ } } "
+    "out = out \"acs \" b \" \" r \" \" n \"\\n\"; base += n } "
+    "printf \"%s\", out; exit short }"
+)
+
+
 class PciAcs(ShellFact):
     """
     ACS control of every PCI bridge (and of any function lspci shows ACS for, where it is asked).
@@ -269,8 +308,8 @@ class PciAcs(ShellFact):
                           "ctl": {"SrcValid": True, "TransBlk": False, "ReqRedir": True, …}},
          "0000:00:01.0": {"status": "unknown", "redirect": None, "ctl": None}}
 
-    Bridges come from sysfs, ACS from each bridge's own config space (sysfs `config`, one `od`
-    per bridge; root reads all 4096 bytes): the shell walks the extended capability list from
+    Bridges come from sysfs, ACS from each bridge's own config space (sysfs `config`, all bridges'
+    in one `od`, cut by the sizes `stat` gives, else one `od` per bridge; root reads all 4096 bytes): the shell walks the extended capability list from
     offset 0x100 (header: ID in bits 0-15, next offset in bits 20-31, as the kernel's
     drivers/pci/pci.c pci_find_next_ext_capability() does) to the ACS capability (ID 0x000D) and
     prints its control word (bits 16-31 of the word at +4: the register at +6), as
@@ -282,19 +321,19 @@ class PciAcs(ShellFact):
     """
 
     command = (
-        "u=; for d in /sys/bus/pci/devices/*; do "
+        # every bridge's config in ONE od (and one stat for their sizes): awk cuts the words per
+        # bridge by its size and walks each list as _ACS_PER_BRIDGE does; where the words read do
+        # not add up to the sizes (a reader that gets less, a read error) the per-bridge loop runs.
+        # The size sysfs gives `config` is what root reads: 4096 where the device has extended
+        # config space, else 256 (linux drivers/pci/pci-sysfs.c pci_dev_config_attr_bin_size and
+        # pci_read_config, which gives a non-admin reader 64 bytes, or 128 for a CardBus bridge)
+        "u=; set --; for d in /sys/bus/pci/devices/*; do "
         'c=; { read -r c; } 2>/dev/null < "$d/class"; '
-        'case "$c" in 0x0604*) ;; *) continue;; esac; '
-        'b=${d##*/}; echo "bridge $b"; '
-        'set -- $(od -An -tu4 -v "$d/config" 2>/dev/null); '
-        'if [ $# -lt 64 ]; then u=1; echo "acs $b short $#"; continue; fi; '
-        "r=none; if [ $# -ge 1024 ]; then o=256; k=0; "
-        "while [ $o -ge 256 ] && [ $k -lt 960 ]; do "
-        'eval "h=\\${$((o / 4 + 1))}"; case $h in 0|4294967295) break;; esac; '
-        'if [ $((h & 65535)) -eq 13 ]; then eval "w=\\${$((o / 4 + 2))}"; r=$((w >> 16)); break; fi; '
-        "o=$((h >> 20 & 4092)); k=$((k + 1)); done; fi; "
-        'echo "acs $b $r $#"; '
-        "done; "
+        'case "$c" in 0x0604*) set -- "$@" "$d/config";; esac; done; '
+        "if [ $# -gt 0 ]; then "
+        "{ stat -L -c '%s %n' -- \"$@\"; echo ==; od -An -tu4 -v -- \"$@\"; } 2>/dev/null | "
+        f"awk -v want=$# '{_ACS_AWK}'; "
+        f"case $? in 0) ;; 1) u=1;; *) {_ACS_PER_BRIDGE};; esac; fi; "
         'if [ -n "$u" ] && command -v lspci >/dev/null 2>&1; then '
         "lspci -D -n -vvv 2>/dev/null | grep -E '^[[:xdigit:]]|ACSCtl|access denied'; "
         "fi; true"

@@ -6,6 +6,7 @@ import re
 
 from facts.base import ShellFact
 from facts.sections import split_sections
+from facts.shared import UNAME, dpkg_show, take, uname
 
 # `pveversion` and `pveversion -v` are Perl programs (0.3-0.6 s each on a node). What they print
 # comes from the dpkg database: each package's installed version (pve-manager PVE/API2/APT.pm
@@ -175,7 +176,8 @@ class PveVersion(ShellFact):
     """
 
     # dpkg-query fails for a package dpkg does not know: no kernel line then (no Proxmox VE here)
-    command = f"{DPKG_VERSIONS} pve-manager 2>/dev/null && echo \"kernel $(uname -r)\"; true"
+    # (dpkg-query's answer and `uname -r` through facts.shared: one of each per probe)
+    command = f"{dpkg_show(['pve-manager'])} && {{ {take(UNAME['r'])}; echo \"kernel ${UNAME['r']}\"; }}; true"
 
     def requires_command(self, *args, **kwargs) -> str:
         return "dpkg-query"
@@ -197,7 +199,7 @@ class PvePackages(ShellFact):
     ``{}`` on a host without Proxmox VE.
     """
 
-    command = f"{DPKG_VERSIONS} {' '.join(PVE_PACKAGES)} 2>/dev/null; true"
+    command = f"{dpkg_show(list(PVE_PACKAGES))}; true"  # DPKG_VERSIONS' answer (facts.shared)
 
     def requires_command(self, *args, **kwargs) -> str:
         return "dpkg-query"
@@ -228,7 +230,7 @@ class NodeName(ShellFact):
         "kpro6"
     """
 
-    command = "uname -n"
+    command = uname("n")  # `uname -n` (facts.shared)
 
     def process(self, output):
         return parse_node_name(list(output))

@@ -106,7 +106,7 @@ Port = Annotated[int, NoBool, Field(ge=1, le=65535)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
 
 class SshSpec(Strict):

@@ -71,3 +71,58 @@ def test_config_answer_wins_over_lspci_text_for_the_same_bridge():
     lines = ["bridge 0000:00:01.1", "acs 0000:00:01.1 0 1024",
              "0000:00:01.1 0604: 1022:14ab", "\t\tACSCtl:\tSrcValid+ TransBlk- ReqRedir+ CmpltRedir+ UpstreamFwd+"]
     assert PciAcs().process(lines)["0000:00:01.1"]["status"] == "disabled"
+
+
+MIXED = {
+    "0000:00:01.1": ("0x060400", config(caps=[(0x0001, 0), (0x000B, 0), (0x000D, 0x1D)])),
+    "0000:00:01.2": ("0x060400", config(caps=[(0x000D, 0)])),
+    "0000:00:02.0": ("0x060000", config(caps=[(0x000D, 0x1D)])),  # a host bridge (0x0600): not read
+    "0000:00:03.1": ("0x060400", config(256)),
+    "0000:40:01.1": ("0x060400", config(caps=[(0x0001, 0)])),
+    "0000:40:03.1": ("0x060401", config(64)),  # subtractive decode bridge, read short
+    "0000:41:00.0": ("0x030200", config(caps=[(0x000D, 0x1D)])),
+}
+
+
+def _sysfs(tmp_path, devices: dict, tools: dict[str, str] | None = None) -> dict:
+    """A sysfs tree of `devices` and an env whose PATH logs every od (and holds `tools`: name -> sh)."""
+    for bdf, (cls, data) in devices.items():
+        d = tmp_path / "sys/bus/pci/devices" / bdf
+        d.mkdir(parents=True)
+        (d / "class").write_text(cls + "\n")
+        (d / "config").write_bytes(data)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in {"od": f'echo od >> {tmp_path}/od.log; exec /usr/bin/od "$@"', **(tools or {})}.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+
+def _out(tmp_path, command: str, env: dict) -> str:
+    return subprocess.run(["sh", "-c", command.replace("/sys/", f"{tmp_path}/sys/")], capture_output=True, text=True,
+                          timeout=60, env=env).stdout
+
+
+def test_one_od_reads_every_bridge_and_prints_what_one_od_per_bridge_prints(tmp_path):
+    from facts.pci import _ACS_PER_BRIDGE
+    env = _sysfs(tmp_path, MIXED)
+    out = _out(tmp_path, PciAcs().command, env)
+    assert (tmp_path / "od.log").read_text().count("od") == 1  # was one per bridge (5 here)
+    (tmp_path / "od.log").unlink()
+    assert out == _out(tmp_path, _ACS_PER_BRIDGE + "; true", env)
+    assert (tmp_path / "od.log").read_text().count("od") == 5
+    acs = PciAcs().process(out.splitlines())
+    assert {b: v["status"] for b, v in acs.items()} == {
+        "0000:00:01.1": "enabled", "0000:00:01.2": "disabled", "0000:00:03.1": "absent",
+        "0000:40:01.1": "absent", "0000:40:03.1": "unknown"}
+
+
+def test_where_the_words_do_not_add_up_each_bridge_is_read_alone(tmp_path):
+    from facts.pci import _ACS_PER_BRIDGE
+    # a config whose size says more than a read gives (as for a reader that gets 64 bytes)
+    env = _sysfs(tmp_path, MIXED, {"stat": 'exec /usr/bin/stat "$@" | sed "s/^64 /4096 /"'})
+    out = _out(tmp_path, PciAcs().command, env)
+    assert (tmp_path / "od.log").read_text().count("od") == 1 + 5  # the one od, then the per-bridge loop
+    assert out == _out(tmp_path, _ACS_PER_BRIDGE + "; true", env)
+    assert PciAcs().process(out.splitlines())["0000:40:03.1"]["status"] == "unknown"

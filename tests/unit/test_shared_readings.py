@@ -1,0 +1,170 @@
+"""facts.shared: a reading several facts take (`uname -r`, dpkg's package list) is taken once per
+batched probe, and every fact still gets exactly what it got from its own program.
+
+The oracle is the real dpkg-query (this machine's, on a status database written here with the
+cases that differ between "every package" and "packages named": a held package that is not
+installed, a removed one with its config files, an unpacked one, an unknown name), asked the
+questions the facts asked it before they shared the reading."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from pyinfra.api import FactBase
+
+from facts.guest_state import GuestState
+from facts.hardware import combined_probe
+from facts.kernel import ProxmoxKernels
+from facts.kernel_hook import KernelHookState
+from facts.proxmox import PVE_PACKAGES, NodeName, PvePackages, PveVersion, parse_dpkg_versions, parse_pve_version
+from facts.shared import _glob_regex, dpkg_show
+
+DPKG_QUERY = shutil.which("dpkg-query")
+pytestmark = pytest.mark.skipif(DPKG_QUERY is None, reason="needs dpkg-query (the oracle)")
+
+STATUS = [
+    ("foo-held", "hold ok not-installed", ""),  # selection hold, not installed: no plain -W line
+    ("proxmox-default-kernel", "install ok installed", "1.1.0"),
+    ("proxmox-headers-6.14.8-2-pve", "install ok unpacked", "6.14.8-2"),
+    ("proxmox-kernel-6.14", "hold ok installed", "6.14.8-2"),
+    ("proxmox-kernel-6.8.12-4-pve-signed", "deinstall ok config-files", "6.8.12-4"),
+    ("proxmox-kernel-helper", "install ok installed", "9.0.3"),
+    ("proxmox-kernelx", "install ok installed", "1"),  # not proxmox-kernel-[0-9]*
+    ("pve-container", "install ok installed", "6.0.9"),
+    ("pve-manager", "install ok installed", "9.0.6"),
+    ("qemu-server", "install ok half-configured", "9.0.16"),
+]
+# Before facts/shared.py: each fact asked dpkg-query itself, these questions.
+DPKG_VERSIONS = "dpkg-query -W -f='${db:Status-Abbrev} ${Package} ${Version}\\n'"
+OLD_HOLDS = "dpkg-query -W -f '${db:Status-Abbrev} ${Package}\\n' 2>/dev/null | awk '$1 ~ /^h/ {print $2}'"
+OLD_PACKAGES = (f"{DPKG_VERSIONS} proxmox-default-kernel proxmox-default-headers 'proxmox-kernel-[0-9]*' "
+                "'proxmox-headers-[0-9]*' 2>/dev/null")
+
+
+@pytest.fixture
+def host(tmp_path: Path):
+    """PATH with a dpkg-query that reads the database above and a uname, both logging each call."""
+    admin = tmp_path / "dpkg"
+    (admin / "updates").mkdir(parents=True)
+    (admin / "info").mkdir()
+    (admin / "status").write_text("".join(
+        f"Package: {name}\nStatus: {status}\nArchitecture: amd64\n"
+        + (f"Version: {version}\n" if version else "") + "Maintainer: x\nDescription: x\n\n"
+        for name, status, version in STATUS))
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    (bin_dir / "dpkg-query").write_text(
+        f'#!/bin/sh\nprintf "%s\\n" "dpkg-query $*" >> {log}\nexec {DPKG_QUERY} --admindir={admin} "$@"\n')
+    (bin_dir / "uname").write_text(f'#!/bin/sh\necho "uname $*" >> {log}\nexec {shutil.which("uname")} "$@"\n')
+    (bin_dir / "apt-cache").write_text(f'#!/bin/sh\necho "apt-cache $*" >> {log}\necho "  Candidate: 1.2.0"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+    def run(command: str) -> list[str]:
+        return subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env,
+                              timeout=60).stdout.splitlines()
+
+    def calls() -> list[str]:
+        lines = log.read_text().splitlines() if log.exists() else []
+        log.unlink(missing_ok=True)
+        return lines
+
+    return run, calls
+
+
+def _alone(run, fact_class, kwargs=None):
+    fact = fact_class()
+    command = fact.command(**(kwargs or {})) if callable(fact.command) else fact.command
+    lines = run(str(command))
+    return fact.process(lines) if lines else fact.default()
+
+
+def test_each_dpkg_answer_is_what_dpkg_query_answers_the_question_itself(host):
+    run, _ = host
+    assert _alone(run, PvePackages) == parse_dpkg_versions(
+        run(f"{DPKG_VERSIONS} {' '.join(PVE_PACKAGES)} 2>/dev/null"))
+    assert _alone(run, PvePackages) == {"pve-container": "6.0.9", "pve-manager": "9.0.6",
+                                         "proxmox-kernel-helper": "9.0.3"}  # qemu-server: half-configured
+    assert _alone(run, PveVersion) == parse_pve_version(
+        run(f"{DPKG_VERSIONS} pve-manager 2>/dev/null && echo \"kernel $(uname -r)\"; true"))
+    state = _alone(run, KernelHookState)
+    assert state["holds"] == sorted(run(OLD_HOLDS)) == ["proxmox-kernel-6.14"]  # not foo-held (not installed)
+    packages = KernelHookState().process(["@@ packages", *run(OLD_PACKAGES)])["packages"]
+    assert state["packages"] == packages and "proxmox-kernelx" not in str(packages)
+    assert state["headers_candidate"] == "1.2.0"  # default-kernel installed, default-headers unknown
+    # the lines and the exit status: a pattern dpkg finds nothing for fails the show, as dpkg-query fails
+    for names in (["pve-manager"], ["pve-manager", "proxmox-default-headers"], ["proxmox-kernel-[0-9]*"],
+                  ["nothing-[0-9]*"], list(PVE_PACKAGES)):
+        quoted = " ".join(f"'{n}'" for n in names)
+        assert run(f"{dpkg_show(names)}; echo $?") == run(f"{DPKG_VERSIONS} {quoted} 2>/dev/null; echo $?"), names
+
+
+def test_a_probe_takes_each_shared_reading_once_and_every_value_equals_the_fact_alone(host):
+    run, calls = host
+    requests: list[tuple[type[FactBase], dict]] = [
+        (PveVersion, {}), (PvePackages, {}), (KernelHookState, {}), (NodeName, {}), (ProxmoxKernels, {}), (GuestState, {})]
+    alone = [_alone(run, fc, kw) for fc, kw in requests]
+    alone_calls = calls()
+    assert sum(c.startswith("dpkg-query") for c in alone_calls) >= 3  # each fact asks on its own
+    probe = combined_probe(requests)
+    values = probe().process(run(str(probe().command)))
+    assert values == alone
+    probe_calls = calls()
+    # before: dpkg-query 6 times (pve-manager, the packages, all for the holds, the kernel packages,
+    # the two headers checks) and uname 4 times; now one list and one uname per flag
+    assert [c for c in probe_calls if c.startswith("dpkg-query")] == [
+        "dpkg-query -W -f=${db:Status-Abbrev} ${Package} ${Version}\\n *"]
+    assert sorted(c for c in probe_calls if c.startswith("uname")) == ["uname -n", "uname -r"]
+
+
+def test_a_reading_one_section_takes_is_not_taken_up_front():
+    command = str(combined_probe([(PvePackages, {}), (NodeName, {})])().command)
+    assert "_pvegpu_dpkg=$(" in command and command.index("@@pvegpu-section") < command.index("_pvegpu_dpkg=$(")
+
+
+@pytest.mark.parametrize(("pattern", "name", "matches"), [
+    ("proxmox-kernel-[0-9]*", "proxmox-kernel-6.14", True),
+    ("proxmox-kernel-[0-9]*", "proxmox-kernelx", False),
+    ("proxmox-kernel-[0-9]*", "proxmox-kernel-", False),
+    ("libstdc++6", "libstdc++6", True),
+    ("a.b", "axb", False),
+    ("a?c", "abc", True),
+])
+def test_package_patterns_match_as_fnmatch(pattern, name, matches):
+    out = subprocess.run(["awk", f"$2 ~ /{_glob_regex(pattern)}/ {{ print \"yes\" }}"], input=f"ii {name} 1\n",
+                         capture_output=True, text=True).stdout
+    assert (out == "yes\n") is matches
+
+
+def test_facts_looking_into_the_same_cts_ask_lxc_info_once_per_probe(tmp_path):
+    """ContainerUserspace and NcclState both look into CT 200 through its init's root: one
+    lxc-info per CT for the probe (was one per fact), each value what the fact reads alone."""
+    from facts.containers import ContainerUserspace
+    from facts.nccl import NcclState
+
+    log, bin_dir = tmp_path / "lxc.log", tmp_path / "bin"
+    bin_dir.mkdir()
+    # CT 200 runs with this test's process as its init (its root: /), CT 201 runs nothing
+    (bin_dir / "lxc-info").write_text(
+        f'#!/bin/sh\nprintf "%s\\n" "$*" >> {log}\n[ "$2" = 200 ] && echo {os.getpid()}\ntrue\n')
+    (bin_dir / "lxc-info").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+    def run(command: str) -> list[str]:
+        return subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env,
+                              timeout=60).stdout.splitlines()
+
+    requests: list[tuple[type[FactBase], dict]] = [
+        (ContainerUserspace, {"ctids": [200, 201]}), (NcclState, {"paths": ["/etc/nccl.conf"], "ctids": [200, 201]})]
+    alone = [_alone(run, fc, kw) for fc, kw in requests]
+    assert log.read_text().count("-n 200") == 2
+    log.unlink()
+    probe = combined_probe(requests)
+    assert probe().process(run(str(probe().command))) == alone
+    assert log.read_text().splitlines() == ["-n 200 -p -H", "-n 201 -p -H"]  # was each twice
+    assert alone[0]["containers"][200]["root"] == alone[0]["host_root"] and 201 not in alone[0]["containers"]
