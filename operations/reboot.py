@@ -4,7 +4,11 @@ Stages report reasons with `facts.run_state.need_reboot` while their operations 
 Here: no reasons → nothing. Reasons and `spec.reboot.allowed` → one `server.reboot`, then,
 when the kernel stage set a trial boot, make the new release the default for good if it is
 the one running (else record the failed trial and say so; the default stays on the old kernel). Reasons without permission → a
-"reboot pending" summary (logged as a warning, `--dry` included).
+"reboot pending" summary (logged as a warning, `--dry` included). After the reconnect of every
+reboot (a roll's node: once it is back in its cluster), before any step that reads or changes
+guests, the stage waits until the node's boot is done: sshd answers while pve-guests.service still
+starts the onboot guests (`boot_done_or_warn`: `systemctl is-system-running --wait`, at most
+`reboot.rejoin_timeout` s, then a warning and the run goes on).
 
 Rolling reboots (issue 26): a node of a Proxmox cluster (its /etc/pve/.members names a cluster
 of more than one node) reboots in batches of at most `reboot.max_parallel` hosts of the run,
@@ -54,6 +58,8 @@ from operations.proxmox import KIND_LABEL, KIND_TOOL, PveApiError, api_guest_sta
 from plan.kernel import finish_trial_command, host_checks_command, host_expectations
 from plan.reboot import (
     Guest,
+    boot_wait_command,
+    boot_wait_problem,
     member_back,
     not_started_at_boot,
     parse_cluster,
@@ -88,6 +94,29 @@ def warn_not_started_at_boot() -> list[Guest]:
                        "guests with `onboot: 1` (`qm set <id> --onboot 1` / `pct set <id> --onboot 1`); a single "
                        "host's reboot in this run starts them again after it, a cluster node's does not")
     return left
+
+
+def boot_done_or_warn(state, host, timeout: int) -> bool:
+    """After the reconnect of a reboot, before any step that reads or changes guests: wait until
+    the node's boot is done (its onboot guests started: plan.reboot.boot_wait_command). A boot
+    still not done after `timeout` s is a warning naming the host, and the run goes on: a host
+    that is slow to start its guests is not a failed host."""
+    ok, output = host.run_shell_command(StringCommand(boot_wait_command(timeout)))
+    problem = boot_wait_problem(list(output.stdout_lines)) if ok else "the wait did not run"
+    if problem:
+        logger.warning(f"{host.name}: the boot was not done {timeout} s after the reconnect ({problem}): guests may "
+                       "still be starting (pve-guests.service); the steps after the reboot go on, reading them as they are now")
+    return True
+
+
+@operation(is_idempotent=False)
+def wait_boot_done(timeout: int):
+    """After a single host's reboot: wait until its boot is done (`boot_done_or_warn`), so that the
+    steps after it (the guests' start, the stages' after_reboot) see the guests its boot starts.
+
+    + timeout: seconds to wait after the reconnect (reboot.rejoin_timeout)
+    """
+    yield FunctionCommand(boot_done_or_warn, (timeout,), {})
 
 
 @operation(is_idempotent=False)
@@ -332,6 +361,8 @@ def cluster_reboot(cluster: str, node: str, rejoin_timeout: int, checks: list[st
         yield FunctionCommand(clear_guests, (cluster, node, fallback, shutdown_timeout), {})
     yield from server.reboot._inner(delay=delay, interval=interval, reboot_timeout=reboot_timeout)
     yield FunctionCommand(wait_rejoined, (cluster, node, rejoin_timeout), {})
+    # startall waits for quorum before its first start (pve-manager PVE/API2/Nodes.pm startall)
+    yield FunctionCommand(boot_done_or_warn, (rejoin_timeout,), {})
     yield FunctionCommand(roll_checks, (cluster, node, list(checks or []), trial), {})
     if guests == "migrate":
         yield FunctionCommand(restore_guests, (cluster, node, shutdown_timeout), {})
@@ -364,6 +395,8 @@ def apply(spec: HostSpec) -> None:
     left_stopped = warn_not_started_at_boot() if view.name is None or width == 0 or spec.reboot.guests == "stop" else []
     if view.name is None or width == 0:
         server.reboot(name=name, delay=5, interval=2, reboot_timeout=REBOOT_TIMEOUT_S)
+        wait_boot_done(name="Wait until the boot has started its guests (systemctl is-system-running --wait)",
+                       timeout=spec.reboot.rejoin_timeout)
         if left_stopped:
             start_after_reboot(name="Start the guests that ran before the reboot: " + ", ".join(g.label for g in left_stopped),
                                guests=left_stopped, api=api_of(spec, node_of(spec)))

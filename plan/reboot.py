@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -113,6 +114,33 @@ def roll_check_lines(expect: dict, reasons: list[tuple[str, str]], cmdline: dict
         lines += [f"cmdline {w}" for w in cmdline.get("missing") or []]
         lines += [f"nocmdline {w}" for w in cmdline.get("extra") or []]
     return lines
+
+
+# ---------------------------------------------------------------- the boot's own jobs after a reboot
+
+# systemd's manager states once its boot transaction is over (systemctl is-system-running prints
+# one); "initializing" and "starting" mean it is still booting (systemd src/systemctl/
+# systemctl-is-system-running.c verb_is_system_running: --wait waits while it says either)
+BOOT_DONE_STATES = ("running", "degraded", "maintenance", "stopping")
+
+
+def boot_wait_command(timeout: int) -> str:
+    """After the reconnect of a reboot: wait (at most `timeout` s) until the node's boot is done,
+    pve-guests.service's start of the onboot guests included (it is a oneshot of multi-user.target,
+    so systemd's boot is "starting" until startall and its `up=` delays are over, and nothing
+    orders sshd after it: pve-manager services/pve-guests.service). Always exits 0; the last line
+    is the state systemd ends with, none when the wait timed out (`boot_wait_problem`)."""
+    return f"timeout {shlex.quote(str(int(timeout)))} systemctl is-system-running --wait || true"
+
+
+def boot_wait_problem(stdout_lines: list[str]) -> str | None:
+    """`boot_wait_command`'s output → None when the boot is done (whatever state it ended in, a
+    failed unit's "degraded" included), else what was seen: the state still booting, or that
+    systemd gave no state (the wait timed out, or no systemd answered)."""
+    state = stdout_lines[-1].strip() if stdout_lines else ""
+    if state in BOOT_DONE_STATES:
+        return None
+    return f"systemd says {state!r}" if state else "no state from systemd"
 
 
 # ---------------------------------------------------------------- GPU guests before a node reboots

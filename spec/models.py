@@ -353,7 +353,8 @@ class RebootSpec(Strict):
     # nodes of one Proxmox cluster rebooted at once in a run (fewer when quorum needs it): each
     # back in its cluster, quorate, before the next (operations/reboot.py)
     max_parallel: Annotated[int, NoBool, Field(ge=1, le=64)] = 1
-    # seconds a rebooted node may take to be online in its cluster again (after SSH answers)
+    # seconds a rebooted node may take to be online in its cluster again (after SSH answers), and
+    # then to finish its boot, onboot guests started (operations/reboot.py boot_done_or_warn)
     rejoin_timeout: Annotated[int, NoBool, Field(ge=1, le=3600)] = 300
     # a cluster node's running GPU guests before it reboots in a roll (operations/reboot.py): `stop`
     # leaves them to the node's shutdown; `migrate` moves each VM of a GPU pool offline to another

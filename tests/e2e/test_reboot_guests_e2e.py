@@ -1,7 +1,9 @@
 """A single host's reboot and its running guests, on a kpro6 twin: Proxmox starts only `onboot: 1`
 guests at boot (pve-manager services/pve-guests.service runs PVE/API2/Nodes.pm startall, as the
 twin's boot does), so the reboot stage names the running guests without it before it reboots
-and starts them again once the host is back; a guest with `onboot: 1` is the boot's to start."""
+and starts them again once the host is back; a guest with `onboot: 1` is the boot's to start. sshd
+answers while the boot still starts its onboot guests (nothing orders sshd after pve-guests.service),
+so the steps after the reboot wait until systemd says the boot is done."""
 
 from __future__ import annotations
 
@@ -23,9 +25,9 @@ def ssh(name: str, command: str) -> subprocess.CompletedProcess:
     return subprocess.run(runtime.ssh_command(name, [command]), capture_output=True, text=True, timeout=120)
 
 
-def converge(name: str):
+def converge(name: str, stages: str = STAGES):
     return run_pyinfra("inventories/twin.py", "tests/e2e/stage_deploy.py",
-                       env={"PVEGPU_TWINS": name, "PVEGPU_STAGES": STAGES}, timeout=600)
+                       env={"PVEGPU_TWINS": name, "PVEGPU_STAGES": stages}, timeout=600)
 
 
 def test_a_reboot_names_the_guests_boot_leaves_stopped_and_starts_them_again(twin_factory):
@@ -49,4 +51,29 @@ def test_a_reboot_names_the_guests_boot_leaves_stopped_and_starts_them_again(twi
     assert json.loads((root / "var/lib/twin/guests.json").read_text()) == {"lxc/200": "running", "qemu/300": "running"}
 
     again = converge(twin.name)
+    assert again.rc == 0 and again.changed == 0, again.output[-6000:]
+
+
+def test_the_steps_after_the_reboot_see_an_onboot_ct_the_boot_starts_late(twin_factory):
+    """startall starts VM 300 and waits its `up=15` before CT 200 (pve-manager PVE/API2/Nodes.pm),
+    while sshd already answers: the NCCL stage's after_reboot, which writes /etc/nccl.conf into
+    the running GPU CTs, runs only once the boot is done, so CT 200 gets its file in this run."""
+    twin = twin_factory("kpro6", name="s13-late")
+    r = ssh(twin.name, "qm set 300 --onboot 1 --startup order=1,up=15 && pct set 200 --onboot 1 --startup order=2")
+    assert r.returncode == 0, r.stderr
+    stages = "operations.boot,operations.nccl,operations.reboot"
+    log = Path(twin.root) / "var/lib/twin/guests.log"
+    before = len(log.read_text().splitlines()) if log.exists() else 0
+
+    first = converge(twin.name, stages)  # CT 200 is stopped before the reboot: the NCCL stage skips it then
+    assert first.rc == 0, first.output[-6000:]
+    assert "CT 200 is stopped" in first.output, first.output[-6000:]
+    assert "guests may still be starting" not in first.output, first.output[-6000:]
+    assert (runtime.twin_dir(twin.name) / "ct/200/upper/etc/nccl.conf").is_file(), first.output[-6000:]
+    # the boot's starts (a VM's start may fail its checks: startall goes on), none by the run
+    assert [line.split(" ", 1)[1].split(" ", 1)[1] for line in log.read_text().splitlines()[before:]] == [
+        "qemu 300", "lxc 200"]
+    assert "/etc/nccl.conf (container 200)" in ssh(twin.name, "pct exec 200 -- cat /etc/nccl.conf").stdout
+
+    again = converge(twin.name, stages)
     assert again.rc == 0 and again.changed == 0, again.output[-6000:]

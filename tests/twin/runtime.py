@@ -1054,6 +1054,7 @@ def twin_dir(name: str) -> Path:
 REBOOT_REQUEST = "var/lib/twin/reboot-request"
 STANDIN_SERVER = "usr/local/lib/twin/standind.py"  # tests/twin/standins/standind.py
 STANDIN_SOCKET = "run/twin/standins.sock"
+BOOT_JOBS = "run/twin/boot-jobs"  # tests/twin/standins/boot.py BOOT_JOBS: the boot's jobs still run
 
 
 class Supervisor:
@@ -1065,6 +1066,9 @@ class Supervisor:
         self.root = Path(self.spec["root"])
         self.sshd: int | None = None
         self.standins: int | None = None
+        # the boot's onboot starts (pve-guests.service) while they run; the Popen is kept so that
+        # subprocess never waits for it itself (reap() must see it end)
+        self.guests: subprocess.Popen | None = None
         self.kernel: livesys.KernelModel | None = None  # the model of this boot (live_sysfs twins)
         self.standin_restarts = 0
         self.boot_time = 0.0
@@ -1124,9 +1128,12 @@ class Supervisor:
             return
         if (self.root / STANDIN_SERVER).exists():
             self.start_standins()
-        self.start_guests()
+        booting = self.start_guests()
         self.start_sshd()
-        self.wait_for_sshd()  # a boot is done when the host answers on SSH
+        self.wait_for_sshd()  # the twin's boot counts as done when the host answers on SSH
+        if booting:  # its guests start now, sshd answering meanwhile, as on a real node
+            self.guests = subprocess.Popen(booting, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
+                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         self.boots += 1
         with open(self.dir / "boots", "a") as boots:
             boots.write(f"{time.time():.3f} {self.boots}\n")
@@ -1169,17 +1176,20 @@ class Supervisor:
         log(f"{self.spec['name']}: rebooted in {time.monotonic() - t0:.2f} s (shutdown "
             f"{t1 - t0:.2f} s, render {t2 - t1:.2f} s)")
 
-    def start_guests(self) -> None:
-        """The guests whose config says `onboot: 1` start, the others stay stopped (tests/twin/standins/
-        proxmox.py onboot, as pve-guests.service), in the twin's PID namespace like every process of this boot.
-        Each start is followed by its `startup: up=` delay (3 s for a VM without one), and sshd starts
-        after the last: the boot is never done sooner than a real node has its guests started."""
+    def start_guests(self) -> list[str] | None:
+        """The command that starts the guests whose config says `onboot: 1` (tests/twin/standins/
+        proxmox.py onboot, as pve-guests.service), each start followed by its `startup: up=` delay
+        (3 s for a VM without one); the others stay stopped. boot() runs it in the background once
+        sshd answers, in the twin's PID namespace like every process of this boot: as on a real node,
+        where nothing orders sshd after pve-guests.service, a client can log in while guests are not
+        started yet, and `systemctl is-system-running` says "starting" until the last start and its
+        delay are done (the BOOT_JOBS marker, removed when reap() collects it). None: not a Proxmox twin."""
         if not (self.root / "usr/local/lib/twin/proxmox.py").exists():
-            return  # not a Proxmox twin
-        subprocess.run(["chroot", str(self.root), "/usr/bin/python3", "-ISB", "-c",
-                        "import sys; sys.path.insert(0, '/usr/local/lib/twin'); import proxmox; proxmox.onboot()"],
-                       env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, check=False)
+            return None
+        (self.root / BOOT_JOBS).parent.mkdir(parents=True, exist_ok=True)
+        (self.root / BOOT_JOBS).write_text("pve-guests.service\n")  # before sshd: no login sees it done early
+        return ["chroot", str(self.root), "/usr/bin/python3", "-ISB", "-c",
+                "import sys; sys.path.insert(0, '/usr/local/lib/twin'); import proxmox; proxmox.onboot()"]
 
     def start_sshd(self) -> None:
         proc = subprocess.Popen(
@@ -1224,6 +1234,10 @@ class Supervisor:
                 self.sshd = None
             if pid == self.standins:
                 self.standins = None
+            if self.guests is not None and pid == self.guests.pid:  # the boot's jobs are done: `systemctl is-system-running` says running
+                self.guests = None
+                (self.root / BOOT_JOBS).unlink(missing_ok=True)
+                log(f"{self.spec['name']}: onboot guests started")
 
     def kill_all(self) -> None:
         """SIGKILL every process of the twin but this one; wait until all are reaped."""
@@ -1247,6 +1261,7 @@ class Supervisor:
             self.reap()
         self.sshd = None
         self.standins = None
+        self.guests = None
 
     def mount_all(self) -> None:
         root, hw = self.root, self.root / "var/lib/twin/hw"

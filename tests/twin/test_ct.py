@@ -154,6 +154,8 @@ def test_ct_files_survive_a_twin_reboot_and_its_dev_follows_the_boot(twin):
     while len(boots.read_text().splitlines()) == before:
         assert time.monotonic() < deadline, "the twin did not reboot"
         time.sleep(0.2)
+    # sshd answers before the boot's onboot starts are done (as on a real node): wait for them
+    assert sh(twin, "systemctl is-system-running --wait").stdout == "running\n"
     assert sh(twin, "pct status 200").stdout == "status: running\n"
     assert sh(twin, "pct exec 200 -- nvidia-smi -L").stdout == listed(twin, 2, 5, 6)
     assert sh(twin, "pct exec 200 -- ls /root").stdout == "NVIDIA.run\nmade-in-ct\nother.run\n"

@@ -33,14 +33,18 @@ def ssh(twin, command: str) -> str:
                           text=True, timeout=60).stdout
 
 
-def reboot(twin, boot: int) -> None:
-    """The twin's reboot stand-in asks the supervisor; back once it has booted the `boot`th time."""
+def reboot(twin, boot: int, settle: bool = True) -> None:
+    """The twin's reboot stand-in asks the supervisor; back once it has booted the `boot`th time
+    (its sshd answers) and, with `settle`, its onboot guests are started (`systemctl
+    is-system-running --wait`, as the product waits after a reboot)."""
     request = Path(twin.root) / runtime.REBOOT_REQUEST
     ssh(twin, "reboot")
     deadline = time.monotonic() + 60
     while (request.exists() or boots(twin) < boot) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert boots(twin) == boot
+    if settle:
+        assert ssh(twin, "systemctl is-system-running --wait") == "running\n"
 
 
 def vm_state(twin) -> dict:
@@ -110,3 +114,25 @@ def test_pct_start_leaves_an_init_in_the_cts_root_that_stop_and_reboot_end(twin_
     ssh(twin, "pct stop 200")
     assert ct_state(twin) == {200: "stopped"} and ssh(twin, "lxc-info -n 200 -p -H") == ""
     assert ssh(twin, f"[ -e /proc/{after} ] && echo alive || true").strip() == ""
+
+
+def test_ssh_answers_while_the_boot_still_starts_its_onboot_guests(twin_factory):
+    """On a real node nothing orders sshd after pve-guests.service (pve-manager services/
+    pve-guests.service: a oneshot running startall, TimeoutSec=infinity): a login right after a
+    reboot can find an onboot guest not started yet, and `systemctl is-system-running` says
+    "starting" (exit 1) until startall is done, "running" (exit 0) after; `--wait` blocks until then."""
+    twin = twin_factory("kpro6", name="bootwait")
+    ssh(twin, "qm set 300 --onboot 1 --startup order=1,up=2 && pct set 200 --onboot 1 --startup order=2")
+    assert ssh(twin, "systemctl is-system-running") == "running\n"
+    reboot(twin, 2, settle=False)
+    # VM 300 starts first, then startall waits its up=2 before CT 200: the login comes meanwhile
+    r = subprocess.run(runtime.ssh_command(twin.name, ["systemctl is-system-running; echo rc=$?; pct status 200"]),
+                       capture_output=True, text=True, timeout=60)
+    assert r.stdout == "starting\nrc=1\nstatus: stopped\n", r.stdout + r.stderr
+    t0 = time.monotonic()
+    assert ssh(twin, "systemctl is-system-running --wait; echo rc=$?; pct status 200") == (
+        "running\nrc=0\nstatus: running\n")
+    assert time.monotonic() - t0 > 0.5, "--wait blocked until the boot's starts were done"
+    assert ssh(twin, "systemctl is-system-running -q; echo rc=$?") == "rc=0\n"
+    assert [line.split(" ", 1)[1] for line in (Path(twin.root) / "var/lib/twin/guests.log").read_text().splitlines()[-2:]] == [
+        "onboot qemu 300", "onboot lxc 200"]

@@ -695,3 +695,23 @@ def test_zpool_get_prints_feature_states_as_openzfs_does_and_findmnt_the_zfs_roo
     assert r.returncode == 1 and "cannot open 'tank': no such pool" in r.stderr
     assert run(root, "findmnt", "-n", "-o", "FSTYPE", "/", check=True).stdout == "zfs\n"
     assert run(root, "findmnt", "-n", "-o", "SOURCE", "/", check=True).stdout == "rpool/ROOT/pve-1\n"
+
+
+def test_is_system_running_says_starting_while_the_boot_jobs_run(root):
+    """systemd's `systemctl is-system-running` (src/systemctl/systemctl-is-system-running.c):
+    the manager's state, exit 0 only for "running"; `--wait` blocks while it is still starting.
+    The twin's boot jobs are its onboot guest starts (tests/twin/runtime.py Supervisor.boot)."""
+    import threading
+
+    marker = root / "run/twin/boot-jobs"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text("pve-guests.service\n")
+    r = run(root, "systemctl", "is-system-running")
+    assert (r.returncode, r.stdout) == (1, "starting\n")
+    assert run(root, "systemctl", "is-system-running", "--quiet").stdout == ""
+    threading.Timer(0.5, marker.unlink).start()
+    t0 = time.monotonic()
+    r = run(root, "systemctl", "is-system-running", "--wait")
+    assert (r.returncode, r.stdout) == (0, "running\n") and time.monotonic() - t0 >= 0.5
+    r = run(root, "systemctl", "is-system-running")
+    assert (r.returncode, r.stdout) == (0, "running\n")

@@ -225,3 +225,15 @@ def test_the_guests_a_boot_leaves_stopped_are_the_running_ones_without_onboot():
     ha = {"vm:301": {"type": "vm", "id": 301, "state": "started", "options": {}},
           "ct:200": {"type": "ct", "id": 200, "state": "ignored", "options": {}}}
     assert not_started_at_boot(guests, configs, ha) == [Guest("qemu", 304), Guest("lxc", 200)]
+
+
+def test_the_boot_wait_is_bounded_and_only_a_state_still_booting_is_a_problem():
+    from plan.reboot import boot_wait_command, boot_wait_problem
+
+    assert boot_wait_command(300) == "timeout 300 systemctl is-system-running --wait || true"
+    # systemd's states after its boot transaction (systemctl is-system-running): done, whichever
+    for state in ("running", "degraded", "maintenance", "stopping"):
+        assert boot_wait_problem([state]) is None
+    assert boot_wait_problem(["starting"]) == "systemd says 'starting'"
+    assert boot_wait_problem(["initializing"]) == "systemd says 'initializing'"
+    assert boot_wait_problem([]) == "no state from systemd"  # timeout killed the wait

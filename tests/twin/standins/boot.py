@@ -11,6 +11,8 @@ grub-probe         --target=abstraction only (the profile's boot.grubenv_abstrac
 bootctl            set-oneshot | set-default: the EFI variable, in the twin's NVRAM
                    (/var/lib/twin/efivars, read and cleared by the twin's boot)
 reboot, shutdown -r, systemctl reboot   ask the twin's supervisor for a reboot (TWIN-CONTRACT)
+systemctl is-system-running [--wait]     "starting" while the boot's onboot guest starts run, then
+                   "running" (tests/twin/runtime.py Supervisor.boot)
 
 zz-proxmox-boot    the kernel hook (/etc/kernel/postinst.d, postrm.d) a kernel package's postinst runs
 
@@ -489,10 +491,30 @@ def request_reboot(how):
     return 0
 
 
+# Written by the twin's supervisor (tests/twin/runtime.py Supervisor.boot) before sshd starts and
+# removed once the boot's jobs (the onboot guest starts, as pve-guests.service) are done.
+BOOT_JOBS = "/run/twin/boot-jobs"
+
+
+def is_system_running(argv):
+    """`systemctl is-system-running [--wait] [-q]`: "starting" while the boot's jobs run, then
+    "running"; exit 0 only for "running"; --wait blocks while the boot is not done."""
+    # systemd src/systemctl/systemctl-is-system-running.c verb_is_system_running: with --wait and the
+    # state "initializing"/"starting" it waits for the manager's StartupFinished, then prints the state
+    while "--wait" in argv and os.path.exists(twinstate.path(BOOT_JOBS)):
+        time.sleep(0.1)
+    state = "starting" if os.path.exists(twinstate.path(BOOT_JOBS)) else "running"
+    if "-q" not in argv and "--quiet" not in argv:
+        print(state)
+    return 0 if state == "running" else 1
+
+
 def systemctl(argv):
     verbs = [a for a in argv if not a.startswith("-")]
     if verbs[:1] == ["reboot"]:
         return request_reboot("systemctl " + " ".join(argv))
+    if verbs[:1] == ["is-system-running"]:
+        return is_system_running(argv)
     for real in ("/usr/bin/systemctl", "/bin/systemctl"):
         if os.path.exists(real) and os.path.realpath(real) != os.path.realpath(sys.argv[0]):
             os.execv(real, [real] + argv)

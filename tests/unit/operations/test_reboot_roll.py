@@ -77,3 +77,34 @@ def test_after_a_single_hosts_reboot_the_guests_its_boot_left_stopped_start_agai
     assert host.ran == ["qm start 301", "pct start 200"]
     assert "kpro6: CT 200 ran before the reboot but did not start after it: startup for container '200' failed" \
         in caplog.text
+
+
+def test_after_the_reconnect_the_boot_is_waited_for_and_a_slow_one_is_a_warning(caplog):
+    """sshd answers while pve-guests.service still starts the onboot guests (pve-manager
+    services/pve-guests.service): the stage waits for systemd's boot, bounded, and a boot still
+    not done is a warning naming the host, not a failed host."""
+    from tests.unit.operations.oprun import run_op
+
+    cmds, _ = run_op(reboot.wait_boot_done, 300, render=None)
+    assert [(c.function, c.args) for c in cmds] == [(reboot.boot_done_or_warn, (300,))]
+    wait = "timeout 300 systemctl is-system-running --wait || true"
+    for said in ("running", "degraded"):  # a failed unit's "degraded" is a finished boot too
+        host = FakeHost("kpro6", {wait: (True, said)})
+        assert reboot.boot_done_or_warn(None, host, 300) is True
+        assert host.ran == [wait]
+    assert "guests may still be starting" not in caplog.text
+    for said, seen in (("", "no state from systemd"), ("starting", "systemd says 'starting'")):
+        host = FakeHost("kpro6", {wait: (True, said)})
+        assert reboot.boot_done_or_warn(None, host, 300) is True  # the run goes on
+        assert (f"kpro6: the boot was not done 300 s after the reconnect ({seen}): guests may still be starting "
+                "(pve-guests.service)") in caplog.text
+
+
+def test_a_roll_waits_for_the_boot_once_the_node_is_back_and_before_its_checks_and_guests():
+    from tests.unit.operations.oprun import run_op
+
+    cmds, _ = run_op(reboot.cluster_reboot, "c1", "a", 240, ["nvidia 595.71.05"], None, "migrate", render=None)
+    steps = [c.function for c in cmds if getattr(c, "function", None) in (
+        reboot.wait_rejoined, reboot.boot_done_or_warn, reboot.roll_checks, reboot.restore_guests)]
+    assert steps == [reboot.wait_rejoined, reboot.boot_done_or_warn, reboot.roll_checks, reboot.restore_guests]
+    assert next(c.args for c in cmds if getattr(c, "function", None) is reboot.boot_done_or_warn) == (240,)
