@@ -110,12 +110,15 @@ def boot_done_or_warn(state, host, timeout: int) -> bool:
 
 
 @operation(is_idempotent=False)
-def wait_boot_done(timeout: int):
-    """After a single host's reboot: wait until its boot is done (`boot_done_or_warn`), so that the
-    steps after it (the guests' start, the stages' after_reboot) see the guests its boot starts.
+def reboot_until_booted(timeout: int, delay: int = 5, interval: int = 2, reboot_timeout: int = REBOOT_TIMEOUT_S):
+    """A single host's reboot: pyinfra's server.reboot (reboot, reconnect), then wait until its boot
+    is done (`boot_done_or_warn`), so that the steps after it (the guests' start, the stages'
+    after_reboot) see the guests its boot starts. One operation, as a roll's `cluster_reboot`.
 
-    + timeout: seconds to wait after the reconnect (reboot.rejoin_timeout)
+    + timeout: seconds to wait for the boot after the reconnect (reboot.rejoin_timeout)
+    + delay, interval, reboot_timeout: server.reboot's
     """
+    yield from server.reboot._inner(delay=delay, interval=interval, reboot_timeout=reboot_timeout)
     yield FunctionCommand(boot_done_or_warn, (timeout,), {})
 
 
@@ -394,9 +397,7 @@ def apply(spec: HostSpec) -> None:
     trial = trial_boot_of()
     left_stopped = warn_not_started_at_boot() if view.name is None or width == 0 or spec.reboot.guests == "stop" else []
     if view.name is None or width == 0:
-        server.reboot(name=name, delay=5, interval=2, reboot_timeout=REBOOT_TIMEOUT_S)
-        wait_boot_done(name="Wait until the boot has started its guests (systemctl is-system-running --wait)",
-                       timeout=spec.reboot.rejoin_timeout)
+        reboot_until_booted(name=name, timeout=spec.reboot.rejoin_timeout)
         if left_stopped:
             start_after_reboot(name="Start the guests that ran before the reboot: " + ", ".join(g.label for g in left_stopped),
                                guests=left_stopped, api=api_of(spec, node_of(spec)))
