@@ -20,15 +20,28 @@ BESIDE=(tests/e2e/test_api_e2e.py tests/e2e/test_backups_e2e.py tests/e2e/test_r
         tests/e2e/test_host_checks_e2e.py tests/e2e/test_ct_userspace_e2e.py)
 mkdir -p .cache
 start=$(date +%s)
-bash scripts/lint.sh || { echo "pvegpu: lint failed (scripts/lint.sh); no test ran" >&2; exit 1; }
-# The twin root cache is shared by the runs: build it once, first.
-for suite in bookworm trixie; do  # bookworm: Proxmox VE 8 profiles; trixie: kpro6-pve9
-  tests/twin/twinctl cache --suite "$suite" >/dev/null || { echo "pvegpu: could not build the twin root cache ($suite)" >&2; exit 1; }
-done
+cache() {  # the twin root cache is shared by the runs: built once, before the tests that use it
+  tests/twin/twinctl cache --suite "$1" >/dev/null || { echo "pvegpu: could not build the twin root cache ($1)" >&2; return 1; }
+}
+# lint (CPU) beside the bookworm root's build (debootstrap: mostly network and disk); still no test
+# starts before lint is clean
+lint_log=.cache/lint.log
+bash scripts/lint.sh >"$lint_log" 2>&1 &
+lint_pid=$!
+cache bookworm  # Proxmox VE 8 profiles
+bookworm_rc=$?
+wait "$lint_pid"
+lint_rc=$?
+cat "$lint_log"
+[ "$lint_rc" = 0 ] || { echo "pvegpu: lint failed (scripts/lint.sh); no test ran" >&2; exit 1; }
+[ "$bookworm_rc" = 0 ] || exit 1
 builds_log=.cache/test-builds.log
 unit_log=.cache/test-unit.log
+# the builds start now: their first ~12 min need only bookworm's root (test_driver_build_trixie.py
+# waits on the cache lock if it got there first)
 "$PYTEST" -p no:cacheprovider "${BUILDS[@]}" "$@" >"$builds_log" 2>&1 &
 builds_pid=$!
+cache trixie || { kill -INT "$builds_pid"; wait "$builds_pid"; exit 1; }  # kpro6-pve9
 "$PYTEST" -p no:cacheprovider tests/unit "${BESIDE[@]}" --durations=10 "$@" >"$unit_log" 2>&1 &
 unit_pid=$!
 ignores=()
