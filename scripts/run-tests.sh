@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # `make test`: lint and types first (scripts/lint.sh: ruff, mypy, shellcheck; any finding fails
-# the run before a test starts), then every test, on a fresh machine, in ~40 minutes on 2 cores (the builds process is the long pole).
+# the run before a test starts), then every test, in ~33 minutes on this 2-core machine while other
+# sessions' tests took ~23% of its CPU (1987 s on 2026-12-04 17:50 UTC; was 2320-2501 s): the run's own
+# CPU is 2918 s, so ~25-28 min where it has the cores alone. The builds process is the long pole.
 # Three pytest processes run side by side, each with its own log, and all must pass:
 #   builds  the real builds (NVIDIA modules on bookworm and on trixie, a kernel): CPU-bound, long
 #   unit    tests/unit (no twin), then the end-to-end files of BESIDE: a third of the unit
 #           tests' time is waiting (timeouts, sleeps), and the e2e runs mostly wait on SSH
 #   twins   tests/twin and the other end-to-end files, in the foreground
-# BESIDE moves ~9 of the ~24 minutes of twin and e2e tests (last CI, 2 cores beside the builds)
-# to the unit process, so that the two end within minutes of each other; a new e2e file runs
-# in the twins process. Twins of the processes never clash: a twin's address is picked under
+# BESIDE moves ~9 of the twin and e2e tests' minutes to the unit process, so that the two end
+# within minutes of each other (2026-12-04 17:50 UTC: unit 1298 s, twins 1658 s, builds 1983 s:
+# NVIDIA on bookworm 945 s, on trixie 741 s, the kernel ~300 s); a new e2e file runs in the twins
+# process. Twins of the processes never clash: a twin's address is picked under
 # .twin/.lock and every fixed twin name is one test's, the others hold the pytest pid
 # (tests/twin/fixtures.py). Extra arguments go to every pytest run.
 set -uo pipefail

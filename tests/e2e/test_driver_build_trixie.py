@@ -143,7 +143,7 @@ def test_595_builds_for_trixie_6_12_and_is_refused_for_7_x(trixie_twin, tmp_path
     inventory = trixie_twin[3]
     root = Path(twin.root)
 
-    # 1. the real build for trixie's 6.12 with GCC 14 (src/ ~10 min on two idle cores; an hour for a shared machine)
+    # 1. the real build for trixie's 6.12 with GCC 14 (src/ ~4 min alone on two cores; an hour for a shared machine)
     run = run_pyinfra(inventory, STAGE_DEPLOY, env=STAGES, timeout=3600)
     assert run.rc == 0, run.output[-5000:]
     builds = ku.twin_sh(twin, "cat /var/tmp/pvegpu/nvidia-build.log").splitlines()  # the build's own notes
