@@ -4,23 +4,38 @@ What is built: NVIDIA's open GPU kernel modules, open-gpu-kernel-modules 595.45.
 tag archive (`scripts/fetch-upstream.sh open-gpu-kernel-modules-595.45.04`: by URL + sha256,
 or the file of that sha256 in ../shared/sources/), served to the twin as a local path with its
 sha256, through the stage's own build: src/nvidia and src/nvidia-modeset (C and C++, gcc-12 and
-g++-12, ccache) once, then kernel-open/ for two releases whose real Debian headers are in the
-twin root: 6.1.0-57-amd64 and bookworm-security's 6.12 (the closest Debian kernel to Proxmox's
-6.14). No stubs: real compilers, real headers, real kbuild, objtool and modpost. ~10-20 min on
-two cores, most of it src/.
+g++-12, ccache) once, then kernel-open/ (its own copy beside the shared src/ objects) for Debian's
+6.1.0-57-amd64, whose real headers are in the twin root; bookworm-security's 6.12 headers, also
+there, serve the refusals before the build. No stubs: real compilers, real headers, real kbuild,
+objtool and modpost. 945 s in `make test` beside the other processes (src/ ~470 s, kernel-open/
+~420 s; 1102 s before, with the second release and the rebuild, alone on the builds lane).
+
+Built for one release only, and no ccache-answered rebuild here (CI time, scripts/run-tests.sh): the
+second release cost ~4.5 min of two cores, the rebuild ~1.5 min, and both prove what CI proves
+elsewhere:
+- src/ compiled once and its objects reused for a second release: the rendered build script, run
+  for two releases (tests/unit/operations/test_nvidia_ops.py,
+  test_open_tree_src_built_once_for_two_releases_stripped_then_signed: one src/ make, "src/
+  objects reused" on the second, each release stripped and signed); the copied kernel-open/ linked
+  to the shared src/ objects is what the real 6.1 build below compiles;
+- one converge planning, building, installing and depmod-ing two releases: tests/unit/test_plan_nvidia.py
+  (test_recorded_state_of_two_releases_builds_both_with_one_gcc_and_gxx) and
+  tests/unit/operations/test_nvidia_ops.py (test_one_depmod_for_every_release_installed_before_the_version_check);
+- 595.45.04's kernel-open/ against a 6.12 kernel with real kbuild: tests/e2e/test_driver_build_trixie.py
+  (trixie's 6.12, GCC 14);
+- a rebuild answered by ccache: test_driver_build_trixie.py again, the kernel hook's build for a 7.x
+  kernel compiles src/ again from the cache the converge's build left (over 1000 hits, misses under
+  a fifth; tests/unit/test_ccache_stats.py shows the hit counting failing on a cold cache's stats).
 
 The twin is kpro6 (RTX PRO 6000 Blackwell) with Secure Boot on (the EFI variable), so the
 modules are signed with a key made in the twin and the kernel's scripts/sign-file.
 
 One twin, in order: refusals before any build (Secure Boot without a signing key, objtool
--Werror kernel, headers missing for a release, g++ missing, g++ of another version), each
-changing nothing; the real build + install for both releases (five modules each: version,
-vermagic, firmware lines, signer, no debug info; src/ reused for the second release); the
-options file and boot unit; the host checks of the stage; checksum, toolchain and firmware
-refusals for another version, each leaving the installed modules byte-for-byte untouched; a
-second run that compiles nothing and changes nothing; a rebuild for one release whose modules
-were removed, answered by ccache (hits > 0: tests/unit/test_ccache_stats.py shows the check
-failing on a cold cache's stats).
+-Werror kernel (the 6.12 headers), headers missing for a release, g++ missing, g++ of another
+version), each changing nothing; the real build + install (five modules: version, vermagic,
+firmware lines, signer, no debug info); the options file and boot unit; the host checks of the
+stage; checksum, toolchain and firmware refusals for another version, each leaving the installed
+modules byte-for-byte untouched; a second run that compiles nothing and changes nothing.
 """
 
 from __future__ import annotations
@@ -186,17 +201,16 @@ def test_driver_builds_installs_refuses_and_skips(driver_twin, tmp_path):
     assert installed_state(twin, releases) == empty
     assert twin_sh(twin, "ls /var/tmp/pvegpu/nvidia-build 2>/dev/null || true").strip() == ""
 
-    # 2. the real build and install, both releases from one source
-    # ~13 min on two idle cores; an hour leaves room for a machine whose cores are shared
+    # 2. the real build and install, for 6.1 (the second release's build is proven elsewhere: the docstring)
+    # ~12 min on two idle cores; an hour leaves room for a machine whose cores are shared
+    releases = [first]
     run = deploy(tmp_path, twin, nvidia_spec(releases, sha), timeout=3600)
     assert run.rc == 0, run.output[-5000:]
     builds = twin_sh(twin, "cat /var/tmp/pvegpu/nvidia-build.log").splitlines()  # the build's own notes
     assert builds[0] == (f"pvegpu: building nvidia {VERSION} src/ (nv-kernel.o, nv-modeset-kernel.o) "
                          "with gcc-12 and g++-12"), builds
     assert builds[1].startswith(f"pvegpu: building nvidia {VERSION} for {first} in ") and "reused" not in builds[1]
-    assert builds[2].startswith(f"pvegpu: building nvidia {VERSION} for {second} in ") \
-        and builds[2].endswith(", src/ objects reused"), builds
-    assert len(builds) == 3, f"src/ was compiled more than once: {builds}"
+    assert len(builds) == 2, f"src/ was compiled more than once: {builds}"
     for release in releases:
         for module in MODULES:
             info = twin_sh(twin, f"modinfo -k {release} {module}")
@@ -285,13 +299,3 @@ def test_driver_builds_installs_refuses_and_skips(driver_twin, tmp_path):
     assert installed_state(twin, releases) == before
     assert twin_sh(twin, "ls /var/tmp/pvegpu/nvidia-build 2>/dev/null || true").strip() == ""
     assert ccache_compiles(twin_sh(twin, CCACHE_STATS)) == ccache_compiles(ccache_before), "the second run ran the compiler"
-
-    # 8. a rebuild of the same source for the same kernel (its modules gone) comes from the cache:
-    #    ccache hits > 0 (a first build's stats show misses only: "cache_miss" printed proves nothing)
-    twin_sh(twin, f"rm -rf /lib/modules/{first}/updates/pvegpu-nvidia && depmod {first}")
-    before_rebuild = twin_sh(twin, CCACHE_STATS)
-    run = deploy(tmp_path, twin, full, timeout=3600)
-    assert run.rc == 0, run.output[-3000:]
-    hits = ccache_hits(twin_sh(twin, CCACHE_STATS)) - ccache_hits(before_rebuild)
-    assert hits > 0, f"the rebuild of {first} got no ccache hit"
-    assert twin_sh(twin, f"modinfo -k {first} -F version nvidia").strip() == VERSION

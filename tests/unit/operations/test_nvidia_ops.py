@@ -6,6 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
 from pyinfra.context import ctx_host, ctx_state
 from pyinfra_testing.util import FakeState, create_host
 
@@ -226,10 +227,40 @@ def test_build_command_uses_kernel_compiler_ccache_and_jobs():
                                 "gcc-12", 3, ccache=True)
     assert "\nR=6.1.0-57-amd64\n" in command  # the release the script builds for (the kernel hook sets R itself)
     assert '-j3 modules KERNEL_UNAME="$R" CC=gcc-12 ' in command
-    assert ("PATH=/usr/lib/ccache:$PATH CCACHE_DIR=/var/cache/pvegpu/ccache "
+    assert ("PATH=/usr/lib/ccache:$PATH CCACHE_DIR=/var/cache/pvegpu/ccache CCACHE_DEPEND=1 "
             "CCACHE_IGNOREOPTIONS='-DKBUILD_BASENAME=\"#conftest* -DKBUILD_MODNAME=\"#conftest*' make") in command
     plain = ops.build_command("/a", "1", "r", "gcc-12", 1, ccache=False, conftest_cache=False)
     assert "CC=gcc-12" in plain and "ccache" not in plain and "conftest" not in plain
+
+
+@pytest.mark.skipif(not Path("/usr/lib/ccache/gcc").exists(), reason="needs ccache's masquerade dir (apt install ccache)")
+def test_a_build_under_another_locale_hits_the_cache(tmp_path, monkeypatch):
+    """The kernel hook builds under apt in the operator's session (LANG sent over ssh), the converge
+    without LANG; ccache hashes the locale variables, so the script fixes them: the second build,
+    under another LANG, is answered from the cache (real ccache and gcc; on the code before, 2 misses).
+    The cold compile takes its key from kbuild's -Wp,-MMD file (depend mode), not a second preprocessor
+    run (ccache's debug log; on the code before: "Running preprocessor")."""
+    archive, env = conftest_build(tmp_path, monkeypatch)
+    monkeypatch.setattr(ops, "CCACHE_DIR", str(tmp_path / "ccache"))
+    (tmp_path / "a.c").write_text("int twice(int x) { return 2 * x; }\n")
+    make = Path(env["PATH"].split(":")[0]) / "make"  # the fake make compiles one file with the build's $PATH gcc
+    make.write_text(f"#!/bin/sh\nset -e\ncd \"$2\"\ngcc -Wp,-MMD,.a.o.d -c {tmp_path / 'a.c'} -o a.o\nmkdir -p conftest\ntouch nvidia.ko\n")
+    command = ops.build_command(str(archive), "535.309.01", "6.1.0-57-amd64", "gcc", 2, ccache=True, conftest_cache=False)
+    for lang in (None, "C.UTF-8"):
+        run_env = {k: v for k, v in env.items() if k not in ("LANG", "LC_ALL", "LC_CTYPE", "LC_MESSAGES")}
+        if lang:
+            run_env["LANG"] = lang
+        else:
+            run_env["CCACHE_DEBUG"] = "1"  # the cold compile's log lands beside a.o (kept in the build's tree)
+            run_env["CCACHE_DEBUGDIR"] = str(tmp_path / "ccache-debug")
+        done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=run_env)
+        assert done.returncode == 0, done.stderr
+    [log] = (tmp_path / "ccache-debug").rglob("*.ccache-log")
+    assert "Got result key from dependency file" in log.read_text(), log.read_text()[-2000:]
+    stats = subprocess.run(["ccache", "--print-stats"], capture_output=True, text=True, check=True,
+                           env={**os.environ, "CCACHE_DIR": str(tmp_path / "ccache")}).stdout
+    counters = dict(line.split("\t") for line in stats.splitlines() if "\t" in line)
+    assert (int(counters["cache_miss"]), int(counters["direct_cache_hit"])) == (1, 1), stats
 
 
 def test_conftest_pid_in_cflags_does_not_defeat_ccache(tmp_path):
