@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from facts.shell import word
 from plan.guest_control import KIND_LABEL, config_lock, ha_resource, lock_refusal
 
 
@@ -130,7 +130,7 @@ def boot_wait_command(timeout: int) -> str:
     so systemd's boot is "starting" until startall and its `up=` delays are over, and nothing
     orders sshd after it: pve-manager services/pve-guests.service). Always exits 0; the last line
     is the state systemd ends with, none when the wait timed out (`boot_wait_problem`)."""
-    return f"timeout {shlex.quote(str(int(timeout)))} systemctl is-system-running --wait || true"
+    return f"timeout {word(int(timeout))} systemctl is-system-running --wait || true"
 
 
 def boot_wait_problem(stdout_lines: list[str]) -> str | None:
