@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `make test`: lint and types first (scripts/lint.sh: ruff, mypy, shellcheck; any finding fails
-# the run before a test starts), then every test, in ~33 minutes on this 2-core machine while other
-# sessions' tests took ~23% of its CPU (1987 s on 2026-12-04 17:50 UTC; was 2320-2501 s): the run's own
-# CPU is 2918 s, so ~25-28 min where it has the cores alone. The builds process is the long pole.
+# the run before a test starts), then every test, in ~28 minutes on a fresh 2-core machine (fresh-clone
+# CI 1675 s on 2026-12-04 18:43 UTC; 1987 s at 17:50 in a worktree while other sessions' tests took ~23%
+# of the CPU; was 2320-2501 s): the three processes now end within a minute of each other.
 # Three pytest processes run side by side, each with its own log, and all must pass:
 #   builds  the real NVIDIA builds (on bookworm and on trixie): CPU-bound, long
 #   unit    tests/unit (no twin), then the end-to-end files of BESIDE, the real kernel build last: a third of the unit
