@@ -84,6 +84,7 @@ printf 'ended=%%s\nhow=%%s\n' "$(date -u +%%Y-%%m-%%dT%%H:%%M:%%SZ)" "$how" >> "
 """
 
 _HELD: dict[str, _Keeper] = {}  # host name -> its keeper, alive for the whole run
+_PENDING: dict[str, _Keeper] = {}  # host name -> a keeper `begin` started, its answer not read yet
 
 
 def whoami() -> dict[str, str]:
@@ -241,13 +242,31 @@ class _Keeper:
             pass
 
 
+def begin(host) -> None:
+    """Start this host's keeper without waiting for its answer: the keeper takes the lock on the
+    host while the run goes on with work that reads nothing of the host (deploy.py loads its
+    stages meanwhile); `hold` then reads the answer. Nothing may be read from the host between
+    the two. A run that stops before `hold` calls `abandon`."""
+    if host.name not in _HELD and host.name not in _PENDING:
+        _PENDING[host.name] = _Keeper(host, keeper_command(whoami()))
+
+
+def abandon(host) -> None:
+    """Let go of a keeper `begin` started for a run that stops before `hold` (its lock, if the
+    keeper got it, goes with it and its record is removed)."""
+    keeper = _PENDING.pop(host.name, None)
+    if keeper is not None:
+        keeper.release()
+
+
 def hold(host, log) -> None:
-    """Take this host's run lock for the rest of the run, or raise DeployError naming the holder.
+    """Take this host's run lock for the rest of the run (the keeper `begin` started, else a new
+    one), or raise DeployError naming the holder.
 
     `log(line)` reports a stale holder that is taken over."""
     if host.name in _HELD:
         return
-    keeper = _Keeper(host, keeper_command(whoami()))
+    keeper = _PENDING.pop(host.name, None) or _Keeper(host, keeper_command(whoami()))
     state, info, stale = parse_reply(keeper.first_lines(log))
     if state == "held":
         keeper.release()

@@ -132,3 +132,60 @@ def test_wait_is_said_as_it_happens():
     lines = runlock._Keeper.first_lines(Reader(), said.append)  # type: ignore[arg-type]
     assert runlock.parse_reply(lines)[0] == "locked"
     assert said and "rebind transaction" in said[0] and said[0].startswith("kpro6: ")
+
+
+class _FakeKeeper:
+    """Stands in for runlock._Keeper: records when it is started, read and released."""
+
+    events: list[str] = []
+
+    def __init__(self, host, command: str):
+        self.events.append(f"start {host.name}")
+
+    def first_lines(self, log=None) -> list[str]:
+        self.events.append("read")
+        return ["LOCKED 42\n", "END\n"]
+
+    def beat(self) -> None:
+        pass
+
+    def release(self) -> None:
+        self.events.append("release")
+
+
+class _FakeHost:
+    def __init__(self, name: str):
+        self.name = name
+        self.connector = type("Connector", (), {"disconnect": lambda self: None})()
+
+
+@pytest.fixture
+def fake_keeper(monkeypatch):
+    _FakeKeeper.events = []
+    monkeypatch.setattr(runlock, "_Keeper", _FakeKeeper)
+    monkeypatch.setattr(runlock, "_HELD", {})
+    monkeypatch.setattr(runlock, "_PENDING", {})
+    monkeypatch.setattr(runlock.atexit, "register", lambda f: None)
+    return _FakeKeeper.events
+
+
+def test_begin_starts_the_keeper_and_hold_reads_its_answer(fake_keeper):
+    """deploy.py starts the keeper before it loads the stages: the keeper takes the lock on the host
+    meanwhile, and only `hold` waits for its answer (one keeper, not a second one)."""
+    host = _FakeHost("kpro6")
+    runlock.begin(host)
+    assert fake_keeper == ["start kpro6"], "begin starts the keeper and does not wait for it"
+    runlock.hold(host, lambda line: None)
+    assert fake_keeper == ["start kpro6", "read"]
+    assert "kpro6" in runlock._HELD and "kpro6" not in runlock._PENDING
+    runlock.begin(host)  # held already: no second keeper
+    assert fake_keeper == ["start kpro6", "read"]
+
+
+def test_a_run_that_stops_before_hold_lets_its_keeper_go(fake_keeper):
+    host = _FakeHost("kpro6")
+    runlock.begin(host)
+    runlock.abandon(host)
+    assert fake_keeper == ["start kpro6", "release"] and runlock._PENDING == {}
+    runlock.hold(host, lambda line: None)  # a later hold starts its own keeper
+    assert fake_keeper == ["start kpro6", "release", "start kpro6", "read"]
