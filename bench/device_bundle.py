@@ -13,7 +13,8 @@ and a twin's root (the cache under .cache/twin) is ~900 MB, so the bundle carrie
 twin opens:
 
 1. Two kpro6 twins are started, converged from scratch, converged twice more (no change) and
-   once more alone, all under `strace -f -e trace=%file,execve`: every path any process asked
+   once more alone, then CT 200 is started on the first and it is converged again with its
+   Proxmox CLIs delayed, and a bare `pyinfra fact` is run against it (the converge bench), all under `strace -f -e trace=%file,execve`: every path any process asked
    for (the twins' sshd, shells, programs, stand-ins, and the runtime writing their roots).
 2. Those paths are resolved inside the cached root (each symlink on the way and its target);
    every one that exists there is kept: files, links and the directories on their way, not
@@ -61,18 +62,30 @@ _STRING = re.compile(r'"((?:[^"\\]|\\.)*)"')
 
 
 def trace_lifecycle(trace: Path) -> None:
-    """Start two twins, converge, converge twice more, once alone; all under strace."""
+    """Start two twins, converge, converge twice more, once alone, then the converge bench's steps
+    on the first (CT 200 started, a converge with delayed Proxmox CLIs, a bare fact); all under strace."""
     script = (
         f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
         "from tests.twin import runtime\n"
         "from tests.e2e.harness import run_pyinfra\n"
         f"names = {TRACE_TWINS!r}\n"
-        "for n in names: runtime.start(n, 'kpro6')\n"
+        "import subprocess\n"
+        "twins = [runtime.start(n, 'kpro6') for n in names]\n"
         "try:\n"
         "    for env in [names, names, names, names[:1]]:\n"
         "        r = run_pyinfra('inventories/twin.py', 'deploy.py', env={'PVEGPU_TWINS': ','.join(env)})\n"
         "        print('converge', env, 'rc', r.rc, 'changed', r.changed, flush=True)\n"
         "        assert r.rc == 0, r.output[-3000:]\n"
+        # the converge bench's steps (bench/run.py bench_converge): CT 200 started, a converge with
+        # the Proxmox CLIs delayed, a bare fact
+        "    runtime.set_pve_delay(twins[0].root, 0.4)\n"
+        "    subprocess.run(runtime.ssh_command(names[0], ['pct start 200']), check=True, timeout=120)\n"
+        "    for _ in range(2):\n"
+        "        r = run_pyinfra('inventories/twin.py', 'deploy.py', env={'PVEGPU_TWINS': names[0]})\n"
+        "        print('converge with CT 200 running rc', r.rc, 'changed', r.changed, flush=True)\n"
+        "        assert r.rc == 0, r.output[-3000:]\n"
+        "    from bench.run import _bare_fact\n"
+        "    print('bare fact', _bare_fact(twins[0]), flush=True)\n"
         "finally:\n"
         "    for n in names: runtime.stop(n)\n"
     )
