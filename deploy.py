@@ -30,7 +30,7 @@ from compat.gc_after_planning import keep_planned_objects
 from compat.pyinfra_speedups import install as install_speedups
 from facts.once import prefetch
 from facts.run_state import run_state
-from operations import MissingStage, load_stages, runlock, upgrade
+from operations import MissingStage, load_stages, run_stages, runlock, upgrade
 from operations.backup import is_dry, show_dry_diffs
 from plan.summary import spec_summary
 
@@ -83,15 +83,12 @@ if refusals:
 prefetch([request for _, module in stages if hasattr(module, "prefetch_apply")
           for request in module.prefetch_apply(spec)])
 
-for _name, module in stages:
-    module.apply(spec)
+run_stages(host, stages, "apply", spec)  # each stage's operations apart from the others' (operations.run_stages)
 
 # The reboot stage reboots the host this run: a stage whose plan reads what a boot changes (the GPUs
 # on their driver, the topology nvidia-smi reports) plans again once the host is back.
 if run_state().rebooting:
-    for _name, module in stages:
-        if hasattr(module, "after_reboot"):
-            module.after_reboot(spec)
+    run_stages(host, stages, "after_reboot", spec)
 
 # --dry: every file and Proxmox config that would change, as a unified diff (operations/backup.py)
 if is_dry():

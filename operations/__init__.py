@@ -39,3 +39,20 @@ def load_stages(stages: list[tuple[str, str]] = STAGES) -> list[tuple[str, Modul
             raise MissingStage(f"pvegpu: stage {name!r}: module {module_name} has no apply(spec)")
         loaded.append((name, module))
     return loaded
+
+
+def run_stages(host, stages: list[tuple[str, ModuleType]], method: str, spec) -> None:
+    """Call each stage's `method` (``apply``, ``after_reboot``; skipped where a stage has none) with
+    `spec`, each under its own place in pyinfra's loop position (`host.loop`).
+
+    pyinfra (3.10, api/operation.py solve_operation_consistency) names an operation by the line
+    numbers of the frames from deploy.py down, without the files: every stage is called from
+    the same line here, so two stages' operations on equal line numbers of their own modules
+    would get one hash, and pyinfra takes operations of one hash on several hosts for ONE
+    operation (its `_serial`/`_parallel` must agree: a cluster run where one node's guest
+    operation and another node's rolling reboot sat on line 412 stopped with "Cannot have
+    different values for `_serial`"). The stage's index in the loop position keeps them apart;
+    the same stage's operation on every host still shares its hash."""
+    for _name, module in host.loop(stages):
+        if hasattr(module, method):
+            getattr(module, method)(spec)
