@@ -62,9 +62,10 @@ def _one_write(script: str) -> str:
     return f"{{ {script}; }} | {_BUFFER}"
 
 
-# The sections run in up to PROBE_GROUPS groups at once (`_grouped`): a probe's ~40 sections one
-# after another took ~175 ms inside the kpro6 twin, in 2-4 groups ~110 ms; each group more costs
-# a fork and three small programs, and a real node (16-128 cores) runs four groups side by side.
+# The sections run in up to PROBE_GROUPS groups at once (`_grouped`): the kpro6 converge's first
+# probe (40 sections) took 172 ms one after another inside the twin, 125 ms in 4 groups (2 and 3
+# groups the same: the twin's 2 cores are busy either way). Each group more costs a few forks, a dd
+# and two cats; a real node (16-128 cores) runs four groups side by side.
 PROBE_GROUPS = 4
 # What a section costs in the split, relative to a plain one (a few builtins, a cat or a grep:
 # ~1-3 ms): each call of a program measured far slower, so that such calls land in different
@@ -111,11 +112,11 @@ def _grouped(runs: list[str], weights: list[int], groups: int) -> str:
     4 MiB; a larger output waits in the pipe, still in order) while `{ cat <&3; cat; }` first
     passes on everything the stages before it print (their pipe, duplicated to fd 3), then the
     held output: the sections come out in their order, byte for byte. Not held in a shell variable
-    (``o=$(group)``): dash drops NUL bytes from a command substitution (expand.c, expbackq) and
-    trailing newlines would need a guard. Each group's stdin is /dev/null (a section that read
-    stdin would take the earlier groups' output) and fd 3 closed; stderr is dropped as each
-    section's. The variables the prelude set before the pipeline are in every stage's copy of
-    the shell."""
+    (``o=$(group)``): dash's command substitution loses NUL bytes and trailing newlines (src/expand.c:
+    expbackq copies through memtodest, which skips NULs, then eats the final newlines). Each
+    group's stdin is /dev/null (a section that read stdin would take the earlier groups' output)
+    and fd 3 closed; stderr is dropped as each section's. The variables the prelude set before
+    the pipeline are in every stage's copy of the shell."""
     starts = split_groups(weights, groups) + [len(runs)]
     stages = []
     for g, (start, end) in enumerate(pairwise(starts)):
@@ -124,12 +125,13 @@ def _grouped(runs: list[str], weights: list[int], groups: int) -> str:
     return " | ".join(stages)
 
 
-def _probe_command(sections, groups: int = PROBE_GROUPS) -> str:
+def _probe_command(sections, groups: int | None = None) -> str:
     """One command for ``[(name, fact class, args, kwargs)]``: each fact's own command after its
-    section marker, the sections in up to `groups` contiguous groups that run at once
-    (`_grouped`; 1: one after another), all output in one write, in the sections' order; a
-    reading several sections take (`uname -r`, dpkg's package list: facts.shared) is taken once
-    before them."""
+    section marker, the sections in up to `groups` (default `PROBE_GROUPS`) contiguous groups
+    that run at once (`_grouped`; 1: one after another), all output in one write, in the
+    sections' order; a reading several sections take (`uname -r`, dpkg's package list:
+    facts.shared) is taken once before them."""
+    groups = PROBE_GROUPS if groups is None else groups
     sections = list(sections)
     runs = [f"echo '{SECTION_MARKER}{name}'; {_section_run(fc, args, kwargs)}" for name, fc, args, kwargs in sections]
     script = "; ".join(runs)
