@@ -12,6 +12,7 @@ connects anywhere.
 from __future__ import annotations
 
 import copy
+import re
 import sys
 from pathlib import Path
 from typing import Any, get_args, get_origin
@@ -44,9 +45,10 @@ class SpecError(Exception):
         return "\n".join(lines)
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys (YAML would silently keep the last one) and turns
-    every failure of a constructor into a YAML error at the node's line."""
+class _SpecConstructor(yaml.constructor.SafeConstructor):
+    """SafeConstructor that refuses duplicate keys (YAML would silently keep the last one) and turns
+    every failure of a constructor into a YAML error at the node's line. Both loaders below build
+    with it, so what a spec becomes does not depend on which parser read it."""
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         try:
@@ -65,6 +67,30 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     None, None, "a lone UTF-16 surrogate (written as an escape like \\ud800) is no character; "
                     "no file or SSH command can hold it", node.start_mark) from None
         return value
+
+
+class _UniqueKeyLoader(yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser, yaml.composer.Composer,
+                       _SpecConstructor, yaml.resolver.Resolver):
+    """PyYAML's pure-Python SafeLoader with the spec's constructor: the reference reading."""
+
+    def __init__(self, stream: str):
+        yaml.reader.Reader.__init__(self, stream)
+        yaml.scanner.Scanner.__init__(self)
+        yaml.parser.Parser.__init__(self)
+        yaml.composer.Composer.__init__(self)
+        _SpecConstructor.__init__(self)
+        yaml.resolver.Resolver.__init__(self)
+
+
+# libyaml's parser (PyYAML's CParser: scanner, parser and composer in C; the resolver and the
+# constructor stay PyYAML's Python ones, as in yaml.CSafeLoader) reads a spec ~10x faster.
+_LIBYAML: bool = bool(getattr(yaml, "__with_libyaml__", False))
+if _LIBYAML:
+    class _CUniqueKeyLoader(yaml.cyaml.CParser, _SpecConstructor, yaml.resolver.Resolver):
+        def __init__(self, stream: str):
+            yaml.cyaml.CParser.__init__(self, stream)
+            _SpecConstructor.__init__(self)
+            yaml.resolver.Resolver.__init__(self)
 
 
 def _scalar(node: yaml.Node) -> str:
@@ -107,7 +133,7 @@ def _key_forms(key: Any) -> list[tuple]:
     return forms
 
 
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False):
+def _construct_mapping(loader: _SpecConstructor, node: yaml.MappingNode, deep: bool = False):
     seen: dict[Any, tuple[Any, int]] = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
@@ -132,7 +158,7 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
     return loader.construct_mapping(node, deep=deep)
 
 
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+_SpecConstructor.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
 # A host spec is a few KiB and a few hundred YAML nodes; these bounds refuse, before anything
@@ -183,7 +209,7 @@ def _check_depth(text: str, path: Path) -> None:
     parser (PyYAML's CSafeLoader, where built with it) gives the same events ~25x faster than the
     pure-Python one; on text it cannot parse, the pure-Python parser checks, so the refusal or the
     composer's own error (with PyYAML's wording) comes as before."""
-    if getattr(yaml, "__with_libyaml__", False):
+    if _LIBYAML:
         try:
             _check_depth_events(yaml.parse(text, Loader=yaml.CSafeLoader), path)
             return
@@ -204,8 +230,38 @@ def _check_depth_events(events, path: Path) -> None:
             depth -= 1
 
 
+# Text libyaml and PyYAML read differently is read by PyYAML alone, so a spec means, and is
+# refused, as it was before libyaml read specs. Found by comparing the two on yaml-test-suite's
+# cases and on mutated inventories, and by reading their scanners:
+# - every character PyYAML's reader refuses (controls, NUL, U+FFFE/FFFF, surrogates): it checks
+#   the whole text before scanning (reader.py, Reader.check_printable), libyaml's reader the same
+#   set only as far as it has read (reader.c, yaml_parser_update_buffer), so an earlier syntax
+#   error would be said instead of the character;
+# - tab: libyaml skips tabs between tokens in flow context and after an indicator (scanner.c,
+#   yaml_parser_scan_to_next_token), PyYAML's scan_to_next_token skips only spaces;
+# - U+FEFF past the first character: libyaml skips a BOM at the start of every line (same
+#   function), PyYAML's scanner only at the start of the text;
+# - NEL, LS, PS: line breaks to both, but not in every place to both;
+# - '?': libyaml takes it inside a plain scalar in a flow collection ("[a?b]"), PyYAML starts a key;
+# - '!': an empty node tagged "!" is null to PyYAML (parser.py, parse_node: implicit), "" to libyaml;
+# - '%': directives ("%YAML 1.1#x", unknown ones) each takes where the other refuses;
+# - '#' right after a block scalar's header ("|-#c"): a comment to libyaml, an error to PyYAML.
+_PYTHON_ONLY = re.compile("[\t\x85\u2028\u2029\ufeff?!%]|[|>][-+0-9]*#")
+
+
+def _libyaml_reads(text: str) -> bool:
+    if not _LIBYAML or yaml.reader.Reader.NON_PRINTABLE.search(text):  # PyYAML's own set, compiled when yaml loads
+        return False
+    return _PYTHON_ONLY.search(text, 1 if text.startswith("\ufeff") else 0) is None
+
+
 def _read_yaml(path: Path) -> Any:
-    """The file's one YAML document, or SpecError with a sentence (never a traceback)."""
+    """The file's one YAML document, or SpecError with a sentence (never a traceback).
+
+    libyaml parses it where PyYAML has libyaml and the text holds nothing the two read
+    differently; a text libyaml refuses, or holding a value a constructor refuses, PyYAML's
+    pure-Python parser reads again, so every refusal is said in PyYAML's words at PyYAML's line
+    and column, as before (and a text only PyYAML takes is taken)."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -220,16 +276,17 @@ def _read_yaml(path: Path) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise _refuse(path, "(file)", f"is not UTF-8 text (byte {exc.start})") from None
+    if _libyaml_reads(text):
+        try:
+            return _read_with_libyaml(text, path)
+        except yaml.YAMLError:
+            pass
     loader = None
     try:
         # PyYAML's reader checks the characters when the loader is made: inside the try
         loader = _UniqueKeyLoader(text)
         _check_depth(text, path)  # before composing: the composer recurses once per level
-        node = loader.get_single_node()
-        if node is None:
-            raise _refuse(path, "(file)", "is empty; it needs a top-level 'hosts:' mapping of host name -> spec")
-        _check_shape(node, path)
-        return loader.construct_document(node)
+        return _construct(loader, path)
     except yaml.YAMLError as exc:
         raise _refuse(path, "(yaml)", _yaml_sentence(exc, text)) from None
     except RecursionError:
@@ -237,6 +294,27 @@ def _read_yaml(path: Path) -> Any:
     finally:
         if loader is not None:
             loader.dispose()
+
+
+def _read_with_libyaml(text: str, path: Path) -> Any:
+    """The document as libyaml composes it, built by the spec's constructor; a YAMLError when
+    libyaml refuses the text or a constructor a value (the caller reads it again with PyYAML)."""
+    # libyaml's composer is C that recurses once per level (PyYAML's _yaml.pyx, CParser._compose_node)
+    # with no recursion limit; a libyaml of PyYAML's wheels stops at 1000 levels (parser.c,
+    # MAX_NESTING_LEVEL), another build may not: the depth is checked on its events first.
+    _check_depth_events(yaml.parse(text, Loader=yaml.CSafeLoader), path)
+    try:
+        return _construct(_CUniqueKeyLoader(text), path)
+    except RecursionError:
+        raise _refuse(path, "(yaml)", "nested too deeply to read; a host spec is a few levels") from None
+
+
+def _construct(loader: Any, path: Path) -> Any:
+    node = loader.get_single_node()
+    if node is None:
+        raise _refuse(path, "(file)", "is empty; it needs a top-level 'hosts:' mapping of host name -> spec")
+    _check_shape(node, path)
+    return loader.construct_document(node)
 
 
 def _yaml_sentence(exc: yaml.YAMLError, text: str) -> str:
