@@ -31,7 +31,7 @@ from pyinfra import host
 from facts.base import ShellFact
 from facts.run_state import run_state
 from facts.sections import SECTION, split_sections
-from facts.shared import UNAME, ct_init_pids, take
+from facts.shared import CT_PIDS, UNAME, ct_init_pids, take
 from facts.shell import word
 
 # The guests without `pct list` / `qm list` (Perl programs). A node's guests are the configs
@@ -70,9 +70,8 @@ def ct_root_loop(ctids, body: str) -> str:
     if not ids:
         return ""
     # the pids through facts.shared: a probe whose facts look into the same CTs asks lxc-info once
-    pids = ct_init_pids(ctids)
-    return (f"{take(pids)}; for id in {ids}; do echo \"{SECTION}ct $id\"; "
-            f'pid=; for e in ${pids}; do case "$e" in "$id":*) pid=${{e#*:}};; esac; done; '
+    return (f"{ct_init_pids(ctids)}; for id in {ids}; do echo \"{SECTION}ct $id\"; "
+            f'pid=; for e in ${CT_PIDS}; do case "$e" in "$id":*) pid=${{e#*:}};; esac; done; '
             "[ -n \"$pid\" ] || continue; "
             f"r=/proc/$pid/root; {body}; done; ")
 
