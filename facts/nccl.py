@@ -12,6 +12,7 @@ from pyinfra.api import FactBase
 from facts.files import ManagedFiles
 from facts.guest_state import ct_root_loop
 from facts.sections import SECTION, split_sections
+from facts.shared import ROOT_ID, take
 from facts.shell import word
 
 NCCL_CONF = "/etc/nccl.conf"
@@ -60,7 +61,7 @@ def _ct_probe(path: str) -> str:
     and the stage's write replaces it), then the CT's NCCL libraries (their paths in the CT)."""
     q = '"$r"' + word(path)
     # the digest: sha256sum's first word ("<digest>  -"), cut off by the shell (no `cut`)
-    return (f'stat -L -c %d:%i "$r/"; if [ -f {q} ] && [ ! -L {q} ]; then stat -c %a {q}; '
+    return (f'[ -n "$root" ] && echo "$root"; if [ -f {q} ] && [ ! -L {q} ]; then stat -c %a {q}; '
             f'h=$(sha256sum < {q}); [ -n "$h" ] && echo "${{h%% *}}"; else echo MISSING; fi; {_LIBNCCL_LIST_IN_CT}')
 
 
@@ -124,7 +125,7 @@ class NcclState(FactBase):
             '{ [ -e "$f" ] || [ -L "$f" ]; } && echo "${f##*/}"; done',
             f"echo '{SECTION}systemd'; if [ -d /run/systemd/system ]; then echo running; fi",
             f"echo '{SECTION}dropins'; for f in {SYSTEMD_DIR}/*.d/{DROPIN_NAME}; do if [ -f \"$f\" ]; then echo \"$f\"; fi; done",
-            f"echo '{SECTION}root'; stat -c %d:%i /",
+            f"echo '{SECTION}root'; {take(ROOT_ID)}; printf '%s\\n' \"${ROOT_ID}\"",
             f"echo '{SECTION}libnccl'; {_LIBNCCL_LIST}",
         ]
         # each drop-in's service: its ExecStart= lines (what it runs: vLLM/SGLang custom allreduce)

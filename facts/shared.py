@@ -20,10 +20,12 @@ import re
 # (pkg_sorter_by_nonambig_name_arch).
 DPKG_ALL = "_pvegpu_dpkg"
 UNAME = {"r": "_pvegpu_uname_r", "n": "_pvegpu_uname_n", "m": "_pvegpu_uname_m"}
+ROOT_ID = "_pvegpu_root"  # the host root's device:inode (a CT's root compared with it)
 
 READINGS: dict[str, str] = {
     DPKG_ALL: "dpkg-query -W -f='${db:Status-Abbrev} ${Package} ${Version}\\n' '*' 2>/dev/null",
     **{name: f"uname -{flag} 2>/dev/null" for flag, name in UNAME.items()},
+    ROOT_ID: "stat -c %d:%i / 2>/dev/null",
 }
 
 
@@ -127,12 +129,14 @@ def first_line(path: str | None = None) -> str:
 CT_PIDS = "_pvegpu_ct_pids"
 FILE_SUMS = "_pvegpu_file_sums"
 SET_READINGS: dict[str, str] = {
-    # `<id>:<pid>` per CT (`<id>:` where it runs none): the init pid as pve-container PVE/LXC.pm
+    # `<id>:<pid>:<root>` per CT (`<id>::` where it runs none), <root> the device:inode of its root
+    # seen through its init (/proc/<pid>/root/; empty where stat fails): the init pid as pve-container PVE/LXC.pm
     # find_lxc_pid gets it, `lxc-info -n <id> -p` (a C program); with -H and that one filter, lxc
     # src/lxc/tools/lxc_info.c print_info_msg_int prints the bare number and a line break (nothing
     # for a CT that does not run), so output that is not a number is no pid.
     CT_PIDS: ('for id do p=$(lxc-info -n "$id" -p -H 2>/dev/null); case "$p" in *[!0-9]*) p=;; esac; '
-              "printf '%s:%s\\n' \"$id\" \"$p\"; done"),
+              'r=; [ -n "$p" ] && r=$(stat -L -c %d:%i "/proc/$p/root/" 2>/dev/null); '
+              "printf '%s:%s:%s\\n' \"$id\" \"$p\" \"$r\"; done"),
     # `stat -c '%a %n'` lines of every regular file (not a symlink) of the set, a `==> pvegpu-sums`
     # line, then `sha256sum` of the same files: what facts.files.ManagedFiles prints after its
     # `==> pvegpu-modes` line (nothing when none of the set is a regular file).
@@ -149,7 +153,7 @@ def take_set(name: str, words) -> str:
 
 
 def ct_init_pids(ctids) -> str:
-    """Shell that sets $_pvegpu_ct_pids (`CT_PIDS`) to one ``<id>:<pid>`` word per CT of `ctids`
+    """Shell that sets $_pvegpu_ct_pids (`CT_PIDS`) to one ``<id>:<pid>:<root>`` word per CT of `ctids`
     unless this command has it (for at least these CTs) already. Facts that look into the same
     CTs share it."""
     return take_set(CT_PIDS, [str(int(c)) for c in ctids])
