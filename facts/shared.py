@@ -20,17 +20,28 @@ import re
 # (pkg_sorter_by_nonambig_name_arch).
 DPKG_ALL = "_pvegpu_dpkg"
 UNAME = {"r": "_pvegpu_uname_r", "n": "_pvegpu_uname_n", "m": "_pvegpu_uname_m"}
+# one `uname -n -r -m` for the three: coreutils uname prints the asked fields in its own order
+# (src/uname.c: nodename, kernel release, machine) separated by single spaces; a node name and a
+# machine name hold no space, so the release is what lies between the first and the last space
+UNAME_ALL = "_pvegpu_uname"
+_UNAME_PART = {"n": f"${{{UNAME_ALL}%% *}}", "m": f"${{{UNAME_ALL}##* }}"}
 ROOT_ID = "_pvegpu_root"  # the host root's device:inode (a CT's root compared with it)
 
 READINGS: dict[str, str] = {
     DPKG_ALL: "dpkg-query -W -f='${db:Status-Abbrev} ${Package} ${Version}\\n' '*' 2>/dev/null",
-    **{name: f"uname -{flag} 2>/dev/null" for flag, name in UNAME.items()},
+    UNAME_ALL: "uname -n -r -m 2>/dev/null",
     ROOT_ID: "stat -c %d:%i / 2>/dev/null",
 }
 
 
 def take(name: str) -> str:
-    """Shell that sets $name to its reading (`READINGS`) unless this command took it already."""
+    """Shell that sets $name to its reading (`READINGS`, or a part of `uname -n -r -m` for a name
+    of `UNAME`) unless this command took it already."""
+    for flag, part in UNAME.items():
+        if name == part:
+            value = (_UNAME_PART[flag] if flag in _UNAME_PART
+                     else f"${{{UNAME_ALL}#* }}; {name}=${{{name}% *}}")
+            return f"{take(UNAME_ALL)}; {name}={value}"
     return f'[ -n "${{{name}+x}}" ] || {{ {name}=$({READINGS[name]}); }} 2>/dev/null'
 
 

@@ -116,10 +116,11 @@ def test_a_probe_takes_each_shared_reading_once_and_every_value_equals_the_fact_
     assert values == alone
     probe_calls = calls()
     # before: dpkg-query 6 times (pve-manager, the packages, all for the holds, the kernel packages,
-    # the two headers checks) and uname 4 times; now one list and one uname per flag
+    # the two headers checks) and uname 4 times; now one list and one uname (-n -r -m: every
+    # field a fact asks for; it was one uname per flag)
     assert [c for c in probe_calls if c.startswith("dpkg-query")] == [
         "dpkg-query -W -f=${db:Status-Abbrev} ${Package} ${Version}\\n *"]
-    assert sorted(c for c in probe_calls if c.startswith("uname")) == ["uname -n", "uname -r"]
+    assert sorted(c for c in probe_calls if c.startswith("uname")) == ["uname -n -r -m"]
 
 
 def test_a_reading_one_section_takes_is_not_taken_up_front():
@@ -325,4 +326,24 @@ def test_the_kpro6_probe_starts_no_program_twice_for_one_reading(tmp_path):
     assert len(calls) == len(set(calls)), sorted(c for c in calls if calls.count(c) > 1)
     assert not {"head", "tail", "sed", "cut", "sort", "uniq"} & set(started), calls
     assert all(c.split(" ", 1)[1].startswith(_CAT_KEPT) for c in calls if c.startswith("cat ")), calls
-    assert started.count("sha256sum") <= 1 and started.count("stat") <= 2  # managed files; the bridges' sizes
+    assert started.count("sha256sum") <= 1 and started.count("stat") <= 3  # managed files, /, the bridges' sizes
+    assert [c for c in calls if c.startswith("uname")] == ["uname -n -r -m"]  # was uname -r, -n, -m
+
+
+@pytest.mark.parametrize("fields", [("kpro6", "6.14.8-2-pve", "x86_64"), ("node.example.com", "6.8.0 my build", "aarch64"),
+                                    ("", "", "")])
+def test_each_uname_field_is_cut_from_one_uname(tmp_path, fields):
+    """`uname -n -r -m` prints node name, release and machine in that order, one space apart
+    (coreutils src/uname.c): each fact's field is cut from that one line, the release being
+    all between the first and the last space; no uname at all gives empty fields, as before."""
+    from facts.shared import uname
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    body = f"[ \"$*\" = '-n -r -m' ] && echo '{' '.join(fields)}'" if any(fields) else "exit 1"
+    (bin_dir / "uname").write_text(f"#!/bin/sh\n{body}\n")
+    (bin_dir / "uname").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    got = [subprocess.run(["sh", "-c", uname(flag)], capture_output=True, text=True, env=env, timeout=60).stdout
+           for flag in "nrm"]
+    assert got == [f + "\n" for f in fields]
