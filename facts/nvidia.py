@@ -289,7 +289,7 @@ class NvidiaHostState(FactBase):
         for key, (url, sha256) in sorted((sources or {}).items()):
             dest = word(f"{SOURCE_CACHE}/{sha256}-{source_name(url)}")
             local = local_path(url)
-            check = (f"elif [ -f {word(local)} ]; then echo \"sha256 $(sha256sum < {word(local)} | cut -d' ' -f1)\"; "
+            check = (f"elif [ -f {word(local)} ]; then h=$(sha256sum < {word(local)}); echo \"sha256 ${{h%% *}}\"; "
                      if local else "")
             parts.append(f"echo {word(SECTION + 'source ' + key)}; if [ -f {dest} ]; then echo cached; "
                          f"{check}else echo absent; fi")

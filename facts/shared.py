@@ -172,20 +172,13 @@ def ct_init_pids(ctids) -> str:
 
 def _set_words(script: str, name: str) -> list[list[str]]:
     """The word sets of every `take_set(name, ...)` in `script`, in order."""
-    import shlex
+    from facts.shell import leading_words
 
     start = f'[ -n "${{{name}+x}}" ] || {{ {name}=$(set -- '
     sets: list[list[str]] = []
     at = script.find(start)
     while at >= 0:
-        lexer = shlex.shlex(script[at + len(start):], posix=True, punctuation_chars=";")
-        lexer.whitespace_split = True
-        words = []
-        for token in lexer:
-            if token == ";":
-                break
-            words.append(token)
-        sets.append(words)
+        sets.append(leading_words(script[at + len(start):]))
         at = script.find(start, at + len(start))
     return sets
 
