@@ -361,7 +361,7 @@ class BootLoader(ShellFact):
         "echo '@@ proxmox-boot-tool status'; "
         "if command -v proxmox-boot-tool >/dev/null 2>&1; then proxmox-boot-tool status 2>&1; fi; "
         "echo '@@ firmware'; if [ -d /sys/firmware/efi ]; then echo uefi; else echo bios; fi; "
-f"echo '@@ /etc/kernel/cmdline'; {read_file('/etc/kernel/cmdline')}; "
+        f"echo '@@ /etc/kernel/cmdline'; {read_file('/etc/kernel/cmdline')}; "
         f"echo '@@ /etc/default/grub'; {read_file('/etc/default/grub')}; "
         f'for f in /etc/default/grub.d/*.cfg; do [ -r "$f" ] && {{ echo "@@ $f"; {read_file(EACH_FILE)}; }}; done; '
         "true"
@@ -423,7 +423,7 @@ class ProxmoxKernels(ShellFact):
         "if command -v proxmox-boot-tool >/dev/null 2>&1; then proxmox-boot-tool kernel list 2>/dev/null; fi; "
         "echo '@@ /boot'; for f in /boot/vmlinuz-*; do [ -e \"$f\" ] && echo \"${f#/boot/vmlinuz-}\"; done; "
         f"echo '@@ running'; {uname('r')}; "
-f"echo '@@ pin'; {read_file('/etc/kernel/proxmox-boot-pin')}; "
+        f"echo '@@ pin'; {read_file('/etc/kernel/proxmox-boot-pin')}; "
         f"echo '@@ next-boot-pin'; {read_file('/etc/kernel/next-boot-pin')}; "
         "true"
     )

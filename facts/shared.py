@@ -7,6 +7,10 @@ takes its own reading, as before. A batched probe (`facts.hardware`) whose secti
 reading more than once takes it once before its sections (`prelude`) and every section finds it:
 one `uname` and one `dpkg-query` per probe instead of one per fact. The reading is taken in the
 same command, a moment before the sections run: nothing is kept from one command to the next.
+
+A reading over a set (`take_set`: the CTs' init pids and roots, the managed files' modes and
+digests) is taken once over the union of the sets its sections name. A small file a fact prints
+whole is read by the shell itself (`read_file`, `first_line`): no program at all.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import re
 DPKG_ALL = "_pvegpu_dpkg"
 UNAME = {"r": "_pvegpu_uname_r", "n": "_pvegpu_uname_n", "m": "_pvegpu_uname_m"}
 # one `uname -n -r -m` for the three: coreutils uname prints the asked fields in its own order
-# (src/uname.c: nodename, kernel release, machine) separated by single spaces; a node name and a
-# machine name hold no space, so the release is what lies between the first and the last space
+# (src/uname.c main: print_element for nodename, kernel release, machine, in that order, one
+# space apart); a node name and a machine name hold no space, so the release is what lies
+# between the first and the last space
 UNAME_ALL = "_pvegpu_uname"
 _UNAME_PART = {"n": f"${{{UNAME_ALL}%% *}}", "m": f"${{{UNAME_ALL}##* }}"}
 ROOT_ID = "_pvegpu_root"  # the host root's device:inode (a CT's root compared with it)
