@@ -119,6 +119,9 @@ def dpkg_installed(package: str) -> str:
 # configs pvegpu or Proxmox write). `IFS= read -r` keeps every line as it is (blanks,
 # backslashes, empty lines); a last line without a line break gets one, where cat would run it
 # into the next line of output. A file that cannot be opened prints nothing and fails, as cat.
+# The /proc files read so are seq_files (the kernel's fs/seq_file.c; the NVIDIA driver's through
+# single_open, kernel-open/common/inc/nv-procfs-utils.h): the text is made at the first read and
+# the one-byte reads copy it out, the same bytes as cat's large reads.
 _LINE = "_pvegpu_l"
 EACH_FILE = '"$f"'  # the file of a `for f in ...` loop, as `read_file`'s argument
 
