@@ -260,8 +260,12 @@ class NvidiaHostState(FactBase):
         # misc.c secure_boot_enabled(): the low bit of the variable's last byte). efivarfs mounted
         # without the variable: firmware without Secure Boot (the kernel's drivers/firmware/efi/libstub/
         # secureboot.c efi_get_secureboot() takes EFI_NOT_FOUND as disabled); efivarfs not mounted: unknown
-        parts.append(f"echo '{SECTION}secureboot'; command -v mokutil >/dev/null 2>&1 && mokutil --sb-state 2>&1; "
-                     f"if [ -r {SECURE_BOOT_EFIVAR} ]; then set -- $(od -An -v -t u1 {SECURE_BOOT_EFIVAR}); "
+        # (the variable is not read where mokutil printed its verdict line: parse_secure_boot takes that first)
+        parts.append(f"echo '{SECTION}secureboot'; s=; command -v mokutil >/dev/null 2>&1 && "
+                     "s=$(mokutil --sb-state 2>&1; echo .) && s=${s%.} && printf '%s' \"$s\"; "
+                     "if printf '%s' \"$s\" | { while IFS= read -r l; do case \"$l\" in "
+                     "'SecureBoot enabled'|'SecureBoot disabled') exit 0;; esac; done; exit 1; }; then :; "
+                     f"elif [ -r {SECURE_BOOT_EFIVAR} ]; then set -- $(od -An -v -t u1 {SECURE_BOOT_EFIVAR}); "
                      'v=; [ $# -gt 0 ] && eval "v=\\${$#}"; echo "efivar $v"; '
                      "elif [ -n \"$(ls -A /sys/firmware/efi/efivars 2>/dev/null)\" ]; then echo 'efivars without SecureBoot variable'; "
                      "elif [ -d /sys/firmware/efi ]; then echo 'efivars not readable'; else echo 'no efi'; fi")

@@ -19,8 +19,8 @@ from tests.twin import runtime
 
 pytestmark = [pytest.mark.twin]
 
-# main's probe started 97 programs here (strace, converged twin); 43 after facts.shared's
-# readings over sets, the shell's read for small files and one uname
+# main's probe started 97 programs on a converged kpro6 twin (strace); 42 after facts.shared's
+# readings over sets, the shell's read for small files, one uname, no od beside mokutil's verdict
 MAX_PROGRAMS = 50
 # whole files a probe may still read with a program: the cluster-wide ones that grow with the cluster
 CAT_KEPT = ("/etc/pve/qemu-server/", "/etc/pve/mapping/pci.cfg", "/etc/pve/ha/resources.cfg")
