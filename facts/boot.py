@@ -11,6 +11,7 @@ from facts.hardware import SectionedProbe
 from facts.kernel import BootLoader, KernelCmdline, SevSnp
 from facts.proxmox import PveVersion
 from facts.sections import SECTION, split_sections
+from facts.shared import EACH_FILE, read_file
 
 # The files the boot stage writes (their state is part of `BootStageFacts`).
 KERNEL_CMDLINE = "/etc/kernel/cmdline"
@@ -31,7 +32,7 @@ class GrubFiles(ShellFact):
     """
 
     command = ("for f in /etc/default/grub /etc/default/grub.d/*.cfg; do "
-               f'[ -r "$f" ] && {{ echo "{SECTION}$f"; cat "$f"; }}; done; true')
+               f'[ -r "$f" ] && {{ echo "{SECTION}$f"; {read_file(EACH_FILE)}; }}; done; true')
 
     @staticmethod
     def default() -> list:

@@ -11,12 +11,12 @@ from pyinfra.api import FactBase
 from facts.guest_state import ct_root_loop
 from facts.nvidia import LIB_DIRS, NvidiaDriver, parse_driver_version
 from facts.sections import SECTION, split_sections
-from facts.shared import UNAME, take
+from facts.shared import ROOT_ID, UNAME, take
 
 # Run by the host's shell with $r the CT's root (facts.guest_state.ct_root_loop): its root's
 # identity, arch, glibc, NVML libraries (regular files only: a link is not followed out of the CT).
 _CT_PROBE = (
-    f'echo "root $(stat -L -c %d:%i "$r/")"; {take(UNAME["m"])}; echo "arch ${UNAME["m"]}"; '
+    f'echo "root $root"; {take(UNAME["m"])}; echo "arch ${UNAME["m"]}"; '
     'if [ -L "$r/lib64/ld-linux-x86-64.so.2" ] || [ -e "$r/lib64/ld-linux-x86-64.so.2" ] || '
     '{ [ -f "$r/lib/x86_64-linux-gnu/libc.so.6" ] && [ ! -L "$r/lib/x86_64-linux-gnu/libc.so.6" ]; }; '
     "then echo 'glibc yes'; else echo 'glibc no'; fi; "
@@ -72,7 +72,7 @@ class ContainerUserspace(FactBase):
     def command(self, ctids: list[int]) -> str:
         loop = ct_root_loop(ctids, _CT_PROBE)
         return (
-            f"echo '{SECTION}root'; stat -c %d:%i /; "
+            f"echo '{SECTION}root'; {take(ROOT_ID)}; printf '%s\\n' \"${ROOT_ID}\"; "
             f"echo '{SECTION}host-driver'; {NvidiaDriver.command}; {loop}true"
         )
 

@@ -47,8 +47,10 @@ class CpuInfo(ShellFact):
     """
 
     command = (
-        "awk 'BEGIN{RS=\"\"} NR==1' /proc/cpuinfo; "
-        "printf 'processors\\t: %s\\n' \"$(grep -c '^processor' /proc/cpuinfo)\""
+        # the first block (awk's paragraph mode: leading empty lines skipped, up to the next empty
+        # line), then the count of `processor` lines (what `grep -c '^processor'` counts), one awk
+        "awk 'b < 2 { if ($0 == \"\") { if (b) b = 2 } else { b = 1; print } } /^processor/ { n++ } "
+        "END { printf \"processors\\t: %d\\n\", n }' /proc/cpuinfo"
     )
 
     def process(self, output):

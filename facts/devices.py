@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from facts.base import ShellFact
+from facts.shared import read_file
 
 
 def parse_char_majors(output_lines: list[str]) -> dict[str, int]:
@@ -51,7 +52,7 @@ class CharDeviceMajors(ShellFact):
         {"nvidia": 195, "nvidiactl": 195, "nvidia-uvm": 238, "nvidia-caps": 241, …}
     """
 
-    command = "cat /proc/devices"
+    command = read_file("/proc/devices")
 
     @staticmethod
     def default() -> dict:

@@ -10,11 +10,12 @@ import re
 
 from pyinfra.api import FactBase
 
+from facts.shared import FILE_SUMS, take_set
 from facts.shell import word
 
 _MARK = "==> pvegpu-file "
 _MODES = "==> pvegpu-modes"  # then `stat -c '%a %n'` of every regular file
-_SUMS = "==> pvegpu-sums"  # then `sha256sum` of every regular file
+_SUMS = "==> pvegpu-sums"  # then `sha256sum` of every regular file (facts.shared.FILE_SUMS prints it)
 
 
 class ManagedFiles(FactBase):
@@ -29,21 +30,23 @@ class ManagedFiles(FactBase):
     """
 
     def command(self, paths):
-        # Regular files are collected as the shell's arguments and read by one `stat` and one
-        # `sha256sum` for all of them (a program per file before: 3 per file); a symlink's
-        # target is one `readlink` (rare: the stages manage few links).
+        # Regular files are read by one `stat` and one `sha256sum` for all of them (a program per
+        # file before: 3 per file), through facts.shared's FILE_SUMS reading: a probe whose
+        # sections read managed files takes it once over all their paths, and each section prints
+        # the whole reading (`process` keeps the paths its own markers name). A symlink's target
+        # is one `readlink` (rare: the stages manage few links).
         if not paths:
             return "true"
         for p in paths:
             if "\n" in p or "\r" in p:
                 raise ValueError(f"ManagedFiles: a path with a line break cannot be read back: {p!r}")
-        quoted = " ".join(word(p) for p in paths)
+        quoted = [word(p) for p in paths]
         return (
-            f"set --; for f in {quoted}; do printf '%s\\n' {word(_MARK)}\"$f\"; "
+            f"m=; for f in {' '.join(quoted)}; do printf '%s\\n' {word(_MARK)}\"$f\"; "
             'if [ -L "$f" ]; then echo LINK; readlink -- "$f"; '
-            'elif [ -f "$f" ]; then echo FILE; set -- "$@" "$f"; else echo MISSING; fi; done; '
-            f"if [ $# -gt 0 ]; then echo {word(_MODES)}; stat -c '%a %n' -- \"$@\"; "
-            f"echo {word(_SUMS)}; sha256sum -- \"$@\"; fi"
+            'elif [ -f "$f" ]; then echo FILE; m=1; else echo MISSING; fi; done; '
+            f"if [ -n \"$m\" ]; then {take_set(FILE_SUMS, quoted)}; echo {word(_MODES)}; "
+            f"printf '%s\\n' \"${FILE_SUMS}\"; fi"
         )
 
     def process(self, output):

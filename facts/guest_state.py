@@ -31,7 +31,7 @@ from pyinfra import host
 from facts.base import ShellFact
 from facts.run_state import run_state
 from facts.sections import SECTION, split_sections
-from facts.shared import UNAME, ct_init_pids, take
+from facts.shared import CT_PIDS, UNAME, ct_init_pids, take
 from facts.shell import word
 
 # The guests without `pct list` / `qm list` (Perl programs). A node's guests are the configs
@@ -60,7 +60,8 @@ GUEST_STATE_COMMAND = (
 
 def ct_root_loop(ctids, body: str) -> str:
     """Shell: for each CT of `ctids`, its section marker (``@@ ct <id>``), then `body` run by the
-    host's shell with ``$r`` the CT's root as the CT's own processes see it, ``/proc/<init>/root``
+    host's shell with ``$r`` the CT's root as the CT's own processes see it, ``/proc/<init>/root``,
+    and ``$root`` that root's device:inode (`stat -L`, empty where it failed)
     (the init pid as pve-container PVE/LXC.pm find_lxc_pid gets it: `lxc-info -n <id> -p`, a C
     program; with -H and one filter it prints the bare number, lxc src/lxc/tools/lxc_info.c). No
     `pct exec` (Perl) and no program of the CT runs. A CT whose init is not found prints its
@@ -69,10 +70,10 @@ def ct_root_loop(ctids, body: str) -> str:
     ids = " ".join(word(str(int(c))) for c in ctids)
     if not ids:
         return ""
-    # the pids through facts.shared: a probe whose facts look into the same CTs asks lxc-info once
-    pids = ct_init_pids(ctids)
-    return (f"{take(pids)}; for id in {ids}; do echo \"{SECTION}ct $id\"; "
-            f'pid=; for e in ${pids}; do case "$e" in "$id":*) pid=${{e#*:}};; esac; done; '
+    # the pids and roots through facts.shared: a probe whose facts look into the same CTs asks
+    # lxc-info (and stat) once per CT
+    return (f"{ct_init_pids(ctids)}; for id in {ids}; do echo \"{SECTION}ct $id\"; "
+            f'pid=; root=; for e in ${CT_PIDS}; do case "$e" in "$id":*) e=${{e#*:}}; pid=${{e%%:*}}; root=${{e#*:}};; esac; done; '
             "[ -n \"$pid\" ] || continue; "
             f"r=/proc/$pid/root; {body}; done; ")
 

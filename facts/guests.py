@@ -11,6 +11,7 @@ from facts.base import ShellFact
 from facts.devices import CharDeviceMajors, parse_char_majors
 from facts.nvidia import NvidiaGpus, parse_gpu_information
 from facts.sections import SECTION, parse_sections, section_echo, split_sections
+from facts.shared import EACH_FILE, read_file
 
 LXC_DIR = "/etc/pve/lxc"
 
@@ -42,7 +43,7 @@ class ContainerGpuState(ShellFact):
     """
 
     command = (
-        f'for f in {LXC_DIR}/*.conf; do [ -r "$f" ] && {{ echo "{SECTION}conf:$f"; cat "$f"; }}; done; '
+        f'for f in {LXC_DIR}/*.conf; do [ -r "$f" ] && {{ echo "{SECTION}conf:$f"; {read_file(EACH_FILE)}; }}; done; '
         f"{section_echo('nvidia')}; {NvidiaGpus.command}; "
         f"{section_echo('majors')}; {CharDeviceMajors.command}; "
         f"{section_echo('caps')}; for f in /dev/nvidia-caps/*; do [ -e \"$f\" ] && echo \"$f\"; done; true"

@@ -12,7 +12,7 @@ from pyinfra.api import FactBase
 from facts.base import ShellFact
 from facts.nvidia import SECURE_BOOT_EFIVAR, parse_mok, parse_secure_boot
 from facts.sections import PROBE_SECTION, parse_sections, split_sections
-from facts.shared import uname
+from facts.shared import EACH_FILE, first_line, read_file, uname
 from facts.shell import operands, word  # the one quoting helper (plan.render gives it to the templates)
 
 VERSION = r"\d+\.\d+\.\d+"
@@ -329,7 +329,7 @@ class KernelCmdline(ShellFact):
                     "amd_iommu": "on"}}
     """
 
-    command = "cat /proc/cmdline"
+    command = read_file("/proc/cmdline")
 
     def process(self, output):
         return parse_proc_cmdline(output)
@@ -361,9 +361,9 @@ class BootLoader(ShellFact):
         "echo '@@ proxmox-boot-tool status'; "
         "if command -v proxmox-boot-tool >/dev/null 2>&1; then proxmox-boot-tool status 2>&1; fi; "
         "echo '@@ firmware'; if [ -d /sys/firmware/efi ]; then echo uefi; else echo bios; fi; "
-        "echo '@@ /etc/kernel/cmdline'; cat /etc/kernel/cmdline 2>/dev/null; "
-        "echo '@@ /etc/default/grub'; cat /etc/default/grub 2>/dev/null; "
-        'for f in /etc/default/grub.d/*.cfg; do [ -r "$f" ] && { echo "@@ $f"; cat "$f"; }; done; '
+        f"echo '@@ /etc/kernel/cmdline'; {read_file('/etc/kernel/cmdline')}; "
+        f"echo '@@ /etc/default/grub'; {read_file('/etc/default/grub')}; "
+        f'for f in /etc/default/grub.d/*.cfg; do [ -r "$f" ] && {{ echo "@@ $f"; {read_file(EACH_FILE)}; }}; done; '
         "true"
     )
 
@@ -391,14 +391,14 @@ class KernelToolchain(FactBase):
     """
 
     def command(self, headers: str | None = None) -> str:
-        command = "echo '@@ /proc/version'; cat /proc/version"
+        command = f"echo '@@ /proc/version'; {read_file('/proc/version')}"
         if headers:
             path = headers if headers.startswith("/") else f"/lib/modules/{headers}/build"
             quoted = word(path)
             command += (
                 f"; echo {word('@@ headers ' + path)}; "
                 f"grep -h '^CONFIG_CC_VERSION_TEXT=' {quoted}/include/config/auto.conf "
-                f"{quoted}/.config 2>/dev/null | head -n 1; true"
+                f"{quoted}/.config 2>/dev/null | {first_line()}; true"
             )
         return command
 
@@ -423,8 +423,8 @@ class ProxmoxKernels(ShellFact):
         "if command -v proxmox-boot-tool >/dev/null 2>&1; then proxmox-boot-tool kernel list 2>/dev/null; fi; "
         "echo '@@ /boot'; for f in /boot/vmlinuz-*; do [ -e \"$f\" ] && echo \"${f#/boot/vmlinuz-}\"; done; "
         f"echo '@@ running'; {uname('r')}; "
-        "echo '@@ pin'; cat /etc/kernel/proxmox-boot-pin 2>/dev/null; "
-        "echo '@@ next-boot-pin'; cat /etc/kernel/next-boot-pin 2>/dev/null; "
+        f"echo '@@ pin'; {read_file('/etc/kernel/proxmox-boot-pin')}; "
+        f"echo '@@ next-boot-pin'; {read_file('/etc/kernel/next-boot-pin')}; "
         "true"
     )
 
@@ -481,7 +481,12 @@ class SevSnp(ShellFact):
 
     command = (
         "grep -H . /sys/module/kvm_amd/parameters/sev* 2>/dev/null; "
-        "grep -o -w -E 'sev|sev_es|sev_snp' /proc/cpuinfo 2>/dev/null | sort | uniq -c; true"
+        # what `grep -o -w -E 'sev|sev_es|sev_snp' /proc/cpuinfo | sort | uniq -c` prints (a count,
+        # then the flag; every whole word, word characters as grep's -w: letters, digits, _) in one
+        # awk that splits only the lines holding `sev`; the flags in any order (parse_sev_snp keeps a set)
+        "awk '/sev/ { n = split($0, w, /[^A-Za-z0-9_]+/); for (i = 1; i <= n; i++) "
+        "if (w[i] == \"sev\" || w[i] == \"sev_es\" || w[i] == \"sev_snp\") c[w[i]]++ } "
+        "END { for (f in c) printf \"%7d %s\\n\", c[f], f }' /proc/cpuinfo 2>/dev/null; true"
     )
 
     @staticmethod

@@ -7,7 +7,7 @@ import re
 
 from facts.base import ShellFact
 from facts.sections import parse_sections, section_echo
-from facts.shared import dpkg_holds, dpkg_installed, dpkg_show, uname
+from facts.shared import dpkg_holds, dpkg_installed, dpkg_show, first_line, read_file, uname
 
 HOOK_STATE = "/var/lib/pvegpu/kernel-hook"  # <release>.failed / .ok / .log, `pinned`
 HOLD_RECORD = "/var/lib/pvegpu/kernel-hold"  # the packages pvegpu put on hold, one a line
@@ -84,13 +84,13 @@ class KernelHookState(ShellFact):
     command = "; ".join([
         section_echo("failed"),
         f'for f in {HOOK_STATE}/*.failed; do [ -f "$f" ] && echo "== ${{f##*/}}" && head -n 3 "$f"; done',
-        section_echo("pinned"), f"cat {HOOK_STATE}/pinned 2>/dev/null",
-        section_echo("pin"), f"head -n 1 {PIN_FILE} 2>/dev/null",
-        section_echo("next_pin"), f"head -n 1 {NEXT_PIN_FILE} 2>/dev/null",
+        section_echo("pinned"), read_file(f"{HOOK_STATE}/pinned"),
+        section_echo("pin"), first_line(PIN_FILE),
+        section_echo("next_pin"), first_line(NEXT_PIN_FILE),
         # what apt-mark showhold prints (apt-private: packages whose dpkg selection is hold), read
         # from dpkg directly: the Status-Abbrev's first letter is the selection, h = hold
         section_echo("holds"), dpkg_holds(),
-        section_echo("hold_record"), f"cat {HOLD_RECORD} 2>/dev/null",
+        section_echo("hold_record"), read_file(HOLD_RECORD),
         section_echo("packages"),
         dpkg_show(["proxmox-default-kernel", "proxmox-default-headers", "proxmox-kernel-[0-9]*", "proxmox-headers-[0-9]*"]),
         # apt's candidate only where plan.kernel_hook.headers_step asks for it (default-kernel

@@ -12,6 +12,7 @@ from pyinfra.api import FactBase
 from facts.files import ManagedFiles
 from facts.guest_state import ct_root_loop
 from facts.sections import SECTION, split_sections
+from facts.shared import ROOT_ID, take
 from facts.shell import word
 
 NCCL_CONF = "/etc/nccl.conf"
@@ -59,8 +60,9 @@ def _ct_probe(path: str) -> str:
     then the file's mode and sha256, or MISSING (also for a link: it is not followed out of the CT,
     and the stage's write replaces it), then the CT's NCCL libraries (their paths in the CT)."""
     q = '"$r"' + word(path)
-    return (f'stat -L -c %d:%i "$r/"; if [ -f {q} ] && [ ! -L {q} ]; then stat -c %a {q}; '
-            f"sha256sum < {q} | cut -d' ' -f1; else echo MISSING; fi; {_LIBNCCL_LIST_IN_CT}")
+    # the digest: sha256sum's first word ("<digest>  -"), cut off by the shell (no `cut`)
+    return (f'[ -n "$root" ] && echo "$root"; if [ -f {q} ] && [ ! -L {q} ]; then stat -c %a {q}; '
+            f'h=$(sha256sum < {q}); [ -n "$h" ] && echo "${{h%% *}}"; else echo MISSING; fi; {_LIBNCCL_LIST_IN_CT}')
 
 
 def parse_nccl_state(lines: list[str]) -> dict:
@@ -118,10 +120,12 @@ class NcclState(FactBase):
     def command(self, paths: list[str], ctids: list[int]) -> str:
         parts = [
             f"echo '{SECTION}files'; {ManagedFiles().command(paths)}",
-            f"echo '{SECTION}rdma'; ls -1 /sys/class/infiniband 2>/dev/null",
+            # the names `ls -1 /sys/class/infiniband` lists (a device's link, broken or not), by the glob
+            f"echo '{SECTION}rdma'; for f in /sys/class/infiniband/*; do "
+            '{ [ -e "$f" ] || [ -L "$f" ]; } && echo "${f##*/}"; done',
             f"echo '{SECTION}systemd'; if [ -d /run/systemd/system ]; then echo running; fi",
             f"echo '{SECTION}dropins'; for f in {SYSTEMD_DIR}/*.d/{DROPIN_NAME}; do if [ -f \"$f\" ]; then echo \"$f\"; fi; done",
-            f"echo '{SECTION}root'; stat -c %d:%i /",
+            f"echo '{SECTION}root'; {take(ROOT_ID)}; printf '%s\\n' \"${ROOT_ID}\"",
             f"echo '{SECTION}libnccl'; {_LIBNCCL_LIST}",
         ]
         # each drop-in's service: its ExecStart= lines (what it runs: vLLM/SGLang custom allreduce)

@@ -9,7 +9,7 @@ from pyinfra.api import FactBase
 
 from facts.base import ShellFact
 from facts.sections import SECTION, split_sections
-from facts.shared import UNAME, take
+from facts.shared import EACH_FILE, UNAME, first_line, read_file, take
 from facts.shell import operands, word
 
 GPU_INFORMATION_MARKER = "== "
@@ -98,7 +98,7 @@ class NvidiaDriver(ShellFact):
     ``None`` when no driver is loaded.
     """
 
-    command = "cat /proc/driver/nvidia/version 2>/dev/null || true"
+    command = f"{read_file('/proc/driver/nvidia/version')} || true"
 
     def process(self, output):
         return parse_driver_version(output)
@@ -119,7 +119,7 @@ class NvidiaGpus(ShellFact):
 
     command = (
         "for f in /proc/driver/nvidia/gpus/*/information; do "
-        '[ -r "$f" ] && { echo "== $f"; cat "$f"; }; '
+        f'[ -r "$f" ] && {{ echo "== $f"; {read_file(EACH_FILE)}; }}; '
         "done; true"
     )
 
@@ -140,7 +140,7 @@ class NvidiaDriverParams(ShellFact):
         {"EnableResizableBar": "0", "DmaRemapPeerMmio": "1", "RegistryDwords": '""', …}
     """
 
-    command = "cat /proc/driver/nvidia/params 2>/dev/null || true"
+    command = f"{read_file('/proc/driver/nvidia/params')} || true"
 
     @staticmethod
     def default() -> dict:
@@ -195,7 +195,7 @@ COMPILER_BANNERS = (
     '[ -x "$c" ] || continue; '
     'if [ -n "$p" ] && [ "$c" -ef "$p" ] && case "$q" in "${p##*/} "*) true;; *) false;; esac; '
     'then v="${c##*/}${q#"${p##*/}"}"; '
-    'else v=$("$c" --version 2>/dev/null | head -n 1); p=$c; q=$v; fi; '
+    f'else v=$("$c" --version 2>/dev/null | {first_line()}); p=$c; q=$v; fi; '
     'echo "${c##*/}: $v"; done'
 )
 
@@ -231,7 +231,10 @@ class NvidiaHostState(FactBase):
     def command(self, releases: list[str], sources: dict | None = None, signing: list[str] | None = None) -> str:
         parts = [
             f"echo '{SECTION}cores'; nproc",
-            f"echo '{SECTION}meminfo'; grep '^MemTotal:' /proc/meminfo",
+            # MemTotal is /proc/meminfo's first line (fs/proc/meminfo.c meminfo_proc_show): the lines up
+            # to it, no program
+            f"echo '{SECTION}meminfo'; while IFS= read -r l; do case \"$l\" in MemTotal:*) printf '%s\\n' \"$l\"; break;; esac; "
+            "done < /proc/meminfo",
             f"echo '{SECTION}running'; {take(UNAME['r'])}; k=${UNAME['r']}; echo \"$k\"",
             f"echo '{SECTION}ccache'; command -v ccache >/dev/null && [ -d {CCACHE_MASQUERADE} ] && echo {CCACHE_MASQUERADE}",
             f"echo '{SECTION}compilers'; {COMPILER_BANNERS}",
@@ -244,9 +247,10 @@ class NvidiaHostState(FactBase):
             '[ -n "$r" ] || continue; case " $seen " in *" $r "*) continue;; esac; seen="$seen $r"; '
             f"b=/lib/modules/$r/build; echo \"{SECTION}release $r\"; "
             "[ -f \"$b/Makefile\" ] && echo 'headers: yes' || echo 'headers: no'; "
-            "grep -h -m 1 '^CONFIG_CC_VERSION_TEXT=' \"$b/include/config/auto.conf\" \"$b/.config\" 2>/dev/null | head -n 1; "
+            f"grep -h -m 1 '^CONFIG_CC_VERSION_TEXT=' \"$b/include/config/auto.conf\" \"$b/.config\" 2>/dev/null | {first_line()}; "
             # the options preflight weighs: objtool -Werror with return thunks, module signing
-            f"grep -h -E '^({'|'.join(KERNEL_CONFIG_KEYS)})=' \"$b/include/config/auto.conf\" 2>/dev/null | sed 's/^/config /'; "
+            f"grep -h -E '^({'|'.join(KERNEL_CONFIG_KEYS)})=' \"$b/include/config/auto.conf\" 2>/dev/null | "
+            "while IFS= read -r l; do printf 'config %s\\n' \"$l\"; done; "
             f"[ -x \"$b/{SIGN_FILE}\" ] && echo 'sign-file: yes'; "
             "modinfo -k \"$r\" nvidia 2>/dev/null | while read -r key value; do "
             'case "$key" in version:|vermagic:|filename:) echo "module $key $value";; esac; done; '
@@ -256,11 +260,16 @@ class NvidiaHostState(FactBase):
         # misc.c secure_boot_enabled(): the low bit of the variable's last byte). efivarfs mounted
         # without the variable: firmware without Secure Boot (the kernel's drivers/firmware/efi/libstub/
         # secureboot.c efi_get_secureboot() takes EFI_NOT_FOUND as disabled); efivarfs not mounted: unknown
-        parts.append(f"echo '{SECTION}secureboot'; command -v mokutil >/dev/null 2>&1 && mokutil --sb-state 2>&1; "
-                     f"if [ -r {SECURE_BOOT_EFIVAR} ]; then echo \"efivar $(od -An -v -t u1 {SECURE_BOOT_EFIVAR} | tr -s ' ' '\\n' | tail -n 1)\"; "
+        # (the variable is not read where mokutil printed its verdict line: parse_secure_boot takes that first)
+        parts.append(f"echo '{SECTION}secureboot'; s=; command -v mokutil >/dev/null 2>&1 && "
+                     "s=$(mokutil --sb-state 2>&1; echo .) && s=${s%.} && printf '%s' \"$s\"; "
+                     "if printf '%s' \"$s\" | { while IFS= read -r l; do case \"$l\" in "
+                     "'SecureBoot enabled'|'SecureBoot disabled') exit 0;; esac; done; exit 1; }; then :; "
+                     f"elif [ -r {SECURE_BOOT_EFIVAR} ]; then set -- $(od -An -v -t u1 {SECURE_BOOT_EFIVAR}); "
+                     'v=; [ $# -gt 0 ] && eval "v=\\${$#}"; echo "efivar $v"; '
                      "elif [ -n \"$(ls -A /sys/firmware/efi/efivars 2>/dev/null)\" ]; then echo 'efivars without SecureBoot variable'; "
                      "elif [ -d /sys/firmware/efi ]; then echo 'efivars not readable'; else echo 'no efi'; fi")
-        parts.append(f"echo '{SECTION}sig_enforce'; cat {SIG_ENFORCE}")
+        parts.append(f"echo '{SECTION}sig_enforce'; {read_file(SIG_ENFORCE)}")
         # signing = [key, cert]: the key must be PEM (the kernel's scripts/sign-file.c read_private_key()
         # reads a key file with PEM_read_bio_PrivateKey only); the cert's MOK enrolment is what
         # `mokutil --test-key` says (mokutil.c test_key(): "<file> is not enrolled", or
@@ -284,7 +293,7 @@ class NvidiaHostState(FactBase):
         for key, (url, sha256) in sorted((sources or {}).items()):
             dest = word(f"{SOURCE_CACHE}/{sha256}-{source_name(url)}")
             local = local_path(url)
-            check = (f"elif [ -f {word(local)} ]; then echo \"sha256 $(sha256sum < {word(local)} | cut -d' ' -f1)\"; "
+            check = (f"elif [ -f {word(local)} ]; then h=$(sha256sum < {word(local)}); echo \"sha256 ${{h%% *}}\"; "
                      if local else "")
             parts.append(f"echo {word(SECTION + 'source ' + key)}; if [ -f {dest} ]; then echo cached; "
                          f"{check}else echo absent; fi")

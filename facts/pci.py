@@ -258,34 +258,23 @@ class PciDevices(ShellFact):
         return parse_pci_devices(output)
 
 
-# One bridge's config read by its own od, its words walked by the shell: the per-bridge form
-# (PciAcs's fallback). Prints `bridge <bdf>` and `acs <bdf> <control|none|short> <words read>`.
-_ACS_PER_BRIDGE = (
-    "u=; for d in /sys/bus/pci/devices/*; do "
-    'c=; { read -r c; } 2>/dev/null < "$d/class"; '
-    'case "$c" in 0x0604*) ;; *) continue;; esac; '
-    'b=${d##*/}; echo "bridge $b"; '
-    'set -- $(od -An -tu4 -v "$d/config" 2>/dev/null); '
-    'if [ $# -lt 64 ]; then u=1; echo "acs $b short $#"; continue; fi; '
-    "r=none; if [ $# -ge 1024 ]; then o=256; k=0; "
-    "while [ $o -ge 256 ] && [ $k -lt 960 ]; do "
-    'eval "h=\\${$((o / 4 + 1))}"; case $h in 0|4294967295) break;; esac; '
-    'if [ $((h & 65535)) -eq 13 ]; then eval "w=\\${$((o / 4 + 2))}"; r=$((w >> 16)); break; fi; '
-    "o=$((h >> 20 & 4092)); k=$((k + 1)); done; fi; "
-    'echo "acs $b $r $#"; '
-    "done"
-)
-# The same for every bridge at once: `stat -c '%s %n'` lines (each config's size and path), `==`,
-# then od's words of all configs in that order. Plain POSIX awk (mawk: no bitwise operators, so
-# h & 65535 is h % 65536, h >> 20 & 4092 is the 12-bit offset less its low 2 bits). Prints at the
-# end, and only when every config has its size and the words add up to the sizes (else exit 2:
-# nothing printed); exit 1 when a bridge read short (lspci is asked then).
+# The walk of every bridge's config words, in plain POSIX awk (mawk: no bitwise operators, so
+# h & 65535 is h % 65536, h >> 20 & 4092 is the 12-bit offset less its low 2 bits). Prints
+# `bridge <bdf>` and `acs <bdf> <control|none|short> <words read>` per bridge, at the end; exit 1
+# when a bridge read short (lspci is asked then). Two input forms:
+# - one od for all bridges: `stat -c '%s %n'` lines (each config's size and path), `==`, then
+#   od's words of all configs in that order, cut by the sizes; where they do not add up (a reader
+#   that gets less, a read error) or a size is missing: exit 2, nothing printed;
+# - `-v framed=1`, one od per bridge (the fallback): `@ <path>` before each config's words, a
+#   bridge's size being what its od read.
 _ACS_AWK = (
+    'framed && $1 == "@" { p = $2; sub(/\\/config$/, "", p); sub(/.*\\//, "", p); bdf[++nb] = p; size[nb] = 0; next } '
+    "framed { for (i = 1; i <= NF; i++) { w[++nw] = $i; size[nb] += 4 } next } "
     'phase == 0 && $0 == "==" { phase = 1; next } '
     "phase == 0 { size[++nb] = $1; p = $2; sub(/\\/config$/, \"\", p); sub(/.*\\//, \"\", p); bdf[nb] = p; "
     "total += $1 / 4; next } "
     "{ for (i = 1; i <= NF; i++) w[++nw] = $i } "
-    "END { if (phase != 1 || nb != want || nw != total) exit 2; base = 0; short = 0; "
+    "END { if (nb != want || (!framed && (phase != 1 || nw != total))) exit 2; base = 0; short = 0; "
     "for (j = 1; j <= nb; j++) { n = size[j] / 4; b = bdf[j]; out = out \"bridge \" b \"\\n\"; "
     "if (n < 64) { short = 1; out = out \"acs \" b \" short \" n \"\\n\"; base += n; continue } "
     "r = \"none\"; if (n >= 1024) { o = 256; k = 0; "
@@ -309,7 +298,7 @@ class PciAcs(ShellFact):
          "0000:00:01.0": {"status": "unknown", "redirect": None, "ctl": None}}
 
     Bridges come from sysfs, ACS from each bridge's own config space (sysfs `config`, all bridges'
-    in one `od`, cut by the sizes `stat` gives, else one `od` per bridge; root reads all 4096 bytes): the shell walks the extended capability list from
+    in one `od`, cut by the sizes `stat` gives, else one `od` per bridge; root reads all 4096 bytes): one awk walks the extended capability list from
     offset 0x100 (header: ID in bits 0-15, next offset in bits 20-31, as the kernel's
     drivers/pci/pci.c pci_find_next_ext_capability() does) to the ACS capability (ID 0x000D) and
     prints its control word (bits 16-31 of the word at +4: the register at +6), as
@@ -322,18 +311,20 @@ class PciAcs(ShellFact):
 
     command = (
         # every bridge's config in ONE od (and one stat for their sizes): awk cuts the words per
-        # bridge by its size and walks each list as _ACS_PER_BRIDGE does; where the words read do
-        # not add up to the sizes (a reader that gets less, a read error) the per-bridge loop runs.
+        # bridge by its size and walks each list; where the words read do not add up to the sizes
+        # (a reader that gets less, a read error) one od per bridge feeds the same walk.
         # The size sysfs gives `config` is what root reads: 4096 where the device has extended
         # config space, else 256 (linux drivers/pci/pci-sysfs.c pci_dev_config_attr_bin_size and
         # pci_read_config, which gives a non-admin reader 64 bytes, or 128 for a CardBus bridge)
         "u=; set --; for d in /sys/bus/pci/devices/*; do "
         'c=; { read -r c; } 2>/dev/null < "$d/class"; '
         'case "$c" in 0x0604*) set -- "$@" "$d/config";; esac; done; '
-        "if [ $# -gt 0 ]; then "
+        f"if [ $# -gt 0 ]; then w='{_ACS_AWK}'; "
         "{ stat -L -c '%s %n' -- \"$@\"; echo ==; od -An -tu4 -v -- \"$@\"; } 2>/dev/null | "
-        f"awk -v want=$# '{_ACS_AWK}'; "
-        f"case $? in 0) ;; 1) u=1;; *) {_ACS_PER_BRIDGE};; esac; fi; "
+        "awk -v want=$# \"$w\"; "
+        # else one od per bridge, every config walked by the same awk
+        "case $? in 0) ;; 1) u=1;; *) for f do echo \"@ $f\"; od -An -tu4 -v -- \"$f\" 2>/dev/null; done | "
+        "awk -v want=$# -v framed=1 \"$w\"; [ $? -eq 1 ] && u=1;; esac; fi; "
         'if [ -n "$u" ] && command -v lspci >/dev/null 2>&1; then '
         "lspci -D -n -vvv 2>/dev/null | grep -E '^[[:xdigit:]]|ACSCtl|access denied'; "
         "fi; true"

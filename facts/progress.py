@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from facts.base import ShellFact
 from facts.sections import SECTION, split_sections
+from facts.shared import EACH_FILE, read_file
 
 RECORD_DIR = "/var/lib/pvegpu/durations"
 
@@ -32,7 +33,7 @@ class Durations(ShellFact):
     """
 
     command = (f"for f in {RECORD_DIR}/*; do [ -f \"$f\" ] || continue; "
-               f"case \"$f\" in *.part) continue;; esac; echo \"{SECTION}${{f##*/}}\"; cat \"$f\"; done; true")
+               f"case \"$f\" in *.part) continue;; esac; echo \"{SECTION}${{f##*/}}\"; {read_file(EACH_FILE)}; done; true")
 
     @staticmethod
     def default() -> dict:

@@ -6,7 +6,7 @@ import re
 
 from facts.base import ShellFact
 from facts.sections import split_sections
-from facts.shared import UNAME, dpkg_show, take, uname
+from facts.shared import EACH_FILE, UNAME, dpkg_show, read_file, take, uname
 
 # `pveversion` and `pveversion -v` are Perl programs (0.3-0.6 s each on a node). What they print
 # comes from the dpkg database: each package's installed version (pve-manager PVE/API2/APT.pm
@@ -159,8 +159,11 @@ def parse_pci_mappings(output_lines: list[str]) -> dict[str, dict]:
     return mappings
 
 
-def _config_files_command(directory: str) -> str:
-    return f'for f in {directory}/*.conf; do [ -r "$f" ] && {{ echo "@@ $f"; cat "$f"; }}; done; true'
+def _config_files_command(directory: str, builtin: bool = False) -> str:
+    """Each config of `directory`, after its `@@ <path>` marker: through the shell's `read` where
+    `builtin` (facts.shared.read_file: no program per file), else one `cat` per file."""
+    read = read_file(EACH_FILE) if builtin else 'cat "$f"'
+    return f'for f in {directory}/*.conf; do [ -r "$f" ] && {{ echo "@@ $f"; {read}; }}; done; true'
 
 
 class PveVersion(ShellFact):
@@ -297,7 +300,8 @@ class LxcConfigs(ShellFact):
                "snapshots": {"before-driver": ["arch: amd64", …]}}}   # raw lines, untouched
     """
 
-    command = _config_files_command("/etc/pve/lxc")
+    # a CT config is a few hundred bytes; ContainerGpuState reads the same files
+    command = _config_files_command("/etc/pve/lxc", builtin=True)
 
     @staticmethod
     def default() -> dict:

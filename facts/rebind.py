@@ -15,6 +15,7 @@ from pyinfra.api import FactBase
 from facts.base import ShellFact
 from facts.guest_state import GUEST_STATE_COMMAND, GuestState, parse_guest_state
 from facts.sections import parse_sections, split_sections
+from facts.shared import read_file
 from facts.shell import word
 
 # The rebind transaction's host paths (plan.rebind writes them; `RebindJournal` reads them).
@@ -142,7 +143,7 @@ class RebindJournal(ShellFact):
     """
 
     # systemd runs when /run/systemd/system exists (what sd_booted() checks)
-    command = (f"if [ -f {JOURNAL} ]; then echo '@@ journal'; cat {JOURNAL}; fi; echo '@@ runner'; "
+    command = (f"if [ -f {JOURNAL} ]; then echo '@@ journal'; {read_file(JOURNAL)}; fi; echo '@@ runner'; "
                f"if [ -e {LOCK} ] && ! flock -n {LOCK} true 2>/dev/null; then echo running; else echo idle; fi; "
                "echo '@@ systemd'; [ -d /run/systemd/system ] && echo yes; true")
 

@@ -43,3 +43,16 @@ def operands(values: object, end: str = "--") -> str:
     if not end and any(str(v).startswith("-") for v in items):
         raise ValueError(f"an operand starting with '-' where the command has no end of options: {items!r}")
     return " ".join([*([end] if end else []), *(word(v) for v in items)])
+
+
+def leading_words(text: str) -> list[str]:
+    """The values of the shell words `text` starts with, up to its first unquoted `;` (the
+    inverse of joining `word`s): how facts.shared reads back the set a reading was taken over."""
+    lexer = shlex.shlex(text, posix=True, punctuation_chars=";")
+    lexer.whitespace_split = True
+    words = []
+    for token in lexer:
+        if token == ";":
+            break
+        words.append(token)
+    return words

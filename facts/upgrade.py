@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from facts.base import ShellFact
 from facts.sections import parse_sections
+from facts.shared import first_line
 
 
 def _lines(lines: list[str]) -> list[str]:
@@ -41,7 +42,7 @@ class UpgradeState(ShellFact):
                "echo '@@ systemd-boot'; [ -f /usr/share/doc/systemd-boot/changelog.Debian.gz ] && echo installed; "
                "echo '@@ boot-uuids'; [ -f /etc/kernel/proxmox-boot-uuids ] && echo yes; "
                "echo '@@ efi'; [ -d /sys/firmware/efi ] && echo yes; "
-               "echo '@@ pin'; head -n 1 /etc/kernel/proxmox-boot-pin 2>/dev/null; true")
+               f"echo '@@ pin'; {first_line('/etc/kernel/proxmox-boot-pin')}; true")
 
     def process(self, output):
         return parse_upgrade_state(output)

@@ -104,8 +104,26 @@ def _out(tmp_path, command: str, env: dict) -> str:
                           timeout=60, env=env).stdout
 
 
+# The oracle: the per-bridge walk the fact ran in the shell before its fallback fed the awk (one od
+# per bridge, the extended capability list walked with shell arithmetic).
+_ACS_PER_BRIDGE = (
+    "u=; for d in /sys/bus/pci/devices/*; do "
+    'c=; { read -r c; } 2>/dev/null < "$d/class"; '
+    'case "$c" in 0x0604*) ;; *) continue;; esac; '
+    'b=${d##*/}; echo "bridge $b"; '
+    'set -- $(od -An -tu4 -v "$d/config" 2>/dev/null); '
+    'if [ $# -lt 64 ]; then u=1; echo "acs $b short $#"; continue; fi; '
+    "r=none; if [ $# -ge 1024 ]; then o=256; k=0; "
+    "while [ $o -ge 256 ] && [ $k -lt 960 ]; do "
+    'eval "h=\\${$((o / 4 + 1))}"; case $h in 0|4294967295) break;; esac; '
+    'if [ $((h & 65535)) -eq 13 ]; then eval "w=\\${$((o / 4 + 2))}"; r=$((w >> 16)); break; fi; '
+    "o=$((h >> 20 & 4092)); k=$((k + 1)); done; fi; "
+    'echo "acs $b $r $#"; '
+    "done"
+)
+
+
 def test_one_od_reads_every_bridge_and_prints_what_one_od_per_bridge_prints(tmp_path):
-    from facts.pci import _ACS_PER_BRIDGE
     env = _sysfs(tmp_path, MIXED)
     out = _out(tmp_path, PciAcs().command, env)
     assert (tmp_path / "od.log").read_text().count("od") == 1  # was one per bridge (5 here)
@@ -119,10 +137,31 @@ def test_one_od_reads_every_bridge_and_prints_what_one_od_per_bridge_prints(tmp_
 
 
 def test_where_the_words_do_not_add_up_each_bridge_is_read_alone(tmp_path):
-    from facts.pci import _ACS_PER_BRIDGE
     # a config whose size says more than a read gives (as for a reader that gets 64 bytes)
     env = _sysfs(tmp_path, MIXED, {"stat": 'exec /usr/bin/stat "$@" | sed "s/^64 /4096 /"'})
     out = _out(tmp_path, PciAcs().command, env)
-    assert (tmp_path / "od.log").read_text().count("od") == 1 + 5  # the one od, then the per-bridge loop
+    assert (tmp_path / "od.log").read_text().count("od") == 1 + 5  # the one od, then one per bridge
     assert out == _out(tmp_path, _ACS_PER_BRIDGE + "; true", env)
     assert PciAcs().process(out.splitlines())["0000:40:03.1"]["status"] == "unknown"
+
+
+@pytest.mark.parametrize("reader", ["non-root", "every read short"])
+def test_the_fallback_walks_each_bridge_with_the_one_awk_as_the_shell_walk_did(tmp_path, reader):
+    """The per-bridge fallback feeds each bridge's od words to the awk the one-od path uses (no
+    second walk in the shell): what it prints is what the shell walk printed, for a reader that
+    gets 64 bytes of some configs and for one that gets 64 bytes of every config (sysfs sizes
+    4096 or 256: pci-sysfs.c pci_read_config gives a non-admin reader 64 bytes)."""
+    devices = dict(MIXED)
+    if reader == "every read short":
+        devices = {bdf: (cls, data[:64]) for bdf, (cls, data) in MIXED.items()}
+    env = _sysfs(tmp_path, devices, {"stat": 'exec /usr/bin/stat "$@" | sed "s/^64 /4096 /"',
+                                     "awk": f'echo awk >> {tmp_path}/awk.log; exec /usr/bin/awk "$@"'})
+    out = _out(tmp_path, PciAcs().command, env)
+    assert (tmp_path / "awk.log").read_text().count("awk") == 2  # the one-od walk (refused), the fallback's
+    assert out == _out(tmp_path, _ACS_PER_BRIDGE + "; true", env)
+    assert "eval" not in PciAcs().command and "$((" not in PciAcs().command  # no shell walk left
+    acs = PciAcs().process(out.splitlines())
+    if reader == "every read short":
+        assert {v["status"] for v in acs.values()} == {"unknown"} and len(acs) == 5
+    else:
+        assert acs["0000:00:01.1"]["status"] == "enabled" and acs["0000:40:03.1"]["status"] == "unknown"

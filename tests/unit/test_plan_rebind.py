@@ -1,6 +1,7 @@
 """plan.rebind: reading a journal an earlier transaction left, and what the next run does."""
 
 from facts.rebind import RebindJournal, parse_journal
+from facts.shared import read_file
 from plan.rebind import Journal, journal_of, recovery
 
 T = "2026-12-03T18:40:01Z"
@@ -65,4 +66,4 @@ def test_the_fact_parses_its_own_sections():
     assert journal_of(parsed).end == "done" and not journal_of(parsed).running
     parsed = parse_journal(["@@ runner", "running", "@@ systemd"])
     assert journal_of(parsed).running and not journal_of(parsed).exists and not parsed["systemd"]
-    assert "flock -n" in RebindJournal.command and "cat /var/lib/pvegpu/rebind/journal" in RebindJournal.command
+    assert "flock -n" in RebindJournal.command and read_file("/var/lib/pvegpu/rebind/journal") in RebindJournal.command

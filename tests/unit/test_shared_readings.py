@@ -116,10 +116,11 @@ def test_a_probe_takes_each_shared_reading_once_and_every_value_equals_the_fact_
     assert values == alone
     probe_calls = calls()
     # before: dpkg-query 6 times (pve-manager, the packages, all for the holds, the kernel packages,
-    # the two headers checks) and uname 4 times; now one list and one uname per flag
+    # the two headers checks) and uname 4 times; now one list and one uname (-n -r -m: every
+    # field a fact asks for; it was one uname per flag)
     assert [c for c in probe_calls if c.startswith("dpkg-query")] == [
         "dpkg-query -W -f=${db:Status-Abbrev} ${Package} ${Version}\\n *"]
-    assert sorted(c for c in probe_calls if c.startswith("uname")) == ["uname -n", "uname -r"]
+    assert sorted(c for c in probe_calls if c.startswith("uname")) == ["uname -n -r -m"]
 
 
 def test_a_reading_one_section_takes_is_not_taken_up_front():
@@ -168,3 +169,181 @@ def test_facts_looking_into_the_same_cts_ask_lxc_info_once_per_probe(tmp_path):
     assert probe().process(run(str(probe().command))) == alone
     assert log.read_text().splitlines() == ["-n 200 -p -H", "-n 201 -p -H"]  # was each twice
     assert alone[0]["containers"][200]["root"] == alone[0]["host_root"] and 201 not in alone[0]["containers"]
+
+
+def test_ct_init_pids_is_pure():
+    """The CTs' reading is one fixed name over the CT ids its shell names: asking for CT sets
+    leaves no state behind (it used to register each set's reading in a module dict)."""
+    import facts.shared as shared
+    from facts.shared import CT_PIDS, ct_init_pids
+
+    before = (dict(shared.READINGS), dict(shared.SET_READINGS))
+    first = ct_init_pids([200, 201])
+    assert ct_init_pids([7]) != first and ct_init_pids(["200", 201]) == first
+    assert (shared.READINGS, shared.SET_READINGS) == before
+    assert f"{CT_PIDS}=$(set -- 200 201;" in first
+
+
+def test_a_set_reading_is_taken_once_over_the_union_of_the_sections_sets(tmp_path):
+    """ContainerUserspace asks for CT 200, NcclState for CTs 200 and 201: one lxc-info per CT for
+    the probe (the old per-set readings asked for CT 200 twice), each value what the fact reads
+    alone."""
+    from facts.containers import ContainerUserspace
+    from facts.nccl import NcclState
+
+    log, bin_dir = tmp_path / "lxc.log", tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "lxc-info").write_text(
+        f'#!/bin/sh\nprintf "%s\\n" "$*" >> {log}\n[ "$2" = 200 ] && echo {os.getpid()}\ntrue\n')
+    (bin_dir / "lxc-info").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+    def run(command: str) -> list[str]:
+        return subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env,
+                              timeout=60).stdout.splitlines()
+
+    requests: list[tuple[type[FactBase], dict]] = [
+        (ContainerUserspace, {"ctids": [200]}), (NcclState, {"paths": ["/etc/nccl.conf"], "ctids": [200, 201]})]
+    alone = [_alone(run, fc, kw) for fc, kw in requests]
+    log.unlink()
+    probe = combined_probe(requests)
+    assert probe().process(run(str(probe().command))) == alone
+    assert sorted(log.read_text().splitlines()) == ["-n 200 -p -H", "-n 201 -p -H"]
+    assert alone[0]["containers"][200]["root"] == alone[1]["containers"][200]["root"] == alone[0]["host_root"]
+    assert alone[1]["containers"][201]["root"] is None  # it runs no init
+
+
+def test_managed_files_of_every_section_are_read_by_one_stat_and_one_sha256sum(tmp_path):
+    """Five ManagedFiles requests (other paths each, one path in two of them, a link, a missing
+    file, a file with a space): one `stat` and one `sha256sum` for the probe (was one of each per
+    request), each value what the fact reads alone."""
+    from facts.files import ManagedFiles
+
+    files = tmp_path / "files"
+    files.mkdir()
+    for name in ("a", "b", "c d", "e"):
+        (files / name).write_text(name + "\n")
+    (files / "e").chmod(0o600)
+    (files / "link").symlink_to(files / "a")
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    for program in ("stat", "sha256sum"):
+        (bin_dir / program).write_text(f'#!/bin/sh\necho {program} >> {log}\nexec {shutil.which(program)} "$@"\n')
+        (bin_dir / program).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+    def run(command: str) -> list[str]:
+        return subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env,
+                              timeout=60).stdout.splitlines()
+
+    f = [str(files / n) for n in ("a", "b", "c d", "e", "link", "missing")]
+    requests: list[tuple[type[FactBase], dict]] = [
+        (ManagedFiles, {"paths": [f[0], f[1]]}), (ManagedFiles, {"paths": [f[2], f[5]]}),
+        (ManagedFiles, {"paths": [f[1], f[4]]}), (ManagedFiles, {"paths": [f[5]]}), (ManagedFiles, {"paths": [f[3]]})]
+    alone = [_alone(run, fc, kw) for fc, kw in requests]
+    assert log.read_text().split().count("stat") == 4  # each fact alone: its own (none without a file)
+    log.unlink()
+    probe = combined_probe(requests)
+    assert probe().process(run(str(probe().command))) == alone
+    assert sorted(log.read_text().split()) == ["sha256sum", "stat"]
+    assert alone[0][f[1]] == alone[2][f[1]] and alone[2][f[4]] == {"link": f[0]} and alone[1][f[5]] is None
+    assert alone[4][f[3]]["mode"] == "600" and alone[1][f[2]]["mode"] in ("644", "664")
+
+
+@pytest.mark.parametrize("text", [
+    b"one line\n", b"", b"\n", b"no line break at the end", b"a\\b  c\t\n\n  leading\n\n\ntrailing empties\n\n",
+    b"x" * 5000 + b"\nlong\n",
+])
+def test_read_file_prints_what_cat_prints_without_a_program(tmp_path, text):
+    """facts.shared.read_file / first_line against cat / head -n 1 (as lines: a last line without
+    a line break gets one), in the shell the facts run in (sh)."""
+    from facts.shared import first_line, read_file
+
+    path = tmp_path / "f"
+    path.write_bytes(text)
+
+    def out(command: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["sh", "-c", command], capture_output=True, timeout=60)
+
+    assert out(read_file(str(path))).stdout.splitlines() == out(f"cat {path}").stdout.splitlines()
+    assert out(first_line(str(path))).stdout.splitlines() == out(f"head -n 1 {path}").stdout.splitlines()
+    assert out(f"cat {path} | {first_line()}").stdout.splitlines() == out(f"head -n 1 {path}").stdout.splitlines()
+    # a file that cannot be opened: nothing, and a failure as cat's
+    assert out(read_file(str(tmp_path / "missing"))).stdout == b""
+    assert out(read_file(str(tmp_path / "missing"))).returncode != 0
+    assert out(first_line(str(tmp_path / "missing"))).stdout == b""
+
+
+def test_read_file_of_proc_files_equals_cat():
+    from facts.shared import read_file
+
+    for path in ("/proc/devices", "/proc/cmdline", "/proc/version", "/proc/meminfo"):
+        cat = subprocess.run(["sh", "-c", f"cat {path}"], capture_output=True, timeout=60).stdout
+        mine = subprocess.run(["sh", "-c", read_file(path)], capture_output=True, timeout=60).stdout
+        if path == "/proc/meminfo":  # its values move; the lines' keys stay
+            cat, mine = (b"\n".join(line.split(b":")[0] for line in x.splitlines()) for x in (cat, mine))
+        assert mine == cat, path
+
+
+def _kpro6_first_round():
+    """The no-change converge's one probe for the kpro6 twin's spec: every stage's prefetch, as
+    deploy.py asks facts.once.prefetch for it."""
+    from operations import load_stages, upgrade
+    from spec.load import inventory_hosts
+
+    spec = dict(inventory_hosts(Path(__file__).resolve().parents[2] / "inventories/twin.yml"))["kpro6"]["pvegpu_spec"]
+    requests = [r for _, module in load_stages() if hasattr(module, "prefetch") for r in module.prefetch(spec)]
+    requests += upgrade.prefetch(spec)
+    unique = {(fc.__module__, fc.__name__, repr(sorted(kw.items()))): (fc, kw) for fc, kw in requests}
+    return combined_probe(list(unique.values()))
+
+
+# the programs a probe may start for a whole file's text: the cluster-wide files whose size grows
+# with the cluster (VM configs, the PCI mappings, HA resources) stay with cat
+_CAT_KEPT = ("/etc/pve/qemu-server/", "/etc/pve/mapping/pci.cfg", "/etc/pve/ha/resources.cfg")
+
+
+def test_the_kpro6_probe_starts_no_program_twice_for_one_reading(tmp_path):
+    """The kpro6 twin's no-change probe run here, every program it starts through PATH logged:
+    no program starts twice with the same arguments (before: cat of /proc/devices, of the driver's
+    version, stat of / ... twice), no cat/head/sed/cut/sort/uniq/tail for a small file (the shell's
+    read), and one stat and one sha256sum for all managed files."""
+    probe = _kpro6_first_round()
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    names = ("cat head tail sed cut tr sort uniq grep awk stat sha256sum od ls readlink nproc uname dpkg-query "
+             "lxc-info lxc-ls modinfo mokutil flock apt-cache").split()
+    for name in names:
+        real = shutil.which(name)
+        if real:
+            (bin_dir / name).write_text(f'#!/bin/sh\nprintf "%s\\n" "{name} $*" >> {log}\nexec {real} "$@"\n')
+            (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    run = subprocess.run(["sh", "-c", str(probe().command)], capture_output=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    calls = log.read_text().splitlines()
+    started = [c.split(" ", 1)[0] for c in calls]
+    assert len(calls) == len(set(calls)), sorted(c for c in calls if calls.count(c) > 1)
+    assert not {"head", "tail", "sed", "cut", "sort", "uniq"} & set(started), calls
+    assert all(c.split(" ", 1)[1].startswith(_CAT_KEPT) for c in calls if c.startswith("cat ")), calls
+    assert started.count("sha256sum") <= 1 and started.count("stat") <= 3  # managed files, /, the bridges' sizes
+    assert [c for c in calls if c.startswith("uname")] == ["uname -n -r -m"]  # was uname -r, -n, -m
+
+
+@pytest.mark.parametrize("fields", [("kpro6", "6.14.8-2-pve", "x86_64"), ("node.example.com", "6.8.0 my build", "aarch64"),
+                                    ("", "", "")])
+def test_each_uname_field_is_cut_from_one_uname(tmp_path, fields):
+    """`uname -n -r -m` prints node name, release and machine in that order, one space apart
+    (coreutils src/uname.c): each fact's field is cut from that one line, the release being
+    all between the first and the last space; no uname at all gives empty fields, as before."""
+    from facts.shared import uname
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    body = f"[ \"$*\" = '-n -r -m' ] && echo '{' '.join(fields)}'" if any(fields) else "exit 1"
+    (bin_dir / "uname").write_text(f"#!/bin/sh\n{body}\n")
+    (bin_dir / "uname").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    got = [subprocess.run(["sh", "-c", uname(flag)], capture_output=True, text=True, env=env, timeout=60).stdout
+           for flag in "nrm"]
+    assert got == [f + "\n" for f in fields]

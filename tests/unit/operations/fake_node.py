@@ -23,9 +23,12 @@ while [ $# -gt 0 ]; do case "$1" in -n) id=$2; shift ;; esac; shift; done
 grep -qx "$id" "$FAKE_NODE/active" 2>/dev/null && cat "$FAKE_NODE/ct$id.pid" 2>/dev/null
 exit 0
 """
+# uname with this node's name: the real one's fields (coreutils prints the node name first
+# unless -s/-a asks for the kernel name), the node name swapped
 UNAME = f"""#!/bin/sh
-[ "$1" = -n ] && {{ echo {NODE}.example.org; exit 0; }}
-exec /bin/uname "$@"
+out=$(/bin/uname "$@") || exit $?
+case " $* " in *" -n "*) n=$(/bin/uname -n); out="{NODE}.example.org${{out#"$n"}}";; esac
+printf '%s\\n' "$out"
 """
 # pct: `list` is not what the facts use any more (a test fails if they run it); `push` copies
 # into the CT's root; `exec ID -- CMD…` runs CMD in the CT's init's mount namespace and root
