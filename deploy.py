@@ -27,15 +27,18 @@ from pyinfra import host, logger
 from pyinfra.api.exceptions import DeployError
 
 from compat.gc_after_planning import keep_planned_objects
+from compat.jinja_cache import use_template_cache
 from compat.pyinfra_speedups import install as install_speedups
 from compat.ssh_socket import send_at_once
 from facts.once import prefetch
 from facts.run_state import run_state
 from operations import MissingStage, load_stages, run_stages, runlock, upgrade
 from operations.backup import is_dry, show_dry_diffs
+from plan.render import template_environment
 from plan.summary import spec_summary
 
 install_speedups()  # pyinfra's operation order without reading source per frame (same order)
+use_template_cache(template_environment())  # compiled templates kept between runs (compat/jinja_cache.py)
 
 spec = host.data.get("pvegpu_spec")
 if spec is None:

@@ -31,7 +31,7 @@ Figures (issue 9):
                          time without the delay)
   pve_delay_vs_fact      issue 26 part 5: the kpro6 twin's no-change converge with CT 200   target <= 1.3
                          running and its Proxmox CLIs taking PVE_DELAY_S to start / a bare
-                         `pyinfra <twin> fact server.Os` against the same twin (medians of 5,
+                         `pyinfra <twin> fact server.Os` against the same twin (medians of 9,
                          alternating; taken by the converge bench, with the CLIs it started)
   pve_delay_vs_fact_many_cores  the same on a machine with >= 4 cores, where the twin's side of  target <= 1.3
                          each command runs beside pyinfra instead of taking turns with it on
@@ -77,7 +77,7 @@ TARGETS = {
     "pve_delay_vs_fact_many_cores": ("<=", 1.3),
 }
 PVE_DELAY_S = 0.4  # a real node's pct/qm/pvesh start: 0.3-0.6 s (issue 19)
-PVE_DELAY_RUNS = 5  # pve_delay_vs_fact: converge/fact pairs, alternating; the medians make the figure
+PVE_DELAY_RUNS = 9  # pve_delay_vs_fact: converge/fact pairs, alternating; the medians make the figure
 
 
 def _converge(names: list[str], inventory: str | None = None, debug: bool = True) -> tuple[float, int, PyinfraRun]:

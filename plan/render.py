@@ -59,6 +59,12 @@ def environment(*search: Path) -> jinja2.Environment:
 _env = environment()
 
 
+def template_environment() -> jinja2.Environment:
+    """The environment `render_template` renders with (deploy.py gives it a cache of compiled
+    templates: compat/jinja_cache.py)."""
+    return _env
+
+
 def render_template(name: str, **context) -> str:
     return _env.get_template(name).render(**context)
 
