@@ -1,4 +1,5 @@
-"""A bundle to run the fleet bench on another (many-core) Linux machine without network.
+"""A bundle to run the fleet, cluster and converge benches on another (many-core) Linux machine
+without network.
 
     .venv/bin/python bench/device_bundle.py [--out .cache/bench-device]
     # then, on the other machine, in a copy of this repository with the bundle at the same path:
@@ -24,9 +25,9 @@ twin opens:
    stand-in client built here (static), and the cache key of the root it stands for.
 
 device_fleet.sh unpacks the root where tests/twin/runtime.py finds its cache, installs the
-wheels into a venv and runs `bench/run.py --only fleet`. The slim root is only for that bench:
-a twin started from it converges and re-converges like one from the full root (the trace
-covered exactly those steps), anything else may find files missing.
+wheels into a venv, byte-compiles it and runs `bench/run.py --only $BENCHES` (default fleet). The
+slim root is only for those benches: a twin started from it converges and re-converges like one
+from the full root (the trace covered exactly those steps), anything else may find files missing.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 #!/bin/bash
-# The fleet bench (bench/run.py --only fleet) on another Linux machine, from the bundle
+# The fleet bench (bench/run.py --only fleet; BENCHES="converge cluster fleet" for those three) on
+# another Linux machine, from the bundle
 # bench/device_bundle.py made (a slim twin root, the runner's wheels, the stand-in client).
 # Run as root in a copy of this repository, with the bundle at BUNDLE:
 #
