@@ -1178,12 +1178,14 @@ class Supervisor:
 
     def start_guests(self) -> list[str] | None:
         """The command that starts the guests whose config says `onboot: 1` (tests/twin/standins/
-        proxmox.py onboot, as pve-guests.service), each start followed by its `startup: up=` delay
-        (3 s for a VM without one); the others stay stopped. boot() runs it in the background once
-        sshd answers, in the twin's PID namespace like every process of this boot: as on a real node,
-        where nothing orders sshd after pve-guests.service, a client can log in while guests are not
-        started yet, and `systemctl is-system-running` says "starting" until the last start and its
-        delay are done (the BOOT_JOBS marker, removed when reap() collects it). None: not a Proxmox twin."""
+        proxmox.py onboot, as pve-guests.service), after the node's `startall-onboot-delay`
+        (/etc/pve/nodes/<node>/config: pve-manager bin/pve-startall-delay, the unit's ExecStartPre),
+        each start followed by its `startup: up=` delay (3 s for a VM without one); the others stay
+        stopped. boot() runs it in the background once sshd answers, in the twin's PID namespace like
+        every process of this boot: as on a real node, where nothing orders sshd after
+        pve-guests.service, a client can log in while guests are not started yet, and `systemctl
+        is-system-running` says "starting" until the node delay, the last start and its delay are
+        done (the BOOT_JOBS marker, removed when reap() collects it). None: not a Proxmox twin."""
         if not (self.root / "usr/local/lib/twin/proxmox.py").exists():
             return None
         (self.root / BOOT_JOBS).parent.mkdir(parents=True, exist_ok=True)

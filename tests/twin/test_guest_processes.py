@@ -136,3 +136,37 @@ def test_ssh_answers_while_the_boot_still_starts_its_onboot_guests(twin_factory)
     assert ssh(twin, "systemctl is-system-running -q; echo rc=$?") == "rc=0\n"
     assert [line.split(" ", 1)[1] for line in (Path(twin.root) / "var/lib/twin/guests.log").read_text().splitlines()[-2:]] == [
         "onboot qemu 300", "onboot lxc 200"]
+
+
+def test_the_boot_waits_the_nodes_startall_onboot_delay_before_its_onboot_starts(twin_factory):
+    """pve-guests.service's ExecStartPre (pve-manager bin/pve-startall-delay) sleeps the node's
+    `startall-onboot-delay` (/etc/pve/nodes/<node>/config, PVE/NodeConfig.pm) before startall, in
+    the same oneshot unit: sshd answers meanwhile, the onboot CT is not started yet, and
+    `systemctl is-system-running --wait` returns only once the delay and the starts are done."""
+    import datetime
+
+    twin = twin_factory("kpro6", name="s14s-delay")
+    ssh(twin, "pct set 200 --onboot 1 && printf 'startall-onboot-delay: 2\\n' > /etc/pve/local/config")
+    log = Path(twin.root) / "var/lib/twin/guests.log"
+    before = len(log.read_text().splitlines()) if log.exists() else 0
+    reboot(twin, 2, settle=False)
+    booted = float((twin.dir / "boots").read_text().splitlines()[-1].split()[0])  # sshd answers, the starts begin
+    r = subprocess.run(runtime.ssh_command(twin.name, ["systemctl is-system-running; echo rc=$?; pct status 200"]),
+                       capture_output=True, text=True, timeout=60)
+    assert r.stdout == "starting\nrc=1\nstatus: stopped\n", r.stdout + r.stderr
+    assert ssh(twin, "systemctl is-system-running --wait; echo rc=$?; pct status 200") == (
+        "running\nrc=0\nstatus: running\n")
+    waited = time.time() - booted
+    started = [line.split(" ") for line in log.read_text().splitlines()[before:]]
+    assert [line[1:] for line in started] == [["onboot", "lxc", "200"]]
+    at = datetime.datetime.fromisoformat(started[0][0]).timestamp() - booted
+    assert at >= 2 and waited >= at, (at, waited)
+    assert "Delaying on-boot 'startall' command for 2 second(s)." in (twin.dir / "supervisor.log").read_text()
+
+    # startall-onboot-delay 0 (or none): the starts come at once
+    ssh(twin, "printf 'startall-onboot-delay: 0\\n' > /etc/pve/local/config")
+    reboot(twin, 3)
+    last = log.read_text().splitlines()[-1].split(" ")
+    booted = float((twin.dir / "boots").read_text().splitlines()[-1].split()[0])
+    assert last[1:] == ["onboot", "lxc", "200"]
+    assert datetime.datetime.fromisoformat(last[0]).timestamp() - booted < 1.5

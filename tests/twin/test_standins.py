@@ -431,6 +431,53 @@ def test_at_boot_each_start_is_followed_by_its_startup_up_delay(root):
     assert 1 <= gaps[0] < 2.5 and 3 <= gaps[1] < 4.5 and gaps[2] < 1.5 and 1 <= gaps[3] < 2.5, gaps
 
 
+def timed_onboot(root) -> tuple[float, float, str]:
+    """onboot() as the boot runs it: (seconds from its start to the first guest start logged,
+    its whole run in seconds, its stderr)."""
+    import datetime
+
+    env = dict(os.environ, TWIN_ROOT=str(root))
+    t0 = datetime.datetime.now(datetime.UTC)
+    r = subprocess.run(["python3", "-c", f"import sys; sys.path.insert(0, {str(root / 'usr/local/lib/twin')!r}); "
+                        "import proxmox; proxmox.onboot()"], env=env, check=True, capture_output=True, text=True)
+    took = (datetime.datetime.now(datetime.UTC) - t0).total_seconds()
+    first = (root / "var/lib/twin/guests.log").read_text().splitlines()[0]
+    assert first.endswith(" onboot lxc 200"), first
+    return (datetime.datetime.fromisoformat(first.split(" ", 1)[0]) - t0).total_seconds(), took, r.stderr
+
+
+def test_at_boot_the_nodes_startall_onboot_delay_comes_before_the_starts(root):
+    """pve-guests.service runs pve-manager bin/pve-startall-delay before startall: with the node's
+    `startall-onboot-delay: N` (its own /etc/pve/nodes/<node>/config, PVE/NodeConfig.pm) it warns
+    and sleeps N s, and only then is the first onboot guest started."""
+    write_ct(root, 200, "onboot: 1\n" + (root / "etc/pve/lxc/200.conf").read_text())
+    (root / "etc/pve/nodes/kpro6/config").write_text("#a node note\nstartall-onboot-delay: 2\n")
+    first, took, stderr = timed_onboot(root)
+    assert 2 <= first < 3.5 and took < 4, (first, took)
+    assert "Delaying on-boot 'startall' command for 2 second(s)." in stderr
+    assert run(root, "pct", "status", "200").stdout == "status: running\n"
+
+
+@pytest.mark.parametrize("own, other", [
+    (None, None),                                   # no node config: the default, 0
+    ("startall-onboot-delay: 0\n", None),           # 0: pve-startall-delay sleeps only for a non-zero value
+    ("#startall-onboot-delay: 2\n", None),          # a comment (the node's description)
+    ("startall-onboot-delay: 301\n", None),         # over the schema's 300: dropped by parse_config
+    ("startall-onboot-delay: 2.5\n", None),         # not an integer: dropped
+    ("startall-onboot-delay: 2\nstartall-onboot-delay: 0\n", None),  # the last line of a key counts
+    (None, "startall-onboot-delay: 2\n"),           # another node's file: not this node's delay
+])
+def test_at_boot_no_startall_onboot_delay_unless_the_nodes_config_sets_one(root, own, other):
+    write_ct(root, 200, "onboot: 1\n" + (root / "etc/pve/lxc/200.conf").read_text())
+    if own is not None:
+        (root / "etc/pve/nodes/kpro6/config").write_text(own)
+    if other is not None:
+        (root / "etc/pve/nodes/kpro7").mkdir(parents=True)
+        (root / "etc/pve/nodes/kpro7/config").write_text(other)
+    first, took, stderr = timed_onboot(root)
+    assert first < 1.5 and "Delaying" not in stderr, (first, took, stderr)
+
+
 def test_qm_refuses_pcie_without_q35_and_busy_gpu(root):
     conf = root / "etc/pve/qemu-server/300.conf"
     conf.write_text(conf.read_text().replace("machine: q35\n", ""))

@@ -835,10 +835,32 @@ def _cmdline(pid):
         return ""
 
 
+def startall_onboot_delay():
+    """The node's `startall-onboot-delay` (seconds, 0 = none) from this node's own config,
+    /etc/pve/nodes/<node>/config (a cluster twin's other nodes have their own files)."""
+    # pve-manager PVE/NodeConfig.pm load_config/config_file: /etc/pve/nodes/<node>/config; a
+    # missing or unreadable file is an empty config
+    text = ts.read(f"/etc/pve/nodes/{node()}/config") or ""
+    value = None
+    # pve-common PVE/JSONSchema.pm parse_config: each line trimmed, `#` lines are the node's
+    # description, else `key: value` (the last one of a key counts)
+    for line in text.splitlines():
+        line = line.strip()
+        m = re.match(r"(\S+?):\s*(.*)$", line)
+        if line and not line.startswith("#") and m and m.group(1) == "startall-onboot-delay":
+            value = m.group(2)
+    # PVE/NodeConfig.pm schema: an integer 0..300 (JSONSchema is_integer: optional sign, digits);
+    # parse_config drops a key that fails it (a warning only), leaving the default 0
+    if value is None or not re.fullmatch(r"[+-]?\d+", value) or not 0 <= int(value) <= 300:
+        return 0
+    return int(value)
+
+
 def onboot():
     """At the twin's boot (tests/twin/runtime.py), as pve-guests.service does on a real node: no
-    guest survives the reboot (every one is stopped now), then only those whose config says
-    `onboot: 1` start again, by `startup: order=` and then VMID, each start followed by its
+    guest survives the reboot (every one is stopped now); then the node's `startall-onboot-delay`
+    seconds pass (startall_onboot_delay()); then only the guests whose config says `onboot: 1`
+    start again, by `startup: order=` and then VMID, each start followed by its
     `startup: up=` seconds (3 for a VM without `up`, none for a CT) before the next. A template or
     an HA resource is not started here (the HA stack starts the latter: ha_step); a start qm/pct
     would refuse fails and leaves the guest stopped (the delay still follows it)."""
@@ -848,6 +870,13 @@ def onboot():
     for key in sorted(run_state()):
         kind, _, vmid = key.partition("/")
         set_run_state(kind, int(vmid), "stopped")
+    # pve-guests.service's ExecStartPre, pve-manager bin/pve-startall-delay (PVE 8 and 9 alike):
+    # a set, non-zero node delay is warned about on stderr (the journal) and slept before startall
+    delay = startall_onboot_delay()
+    if delay:
+        sys.stderr.write(f"Delaying on-boot 'startall' command for {delay} second(s).\n")
+        sys.stderr.flush()
+        time.sleep(delay)
     todo = []
     for kind in ("qemu", "lxc"):
         for vmid in guest_ids(kind):
