@@ -7,6 +7,7 @@ so the steps after the reboot wait until systemd says the boot is done."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import subprocess
 from pathlib import Path
@@ -55,11 +56,14 @@ def test_a_reboot_names_the_guests_boot_leaves_stopped_and_starts_them_again(twi
 
 
 def test_the_steps_after_the_reboot_see_an_onboot_ct_the_boot_starts_late(twin_factory):
-    """startall starts VM 300 and waits its `up=15` before CT 200 (pve-manager PVE/API2/Nodes.pm),
-    while sshd already answers: the NCCL stage's after_reboot, which writes /etc/nccl.conf into
-    the running GPU CTs, runs only once the boot is done, so CT 200 gets its file in this run."""
+    """The node's `startall-onboot-delay: 5` passes first (pve-manager bin/pve-startall-delay, the
+    ExecStartPre of pve-guests.service), then startall starts VM 300 and waits its `up=10` before
+    CT 200 (PVE/API2/Nodes.pm), while sshd already answers: the NCCL stage's after_reboot, which
+    writes /etc/nccl.conf into the running GPU CTs, runs only once the boot is done, so CT 200 gets
+    its file in this run."""
     twin = twin_factory("kpro6", name="s13-late")
-    r = ssh(twin.name, "qm set 300 --onboot 1 --startup order=1,up=15 && pct set 200 --onboot 1 --startup order=2")
+    r = ssh(twin.name, "qm set 300 --onboot 1 --startup order=1,up=10 && pct set 200 --onboot 1 --startup order=2"
+            " && printf 'startall-onboot-delay: 5\\n' > /etc/pve/local/config")
     assert r.returncode == 0, r.stderr
     stages = "operations.boot,operations.nccl,operations.reboot"
     log = Path(twin.root) / "var/lib/twin/guests.log"
@@ -73,6 +77,9 @@ def test_the_steps_after_the_reboot_see_an_onboot_ct_the_boot_starts_late(twin_f
     # the boot's starts (a VM's start may fail its checks: startall goes on), none by the run
     assert [line.split(" ", 1)[1].split(" ", 1)[1] for line in log.read_text().splitlines()[before:]] == [
         "qemu 300", "lxc 200"]
+    booted = float((twin.dir / "boots").read_text().splitlines()[-1].split()[0])
+    first = datetime.datetime.fromisoformat(log.read_text().splitlines()[before].split(" ", 1)[0]).timestamp()
+    assert first - booted >= 5, "the boot waited the node's startall-onboot-delay before its first start"
     assert "/etc/nccl.conf (container 200)" in ssh(twin.name, "pct exec 200 -- cat /etc/nccl.conf").stdout
 
     again = converge(twin.name, stages)
