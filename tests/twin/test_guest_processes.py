@@ -11,6 +11,8 @@ reads this without any Proxmox CLI, and the CT's files are read through /proc/<i
 
 from __future__ import annotations
 
+import datetime
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -143,8 +145,6 @@ def test_the_boot_waits_the_nodes_startall_onboot_delay_before_its_onboot_starts
     `startall-onboot-delay` (/etc/pve/nodes/<node>/config, PVE/NodeConfig.pm) before startall, in
     the same oneshot unit: sshd answers meanwhile, the onboot CT is not started yet, and
     `systemctl is-system-running --wait` returns only once the delay and the starts are done."""
-    import datetime
-
     twin = twin_factory("kpro6", name="s14s-delay")
     ssh(twin, "pct set 200 --onboot 1 && printf 'startall-onboot-delay: 2\\n' > /etc/pve/local/config")
     log = Path(twin.root) / "var/lib/twin/guests.log"
@@ -170,3 +170,26 @@ def test_the_boot_waits_the_nodes_startall_onboot_delay_before_its_onboot_starts
     booted = float((twin.dir / "boots").read_text().splitlines()[-1].split()[0])
     assert last[1:] == ["onboot", "lxc", "200"]
     assert datetime.datetime.fromisoformat(last[0]).timestamp() - booted < 1.5
+
+
+def test_a_cluster_node_waits_only_its_own_startall_onboot_delay(twin_factory):
+    """Cluster twins share one /etc/pve; each node's delay is in its own nodes/<node>/config
+    (pve-manager bin/pve-startall-delay loads the local node's config, PVE/NodeConfig.pm)."""
+    cluster = f"s14s{os.getpid()}"
+    a = twin_factory("kpro6", name=f"s14sa-{os.getpid()}", cluster=cluster)
+    b = twin_factory("kpro6", name=f"s14sb-{os.getpid()}", cluster=cluster)
+    log = Path(a.root) / "var/lib/twin/guests.log"
+
+    def first_start_after_boot() -> float:
+        last = log.read_text().splitlines()[-1].split(" ")
+        assert last[1:] == ["onboot", "lxc", "200"], last
+        booted = float((a.dir / "boots").read_text().splitlines()[-1].split()[0])
+        return datetime.datetime.fromisoformat(last[0]).timestamp() - booted
+
+    ssh(a, "pct set 200 --onboot 1")  # the profile's guests are on the first node
+    ssh(b, f"printf 'startall-onboot-delay: 3\\n' > /etc/pve/local/config && test ! -e /etc/pve/nodes/{a.name}/config")
+    reboot(a, 2)
+    assert first_start_after_boot() < 1.5, "another node's delay is not this node's"
+    ssh(b, f"printf 'startall-onboot-delay: 2\\n' > /etc/pve/nodes/{a.name}/config")  # the shared tree
+    reboot(a, 3)
+    assert 2 <= first_start_after_boot() < 3
