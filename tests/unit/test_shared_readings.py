@@ -142,15 +142,12 @@ def test_package_patterns_match_as_fnmatch(pattern, name, matches):
     assert (out == "yes\n") is matches
 
 
-def test_facts_looking_into_the_same_cts_ask_lxc_info_once_per_probe(tmp_path):
-    """ContainerUserspace and NcclState both look into CT 200 through its init's root: one
-    lxc-info per CT for the probe (was one per fact), each value what the fact reads alone."""
-    from facts.containers import ContainerUserspace
-    from facts.nccl import NcclState
-
+def _fake_lxc_info(tmp_path):
+    """A PATH with an lxc-info that logs its arguments: CT 200 runs with this test's process as its
+    init (its root: /), CT 201 runs nothing. Returns the log file and a runner of shell commands
+    on that PATH (their output lines)."""
     log, bin_dir = tmp_path / "lxc.log", tmp_path / "bin"
     bin_dir.mkdir()
-    # CT 200 runs with this test's process as its init (its root: /), CT 201 runs nothing
     (bin_dir / "lxc-info").write_text(
         f'#!/bin/sh\nprintf "%s\\n" "$*" >> {log}\n[ "$2" = 200 ] && echo {os.getpid()}\ntrue\n')
     (bin_dir / "lxc-info").chmod(0o755)
@@ -159,6 +156,17 @@ def test_facts_looking_into_the_same_cts_ask_lxc_info_once_per_probe(tmp_path):
     def run(command: str) -> list[str]:
         return subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env,
                               timeout=60).stdout.splitlines()
+
+    return log, run
+
+
+def test_facts_looking_into_the_same_cts_ask_lxc_info_once_per_probe(tmp_path):
+    """ContainerUserspace and NcclState both look into CT 200 through its init's root: one
+    lxc-info per CT for the probe (was one per fact), each value what the fact reads alone."""
+    from facts.containers import ContainerUserspace
+    from facts.nccl import NcclState
+
+    log, run = _fake_lxc_info(tmp_path)
 
     requests: list[tuple[type[FactBase], dict]] = [
         (ContainerUserspace, {"ctids": [200, 201]}), (NcclState, {"paths": ["/etc/nccl.conf"], "ctids": [200, 201]})]
@@ -191,16 +199,7 @@ def test_a_set_reading_is_taken_once_over_the_union_of_the_sections_sets(tmp_pat
     from facts.containers import ContainerUserspace
     from facts.nccl import NcclState
 
-    log, bin_dir = tmp_path / "lxc.log", tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "lxc-info").write_text(
-        f'#!/bin/sh\nprintf "%s\\n" "$*" >> {log}\n[ "$2" = 200 ] && echo {os.getpid()}\ntrue\n')
-    (bin_dir / "lxc-info").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-
-    def run(command: str) -> list[str]:
-        return subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env,
-                              timeout=60).stdout.splitlines()
+    log, run = _fake_lxc_info(tmp_path)
 
     requests: list[tuple[type[FactBase], dict]] = [
         (ContainerUserspace, {"ctids": [200]}), (NcclState, {"paths": ["/etc/nccl.conf"], "ctids": [200, 201]})]
