@@ -528,7 +528,7 @@ def parse_build_state(lines: list[str]) -> dict:
     state: dict = {"running": False, "rc": None, "debs": [], "manifest": None, "installed_manifest": None,
                    "trial": None, "cores": None, "mem_total_kib": None, "systemd": False, "pbt": False, "esps": False, "headers_installed": False,
                    "log_objects": 0, "log_last": None, "armed": None, "failed": None, "uefi": False,
-                   "grubenv_abstraction": None, "grub_advanced_id": None, "grub_default": None,
+                   "grubenv_abstraction": None, "grubenv_fs": None, "grub_advanced_id": None, "grub_default": None,
                    "grub_saved": None, "grub_next": None, "kernel_packages": [], "secure_boot": None,
                    "mok": None, "sbsign": False}
     sb_lines = []
@@ -556,7 +556,7 @@ def parse_build_state(lines: list[str]) -> dict:
                 state["failed"] = json.loads(value)
             except ValueError:
                 state["failed"] = {"release": None}  # unreadable: reported, never matched
-        elif key == "grubenv_abstraction":
+        elif key in ("grubenv_abstraction", "grubenv_fs"):
             state[key] = value[len("ok"):].strip() if value.startswith("ok") else None
         elif key == "uefi":
             state["uefi"] = True
@@ -618,6 +618,9 @@ def build_state_command(build_dir: str, release: str, signing_cert: str | None =
         "if [ -f /boot/grub/grubenv ]; then grub-editenv /boot/grub/grubenv list 2>/dev/null "
         "| sed -n -e 's/^saved_entry=/grub_saved /p' -e 's/^next_entry=/grub_next /p'; fi; "
         "a=$(grub-probe --target=abstraction /boot/grub 2>/dev/null) && echo \"grubenv_abstraction ok $a\"; "
+        # and the file system (Debian's util/grub.d/00_header.in check_writable: GRUB writes no
+        # environment on btrfs, zfs and the archive/read-only ones)
+        "a=$(grub-probe --target=fs /boot/grub 2>/dev/null) && echo \"grubenv_fs ok $a\"; "
         "fi; "
         'echo "cores $(nproc)"; awk \'/^MemTotal:/{print "mem_total_kib " $2}\' /proc/meminfo; '
         "[ -d /run/systemd/system ] && echo systemd; "

@@ -443,13 +443,20 @@ def trial_entry_command(release: str, mode: str, panic_s: int) -> str:
     return f"unshare --mount --propagation private /bin/sh -c {word(script)}"
 
 
+# File systems GRUB cannot save_env on (grub-core/commands/loadenv.c check_blocklists: the env block
+# must be plain sectors of the one disk GRUB read it from, else "sparse file not allowed"); the list
+# is Debian grub-common 2.06's util/grub.d/00_header.in check_writable, as `grub-probe --target=fs` names them.
+GRUB_UNWRITABLE_FS = frozenset({"btrfs", "cpiofs", "newc", "odc", "romfs", "squash4", "tarfs", "zfs"})
+
+
 def trial_loader(build: dict) -> tuple[str | None, str | None]:
     """(loader, None) where a one-boot trial can be set up, else (None, why not).
 
     `build`: KernelStageFacts["build"]. systemd-boot where proxmox-boot-tool lists ESPs on a UEFI
     boot; GRUB where it reads /boot/grub/grubenv from a plain file system: GRUB cannot write
-    its environment block on LVM or RAID (diskfilter), so next_entry would stay set and the trial
-    kernel would boot at every reset (Debian's grub-reboot warns of exactly this)."""
+    its environment block on LVM or RAID (diskfilter) nor on btrfs, ZFS and the read-only file
+    systems (GRUB_UNWRITABLE_FS), so next_entry would stay set and the trial kernel would boot at
+    every reset (Debian's grub-reboot warns of exactly this)."""
     if build.get("esps"):
         if build.get("uefi"):
             return SYSTEMD_BOOT, None
@@ -461,6 +468,13 @@ def trial_loader(build: dict) -> tuple[str | None, str | None]:
                       "after one boot is unknown")
     if {"lvm", "diskfilter"} & set(abstraction.split()):
         return None, (f"{GRUBENV} is on {abstraction}: GRUB cannot write its environment there, so a grub-reboot "
+                      "one-shot is never cleared and a trial kernel that does not come up would boot at every reset")
+    fs = build.get("grubenv_fs")
+    if fs is None:
+        return None, (f"grub-probe could not tell the file system of {GRUBENV}: whether GRUB can clear next_entry "
+                      "after one boot is unknown")
+    if fs in GRUB_UNWRITABLE_FS:
+        return None, (f"{GRUBENV} is on {fs}: GRUB cannot write its environment there, so a grub-reboot "
                       "one-shot is never cleared and a trial kernel that does not come up would boot at every reset")
     if not build.get("grub_advanced_id"):
         return None, "/boot/grub/grub.cfg has no 'Advanced options' submenu id (gnulinux-advanced-…) to name entries by"

@@ -401,17 +401,20 @@ def test_a_kernel_whose_zfs_lacks_the_root_pools_features_is_not_tried(twin_fact
 GRUB_STAGES = "operations.boot,operations.kernel,operations.reboot"
 
 
-def grub_twin(twin_factory, abstraction: str):
+def grub_twin(twin_factory, abstraction: str, fs: str = "ext2"):
     """intel2 with /boot/grub on `abstraction` ('': a /boot partition of its own; the profile says
-    lvm): the twin's profile (profile.yml for its boots, profile.json for its stand-ins) edited."""
+    lvm) and a file system `fs` as grub-probe names it: the twin's profile (profile.yml for its
+    boots, profile.json for its stand-ins) edited."""
     import yaml
     twin = twin_factory("intel2", address=quiet_address())
     root = Path(twin.root)
     profile = yaml.safe_load((root / "var/lib/twin/profile.yml").read_text())
     profile["boot"]["grubenv_abstraction"] = abstraction
+    profile["boot"]["grubenv_fs"] = fs
     (root / "var/lib/twin/profile.yml").write_text(yaml.safe_dump(profile))
     data = json.loads((root / "var/lib/twin/profile.json").read_text())
     data["boot"]["grubenv_abstraction"] = abstraction
+    data["boot"]["grubenv_fs"] = fs
     (root / "var/lib/twin/profile.json").write_text(json.dumps(data))
     (root / "var/lib/twin/boot").mkdir(parents=True, exist_ok=True)
     return twin, root
@@ -510,6 +513,19 @@ def test_grub_with_grubenv_on_lvm_refuses_the_trial_before_any_change(twin_facto
     assert run.rc != 0 and "/boot/grub/grubenv is on lvm" in run.output, run.output[-4000:]
     assert "kernel.trial_boot: false" in run.output
     assert f"vmlinuz-{RELEASE}" not in twin_run(twin.name, "ls", "/boot").split()
+
+
+def test_grub_with_grubenv_on_btrfs_refuses_the_trial_before_any_change(twin_factory, tmp_path):
+    """A /boot on btrfs (Proxmox's installer offers it, with GRUB): GRUB cannot save_env there, so a
+    grub-reboot one-shot would stay set and a hanging trial kernel would boot at every reset."""
+    twin, root = grub_twin(twin_factory, "", fs="btrfs")
+    seed_finished_build(root, tmp_path)
+    before = grubenv(twin.name)
+    run = converge(twin.name, stages="operations.kernel,operations.reboot")
+    assert run.rc != 0 and "/boot/grub/grubenv is on btrfs" in run.output, run.output[-4000:]
+    assert "kernel.trial_boot: false" in run.output
+    assert f"vmlinuz-{RELEASE}" not in twin_run(twin.name, "ls", "/boot").split()
+    assert grubenv(twin.name) == before and not (root / plan.GRUB_TRIAL_SCRIPT.lstrip("/")).exists()
 
 
 def test_secure_boot_refuses_the_unsigned_build_before_any_change(twin_factory, tmp_path):

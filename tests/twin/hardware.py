@@ -369,10 +369,23 @@ def _grub_resolve(menu: list[dict], default: str) -> dict | None:
     return found if found is not None and "linux" in found else None
 
 
+# grub-core/commands/loadenv.c check_blocklists: save_env writes the env block's sectors in place,
+# which GRUB cannot on LVM/RAID nor on file systems whose blocks it does not map to one disk's sectors
+# (Debian grub-common 2.06 util/grub.d/00_header.in check_writable lists them)
+GRUB_UNWRITABLE_FS = ("btrfs", "cpiofs", "newc", "odc", "romfs", "squash4", "tarfs", "zfs")
+
+
+def grubenv_writable(profile: dict) -> bool:
+    """Whether GRUB's save_env succeeds on the profile's /boot/grub (boot.grubenv_abstraction, boot.grubenv_fs)."""
+    boot = profile.get("boot") or {}
+    return (boot.get("grubenv_abstraction") not in ("lvm", "diskfilter")
+            and (boot.get("grubenv_fs") or "ext2") not in GRUB_UNWRITABLE_FS)
+
+
 def grub_boot_entry(root: Path, profile: dict, consume: bool = False) -> dict | None:
     """The entry GRUB boots, as the grub.cfg update-grub wrote runs (util/grub.d/00_header.in):
     grubenv next_entry when set, cleared by save_env (`consume`; GRUB cannot write its
-    environment on LVM or RAID: profile boot.grubenv_abstraction, then it stays set), else the
+    environment on LVM, RAID, btrfs or ZFS: `grubenv_writable`, then it stays set), else the
     header's `set default=`, ${saved_entry} expanded; an unknown default boots entry 0.
     {"release", "args", "id"} or None without a grub.cfg menu."""
     cfg = _read(root, "boot/grub/grub.cfg") or ""
@@ -386,7 +399,7 @@ def grub_boot_entry(root: Path, profile: dict, consume: bool = False) -> dict | 
     chosen = None
     if env.get("next_entry"):
         chosen = _grub_resolve(menu, env["next_entry"])
-        writable = (profile.get("boot") or {}).get("grubenv_abstraction") not in ("lvm", "diskfilter")
+        writable = grubenv_writable(profile)
         if consume and writable:
             env["next_entry"] = ""
             _write_grubenv(root, env)

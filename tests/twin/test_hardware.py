@@ -435,6 +435,15 @@ def test_grub_boots_next_entry_once_then_saved_entry_unless_grubenv_is_on_lvm(tw
     for _ in range(2):
         hardware.render(root)
         assert state(root)["boot"]["hung"] and state(root)["boot"]["release"] == "6.14.11-1-pve"
+    # the same on a btrfs /boot (loadenv.c: save_env fails; Debian's 00_header check_writable)
+    set_grubenv_abstraction(root, "")
+    profile = yaml.safe_load((root / "var/lib/twin/profile.yml").read_text())
+    profile["boot"]["grubenv_fs"] = "btrfs"
+    (root / "var/lib/twin/profile.yml").write_text(yaml.safe_dump(profile))
+    hardware._write_grubenv(root, {"saved_entry": old, "next_entry": new})
+    for _ in range(2):
+        hardware.render(root)
+        assert state(root)["boot"]["hung"] and state(root)["boot"]["release"] == "6.14.11-1-pve"
 
 
 def test_nvidia_module_of_booted_kernel_sets_driver_version(twin):

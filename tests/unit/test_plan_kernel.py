@@ -127,7 +127,8 @@ def test_package_globs():
 
 # -- the boot loader interface ------------------------------------------------------------
 
-GRUB_OK = {"esps": False, "grubenv_abstraction": "", "grub_advanced_id": "7f3c", "grub_default": "saved"}
+GRUB_OK = {"esps": False, "grubenv_abstraction": "", "grubenv_fs": "ext2", "grub_advanced_id": "7f3c",
+           "grub_default": "saved"}
 
 
 @pytest.mark.parametrize("build,loader,why", [
@@ -137,6 +138,10 @@ GRUB_OK = {"esps": False, "grubenv_abstraction": "", "grub_advanced_id": "7f3c",
     ({**GRUB_OK, "grubenv_abstraction": "lvm"}, None, "GRUB cannot write its environment there"),
     ({**GRUB_OK, "grubenv_abstraction": "diskfilter"}, None, "never cleared"),
     ({**GRUB_OK, "grubenv_abstraction": None}, None, "grub-probe could not tell"),
+    ({**GRUB_OK, "grubenv_fs": "btrfs"}, None, "is on btrfs: GRUB cannot write its environment there"),
+    ({**GRUB_OK, "grubenv_fs": "zfs"}, None, "never cleared"),
+    ({**GRUB_OK, "grubenv_fs": None}, None, "could not tell the file system"),
+    ({**GRUB_OK, "grubenv_fs": "xfs"}, "grub", None),
     ({**GRUB_OK, "grub_advanced_id": None}, None, "Advanced options"),
 ])
 def test_trial_loader(build, loader, why):

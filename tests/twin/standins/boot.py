@@ -7,7 +7,7 @@ update-grub        writes /boot/grub/grub.cfg from /etc/default/grub as grub-mkc
                    /etc/grub.d; grub-reboot, grub-set-default and grub-editenv are the real
                    Debian programs (grub2-common)
 10_linux           /etc/grub.d/10_linux: the Linux entries for the exported GRUB_* values
-grub-probe         --target=abstraction only (the profile's boot.grubenv_abstraction)
+grub-probe         --target=abstraction|fs only (the profile's boot.grubenv_abstraction, grubenv_fs)
 bootctl            set-oneshot | set-default: the EFI variable, in the twin's NVRAM
                    (/var/lib/twin/efivars, read and cleared by the twin's boot)
 reboot, shutdown -r, systemctl reboot   ask the twin's supervisor for a reboot (TWIN-CONTRACT)
@@ -461,16 +461,22 @@ def bootctl(argv):
 
 
 def grub_probe(argv):
-    """grub-probe --target=abstraction PATH: what the profile says holds /boot/grub
-    (boot.grubenv_abstraction, e.g. `lvm`; empty: a plain partition). Every other use fails as
-    the real grub-probe does inside the twin (it cannot see the twin's block devices)."""
+    """grub-probe --target=abstraction|fs PATH: what the profile says holds /boot/grub
+    (boot.grubenv_abstraction, e.g. `lvm`; empty: a plain partition; boot.grubenv_fs, GRUB's
+    name of its file system: `ext2` for ext2/3/4 (grub-core/fs/ext2.c), `btrfs`, `zfs`, …;
+    ext2 when the profile says none). Every other use fails as the real grub-probe does inside
+    the twin (it cannot see the twin's block devices)."""
     targets = [a.split("=", 1)[1] for a in argv if a.startswith("--target=")]
+    boot = twinstate.profile().get("boot") or {}
     if targets == ["abstraction"]:
-        value = (twinstate.profile().get("boot") or {}).get("grubenv_abstraction")
+        value = boot.get("grubenv_abstraction")
         if value is not None:
             if value:
                 print(value)
             return 0
+    if targets == ["fs"] and boot.get("grubenv_abstraction") is not None:
+        print(boot.get("grubenv_fs") or "ext2")
+        return 0
     twinstate.die("grub-probe: error: failed to get canonical path of `overlay'.", 1)
 
 

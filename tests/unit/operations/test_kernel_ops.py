@@ -237,7 +237,9 @@ def test_preflight_refuses_fragments_on_proxmox_git(monkeypatch):
 
 @pytest.mark.parametrize("lines,why", [
     (["grub_default saved", "grub_advanced_id ab", "grubenv_abstraction ok lvm"], "is on lvm"),
-    (["grub_default saved", "grubenv_abstraction ok "], "no 'Advanced options' submenu id"),
+    (["grub_default saved", "grubenv_abstraction ok ", "grubenv_fs ok ext2"], "no 'Advanced options' submenu id"),
+    (["grub_default saved", "grub_advanced_id ab", "grubenv_abstraction ok ", "grubenv_fs ok btrfs"], "is on btrfs"),
+    (["grub_default saved", "grub_advanced_id ab", "grubenv_abstraction ok ", "grubenv_fs ok zfs"], "is on zfs"),
     (["grub_default saved", "grub_advanced_id ab"], "grub-probe could not tell"),
     (["pbt", "esps"], "legacy BIOS"),
 ])
