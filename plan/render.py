@@ -69,6 +69,22 @@ def render_template(name: str, **context) -> str:
     return _env.get_template(name).render(**context)
 
 
+# Modes of the directories pvegpu writes as root (docs/SECURITY.md "Paths pvegpu writes as root"):
+# trees that hold build output, logs, keys or records only root reads are 0700; caches and records
+# other tools read stay 0755. Each is made and checked by templates/root-dir.sh.j2 before use.
+PRIVATE = "700"
+PUBLIC = "755"
+
+
+def root_dirs(*dirs: tuple[str, str]) -> str:
+    """Shell that makes and checks each (dir, mode) of `dirs` with templates/root-dir.sh.j2's
+    `pvegpu_dir` (every component root's, no symlink, not group/other writable; the mode set whatever
+    the umask) and exits 1 naming the first refusal; the one helper every root-written path goes
+    through (the shell templates include the same function)."""
+    calls = " && ".join(f"pvegpu_dir {shell.word(d)} {shell.word(m)}" for d, m in dirs)
+    return render_template("root-dir.sh.j2") + f"{calls} || exit 1\n"
+
+
 # -- shellcheck of the shell templates ----------------------------------------------------------
 
 # Representative values for each templates/*.sh.j2: one context per branch its callers can take
@@ -156,6 +172,7 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
     ],
     "kernel-zfs-guard.sh.j2": [dict(release="6.14.11-9-bpo12-pvegpu-pve")],
     "nvidia-first-error.sh.j2": [dict()],
+    "root-dir.sh.j2": [dict()],
     "nvidia-toolchain-check.sh.j2": [dict(cc="gcc-12", cxx="g++-12"), dict(cc="gcc", cxx=None)],
     "kernel-nvidia-gate.sh.j2": [
         {**_BUILD, "release": None, "kernel_release": "6.14.11-9-bpo12-pvegpu-pve", "cc": "gcc", "cxx": "g++", "ccache": False,
