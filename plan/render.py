@@ -91,9 +91,9 @@ def root_dirs(*dirs: tuple[str, str]) -> str:
 # (the callers' contexts have exactly these keys: tests/unit/test_shell_templates.py).
 _BUILD = dict(archive="/var/cache/pvegpu/sources/" + "a" * 64 + "-595.45.04.tar.gz", version="595.45.04",
               release="6.14.11-4-pve", cc="gcc-12", cxx=None, jobs=4, ccache=True, conftest_cache=True,
-              signing=None, sig_hash="sha256", build_root="/var/tmp/pvegpu/nvidia-build",
-              build_parent="/var/tmp/pvegpu/nvidia-build/595.45.04",
-              src_dir="/var/tmp/pvegpu/nvidia-build/595.45.04/tree-gcc-12-none",
+              signing=None, sig_hash="sha256", build_root="/var/cache/pvegpu/nvidia-build",
+              build_parent="/var/cache/pvegpu/nvidia-build/595.45.04",
+              src_dir="/var/cache/pvegpu/nvidia-build/595.45.04/tree-gcc-12-none",
               ccache_dir="/var/cache/pvegpu/ccache", ccache_masquerade="/usr/lib/ccache",
               ccache_ignore_options='-DKBUILD_BASENAME="#conftest* -DKBUILD_MODNAME="#conftest*',
               conftest_cache_dir="/var/cache/pvegpu/nvidia-conftest", conftest_cache_keep=16,
