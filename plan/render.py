@@ -76,13 +76,18 @@ PRIVATE = "700"
 PUBLIC = "755"
 
 
+def root_dir_function() -> str:
+    """templates/root-dir.sh.j2: the shell function `pvegpu_dir DIR MODE` (for a command that calls it itself)."""
+    return render_template("root-dir.sh.j2")
+
+
 def root_dirs(*dirs: tuple[str, str]) -> str:
     """Shell that makes and checks each (dir, mode) of `dirs` with templates/root-dir.sh.j2's
     `pvegpu_dir` (every component root's, no symlink, not group/other writable; the mode set whatever
     the umask) and exits 1 naming the first refusal; the one helper every root-written path goes
     through (the shell templates include the same function)."""
     calls = " && ".join(f"pvegpu_dir {shell.word(d)} {shell.word(m)}" for d, m in dirs)
-    return render_template("root-dir.sh.j2") + f"{calls} || exit 1\n"
+    return root_dir_function() + f"{calls} || exit 1\n"
 
 
 # -- shellcheck of the shell templates ----------------------------------------------------------
