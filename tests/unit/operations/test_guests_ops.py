@@ -202,7 +202,7 @@ def test_ct_config_is_written_under_the_proxmox_config_lock():
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the lock dir must be root's: run as root")
-@pytest.mark.parametrize("plant", ["chown 65534 {d}", "chmod 1777 {d}", "rmdir {d} && ln -s /etc {d}"])
+@pytest.mark.parametrize("plant", ["chown 65534 {d}", "chmod 1777 {d}", "rmdir {d} && mkdir -m 755 {d}.real && ln -s {d}.real {d}"])
 def test_a_lock_dir_that_is_not_roots_alone_stops_the_write(tmp_path, plant):
     """Issue 39: Proxmox's lock dir lies in the 1777 /run/lock; a local user who made it first (or a
     symlink there) could have the config lock opened through a planted file: refused, nothing written."""
