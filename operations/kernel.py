@@ -24,7 +24,7 @@ from facts.kernel import KernelStageFacts, NvidiaGateRecords
 from facts.nvidia import NvidiaHostState
 from facts.once import fact_once
 from facts.run_state import need_reboot, record_trial_boot
-from facts.shell import operands, word
+from facts.shell import word
 from operations import nvidia, progress
 from operations.files import write_file_command
 from plan import kernel as plan

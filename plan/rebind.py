@@ -84,9 +84,7 @@ def start_command(script: str, txid: str, systemd: bool, state_dir: str = STATE_
     then follow the journal until an end line: exit 0 on ``done``, 1 otherwise (printing the
     journal as it grows). A second transaction while one runs is refused."""
     q = word
-    d, j, r, h, lk = (q(state_dir), q(f"{state_dir}/journal"), q(f"{state_dir}/run.sh"), q(f"{state_dir}/history"),
-                      q(lock))
-    lock_dir = q(lock.rsplit("/", 1)[0])
+    d, j, r, lk = q(state_dir), q(f"{state_dir}/journal"), q(f"{state_dir}/run.sh"), q(lock)
     if systemd:  # a transient unit: outside the SSH session's cgroup, its output in the journal
         launch = (f"systemctl reset-failed {UNIT} >/dev/null 2>&1; "
                   f"systemd-run --unit {UNIT} --collect --quiet flock {lk} /bin/sh {r} || exit 1")
