@@ -48,7 +48,7 @@ from facts.shell import operands, word
 from operations import handlers, progress
 from operations.files import file_current, link_unit, managed_file
 from plan import nvidia as nvplan
-from plan.render import render_template
+from plan.render import PUBLIC, render_template, root_dirs
 from spec.models import SourceSpec
 
 CCACHE_DIR = "/var/cache/pvegpu/ccache"
@@ -271,7 +271,8 @@ def install_userspace(installer: str, version: str):
     """NVIDIA user space and GSP firmware of exactly the module version, without kernel modules
     (incidents 2, 6): the installer is the one source of the firmware (nvidia-installer installs
     its FIRMWARE entries into /lib/firmware/nvidia/<version>/ with --no-kernel-modules too)."""
-    yield StringCommand(userspace_command(installer))
+    # the verified installer's directory is root's alone (templates/root-dir.sh.j2), checked before it runs
+    yield StringCommand(root_dirs((installer.rsplit("/", 1)[0], PUBLIC)) + userspace_command(installer))
 
 
 @operation()
