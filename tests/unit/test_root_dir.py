@@ -12,8 +12,10 @@ creates gets the mode asked for under umask 000.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +97,24 @@ def test_root_dirs_stops_the_command_at_the_first_refusal():
     assert "RAN" not in r.stdout
     assert listing(r.stdout)["/mnt/ok"] == ("root", "700", "d")
     assert "/mnt/tmp/pvegpu" not in listing(r.stdout)
+
+
+def test_nothing_is_written_under_tmp_or_var_tmp():
+    """The review's line (issue 39): no template, operation or plan names /tmp or /var/tmp, and every
+    mktemp makes its file under root's own /run/pvegpu (which the script checked with pvegpu_dir)."""
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for folder in ("templates", "operations", "plan"):
+        for path in sorted((root / folder).rglob("*")):
+            if not path.is_file() or path.suffix not in (".j2", ".py"):
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                code = line.split("#", 1)[0]  # comments may name them (what is not done)
+                if re.search(r"(?<![\w/])/(var/)?tmp\b", code):
+                    found.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
+                for call in re.findall(r"mktemp[^)]*", code):
+                    if "/run/pvegpu" not in call:
+                        found.append(f"{path.relative_to(root)}:{number}: {call}")
+                    elif "pvegpu_dir /run/pvegpu" not in path.read_text():
+                        found.append(f"{path.relative_to(root)}:{number}: /run/pvegpu is not checked first")
+    assert found == []
