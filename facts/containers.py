@@ -14,14 +14,19 @@ from facts.sections import SECTION, split_sections
 from facts.shared import ROOT_ID, UNAME, take
 
 # Run by the host's shell with $r the CT's root (facts.guest_state.ct_root_loop): its root's
-# identity, arch, glibc, NVML libraries (regular files only: a link is not followed out of the CT).
+# identity, arch, glibc, NVML libraries (regular files only: a link is not followed out of the CT),
+# each name reached through no symlink of the CT's (facts.guest_state CT_PATH_FUNCTIONS ct_in: a
+# merged-/usr CT's /lib64 and /lib are links, so the loader and libc are looked for under /usr too).
+_GLIBC_LOADERS = ("/usr/lib64/ld-linux-x86-64.so.2", "/lib64/ld-linux-x86-64.so.2")
+_GLIBC_LIBCS = ("/usr/lib/x86_64-linux-gnu/libc.so.6", "/lib/x86_64-linux-gnu/libc.so.6")
 _CT_PROBE = (
-    f'echo "root $root"; {take(UNAME["m"])}; echo "arch ${UNAME["m"]}"; '
-    'if [ -L "$r/lib64/ld-linux-x86-64.so.2" ] || [ -e "$r/lib64/ld-linux-x86-64.so.2" ] || '
-    '{ [ -f "$r/lib/x86_64-linux-gnu/libc.so.6" ] && [ ! -L "$r/lib/x86_64-linux-gnu/libc.so.6" ]; }; '
-    "then echo 'glibc yes'; else echo 'glibc no'; fi; "
+    f'echo "root $root"; {take(UNAME["m"])}; echo "arch ${UNAME["m"]}"; g=no; '
+    f"for f in {' '.join(chr(34) + '$r' + chr(34) + p for p in _GLIBC_LOADERS)}; do "
+    'if { [ -L "$f" ] || [ -e "$f" ]; } && ct_in "${f%/*}"; then g=yes; fi; done; '
+    f"for f in {' '.join(chr(34) + '$r' + chr(34) + p for p in _GLIBC_LIBCS)}; do "
+    'if [ -f "$f" ] && ct_in "$f"; then g=yes; fi; done; echo "glibc $g"; '
     f"for f in {' '.join(chr(34) + '$r' + chr(34) + d + '/libnvidia-ml.so.*' for d in LIB_DIRS)}; do "
-    '[ -f "$f" ] && [ ! -L "$f" ] && echo "lib ${f#"$r"}"; done; true'
+    '[ -f "$f" ] && ct_in "$f" && echo "lib ${f#"$r"}"; done; true'
 )
 
 

@@ -58,6 +58,31 @@ GUEST_STATE_COMMAND = (
 )
 
 
+# Shell functions for a `ct_root_loop` body (issue 39 item 9). Through /proc/<pid>/root an absolute
+# symlink anywhere inside the CT resolves against the host's / (the lookup's root is the caller's),
+# and a FIFO blocks whoever opens it: a CT's root user could make a probe read a host file or hang.
+#   ct_in PATH    PATH (under $r) has no symlink among its components below $r (the last one
+#                 included): a name the CT has, not one it points elsewhere. Tests names only.
+#   ct_file PATH  for /etc/x in the CT: prints its mode, then its sha256, when it is a regular file
+#                 reached through no symlink; else fails. It descends from the CT's root one directory
+#                 at a time (cd) and checks that each one's `..` is the directory it came from (a
+#                 component swapped for a symlink meanwhile lands elsewhere and stops it); the file
+#                 is then opened relative to that directory with O_NOFOLLOW and O_NONBLOCK
+#                 (dd iflag=nofollow,nonblock: a symlink fails, a FIFO does not block the open) under
+#                 `timeout 5` (nor the reads).
+CT_PATH_FUNCTIONS = (
+    'ct_in() { ci_rest=${1#"$r"}; ci_path=$r; while [ -n "$ci_rest" ]; do ci_rest=${ci_rest#/}; '
+    'ci_name=${ci_rest%%/*}; case "$ci_rest" in */*) ci_rest=${ci_rest#*/};; *) ci_rest=;; esac; '
+    '[ -n "$ci_name" ] || continue; ci_path=$ci_path/$ci_name; [ -L "$ci_path" ] && return 1; done; return 0; }; '
+    'ct_file() { ( cd "$r/" || exit 1; here=$(stat -c %d:%i .) || exit 1; p=${1#/}; '
+    'while case "$p" in */*) true;; *) false;; esac; do n=${p%%/*}; p=${p#*/}; '
+    '[ -n "$n" ] || continue; [ ! -L "$n" ] && [ -d "$n" ] && cd "./$n" || exit 1; '
+    '[ "$(stat -c %d:%i ..)" = "$here" ] || exit 1; here=$(stat -c %d:%i .) || exit 1; done; '
+    '[ -f "$p" ] && [ ! -L "$p" ] || exit 1; stat -c %a -- "$p" || exit 1; '
+    'h=$(timeout 5 dd if="./$p" iflag=nofollow,nonblock status=none | sha256sum) || exit 1; echo "${h%% *}"; ) }'
+)
+
+
 def ct_root_loop(ctids, body: str) -> str:
     """Shell: for each CT of `ctids`, its section marker (``@@ ct <id>``), then `body` run by the
     host's shell with ``$r`` the CT's root as the CT's own processes see it, ``/proc/<init>/root``,
@@ -66,13 +91,15 @@ def ct_root_loop(ctids, body: str) -> str:
     program; with -H and one filter it prints the bare number, lxc src/lxc/tools/lxc_info.c). No
     `pct exec` (Perl) and no program of the CT runs. A CT whose init is not found prints its
     marker alone. Through /proc/<pid>/root an absolute symlink inside the CT still resolves on
-    the host: `body` tests the files it reads with `-L` and does not follow them."""
+    the host: `body` reaches the CT's files through `CT_PATH_FUNCTIONS` (defined before the loop):
+    `ct_in` for a name, `ct_file` for a file's mode and digest; nothing it reads follows a symlink
+    or blocks on a FIFO."""
     ids = " ".join(word(str(int(c))) for c in ctids)
     if not ids:
         return ""
     # the pids and roots through facts.shared: a probe whose facts look into the same CTs asks
     # lxc-info (and stat) once per CT
-    return (f"{ct_init_pids(ctids)}; for id in {ids}; do echo \"{SECTION}ct $id\"; "
+    return (f"{ct_init_pids(ctids)}; {CT_PATH_FUNCTIONS}; for id in {ids}; do echo \"{SECTION}ct $id\"; "
             f'pid=; root=; for e in ${CT_PIDS}; do case "$e" in "$id":*) e=${{e#*:}}; pid=${{e%%:*}}; root=${{e#*:}};; esac; done; '
             "[ -n \"$pid\" ] || continue; "
             f"r=/proc/$pid/root; {body}; done; ")

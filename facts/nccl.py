@@ -29,8 +29,9 @@ LIBNCCL_GLOBS = ("/usr/lib/*/libnccl.so.2.*", "/usr/lib64/libnccl.so.2.*", "/usr
 _LIBNCCL_LIST = (f"for f in {' '.join(LIBNCCL_GLOBS)}; do "
                  'if [ -e "$f" ]; then echo "libnccl $f"; fi; done')
 # the same in a CT's root ($r, facts.guest_state.ct_root_loop), printed as paths in the CT
+# (names only through no symlink of the CT's: facts.guest_state CT_PATH_FUNCTIONS ct_in)
 _LIBNCCL_LIST_IN_CT = (f"for f in {' '.join(chr(34) + '$r' + chr(34) + g for g in LIBNCCL_GLOBS)}; do "
-                       'if [ -e "$f" ] || [ -L "$f" ]; then echo "libnccl ${f#"$r"}"; fi; done')
+                       'if { [ -e "$f" ] || [ -L "$f" ]; } && ct_in "$f"; then echo "libnccl ${f#"$r"}"; fi; done')
 
 
 def nccl_version_of(path: str) -> str | None:
@@ -57,12 +58,11 @@ def _versions(lines: list[str]) -> list[str]:
 
 def _ct_probe(path: str) -> str:
     """Shell for `facts.guest_state.ct_root_loop` (``$r``: the CT's root): the root's identity,
-    then the file's mode and sha256, or MISSING (also for a link: it is not followed out of the CT,
-    and the stage's write replaces it), then the CT's NCCL libraries (their paths in the CT)."""
-    q = '"$r"' + word(path)
-    # the digest: sha256sum's first word ("<digest>  -"), cut off by the shell (no `cut`)
-    return (f'[ -n "$root" ] && echo "$root"; if [ -f {q} ] && [ ! -L {q} ]; then stat -c %a {q}; '
-            f'h=$(sha256sum < {q}); [ -n "$h" ] && echo "${{h%% *}}"; else echo MISSING; fi; {_LIBNCCL_LIST_IN_CT}')
+    then the file's mode and sha256, or MISSING (also for a link, in the file's name or in a directory
+    above it, or for what is no regular file: nothing is followed out of the CT nor waited on, and the
+    stage's write through `pct exec` replaces it), then the CT's NCCL libraries (their paths in the CT).
+    `ct_file` (facts.guest_state CT_PATH_FUNCTIONS) prints the mode and the digest."""
+    return (f'[ -n "$root" ] && echo "$root"; ct_file {word(path)} || echo MISSING; {_LIBNCCL_LIST_IN_CT}')
 
 
 def parse_nccl_state(lines: list[str]) -> dict:

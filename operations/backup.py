@@ -24,7 +24,8 @@ import sys
 from pyinfra import host, logger
 from pyinfra.api import StringCommand, operation
 
-from facts.shell import operands, word
+from facts.shell import word
+from plan.render import PRIVATE, root_dir_function
 
 BACKUP_ROOT = "/var/lib/pvegpu/backup"
 PCI_CFG = "/etc/pve/mapping/pci.cfg"
@@ -38,7 +39,9 @@ def backup_dir(path: str, root: str = BACKUP_ROOT) -> str:
 def backup_command(path: str, keep: int = KEEP, root: str = BACKUP_ROOT) -> str:
     """Copy `path` (if it exists) to its backup directory and keep the newest `keep` copies."""
     q, d = word(path), word(backup_dir(path, root))
-    return (f"{{ if [ -f {q} ]; then mkdir -p {operands(backup_dir(path, root))} && chmod 700 {operands(root)} && "
+    # the backup tree is root's alone, 0700 (templates/root-dir.sh.j2): configs may hold secrets
+    return (f"{{\n{root_dir_function()}if [ -f {q} ]; then pvegpu_dir {word(root)} {PRIVATE} && "
+            f"pvegpu_dir {d} {PRIVATE} && "
             f"cp -- {q} {d}/\"$(date -u +%Y%m%dT%H%M%S.%NZ)\" && "
             f"ls -1 {d} | sort | head -n -{int(keep)} | while read -r old; do rm -f {d}/\"$old\"; done; fi; }}")
 

@@ -30,8 +30,9 @@ def write_file_command(path: str, content: str, mode: str = "644", keep_previous
     tmp = word(path + ".pvegpu-tmp")
     b64 = base64.b64encode(content.encode()).decode()
     keep = f"if [ -f {q} ]; then cp -p {operands([path, path + '.pvegpu-prev'])}; fi; " if keep_previous else ""
+    # umask 022: a directory it makes is 0755 whatever the caller's umask (issue 39), the file gets `mode`
     return (
-        f"mkdir -p {operands(path.rsplit('/', 1)[0] or '/')} && "
+        f"umask 022 && mkdir -p {operands(path.rsplit('/', 1)[0] or '/')} && "
         f"printf %s {b64} | base64 -d > {tmp} && chmod {word(mode)} {operands(path + '.pvegpu-tmp')} && "
         f"{keep}mv -f {operands([path + '.pvegpu-tmp', path])}"
     )
@@ -84,4 +85,4 @@ def link_unit(link: str, target: str, current: str | None):
     if current == target:
         host.noop(f"{link} -> {target}")
         return
-    yield StringCommand(f"mkdir -p {operands(link.rsplit('/', 1)[0])} && ln -sfn {operands([target, link])}")
+    yield StringCommand(f"umask 022 && mkdir -p {operands(link.rsplit('/', 1)[0])} && ln -sfn {operands([target, link])}")

@@ -105,7 +105,17 @@ def locked_config_write(kind: str, gid: int, path: str, text: str) -> str:
     q = word
     label = "CT" if kind == "lxc" else "VM"
     locked = q(f"pvegpu: {label} {gid} is locked (") + '"$l"' + q("): its config is not written; re-run when the lock is gone")
-    return (f"mkdir -p {q(lock.rsplit('/', 1)[0])} && ( flock -w {CONFIG_LOCK_TIMEOUT_S} 9 || "
+    # Proxmox's own lock dir lies in the 1777 /run/lock (pve-container, qemu-server take the same
+    # path), so templates/root-dir.sh.j2 would refuse its parent: the dir itself must be root's, no
+    # symlink, not group/other writable, else a local user who made it first could plant the lock file
+    # as a symlink that `9>` truncates (issue 39)
+    lock_dir = lock.rsplit("/", 1)[0]
+    d = q(lock_dir)
+    unsafe = q(f"pvegpu: the lock directory {lock_dir} is not root's alone (a symlink, another owner or "
+               "writable by others); nothing was written")
+    return (f"{{ [ -d {d} ] || mkdir -m 755 {d}; }} && [ ! -L {d} ] && [ \"$(stat -c %u {d})\" = 0 ] && "
+            f"[ $((0$(stat -c %a {d}) & 022)) -eq 0 ] || {{ echo {unsafe} >&2; exit 1; }}; "
+            f"( flock -w {CONFIG_LOCK_TIMEOUT_S} 9 || "
             f"{{ echo {q(f'pvegpu: cannot get the config lock {lock} of {label} {gid} (held by another task)')} >&2; exit 1; }}; "
             f"l=$(sed -n '/^\\[/q;s/^lock:[[:space:]]*//p' {q(path)} 2>/dev/null); "
             f"[ -z \"$l\" ] || {{ echo {locked} >&2; exit 1; }}; "

@@ -38,8 +38,9 @@ from pyinfra.api import StringCommand, deploy, operation
 from facts.files import ManagedFiles
 from facts.once import fact_once
 from facts.run_state import run_state
-from facts.shell import operands
+from facts.shell import operands, word
 from operations.files import sha256_text, write_file_command
+from plan.render import PUBLIC, root_dir_function
 
 DEPMOD = "depmod"
 INITRAMFS = "initramfs"
@@ -136,7 +137,10 @@ def stamp_text(inputs: dict[str, tuple[str, str]]) -> str:
 def run_command(command: str, stamp: str, stamp_file: str, legacy: Sequence[str] = ()) -> str:
     """The side effect, then (only if it succeeded) its stamp; old stamps go with it."""
     cleanup = f" && rm -f {operands(list(legacy))}" if legacy else ""
-    return f"{command} && {write_file_command(stamp_file, stamp, '644', False)}{cleanup}"
+    # the stamp's directory is root's alone (templates/root-dir.sh.j2), checked before the stamp is written
+    stamp_dir = stamp_file.rsplit("/", 1)[0]
+    return (f"{command} && {{\n{root_dir_function()}pvegpu_dir {word(stamp_dir)} {PUBLIC} && "
+            f"{write_file_command(stamp_file, stamp, '644', False)}{cleanup}; }}")
 
 
 @operation()

@@ -24,12 +24,12 @@ from facts.kernel import KernelStageFacts, NvidiaGateRecords
 from facts.nvidia import NvidiaHostState
 from facts.once import fact_once
 from facts.run_state import need_reboot, record_trial_boot
-from facts.shell import operands, word
+from facts.shell import word
 from operations import nvidia, progress
 from operations.files import write_file_command
 from plan import kernel as plan
 from plan import nvidia as nvplan
-from plan.render import render_template
+from plan.render import PRIVATE, render_template, root_dirs
 from spec.models import HostSpec, KernelSpec
 
 POLL_S = 10.0
@@ -83,7 +83,9 @@ def build_kernel(build_dir: str, script: str, manifest_in: str, systemd: bool, t
     + record: key under which the build's time is kept (operations.progress)
     """
     if start:
-        yield StringCommand(write_file_command(f"{build_dir}/build.sh", script, "755", keep_previous=False))
+        # root's alone, 0700: the build's tree holds its module-signing key while it runs (issue 39)
+        yield StringCommand(root_dirs((plan.BUILD_ROOT, PRIVATE), (build_dir, PRIVATE))
+                            + write_file_command(f"{build_dir}/build.sh", script, "755", keep_previous=False))
         yield StringCommand(write_file_command(f"{build_dir}/manifest.json.in", manifest_in, "644", keep_previous=False))
         yield StringCommand(start_build_command(build_dir, systemd, memory_max_kib))
     yield FunctionCommand(wait_for_build, (build_dir, total), {"key": record} if record else {})
@@ -160,7 +162,7 @@ def install_kernel(build_dir: str, release: str, kind: str, keep_default: str | 
     manifest = word(f"{plan.STATE_DIR}/{release}.json")
     # dpkg (lib/dpkg/options.c dpkg_options_parse) ends its options at '--'; the globs stay unquoted
     yield StringCommand(f"DEBIAN_FRONTEND=noninteractive dpkg -i -- {globs}")
-    yield StringCommand(f"mkdir -p {operands(plan.STATE_DIR)} && cp -- {d}/manifest.json {manifest}")
+    yield StringCommand(root_dirs((plan.STATE_DIR, PRIVATE)) + f"cp -- {d}/manifest.json {manifest}")
 
 
 @operation()

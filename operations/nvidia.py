@@ -18,7 +18,8 @@ Host paths:
     /var/cache/pvegpu/sources/<sha256>-<name>   verified source archives
     /var/cache/pvegpu/ccache                    ccache of module builds (rebuilds are warm)
     /var/cache/pvegpu/nvidia-conftest/<key>.tgz NVIDIA conftest results per (tree, headers, compiler)
-    /var/tmp/pvegpu/nvidia-build/<ver>/<rel>/    scratch build trees (removed after install)
+    /var/cache/pvegpu/nvidia-build/<ver>/<rel>/  scratch build trees (removed after install), 0700
+    /var/cache/pvegpu/nvidia-build/builds.log    the builds' own notes (one line per build)
     /lib/modules/<rel>/updates/pvegpu-nvidia/    installed modules (depmod prefers updates/)
 """
 
@@ -47,11 +48,14 @@ from facts.shell import operands, word
 from operations import handlers, progress
 from operations.files import file_current, link_unit, managed_file
 from plan import nvidia as nvplan
-from plan.render import render_template
+from plan.render import PUBLIC, render_template, root_dirs
 from spec.models import SourceSpec
 
 CCACHE_DIR = "/var/cache/pvegpu/ccache"
-BUILD_ROOT = "/var/tmp/pvegpu/nvidia-build"
+# root's alone (templates/root-dir.sh.j2 checks the path before each build): never /var/tmp, whose
+# 1777 parent let any local user create the tree first (issue 39); a cache: nothing there is needed
+# once the modules are installed, and a later build makes what it lacks again
+BUILD_ROOT = "/var/cache/pvegpu/nvidia-build"
 # NVIDIA's conftest.sh compiles every test with -DKBUILD_BASENAME="#conftest<pid>" (and
 # KBUILD_MODNAME): a new pid per build made every conftest a ccache miss on a rebuild. Only
 # the conftest values are left out of the hash (a conftest only asks "does it compile");
@@ -267,7 +271,8 @@ def install_userspace(installer: str, version: str):
     """NVIDIA user space and GSP firmware of exactly the module version, without kernel modules
     (incidents 2, 6): the installer is the one source of the firmware (nvidia-installer installs
     its FIRMWARE entries into /lib/firmware/nvidia/<version>/ with --no-kernel-modules too)."""
-    yield StringCommand(userspace_command(installer))
+    # the verified installer's directory is root's alone (templates/root-dir.sh.j2), checked before it runs
+    yield StringCommand(root_dirs((installer.rsplit("/", 1)[0], PUBLIC)) + userspace_command(installer))
 
 
 @operation()

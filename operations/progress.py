@@ -35,6 +35,7 @@ from pyinfra.api import FunctionCommand, StringCommand
 from facts.once import fact_once
 from facts.progress import RECORD_DIR, Durations
 from facts.shell import word
+from plan.render import PUBLIC, root_dirs
 
 # Seconds between two progress lines (PVEGPU_PROGRESS_EVERY_S: tests use a few seconds).
 REPORT_EVERY_S = float(os.environ.get("PVEGPU_PROGRESS_EVERY_S") or 30)
@@ -78,7 +79,7 @@ def record_key(*parts: str) -> str:
 def record_command(key: str, seconds: float, objects: int | None) -> str:
     path = word(f"{RECORD_DIR}/{record_key(key)}")
     text = word(f"seconds {int(round(seconds))}\nobjects {objects if objects is not None else ''}\n")
-    return f"mkdir -p {word(RECORD_DIR)} && printf '%s' {text} > {path}.part && mv -f {path}.part {path}"
+    return root_dirs((RECORD_DIR, PUBLIC)) + f"printf '%s' {text} > {path}.part && mv -f {path}.part {path}"
 
 
 def prefetch() -> list:

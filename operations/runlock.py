@@ -40,6 +40,7 @@ from typing import Any
 from pyinfra.api.exceptions import DeployError
 
 from facts.shell import word
+from plan.render import root_dir_function
 
 LOCK_DIR = "/run/pvegpu"
 LOCK_FILE = f"{LOCK_DIR}/run.lock"
@@ -58,7 +59,8 @@ KEEPER = r"""
 set -u
 dir=%(dir)s; lock=%(lock)s; info=%(info)s
 trap '' HUP
-mkdir -p "$dir" 2>/dev/null && exec 9>>"$lock" || { echo "ERROR cannot open $lock"; echo END; exit 1; }
+%(root_dir)s
+{ pvegpu_dir "$dir" 755 && exec 9>>"$lock"; } || { echo "ERROR cannot open $lock"; echo END; exit 1; }
 if ! flock -n -x 9; then
   echo HELD; cat "$info" 2>/dev/null; echo END; exit 0
 fi
@@ -104,7 +106,7 @@ def whoami() -> dict[str, str]:
 
 def keeper_command(me: dict[str, str], timeout_s: int = HEARTBEAT_TIMEOUT_S, lock_dir: str = LOCK_DIR) -> str:
     """The remote command: bash running KEEPER with the holder record as its arguments."""
-    script = KEEPER % {"dir": word(lock_dir), "lock": word(f"{lock_dir}/run.lock"),
+    script = KEEPER % {"root_dir": root_dir_function(), "dir": word(lock_dir), "lock": word(f"{lock_dir}/run.lock"),
                        "info": word(f"{lock_dir}/holder"), "rebind": word(f"{lock_dir}/rebind.lock"),
                        "rebind_wait": REBIND_WAIT_S}
     args = [me["user"], me["machine"], me["since"], me["pid"], me["mode"], str(timeout_s)]

@@ -49,6 +49,7 @@ from facts.kernel import (  # noqa: F401
 # The kernel stage's host paths and pve-kernel's Makefile reader live with the fact that reads
 # them (facts.kernel); plan.kernel names them too, for its own use and its callers'.
 from facts.shell import operands, word
+from plan.render import PRIVATE, PUBLIC, root_dirs
 from spec.models import KernelSpec
 
 GIB_KIB = 1024 * 1024
@@ -513,8 +514,8 @@ def arm_trial_command(release: str, expect: dict | None = None) -> str:
         b, d = word(bdf), word(driver)
         lines.append(f'[ "$(basename "$(readlink /sys/bus/pci/devices/{b}/driver)")" = {d} ] && echo gpu {b} {d}')
     record = "{ " + "; ".join([*lines, "true"]) + "; }"
-    return (f"mkdir -p {word(STATE_DIR)} {word(TRIAL_ARMED.rsplit('/', 1)[0])} && "
-            f"{record} > {word(TRIAL_CHECKS)} && "
+    return (root_dirs((STATE_DIR, PRIVATE), (TRIAL_ARMED.rsplit('/', 1)[0], PUBLIC))
+            + f"{record} > {word(TRIAL_CHECKS)} && "
             f"printf %s {r} > {word(TRIAL_MARKER)} && printf %s {r} > {word(TRIAL_ARMED)}")
 
 

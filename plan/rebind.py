@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from facts.rebind import JOURNAL, LOCK, STATE_DIR  # the paths the RebindJournal fact reads
 from facts.shell import word
 from plan.gpus import Move, RebindPlan
-from plan.render import render_template
+from plan.render import PRIVATE, PUBLIC, render_template, root_dirs
 
 RUNNER = f"{STATE_DIR}/run.sh"
 HISTORY = f"{STATE_DIR}/history"
@@ -74,7 +74,7 @@ def archive_command(state_dir: str = STATE_DIR, keep: int = KEEP) -> str:
     """Move the journal (if any) into history/ under a UTC timestamp, keep the newest `keep`."""
     q = word
     j, h = q(f"{state_dir}/journal"), q(f"{state_dir}/history")
-    return (f"if [ -f {j} ]; then mkdir -p {h} && mv {j} {h}/\"$(date -u +%Y%m%dT%H%M%SZ)-$$.journal\"; fi; "
+    return (f"if [ -f {j} ]; then mkdir -p -m 700 {h} && mv {j} {h}/\"$(date -u +%Y%m%dT%H%M%SZ)-$$.journal\"; fi; "
             f"ls -1t {h} 2>/dev/null | tail -n +{int(keep) + 1} | while read -r old; do rm -f {h}/\"$old\"; done")
 
 
@@ -84,9 +84,7 @@ def start_command(script: str, txid: str, systemd: bool, state_dir: str = STATE_
     then follow the journal until an end line: exit 0 on ``done``, 1 otherwise (printing the
     journal as it grows). A second transaction while one runs is refused."""
     q = word
-    d, j, r, h, lk = (q(state_dir), q(f"{state_dir}/journal"), q(f"{state_dir}/run.sh"), q(f"{state_dir}/history"),
-                      q(lock))
-    lock_dir = q(lock.rsplit("/", 1)[0])
+    d, j, r, lk = q(state_dir), q(f"{state_dir}/journal"), q(f"{state_dir}/run.sh"), q(lock)
     if systemd:  # a transient unit: outside the SSH session's cgroup, its output in the journal
         launch = (f"systemctl reset-failed {UNIT} >/dev/null 2>&1; "
                   f"systemd-run --unit {UNIT} --collect --quiet flock {lk} /bin/sh {r} || exit 1")
@@ -95,7 +93,7 @@ def start_command(script: str, txid: str, systemd: bool, state_dir: str = STATE_
     end = "|".join(END_EVENTS)
     return "\n".join([
         "set -u",
-        f"mkdir -p {d} {h} {lock_dir} && chmod 700 {d} || exit 1",
+        root_dirs((state_dir, PRIVATE), (f"{state_dir}/history", PRIVATE), (lock.rsplit("/", 1)[0], PUBLIC)),
         f"if [ -e {lk} ] && ! flock -n {lk} true; then "
         f"echo 'pvegpu: another rebind transaction is running on this host; see '{j} >&2; exit 1; fi",
         archive_command(state_dir, keep),

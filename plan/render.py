@@ -69,15 +69,36 @@ def render_template(name: str, **context) -> str:
     return _env.get_template(name).render(**context)
 
 
+# Modes of the directories pvegpu writes as root (docs/SECURITY.md "Paths pvegpu writes as root"):
+# trees that hold build output, logs, keys or records only root reads are 0700; caches and records
+# other tools read stay 0755. Each is made and checked by templates/root-dir.sh.j2 before use.
+PRIVATE = "700"
+PUBLIC = "755"
+
+
+def root_dir_function() -> str:
+    """templates/root-dir.sh.j2: the shell function `pvegpu_dir DIR MODE` (for a command that calls it itself)."""
+    return render_template("root-dir.sh.j2")
+
+
+def root_dirs(*dirs: tuple[str, str]) -> str:
+    """Shell that makes and checks each (dir, mode) of `dirs` with templates/root-dir.sh.j2's
+    `pvegpu_dir` (every component root's, no symlink, not group/other writable; the mode set whatever
+    the umask) and exits 1 naming the first refusal; the one helper every root-written path goes
+    through (the shell templates include the same function)."""
+    calls = " && ".join(f"pvegpu_dir {shell.word(d)} {shell.word(m)}" for d, m in dirs)
+    return root_dir_function() + f"{calls} || exit 1\n"
+
+
 # -- shellcheck of the shell templates ----------------------------------------------------------
 
 # Representative values for each templates/*.sh.j2: one context per branch its callers can take
 # (the callers' contexts have exactly these keys: tests/unit/test_shell_templates.py).
 _BUILD = dict(archive="/var/cache/pvegpu/sources/" + "a" * 64 + "-595.45.04.tar.gz", version="595.45.04",
               release="6.14.11-4-pve", cc="gcc-12", cxx=None, jobs=4, ccache=True, conftest_cache=True,
-              signing=None, sig_hash="sha256", build_root="/var/tmp/pvegpu/nvidia-build",
-              build_parent="/var/tmp/pvegpu/nvidia-build/595.45.04",
-              src_dir="/var/tmp/pvegpu/nvidia-build/595.45.04/tree-gcc-12-none",
+              signing=None, sig_hash="sha256", build_root="/var/cache/pvegpu/nvidia-build",
+              build_parent="/var/cache/pvegpu/nvidia-build/595.45.04",
+              src_dir="/var/cache/pvegpu/nvidia-build/595.45.04/tree-gcc-12-none",
               ccache_dir="/var/cache/pvegpu/ccache", ccache_masquerade="/usr/lib/ccache",
               ccache_ignore_options='-DKBUILD_BASENAME="#conftest* -DKBUILD_MODNAME="#conftest*',
               conftest_cache_dir="/var/cache/pvegpu/nvidia-conftest", conftest_cache_keep=16,
@@ -156,6 +177,7 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
     ],
     "kernel-zfs-guard.sh.j2": [dict(release="6.14.11-9-bpo12-pvegpu-pve")],
     "nvidia-first-error.sh.j2": [dict()],
+    "root-dir.sh.j2": [dict()],
     "nvidia-toolchain-check.sh.j2": [dict(cc="gcc-12", cxx="g++-12"), dict(cc="gcc", cxx=None)],
     "kernel-nvidia-gate.sh.j2": [
         {**_BUILD, "release": None, "kernel_release": "6.14.11-9-bpo12-pvegpu-pve", "cc": "gcc", "cxx": "g++", "ccache": False,

@@ -199,14 +199,14 @@ def test_driver_builds_installs_refuses_and_skips(driver_twin, tmp_path):
     finally:
         twin_sh(twin, "rm -f /usr/bin/g++-12 && mv /root/gxx/* /usr/bin/")
     assert installed_state(twin, releases) == empty
-    assert twin_sh(twin, "ls /var/tmp/pvegpu/nvidia-build 2>/dev/null || true").strip() == ""
+    assert twin_sh(twin, "ls /var/cache/pvegpu/nvidia-build/*/ 2>/dev/null || true").strip() == ""
 
     # 2. the real build and install, for 6.1 (the second release's build is proven elsewhere: the docstring)
     # ~12 min on two idle cores; an hour leaves room for a machine whose cores are shared
     releases = [first]
     run = deploy(tmp_path, twin, nvidia_spec(releases, sha), timeout=3600)
     assert run.rc == 0, run.output[-5000:]
-    builds = twin_sh(twin, "cat /var/tmp/pvegpu/nvidia-build.log").splitlines()  # the build's own notes
+    builds = twin_sh(twin, "cat /var/cache/pvegpu/nvidia-build/builds.log").splitlines()  # the build's own notes
     assert builds[0] == (f"pvegpu: building nvidia {VERSION} src/ (nv-kernel.o, nv-modeset-kernel.o) "
                          "with gcc-12 and g++-12"), builds
     assert builds[1].startswith(f"pvegpu: building nvidia {VERSION} for {first} in ") and "reused" not in builds[1]
@@ -228,7 +228,7 @@ def test_driver_builds_installs_refuses_and_skips(driver_twin, tmp_path):
         assert ".debug_info" not in sections, "installed modules keep their debug info"
     first_build = twin_sh(twin, CCACHE_STATS)
     assert ccache_counters(first_build)["cache_miss"] > 0, f"the build did not go through ccache:\n{first_build}"
-    assert twin_sh(twin, "ls /var/tmp/pvegpu/nvidia-build 2>/dev/null || true").strip() == ""
+    assert twin_sh(twin, "ls /var/cache/pvegpu/nvidia-build/*/ 2>/dev/null || true").strip() == ""
     # progress while it built (issue 20): at least one report between its start and its end
     what = f"nvidia {VERSION} build for {first}"
     building = run.output[run.output.index(f"{what}: started"):run.output.index(f"{what}: done in ")]
@@ -297,5 +297,5 @@ def test_driver_builds_installs_refuses_and_skips(driver_twin, tmp_path):
     for release in releases:
         assert f"nvidia {VERSION} is installed for {release}" in run.output
     assert installed_state(twin, releases) == before
-    assert twin_sh(twin, "ls /var/tmp/pvegpu/nvidia-build 2>/dev/null || true").strip() == ""
+    assert twin_sh(twin, "ls /var/cache/pvegpu/nvidia-build/*/ 2>/dev/null || true").strip() == ""
     assert ccache_compiles(twin_sh(twin, CCACHE_STATS)) == ccache_compiles(ccache_before), "the second run ran the compiler"

@@ -146,7 +146,7 @@ def test_595_builds_for_trixie_6_12_and_is_refused_for_7_x(trixie_twin, tmp_path
     # 1. the real build for trixie's 6.12 with GCC 14 (src/ ~4 min alone on two cores; an hour for a shared machine)
     run = run_pyinfra(inventory, STAGE_DEPLOY, env=STAGES, timeout=3600)
     assert run.rc == 0, run.output[-5000:]
-    builds = ku.twin_sh(twin, "cat /var/tmp/pvegpu/nvidia-build.log").splitlines()  # the build's own notes
+    builds = ku.twin_sh(twin, "cat /var/cache/pvegpu/nvidia-build/builds.log").splitlines()  # the build's own notes
     assert builds[0] == (f"pvegpu: building nvidia {VERSION} src/ (nv-kernel.o, nv-modeset-kernel.o) "
                          "with gcc-14 and g++-14"), builds
     assert builds[1].startswith(f"pvegpu: building nvidia {VERSION} for {old} in ") and " with gcc-14 " in builds[1], builds

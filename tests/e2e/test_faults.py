@@ -470,7 +470,7 @@ def test_bad_checksum_installs_nothing(driver_twin, loopback_mirror):
     assert f"checksum mismatch for {url}: the spec says {sha}" in run.output, run.output[-3000:]
     assert "nothing was built or installed" in run.output
     assert d.installed() == installed, "the old modules changed"
-    cache = twin_sh(d.twin, "ls -A /var/cache/pvegpu/sources/ 2>/dev/null; ls -A /var/tmp/pvegpu/nvidia-build 2>/dev/null; true")
+    cache = twin_sh(d.twin, "ls -A /var/cache/pvegpu/sources/ 2>/dev/null; ls -A /var/cache/pvegpu/nvidia-build/*/ 2>/dev/null; true")
     assert cache.strip() == "", f"a corrupted download was kept or built: {cache}"
 
     # the mirror fixed: the same spec converges, and a further run changes nothing
@@ -489,7 +489,7 @@ def test_build_failing_half_way_keeps_old_modules(driver_twin):
         run.output[-3000:]
     assert "second.c" in run.output, "the compiler's error is not shown:\n" + run.output[-3000:]
     # it did fail half-way: the first object was built, the second was not
-    objects = twin_sh(d.twin, f"cd /var/tmp/pvegpu/nvidia-build/{DRIVER}/{d.release}/src/tiny-nvidia-broken "
+    objects = twin_sh(d.twin, f"cd /var/cache/pvegpu/nvidia-build/{DRIVER}/{d.release}/src/tiny-nvidia-broken "
                               "&& ls *.o *.ko 2>/dev/null; true").split()
     assert objects == ["first.o"], objects
     assert d.installed() == installed, "a failed build changed the installed modules"
@@ -498,5 +498,5 @@ def test_build_failing_half_way_keeps_old_modules(driver_twin):
     path, sha = d.put("tiny-nvidia.tar.gz", working_source(d.release))
     converges_then_quiet(lambda: d.run(path, sha))
     assert twin_sh(d.twin, f"modinfo -k {d.release} -F version nvidia").strip() == DRIVER
-    assert twin_sh(d.twin, "ls -A /var/tmp/pvegpu/nvidia-build/*/ 2>/dev/null; true").strip() == "", \
+    assert twin_sh(d.twin, "ls -A /var/cache/pvegpu/nvidia-build/*/ 2>/dev/null; true").strip() == "", \
         "the scratch build dir was left behind"

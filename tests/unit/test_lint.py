@@ -57,7 +57,7 @@ def test_each_tool_fails_the_run_and_all_of_them_run(tmp_path):
     (root / "plan" / "typed.py").write_text("def f() -> int:\n    return 'x'\n")  # mypy return-value
     (root / "bench" / "x.sh").write_text("#!/bin/sh\ncd $1\n")  # SC2086 and SC2164
     install = root / "templates" / "nvidia-install.sh.j2"  # a value left unquoted where it lands
-    install.write_text(install.read_text().replace('mkdir -p "$D.new"', "mkdir -p $(echo {{ module_subdir }}).new"))
+    install.write_text(install.read_text().replace('mkdir -m 755 "$D.new"', "mkdir -m 755 $(echo {{ module_subdir }}).new"))
     run = _lint(root)
     assert run.returncode != 0
     for tool in ("ruff", "mypy", "shellcheck", "shell-templates"):

@@ -66,7 +66,7 @@ def test_the_lint_sees_a_direct_shlex_quote(tmp_path):
 
 
 def test_spec_operands_come_after_the_end_of_options():
-    assert nvidia_ops.cleanup_command("595.71.05") == "rm -rf -- /var/tmp/pvegpu/nvidia-build/595.71.05"
+    assert nvidia_ops.cleanup_command("595.71.05") == "rm -rf -- /var/cache/pvegpu/nvidia-build/595.71.05"
     assert nvidia_ops.userspace_command("/c/x.run").startswith("sh -- /c/x.run --silent")
     assert "v=$(sh -- /c/x.run --version" in nvidia_ops.installer_version_command("/c/x.run", "595.71.05")
     assert handlers.depmod_command({"/lib/modules/6.14.8-2-pve/updates/pvegpu/nvidia.ko": 1}) == "depmod -- 6.14.8-2-pve"

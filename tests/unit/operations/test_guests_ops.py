@@ -1,8 +1,12 @@
 """operations.guests: facts in, commands out (fake host), on real config/proc fixtures."""
 import base64
+import os
 import re
 import shlex
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from facts.guests import ContainerGpuState, VmMappingReferences
 from facts.proxmox import parse_guest_config
@@ -191,9 +195,30 @@ def test_ct_config_is_written_under_the_proxmox_config_lock():
     facts = facts_for({103: IGPU}, {103: "stopped"})
     commands, _ = run_op(container_gpu_devices, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True, facts=facts)
     # pve-container PVE/LXC/Config.pm config_file_lock(): the flock pct/the GUI hold for this CT's config
-    assert commands[0].startswith("mkdir -p /run/lock/lxc && ( flock -w 10 9 ||")
+    assert commands[0].startswith("{ [ -d /run/lock/lxc ] || mkdir -m 755 /run/lock/lxc; } && [ ! -L /run/lock/lxc ]")
+    assert "; ( flock -w 10 9 ||" in commands[0]
     assert commands[0].endswith(") 9>/run/lock/lxc/pve-config-103.lock")
     assert "is locked (" in commands[0]  # a lock: line appearing before we hold the flock stops the write
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the lock dir must be root's: run as root")
+@pytest.mark.parametrize("plant", ["chown 65534 {d}", "chmod 1777 {d}", "rmdir {d} && mkdir -m 755 {d}.real && ln -s {d}.real {d}"])
+def test_a_lock_dir_that_is_not_roots_alone_stops_the_write(tmp_path, plant):
+    """Issue 39: Proxmox's lock dir lies in the 1777 /run/lock; a local user who made it first (or a
+    symlink there) could have the config lock opened through a planted file: refused, nothing written."""
+    from operations import guests
+    d = tmp_path / "lock"
+    d.mkdir(mode=0o755)
+    subprocess.run(["sh", "-c", plant.format(d=d)], check=True)
+    conf = tmp_path / "103.conf"
+    conf.write_text("arch: amd64\n")
+    lock_file = guests.CONFIG_LOCK_FILE["lxc"].format(gid=103)
+    command = guests.locked_config_write("lxc", 103, str(conf), "arch: amd64\nmemory: 1\n").replace(
+        lock_file.rsplit("/", 1)[0], str(d))
+    r = subprocess.run(["sh", "-c", command], capture_output=True, text=True)
+    assert r.returncode == 1
+    assert "is not root's alone" in r.stderr
+    assert conf.read_text() == "arch: amd64\n"
 
 
 def test_locked_ct_is_neither_written_nor_restarted():
@@ -254,7 +279,8 @@ def test_running_ct_gets_added_gpus_hotplugged_not_restarted():
     facts = facts_for({103: IGPU}, {103: "running"})
     commands, _ = run_op(container_gpu_devices, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True,
                          hotplug=True, facts=facts)
-    assert commands[0].startswith("{ if [ -f /etc/pve/lxc/103.conf ]; then mkdir -p -- /var/lib/pvegpu/backup/")
+    assert commands[0].startswith("{\n# pvegpu_dir DIR MODE")  # the backup, its dir root's alone (issue 39)
+    assert "if [ -f /etc/pve/lxc/103.conf ]; then pvegpu_dir /var/lib/pvegpu/backup 700 && " in commands[0]
     assert commands[1] == ("pct set 103 --dev0 /dev/nvidia0,gid=44 --dev1 /dev/nvidiactl,gid=44 "
                            "--dev2 /dev/nvidia-uvm,gid=44 --dev3 /dev/nvidia-uvm-tools,gid=44")
     assert len(commands) == 2 and not any("pct shutdown" in c or "pct start" in c for c in commands)

@@ -9,6 +9,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from operations import kernel_hook
 from plan.render import render_template
 from spec.models import HostSpec
@@ -68,6 +70,23 @@ def test_another_compiler_than_the_kernel_s_is_refused_before_any_build(tmp_path
     assert reason.endswith("it was built with 'gcc-14 (Debian 14.2.0-19) 14.2.0', this host's gcc-12 is "
                            "'gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0' (modules of another compiler left a host unbootable)")
     assert not (tmp_path / "build").exists(), "nothing was built"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the state dir must be root's: run as root")
+def test_a_state_dir_that_is_not_roots_alone_stops_the_hook_before_it_writes_or_builds(tmp_path):
+    """Issue 39: the hook runs as root under apt; a state dir another user can write (its log was
+    opened with `: >` and appended with `tee -a`, its records quoted into the motd) is refused: the
+    hook says so and exits 0 (apt goes on), writing and building nothing."""
+    archive = tmp_path / "tree.tar.gz"
+    archive.write_bytes(b"tree")
+    (tmp_path / "state").mkdir(mode=0o755)
+    os.chown(tmp_path / "state", 65534, 65534)
+    done = run(tmp_path, hook(tmp_path, archive, hashlib.sha256(b"tree").hexdigest()))
+    assert done.returncode == 0, done.stderr
+    assert f"refusing {tmp_path}/state as a root directory: {tmp_path}/state is owned by uid 65534, not root" in done.stderr
+    assert "nvidia 580.95.05 was not built for kernel" in done.stderr
+    assert list((tmp_path / "state").iterdir()) == []
+    assert not (tmp_path / "build").exists() and not (tmp_path / "motd.d").exists()
 
 
 def test_a_changed_archive_is_refused(tmp_path):

@@ -16,7 +16,7 @@ from pyinfra_testing.util import get_command_string
 from facts import kernel as kernel_facts
 from operations import kernel, nvidia, reboot
 from plan import kernel as plan
-from plan.render import render_template
+from plan.render import render_template, root_dirs
 from spec.models import KernelSpec
 from tests.unit.operations.oprun import run_op
 
@@ -73,6 +73,46 @@ def test_manifest_is_json_once_build_sh_fills_it(tmp_path):
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["build_id"] == plan.build_id(k) and manifest["objects"] == 2
     assert manifest["compiler"].startswith("gcc") and manifest["config_sha256"] == "def"
+
+
+def test_a_tarball_build_leaves_no_module_signing_key_behind(tmp_path):
+    """Issue 39 item 9: the kernel's own bindeb-pkg signs the modules with the key pair the build
+    makes (certs/signing_key.pem) and keeps it; pve-kernel's debian/rules removes its copy. build.sh
+    (run for real: a tarball of a stand-in tree, a make that writes the key and the packages) removes
+    every certs/signing_key.pem under src/ when the build ends, and still when it fails."""
+    tree = tmp_path / "tree/linux-6.1.192"
+    (tree / "certs").mkdir(parents=True)
+    (tree / "certs/Makefile").write_text("")
+    archive = tmp_path / "linux.tar"
+    subprocess.run(["tar", "-C", str(tmp_path / "tree"), "-cf", str(archive), tree.name], check=True)
+    sha = subprocess.run(["sha256sum", str(archive)], capture_output=True, text=True).stdout.split()[0]
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    # make: kernelrelease prints the release; bindeb-pkg writes the key pair and the .debs (in ..)
+    (bindir / "make").write_text(
+        "#!/bin/sh\ncase \"$*\" in\n"
+        "  *kernelrelease*) echo 6.1.192-pvegpu;;\n"
+        "  *bindeb-pkg*) [ -n \"${FAIL_BUILD:-}\" ] && { echo 'key made, then the build failed' >&2; "
+        "echo key > certs/signing_key.pem; exit 2; }; "
+        "echo key > certs/signing_key.pem; echo cert > certs/signing_key.x509; "
+        "touch ../linux-image-6.1.192-pvegpu_1_amd64.deb;;\n"
+        "esac\n")
+    (bindir / "make").chmod(0o755)
+    k = KernelSpec(version="6.1.192-pvegpu", source={"kind": "tarball", "url": f"file://{archive}", "sha256": sha},
+                   ccache=False)
+    for fail in ("", "1"):
+        build = tmp_path / f"build{fail}"
+        build.mkdir()
+        (build / "build.sh").write_text(kernel.build_script(k, "tinyconfig", 2, str(build)))
+        (build / "manifest.json.in").write_text("{}\n")
+        r = subprocess.run(["sh", str(build / "build.sh")], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "FAIL_BUILD": fail})
+        assert r.returncode == (2 if fail else 0), (build / "build.log").read_text()
+        assert (build / "build.rc").read_text().strip() == ("2" if fail else "0")
+        assert not list(build.rglob("signing_key.pem")), "the module-signing key was left in the build tree"
+        if not fail:
+            assert (build / "src/certs/signing_key.x509").exists()  # the cert stays (it is in the kernel)
+            assert (build / "linux-image-6.1.192-pvegpu_1_amd64.deb").exists()
 
 
 def test_build_state_read_from_a_real_build_dir(tmp_path):
@@ -169,7 +209,9 @@ def test_install_keeps_running_kernel_and_records_manifest():
     assert cmds[0] == ("DEBIAN_FRONTEND=noninteractive dpkg -i -- /b/proxmox-kernel-6.14.8-2-pve_*.deb "
                        "/b/proxmox-headers-6.14.8-2-pve_*.deb")
     assert "apt-get" not in cmds[0] and "remove" not in cmds[0]
-    assert cmds[1] == "mkdir -p -- /var/lib/pvegpu/kernel && cp -- /b/manifest.json /var/lib/pvegpu/kernel/6.14.8-2-pve.json"
+    # the state dir made and checked root's alone first (templates/root-dir.sh.j2)
+    assert cmds[1] == root_dirs(("/var/lib/pvegpu/kernel", "700")) + "cp -- /b/manifest.json /var/lib/pvegpu/kernel/6.14.8-2-pve.json"
+    assert cmds[1].startswith(render_template("root-dir.sh.j2"))
 
 
 def test_trial_boot_sets_the_loaders_one_shot_and_marks_it_last():

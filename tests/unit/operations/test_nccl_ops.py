@@ -231,7 +231,7 @@ def test_fresh_host_writes_host_container_dropin_and_reloads_systemd_once_late()
     assert [len(c) for _, c, _ in results] == [1, 1, 1]
     host_write, ct_write, dropin_write = (c[0] for _, c, _ in results)
     assert host_write.endswith("mv -f -- /etc/nccl.conf.pvegpu-tmp /etc/nccl.conf")
-    assert ct_write.startswith("pct exec 200 -- sh -c 'mkdir -p -- /etc && printf %s ")
+    assert ct_write.startswith("pct exec 200 -- sh -c 'umask 022 && mkdir -p -- /etc && printf %s ")
     assert "vllm.service.d/pvegpu-nccl.conf" in dropin_write
     (run,) = reload_runs(want, state)
     assert run["reasons"] == ["NCCL environment of vllm.service changed"]
