@@ -102,6 +102,7 @@ def _planted(tmp_path):
     _render(env, "t.j2", v=1)
     # the same template name and source checksum, compiled from other code: what jinja2 would run
     bad = render.environment(evil)
+    assert env.bytecode_cache is not None
     bucket = jinja2.bccache.Bucket(bad, "t.j2", env.bytecode_cache.get_source_checksum("x={{ v }}\n"))
     bucket.code = bad.compile("PLANTED\n", "t.j2", "t.j2")
     (cache_file,) = (tmp_path / "cache").iterdir()
