@@ -246,11 +246,12 @@ def kernel_words(line: str) -> list[str]:
 def kernel_host(**source) -> dict:
     return {"kernel": {"version": "6.14.11-4-pve",
                        "source": {"kind": "proxmox-git", "url": "git://git.proxmox.com/git/pve-kernel.git",
-                                  "ref": "v6.14.11-4", **source}}}
+                                  "ref": "ad58d1445425ea4742e3470b2edbee35df0657e9", **source}}}
 
 
 def test_walk_kernel_source_ref(tmp_path):
-    values = generate(["v6.14.11-4", "refs/tags/v6.14.11-4", "a" * 40])
+    # issue 39 item 3: only a full commit id is accepted; tags stay among the bases, all refused
+    values = generate(["v6.14.11-4", "refs/tags/v6.14.11-4", "a" * 40, "ad58d1445425ea4742e3470b2edbee35df0657e9"])
     accepted, refused = load_values(tmp_path, "kernel.source.ref", values, lambda v: kernel_host(ref=v))
     assert len(values) >= 1500 and refused and accepted
     run = to_run(accepted, lambda s: kernel_of(s).source.ref)
