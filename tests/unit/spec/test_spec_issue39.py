@@ -54,3 +54,12 @@ def test_a_tag_refusal_says_how_to_pin_the_commit(tmp_path):
     h["kernel"]["source"]["ref"] = "v6.14.11-4"
     msg = refusal(tmp_path, h)
     assert "can be moved" in msg and "git ls-remote" in msg
+
+
+# ------------------------------------------------------------------ item 5: TLS off without a word
+
+def test_a_ca_file_beside_verify_ssl_false_is_refused(tmp_path):
+    h = host()
+    h["proxmox_api"] = {"host": "10.0.0.5", "token_name": "pvegpu", "token_env": "PVE_TOKEN",
+                        "verify_ssl": False, "ca_file": "~/pve-root-ca.pem"}
+    assert_names(refusal(tmp_path, h), tmp_path, "hosts.kpro6.proxmox_api.ca_file", "verify_ssl is false")
