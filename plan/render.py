@@ -156,6 +156,7 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
     ],
     "kernel-zfs-guard.sh.j2": [dict(release="6.14.11-9-bpo12-pvegpu-pve")],
     "nvidia-first-error.sh.j2": [dict()],
+    "signing-key-check.sh.j2": [dict(key="/root/mok.pem", field="nvidia.signing.key")],
     "nvidia-toolchain-check.sh.j2": [dict(cc="gcc-12", cxx="g++-12"), dict(cc="gcc", cxx=None)],
     "kernel-nvidia-gate.sh.j2": [
         {**_BUILD, "release": None, "kernel_release": "6.14.11-9-bpo12-pvegpu-pve", "cc": "gcc", "cxx": "g++", "ccache": False,

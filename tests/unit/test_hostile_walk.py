@@ -858,6 +858,13 @@ def test_walk_nvidia_signing_paths(tmp_path, monkeypatch):
         monkeypatch.setattr(nvidia_ops, "CCACHE_DIR", str(root / "ccache"))
         archive = shell_tests.nvidia_kernel_archive(root, monkeypatch)
         env = {**shell_tests.tools(root), "REL": "6.14.8-2-pve", "VER": "595.71.05"}
+        # the key's owner/mode check (issue 39 item 4) stats a host path: a stand-in logs its operands and
+        # answers root's 0600
+        real_stat = shutil.which("stat")
+        (root / "tools/stat").write_text(f"#!/bin/sh\n[ \"$3\" = '%u %a' ] || exec {real_stat} \"$@\"\n"
+                                         f"printf '%s\\0' \"$@\" > {shlex.quote(str(root / 'stat.args'))}\n"
+                                         "echo '0 600'\n")
+        (root / "tools/stat").chmod(0o755)
         command = nvidia_ops.build_command(str(archive), "595.71.05", "6.14.8-2-pve", "gcc", 2, ccache=False,
                                            signing=(sig.key, sig.cert))
         (root / "lib/modules/6.14.8-2-pve/build/scripts").mkdir(parents=True)
@@ -866,6 +873,7 @@ def test_walk_nvidia_signing_paths(tmp_path, monkeypatch):
         assert done.returncode == 0, done.stderr
         signed = [c for c in shell_tests.calls(root) if c[0] == "sign-file"]
         assert signed and signed[0][1:4] == ["sha256", sig.key, sig.cert], signed
+        assert (root / "stat.args").read_text().split("\0")[:-1] == ["-L", "-c", "%u %a", "--", sig.key]
     assert not list(tmp_path.rglob("PWN*"))
 
 
