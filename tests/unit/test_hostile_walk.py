@@ -1028,6 +1028,8 @@ WALKS = {
     "initramfs-gpu-binding-hook.j2": ["test_walk_gpu_bdfs"],
     "rebind.sh.j2": ["test_walk_rebind_script"],
     "kernel-sign.sh.j2": ["test_walk_kernel_signing_paths"],
+    # included by nvidia-build.sh.j2 (its key) and kernel-sign.sh.j2 (kernel.signing.key)
+    "signing-key-check.sh.j2": ["test_walk_nvidia_signing_paths", "test_walk_kernel_signing_paths"],
     "grub-trial-entry.sh.j2": ["test_walk_kernel_release_into_the_grub_trial_and_the_driver_gate"],
     "kernel-nvidia-gate.sh.j2": ["test_walk_kernel_release_into_the_grub_trial_and_the_driver_gate"],
     "mapping-merge.sh.j2": ["test_walk_gpu_pool_into_the_mapping_merge"],
