@@ -10,7 +10,7 @@ import re
 from pyinfra.api import FactBase
 
 from facts.base import ShellFact
-from facts.nvidia import SECURE_BOOT_EFIVAR, parse_mok, parse_secure_boot
+from facts.nvidia import SECURE_BOOT_EFIVAR, parse_mok, parse_owner_mode, parse_secure_boot
 from facts.sections import PROBE_SECTION, parse_sections, split_sections
 from facts.shared import EACH_FILE, first_line, read_file, uname
 from facts.shell import operands, word  # the one quoting helper (plan.render gives it to the templates)
@@ -530,7 +530,7 @@ def parse_build_state(lines: list[str]) -> dict:
                    "log_objects": 0, "log_last": None, "armed": None, "failed": None, "uefi": False,
                    "grubenv_abstraction": None, "grubenv_fs": None, "grub_advanced_id": None, "grub_default": None,
                    "grub_saved": None, "grub_next": None, "kernel_packages": [], "secure_boot": None,
-                   "mok": None, "sbsign": False}
+                   "mok": None, "sbsign": False, "signing_key_mode": None}
     sb_lines = []
     mok_lines = []
     for line in lines:
@@ -568,6 +568,8 @@ def parse_build_state(lines: list[str]) -> dict:
             mok_lines.append(line)
         elif key == "sbsign":
             state["sbsign"] = True
+        elif key == "keymode":
+            state["signing_key_mode"] = parse_owner_mode([line], "keymode")
         elif key in ("cores", "mem_total_kib", "log_objects") and value.isdigit():
             state[key] = int(value)
         elif key == "systemd":
@@ -585,7 +587,8 @@ def parse_build_state(lines: list[str]) -> dict:
     return state
 
 
-def build_state_command(build_dir: str, release: str, signing_cert: str | None = None) -> str:
+def build_state_command(build_dir: str, release: str, signing_cert: str | None = None,
+                        signing_key: str | None = None) -> str:
     d = word(build_dir)
     installed = word(f"{STATE_DIR}/{release}.json")
     trial = word(TRIAL_MARKER)
@@ -608,7 +611,9 @@ def build_state_command(build_dir: str, release: str, signing_cert: str | None =
         "elif [ -d /sys/firmware/efi ]; then echo 'efivars not readable'; else echo 'no efi'; fi; } | sed 's/^/sb /'; "
         # kernel.signing: is its cert enrolled (mokutil --test-key, as facts.nvidia asks), is sbsign there
         + (f"mokutil --test-key {word(signing_cert)} 2>&1 | sed 's/^/mok /'; command -v sbsign >/dev/null && echo sbsign; "
-           if signing_cert else "") +
+           if signing_cert else "")
+        # kernel.signing.key: its owner and mode (issue 39 item 4; plan.nvidia signing_key_refusal)
+        + (f"stat -L -c 'keymode %u %a' {operands(signing_key)} 2>/dev/null; " if signing_key else "") +
         # GRUB: what grub-mkconfig sources for GRUB_DEFAULT, the submenu id proxmox-kernel-helper's
         # set_grub_default() reads from grub.cfg, grubenv's entries and what holds grubenv
         "if [ -f /etc/default/grub ]; then "
@@ -767,14 +772,14 @@ class KernelStageFacts(FactBase):
     """
 
     def command(self, build_dir: str, release: str, url: str | None = None, ref: str | None = None,
-                signing_cert: str | None = None, tools: str | None = None) -> str:
+                signing_cert: str | None = None, tools: str | None = None, signing_key: str | None = None) -> str:
         source = (f"echo '{PROBE_SECTION}source'; ( {source_makefile_command(url, ref)} ) 2>/dev/null; "
                   if url and ref else "")
         needs = (f"echo '{PROBE_SECTION}needs'; ( {build_needs_command(tools.split(), release)} ) 2>/dev/null; "
                  if tools else "")
         return (
             f"echo '{PROBE_SECTION}kernels'; ( {ProxmoxKernels.command} ) 2>/dev/null; "
-            f"echo '{PROBE_SECTION}build'; ( {build_state_command(build_dir, release, signing_cert)} ) 2>/dev/null; "
+            f"echo '{PROBE_SECTION}build'; ( {build_state_command(build_dir, release, signing_cert, signing_key)} ) 2>/dev/null; "
             f"{source}{needs}true"
         )
 

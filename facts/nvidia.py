@@ -222,7 +222,8 @@ class NvidiaHostState(FactBase):
          "sources": {"modules": {"cached": False, "sha256": "…"}},   # sha256 of a local path
          "secure_boot": True, "sig_enforce": False,                   # None: unknown
          "signing_files": {"/root/mok.pem": True, "/root/mok.der": True},
-         "signing_key_pem": True, "mok": "enrolled"}                  # see parse_mok; None: unknown
+         "signing_key_pem": True, "mok": "enrolled",                  # see parse_mok; None: unknown
+         "signing_key_mode": {"uid": 0, "mode": 0o600}}               # None: not read
 
     ``module`` is None when `modinfo -k <rel> nvidia` finds none; each release's ``config`` holds
     the KERNEL_CONFIG_KEYS its auto.conf sets (CONFIG_MODULE_SIG_HASH among them).
@@ -277,7 +278,10 @@ class NvidiaHostState(FactBase):
         # request" / "is blocked in …"; its exit status differs between versions, so the text is read)
         for i, path in enumerate(signing or ()):
             qp = word(path)
-            check = (f"head -n 1 {operands(path)} | grep -q -- '-----BEGIN .*PRIVATE KEY-----' && echo pem" if i == 0 else
+            # the key's owner and mode too (issue 39 item 4: root's, readable by root only; plan.nvidia
+            # signing_key_refusal), of the file the path names, as sign-file opens it
+            check = (f"{{ stat -L -c 'owner-mode %u %a' {operands(path)}; "
+                     f"head -n 1 {operands(path)} | grep -q -- '-----BEGIN .*PRIVATE KEY-----' && echo pem; }}" if i == 0 else
                      f"if command -v mokutil >/dev/null 2>&1; then mokutil --test-key {qp} 2>&1 | sed 's/^/mok /'; "
                      "else echo 'mok unknown: no mokutil'; fi")
             parts.append(f"echo {word(SECTION + 'signing ' + path)}; [ -r {qp} ] && echo readable && {check}")
@@ -334,6 +338,15 @@ def parse_mok(lines: list[str]) -> str | None:
             for words, state in MOK_STATES:
                 if words in line:
                     return state
+    return None
+
+
+def parse_owner_mode(lines: list[str], tag: str = "owner-mode") -> dict | None:
+    """{"uid": 0, "mode": 0o600} from a `stat -c '<tag> %u %a'` line; None when there is none."""
+    for line in lines:
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == tag and parts[1].isdigit() and re.fullmatch(r"[0-7]{1,4}", parts[2]):
+            return {"uid": int(parts[1]), "mode": int(parts[2], 8)}
     return None
 
 
@@ -398,6 +411,7 @@ def parse_host_state(lines: list[str]) -> dict:
         "signing_files": signing,
         # the key (the first signing path) is PEM: None when it was not read
         "signing_key_pem": ("pem" in key_body) if "readable" in key_body else None,
+        "signing_key_mode": parse_owner_mode(key_body),
         "mok": parse_mok([line for body in signing_bodies[1:] for line in body]),
         "cores": int(cores) if cores and cores.isdigit() else 1,
         "mem_total_kib": int(mem.group(1)) if mem else 0,

@@ -10,7 +10,8 @@ keeping the newest `KEEP` copies per file (`backup_command`, one shell command y
 before the write). `--dry` (and a converge) prints the unified diff of every file and Proxmox
 config that would change (`log_diff`): CT configs and pvegpu's host files from their full
 text, VM configs and pci.cfg from the file as it is and the change `qm set` / `pvesh` would
-make to it (`vm_config_after`, `pci_cfg_after`).
+make to it (`vm_config_after`, `pci_cfg_after`). The values of secret keys of a guest config
+(`SECRET_KEYS`: cipassword, args, a CT's environment) are printed as `**********`.
 
 Putting one back by hand (README "Backups of guest configs"): copy the backup over the file,
 e.g. ``cp /var/lib/pvegpu/backup/etc/pve/lxc/200.conf/<time> /etc/pve/lxc/200.conf``.
@@ -51,10 +52,40 @@ def is_dry() -> bool:
     return "--dry" in sys.argv
 
 
+# Guest config keys whose values a diff of a Proxmox config never prints (issue 39 item 6): the
+# diff is taken on the real text, then each such line shows its key and MASK, so a change of the
+# value still shows as a -/+ pair.
+# - cipassword: qemu-server's own API never returns it (PVE/API2/Qemu.pm: GET config and pending
+#   give '**********', the create/update task log '<hidden>'); a hash of the guest's password.
+# - args: the raw QEMU command line; pvegpu never writes it, and it is where secrets reach QEMU
+#   (-object secret,data=..., a -spice/-vnc password=) that qemu-server cannot see to mask.
+# - env, lxc.environment, lxc.environment.runtime: a container's environment (pve-container
+#   src/PVE/LXC/Config.pm: `env`, and the raw lxc keys it lets through), where tokens are put.
+SECRET_KEYS = frozenset({"cipassword", "args", "env", "lxc.environment", "lxc.environment.runtime"})
+MASK = "**********"  # what qemu-server's API shows for cipassword
+
+
+def mask_secret(line: str) -> str:
+    """One line of a Proxmox guest config (a diff line: ' ', '-' or '+' first) with the value of a
+    SECRET_KEYS key replaced by MASK; a commented-out line (`#key%3A value`, PVE's escaped colon)
+    too. Other lines as they are."""
+    sign, body = (line[:1], line[1:]) if line[:1] in (" ", "-", "+") else ("", line)
+    text = body.lstrip("#")
+    key, sep, _ = text.partition(":")
+    if not sep and "%3A" in text:
+        key, sep, _ = text.partition("%3A")
+    if sep and key.strip() in SECRET_KEYS:
+        return f"{sign}{body[:len(body) - len(text)]}{key}{sep} {MASK}"
+    return line
+
+
 def diff_lines(path: str, before: str | None, after: str) -> list[str]:
-    return list(difflib.unified_diff((before or "").splitlines(), after.splitlines(),
-                                     fromfile=f"{path} (now)" if before is not None else "/dev/null",
-                                     tofile=f"{path} (after)", lineterm=""))
+    lines = list(difflib.unified_diff((before or "").splitlines(), after.splitlines(),
+                                      fromfile=f"{path} (now)" if before is not None else "/dev/null",
+                                      tofile=f"{path} (after)", lineterm=""))
+    if not path.startswith("/etc/pve/"):
+        return lines
+    return lines[:2] + [line if line.startswith("@@") else mask_secret(line) for line in lines[2:]]
 
 
 _SHOWN: set[tuple] = set()  # (host, path, diff): pyinfra may run an operation's body twice

@@ -295,9 +295,13 @@ def preflight(spec: HostSpec) -> list[str]:
     # other guest problems are reported while applying; the GPU stage refuses unsafe moves
     refusals: list[str] = []
     if spec.proxmox_api is not None:
-        problem = PveApi(spec.proxmox_api, node_of(spec)).problem()
+        api = PveApi(spec.proxmox_api, node_of(spec))
+        problem = api.problem()
         if problem:
             refusals.append(problem)
+        insecure = api.warning()
+        if insecure:
+            logger.warning(f"{host.name}: {insecure}")
     if spec.containers or spec.vms or spec.gpus:
         facts = stage_facts(spec)
         if not spec.gpus:  # with GPUs, the GPU stage's preflight says it

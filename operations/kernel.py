@@ -219,7 +219,7 @@ def fact_args(k: KernelSpec, base: str) -> dict:
     args: dict[str, str | None] = {"build_dir": plan.build_dir(k, base), "release": k.version,
                                    "tools": " ".join(plan.build_tools(k))}
     if k.signing:
-        args["signing_cert"] = k.signing.cert
+        args.update(signing_cert=k.signing.cert, signing_key=k.signing.key)
     if k.source.kind == "proxmox-git":
         args.update(url=k.source.url, ref=k.source.ref)
     return args

@@ -23,7 +23,10 @@ Guest stop (`guest_stop_commands`): a clean `shutdown --timeout N` first; only w
 from __future__ import annotations
 
 import importlib.util
+import os
+import stat
 import time
+import warnings
 from dataclasses import dataclass
 
 from pyinfra import host, logger
@@ -100,7 +103,27 @@ class PveApi:
                 return f"the Proxmox API token of {self!r} is empty"
         except (ValueError, OSError) as e:
             return f"cannot read the Proxmox API token of {self!r}: {e}"
+        if self.spec.ca_file:
+            # whoever can write the CA file can put their own CA there and read every request (the token)
+            path = os.path.expanduser(self.spec.ca_file)
+            try:
+                st = os.stat(path)
+            except OSError as e:
+                return f"proxmox_api.ca_file {path} cannot be read: {e}"
+            if st.st_uid not in (os.geteuid(), 0) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                return (f"proxmox_api.ca_file {path} is mode {st.st_mode & 0o7777:04o}, owner uid {st.st_uid}: another "
+                        "account could replace the CA the API's certificate is checked against; make it owned by "
+                        "you or root and writable by its owner only (chmod 644)")
         return None
+
+    def warning(self) -> str | None:
+        """A sentence for every run while `verify_ssl` is false (issue 39 item 5); else None."""
+        if self.spec.verify_ssl:
+            return None
+        return (f"proxmox_api.verify_ssl is false: the Proxmox API at {self.spec.host}:{self.spec.port} is used "
+                "WITHOUT checking its TLS certificate, so anyone on the network path can read the API token and "
+                "change what pvegpu writes. Give the node's CA instead: copy /etc/pve/pve-root-ca.pem to this "
+                "machine and set proxmox_api.ca_file to it")
 
     def _client(self, token: str):
         problem = self.problem() if importlib.util.find_spec("requests") is None else None
@@ -109,8 +132,11 @@ class PveApi:
         from proxmoxer import ProxmoxAPI  # imported here: only API users need requests
 
         verify = self.spec.ca_file if (self.spec.verify_ssl and self.spec.ca_file) else self.spec.verify_ssl
-        return ProxmoxAPI(self.spec.host, port=self.spec.port, user=self.spec.user, token_name=self.spec.token_name,
-                          token_value=token, verify_ssl=verify, timeout=REQUEST_TIMEOUT_S, backend="https")
+        # proxmoxer backends/https.py calls urllib3.disable_warnings() when ProxmoxAPI imports it: a
+        # process-wide filter that would hide every InsecureRequestWarning; the filters are put back
+        with warnings.catch_warnings():
+            return ProxmoxAPI(self.spec.host, port=self.spec.port, user=self.spec.user, token_name=self.spec.token_name,
+                              token_value=token, verify_ssl=verify, timeout=REQUEST_TIMEOUT_S, backend="https")
 
     def request(self, method: str, path: str, params: dict | None = None):
         """One request; returns the reply's `data`. Raises `PveApiError` (token masked)."""

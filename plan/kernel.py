@@ -50,6 +50,7 @@ from facts.kernel import (  # noqa: F401
 # them (facts.kernel); plan.kernel names them too, for its own use and its callers'.
 from facts.shell import operands, word
 from plan.render import PRIVATE, PUBLIC, root_dirs
+from plan.nvidia import signing_key_refusal
 from spec.models import KernelSpec
 
 GIB_KIB = 1024 * 1024
@@ -655,6 +656,9 @@ def secure_boot_refusal(kernel: KernelSpec, build: dict) -> str | None:
                 "not signed, so it would not boot. Set kernel.signing (key: a PEM private key, cert: its DER "
                 "certificate, enrolled with mokutil --import and confirmed in MokManager at the next boot), or turn "
                 "Secure Boot off in the firmware, or keep Proxmox's signed kernels (drop spec.kernel)")
+    key_refusal = signing_key_refusal("kernel.signing.key", kernel.signing.key, build.get("signing_key_mode"))
+    if key_refusal:
+        return key_refusal
     cert = kernel.signing.cert
     mok = build.get("mok")
     if mok in MOK_REFUSED:

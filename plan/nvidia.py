@@ -228,13 +228,29 @@ MOK_WORDS = {
 }
 
 
+def signing_key_refusal(field: str, path: str, owner_mode: dict | None) -> str | None:
+    """Why a Secure Boot signing key cannot be used, naming the field and file; None when it is
+    root's and no group or other may read or write it, or when its owner and mode are unknown.
+    Issue 39 item 4: the key lies unencrypted on the host (the kernel hook signs without anyone
+    typing a passphrase), so whoever can read it signs kernels and modules the firmware trusts.
+    The same rule runs where the key is used: templates/signing-key-check.sh.j2."""
+    if owner_mode is None:
+        return None
+    uid, mode = owner_mode["uid"], owner_mode["mode"]
+    if uid == 0 and not mode & 0o077:
+        return None
+    return (f"{field} {path} is owner uid {uid}, mode {mode:04o}: a signing key must be root's and readable by root "
+            f"only, else any local account can sign kernels and modules Secure Boot trusts. Fix it on the host "
+            f"(chown root:root {path}; chmod 600 {path}) and run again")
+
+
 def signing_problems(state: dict, signing, releases: list[str]) -> tuple[list[str], list[str]]:
     """(refusals, notes) about module signatures for the `releases` built this run.
 
     `state`: the NvidiaHostState fact (secure_boot, sig_enforce, signing_files, signing_key_pem,
     mok, releases[r].config); `signing`: the spec's nvidia.signing (``.key``, ``.cert``) or None.
     Refused: enforcement on and no signing; a key or cert that is not readable; a key that is not
-    PEM (sign-file reads PEM only: the build would fail after the whole compile); a cert the
+    root's alone (signing_key_refusal); a key that is not PEM (sign-file reads PEM only: the build would fail after the whole compile); a cert the
     kernel will not trust (not enrolled, enrolment pending, blocked) while enforcement is on (the
     modules would not load: "Key was rejected by service"). Unknown states are said as such.
     """
@@ -259,6 +275,9 @@ def signing_problems(state: dict, signing, releases: list[str]) -> tuple[list[st
         refusals.append(f"nvidia.signing names {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
                         f"not readable on the host; give the PEM private key and the certificate that sign the modules")
         return refusals, notes
+    key_refusal = signing_key_refusal("nvidia.signing.key", signing.key, state.get("signing_key_mode"))
+    if key_refusal:
+        refusals.append(key_refusal)
     if state.get("signing_key_pem") is False:
         refusals.append(f"nvidia.signing.key {signing.key} is not a PEM private key; the kernel's scripts/sign-file "
                         f"reads the key as PEM only, so signing would fail after the whole build. Convert it "

@@ -105,7 +105,7 @@ _BUILD = dict(archive="/var/cache/pvegpu/sources/" + "a" * 64 + "-595.45.04.tar.
               sign_file="scripts/sign-file", modules_dir="/lib/modules", kernel_dirs=False)
 _KERNEL = dict(build_dir="/var/lib/pvegpu/kernel-build/6.14.11-4-pve-0123456789ab", version="6.14.11-4-pve",
                kind="proxmox-git", jobs=4, ccache=True, base_config="running",
-               fragments=[], url="https://git.proxmox.com/git/pve-kernel.git", sha256="", ref="v6.14.11-4",
+               fragments=[], url="https://git.proxmox.com/git/pve-kernel.git", sha256="", ref="ad58d1445425ea4742e3470b2edbee35df0657e9",
                localversion="-4-pve", pkgversion="1", local_suffix="-pvegpu",
                ccache_dir="/var/cache/pvegpu/ccache-kernel", ccache_max_size="12G")
 SHELL_EXAMPLES: dict[str, list[dict]] = {
@@ -178,6 +178,7 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
     "kernel-zfs-guard.sh.j2": [dict(release="6.14.11-9-bpo12-pvegpu-pve")],
     "nvidia-first-error.sh.j2": [dict()],
     "root-dir.sh.j2": [dict()],
+    "signing-key-check.sh.j2": [dict(key="/root/mok.pem", field="nvidia.signing.key")],
     "nvidia-toolchain-check.sh.j2": [dict(cc="gcc-12", cxx="g++-12"), dict(cc="gcc", cxx=None)],
     "kernel-nvidia-gate.sh.j2": [
         {**_BUILD, "release": None, "kernel_release": "6.14.11-9-bpo12-pvegpu-pve", "cc": "gcc", "cxx": "g++", "ccache": False,

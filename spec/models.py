@@ -166,13 +166,14 @@ class SigningSpec(Strict):
 class KernelSourceSpec(Strict):
     kind: Literal["proxmox-git", "tarball"] = "proxmox-git"
     url: SafeStr  # proxmox-git: spec.values.git_url; tarball: spec.values.source_location
-    ref: Annotated[SafeStr, AfterValidator(V.git_ref)] | None = None  # git ref for proxmox-git (pinned: a tag or commit)
+    ref: Annotated[SafeStr, AfterValidator(V.git_ref)] | None = None  # proxmox-git: the full id of the commit to build
     sha256: SafeStr | None = None  # for tarball
 
     @model_validator(mode="after")
     def _pinned(self) -> KernelSourceSpec:
         if self.kind == "proxmox-git" and not self.ref:
-            raise ValueError("a proxmox-git source needs 'ref' (a tag or commit) so builds are reproducible")
+            raise ValueError("a proxmox-git source needs 'ref' (the full 40-hex id of the commit to build) so builds are "
+                             "reproducible and what is built is what was reviewed")
         try:
             (V.git_url if self.kind == "proxmox-git" else V.source_location)(self.url)
         except ValueError as exc:
@@ -393,16 +394,29 @@ class ProxmoxApiSpec(Strict):
     def _one_source(self) -> ProxmoxApiSpec:
         if bool(self.token_env) == bool(self.token_file):
             raise ValueError("set exactly one of 'token_env' (environment variable name) or 'token_file' (path)")
+        if self.ca_file and not self.verify_ssl:  # issue 39 item 5: the CA would be ignored without a word
+            raise ValueError("@ca_file: is set but verify_ssl is false, so the certificate would not be checked "
+                             "against it (nor against anything); drop verify_ssl: false to check it with ca_file")
         return self
 
     def token(self) -> SecretStr:
-        """Read the token value; it stays wrapped in SecretStr (prints as '**********')."""
+        """Read the token value; it stays wrapped in SecretStr (prints as '**********').
+        A token_file must be the runner's (or root's) and readable by nobody else (mode 0600 or
+        0400), as OpenSSH wants of a private key (sshkey_perm_ok in authfile.c)."""
         if self.token_env:
             value = os.environ.get(self.token_env)
             if value is None:
                 raise ValueError(f"environment variable {self.token_env} (proxmox_api.token_env) is not set")
         elif self.token_file:
-            value = Path(self.token_file).expanduser().read_text().strip()
+            path = Path(self.token_file).expanduser()
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o077:
+                    raise ValueError(f"proxmox_api.token_file {path} is mode {st.st_mode & 0o7777:04o}, owner uid "
+                                     f"{st.st_uid}: a token file must be readable by its owner only (chmod 600, owned "
+                                     "by the user who runs pvegpu), else other accounts of this machine can read "
+                                     "the token")
+                value = f.read().decode().strip()
         else:  # _one_source already refused a spec with neither
             raise ValueError("set exactly one of 'token_env' (environment variable name) or 'token_file' (path)")
         return SecretStr(value)

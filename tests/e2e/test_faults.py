@@ -251,7 +251,7 @@ INVALID_SPECS = {
     "cmdline-word": (lambda c: {**c, "iommu": {"params": ["quiet;reboot"]}}, ["iommu.params", "not ';'"]),
     "ref-option": (lambda c: {**c, "kernel": {"version": "6.14.11-4-pve", "source": {
         "kind": "proxmox-git", "url": "git://git.proxmox.com/git/pve-kernel.git", "ref": "--"}}},
-        ["kernel.source.ref", "starts with '-'"]),
+        ["kernel.source.ref", "is not a full commit id"]),  # issue 39 item 3: only a full commit id
     "api-host": (lambda c: {**c, "proxmox_api": {"host": "fe80::1%x]@evil.example:443#", "token_name": "pvegpu",
                                                  "token_env": "PVE_TOKEN"}},
                  ["proxmox_api.host", "is not a network interface name"]),

@@ -246,11 +246,12 @@ def kernel_words(line: str) -> list[str]:
 def kernel_host(**source) -> dict:
     return {"kernel": {"version": "6.14.11-4-pve",
                        "source": {"kind": "proxmox-git", "url": "git://git.proxmox.com/git/pve-kernel.git",
-                                  "ref": "v6.14.11-4", **source}}}
+                                  "ref": "ad58d1445425ea4742e3470b2edbee35df0657e9", **source}}}
 
 
 def test_walk_kernel_source_ref(tmp_path):
-    values = generate(["v6.14.11-4", "refs/tags/v6.14.11-4", "a" * 40])
+    # issue 39 item 3: only a full commit id is accepted; tags stay among the bases, all refused
+    values = generate(["v6.14.11-4", "refs/tags/v6.14.11-4", "a" * 40, "ad58d1445425ea4742e3470b2edbee35df0657e9"])
     accepted, refused = load_values(tmp_path, "kernel.source.ref", values, lambda v: kernel_host(ref=v))
     assert len(values) >= 1500 and refused and accepted
     run = to_run(accepted, lambda s: kernel_of(s).source.ref)
@@ -857,6 +858,13 @@ def test_walk_nvidia_signing_paths(tmp_path, monkeypatch):
         monkeypatch.setattr(nvidia_ops, "CCACHE_DIR", str(root / "ccache"))
         archive = shell_tests.nvidia_kernel_archive(root, monkeypatch)
         env = {**shell_tests.tools(root), "REL": "6.14.8-2-pve", "VER": "595.71.05"}
+        # the key's owner/mode check (issue 39 item 4) stats a host path: a stand-in logs its operands and
+        # answers root's 0600
+        real_stat = shutil.which("stat")
+        (root / "tools/stat").write_text(f"#!/bin/sh\n[ \"$3\" = '%u %a' ] || exec {real_stat} \"$@\"\n"
+                                         f"printf '%s\\0' \"$@\" > {shlex.quote(str(root / 'stat.args'))}\n"
+                                         "echo '0 600'\n")
+        (root / "tools/stat").chmod(0o755)
         command = nvidia_ops.build_command(str(archive), "595.71.05", "6.14.8-2-pve", "gcc", 2, ccache=False,
                                            signing=(sig.key, sig.cert))
         (root / "lib/modules/6.14.8-2-pve/build/scripts").mkdir(parents=True)
@@ -865,6 +873,7 @@ def test_walk_nvidia_signing_paths(tmp_path, monkeypatch):
         assert done.returncode == 0, done.stderr
         signed = [c for c in shell_tests.calls(root) if c[0] == "sign-file"]
         assert signed and signed[0][1:4] == ["sha256", sig.key, sig.cert], signed
+        assert (root / "stat.args").read_text().split("\0")[:-1] == ["-L", "-c", "%u %a", "--", sig.key]
     assert not list(tmp_path.rglob("PWN*"))
 
 
@@ -1020,6 +1029,8 @@ WALKS = {
     "initramfs-gpu-binding-hook.j2": ["test_walk_gpu_bdfs"],
     "rebind.sh.j2": ["test_walk_rebind_script"],
     "kernel-sign.sh.j2": ["test_walk_kernel_signing_paths"],
+    # included by nvidia-build.sh.j2 (its key) and kernel-sign.sh.j2 (kernel.signing.key)
+    "signing-key-check.sh.j2": ["test_walk_nvidia_signing_paths", "test_walk_kernel_signing_paths"],
     "grub-trial-entry.sh.j2": ["test_walk_kernel_release_into_the_grub_trial_and_the_driver_gate"],
     "kernel-nvidia-gate.sh.j2": ["test_walk_kernel_release_into_the_grub_trial_and_the_driver_gate"],
     "mapping-merge.sh.j2": ["test_walk_gpu_pool_into_the_mapping_merge"],

@@ -19,7 +19,7 @@ from plan.kernel import (
 from spec.models import KernelSpec
 
 H200_MEMINFO = Path(__file__).resolve().parents[1] / "fixtures" / "h200-vm" / "meminfo.txt"
-GIT = {"kind": "proxmox-git", "url": "git://git.proxmox.com/git/pve-kernel.git", "ref": "v6.14.8-2"}
+GIT = {"kind": "proxmox-git", "url": "git://git.proxmox.com/git/pve-kernel.git", "ref": "ad58d1445425ea4742e3470b2edbee35df0657e9"}
 
 
 def kernel(**kw) -> KernelSpec:
@@ -47,7 +47,7 @@ def test_jobs_from_real_meminfo():
 def test_build_id_changes_with_ref_config_and_base():
     a = build_id(kernel())
     assert a == build_id(kernel())
-    assert a != build_id(kernel(source={**GIT, "ref": "v6.14.8-3"}))
+    assert a != build_id(kernel(source={**GIT, "ref": "6e44995b70ade6101b876137b35f48a28216559d"}))
     assert a != build_id(kernel(config_fragments=["CONFIG_X=y"]))
     assert a != build_id(kernel(), base_config="tinyconfig")
     assert build_dir(kernel()).startswith("/var/lib/pvegpu/kernel-build/6.14.8-2-pve-")

@@ -92,7 +92,7 @@ def test_debian_control_from_control_in_names_our_packages(tree, tmp_path):
     assert {"git", "gcc", "bc", "bison", "flex", "libelf-dev", "libssl-dev"} <= names
     # what the stage installs before the build, not left to mk-build-deps: mk-build-deps itself
     # (devscripts, equivs), and what the Makefile needs to get this far (make, dpkg-dev, git)
-    k = KernelSpec(version=ours, source={"kind": "proxmox-git", "url": "git://x/pve-kernel.git", "ref": "x"})
+    k = KernelSpec(version=ours, source={"kind": "proxmox-git", "url": "git://x/pve-kernel.git", "ref": "ad58d1445425ea4742e3470b2edbee35df0657e9"})
     assert {"devscripts", "equivs", "make", "dpkg-dev", "git", "build-essential"} <= set(plan.build_tools(k))
     assert f"KVNAME={ours}" in (work / build_dir / "debian/rules.d/env.mk").read_text()
 

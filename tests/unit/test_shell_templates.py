@@ -212,9 +212,9 @@ def captured(monkeypatch, module, call) -> tuple[str, dict]:
     (rebind, lambda: gpus.rebind_script(RebindPlan([Move("0000:01:00.0", "nvidia", "vfio-pci")], [("lxc", 200)],
                                                    [], True), {"0000:01:00.0": {"minor": 0}}, "tx")),
     (kernel, lambda: kernel.build_script(KernelSpec(version="6.14.8-2-pve", source={
-        "kind": "proxmox-git", "url": "git://x/pve-kernel.git", "ref": "v1"}), "running", 2, "/b")),
+        "kind": "proxmox-git", "url": "git://x/pve-kernel.git", "ref": "ad58d1445425ea4742e3470b2edbee35df0657e9"}), "running", 2, "/b")),
     (kernel, lambda: kernel.gate_script(HostSpec(
-        kernel={"version": "6.14.8-2-pve", "source": {"kind": "proxmox-git", "url": "git://x/pve-kernel.git", "ref": "v1"}},
+        kernel={"version": "6.14.8-2-pve", "source": {"kind": "proxmox-git", "url": "git://x/pve-kernel.git", "ref": "ad58d1445425ea4742e3470b2edbee35df0657e9"}},
         nvidia={"version": "595.45.04", "modules_source": {"url": "https://x/a.tgz", "sha256": hashlib.sha256(b"a").hexdigest()}}),
         "/b", 2, "gcc-12", "g++-12")),
 ])
@@ -356,6 +356,8 @@ def test_build_takes_hostile_values_literally(tmp_path, monkeypatch):
     archive = nvidia_kernel_archive(tmp_path, monkeypatch, tmp_path / spec_hostile("archive"))
     version, release, cc = spec_hostile("version"), spec_hostile("release"), spec_hostile("cc")
     key, cert = str(tmp_path / spec_hostile("key")), str(tmp_path / spec_hostile("cert"))
+    Path(key).write_text("-----BEGIN PRIVATE KEY-----\n")
+    Path(key).chmod(0o600)  # root's alone, as the build's key check wants (issue 39 item 4)
     env = {**tools(tmp_path), "REL": release, "VER": version}
     command = ops.build_command(str(archive), version, release, cc, 2, ccache=True, signing=(key, cert))
     modules = tmp_path / "lib/modules" / release / "build/scripts"

@@ -77,3 +77,58 @@ def test_pci_cfg_after_merge_delete():
     assert after == ("other\n\tmap id=10de:1,node=kpro7,path=0000:01:00.0\n\tmap id=10de:1,node=kpro6,path=0000:02:00.0\n"
                      "\tdescription kept\n\n"
                      "pvegpu-kpro6-0000-c1-00-0\n\tmap id=10de:2bb5,node=kpro6,path=0000:c1:00\n\n")
+
+
+# -- issue 39 item 6: a --dry diff never prints a guest's secrets ---------------------------------
+
+SECRET_VM = """\
+#train box
+args: -object secret,id=sec0,data=qemu-secret-value
+boot: order=scsi0
+cipassword: $5$salt$cipassword-hash-value
+ciuser: ml
+hostpci0: mapping=pvegpu-kpro6-0000-81-00-0,pcie=1
+machine: q35
+
+[pve:pending]
+cipassword: $5$salt$pending-hash-value
+"""
+
+
+def test_a_vm_config_diff_masks_cipassword_and_args_in_context_and_changes():
+    after = backup.vm_config_after(SECRET_VM, {"hostpci0": "mapping=pvegpu-kpro6-0000-c1-00-0,pcie=1",
+                                               "boot": "order=scsi1"}, [])
+    diff = backup.diff_lines("/etc/pve/qemu-server/300.conf", SECRET_VM, after)
+    text = "\n".join(diff)
+    assert "cipassword-hash-value" not in text and "qemu-secret-value" not in text, text
+    assert " cipassword: **********" in diff and " args: **********" in diff  # context lines
+    assert "+hostpci0: mapping=pvegpu-kpro6-0000-c1-00-0,pcie=1" in diff and " ciuser: ml" in diff
+    changed = backup.diff_lines("/etc/pve/qemu-server/300.conf", SECRET_VM,
+                                SECRET_VM.replace("cipassword-hash-value", "other"))
+    assert "-cipassword: **********" in changed and "+cipassword: **********" in changed, "a change still shows"
+    assert "pending-hash-value" not in "\n".join(changed)
+
+
+def test_a_container_diff_masks_its_environment():
+    ct = "arch: amd64\nenv: HF_TOKEN=hf_secret\nlxc.environment: WANDB_API_KEY=wandb_secret\nmemory: 4096\n"
+    diff = backup.diff_lines("/etc/pve/lxc/200.conf", ct, ct.replace("memory: 4096", "memory: 8192")
+                             + "#lxc.environment.runtime%3A OLD=old_secret\n")
+    text = "\n".join(diff)
+    assert not any(s in text for s in ("hf_secret", "wandb_secret", "old_secret")), text
+    assert " env: **********" in diff and " lxc.environment: **********" in diff
+    assert "+#lxc.environment.runtime%3A **********" in diff and "+memory: 8192" in diff
+
+
+def test_the_dry_log_of_a_vm_config_shows_no_secret(monkeypatch):
+    said: list[str] = []
+    monkeypatch.setattr(backup, "logger", type("L", (), {"info": staticmethod(said.append)}))
+    monkeypatch.setattr(backup, "host", type("H", (), {"name": "kpro6"}))
+    after = backup.vm_config_after(SECRET_VM, {"machine": "q35", "hostpci1": "mapping=x,pcie=1"}, [])
+    backup.log_diff("/etc/pve/qemu-server/300.conf", SECRET_VM, after)
+    assert said and "cipassword: **********" in "\n".join(said)
+    assert "cipassword-hash-value" not in "\n".join(said) and "qemu-secret-value" not in "\n".join(said)
+
+
+def test_host_files_are_not_masked():
+    diff = backup.diff_lines("/etc/nccl.conf", "args: a\n", "args: b\n")
+    assert "-args: a" in diff and "+args: b" in diff

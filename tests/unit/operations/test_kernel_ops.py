@@ -21,7 +21,7 @@ from spec.models import KernelSpec
 from tests.unit.operations.oprun import run_op
 
 TARBALL = {"kind": "tarball", "url": "file:///var/cache/linux-source-6.1.tar.xz", "sha256": "a" * 64}
-GIT = {"kind": "proxmox-git", "url": "git://git.proxmox.com/git/pve-kernel.git", "ref": "v6.14.8-2"}
+GIT = {"kind": "proxmox-git", "url": "git://git.proxmox.com/git/pve-kernel.git", "ref": "ad58d1445425ea4742e3470b2edbee35df0657e9"}
 
 
 def sh(cmd, **kw):
@@ -51,7 +51,7 @@ def test_proxmox_git_script_follows_the_pve_kernel_readme():
     text = script_for(k, jobs=12)
     assert sh(f"sh -n /dev/stdin <<'EOF'\n{text}\nEOF").returncode == 0
     # the ref's Build-Depends (debian/control of debian.prepared) before the submodules are fetched
-    order = ["git checkout --force v6.14.8-2", "pvegpu-kvname", "make debian.prepared", "dpkg-checkbuilddeps",
+    order = ["git checkout --force ad58d1445425ea4742e3470b2edbee35df0657e9", "pvegpu-kvname", "make debian.prepared", "dpkg-checkbuilddeps",
              "mk-build-deps -ir", "git submodule update", "make build-dir-fresh",
              'export PATH="/usr/lib/ccache:$PATH"', "dpkg-buildpackage --jobs=12 -b -uc -us"]
     positions = [text.index(s) for s in order]
@@ -369,7 +369,7 @@ def gate_host(tmp: Path, log: str, cc: str = "gcc", cxx: str = "g++",
                     str(debs / f"proxmox-headers-{GATE_RELEASE}_1_all.deb")], check=True, capture_output=True)
     sha = hashlib.sha256(archive.read_bytes()).hexdigest()
     spec = HostSpec(kernel={"version": GATE_RELEASE, "source": {"kind": "proxmox-git", "url": "git://x/pve-kernel.git",
-                                                                "ref": "v1"}},
+                                                                "ref": "ad58d1445425ea4742e3470b2edbee35df0657e9"}},
                     nvidia={"version": "595.45.04", "modules_source": {"url": f"file://{archive}", "sha256": sha}})
     script = kernel.gate_script(spec, str(debs), 2, cc, cxx)
     assert spec.nvidia is not None and spec.nvidia.modules_source is not None
@@ -418,7 +418,7 @@ def gate_spec():
 
     from spec.models import HostSpec
     return HostSpec(kernel={"version": GATE_RELEASE, "source": {"kind": "proxmox-git", "url": "git://x/pve-kernel.git",
-                                                                "ref": "v1"}},
+                                                                "ref": "ad58d1445425ea4742e3470b2edbee35df0657e9"}},
                     nvidia={"version": "595.45.04", "modules_source": {"url": "https://x/a.tgz", "sha256": hashlib.sha256(b"a").hexdigest()}})
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -29,8 +30,10 @@ from operations.proxmox import (
     shutdown_shell,
     write_commands,
 )
-from spec.models import ProxmoxApiSpec
+from spec.models import HostSpec, ProxmoxApiSpec
 from tests.twin import hardware
+
+REPO = Path(__file__).resolve().parents[3]
 
 TOKEN = "0d5c7c55-9a41-4e3b-token-must-not-leak"
 STANDIN = Path(__file__).resolve().parents[2] / "twin/standins/pveapi.py"
@@ -195,8 +198,89 @@ def test_token_problems_are_sentences(monkeypatch, tmp_path):
     api = PveApi(ProxmoxApiSpec(host="127.0.0.1", token_name="pvegpu", token_env="PVEGPU_NO_SUCH_TOKEN"), "n")
     assert "PVEGPU_NO_SUCH_TOKEN" in (api.problem() or "") and "is not set" in (api.problem() or "")
     (tmp_path / "t").write_text("secret\n")
+    (tmp_path / "t").chmod(0o600)
     api = PveApi(ProxmoxApiSpec(host="127.0.0.1", token_name="pvegpu", token_file=str(tmp_path / "t")), "n")
     assert api.problem() is None
+
+
+# ---------------------------------------------------------------- issue 39 item 5: TLS and the token's file
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660], ids=oct)
+def test_a_token_file_others_can_read_is_refused_naming_it(tmp_path, mode):
+    token = tmp_path / "token"
+    token.write_text("secret-token-value\n")
+    token.chmod(mode)
+    api = PveApi(ProxmoxApiSpec(host="127.0.0.1", token_name="pvegpu", token_file=str(token)), "n")
+    problem = api.problem() or ""
+    assert f"proxmox_api.token_file {token} is mode {mode:04o}" in problem and "chmod 600" in problem, problem
+    assert "secret-token-value" not in problem
+    with pytest.raises(PveApiError, match="readable by its owner only"):
+        api.request("get", "/version")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_a_token_file_of_another_account_is_refused(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("secret\n")
+    token.chmod(0o600)
+    os.chown(token, 4242, -1)
+    api = PveApi(ProxmoxApiSpec(host="127.0.0.1", token_name="pvegpu", token_file=str(token)), "n")
+    assert "owner uid 4242" in (api.problem() or "")
+
+
+@pytest.mark.parametrize("mode", [0o664, 0o646], ids=oct)
+def test_a_ca_file_others_can_write_is_refused(tmp_path, monkeypatch, mode):
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    ca.chmod(mode)
+    monkeypatch.setenv("PVEGPU_UNIT_TOKEN", "x")
+    api = PveApi(ProxmoxApiSpec(host="127.0.0.1", token_name="pvegpu", token_env="PVEGPU_UNIT_TOKEN",
+                                ca_file=str(ca)), "n")
+    assert f"proxmox_api.ca_file {ca} is mode {mode:04o}" in (api.problem() or "")
+    ca.chmod(0o644)
+    assert api.problem() is None
+
+
+def test_verify_ssl_false_is_said_at_every_run(monkeypatch):
+    from operations import guests
+
+    monkeypatch.setenv("PVEGPU_UNIT_TOKEN", "x")
+    said: list[str] = []
+    monkeypatch.setattr(guests, "logger", type("L", (), {"warning": staticmethod(said.append)}))
+    monkeypatch.setattr(guests, "node_of", lambda spec: "kpro6")  # the host's NodeName fact
+    spec = HostSpec(node="kpro6", proxmox_api={"host": "10.0.0.5", "token_name": "pvegpu",
+                                               "token_env": "PVEGPU_UNIT_TOKEN", "verify_ssl": False})
+    assert in_host(guests.preflight, spec) == []
+    assert len(said) == 1 and ": proxmox_api.verify_ssl is false" in said[0] and "WITHOUT checking" in said[0]
+    assert "10.0.0.5:8006" in said[0] and "proxmox_api.ca_file" in said[0]
+    said.clear()
+    checked = HostSpec(node="kpro6", proxmox_api={"host": "10.0.0.5", "token_name": "pvegpu",
+                                                  "token_env": "PVEGPU_UNIT_TOKEN"})
+    assert in_host(guests.preflight, checked) == [] and said == []
+
+
+def test_the_api_client_leaves_urllib3s_insecure_warning_on(tmp_path):
+    """proxmoxer's https backend runs urllib3.disable_warnings() when it is imported: every
+    InsecureRequestWarning of the process would be hidden. In a fresh interpreter (the backend
+    not yet imported), after PveApi made its client the warning is still shown."""
+    code = """
+import os, warnings
+from operations.proxmox import PveApi
+from spec.models import ProxmoxApiSpec
+os.environ["PVEGPU_UNIT_TOKEN"] = "x"
+api = PveApi(ProxmoxApiSpec(host="127.0.0.1", token_name="pvegpu", token_env="PVEGPU_UNIT_TOKEN",
+                            verify_ssl=False), "n")
+api._client("x")
+import proxmoxer.backends.https  # noqa: F401  (imported by the client above)
+from urllib3.exceptions import InsecureRequestWarning
+with warnings.catch_warnings(record=True) as seen:
+    warnings.warn("unverified", InsecureRequestWarning)
+print("shown" if seen else "hidden")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.stdout.strip() == "shown", r.stderr
 
 
 # ---------------------------------------------------------------- SSH form of the stop

@@ -74,21 +74,19 @@ def test_usual_cmdline_words_still_pass(tmp_path):
 
 # ------------------------------------------------------------------ git refs and URLs
 
-@pytest.mark.parametrize("ref, words", [
-    ("--", "starts with '-'"), ("-b", "starts with '-'"), ("--upload-pack=touch x", "starts with '-'"),
-    ("a..b", "'..'"), ("v1@{1}", "'@{'"), ("@", "'@'"), ("v1.lock", "'.lock'"), (".v1", "starts with '.'"),
-    ("a b", "holds ' '"), ("HEAD~1", "holds '~'"), ("v1^", "holds '^'"), ("a:b", "holds ':'"),
-    ("a*", "holds '*'"), ("a?", "holds '?'"), ("a[", "holds '['"), ("a\\b", "holds '\\\\'"),
-    ("/v1", "starts with '/'"), ("v1/", "ends with"), ("v1.", "ends with"), ("a//b", "empty part"),
-    ("x\x7f", "control characters"), ("v" * 256, "longer than a file name"),
+@pytest.mark.parametrize("ref", [
+    "--", "-b", "--upload-pack=touch x", "a..b", "v1@{1}", "@", "v1.lock", ".v1", "a b", "HEAD~1", "v1^", "a:b",
+    "a*", "a?", "a[", "a\\b", "/v1", "v1/", "v1.", "a//b", "x\x7f", "v" * 256,
 ])
-def test_kernel_source_ref_is_a_ref_git_takes_and_never_an_option(tmp_path, ref, words):
+def test_kernel_source_ref_is_a_ref_git_takes_and_never_an_option(tmp_path, ref):
+    # issue 39 item 3 narrowed the rule to full commit ids: these are refused by that rule now
     h = host()
     h["kernel"]["source"]["ref"] = ref
+    words = "control characters" if "\x7f" in ref else "is not a full commit id"
     refused(tmp_path, h, "hosts.kpro6.kernel.source.ref", words)
 
 
-@pytest.mark.parametrize("ref", ["v6.14.11-4", "refs/tags/v6.14.11-4", "a" * 40, "b" * 64, "stable/bookworm"])
+@pytest.mark.parametrize("ref", ["a" * 40, "b" * 64, "ad58d1445425ea4742e3470b2edbee35df0657e9"])
 def test_usual_refs_pass(tmp_path, ref):
     h = host()
     h["kernel"]["source"]["ref"] = ref
