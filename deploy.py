@@ -30,6 +30,7 @@ from compat.gc_after_planning import keep_planned_objects
 from compat.jinja_cache import use_template_cache
 from compat.pyinfra_speedups import install as install_speedups
 from compat.ssh_socket import send_at_once
+from compat.terminal_output import install as escape_command_output
 from facts.once import prefetch
 from facts.run_state import run_state
 from operations import MissingStage, load_stages, run_stages, runlock, upgrade
@@ -39,6 +40,7 @@ from plan.summary import spec_summary
 
 install_speedups()  # pyinfra's operation order without reading source per frame (same order)
 use_template_cache(template_environment())  # compiled templates kept between runs (compat/jinja_cache.py)
+escape_command_output()  # a command's output pyinfra prints has its control characters escaped (compat/terminal_output.py)
 
 spec = host.data.get("pvegpu_spec")
 if spec is None:

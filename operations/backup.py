@@ -27,6 +27,7 @@ from pyinfra.api import StringCommand, operation
 
 from facts.shell import word
 from plan.render import PRIVATE, root_dir_function
+from plan.terminal import visible
 
 BACKUP_ROOT = "/var/lib/pvegpu/backup"
 PCI_CFG = "/etc/pve/mapping/pci.cfg"
@@ -99,7 +100,7 @@ def log_diff(path: str, before: str | None, after: str, note: str = "") -> None:
     _SHOWN.add(key)
     logger.info(f"{host.name}: {path} would change{note}:" if is_dry() else f"{host.name}: {path} changes{note}:")
     for line in lines:
-        logger.info(f"    {line}")
+        logger.info(f"    {visible(line)}")  # a config's text, as it is on the host
 
 
 @operation()

@@ -71,6 +71,7 @@ from plan.gpus import (
 from plan.guest_control import ha_resource, node_refusal, stop_checks
 from plan.rebind import Journal, close_command, journal_of, recovery, runner_script, start_command, transaction_id
 from plan.render import render_template
+from plan.terminal import visible
 from spec.models import GuestPolicy, HostSpec
 
 RULES_PATH = "/etc/udev/rules.d/60-pvegpu-gpu-binding.rules"
@@ -270,8 +271,8 @@ def apply(spec: HostSpec) -> None:
     facts = stage_facts(spec)
     bindings: Bindings = facts["bindings"]
     rebind: RebindPlan = facts["rebind"]
-    for line in facts["recovery"].lines:  # a journal an earlier transaction left
-        logger.warning(f"{host.name}: {line}")
+    for line in facts["recovery"].lines:  # a journal an earlier transaction left (commands' words in it)
+        logger.warning(f"{host.name}: {visible(line)}")
     for line in rebind.dry_lines():
         logger.info(f"{host.name}: {line}")
     files = {

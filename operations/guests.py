@@ -67,6 +67,7 @@ from plan.guests import (
     current_dev_entries,
     gpu_pool_ids,
     hotplug_additions,
+    is_unprivileged,
     legacy_cgroup_keys,
     map_string,
     mapping_references,
@@ -130,7 +131,7 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
                           hotplug: bool = False, node: str = "localhost"):
     """Give each CT the device lines of exactly its GPUs; restart/start CTs as needed.
 
-    + wanted: ``{200: {"gpus": ["0000:01:00.0"], "gid": 44}}``
+    + wanted: ``{200: {"gpus": ["0000:01:00.0"], "gid": 44, "extra": ["uvm-tools"]}}``
     + dev_entries: `devN:` syntax (pve-container >= 5.0.7), else raw `lxc.*` lines
     + hotplug: pve-container >= 6.0.4: a running CT whose change only adds `devN` entries gets them
       through `pct set`/the API, which hotplugs them (no restart; HA needs no stop either)
@@ -162,7 +163,8 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
                                            caps_present=state.get("caps"),
                                            # kept indices make a GPU added to a CT only added
                                            # lines; without hotplug the compact numbering stays
-                                           current=current_dev_entries(text, nvidia_majors(majors)) if hotplug else None)
+                                           current=current_dev_entries(text, nvidia_majors(majors)) if hotplug else None,
+                                           extra=want.get("extra", ()), unprivileged=is_unprivileged(text))
         for problem in devices.problems:
             logger.warning(f"{host.name}: {problem}")
         merged = merge_container_config(text, devices.lines, majors)
@@ -200,6 +202,10 @@ def container_gpu_devices(wanted: dict[int, dict], dev_entries: bool, boot_minor
         if ctid in to_start and not running:
             changed_any = True
             yield from guest_start_commands(api, "lxc", ctid)
+        elif running and merged.changed and not nodes_changed:
+            # pve-container takes no device away from a running CT: the new set applies at its next start
+            logger.info(f"{host.name}: CT {ctid} runs: its device entries change without a GPU change "
+                        f"(now {len(devices.lines)} line(s)); the new set applies at its next start")
         elif running and nodes_changed:
             if boot_minors is not None:
                 logger.info(f"{host.name}: CT {ctid} gets its new GPUs at the pending reboot")
@@ -374,7 +380,7 @@ def apply(spec: HostSpec) -> None:
                     f"that; start it with ha-manager set {sid} --state started")
 
     if spec.containers:
-        wanted = {ctid: {"gpus": list(ct.gpus), "gid": ct.gid}
+        wanted = {ctid: {"gpus": list(ct.gpus), "gid": ct.gid, "extra": list(ct.extra_devices)}
                   for ctid, ct in spec.containers.items()}
         container_gpu_devices(
             name="guests: container GPU devices", wanted=wanted,

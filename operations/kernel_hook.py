@@ -31,6 +31,7 @@ from operations.files import file_current, managed_file
 from plan import kernel_hook as khplan
 from plan import nvidia as nvplan
 from plan.render import render_template
+from plan.terminal import visible
 
 HOOK = "/etc/kernel/postinst.d/pvegpu-nvidia"  # before zz-proxmox-boot and zz-update-grub in run-parts' order
 MOTD_DIR = "/etc/motd.d"
@@ -110,7 +111,7 @@ def remove_hook():
 def apply(spec) -> None:
     state = fact_once(KernelHookState)
     for line in khplan.failure_lines(state):
-        logger.warning(f"{host.name}: kernel hook: {line}")
+        logger.warning(f"{host.name}: kernel hook: {visible(line)}")  # a build log's first error in it
     stale = khplan.stale_failures(state)
     if stale:
         forget_failures(name=f"Forget the kernel hook's records of removed kernels: {', '.join(stale)}", releases=stale,

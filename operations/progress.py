@@ -18,6 +18,8 @@ Two ways to wait, the same reports:
   (pyinfra runs under gevent: both are greenlets).
 
 The records are one fact (`facts.progress.Durations`), read with the stages' other facts (`prefetch`).
+Log lines and stderr come from the work (a CT's installer among them): printed through
+`plan.terminal.visible`, their control characters escaped.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from facts.once import fact_once
 from facts.progress import RECORD_DIR, Durations
 from facts.shell import word
 from plan.render import PUBLIC, root_dirs
+from plan.terminal import visible, visible_lines
 
 # Seconds between two progress lines (PVEGPU_PROGRESS_EVERY_S: tests use a few seconds).
 REPORT_EVERY_S = float(os.environ.get("PVEGPU_PROGRESS_EVERY_S") or 30)
@@ -66,8 +69,8 @@ def describe(what: str, elapsed: float, built: int | None = None, total: int | N
             parts.append(f"{built} objects built")
     parts.append(f"{duration_words(elapsed)} elapsed")
     line = f"{what}: " + ", ".join(parts)
-    if last:
-        line += ", last: " + re.sub(r"\s+", " ", last).strip()[:120]
+    if last:  # a log line of the work (a CT's installer log too): its control characters escaped
+        line += ", last: " + re.sub(r"\s+", " ", visible(last)).strip()[:120]
     return line
 
 
@@ -146,7 +149,7 @@ def run_reported(state, host, command: str, what: str, key: str | None = None, l
     if not ok:
         stderr = list(getattr(output, "stderr_lines", []) or [])
         logger.error(f"{host.name}: {what}: failed after {duration_words(elapsed)}"
-                     + ("\n" + "\n".join(stderr[-40:]) if stderr else ""))
+                     + ("\n" + "\n".join(visible_lines(stderr[-40:])) if stderr else ""))
         return False
     if log:
         built, _ = _read_probe(host, probe)
@@ -186,7 +189,7 @@ def follow_detached(state, host, what: str, run_dir: str, log: str, key: str | N
                 return True
             _, tail = host.run_shell_command(StringCommand(f"tail -n 30 {word(log)}"))
             logger.error(f"{host.name}: {what} failed (exit {status}) after {duration_words(elapsed)}; "
-                         f"last lines of {log}:\n" + "\n".join(getattr(tail, "stdout_lines", []) or []))
+                         f"last lines of {log}:\n" + "\n".join(visible_lines(getattr(tail, "stdout_lines", []) or [])))
             return False
         now = time.monotonic()
         if last_report is None or now - last_report >= every_s:

@@ -68,6 +68,7 @@ from plan.reboot import (
     roll_check_lines,
     roll_width,
 )
+from plan.terminal import visible
 from spec.models import HostSpec
 
 MEMBERS = "/etc/pve/.members"  # pmxcfs: this node's view of its cluster (status.c)
@@ -185,7 +186,7 @@ def roll_checks(state, host, cluster: str, node: str, checks: list[str], trial: 
     for command in commands:
         ok, output = host.run_shell_command(StringCommand(command))
         if not ok:
-            said = " ".join(" ".join(output.stdout_lines + output.stderr_lines).split())
+            said = visible(" ".join(" ".join(output.stdout_lines + output.stderr_lines).split()))
             ROLL_STOPPED[cluster] = (node, f"failed its host checks after the reboot ({said})")
             logger.error(f"{host.name}: host checks failed after the reboot: {said}; the rolling reboot of cluster "
                          f"{cluster} stops: its other nodes are not rebooted")
@@ -201,7 +202,7 @@ def run_nodes(state) -> dict[str, Any]:
 
 def _run(host, command: str) -> tuple[bool, str]:
     ok, output = host.run_shell_command(StringCommand(command))
-    return ok, " ".join(" ".join(output.stdout_lines + output.stderr_lines).split())
+    return ok, visible(" ".join(" ".join(output.stdout_lines + output.stderr_lines).split()))
 
 
 def _stop_roll(host, cluster: str, node: str, why: str) -> bool:

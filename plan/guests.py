@@ -2,11 +2,13 @@
 
 Containers (`/etc/pve/lxc/<ctid>.conf`): the device lines for exactly the CT's GPUs, matched
 by BDF → *Device Minor* (`NvidiaGpus` fact; minors shift when GPUs move, so never by N), plus
-the control nodes every CUDA process needs. Two syntaxes (DESIGN.md §7):
+the control nodes every CUDA process needs (/dev/nvidiactl, /dev/nvidia-uvm) and the extra nodes
+the CT's spec asks for (uvm-tools, MIG config/monitor caps): each node by itself, never a whole
+major or directory. Two syntaxes (DESIGN.md §7):
 
     pve-container >= 5.0.7:  dev0: /dev/nvidia2,gid=44   (PVE resolves majors at CT start;
                              >= 6.0.4 hotplugs new ones into a running CT)
-    older:       lxc.cgroup2.devices.allow: c 195:* rwm      (majors from /proc/devices)
+    older:       lxc.cgroup2.devices.allow: c 195:2 rwm      (majors from /proc/devices)
                  lxc.mount.entry: /dev/nvidia2 dev/nvidia2 none bind,optional,create=file
 
 `merge_container_config` touches only the lines pvegpu owns (see `owned_line`), keeps every
@@ -32,16 +34,41 @@ is what the guest's driver expects. A single-function GPU is mapped by its full 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from spec.models import MAX_HOSTPCI_DEVICES
 
 NVIDIA_MAJOR = 195
-# Nodes every CUDA process opens besides its GPUs (caps: MIG / fabric capabilities).
-CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
-CAPS_NODES = ("/dev/nvidia-caps/nvidia-cap1", "/dev/nvidia-caps/nvidia-cap2")
+# The nodes a CT gets besides its GPUs' /dev/nvidiaN: what a CUDA process opens, nothing more.
+# follows libnvidia-container src/nvc_info.c lookup_devices and src/nvc_mount.c nvc_driver_mount:
+# a compute container gets /dev/nvidiactl and /dev/nvidia-uvm (NVIDIA also hands it
+# /dev/nvidia-uvm-tools, and the CDI generator, nvidia-container-toolkit pkg/nvcdi/common-nvml.go
+# controlDeviceNodeDiscoverer, adds /dev/nvidia-modeset too); pvegpu leaves uvm-tools out unless the
+# CT asks (`extra_devices: [uvm-tools]`): open-gpu-kernel-modules kernel-open/nvidia-uvm/uvm_tools.c
+# serves only the tools interface (event trackers, counters) profilers and debuggers use (CUPTI,
+# Nsight); CUDA itself needs /dev/nvidia-uvm (the same driver's uvm.c). modeset is for display.
+CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm")
+# Nodes a CT gets only when its spec asks (`containers.<id>.extra_devices`). MIG config/monitor: the
+# toolkit mounts them only on request (src/nvc_mount.c nvc_mig_config_global_caps_mount /
+# nvc_mig_monitor_global_caps_mount, for NVIDIA_MIG_CONFIG_DEVICES / NVIDIA_MIG_MONITOR_DEVICES, which
+# cmd/nvidia-container-runtime-hook/container_config.go getNvidiaConfig refuses in an unprivileged
+# container); their minors follow open-gpu-kernel-modules kernel-open/nvidia/nv-caps.c
+# nv_cap_tables_init (nvlink fabric-mgmt 0, then mig/config 1, mig/monitor 2).
+EXTRA_NODES = {"uvm-tools": "/dev/nvidia-uvm-tools",
+               "mig-config": "/dev/nvidia-caps/nvidia-cap1",
+               "mig-monitor": "/dev/nvidia-caps/nvidia-cap2"}
+CAPS_NODES = (EXTRA_NODES["mig-config"], EXTRA_NODES["mig-monitor"])
+# Each node's char device as (the /proc/devices name of its major, minor), for exact cgroup allow
+# lines in the raw `lxc.*` syntax (a `devN` gets exactly its node's number from pve-container).
+# follows open-gpu-kernel-modules kernel-open/common/inc/nv-chardev-numbers.h (control device 255)
+# and kernel-open/nvidia-uvm/uvm_common.h (NVIDIA_UVM_PRIMARY_MINOR_NUMBER 0, _TOOLS_ 1)
+NODE_NUMBERS = {"/dev/nvidiactl": ("nvidia", 255),
+                "/dev/nvidia-uvm": ("nvidia-uvm", 0),
+                "/dev/nvidia-uvm-tools": ("nvidia-uvm", 1),
+                "/dev/nvidia-caps/nvidia-cap1": ("nvidia-caps", 1),
+                "/dev/nvidia-caps/nvidia-cap2": ("nvidia-caps", 2)}
 # /proc/devices names of the NVIDIA char majors (nvidia-uvm and nvidia-caps are dynamic).
 NVIDIA_MAJOR_NAMES = ("nvidia", "nvidiactl", "nvidia-modeset", "nvidia-uvm", "nvidia-caps",
                       "nvidia-nvlink", "nvidia-nvswitch", "nvidia-caps-imex-channels")
@@ -120,16 +147,33 @@ def gpu_nodes_for(bdfs: list[str], minors: Mapping[str, int | None]) -> tuple[li
     return [f"/dev/nvidia{m}" for m in sorted(found)], missing
 
 
+def container_nodes(gpu_nodes: list[str], extra: Sequence[str] = ()) -> list[str]:
+    """Every device node a CT with these GPU nodes gets: its GPUs, the control nodes, and the
+    `extra` nodes its spec asks for (`EXTRA_NODES` keys), in that order."""
+    return list(gpu_nodes) + list(CONTROL_NODES) + [EXTRA_NODES[e] for e in EXTRA_NODES if e in extra]
+
+
+def node_number(node: str, char_majors: Mapping[str, int]) -> tuple[int, int] | None:
+    """(major, minor) of a node `container_nodes` gives; None when its major is not registered."""
+    gpu = re.fullmatch(r"/dev/nvidia(\d+)", node)
+    name, minor = ("nvidia", int(gpu.group(1))) if gpu else NODE_NUMBERS[node]
+    major = NVIDIA_MAJOR if name == "nvidia" else char_majors.get(name)
+    return None if major is None else (major, minor)
+
+
 def render_container_devices(ctid: int, bdfs: list[str], minors: Mapping[str, int | None],
                              char_majors: dict[str, int], dev_entries: bool, gid: int,
                              used_dev_indices: AbstractSet[int] = frozenset(),
                              caps_present: list[str] | None = None,
-                             current: Mapping[str, int] | None = None) -> ContainerDevices:
-    """The device lines a CT needs for exactly `bdfs`.
+                             current: Mapping[str, int] | None = None,
+                             extra: Sequence[str] = (), unprivileged: bool = False) -> ContainerDevices:
+    """The device lines a CT needs for exactly `bdfs`: each GPU's /dev/nvidiaN, /dev/nvidiactl,
+    /dev/nvidia-uvm, and the `extra` nodes its spec asks for (`EXTRA_NODES`), nothing else.
 
     + minors: {bdf: Device Minor} (from `NvidiaGpus`: ``{bdf: v["minor"]}``)
     + char_majors: `CharDeviceMajors` (old syntax only)
-    + dev_entries: `devN:` syntax (pve-container >= 5.0.7), else raw `lxc.*` lines
+    + dev_entries: `devN:` syntax (pve-container >= 5.0.7), else raw `lxc.*` lines: one cgroup
+      allow line per node (`c 195:N rwm`, the uvm major's minor 0, ...) and one bind per node
     + used_dev_indices: devN indices held by other (not ours) entries; ours take the lowest free
     + caps_present: the /dev/nvidia-caps/* nodes that exist on the host (None: assume all). A
       `devN:` entry whose path is missing stops the CT from starting ("Device … does not exist"),
@@ -138,34 +182,49 @@ def render_container_devices(ctid: int, bdfs: list[str], minors: Mapping[str, in
       (`current_dev_entries`; given where pve-container >= 6.0.4 hotplugs): an entry wanted
       again keeps its index, new ones take the lowest free, so a GPU added to a CT is only added
       lines; without it the entries are numbered from the lowest free index in order
+    + extra: the spec's `extra_devices` (uvm-tools, mig-config, mig-monitor)
+    + unprivileged: the CT config says `unprivileged: 1`; MIG caps are refused there, as NVIDIA's
+      runtime hook refuses them in an unprivileged container
     """
     gpu_nodes, missing = gpu_nodes_for(bdfs, minors)
     problems = [f"CT {ctid}: GPU {b} has no /dev/nvidia minor (not bound to the nvidia driver)"
                 for b in missing]
     if not bdfs:
         return ContainerDevices(ctid, [], [], problems)
-    nodes = gpu_nodes + list(CONTROL_NODES)
+    wanted = list(extra)
+    mig = [e for e in wanted if e.startswith("mig-")]
+    if mig and unprivileged:
+        problems.append(f"CT {ctid} is unprivileged: extra_devices {', '.join(mig)} (MIG management) are left out; "
+                        "NVIDIA's container runtime gives them only to privileged containers")
+        wanted = [e for e in wanted if e not in mig]
+    for e in list(wanted):
+        node = EXTRA_NODES[e]
+        if node in CAPS_NODES and caps_present is not None and node not in caps_present:
+            problems.append(f"CT {ctid}: extra_devices {e}: {node} does not exist on the host (the driver makes "
+                            "it with nvidia-modprobe -f /proc/driver/nvidia/capabilities/mig/"
+                            f"{e[len('mig-'):]}); left out")
+            wanted.remove(e)
+    nodes = container_nodes(gpu_nodes, wanted)
     lines: list[tuple[str, str]] = []
     if dev_entries:
-        caps = [n for n in CAPS_NODES if caps_present is None or n in caps_present]
-        values = [f"{node},gid={gid}" for node in nodes + caps]
+        values = [f"{node},gid={gid}" for node in nodes]
         kept = {v: i for v, i in (current or {}).items() if v in values and i not in used_dev_indices}
         free = (i for i in range(10_000) if i not in used_dev_indices and i not in kept.values())
         index = {v: kept[v] if v in kept else next(free) for v in values}
         lines = [(f"dev{index[v]}", v) for v in sorted(values, key=index.__getitem__)]
         return ContainerDevices(ctid, gpu_nodes, lines, problems)
-    majors = [NVIDIA_MAJOR]
-    for name in ("nvidia-uvm", "nvidia-caps"):
-        if name in char_majors:
-            majors.append(char_majors[name])
-        else:
-            problems.append(f"CT {ctid}: {name} is not in /proc/devices, so its major is unknown "
-                            f"(is the module loaded?); its cgroup allow line is left out")
-    for major in majors:
-        lines.append(("lxc.cgroup2.devices.allow", f"c {major}:* rwm"))
+    allowed = []
     for node in nodes:
+        number = node_number(node, char_majors)
+        if number is None:
+            name = NODE_NUMBERS[node][0]
+            problems.append(f"CT {ctid}: {name} is not in /proc/devices, so the major of {node} is unknown "
+                            f"(is the module loaded?); its cgroup allow line is left out")
+            continue
+        allowed.append(node)
+        lines.append(("lxc.cgroup2.devices.allow", f"c {number[0]}:{number[1]} rwm"))
+    for node in allowed:
         lines.append(("lxc.mount.entry", f"{node} {node[1:]} {MOUNT_OPTIONS.format(kind='file')}"))
-    lines.append(("lxc.mount.entry", f"/dev/nvidia-caps dev/nvidia-caps {MOUNT_OPTIONS.format(kind='dir')}"))
     return ContainerDevices(ctid, gpu_nodes, lines, problems)
 
 
@@ -324,6 +383,45 @@ def merge_container_config(text: str, wanted: list[tuple[str, str]], char_majors
     added = [l for l in new_lines if l not in removed]
     gone = [l for l in removed if l not in new_lines]
     return MergedConfig(out, out != text, gone, added)
+
+
+def is_unprivileged(text: str) -> bool:
+    """The CT config's main section says `unprivileged: 1` (pve-container's default is 0)."""
+    for line in split_config(text)[0]:
+        match = KEY_RE.match(line)
+        if match and match.group(1) == "unprivileged":
+            return match.group(2).strip() == "1"
+    return False
+
+
+def config_device_nodes(text: str) -> list[str]:
+    """Every /dev/nvidia* node a CT config passes (devN paths, lxc.mount.entry sources), sorted."""
+    nodes = set()
+    for line in split_config(text)[0]:
+        match = KEY_RE.match(line)
+        if line.lstrip().startswith("#") or not match:
+            continue
+        key, value = match.groups()
+        path = _device_path(value) if DEV_KEY_RE.match(key) else \
+            (value.split() or [""])[0] if key == "lxc.mount.entry" else ""
+        if path.startswith("/dev/nvidia"):
+            nodes.add(path)
+    return sorted(nodes)
+
+
+def config_device_allows(text: str, majors: set[int]) -> list[str]:
+    """The raw cgroup allow rules of a CT config's main section for an NVIDIA major (`majors`),
+    as written (``c 195:0 rwm``)."""
+    found = []
+    for line in split_config(text)[0]:
+        match = KEY_RE.match(line)
+        if line.lstrip().startswith("#") or not match or \
+                match.group(1) not in ("lxc.cgroup2.devices.allow", "lxc.cgroup.devices.allow"):
+            continue
+        allow = ALLOW_RE.match(match.group(2).strip())
+        if allow and int(allow.group(1)) in majors:
+            found.append(match.group(2).strip())
+    return found
 
 
 def config_gpu_nodes(text: str) -> list[str]:

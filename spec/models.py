@@ -322,6 +322,24 @@ class ContainerSpec(Strict):
     # group of /dev/nvidia* in the CT: Debian's `video` (44; PVE 8's `render` is 104) unless the
     # CT says otherwise; Proxmox's default id map of an unprivileged CT covers 0-65535
     gid: Annotated[int, NoBool, Field(ge=0, le=65535)] = 44
+    # device nodes beyond what CUDA needs (its GPUs, /dev/nvidiactl, /dev/nvidia-uvm), for a CT that
+    # asks: uvm-tools (/dev/nvidia-uvm-tools: profilers, debuggers), mig-config / mig-monitor
+    # (/dev/nvidia-caps/nvidia-cap1 / -cap2: MIG management; privileged CTs only). plan/guests.py
+    extra_devices: list[Literal["uvm-tools", "mig-config", "mig-monitor"]] = Field(default_factory=list)
+
+    @field_validator("extra_devices")
+    @classmethod
+    def _each_extra_once(cls, v: list[str]) -> list[str]:
+        twice = sorted({e for e in v if v.count(e) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} listed twice")
+        return v
+
+    @model_validator(mode="after")
+    def _extra_needs_gpus(self) -> ContainerSpec:
+        if self.extra_devices and not self.gpus:
+            raise ValueError("extra_devices without gpus: the extra NVIDIA nodes are given only to a CT with GPUs")
+        return self
 
 
 class VmSpec(Strict):

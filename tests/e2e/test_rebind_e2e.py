@@ -115,8 +115,9 @@ def test_move_two_gpus_from_vm_to_ct_rebuilds_everything(twin_factory, tmp_path)
     ct = run.read("etc/pve/lxc/200.conf")
     assert [l for l in ct.splitlines() if re.match(r"^dev\d+: /dev/nvidia\d+,", l)] \
         == [f"dev{i}: /dev/nvidia{i},gid=44" for i in range(6)]
-    # the twin's kpro6 makes no /dev/nvidia-caps nodes at boot: no caps entries (pct start would fail)
-    assert "dev6: /dev/nvidiactl,gid=44" in ct and "dev8: /dev/nvidia-uvm-tools,gid=44" in ct and "nvidia-caps" not in ct
+    # exactly its GPUs' nodes, nvidiactl and nvidia-uvm: no uvm-tools, no MIG caps (issue 39 item 7)
+    assert "dev6: /dev/nvidiactl,gid=44" in ct and "dev7: /dev/nvidia-uvm,gid=44" in ct
+    assert "uvm-tools" not in ct and "nvidia-caps" not in ct and not re.search(r"^dev8:", ct, re.M)
     vm = run.read("etc/pve/qemu-server/300.conf")
     assert sorted(l for l in vm.splitlines() if l.startswith("hostpci")) == [
         "hostpci0: mapping=pvegpu-kpro6-0000-c1-00-0,pcie=1", "hostpci1: mapping=pvegpu-kpro6-0000-e1-00-0,pcie=1"]

@@ -56,3 +56,17 @@ def test_a_missing_log_gives_nothing(tmp_path):
     script = render_template("nvidia-first-error.sh.j2") + 'first_error "$1"\n'
     done = subprocess.run(["sh", "-c", script, "sh", str(tmp_path / "none.log")], capture_output=True, text=True)
     assert (done.stdout, done.stderr) == ("", "")
+
+
+def test_an_esc_in_the_error_line_is_printed_escaped(tmp_path):
+    """issue 39 item 8: the quoted line goes to a terminal (apt's, pvegpu's): ESC [2J, an OSC 52
+    clipboard write, a C1 CSI (UTF-8 \\xc2\\x9b), DEL and a lone CR come out as \\xNN; tab, UTF-8
+    text and the rest stay."""
+    line = ("/t/kernel-open/nvidia/nv.c:1:1: error: \x1b[2J\x1b]52;c;cm0gLXJmIH4=\x07 bad\tx \xc2\x9b6n"
+            " caf\xc3\xa9 \x7f\rover")
+    log = tmp_path / "build.log"
+    log.write_bytes(line.encode("latin-1") + b"\n")
+    script = render_template("nvidia-first-error.sh.j2") + 'first_error "$1"\n'
+    done = subprocess.run(["sh", "-c", script, "sh", str(log)], capture_output=True, check=True)
+    assert done.stdout == (b"kernel-open/nvidia/nv.c:1:1: error: \\x1b[2J\\x1b]52;c;cm0gLXJmIH4=\\x07 bad\tx "
+                           b"\\xc2\\x9b6n caf\xc3\xa9 \\x7f\\x0dover\n")

@@ -72,19 +72,18 @@ def test_dev_entries_pick_minors_by_bdf_not_by_position():
         ("dev1", "/dev/nvidia3,gid=44"),
         ("dev2", "/dev/nvidiactl,gid=44"),
         ("dev3", "/dev/nvidia-uvm,gid=44"),
-        ("dev4", "/dev/nvidia-uvm-tools,gid=44"),
-        ("dev5", "/dev/nvidia-caps/nvidia-cap1,gid=44"),
-        ("dev6", "/dev/nvidia-caps/nvidia-cap2,gid=44"),
     ]
     assert ct.problems == []
 
 
 def test_dev_entries_only_for_caps_nodes_that_exist():
     # a devN path that does not exist stops `pct start` ("Device ... does not exist")
-    none = render_container_devices(200, ["0000:21:00.0"], KPRO6_MINORS, {}, True, 44, caps_present=[])
+    mig = ["mig-config", "mig-monitor"]
+    none = render_container_devices(200, ["0000:21:00.0"], KPRO6_MINORS, {}, True, 44, caps_present=[], extra=mig)
     assert [v for _, v in none.lines if "caps" in v] == []
+    assert len(none.problems) == 2 and "nvidia-cap1 does not exist on the host" in none.problems[0]
     one = render_container_devices(200, ["0000:21:00.0"], KPRO6_MINORS, {}, True, 44,
-                                   caps_present=["/dev/nvidia-caps/nvidia-cap1"])
+                                   caps_present=["/dev/nvidia-caps/nvidia-cap1"], extra=mig)
     assert [v for _, v in one.lines if "caps" in v] == ["/dev/nvidia-caps/nvidia-cap1,gid=44"]
 
 
@@ -96,8 +95,8 @@ def test_minor_from_real_driver_information():
 
 def test_dev_entries_skip_indices_of_other_devices():
     ct = render_container_devices(200, ["0000:01:00.0"], KPRO6_MINORS, {}, True, 44, used_dev_indices={0, 2})
-    assert [k for k, _ in ct.lines] == ["dev1", "dev3", "dev4", "dev5", "dev6", "dev7"]
-    assert len(ct.lines) == 6  # one GPU, ctl, uvm, uvm-tools, cap1, cap2
+    assert [k for k, _ in ct.lines] == ["dev1", "dev3", "dev4"]
+    assert len(ct.lines) == 3  # one GPU, ctl, uvm
 
 
 def test_gpu_without_minor_is_a_problem_not_a_guess():
@@ -109,21 +108,20 @@ def test_gpu_without_minor_is_a_problem_not_a_guess():
 def test_old_syntax_uses_majors_from_real_proc_devices():
     ct = render_container_devices(200, ["0000:41:00.0"], KPRO6_MINORS, H200_MAJORS, False, 44)
     assert ct.lines == [
-        ("lxc.cgroup2.devices.allow", "c 195:* rwm"),
-        ("lxc.cgroup2.devices.allow", "c 238:* rwm"),   # nvidia-uvm on that host
-        ("lxc.cgroup2.devices.allow", "c 241:* rwm"),   # nvidia-caps
+        ("lxc.cgroup2.devices.allow", "c 195:2 rwm"),
+        ("lxc.cgroup2.devices.allow", "c 195:255 rwm"),  # nvidiactl
+        ("lxc.cgroup2.devices.allow", "c 238:0 rwm"),    # nvidia-uvm on that host
         ("lxc.mount.entry", "/dev/nvidia2 dev/nvidia2 none bind,optional,create=file"),
         ("lxc.mount.entry", "/dev/nvidiactl dev/nvidiactl none bind,optional,create=file"),
         ("lxc.mount.entry", "/dev/nvidia-uvm dev/nvidia-uvm none bind,optional,create=file"),
-        ("lxc.mount.entry", "/dev/nvidia-uvm-tools dev/nvidia-uvm-tools none bind,optional,create=file"),
-        ("lxc.mount.entry", "/dev/nvidia-caps dev/nvidia-caps none bind,optional,create=dir"),
     ]
 
 
 def test_old_syntax_without_uvm_loaded_reports_it():
     majors = {"nvidia": 195, "nvidia-caps": 241}
     ct = render_container_devices(200, ["0000:41:00.0"], KPRO6_MINORS, majors, False, 44)
-    assert ("lxc.cgroup2.devices.allow", "c 241:* rwm") in ct.lines
+    assert ("lxc.cgroup2.devices.allow", "c 195:2 rwm") in ct.lines
+    assert not any("nvidia-uvm" in v for _, v in ct.lines)  # no allow line, no bind it could not open
     assert any("nvidia-uvm is not in /proc/devices" in p for p in ct.problems)
 
 
@@ -137,11 +135,20 @@ def test_merge_old_syntax_into_real_jellyfin_config_replaces_only_nvidia_lines()
     others = [l for l in others if not l.startswith("lxc.cgroup2.devices.allow")]
     assert [l for l in out if l in others] == others
     assert "#lxc.mount.entry%3A /dev/nvidia-modeset dev/nvidia-modeset none bind,optional,create=file" in out
-    # GPU 1 instead of GPU 0; majors unchanged (same host)
-    assert merged.removed == ["lxc.mount.entry: /dev/nvidia0 dev/nvidia0 none bind,optional,create=file"]
-    assert merged.added == ["lxc.mount.entry: /dev/nvidia1 dev/nvidia1 none bind,optional,create=file"]
-    # our block sits where the old one was: right after "swap: 0"
-    assert out[out.index("swap: 0") + 1] == "lxc.cgroup2.devices.allow: c 195:* rwm"
+    # GPU 1 instead of GPU 0; the whole majors, uvm-tools and the caps directory give way to one
+    # allow line and one bind per node
+    assert merged.removed == ["lxc.cgroup2.devices.allow: c 195:* rwm", "lxc.cgroup2.devices.allow: c 511:* rwm",
+                              "lxc.cgroup2.devices.allow: c 236:* rwm",
+                              "lxc.mount.entry: /dev/nvidia0 dev/nvidia0 none bind,optional,create=file",
+                              "lxc.mount.entry: /dev/nvidia-uvm-tools dev/nvidia-uvm-tools none bind,optional,create=file",
+                              "lxc.mount.entry: /dev/nvidia-caps dev/nvidia-caps none bind,optional,create=dir"]
+    assert merged.added == ["lxc.cgroup2.devices.allow: c 195:1 rwm", "lxc.cgroup2.devices.allow: c 195:255 rwm",
+                            "lxc.cgroup2.devices.allow: c 511:0 rwm",
+                            "lxc.mount.entry: /dev/nvidia1 dev/nvidia1 none bind,optional,create=file"]
+    # our block sits where the old one was: right after "swap: 0"; the whole majors (c 195:*, the
+    # uvm and caps majors) and the /dev/nvidia-caps directory bind gave way to one line per node
+    assert out[out.index("swap: 0") + 1] == "lxc.cgroup2.devices.allow: c 195:1 rwm"
+    assert "lxc.cgroup2.devices.allow: c 195:* rwm" in merged.removed
     assert config_gpu_nodes(merged.text) == ["/dev/nvidia1"]
 
 
@@ -161,7 +168,7 @@ def test_stale_uvm_major_after_reboot_is_replaced_loop_devices_kept():
     out = merged.text.splitlines()
     assert "lxc.cgroup2.devices.allow: c 235:* rwm" not in out
     assert "lxc.cgroup2.devices.allow: c 510:* rwm" not in out
-    assert "lxc.cgroup2.devices.allow: c 511:* rwm" in out
+    assert "lxc.cgroup2.devices.allow: c 511:0 rwm" in out  # nvidia-uvm's major now, its minor 0 only
     # not ours: the catch-all, block loop devices, loop-control (10:237, misc is registered)
     for line in ("lxc.cgroup2.devices.allow: a", "lxc.cgroup2.devices.allow: b 7:* rwm",
                  "lxc.cgroup2.devices.allow: c 10:237 rwm",
@@ -169,9 +176,8 @@ def test_stale_uvm_major_after_reboot_is_replaced_loop_devices_kept():
                  "lxc.init.cmd: /sbin/init systemd.unified_cgroup_hierarchy=0"):
         assert line in out
     assert out[:2] == ["#try running speedtest first then run the following", "#/var/lib/quickpod/update_scripts.sh"]
-    # modeset and the cap1/cap2 file mounts were ours: replaced by the caps dir mount
-    assert not any("nvidia-modeset" in l for l in out)
-    assert "lxc.mount.entry: /dev/nvidia-caps dev/nvidia-caps none bind,optional,create=dir" in out
+    # modeset and the cap1/cap2 file mounts were ours: gone (the spec asks for no MIG caps)
+    assert not any("nvidia-modeset" in l or "nvidia-caps" in l or "uvm-tools" in l for l in out)
 
 
 def test_non_nvidia_config_gets_dev_entries_before_raw_lxc_keys():
@@ -182,7 +188,7 @@ def test_non_nvidia_config_gets_dev_entries_before_raw_lxc_keys():
     assert merged.removed == []
     assert [l for l in out if not l.startswith("dev")] == text.splitlines()  # nothing else moved
     assert out[out.index("unprivileged: 1") + 1] == "dev0: /dev/nvidia0,gid=44"
-    assert out.index("dev5: /dev/nvidia-caps/nvidia-cap2,gid=44") < out.index("lxc.cgroup2.devices.allow: c 226:0 rwm")
+    assert out.index("dev2: /dev/nvidia-uvm,gid=44") < out.index("lxc.cgroup2.devices.allow: c 226:0 rwm")
 
 
 def test_switch_to_dev_entries_removes_raw_lines_keeps_coral_and_idmap():
@@ -224,7 +230,7 @@ def test_snapshot_sections_and_disabled_entries_are_left_alone():
     assert snap == SNAPSHOT_CONFIG.partition("[before-move]\n")[2]
     assert head.splitlines()[:4] == ["#GPU box", "#dev1%3A /dev/nvidia1,gid=44", "arch: amd64", "dev0: /dev/nvidia1,gid=44"]
     assert "dev1: /dev/dri/renderD128,gid=104" in head
-    assert head.count("/dev/nvidia") == 6 + 1  # our 6 entries + the commented one
+    assert head.count("/dev/nvidia") == 3 + 1  # our 3 entries + the commented one
     assert head.endswith("lxc.apparmor.profile: unconfined\n\n")
     assert parse_guest_config(merged.text.splitlines(), "lxc")["devices"]["dev3"]["path"] == "/dev/nvidia-uvm"
 
@@ -409,8 +415,8 @@ def test_a_gpu_added_to_a_ct_only_adds_dev_entries():
     two = render_container_devices(200, ["0000:21:00.0", "0000:61:00.0"], KPRO6_MINORS, {}, True, 44,
                                    current=current_dev_entries(text, {195}))
     merged = merge_container_config(text, two.lines, {})
-    assert merged.removed == [] and merged.added == ["dev6: /dev/nvidia3,gid=44"]
-    assert hotplug_additions(merged) == [("dev6", "/dev/nvidia3,gid=44")]
+    assert merged.removed == [] and merged.added == ["dev3: /dev/nvidia3,gid=44"]
+    assert hotplug_additions(merged) == [("dev3", "/dev/nvidia3,gid=44")]
     # a GPU taken away is a removal: no hotplug (hot-unplug is not supported), a restart applies it
     back = render_container_devices(200, ["0000:21:00.0"], KPRO6_MINORS, {}, True, 44,
                                     current=current_dev_entries(merged.text, {195}))
@@ -530,3 +536,66 @@ def test_a_vm_that_leaves_a_pool_gets_per_node_lines_in_place_of_the_pools():
     # without knowing rtx6000 is a pool, its lines would stay beside new ones (the bug this guards)
     unknown = plan_vm(300, "kpro6", gpus, "q35", False, pooled, PCI, set(PCI))
     assert set(unknown.set_options) == {"hostpci3", "hostpci4"}
+
+
+# ---------------------------------------------------------------- a CT's device list (issue 39, item 7)
+
+
+def test_a_cts_device_list_is_exactly_its_gpus_ctl_and_uvm():
+    """Each CT gets its GPUs' /dev/nvidiaN, /dev/nvidiactl and /dev/nvidia-uvm: no uvm-tools, no
+    MIG config/monitor caps unless its spec asks (libnvidia-container gives MIG caps only on request)."""
+    from plan.guests import config_device_nodes
+
+    ct = render_container_devices(200, ["0000:61:00.0", "0000:21:00.0"], KPRO6_MINORS, {}, True, 44)
+    text = merge_container_config("arch: amd64\n", ct.lines, {}).text
+    assert config_device_nodes(text) == ["/dev/nvidia-uvm", "/dev/nvidia1", "/dev/nvidia3", "/dev/nvidiactl"]
+    assert "uvm-tools" not in text and "nvidia-caps" not in text
+
+
+def test_a_cts_device_list_with_the_extra_nodes_it_asks_for():
+    both = ["/dev/nvidia-caps/nvidia-cap1", "/dev/nvidia-caps/nvidia-cap2"]
+    ct = render_container_devices(200, ["0000:21:00.0"], KPRO6_MINORS, {}, True, 44, caps_present=both,
+                                  extra=["mig-monitor", "uvm-tools"])
+    assert [v for _, v in ct.lines] == ["/dev/nvidia1,gid=44", "/dev/nvidiactl,gid=44", "/dev/nvidia-uvm,gid=44",
+                                        "/dev/nvidia-uvm-tools,gid=44", "/dev/nvidia-caps/nvidia-cap2,gid=44"]
+    assert ct.problems == []
+    # raw syntax: the exact numbers of each (uvm-tools is the uvm major's minor 1, mig/monitor caps minor 2)
+    raw = render_container_devices(200, ["0000:21:00.0"], KPRO6_MINORS, PVE9_MAJORS, False, 44,
+                                   extra=["uvm-tools", "mig-config", "mig-monitor"])
+    assert [v for k, v in raw.lines if k == "lxc.cgroup2.devices.allow"] == [
+        "c 195:1 rwm", "c 195:255 rwm", "c 511:0 rwm", "c 511:1 rwm", "c 236:1 rwm", "c 236:2 rwm"]
+    assert ("lxc.mount.entry", "/dev/nvidia-caps/nvidia-cap1 dev/nvidia-caps/nvidia-cap1 none bind,optional,create=file") \
+        in raw.lines
+    # an unprivileged CT gets no MIG management caps (NVIDIA's runtime hook refuses them there too)
+    unpriv = render_container_devices(200, ["0000:21:00.0"], KPRO6_MINORS, {}, True, 44, caps_present=both,
+                                      extra=["mig-config", "uvm-tools"], unprivileged=True)
+    assert [v for _, v in unpriv.lines][-1] == "/dev/nvidia-uvm-tools,gid=44"
+    assert not any("caps" in v for _, v in unpriv.lines)
+    assert unpriv.problems and "unprivileged" in unpriv.problems[0]
+
+
+def test_a_cts_device_list_raw_syntax_allows_each_node_not_whole_majors():
+    """Raw lxc syntax: one `c 195:N rwm` per GPU minor, nvidiactl's 195:255, the uvm major's minor 0;
+    no `c 195:* rwm`, no whole uvm or caps major, no bind of the whole /dev/nvidia-caps."""
+    from plan.guests import config_device_allows, config_device_nodes, nvidia_majors
+
+    ct = render_container_devices(6006, ["0000:01:00.0", "0000:61:00.0"], KPRO6_MINORS, PVE9_MAJORS, False, 44)
+    text = merge_container_config(fixture_text("lxc-conf/pve-6006-gpuaas-privileged-nvidia-caps-loop.txt"),
+                                  ct.lines, PVE9_MAJORS).text
+    assert config_device_allows(text, nvidia_majors(PVE9_MAJORS)) == [
+        "c 195:0 rwm", "c 195:3 rwm", "c 195:255 rwm", "c 511:0 rwm"]
+    assert config_device_nodes(text) == ["/dev/nvidia-uvm", "/dev/nvidia0", "/dev/nvidia3", "/dev/nvidiactl"]
+    assert not any(l.endswith(":* rwm") and (" 195:" in l or " 511:" in l or " 236:" in l) for l in text.splitlines())
+    assert "dev/nvidia-caps none" not in text
+
+
+def test_a_cts_old_broad_lines_are_replaced_once_then_no_change():
+    """A real config with the old broad lines (whole majors, uvm-tools, the caps directory): the
+    converge replaces them; a second converge changes nothing."""
+    text = fixture_text("lxc-conf/pve9-102-jellyfin-privileged-lxc-mount-entry-nvidia-caps-dir.txt")
+    for dev_entries in (False, True):
+        ct = render_container_devices(102, ["0000:01:00.0"], KPRO6_MINORS, PVE9_MAJORS, dev_entries, 44)
+        once = merge_container_config(text, ct.lines, PVE9_MAJORS)
+        assert once.changed
+        assert not any(s in once.text for s in (":* rwm", "uvm-tools", "nvidia-caps dev/nvidia-caps"))
+        assert not merge_container_config(once.text, ct.lines, PVE9_MAJORS).changed

@@ -1,5 +1,6 @@
 """operations.guests: facts in, commands out (fake host), on real config/proc fixtures."""
 import base64
+import logging
 import os
 import re
 import shlex
@@ -67,11 +68,13 @@ def test_ct_gets_its_gpu_by_minor_and_a_running_ct_restarts():
     facts = facts_for({102: JELLYFIN, 103: IGPU}, {102: "running", 103: "running"})
     wanted = {102: {"gpus": ["0000:00:06.0"], "gid": 44}, 103: {"gpus": [], "gid": 44}}
     commands, _ = run_op(container_gpu_devices, wanted, False, facts=facts)
-    # 102 passes /dev/nvidia0 already; only its uvm/caps majors change (511/236 -> 238/241): rewrite, no restart
+    # 102 passes /dev/nvidia0 already; its whole majors (195, uvm 511, caps 236) become one allow line
+    # per node on this host's numbers (uvm 238), uvm-tools and the caps dir go: rewrite, no restart
     assert len(commands) == 1
     path, text = written(commands[0])
     assert path == "/etc/pve/lxc/102.conf"
-    assert "lxc.cgroup2.devices.allow: c 238:* rwm" in text and "c 511:* rwm" not in text
+    assert "lxc.cgroup2.devices.allow: c 238:0 rwm" in text and "c 511:* rwm" not in text and ":* rwm" not in text
+    assert "uvm-tools" not in text and "nvidia-caps dev/nvidia-caps" not in text
     assert "mp1: /Data-Pool/partage/streaming,mp=/media/streaming" in text
 
 
@@ -282,7 +285,7 @@ def test_running_ct_gets_added_gpus_hotplugged_not_restarted():
     assert commands[0].startswith("{\n# pvegpu_dir DIR MODE")  # the backup, its dir root's alone (issue 39)
     assert "if [ -f /etc/pve/lxc/103.conf ]; then pvegpu_dir /var/lib/pvegpu/backup 700 && " in commands[0]
     assert commands[1] == ("pct set 103 --dev0 /dev/nvidia0,gid=44 --dev1 /dev/nvidiactl,gid=44 "
-                           "--dev2 /dev/nvidia-uvm,gid=44 --dev3 /dev/nvidia-uvm-tools,gid=44")
+                           "--dev2 /dev/nvidia-uvm,gid=44")
     assert len(commands) == 2 and not any("pct shutdown" in c or "pct start" in c for c in commands)
     # without hotplug (pve-container < 6.0.4) the same change is a file write and a restart
     commands, _ = run_op(container_gpu_devices, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True,
@@ -310,3 +313,17 @@ def test_ha_managed_ct_needs_no_stop_when_its_gpus_are_hotplugged():
     commands, _ = run_op(container_gpu_devices, {103: {"gpus": ["0000:00:06.0"], "gid": 44}}, True,
                          hotplug=True, ha=ha, facts=facts)
     assert commands[1].startswith("pct set 103 --dev0 /dev/nvidia0,gid=44")
+
+
+def test_a_cts_extra_devices_reach_its_config_and_narrowing_waits_for_its_next_start(caplog):
+    """issue 39 item 7: the spec's extra_devices become exact lines; a running CT whose device set
+    only narrows is not restarted (pve-container takes nothing from a running CT), and is told so."""
+    facts = facts_for({102: JELLYFIN}, {102: "running"})
+    want = {102: {"gpus": ["0000:00:06.0"], "gid": 44, "extra": ["uvm-tools"]}}
+    with caplog.at_level(logging.INFO, logger="pyinfra"):
+        commands, _ = run_op(container_gpu_devices, want, False, facts=facts)
+    _, text = written(commands[0])
+    assert "lxc.cgroup2.devices.allow: c 238:1 rwm" in text  # uvm-tools: the uvm major's minor 1
+    assert "lxc.mount.entry: /dev/nvidia-uvm-tools dev/nvidia-uvm-tools none bind,optional,create=file" in text
+    assert len(commands) == 1 and not any("pct shutdown" in c or "pct start" in c for c in commands)
+    assert "CT 102 runs: its device entries change without a GPU change" in caplog.text

@@ -113,6 +113,13 @@ def test_defaults_come_from_group_data(tmp_path):
         (lambda d: d["iommu"]["params"].append("pci=realloc quiet"), "hosts.kpro6.iommu.params", "one word without spaces"),
         (lambda d: d.update(proxmox_api={"host": "127.0.0.1", "token_name": "tk"}), "hosts.kpro6.proxmox_api",
          "exactly one of 'token_env'"),
+        # extra device nodes of a CT (issue 39 item 7): known names, each once, only with GPUs
+        (lambda d: d["containers"][200].update(extra_devices=["nvidia-caps"]), "hosts.kpro6.containers[200].extra_devices.0",
+         "'uvm-tools', 'mig-config' or 'mig-monitor'"),
+        (lambda d: d["containers"][200].update(extra_devices=["uvm-tools", "uvm-tools"]),
+         "hosts.kpro6.containers[200].extra_devices", "uvm-tools listed twice"),
+        (lambda d: d["containers"].update({201: {"extra_devices": ["mig-config"]}}), "hosts.kpro6.containers[201]",
+         "extra_devices without gpus"),
         # CT user space asked for explicitly, but nothing to install it from
         (lambda d: d["nvidia"].pop("installer"), "hosts.kpro6.containers[200].userspace_driver",
          "needs nvidia.installer"),
