@@ -44,13 +44,16 @@ LEVEL_WORDS = {
 # QEMU's PCIe root port (vendor 1b36 = Red Hat/QEMU): seen inside a VM, never on bare metal.
 VIRTUAL_ROOT_PORT_IDS = {("1b36", "000c")}
 
-# ACS control flags that make a port send peer traffic elsewhere than straight to the peer, or
-# check it on the way: P2P Request/Completion Redirect and Egress Control are what the kernel's
-# drivers/pci/p2pdma.c pci_bridge_has_acs_redir() counts (on every bridge from each device up to
-# their common upstream bridge, __upstream_bridge_distance()); Upstream Forwarding and Source
-# Validation are what drivers/pci/pci.c pci_std_enable_acs() turns on with them, and root ports
-# with that set made NCCL's P2P path hang on NODE hosts until ACS was cleared (issue 30).
-ACS_REDIRECT_FLAGS = ("SrcValid", "ReqRedir", "CmpltRedir", "UpstreamFwd", "EgressCtrl")
+# ACS control flags that send peer traffic up to the root complex instead of straight to the peer:
+# P2P Request Redirect, P2P Completion Redirect and P2P Egress Control, exactly what the kernel's
+# drivers/pci/p2pdma.c pci_bridge_has_acs_redir() tests (PCI_ACS_RR | PCI_ACS_CR | PCI_ACS_EC) on
+# every bridge from each device up to their common upstream bridge (__upstream_bridge_distance()).
+# Source Validation (PCI_ACS_SV) only checks a request's bus number against the port's bus range
+# and Upstream Forwarding (PCI_ACS_UF) only sends up what would go back out the port it came in
+# on: neither redirects peer traffic between two ports, and alone they leave P2P direct (issue 43:
+# 8 RTX PRO 6000 behind two PEX890xx switches with SrcValid+ UpstreamFwd+ did P2P on all 28 pairs).
+ACS_REDIRECT_FLAGS = ("ReqRedir", "CmpltRedir", "EgressCtrl")
+ACS_CHECK_FLAGS = ("SrcValid", "UpstreamFwd")
 ACS_FLAG_WORDS = {
     "SrcValid": "Source Validation",
     "ReqRedir": "P2P Request Redirect",
@@ -117,19 +120,20 @@ def sev_snp_enabled(sev: dict | bool | None) -> bool | None:
     return None if sev.get("enabled") is None else bool(sev["enabled"])
 
 
-def acs_redirect_flags(entry: dict | None) -> list[str] | None:
-    """ACS control flags of one port that redirect or check peer requests (`ACS_REDIRECT_FLAGS`).
+def acs_redirect_flags(entry: dict | None, flags: tuple[str, ...] = ACS_REDIRECT_FLAGS) -> list[str] | None:
+    """ACS control flags of one port that redirect peer requests (`ACS_REDIRECT_FLAGS`; or those
+    of `flags`).
 
     + entry: the PciAcs fact's value for the bridge,
       ``{"status": "enabled", "redirect": True, "ctl": {"ReqRedir": True, …}}``
 
-    Returns the redirecting flags that are on (``[]`` when none or no ACS capability), or ``None``
+    Returns the flags of `flags` that are on (``[]`` when none or no ACS capability), or ``None``
     when the state is unknown (no lspci, capabilities unreadable, bridge not listed).
     """
     if not entry or entry.get("status") == "unknown":
         return None
     ctl = entry.get("ctl") or {}
-    return [flag for flag in ACS_REDIRECT_FLAGS if ctl.get(flag)]
+    return [flag for flag in flags if ctl.get(flag)]
 
 
 def gpu_inventory(
@@ -330,11 +334,17 @@ def _pair_verdict(a, b, *, topology, p2p_read, p2p_write, iommu, sev_snp, acs, p
                 unsafe.append((
                     "acs",
                     f"ACS on {kind} {port} between {la} and {lb} has {words} on ({'+ '.join(flags)}+): peer "
-                    "requests are sent up to the root complex or checked there, where NCCL's P2P path "
+                    "requests are sent up to the root complex instead of to the peer, where NCCL's P2P path "
                     "hung until ACS was cleared",
                 ))
             elif flags is None:
                 notes.append(f"ACS state of {kind} {port} is unknown")
+            checks = acs_redirect_flags(acs.get(port), ACS_CHECK_FLAGS)
+            if checks and not flags:
+                words = " and ".join(ACS_FLAG_WORDS[flag] for flag in checks)
+                notes.append(f"ACS on {kind} {port} has {words} on ({'+ '.join(checks)}+): "
+                             "these do not redirect peer traffic (the kernel's p2pdma counts only "
+                             "Request/Completion Redirect and Egress Control)")
         if translating:
             which = " and ".join(f"{gpu['name'] or gpu['bdf']} (group {gpu['iommu_group']})" for gpu in translating)
             blocking.append((
@@ -396,7 +406,7 @@ REASON_KIND_WORDS = {
     "driver": "the driver reports P2P unsupported",
     "root_complex": "different root complexes with no P2P path",
     "root_complex_unknown": "different root complexes, P2P unknown until the driver answers",
-    "acs": "ACS redirect or source validation on a port of the path",
+    "acs": "ACS redirect on a port of the path",
     "iommu": "the IOMMU translates GPU DMA",
     "sev_snp": "SEV-SNP with a translating IOMMU (P2P DMA corrupts data)",
     "sev_snp_identity": "identity IOMMU domain for Blackwell GPUs on a SEV-SNP host",

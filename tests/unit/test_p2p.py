@@ -275,23 +275,86 @@ def test_switch_without_acs_redirect_is_usable_and_unknown_acs_is_noted():
     assert "through at most one PCIe bridge" in pair["reasons"][0]
 
 
-def test_source_validation_alone_on_a_root_port_of_a_node_pair_makes_it_unsafe():
-    """Issue 30: GPUs under different root complexes (NODE), the driver says OK, the IOMMU is in
-    identity mode: before, only bridges inside a shared hierarchy were looked at and the pair was
-    usable; the root ports' ACS decides too."""
+def test_source_validation_alone_on_a_root_port_of_a_node_pair_does_not_make_it_unsafe():
+    """Issue 30 looked at the root ports of NODE pairs; issue 43 item 6: Source Validation alone
+    redirects nothing (the kernel's p2pdma.c pci_bridge_has_acs_redir tests RR|CR|EC only): the
+    pair stays usable and the port's bits are a note; Request Redirect on the same port decides."""
     sv_only = {"status": "enabled", "redirect": False,
                "ctl": {"SrcValid": True, "ReqRedir": False, "CmpltRedir": False, "UpstreamFwd": False}}
     ports = {f"0000:{bus}:01.1": (sv_only if bus == "20" else acs(False)) for bus in KPRO6_ROOTS}
     verdict = kpro6_verdict(p2p_read=all_codes("OK"), p2p_write=all_codes("OK"), iommu=kpro6_iommu("identity"),
                             sev_snp=False, acs=ports)
     pairs = {tuple(p["names"]): p for p in verdict["pairs"]}
-    bad = pairs[("GPU0", "GPU1")]
-    assert bad["possible"] and bad["safe"] is False and bad["status"] == "unsafe"
-    assert bad["reason_kinds"] == ["acs"]
-    assert "ACS on root port 0000:20:01.1 between GPU0 (0000:01:00.0) and GPU1 (0000:21:00.0) has Source " \
-           "Validation on (SrcValid+)" in bad["reasons"][0]
-    assert pairs[("GPU0", "GPU2")]["status"] == "usable"
+    assert {p["status"] for p in verdict["pairs"]} == {"usable"}
+    assert "ACS on root port 0000:20:01.1 has Source Validation on (SrcValid+): these do not redirect peer " \
+           "traffic" in pairs[("GPU0", "GPU1")]["notes"][1]
+    ports["0000:20:01.1"] = {**sv_only, "ctl": {**sv_only["ctl"], "ReqRedir": True}}
+    verdict = kpro6_verdict(p2p_read=all_codes("OK"), p2p_write=all_codes("OK"), iommu=kpro6_iommu("identity"),
+                            sev_snp=False, acs=ports)
+    bad = {tuple(p["names"]): p for p in verdict["pairs"]}[("GPU0", "GPU1")]
+    assert bad["status"] == "unsafe" and bad["reason_kinds"] == ["acs"]
+    assert "ACS on root port 0000:20:01.1 between GPU0 (0000:01:00.0) and GPU1 (0000:21:00.0) has P2P Request " \
+           "Redirect on (ReqRedir+)" in bad["reasons"][0]
     assert sum(p["status"] == "unsafe" for p in verdict["pairs"]) == 7  # every pair with GPU1
+
+
+# Issue 43 item 6: the ACSCtl line of the PEX890xx switch ports on an 8x RTX PRO 6000 host that
+# measured P2P on all 28 pairs (lspci -vvv prints all seven bits; the issue quotes SrcValid+ and
+# UpstreamFwd+ with the redirects off).
+PEX890XX_ACSCTL = "\t\tACSCtl:\tSrcValid+ TransBlk- ReqRedir- CmpltRedir- UpstreamFwd+ EgressCtrl- DirectTrans-"
+
+
+def pex890xx_host() -> tuple[dict, dict]:
+    """8 GPUs behind two Broadcom PEX890xx switches (1000:c030), one per root complex and NUMA
+    node: root port -> switch upstream port -> 4 downstream ports -> one GPU each. Every bridge's
+    config space carries an ACS capability with the control word of the issue's ACSCtl line."""
+    pci: dict = {}
+    for numa, bus in enumerate((0x00, 0x80)):
+        root = f"pci0000:{bus:02x}"
+        rp, usp = f"0000:{bus:02x}:01.1", f"0000:{bus + 1:02x}:00.0"
+        pci[rp] = pci_device(vendor="1022", device="14ab", cls="060400", root=root, bridges=[], numa=numa)
+        pci[usp] = pci_device(vendor="1000", device="c030", cls="060400", root=root, bridges=[rp], numa=numa)
+        for slot in range(4):
+            dsp = f"0000:{bus + 2:02x}:{slot:02x}.0"
+            pci[dsp] = pci_device(vendor="1000", device="c030", cls="060400", root=root, bridges=[rp, usp],
+                                  numa=numa)
+            pci[f"0000:{bus + 3 + slot:02x}:00.0"] = pci_device(
+                vendor="10de", device="2bb5", cls="030200", root=root, bridges=[rp, usp, dsp], driver="nvidia",
+                numa=numa)
+    gpus = sorted(bdf for bdf, dev in pci.items() if dev["class"] == "030200")
+    nvidia_gpus = {bdf: {"model": BLACKWELL, "minor": i} for i, bdf in enumerate(gpus)}
+    return pci, nvidia_gpus
+
+
+def test_pex890xx_switch_ports_with_source_validation_and_upstream_forwarding_leave_all_28_pairs_usable(tmp_path):
+    """Issue 43 item 6: the config bytes that give exactly the issue's ACSCtl bits, read by
+    PciAcs's own command from a sysfs tree, agree with the lspci line; with them on every port,
+    every pair the driver answers OK for is usable (before: all 28 unsafe, NCCL_P2P_DISABLE=1)."""
+    from facts.pci import ACS_FLAGS, parse_acs
+    from plan.nccl import nccl_environment
+    from tests.unit.test_pci_acs_config import config, read_acs
+
+    pci, nvidia_gpus = pex890xx_host()
+    ctl_word = sum(1 << bit for bit, flag in enumerate(ACS_FLAGS) if f"{flag}+" in PEX890XX_ACSCTL)
+    assert ctl_word == 0x11  # PCI_ACS_SV | PCI_ACS_UF (include/uapi/linux/pci_regs.h)
+    bridges = {bdf: ("0x060400", config(caps=[(0x0001, 0), (0x000D, ctl_word)]))
+               for bdf, dev in pci.items() if dev["class"] == "060400"}
+    read, _ = read_acs(tmp_path, bridges)
+    from_lspci = parse_acs(["0000:02:00.0 0604: 1000:c030", PEX890XX_ACSCTL])["0000:02:00.0"]
+    assert {bdf: entry["ctl"] for bdf, entry in read.items()} == {bdf: from_lspci["ctl"] for bdf in bridges}
+    assert from_lspci["redirect"] is False and from_lspci["status"] == "enabled"
+
+    verdict = p2p_verdict(pci=pci, nvidia_gpus=nvidia_gpus, acs=read, p2p_read=all_codes("OK"),
+                          p2p_write=all_codes("OK"), iommu={"enabled": False, "groups": {}}, sev_snp=False)
+    assert len(verdict["pairs"]) == 28
+    assert {p["status"] for p in verdict["pairs"]} == {"usable"}
+    assert verdict["summary"].startswith("P2P is possible and safe for all 28 GPU pairs.")
+    pair = verdict["pairs"][0]
+    assert pair["level"] == "PIX"
+    assert "ACS on switch port 0000:02:00.0 has Source Validation and Upstream Forwarding on (SrcValid+ " \
+           "UpstreamFwd+): these do not redirect peer traffic" in pair["notes"][0]
+    env = nccl_environment(verdict, nccl_version="2.27.7", cpu_vendor="AuthenticAMD")
+    assert "NCCL_P2P_DISABLE" not in env and "NCCL_P2P_LEVEL" not in env and env == {}
 
 
 def test_no_driver_answer_across_root_complexes_is_unknown_not_impossible():
@@ -397,4 +460,5 @@ def test_real_recorded_acs_control_on_a_port_of_the_path_names_it():
                           iommu={"enabled": False, "groups": {}})["pairs"]
     assert pair["status"] == "unsafe" and pair["reason_kinds"] == ["acs"]
     assert f"ACS on switch port {port}" in pair["reasons"][0]
-    assert "(SrcValid+ ReqRedir+ CmpltRedir+ UpstreamFwd+)" in pair["reasons"][0]
+    # Source Validation and Upstream Forwarding redirect nothing (p2pdma.c): only RR and CR are named
+    assert "has P2P Request Redirect, P2P Completion Redirect on (ReqRedir+ CmpltRedir+)" in pair["reasons"][0]
