@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from itertools import combinations
 
+from facts.nvidia import parse_registry_dwords
+
 # What nvidia-smi's P2P status codes mean (its own legend).
 P2P_STATUS_WORDS = {
     "OK": "OK",
@@ -61,6 +63,16 @@ ACS_FLAG_WORDS = {
     "UpstreamFwd": "Upstream Forwarding",
     "EgressCtrl": "P2P Egress Control",
 }
+
+# Consumer GPUs (nvidia-smi's model name): NVIDIA's own driver refuses them PCIe P2P (GNS/NS); a
+# driver that answers OK for them is a P2P-patched open driver (tinygrad's, aikitoria's), whose
+# peer path writes straight into the peer's BAR1 and needs the whole VRAM mapped there: the RM
+# registry keys RMForceStaticBar1=1 (src/nvidia/interface/nvrm_registry.h: 1 = ENABLE, 2 = AUTO maps
+# it only where BAR1 is large enough) and PeerMappingOverride=1 (kernel_bif.c; osmemdesc.c refuses
+# peer mappings of IO memory to non-root processes without it). Without them the driver still
+# answers OK and NCCL hung in ncclCommInitRank (club-3090 issue 873, issue 43 item 8).
+CONSUMER_MODEL_WORDS = ("geforce", "titan")
+STATIC_BAR1_KEYS = {"RMForceStaticBar1": 1, "PeerMappingOverride": 1}
 
 # IOMMU group types in /sys/kernel/iommu_groups/*/type, mapped to what they mean for P2P DMA.
 IOMMU_DOMAIN_KINDS = {
@@ -251,7 +263,43 @@ def _role_reason(gpu: dict) -> str | None:
     return None
 
 
-def _pair_verdict(a, b, *, topology, p2p_read, p2p_write, iommu, sev_snp, acs, pci) -> dict:
+def consumer_gpu(gpu: dict) -> bool:
+    """A GeForce/TITAN card by the driver's model name (`CONSUMER_MODEL_WORDS`)."""
+    model = (gpu.get("model") or "").lower()
+    return any(word in model for word in CONSUMER_MODEL_WORDS)
+
+
+def static_bar1_missing(registry: dict | None, bdf: str | None) -> list[str] | None:
+    """The `STATIC_BAR1_KEYS` the loaded driver was not given for this GPU (its
+    RegistryDwordsPerDevice entry, else RegistryDwords), as ``name=value`` texts; ``None`` when
+    /proc/driver/nvidia/params was not read (`facts.nvidia.parse_registry_dwords`)."""
+    if registry is None:
+        return None
+    keys = {**registry.get("global", {}), **registry.get("per_device", {}).get(bdf or "", {})}
+    return [f"{name}={value}" for name, value in STATIC_BAR1_KEYS.items() if keys.get(name) != value]
+
+
+def _static_bar1_reason(a: dict, b: dict, registry: dict | None) -> str | None:
+    """Why a consumer pair the driver says OK for over PCIe is still unsafe, or None."""
+    if not (consumer_gpu(a) and consumer_gpu(b)):
+        return None
+    missing = {_label(gpu): static_bar1_missing(registry, gpu["bdf"]) for gpu in (a, b)}
+    if registry is not None and not any(missing.values()):
+        return None
+    if registry is None:
+        lacks = "/proc/driver/nvidia/params was not read, so whether the driver maps all of VRAM into BAR1 is unknown"
+    else:
+        needed = sorted({key for keys in missing.values() for key in keys or []})
+        lacks = (f"the loaded driver's RegistryDwords (/proc/driver/nvidia/params) lack {';'.join(needed)}, so it "
+                 "does not map all of VRAM into BAR1 (static BAR1)")
+    return (f"{_label(a)} and {_label(b)} are GeForce cards and the driver answers P2P OK over PCIe (a P2P-patched "
+            f"driver: NVIDIA's own refuses it for them), but {lacks}: there the driver still answers OK while no "
+            "byte reaches the peer and NCCL hung in its init. The OK is not proof; what decides is "
+            "RMForceStaticBar1=1;PeerMappingOverride=1 in NVreg_RegistryDwords, a BAR1 as large as VRAM and a "
+            "transfer checked on the receiving GPU")
+
+
+def _pair_verdict(a, b, *, topology, p2p_read, p2p_write, iommu, sev_snp, acs, pci, registry=None) -> dict:
     blocking: list[tuple[str, str]] = []  # (kind, sentence): make P2P impossible
     unsafe: list[tuple[str, str]] = []    # make it unsafe even where it happens
     unknown: list[tuple[str, str]] = []   # leave open whether it is possible
@@ -345,6 +393,9 @@ def _pair_verdict(a, b, *, topology, p2p_read, p2p_write, iommu, sev_snp, acs, p
                 notes.append(f"ACS on {kind} {port} has {words} on ({'+ '.join(checks)}+): "
                              "these do not redirect peer traffic (the kernel's p2pdma counts only "
                              "Request/Completion Redirect and Egress Control)")
+        static_bar1 = _static_bar1_reason(a, b, registry) if driver_ok else None
+        if static_bar1:
+            unsafe.append(("static_bar1", static_bar1))
         if translating:
             which = " and ".join(f"{gpu['name'] or gpu['bdf']} (group {gpu['iommu_group']})" for gpu in translating)
             blocking.append((
@@ -410,6 +461,7 @@ REASON_KIND_WORDS = {
     "iommu": "the IOMMU translates GPU DMA",
     "sev_snp": "SEV-SNP with a translating IOMMU (P2P DMA corrupts data)",
     "sev_snp_identity": "identity IOMMU domain for Blackwell GPUs on a SEV-SNP host",
+    "static_bar1": "GeForce P2P the driver says OK for without its static BAR1 mapping",
     "path": "a P2P path exists",
 }
 
@@ -454,6 +506,7 @@ def p2p_verdict(
     sev_snp: dict | bool | None = None,
     acs: dict | None = None,
     roles: dict | None = None,
+    nvidia_params: dict | None = None,
 ) -> dict:
     """The P2P verdict for every GPU pair, from the facts' plain data.
 
@@ -463,6 +516,8 @@ def p2p_verdict(
     + topology: GpuTopology; p2p_read / p2p_write: GpuP2P with kind ``r`` / ``w``
     + iommu: IommuState (domain type per group); sev_snp: SevSnp (or a bool)
     + acs: PciAcs (ACS control per bridge BDF); roles: the spec's role per GPU BDF (``lxc``, ``vm:101``, …)
+    + nvidia_params: NvidiaDriverParams (/proc/driver/nvidia/params: the RM registry keys the
+      driver was loaded with; decides GeForce pairs, `_static_bar1_reason`)
 
     .. code:: python
 
@@ -475,9 +530,10 @@ def p2p_verdict(
          "gpus": [...gpu_inventory...], "sev_snp": True, "summary": "P2P is impossible for all 28 …"}
     """
     gpus = gpu_inventory(pci=pci, nvidia_gpus=nvidia_gpus, topology=topology, roles=roles)
+    registry = parse_registry_dwords(nvidia_params)
     pairs = [
         _pair_verdict(a, b, topology=topology, p2p_read=p2p_read, p2p_write=p2p_write,
-                      iommu=iommu, sev_snp=sev_snp, acs=acs, pci=pci)
+                      iommu=iommu, sev_snp=sev_snp, acs=acs, pci=pci, registry=registry)
         for a, b in combinations(gpus, 2)
     ]
     for gpu in gpus:

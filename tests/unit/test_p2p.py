@@ -462,3 +462,99 @@ def test_real_recorded_acs_control_on_a_port_of_the_path_names_it():
     assert f"ACS on switch port {port}" in pair["reasons"][0]
     # Source Validation and Upstream Forwarding redirect nothing (p2pdma.c): only RR and CR are named
     assert "has P2P Request Redirect, P2P Completion Redirect on (ReqRedir+ CmpltRedir+)" in pair["reasons"][0]
+
+
+# Issue 43 item 8: GeForce cards on a P2P-patched open driver. The 5-GPU RTX 50-series EPYC host
+# of aikitoria/open-gpu-kernel-modules issue 13 (tests/fixtures: topo -m NODE/PHB, topo -p2p all OK);
+# the params file is the one recorded on the h200-vm (tests/fixtures/h200-vm/driver-params.txt,
+# format of nv-procfs.c) with its RegistryDwords line as the user of club-3090 issue 873 / docs
+# PCIE_P2P.md confirmed it live: "RMForceStaticBar1=1;PeerMappingOverride=1".
+AIKITORIA_MODELS = ("NVIDIA GeForce RTX 5090", "NVIDIA GeForce RTX 5080", "NVIDIA GeForce RTX 5070 Ti",
+                    "NVIDIA GeForce RTX 5060 Ti", "NVIDIA GeForce RTX 5090")
+STATIC_BAR1_LINE = 'RegistryDwords: "RMForceStaticBar1=1;PeerMappingOverride=1"'
+
+
+def params_with(registry_line: str | None) -> dict:
+    from facts.nvidia import parse_colon_params
+
+    lines = fixture_lines("h200-vm/driver-params.txt")
+    if registry_line is not None:
+        lines = [registry_line if line.startswith("RegistryDwords:") else line for line in lines]
+    return parse_colon_params(lines)
+
+
+def geforce_verdict(nvidia_params: dict | None) -> dict:
+    topology = parse_topo_matrix(fixture_lines("topo-m/5gpu-rtx50-epyc-node-phb-aikitoria-13.txt"))
+    p2p = parse_p2p_matrix(fixture_lines(
+        "topo-p2p/5gpu-rtx50-epyc-p2p-p-all-ok-patched-plus-usage-error-fragment.txt"))
+    gpus = {f"0000:{bus}:00.0": {"model": model, "minor": i}
+            for i, (bus, model) in enumerate(zip(("01", "21", "41", "61", "81"), AIKITORIA_MODELS, strict=True))}
+    return p2p_verdict(topology=topology, nvidia_gpus=gpus, p2p_read=p2p, p2p_write=p2p,
+                       nvidia_params=nvidia_params)
+
+
+def test_geforce_pairs_the_patched_driver_says_ok_for_are_unsafe_without_the_static_bar1_mapping():
+    from plan.nccl import nccl_environment
+
+    verdict = geforce_verdict(params_with(None))  # the recorded file: RegistryDwords: ""
+    assert len(verdict["pairs"]) == 10
+    for pair in verdict["pairs"]:
+        assert pair["driver_read"] == "OK" and pair["status"] == "unsafe" and pair["reason_kinds"] == ["static_bar1"]
+    reason = verdict["pairs"][0]["reasons"][0]
+    assert reason.startswith("GPU0 (0000:01:00.0) and GPU1 (0000:21:00.0) are GeForce cards and the driver "
+                             "answers P2P OK over PCIe")
+    assert "lack PeerMappingOverride=1;RMForceStaticBar1=1" in reason and "The OK is not proof" in reason
+    env = nccl_environment(verdict, nccl_version="2.27.7", cpu_vendor="AuthenticAMD")
+    assert env["NCCL_P2P_DISABLE"]["value"] == "1" and "GeForce cards" in env["NCCL_P2P_DISABLE"]["reason"]
+    assert env["NCCL_WIN_ENABLE"]["value"] == "0"
+
+    # with the mapping on, the driver's OK stands
+    mapped = geforce_verdict(params_with(STATIC_BAR1_LINE))
+    assert {p["status"] for p in mapped["pairs"]} == {"usable"}
+    assert nccl_environment(mapped, nccl_version="2.27.7", cpu_vendor="AuthenticAMD") == {}
+    # only one of the two keys, or AUTO (2): still unsafe, naming what is missing
+    half = geforce_verdict(params_with('RegistryDwords: "RMForceStaticBar1=2;PeerMappingOverride=1"'))
+    assert "lack RMForceStaticBar1=1," in half["pairs"][0]["reasons"][0]
+    # per GPU (RegistryDwordsPerDevice) for GPU0 and GPU1 only: their pair is usable, the others not
+    per_device = params_with(None)
+    per_device["RegistryDwordsPerDevice"] = (
+        '"pci=0000:01:00.0;RMForceStaticBar1=1;PeerMappingOverride=1;pci=21:00;RMForceStaticBar1=0x1;'
+        'PeerMappingOverride=1"')
+    statuses = {tuple(p["names"]): p["status"] for p in geforce_verdict(per_device)["pairs"]}
+    assert statuses[("GPU0", "GPU1")] == "usable" and statuses[("GPU0", "GPU2")] == "unsafe"
+    # params not read at all: unknown mapping, still unsafe
+    assert "was not read" in geforce_verdict(None)["pairs"][0]["reasons"][0]
+
+
+def test_geforce_pairs_the_driver_refuses_or_joins_by_nvlink_are_not_the_static_bar1_case():
+    topology = parse_topo_matrix(fixture_lines("topo-m/2x-rtx5090-threadripper-3975wx-phb.txt"))
+    p2p = parse_p2p_matrix(fixture_lines("topo-p2p/2x-rtx5090-threadripper-3975wx-p2p-rw-gns.txt"))
+    gpus = {"0000:01:00.0": {"model": "NVIDIA GeForce RTX 5090"}, "0000:41:00.0": {"model": "NVIDIA GeForce RTX 5090"}}
+    (pair,) = p2p_verdict(topology=topology, p2p_read=p2p, nvidia_gpus=gpus, nvidia_params=params_with(None))["pairs"]
+    assert pair["reason_kinds"] == ["driver"]
+    topology = parse_topo_matrix(fixture_lines("topo-m/2x-rtx3090-nvlink-nv4-x299-proxmox-lxc.txt"))
+    ok = parse_p2p_matrix(fixture_lines("topo-p2p/2x-rtx3090-nvlink-p2p-ok-proxmox-lxc.txt"))
+    gpus = {"0000:17:00.0": {"model": "NVIDIA GeForce RTX 3090"}, "0000:65:00.0": {"model": "NVIDIA GeForce RTX 3090"}}
+    (pair,) = p2p_verdict(topology=topology, p2p_read=ok, nvidia_gpus=gpus, nvidia_params=params_with(None))["pairs"]
+    assert pair["status"] == "usable" and pair["level"] == "NV4"
+
+
+def test_the_hardware_probes_params_reach_the_verdict_and_the_report():
+    """verdict_from_hardware hands the HardwareProbe's nvidia_params (NvidiaDriverParams) on: the
+    topology report and its NCCL lines say why the GeForce pairs are unsafe."""
+    from plan.nccl import nccl_environment
+    from plan.topology_report import topology_text, verdict_from_hardware
+
+    base = geforce_verdict(None)
+    topology = parse_topo_matrix(fixture_lines("topo-m/5gpu-rtx50-epyc-node-phb-aikitoria-13.txt"))
+    p2p = parse_p2p_matrix(fixture_lines(
+        "topo-p2p/5gpu-rtx50-epyc-p2p-p-all-ok-patched-plus-usage-error-fragment.txt"))
+    gpus = {g["bdf"]: {"model": AIKITORIA_MODELS[i]} for i, g in enumerate(base["gpus"])}
+    hardware = {"topology": topology, "nvidia_gpus": gpus, "p2p_read": p2p, "p2p_write": p2p,
+                "nvidia_params": params_with(None)}
+    verdict = verdict_from_hardware(hardware)
+    text = topology_text("epyc", hardware, verdict, nccl_environment(verdict, nccl_version="2.27.7"))
+    assert "GeForce P2P the driver says OK for without its static BAR1 mapping: 10 of 10" in text
+    assert "NCCL_P2P_DISABLE=1" in text
+    hardware["nvidia_params"] = params_with(STATIC_BAR1_LINE)
+    assert {p["status"] for p in verdict_from_hardware(hardware)["pairs"]} == {"usable"}
