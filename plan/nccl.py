@@ -48,8 +48,10 @@ NCCL_DEFAULT_LEVEL_SINCE_2_23 = "PXB"
 # Reasons NCCL cannot see for itself: it drops every pair whose NVML P2P read/write status is not
 # OK (paths.cc ncclTopoCheckP2p) and every pair beyond its level, but the driver answers OK
 # through a translating IOMMU under SEV-SNP (INCIDENTS #7) and past ACS redirect.
-# A GeForce pair on a P2P-patched driver without its static BAR1 mapping answers OK too (issue 43).
-HIDDEN_REASON_KINDS = ("sev_snp", "sev_snp_identity", "iommu", "acs", "static_bar1")
+# A GeForce pair on a P2P-patched driver without its static BAR1 mapping answers OK too, and so
+# does a VM's pair across virtual root ports in one GPUDirect clique (issue 43): NCCL trusts the
+# driver's answer (src/graph/paths.cc p2pCanConnect -> ncclTopoCheckP2p, NVML P2P status).
+HIDDEN_REASON_KINDS = ("sev_snp", "sev_snp_identity", "iommu", "acs", "static_bar1", "vm_clique")
 # Reasons that keep NCCL off a pair by themselves (the driver refuses, or a GPU is not the host's).
 # Not "root_complex": with a translating IOMMU the verdict says so even where the driver answers OK.
 NCCL_SEES_KINDS = ("driver", "role", "virtual_root_port")

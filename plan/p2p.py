@@ -299,6 +299,13 @@ def _static_bar1_reason(a: dict, b: dict, registry: dict | None) -> str | None:
             "transfer checked on the receiving GPU")
 
 
+def shared_clique(acs: dict | None, a: dict, b: dict) -> int | None:
+    """The GPUDirect clique both GPUs carry in their config space (`PciAcs` ``clique``: QEMU's
+    x-nv-gpudirect-clique inside a VM), None when they share none."""
+    cliques = {((acs or {}).get(gpu["bdf"] or "") or {}).get("clique") for gpu in (a, b)}
+    return cliques.pop() if len(cliques) == 1 else None
+
+
 def _pair_verdict(a, b, *, topology, p2p_read, p2p_write, iommu, sev_snp, acs, pci, registry=None) -> dict:
     blocking: list[tuple[str, str]] = []  # (kind, sentence): make P2P impossible
     unsafe: list[tuple[str, str]] = []    # make it unsafe even where it happens
@@ -369,11 +376,25 @@ def _pair_verdict(a, b, *, topology, p2p_read, p2p_write, iommu, sev_snp, acs, p
             if (pci.get(bdf, {}).get("vendor"), pci.get(bdf, {}).get("device")) in VIRTUAL_ROOT_PORT_IDS
         ]
         if len(virtual_ports) == 2 and virtual_ports[0] != virtual_ports[1]:
-            blocking.append((
-                "virtual_root_port",
-                f"{la} and {lb} sit behind separate virtual root ports of this VM "
-                f"({virtual_ports[0]}, {virtual_ports[1]}): P2P between them is impossible",
-            ))
+            where = (f"{la} and {lb} sit behind separate virtual root ports of this VM "
+                     f"({virtual_ports[0]}, {virtual_ports[1]})")
+            clique = shared_clique(acs, a, b)
+            refused = any(code and code != "OK" for code in answers.values())
+            if not refused and (driver_ok or clique is not None):
+                # open-gpu-kernel-modules p2p_caps.c: a hypervisor's clique (hypervisor.c
+                # hypervisorPcieP2pDetection) answers OK before any check of the path
+                warrant = (f"the hypervisor put both in GPUDirect clique {clique} (QEMU x-nv-gpudirect-clique), "
+                           "which the driver takes as a warrant without checking the path, so "
+                           if clique is not None else "")
+                answer = "the driver answers P2P OK" if driver_ok else "the driver will answer P2P OK"
+                unsafe.append((
+                    "vm_clique",
+                    f"{where}, yet {warrant}{answer}: through QEMU's virtual root ports NCCL then used P2P and "
+                    "hung at its first collective (the writes never reached the peer GPU). The driver's OK is "
+                    "a claim here, not a path",
+                ))
+            else:
+                blocking.append(("virtual_root_port", f"{where}: P2P between them is impossible"))
         for port in path_ports(a, b) if acs is not None else []:
             flags = acs_redirect_flags(acs.get(port))
             kind = "root port" if port in (a["bridges"][:1] + b["bridges"][:1]) else "switch port"
@@ -462,6 +483,7 @@ REASON_KIND_WORDS = {
     "sev_snp": "SEV-SNP with a translating IOMMU (P2P DMA corrupts data)",
     "sev_snp_identity": "identity IOMMU domain for Blackwell GPUs on a SEV-SNP host",
     "static_bar1": "GeForce P2P the driver says OK for without its static BAR1 mapping",
+    "vm_clique": "P2P the driver claims in a VM across virtual root ports (GPUDirect clique)",
     "path": "a P2P path exists",
 }
 

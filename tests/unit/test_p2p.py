@@ -203,9 +203,9 @@ def test_gpus_passed_to_a_vm_are_not_the_hosts_and_lose_p2p_inside_the_vm():
     assert named["0000:41:00.0"] == "GPU0" and named["0000:e1:00.0"] == "GPU5"
 
 
-def test_inside_a_vm_each_gpu_behind_its_own_virtual_root_port():
+def vm_pci(cliques: tuple = (None, None)) -> dict:
+    """A QEMU q35 guest: two GPUs, each behind its own pcie-root-port (1b36:000c)."""
     pci = {}
-    bdfs = []
     for slot in range(2):
         port = f"0000:00:1c.{slot}"
         bdf = f"0000:0{slot + 1}:00.0"
@@ -213,14 +213,28 @@ def test_inside_a_vm_each_gpu_behind_its_own_virtual_root_port():
                                bridges=[], driver="pcieport")
         pci[bdf] = pci_device(vendor="10de", device="2bb5", cls="030200", root="pci0000:00",
                               bridges=[port], driver="nvidia")
-        bdfs.append(bdf)
-    (pair,) = p2p_verdict(pci=pci, iommu={"enabled": False, "groups": {}}, p2p_read=all_codes("OK", 2))["pairs"]
-    assert not pair["possible"]
+    return pci
+
+
+def test_inside_a_vm_each_gpu_behind_its_own_virtual_root_port():
+    """Without a driver answer and without a clique, or with the driver refusing: impossible, and
+    NCCL keeps off by itself. Issue 43 item 7: where the driver answers OK there (a hypervisor's
+    GPUDirect clique), the pair is unsafe, not impossible: NCCL follows the driver."""
+    pci = vm_pci()
+    (pair,) = p2p_verdict(pci=pci, iommu={"enabled": False, "groups": {}})["pairs"]
+    assert pair["status"] == "impossible"
     assert pair["reasons"] == [
         "GPU0 (0000:01:00.0) and GPU1 (0000:02:00.0) sit behind separate virtual root ports of this VM "
         "(0000:00:1c.0, 0000:00:1c.1): P2P between them is impossible"
     ]
     assert pair["level"] == "PHB"  # derived from sysfs: they meet at the host bridge
+    (refused,) = p2p_verdict(pci=pci, iommu={"enabled": False, "groups": {}}, p2p_read=all_codes("CNS", 2))["pairs"]
+    assert refused["status"] == "impossible" and refused["reason_kinds"] == ["driver", "virtual_root_port"]
+    (claimed,) = p2p_verdict(pci=pci, iommu={"enabled": False, "groups": {}}, p2p_read=all_codes("OK", 2))["pairs"]
+    assert claimed["status"] == "unsafe" and claimed["reason_kinds"] == ["vm_clique"]
+    assert claimed["reasons"][0].startswith(
+        "GPU0 (0000:01:00.0) and GPU1 (0000:02:00.0) sit behind separate virtual root ports of this VM "
+        "(0000:00:1c.0, 0000:00:1c.1), yet the driver answers P2P OK: through QEMU's virtual root ports NCCL")
 
 
 def switch_pci() -> dict:
@@ -279,8 +293,8 @@ def test_source_validation_alone_on_a_root_port_of_a_node_pair_does_not_make_it_
     """Issue 30 looked at the root ports of NODE pairs; issue 43 item 6: Source Validation alone
     redirects nothing (the kernel's p2pdma.c pci_bridge_has_acs_redir tests RR|CR|EC only): the
     pair stays usable and the port's bits are a note; Request Redirect on the same port decides."""
-    sv_only = {"status": "enabled", "redirect": False,
-               "ctl": {"SrcValid": True, "ReqRedir": False, "CmpltRedir": False, "UpstreamFwd": False}}
+    sv_ctl = {"SrcValid": True, "ReqRedir": False, "CmpltRedir": False, "UpstreamFwd": False}
+    sv_only = {"status": "enabled", "redirect": False, "ctl": sv_ctl}
     ports = {f"0000:{bus}:01.1": (sv_only if bus == "20" else acs(False)) for bus in KPRO6_ROOTS}
     verdict = kpro6_verdict(p2p_read=all_codes("OK"), p2p_write=all_codes("OK"), iommu=kpro6_iommu("identity"),
                             sev_snp=False, acs=ports)
@@ -288,7 +302,7 @@ def test_source_validation_alone_on_a_root_port_of_a_node_pair_does_not_make_it_
     assert {p["status"] for p in verdict["pairs"]} == {"usable"}
     assert "ACS on root port 0000:20:01.1 has Source Validation on (SrcValid+): these do not redirect peer " \
            "traffic" in pairs[("GPU0", "GPU1")]["notes"][1]
-    ports["0000:20:01.1"] = {**sv_only, "ctl": {**sv_only["ctl"], "ReqRedir": True}}
+    ports["0000:20:01.1"] = {**sv_only, "ctl": {**sv_ctl, "ReqRedir": True}}
     verdict = kpro6_verdict(p2p_read=all_codes("OK"), p2p_write=all_codes("OK"), iommu=kpro6_iommu("identity"),
                             sev_snp=False, acs=ports)
     bad = {tuple(p["names"]): p for p in verdict["pairs"]}[("GPU0", "GPU1")]
@@ -558,3 +572,38 @@ def test_the_hardware_probes_params_reach_the_verdict_and_the_report():
     assert "NCCL_P2P_DISABLE=1" in text
     hardware["nvidia_params"] = params_with(STATIC_BAR1_LINE)
     assert {p["status"] for p in verdict_from_hardware(hardware)["pairs"]} == {"usable"}
+
+
+def test_a_vm_whose_gpus_share_a_gpudirect_clique_is_unsafe_and_nccl_p2p_is_disabled(tmp_path):
+    """Issue 43 item 7: a q35 guest whose two GPUs carry QEMU's x-nv-gpudirect-clique capability
+    (config bytes laid out as the cloud T4 guest's lspci shows, read by PciAcs's own command):
+    the driver answers OK (club-3090 docs/PCIE_P2P.md: topo -p2p went CNS -> OK with the clique)
+    and NCCL hung at the first collective until NCCL_P2P_DISABLE=1. Before: "impossible", no
+    NCCL variable."""
+    from facts.pci import PciAcs
+    from plan.nccl import nccl_environment
+    from tests.unit.test_pci_acs_config import _out, _sysfs, config, guest_gpu_config
+
+    pci = vm_pci()
+    env = _sysfs(tmp_path, {"0000:00:1c.0": ("0x060400", config(caps=[(0x000D, 0)])),
+                            "0000:00:1c.1": ("0x060400", config(caps=[(0x000D, 0)])),
+                            "0000:01:00.0": ("0x030200", guest_gpu_config(1)),
+                            "0000:02:00.0": ("0x030200", guest_gpu_config(1))})
+    for bdf in ("0000:01:00.0", "0000:02:00.0"):
+        (tmp_path / "sys/bus/pci/devices" / bdf / "vendor").write_text("0x10de\n")
+    acs = PciAcs().process(_out(tmp_path, PciAcs().command, env).splitlines())
+    iommu = {"enabled": False, "groups": {}}
+    for answer in ("OK", None):
+        (pair,) = p2p_verdict(pci=pci, acs=acs, iommu=iommu,
+                              p2p_read=all_codes(answer, 2) if answer else None)["pairs"]
+        assert pair["status"] == "unsafe" and pair["reason_kinds"] == ["vm_clique"]
+        assert "the hypervisor put both in GPUDirect clique 1 (QEMU x-nv-gpudirect-clique)" in pair["reasons"][0]
+        assert "NCCL then used P2P and hung at its first collective" in pair["reasons"][0]
+        nccl = nccl_environment({"pairs": [pair]}, nccl_version="2.21.5")
+        assert nccl["NCCL_P2P_DISABLE"]["value"] == "1"
+        assert "GPUDirect clique 1" in nccl["NCCL_P2P_DISABLE"]["reason"]
+        assert nccl["NCCL_P2P_DISABLE"]["unknown"] is (answer is None)
+    # different cliques: the driver's chipset check decides (a q35 host bridge: CNS), impossible
+    acs["0000:02:00.0"] = {**acs["0000:02:00.0"], "clique": 2}
+    (pair,) = p2p_verdict(pci=pci, acs=acs, iommu=iommu)["pairs"]
+    assert pair["status"] == "impossible" and pair["reason_kinds"] == ["virtual_root_port"]

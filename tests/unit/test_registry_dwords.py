@@ -35,14 +35,16 @@ def test_the_recorded_params_file_gives_no_keys():
 ])
 def test_registry_dwords_lines(line, keys):
     params = {**recorded_params(), **parse_colon_params([line])}
-    assert parse_registry_dwords(params)["global"] == keys
+    registry = parse_registry_dwords(params)
+    assert registry is not None and registry["global"] == keys
 
 
 def test_per_device_keys_follow_their_pci_entry_and_an_unknown_form_skips_until_the_next():
     params = {**recorded_params(), **parse_colon_params([
         'RegistryDwordsPerDevice: "pci=0000:c1:00.0;RMForceStaticBar1=1;pci=zz;PeerMappingOverride=1;'
         'pci=41:00;PeerMappingOverride=0x1"'])}
-    assert parse_registry_dwords(params)["per_device"] == {
+    registry = parse_registry_dwords(params)
+    assert registry is not None and registry["per_device"] == {
         "0000:c1:00.0": {"RMForceStaticBar1": 1}, "0000:41:00.0": {"PeerMappingOverride": 1}}
 
 
