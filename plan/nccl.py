@@ -567,6 +567,44 @@ def custom_allreduce_warnings(env: dict[str, dict], exec_start: dict[str, list[s
     return out
 
 
+# QEMU's vfio-pci property for NVIDIA's GPUDirect clique (hw/vfio/pci-quirks.c qdev_prop_nv_gpudirect_clique,
+# 0-15); qemu-server has no hostpci option for it (src/PVE/QemuServer/PCI.pm print_hostpci_devices), so
+# a VM config sets it in `args:`, as `-set device.hostpciN.x-nv-gpudirect-clique=M` (the id qemu-server
+# gives hostpciN) or inside a `-device vfio-pci,...` of its own.
+_CLIQUE_SET = re.compile(r"-set\s+device\.([^\s=]+?)\.x-nv-gpudirect-clique=(\d+)")
+_CLIQUE_DEVICE = re.compile(r"-device\s+(\S*x-nv-gpudirect-clique=(\d+)\S*)")
+
+
+def vm_clique_warnings(qemu_configs: dict | None) -> list[str]:
+    """VMs on this node whose `args` put two or more devices in one GPUDirect clique: inside such a
+    guest the NVIDIA driver answers P2P OK across QEMU's virtual root ports (open-gpu-kernel-modules
+    p2p_caps.c: the hypervisor's clique short-cuts the chipset check), NCCL follows that answer
+    (paths.cc ncclTopoCheckP2p) and hung at its first collective until NCCL_P2P_DISABLE=1 (issue 43).
+    pvegpu writes no file inside a VM, so the operator is told what to set there.
+
+    + qemu_configs: QemuConfigs (``{vmid: {"options": {"args": "…"}, …}}``)
+    """
+    out = []
+    for vmid, conf in sorted((qemu_configs or {}).items(), key=lambda item: int(item[0])):
+        args = str((conf.get("options") or {}).get("args") or "")
+        members: dict[int, list[str]] = {}
+        for device, clique in _CLIQUE_SET.findall(args):
+            members.setdefault(int(clique), []).append(device)
+        for text, clique in _CLIQUE_DEVICE.findall(args):
+            ident = re.search(r"(?:^|,)id=([^,]+)", text)
+            members.setdefault(int(clique), []).append(ident.group(1) if ident else "a -device of args")
+        for clique, devices in sorted(members.items()):
+            if len(devices) < 2:
+                continue
+            out.append(
+                f"VM {vmid}: its args put {', '.join(devices)} in GPUDirect clique {clique} (x-nv-gpudirect-clique): "
+                "inside the VM the NVIDIA driver answers P2P OK across QEMU's virtual root ports, where NCCL used "
+                "P2P and hung at its first collective; pvegpu writes no NCCL file inside a VM: set "
+                "NCCL_P2P_DISABLE=1 in the guest (its /etc/nccl.conf or the services' environment), or drop the "
+                "clique from args")
+    return out
+
+
 def unseen_gpus(drivers: dict[str, str | None], nvidia_gpus: dict | None) -> list[str]:
     """The GPUs the spec puts on the nvidia driver (`drivers`: BDF -> the driver its role binds)
     that nvidia-smi did not list this run (no driver yet: a kernel whose nvidia.ko this run builds,
