@@ -87,6 +87,59 @@ def parse_colon_params(output_lines: list[str]) -> dict[str, str]:
     return params
 
 
+def _strtoul(text: str) -> int:
+    """A value as the driver's os_strtoul(value, NULL, 0) reads it: 0x hex, leading 0 octal, else
+    decimal, up to the first character that is no digit of that base; 0 without one."""
+    match = re.match(r"^(?:0[xX]([0-9a-fA-F]+)|(0[0-7]*)|([1-9][0-9]*))", text)
+    if not match:
+        return 0
+    hexa, octal, decimal = match.groups()
+    return int(hexa, 16) if hexa else int(octal, 8) if octal else int(decimal)
+
+
+def parse_registry_dwords(params: dict | None) -> dict | None:
+    """The RM registry keys the loaded driver was given, from /proc/driver/nvidia/params
+    (`NvidiaDriverParams`): ``RegistryDwords: "<key=value>;…"`` for every GPU and
+    ``RegistryDwordsPerDevice: "pci=DDDD:BB:DD.F;<key=value>;…"`` per GPU, printed verbatim in
+    quotes (open-gpu-kernel-modules kernel-open/nvidia/nv-procfs.c). Read as the driver reads
+    them (kernel-open/nvidia/os-registry.c: spaces removed, ``;``-separated ``name=value``, a token
+    with no or a second ``=`` skipped, values by strtoul base 0, 0 where no digit leads; per device, the keys after
+    a ``pci=`` apply to that GPU).
+
+    .. code:: python
+
+        {"global": {"RMForceStaticBar1": 1, "PeerMappingOverride": 1},
+         "per_device": {"0000:01:00.0": {"RMForceStaticBar1": 1}}}
+
+    ``None`` when the params file was not read (no driver loaded, or not asked).
+    """
+    if not params or "RegistryDwords" not in params:
+        return None
+
+    def pairs(raw: str | None):
+        text = "".join((raw or "").split())
+        if len(text) >= 2 and text[0] == text[-1] == '"':
+            text = text[1:-1]
+        for token in text.split(";"):
+            parts = token.split("=")
+            if len(parts) == 2 and parts[0] and parts[1]:
+                yield parts[0], parts[1]
+
+    result: dict = {"global": {}, "per_device": {}}
+    for name, value in pairs(params.get("RegistryDwords")):  # osapi.c rm_parse_option_string
+        result["global"][name] = _strtoul(value)
+    device: str | None = None
+    for name, value in pairs(params.get("RegistryDwordsPerDevice")):
+        if name == "pci":  # bus:slot, domain:bus:slot or domain:bus:slot.func (nv-reg.h)
+            match = re.fullmatch(r"(?:([0-9a-fA-F]{1,4}):)?([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})(?:\.([0-7]))?", value)
+            device = (f"{int(match.group(1) or '0', 16):04x}:{int(match.group(2), 16):02x}:"
+                      f"{int(match.group(3), 16):02x}.{match.group(4) or '0'}") if match else None
+            continue
+        if device:
+            result["per_device"].setdefault(device, {})[name] = _strtoul(value)
+    return result
+
+
 class NvidiaDriver(ShellFact):
     """
     The loaded NVIDIA kernel module, from /proc/driver/nvidia/version.

@@ -165,6 +165,16 @@ def parse_acs(output_lines: list[str]) -> dict[str, dict]:
         return {"status": "unknown", "redirect": None, "ctl": None}
 
     for line in output_lines:
+        clique = re.match(rf"^clique ({BDF}) (?:(\d+) (\d+)|(none)|(short))\s*$", line)
+        if clique:
+            bdf = full_bdf(clique.group(1))
+            result[bdf] = {"status": "gpu", "redirect": None, "ctl": None,
+                           "clique": int(clique.group(2)) if clique.group(2) else None,
+                           "clique_version": int(clique.group(3)) if clique.group(3) else None,
+                           "clique_read": not clique.group(5)}
+            from_config.add(bdf)
+            current = None
+            continue
         walked = re.match(rf"^acs ({BDF}) (\d+|none|short) (\d+)\s*$", line)
         if walked:
             bdf, value = full_bdf(walked.group(1)), walked.group(2)
@@ -267,15 +277,32 @@ class PciDevices(ShellFact):
 #   that gets less, a read error) or a size is missing: exit 2, nothing printed;
 # - `-v framed=1`, one od per bridge (the fallback): `@ <path>` before each config's words, a
 #   bridge's size being what its od read.
+# The configs of NVIDIA display functions (`-v gpus=<their paths>`) ride in the same od: for each,
+# the standard capability list from the pointer at 0x34 (byte 0 the ID, byte 1 the next offset)
+# is walked to NVIDIA's Virtual P2P Approval capability - a vendor-specific one (ID 9) with the
+# signature "P2P" in bytes 3-5 and the GPUDirect clique ID in bits 3-6 of byte 6 (version in bits
+# 0-2), as open-gpu-kernel-modules chipset_pcie.c reads it (nvpcie.h NV_PCI_VIRTUAL_P2P_APPROVAL_*)
+# and QEMU's hw/vfio/pci-quirks.c vfio_add_nv_gpudirect_cap() writes it for x-nv-gpudirect-clique
+# (at 0xC8, or 0xD4 where MSI-X sits at 0xC8): `clique <bdf> <id> <version>`, `clique <bdf> none`,
+# or `clique <bdf> short` (under 256 bytes read); a short GPU does not ask lspci.
 _ACS_AWK = (
-    'framed && $1 == "@" { p = $2; sub(/\\/config$/, "", p); sub(/.*\\//, "", p); bdf[++nb] = p; size[nb] = 0; next } '
+    'BEGIN { ng = split(gpus, gl, " "); for (i = 1; i <= ng; i++) G[gl[i]] = 1 } '
+    'framed && $1 == "@" { p = $2; gp[++nb] = (p in G); sub(/\\/config$/, "", p); sub(/.*\\//, "", p); bdf[nb] = p; '
+    "size[nb] = 0; next } "
     "framed { for (i = 1; i <= NF; i++) { w[++nw] = $i; size[nb] += 4 } next } "
     'phase == 0 && $0 == "==" { phase = 1; next } '
-    "phase == 0 { size[++nb] = $1; p = $2; sub(/\\/config$/, \"\", p); sub(/.*\\//, \"\", p); bdf[nb] = p; "
-    "total += $1 / 4; next } "
+    "phase == 0 { size[++nb] = $1; p = $2; gp[nb] = (p in G); sub(/\\/config$/, \"\", p); sub(/.*\\//, \"\", p); "
+    "bdf[nb] = p; total += $1 / 4; next } "
     "{ for (i = 1; i <= NF; i++) w[++nw] = $i } "
     "END { if (nb != want || (!framed && (phase != 1 || nw != total))) exit 2; base = 0; short = 0; "
-    "for (j = 1; j <= nb; j++) { n = size[j] / 4; b = bdf[j]; out = out \"bridge \" b \"\\n\"; "
+    "for (j = 1; j <= nb; j++) { n = size[j] / 4; b = bdf[j]; "
+    "if (gp[j]) { r = \"short\"; if (n >= 64) { r = \"none\"; o = w[base + 14] % 256; o -= o % 4; k = 0; "
+    "while (o >= 64 && o <= 248 && k < 48) { h = w[base + o / 4 + 1]; x = w[base + o / 4 + 2]; "
+    "if (h % 256 == 9 && int(h / 16777216) == 80 && x % 65536 == 20530) { "
+    "r = int(x / 524288) % 16 \" \" int(x / 65536) % 8; break } "
+    "o = int(h / 256) % 256; o -= o % 4; k++ } } "
+    "out = out \"clique \" b \" \" r \"\\n\"; base += n; continue } "
+    "out = out \"bridge \" b \"\\n\"; "
     "if (n < 64) { short = 1; out = out \"acs \" b \" short \" n \"\\n\"; base += n; continue } "
     "r = \"none\"; if (n >= 1024) { o = 256; k = 0; "
     "while (o >= 256 && k < 960) { h = w[base + o / 4 + 1]; if (h == 0 || h == 4294967295) break; "
@@ -288,14 +315,20 @@ _ACS_AWK = (
 
 class PciAcs(ShellFact):
     """
-    ACS control of every PCI bridge (and of any function lspci shows ACS for, where it is asked).
+    ACS control of every PCI bridge (and of any function lspci shows ACS for, where it is asked),
+    and the GPUDirect clique a hypervisor gave each NVIDIA GPU (read in the same `od`).
 
     .. code:: python
 
         {"0000:40:01.1": {"status": "enabled",   # enabled | disabled | absent | unknown
                           "redirect": True,      # ReqRedir/CmpltRedir/EgressCtrl set: P2P goes up
                           "ctl": {"SrcValid": True, "TransBlk": False, "ReqRedir": True, …}},
-         "0000:00:01.0": {"status": "unknown", "redirect": None, "ctl": None}}
+         "0000:00:01.0": {"status": "unknown", "redirect": None, "ctl": None},
+         # an NVIDIA GPU: the hypervisor's GPUDirect clique from its config space (a guest's GPU
+         # with QEMU's x-nv-gpudirect-clique); None where it has none, clique_read False when
+         # fewer than 256 bytes were read (not root)
+         "0000:01:00.0": {"status": "gpu", "redirect": None, "ctl": None, "clique": 1,
+                          "clique_version": 0, "clique_read": True}}
 
     Bridges come from sysfs, ACS from each bridge's own config space (sysfs `config`, all bridges'
     in one `od`, cut by the sizes `stat` gives, else one `od` per bridge; root reads all 4096 bytes): one awk walks the extended capability list from
@@ -316,15 +349,19 @@ class PciAcs(ShellFact):
         # The size sysfs gives `config` is what root reads: 4096 where the device has extended
         # config space, else 256 (linux drivers/pci/pci-sysfs.c pci_dev_config_attr_bin_size and
         # pci_read_config, which gives a non-admin reader 64 bytes, or 128 for a CardBus bridge)
-        "u=; set --; for d in /sys/bus/pci/devices/*; do "
+        # NVIDIA display functions' configs (vendor 0x10de, class 0x03xxxx) follow the bridges'
+        # in the same od, for the GPUDirect clique capability (`_ACS_AWK`); sysfs paths hold no
+        # space or glob character, so their list splits on spaces
+        "u=; g=; set --; for d in /sys/bus/pci/devices/*; do "
         'c=; { read -r c; } 2>/dev/null < "$d/class"; '
-        'case "$c" in 0x0604*) set -- "$@" "$d/config";; esac; done; '
+        'case "$c" in 0x0604*) set -- "$@" "$d/config";; 0x03*) v=; { read -r v; } 2>/dev/null < "$d/vendor"; '
+        '[ "$v" = 0x10de ] && g="$g $d/config";; esac; done; set -- "$@" $g; '
         f"if [ $# -gt 0 ]; then w='{_ACS_AWK}'; "
         "{ stat -L -c '%s %n' -- \"$@\"; echo ==; od -An -tu4 -v -- \"$@\"; } 2>/dev/null | "
-        "awk -v want=$# \"$w\"; "
-        # else one od per bridge, every config walked by the same awk
+        "awk -v want=$# -v gpus=\"$g\" \"$w\"; "
+        # else one od per config, every config walked by the same awk
         "case $? in 0) ;; 1) u=1;; *) for f do echo \"@ $f\"; od -An -tu4 -v -- \"$f\" 2>/dev/null; done | "
-        "awk -v want=$# -v framed=1 \"$w\"; [ $? -eq 1 ] && u=1;; esac; fi; "
+        "awk -v want=$# -v gpus=\"$g\" -v framed=1 \"$w\"; [ $? -eq 1 ] && u=1;; esac; fi; "
         'if [ -n "$u" ] && command -v lspci >/dev/null 2>&1; then '
         "lspci -D -n -vvv 2>/dev/null | grep -E '^[[:xdigit:]]|ACSCtl|access denied'; "
         "fi; true"

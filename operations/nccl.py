@@ -37,7 +37,7 @@ from pyinfra.api import StringCommand, deploy, operation
 from pyinfra.operations import python
 
 from facts.guest_state import guest_state, running_containers, with_ct_status
-from facts.hardware import HardwareProbe
+from facts.hardware import HardwareProbe, HostConfigProbe
 from facts.nccl import DROPIN_NAME, NCCL_CONF, SYSTEMD_DIR, NcclState
 from facts.once import fact_once, forget
 from facts.run_state import reboot_reasons, run_state
@@ -52,6 +52,7 @@ from plan.nccl import (
     nccl_plan_for_spec,
     render_nccl_conf,
     unseen_gpus,
+    vm_clique_warnings,
 )
 from plan.render import render_template
 from plan.topology_report import verdict_from_hardware
@@ -154,7 +155,8 @@ def oldest(versions: list[str] | None) -> str | None:
     return versions[0] if versions else None
 
 
-def desired(spec, hardware: dict, rdma_devices: list[str], state: dict | None = None) -> dict:
+def desired(spec, hardware: dict, rdma_devices: list[str], state: dict | None = None,
+            qemu_configs: dict | None = None) -> dict:
     """What the stage should write, from facts and spec.
 
     .. code:: python
@@ -182,6 +184,7 @@ def desired(spec, hardware: dict, rdma_devices: list[str], state: dict | None = 
     return {
         "plan": plan,
         "service_warnings": custom_allreduce_warnings(plan["host"], state.get("exec_start") or {}),
+        "vm_warnings": vm_clique_warnings(qemu_configs),
         "host": render_nccl_conf(plan["host"], "host"),
         "containers": {int(ctid): render_nccl_conf(env, f"container {ctid}") for ctid, env in plan["containers"].items()},
         "dropins": dropins,
@@ -230,6 +233,7 @@ def describe(want: dict) -> list[str]:
             lines.append(f"NCCL ({scope}): no variables (profile none, no overrides)")
         lines += [f"NCCL ({scope}): {line}" for line in describe_nccl_environment(env)]
     lines += [f"NCCL: WARNING: {warning}" for warning in want.get("service_warnings") or []]
+    lines += [f"NCCL: WARNING: {warning}" for warning in want.get("vm_warnings") or []]
     lines.append(f"NCCL: {PRECEDENCE}")
     return lines
 
@@ -246,7 +250,7 @@ def prefetch(spec) -> list:
     """The facts this stage reads up front (deploy.py reads every stage's in one command): its
     NcclState too, whose arguments come from the spec alone (`_state_kwargs`)."""
     ctids, paths = stage_targets(spec)
-    return [(HardwareProbe, {}), (NcclState, _state_kwargs(paths, ctids))]
+    return [(HardwareProbe, {}), (HostConfigProbe, {}), (NcclState, _state_kwargs(paths, ctids))]
 
 
 def preflight(spec) -> list[str]:
@@ -271,7 +275,9 @@ def converge(spec, after_reboot: bool = False) -> None:
     hardware = hardware_facts(spec)
     ctids, paths = stage_targets(spec)
     state = nccl_state(paths, ctids)
-    want = desired(spec, hardware, state["rdma_devices"], state)
+    # the VM configs for `vm_clique_warnings` (the GPU stage's reading of the same probe)
+    want = desired(spec, hardware, state["rdma_devices"], state,
+                   qemu_configs=(fact_once(HostConfigProbe) or {}).get("qemu_configs"))
     prefix = "after the reboot: " if after_reboot else ""
     unseen = unseen_gpus({bdf: gpu.driver for bdf, gpu in spec.gpus.items()}, hardware.get("nvidia_gpus"))
     if unseen:

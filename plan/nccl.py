@@ -48,7 +48,10 @@ NCCL_DEFAULT_LEVEL_SINCE_2_23 = "PXB"
 # Reasons NCCL cannot see for itself: it drops every pair whose NVML P2P read/write status is not
 # OK (paths.cc ncclTopoCheckP2p) and every pair beyond its level, but the driver answers OK
 # through a translating IOMMU under SEV-SNP (INCIDENTS #7) and past ACS redirect.
-HIDDEN_REASON_KINDS = ("sev_snp", "sev_snp_identity", "iommu", "acs")
+# A GeForce pair on a P2P-patched driver without its static BAR1 mapping answers OK too, and so
+# does a VM's pair across virtual root ports in one GPUDirect clique (issue 43): NCCL trusts the
+# driver's answer (src/graph/paths.cc p2pCanConnect -> ncclTopoCheckP2p, NVML P2P status).
+HIDDEN_REASON_KINDS = ("sev_snp", "sev_snp_identity", "iommu", "acs", "static_bar1", "vm_clique")
 # Reasons that keep NCCL off a pair by themselves (the driver refuses, or a GPU is not the host's).
 # Not "root_complex": with a translating IOMMU the verdict says so even where the driver answers OK.
 NCCL_SEES_KINDS = ("driver", "role", "virtual_root_port")
@@ -561,6 +564,44 @@ def custom_allreduce_warnings(env: dict[str, dict], exec_start: dict[str, list[s
         if program and "--disable-custom-all-reduce" not in text:
             out.append(f"{unit} runs {program} with its custom allreduce on: its GPU-to-GPU DMA ignores the NCCL "
                        "variables; add --disable-custom-all-reduce to its ExecStart")
+    return out
+
+
+# QEMU's vfio-pci property for NVIDIA's GPUDirect clique (hw/vfio/pci-quirks.c qdev_prop_nv_gpudirect_clique,
+# 0-15); qemu-server has no hostpci option for it (src/PVE/QemuServer/PCI.pm print_hostpci_devices), so
+# a VM config sets it in `args:`, as `-set device.hostpciN.x-nv-gpudirect-clique=M` (the id qemu-server
+# gives hostpciN) or inside a `-device vfio-pci,...` of its own.
+_CLIQUE_SET = re.compile(r"-set\s+device\.([^\s=]+?)\.x-nv-gpudirect-clique=(\d+)")
+_CLIQUE_DEVICE = re.compile(r"-device\s+(\S*x-nv-gpudirect-clique=(\d+)\S*)")
+
+
+def vm_clique_warnings(qemu_configs: dict | None) -> list[str]:
+    """VMs on this node whose `args` put two or more devices in one GPUDirect clique: inside such a
+    guest the NVIDIA driver answers P2P OK across QEMU's virtual root ports (open-gpu-kernel-modules
+    p2p_caps.c: the hypervisor's clique short-cuts the chipset check), NCCL follows that answer
+    (paths.cc ncclTopoCheckP2p) and hung at its first collective until NCCL_P2P_DISABLE=1 (issue 43).
+    pvegpu writes no file inside a VM, so the operator is told what to set there.
+
+    + qemu_configs: QemuConfigs (``{vmid: {"options": {"args": "…"}, …}}``)
+    """
+    out = []
+    for vmid, conf in sorted((qemu_configs or {}).items(), key=lambda item: int(item[0])):
+        args = str((conf.get("options") or {}).get("args") or "")
+        members: dict[int, list[str]] = {}
+        for device, clique in _CLIQUE_SET.findall(args):
+            members.setdefault(int(clique), []).append(device)
+        for text, clique in _CLIQUE_DEVICE.findall(args):
+            ident = re.search(r"(?:^|,)id=([^,]+)", text)
+            members.setdefault(int(clique), []).append(ident.group(1) if ident else "a -device of args")
+        for clique, devices in sorted(members.items()):
+            if len(devices) < 2:
+                continue
+            out.append(
+                f"VM {vmid}: its args put {', '.join(devices)} in GPUDirect clique {clique} (x-nv-gpudirect-clique): "
+                "inside the VM the NVIDIA driver answers P2P OK across QEMU's virtual root ports, where NCCL used "
+                "P2P and hung at its first collective; pvegpu writes no NCCL file inside a VM: set "
+                "NCCL_P2P_DISABLE=1 in the guest (its /etc/nccl.conf or the services' environment), or drop the "
+                "clique from args")
     return out
 
 

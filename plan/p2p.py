@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from itertools import combinations
 
+from facts.nvidia import parse_registry_dwords
+
 # What nvidia-smi's P2P status codes mean (its own legend).
 P2P_STATUS_WORDS = {
     "OK": "OK",
@@ -44,13 +46,16 @@ LEVEL_WORDS = {
 # QEMU's PCIe root port (vendor 1b36 = Red Hat/QEMU): seen inside a VM, never on bare metal.
 VIRTUAL_ROOT_PORT_IDS = {("1b36", "000c")}
 
-# ACS control flags that make a port send peer traffic elsewhere than straight to the peer, or
-# check it on the way: P2P Request/Completion Redirect and Egress Control are what the kernel's
-# drivers/pci/p2pdma.c pci_bridge_has_acs_redir() counts (on every bridge from each device up to
-# their common upstream bridge, __upstream_bridge_distance()); Upstream Forwarding and Source
-# Validation are what drivers/pci/pci.c pci_std_enable_acs() turns on with them, and root ports
-# with that set made NCCL's P2P path hang on NODE hosts until ACS was cleared (issue 30).
-ACS_REDIRECT_FLAGS = ("SrcValid", "ReqRedir", "CmpltRedir", "UpstreamFwd", "EgressCtrl")
+# ACS control flags that send peer traffic up to the root complex instead of straight to the peer:
+# P2P Request Redirect, P2P Completion Redirect and P2P Egress Control, exactly what the kernel's
+# drivers/pci/p2pdma.c pci_bridge_has_acs_redir() tests (PCI_ACS_RR | PCI_ACS_CR | PCI_ACS_EC) on
+# every bridge from each device up to their common upstream bridge (__upstream_bridge_distance()).
+# Source Validation (PCI_ACS_SV) only checks a request's bus number against the port's bus range
+# and Upstream Forwarding (PCI_ACS_UF) only sends up what would go back out the port it came in
+# on: neither redirects peer traffic between two ports, and alone they leave P2P direct (issue 43:
+# 8 RTX PRO 6000 behind two PEX890xx switches with SrcValid+ UpstreamFwd+ did P2P on all 28 pairs).
+ACS_REDIRECT_FLAGS = ("ReqRedir", "CmpltRedir", "EgressCtrl")
+ACS_CHECK_FLAGS = ("SrcValid", "UpstreamFwd")
 ACS_FLAG_WORDS = {
     "SrcValid": "Source Validation",
     "ReqRedir": "P2P Request Redirect",
@@ -58,6 +63,16 @@ ACS_FLAG_WORDS = {
     "UpstreamFwd": "Upstream Forwarding",
     "EgressCtrl": "P2P Egress Control",
 }
+
+# Consumer GPUs (nvidia-smi's model name): NVIDIA's own driver refuses them PCIe P2P (GNS/NS); a
+# driver that answers OK for them is a P2P-patched open driver (tinygrad's, aikitoria's), whose
+# peer path writes straight into the peer's BAR1 and needs the whole VRAM mapped there: the RM
+# registry keys RMForceStaticBar1=1 (src/nvidia/interface/nvrm_registry.h: 1 = ENABLE, 2 = AUTO maps
+# it only where BAR1 is large enough) and PeerMappingOverride=1 (kernel_bif.c; osmemdesc.c refuses
+# peer mappings of IO memory to non-root processes without it). Without them the driver still
+# answers OK and NCCL hung in ncclCommInitRank (club-3090 issue 873, issue 43 item 8).
+CONSUMER_MODEL_WORDS = ("geforce", "titan")
+STATIC_BAR1_KEYS = {"RMForceStaticBar1": 1, "PeerMappingOverride": 1}
 
 # IOMMU group types in /sys/kernel/iommu_groups/*/type, mapped to what they mean for P2P DMA.
 IOMMU_DOMAIN_KINDS = {
@@ -117,19 +132,20 @@ def sev_snp_enabled(sev: dict | bool | None) -> bool | None:
     return None if sev.get("enabled") is None else bool(sev["enabled"])
 
 
-def acs_redirect_flags(entry: dict | None) -> list[str] | None:
-    """ACS control flags of one port that redirect or check peer requests (`ACS_REDIRECT_FLAGS`).
+def acs_redirect_flags(entry: dict | None, flags: tuple[str, ...] = ACS_REDIRECT_FLAGS) -> list[str] | None:
+    """ACS control flags of one port that redirect peer requests (`ACS_REDIRECT_FLAGS`; or those
+    of `flags`).
 
     + entry: the PciAcs fact's value for the bridge,
       ``{"status": "enabled", "redirect": True, "ctl": {"ReqRedir": True, …}}``
 
-    Returns the redirecting flags that are on (``[]`` when none or no ACS capability), or ``None``
+    Returns the flags of `flags` that are on (``[]`` when none or no ACS capability), or ``None``
     when the state is unknown (no lspci, capabilities unreadable, bridge not listed).
     """
     if not entry or entry.get("status") == "unknown":
         return None
     ctl = entry.get("ctl") or {}
-    return [flag for flag in ACS_REDIRECT_FLAGS if ctl.get(flag)]
+    return [flag for flag in flags if ctl.get(flag)]
 
 
 def gpu_inventory(
@@ -247,7 +263,50 @@ def _role_reason(gpu: dict) -> str | None:
     return None
 
 
-def _pair_verdict(a, b, *, topology, p2p_read, p2p_write, iommu, sev_snp, acs, pci) -> dict:
+def consumer_gpu(gpu: dict) -> bool:
+    """A GeForce/TITAN card by the driver's model name (`CONSUMER_MODEL_WORDS`)."""
+    model = (gpu.get("model") or "").lower()
+    return any(word in model for word in CONSUMER_MODEL_WORDS)
+
+
+def static_bar1_missing(registry: dict | None, bdf: str | None) -> list[str] | None:
+    """The `STATIC_BAR1_KEYS` the loaded driver was not given for this GPU (its
+    RegistryDwordsPerDevice entry, else RegistryDwords), as ``name=value`` texts; ``None`` when
+    /proc/driver/nvidia/params was not read (`facts.nvidia.parse_registry_dwords`)."""
+    if registry is None:
+        return None
+    keys = {**registry.get("global", {}), **registry.get("per_device", {}).get(bdf or "", {})}
+    return [f"{name}={value}" for name, value in STATIC_BAR1_KEYS.items() if keys.get(name) != value]
+
+
+def _static_bar1_reason(a: dict, b: dict, registry: dict | None) -> str | None:
+    """Why a consumer pair the driver says OK for over PCIe is still unsafe, or None."""
+    if not (consumer_gpu(a) and consumer_gpu(b)):
+        return None
+    missing = {_label(gpu): static_bar1_missing(registry, gpu["bdf"]) for gpu in (a, b)}
+    if registry is not None and not any(missing.values()):
+        return None
+    if registry is None:
+        lacks = "/proc/driver/nvidia/params was not read, so whether the driver maps all of VRAM into BAR1 is unknown"
+    else:
+        needed = sorted({key for keys in missing.values() for key in keys or []})
+        lacks = (f"the loaded driver's RegistryDwords (/proc/driver/nvidia/params) lack {';'.join(needed)}, so it "
+                 "does not map all of VRAM into BAR1 (static BAR1)")
+    return (f"{_label(a)} and {_label(b)} are GeForce cards and the driver answers P2P OK over PCIe (a P2P-patched "
+            f"driver: NVIDIA's own refuses it for them), but {lacks}: there the driver still answers OK while no "
+            "byte reaches the peer and NCCL hung in its init. The OK is not proof; what decides is "
+            "RMForceStaticBar1=1;PeerMappingOverride=1 in NVreg_RegistryDwords, a BAR1 as large as VRAM and a "
+            "transfer checked on the receiving GPU")
+
+
+def shared_clique(acs: dict | None, a: dict, b: dict) -> int | None:
+    """The GPUDirect clique both GPUs carry in their config space (`PciAcs` ``clique``: QEMU's
+    x-nv-gpudirect-clique inside a VM), None when they share none."""
+    cliques = {((acs or {}).get(gpu["bdf"] or "") or {}).get("clique") for gpu in (a, b)}
+    return cliques.pop() if len(cliques) == 1 else None
+
+
+def _pair_verdict(a, b, *, topology, p2p_read, p2p_write, iommu, sev_snp, acs, pci, registry=None) -> dict:
     blocking: list[tuple[str, str]] = []  # (kind, sentence): make P2P impossible
     unsafe: list[tuple[str, str]] = []    # make it unsafe even where it happens
     unknown: list[tuple[str, str]] = []   # leave open whether it is possible
@@ -317,11 +376,25 @@ def _pair_verdict(a, b, *, topology, p2p_read, p2p_write, iommu, sev_snp, acs, p
             if (pci.get(bdf, {}).get("vendor"), pci.get(bdf, {}).get("device")) in VIRTUAL_ROOT_PORT_IDS
         ]
         if len(virtual_ports) == 2 and virtual_ports[0] != virtual_ports[1]:
-            blocking.append((
-                "virtual_root_port",
-                f"{la} and {lb} sit behind separate virtual root ports of this VM "
-                f"({virtual_ports[0]}, {virtual_ports[1]}): P2P between them is impossible",
-            ))
+            where = (f"{la} and {lb} sit behind separate virtual root ports of this VM "
+                     f"({virtual_ports[0]}, {virtual_ports[1]})")
+            clique = shared_clique(acs, a, b)
+            refused = any(code and code != "OK" for code in answers.values())
+            if not refused and (driver_ok or clique is not None):
+                # open-gpu-kernel-modules p2p_caps.c: a hypervisor's clique (hypervisor.c
+                # hypervisorPcieP2pDetection) answers OK before any check of the path
+                warrant = (f"the hypervisor put both in GPUDirect clique {clique} (QEMU x-nv-gpudirect-clique), "
+                           "which the driver takes as a warrant without checking the path, so "
+                           if clique is not None else "")
+                answer = "the driver answers P2P OK" if driver_ok else "the driver will answer P2P OK"
+                unsafe.append((
+                    "vm_clique",
+                    f"{where}, yet {warrant}{answer}: through QEMU's virtual root ports NCCL then used P2P and "
+                    "hung at its first collective (the writes never reached the peer GPU). The driver's OK is "
+                    "a claim here, not a path",
+                ))
+            else:
+                blocking.append(("virtual_root_port", f"{where}: P2P between them is impossible"))
         for port in path_ports(a, b) if acs is not None else []:
             flags = acs_redirect_flags(acs.get(port))
             kind = "root port" if port in (a["bridges"][:1] + b["bridges"][:1]) else "switch port"
@@ -330,11 +403,20 @@ def _pair_verdict(a, b, *, topology, p2p_read, p2p_write, iommu, sev_snp, acs, p
                 unsafe.append((
                     "acs",
                     f"ACS on {kind} {port} between {la} and {lb} has {words} on ({'+ '.join(flags)}+): peer "
-                    "requests are sent up to the root complex or checked there, where NCCL's P2P path "
+                    "requests are sent up to the root complex instead of to the peer, where NCCL's P2P path "
                     "hung until ACS was cleared",
                 ))
             elif flags is None:
                 notes.append(f"ACS state of {kind} {port} is unknown")
+            checks = acs_redirect_flags(acs.get(port), ACS_CHECK_FLAGS)
+            if checks and not flags:
+                words = " and ".join(ACS_FLAG_WORDS[flag] for flag in checks)
+                notes.append(f"ACS on {kind} {port} has {words} on ({'+ '.join(checks)}+): "
+                             "these do not redirect peer traffic (the kernel's p2pdma counts only "
+                             "Request/Completion Redirect and Egress Control)")
+        static_bar1 = _static_bar1_reason(a, b, registry) if driver_ok else None
+        if static_bar1:
+            unsafe.append(("static_bar1", static_bar1))
         if translating:
             which = " and ".join(f"{gpu['name'] or gpu['bdf']} (group {gpu['iommu_group']})" for gpu in translating)
             blocking.append((
@@ -396,10 +478,12 @@ REASON_KIND_WORDS = {
     "driver": "the driver reports P2P unsupported",
     "root_complex": "different root complexes with no P2P path",
     "root_complex_unknown": "different root complexes, P2P unknown until the driver answers",
-    "acs": "ACS redirect or source validation on a port of the path",
+    "acs": "ACS redirect on a port of the path",
     "iommu": "the IOMMU translates GPU DMA",
     "sev_snp": "SEV-SNP with a translating IOMMU (P2P DMA corrupts data)",
     "sev_snp_identity": "identity IOMMU domain for Blackwell GPUs on a SEV-SNP host",
+    "static_bar1": "GeForce P2P the driver says OK for without its static BAR1 mapping",
+    "vm_clique": "P2P the driver claims in a VM across virtual root ports (GPUDirect clique)",
     "path": "a P2P path exists",
 }
 
@@ -444,6 +528,7 @@ def p2p_verdict(
     sev_snp: dict | bool | None = None,
     acs: dict | None = None,
     roles: dict | None = None,
+    nvidia_params: dict | None = None,
 ) -> dict:
     """The P2P verdict for every GPU pair, from the facts' plain data.
 
@@ -453,6 +538,8 @@ def p2p_verdict(
     + topology: GpuTopology; p2p_read / p2p_write: GpuP2P with kind ``r`` / ``w``
     + iommu: IommuState (domain type per group); sev_snp: SevSnp (or a bool)
     + acs: PciAcs (ACS control per bridge BDF); roles: the spec's role per GPU BDF (``lxc``, ``vm:101``, …)
+    + nvidia_params: NvidiaDriverParams (/proc/driver/nvidia/params: the RM registry keys the
+      driver was loaded with; decides GeForce pairs, `_static_bar1_reason`)
 
     .. code:: python
 
@@ -465,9 +552,10 @@ def p2p_verdict(
          "gpus": [...gpu_inventory...], "sev_snp": True, "summary": "P2P is impossible for all 28 …"}
     """
     gpus = gpu_inventory(pci=pci, nvidia_gpus=nvidia_gpus, topology=topology, roles=roles)
+    registry = parse_registry_dwords(nvidia_params)
     pairs = [
         _pair_verdict(a, b, topology=topology, p2p_read=p2p_read, p2p_write=p2p_write,
-                      iommu=iommu, sev_snp=sev_snp, acs=acs, pci=pci)
+                      iommu=iommu, sev_snp=sev_snp, acs=acs, pci=pci, registry=registry)
         for a, b in combinations(gpus, 2)
     ]
     for gpu in gpus:

@@ -28,6 +28,7 @@ def verdict_from_hardware(hardware: dict, roles: dict | None = None) -> dict:
         sev_snp=hardware.get("sev_snp"),
         acs=hardware.get("pci_acs"),
         roles=roles,
+        nvidia_params=hardware.get("nvidia_params"),
     )
 
 

@@ -203,9 +203,9 @@ def test_gpus_passed_to_a_vm_are_not_the_hosts_and_lose_p2p_inside_the_vm():
     assert named["0000:41:00.0"] == "GPU0" and named["0000:e1:00.0"] == "GPU5"
 
 
-def test_inside_a_vm_each_gpu_behind_its_own_virtual_root_port():
+def vm_pci(cliques: tuple = (None, None)) -> dict:
+    """A QEMU q35 guest: two GPUs, each behind its own pcie-root-port (1b36:000c)."""
     pci = {}
-    bdfs = []
     for slot in range(2):
         port = f"0000:00:1c.{slot}"
         bdf = f"0000:0{slot + 1}:00.0"
@@ -213,14 +213,28 @@ def test_inside_a_vm_each_gpu_behind_its_own_virtual_root_port():
                                bridges=[], driver="pcieport")
         pci[bdf] = pci_device(vendor="10de", device="2bb5", cls="030200", root="pci0000:00",
                               bridges=[port], driver="nvidia")
-        bdfs.append(bdf)
-    (pair,) = p2p_verdict(pci=pci, iommu={"enabled": False, "groups": {}}, p2p_read=all_codes("OK", 2))["pairs"]
-    assert not pair["possible"]
+    return pci
+
+
+def test_inside_a_vm_each_gpu_behind_its_own_virtual_root_port():
+    """Without a driver answer and without a clique, or with the driver refusing: impossible, and
+    NCCL keeps off by itself. Issue 43 item 7: where the driver answers OK there (a hypervisor's
+    GPUDirect clique), the pair is unsafe, not impossible: NCCL follows the driver."""
+    pci = vm_pci()
+    (pair,) = p2p_verdict(pci=pci, iommu={"enabled": False, "groups": {}})["pairs"]
+    assert pair["status"] == "impossible"
     assert pair["reasons"] == [
         "GPU0 (0000:01:00.0) and GPU1 (0000:02:00.0) sit behind separate virtual root ports of this VM "
         "(0000:00:1c.0, 0000:00:1c.1): P2P between them is impossible"
     ]
     assert pair["level"] == "PHB"  # derived from sysfs: they meet at the host bridge
+    (refused,) = p2p_verdict(pci=pci, iommu={"enabled": False, "groups": {}}, p2p_read=all_codes("CNS", 2))["pairs"]
+    assert refused["status"] == "impossible" and refused["reason_kinds"] == ["driver", "virtual_root_port"]
+    (claimed,) = p2p_verdict(pci=pci, iommu={"enabled": False, "groups": {}}, p2p_read=all_codes("OK", 2))["pairs"]
+    assert claimed["status"] == "unsafe" and claimed["reason_kinds"] == ["vm_clique"]
+    assert claimed["reasons"][0].startswith(
+        "GPU0 (0000:01:00.0) and GPU1 (0000:02:00.0) sit behind separate virtual root ports of this VM "
+        "(0000:00:1c.0, 0000:00:1c.1), yet the driver answers P2P OK: through QEMU's virtual root ports NCCL")
 
 
 def switch_pci() -> dict:
@@ -275,23 +289,86 @@ def test_switch_without_acs_redirect_is_usable_and_unknown_acs_is_noted():
     assert "through at most one PCIe bridge" in pair["reasons"][0]
 
 
-def test_source_validation_alone_on_a_root_port_of_a_node_pair_makes_it_unsafe():
-    """Issue 30: GPUs under different root complexes (NODE), the driver says OK, the IOMMU is in
-    identity mode: before, only bridges inside a shared hierarchy were looked at and the pair was
-    usable; the root ports' ACS decides too."""
-    sv_only = {"status": "enabled", "redirect": False,
-               "ctl": {"SrcValid": True, "ReqRedir": False, "CmpltRedir": False, "UpstreamFwd": False}}
+def test_source_validation_alone_on_a_root_port_of_a_node_pair_does_not_make_it_unsafe():
+    """Issue 30 looked at the root ports of NODE pairs; issue 43 item 6: Source Validation alone
+    redirects nothing (the kernel's p2pdma.c pci_bridge_has_acs_redir tests RR|CR|EC only): the
+    pair stays usable and the port's bits are a note; Request Redirect on the same port decides."""
+    sv_ctl = {"SrcValid": True, "ReqRedir": False, "CmpltRedir": False, "UpstreamFwd": False}
+    sv_only = {"status": "enabled", "redirect": False, "ctl": sv_ctl}
     ports = {f"0000:{bus}:01.1": (sv_only if bus == "20" else acs(False)) for bus in KPRO6_ROOTS}
     verdict = kpro6_verdict(p2p_read=all_codes("OK"), p2p_write=all_codes("OK"), iommu=kpro6_iommu("identity"),
                             sev_snp=False, acs=ports)
     pairs = {tuple(p["names"]): p for p in verdict["pairs"]}
-    bad = pairs[("GPU0", "GPU1")]
-    assert bad["possible"] and bad["safe"] is False and bad["status"] == "unsafe"
-    assert bad["reason_kinds"] == ["acs"]
-    assert "ACS on root port 0000:20:01.1 between GPU0 (0000:01:00.0) and GPU1 (0000:21:00.0) has Source " \
-           "Validation on (SrcValid+)" in bad["reasons"][0]
-    assert pairs[("GPU0", "GPU2")]["status"] == "usable"
+    assert {p["status"] for p in verdict["pairs"]} == {"usable"}
+    assert "ACS on root port 0000:20:01.1 has Source Validation on (SrcValid+): these do not redirect peer " \
+           "traffic" in pairs[("GPU0", "GPU1")]["notes"][1]
+    ports["0000:20:01.1"] = {**sv_only, "ctl": {**sv_ctl, "ReqRedir": True}}
+    verdict = kpro6_verdict(p2p_read=all_codes("OK"), p2p_write=all_codes("OK"), iommu=kpro6_iommu("identity"),
+                            sev_snp=False, acs=ports)
+    bad = {tuple(p["names"]): p for p in verdict["pairs"]}[("GPU0", "GPU1")]
+    assert bad["status"] == "unsafe" and bad["reason_kinds"] == ["acs"]
+    assert "ACS on root port 0000:20:01.1 between GPU0 (0000:01:00.0) and GPU1 (0000:21:00.0) has P2P Request " \
+           "Redirect on (ReqRedir+)" in bad["reasons"][0]
     assert sum(p["status"] == "unsafe" for p in verdict["pairs"]) == 7  # every pair with GPU1
+
+
+# Issue 43 item 6: the ACSCtl line of the PEX890xx switch ports on an 8x RTX PRO 6000 host that
+# measured P2P on all 28 pairs (lspci -vvv prints all seven bits; the issue quotes SrcValid+ and
+# UpstreamFwd+ with the redirects off).
+PEX890XX_ACSCTL = "\t\tACSCtl:\tSrcValid+ TransBlk- ReqRedir- CmpltRedir- UpstreamFwd+ EgressCtrl- DirectTrans-"
+
+
+def pex890xx_host() -> tuple[dict, dict]:
+    """8 GPUs behind two Broadcom PEX890xx switches (1000:c030), one per root complex and NUMA
+    node: root port -> switch upstream port -> 4 downstream ports -> one GPU each. Every bridge's
+    config space carries an ACS capability with the control word of the issue's ACSCtl line."""
+    pci: dict = {}
+    for numa, bus in enumerate((0x00, 0x80)):
+        root = f"pci0000:{bus:02x}"
+        rp, usp = f"0000:{bus:02x}:01.1", f"0000:{bus + 1:02x}:00.0"
+        pci[rp] = pci_device(vendor="1022", device="14ab", cls="060400", root=root, bridges=[], numa=numa)
+        pci[usp] = pci_device(vendor="1000", device="c030", cls="060400", root=root, bridges=[rp], numa=numa)
+        for slot in range(4):
+            dsp = f"0000:{bus + 2:02x}:{slot:02x}.0"
+            pci[dsp] = pci_device(vendor="1000", device="c030", cls="060400", root=root, bridges=[rp, usp],
+                                  numa=numa)
+            pci[f"0000:{bus + 3 + slot:02x}:00.0"] = pci_device(
+                vendor="10de", device="2bb5", cls="030200", root=root, bridges=[rp, usp, dsp], driver="nvidia",
+                numa=numa)
+    gpus = sorted(bdf for bdf, dev in pci.items() if dev["class"] == "030200")
+    nvidia_gpus = {bdf: {"model": BLACKWELL, "minor": i} for i, bdf in enumerate(gpus)}
+    return pci, nvidia_gpus
+
+
+def test_pex890xx_switch_ports_with_source_validation_and_upstream_forwarding_leave_all_28_pairs_usable(tmp_path):
+    """Issue 43 item 6: the config bytes that give exactly the issue's ACSCtl bits, read by
+    PciAcs's own command from a sysfs tree, agree with the lspci line; with them on every port,
+    every pair the driver answers OK for is usable (before: all 28 unsafe, NCCL_P2P_DISABLE=1)."""
+    from facts.pci import ACS_FLAGS, parse_acs
+    from plan.nccl import nccl_environment
+    from tests.unit.test_pci_acs_config import config, read_acs
+
+    pci, nvidia_gpus = pex890xx_host()
+    ctl_word = sum(1 << bit for bit, flag in enumerate(ACS_FLAGS) if f"{flag}+" in PEX890XX_ACSCTL)
+    assert ctl_word == 0x11  # PCI_ACS_SV | PCI_ACS_UF (include/uapi/linux/pci_regs.h)
+    bridges = {bdf: ("0x060400", config(caps=[(0x0001, 0), (0x000D, ctl_word)]))
+               for bdf, dev in pci.items() if dev["class"] == "060400"}
+    read, _ = read_acs(tmp_path, bridges)
+    from_lspci = parse_acs(["0000:02:00.0 0604: 1000:c030", PEX890XX_ACSCTL])["0000:02:00.0"]
+    assert {bdf: entry["ctl"] for bdf, entry in read.items()} == {bdf: from_lspci["ctl"] for bdf in bridges}
+    assert from_lspci["redirect"] is False and from_lspci["status"] == "enabled"
+
+    verdict = p2p_verdict(pci=pci, nvidia_gpus=nvidia_gpus, acs=read, p2p_read=all_codes("OK"),
+                          p2p_write=all_codes("OK"), iommu={"enabled": False, "groups": {}}, sev_snp=False)
+    assert len(verdict["pairs"]) == 28
+    assert {p["status"] for p in verdict["pairs"]} == {"usable"}
+    assert verdict["summary"].startswith("P2P is possible and safe for all 28 GPU pairs.")
+    pair = verdict["pairs"][0]
+    assert pair["level"] == "PIX"
+    assert "ACS on switch port 0000:02:00.0 has Source Validation and Upstream Forwarding on (SrcValid+ " \
+           "UpstreamFwd+): these do not redirect peer traffic" in pair["notes"][0]
+    env = nccl_environment(verdict, nccl_version="2.27.7", cpu_vendor="AuthenticAMD")
+    assert "NCCL_P2P_DISABLE" not in env and "NCCL_P2P_LEVEL" not in env and env == {}
 
 
 def test_no_driver_answer_across_root_complexes_is_unknown_not_impossible():
@@ -397,4 +474,136 @@ def test_real_recorded_acs_control_on_a_port_of_the_path_names_it():
                           iommu={"enabled": False, "groups": {}})["pairs"]
     assert pair["status"] == "unsafe" and pair["reason_kinds"] == ["acs"]
     assert f"ACS on switch port {port}" in pair["reasons"][0]
-    assert "(SrcValid+ ReqRedir+ CmpltRedir+ UpstreamFwd+)" in pair["reasons"][0]
+    # Source Validation and Upstream Forwarding redirect nothing (p2pdma.c): only RR and CR are named
+    assert "has P2P Request Redirect, P2P Completion Redirect on (ReqRedir+ CmpltRedir+)" in pair["reasons"][0]
+
+
+# Issue 43 item 8: GeForce cards on a P2P-patched open driver. The 5-GPU RTX 50-series EPYC host
+# of aikitoria/open-gpu-kernel-modules issue 13 (tests/fixtures: topo -m NODE/PHB, topo -p2p all OK);
+# the params file is the one recorded on the h200-vm (tests/fixtures/h200-vm/driver-params.txt,
+# format of nv-procfs.c) with its RegistryDwords line as the user of club-3090 issue 873 / docs
+# PCIE_P2P.md confirmed it live: "RMForceStaticBar1=1;PeerMappingOverride=1".
+AIKITORIA_MODELS = ("NVIDIA GeForce RTX 5090", "NVIDIA GeForce RTX 5080", "NVIDIA GeForce RTX 5070 Ti",
+                    "NVIDIA GeForce RTX 5060 Ti", "NVIDIA GeForce RTX 5090")
+STATIC_BAR1_LINE = 'RegistryDwords: "RMForceStaticBar1=1;PeerMappingOverride=1"'
+
+
+def params_with(registry_line: str | None) -> dict:
+    from facts.nvidia import parse_colon_params
+
+    lines = fixture_lines("h200-vm/driver-params.txt")
+    if registry_line is not None:
+        lines = [registry_line if line.startswith("RegistryDwords:") else line for line in lines]
+    return parse_colon_params(lines)
+
+
+def geforce_verdict(nvidia_params: dict | None) -> dict:
+    topology = parse_topo_matrix(fixture_lines("topo-m/5gpu-rtx50-epyc-node-phb-aikitoria-13.txt"))
+    p2p = parse_p2p_matrix(fixture_lines(
+        "topo-p2p/5gpu-rtx50-epyc-p2p-p-all-ok-patched-plus-usage-error-fragment.txt"))
+    gpus = {f"0000:{bus}:00.0": {"model": model, "minor": i}
+            for i, (bus, model) in enumerate(zip(("01", "21", "41", "61", "81"), AIKITORIA_MODELS, strict=True))}
+    return p2p_verdict(topology=topology, nvidia_gpus=gpus, p2p_read=p2p, p2p_write=p2p,
+                       nvidia_params=nvidia_params)
+
+
+def test_geforce_pairs_the_patched_driver_says_ok_for_are_unsafe_without_the_static_bar1_mapping():
+    from plan.nccl import nccl_environment
+
+    verdict = geforce_verdict(params_with(None))  # the recorded file: RegistryDwords: ""
+    assert len(verdict["pairs"]) == 10
+    for pair in verdict["pairs"]:
+        assert pair["driver_read"] == "OK" and pair["status"] == "unsafe" and pair["reason_kinds"] == ["static_bar1"]
+    reason = verdict["pairs"][0]["reasons"][0]
+    assert reason.startswith("GPU0 (0000:01:00.0) and GPU1 (0000:21:00.0) are GeForce cards and the driver "
+                             "answers P2P OK over PCIe")
+    assert "lack PeerMappingOverride=1;RMForceStaticBar1=1" in reason and "The OK is not proof" in reason
+    env = nccl_environment(verdict, nccl_version="2.27.7", cpu_vendor="AuthenticAMD")
+    assert env["NCCL_P2P_DISABLE"]["value"] == "1" and "GeForce cards" in env["NCCL_P2P_DISABLE"]["reason"]
+    assert env["NCCL_WIN_ENABLE"]["value"] == "0"
+
+    # with the mapping on, the driver's OK stands
+    mapped = geforce_verdict(params_with(STATIC_BAR1_LINE))
+    assert {p["status"] for p in mapped["pairs"]} == {"usable"}
+    assert nccl_environment(mapped, nccl_version="2.27.7", cpu_vendor="AuthenticAMD") == {}
+    # only one of the two keys, or AUTO (2): still unsafe, naming what is missing
+    half = geforce_verdict(params_with('RegistryDwords: "RMForceStaticBar1=2;PeerMappingOverride=1"'))
+    assert "lack RMForceStaticBar1=1," in half["pairs"][0]["reasons"][0]
+    # per GPU (RegistryDwordsPerDevice) for GPU0 and GPU1 only: their pair is usable, the others not
+    per_device = params_with(None)
+    per_device["RegistryDwordsPerDevice"] = (
+        '"pci=0000:01:00.0;RMForceStaticBar1=1;PeerMappingOverride=1;pci=21:00;RMForceStaticBar1=0x1;'
+        'PeerMappingOverride=1"')
+    statuses = {tuple(p["names"]): p["status"] for p in geforce_verdict(per_device)["pairs"]}
+    assert statuses[("GPU0", "GPU1")] == "usable" and statuses[("GPU0", "GPU2")] == "unsafe"
+    # params not read at all: unknown mapping, still unsafe
+    assert "was not read" in geforce_verdict(None)["pairs"][0]["reasons"][0]
+
+
+def test_geforce_pairs_the_driver_refuses_or_joins_by_nvlink_are_not_the_static_bar1_case():
+    topology = parse_topo_matrix(fixture_lines("topo-m/2x-rtx5090-threadripper-3975wx-phb.txt"))
+    p2p = parse_p2p_matrix(fixture_lines("topo-p2p/2x-rtx5090-threadripper-3975wx-p2p-rw-gns.txt"))
+    gpus = {"0000:01:00.0": {"model": "NVIDIA GeForce RTX 5090"}, "0000:41:00.0": {"model": "NVIDIA GeForce RTX 5090"}}
+    (pair,) = p2p_verdict(topology=topology, p2p_read=p2p, nvidia_gpus=gpus, nvidia_params=params_with(None))["pairs"]
+    assert pair["reason_kinds"] == ["driver"]
+    topology = parse_topo_matrix(fixture_lines("topo-m/2x-rtx3090-nvlink-nv4-x299-proxmox-lxc.txt"))
+    ok = parse_p2p_matrix(fixture_lines("topo-p2p/2x-rtx3090-nvlink-p2p-ok-proxmox-lxc.txt"))
+    gpus = {"0000:17:00.0": {"model": "NVIDIA GeForce RTX 3090"}, "0000:65:00.0": {"model": "NVIDIA GeForce RTX 3090"}}
+    (pair,) = p2p_verdict(topology=topology, p2p_read=ok, nvidia_gpus=gpus, nvidia_params=params_with(None))["pairs"]
+    assert pair["status"] == "usable" and pair["level"] == "NV4"
+
+
+def test_the_hardware_probes_params_reach_the_verdict_and_the_report():
+    """verdict_from_hardware hands the HardwareProbe's nvidia_params (NvidiaDriverParams) on: the
+    topology report and its NCCL lines say why the GeForce pairs are unsafe."""
+    from plan.nccl import nccl_environment
+    from plan.topology_report import topology_text, verdict_from_hardware
+
+    base = geforce_verdict(None)
+    topology = parse_topo_matrix(fixture_lines("topo-m/5gpu-rtx50-epyc-node-phb-aikitoria-13.txt"))
+    p2p = parse_p2p_matrix(fixture_lines(
+        "topo-p2p/5gpu-rtx50-epyc-p2p-p-all-ok-patched-plus-usage-error-fragment.txt"))
+    gpus = {g["bdf"]: {"model": AIKITORIA_MODELS[i]} for i, g in enumerate(base["gpus"])}
+    hardware = {"topology": topology, "nvidia_gpus": gpus, "p2p_read": p2p, "p2p_write": p2p,
+                "nvidia_params": params_with(None)}
+    verdict = verdict_from_hardware(hardware)
+    text = topology_text("epyc", hardware, verdict, nccl_environment(verdict, nccl_version="2.27.7"))
+    assert "GeForce P2P the driver says OK for without its static BAR1 mapping: 10 of 10" in text
+    assert "NCCL_P2P_DISABLE=1" in text
+    hardware["nvidia_params"] = params_with(STATIC_BAR1_LINE)
+    assert {p["status"] for p in verdict_from_hardware(hardware)["pairs"]} == {"usable"}
+
+
+def test_a_vm_whose_gpus_share_a_gpudirect_clique_is_unsafe_and_nccl_p2p_is_disabled(tmp_path):
+    """Issue 43 item 7: a q35 guest whose two GPUs carry QEMU's x-nv-gpudirect-clique capability
+    (config bytes laid out as the cloud T4 guest's lspci shows, read by PciAcs's own command):
+    the driver answers OK (club-3090 docs/PCIE_P2P.md: topo -p2p went CNS -> OK with the clique)
+    and NCCL hung at the first collective until NCCL_P2P_DISABLE=1. Before: "impossible", no
+    NCCL variable."""
+    from facts.pci import PciAcs
+    from plan.nccl import nccl_environment
+    from tests.unit.test_pci_acs_config import _out, _sysfs, config, guest_gpu_config
+
+    pci = vm_pci()
+    env = _sysfs(tmp_path, {"0000:00:1c.0": ("0x060400", config(caps=[(0x000D, 0)])),
+                            "0000:00:1c.1": ("0x060400", config(caps=[(0x000D, 0)])),
+                            "0000:01:00.0": ("0x030200", guest_gpu_config(1)),
+                            "0000:02:00.0": ("0x030200", guest_gpu_config(1))})
+    for bdf in ("0000:01:00.0", "0000:02:00.0"):
+        (tmp_path / "sys/bus/pci/devices" / bdf / "vendor").write_text("0x10de\n")
+    acs = PciAcs().process(_out(tmp_path, PciAcs().command, env).splitlines())
+    iommu = {"enabled": False, "groups": {}}
+    for answer in ("OK", None):
+        (pair,) = p2p_verdict(pci=pci, acs=acs, iommu=iommu,
+                              p2p_read=all_codes(answer, 2) if answer else None)["pairs"]
+        assert pair["status"] == "unsafe" and pair["reason_kinds"] == ["vm_clique"]
+        assert "the hypervisor put both in GPUDirect clique 1 (QEMU x-nv-gpudirect-clique)" in pair["reasons"][0]
+        assert "NCCL then used P2P and hung at its first collective" in pair["reasons"][0]
+        nccl = nccl_environment({"pairs": [pair]}, nccl_version="2.21.5")
+        assert nccl["NCCL_P2P_DISABLE"]["value"] == "1"
+        assert "GPUDirect clique 1" in nccl["NCCL_P2P_DISABLE"]["reason"]
+        assert nccl["NCCL_P2P_DISABLE"]["unknown"] is (answer is None)
+    # different cliques: the driver's chipset check decides (a q35 host bridge: CNS), impossible
+    acs["0000:02:00.0"] = {**acs["0000:02:00.0"], "clique": 2}
+    (pair,) = p2p_verdict(pci=pci, acs=acs, iommu=iommu)["pairs"]
+    assert pair["status"] == "impossible" and pair["reason_kinds"] == ["virtual_root_port"]

@@ -165,3 +165,47 @@ def test_the_fallback_walks_each_bridge_with_the_one_awk_as_the_shell_walk_did(t
         assert {v["status"] for v in acs.values()} == {"unknown"} and len(acs) == 5
     else:
         assert acs["0000:00:01.1"]["status"] == "enabled" and acs["0000:40:03.1"]["status"] == "unknown"
+
+
+def guest_gpu_config(clique: int | None, at: int = 0xD4) -> bytes:
+    """A guest GPU's config space with the standard capability chain lspci -v printed for a Tesla
+    T4 passed to a cloud VM (public CUDA driver notes, search-index file id 44355206012: [60] Power
+    Management, [68] #00, [78] Express Endpoint, [c8] MSI-X, [d4] Vendor Specific Information:
+    Len=08) and, at the last one, the Virtual P2P Approval capability as QEMU's
+    vfio_add_nv_gpudirect_cap() writes it (ID 9, length 8, "P2P", clique << 3; at 0xD4 where
+    MSI-X holds 0xC8). ``clique=None``: a vendor capability without the signature."""
+    data = bytearray(4096)
+    struct.pack_into("<HH", data, 0, 0x10DE, 0x1EB8)
+    data[9:12] = bytes.fromhex("030200")[::-1]
+    data[0x34] = 0x60
+    chain = [(0x60, 0x01), (0x68, 0x00), (0x78, 0x10), (0xC8, 0x11), (at, 0x09)]
+    for index, (offset, cap_id) in enumerate(chain):
+        data[offset] = cap_id
+        data[offset + 1] = chain[index + 1][0] if index + 1 < len(chain) else 0
+    if clique is not None:
+        data[at + 2:at + 8] = bytes([8]) + b"P2P" + bytes([clique << 3, 0])
+    return bytes(data)
+
+
+def test_a_guest_gpus_gpudirect_clique_is_read_from_its_config_in_the_same_od(tmp_path):
+    """Issue 43 item 7: NVIDIA functions' configs ride in PciAcs's one od; the awk walks their
+    capability list as the driver's chipset_pcie.c does and prints the clique (or none)."""
+    env = _sysfs(tmp_path, {
+        "0000:00:1c.0": ("0x060400", config(caps=[(0x000D, 0)])),
+        "0000:01:00.0": ("0x030200", guest_gpu_config(3)),
+        "0000:02:00.0": ("0x030200", guest_gpu_config(3, at=0xC8)),  # the QEMU default offset
+        "0000:03:00.0": ("0x030200", guest_gpu_config(None)),        # vendor cap, no P2P signature
+        "0000:04:00.0": ("0x030200", guest_gpu_config(5)[:64]),      # a non-root reader's 64 bytes
+        "0000:05:00.0": ("0x030200", guest_gpu_config(7)),           # not NVIDIA: not read
+    })
+    for bdf in ("0000:01:00.0", "0000:02:00.0", "0000:03:00.0", "0000:04:00.0"):
+        (tmp_path / "sys/bus/pci/devices" / bdf / "vendor").write_text("0x10de\n")
+    (tmp_path / "sys/bus/pci/devices/0000:05:00.0/vendor").write_text("0x1002\n")
+    out = _out(tmp_path, PciAcs().command, env)
+    assert (tmp_path / "od.log").read_text().count("od") == 1
+    acs = PciAcs().process(out.splitlines())
+    assert {bdf: (e["clique"], e["clique_read"]) for bdf, e in acs.items() if e["status"] == "gpu"} == {
+        "0000:01:00.0": (3, True), "0000:02:00.0": (3, True), "0000:03:00.0": (None, True),
+        "0000:04:00.0": (None, False)}
+    assert acs["0000:00:1c.0"]["status"] == "disabled"
+    assert "0000:05:00.0" not in acs

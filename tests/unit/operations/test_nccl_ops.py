@@ -393,3 +393,36 @@ def test_services_running_vllm_with_custom_allreduce_are_warned_where_p2p_stops(
     assert any(line.startswith("NCCL: WARNING: vllm.service runs vLLM") for line in nccl.describe(want))
     command = nccl.NcclState().command([nccl.dropin_path("vllm.service")], [])
     assert "systemctl cat -- vllm.service" in command
+
+
+# club-3090 docs/PCIE_P2P.md, "Proxmox recipe" for x-nv-gpudirect-clique (a VM config's lines)
+CLIQUE_VM_CONF = [
+    "cpu: host,flags=+pcid",
+    "hostpci0: 0000:81:00.0,pcie=1",
+    "hostpci1: 0000:c1:00.0,pcie=1",
+    "args: -set device.hostpci0.x-nv-gpudirect-clique=1 -set device.hostpci1.x-nv-gpudirect-clique=1",
+    "machine: q35",
+]
+
+
+def test_a_vm_config_whose_args_put_its_gpus_in_one_gpudirect_clique_is_warned_in_dry():
+    """Issue 43 item 7 on the host: pvegpu writes no NCCL file inside a VM, so --dry says what the
+    operator must set in the guest; the VM config is read by QemuConfigs' own parser. Before: no
+    line at all."""
+    from facts.proxmox import parse_guest_configs
+
+    configs = parse_guest_configs(["@@ /etc/pve/qemu-server/101.conf", *CLIQUE_VM_CONF,
+                                   "@@ /etc/pve/qemu-server/102.conf", "hostpci0: 0000:41:00.0,pcie=1",
+                                   "args: -set device.hostpci0.x-nv-gpudirect-clique=2"], "qemu")
+    want = nccl.desired(kpro6_spec(), kpro6_hardware(), rdma_devices=[], qemu_configs=configs)
+    warned = [line for line in nccl.describe(want) if "GPUDirect clique" in line]
+    assert warned == [
+        "NCCL: WARNING: VM 101: its args put hostpci0, hostpci1 in GPUDirect clique 1 (x-nv-gpudirect-clique): "
+        "inside the VM the NVIDIA driver answers P2P OK across QEMU's virtual root ports, where NCCL used P2P "
+        "and hung at its first collective; pvegpu writes no NCCL file inside a VM: set NCCL_P2P_DISABLE=1 in "
+        "the guest (its /etc/nccl.conf or the services' environment), or drop the clique from args"]
+    from plan.nccl import vm_clique_warnings
+
+    device_form = {"103": {"options": {"args": "-device vfio-pci,host=0000:81:00.0,id=gpu0,x-nv-gpudirect-clique=4 "
+                                                "-device vfio-pci,host=0000:c1:00.0,id=gpu1,x-nv-gpudirect-clique=4"}}}
+    assert "VM 103: its args put gpu0, gpu1 in GPUDirect clique 4" in vm_clique_warnings(device_form)[0]
