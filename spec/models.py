@@ -166,13 +166,14 @@ class SigningSpec(Strict):
 class KernelSourceSpec(Strict):
     kind: Literal["proxmox-git", "tarball"] = "proxmox-git"
     url: SafeStr  # proxmox-git: spec.values.git_url; tarball: spec.values.source_location
-    ref: Annotated[SafeStr, AfterValidator(V.git_ref)] | None = None  # git ref for proxmox-git (pinned: a tag or commit)
+    ref: Annotated[SafeStr, AfterValidator(V.git_ref)] | None = None  # proxmox-git: the full id of the commit to build
     sha256: SafeStr | None = None  # for tarball
 
     @model_validator(mode="after")
     def _pinned(self) -> KernelSourceSpec:
         if self.kind == "proxmox-git" and not self.ref:
-            raise ValueError("a proxmox-git source needs 'ref' (a tag or commit) so builds are reproducible")
+            raise ValueError("a proxmox-git source needs 'ref' (the full 40-hex id of the commit to build) so builds are "
+                             "reproducible and what is built is what was reviewed")
         try:
             (V.git_url if self.kind == "proxmox-git" else V.source_location)(self.url)
         except ValueError as exc:
