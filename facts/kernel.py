@@ -32,16 +32,30 @@ def kernel_version_key(release: str) -> list:
     return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", release) if part]
 
 
+def _ends_kernel_args(word: str) -> bool:
+    """A lone `--` (quoted or not, no `=`): the kernel stops reading parameters there and hands the
+    rest to init (kernel/params.c parse_args: `!val && strcmp(param, "--") == 0` returns the rest,
+    which init/main.c start_kernel parses as init's arguments with set_init_arg; lib/cmdline.c
+    next_arg drops the quotes of a word that starts with one)."""
+    if word.startswith('"'):
+        word = word[1:-1] if word.endswith('"') and len(word) > 1 else word[1:]
+    return word == "--"
+
+
 def parse_cmdline_text(text: str) -> dict:
-    """`a=1 ro x="y z"` → raw, args (in order, repeats kept) and params (last value wins)."""
+    """`a=1 ro x="y z" -- --addr 0.0.0.0:2024` → raw, args (the kernel's, in order, repeats kept),
+    params (last value wins) and init_args (the words after a lone `--`, which go to init, not the
+    kernel: `_ends_kernel_args`)."""
     text = text.strip()
     # Kernel quoting is double quotes only; backslashes (initrd=\EFI\…) are literal.
-    args = re.findall(r'(?:[^\s"]+|"[^"]*")+', text)
+    words = re.findall(r'(?:[^\s"]+|"[^"]*")+', text)
+    end = next((i for i, w in enumerate(words) if _ends_kernel_args(w)), None)
+    args, init_args = (words, []) if end is None else (words[:end], words[end + 1:])
     params: dict[str, str | None] = {}
     for arg in args:
         key, sep, value = arg.partition("=")
         params[key.replace('"', "")] = value.replace('"', "") if sep else None
-    return {"raw": text, "args": args, "params": params}
+    return {"raw": text, "args": args, "params": params, "init_args": init_args}
 
 
 def parse_proc_cmdline(output_lines: list[str]) -> dict | None:
@@ -326,7 +340,10 @@ class KernelCmdline(ShellFact):
         {"raw": "BOOT_IMAGE=/boot/vmlinuz-6.8.12-4-pve ro quiet amd_iommu=on",
          "args": ["BOOT_IMAGE=/boot/vmlinuz-6.8.12-4-pve", "ro", "quiet", "amd_iommu=on"],
          "params": {"BOOT_IMAGE": "/boot/vmlinuz-6.8.12-4-pve", "ro": None, "quiet": None,
-                    "amd_iommu": "on"}}
+                    "amd_iommu": "on"},
+         "init_args": []}     # the words after a lone `--`: init's, not the kernel's
+
+    ``args`` and ``params`` hold the kernel's parameters only.
     """
 
     command = read_file("/proc/cmdline")
