@@ -10,12 +10,12 @@ import re
 from pyinfra.api import FactBase
 
 from facts.base import ShellFact
+from facts.compilers import compiler_version
 from facts.nvidia import SECURE_BOOT_EFIVAR, parse_mok, parse_secure_boot
 from facts.sections import PROBE_SECTION, parse_sections, split_sections
 from facts.shared import EACH_FILE, first_line, read_file, uname
 from facts.shell import operands, word  # the one quoting helper (plan.render gives it to the templates)
 
-VERSION = r"\d+\.\d+\.\d+"
 # The kernel stage's host paths (`KernelStageFacts` reads them; plan.kernel and operations.kernel
 # write them, under the same names through plan.kernel).
 BUILD_ROOT = "/var/lib/pvegpu/kernel-build"
@@ -154,14 +154,6 @@ def parse_boot_loader(output_lines: list[str]) -> dict:
         "grub": grub,
         "kernel_cmdline": kernel_cmdline,
     }
-
-
-def compiler_version(text: str | None) -> str | None:
-    """GCC version inside a compiler banner: `gcc-12 (Debian 12.2.0-14) 12.2.0` → `12.2.0`."""
-    if not text or "gcc" not in text.lower():
-        return None
-    versions = re.findall(VERSION, text)
-    return versions[-1] if versions else None
 
 
 def parse_kernel_toolchain(output_lines: list[str]) -> dict:

@@ -8,6 +8,7 @@ import re
 from pyinfra.api import FactBase
 
 from facts.base import ShellFact
+from facts.compilers import compiler_version
 from facts.sections import SECTION, split_sections
 from facts.shared import EACH_FILE, UNAME, first_line, read_file, take
 from facts.shell import operands, word
@@ -32,9 +33,10 @@ def parse_driver_version(output_lines: list[str]) -> dict | None:
                 "gcc": None,
             }
             continue
-        match = re.match(r"^GCC version:.*?gcc version (\d+(?:\.\d+)+)", line)
-        if match and result is not None:
-            result["gcc"] = match.group(1)
+        # "GCC version:" then the last line of `$CC -v` (the driver's NV_COMPILER, kernel-open/nvidia/
+        # nvidia.Kbuild: `$(CC) -v 2>&1 | tail -n 1`): read as every GCC banner is (facts.compilers)
+        if line.startswith("GCC version:") and result is not None:
+            result["gcc"] = compiler_version(line[len("GCC version:"):])
     return result
 
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import re
 
+from facts.compilers import compiler_version
 from plan.render import render_template
 
 GIB_KIB = 1024 * 1024
-GCC_VERSION_RE = re.compile(r"\b(\d+\.\d+\.\d+)\b")
 
 # Blackwell dies by PCI device-id range (vendor 10de), from NVIDIA's published device ids:
 # GB100/GB102 (B100, B200 10de:2901, GB200) 29xx; GB202 (RTX 5090 10de:2b85, RTX PRO 6000
@@ -58,11 +58,9 @@ def build_jobs(cores: int, mem_total_kib: int, per_job_gib: int = 2) -> int:
 # -- toolchain (incident 1) ----------------------------------------------------------------
 
 def gcc_version(banner: str | None) -> str | None:
-    """`gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0` -> `12.2.0` (the last x.y.z of the banner)."""
-    if not banner:
-        return None
-    found = GCC_VERSION_RE.findall(banner)
-    return found[-1] if found else None
+    """`gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0` -> `12.2.0`: GCC's version where GCC prints it
+    (facts.compilers.compiler_version, the one reader of compiler banners)."""
+    return compiler_version(banner)
 
 
 def _banner_tail(banner: str) -> str:
