@@ -92,17 +92,36 @@ def parse_grub_defaults(lines: list[str], variables: dict[str, str] | None = Non
     return variables
 
 
+def _esp_status(uuid: str, detail: str, firmware: str | None) -> dict:
+    """One ESP of `proxmox-boot-tool status`. Its detail (proxmox-boot-tool `_status_detail`) is
+    `uefi (versions: A, B)` where the ESP has loader/loader.conf, `grub (versions: C)` where it has
+    grub/, both joined by ", " where it has both, or nothing: `modes` holds each part's versions.
+    `mode` is the loader `proxmox-boot-tool refresh` sets up there (proxmox-boot/zz-proxmox-boot:
+    GRUB where EFI/proxmox/grubx64.efi is, else systemd-boot when the firmware is UEFI and GRUB when
+    it is BIOS): the only part, or for both the firmware's (status does not show grubx64.efi);
+    `versions` are that mode's."""
+    modes: dict[str, list[str]] = {}
+    for match in re.finditer(r"(\w[\w-]*)(?: \(versions: ([^()]*)\))?(?:, |$)", detail.strip()):
+        if match.group(1):
+            modes[match.group(1)] = [v.strip() for v in (match.group(2) or "").split(",") if v.strip()]
+    if len(modes) > 1 and {"uefi", "grub"} <= set(modes):
+        mode: str | None = "uefi" if firmware == "uefi" else "grub"
+    else:
+        mode = next(iter(modes), None)
+    return {"uuid": uuid, "mode": mode, "versions": modes.get(mode or "", []), "modes": modes}
+
+
 def parse_boot_loader(output_lines: list[str]) -> dict:
     """Pure parser of `BootLoader.command` output (shape: see `BootLoader`)."""
     sections = split_sections(output_lines)
-    esps = []
-    for line in sections.get("proxmox-boot-tool status", []):
-        match = re.match(r"^(\S+) is configured with: (\w[\w-]*)(?: \(versions: (.*)\))?", line.strip())
-        if match:
-            versions = [v.strip() for v in (match.group(3) or "").split(",") if v.strip()]
-            esps.append({"uuid": match.group(1), "mode": match.group(2), "versions": versions})
     firmware_lines = [line.strip() for line in sections.get("firmware", []) if line.strip()]
     firmware = firmware_lines[0] if firmware_lines else None
+    esps = []
+    for line in sections.get("proxmox-boot-tool status", []):
+        match = re.match(r"^(\S+) is configured with: ?(.*)$", line.strip())
+        esp = _esp_status(match.group(1), match.group(2), firmware) if match else None
+        if esp and esp["mode"]:  # an ESP with neither loader set up is no place to configure
+            esps.append(esp)
 
     kernel_cmdline = next(
         (line.strip() for line in sections.get("/etc/kernel/cmdline", [])
@@ -354,7 +373,8 @@ class BootLoader(ShellFact):
         {"loader": "systemd-boot",           # systemd-boot | grub | unknown
          "proxmox_boot_tool": True,          # ESPs managed by proxmox-boot-tool
          "firmware": "uefi",                 # uefi | bios
-         "esps": [{"uuid": "5E1A-0D2B", "mode": "uefi", "versions": ["6.8.12-4-pve"]}],
+         "esps": [{"uuid": "5E1A-0D2B", "mode": "uefi", "versions": ["6.8.12-4-pve"],
+                   "modes": {"uefi": ["6.8.12-4-pve"]}}],   # each loader set up there (`_esp_status`)
          "config_file": "/etc/kernel/cmdline",   # where the cmdline is configured
          "cmdline": "root=ZFS=rpool/ROOT/pve-1 boot=zfs amd_iommu=on",
          "params": {"root": "ZFS=rpool/ROOT/pve-1", "boot": "zfs", "amd_iommu": "on"},

@@ -226,6 +226,12 @@ CASES = [
                      ("@@ /etc/default/grub", None, None)],
            note=f"the {which} /etc/kernel/cmdline of this systemd-boot host")
       for which, line in (("default", 3), ("with-iommu", 5))],
+    case("kernel.BootLoader", "proxmox-boot-tool-one-esp-uefi-and-grub",
+         "proxmox-boot-tool/status-one-esp-uefi-and-grub.txt",
+         sections=[("@@ proxmox-boot-tool status", "proxmox-boot-tool/status-one-esp-uefi-and-grub.txt", None),
+                   ("@@ firmware", None, None), ("@@ /etc/kernel/cmdline", None, None), ("@@ /etc/default/grub", None, None)],
+         note="an ESP with both loaders (proxmox-boot-tool _status_detail): each part's versions; without a firmware "
+              "line the ESP's loader is GRUB's (zz-proxmox-boot sets up systemd-boot only under UEFI)"),
     case("kernel.KernelToolchain", "h200-vm-gcc-15", "h200-vm/proc-version.txt",
          sections=[("@@ /proc/version", "h200-vm/proc-version.txt", None)]),
     *[case("kernel.KernelToolchain", f"proc-version-{release}", "proc-version/percona-pmm-telemetry-hosts.txt",
