@@ -11,7 +11,7 @@ from pyinfra.api import FactBase
 
 from facts.base import ShellFact
 from facts.compilers import compiler_version
-from facts.nvidia import SECURE_BOOT_EFIVAR, parse_mok, parse_secure_boot
+from facts.nvidia import parse_mok, parse_secure_boot, secure_boot_efivars, secure_boot_state
 from facts.sections import PROBE_SECTION, parse_sections, split_sections
 from facts.shared import EACH_FILE, first_line, read_file, uname
 from facts.shell import operands, word  # the one quoting helper (plan.render gives it to the templates)
@@ -558,7 +558,7 @@ def parse_build_state(lines: list[str]) -> dict:
                    "trial": None, "cores": None, "mem_total_kib": None, "systemd": False, "pbt": False, "esps": False, "headers_installed": False,
                    "log_objects": 0, "log_last": None, "armed": None, "failed": None, "uefi": False,
                    "grubenv_abstraction": None, "grub_advanced_id": None, "grub_default": None,
-                   "grub_saved": None, "grub_next": None, "kernel_packages": [], "secure_boot": None,
+                   "grub_saved": None, "grub_next": None, "kernel_packages": [], "secure_boot": None, "secure_boot_state": None,
                    "mok": None, "sbsign": False}
     sb_lines = []
     mok_lines = []
@@ -610,6 +610,7 @@ def parse_build_state(lines: list[str]) -> dict:
         elif key == "log_last":
             state["log_last"] = value or None
     state["secure_boot"] = parse_secure_boot(sb_lines)
+    state["secure_boot_state"] = secure_boot_state(sb_lines)
     state["mok"] = parse_mok(mok_lines)
     return state
 
@@ -631,10 +632,7 @@ def build_state_command(build_dir: str, release: str, signing_cert: str | None =
         f'[ -f {word(TRIAL_FAILED)} ] && echo "failed $(tr -d \'\\n\' < {word(TRIAL_FAILED)})"; '
         "[ -d /sys/firmware/efi ] && echo uefi; "
         # Secure Boot as the NVIDIA stage reads it (facts.nvidia: mokutil, else the EFI variable)
-        f"{{ command -v mokutil >/dev/null 2>&1 && mokutil --sb-state 2>&1; "
-        f"if [ -r {SECURE_BOOT_EFIVAR} ]; then echo \"efivar $(od -An -v -t u1 {SECURE_BOOT_EFIVAR} | tr -s ' ' '\\n' | tail -n 1)\"; "
-        "elif [ -n \"$(ls -A /sys/firmware/efi/efivars 2>/dev/null)\" ]; then echo 'efivars without SecureBoot variable'; "
-        "elif [ -d /sys/firmware/efi ]; then echo 'efivars not readable'; else echo 'no efi'; fi; } | sed 's/^/sb /'; "
+        f"{{ command -v mokutil >/dev/null 2>&1 && mokutil --sb-state 2>&1; {secure_boot_efivars()}; }} | sed 's/^/sb /'; "
         # kernel.signing: is its cert enrolled (mokutil --test-key, as facts.nvidia asks), is sbsign there
         + (f"mokutil --test-key {word(signing_cert)} 2>&1 | sed 's/^/mok /'; command -v sbsign >/dev/null && echo sbsign; "
            if signing_cert else "") +

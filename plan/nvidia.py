@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 
 from facts.compilers import compiler_version
+from facts.nvidia import SHIM_VALIDATION_OFF
 from plan.render import render_template
 
 GIB_KIB = 1024 * 1024
@@ -241,6 +242,11 @@ def signing_problems(state: dict, signing, releases: list[str]) -> tuple[list[st
     sources = enforcement_sources(secure_boot, state.get("sig_enforce"), configs)
     refusals: list[str] = []
     notes: list[str] = []
+    if state.get("secure_boot_state") == SHIM_VALIDATION_OFF:
+        # the kernel's efi_get_secureboot: MokSBState 1 turns Secure Boot off for the kernel (no lockdown)
+        notes.append("Secure Boot is enabled in the firmware but validation disabled in shim (MokSBState): the kernel "
+                     "does not enforce signatures, so unsigned NVIDIA modules load; turning shim's validation back on "
+                     "(mokutil --enable-validation) makes them refuse to load unless nvidia.signing signs them")
     if signing is None:
         if sources:
             refusals.append(f"{'; '.join(sources)}: the kernel would refuse the unsigned NVIDIA modules, and "
