@@ -42,14 +42,15 @@ from spec import values as V
 from spec.values import NoBool
 
 BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]$")
-DRIVER_VERSION_RE = re.compile(r"^\d{3}\.\d{1,3}(\.\d{1,3})?$")
-KERNEL_VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?(\+[0-9A-Za-z.~]+)?(-[0-9A-Za-z][0-9A-Za-z.+~-]*)?$")  # 6.12.118+deb12-amd64
+# ASCII digits only: Python's \d matches every Unicode digit (595.71.٥), which no driver version holds
+DRIVER_VERSION_RE = re.compile(r"^[0-9]{3}\.[0-9]{1,3}(\.[0-9]{1,3})?$")
+KERNEL_VERSION_RE = re.compile(r"^[0-9]+\.[0-9]+(\.[0-9]+)?(\+[0-9A-Za-z.~]+)?(-[0-9A-Za-z][0-9A-Za-z.+~-]*)?$")  # 6.12.118+deb12-amd64
 # linux include/uapi/linux/utsname.h __NEW_UTS_LEN: `uname -r` is at most 64 characters
 KERNEL_RELEASE_MAX = 64
 NCCL_KEY_RE = re.compile(r"^NCCL_[A-Z0-9_]+$")
 NVREG_KEY_RE = re.compile(r"^NVreg_[A-Za-z0-9_]+$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-ROLE_RE = re.compile(r"^(lxc|host|unused|vm:(\d+))$")
+ROLE_RE = re.compile(r"^(lxc|host|unused|vm:([0-9]+))$")
 GUEST_ID_MIN, GUEST_ID_MAX = 100, 999_999_999
 
 
@@ -166,14 +167,13 @@ class SigningSpec(Strict):
 class KernelSourceSpec(Strict):
     kind: Literal["proxmox-git", "tarball"] = "proxmox-git"
     url: SafeStr  # proxmox-git: spec.values.git_url; tarball: spec.values.source_location
-    ref: Annotated[SafeStr, AfterValidator(V.git_ref)] | None = None  # proxmox-git: the full id of the commit to build
+    ref: Annotated[SafeStr, AfterValidator(V.git_ref)] | None = None  # git ref for proxmox-git (pinned: a tag or commit)
     sha256: SafeStr | None = None  # for tarball
 
     @model_validator(mode="after")
     def _pinned(self) -> KernelSourceSpec:
         if self.kind == "proxmox-git" and not self.ref:
-            raise ValueError("a proxmox-git source needs 'ref' (the full 40-hex id of the commit to build) so builds are "
-                             "reproducible and what is built is what was reviewed")
+            raise ValueError("a proxmox-git source needs 'ref' (a tag or commit) so builds are reproducible")
         try:
             (V.git_url if self.kind == "proxmox-git" else V.source_location)(self.url)
         except ValueError as exc:

@@ -153,7 +153,10 @@ def host_abs_path(value: str) -> str:
     parts = value.split("/")
     if ".." in parts or "." in parts:
         raise ValueError(f"{value!r} holds '.' or '..'; write the path without them")
-    if posixpath.normpath(value) != value.rstrip("/") or value == "/" or value.endswith("/"):
+    # POSIX lets a path start with exactly two slashes and keeps them (posixpath.normpath('//x') is '//x'):
+    # the leading pair is refused by its own test
+    if (posixpath.normpath(value) != value.rstrip("/") or value.startswith("//") or value == "/"
+            or value.endswith("/")):
         raise ValueError(f"{value!r} is not a plain file path (no '//', no trailing '/')")
     if len(value) > 4095:  # PATH_MAX 4096 with the NUL
         raise ValueError(f"{value!r} is longer than a path may be (4095)")
@@ -266,29 +269,43 @@ def git_url(value: str) -> str:
     return url(value, GIT_SCHEMES, "a git source")
 
 
-# A pinned source is a full object id (git's hash: SHA-1, 40 hex digits; SHA-256 repositories, 64):
-# a tag or branch names whatever the server (or anyone between it and the host: git:// and http://
-# carry no authentication) says it names at fetch time, and a tag can be moved (issue 39 item 3).
-# The build script checks that `git rev-parse HEAD` after the checkout is this id
-# (templates/kernel-build.sh.j2).
+# follows git refs.c check_refname_component() (and git check-ref-format --branch, which also
+# refuses a leading '-'): no control characters, space, ~ ^ : ? * [ \, no '..', no '@{', no
+# component starting with '.' or ending with '.lock', no empty component, not ending in '.'
+REF_BAD_CHARS = set(" ~^:?*[\\") | {chr(c) for c in range(0x20)} | {"\x7f"}
 COMMIT_ID_RE = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
 
 
 def git_ref(value: str) -> str:
-    """kernel.source.ref: the full id of the commit to build (40 or 64 lowercase hex digits);
-    tags, branches and abbreviated ids are refused."""
+    """kernel.source.ref: a full commit id (40 or 64 hex digits) or a tag/branch name that git
+    check-ref-format takes and that cannot be read as an option."""
     if COMMIT_ID_RE.match(value):
         return value
-    if COMMIT_ID_RE.match(value.lower()):
-        why = "write it in lowercase, as git rev-parse prints it"
-    elif re.fullmatch(r"[0-9a-fA-F]{4,63}", value):
-        why = f"an abbreviated commit id ({len(value)} digits) can name another commit later; write all 40"
-    else:
-        why = ("a tag or branch names whatever the server, or anyone on the way, says when the host fetches it, "
-               "and a tag can be moved; pin the commit it names now, e.g. "
-               "git ls-remote URL 'refs/tags/TAG^{}' or git rev-parse 'TAG^{commit}' in a clone you trust")
-    raise ValueError(f"{value[:80]!r} is not a full commit id: {why} (kernel.source.ref is the 40-hex id of the "
-                     "commit to build)")
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{value!r} is not a git ref: {why} (write a tag like 'v6.14.11-4', a branch, or a full "
+                          "40-hex commit id)")
+
+    if not value:
+        raise bad("it is empty")
+    if value.startswith("-"):
+        raise bad("it starts with '-' (git would read it as an option)")
+    odd = "".join(sorted({c for c in value if c in REF_BAD_CHARS}))
+    if odd:
+        raise bad(f"it holds {odd!r}")
+    if ".." in value or "@{" in value or value == "@":
+        raise bad("it holds '..' or '@{', or is '@'")
+    if value.endswith((".", "/")) or value.startswith("/"):
+        raise bad("it starts with '/' or ends with '.' or '/'")
+    for part in value.split("/"):
+        if not part:
+            raise bad("it has an empty part ('//')")
+        if part.startswith("."):
+            raise bad("a part starts with '.'")
+        if part.endswith(".lock"):
+            raise bad("a part ends with '.lock'")
+    _file_names_fit(value, f"{value[:40]!r}")  # each part is a file under .git/refs
+    return value
 
 
 # ----------------------------------------------------------------- file digests
