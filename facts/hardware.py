@@ -30,6 +30,10 @@ from facts.sections import PROBE_SECTION, parse_sections
 from facts.shared import prelude
 
 SECTION_MARKER = PROBE_SECTION  # facts.sections: a probe's sections are whole facts' outputs
+# Every program a probe runs answers in the C locale: messages untranslated (apt-cache policy's
+# "Candidate:", gettext's LANGUAGE is ignored under LC_ALL=C), C collation and number formats, whatever
+# /etc/default/locale or the ssh session sets (pam_env); set once, for the whole command (issue 43)
+LOCALE_FREE = "LC_ALL=C; export LC_ALL; "
 
 
 def fact_command(fact: FactBase, args: tuple = (), kwargs: dict | None = None) -> str:
@@ -132,10 +136,10 @@ def _probe_command(sections, groups: int | None = None) -> str:
     sections' order; a reading several sections take (`uname -r`, dpkg's package list:
     facts.shared) is taken once before them."""
     groups = PROBE_GROUPS if groups is None else groups
-    sections = list(sections)
+    sections = list(sections)  # the command starts with LOCALE_FREE (below)
     runs = [f"echo '{SECTION_MARKER}{name}'; {_section_run(fc, args, kwargs)}" for name, fc, args, kwargs in sections]
     script = "; ".join(runs)
-    shared = prelude(script)
+    shared = LOCALE_FREE + prelude(script)
     if groups <= 1 or len(runs) <= 1:
         return _one_write(shared + script + "; true")
     weights = [section_weight(fact_command(fc(), args, kwargs)) for _, fc, args, kwargs in sections]

@@ -10,12 +10,12 @@ import re
 from pyinfra.api import FactBase
 
 from facts.base import ShellFact
-from facts.nvidia import SECURE_BOOT_EFIVAR, parse_mok, parse_owner_mode, parse_secure_boot
+from facts.compilers import compiler_version
+from facts.nvidia import parse_mok, parse_owner_mode, parse_secure_boot, secure_boot_efivars, secure_boot_state
 from facts.sections import PROBE_SECTION, parse_sections, split_sections
 from facts.shared import EACH_FILE, first_line, read_file, uname
 from facts.shell import operands, word  # the one quoting helper (plan.render gives it to the templates)
 
-VERSION = r"\d+\.\d+\.\d+"
 # The kernel stage's host paths (`KernelStageFacts` reads them; plan.kernel and operations.kernel
 # write them, under the same names through plan.kernel).
 BUILD_ROOT = "/var/lib/pvegpu/kernel-build"
@@ -32,16 +32,30 @@ def kernel_version_key(release: str) -> list:
     return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", release) if part]
 
 
+def _ends_kernel_args(word: str) -> bool:
+    """A lone `--` (quoted or not, no `=`): the kernel stops reading parameters there and hands the
+    rest to init (kernel/params.c parse_args: `!val && strcmp(param, "--") == 0` returns the rest,
+    which init/main.c start_kernel parses as init's arguments with set_init_arg; lib/cmdline.c
+    next_arg drops the quotes of a word that starts with one)."""
+    if word.startswith('"'):
+        word = word[1:-1] if word.endswith('"') and len(word) > 1 else word[1:]
+    return word == "--"
+
+
 def parse_cmdline_text(text: str) -> dict:
-    """`a=1 ro x="y z"` → raw, args (in order, repeats kept) and params (last value wins)."""
+    """`a=1 ro x="y z" -- --addr 0.0.0.0:2024` → raw, args (the kernel's, in order, repeats kept),
+    params (last value wins) and init_args (the words after a lone `--`, which go to init, not the
+    kernel: `_ends_kernel_args`)."""
     text = text.strip()
     # Kernel quoting is double quotes only; backslashes (initrd=\EFI\…) are literal.
-    args = re.findall(r'(?:[^\s"]+|"[^"]*")+', text)
+    words = re.findall(r'(?:[^\s"]+|"[^"]*")+', text)
+    end = next((i for i, w in enumerate(words) if _ends_kernel_args(w)), None)
+    args, init_args = (words, []) if end is None else (words[:end], words[end + 1:])
     params: dict[str, str | None] = {}
     for arg in args:
         key, sep, value = arg.partition("=")
         params[key.replace('"', "")] = value.replace('"', "") if sep else None
-    return {"raw": text, "args": args, "params": params}
+    return {"raw": text, "args": args, "params": params, "init_args": init_args}
 
 
 def parse_proc_cmdline(output_lines: list[str]) -> dict | None:
@@ -78,17 +92,36 @@ def parse_grub_defaults(lines: list[str], variables: dict[str, str] | None = Non
     return variables
 
 
+def _esp_status(uuid: str, detail: str, firmware: str | None) -> dict:
+    """One ESP of `proxmox-boot-tool status`. Its detail (proxmox-boot-tool `_status_detail`) is
+    `uefi (versions: A, B)` where the ESP has loader/loader.conf, `grub (versions: C)` where it has
+    grub/, both joined by ", " where it has both, or nothing: `modes` holds each part's versions.
+    `mode` is the loader `proxmox-boot-tool refresh` sets up there (proxmox-boot/zz-proxmox-boot:
+    GRUB where EFI/proxmox/grubx64.efi is, else systemd-boot when the firmware is UEFI and GRUB when
+    it is BIOS): the only part, or for both the firmware's (status does not show grubx64.efi);
+    `versions` are that mode's."""
+    modes: dict[str, list[str]] = {}
+    for match in re.finditer(r"(\w[\w-]*)(?: \(versions: ([^()]*)\))?(?:, |$)", detail.strip()):
+        if match.group(1):
+            modes[match.group(1)] = [v.strip() for v in (match.group(2) or "").split(",") if v.strip()]
+    if len(modes) > 1 and {"uefi", "grub"} <= set(modes):
+        mode: str | None = "uefi" if firmware == "uefi" else "grub"
+    else:
+        mode = next(iter(modes), None)
+    return {"uuid": uuid, "mode": mode, "versions": modes.get(mode or "", []), "modes": modes}
+
+
 def parse_boot_loader(output_lines: list[str]) -> dict:
     """Pure parser of `BootLoader.command` output (shape: see `BootLoader`)."""
     sections = split_sections(output_lines)
-    esps = []
-    for line in sections.get("proxmox-boot-tool status", []):
-        match = re.match(r"^(\S+) is configured with: (\w[\w-]*)(?: \(versions: (.*)\))?", line.strip())
-        if match:
-            versions = [v.strip() for v in (match.group(3) or "").split(",") if v.strip()]
-            esps.append({"uuid": match.group(1), "mode": match.group(2), "versions": versions})
     firmware_lines = [line.strip() for line in sections.get("firmware", []) if line.strip()]
     firmware = firmware_lines[0] if firmware_lines else None
+    esps = []
+    for line in sections.get("proxmox-boot-tool status", []):
+        match = re.match(r"^(\S+) is configured with: ?(.*)$", line.strip())
+        esp = _esp_status(match.group(1), match.group(2), firmware) if match else None
+        if esp and esp["mode"]:  # an ESP with neither loader set up is no place to configure
+            esps.append(esp)
 
     kernel_cmdline = next(
         (line.strip() for line in sections.get("/etc/kernel/cmdline", [])
@@ -140,14 +173,6 @@ def parse_boot_loader(output_lines: list[str]) -> dict:
         "grub": grub,
         "kernel_cmdline": kernel_cmdline,
     }
-
-
-def compiler_version(text: str | None) -> str | None:
-    """GCC version inside a compiler banner: `gcc-12 (Debian 12.2.0-14) 12.2.0` → `12.2.0`."""
-    if not text or "gcc" not in text.lower():
-        return None
-    versions = re.findall(VERSION, text)
-    return versions[-1] if versions else None
 
 
 def parse_kernel_toolchain(output_lines: list[str]) -> dict:
@@ -326,7 +351,10 @@ class KernelCmdline(ShellFact):
         {"raw": "BOOT_IMAGE=/boot/vmlinuz-6.8.12-4-pve ro quiet amd_iommu=on",
          "args": ["BOOT_IMAGE=/boot/vmlinuz-6.8.12-4-pve", "ro", "quiet", "amd_iommu=on"],
          "params": {"BOOT_IMAGE": "/boot/vmlinuz-6.8.12-4-pve", "ro": None, "quiet": None,
-                    "amd_iommu": "on"}}
+                    "amd_iommu": "on"},
+         "init_args": []}     # the words after a lone `--`: init's, not the kernel's
+
+    ``args`` and ``params`` hold the kernel's parameters only.
     """
 
     command = read_file("/proc/cmdline")
@@ -345,7 +373,8 @@ class BootLoader(ShellFact):
         {"loader": "systemd-boot",           # systemd-boot | grub | unknown
          "proxmox_boot_tool": True,          # ESPs managed by proxmox-boot-tool
          "firmware": "uefi",                 # uefi | bios
-         "esps": [{"uuid": "5E1A-0D2B", "mode": "uefi", "versions": ["6.8.12-4-pve"]}],
+         "esps": [{"uuid": "5E1A-0D2B", "mode": "uefi", "versions": ["6.8.12-4-pve"],
+                   "modes": {"uefi": ["6.8.12-4-pve"]}}],   # each loader set up there (`_esp_status`)
          "config_file": "/etc/kernel/cmdline",   # where the cmdline is configured
          "cmdline": "root=ZFS=rpool/ROOT/pve-1 boot=zfs amd_iommu=on",
          "params": {"root": "ZFS=rpool/ROOT/pve-1", "boot": "zfs", "amd_iommu": "on"},
@@ -530,7 +559,7 @@ def parse_build_state(lines: list[str]) -> dict:
                    "log_objects": 0, "log_last": None, "armed": None, "failed": None, "uefi": False,
                    "grubenv_abstraction": None, "grubenv_fs": None, "grub_advanced_id": None, "grub_default": None,
                    "grub_saved": None, "grub_next": None, "kernel_packages": [], "secure_boot": None,
-                   "mok": None, "sbsign": False, "signing_key_mode": None}
+                   "secure_boot_state": None, "mok": None, "sbsign": False, "signing_key_mode": None}
     sb_lines = []
     mok_lines = []
     for line in lines:
@@ -583,6 +612,7 @@ def parse_build_state(lines: list[str]) -> dict:
         elif key == "log_last":
             state["log_last"] = value or None
     state["secure_boot"] = parse_secure_boot(sb_lines)
+    state["secure_boot_state"] = secure_boot_state(sb_lines)
     state["mok"] = parse_mok(mok_lines)
     return state
 
@@ -605,10 +635,7 @@ def build_state_command(build_dir: str, release: str, signing_cert: str | None =
         f'[ -f {word(TRIAL_FAILED)} ] && echo "failed $(tr -d \'\\n\' < {word(TRIAL_FAILED)})"; '
         "[ -d /sys/firmware/efi ] && echo uefi; "
         # Secure Boot as the NVIDIA stage reads it (facts.nvidia: mokutil, else the EFI variable)
-        f"{{ command -v mokutil >/dev/null 2>&1 && mokutil --sb-state 2>&1; "
-        f"if [ -r {SECURE_BOOT_EFIVAR} ]; then echo \"efivar $(od -An -v -t u1 {SECURE_BOOT_EFIVAR} | tr -s ' ' '\\n' | tail -n 1)\"; "
-        "elif [ -n \"$(ls -A /sys/firmware/efi/efivars 2>/dev/null)\" ]; then echo 'efivars without SecureBoot variable'; "
-        "elif [ -d /sys/firmware/efi ]; then echo 'efivars not readable'; else echo 'no efi'; fi; } | sed 's/^/sb /'; "
+        f"{{ command -v mokutil >/dev/null 2>&1 && mokutil --sb-state 2>&1; {secure_boot_efivars()}; }} | sed 's/^/sb /'; "
         # kernel.signing: is its cert enrolled (mokutil --test-key, as facts.nvidia asks), is sbsign there
         + (f"mokutil --test-key {word(signing_cert)} 2>&1 | sed 's/^/mok /'; command -v sbsign >/dev/null && echo sbsign; "
            if signing_cert else "")

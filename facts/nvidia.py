@@ -8,6 +8,7 @@ import re
 from pyinfra.api import FactBase
 
 from facts.base import ShellFact
+from facts.compilers import compiler_version
 from facts.sections import SECTION, split_sections
 from facts.shared import EACH_FILE, UNAME, first_line, read_file, take
 from facts.shell import operands, word
@@ -32,9 +33,10 @@ def parse_driver_version(output_lines: list[str]) -> dict | None:
                 "gcc": None,
             }
             continue
-        match = re.match(r"^GCC version:.*?gcc version (\d+(?:\.\d+)+)", line)
-        if match and result is not None:
-            result["gcc"] = match.group(1)
+        # "GCC version:" then the last line of `$CC -v` (the driver's NV_COMPILER, kernel-open/nvidia/
+        # nvidia.Kbuild: `$(CC) -v 2>&1 | tail -n 1`): read as every GCC banner is (facts.compilers)
+        if line.startswith("GCC version:") and result is not None:
+            result["gcc"] = compiler_version(line[len("GCC version:"):])
     return result
 
 
@@ -219,8 +221,26 @@ KERNEL_CONFIG_KEYS = ("CONFIG_OBJTOOL_WERROR", "CONFIG_MITIGATION_RETHUNK", "CON
 # module.sig_enforce (kernel/module/signing.c): Y when unsigned or badly signed modules are refused,
 # whatever made it so (CONFIG_MODULE_SIG_FORCE, module.sig_enforce=1, or lockdown under Secure Boot)
 SIG_ENFORCE = "/sys/module/module/parameters/sig_enforce"
-# EFI global variable GUID 8be4df61-…: SecureBoot (UEFI spec; what mokutil --sb-state reads)
+# EFI global variable GUID 8be4df61-…: SecureBoot and SetupMode (UEFI spec; what mokutil --sb-state
+# reads); shim's GUID 605dab50-…: MokSBStateRT, the runtime copy shim makes of MokSBState, which
+# MokManager sets to 1 when its owner turns shim's validation off
 SECURE_BOOT_EFIVAR = "/sys/firmware/efi/efivars/SecureBoot-8be4df61-93ca-11d2-aa0d-00e098032b8c"
+SETUP_MODE_EFIVAR = "/sys/firmware/efi/efivars/SetupMode-8be4df61-93ca-11d2-aa0d-00e098032b8c"
+MOK_SB_STATE_EFIVAR = "/sys/firmware/efi/efivars/MokSBStateRT-605dab50-e046-4300-abb6-3dd810dd8b23"
+
+
+def secure_boot_efivars() -> str:
+    """Shell that prints `efivar <b>` (SecureBoot), `setupmode <b>` and `moksbstate <b>` (each the
+    variable's last byte, after efivarfs' 4 attribute bytes, where it can be read), else why not:
+    'efivars without SecureBoot variable' (firmware without Secure Boot), 'efivars not readable',
+    'no efi'. `parse_secure_boot` reads them."""
+    def last_byte(path: str, tag: str) -> str:
+        return (f"[ -r {path} ] && {{ set -- $(od -An -v -t u1 {path}); v=; [ $# -gt 0 ] && eval \"v=\\${{$#}}\"; "
+                f'echo "{tag} $v"; }}')
+    return (f"if [ -r {SECURE_BOOT_EFIVAR} ]; then {last_byte(SECURE_BOOT_EFIVAR, 'efivar')}; "
+            f"{last_byte(SETUP_MODE_EFIVAR, 'setupmode')}; {last_byte(MOK_SB_STATE_EFIVAR, 'moksbstate')}; "
+            "elif [ -n \"$(ls -A /sys/firmware/efi/efivars 2>/dev/null)\" ]; then echo 'efivars without SecureBoot variable'; "
+            "elif [ -d /sys/firmware/efi ]; then echo 'efivars not readable'; else echo 'no efi'; fi")
 
 
 def source_name(url: str) -> str:
@@ -274,6 +294,7 @@ class NvidiaHostState(FactBase):
                           "enabled": False},
          "sources": {"modules": {"cached": False, "sha256": "…"}},   # sha256 of a local path
          "secure_boot": True, "sig_enforce": False,                   # None: unknown
+         "secure_boot_state": "enabled",       # facts.nvidia.SECURE_BOOT_STATES, e.g. "validation disabled in shim"
          "signing_files": {"/root/mok.pem": True, "/root/mok.der": True},
          "signing_key_pem": True, "mok": "enrolled",                  # see parse_mok; None: unknown
          "signing_key_mode": {"uid": 0, "mode": 0o600}}               # None: not read
@@ -319,10 +340,7 @@ class NvidiaHostState(FactBase):
                      "s=$(mokutil --sb-state 2>&1; echo .) && s=${s%.} && printf '%s' \"$s\"; "
                      "if printf '%s' \"$s\" | { while IFS= read -r l; do case \"$l\" in "
                      "'SecureBoot enabled'|'SecureBoot disabled') exit 0;; esac; done; exit 1; }; then :; "
-                     f"elif [ -r {SECURE_BOOT_EFIVAR} ]; then set -- $(od -An -v -t u1 {SECURE_BOOT_EFIVAR}); "
-                     'v=; [ $# -gt 0 ] && eval "v=\\${$#}"; echo "efivar $v"; '
-                     "elif [ -n \"$(ls -A /sys/firmware/efi/efivars 2>/dev/null)\" ]; then echo 'efivars without SecureBoot variable'; "
-                     "elif [ -d /sys/firmware/efi ]; then echo 'efivars not readable'; else echo 'no efi'; fi")
+                     f"else {secure_boot_efivars()}; fi")
         parts.append(f"echo '{SECTION}sig_enforce'; {read_file(SIG_ENFORCE)}")
         # signing = [key, cert]: the key must be PEM (the kernel's scripts/sign-file.c read_private_key()
         # reads a key file with PEM_read_bio_PrivateKey only); the cert's MOK enrolment is what
@@ -360,21 +378,53 @@ class NvidiaHostState(FactBase):
         return parse_host_state(output)
 
 
-def parse_secure_boot(lines: list[str]) -> bool | None:
-    """True/False from `mokutil --sb-state` ("SecureBoot enabled"/"SecureBoot disabled") or the
-    EFI variable's value byte ("efivar 1"); False on a host without EFI; None when unknown (an EFI
-    host whose SecureBoot variable cannot be read: efivarfs not mounted, no mokutil)."""
+# What the kernel decides (drivers/firmware/efi/libstub/secureboot.c efi_get_secureboot, with
+# include/linux/efi.h efi_get_secureboot_mode): Secure Boot is off without the SecureBoot variable,
+# with it 0 or SetupMode 1, and off as well where shim's MokSBState is 1 ("validation disabled in
+# shim": no lockdown, unsigned modules and kernels load; systemd's bootctl says "disabled
+# (insecure)"). mokutil --sb-state (mokutil.c sb_state_internal) prints "SecureBoot enabled" for
+# SecureBoot 1 and SetupMode 0 and then "SecureBoot validation is disabled in shim" where
+# MokSBStateRT exists; "SecureBoot disabled", then "Platform is in Setup Mode" for SetupMode 1.
+SHIM_VALIDATION_OFF = "validation disabled in shim"
+SECURE_BOOT_STATES = ("enabled", "disabled", "setup mode", SHIM_VALIDATION_OFF, "no efi")
+
+
+def _byte(lines: list[str], tag: str) -> int | None:
     for line in lines:
-        if line.strip() in ("SecureBoot enabled", "SecureBoot disabled"):
-            return line.strip() == "SecureBoot enabled"
-    for line in lines:
-        text = line.strip()
-        if text.startswith("efivar "):
-            value = text.split()[-1]
-            return bool(int(value) & 1) if value.isdigit() else None
-        if text in ("no efi", "efivars without SecureBoot variable"):
-            return False
+        words = line.split()
+        if len(words) == 2 and words[0] == tag and words[1].isascii() and words[1].isdigit():
+            return int(words[1])
     return None
+
+
+def secure_boot_state(lines: list[str]) -> str | None:
+    """The host's Secure Boot state in words (`SECURE_BOOT_STATES`), every line read: mokutil's,
+    else the EFI variables' (`secure_boot_efivars`); None when unknown."""
+    text = [line.strip() for line in lines]
+    if "SecureBoot enabled" in text:
+        return SHIM_VALIDATION_OFF if "SecureBoot validation is disabled in shim" in text else "enabled"
+    if "SecureBoot disabled" in text:
+        return "setup mode" if "Platform is in Setup Mode" in text else "disabled"
+    secure_boot = _byte(text, "efivar")
+    if secure_boot is not None:
+        if not secure_boot & 1:
+            return "disabled"
+        if _byte(text, "setupmode") == 1:
+            return "setup mode"
+        return SHIM_VALIDATION_OFF if _byte(text, "moksbstate") == 1 else "enabled"
+    if "no efi" in text:
+        return "no efi"
+    if "efivars without SecureBoot variable" in text:
+        return "disabled"
+    return None
+
+
+def parse_secure_boot(lines: list[str]) -> bool | None:
+    """Whether the kernel enforces Secure Boot (lockdown: signed modules and kernels only): True
+    for the state "enabled" only (`secure_boot_state`); False for disabled, setup mode, validation
+    disabled in shim, no EFI; None when unknown (an EFI host whose variables cannot be read)."""
+    state = secure_boot_state(lines)
+    return None if state is None else state == "enabled"
 
 
 MOK_STATES = (("is not enrolled", "not enrolled"), ("is already enrolled", "enrolled"), ("is already in db", "in db"),
@@ -460,6 +510,7 @@ def parse_host_state(lines: list[str]) -> dict:
     enforce = (sections.get("sig_enforce") or [""])[0].strip()
     return {
         "secure_boot": parse_secure_boot(sections.get("secureboot", [])),
+        "secure_boot_state": secure_boot_state(sections.get("secureboot", [])),
         "sig_enforce": {"Y": True, "N": False}.get(enforce),
         "signing_files": signing,
         # the key (the first signing path) is PEM: None when it was not read

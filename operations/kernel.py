@@ -21,7 +21,7 @@ from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
 
 from facts.kernel import KernelStageFacts, NvidiaGateRecords
-from facts.nvidia import NvidiaHostState
+from facts.nvidia import SHIM_VALIDATION_OFF, NvidiaHostState
 from facts.once import fact_once
 from facts.run_state import need_reboot, record_trial_boot
 from facts.shell import word
@@ -324,6 +324,9 @@ def apply(spec: HostSpec) -> None:
     adv = build.get("grub_advanced_id")
     action = decision["action"]
     logger.info(f"{host.name}: kernel {k.version}: {decision['why']}")
+    if build.get("secure_boot_state") == SHIM_VALIDATION_OFF:
+        logger.info(f"{host.name}: kernel: Secure Boot is enabled in the firmware but validation disabled in shim "
+                    "(MokSBState): shim boots unsigned kernels and the kernel does not lock down")
 
     if action in ("build", "attach"):
         jobs = plan.resolve_jobs(k.jobs, build["cores"], build["mem_total_kib"])

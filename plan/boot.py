@@ -107,7 +107,11 @@ def merge_args(existing: list[str], desired: list[str], spec: HostSpec) -> list[
 
 
 def merge_cmdline(existing: str | None, desired: list[str], spec: HostSpec) -> str:
-    return " ".join(merge_args(parse_cmdline_text(existing or "")["args"], desired, spec))
+    """`existing` with `desired` set among the kernel's words; init's words (after a lone `--`,
+    facts.kernel.parse_cmdline_text) stay after it, untouched."""
+    parsed = parse_cmdline_text(existing or "")
+    init = ["--", *parsed["init_args"]] if parsed["init_args"] else []  # a lone trailing `--` passes nothing
+    return " ".join(merge_args(parsed["args"], desired, spec) + init)
 
 
 def cmdline_difference(configured: str, booted: str | None, loader: str = "systemd-boot") -> dict:

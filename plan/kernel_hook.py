@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+from facts.compilers import compiler_version
 from facts.kernel_hook import DEFAULT_METAS
 
 SERIES_RE = re.compile(r"^(\d+\.\d+)\.")
@@ -136,8 +137,8 @@ def module_problems(release: str, version: str, module: dict, cc_version_text: s
 
 
 def gcc_xyz(banner: str) -> str | None:
-    found = re.findall(r"\b(\d+\.\d+\.\d+)\b", banner)
-    return found[-1] if found else None
+    """GCC's version in a banner or a .comment `GCC: (…) x.y.z` line (facts.compilers.compiler_version)."""
+    return compiler_version(banner)
 
 
 def driver_kernel_refusal(version: str, release: str | None, state: dict) -> str | None:

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import re
 
+from facts.compilers import compiler_version
+from facts.nvidia import SHIM_VALIDATION_OFF
 from plan.render import render_template
 
 GIB_KIB = 1024 * 1024
-GCC_VERSION_RE = re.compile(r"\b(\d+\.\d+\.\d+)\b")
 
 # Blackwell dies by PCI device-id range (vendor 10de), from NVIDIA's published device ids:
 # GB100/GB102 (B100, B200 10de:2901, GB200) 29xx; GB202 (RTX 5090 10de:2b85, RTX PRO 6000
@@ -58,11 +59,9 @@ def build_jobs(cores: int, mem_total_kib: int, per_job_gib: int = 2) -> int:
 # -- toolchain (incident 1) ----------------------------------------------------------------
 
 def gcc_version(banner: str | None) -> str | None:
-    """`gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0` -> `12.2.0` (the last x.y.z of the banner)."""
-    if not banner:
-        return None
-    found = GCC_VERSION_RE.findall(banner)
-    return found[-1] if found else None
+    """`gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0` -> `12.2.0`: GCC's version where GCC prints it
+    (facts.compilers.compiler_version, the one reader of compiler banners)."""
+    return compiler_version(banner)
 
 
 def _banner_tail(banner: str) -> str:
@@ -259,6 +258,11 @@ def signing_problems(state: dict, signing, releases: list[str]) -> tuple[list[st
     sources = enforcement_sources(secure_boot, state.get("sig_enforce"), configs)
     refusals: list[str] = []
     notes: list[str] = []
+    if state.get("secure_boot_state") == SHIM_VALIDATION_OFF:
+        # the kernel's efi_get_secureboot: MokSBState 1 turns Secure Boot off for the kernel (no lockdown)
+        notes.append("Secure Boot is enabled in the firmware but validation disabled in shim (MokSBState): the kernel "
+                     "does not enforce signatures, so unsigned NVIDIA modules load; turning shim's validation back on "
+                     "(mokutil --enable-validation) makes them refuse to load unless nvidia.signing signs them")
     if signing is None:
         if sources:
             refusals.append(f"{'; '.join(sources)}: the kernel would refuse the unsigned NVIDIA modules, and "

@@ -42,14 +42,15 @@ from spec import values as V
 from spec.values import NoBool
 
 BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]$")
-DRIVER_VERSION_RE = re.compile(r"^\d{3}\.\d{1,3}(\.\d{1,3})?$")
-KERNEL_VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?(\+[0-9A-Za-z.~]+)?(-[0-9A-Za-z][0-9A-Za-z.+~-]*)?$")  # 6.12.118+deb12-amd64
+# ASCII digits only: Python's \d matches every Unicode digit (595.71.٥), which no driver version holds
+DRIVER_VERSION_RE = re.compile(r"^[0-9]{3}\.[0-9]{1,3}(\.[0-9]{1,3})?$")
+KERNEL_VERSION_RE = re.compile(r"^[0-9]+\.[0-9]+(\.[0-9]+)?(\+[0-9A-Za-z.~]+)?(-[0-9A-Za-z][0-9A-Za-z.+~-]*)?$")  # 6.12.118+deb12-amd64
 # linux include/uapi/linux/utsname.h __NEW_UTS_LEN: `uname -r` is at most 64 characters
 KERNEL_RELEASE_MAX = 64
 NCCL_KEY_RE = re.compile(r"^NCCL_[A-Z0-9_]+$")
 NVREG_KEY_RE = re.compile(r"^NVreg_[A-Za-z0-9_]+$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-ROLE_RE = re.compile(r"^(lxc|host|unused|vm:(\d+))$")
+ROLE_RE = re.compile(r"^(lxc|host|unused|vm:([0-9]+))$")
 GUEST_ID_MIN, GUEST_ID_MAX = 100, 999_999_999
 
 

@@ -153,7 +153,10 @@ def host_abs_path(value: str) -> str:
     parts = value.split("/")
     if ".." in parts or "." in parts:
         raise ValueError(f"{value!r} holds '.' or '..'; write the path without them")
-    if posixpath.normpath(value) != value.rstrip("/") or value == "/" or value.endswith("/"):
+    # POSIX lets a path start with exactly two slashes and keeps them (posixpath.normpath('//x') is '//x'):
+    # the leading pair is refused by its own test
+    if (posixpath.normpath(value) != value.rstrip("/") or value.startswith("//") or value == "/"
+            or value.endswith("/")):
         raise ValueError(f"{value!r} is not a plain file path (no '//', no trailing '/')")
     if len(value) > 4095:  # PATH_MAX 4096 with the NUL
         raise ValueError(f"{value!r} is longer than a path may be (4095)")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from facts.nvidia import COMPILER_BANNERS, parse_host_state
 
 # the loop before: every program run
@@ -49,3 +51,30 @@ def test_one_run_per_program_file_and_the_lines_every_run_prints(tmp_path):
     assert [Path(p).name for p in log.read_text().splitlines()] == ["gcc", "gcc-13", "gcc-14", "g++"]
     compilers = parse_host_state(["@@ compilers", *new])["compilers"]
     assert compilers["gcc"] == "gcc (Debian 12.2.0-14+deb12u1) 12.2.0" and "gcc-9" not in compilers
+
+
+# Issue 43 item 4: GCC's version where GCC prints it (facts.compilers), every reader through it
+@pytest.mark.parametrize("text, version", [
+    # /proc/version before 5.8 (mkcompile_h: `$CC -v`'s last line), tests/fixtures/proc-version/
+    ("gcc version 4.8.4 (Ubuntu 4.8.4-2ubuntu1~14.04.3) ", "4.8.4"),
+    ("gcc version 5.4.0 20160609 (Ubuntu 5.4.0-6ubuntu1~16.04.2) ", "5.4.0"),
+    ("gcc version 7.1.1 20170622 (Red Hat 7.1.1-3) (GCC) ", "7.1.1"),
+    # CONFIG_CC_VERSION_TEXT / `--version` first lines: Debian, upstream, the H200 VM's kernel
+    ("gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0", "12.2.0"),
+    ("x86_64-linux-gnu-gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0", "12.2.0"),
+    ("gcc (GCC) 15.3.0", "15.3.0"),
+    # the .comment of a module GCC built (what tests/host reads with readelf -p .comment)
+    ("GCC: (Debian 12.2.0-14+deb12u1) 12.2.0", "12.2.0"),
+    # NVIDIA's "GCC version:" line (the driver's NV_COMPILER: `$(CC) -v | tail -n 1`)
+    (" gcc version 12.2.0 (Debian 12.2.0-14)", "12.2.0"),
+    # not GCC
+    ("Debian clang version 14.0.6", None),
+    ("", None),
+])
+def test_gcc_version_is_the_word_gcc_prints_as_its_version(text, version):
+    from facts.compilers import compiler_version
+    from plan.kernel_hook import gcc_xyz
+    from plan.nvidia import gcc_version
+
+    assert compiler_version(text) == version
+    assert gcc_version(text) == version and (gcc_xyz(text) == version or not text)

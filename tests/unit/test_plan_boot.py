@@ -57,6 +57,27 @@ def test_no_change_when_the_line_already_has_everything():
     assert merge_cmdline(with_iommu, desired_params(s, INTEL), s) == with_iommu
 
 
+H200_VM_CMDLINE = Path(__file__).resolve().parents[1] / "fixtures" / "h200-vm" / "proc-cmdline.txt"
+
+
+def test_init_arguments_after_a_lone_dashes_stay_init_arguments():
+    """Issue 43 item 3: the H200 VM's /proc/cmdline (a real device run) hands `--firecracker-init --addr
+    0.0.0.0:2024 …` to init after a lone `--`; they are no kernel parameters, and our words go before
+    the `--`, never after it (there the kernel would hand them to init)."""
+    line = H200_VM_CMDLINE.read_text().splitlines()[2]
+    parsed = parse_cmdline_text(line)
+    assert parsed["init_args"][:4] == ["--firecracker-init", "--addr", "0.0.0.0:2024", "--max-ws-buffer-size"]
+    assert parsed["args"][-1] == "fc_dmapin=0xeebe0000,0x3000,0xeebf0000"
+    assert not {"--", "--addr", "0.0.0.0:2024", "32768"} & set(parsed["params"])
+    merged = merge_cmdline(line, ["intel_iommu=on"], spec())
+    kernel, init = merged.split(" -- ")
+    assert kernel.endswith("fc_dmapin=0xeebe0000,0x3000,0xeebf0000 intel_iommu=on")
+    assert init.split() == parsed["init_args"]
+    # the kernel reads a quoted "--" as the same end (lib/cmdline.c next_arg drops the quotes)
+    assert parse_cmdline_text('ro "--" quiet')["init_args"] == ["quiet"]
+    assert parse_cmdline_text("ro --=x -x quiet")["init_args"] == []  # a value or another word is no end
+
+
 def test_stale_values_replaced_in_place_foreign_words_kept():
     # puget: amd_iommu=off iommu=pt pci=realloc=off + hugepages, isolcpus, …
     grub = parse_boot_loader(["@@ /etc/default/grub"] + fixture_lines("puget-wrx90-etc-default-grub-amd-iommu-off.txt"))

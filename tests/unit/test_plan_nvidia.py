@@ -348,6 +348,38 @@ def test_secure_boot_state_from_mokutil_and_the_efi_variable():
     assert parse_secure_boot([]) is None
 
 
+SHIM_OFF = Path(__file__).resolve().parents[1] / "fixtures" / "secure-boot" / "issue43-mokutil-sb-state-validation-disabled-in-shim.txt"
+
+
+def test_secure_boot_validation_disabled_in_shim_enforces_nothing():
+    """Issue 43 item 1: `mokutil --sb-state` says "SecureBoot enabled" and then "SecureBoot validation is
+    disabled in shim": the kernel turns Secure Boot off (efi_get_secureboot: MokSBState 1), so unsigned
+    modules and kernels load; no refusal, and the plan says why."""
+    from facts.kernel import parse_build_state
+    from facts.nvidia import parse_host_state, secure_boot_state
+    from plan.kernel import secure_boot_refusal
+    from spec.models import KernelSpec
+
+    lines = SHIM_OFF.read_text().splitlines()[2:]
+    assert secure_boot_state(lines) == "validation disabled in shim"
+    state = {**recorded_two_releases(), **{k: v for k, v in parse_host_state(["@@ secureboot", *lines]).items()
+                                           if k.startswith("secure_boot")}}
+    assert state["secure_boot"] is False
+    steps = open_steps(state)
+    assert steps["refusals"] == []
+    assert any("validation disabled in shim" in n for n in steps["notes"])
+    # the kernel stage: shim boots an unsigned kernel image
+    build = parse_build_state([f"sb {line}" for line in lines] + ["uefi"])
+    assert build["secure_boot"] is False and build["secure_boot_state"] == "validation disabled in shim"
+    kernel = KernelSpec.model_validate({"version": "6.14.11-9-bpo12-pvegpu-pve", "source": {
+        "kind": "proxmox-git", "url": "https://example.invalid/k.git", "ref": "ad58d1445425ea4742e3470b2edbee35df0657e9"}})
+    assert secure_boot_refusal(kernel, build) is None
+    # the same from the EFI variables (no mokutil): SecureBoot 1, SetupMode 0, shim's MokSBStateRT 1
+    assert secure_boot_state(["efivar 1", "setupmode 0", "moksbstate 1"]) == "validation disabled in shim"
+    assert secure_boot_state(["efivar 1", "setupmode 1"]) == "setup mode"
+    assert secure_boot_state(["SecureBoot disabled", "Platform is in Setup Mode"]) == "setup mode"
+
+
 def test_gsp_firmware_per_gpu_generation():
     # kpro6: RTX PRO 6000 Blackwell (2bb5); H200 (2335); RTX A6000 (2230); A100 (20b0); T4 (1eb8)
     assert nv.gsp_firmware_for("2bb5") == ("Blackwell", "gsp_ga10x.bin")

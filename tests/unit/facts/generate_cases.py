@@ -226,8 +226,20 @@ CASES = [
                      ("@@ /etc/default/grub", None, None)],
            note=f"the {which} /etc/kernel/cmdline of this systemd-boot host")
       for which, line in (("default", 3), ("with-iommu", 5))],
+    case("kernel.BootLoader", "proxmox-boot-tool-one-esp-uefi-and-grub",
+         "proxmox-boot-tool/status-one-esp-uefi-and-grub.txt",
+         sections=[("@@ proxmox-boot-tool status", "proxmox-boot-tool/status-one-esp-uefi-and-grub.txt", None),
+                   ("@@ firmware", None, None), ("@@ /etc/kernel/cmdline", None, None), ("@@ /etc/default/grub", None, None)],
+         note="an ESP with both loaders (proxmox-boot-tool _status_detail): each part's versions; without a firmware "
+              "line the ESP's loader is GRUB's (zz-proxmox-boot sets up systemd-boot only under UEFI)"),
     case("kernel.KernelToolchain", "h200-vm-gcc-15", "h200-vm/proc-version.txt",
          sections=[("@@ /proc/version", "h200-vm/proc-version.txt", None)]),
+    *[case("kernel.KernelToolchain", f"proc-version-{release}", "proc-version/percona-pmm-telemetry-hosts.txt",
+           sections=[("@@ /proc/version", "proc-version/percona-pmm-telemetry-hosts.txt", [[line, line]])],
+           note="/proc/version before 5.8: `gcc version X (pkgversion)`; GCC's version is X, not the last x.y.z")
+      for line, release in ((3, "4.4.0-47-generic-ubuntu-gcc-5.4.0"), (4, "3.13.0-129-generic-ubuntu-gcc-4.8.4"),
+                            (5, "4.13.0-11-lowlatency-gcc-7.2.0"), (7, "4.4.35-1-pve-debian-gcc-4.9.2"),
+                            (8, "4.12.13-300.fc26-red-hat-gcc-7.1.1"), (11, "4.9.41-moby-alpine-gcc-6.2.1"))],
     case("kernel.KernelToolchain", "debian-headers-6.1.0-57-amd64-unquoted-auto-conf",
          "debian-headers/kernel-toolchain-headers-6.1.0-57-amd64.txt", args=["6.1.0-57-amd64"],
          note="include/config/auto.conf writes CONFIG_CC_VERSION_TEXT unquoted"),

@@ -177,6 +177,10 @@ def test_proxmox_api_port_has_a_range(tmp_path):
     (("nvidia", "installer", "url"), "ftp://example.org/x.run", "hosts.kpro6.nvidia.installer.url",
      "a source is an https:// URL"),
     (("nvidia", "installer", "url"), "/opt/src/", "hosts.kpro6.nvidia.installer.url", "no trailing '/'"),
+    # issue 43 item 9: POSIX keeps a leading '//' (posixpath.normpath('//root/x') == '//root/x')
+    (("kernel", "base_config"), "//root/config", "hosts.kpro6.kernel.base_config", "no '//'"),
+    (("nvidia", "installer", "url"), "//opt/src/x.run", "hosts.kpro6.nvidia.installer.url", "no '//'"),
+    (("nvidia", "installer", "url"), "file:////opt/src/x.run", "hosts.kpro6.nvidia.installer.url", "no '//'"),
 ])
 def test_paths_cannot_climb_out(tmp_path, where, value, path, words):
     h = host()
@@ -336,3 +340,29 @@ def test_a_mapping_id_is_a_pool_name(tmp_path):
     h = host()
     h["vms"][300]["pool"] = "RTX_6000-blackwell"
     assert accepted(tmp_path, h).vms[300].pool == "RTX_6000-blackwell"
+
+
+# ------------------------------------------------------------------ versions: ASCII digits (issue 43 item 9)
+
+@pytest.mark.parametrize("where, value, path, words", [
+    # Python's \d matches every Unicode digit: FULLWIDTH DIGIT SIX, ARABIC-INDIC DIGIT FIVE, DEVANAGARI ONE
+    (("kernel", "version"), "6.14\uff16", "hosts.kpro6.kernel.version", "not a kernel release"),
+    (("kernel", "version"), "6.14.8-2-pve".replace("8", "\u0968"), "hosts.kpro6.kernel.version", "not a kernel release"),
+    (("nvidia", "version"), "595.71.\u0665", "hosts.kpro6.nvidia.version", "not an NVIDIA driver version"),
+    (("nvidia", "releases"), ["6.\u0661.0-57-amd64"], "hosts.kpro6.nvidia.releases", "not a kernel release"),
+])
+def test_versions_are_ascii_digits(tmp_path, where, value, path, words):
+    h = host()
+    target = h
+    for key in where[:-1]:
+        target = target[key]
+    target[where[-1]] = value
+    refused(tmp_path, h, path, words)
+
+
+def test_a_vm_role_is_ascii_digits(tmp_path):
+    """int() reads '\u0663\u0660\u0660' (ARABIC-INDIC 300) as 300: the role must not become VM 300."""
+    h = host()
+    gpu = next(bdf for bdf, role in h["gpus"].items() if str(role).startswith("vm:"))
+    h["gpus"][gpu] = "vm:\u0663\u0660\u0660"
+    refused(tmp_path, h, f'hosts.kpro6.gpus["{gpu}"].role', "is not a role")
