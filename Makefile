@@ -4,7 +4,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv debs demo test test-unit lint bench twin-up twin-down clean
+.PHONY: venv debs demo test test-unit lint bench twin-up twin-down clean docs docs-ref
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -32,6 +32,10 @@ lint: venv debs
 
 test-unit: venv
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
+
+# The spec reference page, generated from spec/models.py (tests/unit/test_spec_reference.py compares).
+docs-ref: venv
+	$(PY) -m spec.reference
 
 bench: venv debs
 	$(PY) bench/run.py
