@@ -33,9 +33,15 @@ lint: venv debs
 test-unit: venv
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
 
-# The spec reference page, generated from spec/models.py (tests/unit/test_spec_reference.py compares).
+# Generated doc pages: the spec reference from spec/models.py, the stage diagram from operations.STAGES
+# (tests/unit/test_spec_reference.py and test_docs_pages.py compare them with what is committed).
 docs-ref: venv
 	$(PY) -m spec.reference
+	$(PY) scripts/gen_docs.py
+
+# The documentation site, docs/ -> site/ (MkDocs, strict: a broken link or a missing page fails; offline).
+docs: venv
+	$(VENV)/bin/mkdocs build --strict
 
 bench: venv debs
 	$(PY) bench/run.py
