@@ -21,7 +21,9 @@ from plan.kernel import release_refusal
 from spec.load import SpecError, load_spec_file, validate_spec
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted((REPO / "inventories").glob("*.yml"))
+# the shipped examples (git-tracked): a site's own inventories/<site>.yml is not held to the tree list
+EXAMPLES = sorted(REPO / p for p in subprocess.run(["git", "ls-files", "inventories/*.yml"], cwd=REPO,
+                                                   capture_output=True, text=True, check=True).stdout.split())
 
 
 def pinned_tree(ref: str) -> str:
