@@ -12,7 +12,7 @@ config that would change (`log_diff`): CT configs and pvegpu's host files from t
 text, VM configs and pci.cfg from the file as it is and the change `qm set` / `pvesh` would
 make to it (`vm_config_after`, `pci_cfg_after`).
 
-Putting one back by hand (README "Backups of guest configs"): copy the backup over the file,
+Putting one back by hand (docs/howto/restore-backup.md): copy the backup over the file,
 e.g. ``cp /var/lib/pvegpu/backup/etc/pve/lxc/200.conf/<time> /etc/pve/lxc/200.conf``.
 """
 
