@@ -4,7 +4,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv debs demo test test-unit lint bench twin-up twin-down clean
+.PHONY: venv debs demo test test-unit lint bench twin-up twin-down clean docs docs-ref
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -32,6 +32,16 @@ lint: venv debs
 
 test-unit: venv
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
+
+# Generated doc pages: the spec reference from spec/models.py, the stage diagram from operations.STAGES
+# (tests/unit/test_spec_reference.py and test_docs_pages.py compare them with what is committed).
+docs-ref: venv
+	$(PY) -m spec.reference
+	$(PY) scripts/gen_docs.py
+
+# The documentation site, docs/ -> site/ (MkDocs, strict: a broken link or a missing page fails; offline).
+docs: venv
+	$(VENV)/bin/mkdocs build --strict
 
 bench: venv debs
 	$(PY) bench/run.py

@@ -271,8 +271,10 @@ def combined_probe(requests: list[tuple[type[FactBase], dict]]) -> type[FactBase
             return CombinedProbe().process([])
 
         def process(self, output):
+            # nested: a section's fact may mark parts of its own with SECTION_MARKER (KernelStageFacts);
+            # only this probe's section names (c0, c1, …) cut
             values = parse_sections(output, {name: partial(fact_value, fc) for name, (fc, _, _) in sections.items()},
-                                    SECTION_MARKER)
+                                    SECTION_MARKER, nested=True)
             seen: set[str] = set()
 
             def value(name):  # a shared section's second and later users get copies

@@ -11,6 +11,7 @@ from pyinfra.api import FactBase
 
 from facts.base import ShellFact
 from facts.compilers import compiler_version
+from facts.kernel_hook import NO_CACHE  # apt-cache reads without writing its cache files
 from facts.nvidia import parse_mok, parse_owner_mode, parse_secure_boot, secure_boot_efivars, secure_boot_state
 from facts.sections import PROBE_SECTION, parse_sections, split_sections
 from facts.shared import EACH_FILE, first_line, read_file, uname
@@ -745,14 +746,15 @@ def build_needs_command(tools: list[str], release: str, path: str = BUILD_ROOT) 
     installed, apt's candidate for each missing one, and the space available (df -P, KiB) on the
     file system that holds `path` (its nearest existing parent). apt-cache policy reads all of
     apt's lists (~1 s): it is asked only for a missing package and only while no build of
-    `release` is installed (else `unasked <package>`: a converged host pays nothing for it)."""
+    `release` is installed (else `unasked <package>`: a converged host pays nothing for it), and
+    without writing apt's cache files (`NO_CACHE`: a `--dry` changes nothing on the host)."""
     names = " ".join(word(t) for t in tools)
     installed = word(f"{STATE_DIR}/{release}.json")
     return (
         f"inst=$(dpkg-query -W -f='${{db:Status-Abbrev}} ${{Package}}\\n' {names} 2>/dev/null | awk '$1 == \"ii\" {{print $2}}'); "
         f"for t in {names}; do if printf '%s\\n' \"$inst\" | grep -qxF -e \"$t\"; then echo \"installed $t\"; "
         f"elif [ -f {installed} ]; then echo \"unasked $t\"; "
-        "else echo \"candidate $t $(apt-cache policy -- \"$t\" 2>/dev/null | sed -n 's/^ *Candidate: //p')\"; fi; done; "
+        f"else echo \"candidate $t $(apt-cache {NO_CACHE} policy -- \"$t\" 2>/dev/null | sed -n 's/^ *Candidate: //p')\"; fi; done; "
         f"p={word(path)}; while [ ! -d \"$p\" ]; do p=${{p%/*}}; [ -n \"$p\" ] || p=/; done; "
         "echo \"free $(df -Pk \"$p\" | awk 'NR == 2 {print $4}') $p\"; true"
     )

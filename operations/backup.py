@@ -13,7 +13,7 @@ text, VM configs and pci.cfg from the file as it is and the change `qm set` / `p
 make to it (`vm_config_after`, `pci_cfg_after`). The values of secret keys of a guest config
 (`SECRET_KEYS`: cipassword, args, a CT's environment) are printed as `**********`.
 
-Putting one back by hand (README "Backups of guest configs"): copy the backup over the file,
+Putting one back by hand (docs/howto/restore-backup.md): copy the backup over the file,
 e.g. ``cp /var/lib/pvegpu/backup/etc/pve/lxc/200.conf/<time> /etc/pve/lxc/200.conf``.
 """
 

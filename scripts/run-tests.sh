@@ -23,7 +23,8 @@ BUILDS=(tests/e2e/test_driver_build.py tests/e2e/test_driver_build_trixie.py)
 # builds at 1983 s with the kernel build last)
 BESIDE=(tests/e2e/test_api_e2e.py tests/e2e/test_backups_e2e.py tests/e2e/test_rebind_e2e.py
         tests/e2e/test_rebind_faults_e2e.py tests/e2e/test_kernel_gate_e2e.py tests/e2e/test_kernel_upgrade_e2e.py
-        tests/e2e/test_host_checks_e2e.py tests/e2e/test_ct_userspace_e2e.py tests/e2e/test_kernel_build.py)
+        tests/e2e/test_host_checks_e2e.py tests/e2e/test_ct_userspace_e2e.py tests/e2e/test_docs_run.py
+        tests/e2e/test_example_inventories_e2e.py tests/e2e/test_kernel_build.py)
 mkdir -p .cache
 start=$(date +%s)
 cache() {  # the twin root cache is shared by the runs: built once, before the tests that use it

@@ -514,7 +514,7 @@ class HostSpec(Strict):
         if self.proxmox_ve == 9 and self.kernel is not None and "-bpo12" in self.kernel.version:
             errors.append(f"@kernel.version: {self.kernel.version} is a Proxmox VE 8 (bookworm, -bpo12) kernel, but "
                           "proxmox_ve is 9; build a trixie branch of pve-kernel (e.g. master at 6e44995: "
-                          "7.0.14-14-pve, or trixie-6.17 at 74c6afb: 6.17.13-21-pve) with its ref")
+                          "7.0.14-14-pvegpu-pve, or trixie-6.17 at 74c6afb: 6.17.13-21-pvegpu-pve) with its ref")
 
         for ctid, ct in self.containers.items():
             if ct.userspace_driver is True and ct.gpus and (self.nvidia is None or self.nvidia.installer is None):

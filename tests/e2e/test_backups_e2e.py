@@ -78,7 +78,7 @@ def test_dry_shows_every_diff_and_the_converge_keeps_every_config(twin_factory, 
     assert before[PCI] in backups(run, PCI), "pci.cfg before the move was not kept"
     assert oct((run.root / "var/lib/pvegpu/backup").stat().st_mode)[-3:] == "700"
 
-    # putting one back by hand, as the README says: the config is what it was
+    # putting one back by hand, as docs/howto/restore-backup.md says: the config is what it was
     newest = sorted((run.root / "var/lib/pvegpu/backup" / CT).iterdir())[-1]
     (run.root / CT).write_bytes(newest.read_bytes())
     assert run.read(CT) == before[CT]
