@@ -49,8 +49,8 @@ from facts.kernel import (  # noqa: F401
 # The kernel stage's host paths and pve-kernel's Makefile reader live with the fact that reads
 # them (facts.kernel); plan.kernel names them too, for its own use and its callers'.
 from facts.shell import operands, word
-from plan.render import PRIVATE, PUBLIC, root_dirs
 from plan.nvidia import signing_key_refusal
+from plan.render import PRIVATE, PUBLIC, root_dirs
 from spec.models import KernelSpec
 
 GIB_KIB = 1024 * 1024
