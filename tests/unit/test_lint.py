@@ -27,7 +27,7 @@ def _tree(tmp_path: Path) -> Path:
         if path.endswith(".py"):
             (tmp_path / path).write_text("")
         else:
-            (tmp_path / path).mkdir()
+            (tmp_path / path).mkdir(exist_ok=True)  # scripts/ is made above
             (tmp_path / path / "__init__.py").write_text("")
     shutil.copy(REPO / "plan" / "render.py", tmp_path / "plan" / "render.py")
     shutil.copy(REPO / "facts" / "shell.py", tmp_path / "facts" / "shell.py")  # render's shell words
