@@ -7,8 +7,8 @@ on it; the children's share counts processes (pyinfra, ssh, twin supervisors and
 them) once they are waited for, so a twin's work lands on the test that stops it.
 
 Temporary dirs: run as root, the tests' tmp_path lies under the repository's .cache/pytest/<pid>
-(when every directory from / down to .cache is root's and not group/other writable), not under
-/tmp: the scripts pvegpu runs as root refuse a directory below a world-writable one
+when every directory from / down to .cache is root's and not group/other writable, else (a clone
+under /tmp, as CI may make) under /var/cache/pvegpu-tests/<pid>; never under /tmp: the scripts pvegpu runs as root refuse a directory below a world-writable one
 (templates/root-dir.sh.j2, issue 39), and the unit tests run those scripts in tmp_path.
 """
 
@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 _CACHE = Path(__file__).resolve().parents[1] / ".cache"
+_FALLBACK = Path("/var/cache/pvegpu-tests")
 
 
 def _root_only(path: Path) -> bool:
@@ -39,11 +40,15 @@ def pytest_configure(config):
     if os.geteuid() != 0 or config.option.basetemp is not None:
         return
     _CACHE.mkdir(mode=0o755, exist_ok=True)
-    if not _root_only(_CACHE):
+    if _root_only(_CACHE):
+        base = _CACHE / "pytest"
+    elif _root_only(_FALLBACK.parent):
+        base = _FALLBACK
+    else:
         return
-    base = _CACHE / "pytest"
     base.mkdir(mode=0o755, exist_ok=True)
-    os.chmod(base, 0o755)
+    if not _root_only(base):
+        return
     config.option.basetemp = str(base / str(os.getpid()))
     config.stash[_BASETEMP] = config.option.basetemp
 

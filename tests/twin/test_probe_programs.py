@@ -104,7 +104,11 @@ def test_the_kpro6_probe_starts_few_programs_and_gives_each_fact_its_own_value(t
     assert len(glue) <= 1 + 3 * (PROBE_GROUPS - 1), glue
     programs = [a for a in programs if a not in glue]
     assert len(programs) <= MAX_PROGRAMS, "\n".join(programs)
-    assert len(programs) == len(set(programs)), sorted(a for a in programs if programs.count(a) > 1)
+    # a CT file is read one directory at a time, each step's `stat .` (and `..`) the same argv
+    # (facts.guest_state CT_PATH_FUNCTIONS ct_file: no symlink followed, issue 39 item 9)
+    walk = ('"stat", "-c", "%d:%i", "."', '"stat", "-c", "%d:%i", ".."')
+    once = [a for a in programs if a not in walk]
+    assert len(once) == len(set(once)), sorted(a for a in once if once.count(a) > 1)
     assert not [a for a in programs if a.startswith(('"head"', '"tail"', '"sed"', '"cut"', '"sort"', '"uniq"'))]
     assert all(a.split(", ")[1].strip('"').startswith(CAT_KEPT) for a in programs if a.startswith('"cat"')), programs
 
