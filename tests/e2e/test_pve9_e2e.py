@@ -42,9 +42,10 @@ def test_gpu_added_to_a_running_ct(twin_factory, tmp_path, profile, hotplug):
     actions = guest_actions(run)[len(before):]
     conf = run.read("etc/pve/lxc/200.conf")
     assert "lxc.cgroup." not in conf, conf
-    if hotplug:  # the entries of the first GPU keep dev0-dev3, the new one takes dev4
-        assert "dev0: /dev/nvidia0,gid=44" in conf and "dev4: /dev/nvidia1,gid=44" in conf, conf
-        assert "CT 200 runs: its new device entries are hotplugged (dev4), no restart" in out, out[-4000:]
+    if hotplug:  # the entries of the first GPU keep dev0-dev2 (no uvm-tools unless asked), the new one takes dev3
+        assert "dev0: /dev/nvidia0,gid=44" in conf and "dev3: /dev/nvidia1,gid=44" in conf, conf
+        assert "dev2: /dev/nvidia-uvm,gid=44" in conf and "nvidia-uvm-tools" not in conf, conf
+        assert "CT 200 runs: its new device entries are hotplugged (dev3), no restart" in out, out[-4000:]
         assert actions == [], actions  # not restarted
         assert "[pve:pending]" not in conf
     else:  # numbered afresh (the CT restarts anyway)
