@@ -25,6 +25,16 @@ def host() -> dict:
     return copy.deepcopy(KPRO6["hosts"]["kpro6"])
 
 
+def refused_at(tmp_path: Path, where: tuple[str, ...], value, path: str, words: str) -> str:
+    """kpro6's spec with `value` set at the keys `where`, refused naming `path` with `words`."""
+    h = host()
+    target = h
+    for key in where[:-1]:
+        target = target[key]
+    target[where[-1]] = value
+    return refused(tmp_path, h, path, words)
+
+
 def refused(tmp_path: Path, h: dict, path: str, words: str) -> str:
     f = tmp_path / "site.yml"
     f.write_text(yaml.safe_dump({"hosts": {"kpro6": h}}))
@@ -149,12 +159,7 @@ def test_usual_kernel_parameters_pass(tmp_path):
     (("nccl", "overrides", "NCCL_DEBUG"), "x" * 1024, 'hosts.kpro6.nccl.overrides["NCCL_DEBUG"]', "at most 1023 bytes"),
 ])
 def test_counts_and_sizes_have_real_ranges(tmp_path, where, value, path, words):
-    h = host()
-    target = h
-    for key in where[:-1]:
-        target = target[key]
-    target[where[-1]] = value
-    refused(tmp_path, h, path, words)
+    refused_at(tmp_path, where, value, path, words)
 
 
 def test_proxmox_api_port_has_a_range(tmp_path):
@@ -183,12 +188,7 @@ def test_proxmox_api_port_has_a_range(tmp_path):
     (("nvidia", "installer", "url"), "file:////opt/src/x.run", "hosts.kpro6.nvidia.installer.url", "no '//'"),
 ])
 def test_paths_cannot_climb_out(tmp_path, where, value, path, words):
-    h = host()
-    target = h
-    for key in where[:-1]:
-        target = target[key]
-    target[where[-1]] = value
-    refused(tmp_path, h, path, words)
+    refused_at(tmp_path, where, value, path, words)
 
 
 # ------------------------------------------------------------------ names and identifiers
@@ -202,12 +202,7 @@ def test_paths_cannot_climb_out(tmp_path, where, value, path, words):
     (("node",), "../kpro7", "hosts.kpro6.node", "not a Proxmox node name"),
 ])
 def test_names_are_what_their_program_takes(tmp_path, where, value, path, words):
-    h = host()
-    target = h
-    for key in where[:-1]:
-        target = target[key]
-    target[where[-1]] = value
-    refused(tmp_path, h, path, words)
+    refused_at(tmp_path, where, value, path, words)
 
 
 @pytest.mark.parametrize("api, path, words", [
@@ -352,12 +347,7 @@ def test_a_mapping_id_is_a_pool_name(tmp_path):
     (("nvidia", "releases"), ["6.\u0661.0-57-amd64"], "hosts.kpro6.nvidia.releases", "not a kernel release"),
 ])
 def test_versions_are_ascii_digits(tmp_path, where, value, path, words):
-    h = host()
-    target = h
-    for key in where[:-1]:
-        target = target[key]
-    target[where[-1]] = value
-    refused(tmp_path, h, path, words)
+    refused_at(tmp_path, where, value, path, words)
 
 
 def test_a_vm_role_is_ascii_digits(tmp_path):
