@@ -126,7 +126,7 @@ def module_problems(release: str, version: str, module: dict, cc_version_text: s
     want = cc_version_text or ""
     if want and gcc:
         same = gcc.split(" ", 1)[-1] == want.split(" ", 1)[-1]
-        if not same and gcc_xyz(gcc) != gcc_xyz(want):
+        if not same and compiler_version(gcc) != compiler_version(want):
             problems.append(f"kernel {release} was built with {want!r} but its nvidia module with {gcc!r}")
     elif want:
         problems.append(f"kernel {release}: its nvidia module does not say which compiler built it")
@@ -134,11 +134,6 @@ def module_problems(release: str, version: str, module: dict, cc_version_text: s
         if not present:
             problems.append(f"kernel {release}: nvidia {version} loads /lib/firmware/{name}, which is missing")
     return problems
-
-
-def gcc_xyz(banner: str) -> str | None:
-    """GCC's version in a banner or a .comment `GCC: (…) x.y.z` line (facts.compilers.compiler_version)."""
-    return compiler_version(banner)
 
 
 def driver_kernel_refusal(version: str, release: str | None, state: dict) -> str | None:

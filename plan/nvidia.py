@@ -58,12 +58,6 @@ def build_jobs(cores: int, mem_total_kib: int, per_job_gib: int = 2) -> int:
 
 # -- toolchain (incident 1) ----------------------------------------------------------------
 
-def gcc_version(banner: str | None) -> str | None:
-    """`gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0` -> `12.2.0`: GCC's version where GCC prints it
-    (facts.compilers.compiler_version, the one reader of compiler banners)."""
-    return compiler_version(banner)
-
-
 def _banner_tail(banner: str) -> str:
     """A `--version` first line without the program name (`gcc-12 (Debian …) 12.2.0` -> `(Debian …) 12.2.0`)."""
     return banner.strip().split(" ", 1)[1] if " " in banner.strip() else ""
@@ -98,14 +92,14 @@ def toolchain_for(release: str, cc_version_text: str | None, compilers: dict[str
     if result["refusal"] or not need_cxx:
         return {**result, "cxx": None}
     cc = result["cc"]
-    wanted_version = gcc_version(compilers[cc]) or ""  # _cc_for found this gcc by its version
+    wanted_version = compiler_version(compilers[cc]) or ""  # _cc_for found this gcc by its version
     suffix = cc[len("gcc"):]  # "-12" or ""
     candidates = [c for c in dict.fromkeys([f"g++{suffix}", "g++", f"g++-{wanted_version.split('.')[0]}"]) if c in compilers]
     for cxx in candidates:
         if _banner_tail(compilers[cxx]) == _banner_tail(compilers[cc]):
             return {**result, "cxx": cxx}
     for cxx in candidates:
-        if gcc_version(compilers[cxx]) == wanted_version:
+        if compiler_version(compilers[cxx]) == wanted_version:
             return {**result, "cxx": cxx}
     have = "; ".join(f"{c}: {compilers[c]!r}" for c in compilers if c.startswith("g++")) or "no g++ at all"
     package = f"g++{suffix}" if suffix else f"g++-{wanted_version.split('.')[0]}"
@@ -122,7 +116,7 @@ def _cc_for(release: str, cc_version_text: str | None, compilers: dict[str, str]
         return {"cc": None, "note": None,
                 "refusal": f"kernel {release}: its headers carry no CONFIG_CC_VERSION_TEXT, so the compiler "
                            f"that built it is unknown; install its complete headers package"}
-    wanted_version = gcc_version(cc_version_text)
+    wanted_version = compiler_version(cc_version_text)
     program = cc_version_text.split(" ", 1)[0]
     if "gcc" not in program:
         return {"cc": None, "note": None,
@@ -136,7 +130,7 @@ def _cc_for(release: str, cc_version_text: str | None, compilers: dict[str, str]
         if _banner_tail(compilers[cc]) == _banner_tail(cc_version_text):
             return {"cc": cc, "note": None, "refusal": None}
     for cc in candidates:
-        if gcc_version(compilers[cc]) == wanted_version:
+        if compiler_version(compilers[cc]) == wanted_version:
             return {"cc": cc, "refusal": None,
                     "note": f"kernel {release} was built with {cc_version_text!r}; using {compilers[cc]!r} "
                             f"(same GCC {wanted_version}, other distribution revision)"}

@@ -73,8 +73,5 @@ def test_one_run_per_program_file_and_the_lines_every_run_prints(tmp_path):
 ])
 def test_gcc_version_is_the_word_gcc_prints_as_its_version(text, version):
     from facts.compilers import compiler_version
-    from plan.kernel_hook import gcc_xyz
-    from plan.nvidia import gcc_version
 
     assert compiler_version(text) == version
-    assert gcc_version(text) == version and (gcc_xyz(text) == version or not text)

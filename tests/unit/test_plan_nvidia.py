@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from facts.compilers import compiler_version
 from facts.kernel import parse_module_parameters
 from facts.nvidia import parse_driver_version, parse_gpu_information
 from plan import nvidia as nv
@@ -46,10 +47,10 @@ def test_h200_meminfo_fixture_gives_jobs():
 
 
 def test_gcc_version_from_real_banners():
-    assert nv.gcc_version(BOOKWORM_GCC) == "12.2.0"
-    assert nv.gcc_version(DEBIAN_61_CC_TEXT) == "12.2.0"
+    assert compiler_version(BOOKWORM_GCC) == "12.2.0"
+    assert compiler_version(DEBIAN_61_CC_TEXT) == "12.2.0"
     proc_version = fixture_lines("h200-vm/proc-version.txt")[0]  # "(gcc (GCC) 15.3.0, GNU ld … 2.46)"
-    assert nv.gcc_version(proc_version.split("(gcc ")[1].split(",")[0]) == "15.3.0"
+    assert compiler_version(proc_version.split("(gcc ")[1].split(",")[0]) == "15.3.0"
     driver = parse_driver_version(fixture_lines("driver-version/open-555.42.02-ubuntu2204-ec2-t4.txt"))
     assert driver is not None
     assert driver["gcc"] == "11.4.0"
