@@ -49,6 +49,18 @@ def parse_packages(lines: list[str]) -> dict[str, dict]:
     return out
 
 
+def parse_owners(lines: list[str]) -> dict[str, str]:
+    """``dpkg-query -S /boot/vmlinuz-*`` lines (``<package>[, <package>]: <path>``; dpkg's
+    diversion lines skipped): {release: the package that installed its image}."""
+    out: dict[str, str] = {}
+    for line in lines:
+        if line.startswith("diversion ") or ": /boot/vmlinuz-" not in line:
+            continue
+        packages, path = line.split(": ", 1)
+        out[path.strip()[len("/boot/vmlinuz-"):]] = packages.split(",")[0].strip()
+    return out
+
+
 def _first(lines: list[str]) -> str | None:
     return next((line.strip() for line in lines if line.strip()), None)
 
@@ -66,6 +78,7 @@ def parse_kernel_hook(lines: list[str]) -> dict:
         "hook": lambda ls: bool(ls) and ls[0].strip() == "yes",
         "running": _first,
         "installed": lambda ls: sorted(line.strip() for line in ls if line.strip()),
+        "owners": parse_owners,
     })
 
 
@@ -78,7 +91,8 @@ class KernelHookState(ShellFact):
          "holds": ["proxmox-kernel-6.14"], "hold_record": […],
          "packages": {"proxmox-default-kernel": {"version": "1.1.0", "held": False}, …},
          "headers_candidate": "1.1.0" | None, "hook": True, "running": "6.14.8-2-pve",
-         "installed": ["6.14.11-1-pve", "6.14.8-2-pve"]}   # /boot/vmlinuz-*
+         "installed": ["6.14.11-1-pve", "6.14.8-2-pve"],   # /boot/vmlinuz-*
+         "owners": {"6.14.11-1-pve": "proxmox-kernel-6.14.11-1-pve-signed"}}   # dpkg's owner of each image
     """
 
     command = "; ".join([
@@ -101,6 +115,9 @@ class KernelHookState(ShellFact):
         section_echo("hook"), "[ -e /etc/kernel/postinst.d/pvegpu-nvidia ] && echo yes",
         section_echo("running"), uname("r"),
         section_echo("installed"), 'for f in /boot/vmlinuz-*; do [ -e "$f" ] && echo "${f#/boot/vmlinuz-}"; done',
+        # the package each image came in (Proxmox VE >= 8.1 installs proxmox-kernel-<rel>-signed, which
+        # Provides proxmox-kernel-<rel>: dpkg-reconfigure needs the installed name)
+        section_echo("owners"), "dpkg-query -S /boot/vmlinuz-* 2>/dev/null",
         "true",
     ])
 

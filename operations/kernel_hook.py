@@ -11,7 +11,10 @@ pins the last kernel with working modules before the loader is refreshed; the re
 this stage (--dry too) and by the host checks. The hook always exits 0: pve-kernel's postinst
 runs the hooks with `run-parts --exit-on-error` and dies on a failure (debian/proxmox-kernel.
 postinst.in), which would leave the kernel package half-configured. The headers follow the
-kernels through proxmox-default-headers.
+kernels through proxmox-default-headers; headers that come in a later apt run than their kernel
+(their postinst runs no kernel hook) get the build through apt's DPkg::Post-Invoke
+(templates/kernel-headers-apt.conf.j2), which runs the same hook for the kernels it left for want
+of headers.
 
 hold: the installed kernel meta-packages of the series are held (`apt-mark hold`), so
 `apt full-upgrade` installs no new release; `follow` releases exactly the holds pvegpu set.
@@ -34,6 +37,9 @@ from plan.render import render_template
 from plan.terminal import visible
 
 HOOK = "/etc/kernel/postinst.d/pvegpu-nvidia"  # before zz-proxmox-boot and zz-update-grub in run-parts' order
+# apt's DPkg::Post-Invoke runs the hook's --headers pass after each dpkg run: headers installed after
+# their kernel (pve-kernel debian/proxmox-headers.postinst.in runs no kernel hook) get it built then
+HEADERS_CONF = "/etc/apt/apt.conf.d/80pvegpu-kernel-headers"
 MOTD_DIR = "/etc/motd.d"
 # Linux-PAM modules/pam_motd/pam_motd.c: DEFAULT_MOTD_D (/etc/motd.d:…) is read when neither
 # motd= nor motd_dir= is given, as on Debian's second pam_motd line (/etc/pam.d/sshd, login)
@@ -71,7 +77,7 @@ def hook_toolchain(spec, state: dict, releases: list[str]) -> tuple[str, str | N
 
 
 def prefetch(spec) -> list:
-    return [(KernelHookState, {}), (ManagedFiles, {"paths": [HOOK, HOLD_RECORD]})]
+    return [(KernelHookState, {}), (ManagedFiles, {"paths": [HOOK, HEADERS_CONF, HOLD_RECORD]})]
 
 
 def preflight(spec) -> list[str]:
@@ -104,7 +110,7 @@ def forget_failures(releases: list[str], last: bool):
 
 @operation()
 def remove_hook():
-    yield StringCommand(f"rm -f {operands(HOOK)}")
+    yield StringCommand(f"rm -f {operands(HOOK, HEADERS_CONF)}")
 
 
 @deploy("Kernel updates")
@@ -125,13 +131,13 @@ def apply(spec) -> None:
         apt_mark(name=f"Hold the kernel series {updates['series']}: {', '.join(updates['hold'])}", action="hold",
                  packages=updates["hold"])
     record = "".join(f"{p}\n" for p in updates["record"])
-    files = fact_once(ManagedFiles, paths=[HOOK, HOLD_RECORD])
+    files = fact_once(ManagedFiles, paths=[HOOK, HEADERS_CONF, HOLD_RECORD])
     if record or files.get(HOLD_RECORD):
         managed_file(name="Record the kernel holds pvegpu set", path=HOLD_RECORD, content=record, mode="644",
                      state=files.get(HOLD_RECORD), keep_previous=False)
     nv = spec.nvidia
     if nv is None or nv.modules_source is None:
-        if state.get("hook"):
+        if state.get("hook") or files.get(HEADERS_CONF):
             remove_hook(name="Remove the kernel hook (no nvidia.modules_source to build from)")
         return
     # follow only: held kernels need no new headers (and proxmox-default-headers may name a newer series)
@@ -151,6 +157,10 @@ def apply(spec) -> None:
     sig_hash = next((h for r in releases if (h := ((nv_state["releases"].get(r) or {}).get("config") or {})
                                              .get("CONFIG_MODULE_SIG_HASH"))), "sha256")
     content = hook_script(spec, cc, cxx, steps["jobs"], steps["ccache"], sig_hash)
+    conf = render_template("kernel-headers-apt.conf.j2", path=HEADERS_CONF, hook=HOOK)
+    if not file_current(files.get(HEADERS_CONF), conf, "644"):
+        managed_file(name="Kernel hook: build for headers apt installs after their kernel (DPkg::Post-Invoke)",
+                     path=HEADERS_CONF, content=conf, mode="644", state=files.get(HEADERS_CONF), keep_previous=False)
     current = files.get(HOOK)
     if file_current(current, content, "755"):
         logger.info(f"{host.name}: kernel hook: {HOOK} builds nvidia {nv.version} for new kernels ({cc})")

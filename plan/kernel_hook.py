@@ -74,10 +74,21 @@ def stale_failures(state: dict) -> list[str]:
     return sorted(set(state.get("failed") or {}) - set(live_failures(state)))
 
 
+def rerun_command(release: str, state: dict) -> str:
+    """The command that runs the kernel hook again for `release`: dpkg-reconfigure of the package
+    dpkg says installed its image (proxmox-kernel-<rel>-signed on Proxmox VE >= 8.1: dpkg-reconfigure
+    of the name it only Provides says "is not installed"), else the hook itself with the arguments
+    the kernel postinst gives it (pve-kernel debian/proxmox-kernel.postinst.in)."""
+    owner = (state.get("owners") or {}).get(release)
+    if owner:
+        return f"dpkg-reconfigure {owner}"
+    return f"/etc/kernel/postinst.d/pvegpu-nvidia {release} /boot/vmlinuz-{release}"
+
+
 def failure_lines(state: dict) -> list[str]:
     """The kernel hook's failures on this host, in words (the --dry and the run say them)."""
     return [f"kernel {rel}: {rec['reason'] or 'the kernel hook failed'} ({rec['time']}); {rec['kept']}; "
-            f"once the cause is fixed, `dpkg-reconfigure proxmox-kernel-{rel}` runs the hook again"
+            f"once the cause is fixed, `{rerun_command(rel, state)}` runs the hook again"
             for rel, rec in sorted(live_failures(state).items())]
 
 

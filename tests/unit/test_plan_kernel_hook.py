@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from facts.kernel_hook import KernelHookState, parse_kernel_hook
+from facts.kernel_hook import KernelHookState, parse_kernel_hook, parse_owners
 from plan import kernel_hook as plan
 from spec.models import HostSpec
 
@@ -106,8 +106,23 @@ def test_records_of_removed_kernels_are_stale_not_failures():
          "installed": ["6.8.12-11-pve", "6.12.1-1-pve"]}
     assert list(plan.live_failures(s)) == ["6.12.1-1-pve"]
     assert plan.stale_failures(s) == ["6.11.1-1-pve"]
+    [line] = plan.failure_lines(s)  # no package owns its image (dpkg-query -S finds none): the hook itself
+    assert line.startswith("kernel 6.12.1-1-pve:") and \
+        "`/etc/kernel/postinst.d/pvegpu-nvidia 6.12.1-1-pve /boot/vmlinuz-6.12.1-1-pve` runs the hook again" in line
+
+
+def test_the_rerun_command_names_the_package_dpkg_says_installed_the_image():
+    """Issue 38 2.7: Proxmox VE >= 8.1 installs proxmox-kernel-<rel>-signed, which only Provides
+    proxmox-kernel-<rel>; `dpkg-reconfigure proxmox-kernel-<rel>` says it "is not installed"."""
+    owners = parse_owners(["proxmox-kernel-6.12.1-1-pve-signed: /boot/vmlinuz-6.12.1-1-pve",
+                           "diversion by foo from: /boot/vmlinuz-6.8.12-11-pve",
+                           "linux-image-6.1.0-57-amd64: /boot/vmlinuz-6.1.0-57-amd64"])
+    assert owners == {"6.12.1-1-pve": "proxmox-kernel-6.12.1-1-pve-signed",
+                      "6.1.0-57-amd64": "linux-image-6.1.0-57-amd64"}
+    s = {**state(failed=["== 6.12.1-1-pve.failed", "t", "nvidia could not be built", "kept"]),
+         "installed": ["6.12.1-1-pve"], "owners": owners}
     [line] = plan.failure_lines(s)
-    assert line.startswith("kernel 6.12.1-1-pve:") and "dpkg-reconfigure proxmox-kernel-6.12.1-1-pve" in line
+    assert "`dpkg-reconfigure proxmox-kernel-6.12.1-1-pve-signed` runs the hook again" in line
 
 
 def test_the_spec_kernel_is_refused_when_the_hook_could_not_build_this_driver_for_it():

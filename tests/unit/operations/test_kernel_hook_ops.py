@@ -176,3 +176,39 @@ def test_a_compile_error_is_kept_quoted_as_the_reason(tmp_path):
     assert reason == (f"nvidia 580.95.05 could not be built for kernel {RELEASE}: the build failed (exit 1): "
                       "kernel-open/common/inc/nv-linux.h:1730:10: fatal error: linux/of_gpio.h: No such file or directory")
     assert reason.split(": ", 1)[1] in (tmp_path / "motd.d/pvegpu-kernel").read_text()
+
+
+def test_headers_installed_after_the_kernel_rerun_the_hook_through_the_apt_post_invoke_pass(tmp_path):
+    """Issue 38 2.7: the kernel's postinst ran the hook before its headers were there (Proxmox's
+    headers are a package of their own whose postinst runs no hook): the hook keeps that it waits
+    for them; its --headers pass (apt's DPkg::Post-Invoke) does nothing while they are missing and
+    runs the hook for that kernel once they are (here it goes on to the toolchain check)."""
+    archive = tmp_path / "tree.tar.gz"
+    archive.write_bytes(b"tree")
+    (tmp_path / "boot").mkdir()
+    (tmp_path / f"boot/vmlinuz-{RELEASE}").write_text("")
+    script = hook(tmp_path, archive, hashlib.sha256(b"tree").hexdigest())
+    done = run(tmp_path, script)
+    assert done.returncode == 0, done.stderr
+    assert "no headers at" in (tmp_path / f"state/{RELEASE}.failed").read_text()
+    assert (tmp_path / f"state/{RELEASE}.no-headers").exists()
+    path = tmp_path / "pvegpu-nvidia"
+    path.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"}
+    again = subprocess.run([str(path), "--headers"], capture_output=True, text=True, env=env, timeout=60)
+    assert again.returncode == 0 and again.stderr == "", again.stderr  # still no headers: nothing runs
+    assert (tmp_path / f"state/{RELEASE}.no-headers").exists()
+    kernel_built_with(tmp_path, "gcc-14 (Debian 14.2.0-19) 14.2.0")  # the headers arrive
+    again = subprocess.run([str(path), "--headers"], capture_output=True, text=True, env=env, timeout=60)
+    assert again.returncode == 0, again.stderr
+    reason = (tmp_path / f"state/{RELEASE}.failed").read_text().splitlines()[1]
+    assert "it was built with 'gcc-14 (Debian 14.2.0-19) 14.2.0'" in reason  # the hook ran for it, past the headers
+    assert not (tmp_path / f"state/{RELEASE}.no-headers").exists()
+    third = subprocess.run([str(path), "--headers"], capture_output=True, text=True, env=env, timeout=60)
+    assert third.stderr == "" and "gcc-14" in (tmp_path / f"state/{RELEASE}.failed").read_text()  # not retried
+
+
+def test_the_apt_conf_runs_the_hook_s_headers_pass():
+    conf = render_template("kernel-headers-apt.conf.j2", path=kernel_hook.HEADERS_CONF, hook=kernel_hook.HOOK)
+    assert ('DPkg::Post-Invoke { "if [ -x /etc/kernel/postinst.d/pvegpu-nvidia ]; then '
+            '/etc/kernel/postinst.d/pvegpu-nvidia --headers || true; fi"; };') in conf
