@@ -228,7 +228,7 @@ def fact_args(k: KernelSpec, base: str) -> dict:
 def decide(k: KernelSpec, facts: dict, base: str) -> dict:
     """plan.kernel_decision on the stage's facts; the decision also carries the loader default."""
     build = facts["build"]
-    loader, _ = plan.trial_loader(build)
+    loader, _ = plan.default_loader(build)
     default = plan.default_release(facts["kernels"], build, loader)
     decision = plan.kernel_decision(
         k, {"kernels": facts["kernels"], "installed_manifest": build["installed_manifest"], "build": build,
@@ -275,6 +275,11 @@ def preflight(spec: HostSpec) -> list[str]:
         refusals.append(f"kernel.trial_boot is on, but a trial that is one boot cannot be set up on this host: {no_trial}. "
                         "Fix that, or set kernel.trial_boot: false to install the kernel without a trial (then it is "
                         "booted only when chosen at the console)")
+    keeper, no_keep = plan.default_loader(facts["build"])
+    if not k.trial_boot and no_keep and decision["action"] in ("build", "attach", "install"):
+        refusals.append(f"kernel.trial_boot is off, so the new kernel is installed but not made the default; on this "
+                        f"host the running kernel cannot be kept the loader's default by name: {no_keep}. Without "
+                        "that the new kernel would be the default at once")
     gate = gate_refusal(spec)
     if gate and decision["action"] in ("build", "attach", "install", "trial"):
         refusals.append(gate)
@@ -352,9 +357,11 @@ def apply(spec: HostSpec) -> None:
     # the known-good kernel (the running one) is made the default before the install where it is
     # not: a kernel package's postinst would otherwise make the new one the default
     # (zz-proxmox-boot writes `default proxmox-*` without a pin; GRUB boots its first entry)
+    # (trial or not: kernel.trial_boot: false installs it without making it the default, issue 38 2.3)
+    keeper, no_keep = plan.default_loader(build)
     keep = None
-    if loader and k.trial_boot and running and decision["default"] != running:
-        keep = plan.keep_default_command(running, loader, adv)
+    if keeper and running and running != k.version and decision["default"] != running:
+        keep = plan.keep_default_command(running, keeper, adv)
     if gated(spec) and plan.gate_due(action, k, loader):
         nv = spec.nvidia
         assert nv is not None and nv.modules_source is not None
@@ -385,11 +392,11 @@ def apply(spec: HostSpec) -> None:
         if running != k.version:
             logger.warning(f"{host.name}: kernel: {decision['why']}")
     elif action == "pin":
-        if loader:
-            pin_kernel(name=f"Make kernel {k.version} the default for good", release=k.version, loader=loader,
+        if keeper:
+            pin_kernel(name=f"Make kernel {k.version} the default for good", release=k.version, loader=keeper,
                        advanced_id=adv)
         else:
-            logger.warning(f"{host.name}: kernel {k.version} runs but is not made the default: {no_trial}")
+            logger.warning(f"{host.name}: kernel {k.version} runs but is not made the default: {no_keep}")
     elif action == "failed-trial":
         logger.warning(f"{host.name}: {decision['why']}")
     elif action == "wrong-debs":  # refused at preflight; nothing to do here

@@ -485,6 +485,22 @@ def trial_loader(build: dict) -> tuple[str | None, str | None]:
     return GRUB, None
 
 
+def default_loader(build: dict) -> tuple[str | None, str | None]:
+    """(loader, None): how the loader's default is set by name on this host, trial or not; else
+    (None, why not). ESPs (proxmox-boot-tool, systemd-boot or GRUB on them): the pin (`kernel pin`
+    + `refresh`; proxmox-kernel-helper's zz-proxmox-boot / 000_proxmox_boot_header boot it), named
+    SYSTEMD_BOOT here as set_default_command takes it. GRUB on /boot: grubenv's saved_entry by entry
+    id (grub-set-default writes it from the running system on any file system; only GRUB itself
+    cannot write there, which matters for a one-shot alone). Never an index: with the boot stage's
+    GRUB_DEFAULT=saved on a stock install saved_entry is `0`, the first entry, which 10_linux makes
+    the newest kernel."""
+    if build.get("esps"):
+        return SYSTEMD_BOOT, None
+    if not build.get("grub_advanced_id"):
+        return None, "/boot/grub/grub.cfg has no 'Advanced options' submenu id (gnulinux-advanced-…) to name entries by"
+    return GRUB, None
+
+
 def default_release(kernels: dict, build: dict, loader: str | None) -> str | None:
     """The kernel the loader boots by default: the pin (systemd-boot), grubenv saved_entry (GRUB)."""
     if loader == GRUB:
@@ -589,12 +605,23 @@ def finish_trial_command(release: str, loader: str, wanted_build_id: str, advanc
     )
 
 
+# GRUB_DEFAULT as the install's update-grub will read it (grub util/grub-mkconfig.in sources
+# /etc/default/grub, then /etc/default/grub.d/*.cfg, where the boot stage's drop-in sets it)
+GRUB_KEEP_CHECK = ("{ ( . /etc/default/grub; for f in /etc/default/grub.d/*.cfg; do [ -e \"$f\" ] && . \"$f\"; done; "
+                   "[ \"$GRUB_DEFAULT\" = saved ] ) >/dev/null 2>&1 || { echo 'pvegpu: GRUB_DEFAULT is not saved "
+                   "(the boot stage writes it in /etc/default/grub.d/pvegpu.cfg): GRUB would boot the new kernel, its "
+                   "first entry, so it is not installed' >&2; exit 1; }; }")
+
+
 def keep_default_command(known_good: str, loader: str, advanced_id: str | None = None) -> str:
-    """Before a kernel package is installed: make the known-good (running) kernel the default, so
-    the package's postinst (zz-proxmox-boot / zz-update-grub) does not make the new one the
-    default: without a pin, zz-proxmox-boot writes `default proxmox-*` (the newest entry), and
-    with GRUB_DEFAULT=saved and no saved_entry GRUB boots the first entry (the newest)."""
-    return set_default_command(known_good, loader, advanced_id)
+    """Before a kernel package is installed (trial or not, `default_loader`): make the known-good
+    (running) kernel the default by name, so the package's postinst (zz-proxmox-boot /
+    zz-update-grub) does not make the new one the default: without a pin, zz-proxmox-boot writes
+    `default proxmox-*` (the newest entry), and with GRUB_DEFAULT=saved and no saved_entry, or an
+    index one such as a stock install's `0`, GRUB boots the first entry (the newest). On GRUB the
+    configuration must say GRUB_DEFAULT=saved, else nothing is installed."""
+    command = set_default_command(known_good, loader, advanced_id)
+    return f"{GRUB_KEEP_CHECK} && {command}" if loader == GRUB else command
 
 
 # -- kernel.remove_old ---------------------------------------------------------------------

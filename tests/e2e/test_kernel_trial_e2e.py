@@ -651,3 +651,34 @@ def test_a_failed_trial_is_reported_with_what_the_journal_kept(twin_factory, tmp
     assert third.rc != 0 and "came up on" in third.output, third.output[-6000:]
     fourth = converge(twin.name)
     assert "journal: not persistent (no /var/log/journal)" in fourth.output, fourth.output[-4000:]
+
+
+@pytest.mark.parametrize("profile", ["intel2-lvm", "kpro6"])
+def test_trial_boot_off_installs_the_kernel_without_making_it_the_default(twin_factory, tmp_path, profile):
+    """Issue 38 2.3: kernel.trial_boot: false installs the kernel and the running one stays the
+    loader's default, by name: on the stock LVM/GRUB install (whose saved_entry the boot stage
+    sets to the old GRUB_DEFAULT, `0`: the first entry, the newest kernel) and on an ESP with no
+    pin (zz-proxmox-boot writes `default proxmox-*`, the newest). Before, both booted the new one."""
+    off = {**KERNEL, "trial_boot": False}
+    if profile == "kpro6":
+        twin = twin_factory("kpro6", address=quiet_address())
+        root = Path(twin.root)
+        stages = STAGES
+    else:
+        twin, root = grub_twin(twin_factory, "lvm")
+        stages = GRUB_STAGES
+    seed_finished_build(root, tmp_path)
+    old = twin_run(twin.name, "uname", "-r").strip()
+    run = converge(twin.name, stages=stages, kernel=off)
+    assert run.rc == 0, run.output[-6000:]
+    assert f"vmlinuz-{RELEASE}" in twin_run(twin.name, "ls", "/boot").split()
+    if profile == "kpro6":
+        assert loader_default(root) == f"proxmox-{old}.conf" and oneshot(root) is None
+    else:
+        env = grubenv(twin.name)
+        assert f">gnulinux-{old}-advanced-" in env["saved_entry"] and not env.get("next_entry"), env
+    again = converge(twin.name, stages=stages, kernel=off)
+    assert again.rc == 0 and again.changed == 0, again.output[-4000:]
+    assert "trial_boot is off; not made the default" in again.output
+    reboot(twin.name)
+    assert twin_run(twin.name, "uname", "-r").strip() == old

@@ -551,3 +551,17 @@ def test_secure_boot_refusals_name_the_field():
     assert "proxmox-boot-tool ESPs" in str(plan.secure_boot_refusal(
         signed, {"secure_boot": True, "mok": "enrolled", "sbsign": True, "esps": True}))
     assert plan.secure_boot_refusal(signed, {"secure_boot": True, "mok": "enrolled", "sbsign": True}) is None
+
+
+def test_the_default_is_kept_by_name_on_every_loader_trial_or_not():
+    """Issue 38 2.3: kernel.trial_boot: false must not make the new kernel the default: on ESPs
+    the pin, on GRUB (LVM, btrfs, ZFS /boot included) saved_entry by entry id, never the index a
+    stock install has (`0`, the newest entry); no entry id: refused."""
+    assert plan.default_loader({"esps": ["5A1C-9E27"], "uefi": False}) == (plan.SYSTEMD_BOOT, None)
+    assert plan.default_loader({"grub_advanced_id": "ab", "grubenv_abstraction": "lvm"}) == (plan.GRUB, None)
+    loader, why = plan.default_loader({"grubenv_abstraction": "lvm"})
+    assert loader is None and "Advanced options" in why
+    assert plan.default_release({}, {"grub_saved": "0"}, plan.GRUB) is None  # an index names no kernel: kept first
+    keep = plan.keep_default_command("6.8.12-11-pve", plan.GRUB, "ab")
+    assert keep.endswith("grub-set-default 'gnulinux-advanced-ab>gnulinux-6.8.12-11-pve-advanced-ab'")
+    assert keep.startswith(plan.GRUB_KEEP_CHECK)

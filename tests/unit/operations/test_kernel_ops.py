@@ -237,7 +237,7 @@ def test_install_makes_the_running_kernel_the_default_first_where_asked():
     newest kernel (zz-proxmox-boot: default proxmox-*), so the running one is pinned first."""
     keep = plan.keep_default_command("6.14.8-2-pve", "grub", "ab")
     cmds, _ = run_op(kernel.install_kernel, "/b", "6.14.11-9-bpo12-pve", "proxmox-git", keep)
-    assert cmds[0] == "grub-set-default 'gnulinux-advanced-ab>gnulinux-6.14.8-2-pve-advanced-ab'"
+    assert cmds[0] == plan.GRUB_KEEP_CHECK + " && grub-set-default 'gnulinux-advanced-ab>gnulinux-6.14.8-2-pve-advanced-ab'"
     assert cmds[1].startswith("DEBIAN_FRONTEND=noninteractive dpkg -i ")
 
 
@@ -292,7 +292,11 @@ def test_preflight_refuses_a_trial_that_would_not_be_one_boot(monkeypatch, lines
         "source": None})
     refusals = kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT}))
     assert len(refusals) == 1 and why in refusals[0] and "kernel.trial_boot: false" in refusals[0]
-    assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT, "trial_boot": False})) == []
+    off = kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT, "trial_boot": False}))
+    if "grub_advanced_id ab" in lines or "esps" in lines:
+        assert off == []  # the running kernel is kept the default by name (plan.kernel.default_loader)
+    else:  # no entry id to keep it by: refused, not silently made the default (issue 38 2.3)
+        assert len(off) == 1 and off[0].startswith("kernel.trial_boot is off") and why in off[0]
 
 
 
