@@ -102,7 +102,9 @@ FIELDS: dict[str, Field] = {
                                 "(no `.`/`..`/`//`, ≤ 4095).", "`running`"),
     "kernel.jobs": Field("Parallel compile jobs; `auto` = min(cores, RAM / 2 GiB).", "`auto` or 1–4096.", "`auto`"),
     "kernel.ccache": Field("Build through ccache.", _BOOL, "`true`"),
-    "kernel.trial_boot": Field("Boot the new kernel once (the loader's one-shot) before it becomes the default.",
+    "kernel.trial_boot": Field("Boot the new kernel once (the loader's one-shot) before it becomes the default; "
+                               "`false`: installed only, the running kernel stays the default (boot the new one "
+                               "from the console, the next run makes it the default).",
                                _BOOL, "`true`"),
     "kernel.trial_panic_s": Field("`panic=` of the trial boot: seconds before a panicking trial kernel resets.",
                                   _SECONDS, "`10`"),

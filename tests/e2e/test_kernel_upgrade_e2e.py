@@ -5,9 +5,10 @@ built by the NVIDIA stage; the converge also installs the kernel hook. Then a lo
 repository (file:/opt/repo inside the twin, nothing leaves it) offers a newer kernel the way
 Proxmox's metas do: proxmox-default-kernel 2 -> proxmox-kernel-6.12 -> the kernel package of
 6.12.118+deb12-amd64 (whose real headers are in the twin root too). Each kernel package is a real
-.deb whose postinst runs depmod and `run-parts --exit-on-error --arg=<rel> --arg=<image>
-/etc/kernel/postinst.d` as pve-kernel's debian/proxmox-kernel.postinst.in does, so Debian's own
-dkms, initramfs-tools and zz-update-grub hooks run beside ours.
+.deb in pve-kernel's shape (tests/twin/kernel_packages.py: proxmox-kernel-<rel>-signed, whose
+postinst runs depmod and the /etc/kernel/postinst.d hooks as debian/proxmox-kernel.postinst.in
+does, so Debian's own dkms, initramfs-tools and zz-update-grub hooks run beside ours; the headers
+a package of their own that runs no hook).
 
 The NVIDIA tree is a miniature one in NVIDIA's layout (kernel-open/ with Kbuild, a Makefile
 that hands KERNEL_UNAME to kbuild, and five tiny modules named like NVIDIA's, carrying the
@@ -30,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.harness import PYTEST, REPO, manifest_diff, root_manifest, run_pyinfra, spec_inventory, write_tarball
+from tests.twin import kernel_packages as kp
 from tests.twin import runtime
 
 pytestmark = [pytest.mark.twin]
@@ -72,56 +74,23 @@ def mini_tree(out: Path, fail_from_6_12: bool = False) -> Path:
     return write_tarball(archive, f"open-gpu-kernel-modules-{VERSION}", files)
 
 
-# -- kernel packages the way Proxmox ships them ----------------------------------------------------
-
-def deb(out: Path, package: str, version: str, files: dict[str, str], depends: str = "",
-        postinst: str | None = None) -> Path:
-    tree = out / f"{package}_{version}"
-    (tree / "DEBIAN").mkdir(parents=True)
-    for path, text in files.items():
-        (tree / path).parent.mkdir(parents=True, exist_ok=True)
-        (tree / path).write_text(text)
-    (tree / "DEBIAN/control").write_text(
-        f"Package: {package}\nVersion: {version}\nArchitecture: all\n"
-        + (f"Depends: {depends}\n" if depends else "")
-        + "Maintainer: pvegpu tests <tests@example.invalid>\nDescription: pvegpu e2e stand-in\n")
-    if postinst:
-        (tree / "DEBIAN/postinst").write_text(postinst)
-        (tree / "DEBIAN/postinst").chmod(0o755)
-    built = out / f"{package}_{version}_all.deb"
-    subprocess.run(["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", str(tree), str(built)], check=True,
-                   capture_output=True)
-    return built
-
-
-def kernel_deb(out: Path, root: Path, release: str) -> Path:
-    """proxmox-kernel-<rel>: an image, the kernel's real config (from its headers) and its modules
-    dir; postinst as pve-kernel debian/proxmox-kernel.postinst.in (configure only: depmod, then
-    the hooks with --exit-on-error and the version and image as arguments)."""
-    config = (root / f"usr/src/linux-headers-{release}/.config").read_text()
-    postinst = ("#!/bin/sh\nset -e\n[ \"$1\" = configure ] || exit 0\n"
-                f"depmod {release}\n"
-                f"run-parts --verbose --exit-on-error --arg={release} --arg=/boot/vmlinuz-{release} "
-                "/etc/kernel/postinst.d\n")
-    return deb(out, f"proxmox-kernel-{release}", "1", {
-        f"boot/vmlinuz-{release}": "twin stand-in kernel image\n", f"boot/config-{release}": config,
-        f"boot/System.map-{release}": "", f"lib/modules/{release}/modules.order": "",
-        f"lib/modules/{release}/modules.builtin": ""}, postinst=postinst)
-
+# -- kernel packages the way Proxmox ships them (tests/twin/kernel_packages.py) ---------------------
 
 def repo_debs(out: Path, root: Path, upgrade: bool) -> list[Path]:
-    """The chain of proxmox-kernel-meta's and pve-kernel's debian/control: proxmox-default-kernel ->
-    proxmox-kernel-X.Y -> the release (and the same for the headers)."""
-    debs = []
+    """What a Proxmox repository offers, in pve-kernel's and proxmox-kernel-meta's shapes:
+    proxmox-default-kernel -> proxmox-kernel-X.Y -> proxmox-kernel-<rel>-signed, and the headers
+    chain down to proxmox-headers-<rel>, a package of its own whose postinst runs no hook. The
+    headers' files are Debian's real trees in the twin root; proxmox-headers-<NEW> brings the
+    /usr/lib/modules/<rel>/build link to them (the 6.1 link is Debian's linux-headers package's)."""
+    debs = [kp.pve_firmware(out)]
     for release, series in ((OLD, "6.1"), (NEW, "6.12"))[:2 if upgrade else 1]:
         version = "2" if series == "6.12" else "1"
-        debs += [kernel_deb(out, root, release),
-                 deb(out, f"proxmox-kernel-{series}", "1", {}, depends=f"proxmox-kernel-{release}"),
-                 deb(out, "proxmox-default-kernel", version, {}, depends=f"proxmox-kernel-{series}"),
-                 # the headers chain (its files are already in the twin root, unpacked from Debian's packages)
-                 deb(out, f"proxmox-headers-{release}", "1", {}),
-                 deb(out, f"proxmox-headers-{series}", "1", {}, depends=f"proxmox-headers-{release}"),
-                 deb(out, "proxmox-default-headers", version, {}, depends=f"proxmox-headers-{series}")]
+        files = {f"boot/vmlinuz-{release}": "twin stand-in kernel image\n",
+                 f"boot/config-{release}": (root / f"usr/src/linux-headers-{release}/.config").read_text(),
+                 f"boot/System.map-{release}": "", f"lib/modules/{release}/modules.order": "",
+                 f"lib/modules/{release}/modules.builtin": ""}
+        debs += kp.release_chain(out, release, series, "1", version, files,
+                                 headers_kwargs={"build_link": release == NEW})
     return debs
 
 
@@ -207,6 +176,8 @@ def host_on_6_1(twin_factory, tmp_path):
         (root / ARCHIVE.lstrip("/")).write_bytes(archive.read_bytes())
         # the profile seeds its own driver's NVML library; this host has no NVIDIA user space yet
         twin_sh(twin, "rm -f /usr/lib/x86_64-linux-gnu/libnvidia-ml.so*")
+        # the root's unpacked 6.12 headers are usable once proxmox-headers-<NEW> brings their build link
+        twin_sh(twin, f"rm -f /lib/modules/{NEW}/build")
         publish(twin, tmp_path, upgrade=False)
         twin_sh(twin, "DEBIAN_FRONTEND=noninteractive apt-get -q install -y proxmox-default-kernel")
         # one boot into 6.1 (on ESPs the pin reaches the loader through the refresh)
@@ -263,7 +234,7 @@ def test_follow_keeps_the_old_default_when_the_new_kernel_cannot_build(host_on_6
     assert f"proxmox-kernel-{NEW}" in upgrade, upgrade[-3000:]
     assert "nvidia-mini does not support kernel 6.12 and later" in upgrade, upgrade[-4000:]
     assert twin_sh(twin, "dpkg --audit").strip() == ""  # the kernel package is configured
-    assert twin_sh(twin, f"dpkg-query -W -f '${{Status}}' proxmox-kernel-{NEW}") == "install ok installed"
+    assert twin_sh(twin, f"dpkg-query -W -f '${{Status}}' proxmox-kernel-{NEW}-signed") == "install ok installed"
     assert nvidia_version(twin, NEW) == ""
     assert grub_default(twin) == OLD
     failed = twin_sh(twin, f"cat /var/lib/pvegpu/kernel-hook/{NEW}.failed")
@@ -282,7 +253,8 @@ def test_follow_keeps_the_old_default_when_the_new_kernel_cannot_build(host_on_6
     assert manifest_diff(before, root_manifest(twin.root)) == [], "--dry changed the twin"
     assert "kernel updates: follow" in dry.output
     assert f"kernel {NEW}: nvidia {VERSION} could not be built for kernel {NEW}" in dry.output, dry.output[-4000:]
-    assert f"`dpkg-reconfigure proxmox-kernel-{NEW}` runs the hook again" in dry.output
+    # the package installed is -signed (it only Provides proxmox-kernel-<rel>, which dpkg-reconfigure refuses)
+    assert f"`dpkg-reconfigure proxmox-kernel-{NEW}-signed` runs the hook again" in dry.output, dry.output[-4000:]
     assert "nvidia-mini does not support kernel 6.12 and later" in dry.output
     checks = host_checks(inventory)
     assert checks.returncode == 1, checks.stdout[-3000:]
@@ -306,7 +278,7 @@ def test_follow_keeps_the_old_default_when_the_new_kernel_cannot_build(host_on_6
     inventory = write_inventory(tmp_path, twin, hashlib.sha256(fixed.read_bytes()).hexdigest(), "follow", profile)
     run = converge(inventory)
     assert run.rc == 0 and "for the kernel hook" in run.output, run.output[-4000:]
-    again = twin_sh(twin, f"DEBIAN_FRONTEND=noninteractive dpkg-reconfigure proxmox-kernel-{NEW} 2>&1")
+    again = twin_sh(twin, f"DEBIAN_FRONTEND=noninteractive dpkg-reconfigure proxmox-kernel-{NEW}-signed 2>&1")
     assert f"pvegpu: nvidia {VERSION} installed for {NEW}" in again, again[-3000:]
     # its own pin goes where unpinned the loader boots 6.12 (intel2); on kpro6 the newest kernel is the
     # profile's 6.14.8-2-pve (other modules), so the pin moves to 6.12 instead
@@ -315,6 +287,30 @@ def test_follow_keeps_the_old_default_when_the_new_kernel_cannot_build(host_on_6
     assert twin_sh(twin, "test -e /etc/motd.d/pvegpu-kernel || echo gone").strip() == "gone"
     checks = host_checks(inventory)
     assert checks.returncode == 0, checks.stdout[-3000:]
+
+
+def test_headers_installed_after_their_kernel_get_its_modules_built_without_a_converge(host_on_6_1, tmp_path):
+    """Issue 38 2.7: the kernel comes in one apt run without its headers (proxmox-default-headers
+    not upgraded with it), its postinst runs the hook, which cannot build and keeps 6.1 the
+    default; the headers come in a later apt run (as the hook's message asks), and their postinst
+    runs no kernel hook (pve-kernel debian/proxmox-headers.postinst.in). apt's DPkg::Post-Invoke
+    runs the hook's --headers pass: nvidia is built for 6.12 then, with no converge."""
+    twin, inventory = host_on_6_1(fail_from_6_12=False)
+    publish(twin, tmp_path, upgrade=True)
+    kernel = twin_sh(twin, "DEBIAN_FRONTEND=noninteractive apt-get -q install -y proxmox-default-kernel 2>&1")
+    assert f"Unpacking proxmox-kernel-{NEW}-signed" in kernel and f"Unpacking proxmox-headers-{NEW}" not in kernel, \
+        kernel[-3000:]
+    assert f"no headers at /lib/modules/{NEW}/build (install proxmox-headers-{NEW}" in kernel, kernel[-3000:]
+    assert nvidia_version(twin, NEW) == "" and grub_default(twin) == OLD
+    headers = twin_sh(twin, f"DEBIAN_FRONTEND=noninteractive apt-get -q install -y proxmox-headers-{NEW} 2>&1")
+    assert f"pvegpu: nvidia {VERSION} installed for {NEW}" in headers, headers[-4000:]
+    assert nvidia_version(twin, NEW) == VERSION
+    assert twin_sh(twin, "dpkg --audit").strip() == ""
+    assert twin_sh(twin, "ls /var/lib/pvegpu/kernel-hook/").split().count(f"{NEW}.failed") == 0
+    assert twin_sh(twin, "test -e /etc/motd.d/pvegpu-kernel || echo gone").strip() == "gone"
+    assert grub_default(twin) == ""  # its pin of 6.1 dropped: the newest kernel, with modules, is the default
+    reboot(twin)
+    assert twin_sh(twin, "uname -r").strip() == NEW
 
 
 def test_hold_installs_no_new_kernel(host_on_6_1, tmp_path):
