@@ -30,6 +30,7 @@ from plan import kernel as plan
 from spec.models import KernelSpec
 from tests.e2e.harness import PYTEST, REPO, manifest_diff, root_manifest, run_pyinfra, spec_inventory, write_tarball
 from tests.e2e.test_kernel_trial_e2e import ESP, OLD, loader_default, quiet_address, twin_run
+from tests.twin import kernel_packages as kp
 
 pytestmark = [pytest.mark.twin]
 
@@ -78,8 +79,8 @@ def mini_tree(out: Path, fail_from_6_12: bool) -> Path:
 
 
 def build_deb(tree: Path, out: Path) -> None:
-    subprocess.run(["dpkg-deb", "--root-owner-group", "-Znone", "--build", str(tree), str(out)], check=True,
-                   capture_output=True)
+    # Debian's bindeb-pkg shapes (a tarball build: linux-image-<rel>, linux-headers-<rel>), not Proxmox's
+    kp.build_deb(tree, out, compression="none")
 
 
 def seed_finished_build(root: Path, tmp: Path) -> None:

@@ -27,6 +27,7 @@ import pytest
 from plan import kernel as plan
 from spec.models import KernelSpec
 from tests.e2e.harness import run_pyinfra
+from tests.twin import kernel_packages as kp
 from tests.twin import runtime
 
 pytestmark = [pytest.mark.twin]
@@ -127,48 +128,26 @@ def nvidia_module(path: Path, version: str) -> None:
 
 
 def stand_in_debs(out: Path, zfs_guids: list[str] | None = None, nvidia: str | None = None) -> list[Path]:
-    """proxmox-kernel-<rel> and proxmox-headers-<rel> with the files the stages read (and a zfs.ko
-    carrying `zfs_guids`, as pve-kernel's image carries its own ZFS module)."""
-    kernel = out / "kernel"
-    (kernel / "DEBIAN").mkdir(parents=True)
-    (kernel / "boot").mkdir()
-    (kernel / f"boot/vmlinuz-{RELEASE}").write_bytes(pe_image(b"twin stand-in kernel image\n"))
-    (kernel / f"boot/System.map-{RELEASE}").write_text("")
-    (kernel / f"boot/config-{RELEASE}").write_text(
-        f'CONFIG_CC_VERSION_TEXT="{GCC}"\nCONFIG_BLK_DEV_INITRD=y\nCONFIG_RD_GZIP=y\nCONFIG_RD_ZSTD=y\n'
-        "CONFIG_MODULES=y\nCONFIG_VFIO=m\nCONFIG_VFIO_PCI=m\nCONFIG_VFIO_IOMMU_TYPE1=m\n")
-    (kernel / f"lib/modules/{RELEASE}").mkdir(parents=True)
-    (kernel / f"lib/modules/{RELEASE}/modules.order").write_text("")
-    (kernel / f"lib/modules/{RELEASE}/modules.builtin").write_text("")
+    """What our pve-kernel build leaves (tests/twin/kernel_packages.py): the unsigned
+    proxmox-kernel-<rel> with the files the stages read (and a zfs.ko carrying `zfs_guids`, as
+    pve-kernel's image carries its own ZFS module) and proxmox-headers-<rel> with a .config."""
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, bytes | str] = {
+        f"boot/vmlinuz-{RELEASE}": pe_image(b"twin stand-in kernel image\n"), f"boot/System.map-{RELEASE}": "",
+        f"boot/config-{RELEASE}": (f'CONFIG_CC_VERSION_TEXT="{GCC}"\nCONFIG_BLK_DEV_INITRD=y\nCONFIG_RD_GZIP=y\n'
+                                   "CONFIG_RD_ZSTD=y\nCONFIG_MODULES=y\nCONFIG_VFIO=m\nCONFIG_VFIO_PCI=m\n"
+                                   "CONFIG_VFIO_IOMMU_TYPE1=m\n"),
+        f"lib/modules/{RELEASE}/modules.order": "", f"lib/modules/{RELEASE}/modules.builtin": ""}
+    scratch = out / "modules"
+    scratch.mkdir(exist_ok=True)
     if nvidia is not None:
-        (kernel / f"lib/modules/{RELEASE}/updates/dkms").mkdir(parents=True)
-        nvidia_module(kernel / f"lib/modules/{RELEASE}/updates/dkms/nvidia.ko", nvidia)
+        nvidia_module(scratch / "nvidia.ko", nvidia)
+        files[f"lib/modules/{RELEASE}/updates/dkms/nvidia.ko"] = (scratch / "nvidia.ko").read_bytes()
     if zfs_guids is not None:
-        (kernel / f"lib/modules/{RELEASE}/zfs").mkdir()
-        zfs_module(kernel / f"lib/modules/{RELEASE}/zfs/zfs.ko", zfs_guids)
-    (kernel / "DEBIAN/control").write_text(
-        f"Package: proxmox-kernel-{RELEASE}\nVersion: {DEB_VERSION}\nArchitecture: amd64\n"
-        "Maintainer: pvegpu tests <tests@example.invalid>\nDescription: twin stand-in of the Proxmox kernel image\n")
-    # as pve-kernel debian/proxmox-kernel.postinst.in: depmod, then the kernel hooks with version and image
-    (kernel / "DEBIAN/postinst").write_text(
-        "#!/bin/sh\nset -e\n[ \"$1\" = configure ] || exit 0\n"
-        f"depmod {RELEASE}\n"
-        f"run-parts --verbose --exit-on-error --arg={RELEASE} --arg=/boot/vmlinuz-{RELEASE} /etc/kernel/postinst.d\n")
-    (kernel / "DEBIAN/postinst").chmod(0o755)
-    headers = out / "headers"
-    (headers / "DEBIAN").mkdir(parents=True)
-    (headers / f"usr/src/linux-headers-{RELEASE}").mkdir(parents=True)
-    (headers / f"usr/src/linux-headers-{RELEASE}/.config").write_text(f'CONFIG_CC_VERSION_TEXT="{GCC}"\n')
-    (headers / "DEBIAN/control").write_text(
-        f"Package: proxmox-headers-{RELEASE}\nVersion: {DEB_VERSION}\nArchitecture: amd64\n"
-        "Maintainer: pvegpu tests <tests@example.invalid>\nDescription: twin stand-in of the Proxmox kernel headers\n")
-    debs = []
-    for tree, name in ((kernel, "proxmox-kernel"), (headers, "proxmox-headers")):
-        deb = out / f"{name}-{RELEASE}_{DEB_VERSION}_amd64.deb"
-        subprocess.run(["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", str(tree), str(deb)], check=True,
-                       capture_output=True)
-        debs.append(deb)
-    return debs
+        zfs_module(scratch / "zfs.ko", zfs_guids)
+        files[f"lib/modules/{RELEASE}/zfs/zfs.ko"] = (scratch / "zfs.ko").read_bytes()
+    return [kp.image(out, RELEASE, DEB_VERSION, files, signed=False),
+            kp.headers(out, RELEASE, DEB_VERSION, files={".config": f'CONFIG_CC_VERSION_TEXT="{GCC}"\n'})]
 
 
 # `nvidia` of seed_finished_build: the driver the twin's profile runs. On a real host the kernel hook

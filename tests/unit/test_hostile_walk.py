@@ -990,6 +990,7 @@ NO_SPEC_VALUE = {
     "modules-load-vfio.conf.j2": {"modules"},  # operations/boot.py: vfio module names, by PVE version
     "nvidia-first-error.sh.j2": set(),  # reads a build log named at run time (the gate's and the hook's)
     "root-dir.sh.j2": set(),  # a shell function; its directories come from its callers, each walked
+    "kernel-headers-apt.conf.j2": {"path", "hook"},  # operations/kernel_hook.py HEADERS_CONF, HOOK
 }
 
 
