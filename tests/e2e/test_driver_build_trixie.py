@@ -41,6 +41,7 @@ import pytest
 from tests.e2e import test_kernel_upgrade_e2e as ku
 from tests.e2e.harness import REPO, manifest_diff, root_manifest, run_pyinfra, spec_inventory
 from tests.e2e.test_driver_build import ccache_counters, ccache_hits
+from tests.twin import kernel_packages as kp
 from tests.twin import runtime
 
 pytestmark = [pytest.mark.twin, pytest.mark.slow]
@@ -85,16 +86,16 @@ def publish(twin, tmp: Path, new: str | None) -> None:
     out = tmp / f"debs-{new or 'base'}"
     out.mkdir()
     if new is None:
-        debs = [ku.deb(out, "proxmox-default-kernel", "1", {}), ku.deb(out, "proxmox-default-headers", "1", {})]
-    else:
+        debs = kp.default_metas(out, None, "1")
+    else:  # pve-kernel's shapes (tests/twin/kernel_packages.py); the headers' files are already in the
+        # twin root (unpacked from Debian's packages), their build link too
         series = ".".join(new.split(".")[:2])
-        debs = [ku.kernel_deb(out, root, new),
-                ku.deb(out, f"proxmox-kernel-{series}", "1", {}, depends=f"proxmox-kernel-{new}"),
-                ku.deb(out, "proxmox-default-kernel", "2", {}, depends=f"proxmox-kernel-{series}"),
-                # the headers' files are already in the twin root (unpacked from Debian's packages)
-                ku.deb(out, f"proxmox-headers-{new}", "1", {}),
-                ku.deb(out, f"proxmox-headers-{series}", "1", {}, depends=f"proxmox-headers-{new}"),
-                ku.deb(out, "proxmox-default-headers", "2", {}, depends=f"proxmox-headers-{series}")]
+        files = {f"boot/vmlinuz-{new}": "twin stand-in kernel image\n",
+                 f"boot/config-{new}": (root / f"usr/src/linux-headers-{new}/.config").read_text(),
+                 f"boot/System.map-{new}": "", f"lib/modules/{new}/modules.order": "",
+                 f"lib/modules/{new}/modules.builtin": ""}
+        debs = [kp.pve_firmware(out), *kp.release_chain(out, new, series, "1", "2", files,
+                                                        headers_kwargs={"build_link": False})]
     repo = root / "opt/repo"
     subprocess.run(["rm", "-rf", str(repo)], check=True)
     repo.mkdir(parents=True)
@@ -174,7 +175,7 @@ def test_595_builds_for_trixie_6_12_and_is_refused_for_7_x(trixie_twin, tmp_path
     assert f"pvegpu: {reason}" in upgrade, upgrade[-5000:]
     assert f"pvegpu: {old} stays the boot default (pinned by pvegpu" in upgrade, upgrade[-3000:]
     assert ku.twin_sh(twin, "dpkg --audit").strip() == ""  # the kernel package is configured
-    assert ku.twin_sh(twin, f"dpkg-query -W -f '${{Status}}' proxmox-kernel-{new}") == "install ok installed"
+    assert ku.twin_sh(twin, f"dpkg-query -W -f '${{Status}}' proxmox-kernel-{new}-signed") == "install ok installed"
     hook_log = ku.twin_sh(twin, f"cat /var/lib/pvegpu/kernel-hook/{new}.log")
     # src/ was not compiled again: GCC 14's objects of step 1 came from ccache (~1270 src/ compiles; the
     # misses are 7.x's own kernel-open/ compiles before the failing one)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
 MAINTAINER = "pvegpu tests <tests@example.invalid>"
@@ -56,7 +57,7 @@ def _control(package: str, version: str, arch: str, description: str, **fields: 
 
 
 def _package(out: Path, package: str, version: str, arch: str, description: str,
-             files: dict[str, bytes | str] | None = None, links: dict[str, str] | None = None,
+             files: Mapping[str, bytes | str] | None = None, links: dict[str, str] | None = None,
              trees: dict[str, Path] | None = None, scripts: dict[str, str] | None = None,
              compression: str = "gzip", **fields: str) -> Path:
     tree = out / f"{package}_{version}.tree"
@@ -111,7 +112,7 @@ def image_scripts(release: str) -> dict[str, str]:
     return {"postinst": postinst, "prerm": prerm, "postrm": postrm}
 
 
-def image(out: Path, release: str, version: str, files: dict[str, bytes | str], signed: bool = True,
+def image(out: Path, release: str, version: str, files: Mapping[str, bytes | str], signed: bool = True,
           links: dict[str, str] | None = None, depends: str = IMAGE_DEPENDS, compression: str = "gzip") -> Path:
     """The kernel image package of `release`: `files` are its contents (boot/vmlinuz-<rel>,
     boot/config-<rel>, lib/modules/<rel>/…). signed: proxmox-kernel-<rel>-signed (Proxmox's
@@ -126,7 +127,7 @@ def image(out: Path, release: str, version: str, files: dict[str, bytes | str], 
                     Provides=f"linux-image-{release}-amd64, pve-kernel-{release}")
 
 
-def headers(out: Path, release: str, version: str, files: dict[str, bytes | str] | None = None,
+def headers(out: Path, release: str, version: str, files: Mapping[str, bytes | str] | None = None,
             tree: Path | None = None, extra_trees: dict[str, Path] | None = None, build_link: bool = True,
             compression: str = "gzip") -> Path:
     """proxmox-headers-<rel>: /usr/src/linux-headers-<rel> (a copy of `tree` and/or `files`
@@ -161,12 +162,13 @@ def series_metas(out: Path, series: str, release: str, version: str) -> list[Pat
     ]
 
 
-def default_metas(out: Path, series: str, version: str) -> list[Path]:
-    """proxmox-default-kernel and proxmox-default-headers (proxmox-kernel-meta) on `series`."""
+def default_metas(out: Path, series: str | None, version: str) -> list[Path]:
+    """proxmox-default-kernel and proxmox-default-headers (proxmox-kernel-meta) on `series`
+    (None: depending on nothing, for a host whose running kernel is not a package here)."""
     return [_package(out, "proxmox-default-kernel", version, "all", "Default Proxmox Kernel Image",
-                     Depends=f"proxmox-kernel-{series}"),
+                     Depends=f"proxmox-kernel-{series}" if series else ""),
             _package(out, "proxmox-default-headers", version, "all", "Default Proxmox Kernel Headers",
-                     Depends=f"proxmox-headers-{series}")]
+                     Depends=f"proxmox-headers-{series}" if series else "")]
 
 
 def pve_firmware(out: Path, version: str = "3.15-1") -> Path:
@@ -175,7 +177,7 @@ def pve_firmware(out: Path, version: str = "3.15-1") -> Path:
 
 
 def release_chain(out: Path, release: str, series: str, version: str, meta_version: str,
-                  image_files: dict[str, bytes | str], headers_kwargs: dict | None = None,
+                  image_files: Mapping[str, bytes | str], headers_kwargs: dict | None = None,
                   signed: bool = True) -> list[Path]:
     """Everything `apt-get install proxmox-default-kernel proxmox-default-headers` pulls for
     `release` from a Proxmox repository: image (-signed), headers, the X.Y and default metas."""
