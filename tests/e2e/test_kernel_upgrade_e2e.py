@@ -278,6 +278,9 @@ def test_follow_keeps_the_old_default_when_the_new_kernel_cannot_build(host_on_6
     inventory = write_inventory(tmp_path, twin, hashlib.sha256(fixed.read_bytes()).hexdigest(), "follow", profile)
     run = converge(inventory)
     assert run.rc == 0 and "for the kernel hook" in run.output, run.output[-4000:]
+    # what the advice said before (issue 38 2.7): the name the -signed package only Provides
+    wrong = twin_sh(twin, f"DEBIAN_FRONTEND=noninteractive dpkg-reconfigure proxmox-kernel-{NEW} 2>&1", check=False)
+    assert f"proxmox-kernel-{NEW} is not installed" in wrong, wrong[-2000:]
     again = twin_sh(twin, f"DEBIAN_FRONTEND=noninteractive dpkg-reconfigure proxmox-kernel-{NEW}-signed 2>&1")
     assert f"pvegpu: nvidia {VERSION} installed for {NEW}" in again, again[-3000:]
     # its own pin goes where unpinned the loader boots 6.12 (intel2); on kpro6 the newest kernel is the
