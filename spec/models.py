@@ -459,8 +459,9 @@ class HostSpec(Strict):
     reboot: RebootSpec = Field(default_factory=RebootSpec)
     guests: GuestPolicy = Field(default_factory=GuestPolicy)
     proxmox_api: ProxmoxApiSpec | None = None
-    # the Proxmox VE major the host runs or is being moved to: 9 on a host that still runs 8 makes
-    # the run report what to fix for the 8 -> 9 upgrade (operations/upgrade.py); None: not checked
+    # the Proxmox VE major the host runs or is being moved to: 9 makes the run report what to fix for
+    # the 8 -> 9 upgrade and, after it, what is still due (operations/upgrade.py); a pve-kernel build
+    # must be of this major (plan/releases.py); None: not checked
     proxmox_ve: Literal[8, 9] | None = None
 
     @field_validator("gpus", mode="before")
