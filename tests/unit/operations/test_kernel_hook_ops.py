@@ -232,3 +232,19 @@ def test_on_8_the_hook_still_pins_the_last_good_8_kernel(tmp_path):
     assert (tmp_path / "pbt").read_text() == f"kernel pin {BOOKWORM_GOOD}\n"
     assert (tmp_path / f"state/{bad}.failed").read_text().splitlines()[2].startswith(
         f"{BOOKWORM_GOOD} stays the boot default (pinned by pvegpu")
+
+
+def test_the_hooks_release_of_a_kernel_is_plan_releases_rule():
+    """kernel_rel in the hook (sh) answers as plan.releases.kernel_pve_major for every kind of name."""
+    from plan.releases import PVE_CODENAME, kernel_pve_major
+
+    text = render_template("kernel-postinst-nvidia.sh.j2", **{**kernel_hook.hook_context(
+        HostSpec(nvidia={"version": "580.95.05", "modules_source": {"url": "file:///x.tar.gz", "sha256": hashlib.sha256(b"x").hexdigest()}}),
+        "gcc-12", None, 2, False)})
+    func = text[text.index("kernel_rel() {"):text.index("of_host() {")]
+    names = ["6.8.12-11-pve", "6.14.0-1-pve", "6.14.0-2-pvegpu-pve", "6.14.4-1-pve", "6.14.5-1-bpo12-pve",
+             "6.14.11-9-bpo12-pvegpu-pve", "6.14.5-1-pve", "6.14.8-2-pve", "6.17.13-21-pvegpu-pve",
+             "7.0.14-14-pve", "6.12.118+deb13-amd64", "6.1.0-57-amd64"]
+    out = subprocess.run(["sh", "-c", func + 'for n in "$@"; do echo "$n=$(kernel_rel "$n")"; done', "sh", *names],
+                         capture_output=True, text=True, timeout=30).stdout.splitlines()
+    assert out == [f"{n}={PVE_CODENAME.get(kernel_pve_major(n) or 0, '')}" for n in names]
