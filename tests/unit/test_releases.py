@@ -69,7 +69,8 @@ def test_a_tarball_kernel_is_not_held_to_proxmox_names(tmp_path):
         "kind": "tarball", "url": "https://cdn.kernel.org/pub/linux/kernel/v6.x/linux-6.12.118.tar.xz", "sha256": "0" * 64}}
     f = tmp_path / "site.yml"
     f.write_text(yaml.safe_dump(data))
-    assert load_spec_file(f)["kpro6"].kernel.version == "6.12.118-pvegpu"
+    kernel = load_spec_file(f)["kpro6"].kernel
+    assert kernel is not None and kernel.version == "6.12.118-pvegpu"
 
 
 def test_proxmox_ve_9_refuses_the_legacy_cgroup_switch(tmp_path):
