@@ -224,6 +224,18 @@ CASES = [
     case("devices.NvidiaDeviceNodes", "ls-dev-nvidia-vm-uvm-234", "proc-devices/ls-dev-nvidia-vm-uvm-234.txt",
          note="listed with the nv* glob, so /dev/nvram shows up too"),
     case("devices.NvidiaDeviceNodes", "h200-vm-uvm-238-caps-dir", "h200-vm/ls-dev-nvidia.txt"),
+    # the fact's own stat command on a second real GPU host, in its session's locale and in a German
+    # one with TIME_STYLE=long-iso: the same lines (issue 43 item 2)
+    case("devices.NvidiaDeviceNodes", "h100-vm-stat", "h100-vm/stat-dev-nvidia.txt"),
+    case("devices.NvidiaDeviceNodes", "h100-vm-stat-de-long-iso", "h100-vm/stat-dev-nvidia-de.txt"),
+    case("devices.NvidiaDeviceNodes", "h100-vm-ls", "h100-vm/ls-dev-nvidia.txt"),
+    case("devices.CharDeviceMajors", "h100-vm-uvm-238", "h100-vm/proc-devices.txt"),
+    case("nvidia.NvidiaDriver", "h100-vm-open-580-gcc15", "h100-vm/driver-version.txt"),
+    case("nvidia.NvidiaGpus", "h100-vm-1gpu", "h100-vm/driver-gpus-information.txt"),
+    case("nvidia.NvidiaDriverParams", "h100-vm", "h100-vm/driver-params.txt"),
+    case("kernel.KernelCmdline", "h100-vm-init-args-after-dashes", "h100-vm/proc-cmdline.txt"),
+    case("gpu.GpuTopology", "h100-vm-1gpu", "h100-vm/topo-m.txt"),
+    case("gpu.GpuP2P", "h100-vm-p2p-r", "h100-vm/topo-p2p-r.txt", args=["r"]),
     *[case("kernel.KernelCmdline", Path(name).stem, f"cmdline/{name}") for name in (
         "fedora-fsync-intel-iommu-pt-proc-cmdline.txt", "proxmox-fuji-pve-6.5.11-intel-iommu-on.txt",
         "proxmox-suprox-pve-6.5.11-intel-iommu-pt.txt", "proxmox-systemd-boot-zfs-5.4.73-proc-cmdline.txt",
