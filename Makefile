@@ -33,7 +33,8 @@ lint: venv debs
 test-unit: venv
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
 
-# Generated doc pages: the spec reference from spec/models.py, the stage diagram from operations.STAGES
+# Generated doc pages: the spec reference from spec/models.py, the stage diagram from operations.STAGES,
+# the host checks page from the docstrings of tests/host
 # (tests/unit/test_spec_reference.py and test_docs_pages.py compare them with what is committed).
 docs-ref: venv
 	$(PY) -m spec.reference

@@ -76,11 +76,12 @@ for line in spec_summary(host.name, spec):
 prefetch([request for _, module in stages if hasattr(module, "prefetch") for request in module.prefetch(spec)]
          + upgrade.prefetch(spec))
 
-refusals = []
+# what belongs to the other Debian release than the host's (operations/upgrade.py, plan/releases.py)
+refusals = [f"[release] {r}" for r in upgrade.preflight(spec)]
 for name, module in stages:
     if hasattr(module, "preflight"):
         refusals += [f"[{name}] {r}" for r in module.preflight(spec)]
-# proxmox_ve: 9 on a host still on 8: what to fix for the upgrade (read-only; operations/upgrade.py)
+# proxmox_ve: 9: what to fix before the 8 -> 9 upgrade and what is due after it (read-only; operations/upgrade.py)
 for line in upgrade.report(spec):
     logger.warning(f"{host.name}: {line}")
 

@@ -23,20 +23,21 @@ from pyinfra import host
 from pyinfra.facts.files import FindLinks
 
 from facts.hardware import HardwareProbe
+from facts.once import read_fact
 from facts.pci import PciIdNames
 from plan.nccl import nccl_environment, nccl_plan_for_spec
 from plan.topology_report import topology_dot, topology_text, verdict_from_hardware
 
 OUT = Path(os.environ.get("PVEGPU_TOPOLOGY_OUT") or Path(__file__).resolve().parent / "out" / "topology")
 
-hardware = host.get_fact(HardwareProbe)
+hardware = read_fact(HardwareProbe)
 # GPUs the driver does not name (bound to vfio-pci, or to none): their IDs in the host's pci.ids
 unnamed = sorted({f"{dev['vendor']}:{dev['device']}" for bdf, dev in (hardware.get("pci_devices") or {}).items()
                   if dev.get("vendor") == "10de" and (dev.get("class") or "").startswith("03") and dev.get("device")
                   and bdf not in (hardware.get("nvidia_gpus") or {})})
 if unnamed:
-    hardware = {**hardware, "pci_names": host.get_fact(PciIdNames, ids=unnamed)}
-rdma_devices = sorted(Path(link).name for link in host.get_fact(FindLinks, path="/sys/class/infiniband", maxdepth=1) or [])
+    hardware = {**hardware, "pci_names": read_fact(PciIdNames, ids=unnamed)}
+rdma_devices = sorted(Path(link).name for link in read_fact(FindLinks, path="/sys/class/infiniband", maxdepth=1) or [])
 spec = host.data.get("pvegpu_spec")
 roles = {bdf: gpu.role for bdf, gpu in spec.gpus.items()} if spec else None
 verdict = verdict_from_hardware(hardware, roles)

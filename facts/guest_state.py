@@ -26,9 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pyinfra import host
-
 from facts.base import ShellFact
+from facts.once import read_fact
 from facts.run_state import run_state
 from facts.sections import SECTION, split_sections
 from facts.shared import CT_PIDS, UNAME, ct_init_pids, take
@@ -145,7 +144,7 @@ def guest_state() -> dict:
     """This host's `GuestState`: the reading kept for this run, else read now (and kept)."""
     run = run_state()
     if run.guests is None:
-        run.guests = host.get_fact(GuestState)
+        run.guests = read_fact(GuestState)
     return run.guests
 
 

@@ -12,6 +12,18 @@ from pyinfra import host
 
 from facts.run_state import nothing_executed, run_state
 
+# Every fact pvegpu reads answers in the C locale, read alone or in the batched probe (whose
+# command also starts with facts.hardware.LOCALE_FREE): pyinfra's `_env` exports it before the
+# fact's command (pyinfra connectors/util.py make_unix_command), over whatever the session has from
+# pam_env's /etc/default/locale, AcceptEnv LANG LC_* or a login shell (issue 43 item 2).
+FACT_ENV = {"LC_ALL": "C"}
+
+
+def read_fact(fact_cls, **kwargs):
+    """`host.get_fact(fact_cls, **kwargs)` in the C locale: the one call of pyinfra's fact reader
+    (tests/unit/test_fact_locale.py holds every other module to it)."""
+    return host.get_fact(fact_cls, _env=FACT_ENV, **kwargs)
+
 
 def _key(fact_cls, kwargs: dict) -> tuple:
     return (fact_cls.__module__, fact_cls.__name__, repr(sorted(kwargs.items())))
@@ -38,9 +50,9 @@ def prefetch(requests) -> int:
         return 0
     if len(todo) == 1:
         (key, (fact_cls, kwargs)), = todo.items()
-        memo[key] = host.get_fact(fact_cls, **kwargs)
+        memo[key] = read_fact(fact_cls, **kwargs)
     else:
-        values = host.get_fact(combined_probe(list(todo.values())))
+        values = read_fact(combined_probe(list(todo.values())))
         memo.update(zip(todo, values, strict=True))  # combined_probe: one value per request
     return 1
 
@@ -51,7 +63,7 @@ def fact_once(fact_cls, **kwargs):
     key = _key(fact_cls, kwargs)
     memo = run_state().facts  # the run's readings (facts.run_state)
     if key not in memo:
-        memo[key] = host.get_fact(fact_cls, **kwargs)
+        memo[key] = read_fact(fact_cls, **kwargs)
     return memo[key]
 
 
@@ -74,4 +86,4 @@ def fact_unless_changed(fact_cls, **kwargs):
     memo = run_state().facts
     if key in memo and nothing_executed():
         return memo[key]
-    return host.get_fact(fact_cls, **kwargs)
+    return read_fact(fact_cls, **kwargs)

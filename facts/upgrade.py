@@ -4,7 +4,14 @@ The checks follow pve-manager PVE/CLI/pve8to9.pm for what pvegpu causes or can f
 check_dkms_modules (`dkms status`), check_bootloader (the systemd-boot meta-package, seen by its
 /usr/share/doc/systemd-boot/changelog.Debian.gz, on a proxmox-boot-tool host: /etc/kernel/
 proxmox-boot-uuids, booted with EFI: /sys/firmware/efi) and the kernel pin of proxmox-boot-tool
-(/etc/kernel/proxmox-boot-pin), which would keep 8's kernel booting after the upgrade.
+(/etc/kernel/proxmox-boot-pin), which would keep 8's kernel booting after the upgrade; GRUB's
+saved default (grubenv saved_entry, what pvegpu's kernel stage sets with grub-set-default on a GRUB
+host); check_bootloader's GRUB-EFI branch (the grub-efi-amd64 meta-package by its changelog, the
+removable loader /boot/efi/EFI/BOOT/BOOTX64.efi and debconf's grub2/force_efi_extra_removable);
+the kernel packages on hold (apt-mark hold: a dist-upgrade keeps them back).
+
+`OsRelease` reads the host's Debian release (/etc/os-release), which the release rule needs
+(plan/releases.py).
 """
 
 from __future__ import annotations
@@ -22,11 +29,19 @@ def _flag(lines: list[str]) -> bool:
     return bool(_lines(lines))
 
 
+def _first(lines: list[str]) -> str | None:
+    return next(iter(_lines(lines)), None)
+
+
 def parse_upgrade_state(output_lines: list[str]) -> dict:
     state = parse_sections(output_lines, {"dkms": _lines, "systemd-boot": _flag, "boot-uuids": _flag, "efi": _flag,
-                                          "pin": lambda ls: next(iter(_lines(ls)), None)})
+                                          "pin": _first, "grub-saved": _first, "grub-efi": _flag,
+                                          "removable": _flag, "removable-debconf": _flag, "holds": _lines})
     return {"dkms": state.get("dkms", []), "systemd_boot": state.get("systemd-boot", False),
-            "boot_uuids": state.get("boot-uuids", False), "efi": state.get("efi", False), "pin": state.get("pin")}
+            "boot_uuids": state.get("boot-uuids", False), "efi": state.get("efi", False), "pin": state.get("pin"),
+            "grub_saved": state.get("grub-saved"), "grub_efi": state.get("grub-efi", False),
+            "removable": state.get("removable", False), "removable_updated": state.get("removable-debconf", False),
+            "holds": state.get("holds", [])}
 
 
 class UpgradeState(ShellFact):
@@ -35,14 +50,65 @@ class UpgradeState(ShellFact):
         {"dkms": ["nvidia/550.163.01: added"],   # `dkms status` lines (all kernels)
          "systemd_boot": True,                    # the systemd-boot meta-package is installed
          "boot_uuids": True, "efi": True,         # proxmox-boot-tool manages the ESPs; booted with EFI
-         "pin": "6.14.8-2-pve" | None}            # proxmox-boot-tool's kernel pin
+         "pin": "6.14.8-2-pve" | None,            # proxmox-boot-tool's kernel pin
+         "grub_saved": "gnulinux-advanced-…>gnulinux-6.8.12-11-pve-advanced-…" | None,  # grubenv saved_entry
+         "grub_efi": True,                        # the grub-efi-amd64 meta-package is installed
+         "removable": True,                       # /boot/efi/EFI/BOOT/BOOTX64.efi exists
+         "removable_updated": False,              # debconf: grub2/force_efi_extra_removable true
+         "holds": ["proxmox-default-kernel"]}     # packages on hold (dpkg's want state)
     """
 
     command = ("echo '@@ dkms'; dkms status 2>/dev/null; "
                "echo '@@ systemd-boot'; [ -f /usr/share/doc/systemd-boot/changelog.Debian.gz ] && echo installed; "
                "echo '@@ boot-uuids'; [ -f /etc/kernel/proxmox-boot-uuids ] && echo yes; "
                "echo '@@ efi'; [ -d /sys/firmware/efi ] && echo yes; "
-               f"echo '@@ pin'; {first_line('/etc/kernel/proxmox-boot-pin')}; true")
+               f"echo '@@ pin'; {first_line('/etc/kernel/proxmox-boot-pin')}; "
+               # as facts.kernel.build_state_command reads it (grub-editenv, util/grub-editenv.c list)
+               "echo '@@ grub-saved'; [ -f /boot/grub/grubenv ] && grub-editenv /boot/grub/grubenv list 2>/dev/null "
+               "| sed -n 's/^saved_entry=//p'; "
+               # pve8to9 check_bootloader, EFI without proxmox-boot-tool: the meta-package by its
+               # changelog, the removable loader and whether GRUB's packages update it
+               "echo '@@ grub-efi'; [ -f /usr/share/doc/grub-efi-amd64/changelog.Debian.gz ] && echo installed; "
+               "echo '@@ removable'; [ -f /boot/efi/EFI/BOOT/BOOTX64.efi ] && echo yes; "
+               "echo '@@ removable-debconf'; [ -f /boot/efi/EFI/BOOT/BOOTX64.efi ] && "
+               "debconf-show --db configdb grub-efi-amd64 grub-pc 2>/dev/null "
+               "| grep -E 'grub2/force_efi_extra_removable: +true$'; "
+               # dpkg's want state `hold` (apt-mark hold sets it): apt's upgrades keep them back
+               "echo '@@ holds'; dpkg-query -W -f='${Status} ${Package}\\n' 2>/dev/null "
+               "| awk '$1 == \"hold\" {print $NF}'; true")
 
     def process(self, output):
         return parse_upgrade_state(output)
+
+
+def parse_os_release(output_lines: list[str]) -> dict:
+    """`VERSION_CODENAME=bookworm` / `VERSION_ID="12"` lines of os-release(5) (values may be
+    quoted) -> {"codename": "bookworm", "version_id": "12"}; missing keys are None."""
+    values: dict[str, str] = {}
+    for line in output_lines:
+        key, sep, value = line.strip().partition("=")
+        if sep and key in ("VERSION_CODENAME", "VERSION_ID"):
+            value = value.strip()
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+                value = value[1:-1]
+            values[key] = value
+    return {"codename": values.get("VERSION_CODENAME") or None, "version_id": values.get("VERSION_ID") or None}
+
+
+class OsRelease(ShellFact):
+    """The host's Debian release, from /etc/os-release (os-release(5); on Debian a link to
+    /usr/lib/os-release, written by base-files).
+
+    .. code:: python
+
+        {"codename": "bookworm", "version_id": "12"}   # Proxmox VE 8; trixie / 13: 9
+    """
+
+    command = "LC_ALL=C grep -E '^(VERSION_CODENAME|VERSION_ID)=' /etc/os-release 2>/dev/null; true"
+
+    @staticmethod
+    def default() -> dict:
+        return {"codename": None, "version_id": None}
+
+    def process(self, output):
+        return parse_os_release(list(output))

@@ -25,6 +25,7 @@ import sys
 from pyinfra import host, logger
 from pyinfra.api import StringCommand, operation
 
+from facts.once import read_fact
 from facts.shell import word
 from plan.render import PRIVATE, root_dir_function
 from plan.terminal import visible
@@ -115,7 +116,7 @@ def keep_config(path: str, after=None):
     if is_dry():
         from facts.files import FileTexts
 
-        before = host.get_fact(FileTexts, paths=[path]).get(path)
+        before = read_fact(FileTexts, paths=[path]).get(path)
         if after is not None:
             log_diff(path, before, after(before or ""))
     yield StringCommand(backup_command(path))

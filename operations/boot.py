@@ -55,10 +55,11 @@ def boot_plan(spec: HostSpec, facts: dict) -> dict:
     loader_fact = facts["boot_loader"] or {}
     loader = loader_fact.get("loader")
     desired = plan.desired_params(spec, facts["cpu"])
+    pve_major = (facts["pve_version"] or {}).get("major")  # on 9 the legacy cgroup switch is dropped
     grub_default = None
     if loader == "grub":
         grub_files = [(path, lines) for path, lines in facts["grub_files"]]
-        values = plan.grub_dropin_values(grub_files, desired, spec)
+        values = plan.grub_dropin_values(grub_files, desired, spec, pve_major)
         configured = plan.grub_configured_cmdline(values, grub_files)
         path = plan.GRUB_DROPIN
         content = render_template(
@@ -68,11 +69,11 @@ def boot_plan(spec: HostSpec, facts: dict) -> dict:
         # Proxmox pin snippet included) becomes saved_entry, where grubenv has none yet
         grub_default = plan.grub_base_values(grub_files).get("GRUB_DEFAULT", "0")
     else:
-        configured = plan.merge_cmdline(loader_fact.get("kernel_cmdline") or "", desired, spec)
+        configured = plan.merge_cmdline(loader_fact.get("kernel_cmdline") or "", desired, spec, pve_major)
         path = KERNEL_CMDLINE
         content = render_template("kernel-cmdline.j2", cmdline=configured)
     booted = (facts["cmdline"] or {}).get("raw")
-    modules = plan.vfio_modules((facts["pve_version"] or {}).get("major"))
+    modules = plan.vfio_modules(pve_major)
     loaded = set(facts["modules"] or [])
     pending = [f"{m} is not loaded yet" for m in modules if m not in loaded]
     if "nouveau" in loaded:

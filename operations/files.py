@@ -15,6 +15,7 @@ from pyinfra import host
 from pyinfra.api import StringCommand, operation
 
 from facts.files import FileTexts, ManagedFiles
+from facts.once import read_fact
 from facts.shell import operands, word
 from operations.backup import is_dry, log_diff
 
@@ -55,16 +56,16 @@ def managed_file(path: str, content: str, mode: str = "644", state: dict | None 
 
     .. code:: python
 
-        files_state = host.get_fact(ManagedFiles, paths=[path])
+        files_state = read_fact(ManagedFiles, paths=[path])
         managed_file(name="nvidia options", path=path, content=text, state=files_state[path])
     """
     if state is None:
-        state = host.get_fact(ManagedFiles, paths=[path]).get(path)
+        state = read_fact(ManagedFiles, paths=[path]).get(path)
     if file_current(state, content, mode):
         host.noop(f"{path} is up to date")
         return
     if is_dry():  # show what would change (one read, only for a file that would change)
-        log_diff(path, host.get_fact(FileTexts, paths=[path]).get(path), content)
+        log_diff(path, read_fact(FileTexts, paths=[path]).get(path), content)
     yield StringCommand(write_file_command(path, content, mode, keep_previous))
 
 
@@ -72,7 +73,7 @@ def managed_file(path: str, content: str, mode: str = "644", state: dict | None 
 def absent_file(path: str, state: dict | None = None):
     """Remove a file pvegpu once wrote (no-op when it is already gone)."""
     if state is None:
-        state = host.get_fact(ManagedFiles, paths=[path]).get(path)
+        state = read_fact(ManagedFiles, paths=[path]).get(path)
     if state is None:
         host.noop(f"{path} is absent")
         return

@@ -51,7 +51,7 @@ from pyinfra.api import StringCommand, deploy, operation
 from facts.files import ManagedFiles
 from facts.guest_state import guest_state_changes, remember_guest_state
 from facts.hardware import HardwareProbe, HostConfigProbe
-from facts.once import fact_once
+from facts.once import fact_once, read_fact
 from facts.proxmox import HaResources, NodeName, PvePackages
 from facts.rebind import GpuHolders, GuestRuntime, RebindJournal
 from facts.run_state import need_reboot, run_state
@@ -116,7 +116,7 @@ def stage_facts(spec: HostSpec) -> dict:
     if rebind.moves:
         nodes = sorted({f"/dev/nvidia{hw['nvidia_gpus'][m.bdf]['minor']}" for m in rebind.moves
                         if hw["nvidia_gpus"].get(m.bdf, {}).get("minor") is not None})
-        found = host.get_fact(GpuHolders, nodes=nodes)
+        found = read_fact(GpuHolders, nodes=nodes)
         holders = holders_of([m.bdf for m in rebind.moves], hw["nvidia_gpus"], found["compute_apps"], found["fuser"])
     if rebind.moves and not rebind.live:
         config_minors = boot_minors(bindings, pci)

@@ -38,7 +38,7 @@ from pyinfra.api import FunctionCommand, OperationError, StringCommand, deploy, 
 
 from facts.guest_state import guest_state
 from facts.guests import LXC_DIR, ContainerGpuState, VmMappingReferences
-from facts.once import fact_unless_changed
+from facts.once import fact_unless_changed, read_fact
 from facts.shell import word
 from operations.backup import PCI_CFG, backup_command, keep_config, log_diff, pci_cfg_after, vm_config_after
 from operations.files import write_file_command
@@ -449,7 +449,7 @@ def remove_stale_mappings(spec: HostSpec, node: str, vm_gpus: list[str], existin
     stale = plan_stale_mappings(node, existing, vm_gpus, {}, set(spec.gpus), candidates_only=True, pools=pools)
     references: dict[str, list[str]] = {}
     if stale.delete:
-        references = mapping_references(host.get_fact(VmMappingReferences), node, planned_main)
+        references = mapping_references(read_fact(VmMappingReferences), node, planned_main)
         stale = plan_stale_mappings(node, existing, vm_gpus, references, set(spec.gpus), pools=pools)
     for line in stale.notes:
         logger.warning(f"{host.name}: {line}")

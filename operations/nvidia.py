@@ -42,7 +42,7 @@ from facts.nvidia import (
     local_path,
     source_name,
 )
-from facts.once import fact_once
+from facts.once import fact_once, read_fact
 from facts.run_state import need_reboot
 from facts.shell import operands, word
 from operations import handlers, progress
@@ -440,7 +440,7 @@ def _persistenced(state: dict, will_install: bool) -> None:
         logger.info(f"{host.name}: nvidia: nvidia-persistenced is not installed (it comes with the user space)")
         return
     if unit is None or unit == PERSISTENCED_UNIT:
-        files = host.get_fact(ManagedFiles, paths=[PERSISTENCED_UNIT])
+        files = read_fact(ManagedFiles, paths=[PERSISTENCED_UNIT])
         content = render_template("nvidia-persistenced.service.j2")
         current = files.get(PERSISTENCED_UNIT)
         handlers.depends_on(handlers.DAEMON_RELOAD, PERSISTENCED_UNIT, content, "644",

@@ -217,7 +217,15 @@ def _checks_for_changes() -> bool:
     return bool(check()) if callable(check) else False
 
 
+# How long the progress probe waits for a container's answer: the log is the CT's file, and its
+# owner can make it a FIFO or a file system that never answers; the report loop waits on the probe
+# (run_reported), so an unbounded read would hold the deploy after the install ended.
+CT_PROBE_TIMEOUT_S = 10
+
+
 def ct_log_probe(ctid: int, log: str) -> str:
-    """`log_probe` for a log inside a running container (`pct exec`): its last line, no objects."""
+    """`log_probe` for a log inside a running container (`pct exec`): its last line, no objects;
+    given up after CT_PROBE_TIMEOUT_S (coreutils `timeout`, host side: it ends `pct exec`)."""
     inside = f"tail -n 1 {word(log)} 2>/dev/null"
-    return f"echo; pct exec {word(str(int(ctid)))} -- sh -c {word(inside)} 2>/dev/null; echo"
+    return (f"echo; timeout -k 2 {int(CT_PROBE_TIMEOUT_S)} pct exec {word(str(int(ctid)))} -- sh -c {word(inside)} "
+            "2>/dev/null; echo")

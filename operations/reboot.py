@@ -45,7 +45,7 @@ from pyinfra.operations import server
 
 from facts.files import FileTexts
 from facts.guest_state import guest_state, guest_state_changes
-from facts.once import fact_once
+from facts.once import fact_once, read_fact
 from facts.once import prefetch as read_facts_now  # not `prefetch`: deploy.py takes that name as the stage protocol
 from facts.proxmox import HaResources, LxcConfigs, QemuConfigs
 from facts.reboot import NODE_GUESTS_COMMAND, parse_node_guests
@@ -385,7 +385,7 @@ def apply(spec: HostSpec) -> None:
         return
     # the reasons themselves are logged below; the name stays one readable line
     name = f"Reboot for {len(reasons)} reason(s): " + ", ".join(sorted({kind for kind, _ in reasons}))
-    texts = host.get_fact(FileTexts, paths=[MEMBERS, COROSYNC_CONF])
+    texts = read_fact(FileTexts, paths=[MEMBERS, COROSYNC_CONF])
     view = parse_cluster(texts.get(MEMBERS), texts.get(COROSYNC_CONF))
     width, problem = roll_width(view, spec.reboot.max_parallel)
     if problem:

@@ -20,6 +20,7 @@ import re
 
 from facts.boot import GRUB_DROPIN
 from facts.kernel import parse_cmdline_text, parse_grub_defaults
+from plan.releases import legacy_cgroup_param
 from spec.models import HostSpec
 
 IOMMU_VENDOR_PARAM = {"amd": "amd_iommu=on", "intel": "intel_iommu=on"}
@@ -59,8 +60,12 @@ def desired_params(spec: HostSpec, cpu: dict | None) -> list[str]:
     return params
 
 
-def _unwanted(word: str, spec: HostSpec) -> bool:
-    """Words the spec owns and did not ask for."""
+def _unwanted(word: str, spec: HostSpec, pve_major: int | None = None) -> bool:
+    """Words the spec owns and did not ask for, and on Proxmox VE 9 the legacy cgroup layout's
+    switch (pve-manager PVE/CLI/pve8to9.pm checklist: `systemd.unified_cgroup_hierarchy=0` fails
+    check_containers_cgroup_compat, "support for the hybrid cgroup hierarchy is removed in Proxmox VE 9")."""
+    if pve_major is not None and pve_major >= 9 and legacy_cgroup_param([word]):
+        return True
     key = key_of(word)
     if key == "iommu" and word.split("=", 1)[-1] == "pt" and not spec.iommu.passthrough:
         return True
@@ -88,9 +93,9 @@ def _merge_option_list(args: list[str], wanted: str) -> bool:
     return True
 
 
-def merge_args(existing: list[str], desired: list[str], spec: HostSpec) -> list[str]:
+def merge_args(existing: list[str], desired: list[str], spec: HostSpec, pve_major: int | None = None) -> list[str]:
     """`existing` words with `desired` set (in place where the key exists, else appended)."""
-    args = [w for w in existing if not _unwanted(w, spec)]
+    args = [w for w in existing if not _unwanted(w, spec, pve_major)]
     for wanted in desired:
         key = key_of(wanted)
         if key in OPTION_LIST_KEYS and "=" in wanted:
@@ -106,12 +111,12 @@ def merge_args(existing: list[str], desired: list[str], spec: HostSpec) -> list[
     return args
 
 
-def merge_cmdline(existing: str | None, desired: list[str], spec: HostSpec) -> str:
+def merge_cmdline(existing: str | None, desired: list[str], spec: HostSpec, pve_major: int | None = None) -> str:
     """`existing` with `desired` set among the kernel's words; init's words (after a lone `--`,
     facts.kernel.parse_cmdline_text) stay after it, untouched."""
     parsed = parse_cmdline_text(existing or "")
     init = ["--", *parsed["init_args"]] if parsed["init_args"] else []  # a lone trailing `--` passes nothing
-    return " ".join(merge_args(parsed["args"], desired, spec) + init)
+    return " ".join(merge_args(parsed["args"], desired, spec, pve_major) + init)
 
 
 def cmdline_difference(configured: str, booted: str | None, loader: str = "systemd-boot") -> dict:
@@ -183,7 +188,8 @@ def grub_base_values(grub_files: list[tuple[str, list[str]]]) -> dict[str, str]:
     return values
 
 
-def grub_dropin_values(grub_files: list[tuple[str, list[str]]], desired: list[str], spec: HostSpec) -> dict[str, str]:
+def grub_dropin_values(grub_files: list[tuple[str, list[str]]], desired: list[str], spec: HostSpec,
+                       pve_major: int | None = None) -> dict[str, str]:
     """What our grub.d drop-in sets, computed from the files before it (never from itself, so
     an admin's later edit of /etc/default/grub is picked up by the next run).
 
@@ -195,8 +201,10 @@ def grub_dropin_values(grub_files: list[tuple[str, list[str]]], desired: list[st
     linux = parse_cmdline_text(base.get("GRUB_CMDLINE_LINUX", ""))["args"]
     default = parse_cmdline_text(base.get("GRUB_CMDLINE_LINUX_DEFAULT", ""))["args"]
     desired_keys = {key_of(w) for w in desired} - OPTION_LIST_KEYS
-    cleaned_linux = [w for w in linux if not _unwanted(w, spec) and not (key_of(w) in desired_keys and w not in desired)]
-    values = {"GRUB_CMDLINE_LINUX_DEFAULT": " ".join(merge_args(default, [w for w in desired if w not in cleaned_linux], spec))}
+    cleaned_linux = [w for w in linux if not _unwanted(w, spec, pve_major)
+                     and not (key_of(w) in desired_keys and w not in desired)]
+    values = {"GRUB_CMDLINE_LINUX_DEFAULT": " ".join(merge_args(default, [w for w in desired if w not in cleaned_linux],
+                                                                spec, pve_major))}
     if cleaned_linux != linux:
         values["GRUB_CMDLINE_LINUX"] = " ".join(cleaned_linux)
     return values

@@ -26,6 +26,11 @@ rec driver-gpus-information.txt 'for f in /proc/driver/nvidia/gpus/*/information
 rec driver-params.txt 'cat /proc/driver/nvidia/params'
 rec proc-devices.txt 'cat /proc/devices'
 rec ls-dev-nvidia.txt 'ls -l /dev/nvidia* /dev/nvidia-caps 2>&1'
+# what facts.devices NvidiaDeviceNodes runs (stat's own format: no locale or TIME_STYLE in it), in the
+# session's environment and in a German one with another time style (issue 43 item 2)
+rec stat-dev-nvidia.txt "stat -c '%f %t %T %n' -- /dev/nvidia* /dev/nvidia*/* 2>/dev/null; true"
+rec stat-dev-nvidia-de.txt "LANG=de_DE.UTF-8 LC_ALL=de_DE.UTF-8 TIME_STYLE=long-iso stat -c '%f %t %T %n' -- /dev/nvidia* /dev/nvidia*/* 2>/dev/null; true"
+rec secure-boot.txt 'mokutil --sb-state 2>&1; bootctl status 2>&1 | head -20; ls /sys/firmware/efi/efivars 2>&1 | head -5'
 rec proc-cmdline.txt 'cat /proc/cmdline'
 rec proc-version.txt 'cat /proc/version'
 rec cpuinfo-first.txt "awk 'BEGIN{RS=\"\"} NR==1' /proc/cpuinfo"

@@ -459,8 +459,9 @@ class HostSpec(Strict):
     reboot: RebootSpec = Field(default_factory=RebootSpec)
     guests: GuestPolicy = Field(default_factory=GuestPolicy)
     proxmox_api: ProxmoxApiSpec | None = None
-    # the Proxmox VE major the host runs or is being moved to: 9 on a host that still runs 8 makes
-    # the run report what to fix for the 8 -> 9 upgrade (operations/upgrade.py); None: not checked
+    # the Proxmox VE major the host runs or is being moved to: 9 makes the run report what to fix for
+    # the 8 -> 9 upgrade and, after it, what is still due (operations/upgrade.py); a pve-kernel build
+    # must be of this major (plan/releases.py); None: not checked
     proxmox_ve: Literal[8, 9] | None = None
 
     @field_validator("gpus", mode="before")
@@ -510,11 +511,21 @@ class HostSpec(Strict):
                 elif gpu.role != f"vm:{vmid}":
                     errors.append(f'@{where}: GPU "{bdf}" has role {gpu.role!r}, but VM {vmid} can only use GPUs with role "vm:{vmid}"')
 
-        # pve-kernel Makefile: bookworm branches set KREL_EXTRA=-bpo12, trixie branches and master none
-        if self.proxmox_ve == 9 and self.kernel is not None and "-bpo12" in self.kernel.version:
-            errors.append(f"@kernel.version: {self.kernel.version} is a Proxmox VE 8 (bookworm, -bpo12) kernel, but "
-                          "proxmox_ve is 9; build a trixie branch of pve-kernel (e.g. master at 6e44995: "
-                          "7.0.14-14-pvegpu-pve, or trixie-6.17 at 74c6afb: 6.17.13-21-pvegpu-pve) with its ref")
+        # the release rule (plan/releases.py): a pve-kernel build is of proxmox_ve's release
+        # (pve-kernel Makefile: bookworm branches set KREL_EXTRA=-bpo12, trixie branches and master none)
+        if self.kernel is not None:
+            from plan.releases import spec_kernel_refusal  # pure, no imports of its own
+
+            wrong = spec_kernel_refusal(self.proxmox_ve, self.kernel.version, self.kernel.source.kind == "proxmox-git")
+            if wrong:
+                errors.append(f"@kernel.version: {wrong}")
+        if self.proxmox_ve == 9:
+            from plan.releases import legacy_cgroup_param
+
+            legacy = legacy_cgroup_param(self.iommu.params)
+            if legacy:  # pve-manager PVE/CLI/pve8to9.pm checklist: the hybrid cgroup layout is gone in 9
+                errors.append(f"@iommu.params: {legacy} asks for the legacy (cgroup v1) layout, which Proxmox VE 9 "
+                              "removed (pve8to9 fails on it); take it out")
 
         for ctid, ct in self.containers.items():
             if ct.userspace_driver is True and ct.gpus and (self.nvidia is None or self.nvidia.installer is None):

@@ -78,7 +78,9 @@ FIELDS: dict[str, Field] = {
     "kernel.version": Field("The release the kernel build produces. For `proxmox-git` exactly what our build of the "
                             "pinned ref's `Makefile` produces (`KVNAME` with `-pvegpu` added to `KREL_EXTRA`), "
                             "else refused at preflight.",
-                            _RELEASE + " With `proxmox_ve: 9` a `-bpo12` release (a bookworm build) is refused.",
+                            _RELEASE + " For `proxmox-git` with `proxmox_ve` set, a release of the other Proxmox VE major is refused "
+                            "(9: 6.14 or newer without `-bpo12`, not 6.14.0-1/6.14.0-2/6.14.4-1; 8: the others); at "
+                            "preflight, one of another major than the host's Debian release.",
                             "`6.14.11-9-bpo12-pvegpu-pve`"),
     "kernel.source.kind": Field("`proxmox-git` (the pve-kernel repository at a pinned `ref`) or `tarball`.",
                                 "`proxmox-git` or `tarball`.", "`proxmox-git`"),
@@ -221,7 +223,8 @@ FIELDS: dict[str, Field] = {
                                  "`~/.config/pvegpu/pve-root-ca.pem`"),
     "proxmox_ve": Field("The Proxmox VE major the host runs or is being moved to; `9` on a host still on 8 makes "
                         "each run list the upgrade's to-dos ([upgrade 8 → 9](../howto/upgrade-8-to-9.md)).",
-                        "`8`, `9` or unset; with `9` a `-bpo12` `kernel.version` is refused.", "`9`"),
+                        "`8`, `9` or unset; a `proxmox-git` `kernel.version` of the other major is refused, and at preflight "
+                        "`8` on a host whose Debian release is trixie (9).", "`9`"),
 }
 
 # rules of the file as a whole (spec/load.py, spec/models.py)

@@ -65,3 +65,26 @@ def test_each_example_has_the_profile_it_is_written_for():
     assert profile_of("inventories/kpro6.yml", "kpro6") == "kpro6"
     assert profile_of("inventories/twin.yml", "intel2") == "intel2"
     assert profile_of("inventories/h200-vm.yml", "@local") == "h200-vm"
+
+
+@pytest.mark.twin
+def test_the_pve9_example_on_a_bookworm_host_is_refused_before_the_clone(twin_factory, tmp_path):
+    """Issue 40 item 3: inventories/kpro6-pve9.yml (proxmox_ve: 9, pve-kernel master, a 9 kernel)
+    on a host still on bookworm: the --dry refuses the kernel of the other release from the host's
+    /etc/os-release before anything is cloned or built (on main it planned the clone of master and
+    a build with bookworm's GCC 12), and still prints the upgrade check; the twin is unchanged."""
+    twin = twin_factory("kpro6")
+    spec = load_spec_file(REPO / "inventories/kpro6-pve9.yml")["kpro6"].model_dump(mode="json", exclude_none=True,
+                                                                                exclude={"ssh"})
+    inventory = spec_inventory(tmp_path, twin, spec, "example")
+    root = runtime.spec_of(twin.name)["root"]
+    before = root_manifest(root)
+    result = run_pyinfra(inventory, "deploy.py", "--dry", env={"PYTHONPATH": str(REPO)}, timeout=600)
+    assert "Traceback" not in result.output, result.output[-4000:]
+    assert result.rc != 0, result.output[-4000:]
+    assert ("[release] kernel.version 7.0.14-14-pvegpu-pve is a Proxmox VE 9 kernel (trixie: a 6.14 or newer "
+            "pve-kernel without -bpo12), but this host runs Debian bookworm (Proxmox VE 8)") in result.output, \
+        result.output[-4000:]
+    assert "upgrade check: the spec says Proxmox VE 9 (proxmox_ve: 9) and this host runs 8." in result.output
+    assert manifest_diff(before, root_manifest(root)) == [], "--dry changed the twin"
+    assert not list(Path(root, "var/lib/pvegpu/kernel-build").glob("*/src")), "a pve-kernel clone was made"

@@ -1,5 +1,6 @@
 """The 8 -> 9 upgrade of a GPU host end to end (issue 29 part 4): a kpro6 twin on Proxmox VE 8
-converged; the spec says proxmox_ve: 9 and --dry lists the upgrade's to-dos; the twin's root is
+converged; the spec says proxmox_ve: 9 and --dry lists the upgrade's to-dos (on 9, what is still
+due: systemd-boot to remove, until it is); the twin's root is
 moved to the 9 root in place (tests/twin/runtime.py upgrade_in_place: what the distribution upgrade
 replaces is replaced, /etc/pve, /etc/modprobe.d, /etc/kernel/cmdline, /var/lib/pvegpu and the
 NVIDIA modules built for 8's kernel stay, nothing is built for 9's kernel) and boots 9's kernel;
@@ -116,10 +117,18 @@ def test_8_to_9_in_place(twin_factory, tmp_path, monkeypatch):
     assert {g["driver"] for g in state(root)["gpus"] if g["bdf"] == "0000:01:00.0"} == {None}
     (root / "opt/src").mkdir(parents=True, exist_ok=True)
     (root / ARCHIVE.lstrip("/")).write_bytes(archive.read_bytes())
+    # what is due after the upgrade: the systemd-boot meta-package is still there (its changelog is
+    # the file pve8to9 check_bootloader tests; the package itself is not in the twin's root)
+    (root / "usr/share/doc/systemd-boot").mkdir(parents=True, exist_ok=True)
+    (root / "usr/share/doc/systemd-boot/changelog.Debian.gz").write_bytes(b"")
 
     conv = run_pyinfra(inv9, "deploy.py")
     assert conv.rc == 0, conv.output[-6000:]
-    assert "upgrade check" not in conv.output  # the host runs 9 now
+    # the host runs 9 now, and the check says what is due (on main it went silent once pve-manager was 9)
+    assert "upgrade check: the host runs Proxmox VE 9.2.11 now (proxmox_ve: 9); still due after the upgrade" \
+        in conv.output, conv.output[-6000:]
+    assert "Fix now (the host runs 9): apt remove systemd-boot" in conv.output
+    assert "after the upgrade the converge builds" not in conv.output  # the before-only note is gone
     built = root / MODULE.format(NEW_KERNEL)
     assert built.exists(), conv.output[-6000:]  # the rebuild for 9's kernel (a converge that skips it fails here)
     comment = ssh(f"readelf -p .comment /{MODULE.format(NEW_KERNEL)}")
@@ -134,8 +143,10 @@ def test_8_to_9_in_place(twin_factory, tmp_path, monkeypatch):
     assert "planned again when this run's reboot is over" in conv.output
     assert "NCCL environment: planned again on the rebooted host" in conv.output
     assert "NCCL_P2P_DISABLE=1" in (root / "etc/nccl.conf").read_text(), conv.output[-6000:]
+    ssh("rm /usr/share/doc/systemd-boot/changelog.Debian.gz")  # what `apt remove systemd-boot` removes
     again = run_pyinfra(inv9, "deploy.py")
     assert again.rc == 0 and again.changed == 0, again.output[-6000:]
+    assert "upgrade check" not in again.output  # nothing is due any more: the check is silent
 
     checks = run_host_checks(inv9)
     assert checks.returncode == 0, checks.stdout[-6000:] + checks.stderr[-2000:]

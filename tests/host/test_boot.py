@@ -29,6 +29,7 @@ def _booted(target) -> str:
 
 
 def test_booted_cmdline_has_the_spec_parameters(target):
+    """The booted command line has the spec's IOMMU parameters."""
     wanted = desired_params(target.spec, _cpu(target))
     booted = parse_cmdline_text(_booted(target))["args"]
     missing = [w for w in wanted if w not in booted]
@@ -38,6 +39,7 @@ def test_booted_cmdline_has_the_spec_parameters(target):
 
 
 def test_iommu_is_on(target):
+    """The IOMMU is on."""
     if _cpu(target).get("virtualized"):
         pytest.skip(f"{target.name} is a VM: no IOMMU groups are expected")
     rc, out = target.run("ls /sys/kernel/iommu_groups 2>/dev/null | wc -l")
@@ -46,6 +48,7 @@ def test_iommu_is_on(target):
 
 
 def test_no_reboot_pending_for_the_cmdline(target):
+    """The configured command line is the booted one."""
     _, out = target.run(BootLoader.command)
     loader = BootLoader().process(out.splitlines())
     if loader["cmdline"] is None:
@@ -56,11 +59,13 @@ def test_no_reboot_pending_for_the_cmdline(target):
 
 
 def test_nouveau_not_loaded(target):
+    """nouveau is not loaded."""
     _, out = target.run("ls /sys/module")
     assert "nouveau" not in set(out.split()), f"{target.name}: nouveau is loaded; it must stay blacklisted on a GPU host"
 
 
 def test_vfio_loaded_for_vm_gpus(target):
+    """vfio is loaded where the spec has VM GPUs."""
     vm_gpus = sorted(bdf for bdf, gpu in target.spec.gpus.items() if gpu.vmid is not None)
     if not vm_gpus:
         pytest.skip(f"{target.name}: the spec gives no GPU to a VM, so nothing needs vfio-pci")
@@ -74,6 +79,7 @@ def test_vfio_loaded_for_vm_gpus(target):
 
 
 def test_spec_kernel_runs_and_is_pinned(target):
+    """The spec's kernel runs and is the default."""
     kernel = target.spec.kernel
     if kernel is None:
         pytest.skip(f"{target.name}: the spec pins no kernel")
@@ -88,7 +94,9 @@ def test_spec_kernel_runs_and_is_pinned(target):
 
 
 def test_the_spec_kernel_was_not_refused_by_the_driver_gate(target):
-    """The kernel stage's driver x kernel gate (operations/kernel.py nvidia_gate) could not build
+    """The driver × kernel gate did not refuse the spec's kernel.
+
+    The kernel stage's driver x kernel gate (operations/kernel.py nvidia_gate) could not build
     `nvidia.version` from its source for the spec's kernel: its record quotes the first compile error."""
     kernel, nv = target.spec.kernel, target.spec.nvidia
     if kernel is None or nv is None or nv.modules_source is None:
@@ -99,7 +107,9 @@ def test_the_spec_kernel_was_not_refused_by_the_driver_gate(target):
 
 
 def test_kernel_build_jobs_fit_the_hosts_memory(target):
-    """Incident 14: a kernel build with -j = cores (128) and ~2 GiB per compile job took the
+    """The kernel build's jobs fit the host's memory (incident 14).
+
+    Incident 14: a kernel build with -j = cores (128) and ~2 GiB per compile job took the
     host down (OOM). The build of the kernel the spec pins records its -j (its manifest, kept
     once installed): with `jobs: auto` it must not exceed min(cores, RAM / 2 GiB) here."""
     kernel = target.spec.kernel
@@ -126,7 +136,9 @@ def test_kernel_build_jobs_fit_the_hosts_memory(target):
 
 
 def test_no_installed_kernel_was_left_without_its_nvidia_driver(target):
-    """The kernel hook (operations/kernel_hook.py) could not build nvidia for a kernel a package
+    """The kernel hook left no kernel without NVIDIA modules.
+
+    The kernel hook (operations/kernel_hook.py) could not build nvidia for a kernel a package
     installed: the reason it kept on the host, and what the boot default became."""
     if target.spec.nvidia is None:
         pytest.skip(f"{target.name}: no nvidia in the spec")
@@ -151,7 +163,9 @@ def _nvidia_module(target, release: str) -> tuple[dict, str | None, list[str]]:
 
 
 def test_kernels_the_loader_boots_next_have_the_nvidia_driver(target):
-    """Every kernel the loader boots next (the one-shot entry and the default) has nvidia
+    """Every kernel the loader boots next (one-shot, pin, else the newest) has `nvidia.version`'s modules, built by its compiler, with their firmware.
+
+    Every kernel the loader boots next (the one-shot entry and the default) has nvidia
     `nvidia.version`, built for it by the compiler that built it, with its firmware (issue 25)."""
     nv = target.spec.nvidia
     if nv is None:

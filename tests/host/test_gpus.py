@@ -47,6 +47,7 @@ def _node(target):
 
 
 def test_each_gpu_is_bound_to_the_driver_its_role_needs(target):
+    """Each GPU (and its companion functions) is on its role's driver."""
     pci = _pci(target)
     wrong = []
     for bdf, driver in sorted(desired_bindings(target.spec, pci).drivers.items()):
@@ -58,6 +59,7 @@ def test_each_gpu_is_bound_to_the_driver_its_role_needs(target):
 
 
 def test_each_container_passes_exactly_its_gpus_by_minor(target):
+    """Each container's device entries are exactly its GPUs, by device minor."""
     minors = _minors(target)
     problems = []
     for ctid, ct in sorted(target.spec.containers.items()):
@@ -77,7 +79,9 @@ def test_each_container_passes_exactly_its_gpus_by_minor(target):
 
 
 def test_each_container_gets_exactly_its_device_nodes(target):
-    """Each GPU CT passes its GPUs, /dev/nvidiactl and /dev/nvidia-uvm and only the extra nodes its
+    """Each container holds no device node beyond its GPUs, `/dev/nvidiactl`, `/dev/nvidia-uvm` and its `extra_devices`, and no broad `c MAJOR:* rwm` allow line.
+
+    Each GPU CT passes its GPUs, /dev/nvidiactl and /dev/nvidia-uvm and only the extra nodes its
     spec asks for (no uvm-tools, no MIG caps otherwise); raw cgroup allow lines name each node's
     major:minor, never a whole NVIDIA major (issue 39 item 7)."""
     minors = _minors(target)
@@ -109,6 +113,7 @@ def test_each_container_gets_exactly_its_device_nodes(target):
 
 
 def test_container_cgroup_majors_match_proc_devices(target):
+    """Cgroup device lines name the majors of `/proc/devices` (incident 4)."""
     majors = parse_char_majors(_read(target, "cat /proc/devices"))
     allowed = {195} | {majors[n] for n in ("nvidia-uvm", "nvidia-caps") if n in majors}
     problems = []
@@ -123,6 +128,7 @@ def test_container_cgroup_majors_match_proc_devices(target):
 
 
 def test_vm_mappings_and_hostpci_match_the_hardware(target):
+    """PCI mappings and `hostpciN` lines match the hardware (incident 11)."""
     pci = _pci(target)
     node = _node(target)
     mappings = parse_pci_mappings((target.read("/etc/pve/mapping/pci.cfg") or "").splitlines())
@@ -159,6 +165,7 @@ def _running_gpu_containers(target):
 
 
 def test_nvidia_smi_in_each_running_container_sees_exactly_its_gpus(target):
+    """`nvidia-smi` in each running GPU container sees exactly its GPUs."""
     cts = _running_gpu_containers(target)
     if not cts:
         pytest.skip(f"{target.name}: no GPU container runs (pct exec needs one running)")
@@ -176,6 +183,7 @@ def test_nvidia_smi_in_each_running_container_sees_exactly_its_gpus(target):
 
 
 def test_each_managed_container_has_exactly_the_hosts_driver_user_space(target):
+    """Each managed container has the host's driver user space (incident 6)."""
     from operations.containers import managed_containers
     from plan.containers import LIB_DIRS, installed_versions
 
@@ -197,7 +205,9 @@ def test_each_managed_container_has_exactly_the_hosts_driver_user_space(target):
 
 
 def test_every_gpu_has_its_bar1(target):
-    """Incident 10: 96 GB cards came up without BAR1 ("BAR can't assign") when the BAR space
+    """Every GPU has its BAR1 (incident 10).
+
+    Incident 10: 96 GB cards came up without BAR1 ("BAR can't assign") when the BAR space
     was too small (fix: pci=realloc)."""
     from plan.topology_report import bar1_size
 
@@ -211,7 +221,9 @@ def test_every_gpu_has_its_bar1(target):
 
 
 def test_no_blackwell_gpu_uses_an_identity_iommu_domain_on_a_sev_snp_host(target):
-    """Incident 9: Blackwell FSP boot failed (0x177) with identity-mapped IOMMU domains on a
+    """No Blackwell GPU has an identity IOMMU domain on a SEV-SNP host (incident 9).
+
+    Incident 9: Blackwell FSP boot failed (0x177) with identity-mapped IOMMU domains on a
     SEV-SNP host."""
     from facts.kernel import IommuState, SevSnp
     from plan.nvidia import is_blackwell

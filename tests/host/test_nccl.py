@@ -68,6 +68,7 @@ def differences(where: str, have: str | None, want: str, env: dict[str, dict]) -
 
 
 def test_host_nccl_conf_equals_the_plan(target):
+    """The host's `/etc/nccl.conf` is the plan recomputed from the host's facts."""
     want, _ = planned(target)
     have = target.read(nccl.NCCL_CONF)
     problems = differences(nccl.NCCL_CONF, have, want["host"], want["plan"]["host"])
@@ -75,6 +76,7 @@ def test_host_nccl_conf_equals_the_plan(target):
 
 
 def test_each_gpu_containers_nccl_conf_equals_the_plan(target):
+    """The same in each GPU container."""
     want, state = planned(target)
     if not want["containers"]:
         pytest.skip(f"{target.name}: no container has GPUs")
@@ -97,6 +99,7 @@ def test_each_gpu_containers_nccl_conf_equals_the_plan(target):
 
 
 def test_services_get_the_nccl_environment_and_nothing_stale(target):
+    """`nccl.services` have their drop-in, and no stale drop-in is left."""
     want, state = planned(target)
     problems = []
     for path, (unit, text) in sorted(want["dropins"].items()):
@@ -111,7 +114,9 @@ def test_services_get_the_nccl_environment_and_nothing_stale(target):
 
 
 def test_gpu_containers_dev_shm_holds_what_nccl_needs(target):
-    """Containers whose GPU pairs are not all usable for P2P run NCCL's intra-host traffic through
+    """A GPU container's `/dev/shm` holds what NCCL's shared-memory transport needs where P2P is off.
+
+    Containers whose GPU pairs are not all usable for P2P run NCCL's intra-host traffic through
     /dev/shm (charged to the container's memory): a missing or small one fails NCCL's init."""
     from plan.nccl import shm_problem
 
@@ -133,7 +138,9 @@ def test_gpu_containers_dev_shm_holds_what_nccl_needs(target):
 
 
 def test_where_p2p_dma_is_stopped_the_remaining_paths_are_said(target):
-    """NCCL_P2P_DISABLE closes NCCL's P2P transport only: the plan names symmetric memory
+    """Where P2P DMA is stopped, the paths NCCL variables do not close are named.
+
+    NCCL_P2P_DISABLE closes NCCL's P2P transport only: the plan names symmetric memory
     (closed by NCCL_WIN_ENABLE=0) and the paths NCCL variables cannot close."""
     want, _ = planned(target)
     problems = []
@@ -149,7 +156,9 @@ def test_where_p2p_dma_is_stopped_the_remaining_paths_are_said(target):
 
 
 def test_no_service_of_the_spec_bypasses_a_p2p_stop(target):
-    """Where the rules stop P2P DMA, a service that runs vLLM/SGLang with their custom allreduce
+    """No service of the spec runs a custom allreduce past a P2P stop.
+
+    Where the rules stop P2P DMA, a service that runs vLLM/SGLang with their custom allreduce
     on still does it (that path reads no NCCL variable)."""
     want, _ = planned(target)
     warnings = want.get("service_warnings") or []

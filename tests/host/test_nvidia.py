@@ -42,6 +42,7 @@ def host_gpu_ids(target) -> dict[str, str]:
 
 
 def test_module_firmware_and_userspace_versions_are_equal(target):
+    """Modules, firmware and user space are one version (incident 2)."""
     nv = nvidia_spec(target)
     _, running = target.run("uname -r")
     _, loaded = target.run("cat /proc/driver/nvidia/version 2>/dev/null")
@@ -76,6 +77,7 @@ def test_module_firmware_and_userspace_versions_are_equal(target):
 
 
 def test_uvm_hmm_is_disabled_where_asked(target):
+    """`uvm_disable_hmm` is in effect where asked (incident 3)."""
     nv = nvidia_spec(target)
     wanted, why = nvplan.uvm_disable_hmm(nv.uvm_disable_hmm, host_gpu_ids(target))
     if not wanted:
@@ -87,6 +89,7 @@ def test_uvm_hmm_is_disabled_where_asked(target):
 
 
 def test_modprobe_config_carries_the_option(target):
+    """The modprobe configuration carries the options."""
     nv = nvidia_spec(target)
     wanted, why = nvplan.uvm_disable_hmm(nv.uvm_disable_hmm, host_gpu_ids(target))
     _, config = target.run("modprobe -c 2>/dev/null | grep -E '^options (nvidia|nvidia_uvm) '")
@@ -101,6 +104,7 @@ def test_modprobe_config_carries_the_option(target):
 
 
 def test_uvm_device_node_exists(target):
+    """`/dev/nvidia-uvm` exists (incident 5)."""
     nvidia_spec(target)
     if not needs_nvidia_driver(target):
         pytest.skip(f"{target.name}: no GPU uses the nvidia driver")
@@ -110,6 +114,7 @@ def test_uvm_device_node_exists(target):
 
 
 def test_device_node_unit_is_enabled_before_guests(target):
+    """The device-node unit runs before `pve-guests.service`."""
     nvidia_spec(target)
     unit = target.host.file(NODES_UNIT)
     assert unit.exists, f"{target.name}: {NODES_UNIT} is missing; /dev/nvidia-uvm is not made at boot (incident 5)"
@@ -123,7 +128,9 @@ def test_device_node_unit_is_enabled_before_guests(target):
 
 
 def test_loaded_module_was_built_by_the_running_kernels_compiler(target):
-    """Incident 1: modules built by another GCC than their kernel bricked a host."""
+    """The loaded module was built by the running kernel's compiler (incident 1).
+
+    Incident 1: modules built by another GCC than their kernel bricked a host."""
     from facts.kernel import KernelToolchain
     from facts.nvidia import NvidiaDriver, parse_driver_version
 
@@ -151,7 +158,9 @@ def driver_state(target, nv):
 
 
 def test_toolchain_matches_each_kernel(target):
-    """The gcc (and, for the open tree, the g++) that match each target kernel's compiler are there (incident 1)."""
+    """The gcc (and g++) of each target kernel's compiler are installed.
+
+    The gcc (and, for the open tree, the g++) that match each target kernel's compiler are there (incident 1)."""
     nv = nvidia_spec(target)
     releases, state = driver_state(target, nv)
     for release in releases:
@@ -163,7 +172,9 @@ def test_toolchain_matches_each_kernel(target):
 
 
 def test_modules_are_signed_where_secure_boot_needs_it(target):
-    """With Secure Boot on or nvidia.signing set, every installed NVIDIA module carries a signature."""
+    """With Secure Boot on or `nvidia.signing` set, every module is signed.
+
+    With Secure Boot on or nvidia.signing set, every installed NVIDIA module carries a signature."""
     nv = nvidia_spec(target)
     releases, state = driver_state(target, nv)
     if nv.signing is None and not state.get("secure_boot"):
@@ -203,7 +214,9 @@ def test_modules_are_signed_where_secure_boot_needs_it(target):
 
 
 def test_gsp_firmware_for_each_gpu_generation(target):
-    """Each GPU's GSP firmware file (by generation: Blackwell/Hopper/Ada/GA10x load gsp_ga10x.bin,
+    """Each GPU's GSP firmware file is there.
+
+    Each GPU's GSP firmware file (by generation: Blackwell/Hopper/Ada/GA10x load gsp_ga10x.bin,
     Turing/GA100 gsp_tu10x.bin) is there in exactly the module version (incident 2)."""
     nv = nvidia_spec(target)
     if not nv.firmware:

@@ -21,6 +21,7 @@ def _vm_gpu_pairs(spec) -> list[tuple[str, str, str]]:
 
 
 def test_report_says_p2p_is_impossible_between_the_gpus_of_one_vm(target):
+    """The topology report says P2P is impossible between the GPUs of one VM (incident 8)."""
     pairs = _vm_gpu_pairs(target.spec)
     if not pairs:
         pytest.skip(f"{target.name}: no VM has two or more GPUs")
@@ -50,7 +51,9 @@ def test_report_says_p2p_is_impossible_between_the_gpus_of_one_vm(target):
 
 
 def test_no_gpu_pair_is_left_unknown_once_the_driver_answers(target):
-    """Issue 30: without the driver's answer (a first converge, before the NVIDIA stage) a pair on
+    """No GPU pair's P2P verdict is unknown once the driver answers.
+
+    Issue 30: without the driver's answer (a first converge, before the NVIDIA stage) a pair on
     different root complexes is 'unknown'; with the driver loaded, its answer settles every pair."""
     hardware = target.fact(HardwareProbe)
     if not (hardware.get("nvidia_driver") or {}).get("version"):

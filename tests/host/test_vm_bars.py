@@ -14,6 +14,7 @@ from plan.guests import plan_bar_fit
 
 
 def test_each_vm_can_map_its_gpus_bars(target):
+    """Each VM's 64-bit MMIO window holds its GPUs' BARs."""
     spec = target.spec
     if not any(vm.gpus for vm in spec.vms.values()):
         pytest.skip(f"{target.name}: no VM with GPUs in the spec")

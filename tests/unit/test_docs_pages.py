@@ -5,6 +5,7 @@ tests/e2e/test_docs_run.py."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 import subprocess
 import sys
@@ -72,6 +73,9 @@ def test_the_stage_diagram_is_drawn_from_the_stages():
 
 
 def test_the_host_checks_page_names_every_check():
+    # generated from the checks' docstrings (scripts/gen_docs.py host_checks_page); --check above compares it
+    gen = subprocess.run([sys.executable, "scripts/gen_docs.py", "--check"], cwd=REPO, capture_output=True, text=True)
+    assert gen.returncode == 0, gen.stderr
     page = (DOCS / "reference/host-checks.md").read_text()
     named = set(re.findall(r"^- `(test_\w+)`", page, re.M))
     checks = {node.name for f in sorted((REPO / "tests/host").glob("test_*.py"))
@@ -79,3 +83,20 @@ def test_the_host_checks_page_names_every_check():
               if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
     assert checks - named == set(), f"docs/reference/host-checks.md does not name: {sorted(checks - named)}"
     assert named - checks == set(), f"docs/reference/host-checks.md names checks that do not exist: {sorted(named - checks)}"
+
+
+def test_the_host_checks_page_takes_each_checks_first_docstring_line(tmp_path, monkeypatch):
+    loader = importlib.util.spec_from_file_location("gen_docs", REPO / "scripts/gen_docs.py")
+    assert loader and loader.loader
+    gen_docs = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(gen_docs)
+    monkeypatch.setattr(gen_docs, "CHECK_FILES", [("test_a.py", "A")])
+    (tmp_path / "test_a.py").write_text('def test_one(target):\n    """The one thing holds.\n\n    Why."""\n')
+    page = gen_docs.host_checks_page(tmp_path)
+    assert page.endswith("## A (`tests/host/test_a.py`)\n\n- `test_one`: The one thing holds.\n")
+    (tmp_path / "test_a.py").write_text("def test_one(target):\n    pass\n")
+    with pytest.raises(SystemExit, match="test_one has no docstring"):
+        gen_docs.host_checks_page(tmp_path)
+    (tmp_path / "test_b.py").write_text("")
+    with pytest.raises(SystemExit, match="test_b.py"):
+        gen_docs.host_checks_page(tmp_path)

@@ -84,3 +84,15 @@ def test_the_pve9_refusal_names_releases_the_trees_build():
     for tree in ("pve-kernel-master-7.0", "pve-kernel-trixie-6.17"):
         built = built_release_from_makefile(makefile_of(tree))
         assert built and f": {built}" in message, (tree, built, message)
+
+
+def test_the_pve8_refusal_names_the_release_its_tree_builds():
+    """Issue 40: proxmox_ve: 8 refuses a 9 kernel naming a bookworm release to write instead; that
+    release is what our build of the bookworm-6.14 tree produces, and the one kpro6.yml ships."""
+    base = load_spec_file(REPO / "inventories/kpro6.yml")["kpro6"].model_dump(mode="json", exclude_none=True)
+    shipped = base["kernel"]["version"]
+    base.update(proxmox_ve=8, kernel={**base["kernel"], "version": "7.0.14-14-pvegpu-pve"})
+    with pytest.raises(SpecError) as err:
+        validate_spec({"hosts": {"kpro6": base}}, Path("x.yml"))
+    built = built_release_from_makefile(makefile_of("pve-kernel-bookworm-6.14"))
+    assert built == shipped and f": {built}" in str(err.value), (built, shipped, str(err.value))

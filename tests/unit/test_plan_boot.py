@@ -181,3 +181,19 @@ def test_truenas_both_vendor_flags_foreign_one_kept():
     merged = merge_cmdline(line, desired_params(s, AMD), s)
     assert "intel_iommu=on" in merged.split() and "iommu=pt" not in merged.split()
     assert parse_cmdline_text(merged)["params"]["amd_iommu"] == "on"
+
+
+@pytest.mark.parametrize("pve_major,kept", [(8, True), (None, True), (9, False)])
+def test_legacy_cgroup_switch_is_dropped_from_the_line_we_write_on_9(pve_major, kept):
+    """Proxmox VE 9 removed the hybrid cgroup layout (pve-manager PVE/CLI/pve8to9.pm checklist fails
+    on systemd.unified_cgroup_hierarchy=0): on 9 the boot stage drops it; on 8 it stays (on main it
+    stayed on 9 too, silently)."""
+    line = "root=ZFS=rpool/ROOT/pve-1 boot=zfs systemd.unified_cgroup_hierarchy=0 quiet"
+    merged = merge_cmdline(line, ["amd_iommu=on"], spec(), pve_major)
+    assert ("systemd.unified_cgroup_hierarchy=0" in merged.split()) is kept
+    assert merged.split()[:2] == ["root=ZFS=rpool/ROOT/pve-1", "boot=zfs"] and "amd_iommu=on" in merged.split()
+    grub = ['GRUB_CMDLINE_LINUX="systemd.unified_cgroup_hierarchy=0"', 'GRUB_CMDLINE_LINUX_DEFAULT="quiet"']
+    values = grub_dropin_values([("/etc/default/grub", grub)], ["amd_iommu=on"], spec(), pve_major)
+    written = " ".join(values.get("GRUB_CMDLINE_LINUX", "systemd.unified_cgroup_hierarchy=0").split()
+                       + values["GRUB_CMDLINE_LINUX_DEFAULT"].split())
+    assert ("systemd.unified_cgroup_hierarchy=0" in written.split()) is kept

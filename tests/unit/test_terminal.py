@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import time
 from pathlib import Path
 from queue import Queue
 from types import SimpleNamespace
@@ -135,3 +136,21 @@ def test_the_wrappers_refuse_a_pyinfra_that_does_not_fit():
     assert terminal_output.refusal(modules) is None  # the pinned pyinfra fits
     odd = dict(modules, **{"pyinfra.connectors.util": SimpleNamespace(read_buffer=lambda name, io: None)})
     assert terminal_output.refusal(odd) == "pyinfra.connectors.util.read_buffer takes (name, io)"
+
+
+def test_a_ct_log_that_never_answers_does_not_hold_the_report_loop(tmp_path, monkeypatch):
+    """The CT's owner makes the installer log a FIFO (or anything that blocks a read): the progress
+    probe gives up after CT_PROBE_TIMEOUT_S and the operation ends when its command does (issue 39)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    pct = bin_dir / "pct"
+    pct.write_text("#!/bin/sh\ncase \"$*\" in *tail*) exec sleep 300;; esac\nexit 0\n")
+    pct.chmod(pct.stat().st_mode | stat.S_IXUSR)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    monkeypatch.setattr(progress, "RECORD_DIR", str(tmp_path / "durations"))
+    monkeypatch.setattr(progress, "CT_PROBE_TIMEOUT_S", 1)
+    started = time.monotonic()
+    with gevent.Timeout(30, AssertionError("the report loop waited on the CT's log")):
+        ok = progress.run_reported(None, LocalHost(env), "sleep 1", "NVIDIA 1.0 user space in CT 200",
+                                   probe=progress.ct_log_probe(200, "/var/log/x.log"), every_s=0.2)
+    assert ok is True and time.monotonic() - started < 10

@@ -15,7 +15,7 @@ Facts no published output exists for (the stages' own facts) are recorded on a t
 (tests/twin): `TWIN_RECORDINGS` lists them; with a twin running (`tests/twin/twinctl start NAME
 --profile kpro6`, prepared as INDEX.tsv says),
 
-    .venv/bin/python tests/unit/facts/generate_cases.py --record-twin NAME [stages|guests]
+    .venv/bin/python tests/unit/facts/generate_cases.py --record-twin NAME [stages|guests|packages|upgrade]
 
 (`guests`: the second recording, `TWIN_RECORDINGS_GUESTS`, prepared as its comment says)
 runs each fact's own command there (`twinctl ssh NAME -- sh -c '<command>'`, as pyinfra
@@ -139,8 +139,26 @@ TWIN_RECORDINGS_PACKAGES = [
     ("pve-version-dpkg", "proxmox.PveVersion", None),
     ("pve-packages-dpkg", "proxmox.PvePackages", None),
 ]
+# A fourth recording (issue 40, `--record-twin NAME upgrade`): the upgrade check's facts on a kpro6
+# twin prepared over twinctl ssh, in this order: /usr/src/nvidia-550.163.01/dkms.conf (a minimal
+# dkms.conf, no module source) and `dkms add -m nvidia -v 550.163.01` (the twin root's real dkms); an
+# empty /usr/share/doc/systemd-boot/changelog.Debian.gz (the file pve8to9 check_bootloader tests; the
+# package is not installed); `proxmox-boot-tool kernel pin 6.8.12-11-pve`; /boot/grub made and
+# `grub-set-default 'gnulinux-advanced-7f3c9a>gnulinux-6.14.0-2-pvegpu-pve-advanced-7f3c9a'` (Debian's
+# grub2-common; the id form pvegpu's kernel stage sets); an empty /boot/efi/EFI/BOOT/BOOTX64.efi;
+# `echo 'grub-efi-amd64 grub2/force_efi_extra_removable boolean true' | debconf-set-selections`;
+# `apt-mark hold proxmox-kernel-helper` (the twin's dpkg database has no proxmox-default-kernel).
+TWIN_PREPARED_UPGRADE = ("after: dkms add of a minimal nvidia/550.163.01 dkms.conf, an empty systemd-boot changelog, "
+                         "proxmox-boot-tool kernel pin 6.8.12-11-pve, grub-set-default of a 6.14.0-2-pvegpu-pve entry, an "
+                         "empty /boot/efi/EFI/BOOT/BOOTX64.efi, debconf grub2/force_efi_extra_removable true, "
+                         "apt-mark hold proxmox-kernel-helper")
+TWIN_RECORDINGS_UPGRADE = [
+    ("upgrade-state-dkms-sdboot-pins-hold", "upgrade.UpgradeState", None),
+    ("os-release-bookworm", "upgrade.OsRelease", None),
+]
 RECORDING_GROUPS: dict[str, tuple[list, str]] = {"stages": (TWIN_RECORDINGS, TWIN_PREPARED), "guests": (TWIN_RECORDINGS_GUESTS, TWIN_PREPARED_GUESTS),
-                    "packages": (TWIN_RECORDINGS_PACKAGES, TWIN_PREPARED_PACKAGES)}
+                    "packages": (TWIN_RECORDINGS_PACKAGES, TWIN_PREPARED_PACKAGES),
+                    "upgrade": (TWIN_RECORDINGS_UPGRADE, TWIN_PREPARED_UPGRADE)}
 
 
 def fact_command(fact_path: str, args) -> str:
@@ -206,6 +224,18 @@ CASES = [
     case("devices.NvidiaDeviceNodes", "ls-dev-nvidia-vm-uvm-234", "proc-devices/ls-dev-nvidia-vm-uvm-234.txt",
          note="listed with the nv* glob, so /dev/nvram shows up too"),
     case("devices.NvidiaDeviceNodes", "h200-vm-uvm-238-caps-dir", "h200-vm/ls-dev-nvidia.txt"),
+    # the fact's own stat command on a second real GPU host, in its session's locale and in a German
+    # one with TIME_STYLE=long-iso: the same lines (issue 43 item 2)
+    case("devices.NvidiaDeviceNodes", "h100-vm-stat", "h100-vm/stat-dev-nvidia.txt"),
+    case("devices.NvidiaDeviceNodes", "h100-vm-stat-de-long-iso", "h100-vm/stat-dev-nvidia-de.txt"),
+    case("devices.NvidiaDeviceNodes", "h100-vm-ls", "h100-vm/ls-dev-nvidia.txt"),
+    case("devices.CharDeviceMajors", "h100-vm-uvm-238", "h100-vm/proc-devices.txt"),
+    case("nvidia.NvidiaDriver", "h100-vm-open-580-gcc15", "h100-vm/driver-version.txt"),
+    case("nvidia.NvidiaGpus", "h100-vm-1gpu", "h100-vm/driver-gpus-information.txt"),
+    case("nvidia.NvidiaDriverParams", "h100-vm", "h100-vm/driver-params.txt"),
+    case("kernel.KernelCmdline", "h100-vm-init-args-after-dashes", "h100-vm/proc-cmdline.txt"),
+    case("gpu.GpuTopology", "h100-vm-1gpu", "h100-vm/topo-m.txt"),
+    case("gpu.GpuP2P", "h100-vm-p2p-r", "h100-vm/topo-p2p-r.txt", args=["r"]),
     *[case("kernel.KernelCmdline", Path(name).stem, f"cmdline/{name}") for name in (
         "fedora-fsync-intel-iommu-pt-proc-cmdline.txt", "proxmox-fuji-pve-6.5.11-intel-iommu-on.txt",
         "proxmox-suprox-pve-6.5.11-intel-iommu-pt.txt", "proxmox-systemd-boot-zfs-5.4.73-proc-cmdline.txt",
@@ -288,7 +318,8 @@ CASES = [
               "section was pveversion then, which prints nothing there, as dpkg-query of pve-manager does"),
     *[case(fact_path, f"twin-kpro6-{fixture}", f"{TWIN_DIR}/{fixture}.txt", args=args,
            note="recorded on the kpro6 twin (INDEX.tsv says how it was prepared)")
-      for fixture, fact_path, args in TWIN_RECORDINGS + TWIN_RECORDINGS_GUESTS + TWIN_RECORDINGS_PACKAGES],
+      for fixture, fact_path, args in TWIN_RECORDINGS + TWIN_RECORDINGS_GUESTS + TWIN_RECORDINGS_PACKAGES
+      + TWIN_RECORDINGS_UPGRADE],
     *[case("boot.GrubFiles", Path(name).stem, f"cmdline/{name}",
            sections=[("@@ /etc/default/grub", f"cmdline/{name}", None)],
            note="/etc/default/grub alone (no grub.d drop-ins in the source)")

@@ -18,7 +18,9 @@ from spec.models import HostSpec
 RELEASE = "6.14.11-1-pve"
 
 
-def hook(tmp: Path, archive: Path, sha: str, cc: str = "gcc-12") -> str:
+def hook(tmp: Path, archive: Path, sha: str, cc: str = "gcc-12", codename: str = "trixie") -> str:
+    """The hook with its paths under `tmp`; the user space's /etc/os-release says `codename`."""
+    (tmp / "os-release").write_text(f'VERSION_ID="{13 if codename == "trixie" else 12}"\nVERSION_CODENAME={codename}\n')
     spec = HostSpec(nvidia={"version": "580.95.05", "open": True,
                             "modules_source": {"url": f"file://{archive}", "sha256": sha}})
     context = kernel_hook.hook_context(spec, cc, None, 2, False)
@@ -26,7 +28,7 @@ def hook(tmp: Path, archive: Path, sha: str, cc: str = "gcc-12") -> str:
                    motd_dir=str(tmp / "motd.d"), motd_file=str(tmp / "motd.d/pvegpu-kernel"),
                    modules_dir=str(tmp / "modules"), build_root=str(tmp / "build"),
                    build_parent=str(tmp / "build/580.95.05"), boot_dir=str(tmp / "boot"),
-                   grub_cfg=str(tmp / "grub.cfg"))
+                   grub_cfg=str(tmp / "grub.cfg"), os_release=str(tmp / "os-release"))
     return render_template("kernel-postinst-nvidia.sh.j2", **context)
 
 
@@ -56,7 +58,7 @@ def test_a_missing_archive_is_kept_as_the_reason_and_the_hook_exits_0(tmp_path):
     record = (tmp_path / f"state/{RELEASE}.failed").read_text().splitlines()
     assert record[1] == (f"nvidia 580.95.05 could not be built for kernel {RELEASE}: its source archive "
                          f"{tmp_path}/none.tar.gz is not on this host (the converge fetches it)")
-    assert "no proxmox-boot-tool" in record[2] or "no installed kernel has nvidia" in record[2]
+    assert "no proxmox-boot-tool" in record[2] or record[2].startswith("no installed kernel of trixie has nvidia")
     assert RELEASE in (tmp_path / "motd.d/pvegpu-kernel").read_text()
 
 
@@ -212,3 +214,73 @@ def test_the_apt_conf_runs_the_hook_s_headers_pass():
     conf = render_template("kernel-headers-apt.conf.j2", path=kernel_hook.HEADERS_CONF, hook=kernel_hook.HOOK)
     assert ('DPkg::Post-Invoke { "if [ -x /etc/kernel/postinst.d/pvegpu-nvidia ]; then '
             '/etc/kernel/postinst.d/pvegpu-nvidia --headers || true; fi"; };') in conf
+
+
+BOOKWORM_GOOD = "6.8.12-11-pve"
+
+
+def upgrade_host(tmp: Path, codename: str) -> None:
+    """Mid 8 -> 9 upgrade: 8's kernel runs and has nvidia 580.95.05, 9's ($RELEASE) is being
+    installed; proxmox-boot-tool logs what it is asked."""
+    (tmp / "bin").mkdir()
+    (tmp / "boot").mkdir()
+    for rel in (BOOKWORM_GOOD, RELEASE):
+        (tmp / f"boot/vmlinuz-{rel}").write_text("")
+    stubs = {"uname": f"echo {BOOKWORM_GOOD}",
+             "modinfo": f'case " $* " in *" {BOOKWORM_GOOD} "*) echo 580.95.05 ;; esac',
+             "proxmox-boot-tool": f'echo "$*" >> {tmp}/pbt; [ "$2" ] && echo "$3" > {tmp}/pin'}
+    for name, body in stubs.items():
+        (tmp / "bin" / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp / "bin" / name).chmod(0o755)
+
+
+@pytest.mark.parametrize("codename", ["trixie", "bookworm"])
+def test_the_hook_never_pins_a_kernel_of_another_release_than_the_user_space(tmp_path, codename):
+    """Issue 40: 9's kernel fails to build during the dist-upgrade; on main the hook pinned the
+    running 8 kernel, so the host rebooted "into 9" on 8's kernel. Whether /etc/os-release says
+    trixie (9's user space) or still bookworm (base-files not yet upgraded, $R is the coming
+    release's), nothing is pinned: the failure is recorded, deferred to the converge."""
+    upgrade_host(tmp_path, codename)
+    done = run(tmp_path, hook(tmp_path, tmp_path / "none.tar.gz", hashlib.sha256(b"none").hexdigest(), codename=codename))
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "pbt").exists() and not (tmp_path / "pin").exists(), done.stderr
+    record = (tmp_path / f"state/{RELEASE}.failed").read_text().splitlines()
+    assert "its source archive" in record[1]
+    if codename == "trixie":
+        assert record[2] == ("no installed kernel of trixie has nvidia 580.95.05 modules to keep as the boot default; "
+                             "deferred to the converge")
+    else:
+        assert record[2] == (f"{RELEASE} is a trixie kernel and the user space is still bookworm (an upgrade under "
+                             "way): pvegpu pins no kernel; deferred to the converge after the upgrade")
+
+
+def test_on_8_the_hook_still_pins_the_last_good_8_kernel(tmp_path):
+    """The same failure on a bookworm host for a bookworm kernel: 8's good kernel is pinned, as before."""
+    upgrade_host(tmp_path, "bookworm")
+    bad = "6.8.12-12-pve"
+    (tmp_path / f"boot/vmlinuz-{bad}").write_text("")
+    script = hook(tmp_path, tmp_path / "none.tar.gz", hashlib.sha256(b"none").hexdigest(), codename="bookworm")
+    path = tmp_path / "pvegpu-nvidia"
+    path.write_text(script)
+    done = subprocess.run(["sh", str(path), bad, f"/boot/vmlinuz-{bad}"], capture_output=True, text=True,
+                          env={**os.environ, "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "pbt").read_text() == f"kernel pin {BOOKWORM_GOOD}\n"
+    assert (tmp_path / f"state/{bad}.failed").read_text().splitlines()[2].startswith(
+        f"{BOOKWORM_GOOD} stays the boot default (pinned by pvegpu")
+
+
+def test_the_hooks_release_of_a_kernel_is_plan_releases_rule():
+    """kernel_rel in the hook (sh) answers as plan.releases.kernel_pve_major for every kind of name."""
+    from plan.releases import PVE_CODENAME, kernel_pve_major
+
+    text = render_template("kernel-postinst-nvidia.sh.j2", **{**kernel_hook.hook_context(
+        HostSpec(nvidia={"version": "580.95.05", "modules_source": {"url": "file:///x.tar.gz", "sha256": hashlib.sha256(b"x").hexdigest()}}),
+        "gcc-12", None, 2, False)})
+    func = text[text.index("kernel_rel() {"):text.index("of_host() {")]
+    names = ["6.8.12-11-pve", "6.14.0-1-pve", "6.14.0-2-pvegpu-pve", "6.14.4-1-pve", "6.14.5-1-bpo12-pve",
+             "6.14.11-9-bpo12-pvegpu-pve", "6.14.5-1-pve", "6.14.8-2-pve", "6.17.13-21-pvegpu-pve",
+             "7.0.14-14-pve", "6.12.118+deb13-amd64", "6.1.0-57-amd64"]
+    out = subprocess.run(["sh", "-c", func + 'for n in "$@"; do echo "$n=$(kernel_rel "$n")"; done', "sh", *names],
+                         capture_output=True, text=True, timeout=30).stdout.splitlines()
+    assert out == [f"{n}={PVE_CODENAME.get(kernel_pve_major(n) or 0, '')}" for n in names]

@@ -43,11 +43,13 @@ class ShellHost:
     def noop(self, description):
         self.noop_description = description
 
-    def get_fact(self, fact_cls, **kwargs):
+    def get_fact(self, fact_cls, _env=None, **kwargs):
         fact = fact_cls()
         command = fact.command(**kwargs) if callable(fact.command) else fact.command
         self.commands.append(command)
-        return fact.process(sh(rewrite(self.env, command), self.env).splitlines())
+        # as pyinfra's make_unix_command: the `_env` of a fact read is exported before its command
+        exports = "".join(f"export {k}={v}; " for k, v in (_env or {}).items())
+        return fact.process(sh(exports + rewrite(self.env, command), self.env).splitlines())
 
 
 def read_in_shell(env, read, *args):

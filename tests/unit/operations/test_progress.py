@@ -82,7 +82,7 @@ def test_detached_work_reports_elapsed_since_it_started_and_records(tmp_path, ca
 
 def test_ct_probe_quotes_the_log_path():
     assert progress.ct_log_probe(200, "/var/log/it's.log") == (
-        "echo; pct exec 200 -- sh -c 'tail -n 1 '\"'\"'/var/log/it'\"'\"'\"'\"'\"'\"'\"'\"'s.log'\"'\"' 2>/dev/null' 2>/dev/null; echo")
+        "echo; timeout -k 2 10 pct exec 200 -- sh -c 'tail -n 1 '\"'\"'/var/log/it'\"'\"'\"'\"'\"'\"'\"'\"'s.log'\"'\"' 2>/dev/null' 2>/dev/null; echo")
 
 
 def test_announce_says_how_long_the_last_build_of_the_same_source_took(caplog):
