@@ -1221,6 +1221,7 @@ class Supervisor:
             return
         if (self.root / STANDIN_SERVER).exists():
             self.start_standins()
+        self.run_boot_units(hardware)
         booting = self.start_guests()
         self.start_sshd()
         self.wait_for_sshd()  # the twin's boot counts as done when the host answers on SSH
@@ -1382,7 +1383,12 @@ class Supervisor:
         else:  # never show the machine's real sysfs in the twin
             log("no rendered hw/sys; /sys is an empty tmpfs")
             _mount("sysfs", root / "sys", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=755")
+        nvram, efivars = root / "var/lib/twin/efivars", root / "sys/firmware/efi/efivars"
+        if nvram.is_dir() and efivars.is_dir():
+            # the NVRAM model (tests/twin/hardware.py EFIVARS), read-write as efivarfs is
+            _mount(str(nvram), efivars, flags=MS_BIND)
         self.mount_dev(hw / "dev.json")
+        self.esp_devices(hw / "esp-devices")
         _mount("run", root / "run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=64m")
         for sub in ("sshd", "lock"):
             (root / "run" / sub).mkdir(mode=0o755, exist_ok=True)
@@ -1447,6 +1453,31 @@ class Supervisor:
             mode = int(mode, 8) if isinstance(mode, str) else mode
             os.mknod(target, mode | 0o020000, os.makedev(node["major"], node["minor"]))
             os.chmod(target, mode)
+
+    def esp_devices(self, table: Path) -> None:
+        """The ESP partitions of this boot (hw/esp-devices: tests/twin/hardware.py esp_devices):
+        a block node /dev/<name> each and the link udev makes, /dev/disk/by-uuid/<uuid>. Only the
+        node's type and number are real: the stand-ins (tests/twin/standins/esp.sh) answer for it,
+        nothing opens it."""
+        dev = self.root / "dev"
+        for line in _read_text(table).splitlines():
+            name, uuid, _disk, _size = line.split()
+            major, minor = 8, 16 * (ord(name[2]) - ord("a")) + int(name[3:])
+            os.mknod(dev / name, 0o660 | 0o060000, os.makedev(major, minor))
+            (dev / "disk/by-uuid").mkdir(parents=True, exist_ok=True)
+            os.symlink(f"../../{name}", dev / "disk/by-uuid" / uuid)
+
+    def run_boot_units(self, hardware: ModuleType) -> None:
+        """The hardware module's boot units (tests/twin/hardware.py boot_units), in the root, in
+        order, each command after the one before succeeded; their output goes to the log."""
+        for argv in getattr(hardware, "boot_units", lambda root: [])(self.root):
+            done = subprocess.run(["chroot", str(self.root), *argv], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                                       "LANG": "C.UTF-8"})
+            log(f"{self.spec['name']}: boot unit {' '.join(argv)}: exit {done.returncode}\n{done.stdout.rstrip()}")
+            if done.returncode != 0:
+                break
 
     def unmount_all(self) -> None:
         _unmount_tree(self.root)
