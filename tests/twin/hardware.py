@@ -20,7 +20,9 @@ Profile shape (tests/twin/profiles/<name>.yml; every key below is used by render
     memory_kib: int  |  meminfo: "<verbatim /proc/meminfo>"
     kernel: {release, version: "#1 SMP ...", builder: "build@proxmox", gcc, ld,
              installed: [releases], pci_iov: bool (13/17-line `resource` vs 7/11)}
-    boot: {loader: systemd-boot|grub|none, cmdline: "<configured args>", root: "<root= for grub>"}
+    boot: {loader: systemd-boot|grub|none, cmdline: "<configured args>", root: "<root= for grub>",
+           esp_uuid: "5A1C-9E27" | esp_uuids: [...]}   (the ESPs: partitions sdX2 at each boot,
+           esp_devices; systemd-boot's choice: esp_boot_entry; the NVRAM: EFIVARS)
     pve: {version, repoid, kernel_helper, ...} | null (not a Proxmox host)
     iommu: {vendor: amd|intel|none, default_domain: DMA|DMA-FQ|identity, default_on: bool}
     modules_loaded: [names loaded at boot before modules-load.d]
