@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e import test_kernel_upgrade_e2e as up
 from tests.e2e.test_kernel_trial_e2e import (
     OLD,
     RELEASE,
@@ -26,6 +27,7 @@ from tests.e2e.test_kernel_trial_e2e import (
     seed_finished_build,
     twin_run,
 )
+from tests.e2e.test_kernel_upgrade_e2e import host_on_6_1  # noqa: F401  (a fixture)
 from tests.twin import runtime
 from tests.twin.test_boot_programs import upgrade_systemd_boot_efi
 
@@ -62,3 +64,20 @@ def test_a_boot_loader_upgrade_after_a_failed_trial_does_not_boot_the_refused_ke
     assert twin_run(twin.name, "uname", "-r").strip() == OLD
     reboot(twin.name)
     assert twin_run(twin.name, "uname", "-r").strip() == OLD
+
+
+def test_a_boot_loader_upgrade_keeps_the_hooks_default_on_the_kernel_with_nvidia_modules(host_on_6_1, tmp_path):  # noqa: F811
+    """The kernel hook's default (a new kernel whose NVIDIA modules did not build: the last kernel
+    that has them stays the default) survives the same reinit."""
+    twin, _inventory = host_on_6_1(fail_from_6_12=True, profile="kpro6")
+    root = Path(twin.root)
+    upgrade = up.full_upgrade(twin, tmp_path)
+    assert "nvidia-mini does not support kernel 6.12 and later" in upgrade, upgrade[-4000:]
+    assert loader_default(root) == f"proxmox-{up.OLD}.conf"
+    out = upgrade_systemd_boot_efi(twin.name)
+    assert "Processing triggers for proxmox-kernel-helper" in out and "Installing systemd-boot.." in out
+    assert loader_default(root) == "proxmox-*"
+    up.reboot(twin)
+    # not the newest entry (6.14.8-2-pve, whose modules are another driver's), not 6.12 (none)
+    assert up.twin_sh(twin, "uname -r").strip() == up.OLD
+    assert up.nvidia_version(twin, up.OLD) == up.VERSION

@@ -89,7 +89,7 @@ STANDIN_PATHS = {
 }
 # Stand-ins that are shell scripts run in the caller's process (standins/<name> -> paths)
 SHELL_STANDIN_PATHS = {"esp.sh": ["usr/local/bin/mount", "usr/local/bin/umount", "usr/local/bin/lsblk",
-                                 "usr/local/sbin/blkid", "usr/local/bin/bootctl"]}
+                                 "usr/local/sbin/blkid", "usr/local/bin/bootctl", "usr/local/bin/systemd-detect-virt"]}
 # The Python stand-ins as modules (the stand-in server imports them) and as programs (run
 # directly where the server is not reachable); each program path gets the small client
 # (standins/client.c) when it can be built, else the Python program itself.

@@ -161,8 +161,44 @@ bootctl)
 	# systemd's real bootctl: the ESP is a directory bound where it is mounted, not a vfat file
 	# system on a GPT partition, so bootctl's checks of those (src/shared/find-esp.c verify_esp:
 	# statfs's f_type, the partition's type through blkid) are relaxed, as systemd's
-	# SYSTEMD_RELAX_ESP_CHECKS provides; the EFI variables and the ESP's files are its own work
-	SYSTEMD_RELAX_ESP_CHECKS=1 exec /usr/bin/bootctl "$@"
+	# SYSTEMD_RELAX_ESP_CHECKS provides; the EFI variables and the ESP's files are its own work.
+	# One thing the twin cannot be is the initial PID namespace: from v254 systemd's
+	# detect_container() takes any other for a container, and bootctl verb_set_efivar then refuses
+	# set-oneshot/set-default ("not supported in a container"). Only where that is the refusal, the
+	# verb is done as verb_set_efivar would go on: UEFI boot and LoaderInfo required, the id as
+	# UTF-16LE with its NUL after the attributes NV|BS|RT (efi_set_variable), '' deletes it.
+	out=$(SYSTEMD_RELAX_ESP_CHECKS=1 /usr/bin/bootctl "$@" 2>&1); rc=$?
+	case "$rc:$1:$out" in
+	0:*) [ -z "$out" ] || printf '%s\n' "$out"; exit 0 ;;
+	*:set-oneshot:*"operation not supported in a container"*|*:set-default:*"operation not supported in a container"*|*:set-oneshot:"Not booted with UEFI."|*:set-default:"Not booted with UEFI.")
+		# (is_efi_boot() is false in a "container" too: UEFI is /sys/firmware/efi, as it reads)
+		[ -d /sys/firmware/efi ] || { printf '%s\n' "$out" >&2; exit "$rc"; }
+		[ "$#" -eq 2 ] || { printf '%s\n' "$out" >&2; exit "$rc"; }
+		var=LoaderEntryOneShot; [ "$1" = set-default ] && var=LoaderEntryDefault
+		f=/sys/firmware/efi/efivars/$var-4a67b082-0a4c-41cf-b6c7-440b29bb8c4f
+		[ -e /sys/firmware/efi/efivars/LoaderInfo-4a67b082-0a4c-41cf-b6c7-440b29bb8c4f ] || {
+			echo "Not booted with a supported boot loader." >&2; exit 1; }
+		if [ -z "$2" ]; then rm -f "$f"; exit 0; fi
+		{ printf '\007\000\000\000'; printf '%s\000' "$2" | iconv -f UTF-8 -t UTF-16LE; } > "$f"
+		exit 0 ;;
+	esac
+	printf '%s\n' "$out" >&2
+	exit "$rc"
+	;;
+systemd-detect-virt)
+	# systemd's own, except for the one reason a twin is not a host: its PID namespace is not the
+	# initial one, which systemd (virt.c detect_container, v254+) takes for an unknown container
+	quiet="" container=""
+	for a do
+		case "$a" in -q|--quiet) quiet=1 ;; -c|--container) container=1 ;; -cq|-qc) quiet=1 container=1 ;; esac
+	done
+	out=$(/usr/bin/systemd-detect-virt ${container:+--container}); rc=$?
+	if [ "$out" = container-other ] && [ ! -e /run/systemd/container ] \
+		&& ! tr '\0' '\n' </proc/1/environ 2>/dev/null | grep -q '^container='; then
+		if [ -n "$container" ]; then out=none rc=1; else out=$(/usr/bin/systemd-detect-virt --vm); rc=$?; fi
+	fi
+	[ -n "$quiet" ] || printf '%s\n' "$out"
+	exit "$rc"
 	;;
 *)
 	echo "twin esp stand-in: unknown program name $prog" >&2
