@@ -816,6 +816,9 @@ def start(name: str, profile: str, address: str | None = None,
         spec["started"] = time.time()
         _write_spec(tdir, spec)
         _wait_for_sshd(address, spec["pid"], log_file)
+        # started once the supervisor has recorded the boot (it does so right after sshd answers): a
+        # caller that reboots at once counts boots from there (a race seen under load)
+        _wait_until(lambda: (tdir / "boots").exists(), 10)
     except BaseException:
         try:
             stop(name)
