@@ -414,7 +414,8 @@ def test_each_suite_has_its_own_root_and_bookworm_keeps_its_key():
     assert runtime.cache_key("bookworm") == runtime.cache_key() == hashlib.sha256(
         json.dumps({**spec, "boot_layer": layer}, sort_keys=True).encode()).hexdigest()[:16]
     assert runtime.cache_key("bookworm") != runtime.base_key("bookworm")
-    assert runtime.boot_layer("trixie")["kernel_helper"] == "proxmox-kernel-helper-9.2.0"
+    trixie = runtime.boot_layer("trixie")
+    assert trixie is not None and trixie["kernel_helper"] == "proxmox-kernel-helper-9.2.0"
     assert runtime.cache_key("trixie") not in (runtime.cache_key("bookworm"), None)
     assert runtime.extra_headers("bookworm") == ("linux-headers-6.12-amd64",)
     # trixie's second headers release: trixie-backports' 7.x (test_driver_build_trixie.py)
