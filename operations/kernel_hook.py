@@ -31,6 +31,7 @@ from facts.once import fact_once
 from facts.shell import operands, word
 from operations import nvidia
 from operations.files import file_current, managed_file
+from plan import kernel as kplan
 from plan import kernel_hook as khplan
 from plan import nvidia as nvplan
 from plan.render import render_template
@@ -54,7 +55,7 @@ def hook_context(spec, cc: str, cxx: str | None, jobs: int, ccache: bool, sig_ha
                                  sig_hash=sig_hash)
     return {**build, "sha256": nv.modules_source.sha256, "state_dir": HOOK_STATE, "pin_file": PIN_FILE,
             "motd_dir": MOTD_DIR, "motd_file": MOTD, "module_subdir": nvidia.MODULE_SUBDIR,
-            "boot_dir": "/boot", "grub_cfg": GRUB_CFG}
+            "boot_dir": "/boot", "grub_cfg": GRUB_CFG, "loader_entry_prefix": kplan.LOADER_ENTRY_PREFIX}
 
 
 def hook_script(spec, cc: str, cxx: str | None, jobs: int, ccache: bool, sig_hash: str = "sha256") -> str:

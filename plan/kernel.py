@@ -392,12 +392,35 @@ def grub_release_of(entry: str | None) -> str | None:
     return match.group(2) if match else None
 
 
+# systemd-boot's default for good is kept twice: the proxmox-boot-tool pin (loader.conf's `default`,
+# written by refresh: zz-proxmox-boot set_systemd_boot_default) and the EFI variable
+# LoaderEntryDefault (`bootctl set-default`), which systemd-boot prefers over loader.conf's default
+# (boot.c config_default_entry_select). `proxmox-boot-tool reinit` (proxmox-kernel-helper's postinst
+# on configure and on its trigger: any grub, shim or systemd-boot-efi upgrade) rewrites loader.conf
+# to `default proxmox-*` without a refresh (init_bootloader), so the pin alone lets the newest
+# kernel (a refused trial, one without NVIDIA modules) boot until the next refresh; the variable
+# survives it. The entry is the one refresh writes (zz-proxmox-boot copy_and_config_kernels).
+LOADER_ENTRY_PREFIX = "proxmox-"
+
+
+def loader_entry(release: str) -> str:
+    """The systemd-boot entry proxmox-boot-tool refresh writes for a release (its id on the ESPs)."""
+    return f"{LOADER_ENTRY_PREFIX}{release}.conf"
+
+
+def efi_default_command(release: str | None) -> str:
+    """Set (or, None, clear) systemd-boot's EFI default entry (systemd bootctl verb_set_efivar:
+    an empty id deletes LoaderEntryDefault)."""
+    # the id starts with "proxmox-": never an option; '' is bootctl's "clear"
+    return f"bootctl set-default {word(loader_entry(release)) if release else chr(39) * 2}"
+
+
 def set_default_command(release: str, loader: str, advanced_id: str | None = None) -> str:
     """Make `release` the loader default for good (every later boot)."""
     if loader == SYSTEMD_BOOT:
         # proxmox-boot-tool (proxmox-kernel-helper bin/proxmox-boot-tool) reads the release as "$2",
         # no '--': a leading '-' is refused (kernel.version starts with a digit at load)
-        return f"proxmox-boot-tool kernel pin {operands(release, '')} && {REFRESH}"
+        return f"proxmox-boot-tool kernel pin {operands(release, '')} && {REFRESH} && {efi_default_command(release)}"
     if not advanced_id:
         raise ValueError("a GRUB default needs the Advanced-options id of /boot/grub/grub.cfg")
     # grub-set-default/grub-reboot (grub util/grub-set-default.in): any '-*' is an unknown option,

@@ -20,7 +20,9 @@ Profile shape (tests/twin/profiles/<name>.yml; every key below is used by render
     memory_kib: int  |  meminfo: "<verbatim /proc/meminfo>"
     kernel: {release, version: "#1 SMP ...", builder: "build@proxmox", gcc, ld,
              installed: [releases], pci_iov: bool (13/17-line `resource` vs 7/11)}
-    boot: {loader: systemd-boot|grub|none, cmdline: "<configured args>", root: "<root= for grub>"}
+    boot: {loader: systemd-boot|grub|none, cmdline: "<configured args>", root: "<root= for grub>",
+           esp_uuid: "5A1C-9E27" | esp_uuids: [...]}   (the ESPs: partitions sdX2 at each boot,
+           esp_devices; systemd-boot's choice: esp_boot_entry; the NVRAM: EFIVARS)
     pve: {version, repoid, kernel_helper, ...} | null (not a Proxmox host)
     iommu: {vendor: amd|intel|none, default_domain: DMA|DMA-FQ|identity, default_on: bool}
     modules_loaded: [names loaded at boot before modules-load.d]
@@ -43,6 +45,7 @@ Profile shape (tests/twin/profiles/<name>.yml; every key below is used by render
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 import json
 import os
@@ -69,14 +72,14 @@ STANDIN_PATHS = {
     "proxmox.py": ["usr/local/sbin/pct", "usr/local/sbin/qm", "usr/local/sbin/pvesh",
                    "usr/local/bin/pveversion", "usr/local/sbin/ha-manager",
                    "usr/local/bin/lxc-ls", "usr/local/bin/lxc-info"],
-    "boot.py": ["usr/local/sbin/proxmox-boot-tool", "usr/local/sbin/update-grub",
+    # (proxmox-boot-tool, zz-proxmox-boot and bootctl are the real programs: the root's boot layer,
+    # tests/twin/runtime.py KERNEL_HELPER; what they cannot have in a chroot is standins/esp.sh)
+    "boot.py": ["usr/local/sbin/update-grub",
                 "usr/local/sbin/reboot", "usr/local/sbin/shutdown", "usr/local/bin/systemctl",
                 # the real names point at systemctl; absolute callers must reach the stand-in too
                 "usr/sbin/reboot", "usr/sbin/shutdown",
-                # proxmox-kernel-helper's kernel hook: a kernel package's postinst runs it
-                "etc/kernel/postinst.d/zz-proxmox-boot", "etc/kernel/postrm.d/zz-proxmox-boot",
-                # systemd's bootctl (set-oneshot) and grub-probe (--target=abstraction)
-                "usr/local/bin/bootctl", "usr/local/sbin/grub-probe",
+                # grub-probe (--target=abstraction)
+                "usr/local/sbin/grub-probe",
                 # grub-mkconfig's Linux entries (a grub.d script of ours runs it by itself)
                 "etc/grub.d/10_linux"],
     "hostdev.py": ["usr/local/bin/fuser", "usr/local/bin/nvidia-modprobe", "usr/local/bin/uname",
@@ -85,7 +88,8 @@ STANDIN_PATHS = {
                    "usr/local/sbin/zpool", "usr/local/bin/findmnt"],
 }
 # Stand-ins that are shell scripts run in the caller's process (standins/<name> -> paths)
-SHELL_STANDIN_PATHS = {"mount.sh": ["usr/local/bin/mount"]}
+SHELL_STANDIN_PATHS = {"esp.sh": ["usr/local/bin/mount", "usr/local/bin/umount", "usr/local/bin/lsblk",
+                                 "usr/local/sbin/blkid", "usr/local/bin/bootctl", "usr/local/bin/systemd-detect-virt"]}
 # The Python stand-ins as modules (the stand-in server imports them) and as programs (run
 # directly where the server is not reachable); each program path gets the small client
 # (standins/client.c) when it can be built, else the Python program itself.
@@ -233,7 +237,12 @@ def _version_key(rel: str):
 
 
 ESP_LIST = "etc/kernel/proxmox-boot-uuids"
-ESP_ROOT = f"{TWIN_DIR}/esp"  # one dir per ESP UUID (tests/twin/standins/boot.py writes them)
+# The ESPs' vfat file systems: one directory per partition UUID, kept across reboots; each boot
+# they are partitions /dev/sdX2 with /dev/disk/by-uuid/<uuid> (ESP_DEVICES, esp_devices) that the
+# block-device stand-ins (tests/twin/standins/esp.sh) answer for and mount
+ESP_ROOT = f"{TWIN_DIR}/esp"
+ESP_DEVICES = f"{TWIN_DIR}/hw/esp-devices"
+ESP_SIZE = 1 << 30  # the Proxmox installer's ESP: 1 GiB (proxmox-boot-tool refuses < 256 MiB)
 # Releases that do not come up on this twin, one per line: `<release> [hangs|panics]` (default
 # hangs). A kernel that hangs stays hung until a reset (`reset(root)` from outside the twin: the
 # twin has no sshd then); one that panics resets by itself when its command line has panic=N
@@ -241,8 +250,14 @@ ESP_ROOT = f"{TWIN_DIR}/esp"  # one dir per ESP UUID (tests/twin/standins/boot.p
 # when panic= is set), else it waits like a hang. Each reset makes the boot loader choose again.
 NO_BOOT = f"{TWIN_DIR}/boot/no-boot"
 BOOT_ATTEMPTS = f"{TWIN_DIR}/boot/attempts"  # one line per boot attempt: "<release> <entry> <outcome>"
-EFIVARS = f"{TWIN_DIR}/efivars"  # the twin's NVRAM (tests/twin/standins/boot.py bootctl writes it)
+# The twin's NVRAM: one file per variable, named and laid out as efivarfs shows it (<name>-<guid>:
+# 4 bytes of attributes, little-endian, then the data; linux fs/efivarfs). Bound read-write on
+# /sys/firmware/efi/efivars at each boot (tests/twin/runtime.py Supervisor.mount_all), where the
+# real bootctl reads and writes it; variables without EFI_VARIABLE_NON_VOLATILE go at each reset.
+EFIVARS = f"{TWIN_DIR}/efivars"
 LOADER_GUID = "4a67b082-0a4c-41cf-b6c7-440b29bb8c4f"
+GLOBAL_GUID = "8be4df61-93ca-11d2-aa0d-00e098032b8c"
+EFI_NV, EFI_BS, EFI_RT = 0x1, 0x2, 0x4
 GRUBENV = "boot/grub/grubenv"
 MAX_ATTEMPTS = 8  # a reset loop longer than this is reported as one (the host never comes up)
 
@@ -256,55 +271,174 @@ def _entry_fields(text: str) -> dict:
     return fields
 
 
-def _efivar(root: Path, name: str, consume: bool) -> str | None:
-    path = root / EFIVARS / f"{name}-{LOADER_GUID}"
+def _efivar(root: Path, name: str, consume: bool, guid: str = LOADER_GUID) -> str | None:
+    """A string variable of the NVRAM (UTF-16LE, up to its NUL), deleted as it is read when `consume`."""
+    path = root / EFIVARS / f"{name}-{guid}"
     if not path.exists():
         return None
     data = path.read_bytes()[4:]
     if consume:
         path.unlink()
-    return data.decode("utf-16-le", "replace").rstrip("\x00")
+    text = data.decode("utf-16-le", "replace")
+    return text.split("\x00", 1)[0]
 
 
-def _esp_entries(root: Path) -> tuple[dict, str | None] | None:
-    """({id: entry}, loader.conf default) of the first listed ESP with a loader.conf."""
+def set_efivar(root: Path, name: str, data: bytes, attrs: int, guid: str = LOADER_GUID) -> None:
+    """Write a variable as efivarfs holds it: the attribute word, then the data."""
+    path = root / EFIVARS / f"{name}-{guid}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<I", attrs) + data)
+
+
+def _utf16z(text: str) -> bytes:
+    return text.encode("utf-16-le") + b"\x00\x00"
+
+
+def strverscmp_improved(a: str, b: str) -> int:
+    """systemd src/fundamental/string-util-fundamental.c strverscmp_improved(): version order with
+    '~' (older), '-' (version/release), '^' and '.' as separators, digit runs compared as numbers,
+    more segments newer. <0, 0, >0 as a < b, a == b, a > b."""
+    def cmp(x, y):
+        return (x > y) - (x < y)
+
+    def valid(c):
+        return c.isascii() and (c.isalnum() or c in "~-^.")
+
+    if not a or not b:
+        return cmp(a or "", b or "")
+    i = j = 0
+    while True:
+        while i < len(a) and not valid(a[i]):
+            i += 1
+        while j < len(b) and not valid(b[j]):
+            j += 1
+        ca, cb = a[i:i + 1], b[j:j + 1]
+        if ca == "~" or cb == "~":
+            r = cmp(ca != "~", cb != "~")
+            if r:
+                return r
+            i, j = i + 1, j + 1
+            ca, cb = a[i:i + 1], b[j:j + 1]
+        if not ca or not cb:
+            return cmp(a[i:], b[j:])
+        for sep, newer in (("-", False), ("^", False), (".", True)):
+            if ca == sep or cb == sep:
+                r = cmp(ca == sep, cb == sep) if newer else cmp(ca != sep, cb != sep)
+                if r:
+                    return r
+                i, j = i + 1, j + 1
+                ca, cb = a[i:i + 1], b[j:j + 1]
+        if (ca.isascii() and ca.isdigit()) or (cb.isascii() and cb.isdigit()):
+            ea = i
+            while ea < len(a) and a[ea].isascii() and a[ea].isdigit():
+                ea += 1
+            eb = j
+            while eb < len(b) and b[eb].isascii() and b[eb].isdigit():
+                eb += 1
+            r = cmp(ea != i, eb != j)
+            if r:
+                return r
+            while i < ea and a[i] == "0":
+                i += 1
+            while j < eb and b[j] == "0":
+                j += 1
+            r = cmp(ea - i, eb - j) or cmp(a[i:ea], b[j:eb])
+            if r:
+                return r
+        else:
+            ea = i
+            while ea < len(a) and a[ea].isascii() and a[ea].isalpha():
+                ea += 1
+            eb = j
+            while eb < len(b) and b[eb].isascii() and b[eb].isalpha():
+                eb += 1
+            n = min(ea - i, eb - j)
+            r = cmp(a[i:i + n], b[j:j + n]) or cmp(ea - i, eb - j)
+            if r:
+                return r
+        i, j = ea, eb
+
+
+def _esp_entries(root: Path) -> tuple[list[dict], str | None] | None:
+    """(entries in systemd-boot's order, loader.conf default) of the first listed ESP with a
+    loader.conf (the ESP the firmware starts systemd-boot from). Follows systemd v252
+    src/boot/efi/boot.c: config_entry_add_from_file (the id is the file name, lowercased; an
+    entry whose `linux` file is not on the ESP is left out), config_entry_compare (without
+    sort-key, as Proxmox writes them: by id, newest first by strverscmp_improved) and
+    config_defaults_load_from_file (`default`, lowercased)."""
     uuids = [u.strip() for u in (_read(root, ESP_LIST) or "").splitlines() if u.strip()]
     for uuid in uuids:
         esp = root / ESP_ROOT / uuid
         conf = _read(esp, "loader/loader.conf")
         if conf is None:
             continue
-        entries = {}
+        entries = []
         for p in (esp / "loader/entries").glob("*.conf"):
             fields = _entry_fields(p.read_text())
-            entries[p.name.lower()] = {"file": p.name, "version": fields.get("version", p.stem),
-                                       "options": fields.get("options", ""), "linux": fields.get("linux", "")}
+            linux = fields.get("linux", "")
+            if not linux or not (esp / linux.lstrip("/")).is_file():
+                continue
+            entries.append({"file": p.name, "id": p.name.lower(), "version": fields.get("version", p.stem),
+                            "options": fields.get("options", ""), "linux": linux})
+        entries.sort(key=functools.cmp_to_key(lambda x, y: -strverscmp_improved(x["id"], y["id"])))
         default = None
         for line in conf.splitlines():
-            if line.startswith("default "):
-                default = line.split(None, 1)[1].strip()
+            words = line.split(None, 1)
+            if len(words) == 2 and words[0] == "default":
+                default = words[1].strip().lower()
         return entries, default
     return None
 
 
 def esp_boot_entry(root: Path, consume: bool = False) -> dict | None:
-    """The loader entry systemd-boot starts from the first listed ESP, chosen as
-    systemd src/boot/efi/boot.c does (config_load_defaults, config_default_entry_select): the EFI
-    variable LoaderEntryOneShot (deleted as it is read: `consume`) when an entry has that id,
-    then LoaderEntryDefault, then loader.conf's `default` (a glob: the first match in systemd-boot's
-    order, which puts newer versions first), then the first entry. None when no ESP is listed or
-    it holds no entries. {"file": "proxmox-6.14.8-2-pve.conf", "version": …, "options": "root=…"}"""
+    """The loader entry systemd-boot starts from the first listed ESP, chosen as systemd v252
+    src/boot/efi/boot.c does: config_load_defaults reads LoaderEntryOneShot and deletes it
+    (`consume`), then config_default_entry_select takes the first entry (in _esp_entries' order)
+    whose id matches, as a glob (efi_fnmatch), the one-shot, else the EFI variable
+    LoaderEntryDefault, else loader.conf's `default`, else the first entry. None when no ESP is
+    listed or it holds no bootable entry. {"file": "proxmox-6.14.8-2-pve.conf", "id", "version",
+    "options": "root=…", "linux"}"""
     found = _esp_entries(root)
     oneshot = _efivar(root, "LoaderEntryOneShot", consume)
     if found is None or not found[0]:
         return None
     entries, default = found
-    for ident in (oneshot, _efivar(root, "LoaderEntryDefault", False)):
-        if ident and ident.lower() in entries:
-            return entries[ident.lower()]
-    by_version = sorted(entries.values(), key=lambda e: _version_key(e["version"]), reverse=True)
-    matching = [e for e in by_version if default and fnmatch.fnmatch(e["file"].lower(), default.lower())]
-    return (matching or by_version)[0]
+    for pattern in (oneshot, _efivar(root, "LoaderEntryDefault", False), default):
+        if pattern:
+            match = next((e for e in entries if fnmatch.fnmatchcase(e["id"], pattern.lower())), None)
+            if match is not None:
+                return match
+    return entries[0]
+
+
+def loader_variables(root: Path, profile: dict, entry: dict | None) -> None:
+    """What systemd-boot (boot.c export_variables, config_load_all_entries, efi_main) and the
+    firmware leave in the NVRAM for the booted system: at a reset the variables without
+    EFI_VARIABLE_NON_VOLATILE go; then SecureBoot, LoaderInfo ("systemd-boot <version>", the
+    version of the root's systemd-boot EFI binary package), LoaderFirmwareType, LoaderEntries
+    (the ids, NUL-separated), LoaderEntrySelected, LoaderFeatures. Only where the profile boots
+    with UEFI; the loader variables only when systemd-boot started an entry."""
+    if not is_efi(profile):
+        return
+    nvram = root / EFIVARS
+    if nvram.is_dir():
+        for p in nvram.iterdir():
+            data = p.read_bytes() if p.is_file() else b""
+            if len(data) < 4 or not struct.unpack("<I", data[:4])[0] & EFI_NV:
+                p.unlink()
+    set_efivar(root, "SecureBoot", b"\x01" if _secure_boot(root, profile) else b"\x00", EFI_BS | EFI_RT, GLOBAL_GUID)
+    if profile["boot"]["loader"] != "systemd-boot" or entry is None:
+        return
+    status = _read(root, "var/lib/dpkg/status") or ""
+    m = re.search(r"^Package: systemd-boot-efi\n(?:[^\n]+\n)*?Version: (\S+)", status, re.M)
+    found = _esp_entries(root)
+    volatile = EFI_BS | EFI_RT
+    set_efivar(root, "LoaderInfo", _utf16z(f"systemd-boot {m.group(1) if m else 'unknown'}"), volatile)
+    set_efivar(root, "LoaderFirmwareType", _utf16z("UEFI 2.70"), volatile)
+    set_efivar(root, "LoaderEntries", b"".join(_utf16z(e["id"]) for e in (found[0] if found else [])), volatile)
+    set_efivar(root, "LoaderEntrySelected", _utf16z(entry["id"]), volatile)
+    # boot.c efi_main: EFI_LOADER_FEATURE_CONFIG_TIMEOUT … _DEVICETREE (bits 0-10)
+    set_efivar(root, "LoaderFeatures", struct.pack("<Q", (1 << 11) - 1), volatile)
 
 
 def _entry_release(entry: dict) -> str:
@@ -456,6 +590,8 @@ def _loader_choice(root: Path, profile: dict, installed: list[str], consume: boo
     boot = profile["boot"]
     if boot["loader"] == "systemd-boot":
         entry = esp_boot_entry(root, consume)
+        if consume:
+            loader_variables(root, profile, entry)
         if entry is not None:
             rel = _entry_release(entry)
             return rel, f"initrd=\\EFI\\proxmox\\{rel}\\initrd.img-{rel} {entry['options'].strip()}", entry["file"]
@@ -905,6 +1041,8 @@ def render(root: Path) -> None:
     before = _read(root, f"{TWIN_DIR}/hw/state.json")
     previous = json.loads(before)["boot"]["release"] if before else None
     choice = choose_boot(root, profile, consume=True)  # the loader's one-shots are used up here
+    if profile["boot"]["loader"] != "systemd-boot":
+        loader_variables(root, profile, None)  # (systemd-boot's: _loader_choice, as it chooses)
     with open(_ensure_dir(root / BOOT_ATTEMPTS), "a") as log:
         log.writelines(f"{r} {e} {o}\n" for r, e, o in choice["attempts"])
     state = compute(root, profile, previous, choice)
@@ -916,8 +1054,8 @@ def render(root: Path) -> None:
     _render_proc(hw / "proc", profile, state)
     (hw / "dev.json").write_text(json.dumps(state["dev_nodes"], indent=1))
     (hw / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
-    if not choice["hung"]:
-        boot_cleanup(root, profile)  # a unit of user space: only a kernel that came up runs it
+    (hw / "esp-devices").write_text("".join(f"{d['name']} {d['uuid']} {d['disk']} {ESP_SIZE}\n"
+                                           for d in esp_devices(root, profile)))
 
 
 def _ensure_dir(path: Path) -> Path:
@@ -931,17 +1069,37 @@ def hung(root: Path) -> bool:
     return bool(text and json.loads(text)["boot"].get("hung"))
 
 
-def boot_cleanup(root: Path, profile: dict) -> None:
-    """follows proxmox-kernel-helper proxmox-boot-cleanup.service: on a boot with a next-boot
-    pin, `proxmox-boot-tool kernel unpin --next-boot` then `refresh` (the twin's stand-in), so
-    the loader default goes back to the pin (or the newest kernel)."""
-    pbt = root / "usr/local/sbin/proxmox-boot-tool"
-    if not profile.get("pve") or not (root / "etc/kernel/next-boot-pin").exists() or not pbt.exists():
-        return
-    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "TWIN_ROOT": str(root)}
-    for argv in (["kernel", "unpin", "--next-boot"], ["refresh"]):
-        subprocess.run([str(root / STANDIN_LIB_DIR / "bin/proxmox-boot-tool"), *argv], env=env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+def esp_devices(root: Path, profile: dict) -> list[dict]:
+    """The ESP partitions of this boot: the profile's (boot.esp_uuids, else boot.esp_uuid), then any
+    other ESP directory (ESP_ROOT), each the second partition of its own disk as the Proxmox
+    installer lays them out: {"uuid", "name": "sda2", "disk": "sda", "major": 8, "minor": 2}.
+    Only directories that exist are partitions (a removed one is a disk gone)."""
+    boot = profile.get("boot") or {}
+    wanted = list(boot.get("esp_uuids") or ([boot["esp_uuid"]] if boot.get("esp_uuid") else []))
+    base = root / ESP_ROOT
+    present = sorted(p.name for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+    uuids = [u for u in wanted if u in present] + [u for u in present if u not in wanted]
+    return [{"uuid": u, "name": f"sd{chr(ord('a') + i)}2", "disk": f"sd{chr(ord('a') + i)}",
+             "major": 8, "minor": 16 * i + 2} for i, u in enumerate(uuids[:26])]
+
+
+# proxmox-kernel-helper's unit (debian: dh_installsystemd enables it): on a boot with a next-boot
+# pin (ConditionPathExists), `proxmox-boot-tool kernel unpin --next-boot`, then `refresh`
+BOOT_CLEANUP_UNIT = "etc/systemd/system/multi-user.target.wants/proxmox-boot-cleanup.service"
+
+
+def boot_units(root: Path) -> list[list[str]]:
+    """Commands the twin's boot runs in the root once its mounts are up, before sshd (as
+    systemd's units of multi-user.target would; tests/twin/runtime.py Supervisor.boot runs them
+    in order, stopping at the first that fails, as a Type=oneshot unit's ExecStart lines).
+    Follows proxmox-kernel-helper proxmox-boot-cleanup.service: enabled, with
+    /etc/kernel/next-boot-pin there, the real proxmox-boot-tool unpins and refreshes."""
+    root = Path(root)
+    # (the unit link is absolute: it names a path inside the root, so only the link itself is looked at)
+    if not os.path.lexists(root / BOOT_CLEANUP_UNIT) or not (root / "etc/kernel/next-boot-pin").exists():
+        return []
+    return [["/usr/sbin/proxmox-boot-tool", "kernel", "unpin", "--next-boot"],
+            ["/usr/sbin/proxmox-boot-tool", "refresh"]]
 
 
 def _resource_lines(dev: dict, profile: dict) -> str:
@@ -1271,6 +1429,11 @@ def install(root: Path, profile: str, node: str | None = None, pve_dir: Path | N
     _seed_boot(root, data)
     if data.get("pve"):
         _seed_pve(root, data, pve_dir)
+        _seed_kernel_packages(root, data)
+    elif (root / "var/lib/dpkg/info/proxmox-kernel-helper.list").exists():
+        # not a Proxmox host: the root's boot layer (tests/twin/runtime.py) is not there
+        subprocess.run(["chroot", str(root), "dpkg", "--purge", "proxmox-kernel-helper"], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     render(root)
 
 
@@ -1391,6 +1554,13 @@ def _seed_boot(root: Path, data: dict) -> None:
         _write(root / "etc/kernel/proxmox-boot-uuids", uuid + "\n")
         esp = root / ESP_ROOT / uuid
         if not (esp / "loader/loader.conf").exists():  # as `proxmox-boot-tool init` + refresh left it
+            # proxmox-boot-tool init_bootloader: `bootctl install` (systemd-boot's binary as the
+            # loader and the removable path), then loader.conf
+            efi = root / "usr/lib/systemd/boot/efi/systemd-bootx64.efi"
+            for dest in ("EFI/systemd/systemd-bootx64.efi", "EFI/BOOT/BOOTX64.EFI"):
+                (esp / dest).parent.mkdir(parents=True, exist_ok=True)
+                if efi.exists():
+                    shutil.copyfile(efi, esp / dest)
             _write(esp / "loader/loader.conf", "timeout 3\ndefault proxmox-*\n")
             for rel in data["kernel"].get("installed") or [data["kernel"]["release"]]:
                 _write(esp / "EFI/proxmox" / rel / f"vmlinuz-{rel}", "")
@@ -1453,6 +1623,41 @@ def _seed_pve_repository(root: Path, data: dict) -> None:
         rel, text = PVE_REPOSITORY[major]
         if not (root / rel).exists():
             _write(root / rel, text)
+
+
+def _seed_kernel_packages(root: Path, data: dict) -> None:
+    """The profile's installed kernels as the packages a Proxmox VE >= 8.1 install has for them,
+    in dpkg's database (no files): proxmox-kernel-<release>-signed and the series' meta package
+    proxmox-kernel-<X.Y> (pve-kernel debian/control.in), which proxmox-kernel-helper's
+    kernel_keep_versions (functions) reads from `dpkg -l` to choose what stays on the ESPs."""
+    rels = data["kernel"].get("installed") or [data["kernel"]["release"]]
+    packages = {}
+    for rel in rels:
+        m = re.match(r"(\d+\.\d+)\.(\d+)-(\d+)", rel)
+        version = f"{m.group(1)}.{m.group(2)}-{m.group(3)}" if m else "1"
+        packages[f"proxmox-kernel-{rel}-signed"] = (version, f"proxmox-kernel-{rel}")
+        if m:
+            packages[f"proxmox-kernel-{m.group(1)}"] = (version, "")
+    _dpkg_stanzas(root, packages, "amd64")
+
+
+def _dpkg_stanzas(root: Path, packages: dict[str, tuple[str, str]], arch: str) -> None:
+    """{name: (version, provides)} as installed packages without files in the root's dpkg database."""
+    status = root / "var/lib/dpkg/status"
+    text = status.read_text() if status.exists() else ""
+    known = set(re.findall(r"^Package: (\S+)$", text, re.M))
+    stanzas = [f"Package: {name}\nStatus: install ok installed\nPriority: optional\nSection: kernel\n"
+               f"Maintainer: Proxmox Support Team <support@proxmox.com>\nArchitecture: {arch}\n"
+               + (f"Provides: {provides}\n" if provides else "")
+               + f"Version: {version}\nDescription: {name} (pvegpu twin: the profile's package, no files)\n"
+               for name, (version, provides) in packages.items() if name not in known]
+    if stanzas:
+        _write(status, text.rstrip("\n") + "\n\n" + "\n".join(stanzas) if text.strip() else "\n".join(stanzas))
+    for name in packages:
+        for suffix in ("list", "md5sums"):
+            info = root / "var/lib/dpkg/info" / f"{name}.{suffix}"
+            if not info.exists():
+                _write(info, "")
 
 
 def _seed_pve_packages(root: Path, data: dict) -> None:

@@ -148,6 +148,20 @@ CACHE_FORMAT = 1  # bump when the way the root is configured changes
 # the open tree 595.45.04 does not build for it (tests/e2e/test_driver_build_trixie.py).
 SUITES = ("bookworm", "trixie")
 SUITE_EXTRA_HEADERS: dict[str, tuple[str, ...]] = {"trixie": ("linux-headers-amd64/trixie-backports",)}
+# The boot layer, over the root above (its own cache key: cache_key; the root without it keeps
+# base_key, so a cached base root is reused): proxmox-kernel-helper built from Proxmox's source at
+# the version each release ships (scripts/upstream-sources.tsv; its Makefile's recipe, dpkg-buildpackage)
+# and installed with dpkg, so proxmox-boot-tool, its kernel and initramfs hooks, its grub.d snippet,
+# its dpkg triggers (interest in /usr/lib/grub, /usr/lib/shim, /usr/lib/systemd/boot) and its
+# postinst (`proxmox-boot-tool reinit` on configure and triggered) run as shipped; with what it
+# depends on (debian/control: dosfstools, gdisk) and what its systemd-boot mode runs: systemd's
+# bootctl and the EFI binaries (bookworm: systemd-boot; trixie: systemd-boot-tools and
+# systemd-boot-efi, what 9.x's debian/control suggests instead).
+KERNEL_HELPER = {"bookworm": "proxmox-kernel-helper-8.1.4", "trixie": "proxmox-kernel-helper-9.2.0"}
+BOOT_PACKAGES = {"bookworm": ("dosfstools", "gdisk", "systemd-boot"),
+                 "trixie": ("dosfstools", "gdisk", "systemd-boot-tools", "systemd-boot-efi")}
+BOOT_LAYER_FORMAT = 1  # bump when the way the boot layer is built changes
+UPSTREAM_SOURCES = REPO / "scripts" / "upstream-sources.tsv"
 
 
 class TwinError(RuntimeError):
@@ -199,13 +213,45 @@ def extra_headers(suite: str | None = None) -> tuple[str, ...]:
     return SUITE_EXTRA_HEADERS.get(suite, EXTRA_HEADERS if suite == "bookworm" else ())
 
 
-def cache_key(suite: str | None = None) -> str:
-    """Key of a suite's cached root (default SUITE): what the root is built from, nothing else."""
-    suite = suite or SUITE
-    spec = {"suite": suite, "components": COMPONENTS, "packages": sorted(PACKAGES),
-            "format": CACHE_FORMAT}
+def _base_spec(suite: str) -> dict:
+    spec: dict[str, Any] = {"suite": suite, "components": COMPONENTS, "packages": sorted(PACKAGES),
+                            "format": CACHE_FORMAT}
     if extra_headers(suite):
         spec["extra_headers"] = list(extra_headers(suite))
+    return spec
+
+
+def base_key(suite: str | None = None) -> str:
+    """Key of a suite's root without the boot layer (debootstrap + PACKAGES + extra headers)."""
+    return hashlib.sha256(json.dumps(_base_spec(suite or SUITE), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def upstream_sha256(name: str) -> str:
+    """The sha256 scripts/upstream-sources.tsv lists for source `name` (what identifies the tree)."""
+    for line in UPSTREAM_SOURCES.read_text().splitlines():
+        cols = line.split("\t")
+        if cols[0] == name and not line.startswith("#"):
+            return cols[2]
+    raise TwinError(f"no source named {name!r} in {UPSTREAM_SOURCES}")
+
+
+def boot_layer(suite: str) -> dict | None:
+    """What the suite's boot layer is built from (None: the suite has none)."""
+    if suite not in KERNEL_HELPER:
+        return None
+    return {"kernel_helper": KERNEL_HELPER[suite], "sha256": upstream_sha256(KERNEL_HELPER[suite]),
+            "packages": sorted(BOOT_PACKAGES[suite]), "format": BOOT_LAYER_FORMAT}
+
+
+def cache_key(suite: str | None = None) -> str:
+    """Key of a suite's cached root (default SUITE): what the root is built from, nothing else
+    (the base root's inputs, then the boot layer's: helper source sha256, packages, format)."""
+    suite = suite or SUITE
+    spec = _base_spec(suite)
+    layer = boot_layer(suite)
+    if layer is None:
+        return base_key(suite)
+    spec["boot_layer"] = layer
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -292,6 +338,44 @@ def _build_root(target: Path, suite: str) -> None:
     (target / "run/sshd").mkdir(parents=True, exist_ok=True)
 
 
+def _build_boot_layer(target: Path, suite: str) -> None:
+    """The boot layer (KERNEL_HELPER, BOOT_PACKAGES) into the root `target`: the packages with apt,
+    then proxmox-kernel-helper's .deb built from its source tree (fetched by URL + sha256:
+    scripts/fetch-upstream.sh) as its Makefile does, and installed with dpkg (its preinst,
+    postinst and triggers run)."""
+    name = KERNEL_HELPER[suite]
+    archive = subprocess.run([str(REPO / "scripts/fetch-upstream.sh"), name], check=True,
+                             stdout=subprocess.PIPE, text=True).stdout.strip()
+    shutil.copyfile(archive, target / "tmp/pvegpu-kernel-helper.tar.xz")
+    (target / "tmp/pvegpu-boot-layer.sh").write_text(
+        "set -e\n"
+        f"apt-get -q update\napt-get -q install -y --no-install-recommends {' '.join(BOOT_PACKAGES[suite])}\n"
+        "mkdir /tmp/pvegpu-kh && tar -C /tmp/pvegpu-kh -xJf /tmp/pvegpu-kernel-helper.tar.xz\n"
+        f"cd /tmp/pvegpu-kh/{name}\n"
+        # proxmox-kernel-helper Makefile: $(BUILDDIR) is src/ with debian/ copied in, $(DEB) runs
+        # dpkg-buildpackage -b -uc -us there (then lintian, a check only: not installed here, so -d)
+        "cp -a src build && cp -a debian build/\n"
+        "cd build && dpkg-buildpackage -b -uc -us -d\n"
+        "dpkg -i ../proxmox-kernel-helper_*_all.deb\n"
+        "cd / && rm -rf /tmp/pvegpu-kh /tmp/pvegpu-kernel-helper.tar.xz && apt-get clean\n")
+    shutil.copy("/etc/resolv.conf", target / "etc/resolv.conf")  # only while building
+    script = (
+        "set -e\n"
+        f"mount -t proc proc {target}/proc\n"
+        f"mount --rbind /dev {target}/dev\n"
+        f"mount -t sysfs sysfs {target}/sys\n"
+        f"chroot {target} /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin "
+        "DEBIAN_FRONTEND=noninteractive LC_ALL=C.UTF-8 sh /tmp/pvegpu-boot-layer.sh\n"
+    )
+    try:
+        _run(["unshare", "--mount", "--pid", "--fork", "--propagation", "private", "sh", "-c", script])
+    finally:
+        (target / "tmp/pvegpu-boot-layer.sh").unlink(missing_ok=True)
+        (target / "etc/resolv.conf").write_text("# twin: no network inside the twin\n")
+    if not (target / "usr/sbin/proxmox-boot-tool").exists():
+        raise TwinError(f"cache build: {name} did not install proxmox-boot-tool")
+
+
 def ensure_root_cache(suite: str | None = None) -> Path:
     """Return the unpacked cached root of `suite` (default SUITE; the overlay lowerdir),
     building or unpacking it if needed.
@@ -316,15 +400,24 @@ def ensure_root_cache(suite: str | None = None) -> Path:
         _remove_tree(building)
         building.mkdir()
         t0 = time.monotonic()
+        base_tarball = CACHE_DIR / f"root-{base_key(suite)}.tar.zst"
         if tarball.exists():
             log(f"unpacking cached root {tarball.name}")
             _run(["tar", "-C", str(building), "--numeric-owner", "--xattrs", "-I", "zstd -T0",
                   "-xpf", str(tarball)])
         else:
-            if not shutil.which("debootstrap"):
-                raise TwinError("building the twin's root needs debootstrap (make debs)")
-            log(f"building root cache {key} (debootstrap {suite} + {len(PACKAGES)} packages)")
-            _build_root(building, suite)
+            if base_tarball != tarball and base_tarball.exists():  # the base root cached: only the layer is new
+                log(f"unpacking cached base root {base_tarball.name}")
+                _run(["tar", "-C", str(building), "--numeric-owner", "--xattrs", "-I", "zstd -T0",
+                      "-xpf", str(base_tarball)])
+            else:
+                if not shutil.which("debootstrap"):
+                    raise TwinError("building the twin's root needs debootstrap (make debs)")
+                log(f"building root cache {key} (debootstrap {suite} + {len(PACKAGES)} packages)")
+                _build_root(building, suite)
+            if boot_layer(suite) is not None:
+                log(f"root cache {key}: boot layer ({KERNEL_HELPER[suite]} from source, {' '.join(BOOT_PACKAGES[suite])})")
+                _build_boot_layer(building, suite)
             part = tarball.with_suffix(".part")
             _run(["tar", "-C", str(building), "--numeric-owner", "--xattrs", "-I", "zstd -T0 -3",
                   "-cpf", str(part), "."])
@@ -723,6 +816,9 @@ def start(name: str, profile: str, address: str | None = None,
         spec["started"] = time.time()
         _write_spec(tdir, spec)
         _wait_for_sshd(address, spec["pid"], log_file)
+        # started once the supervisor has recorded the boot (it does so right after sshd answers): a
+        # caller that reboots at once counts boots from there (a race seen under load)
+        _wait_until(lambda: (tdir / "boots").exists(), 10)
     except BaseException:
         try:
             stop(name)
@@ -1128,6 +1224,7 @@ class Supervisor:
             return
         if (self.root / STANDIN_SERVER).exists():
             self.start_standins()
+        self.run_boot_units(hardware)
         booting = self.start_guests()
         self.start_sshd()
         self.wait_for_sshd()  # the twin's boot counts as done when the host answers on SSH
@@ -1289,7 +1386,12 @@ class Supervisor:
         else:  # never show the machine's real sysfs in the twin
             log("no rendered hw/sys; /sys is an empty tmpfs")
             _mount("sysfs", root / "sys", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=755")
+        nvram, efivars = root / "var/lib/twin/efivars", root / "sys/firmware/efi/efivars"
+        if nvram.is_dir() and efivars.is_dir():
+            # the NVRAM model (tests/twin/hardware.py EFIVARS), read-write as efivarfs is
+            _mount(str(nvram), efivars, flags=MS_BIND)
         self.mount_dev(hw / "dev.json")
+        self.esp_devices(hw / "esp-devices")
         _mount("run", root / "run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=64m")
         for sub in ("sshd", "lock"):
             (root / "run" / sub).mkdir(mode=0o755, exist_ok=True)
@@ -1354,6 +1456,31 @@ class Supervisor:
             mode = int(mode, 8) if isinstance(mode, str) else mode
             os.mknod(target, mode | 0o020000, os.makedev(node["major"], node["minor"]))
             os.chmod(target, mode)
+
+    def esp_devices(self, table: Path) -> None:
+        """The ESP partitions of this boot (hw/esp-devices: tests/twin/hardware.py esp_devices):
+        a block node /dev/<name> each and the link udev makes, /dev/disk/by-uuid/<uuid>. Only the
+        node's type and number are real: the stand-ins (tests/twin/standins/esp.sh) answer for it,
+        nothing opens it."""
+        dev = self.root / "dev"
+        for line in _read_text(table).splitlines():
+            name, uuid, _disk, _size = line.split()
+            major, minor = 8, 16 * (ord(name[2]) - ord("a")) + int(name[3:])
+            os.mknod(dev / name, 0o660 | 0o060000, os.makedev(major, minor))
+            (dev / "disk/by-uuid").mkdir(parents=True, exist_ok=True)
+            os.symlink(f"../../{name}", dev / "disk/by-uuid" / uuid)
+
+    def run_boot_units(self, hardware: ModuleType) -> None:
+        """The hardware module's boot units (tests/twin/hardware.py boot_units), in the root, in
+        order, each command after the one before succeeded; their output goes to the log."""
+        for argv in getattr(hardware, "boot_units", lambda root: [])(self.root):
+            done = subprocess.run(["chroot", str(self.root), *argv], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                                       "LANG": "C.UTF-8"})
+            log(f"{self.spec['name']}: boot unit {' '.join(argv)}: exit {done.returncode}\n{done.stdout.rstrip()}")
+            if done.returncode != 0:
+                break
 
     def unmount_all(self) -> None:
         _unmount_tree(self.root)

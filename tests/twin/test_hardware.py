@@ -272,22 +272,6 @@ def test_module_option_takes_effect_after_reboot(twin):
     assert hw(root, "sys/module/nvidia_uvm/parameters/uvm_disable_hmm").read_text() == "Y\n"
 
 
-def test_systemd_boot_cmdline_needs_refresh_and_iommu_pt_drops_snp(twin):
-    root = twin("kpro6")
-    (root / "etc/kernel/cmdline").write_text("root=ZFS=rpool/ROOT/pve-1 boot=zfs amd_iommu=on iommu=pt\n")
-    hardware.render(root)
-    assert "iommu=pt" not in hw(root, "proc/cmdline").read_text()  # edited, not refreshed
-    env = dict(os.environ, TWIN_ROOT=str(root))
-    subprocess.run([str(root / "usr/local/sbin/proxmox-boot-tool"), "refresh"], env=env, check=True,
-                   capture_output=True)
-    hardware.render(root)
-    assert hw(root, "proc/cmdline").read_text() == (
-        "initrd=\\EFI\\proxmox\\6.14.8-2-pve\\initrd.img-6.14.8-2-pve "
-        "root=ZFS=rpool/ROOT/pve-1 boot=zfs amd_iommu=on iommu=pt\n")
-    assert hw(root, "sys/kernel/iommu_groups/12/type").read_text() == "identity\n"
-    assert hw(root, "sys/module/kvm_amd/parameters/sev_snp").read_text() == "N\n"
-
-
 def test_grub_cmdline_follows_update_grub(twin):
     root = twin("intel2")
     grub = root / "etc/default/grub"
@@ -314,92 +298,9 @@ def add_kernel(root, rel, config_cc=None):
         (hdr / "auto.conf").write_text(f'CONFIG_CC_VERSION_TEXT="{config_cc}"\n')
 
 
-def test_booted_kernel_is_what_the_last_refresh_wrote(twin):
-    root = twin("kpro6")
-    env = dict(os.environ, TWIN_ROOT=str(root))
-    pbt = str(root / "usr/local/sbin/proxmox-boot-tool")
-    add_kernel(root, "6.14.11-1-pve", config_cc="gcc (Debian 12.2.0-14+deb12u1) 12.2.0")
-    hardware.render(root)
-    assert state(root)["boot"]["release"] == "6.14.8-2-pve"  # on /boot, not yet on the ESP
-    subprocess.run([pbt, "refresh"], env=env, check=True, capture_output=True)
-    hardware.render(root)
-    assert state(root)["boot"]["release"] == "6.14.11-1-pve"  # default proxmox-*: the newest entry
-    assert hw(root, "proc/version").read_text().startswith(
-        "Linux version 6.14.11-1-pve (build@proxmox) (gcc (Debian 12.2.0-14+deb12u1) 12.2.0, GNU ld")
-    subprocess.run([pbt, "kernel", "pin", "6.8.12-11-pve", "--next-boot"], env=env, check=True, capture_output=True)
-    subprocess.run([pbt, "refresh"], env=env, check=True, capture_output=True)
-    hardware.render(root)  # the trial boot; the cleanup clears the next-boot pin and refreshes
-    assert state(root)["boot"]["release"] == "6.8.12-11-pve"
-    assert "6.8.12-11-pve" in hw(root, "proc/cmdline").read_text()
-    assert not (root / "etc/kernel/next-boot-pin").exists()
-    hardware.render(root)
-    assert state(root)["boot"]["release"] == "6.14.11-1-pve"
-    subprocess.run([pbt, "kernel", "pin", "6.14.8-2-pve"], env=env, check=True, capture_output=True)
-    hardware.render(root)
-    assert state(root)["boot"]["release"] == "6.14.11-1-pve"  # pinned, not refreshed
-    subprocess.run([pbt, "refresh"], env=env, check=True, capture_output=True)
-    hardware.render(root)
-    assert state(root)["boot"]["release"] == "6.14.8-2-pve"
-
-
 def no_boot(root, line):
     (root / "var/lib/twin/boot").mkdir(parents=True, exist_ok=True)
     (root / "var/lib/twin/boot/no-boot").write_text(line + "\n")
-
-
-def test_a_next_boot_pin_written_as_loader_default_boots_a_hanging_kernel_at_every_reset(twin):
-    """What `kernel pin --next-boot` + refresh does on systemd-boot: loader.conf's default is the
-    trial kernel, and only proxmox-boot-cleanup (user space) puts it back. The twin has no fallback
-    of its own: the kernel that hangs is chosen again at every reset."""
-    root = twin("kpro6")
-    env = dict(os.environ, TWIN_ROOT=str(root))
-    pbt = str(root / "usr/local/sbin/proxmox-boot-tool")
-    add_kernel(root, "6.14.11-1-pve")
-    no_boot(root, "6.14.11-1-pve")
-    for argv in (["kernel", "pin", "6.14.8-2-pve"], ["kernel", "pin", "6.14.11-1-pve", "--next-boot"], ["refresh"]):
-        subprocess.run([pbt, *argv], env=env, check=True, capture_output=True)
-    for _ in range(3):
-        hardware.render(root)
-        assert state(root)["boot"]["release"] == "6.14.11-1-pve" and state(root)["boot"]["hung"]
-        assert hardware.hung(root)
-    assert (root / "etc/kernel/next-boot-pin").exists()  # the cleanup unit never ran
-
-
-def test_a_one_shot_entry_is_booted_once_and_a_panic_with_panic_set_resets_to_the_default(twin):
-    """systemd-boot reads and deletes LoaderEntryOneShot before it chooses (systemd boot.c)."""
-    root = twin("kpro6")
-    env = dict(os.environ, TWIN_ROOT=str(root))
-    pbt = str(root / "usr/local/sbin/proxmox-boot-tool")
-    add_kernel(root, "6.14.11-1-pve")
-    for argv in (["kernel", "pin", "6.14.8-2-pve"], ["refresh"]):
-        subprocess.run([pbt, *argv], env=env, check=True, capture_output=True)
-    esp = root / "var/lib/twin/esp/5A1C-9E27/loader/entries"
-    trial = (esp / "proxmox-6.14.11-1-pve.conf").read_text().replace("boot=zfs", "boot=zfs panic=10")
-    (esp / "pvegpu-trial-6.14.11-1-pve.conf").write_text(trial)
-    bootctl = str(root / "usr/local/bin/bootctl")
-    # a kernel that comes up: once
-    subprocess.run([bootctl, "set-oneshot", "pvegpu-trial-6.14.11-1-pve.conf"], env=env, check=True)
-    hardware.render(root)
-    assert state(root)["boot"]["release"] == "6.14.11-1-pve" and "panic=10" in hw(root, "proc/cmdline").read_text()
-    hardware.render(root)
-    assert state(root)["boot"]["release"] == "6.14.8-2-pve"
-    # one that hangs: one reset brings the default back
-    no_boot(root, "6.14.11-1-pve hangs")
-    subprocess.run([bootctl, "set-oneshot", "pvegpu-trial-6.14.11-1-pve.conf"], env=env, check=True)
-    hardware.render(root)
-    assert state(root)["boot"]["hung"] and state(root)["boot"]["release"] == "6.14.11-1-pve"
-    hardware.render(root)
-    assert not state(root)["boot"]["hung"] and state(root)["boot"]["release"] == "6.14.8-2-pve"
-    # one that panics with panic= on its line: back on the default by itself, in one power-on
-    no_boot(root, "6.14.11-1-pve panics")
-    subprocess.run([bootctl, "set-oneshot", "pvegpu-trial-6.14.11-1-pve.conf"], env=env, check=True)
-    hardware.render(root)
-    assert not state(root)["boot"]["hung"] and state(root)["boot"]["release"] == "6.14.8-2-pve"
-    assert [a[2].split(",")[0] for a in state(root)["boot"]["attempts"]] == ["panic", "up"]
-    # ... and without panic= it waits at the console like a hang
-    subprocess.run([bootctl, "set-oneshot", "proxmox-6.14.11-1-pve.conf"], env=env, check=True)
-    hardware.render(root)
-    assert state(root)["boot"]["hung"]
 
 
 def set_grubenv_abstraction(root, value):

@@ -404,8 +404,18 @@ def test_each_suite_has_its_own_root_and_bookworm_keeps_its_key():
     suites stays valid while PACKAGES is unchanged; 650135823d95775c before sbsigntool joined)."""
     spec = {"suite": "bookworm", "components": runtime.COMPONENTS, "packages": sorted(runtime.PACKAGES),
             "format": runtime.CACHE_FORMAT, "extra_headers": ["linux-headers-6.12-amd64"]}
-    assert runtime.cache_key("bookworm") == runtime.cache_key() == hashlib.sha256(
+    assert runtime.base_key("bookworm") == runtime.base_key() == hashlib.sha256(
         json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16] == "3e98ee92fc73592e"
+    # the boot layer (proxmox-kernel-helper from source) over it: its own key, from the base's inputs
+    # and the helper tree's sha256 (scripts/upstream-sources.tsv), packages and format
+    layer = {"kernel_helper": "proxmox-kernel-helper-8.1.4",
+             "sha256": "2b16380eeacd5eebe7ef4bf3312304c733698cff16d0f2326b932048b703df3d",
+             "packages": ["dosfstools", "gdisk", "systemd-boot"], "format": runtime.BOOT_LAYER_FORMAT}
+    assert runtime.cache_key("bookworm") == runtime.cache_key() == hashlib.sha256(
+        json.dumps({**spec, "boot_layer": layer}, sort_keys=True).encode()).hexdigest()[:16]
+    assert runtime.cache_key("bookworm") != runtime.base_key("bookworm")
+    trixie = runtime.boot_layer("trixie")
+    assert trixie is not None and trixie["kernel_helper"] == "proxmox-kernel-helper-9.2.0"
     assert runtime.cache_key("trixie") not in (runtime.cache_key("bookworm"), None)
     assert runtime.extra_headers("bookworm") == ("linux-headers-6.12-amd64",)
     # trixie's second headers release: trixie-backports' 7.x (test_driver_build_trixie.py)

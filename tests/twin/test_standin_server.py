@@ -24,7 +24,7 @@ CALLS = [
     ("usr/local/sbin/pct", ["status", "999"]),  # refused: exit status and message
     ("usr/local/sbin/qm", ["list"]),
     ("usr/local/bin/pveversion", ["-v"]),
-    ("usr/local/sbin/proxmox-boot-tool", ["kernel", "list"]),
+    ("usr/local/sbin/grub-probe", ["--target=abstraction", "/boot/grub"]),  # refused: no grubenv_abstraction
     ("usr/local/bin/nvidia-smi", ["-L"]),
     ("usr/local/bin/nvidia-smi", ["topo", "-m"]),
     ("usr/local/bin/nvidia-smi", ["--no-such-option"]),

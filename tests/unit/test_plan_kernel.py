@@ -162,7 +162,9 @@ def test_grub_entry_ids_follow_proxmox_kernel_helper():
 
 def test_default_and_oneshot_commands():
     assert plan.set_default_command("6.14.8-2-pve", "systemd-boot") == (
-        "proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool refresh")
+        "proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool refresh && "
+        "bootctl set-default proxmox-6.14.8-2-pve.conf")  # the EFI default survives proxmox-boot-tool reinit
+    assert plan.efi_default_command(None) == "bootctl set-default ''"
     assert plan.set_default_command("6.14.8-2-pve", "grub", "ab") == (
         "grub-set-default 'gnulinux-advanced-ab>gnulinux-6.14.8-2-pve-advanced-ab'")
     assert plan.oneshot_command("6.14.8-2-pve", "grub", 10, "ab").endswith(" && grub-reboot pvegpu-trial-6.14.8-2-pve")

@@ -1,55 +1,28 @@
 #!/usr/bin/python3 -IS
 """Twin stand-ins for booting, dispatched on the program name:
 
-proxmox-boot-tool  status | refresh | kernel list | kernel pin <rel> [--next-boot] | kernel unpin [--next-boot]
 update-grub        writes /boot/grub/grub.cfg from /etc/default/grub as grub-mkconfig would
                    (it cannot probe devices inside the twin), running the other scripts of
                    /etc/grub.d; grub-reboot, grub-set-default and grub-editenv are the real
                    Debian programs (grub2-common)
 10_linux           /etc/grub.d/10_linux: the Linux entries for the exported GRUB_* values
 grub-probe         --target=abstraction|fs only (the profile's boot.grubenv_abstraction, grubenv_fs)
-bootctl            set-oneshot | set-default: the EFI variable, in the twin's NVRAM
-                   (/var/lib/twin/efivars, read and cleared by the twin's boot)
 reboot, shutdown -r, systemctl reboot   ask the twin's supervisor for a reboot (TWIN-CONTRACT)
 systemctl is-system-running [--wait]     "starting" while the boot's onboot guest starts run, then
                    "running" (tests/twin/runtime.py Supervisor.boot)
 
-zz-proxmox-boot    the kernel hook (/etc/kernel/postinst.d, postrm.d) a kernel package's postinst runs
-
-State: pins in /etc/kernel/proxmox-boot-pin and /etc/kernel/next-boot-pin (as Proxmox keeps them);
-the ESPs of /etc/kernel/proxmox-boot-uuids under /var/lib/twin/esp/<uuid>/ (loader/loader.conf,
-loader/entries/proxmox-<rel>.conf, EFI/proxmox/<rel>/): written only by `refresh` and the hook,
-read by the twin's reboot. `kernel pin` on such a host writes the pin file only.
+proxmox-boot-tool, its kernel hooks (zz-proxmox-boot, proxmox-auto-removal) and bootctl are the
+real programs (proxmox-kernel-helper built from source and systemd's, in the twin's root: tests/twin/
+runtime.py KERNEL_HELPER); the block devices, mounts and NVRAM they need are standins/esp.sh and
+tests/twin/hardware.py (esp_devices, EFIVARS), the firmware's choice at a reset hardware.esp_boot_entry.
 """
 import os
-import re
-import shutil
 import sys
 import time
 
 sys.dont_write_bytecode = True  # leave no __pycache__ in the twin (a --dry run must change nothing)
 sys.path.insert(0, os.path.join(os.environ.get("TWIN_ROOT", "/"), "usr/local/lib/twin"))
 import twinstate  # noqa: E402
-
-PIN = "/etc/kernel/proxmox-boot-pin"
-NEXT = "/etc/kernel/next-boot-pin"
-ESP_LIST = "/etc/kernel/proxmox-boot-uuids"
-# The twin's ESPs: one directory per UUID of ESP_LIST, standing for /dev/disk/by-uuid/<uuid>
-# mounted (what systemd-boot reads at the twin's reboot: tests/twin/hardware.py esp_boot_entry).
-ESP_ROOT = "/var/lib/twin/esp"
-PMX_ESP_DIR = "EFI/proxmox"
-LOADER_CONF = "loader/loader.conf"
-VFAT_UUID = re.compile(r"[0-9a-fA-F]{4}-[0-9a-fA-F]{4}")
-
-
-def warn(msg):
-    sys.stderr.write(msg + "\n")
-
-
-def first_line(p):
-    """follows proxmox-kernel-helper functions get_first_line(): first line, "" when absent."""
-    text = twinstate.read(p)
-    return text.split("\n", 1)[0] if text else ""
 
 
 def kernels():
@@ -62,241 +35,6 @@ def kernels():
             if os.path.isdir(twinstate.path(f"/lib/modules/{rel}")):
                 out.append(rel)
     return sorted(out, key=twinstate.version_key)
-
-
-def esp_uuids():
-    """follows functions loop_esp_list(): non-empty lines of ESP_LIST."""
-    return [u.strip() for u in (twinstate.read(ESP_LIST) or "").splitlines() if u.strip()]
-
-
-def pbt_status(argv=()):
-    """follows proxmox-boot-tool status()/_status_detail(): per listed ESP, the kernel versions
-    synced onto it (its EFI/proxmox/ directories, as `ls -1` lists them), not those in /boot."""
-    quiet = "--quiet" in argv
-    if not os.path.isfile(twinstate.path(ESP_LIST)):
-        if quiet:
-            return 2
-        twinstate.die(f"E: {ESP_LIST} does not exist.", 2)
-    if quiet:
-        return 0
-    print("Re-executing '/usr/sbin/proxmox-boot-tool' in new private mount namespace..")
-    print("System currently booted with uefi")
-    for u in esp_uuids():
-        esp = twinstate.path(f"{ESP_ROOT}/{u}")
-        if not VFAT_UUID.search(u):
-            warn(f"WARN: {u} read from {ESP_LIST} does not look like a VFAT-UUID - skipping")
-            continue
-        if not os.path.isdir(esp):
-            warn(f"WARN: /dev/disk/by-uuid/{u} does not exist - clean '{ESP_LIST}'! - skipping")
-            continue
-        result = ""
-        if os.path.isfile(os.path.join(esp, LOADER_CONF)):
-            kdir = os.path.join(esp, PMX_ESP_DIR)
-            versions = sorted(os.listdir(kdir)) if os.path.isdir(kdir) else []
-            result = f"uefi (versions: {', '.join(versions)})"
-        print(f"{u} is configured with: {result}")
-    return 0
-
-
-def esp_cmdline():
-    """follows zz-proxmox-boot update_esps(): the first line of /etc/kernel/cmdline (it must
-    carry root=), else /proc/cmdline without its initrd= entries. None: refuse."""
-    if os.path.isfile(twinstate.path("/etc/kernel/cmdline")):
-        cmdline = first_line("/etc/kernel/cmdline")
-        if "root=" not in cmdline:
-            warn("No root= parameter in /etc/kernel/cmdline found!")
-            return None
-        return cmdline
-    warn("No /etc/kernel/cmdline found - falling back to /proc/cmdline")
-    # (/proc/cmdline is the rendered hw/proc/cmdline; outside a running twin read that file)
-    proc = (twinstate.read("/proc/cmdline") or twinstate.read("/var/lib/twin/hw/proc/cmdline") or "").strip()
-    return re.sub(r"\binitrd=[0-9a-zA-Z\\/.-]*\s*", "", proc).strip()
-
-
-def esp_sync(install_version=None):
-    """follows zz-proxmox-boot update_esps()/update_esp_func(): copy each kernel with an
-    initrd to every listed ESP, write its loader entry, point loader.conf's default at the
-    next-boot pin, else the pin, else `proxmox-*` (systemd-boot then takes the newest), and
-    drop kernels no longer installed. No ESP list: nothing is synced."""
-    if not os.path.isfile(twinstate.path(ESP_LIST)):
-        warn(f"No {ESP_LIST} found, skipping ESP sync.")
-        return 0
-    cmdline = esp_cmdline()
-    if cmdline is None:
-        return 1
-    boot_kvers = kernels()
-    if install_version and install_version not in boot_kvers and os.path.exists(twinstate.path(f"/boot/vmlinuz-{install_version}")):
-        boot_kvers.append(install_version)
-    for uuid in esp_uuids():
-        if not VFAT_UUID.search(uuid):
-            warn(f"WARN: {uuid} read from {ESP_LIST} does not look like a VFAT-UUID - skipping")
-            continue
-        esp = twinstate.path(f"{ESP_ROOT}/{uuid}")
-        dev = f"/dev/disk/by-uuid/{uuid}"
-        if not os.path.isdir(esp):
-            warn(f"WARN: {dev} does not exist - clean '{ESP_LIST}'! - skipping")
-            continue
-        if not os.path.isfile(os.path.join(esp, LOADER_CONF)):
-            warn(f"{dev} contains no loader.conf - skipping")
-            continue
-        warn(f"Copying and configuring kernels on {dev}")
-        os.makedirs(os.path.join(esp, "loader/entries"), exist_ok=True)
-        for kver in boot_kvers:
-            image, initrd = f"/boot/vmlinuz-{kver}", f"/boot/initrd.img-{kver}"
-            if not os.path.isfile(twinstate.path(image)):
-                warn(f"No linux-image {image} found - skipping")
-                continue
-            if not os.path.isfile(twinstate.path(initrd)):
-                warn(f"No initrd-image {initrd} found - skipping")
-                continue
-            warn(f"\tCopying kernel and creating boot-entry for {kver}")
-            live = os.path.join(esp, PMX_ESP_DIR, kver)
-            os.makedirs(live, exist_ok=True)
-            for src in (image, initrd):
-                shutil.copy2(twinstate.path(src), live)
-            with open(os.path.join(esp, f"loader/entries/proxmox-{kver}.conf"), "w") as f:
-                f.write(f"title    Proxmox Virtual Environment\nversion  {kver}\noptions  {cmdline}\n"
-                        f"linux    /{PMX_ESP_DIR}/{kver}/vmlinuz-{kver}\ninitrd   /{PMX_ESP_DIR}/{kver}/initrd.img-{kver}\n")
-        pinned = first_line(PIN)
-        if os.path.exists(twinstate.path(NEXT)):
-            pinned = first_line(NEXT)
-        set_loader_default(os.path.join(esp, LOADER_CONF), f"proxmox-{pinned}.conf" if pinned else "proxmox-*")
-        # follows zz-proxmox-boot remove_old_kernels_efi(): kernels not in the boot list go
-        kdir = os.path.join(esp, PMX_ESP_DIR)
-        for kver in sorted(os.listdir(kdir)) if os.path.isdir(kdir) else []:
-            if kver not in boot_kvers:
-                warn(f"\tRemoving old version {kver}")
-                shutil.rmtree(os.path.join(kdir, kver), ignore_errors=True)
-                entry = os.path.join(esp, f"loader/entries/proxmox-{kver}.conf")
-                if os.path.exists(entry):
-                    os.unlink(entry)
-    return 0
-
-
-def set_loader_default(conf, entry):
-    """follows functions set_systemd_boot_default(): replace the `default` line, else append one."""
-    with open(conf) as f:
-        lines = f.read().splitlines()
-    done = False
-    for i, line in enumerate(lines):
-        if line.startswith("default "):
-            lines[i] = f"default {entry}"
-            done = True
-    if not done:
-        lines.append(f"default {entry}")
-    with open(conf, "w") as f:
-        f.write("\n".join(lines) + "\n")
-
-
-def pbt_refresh(argv=()):
-    """follows proxmox-boot-tool refresh(): run the kernel hooks proxmox-auto-removal and
-    zz-proxmox-boot (the twin's auto-removal keeps every kernel)."""
-    print("Running hook script 'proxmox-auto-removal'..")
-    print("Running hook script 'zz-proxmox-boot'..")
-    print("Re-executing '/etc/kernel/postinst.d/zz-proxmox-boot' in new private mount namespace..")
-    return esp_sync()
-
-
-def zz_proxmox_boot(argv):
-    """/etc/kernel/{postinst,postrm}.d/zz-proxmox-boot as a kernel package's maintainer script
-    runs it (run-parts --arg=<version> --arg=<image>): follows zz-proxmox-boot's case on
-    $DEB_MAINT_PARAMS (configure/remove or none: sync the ESPs)."""
-    params = (os.environ.get("DEB_MAINT_PARAMS") or "").split()
-    mode = params[0].strip("'") if params else ""
-    if mode not in ("", "configure", "remove"):
-        return 0
-    return esp_sync(argv[0] if argv and mode != "remove" else None)
-
-
-def pbt_kernel(args):
-    if not args:
-        twinstate.die("USAGE: proxmox-boot-tool kernel <add|remove|list|pin|unpin> [<kernel-version>]", 2)
-    op, rest = args[0], args[1:]
-    next_boot = "--next-boot" in rest
-    rest = [a for a in rest if a != "--next-boot"]
-    if op == "list":
-        print("Manually selected kernels:\nNone.\n")
-        print("Automatically selected kernels:")
-        print("\n".join(kernels()))
-        pin, nxt = first_line(PIN), first_line(NEXT)
-        if pin:
-            print(f"\nPinned kernel:\n{pin}")
-        if nxt:
-            print(f"\nKernel pinned on next-boot:\n{nxt}")
-        return 0
-    if op == "pin":
-        # follows proxmox-boot-tool pin_kernel()
-        if not rest:
-            twinstate.die("E: <kernel-version> is mandatory", 1)
-        rel = rest[0]
-        if not os.path.exists(twinstate.path(f"/boot/vmlinuz-{rel}")):
-            twinstate.die(f"E: no kernel image found in /boot for '{rel}', not setting default.", 1)
-        where = NEXT if next_boot else PIN
-        old = first_line(where)
-        if old and old != rel:
-            print(f"Overriding previously pinned version '{old}' with '{rel}'")
-        twinstate.write(where, rel + "\n")
-        if os.path.isfile(twinstate.path(ESP_LIST)):
-            # ESPs listed: only the pin file; the loader changes at `refresh` (no terminal: no prompt)
-            print(f"Set kernel '{rel}' in {where}. Use the 'refresh' command to update the ESPs.")
-        else:
-            kver = first_line(NEXT) or rel
-            print(f"Setting '{kver}' as grub default entry and running update-grub.")
-            set_grub_default(kver)
-            update_grub([])
-        if next_boot:
-            print("Pinned for next boot only.")
-        return 0
-    if op == "unpin":
-        # follows proxmox-boot-tool unpin_kernel(): --next-boot removes only that pin
-        last = first_line(NEXT)
-        p = twinstate.path(NEXT)
-        if os.path.exists(p):
-            os.unlink(p)
-        print(f"Removed {NEXT}.")
-        if not next_boot:
-            last = first_line(PIN) or last
-            if os.path.exists(twinstate.path(PIN)):
-                os.unlink(twinstate.path(PIN))
-            print(f"Removed {PIN}.")
-        if os.path.isfile(twinstate.path(ESP_LIST)):
-            if last:
-                print(f"Unpinned kernel '{last}'. Use the 'refresh' command to update the ESPs.")
-        else:
-            print("Reset default grub entry and running update-grub.")
-            set_grub_default(first_line(PIN))
-            update_grub([])
-        return 0
-    twinstate.die(f"E: invalid 'kernel' subcommand '{op}'.", 1)
-
-
-def proxmox_boot_tool(argv):
-    if not argv:
-        twinstate.die("USAGE: proxmox-boot-tool <commands> [ARGS]", 2)
-    cmd = argv[0]
-    if cmd == "status":
-        return pbt_status(argv[1:])
-    if cmd == "refresh":
-        return pbt_refresh(argv[1:])
-    if cmd == "kernel":
-        return pbt_kernel(argv[1:])
-    twinstate.die(f"E: unknown command '{cmd}'", 2)
-
-
-GRUB_PIN_SNIPPET = "/etc/default/grub.d/proxmox-kernel-pin.cfg"
-
-
-def set_grub_default(kver):
-    """follows proxmox-kernel-helper functions set_grub_default(): GRUB_DEFAULT naming the
-    kernel's entry in the Advanced-options submenu (its id read from grub.cfg), or no snippet."""
-    if not kver:
-        p = twinstate.path(GRUB_PIN_SNIPPET)
-        if os.path.exists(p):
-            os.unlink(p)
-        return
-    m = re.search(r"gnulinux-advanced-(.+)' \{$", twinstate.read("/boot/grub/grub.cfg") or "", re.M)
-    devid = m.group(1) if m else ""
-    twinstate.write(GRUB_PIN_SNIPPET, f'GRUB_DEFAULT="gnulinux-advanced-{devid}>gnulinux-{kver}-advanced-{devid}"\n')
 
 
 GRUB_NAMES = ("GRUB_CMDLINE_LINUX", "GRUB_CMDLINE_LINUX_DEFAULT", "GRUB_DEFAULT", "GRUB_DISTRIBUTOR",
@@ -429,37 +167,6 @@ def update_grub(argv):
     return 0
 
 
-# -- EFI variables and the programs that set them ------------------------------------------
-
-# The twin's NVRAM: one file per variable, in efivarfs' format (4 bytes of attributes, then the
-# data), kept across reboots; the twin's boot (tests/twin/hardware.py) reads and deletes them.
-EFIVARS = "/var/lib/twin/efivars"
-LOADER_GUID = "4a67b082-0a4c-41cf-b6c7-440b29bb8c4f"
-
-
-def bootctl(argv):
-    """bootctl set-oneshot / set-default ID: follows systemd src/boot/bootctl.c verb_set_efivar():
-    refused unless booted with UEFI through a boot loader that implements the interface
-    (LoaderInfo; here: a systemd-boot profile), then the id as a UTF-16LE NUL-terminated string
-    (LoaderEntryOneShot / LoaderEntryDefault). The id is not checked against the entries (as
-    bootctl does not); `@current`/`@default`/`@oneshot` are not modelled and refused."""
-    verbs = [a for a in argv if not a.startswith("-")]
-    names = {"set-oneshot": "LoaderEntryOneShot", "set-default": "LoaderEntryDefault"}
-    if not verbs or verbs[0] not in names:
-        twinstate.die("twin: bootctl stand-in: only set-oneshot and set-default are modelled", 1)
-    if len(verbs) != 2:
-        twinstate.die(f"bootctl: '{verbs[0]}' takes one entry id.", 1)
-    if (twinstate.profile().get("boot") or {}).get("loader") != "systemd-boot":
-        twinstate.die("Not booted with a supported boot loader.", 1)
-    ident = verbs[1]
-    if ident.startswith("@"):
-        twinstate.die(f"twin: bootctl stand-in: special entry {ident} is not modelled", 1)
-    os.makedirs(twinstate.path(EFIVARS), exist_ok=True)
-    with open(twinstate.path(f"{EFIVARS}/{names[verbs[0]]}-{LOADER_GUID}"), "wb") as f:
-        f.write(b"\x07\x00\x00\x00" + ident.encode("utf-16-le") + b"\x00\x00")
-    return 0
-
-
 def grub_probe(argv):
     """grub-probe --target=abstraction|fs PATH: what the profile says holds /boot/grub
     (boot.grubenv_abstraction, e.g. `lvm`; empty: a plain partition; boot.grubenv_fs, GRUB's
@@ -533,9 +240,7 @@ def shutdown(argv):
     twinstate.die("twin: only 'shutdown -r' is supported (a twin cannot power off)", 1)
 
 
-HANDLERS = {"proxmox-boot-tool": proxmox_boot_tool, "update-grub": update_grub, "zz-proxmox-boot": zz_proxmox_boot,
-            "10_linux": linux_10,
-            "bootctl": bootctl, "grub-probe": grub_probe,
+HANDLERS = {"update-grub": update_grub, "10_linux": linux_10, "grub-probe": grub_probe,
             "reboot": lambda a: request_reboot("reboot " + " ".join(a)), "shutdown": shutdown,
             "systemctl": systemctl}
 PROGRAMS, main = twinstate.standin(HANDLERS, "boot")

@@ -1,0 +1,197 @@
+"""The twin's boot chain on a running twin: proxmox-kernel-helper's own proxmox-boot-tool, kernel
+hooks, trigger and boot-cleanup unit, systemd's own bootctl, over the stand-ins for what a chroot
+cannot have (tests/twin/standins/esp.sh: the ESPs' block devices and mounts; the NVRAM as efivarfs
+files) and the firmware's choice at a reset (tests/twin/hardware.py esp_boot_entry, boot.c's rules)."""
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.twin import hardware, runtime
+
+ESP = "var/lib/twin/esp/5A1C-9E27"
+NEW = "6.14.11-1-pve"
+
+
+def sh(name: str, cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    deadline = time.monotonic() + 20
+    while True:
+        r = subprocess.run(runtime.ssh_command(name, [cmd]), capture_output=True, text=True, timeout=120)
+        if r.returncode != 255 or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    if check:
+        assert r.returncode == 0, (cmd, r.stdout, r.stderr)
+    return r
+
+
+def reboot(name: str) -> str:
+    """Reboot the twin and wait for it; the release it came up with."""
+    boots = runtime.twin_dir(name) / "boots"
+    before = len(boots.read_text().splitlines())
+    subprocess.run(runtime.ssh_command(name, ["reboot"]), capture_output=True, timeout=60)
+    deadline = time.monotonic() + 60
+    while len(boots.read_text().splitlines()) == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(boots.read_text().splitlines()) > before, "the twin did not reboot"
+    return sh(name, "uname -r").stdout.strip()
+
+
+def loader_default(root: Path) -> str:
+    lines = [line for line in (root / ESP / "loader/loader.conf").read_text().splitlines() if line.startswith("default ")]
+    return lines[-1].split(None, 1)[1]
+
+
+# A kernel package as dpkg installs one: its image, initrd and modules dir, and the postinst that
+# runs the kernel hooks (pve-kernel debian/proxmox-kernel.postinst.in: run-parts with version and image)
+KERNEL_DEB = r"""set -e
+d=$(mktemp -d /root/kdeb.XXXXXX)
+mkdir -p "$d/DEBIAN" "$d/boot" "$d/lib/modules/{rel}"
+echo image > "$d/boot/vmlinuz-{rel}"
+printf 'CONFIG_BLK_DEV_INITRD=y\nCONFIG_RD_GZIP=y\nCONFIG_MODULES=y\n' > "$d/boot/config-{rel}"
+printf 'Package: proxmox-kernel-{rel}-signed\nVersion: 1\nArchitecture: amd64\nProvides: proxmox-kernel-{rel}\nMaintainer: t <t@example.invalid>\nDescription: twin test kernel\n' > "$d/DEBIAN/control"
+printf '#!/bin/sh\nset -e\n[ "$1" = configure ] || exit 0\nrun-parts --verbose --exit-on-error --arg={rel} --arg=/boot/vmlinuz-{rel} /etc/kernel/postinst.d\n' > "$d/DEBIAN/postinst"
+chmod 755 "$d/DEBIAN/postinst"
+dpkg-deb -Zgzip -b "$d" "$d.deb" >/dev/null
+dpkg -i "$d.deb"
+rm -rf "$d" "$d.deb"
+"""
+
+
+def install_kernel(name: str, rel: str) -> str:
+    return sh(name, KERNEL_DEB.format(rel=rel)).stdout
+
+
+# An upgrade of systemd-boot-efi: the installed package's files again under a higher version, so
+# dpkg unpacks files below /usr/lib/systemd/boot and fires the triggers interested in that path
+# (proxmox-kernel-helper's debian/triggers), whose postinst then runs `proxmox-boot-tool reinit`
+BOOT_EFI_UPGRADE = r"""set -e
+d=$(mktemp -d /root/efideb.XXXXXX)
+v=$(dpkg-query -W -f '${Version}' systemd-boot-efi)
+mkdir -p "$d/DEBIAN"
+dpkg-query -L systemd-boot-efi | while read -r f; do [ -f "$f" ] && install -D "$f" "$d$f"; done
+printf 'Package: systemd-boot-efi\nVersion: %s+twin1\nArchitecture: amd64\nMaintainer: t <t@example.invalid>\nDescription: systemd-boot EFI binaries (upgrade)\n' "$v" > "$d/DEBIAN/control"
+dpkg-deb -Zgzip -b "$d" "$d.deb" >/dev/null
+dpkg -i "$d.deb"
+rm -rf "$d" "$d.deb"
+"""
+
+
+def upgrade_systemd_boot_efi(name: str) -> str:
+    r = sh(name, BOOT_EFI_UPGRADE)
+    return r.stdout + r.stderr
+
+
+@pytest.fixture
+def kpro6(twin_factory):
+    return twin_factory("kpro6")
+
+
+def test_proxmox_boot_tool_is_the_real_package_and_sees_the_esp_as_a_partition(kpro6):
+    name = kpro6.name
+    assert sh(name, "dpkg-query -W -f '${Version} ${Status}' proxmox-kernel-helper").stdout == "8.1.4 install ok installed"
+    assert sh(name, "head -1 /usr/sbin/proxmox-boot-tool").stdout == "#!/bin/sh\n"
+    status = sh(name, "proxmox-boot-tool status").stdout
+    assert "5A1C-9E27 is configured with: uefi (versions: 6.14.8-2-pve, 6.8.12-11-pve)" in status
+    assert sh(name, "lsblk --bytes --pairs -o 'UUID,SIZE,FSTYPE,PARTTYPE,PKNAME,MOUNTPOINT' "
+                    "$(realpath /dev/disk/by-uuid/5A1C-9E27)").stdout == (
+        'UUID="5A1C-9E27" SIZE="1073741824" FSTYPE="vfat" PARTTYPE="c12a7328-f81f-11d2-ba4b-00a0c93ec93b" '
+        'PKNAME="sda" MOUNTPOINT=""\n')
+    r = sh(name, "mkdir -p /mnt/e && mount -t vfat -o umask=0077 /dev/disk/by-uuid/5A1C-9E27 /mnt/e && "
+                 "lsblk -P -o MOUNTPOINT /dev/sda2 && ls /mnt/e/loader && umount /dev/sda2 && lsblk -P -o MOUNTPOINT /dev/sda2")
+    assert r.stdout.splitlines() == ['MOUNTPOINT="/mnt/e"', "entries", "loader.conf", 'MOUNTPOINT=""']
+    r = sh(name, "mount /dev/disk/by-uuid/0000-0000 /mnt/e", check=False)
+    assert r.returncode == 32
+    # the real bootctl reads the NVRAM model: the loader that booted, the entry it chose
+    out = sh(name, "bootctl status 2>/dev/null", check=False).stdout
+    assert "Product: systemd-boot 252." in out
+
+
+def test_kernel_hook_pin_next_boot_and_cleanup_unit_as_shipped(kpro6):
+    name, root = kpro6.name, Path(kpro6.root)
+    install_kernel(name, NEW)
+    assert (root / ESP / f"loader/entries/proxmox-{NEW}.conf").exists()
+    assert reboot(name) == NEW  # default proxmox-*: the newest entry
+    sh(name, "proxmox-boot-tool kernel pin 6.8.12-11-pve --next-boot && proxmox-boot-tool refresh")
+    assert loader_default(root) == "proxmox-6.8.12-11-pve.conf"
+    assert reboot(name) == "6.8.12-11-pve"
+    # proxmox-boot-cleanup.service ran at that boot: unpinned and refreshed
+    assert not (root / "etc/kernel/next-boot-pin").exists()
+    assert loader_default(root) == "proxmox-*"
+    assert reboot(name) == NEW
+    sh(name, "proxmox-boot-tool kernel pin 6.14.8-2-pve")
+    assert reboot(name) == NEW  # pinned, not refreshed
+    sh(name, "proxmox-boot-tool refresh")
+    assert reboot(name) == "6.14.8-2-pve"
+    # /etc/kernel/cmdline's first line becomes the entries' options at the next refresh
+    sh(name, "echo 'root=ZFS=rpool/ROOT/pve-1 boot=zfs amd_iommu=on iommu=pt' > /etc/kernel/cmdline")
+    reboot(name)
+    assert "iommu=pt" not in sh(name, "cat /proc/cmdline").stdout
+    sh(name, "proxmox-boot-tool refresh")
+    reboot(name)
+    assert sh(name, "cat /proc/cmdline").stdout == (
+        "initrd=\\EFI\\proxmox\\6.14.8-2-pve\\initrd.img-6.14.8-2-pve root=ZFS=rpool/ROOT/pve-1 boot=zfs amd_iommu=on iommu=pt\n")
+    assert sh(name, "cat /sys/module/kvm_amd/parameters/sev_snp").stdout == "N\n"
+
+
+def test_bootctl_one_shot_is_read_once_and_the_default_variable_beats_loader_conf(kpro6):
+    name, root = kpro6.name, Path(kpro6.root)
+    sh(name, "bootctl set-oneshot proxmox-6.8.12-11-pve.conf")
+    assert reboot(name) == "6.8.12-11-pve"
+    assert not list((root / "var/lib/twin/efivars").glob("LoaderEntryOneShot-*"))  # deleted as read
+    assert reboot(name) == "6.14.8-2-pve"
+    sh(name, "bootctl set-default proxmox-6.8.12-11-pve.conf")
+    assert loader_default(root) == "proxmox-*"
+    assert reboot(name) == "6.8.12-11-pve"  # LoaderEntryDefault over loader.conf's default
+    assert reboot(name) == "6.8.12-11-pve"
+    sh(name, "bootctl set-default ''")
+    assert reboot(name) == "6.14.8-2-pve"
+
+
+def test_a_one_shot_that_hangs_or_panics_is_left_after_one_reset(kpro6):
+    name, root = kpro6.name, Path(kpro6.root)
+    install_kernel(name, NEW)
+    sh(name, "proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool refresh")
+    entries = root / ESP / "loader/entries"
+    (entries / f"pvegpu-trial-{NEW}.conf").write_text(
+        (entries / f"proxmox-{NEW}.conf").read_text().replace("boot=zfs", "boot=zfs panic=10"))
+    (root / "var/lib/twin/boot").mkdir(parents=True, exist_ok=True)
+    (root / "var/lib/twin/boot/no-boot").write_text(f"{NEW} panics\n")
+    sh(name, f"bootctl set-oneshot pvegpu-trial-{NEW}.conf")
+    assert reboot(name) == "6.14.8-2-pve"  # panicked, reset by panic=10, the default came up
+    attempts = (root / "var/lib/twin/boot/attempts").read_text().splitlines()[-2:]
+    assert attempts[0].startswith(f"{NEW} pvegpu-trial-{NEW}.conf panic") and attempts[1].startswith("6.14.8-2-pve ")
+
+
+def test_a_next_boot_pin_as_loader_default_boots_a_hanging_kernel_at_every_reset(kpro6):
+    """`kernel pin --next-boot` + refresh writes loader.conf's default; only the cleanup unit (user
+    space) puts it back, so a kernel that hangs is chosen again at every reset."""
+    name, root = kpro6.name, Path(kpro6.root)
+    install_kernel(name, NEW)
+    (root / "var/lib/twin/boot").mkdir(parents=True, exist_ok=True)
+    (root / "var/lib/twin/boot/no-boot").write_text(f"{NEW}\n")
+    sh(name, f"proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool kernel pin {NEW} --next-boot "
+             "&& proxmox-boot-tool refresh")
+    subprocess.run(runtime.ssh_command(name, ["reboot"]), capture_output=True, timeout=60)
+    for _ in range(3):
+        time.sleep(2)
+        assert hardware.hung(root)
+        runtime.reset(name)
+    time.sleep(2)
+    assert hardware.hung(root) and (root / "etc/kernel/next-boot-pin").exists()
+
+
+def test_a_systemd_boot_efi_upgrade_fires_the_real_trigger_and_reinit_drops_the_pin(kpro6):
+    """proxmox-kernel-helper's trigger (interest in /usr/lib/systemd/boot) runs its postinst
+    `triggered`: `proxmox-boot-tool reinit` reinstalls systemd-boot and rewrites loader.conf to
+    `default proxmox-*`, whatever pin refresh had written (proxmox-boot-tool init_bootloader)."""
+    name, root = kpro6.name, Path(kpro6.root)
+    sh(name, "proxmox-boot-tool kernel pin 6.8.12-11-pve && proxmox-boot-tool refresh")
+    assert loader_default(root) == "proxmox-6.8.12-11-pve.conf"
+    out = upgrade_systemd_boot_efi(name)
+    assert "Processing triggers for proxmox-kernel-helper" in out and "Installing systemd-boot.." in out
+    assert loader_default(root) == "proxmox-*"
+    assert reboot(name) == "6.14.8-2-pve"
