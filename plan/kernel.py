@@ -408,11 +408,18 @@ def loader_entry(release: str) -> str:
     return f"{LOADER_ENTRY_PREFIX}{release}.conf"
 
 
+# systemd-boot's LoaderInfo variable: present only where systemd-boot booted this system (boot.c
+# writes it at every boot); a GRUB or legacy-BIOS host (proxmox-boot-tool's grub mode) has none
+LOADER_INFO = "/sys/firmware/efi/efivars/LoaderInfo-4a67b082-0a4c-41cf-b6c7-440b29bb8c4f"
+
+
 def efi_default_command(release: str | None) -> str:
     """Set (or, None, clear) systemd-boot's EFI default entry (systemd bootctl verb_set_efivar:
-    an empty id deletes LoaderEntryDefault)."""
+    an empty id deletes LoaderEntryDefault), where systemd-boot booted this system (as the kernel
+    hook's efi_default does); elsewhere nothing to do."""
     # the id starts with "proxmox-": never an option; '' is bootctl's "clear"
-    return f"bootctl set-default {word(loader_entry(release)) if release else chr(39) * 2}"
+    set_it = f"bootctl set-default {word(loader_entry(release)) if release else chr(39) * 2}"
+    return f"{{ [ ! -e {LOADER_INFO} ] || {set_it}; }}"
 
 
 def set_default_command(release: str, loader: str, advanced_id: str | None = None) -> str:

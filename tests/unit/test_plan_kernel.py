@@ -163,8 +163,8 @@ def test_grub_entry_ids_follow_proxmox_kernel_helper():
 def test_default_and_oneshot_commands():
     assert plan.set_default_command("6.14.8-2-pve", "systemd-boot") == (
         "proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool refresh && "
-        "bootctl set-default proxmox-6.14.8-2-pve.conf")  # the EFI default survives proxmox-boot-tool reinit
-    assert plan.efi_default_command(None) == "bootctl set-default ''"
+        f"{{ [ ! -e {plan.LOADER_INFO} ] || bootctl set-default proxmox-6.14.8-2-pve.conf; }}")  # survives reinit
+    assert plan.efi_default_command(None) == f"{{ [ ! -e {plan.LOADER_INFO} ] || bootctl set-default ''; }}"
     assert plan.set_default_command("6.14.8-2-pve", "grub", "ab") == (
         "grub-set-default 'gnulinux-advanced-ab>gnulinux-6.14.8-2-pve-advanced-ab'")
     assert plan.oneshot_command("6.14.8-2-pve", "grub", 10, "ab").endswith(" && grub-reboot pvegpu-trial-6.14.8-2-pve")
@@ -567,3 +567,23 @@ def test_the_default_is_kept_by_name_on_every_loader_trial_or_not():
     keep = plan.keep_default_command("6.8.12-11-pve", plan.GRUB, "ab")
     assert keep.endswith("grub-set-default 'gnulinux-advanced-ab>gnulinux-6.8.12-11-pve-advanced-ab'")
     assert keep.startswith(plan.GRUB_KEEP_CHECK)
+
+
+@pytest.mark.parametrize("booted_by_systemd_boot", [True, False])
+def test_the_efi_default_is_set_only_where_systemd_boot_booted(tmp_path, booted_by_systemd_boot):
+    """A legacy-BIOS ESP host (proxmox-boot-tool's GRUB mode) or GRUB has no LoaderInfo and no
+    systemd-boot to read LoaderEntryDefault: its pin is the default, and the command must not fail
+    there (it did: `bootctl set-default` has no EFI variables to write on such a host)."""
+    log = tmp_path / "bootctl.log"
+    (tmp_path / "bootctl").write_text(f'#!/bin/sh\necho "$*" >> {log}\n[ -d /sys/firmware/efi ] || exit 1\n')
+    (tmp_path / "bootctl").chmod(0o755)
+    info = tmp_path / "LoaderInfo"
+    if booted_by_systemd_boot:
+        info.write_bytes(b"\x06\x00\x00\x00s\x00")
+    command = plan.efi_default_command("6.14.8-2-pve").replace(plan.LOADER_INFO, str(info))
+    done = subprocess.run(["sh", "-c", command], env={"PATH": f"{tmp_path}:/usr/bin:/bin"}, capture_output=True)
+    called = log.read_text() if log.exists() else ""
+    if booted_by_systemd_boot:
+        assert called == "set-default proxmox-6.14.8-2-pve.conf\n"
+    else:
+        assert done.returncode == 0 and called == ""

@@ -229,7 +229,7 @@ def test_trial_of_an_installed_kernel_makes_the_running_one_the_default_first_wh
     keep = plan.keep_default_command("6.14.8-2-pve", "systemd-boot")
     cmds, _ = run_op(kernel.trial_boot, "6.14.11-9-bpo12-pve", "systemd-boot", 10, None, keep)
     assert cmds[0] == ("proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool refresh && "
-                       "bootctl set-default proxmox-6.14.8-2-pve.conf")
+                       + plan.efi_default_command("6.14.8-2-pve"))
     assert "pvegpu-trial-6.14.11-9-bpo12-pve.conf" in cmds[2]
 
 
