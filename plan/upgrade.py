@@ -58,7 +58,11 @@ def _pin_findings(state: dict, host: HostView) -> list[str]:
     after = host.upgraded
     pins = []
     if state.get("pin") and _bookworm_kernel(state["pin"]):
-        pins.append(("proxmox-boot-tool pins", state["pin"], "proxmox-boot-tool kernel unpin && proxmox-boot-tool refresh"))
+        # plan.kernel set_default_command: where systemd-boot boots, pvegpu's pin is also the EFI variable
+        # LoaderEntryDefault, which systemd-boot prefers over loader.conf: an unpin alone leaves it
+        pins.append(("proxmox-boot-tool pins", state["pin"],
+                     "proxmox-boot-tool kernel unpin && proxmox-boot-tool refresh, and on a systemd-boot host "
+                     "bootctl set-default '' (pvegpu's pin is also the EFI default entry)"))
     saved = grub_release_of(state.get("grub_saved"))
     if saved and _bookworm_kernel(saved):
         # plan.kernel set_default_command: pvegpu's kernel stage makes its kernel GRUB's saved default
