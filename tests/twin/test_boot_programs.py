@@ -175,12 +175,23 @@ def test_a_next_boot_pin_as_loader_default_boots_a_hanging_kernel_at_every_reset
     (root / "var/lib/twin/boot/no-boot").write_text(f"{NEW}\n")
     sh(name, f"proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool kernel pin {NEW} --next-boot "
              "&& proxmox-boot-tool refresh")
+    boots = runtime.twin_dir(name) / "boots"
+
+    def booted(count: int) -> bool:  # the supervisor records a boot, hung or not (a fixed sleep failed under load)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if len(boots.read_text().splitlines()) >= count:
+                return True
+            time.sleep(0.2)
+        return False
+
+    first = len(boots.read_text().splitlines())
     subprocess.run(runtime.ssh_command(name, ["reboot"]), capture_output=True, timeout=60)
-    for _ in range(3):
-        time.sleep(2)
+    for n in range(1, 4):
+        assert booted(first + n)
         assert hardware.hung(root)
         runtime.reset(name)
-    time.sleep(2)
+    assert booted(first + 4)
     assert hardware.hung(root) and (root / "etc/kernel/next-boot-pin").exists()
 
 
