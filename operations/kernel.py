@@ -148,12 +148,14 @@ def install_build_tools(packages: list[str]):
 
 
 @operation()
-def install_kernel(build_dir: str, release: str, kind: str, keep_default: str | None = None):
+def install_kernel(build_dir: str, release: str, kind: str, keep_default: str | None = None, esps: bool = False):
     """dpkg -i the build's image + headers .debs (the running kernel stays installed) and keep
     its manifest in /var/lib/pvegpu/kernel/<release>.json.
 
     + keep_default: a command making the known-good kernel the loader default first
       (plan.kernel.keep_default_command), so the package's postinst does not make the new one it
+    + esps: proxmox-boot-tool keeps ESPs here: a tarball build goes on its manual kernel list
+      (plan.kernel.keep_on_esps_command), or the next refresh drops it from the ESPs
     """
     d = word(build_dir)
     if keep_default:
@@ -162,6 +164,9 @@ def install_kernel(build_dir: str, release: str, kind: str, keep_default: str | 
     manifest = word(f"{plan.STATE_DIR}/{release}.json")
     # dpkg (lib/dpkg/options.c dpkg_options_parse) ends its options at '--'; the globs stay unquoted
     yield StringCommand(f"DEBIAN_FRONTEND=noninteractive dpkg -i -- {globs}")
+    keep_on_esps = plan.keep_on_esps_command(release, kind, esps)
+    if keep_on_esps:
+        yield StringCommand(keep_on_esps)
     yield StringCommand(root_dirs((plan.STATE_DIR, PRIVATE)) + f"cp -- {d}/manifest.json {manifest}")
 
 
@@ -374,7 +379,8 @@ def apply(spec: HostSpec) -> None:
                         spec, fact_once(NvidiaHostState, **nvidia.state_kwargs(spec)), build["manifest"])))
     if action in ("build", "attach", "install"):
         install_kernel(name=f"Install kernel {k.version} packages" + (f" ({running} made the default first)" if keep else ""),
-                       build_dir=build_dir, release=k.version, kind=k.source.kind, keep_default=keep)
+                       build_dir=build_dir, release=k.version, kind=k.source.kind, keep_default=keep,
+                       esps=bool(build["esps"]))
     if action in ("build", "attach", "install", "trial") and k.trial_boot and loader:
         trial_boot(name=f"Trial boot {k.version} on the next boot only ({loader} one-shot)",
                    release=k.version, loader=loader, panic_s=k.trial_panic_s, advanced_id=adv,

@@ -362,6 +362,20 @@ GRUB_CFG = "/boot/grub/grub.cfg"
 # after 10_linux and Debian's 40_custom/41_custom: never entry 0 (an unset saved_entry boots entry 0)
 GRUB_TRIAL_SCRIPT = "/etc/grub.d/42_pvegpu_trial"
 REFRESH = "proxmox-boot-tool refresh"
+
+
+def keep_on_esps_command(release: str, kind: str, esps: bool) -> str | None:
+    """What keeps a kernel that is not Proxmox's package on the ESPs (issue 38 item 2.8), else None.
+
+    proxmox-kernel-helper's refresh syncs only the kernels of `kernel_keep_versions`
+    (proxmox-boot/functions: Proxmox's proxmox-/pve-kernel packages, the running one, the pins and
+    the manual list): a tarball build's `linux-image-<rel>` is synced once by its own postinst and
+    dropped from the ESPs by the next refresh, so its trial entry would have no kernel to boot.
+    `kernel add` (bin/proxmox-boot-tool add_kernel) puts it on the manual list, then refresh."""
+    if kind != "tarball" or not esps:
+        return None
+    # add_kernel reads the release as "$3", no '--': a leading '-' is refused (kernel.version starts with a digit)
+    return f"proxmox-boot-tool kernel add {operands(release, '')} && {REFRESH}"
 # grub-mkconfig writes GRUB_DEFAULT=saved as `set default="${saved_entry}"` (00_header.in); without
 # it grub-set-default changes nothing and the newest kernel stays the default
 GRUB_SAVED_CHECK = ("{ grep -q 'set default=\"${saved_entry}\"' /boot/grub/grub.cfg || { echo 'pvegpu: GRUB_DEFAULT "

@@ -204,6 +204,18 @@ def test_build_op_writes_starts_and_waits_or_only_waits_when_attaching():
     assert len(cmds) == 1 and isinstance(cmds[0], FunctionCommand)
 
 
+def test_a_tarball_kernel_goes_on_proxmox_boot_tools_manual_list_where_it_keeps_esps():
+    """Issue 38 item 2.8: refresh syncs Proxmox's kernel packages only (proxmox-kernel-helper
+    kernel_keep_versions); a linux-image-<rel> of a tarball build would leave the ESPs at the next one."""
+    cmds, _ = run_op(kernel.install_kernel, "/b", "6.12.118+deb12-amd64", "tarball", None, True)
+    assert cmds[0].startswith("DEBIAN_FRONTEND=noninteractive dpkg -i -- /b/linux-image-6.12.118+deb12-amd64_*.deb")
+    assert cmds[1] == "proxmox-boot-tool kernel add 6.12.118+deb12-amd64 && proxmox-boot-tool refresh"
+    # Proxmox's own package shape is kept by refresh; a host without ESPs has no list to keep
+    for args in (("6.14.8-2-pve", "proxmox-git", None, True), ("6.12.118+deb12-amd64", "tarball", None, False)):
+        cmds, _ = run_op(kernel.install_kernel, "/b", *args)
+        assert not any("kernel add" in str(c) for c in cmds)
+
+
 def test_install_keeps_running_kernel_and_records_manifest():
     cmds, _ = run_op(kernel.install_kernel, "/b", "6.14.8-2-pve", "proxmox-git")
     assert cmds[0] == ("DEBIAN_FRONTEND=noninteractive dpkg -i -- /b/proxmox-kernel-6.14.8-2-pve_*.deb "
