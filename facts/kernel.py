@@ -22,6 +22,9 @@ from facts.shell import operands, word  # the one quoting helper (plan.render gi
 BUILD_ROOT = "/var/lib/pvegpu/kernel-build"
 STATE_DIR = "/var/lib/pvegpu/kernel"  # manifests of installed builds, trial-boot marker
 TRIAL_MARKER = f"{STATE_DIR}/trial-boot"  # release of the trial set up (kept until it is decided)
+# release the kernel stage installs or arms for a trial (written before its dpkg -i, gone when the trial
+# is decided): the kernel hook never makes that release the default (issue 38 2.2)
+TRIAL_PENDING = f"{STATE_DIR}/trial-pending"
 TRIAL_ARMED = "/run/pvegpu/kernel-trial"  # the same, on a tmpfs: present = the trial boot is still ahead
 TRIAL_FAILED = f"{STATE_DIR}/trial-failed"  # {"release", "build_id", "came_up_on", "checks", "journal"} of a failed trial
 TRIAL_CHECKS = f"{STATE_DIR}/trial-checks"  # what held on the known-good kernel: `nvidia <ver>`, `gpu <bdf> <driver>`

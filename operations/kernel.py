@@ -148,7 +148,8 @@ def install_build_tools(packages: list[str]):
 
 
 @operation()
-def install_kernel(build_dir: str, release: str, kind: str, keep_default: str | None = None, esps: bool = False):
+def install_kernel(build_dir: str, release: str, kind: str, keep_default: str | None = None, esps: bool = False,
+                   trial: bool = False):
     """dpkg -i the build's image + headers .debs (the running kernel stays installed) and keep
     its manifest in /var/lib/pvegpu/kernel/<release>.json.
 
@@ -156,8 +157,12 @@ def install_kernel(build_dir: str, release: str, kind: str, keep_default: str | 
       (plan.kernel.keep_default_command), so the package's postinst does not make the new one it
     + esps: proxmox-boot-tool keeps ESPs here: a tarball build goes on its manual kernel list
       (plan.kernel.keep_on_esps_command), or the next refresh drops it from the ESPs
+    + trial: a trial boot of it follows: marked first (plan.kernel.trial_pending_command), so the
+      kernel hook its postinst runs leaves the default alone
     """
     d = word(build_dir)
+    if trial:
+        yield StringCommand(plan.trial_pending_command(release))
     if keep_default:
         yield StringCommand(keep_default)
     globs = " ".join(f"{d}/{g}" for g in plan.package_globs(kind, release))
@@ -172,23 +177,26 @@ def install_kernel(build_dir: str, release: str, kind: str, keep_default: str | 
 
 @operation()
 def trial_boot(release: str, loader: str, panic_s: int, advanced_id: str | None = None,
-               keep_default: str | None = None, sign: str | None = None, expect: dict | None = None):
+               known_good: str | None = None, sign: str | None = None, expect: dict | None = None):
     """Choose `release` for the next boot only (the loader's one-shot; the default stays on the
     known-good kernel) and mark the trial (written last: a failed one-shot leaves no marker).
 
     + loader: plan.kernel.SYSTEMD_BOOT or GRUB (plan.kernel.trial_loader)
     + panic_s: panic=<s> on the trial entry's command line (either loader)
     + advanced_id: GRUB's "Advanced options" submenu id (plan.kernel.grub_entry_id)
-    + keep_default: a command making the known-good kernel the default first
+    + known_good: the kernel that stays the default (the running one): made the default again
+      right before the one-shot (plan.kernel.reassert_default_command) and verified on every ESP /
+      grubenv as the one-shot is set; nothing is armed if it is not (issue 38 2.2)
     + sign: a command signing the kernel image for Secure Boot first (plan.kernel.sign_command)
     + expect: the host checks the trial kernel must pass too (plan.kernel.host_expectations)
     """
-    if keep_default:
-        yield StringCommand(keep_default)
+    yield StringCommand(plan.trial_pending_command(release))
+    if known_good:
+        yield StringCommand(plan.reassert_default_command(known_good, loader, advanced_id))
     yield StringCommand(plan.zfs_guard_command(release))
     if sign:
         yield StringCommand(sign)
-    yield StringCommand(plan.oneshot_command(release, loader, panic_s, advanced_id))
+    yield StringCommand(plan.oneshot_command(release, loader, panic_s, advanced_id, keep=known_good))
     yield StringCommand(plan.arm_trial_command(release, expect))
 
 
@@ -202,7 +210,7 @@ def finish_trial(release: str, loader: str, build_id: str, advanced_id: str | No
 def pin_kernel(release: str, loader: str, advanced_id: str | None = None):
     """Make `release` (it is running) the loader default for good."""
     yield StringCommand(plan.zfs_guard_command(release))
-    yield StringCommand(plan.set_default_command(release, loader, advanced_id))
+    yield StringCommand(plan.set_default_command(release, loader, advanced_id) + f" && rm -f {word(plan.TRIAL_PENDING)}")
 
 
 @operation()
@@ -380,11 +388,12 @@ def apply(spec: HostSpec) -> None:
     if action in ("build", "attach", "install"):
         install_kernel(name=f"Install kernel {k.version} packages" + (f" ({running} made the default first)" if keep else ""),
                        build_dir=build_dir, release=k.version, kind=k.source.kind, keep_default=keep,
-                       esps=bool(build["esps"]))
+                       esps=bool(build["esps"]), trial=bool(k.trial_boot and loader))
     if action in ("build", "attach", "install", "trial") and k.trial_boot and loader:
-        trial_boot(name=f"Trial boot {k.version} on the next boot only ({loader} one-shot)",
+        trial_boot(name=f"Trial boot {k.version} on the next boot only ({loader} one-shot; {running} the default, "
+                        "checked first)",
                    release=k.version, loader=loader, panic_s=k.trial_panic_s, advanced_id=adv,
-                   keep_default=keep if action == "trial" else None,
+                   known_good=running if running and running != k.version else None,
                    sign=plan.sign_command(k.version, k.signing.key, k.signing.cert)
                    if k.signing and build.get("secure_boot") else None,
                    expect=plan.host_expectations(spec))

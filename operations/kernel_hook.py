@@ -55,7 +55,8 @@ def hook_context(spec, cc: str, cxx: str | None, jobs: int, ccache: bool, sig_ha
                                  sig_hash=sig_hash)
     return {**build, "sha256": nv.modules_source.sha256, "state_dir": HOOK_STATE, "pin_file": PIN_FILE,
             "motd_dir": MOTD_DIR, "motd_file": MOTD, "module_subdir": nvidia.MODULE_SUBDIR,
-            "boot_dir": "/boot", "grub_cfg": GRUB_CFG, "loader_entry_prefix": kplan.LOADER_ENTRY_PREFIX}
+            "boot_dir": "/boot", "grub_cfg": GRUB_CFG, "loader_entry_prefix": kplan.LOADER_ENTRY_PREFIX,
+            "grubenv": kplan.GRUBENV, "trial_pending": kplan.TRIAL_PENDING}
 
 
 def hook_script(spec, cc: str, cxx: str | None, jobs: int, ccache: bool, sig_hash: str = "sha256") -> str:

@@ -41,6 +41,7 @@ from facts.kernel import (  # noqa: F401
     TRIAL_FAILED,
     TRIAL_LOG,
     TRIAL_MARKER,
+    TRIAL_PENDING,
     built_release_from_makefile,
     makefile_variables,
     release_from_makefile,
@@ -449,14 +450,17 @@ def set_default_command(release: str, loader: str, advanced_id: str | None = Non
     return f"grub-set-default {operands(grub_entry_id(release, advanced_id), '')}"
 
 
-def oneshot_command(release: str, loader: str, panic_s: int, advanced_id: str | None = None) -> str:
+def oneshot_command(release: str, loader: str, panic_s: int, advanced_id: str | None = None,
+                    keep: str | None = None) -> str:
     """Boot `release` once, at the next boot only, with panic=<panic_s>; the default stays where it is.
 
     systemd-boot: the trial entry (templates/kernel-trial-entry.sh.j2) on every ESP and the
     one-shot variable. GRUB: the trial entry script (templates/grub-trial-entry.sh.j2) in
-    /etc/grub.d, update-grub, then `grub-reboot` (next_entry) of that entry."""
+    /etc/grub.d, update-grub, then `grub-reboot` (next_entry) of that entry. `keep`: the known-good
+    release the loader must boot by default; checked right before the one-shot is set (every ESP's
+    loader.conf and LoaderEntryDefault, or grubenv's saved_entry), else nothing is armed (issue 38 2.2)."""
     if loader == SYSTEMD_BOOT:
-        return trial_entry_command(release, "arm", panic_s)
+        return trial_entry_command(release, "arm", panic_s, keep)
     if not advanced_id:
         raise ValueError("a GRUB one-shot needs the Advanced-options id of /boot/grub/grub.cfg")
     from plan.render import render_template
@@ -466,10 +470,16 @@ def oneshot_command(release: str, loader: str, panic_s: int, advanced_id: str | 
     line = word(f"$menuentry_id_option '{ident}'")
     missing = word(f"pvegpu: update-grub wrote no trial entry {ident} in {GRUB_CFG} "
                           f"(10_linux lists no entry for {release}): no trial")
+    verify = ""
+    if keep:
+        saved = word(f"saved_entry={grub_entry_id(keep, advanced_id)}")
+        wrong = word(f"pvegpu: {GRUBENV}'s saved_entry is not the known-good {keep} "
+                     f"({grub_entry_id(keep, advanced_id)}): no trial is armed")
+        verify = f"{{ grub-editenv {GRUBENV} list | grep -qxF {saved} || {{ echo {wrong} >&2; exit 1; }}; }} && "
     return (f"printf '%s\\n' {word(script)} > {tmp} && chmod 755 {tmp} && mv {tmp} {word(GRUB_TRIAL_SCRIPT)} && "
             f"update-grub && {GRUB_SAVED_CHECK} && "
             f"{{ grep -qF {line} {GRUB_CFG} || {{ echo {missing} >&2; exit 1; }}; }} && "
-            f"grub-reboot {word(ident)}")
+            f"{verify}grub-reboot {word(ident)}")
 
 
 def clear_oneshot_command(release: str, loader: str) -> str:
@@ -482,10 +492,10 @@ def clear_oneshot_command(release: str, loader: str) -> str:
             f"if [ -e {script} ]; then rm -f {script} && update-grub; fi")
 
 
-def trial_entry_command(release: str, mode: str, panic_s: int) -> str:
+def trial_entry_command(release: str, mode: str, panic_s: int, keep: str | None = None) -> str:
     from plan.render import render_template
     script = render_template("kernel-trial-entry.sh.j2", release=release, mode=mode, entry=trial_entry(release),
-                             panic_s=int(panic_s))
+                             panic_s=int(panic_s), keep=keep, loader_entry_prefix=LOADER_ENTRY_PREFIX)
     return f"unshare --mount --propagation private /bin/sh -c {word(script)}"
 
 
@@ -640,10 +650,10 @@ def finish_trial_command(release: str, loader: str, wanted_build_id: str, advanc
         f"rel={q}; checks=; journal=; "
         f'if [ "$(uname -r)" = {q} ] && checks=$({TRIAL_CHECKS_COMMAND}); then {zfs_guard_command(release)} && '
         f"{set_default_command(release, loader, advanced_id)} && {clear} && "
-        f"rm -f {word(TRIAL_MARKER)} {word(TRIAL_FAILED)} {word(TRIAL_CHECKS)}; "
+        f"rm -f {word(TRIAL_MARKER)} {word(TRIAL_PENDING)} {word(TRIAL_FAILED)} {word(TRIAL_CHECKS)}; "
         f'else if [ "$(uname -r)" != {q} ]; then checks=; {_JOURNAL_EVIDENCE}; '
         "else journal='the trial kernel is running'; fi; "
-        f"{record} && {clear} && rm -f {word(TRIAL_MARKER)} {word(TRIAL_CHECKS)} && "
+        f"{record} && {clear} && rm -f {word(TRIAL_MARKER)} {word(TRIAL_PENDING)} {word(TRIAL_CHECKS)} && "
         f'echo {message}"$(uname -r)"${{checks:+", but the host checks failed:$checks"}}{tail} >&2'
         f'{"; exit 1" if fail else ""}; fi'
     )
@@ -666,6 +676,31 @@ def keep_default_command(known_good: str, loader: str, advanced_id: str | None =
     configuration must say GRUB_DEFAULT=saved, else nothing is installed."""
     command = set_default_command(known_good, loader, advanced_id)
     return f"{GRUB_KEEP_CHECK} && {command}" if loader == GRUB else command
+
+
+NEXT_BOOT_PIN = "/etc/kernel/next-boot-pin"  # proxmox-kernel-helper functions NEXT_BOOT_PIN (`kernel pin --next-boot`)
+
+
+def reassert_default_command(known_good: str, loader: str, advanced_id: str | None = None) -> str:
+    """Right before a trial is armed: make the known-good kernel the default again by name,
+    whatever moved it since the install (issue 38 2.2: a kernel hook's pin moved onto the trial
+    kernel) and drop a stale `kernel pin --next-boot` (2.9): zz-proxmox-boot set_systemd_boot_default
+    writes the next-boot pin, not the pin, as loader.conf's default until proxmox-boot-cleanup.service
+    removes it at a boot that reached user space. The refresh also rewrites every ESP's entries from
+    /etc/kernel/cmdline (zz-proxmox-boot copy_and_config_kernels), so the trial entry, a copy of the
+    release's entry, carries today's options (2.9). oneshot_command(keep=) then verifies it."""
+    command = keep_default_command(known_good, loader, advanced_id)
+    if loader != SYSTEMD_BOOT:
+        return command
+    # proxmox-boot-tool unpin_kernel: --next-boot removes only NEXT_BOOT_PIN (the pin stays)
+    return f"{{ [ ! -e {NEXT_BOOT_PIN} ] || proxmox-boot-tool kernel unpin --next-boot; }} && {command}"
+
+
+def trial_pending_command(release: str) -> str:
+    """Mark `release` as the kernel under a trial before its package is installed (TRIAL_PENDING),
+    so the kernel hook (templates/kernel-postinst-nvidia.sh.j2, run by its postinst) never makes it the
+    default: only the trial's pass does (finish_trial_command)."""
+    return root_dirs((STATE_DIR, PRIVATE)) + f"printf '%s\\n' {word(release)} > {word(TRIAL_PENDING)}"
 
 
 # -- kernel.remove_old ---------------------------------------------------------------------

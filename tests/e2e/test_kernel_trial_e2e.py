@@ -127,7 +127,8 @@ def nvidia_module(path: Path, version: str) -> None:
     source.unlink()
 
 
-def stand_in_debs(out: Path, zfs_guids: list[str] | None = None, nvidia: str | None = None) -> list[Path]:
+def stand_in_debs(out: Path, zfs_guids: list[str] | None = None, nvidia: str | None = None,
+                  nvidia_dir: str = "updates/dkms") -> list[Path]:
     """What our pve-kernel build leaves (tests/twin/kernel_packages.py): the unsigned
     proxmox-kernel-<rel> with the files the stages read (and a zfs.ko carrying `zfs_guids`, as
     pve-kernel's image carries its own ZFS module) and proxmox-headers-<rel> with a .config."""
@@ -142,7 +143,7 @@ def stand_in_debs(out: Path, zfs_guids: list[str] | None = None, nvidia: str | N
     scratch.mkdir(exist_ok=True)
     if nvidia is not None:
         nvidia_module(scratch / "nvidia.ko", nvidia)
-        files[f"lib/modules/{RELEASE}/updates/dkms/nvidia.ko"] = (scratch / "nvidia.ko").read_bytes()
+        files[f"lib/modules/{RELEASE}/{nvidia_dir}/nvidia.ko"] = (scratch / "nvidia.ko").read_bytes()
     if zfs_guids is not None:
         zfs_module(scratch / "zfs.ko", zfs_guids)
         files[f"lib/modules/{RELEASE}/zfs/zfs.ko"] = (scratch / "zfs.ko").read_bytes()
@@ -158,13 +159,13 @@ HOST_DRIVER = "host"
 
 
 def seed_finished_build(root: Path, tmp: Path, zfs_guids: list[str] | None = None,
-                        nvidia: str | None = HOST_DRIVER) -> None:
+                        nvidia: str | None = HOST_DRIVER, nvidia_dir: str = "updates/dkms") -> None:
     if nvidia == HOST_DRIVER:
         nvidia = json.loads((root / "var/lib/twin/profile.json").read_text())["nvidia"]["version"]
     k = KernelSpec(**KERNEL)
     build = root / plan.build_dir(k, "running").lstrip("/")
     build.mkdir(parents=True)
-    for deb in stand_in_debs(tmp, zfs_guids, nvidia):
+    for deb in stand_in_debs(tmp, zfs_guids, nvidia, nvidia_dir):
         (build / deb.name).write_bytes(deb.read_bytes())
     (build / "build.rc").write_text("0\n")
     (build / "manifest.json").write_text(json.dumps({
