@@ -104,10 +104,10 @@ def test_the_hooks_pin_stays_off_a_kernel_under_trial(twin_factory, tmp_path):
     run = converge(twin.name)
     assert run.rc == 0, run.output[-6000:]
     log = (root / f"var/lib/pvegpu/kernel-hook/{RELEASE}.log").read_text()  # the hook ran in the install
-    assert f"{RELEASE} is under the kernel stage's trial boot: the boot default stays" in log, log[-3000:]
-    assert (root / "etc/kernel/proxmox-boot-pin").read_text().strip() == OLD
+    assert (root / "etc/kernel/proxmox-boot-pin").read_text().strip() == OLD, log[-3000:]
     assert loader_default(root) == f"proxmox-{OLD}.conf" and efi_default(root) == f"proxmox-{OLD}.conf"
     assert oneshot(root) == TRIAL_ENTRY
+    assert f"{RELEASE} is under the kernel stage's trial boot: the boot default stays" in log, log[-3000:]
     # the hook again inside the trial window (its package reconfigured): the default stays
     out = twin_run(twin.name, f"DEBIAN_FRONTEND=noninteractive dpkg-reconfigure proxmox-kernel-{RELEASE} 2>&1")
     assert "under the kernel stage's trial boot" in out, out[-3000:]

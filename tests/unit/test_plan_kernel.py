@@ -325,7 +325,48 @@ def test_systemd_boot_trial_entry_adds_panic_only_to_its_own_entry(tmp_path):
     assert (tmp_path / "bootctl").read_text().count("set-oneshot") == 1
 
 
-def _grub_oneshot_env(tmp_path: Path, cfg_text: str) -> tuple[str, dict]:
+def test_systemd_boot_trial_is_not_armed_unless_every_esp_boots_the_known_good_kernel(tmp_path):
+    """Issue 38 2.2: oneshot_command(keep=) reads each ESP's loader.conf default right before the
+    one-shot; one ESP that boots another entry (here `proxmox-*`, what reinit writes) and nothing
+    is armed: no trial entry, no bootctl set-oneshot."""
+    esps = tmp_path / "esps"
+    for uuid, default in (("AAAA-0001", "proxmox-6.8.12-4-pve.conf"), ("BBBB-0002", "proxmox-*")):
+        (esps / uuid / "loader/entries").mkdir(parents=True)
+        (esps / uuid / "loader/loader.conf").write_text(f"timeout 3\ndefault {default}\n")
+        (esps / uuid / "loader/entries/proxmox-6.14.8-2-pve.conf").write_text("options  root=ZFS=rpool/ROOT/pve-1\n")
+    (tmp_path / "uuids").write_text("AAAA-0001\nBBBB-0002\n")
+    env = _stubs(tmp_path, unshare='shift 3; exec "$@"',
+                 mount=f'rmdir "$2" && ln -s {esps}/"${{1##*/}}" "$2"', umount='rm "$1" && mkdir "$1"',
+                 bootctl=f'echo "$@" >> {tmp_path}/bootctl')
+    command = plan.oneshot_command("6.14.8-2-pve", "systemd-boot", 7, keep="6.8.12-4-pve")
+    command = command.replace("/etc/kernel/proxmox-boot-uuids", str(tmp_path / "uuids"))
+    r = subprocess.run(["sh", "-c", command], env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and "the ESP BBBB-0002 boots 'proxmox-*' by default, not the known-good " \
+        "proxmox-6.8.12-4-pve.conf: no trial is armed" in r.stderr, r.stderr
+    assert not list(esps.glob("*/loader/entries/pvegpu-trial-*")) and not (tmp_path / "bootctl").exists()
+    (esps / "BBBB-0002/loader/loader.conf").write_text("default proxmox-6.8.12-4-pve.conf\n")
+    r = subprocess.run(["sh", "-c", command], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "bootctl").read_text() == "set-oneshot pvegpu-trial-6.14.8-2-pve.conf\n"
+
+
+def test_a_grub_trial_is_not_armed_unless_saved_entry_is_the_known_good_kernel(tmp_path):
+    cmd, env = _grub_oneshot_env(tmp_path, SAVED + "menuentry 'pvegpu trial' $menuentry_id_option "
+                                 "'pvegpu-trial-6.14.8-2-pve' {\n}\n", keep="6.8.12-4-pve")
+    (Path(env["PATH"].split(":")[0]) / "grub-editenv").write_text(
+        f"#!/bin/sh\ncat {tmp_path}/grubenv\n")
+    (Path(env["PATH"].split(":")[0]) / "grub-editenv").chmod(0o755)
+    (tmp_path / "grubenv").write_text("saved_entry=0\n")
+    r = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and "saved_entry is not the known-good 6.8.12-4-pve" in r.stderr, r.stderr
+    assert "grub-reboot" not in (tmp_path / "calls").read_text()
+    (tmp_path / "grubenv").write_text(f"saved_entry={plan.grub_entry_id('6.8.12-4-pve', 'ab')}\n")
+    r = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "calls").read_text().endswith("grub-reboot pvegpu-trial-6.14.8-2-pve\n")
+
+
+def _grub_oneshot_env(tmp_path: Path, cfg_text: str, keep: str | None = None) -> tuple[str, dict]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name in ("update-grub", "grub-reboot"):
@@ -333,7 +374,7 @@ def _grub_oneshot_env(tmp_path: Path, cfg_text: str) -> tuple[str, dict]:
         (bin_dir / name).chmod(0o755)
     cfg = tmp_path / "grub.cfg"
     cfg.write_text(cfg_text)
-    cmd = (plan.oneshot_command("6.14.8-2-pve", "grub", 10, "ab").replace("/boot/grub/grub.cfg", str(cfg))
+    cmd = (plan.oneshot_command("6.14.8-2-pve", "grub", 10, "ab", keep=keep).replace("/boot/grub/grub.cfg", str(cfg))
            .replace(plan.GRUB_TRIAL_SCRIPT, str(tmp_path / "42_pvegpu_trial")))
     return cmd, {"PATH": f"{bin_dir}:/usr/bin:/bin"}
 
