@@ -108,7 +108,7 @@ submenu 'Advanced options for Proxmox VE GNU/Linux' $menuentry_id_option 'gnulin
 
 def grub_host(tmp: Path, releases: list[str]) -> None:
     """A GRUB host whose default is saved: stub uname, modinfo (nvidia 580.95.05 for `releases`)
-    and grub-set-default (logs its argument), and kernels in a boot dir."""
+    and grub-editenv (logs the saved_entry it sets, and any other change), and kernels in a boot dir."""
     (tmp / "bin").mkdir()
     (tmp / "boot").mkdir()
     for rel in (GOOD, RELEASE):
@@ -116,7 +116,8 @@ def grub_host(tmp: Path, releases: list[str]) -> None:
     (tmp / "grub.cfg").write_text(GRUB_CFG)
     stubs = {"uname": f"echo {GOOD}",
              "modinfo": 'case " $* " in ' + "".join(f'*" {r} "*) echo 580.95.05 ;; ' for r in releases) + "esac",
-             "grub-set-default": f'echo "$1" >> {tmp}/grub-set-default'}
+             "grub-editenv": (f'case "$2 $3" in "set saved_entry="*) echo "${{3#saved_entry=}}" >> {tmp}/saved_entry ;; '
+                              f'"unset prev_saved_entry") ;; *) echo "$*" >> {tmp}/grubenv-other ;; esac')}
     for name, body in stubs.items():
         (tmp / "bin" / name).write_text(f"#!/bin/sh\n{body}\n")
         (tmp / "bin" / name).chmod(0o755)
@@ -128,8 +129,9 @@ def test_on_grub_with_a_saved_default_a_failed_kernel_leaves_saved_entry_on_the_
     grub_host(tmp_path, [GOOD])
     done = run(tmp_path, hook(tmp_path, tmp_path / "none.tar.gz", hashlib.sha256(b"none").hexdigest()))
     assert done.returncode == 0, done.stderr
-    assert (tmp_path / "grub-set-default").read_text() == (
+    assert (tmp_path / "saved_entry").read_text() == (
         f"gnulinux-advanced-4f1e>gnulinux-{GOOD}-advanced-4f1e\n")
+    assert not (tmp_path / "grubenv-other").exists()  # next_entry (a trial's one-shot) is left alone
     assert (tmp_path / f"state/{RELEASE}.failed").read_text().splitlines()[2].startswith(
         f"{GOOD} stays the boot default (GRUB's saved entry, set by pvegpu")
 
@@ -141,7 +143,7 @@ def test_on_grub_a_later_kernel_with_modules_moves_the_saved_entry_on(tmp_path):
     (tmp_path / "modules" / RELEASE / "updates/pvegpu-nvidia").mkdir(parents=True)  # its modules are installed
     done = run(tmp_path, hook(tmp_path, tmp_path / "none.tar.gz", hashlib.sha256(b"none").hexdigest()))
     assert done.returncode == 0, done.stderr
-    assert (tmp_path / "grub-set-default").read_text() == (
+    assert (tmp_path / "saved_entry").read_text() == (
         f"gnulinux-advanced-4f1e>gnulinux-{RELEASE}-advanced-4f1e\n")
     assert (tmp_path / "state/grub-default").read_text() == f"{RELEASE}\n"
 

@@ -228,21 +228,28 @@ def test_install_keeps_running_kernel_and_records_manifest():
 
 def test_trial_boot_sets_the_loaders_one_shot_and_marks_it_last():
     cmds, _ = run_op(kernel.trial_boot, "6.14.8-2-pve", "systemd-boot", 10)
-    assert cmds[0] == plan.zfs_guard_command("6.14.8-2-pve")  # a kernel that cannot import the root pool is not tried
-    assert cmds[1] == plan.oneshot_command("6.14.8-2-pve", "systemd-boot", 10)
-    assert "bootctl set-oneshot" in cmds[1] and "--next-boot" not in cmds[1]
-    assert cmds[2] == plan.arm_trial_command("6.14.8-2-pve") and len(cmds) == 3
-    assert "/var/lib/pvegpu/kernel/trial-boot" in cmds[2] and "/run/pvegpu/kernel-trial" in cmds[2]
+    assert cmds[0] == plan.trial_pending_command("6.14.8-2-pve")  # the kernel hook leaves its default alone
+    assert cmds[1] == plan.zfs_guard_command("6.14.8-2-pve")  # a kernel that cannot import the root pool is not tried
+    assert cmds[2] == plan.oneshot_command("6.14.8-2-pve", "systemd-boot", 10)
+    assert "bootctl set-oneshot" in cmds[2] and "--next-boot" not in cmds[2]
+    assert cmds[3] == plan.arm_trial_command("6.14.8-2-pve") and len(cmds) == 4
+    assert "/var/lib/pvegpu/kernel/trial-boot" in cmds[3] and "/run/pvegpu/kernel-trial" in cmds[3]
     cmds, _ = run_op(kernel.trial_boot, "6.1.0-x", "grub", 10, "ab")
-    assert cmds[1].endswith("grub-reboot pvegpu-trial-6.1.0-x") and "panic=" in cmds[1]
+    assert cmds[2].endswith("grub-reboot pvegpu-trial-6.1.0-x") and "panic=" in cmds[2]
 
 
-def test_trial_of_an_installed_kernel_makes_the_running_one_the_default_first_where_asked():
-    keep = plan.keep_default_command("6.14.8-2-pve", "systemd-boot")
-    cmds, _ = run_op(kernel.trial_boot, "6.14.11-9-bpo12-pve", "systemd-boot", 10, None, keep)
-    assert cmds[0] == ("proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool refresh && "
+def test_trial_makes_the_running_kernel_the_default_again_and_checks_it_before_the_one_shot():
+    """Issue 38 2.2/2.9: right before the one-shot, whatever moved the default since the install."""
+    cmds, _ = run_op(kernel.trial_boot, "6.14.11-9-bpo12-pve", "systemd-boot", 10, None, "6.14.8-2-pve")
+    assert cmds[1] == ("{ [ ! -e /etc/kernel/next-boot-pin ] || proxmox-boot-tool kernel unpin --next-boot; } && "
+                       "proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool refresh && "
                        + plan.efi_default_command("6.14.8-2-pve"))
-    assert "pvegpu-trial-6.14.11-9-bpo12-pve.conf" in cmds[2]
+    assert cmds[3] == plan.oneshot_command("6.14.11-9-bpo12-pve", "systemd-boot", 10, keep="6.14.8-2-pve")
+    assert "keep=6.14.8-2-pve" in cmds[3]
+    cmds, _ = run_op(kernel.trial_boot, "6.14.11-9-bpo12-pve", "grub", 10, "ab", "6.14.8-2-pve")
+    assert cmds[1] == plan.keep_default_command("6.14.8-2-pve", "grub", "ab")
+    assert "saved_entry=gnulinux-advanced-ab>gnulinux-6.14.8-2-pve-advanced-ab" in cmds[3]
+    assert cmds[3].index("grub-editenv /boot/grub/grubenv list") < cmds[3].rindex("grub-reboot pvegpu-trial-")
 
 
 def test_install_makes_the_running_kernel_the_default_first_where_asked():
@@ -498,6 +505,7 @@ def test_a_kernel_is_made_the_default_for_good_only_past_the_zfs_guard():
     """A default for good (pin, or the end of a trial that came up) checks the kernel's ZFS module
     against the root pool first, as the trial does (issue 27 part 5)."""
     cmds, _ = run_op(kernel.pin_kernel, "6.14.8-2-pve", "systemd-boot")
-    assert cmds == [plan.zfs_guard_command("6.14.8-2-pve"), plan.set_default_command("6.14.8-2-pve", "systemd-boot")]
+    assert cmds == [plan.zfs_guard_command("6.14.8-2-pve"), plan.set_default_command("6.14.8-2-pve", "systemd-boot")
+                    + f" && rm -f {plan.TRIAL_PENDING}"]
     finish = plan.finish_trial_command("6.14.8-2-pve", "grub", "b1d", "ab")
     assert finish.index(plan.zfs_guard_command("6.14.8-2-pve")) < finish.index("grub-set-default")
