@@ -45,6 +45,9 @@ MOTD_DIR = "/etc/motd.d"
 # Linux-PAM modules/pam_motd/pam_motd.c: DEFAULT_MOTD_D (/etc/motd.d:…) is read when neither
 # motd= nor motd_dir= is given, as on Debian's second pam_motd line (/etc/pam.d/sshd, login)
 MOTD = f"{MOTD_DIR}/pvegpu-kernel"
+# proxmox-kernel-helper's hook that writes apt's NeverAutoRemove list (/etc/apt/apt.conf.d/76pveconf)
+# from kernel_keep_versions (the pin among them); run-parts runs it before ours
+AUTO_REMOVAL = "/etc/kernel/postinst.d/proxmox-auto-removal"
 GRUB_CFG = "/boot/grub/grub.cfg"  # grub-mkconfig's output: whether GRUB boots saved_entry, and the entries' ids
 
 
@@ -56,7 +59,7 @@ def hook_context(spec, cc: str, cxx: str | None, jobs: int, ccache: bool, sig_ha
     return {**build, "sha256": nv.modules_source.sha256, "state_dir": HOOK_STATE, "pin_file": PIN_FILE,
             "motd_dir": MOTD_DIR, "motd_file": MOTD, "module_subdir": nvidia.MODULE_SUBDIR,
             "boot_dir": "/boot", "grub_cfg": GRUB_CFG, "loader_entry_prefix": kplan.LOADER_ENTRY_PREFIX,
-            "grubenv": kplan.GRUBENV, "trial_pending": kplan.TRIAL_PENDING}
+            "grubenv": kplan.GRUBENV, "trial_pending": kplan.TRIAL_PENDING, "auto_removal": AUTO_REMOVAL}
 
 
 def hook_script(spec, cc: str, cxx: str | None, jobs: int, ccache: bool, sig_hash: str = "sha256") -> str:

@@ -28,7 +28,8 @@ def hook(tmp: Path, archive: Path, sha: str, cc: str = "gcc-12", codename: str =
                    motd_dir=str(tmp / "motd.d"), motd_file=str(tmp / "motd.d/pvegpu-kernel"),
                    modules_dir=str(tmp / "modules"), build_root=str(tmp / "build"),
                    build_parent=str(tmp / "build/580.95.05"), boot_dir=str(tmp / "boot"),
-                   grub_cfg=str(tmp / "grub.cfg"), os_release=str(tmp / "os-release"))
+                   grub_cfg=str(tmp / "grub.cfg"), os_release=str(tmp / "os-release"),
+                   auto_removal=str(tmp / "bin/proxmox-auto-removal"), trial_pending=str(tmp / "trial-pending"))
     return render_template("kernel-postinst-nvidia.sh.j2", **context)
 
 
@@ -230,7 +231,9 @@ def upgrade_host(tmp: Path, codename: str) -> None:
         (tmp / f"boot/vmlinuz-{rel}").write_text("")
     stubs = {"uname": f"echo {BOOKWORM_GOOD}",
              "modinfo": f'case " $* " in *" {BOOKWORM_GOOD} "*) echo 580.95.05 ;; esac',
-             "proxmox-boot-tool": f'echo "$*" >> {tmp}/pbt; [ "$2" ] && echo "$3" > {tmp}/pin'}
+             "proxmox-boot-tool": f'echo "$*" >> {tmp}/pbt; [ "$2" ] && echo "$3" > {tmp}/pin',
+             # proxmox-kernel-helper's hook: apt's NeverAutoRemove list from the pin file as it is now
+             "proxmox-auto-removal": f'echo "$1 pin=$(cat {tmp}/pin 2>/dev/null)" >> {tmp}/auto-removal'}
     for name, body in stubs.items():
         (tmp / "bin" / name).write_text(f"#!/bin/sh\n{body}\n")
         (tmp / "bin" / name).chmod(0o755)
@@ -270,6 +273,9 @@ def test_on_8_the_hook_still_pins_the_last_good_8_kernel(tmp_path):
     assert (tmp_path / "pbt").read_text() == f"kernel pin {BOOKWORM_GOOD}\n"
     assert (tmp_path / f"state/{bad}.failed").read_text().splitlines()[2].startswith(
         f"{BOOKWORM_GOOD} stays the boot default (pinned by pvegpu")
+    # issue 38 2.9: run-parts ran proxmox-auto-removal before this hook, with no pin; it runs again
+    # after the pin, so apt's NeverAutoRemove list keeps the kernel that is the default now
+    assert (tmp_path / "auto-removal").read_text() == f"{bad} pin={BOOKWORM_GOOD}\n"
 
 
 def test_the_hooks_release_of_a_kernel_is_plan_releases_rule():
