@@ -59,6 +59,18 @@ def loader_of_state(state: dict) -> str:
                        bool(state.get("esp_list")))
 
 
+def loader_of_boot_fact(boot_loader: dict | None) -> str | None:
+    """`host_loader` from `facts.kernel.BootLoader` (the boot stage's reading: each ESP's mode as
+    `proxmox-boot-tool status` shows it, `uefi` or `grub`, the firmware's where it shows both);
+    None where the host has neither ESPs nor a GRUB configuration."""
+    fact = boot_loader or {}
+    esps = fact.get("esps") or []
+    if esps:
+        modes = [{"uefi": SYSTEMD_BOOT, "grub": GRUB_ESP}.get(e.get("mode") or "") for e in esps]
+        return host_loader(fact.get("firmware"), modes, True)
+    return GRUB if fact.get("loader") == "grub" else (SYSTEMD_BOOT if fact.get("loader") == "systemd-boot" else None)
+
+
 # -- systemd-boot --------------------------------------------------------------------------
 
 
