@@ -246,7 +246,7 @@ def decide(k: KernelSpec, facts: dict, base: str) -> dict:
     """plan.kernel_decision on the stage's facts; the decision also carries the loader default."""
     build = facts["build"]
     loader, _ = plan.default_loader(build, host_loader(facts))
-    default = plan.default_release(facts["kernels"], build, loader)
+    default = plan.default_release(facts["kernels"], build, loader, facts.get("loader_state"))
     decision = plan.kernel_decision(
         k, {"kernels": facts["kernels"], "installed_manifest": build["installed_manifest"], "build": build,
             "trial": build["trial"], "armed": build["armed"], "failed": build["failed"], "default": default}, base)
@@ -424,5 +424,6 @@ def apply(spec: HostSpec) -> None:
     if k.remove_old and running == k.version and action in ("done", "pin", "finish"):
         # never the running kernel nor the loader default (the known-good one until the new
         # release is made the default in this run)
-        old = plan.old_kernel_packages(build["kernel_packages"], {k.version, running, decision["default"]})
+        old = plan.old_kernel_packages(build["kernel_packages"], {k.version, running, decision["default"],
+                                                                  facts["kernels"].get("pinned")})
         remove_old_kernels(name="Remove old kernels", packages=old)

@@ -567,11 +567,19 @@ def default_loader(build: dict, loader: str | None = None) -> tuple[str | None, 
     return GRUB, None
 
 
-def default_release(kernels: dict, build: dict, loader: str | None) -> str | None:
-    """The kernel the loader boots by default: the pin (ESPs), grubenv saved_entry (GRUB on /boot)."""
+def default_release(kernels: dict, build: dict, loader: str | None, loader_state: dict | None = None) -> str | None:
+    """The kernel the loader boots by default: the pin (ESPs), grubenv saved_entry (GRUB on /boot).
+    On ESPs the pin counts only where the loader's own default (`loader_state`, plan.loader
+    next_boot without its one-shots: LoaderEntryDefault, loader.conf, the ESP's grub.cfg) boots it
+    on every ESP: a `bootctl set-default` or loader.conf edit to another kernel is no default of ours."""
     if loader == GRUB:
         return grub_release_of(build.get("grub_saved"))
-    return kernels.get("pinned")
+    pinned = kernels.get("pinned")
+    if pinned and loader_state:
+        booted = [c["release"] for c in loader_plan.next_boot(loader_state, once=False)]
+        if booted and any(r != pinned for r in booted):
+            return None
+    return pinned
 
 
 def host_expectations(spec) -> dict:

@@ -194,13 +194,14 @@ def _entry_release(entry: dict) -> str | None:
     return m.group(1) if m else entry["keys"].get("version")
 
 
-def systemd_boot_choice(esp: dict, efivars: dict) -> dict:
-    """{"entry", "release", "why"} of the entry systemd-boot starts from this ESP at the next boot."""
+def systemd_boot_choice(esp: dict, efivars: dict, once: bool = True) -> dict:
+    """{"entry", "release", "why"} of the entry systemd-boot starts from this ESP at the next boot
+    (`once` False: at the boots after it, LoaderEntryOneShot left out)."""
     entries = systemd_boot_order([e for e in map(_entry, esp.get("entries") or [])
                                   if e["kernel_present"] and "linux" in e["keys"]])
     if not entries:
         return {"entry": None, "release": None, "why": "no loader entry with its kernel on the ESP"}
-    for source, pattern in (("LoaderEntryOneShot", efivars.get("LoaderEntryOneShot")),
+    for source, pattern in (("LoaderEntryOneShot", efivars.get("LoaderEntryOneShot") if once else None),
                             ("LoaderEntryDefault", efivars.get("LoaderEntryDefault")),
                             ("loader.conf default", _loader_conf_default(esp.get("loader_conf")))):
         if not pattern:
@@ -271,10 +272,10 @@ def grubenv_values(lines: list[str] | None) -> dict[str, str]:
     return env
 
 
-def grub_choice(cfg: list[str] | None, env_lines: list[str] | None) -> dict:
+def grub_choice(cfg: list[str] | None, env_lines: list[str] | None, once: bool = True) -> dict:
     """{"entry", "release", "why"} of the entry GRUB boots with this grub.cfg and grubenv
     (00_header.in: next_entry when set, else the header's `set default=`; menu.c: an unknown
-    default boots the first entry)."""
+    default boots the first entry). `once` False: the default, next_entry left out."""
     menu = grub_menu(cfg)
     if not menu:
         return {"entry": None, "release": None, "why": "no grub.cfg menu"}
@@ -282,7 +283,7 @@ def grub_choice(cfg: list[str] | None, env_lines: list[str] | None) -> dict:
     defaults = [m.group(1) for line in cfg or [] if (m := re.match(r'^\s*set default="([^"]*)"\s*$', line))]
     fallback = next((d for d in defaults if d != "${next_entry}"), "0")
     tried = []
-    if env.get("next_entry") and "${next_entry}" in defaults:
+    if once and env.get("next_entry") and "${next_entry}" in defaults:
         tried.append((f"next_entry {env['next_entry']}", env["next_entry"]))
     value = fallback.replace("${saved_entry}", env.get("saved_entry", ""))
     tried.append((f"saved_entry {env.get('saved_entry', '')}" if "${saved_entry}" in fallback else f"default {fallback}",
@@ -306,11 +307,12 @@ def _grub_release(item: dict) -> str | None:
 # -- the decision ---------------------------------------------------------------------------
 
 
-def next_boot(state: dict) -> list[dict]:
+def next_boot(state: dict, once: bool = True) -> list[dict]:
     """What the loader boots next, for each place the firmware may start it from: each ESP of
     /etc/kernel/proxmox-boot-uuids (the loader refresh keeps there: `esp_loader`), else GRUB from
     /boot/grub; [] where neither is there. [{"where": "ESP 5A1C-9E27" | "/boot/grub", "loader", "entry", "release", "why"}];
-    "release" None where nothing bootable was found (the "why" says what)."""
+    "release" None where nothing bootable was found (the "why" says what). `once` False: the
+    loader's default, the boots after the next (one-shots left out)."""
     firmware = state.get("firmware")
     efivars = state.get("efivars") or {}
     out = []
@@ -323,9 +325,9 @@ def next_boot(state: dict) -> list[dict]:
                 continue
             loader = esp_loader(esp, firmware)
             if loader == SYSTEMD_BOOT:
-                out.append({"where": where, "loader": loader, **systemd_boot_choice(esp, efivars)})
+                out.append({"where": where, "loader": loader, **systemd_boot_choice(esp, efivars, once)})
             elif loader == GRUB_ESP:
-                out.append({"where": where, "loader": loader, **grub_choice(esp.get("grub_cfg"), esp.get("grubenv"))})
+                out.append({"where": where, "loader": loader, **grub_choice(esp.get("grub_cfg"), esp.get("grubenv"), once)})
             else:
                 out.append({"where": where, "loader": None, "entry": None, "release": None,
                             "why": "the ESP has neither systemd-boot (loader/loader.conf) nor GRUB (grub/) set up"})
@@ -333,9 +335,9 @@ def next_boot(state: dict) -> list[dict]:
             return out
     if state.get("grub_cfg") is None:
         return []  # no loader this reading knows of (a VM booted by its hypervisor's kernel, a CT)
-    return [{"where": "/boot/grub", "loader": GRUB, **grub_choice(state.get("grub_cfg"), state.get("grubenv"))}]
+    return [{"where": "/boot/grub", "loader": GRUB, **grub_choice(state.get("grub_cfg"), state.get("grubenv"), once)}]
 
 
-def next_boot_releases(state: dict) -> list[str]:
+def next_boot_releases(state: dict, once: bool = True) -> list[str]:
     """The kernel releases `next_boot` finds, each once, in order."""
-    return list(dict.fromkeys(c["release"] for c in next_boot(state) if c["release"]))
+    return list(dict.fromkeys(c["release"] for c in next_boot(state, once) if c["release"]))

@@ -150,3 +150,19 @@ def test_no_loader_to_read():
     unmounted: dict = {"firmware": "uefi", "efivars": {}, "esp_list": ["AAAA-BBBB"],
                  "esps": [{"uuid": "AAAA-BBBB", "mounted": False}], "grub_cfg": None}
     assert plan.next_boot(unmounted)[0]["release"] is None
+
+
+def test_the_kernel_stages_default_is_the_pin_only_where_the_loader_boots_it():
+    """plan.kernel.default_release on ESPs: the pin counts where the loader's own default (one-shots
+    left out) boots it; a `bootctl set-default` to another kernel is no default (the stage pins again)."""
+    from plan import kernel as kplan
+
+    state = reading("kpro6-oneshot-and-default")  # one-shot 6.8.12-11, EFI default 6.14.8-2
+    kernels = {"pinned": "6.14.8-2-pve"}
+    assert plan.next_boot_releases(state, once=False) == ["6.14.8-2-pve"]
+    assert kplan.default_release(kernels, {}, kplan.SYSTEMD_BOOT, state) == "6.14.8-2-pve"
+    state["efivars"]["LoaderEntryDefault"] = "proxmox-6.8.12-11-pve.conf"
+    assert kplan.default_release(kernels, {}, kplan.SYSTEMD_BOOT, state) is None
+    assert kplan.default_release(kernels, {}, kplan.SYSTEMD_BOOT) == "6.14.8-2-pve"  # no reading: the pin
+    grub = reading("intel2-grub-saved-and-next-entry")
+    assert plan.next_boot_releases(grub, once=False) == ["6.8.12-11-pve"]  # next_entry left out
