@@ -129,11 +129,11 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
         {**_BUILD, "release": None, "sha256": "a" * 64, "state_dir": "/var/lib/pvegpu/kernel-hook",
          "pin_file": "/etc/kernel/proxmox-boot-pin", "motd_dir": "/etc/motd.d", "motd_file": "/etc/motd.d/pvegpu-kernel",
          "module_subdir": "updates/pvegpu-nvidia", "boot_dir": "/boot", "grub_cfg": "/boot/grub/grub.cfg",
-         "loader_entry_prefix": "proxmox-"},
+         "loader_entry_prefix": "proxmox-", "esp_list": "/etc/kernel/proxmox-boot-uuids"},
         {**_BUILD, "release": None, "cxx": "g++-12", "signing": ("/root/mok.key", "/root/mok.der"), "sha256": "a" * 64,
          "state_dir": "/var/lib/pvegpu/kernel-hook", "pin_file": "/etc/kernel/proxmox-boot-pin", "motd_dir": "/etc/motd.d",
          "motd_file": "/etc/motd.d/pvegpu-kernel", "module_subdir": "updates/pvegpu-nvidia", "boot_dir": "/boot",
-         "grub_cfg": "/boot/grub/grub.cfg", "loader_entry_prefix": "proxmox-"},
+         "grub_cfg": "/boot/grub/grub.cfg", "loader_entry_prefix": "proxmox-", "esp_list": "/etc/kernel/proxmox-boot-uuids"},
     ],
     "nvidia-install.sh.j2": [
         dict(release="6.14.11-4-pve", build_parent=_BUILD["build_parent"], modules_dir="/lib/modules",
