@@ -27,6 +27,7 @@ from facts.shell import word
 from operations import handlers
 from operations.files import file_current, write_file_command
 from plan import boot as plan
+from plan import loader as loader_plan
 from plan.render import render_template
 from spec.models import HostSpec
 
@@ -62,12 +63,17 @@ def boot_plan(spec: HostSpec, facts: dict) -> dict:
         values = plan.grub_dropin_values(grub_files, desired, spec, pve_major)
         configured = plan.grub_configured_cmdline(values, grub_files)
         path = plan.GRUB_DROPIN
+        # GRUB on proxmox-boot-tool's ESPs (issue 38 2.4) reads the ESP's grubenv, not the root's
+        # /boot/grub/grubenv that grub-set-default writes: GRUB_DEFAULT stays the host's there, and
+        # Proxmox's pin (/etc/default/grub.d/proxmox-kernel-pin.cfg, written by refresh) chooses
+        saved = loader_plan.loader_of_boot_fact(loader_fact) == loader_plan.GRUB
         content = render_template(
-            "grub-pvegpu.cfg.j2", values={k: plan.sh_double_quoted(v) for k, v in values.items()}
+            "grub-pvegpu.cfg.j2", values={k: plan.sh_double_quoted(v) for k, v in values.items()}, saved=saved
         )
         # our drop-in sets GRUB_DEFAULT=saved; the default the files before it configured (a
         # Proxmox pin snippet included) becomes saved_entry, where grubenv has none yet
-        grub_default = plan.grub_base_values(grub_files).get("GRUB_DEFAULT", "0")
+        if saved:
+            grub_default = plan.grub_base_values(grub_files).get("GRUB_DEFAULT", "0")
     else:
         configured = plan.merge_cmdline(loader_fact.get("kernel_cmdline") or "", desired, spec, pve_major)
         path = KERNEL_CMDLINE

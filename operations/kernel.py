@@ -21,6 +21,7 @@ from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
 
 from facts.kernel import KernelStageFacts, NvidiaGateRecords
+from facts.loader import LoaderState
 from facts.nvidia import SHIM_VALIDATION_OFF, NvidiaHostState
 from facts.once import fact_once
 from facts.run_state import need_reboot, record_trial_boot
@@ -224,8 +225,13 @@ def remove_old_kernels(packages: list[str]):
 
 
 def stage_facts(k: KernelSpec) -> dict:
+    """KernelStageFacts, and on ESP hosts what their loader reads (facts.loader.LoaderState: the
+    ESPs' mode, for the one loader decision)."""
     base = base_config_of(k)
-    return fact_once(KernelStageFacts, **fact_args(k, base))
+    facts = fact_once(KernelStageFacts, **fact_args(k, base))
+    if (facts.get("build") or {}).get("esps"):
+        facts = {**facts, "loader_state": fact_once(LoaderState)}
+    return facts
 
 
 def fact_args(k: KernelSpec, base: str) -> dict:
@@ -238,11 +244,17 @@ def fact_args(k: KernelSpec, base: str) -> dict:
     return args
 
 
+def host_loader(facts: dict) -> str:
+    """The one loader decision (plan.kernel.host_loader) from what the loader reads
+    (`stage_facts` "loader_state": each ESP's mode), else from the stage's build facts."""
+    return plan.host_loader(facts["build"], facts.get("loader_state"))
+
+
 def decide(k: KernelSpec, facts: dict, base: str) -> dict:
     """plan.kernel_decision on the stage's facts; the decision also carries the loader default."""
     build = facts["build"]
-    loader, _ = plan.default_loader(build)
-    default = plan.default_release(facts["kernels"], build, loader)
+    loader, _ = plan.default_loader(build, host_loader(facts))
+    default = plan.default_release(facts["kernels"], build, loader, facts.get("loader_state"))
     decision = plan.kernel_decision(
         k, {"kernels": facts["kernels"], "installed_manifest": build["installed_manifest"], "build": build,
             "trial": build["trial"], "armed": build["armed"], "failed": build["failed"], "default": default}, base)
@@ -283,12 +295,13 @@ def preflight(spec: HostSpec) -> list[str]:
         # shim verifies the kernel image GRUB loads (Proxmox's Secure Boot chain: shim -> GRUB ->
         # a kernel signed by the Proxmox CA or a MOK): the build is signed with kernel.signing
         refusals.append(sb_refusal)
-    _, no_trial = plan.trial_loader(facts["build"])
+    mode = host_loader(facts)
+    _, no_trial = plan.trial_loader(facts["build"], mode)
     if k.trial_boot and no_trial and decision["action"] in ("build", "attach", "install", "trial"):
         refusals.append(f"kernel.trial_boot is on, but a trial that is one boot cannot be set up on this host: {no_trial}. "
                         "Fix that, or set kernel.trial_boot: false to install the kernel without a trial (then it is "
                         "booted only when chosen at the console)")
-    keeper, no_keep = plan.default_loader(facts["build"])
+    keeper, no_keep = plan.default_loader(facts["build"], mode)
     if not k.trial_boot and no_keep and decision["action"] in ("build", "attach", "install"):
         refusals.append(f"kernel.trial_boot is off, so the new kernel is installed but not made the default; on this "
                         f"host the running kernel cannot be kept the loader's default by name: {no_keep}. Without "
@@ -323,7 +336,7 @@ def prefetch(spec: HostSpec) -> list:
     k = spec.kernel
     if k is None:
         return []
-    return [(KernelStageFacts, fact_args(k, base_config_of(k))),
+    return [(KernelStageFacts, fact_args(k, base_config_of(k))), (LoaderState, {}),
             *([(NvidiaGateRecords, {}), (NvidiaHostState, nvidia.state_kwargs(spec))] if gated(spec) else []),
             *progress.prefetch()]
 
@@ -338,7 +351,8 @@ def apply(spec: HostSpec) -> None:
     facts = stage_facts(k)
     build = facts["build"]
     decision = decide(k, facts, base)
-    loader, no_trial = plan.trial_loader(build)
+    mode = host_loader(facts)
+    loader, no_trial = plan.trial_loader(build, mode)
     adv = build.get("grub_advanced_id")
     action = decision["action"]
     logger.info(f"{host.name}: kernel {k.version}: {decision['why']}")
@@ -371,7 +385,7 @@ def apply(spec: HostSpec) -> None:
     # not: a kernel package's postinst would otherwise make the new one the default
     # (zz-proxmox-boot writes `default proxmox-*` without a pin; GRUB boots its first entry)
     # (trial or not: kernel.trial_boot: false installs it without making it the default, issue 38 2.3)
-    keeper, no_keep = plan.default_loader(build)
+    keeper, no_keep = plan.default_loader(build, mode)
     keep = None
     if keeper and running and running != k.version and decision["default"] != running:
         keep = plan.keep_default_command(running, keeper, adv)
@@ -419,5 +433,6 @@ def apply(spec: HostSpec) -> None:
     if k.remove_old and running == k.version and action in ("done", "pin", "finish"):
         # never the running kernel nor the loader default (the known-good one until the new
         # release is made the default in this run)
-        old = plan.old_kernel_packages(build["kernel_packages"], {k.version, running, decision["default"]})
+        old = plan.old_kernel_packages(build["kernel_packages"], {k.version, running, decision["default"],
+                                                                  facts["kernels"].get("pinned")})
         remove_old_kernels(name="Remove old kernels", packages=old)

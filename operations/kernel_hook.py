@@ -27,6 +27,7 @@ from pyinfra.api import StringCommand, deploy, operation
 
 from facts.files import ManagedFiles
 from facts.kernel_hook import HOLD_RECORD, HOOK_STATE, PIN_FILE, KernelHookState
+from facts.loader import ESP_LIST
 from facts.once import fact_once
 from facts.shell import operands, word
 from operations import nvidia
@@ -59,7 +60,8 @@ def hook_context(spec, cc: str, cxx: str | None, jobs: int, ccache: bool, sig_ha
     return {**build, "sha256": nv.modules_source.sha256, "state_dir": HOOK_STATE, "pin_file": PIN_FILE,
             "motd_dir": MOTD_DIR, "motd_file": MOTD, "module_subdir": nvidia.MODULE_SUBDIR,
             "boot_dir": "/boot", "grub_cfg": GRUB_CFG, "loader_entry_prefix": kplan.LOADER_ENTRY_PREFIX,
-            "grubenv": kplan.GRUBENV, "trial_pending": kplan.TRIAL_PENDING, "auto_removal": AUTO_REMOVAL}
+            "grubenv": kplan.GRUBENV, "trial_pending": kplan.TRIAL_PENDING, "auto_removal": AUTO_REMOVAL,
+            "esp_list": ESP_LIST}
 
 
 def hook_script(spec, cc: str, cxx: str | None, jobs: int, ccache: bool, sig_hash: str = "sha256") -> str:

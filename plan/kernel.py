@@ -13,7 +13,8 @@
     build_space_kib(kernel_spec, base_config)      -> KiB free a build needs under BUILD_ROOT (measured: BUILD_SPACE_KIB)
     package_globs(kind, release)                   -> ["linux-image-6.1.0-pvegpu_*.deb", …]
     boot loader interface (one trial = one boot; see the section below):
-    trial_loader(build_facts)                      -> ("systemd-boot"|"grub", None) or (None, why not)
+    host_loader(build_facts, loader_state)         -> "systemd-boot"|"grub"|"grub-esp"  # plan.loader's one decision
+    trial_loader(build_facts, loader)              -> ("systemd-boot"|"grub", None) or (None, why not)
     set_default_command(release, loader, adv_id)   # the default for good
     oneshot_command(release, loader, panic_s, adv_id)  # the next boot only, with panic=
     clear_oneshot_command(release, loader)
@@ -50,6 +51,7 @@ from facts.kernel import (  # noqa: F401
 # The kernel stage's host paths and pve-kernel's Makefile reader live with the fact that reads
 # them (facts.kernel); plan.kernel names them too, for its own use and its callers'.
 from facts.shell import operands, word
+from plan import loader as loader_plan
 from plan.nvidia import signing_key_refusal
 from plan.render import PRIVATE, PUBLIC, root_dirs
 from spec.models import KernelSpec
@@ -355,8 +357,9 @@ def kernel_decision(kernel: KernelSpec, facts: dict, base_config: str = "running
 #   GRUB_CMDLINE_LINUX*, so the one-shot names a trial entry of our own (GRUB_TRIAL_SCRIPT, a
 #   /etc/grub.d script that grub-mkconfig runs: 10_linux's entry of the release with panic= added).
 
-SYSTEMD_BOOT = "systemd-boot"
-GRUB = "grub"
+SYSTEMD_BOOT = loader_plan.SYSTEMD_BOOT
+GRUB = loader_plan.GRUB  # GRUB reading /boot/grub
+GRUB_ESP = loader_plan.GRUB_ESP  # GRUB from proxmox-boot-tool's ESPs (its grub mode)
 TRIAL_ENTRY_PREFIX = "pvegpu-trial-"
 GRUBENV = "/boot/grub/grubenv"
 GRUB_CFG = "/boot/grub/grub.cfg"
@@ -439,10 +442,13 @@ def efi_default_command(release: str | None) -> str:
 
 def set_default_command(release: str, loader: str, advanced_id: str | None = None) -> str:
     """Make `release` the loader default for good (every later boot)."""
-    if loader == SYSTEMD_BOOT:
+    if loader in (SYSTEMD_BOOT, GRUB_ESP):
         # proxmox-boot-tool (proxmox-kernel-helper bin/proxmox-boot-tool) reads the release as "$2",
-        # no '--': a leading '-' is refused (kernel.version starts with a digit at load)
-        return f"proxmox-boot-tool kernel pin {operands(release, '')} && {REFRESH} && {efi_default_command(release)}"
+        # no '--': a leading '-' is refused (kernel.version starts with a digit at load); in grub
+        # mode refresh writes the pin as GRUB_DEFAULT (zz-proxmox-boot set_grub_default) and there
+        # is no systemd-boot EFI default
+        pin = f"proxmox-boot-tool kernel pin {operands(release, '')} && {REFRESH}"
+        return pin if loader == GRUB_ESP else f"{pin} && {efi_default_command(release)}"
     if not advanced_id:
         raise ValueError("a GRUB default needs the Advanced-options id of /boot/grub/grub.cfg")
     # grub-set-default/grub-reboot (grub util/grub-set-default.in): any '-*' is an unknown option,
@@ -505,19 +511,32 @@ def trial_entry_command(release: str, mode: str, panic_s: int, keep: str | None 
 GRUB_UNWRITABLE_FS = frozenset({"btrfs", "cpiofs", "newc", "odc", "romfs", "squash4", "tarfs", "zfs"})
 
 
-def trial_loader(build: dict) -> tuple[str | None, str | None]:
+def host_loader(build: dict, loader_state: dict | None = None) -> str:
+    """The one loader decision (plan.loader.host_loader) for the kernel stage: from the loader's own
+    reading (`facts.loader.LoaderState`: each ESP's mode as refresh sets it up) where there is one,
+    else from the build facts (ESPs listed: systemd-boot under UEFI, GRUB on them under BIOS)."""
+    if loader_state:
+        return loader_plan.loader_of_state(loader_state)
+    return loader_plan.host_loader("uefi" if build.get("uefi") else "bios", [], bool(build.get("esps")))
+
+
+def trial_loader(build: dict, loader: str | None = None) -> tuple[str | None, str | None]:
     """(loader, None) where a one-boot trial can be set up, else (None, why not).
 
-    `build`: KernelStageFacts["build"]. systemd-boot where proxmox-boot-tool lists ESPs on a UEFI
-    boot; GRUB where it reads /boot/grub/grubenv from a plain file system: GRUB cannot write
-    its environment block on LVM or RAID (diskfilter) nor on btrfs, ZFS and the read-only file
-    systems (GRUB_UNWRITABLE_FS), so next_entry would stay set and the trial kernel would boot at
-    every reset (Debian's grub-reboot warns of exactly this)."""
-    if build.get("esps"):
-        if build.get("uefi"):
-            return SYSTEMD_BOOT, None
-        return None, ("proxmox-boot-tool keeps GRUB on ESPs here (legacy BIOS boot): its grubenv is on the ESP "
+    `build`: KernelStageFacts["build"]; `loader`: `host_loader` (else from `build`). systemd-boot
+    where proxmox-boot-tool keeps it on the ESPs; GRUB where it reads /boot/grub/grubenv from a
+    plain file system: GRUB cannot write its environment block on LVM or RAID (diskfilter) nor on
+    btrfs, ZFS and the read-only file systems (GRUB_UNWRITABLE_FS), so next_entry would stay set and
+    the trial kernel would boot at every reset (Debian's grub-reboot warns of exactly this). Not
+    GRUB on ESPs (proxmox-boot-tool's grub mode, issue 38 2.4): it reads grub.cfg and grubenv from
+    the ESPs, where no one-shot is set up."""
+    loader = loader or host_loader(build)
+    if loader == GRUB_ESP:
+        return None, ("proxmox-boot-tool keeps GRUB on the ESPs here (its grub mode: legacy BIOS, or EFI/proxmox/"
+                      "grubx64.efi on the ESP): that GRUB reads grub.cfg and grubenv from the ESPs, not /boot/grub, "
                       "and no one-shot is set up for it")
+    if loader == SYSTEMD_BOOT:
+        return SYSTEMD_BOOT, None
     abstraction = build.get("grubenv_abstraction")
     if abstraction is None:
         return None, (f"grub-probe could not tell what holds {GRUBENV}: whether GRUB can clear next_entry "
@@ -539,27 +558,38 @@ def trial_loader(build: dict) -> tuple[str | None, str | None]:
     return GRUB, None
 
 
-def default_loader(build: dict) -> tuple[str | None, str | None]:
+def default_loader(build: dict, loader: str | None = None) -> tuple[str | None, str | None]:
     """(loader, None): how the loader's default is set by name on this host, trial or not; else
-    (None, why not). ESPs (proxmox-boot-tool, systemd-boot or GRUB on them): the pin (`kernel pin`
-    + `refresh`; proxmox-kernel-helper's zz-proxmox-boot / 000_proxmox_boot_header boot it), named
-    SYSTEMD_BOOT here as set_default_command takes it. GRUB on /boot: grubenv's saved_entry by entry
-    id (grub-set-default writes it from the running system on any file system; only GRUB itself
-    cannot write there, which matters for a one-shot alone). Never an index: with the boot stage's
-    GRUB_DEFAULT=saved on a stock install saved_entry is `0`, the first entry, which 10_linux makes
-    the newest kernel."""
-    if build.get("esps"):
-        return SYSTEMD_BOOT, None
+    (None, why not). `loader`: `host_loader` (else from `build`). ESPs: the pin (`kernel pin` +
+    `refresh`; proxmox-kernel-helper's zz-proxmox-boot writes it as loader.conf's default for
+    systemd-boot (SYSTEMD_BOOT, with the EFI default too), or, in its grub mode (GRUB_ESP), as the
+    GRUB_DEFAULT of /etc/default/grub.d/proxmox-kernel-pin.cfg before update-grub with the ESP on
+    /boot (set_grub_default; the boot stage leaves GRUB_DEFAULT alone there). GRUB on /boot:
+    grubenv's saved_entry by entry id (grub-set-default writes it from the running system on any
+    file system; only GRUB itself cannot write there, which matters for a one-shot alone). Never an
+    index: with the boot stage's GRUB_DEFAULT=saved on a stock install saved_entry is `0`, the
+    first entry, which 10_linux makes the newest kernel."""
+    loader = loader or host_loader(build)
+    if loader in (SYSTEMD_BOOT, GRUB_ESP):
+        return loader, None
     if not build.get("grub_advanced_id"):
         return None, "/boot/grub/grub.cfg has no 'Advanced options' submenu id (gnulinux-advanced-…) to name entries by"
     return GRUB, None
 
 
-def default_release(kernels: dict, build: dict, loader: str | None) -> str | None:
-    """The kernel the loader boots by default: the pin (systemd-boot), grubenv saved_entry (GRUB)."""
+def default_release(kernels: dict, build: dict, loader: str | None, loader_state: dict | None = None) -> str | None:
+    """The kernel the loader boots by default: the pin (ESPs), grubenv saved_entry (GRUB on /boot).
+    On ESPs the pin counts only where the loader's own default (`loader_state`, plan.loader
+    next_boot without its one-shots: LoaderEntryDefault, loader.conf, the ESP's grub.cfg) boots it
+    on every ESP: a `bootctl set-default` or loader.conf edit to another kernel is no default of ours."""
     if loader == GRUB:
         return grub_release_of(build.get("grub_saved"))
-    return kernels.get("pinned")
+    pinned = kernels.get("pinned")
+    if pinned and loader_state:
+        booted = [c["release"] for c in loader_plan.next_boot(loader_state, once=False)]
+        if booted and any(r != pinned for r in booted):
+            return None
+    return pinned
 
 
 def host_expectations(spec) -> dict:

@@ -105,23 +105,6 @@ def headers_step(state: dict) -> tuple[bool, str | None]:
                    "will come without headers and the kernel hook will refuse it")
 
 
-def next_boot_kernels(kernels: dict) -> list[str]:
-    """The kernels the loader boots next on a Proxmox host (`facts.kernel.ProxmoxKernels`): the
-    one-shot next-boot pin, then the default: the pin, else the newest installed kernel
-    (proxmox-kernel-helper zz-proxmox-boot sets the systemd-boot default to the pinned entry,
-    else `proxmox-*`, which systemd-boot resolves to the newest version; on GRUB the pin is the
-    default through Proxmox's /etc/grub.d/000_proxmox_boot_header, else GRUB_DEFAULT=0, the
-    first entry, which grub-mkconfig's 10_linux orders newest first)."""
-    installed = list(kernels.get("installed") or [])
-    out = []
-    if kernels.get("next_boot") in installed:
-        out.append(kernels["next_boot"])
-    default = kernels.get("pinned") if kernels.get("pinned") in installed else (installed[-1] if installed else None)
-    if default:
-        out.append(default)
-    return list(dict.fromkeys(out))
-
-
 def module_problems(release: str, version: str, module: dict, cc_version_text: str | None,
                     firmware_present: dict[str, bool] | None) -> list[str]:
     """What is wrong with nvidia for `release`: `module` is {"version", "vermagic", "gcc"

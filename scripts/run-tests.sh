@@ -1,33 +1,33 @@
 #!/usr/bin/env bash
 # `make test`: lint and types first (scripts/lint.sh: ruff, mypy, shellcheck; any finding fails
-# the run before a test starts), then every test, in ~28 minutes on a fresh 2-core machine (fresh-clone
-# CI 1675 s on 2026-12-04 18:43 UTC; 1987 s at 17:50 in a worktree while other sessions' tests took ~23%
-# of the CPU; was 2320-2501 s): the three processes now end within a minute of each other.
-# Three pytest processes run side by side, each with its own log, and all must pass:
-#   builds  the real NVIDIA builds (on bookworm and on trixie): CPU-bound, long
-#   unit    tests/unit (no twin), then the end-to-end files of BESIDE, the real kernel build last: a third of the unit
-#           tests' time is waiting (timeouts, sleeps), and the e2e runs mostly wait on SSH
-#   twins   tests/twin and the other end-to-end files, in the foreground
-# BESIDE moves ~9 of the twin and e2e tests' minutes to the unit process, so that the two end
-# within minutes of each other (2026-12-04 17:50 UTC: unit 1298 s, twins 1658 s, builds 1983 s:
-# NVIDIA on bookworm 945 s, on trixie 741 s, the kernel ~300 s); a new e2e file runs in the twins
-# process. Twins of the processes never clash: a twin's address is picked under
-# .twin/.lock and every fixed twin name is one test's, the others hold the pytest pid
-# (tests/twin/fixtures.py). Extra arguments go to every pytest run.
+# the run before a test starts), then every test, as a queue of pytest runs that PVEGPU_TEST_JOBS
+# (default 4) slots take in turn (xargs -P): one run per end-to-end or twin file, one for tests/unit.
+# The queue starts with the longest runs (SLOW_FIRST: the real NVIDIA and kernel builds, then the
+# long end-to-end files), so that the slots end close together; a file not named there runs after
+# them, in name order. pytest-xdist cannot do this here: pyinfra_cli patches threads with gevent
+# at import, which breaks execnet's workers.
+# Twins of different runs never clash: a twin's address is picked under .twin/.lock and every fixed
+# twin name is one test's, the others hold the pytest pid (tests/twin/fixtures.py). Each run logs to
+# .cache/test-logs/<file>.log; at the end a table of every run (rc, seconds) and the whole log of
+# each failed run are printed. Extra arguments go to every pytest run (a run that then collects no
+# test counts as passed).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 PYTEST=.venv/bin/pytest
-BUILDS=(tests/e2e/test_driver_build.py tests/e2e/test_driver_build_trixie.py)
-# the kernel build (~300 s, CPU-bound) ends the unit process: there it runs while the builds
-# process still compiles NVIDIA's tree, not alone after it (17:50 UTC: unit ended at 1298 s,
-# builds at 1983 s with the kernel build last)
-BESIDE=(tests/e2e/test_api_e2e.py tests/e2e/test_backups_e2e.py tests/e2e/test_rebind_e2e.py
-        tests/e2e/test_rebind_faults_e2e.py tests/e2e/test_kernel_gate_e2e.py tests/e2e/test_kernel_upgrade_e2e.py
-        tests/e2e/test_host_checks_e2e.py tests/e2e/test_ct_userspace_e2e.py tests/e2e/test_docs_run.py
-        tests/e2e/test_example_inventories_e2e.py tests/e2e/test_kernel_build.py)
+JOBS=${PVEGPU_TEST_JOBS:-4}
+# longest first (2026-12-05 CI: NVIDIA on bookworm ~600 s and on trixie ~400 s beside the rest, the
+# kernel build ~280 s, tests/unit ~500 s, the cluster ~100 s; the others under a minute each)
+SLOW_FIRST=(tests/e2e/test_driver_build.py tests/e2e/test_driver_build_trixie.py tests/unit
+            tests/e2e/test_kernel_build.py tests/e2e/test_kernel_upgrade_e2e.py tests/e2e/test_pve9_e2e.py
+            tests/e2e/test_cluster_e2e.py tests/e2e/test_kernel_trial_e2e.py tests/e2e/test_rebind_faults_e2e.py
+            tests/e2e/test_host_checks_e2e.py tests/e2e/test_boot_reinit_e2e.py tests/e2e/test_whole_run.py
+            tests/e2e/test_faults.py tests/e2e/test_kernel_gate_e2e.py tests/e2e/test_docs_run.py)
+LOGS=.cache/test-logs
 mkdir -p .cache
+rm -rf "$LOGS"
+mkdir -p "$LOGS"
 start=$(date +%s)
-cache() {  # the twin root cache is shared by the runs: built once, before the tests that use it
+cache() {  # a twin root cache is shared by the runs: built once (under its lock), before the tests that use it
   tests/twin/twinctl cache --suite "$1" >/dev/null || { echo "pvegpu: could not build the twin root cache ($1)" >&2; return 1; }
 }
 # lint (CPU) beside the bookworm root's build (debootstrap: mostly network and disk); still no test
@@ -42,28 +42,50 @@ lint_rc=$?
 cat "$lint_log"
 [ "$lint_rc" = 0 ] || { echo "pvegpu: lint failed (scripts/lint.sh); no test ran" >&2; exit 1; }
 [ "$bookworm_rc" = 0 ] || exit 1
-builds_log=.cache/test-builds.log
-unit_log=.cache/test-unit.log
-# the builds start now: their first ~12 min need only bookworm's root (test_driver_build_trixie.py
-# waits on the cache lock if it got there first)
-"$PYTEST" -p no:cacheprovider "${BUILDS[@]}" "$@" >"$builds_log" 2>&1 &
-builds_pid=$!
-cache trixie || { kill -INT "$builds_pid"; wait "$builds_pid"; exit 1; }  # kpro6-pve9
-"$PYTEST" -p no:cacheprovider tests/unit "${BESIDE[@]}" --durations=10 "$@" >"$unit_log" 2>&1 &
-unit_pid=$!
-ignores=()
-for b in "${BUILDS[@]}" "${BESIDE[@]}"; do ignores+=(--ignore "$b"); done
-"$PYTEST" -p no:cacheprovider tests/twin tests/e2e "${ignores[@]}" --durations=15 "$@"
-twins_rc=$?
-wait "$unit_pid"
-unit_rc=$?
+# trixie's root (kpro6-pve9) is built beside the first runs; a run that needs it waits on its lock
+cache trixie &
+trixie_pid=$!
+
+queue=()
+declare -A queued=()
+for f in "${SLOW_FIRST[@]}" tests/twin/test_*.py tests/e2e/test_*.py; do
+  [ -e "$f" ] || { echo "pvegpu: $f (run-tests.sh SLOW_FIRST) does not exist" >&2; exit 1; }
+  [ -n "${queued[$f]:-}" ] && continue
+  queued[$f]=1
+  queue+=("$f")
+done
+
+# one run: its log, then "<rc> <seconds>" in <log>.rc
+run_one() {
+  local f=$1; shift
+  local log="$LOGS/${f//\//_}.log" t0 rc
+  t0=$(date +%s)
+  "$PYTEST" -p no:cacheprovider --durations=5 "$f" "$@" >"$log" 2>&1
+  rc=$?
+  [ "$rc" = 5 ] && rc=0  # no test collected (extra arguments deselected the file's tests)
+  echo "$rc $(( $(date +%s) - t0 ))" >"$log.rc"
+  echo "pvegpu tests: $f rc=$rc $(( $(date +%s) - t0 )) s"
+}
+export -f run_one
+export PYTEST LOGS
+printf '%s\0' "${queue[@]}" | xargs -0 -P "$JOBS" -I{} bash -c 'run_one "$@"' _ {} "$@"
+
+wait "$trixie_pid"
+trixie_rc=$?
+failed=()
 echo
-echo "===== unit and ${#BESIDE[@]} e2e files (run beside the rest; log: $unit_log) ====="
-cat "$unit_log"
-wait "$builds_pid"
-builds_rc=$?
-echo
-echo "===== builds (run beside the rest; log: $builds_log) ====="
-cat "$builds_log"
-echo "pvegpu tests: twins and e2e rc=$twins_rc, unit rc=$unit_rc, builds rc=$builds_rc, $(( $(date +%s) - start )) s"
-[ "$twins_rc" = 0 ] && [ "$unit_rc" = 0 ] && [ "$builds_rc" = 0 ]
+echo "===== ${#queue[@]} pytest runs, $JOBS at a time (logs: $LOGS/) ====="
+for f in "${queue[@]}"; do
+  log="$LOGS/${f//\//_}.log"
+  read -r rc secs <"$log.rc" 2>/dev/null || { rc=missing; secs=-; }
+  printf '%-60s rc=%-7s %5s s  %s\n' "$f" "$rc" "$secs" "$(tail -n 1 "$log" 2>/dev/null)"
+  [ "$rc" = 0 ] || failed+=("$f")
+done
+for f in "${failed[@]}"; do
+  echo
+  echo "===== FAILED: $f ($LOGS/${f//\//_}.log) ====="
+  cat "$LOGS/${f//\//_}.log"
+done
+[ "$trixie_rc" = 0 ] || echo "pvegpu: could not build trixie's twin root (see above)" >&2
+echo "pvegpu tests: ${#queue[@]} runs, ${#failed[@]} failed, trixie root rc=$trixie_rc, $(( $(date +%s) - start )) s"
+[ "${#failed[@]}" = 0 ] && [ "$trixie_rc" = 0 ]

@@ -13,9 +13,11 @@ import pytest
 from facts.cpu import CpuInfo
 from facts.kernel import BootLoader, NvidiaGateRecords, ProxmoxKernels, parse_cmdline_text
 from facts.kernel_hook import KernelHookState
+from facts.loader import LoaderState
 from plan.boot import cmdline_difference, describe_difference, desired_params, vfio_modules
 from plan.kernel import PER_JOB_KIB, STATE_DIR, build_jobs, gate_refusal
-from plan.kernel_hook import failure_lines, module_problems, next_boot_kernels
+from plan.kernel_hook import failure_lines, module_problems
+from plan.loader import next_boot
 
 
 def _cpu(target) -> dict:
@@ -163,17 +165,25 @@ def _nvidia_module(target, release: str) -> tuple[dict, str | None, list[str]]:
 
 
 def test_kernels_the_loader_boots_next_have_the_nvidia_driver(target):
-    """Every kernel the loader boots next (one-shot, pin, else the newest) has `nvidia.version`'s modules, built by its compiler, with their firmware.
+    """What the boot loader boots next has `nvidia.version`'s modules, built by its compiler, with their firmware.
 
-    Every kernel the loader boots next (the one-shot entry and the default) has nvidia
-    `nvidia.version`, built for it by the compiler that built it, with its firmware (issue 25)."""
+    Read from the loader, not from pin files (issue 38 item 2.6; facts.loader.LoaderState,
+    plan.loader.next_boot): systemd-boot on each ESP: the EFI variable LoaderEntryOneShot, then
+    LoaderEntryDefault, then loader.conf's `default` glob over the entries whose kernel is on the
+    ESP, in systemd-boot's order; GRUB: next_entry, then the default grub.cfg sets (saved_entry from
+    the grubenv that GRUB reads: the ESP's in proxmox-boot-tool's grub mode), else the first entry.
+    That kernel has nvidia `nvidia.version` under /lib/modules/<release>/, built for it by the
+    compiler that built it, with its firmware (issue 25)."""
     nv = target.spec.nvidia
     if nv is None:
         pytest.skip(f"{target.name}: no nvidia in the spec")
-    _, out = target.run(ProxmoxKernels.command)
-    releases = next_boot_kernels(ProxmoxKernels().process(out.splitlines()))
-    if not releases:
-        pytest.skip(f"{target.name}: no kernel installed in /boot")
+    choices = next_boot(target.fact(LoaderState))
+    if not choices:
+        pytest.skip(f"{target.name}: no boot loader to read (no proxmox-boot-tool ESP, no /boot/grub/grub.cfg)")
+    unknown = [c for c in choices if not c["release"]]
+    assert not unknown, f"{target.name}: what boots next is unknown: " + "; ".join(
+        f"{c['where']}: {c['why']}" for c in unknown)
+    releases = list(dict.fromkeys(c["release"] for c in choices))
     problems = []
     for release in releases:
         module, cc, firmware = _nvidia_module(target, release)
@@ -181,5 +191,6 @@ def test_kernels_the_loader_boots_next_have_the_nvidia_driver(target):
         if nv.firmware and firmware:
             present = {name: target.run(f"test -e /lib/firmware/{quote(name)}")[0] == 0 for name in firmware}
         problems += module_problems(release, nv.version, module, cc, present)
-    assert not problems, f"{target.name}: the next boot ({', '.join(releases)}) would come up without its GPU driver: " \
-        + "; ".join(problems)
+    where = "; ".join(f"{c['where']} ({c['loader']}): {c['release']} by {c['why']}" for c in choices)
+    assert not problems, (f"{target.name}: the next boot ({where}) would come up without its GPU driver: "
+                          + "; ".join(problems))

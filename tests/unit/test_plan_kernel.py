@@ -596,11 +596,39 @@ def test_secure_boot_refusals_name_the_field():
     assert plan.secure_boot_refusal(signed, {"secure_boot": True, "mok": "enrolled", "sbsign": True}) is None
 
 
+def grub_esp_state(firmware: str) -> dict:
+    """facts.loader.LoaderState of a host in proxmox-boot-tool's grub mode: the ESP holds GRUB's
+    EFI binary (a UEFI install with Secure Boot on, then switched off) or only grub/ (legacy BIOS)."""
+    has = ["EFI/proxmox/grubx64.efi", "grub"] if firmware == "uefi" else ["grub"]
+    return {"firmware": firmware, "efivars": {}, "esp_list": ["2A4C-77E1"],
+            "esps": [{"uuid": "2A4C-77E1", "mounted": True, "has": has, "loader_conf": None, "entries": [],
+                      "grub_cfg": None, "grubenv": None}], "grub_cfg": None, "grubenv": None}
+
+
+@pytest.mark.parametrize("firmware", ["uefi", "bios"])
+def test_grub_on_esps_is_one_loader_decision_trial_refused_default_by_the_pin(firmware):
+    """Issue 38 2.4: GRUB on proxmox-boot-tool's ESPs reads grub.cfg and grubenv there, never the
+    root's /boot/grub/grubenv: no one-shot (refused, naming why), the default by the pin that
+    refresh turns into GRUB_DEFAULT on the ESP (zz-proxmox-boot set_grub_default), no bootctl."""
+    build = {"esps": True, "uefi": firmware == "uefi", "grub_advanced_id": "7f3c", "grubenv_abstraction": "",
+             "grubenv_fs": "ext2"}
+    mode = plan.host_loader(build, grub_esp_state(firmware))
+    assert mode == plan.GRUB_ESP
+    loader, why = plan.trial_loader(build, mode)
+    assert loader is None and why is not None and "GRUB on the ESPs" in why
+    assert plan.default_loader(build, mode) == (plan.GRUB_ESP, None)
+    keep = plan.keep_default_command("6.8.12-11-pve", plan.GRUB_ESP)
+    assert keep == "proxmox-boot-tool kernel pin 6.8.12-11-pve && proxmox-boot-tool refresh"
+    assert "grub-set-default" not in keep and "bootctl" not in keep
+    assert plan.default_release({"pinned": "6.8.12-11-pve"}, {"grub_saved": "x"}, plan.GRUB_ESP) == "6.8.12-11-pve"
+
+
 def test_the_default_is_kept_by_name_on_every_loader_trial_or_not():
     """Issue 38 2.3: kernel.trial_boot: false must not make the new kernel the default: on ESPs
     the pin, on GRUB (LVM, btrfs, ZFS /boot included) saved_entry by entry id, never the index a
     stock install has (`0`, the newest entry); no entry id: refused."""
-    assert plan.default_loader({"esps": ["5A1C-9E27"], "uefi": False}) == (plan.SYSTEMD_BOOT, None)
+    assert plan.default_loader({"esps": ["5A1C-9E27"], "uefi": False}) == (plan.GRUB_ESP, None)
+    assert plan.default_loader({"esps": ["5A1C-9E27"], "uefi": True}) == (plan.SYSTEMD_BOOT, None)
     assert plan.default_loader({"grub_advanced_id": "ab", "grubenv_abstraction": "lvm"}) == (plan.GRUB, None)
     loader, why = plan.default_loader({"grubenv_abstraction": "lvm"})
     assert loader is None and why is not None and "Advanced options" in why

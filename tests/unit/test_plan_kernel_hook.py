@@ -75,16 +75,6 @@ def test_kernel_updates_is_follow_or_hold():
         HostSpec(kernel_updates="latest")
 
 
-def test_next_boot_is_the_one_shot_pin_then_the_pin_else_the_newest():
-    installed = ["6.1.0-57-amd64", "6.8.12-11-pve", "6.12.118+deb12-amd64"]
-    assert plan.next_boot_kernels({"installed": installed}) == ["6.12.118+deb12-amd64"]
-    assert plan.next_boot_kernels({"installed": installed, "pinned": "6.1.0-57-amd64"}) == ["6.1.0-57-amd64"]
-    assert plan.next_boot_kernels({"installed": installed, "pinned": "6.1.0-57-amd64",
-                                   "next_boot": "6.8.12-11-pve"}) == ["6.8.12-11-pve", "6.1.0-57-amd64"]
-    assert plan.next_boot_kernels({"installed": installed, "pinned": "6.99.0-1-pve"}) == ["6.12.118+deb12-amd64"]
-    assert plan.next_boot_kernels({"installed": []}) == []
-
-
 def test_module_problems_name_version_kernel_compiler_and_firmware():
     rel, ver = "6.12.118+deb12-amd64", "580.95.05"
     cc = "x86_64-linux-gnu-gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0"

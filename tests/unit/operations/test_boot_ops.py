@@ -120,6 +120,34 @@ def test_grub_dropin_makes_grubenv_the_default_keeping_the_entry_configured_befo
     assert len(commands) == 1  # already saved: nothing to carry over
 
 
+def test_grub_on_esps_keeps_proxmoxs_pin_as_grub_default(tmp_path):
+    """Issue 38 2.4: GRUB on proxmox-boot-tool's ESPs (legacy BIOS + ZFS) reads the ESP's grubenv,
+    never the root's /boot/grub/grubenv: a GRUB_DEFAULT=saved drop-in (sourced after Proxmox's
+    proxmox-kernel-pin.cfg) would override the pin with a saved_entry that GRUB never sees, and it
+    would boot the first entry, the newest kernel. The drop-in leaves GRUB_DEFAULT to the pin."""
+    lines = fixture_lines("proxmox-etc-default-grub-intel-sriov-kamilllooo.txt")
+    pin = ["/etc/default/grub.d/proxmox-kernel-pin.cfg", ['GRUB_DEFAULT="gnulinux-advanced-ab>gnulinux-6.8.12-4-pve-advanced-ab"']]
+    facts = grub_facts(lines, "BOOT_IMAGE=/vmlinuz-6.8 root=ZFS=rpool/ROOT/pve-1 boot=zfs", extra_files=[pin])
+    facts["boot_loader"] = parse_boot_loader([
+        "@@ proxmox-boot-tool status", "System currently booted with legacy bios",
+        "2A4C-77E1 is configured with: grub (versions: 6.8.12-4-pve, 6.8.12-9-pve)",
+        "@@ firmware", "bios", "@@ /etc/default/grub", *lines])
+    p = boot.boot_plan(HostSpec(), facts)
+    assert p["loader"] == "grub" and p["refresh_command"] == "proxmox-boot-tool refresh"
+    assert "GRUB_DEFAULT" not in "".join(line for line in p["cmdline_content"].splitlines(True)
+                                         if not line.startswith("#"))
+    assert p["grub_default"] is None
+    commands, _ = run_op(boot.kernel_cmdline, p["cmdline_path"], p["cmdline_content"], None, p["grub_default"])
+    assert len(commands) == 1 and "grub-set-default" not in commands[0]
+    # what grub-mkconfig sources, in order: the pin stays GRUB_DEFAULT
+    (tmp_path / "grub").write_text("\n".join(lines) + "\n")
+    (tmp_path / "pin.cfg").write_text(pin[1][0] + "\n")
+    (tmp_path / "pvegpu.cfg").write_text(p["cmdline_content"])
+    got = subprocess.run(["sh", "-c", f". {tmp_path}/grub; . {tmp_path}/pin.cfg; . {tmp_path}/pvegpu.cfg; "
+                          'printf %s "$GRUB_DEFAULT"'], capture_output=True, text=True, check=True).stdout
+    assert got == "gnulinux-advanced-ab>gnulinux-6.8.12-4-pve-advanced-ab"
+
+
 def test_grub_dropin_is_sourced_by_sh_after_the_admins_file(tmp_path):
     """What grub-mkconfig does: `. /etc/default/grub; for x in grub.d/*.cfg; . $x`."""
     lines = fixture_lines("puget-wrx90-etc-default-grub-amd-iommu-off.txt")

@@ -29,7 +29,8 @@ def hook(tmp: Path, archive: Path, sha: str, cc: str = "gcc-12", codename: str =
                    modules_dir=str(tmp / "modules"), build_root=str(tmp / "build"),
                    build_parent=str(tmp / "build/580.95.05"), boot_dir=str(tmp / "boot"),
                    grub_cfg=str(tmp / "grub.cfg"), os_release=str(tmp / "os-release"),
-                   auto_removal=str(tmp / "bin/proxmox-auto-removal"), trial_pending=str(tmp / "trial-pending"))
+                   auto_removal=str(tmp / "bin/proxmox-auto-removal"), trial_pending=str(tmp / "trial-pending"),
+                   esp_list=str(tmp / "proxmox-boot-uuids"))
     return render_template("kernel-postinst-nvidia.sh.j2", **context)
 
 
@@ -135,6 +136,21 @@ def test_on_grub_with_a_saved_default_a_failed_kernel_leaves_saved_entry_on_the_
     assert not (tmp_path / "grubenv-other").exists()  # next_entry (a trial's one-shot) is left alone
     assert (tmp_path / f"state/{RELEASE}.failed").read_text().splitlines()[2].startswith(
         f"{GOOD} stays the boot default (GRUB's saved entry, set by pvegpu")
+
+
+def test_on_grub_esps_the_hook_pins_instead_of_writing_the_roots_grubenv(tmp_path):
+    """Issue 38 2.4: with proxmox-boot-tool ESPs (here in its grub mode) GRUB reads the ESP's
+    grubenv, never /boot/grub/grubenv, even where the root's grub.cfg says saved: the hook keeps the
+    default with the pin (refresh makes it the ESP grub.cfg's GRUB_DEFAULT), not grub-set-default."""
+    grub_host(tmp_path, [GOOD])
+    (tmp_path / "proxmox-boot-uuids").write_text("2A4C-77E1\n")
+    (tmp_path / "bin/proxmox-boot-tool").write_text(f'#!/bin/sh\necho "$*" >> {tmp_path}/pbt\n')
+    (tmp_path / "bin/proxmox-boot-tool").chmod(0o755)
+    done = run(tmp_path, hook(tmp_path, tmp_path / "none.tar.gz", hashlib.sha256(b"none").hexdigest()))
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "saved_entry").exists()  # the root's grubenv untouched
+    assert (tmp_path / "pbt").read_text().splitlines() == [f"kernel pin {GOOD}"]
+    assert f"{GOOD} stays the boot default (pinned by pvegpu" in (tmp_path / f"state/{RELEASE}.failed").read_text()
 
 
 def test_on_grub_a_later_kernel_with_modules_moves_the_saved_entry_on(tmp_path):

@@ -1,0 +1,343 @@
+"""Which kernel the boot loader boots next, decided from what the loader itself reads
+(`facts.loader.LoaderState`), and which loader that is on a host (issue 38 items 2.4 and 2.6); pure.
+
+    host_loader(firmware, esp_modes)  -> SYSTEMD_BOOT | GRUB | GRUB_ESP   # the one loader decision
+    esp_loader(esp, firmware)         -> SYSTEMD_BOOT | GRUB_ESP | None   # one ESP's, as refresh set it up
+    next_boot(loader_state)           -> [{"where", "loader", "release", "why"}, …]   # one per place it boots from
+    systemd_boot_order(entries)       -> the entries in systemd-boot's menu order
+    strverscmp_improved(a, b)         -> <0 | 0 | >0
+
+systemd-boot (systemd src/boot/efi/boot.c, v252 as Debian bookworm ships it, the same in 257):
+the entries of loader/entries/*.conf whose kernel file is on the ESP, ordered by
+config_entry_compare; config_default_entry_select takes the first entry whose id matches, as a
+glob, LoaderEntryOneShot, then LoaderEntryDefault, then loader.conf's `default`, else the first.
+GRUB (grub util/grub.d/00_header.in, grub-core/normal/menu.c): grub.cfg from $prefix, whose header
+loads $prefix/grubenv and boots next_entry when set, else the `set default=` GRUB_DEFAULT became
+(`${saved_entry}` with GRUB_DEFAULT=saved); an unknown default is the first entry.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import re
+
+SYSTEMD_BOOT = "systemd-boot"
+GRUB = "grub"  # GRUB reading /boot/grub (grub.cfg and grubenv on the root's /boot)
+GRUB_ESP = "grub-esp"  # GRUB from proxmox-boot-tool ESPs (its grub mode): grub.cfg and grubenv on each ESP
+
+
+def esp_loader(esp: dict, firmware: str | None) -> str | None:
+    """The loader `proxmox-boot-tool refresh` sets up on one ESP (proxmox-kernel-helper
+    zz-proxmox-boot update_esp_func): GRUB where EFI/proxmox/grubx64.efi is (installed by `init
+    <part> grub`, e.g. a UEFI host installed with Secure Boot), else systemd-boot under UEFI (with
+    loader/loader.conf), else GRUB (legacy BIOS; with grub/). None: the ESP has neither."""
+    has = set(esp.get("has") or [])
+    if "EFI/proxmox/grubx64.efi" in has:
+        return GRUB_ESP
+    if firmware == "uefi":
+        return SYSTEMD_BOOT if "loader/loader.conf" in has else None
+    return GRUB_ESP if "grub" in has else None
+
+
+def host_loader(firmware: str | None, esp_modes: list[str | None], esp_listed: bool = False) -> str:
+    """The one loader decision of a host: with ESPs listed in /etc/kernel/proxmox-boot-uuids the
+    loader refresh keeps on them (`esp_loader` of each; GRUB_ESP when any is GRUB's: its grub.cfg
+    and grubenv are on the ESPs, and /boot/grub is not read), else GRUB from /boot/grub."""
+    modes = [m for m in esp_modes if m]
+    if modes:
+        return GRUB_ESP if GRUB_ESP in modes else SYSTEMD_BOOT
+    if esp_listed:
+        return SYSTEMD_BOOT if firmware == "uefi" else GRUB_ESP
+    return GRUB
+
+
+def loader_of_state(state: dict) -> str:
+    """`host_loader` from a `facts.loader.LoaderState` reading."""
+    firmware = state.get("firmware")
+    return host_loader(firmware, [esp_loader(e, firmware) for e in state.get("esps") or [] if e.get("mounted")],
+                       bool(state.get("esp_list")))
+
+
+def loader_of_boot_fact(boot_loader: dict | None) -> str | None:
+    """`host_loader` from `facts.kernel.BootLoader` (the boot stage's reading: each ESP's mode as
+    `proxmox-boot-tool status` shows it, `uefi` or `grub`, the firmware's where it shows both);
+    None where the host has neither ESPs nor a GRUB configuration."""
+    fact = boot_loader or {}
+    esps = fact.get("esps") or []
+    if esps:
+        modes = [{"uefi": SYSTEMD_BOOT, "grub": GRUB_ESP}.get(e.get("mode") or "") for e in esps]
+        return host_loader(fact.get("firmware"), modes, True)
+    return GRUB if fact.get("loader") == "grub" else (SYSTEMD_BOOT if fact.get("loader") == "systemd-boot" else None)
+
+
+# -- systemd-boot --------------------------------------------------------------------------
+
+
+def strverscmp_improved(a: str | None, b: str | None) -> int:
+    """systemd src/fundamental/string-util-fundamental.c strverscmp_improved: compare two versions
+    segment by segment. Characters other than ASCII letters, digits and "~-^." are skipped; each
+    segment may start with "~" (older than anything, the end included), then (one after the other)
+    "-", "^", "." (each older than a segment without it); once one string ends, the longer is newer;
+    a digit run is newer than a letter run, digit runs compare as numbers, letter runs as strings
+    (a longer one newer). <0, 0, >0 as a is older, the same, newer."""
+    a, b = a or "", b or ""
+
+    def sign(x: int) -> int:
+        return (x > 0) - (x < 0)
+
+    def ch(s: str, i: int) -> str:
+        return s[i] if i < len(s) else ""
+
+    def run(s: str, i: int, digits: bool) -> int:
+        while i < len(s) and s[i].isascii() and (s[i].isdigit() if digits else s[i].isalpha()):
+            i += 1
+        return i
+
+    i = j = 0
+    while True:
+        while i < len(a) and not (a[i].isascii() and (a[i].isalnum() or a[i] in "~-^.")):
+            i += 1
+        while j < len(b) and not (b[j].isascii() and (b[j].isalnum() or b[j] in "~-^.")):
+            j += 1
+        if "~" in (ch(a, i), ch(b, j)):
+            r = sign((ch(a, i) != "~") - (ch(b, j) != "~"))
+            if r:
+                return r
+            i, j = i + 1, j + 1
+        if ch(a, i) == "" or ch(b, j) == "":
+            return sign(ord(ch(a, i) or "\0") - ord(ch(b, j) or "\0"))
+        for sep in "-^.":  # one after the other, within the same segment
+            if sep in (ch(a, i), ch(b, j)):
+                r = sign((ch(a, i) != sep) - (ch(b, j) != sep))
+                if r:
+                    return r
+                i, j = i + 1, j + 1
+        x, y = ch(a, i), ch(b, j)
+        digits = (x.isascii() and x.isdigit()) or (y.isascii() and y.isdigit())
+        ea, eb = run(a, i, digits), run(b, j, digits)
+        if digits:
+            r = sign((ea != i) - (eb != j))
+            if r:
+                return r
+            while i < ea and a[i] == "0":
+                i += 1
+            while j < eb and b[j] == "0":
+                j += 1
+            sa, sb = a[i:ea], b[j:eb]
+            r = sign(len(sa) - len(sb)) or sign((sa > sb) - (sa < sb))
+        else:
+            sa, sb = a[i:ea], b[j:eb]
+            n = min(len(sa), len(sb))
+            r = sign((sa[:n] > sb[:n]) - (sa[:n] < sb[:n])) or sign(len(sa) - len(sb))
+        if r:
+            return r
+        i, j = ea, eb
+
+
+_COUNTER = re.compile(r"\+\d+(?:-\d+)?(?=\.conf$)", re.I)
+
+
+def _entry(raw: dict) -> dict:
+    """One loader entry as boot.c config_entry_add_type1 keeps it: its id (the file name, case
+    folded, without a boot counter "+N[-M]"), its keys (the last of each wins; `options` add up)."""
+    keys: dict[str, str] = {}
+    options = []
+    for line in raw.get("lines") or []:
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        key, _, value = text.partition(" ") if " " in text else text.partition("\t")
+        value = value.strip()
+        if key == "options":
+            options.append(value)
+        else:
+            keys[key] = value
+    file = raw["file"]
+    return {"file": file, "id": _COUNTER.sub("", file).lower(), "keys": keys, "options": " ".join(options),
+            "kernel_present": raw.get("kernel_present", True)}
+
+
+def systemd_boot_order(entries: list[dict]) -> list[dict]:
+    """Entries (`_entry`) in systemd-boot's order (boot.c config_entry_compare; boot counting,
+    which Proxmox's entries do not use, left out): entries with a sort-key first, by sort-key,
+    machine-id, then version newest first; then by id, newest first (strverscmp_improved)."""
+    def compare(x: dict, y: dict) -> int:
+        kx, ky = x["keys"].get("sort-key"), y["keys"].get("sort-key")
+        if (kx is None) != (ky is None):
+            return -1 if kx is not None else 1
+        if kx is not None and ky is not None:
+            for key in ("sort-key", "machine-id"):
+                vx, vy = x["keys"].get(key) or "", y["keys"].get(key) or ""
+                if vx != vy:
+                    return -1 if vx < vy else 1
+            r = -strverscmp_improved(x["keys"].get("version"), y["keys"].get("version"))
+            if r:
+                return r
+        return -strverscmp_improved(x["id"], y["id"])
+    return sorted(entries, key=functools.cmp_to_key(compare))
+
+
+def _loader_conf_default(lines: list[str] | None) -> str | None:
+    """loader.conf's `default` (boot.c config_defaults_load_from_file: the last one, case folded)."""
+    found = None
+    for line in lines or []:
+        key, _, value = line.strip().partition(" ")
+        if key == "default" and value.strip():
+            found = value.strip().lower()
+    return found
+
+
+def _entry_release(entry: dict) -> str | None:
+    """The kernel release an entry boots: its `linux` image's name (vmlinuz-<rel>), else `version`."""
+    m = re.search(r"vmlinuz-([^/\\\s]+)$", entry["keys"].get("linux", ""))
+    return m.group(1) if m else entry["keys"].get("version")
+
+
+def systemd_boot_choice(esp: dict, efivars: dict, once: bool = True) -> dict:
+    """{"entry", "release", "why"} of the entry systemd-boot starts from this ESP at the next boot
+    (`once` False: at the boots after it, LoaderEntryOneShot left out)."""
+    entries = systemd_boot_order([e for e in map(_entry, esp.get("entries") or [])
+                                  if e["kernel_present"] and "linux" in e["keys"]])
+    if not entries:
+        return {"entry": None, "release": None, "why": "no loader entry with its kernel on the ESP"}
+    for source, pattern in (("LoaderEntryOneShot", efivars.get("LoaderEntryOneShot") if once else None),
+                            ("LoaderEntryDefault", efivars.get("LoaderEntryDefault")),
+                            ("loader.conf default", _loader_conf_default(esp.get("loader_conf")))):
+        if not pattern:
+            continue
+        hit = next((e for e in entries if fnmatch.fnmatchcase(e["id"], pattern.lower())), None)
+        if hit is not None:
+            return {"entry": hit["file"], "release": _entry_release(hit), "why": f"{source} {pattern}"}
+    first = entries[0]
+    return {"entry": first["file"], "release": _entry_release(first), "why": "the first entry (no default matches)"}
+
+
+# -- GRUB -----------------------------------------------------------------------------------
+
+_ITEM = re.compile(r"^\s*(menuentry|submenu)\s+(?:'([^']*)'|\"([^\"]*)\"|(\S+))(.*)\{\s*$")
+_ID = re.compile(r"(?:\$menuentry_id_option|--id)\s+(?:'([^']*)'|\"([^\"]*)\"|(\S+))")
+
+
+def grub_menu(lines: list[str] | None) -> list[dict]:
+    """The menu of a grub.cfg: [{"title", "id", "linux" | "items": [...]}] (grub-mkconfig's form:
+    one item per `menuentry`/`submenu … {` line, its `linux` line, `}` closing it)."""
+    top: list[dict] = []
+    stack: list[dict] = []
+    for line in lines or []:
+        m = _ITEM.match(line)
+        if m:
+            rest = m.group(5)
+            ident = _ID.search(rest)
+            title = m.group(2) if m.group(2) is not None else (m.group(3) if m.group(3) is not None else m.group(4))
+            item: dict = {"title": title, "id": next((g for g in ident.groups() if g is not None), None) if ident else None}
+            if m.group(1) == "submenu":
+                item["items"] = []
+            (stack[-1]["items"] if stack else top).append(item)
+            stack.append(item)
+            continue
+        if stack and re.match(r"^\s*\}\s*$", line):
+            stack.pop()
+            continue
+        m2 = re.match(r"^\s*linux\S*\s+(\S+)", line)
+        if m2 and stack and "items" not in stack[-1]:
+            stack[-1]["linux"] = m2.group(1)
+    return top
+
+
+def grub_resolve(menu: list[dict], default: str) -> dict | None:
+    """GRUB's entry for a default (normal/menu.c get_entry_index_by_name via
+    grub_menu_get_default_entry_index): per `>`-separated level a number is an index, else the
+    item whose id, else title, it equals. None where it names no kernel entry."""
+    items, found = menu, None
+    for part in default.split(">"):
+        if part.isdigit():
+            found = items[int(part)] if int(part) < len(items) else None
+        else:
+            found = next((i for i in items if i.get("id") == part), None) \
+                or next((i for i in items if i.get("title") == part), None)
+        if found is None:
+            return None
+        items = found.get("items") or []
+    return found if found is not None and "linux" in found else None
+
+
+def grubenv_values(lines: list[str] | None) -> dict[str, str]:
+    """grubenv's variables (lib/envblk.c: `name=value` lines after the header, '#' padding)."""
+    env = {}
+    for line in lines or []:
+        if line and not line.startswith("#") and "=" in line:
+            name, _, value = line.partition("=")
+            env[name] = value
+    return env
+
+
+def grub_choice(cfg: list[str] | None, env_lines: list[str] | None, once: bool = True) -> dict:
+    """{"entry", "release", "why"} of the entry GRUB boots with this grub.cfg and grubenv
+    (00_header.in: next_entry when set, else the header's `set default=`; menu.c: an unknown
+    default boots the first entry). `once` False: the default, next_entry left out."""
+    menu = grub_menu(cfg)
+    if not menu:
+        return {"entry": None, "release": None, "why": "no grub.cfg menu"}
+    env = grubenv_values(env_lines)
+    defaults = [m.group(1) for line in cfg or [] if (m := re.match(r'^\s*set default="([^"]*)"\s*$', line))]
+    fallback = next((d for d in defaults if d != "${next_entry}"), "0")
+    tried = []
+    if once and env.get("next_entry") and "${next_entry}" in defaults:
+        tried.append((f"next_entry {env['next_entry']}", env["next_entry"]))
+    value = fallback.replace("${saved_entry}", env.get("saved_entry", ""))
+    tried.append((f"saved_entry {env.get('saved_entry', '')}" if "${saved_entry}" in fallback else f"default {fallback}",
+                  value))
+    for why, name in tried:
+        hit = grub_resolve(menu, name) if name else None
+        if hit is not None:
+            return {"entry": hit.get("id") or hit["title"], "release": _grub_release(hit), "why": why}
+    first = grub_resolve(menu, "0") or (grub_resolve(menu, "0>0") if menu[0].get("items") else None)
+    if first is None:
+        return {"entry": None, "release": None, "why": "the first entry of grub.cfg boots no kernel"}
+    return {"entry": first.get("id") or first["title"], "release": _grub_release(first),
+            "why": f"the first entry ({tried[-1][0] or 'no default'} names none)"}
+
+
+def _grub_release(item: dict) -> str | None:
+    m = re.search(r"vmlinuz-(\S+)$", item.get("linux", ""))
+    return m.group(1) if m else None
+
+
+# -- the decision ---------------------------------------------------------------------------
+
+
+def next_boot(state: dict, once: bool = True) -> list[dict]:
+    """What the loader boots next, for each place the firmware may start it from: each ESP of
+    /etc/kernel/proxmox-boot-uuids (the loader refresh keeps there: `esp_loader`), else GRUB from
+    /boot/grub; [] where neither is there. [{"where": "ESP 5A1C-9E27" | "/boot/grub", "loader", "entry", "release", "why"}];
+    "release" None where nothing bootable was found (the "why" says what). `once` False: the
+    loader's default, the boots after the next (one-shots left out)."""
+    firmware = state.get("firmware")
+    efivars = state.get("efivars") or {}
+    out = []
+    if state.get("esp_list"):
+        for esp in state.get("esps") or []:
+            where = f"ESP {esp['uuid']}"
+            if not esp.get("mounted"):
+                out.append({"where": where, "loader": None, "entry": None, "release": None,
+                            "why": "the ESP could not be mounted"})
+                continue
+            loader = esp_loader(esp, firmware)
+            if loader == SYSTEMD_BOOT:
+                out.append({"where": where, "loader": loader, **systemd_boot_choice(esp, efivars, once)})
+            elif loader == GRUB_ESP:
+                out.append({"where": where, "loader": loader, **grub_choice(esp.get("grub_cfg"), esp.get("grubenv"), once)})
+            else:
+                out.append({"where": where, "loader": None, "entry": None, "release": None,
+                            "why": "the ESP has neither systemd-boot (loader/loader.conf) nor GRUB (grub/) set up"})
+        if out:
+            return out
+    if state.get("grub_cfg") is None:
+        return []  # no loader this reading knows of (a VM booted by its hypervisor's kernel, a CT)
+    return [{"where": "/boot/grub", "loader": GRUB, **grub_choice(state.get("grub_cfg"), state.get("grubenv"), once)}]
+
+
+def next_boot_releases(state: dict, once: bool = True) -> list[str]:
+    """The kernel releases `next_boot` finds, each once, in order."""
+    return list(dict.fromkeys(c["release"] for c in next_boot(state, once) if c["release"]))

@@ -1,0 +1,168 @@
+"""plan.loader: what the boot loader boots next, from what it reads (facts.loader.LoaderState
+recorded on the twins: the real bootctl and proxmox-boot-tool, Debian's grub-editenv)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from plan import loader as plan
+
+CASES = Path(__file__).resolve().parent / "facts" / "loader.LoaderState"
+
+
+def reading(name: str) -> dict:
+    return yaml.safe_load((CASES / f"{name}.yaml").read_text())["fact"]
+
+
+def test_versions_sort_as_systemd_documents_them():
+    # string-util-fundamental.c strverscmp_improved's own example order, oldest first
+    order = ["122.1", "123~rc1-1", "123", "123-a", "123-a.1", "123-1", "123-1.1", "123^post1", "123.a-1",
+             "123.1-1", "123a-1", "124-1"]
+    for older, newer in zip(order, order[1:], strict=False):
+        assert plan.strverscmp_improved(older, newer) < 0 < plan.strverscmp_improved(newer, older), (older, newer)
+    assert plan.strverscmp_improved("proxmox-6.14.8-2-pve.conf", "proxmox-6.8.12-11-pve.conf") > 0
+    assert plan.strverscmp_improved("proxmox-6.8.12-10-pve.conf", "proxmox-6.8.12-9-pve.conf") > 0
+    assert plan.strverscmp_improved("00123", "123") == 0
+
+
+def test_systemd_boot_takes_the_one_shot_first():
+    state = reading("kpro6-oneshot-and-default")
+    assert plan.loader_of_state(state) == plan.SYSTEMD_BOOT
+    (choice,) = plan.next_boot(state)
+    assert (choice["release"], choice["why"]) == ("6.8.12-11-pve", "LoaderEntryOneShot proxmox-6.8.12-11-pve.conf")
+    assert choice["where"] == "ESP 5A1C-9E27"
+
+
+def test_then_the_efi_default_over_loader_conf():
+    state = reading("kpro6-oneshot-and-default")
+    del state["efivars"]["LoaderEntryOneShot"]
+    assert plan.next_boot_releases(state) == ["6.14.8-2-pve"]
+    state["efivars"]["LoaderEntryDefault"] = "proxmox-6.8.12-11-pve.conf"
+    assert plan.next_boot(state)[0]["why"] == "LoaderEntryDefault proxmox-6.8.12-11-pve.conf"
+    assert plan.next_boot_releases(state) == ["6.8.12-11-pve"]
+
+
+def test_then_loader_conf_default_glob_over_the_entries_in_systemd_boots_order():
+    state = reading("kpro6-oneshot-and-default")
+    state["efivars"] = {"LoaderInfo": "systemd-boot 252.39-1~deb12u2"}
+    # default proxmox-*: the first match in boot.c's order, the newest by id (6.14 after 6.8 as text)
+    assert plan.next_boot(state)[0]["why"] == "loader.conf default proxmox-*"
+    assert plan.next_boot_releases(state) == ["6.14.8-2-pve"]
+    state["esps"][0]["loader_conf"] = ["timeout 3", "default PROXMOX-6.8*"]  # ids and patterns case folded
+    assert plan.next_boot_releases(state) == ["6.8.12-11-pve"]
+    state["esps"][0]["loader_conf"] = ["timeout 3", "default nothing-matches-*"]  # else the first entry
+    assert plan.next_boot(state)[0]["why"].startswith("the first entry")
+    assert plan.next_boot_releases(state) == ["6.14.8-2-pve"]
+
+
+def test_an_entry_whose_kernel_is_not_on_the_esp_is_not_booted():
+    state = reading("kpro6-pin-and-entry-without-kernel")
+    assert plan.next_boot(state)[0]["why"] == "loader.conf default proxmox-6.14.8-2-pve.conf"
+    state["esps"][0]["loader_conf"] = ["default proxmox-*"]
+    # proxmox-6.15.0-1-pve.conf would sort first, but its linux file is missing (boot.c drops it)
+    assert plan.next_boot_releases(state) == ["6.14.8-2-pve"]
+    state["efivars"]["LoaderEntryOneShot"] = "proxmox-6.15.0-1-pve.conf"
+    assert plan.next_boot_releases(state) == ["6.14.8-2-pve"]
+
+
+def test_sort_key_entries_come_first():
+    entries = [plan._entry({"file": f, "lines": lines}) for f, lines in (
+        ("proxmox-6.14.8-2-pve.conf", ["linux /a/vmlinuz-6.14.8-2-pve"]),
+        ("debian-6.1.conf", ["sort-key debian", "version 6.1.0-57-amd64", "linux /b/vmlinuz-6.1.0-57-amd64"]),
+        ("debian-6.12.conf", ["sort-key debian", "version 6.12.118", "linux /b/vmlinuz-6.12.118"]),
+    )]
+    assert [e["file"] for e in plan.systemd_boot_order(entries)] == [
+        "debian-6.12.conf", "debian-6.1.conf", "proxmox-6.14.8-2-pve.conf"]
+
+
+def test_grub_boots_its_first_entry_without_a_saved_default():
+    state = reading("intel2-grub-first-entry")
+    assert plan.loader_of_state(state) == plan.GRUB
+    (choice,) = plan.next_boot(state)
+    assert choice["where"] == "/boot/grub" and choice["release"] == "6.8.12-11-pve"
+    assert choice["why"] == "default 0"
+
+
+def test_grub_next_entry_then_saved_entry():
+    state = reading("intel2-grub-saved-and-next-entry")
+    assert plan.next_boot(state)[0]["why"].startswith("next_entry ")
+    assert plan.next_boot_releases(state) == ["6.8.12-9-pve"]
+    state["grubenv"] = [line for line in state["grubenv"] if not line.startswith("next_entry=")]
+    assert plan.next_boot(state)[0]["why"].startswith("saved_entry ")
+    assert plan.next_boot_releases(state) == ["6.8.12-11-pve"]
+    # a saved_entry that names no entry: GRUB boots the first one
+    state["grubenv"] = ["saved_entry=gnulinux-advanced-x>gnulinux-5.15.0-1-pve-advanced-x"]
+    assert plan.next_boot_releases(state) == ["6.8.12-11-pve"]
+    assert plan.next_boot(state)[0]["why"].startswith("the first entry")
+
+
+def grub_esp_state() -> dict:
+    """A legacy-BIOS ZFS host in proxmox-boot-tool's grub mode: the ESP's grub.cfg (written by
+    update-grub with the ESP bound on /boot, the pin as GRUB_DEFAULT) and the root's grubenv."""
+    base = reading("intel2-grub-saved-and-next-entry")
+    adv = "gnulinux-advanced-00488686-51ee-d592-e56e-2e584a7333d0"
+    esp_cfg = [line.replace('set default="${saved_entry}"',
+                            f'set default="{adv}>gnulinux-6.8.12-9-pve-advanced-00488686-51ee-d592-e56e-2e584a7333d0"')
+               for line in base["grub_cfg"]]
+    return {"firmware": "bios", "efivars": {}, "esp_list": ["2A4C-77E1"],
+            "esps": [{"uuid": "2A4C-77E1", "mounted": True, "has": ["grub"], "loader_conf": None, "entries": [],
+                      "grub_cfg": esp_cfg, "grubenv": None}],
+            "grub_cfg": copy.deepcopy(base["grub_cfg"]), "grubenv": copy.deepcopy(base["grubenv"])}
+
+
+def test_grub_on_esps_reads_the_esps_grub_cfg_and_grubenv_not_the_roots():
+    state = grub_esp_state()
+    assert plan.loader_of_state(state) == plan.GRUB_ESP
+    (choice,) = plan.next_boot(state)
+    # the root's grubenv (next_entry 6.8.12-9, saved_entry 6.8.12-11) is not what this GRUB reads
+    assert choice["where"] == "ESP 2A4C-77E1" and choice["loader"] == plan.GRUB_ESP
+    assert choice["release"] == "6.8.12-9-pve" and choice["why"].startswith("default gnulinux-advanced-")
+    state["esps"][0]["grubenv"] = ["# GRUB Environment Block", "next_entry=1>2"]
+    assert plan.next_boot_releases(state) == ["6.8.12-9-pve"]  # index path: submenu 1, its third item
+
+
+@pytest.mark.parametrize("firmware, has, mode", [
+    ("uefi", ["loader/loader.conf"], plan.SYSTEMD_BOOT),
+    ("uefi", ["EFI/proxmox/grubx64.efi", "loader/loader.conf", "grub"], plan.GRUB_ESP),  # installed with Secure Boot
+    ("bios", ["grub"], plan.GRUB_ESP),
+    ("bios", ["loader/loader.conf", "grub"], plan.GRUB_ESP),
+    ("bios", ["loader/loader.conf"], None),
+    ("uefi", ["grub"], None),
+])
+def test_the_esp_loader_is_the_one_refresh_sets_up(firmware, has, mode):
+    assert plan.esp_loader({"has": has}, firmware) == mode
+
+
+def test_one_loader_decision():
+    assert plan.host_loader("uefi", [plan.SYSTEMD_BOOT]) == plan.SYSTEMD_BOOT
+    assert plan.host_loader("bios", [plan.GRUB_ESP, plan.GRUB_ESP]) == plan.GRUB_ESP
+    assert plan.host_loader("uefi", [plan.SYSTEMD_BOOT, plan.GRUB_ESP]) == plan.GRUB_ESP
+    assert plan.host_loader("bios", []) == plan.GRUB
+    assert plan.host_loader("bios", [None], esp_listed=True) == plan.GRUB_ESP
+
+
+def test_no_loader_to_read():
+    assert plan.next_boot({"firmware": "bios", "efivars": {}, "esp_list": [], "esps": [], "grub_cfg": None}) == []
+    unmounted: dict = {"firmware": "uefi", "efivars": {}, "esp_list": ["AAAA-BBBB"],
+                 "esps": [{"uuid": "AAAA-BBBB", "mounted": False}], "grub_cfg": None}
+    assert plan.next_boot(unmounted)[0]["release"] is None
+
+
+def test_the_kernel_stages_default_is_the_pin_only_where_the_loader_boots_it():
+    """plan.kernel.default_release on ESPs: the pin counts where the loader's own default (one-shots
+    left out) boots it; a `bootctl set-default` to another kernel is no default (the stage pins again)."""
+    from plan import kernel as kplan
+
+    state = reading("kpro6-oneshot-and-default")  # one-shot 6.8.12-11, EFI default 6.14.8-2
+    kernels = {"pinned": "6.14.8-2-pve"}
+    assert plan.next_boot_releases(state, once=False) == ["6.14.8-2-pve"]
+    assert kplan.default_release(kernels, {}, kplan.SYSTEMD_BOOT, state) == "6.14.8-2-pve"
+    state["efivars"]["LoaderEntryDefault"] = "proxmox-6.8.12-11-pve.conf"
+    assert kplan.default_release(kernels, {}, kplan.SYSTEMD_BOOT, state) is None
+    assert kplan.default_release(kernels, {}, kplan.SYSTEMD_BOOT) == "6.14.8-2-pve"  # no reading: the pin
+    grub = reading("intel2-grub-saved-and-next-entry")
+    assert plan.next_boot_releases(grub, once=False) == ["6.8.12-11-pve"]  # next_entry left out
