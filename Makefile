@@ -22,7 +22,7 @@ PROFILE ?= kpro6
 demo: venv debs
 	PVEGPU_DEMO_PROFILE=$(PROFILE) bash scripts/demo.sh
 
-# All tests (what CI runs): a queue of pytest runs, 4 at a time, the longest first (scripts/run-tests.sh).
+# All tests (what CI runs): a queue of pytest runs, 3 at a time, the longest first (scripts/run-tests.sh).
 test: venv debs
 	bash scripts/run-tests.sh $(PYTEST_ARGS)
 
