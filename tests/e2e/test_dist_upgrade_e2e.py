@@ -93,6 +93,7 @@ def test_real_dist_upgrade_8_to_9(twin_factory, tmp_path, monkeypatch):
     assert "Suites: trixie trixie-updates" in (root / "etc/apt/sources.list.d/debian.sources").read_text()
     assert (root / du.PVE_LIST).read_text().split()[-2:] == ["trixie", du.COMPONENT]
     cache = du.cache_dir()
+    du.publish(twin, [], "trixie")  # the local suite's index, empty until 9's kernel is known
     lists = du.fetch_lists(twin, cache)
     new, new_version = du.trixie_kernel(twin)
     debs = du.pve_debs(tmp_path / "debs-9", "trixie", new, new_version,
@@ -103,7 +104,7 @@ def test_real_dist_upgrade_8_to_9(twin_factory, tmp_path, monkeypatch):
     downloaded = du.fetch_debs(twin, cache)
     # the image carries the kernel's real config (from Debian's headers package, now in the apt cache)
     debs[debs.index(next(d for d in debs if d.name.startswith(f"proxmox-kernel-{new}-signed")))] = \
-        du.kp.image(tmp_path / "debs-9", new, new_version, du.image_files(new, du.kernel_config(twin, new)))
+        du.image(tmp_path / "debs-9", new, new_version, du.image_files(new, du.kernel_config(twin, new)))
     du.publish(twin, debs, "trixie")
     du.update_local(twin)
     t_fetch = time.monotonic() - t0 - t_8
@@ -114,6 +115,8 @@ def test_real_dist_upgrade_8_to_9(twin_factory, tmp_path, monkeypatch):
     print(f"timings: 8 converge {t_8:.0f} s, fetch ({lists} lists, {downloaded} .debs downloaded) {t_fetch:.0f} s, "
           f"full-upgrade {t_upgrade:.0f} s; log {log}")
     out = log.read_text()
+    keep = REPO / ".cache" / "distup" / "last-full-upgrade.log"  # for the reader of a failure
+    keep.write_text(out)
     assert done.returncode == 0, out[-8000:]
     runtime.kill_sshd(NAME)  # the listener of 8's sshd cannot serve 9's sshd-session: restarted, as the unit would
     assert du.sh(twin, "dpkg --audit").stdout.strip() == ""

@@ -130,8 +130,23 @@ def pve_debs(out: Path, suite: str, kernel: str, kernel_version: str, image_file
             kp.headers(out, kernel, kernel_version, build_link=False, depends=headers_depends),
             *kp.series_metas(out, series, kernel, kernel_version), *kp.default_metas(out, series, v["meta"])]
     if image_files is not None:
-        debs.append(kp.image(out, kernel, kernel_version, image_files))
+        debs.append(image(out, kernel, kernel_version, image_files))
     return debs
+
+
+def image(out: Path, release: str, version: str, files: dict) -> Path:
+    """proxmox-kernel-<rel>-signed as kernel_packages.image makes it (pve-kernel's relations and
+    maintainer scripts), plus, for the Debian release standing in for 9's kernel: Provides
+    `linux-image-<rel> (= version)`, Conflicts and Replaces `linux-image-<rel>`. Debian's
+    linux-headers-<rel> (which the twin root's linux-headers-amd64 pulls) Depends on that image
+    at its version; without this apt installs Debian's image too and dpkg refuses the second
+    owner of /boot/System.map-<rel> (Proxmox's headers depend on no image)."""
+    unsigned = f"proxmox-kernel-{release}"
+    debian = f"linux-image-{release}"
+    return kp._package(out, f"{unsigned}-signed", version, "amd64", "Proxmox Kernel Image (signed)", files,
+                       scripts=kp.image_scripts(release), Depends=kp.IMAGE_DEPENDS,
+                       Provides=f"linux-image-{release}-amd64, {unsigned}, {debian} (= {version})",
+                       Conflicts=f"{unsigned}, {debian}", Replaces=f"{unsigned}, {debian}")
 
 
 def publish(twin, debs: list[Path], suite: str) -> None:
@@ -262,8 +277,9 @@ def image_files(release: str, config: str) -> dict:
 
 
 def full_upgrade(twin, log: Path, timeout: int = 1800) -> subprocess.CompletedProcess:
-    """The guide's `apt full-upgrade`, unattended, from the twin's apt cache (no network); its
-    output goes to `log`."""
-    done = sh(twin, f"{APT_ENV} apt-get -q -y --no-download {DPKG_OPTS} full-upgrade", check=False, timeout=timeout)
+    """The guide's `apt full-upgrade`, unattended, from the twin's apt cache (the twin has no
+    resolver now: what fetch_debs did not put there fails; not --no-download, with which apt
+    refuses the file: repository's relative pool paths); its output goes to `log`."""
+    done = sh(twin, f"{APT_ENV} apt-get -q -y {DPKG_OPTS} full-upgrade", check=False, timeout=timeout)
     log.write_text(done.stdout + done.stderr)
     return done
