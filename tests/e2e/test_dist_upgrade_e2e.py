@@ -13,6 +13,10 @@ hook ran inside the transaction for 9's kernel and either built nvidia for it wi
 deferred with its reason, and in no case is an 8 kernel the loader's default of the 9 system
 (proxmox-boot-tool's pin, the ESP's loader.conf default, the EFI variable LoaderEntryDefault);
 then pvegpu's upgrade check (--dry, `proxmox_ve: 9`) reports what is still due on 9.
+
+The slow lane (`make test-slow`; scripts/run-tests.sh leaves it out): ~8-10 min a case warm on 2
+busy cores (2026-12-06: 558 s and 462 s; the full-upgrade alone 412-483 s), the first run also
+downloads ~300 .debs (~400 MB) into .cache/distup/.
 """
 
 from __future__ import annotations
