@@ -4,7 +4,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv debs demo test test-unit lint bench twin-up twin-down clean docs docs-ref
+.PHONY: venv debs demo test test-unit test-slow lint bench twin-up twin-down clean docs docs-ref
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -32,6 +32,11 @@ lint: venv debs
 
 test-unit: venv
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
+
+# The slow lane, not in `make test` (scripts/run-tests.sh SLOW_LANE): the real 8 -> 9 apt
+# full-upgrade on a twin, ~10 min a case warm (Debian's packages cached in .cache/distup/)
+test-slow: venv debs
+	$(VENV)/bin/pytest -p no:cacheprovider tests/e2e/test_dist_upgrade_e2e.py $(PYTEST_ARGS)
 
 # Generated doc pages: the spec reference from spec/models.py, the stage diagram from operations.STAGES,
 # the host checks page from the docstrings of tests/host

@@ -129,17 +129,19 @@ def image(out: Path, release: str, version: str, files: Mapping[str, bytes | str
 
 def headers(out: Path, release: str, version: str, files: Mapping[str, bytes | str] | None = None,
             tree: Path | None = None, extra_trees: dict[str, Path] | None = None, build_link: bool = True,
-            compression: str = "gzip") -> Path:
+            compression: str = "gzip", depends: str = "") -> Path:
     """proxmox-headers-<rel>: /usr/src/linux-headers-<rel> (a copy of `tree` and/or `files`
     under it) and, with build_link, /usr/lib/modules/<rel>/build pointing there. No maintainer
     scripts: the real postinst does nothing. `extra_trees`: more directories it carries
-    ({path in the package: source}), e.g. the kbuild scripts Debian's headers link to."""
+    ({path in the package: source}), e.g. the kbuild scripts Debian's headers link to. `depends`:
+    a package carrying the tree instead (the twin's dist-upgrade: Debian's real headers package)."""
     src = f"usr/src/linux-headers-{release}"
     trees = {**({src: tree} if tree is not None else {}), **(extra_trees or {})}
     return _package(out, f"proxmox-headers-{release}", version, "amd64", "Proxmox Kernel Headers",
                     {f"{src}/{p}": c for p, c in (files or {}).items()},
                     {f"usr/lib/modules/{release}/build": f"/{src}"} if build_link else None, trees,
-                    compression=compression, Provides=f"linux-headers-{release}-amd64, pve-headers-{release}")
+                    compression=compression, Provides=f"linux-headers-{release}-amd64, pve-headers-{release}",
+                    Depends=depends)
 
 
 def series_metas(out: Path, series: str, release: str, version: str) -> list[Path]:
