@@ -184,7 +184,10 @@ def upgrade_findings(state: dict, lxc_configs: dict[int, str], nvidia_version: s
     if nvidia_version and not after:
         findings.append(
             f"after the upgrade the converge builds nvidia {nvidia_version} for 9's kernel with GCC 14 (Proxmox "
-            "builds its 9.x kernels with trixie's gcc-14; modules of another GCC are refused). Fix: install gcc-14 "
-            "and g++-14 with the upgrade (build-essential on trixie) and keep proxmox-default-headers installed, "
-            "then run the converge before relying on the GPUs")
+            "builds its 9.x kernels with trixie's gcc-14; modules of another GCC are refused). The kernel hook "
+            "may leave 9's kernel without them during the dist-upgrade (where it builds with gcc-12, the program "
+            "8's kernel names, it defers 9's kernel and pins no kernel of the other release; a real apt "
+            "full-upgrade on the twin, tests/e2e/test_dist_upgrade_e2e.py). Fix: install gcc-14 and g++-14 with the upgrade (build-essential "
+            "on trixie), keep proxmox-default-headers installed, and do not reboot at the end of the upgrade: "
+            "converge first (it builds for 9's kernel, then reboots into it where reboot.allowed)")
     return findings

@@ -36,6 +36,8 @@ def test_recorded_state_gives_each_finding_with_its_fix():
     assert "grub-editenv /boot/grub/grubenv unset saved_entry" in grub_pin
     assert cgroup.startswith("CT 200: `lxc.cgroup.devices.allow: c 195:* rwm` is a cgroup v1 key")
     assert "nvidia 595.71.05 for 9's kernel with GCC 14" in rebuild
+    # the hook defers 9's kernel inside the dist-upgrade (GCC 12 rendered): the converge comes before the reboot
+    assert "do not reboot at the end of the upgrade: converge first" in rebuild
 
 
 def test_a_clean_host_has_no_findings():
