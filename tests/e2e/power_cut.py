@@ -1,0 +1,474 @@
+"""Power cuts on a twin (issue 38 §3): run an action once to record its steps, then run it again
+and cut the twin's power when step i begins.
+
+A step is a line that marks the start of one piece of work, from what the real programs write as
+they go:
+
+- `pyinfra --debug`: "Running command on <host>: ..." (one remote command of an operation begins;
+  an operation's first command is its boundary);
+- dpkg's own log, <root>/var/log/dpkg.log (dpkg src/main/... log_message: "startup", "install",
+  "upgrade", "status <state> <pkg> <ver>", "configure", "trigproc"), one line per state change;
+- the output of the command itself where it streams it (apt over SSH: "Unpacking ...",
+  "Setting up ...", "Processing triggers for ...", run-parts' "executing /etc/kernel/postinst.d/X",
+  proxmox-boot-tool's "Copying and configuring kernels on ...", the kernel hook's "pvegpu: ...").
+
+A cut (`power_cut`) is what a reset does to a real host, with nothing of a shutdown: every process
+of the twin (all but its supervisor, which stands for the machine) is stopped with SIGSTOP in the
+same instant the step is seen (repeated until no new one appears), then the reset button is
+pressed (tests/twin/runtime.py reset): the supervisor SIGKILLs them, unmounts its namespace's
+mounts (no process is left to write), renders the next boot (tests/twin/hardware.py choose_boot:
+the firmware's and loader's choice, one-shots consumed, a kernel on the no-boot list hangs or
+panics as it says) and boots. No sync, no unmount by the twin's programs.
+
+The twin's disk is an overlay whose upper dir is a plain directory of this machine: what a
+process wrote before the cut is kept, fsync'd or not (the page cache survives a twin's reset).
+A real disk can lose writes that were not fsync'd; that is out of scope here, so the cuts test
+the order of the steps (what is on disk at each step boundary), not write durability.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.twin import runtime
+
+DPKG_LOG = "var/log/dpkg.log"
+# lines of a command's own output that begin a step (matched at the start of the line)
+OUTPUT_STEPS = re.compile(
+    r"^(--> Starting operation|Preparing to unpack |Unpacking |Setting up |"
+    r"Processing triggers for |run-parts: executing |Copying and configuring kernels on |"
+    r"Copying kernel and creating boot-entry for |Removing |pvegpu: [a-z]|Examining /etc/kernel/)"
+    # pyinfra --debug (pyinfra/connectors/ssh.py run_shell_command): one remote command begins
+    r"|^.{0,80}?(Running command on .*)")
+
+
+def _key(line: str) -> str:
+    """A step's identity across runs: digits, hex words and temp names collapsed."""
+    line = re.sub(r"/tmp/[\w./-]+", "/tmp/_", line)
+    line = re.sub(r"\b[0-9a-f]{8,}\b", "_", line)
+    line = re.sub(r"\d+(\.\d+)*s\b", "_s", line)  # durations
+    return line.strip()[:200]
+
+
+@dataclass
+class Run:
+    steps: list[str] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # when each step began (s from the start)
+    output: str = ""
+    rc: int | None = None
+    cut: str | None = None  # the step at which the power was cut (None: ran to its end)
+
+
+def freeze(name: str) -> list[int]:
+    """SIGSTOP every process of twin `name` but its supervisor, until no new one appears."""
+    spec = runtime.spec_of(name)
+    stopped: set[int] = set()
+    for _ in range(50):
+        # the supervisor stands for the machine; unshare (its parent, in the twin's mount namespace)
+        # is this machine's
+        new = [p for p in runtime.twin_processes(spec)
+               if p not in (spec["pid"], spec.get("unshare_pid")) and p not in stopped]
+        if not new:
+            break
+        for pid in new:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+            stopped.add(pid)
+    return sorted(stopped)
+
+
+def boots(name: str) -> list[str]:
+    path = runtime.twin_dir(name) / "boots"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def power_cut(name: str, timeout: float = 90.0) -> str:
+    """Cut the power of twin `name` and wait for the boot that follows; that boot's line of
+    `boots` ("<time> <n>" or "<time> <n> hung")."""
+    before = len(boots(name))
+    freeze(name)
+    runtime.reset(name)
+    deadline = time.monotonic() + timeout
+    while len(boots(name)) == before:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"twin {name} did not boot after the power cut")
+        time.sleep(0.05)
+    return boots(name)[-1]
+
+
+def run_steps(name: str, command: list[str], env: dict | None = None,
+              cut_at: tuple[str, int, float] | None = None, timeout: float = 900.0) -> Run:
+    """Run `command` (here: pyinfra, or ssh into the twin) while watching its output and the twin's
+    dpkg log for steps. cut_at=(key, n, delay): cut the twin's power `delay` seconds after the
+    n-th step with that key began (the operator's side, `command`, is killed with it)."""
+    root = Path(runtime.spec_of(name)["root"])
+    log = root / DPKG_LOG
+    offset = log.stat().st_size if log.exists() else 0
+    t0 = time.monotonic()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env={**os.environ, **(env or {})}, cwd=runtime.REPO, start_new_session=True)
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    os.set_blocking(fd, False)
+    run, seen = Run(), Counter()
+    out: list[str] = []
+    pending, dpkg_pending = b"", b""
+    deadline = t0 + timeout
+    cut_time: float | None = None
+
+    def cut() -> Run:
+        os.kill(proc.pid, signal.SIGSTOP)  # the operator's side stops with the host
+        run.cut = f"{cut_at[0]} #{cut_at[1]} +{cut_at[2]} s" if cut_at else None
+        power_cut(name)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        run.output = "\n".join(out)
+        return run
+
+    try:
+        while True:
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(f"{command[:3]} ran past {timeout} s")
+            if cut_time is not None and now >= cut_time:
+                return cut()
+            ready, _, _ = select.select([fd], [], [], 0.003)
+            lines: list[str] = []
+            eof = False
+            if ready:
+                chunk = os.read(fd, 65536)
+                eof = not chunk
+                pending += chunk
+                *full, pending = pending.split(b"\n")
+                for raw in full:
+                    text = raw.decode(errors="replace").strip()
+                    out.append(text)
+                    m = OUTPUT_STEPS.match(text)
+                    if m and not re.match(r"pvegpu: [a-z ]+ \| ", text):  # not pyinfra's results table
+                        lines.append(m.group(2) or text)
+            try:
+                with open(log, "rb") as f:
+                    f.seek(offset)
+                    new = f.read()
+                offset += len(new)
+                dpkg_pending += new
+                *full, dpkg_pending = dpkg_pending.split(b"\n")
+                # "2026-12-05 23:10:00 status half-installed pkg:amd64 1": the date and time dropped
+                lines += ["dpkg: " + raw.decode(errors="replace").split(" ", 2)[-1] for raw in full]
+            except FileNotFoundError:
+                pass
+            for line in lines:
+                key = _key(line)
+                run.steps.append(key)
+                run.times.append(time.monotonic() - t0)
+                seen[key] += 1
+                if cut_at is not None and cut_time is None and key == cut_at[0] and seen[key] == cut_at[1]:
+                    cut_time = time.monotonic() + cut_at[2]
+                    if cut_at[2] == 0:
+                        return cut()
+            if eof:
+                break
+        if cut_time is not None:  # the run ended before the delay was up: cut now
+            return cut()
+        run.rc = proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    run.output = "\n".join(out + [pending.decode(errors="replace")])
+    return run
+
+
+def cut_points(steps: list[str]) -> list[tuple[str, int]]:
+    """(key, n) of each step of a recorded run, in order."""
+    seen: Counter = Counter()
+    points = []
+    for key in steps:
+        seen[key] += 1
+        points.append((key, seen[key]))
+    return points
+
+
+def timed_points(steps: list[str], times: list[float], min_s: float = 0.4) -> list[tuple[str, int, float]]:
+    """The cut points of a recorded run: each step's start (delay 0) and, where the step took
+    at least `min_s` until the next one began, its middle too (a cut inside a long step: a
+    maintainer script, a proxmox-boot-tool refresh, a module build)."""
+    points = []
+    for i, (key, n) in enumerate(cut_points(steps)):
+        points.append((key, n, 0.0))
+        if i + 1 < len(times) and times[i + 1] - times[i] >= min_s:
+            points.append((key, n, round((times[i + 1] - times[i]) / 2, 2)))
+    return points
+
+
+# -- after a cut: what booted, the next converge, what the host is left with ------------------------
+
+def attempts(root: Path) -> list[str]:
+    path = root / "var/lib/twin/boot/attempts"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def press_reset(name: str) -> str:
+    """The operator's reset button (a hung twin has no sshd); the next boot's line."""
+    before = len(boots(name))
+    runtime.reset(name)
+    deadline = time.monotonic() + 60
+    while len(boots(name)) == before:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"twin {name} did not boot after a reset")
+        time.sleep(0.05)
+    return boots(name)[-1]
+
+
+def come_up(name: str, since: int, resets: int = 3) -> tuple[bool, list[str]]:
+    """After a power-on: press reset while the twin hangs (an operator at the console does), at
+    most `resets` times. (came up, the boot attempts logged after the first `since`)."""
+    root = Path(runtime.spec_of(name)["root"])
+    line = boots(name)[-1]
+    for _ in range(resets):
+        if not line.endswith(" hung"):
+            break
+        line = press_reset(name)
+    return not line.endswith(" hung"), attempts(root)[since:]
+
+
+def ssh(name: str, command: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    deadline = time.monotonic() + 20
+    while True:
+        r = subprocess.run(runtime.ssh_command(name, [command]), capture_output=True, text=True, timeout=timeout)
+        if r.returncode != 255 or time.monotonic() > deadline:
+            return r
+        time.sleep(0.3)
+
+
+def gpu_driver(name: str) -> str | None:
+    """The NVIDIA driver version the running kernel loaded (None: no GPU driver: no GPUs)."""
+    r = ssh(name, "cat /proc/driver/nvidia/version 2>/dev/null")
+    m = re.search(r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)", r.stdout)
+    return m.group(1) if m else None
+
+
+def reboot_plain(name: str) -> str:
+    """`reboot` as an operator types it; the next boot's line."""
+    before = len(boots(name))
+    subprocess.run(runtime.ssh_command(name, ["reboot"]), capture_output=True, timeout=60)
+    deadline = time.monotonic() + 60
+    while len(boots(name)) == before:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"twin {name} did not reboot")
+        time.sleep(0.05)
+    return boots(name)[-1]
+
+
+@dataclass
+class Outcome:
+    point: str
+    after_cut: list[str]  # the boot attempts right after the cut ("<release> <entry> <outcome>")
+    final: str = ""  # the release running at the end
+    unbootable: bool = False  # hung after the cut (3 resets) or at the final reboot
+    no_gpus: bool = False  # came up without the NVIDIA driver after the converge
+    problems: list[str] = field(default_factory=list)  # anything else: converge failed, checks red
+    seconds: float = 0.0
+
+    @property
+    def bad(self) -> bool:
+        return self.unbootable or self.no_gpus
+
+    def line(self) -> str:
+        tag = "UNBOOTABLE" if self.unbootable else "NO GPUS" if self.no_gpus else "problem" if self.problems else "ok"
+        return (f"{tag:10} {self.point[:110]} | after cut: {'; '.join(self.after_cut)[-160:]} | final {self.final}"
+                + (f" | {' / '.join(self.problems)[:600]}" if self.problems else ""))
+
+
+class Case:
+    """One sequence to cut: a fresh twin in the state before it (`setup`), the command that runs
+    it (`action`), and what the host must be left with after the next converge (`recover`)."""
+
+    name = ""
+
+    def setup(self, name: str, tmp: Path) -> runtime.Twin:
+        raise NotImplementedError
+
+    def action(self, twin: runtime.Twin, tmp: Path) -> tuple[list[str], dict]:
+        raise NotImplementedError
+
+    def recover(self, twin: runtime.Twin, tmp: Path, outcome: Outcome) -> None:
+        raise NotImplementedError
+
+
+def record(case: Case, name: str, tmp: Path, stop: bool = True) -> tuple[Run, Outcome]:
+    """The sequence run once without a cut: its steps and times, then the same recovery and
+    checks as after a cut (a sweep is only as good as its baseline: that must end green)."""
+    twin = case.setup(name, tmp)
+    try:
+        command, env = case.action(twin, tmp)
+        run = run_steps(name, command, env)
+        outcome = Outcome(point="(no cut)", after_cut=[])
+        case.recover(twin, tmp, outcome)
+        return run, outcome
+    finally:
+        if stop:
+            runtime.stop(name)
+
+
+def cut_once(case: Case, name: str, tmp: Path, point: tuple[str, int, float]) -> Outcome:
+    """A fresh twin, the sequence cut at `point`, what boots, the next converge, the checks."""
+    t0 = time.monotonic()
+    twin = case.setup(name, tmp)
+    try:
+        root = Path(twin.root)
+        command, env = case.action(twin, tmp)
+        since = len(attempts(root))
+        run = run_steps(name, command, env, cut_at=point)
+        outcome = Outcome(point=f"{point[0]} #{point[1]}" + (f" +{point[2]} s" if point[2] else ""), after_cut=[])
+        if run.cut is None:
+            outcome.problems.append("the step was not reached in this run (the sequence differs from the recording)")
+        up, outcome.after_cut = come_up(name, since)
+        if not up:
+            outcome.unbootable = True
+            outcome.problems.append("hung after the cut and 3 resets")
+        else:
+            case.recover(twin, tmp, outcome)
+        outcome.seconds = round(time.monotonic() - t0, 1)
+        return outcome
+    finally:
+        runtime.stop(name)
+
+
+def finish(name: str, outcome: Outcome, want_driver: str) -> None:
+    """The end state every case asks for: a reboot as the operator types it comes up (no hang,
+    3 resets allowed as after the cut) on a kernel that loads `want_driver`."""
+    outcome.final = ssh(name, "uname -r").stdout.strip()
+    driver = gpu_driver(name)
+    if driver != want_driver:
+        outcome.no_gpus = True
+        outcome.problems.append(f"runs {outcome.final} with nvidia {driver or 'not loaded'}, not {want_driver}")
+    root = Path(runtime.spec_of(name)["root"])
+    since = len(attempts(root))
+    reboot_plain(name)
+    up, tried = come_up(name, since)
+    if not up:
+        outcome.unbootable = True
+        outcome.problems.append(f"the reboot after the converge hung: {'; '.join(tried)}")
+        return
+    after = ssh(name, "uname -r").stdout.strip()
+    driver = gpu_driver(name)
+    if driver != want_driver:
+        outcome.no_gpus = True
+        outcome.problems.append(f"the reboot after the converge came up on {after} with nvidia "
+                                f"{driver or 'not loaded'}, not {want_driver}")
+    if after != outcome.final:
+        outcome.problems.append(f"the reboot after the converge came up on {after}, not {outcome.final}")
+    if len(tried) > 1:
+        outcome.problems.append(f"the reboot after the converge needed resets: {'; '.join(tried)}")
+
+
+def host_checks(inventory: str, env: dict, select: str) -> str | None:
+    """The host checks `select` picks (pytest -k) against the inventory; None when green, else
+    the failures."""
+    from tests.e2e.harness import PYTEST
+    done = subprocess.run([PYTEST, "-q", "-rf", "-p", "no:cacheprovider", "tests/host/test_boot.py", "-k", select,
+                           "--inventory", inventory], cwd=runtime.REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **env})
+    if done.returncode == 0:
+        return None
+    failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED")]
+    return "host checks: " + ("; ".join(failed) or done.stdout[-800:])
+
+
+def converge_until_done(inventory: str, deploy: str, env: dict, outcome: Outcome, runs: int = 3) -> bool:
+    """The next converge, as an operator runs it after a power cut: run it; a run with changes is
+    run again (a kernel trial's reboot ends one run, the next finishes it), at most `runs` times.
+    True when the last run changed nothing and succeeded."""
+    from tests.e2e.harness import run_pyinfra
+    for i in range(runs):
+        done = run_pyinfra(inventory, deploy, env=env, timeout=900)
+        if done.rc == 0 and done.changed == 0:
+            return True
+        if i == runs - 1:
+            outcome.problems.append(f"converge {i + 1} after the cut: rc {done.rc}, changed {done.changed}: "
+                                    + _errors(done.output))
+    return False
+
+
+def _errors(out: str) -> str:
+    keep = [line.strip() for line in out.splitlines()
+            if re.search(r"error|failed|refus|WARNING|Error", line) and "Running command" not in line]
+    return " / ".join(keep[-6:])[-1200:]
+
+
+class KernelTrial(Case):
+    """(a) The kernel stage on the kpro6 twin (systemd-boot, ESP, the real proxmox-boot-tool):
+    dpkg -i of a finished build (tests/e2e/test_kernel_trial_e2e.py seed_finished_build), the
+    trial one-shot, the reboot, the pin after it came up: one converge with reboot.allowed.
+    hangs: the new kernel hangs at boot (hardware.py no-boot): the host must end on the old one."""
+
+    def __init__(self, hangs: bool = False):
+        self.hangs = hangs
+        self.name = "kernel-trial" + ("-hangs" if hangs else "")
+
+    def setup(self, name: str, tmp: Path) -> runtime.Twin:
+        import shutil
+
+        from tests.e2e import test_kernel_trial_e2e as kt
+        twin = runtime.start(name, "kpro6", address=kt.quiet_address(), owner=os.getpid())
+        root = Path(twin.root)
+        debs = tmp / "debs"
+        shutil.rmtree(debs, ignore_errors=True)
+        kt.seed_finished_build(root, debs)
+        if self.hangs:
+            (root / "var/lib/twin/boot").mkdir(parents=True, exist_ok=True)
+            (root / "var/lib/twin/boot/no-boot").write_text(f"{kt.RELEASE} hangs\n")
+        return twin
+
+    def env(self, twin: runtime.Twin) -> dict:
+        from tests.e2e import test_kernel_trial_e2e as kt
+        return {"PVEGPU_TWINS": twin.name, "PVEGPU_STAGES": kt.STAGES, "PVEGPU_E2E_KERNEL": json.dumps(kt.KERNEL),
+                "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+
+    def action(self, twin: runtime.Twin, tmp: Path) -> tuple[list[str], dict]:
+        from tests.e2e.harness import PYINFRA
+        return [PYINFRA, "-y", "--debug", "inventories/twin.py", "tests/e2e/stage_deploy.py"], self.env(twin)
+
+    def recover(self, twin: runtime.Twin, tmp: Path, outcome: Outcome) -> None:
+        from plan import kernel as plan
+        from tests.e2e import test_kernel_trial_e2e as kt
+        root = Path(twin.root)
+        if not converge_until_done("inventories/twin.py", "tests/e2e/stage_deploy.py", self.env(twin), outcome):
+            outcome.unbootable = outcome.unbootable or "hung" in boots(twin.name)[-1]
+            if outcome.unbootable:
+                return
+        want = kt.OLD if self.hangs else kt.RELEASE
+        running = ssh(twin.name, "uname -r").stdout.strip()
+        pin = root / "etc/kernel/proxmox-boot-pin"
+        if running != want:
+            outcome.problems.append(f"runs {running}, not {want}")
+        if (pin.read_text().strip() if pin.exists() else None) != want:
+            outcome.problems.append(f"pinned: {pin.read_text().strip() if pin.exists() else 'nothing'}, not {want}")
+        failed = root / plan.TRIAL_FAILED.lstrip("/")
+        if failed.exists() and not self.hangs:
+            outcome.problems.append(f"a trial failure is recorded for a kernel that boots: {failed.read_text()[:300]}")
+        checks = host_checks("inventories/twin.py", {"PVEGPU_TWINS": twin.name},
+                             "loader_boots_next or no_installed_kernel_was_left")
+        if checks:
+            outcome.problems.append(checks)
+        driver = json.loads((root / "var/lib/twin/profile.json").read_text())["nvidia"]["version"]
+        finish(twin.name, outcome, driver)
+
+
+CASES: dict[str, type[Case] | Callable[[], Case]] = {
+    "kernel-trial": KernelTrial,
+    "kernel-trial-hangs": lambda: KernelTrial(hangs=True),
+}
