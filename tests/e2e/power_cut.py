@@ -34,6 +34,7 @@ import re
 import select
 import signal
 import subprocess
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -108,6 +109,39 @@ def power_cut(name: str, timeout: float = 90.0) -> str:
     return boots(name)[-1]
 
 
+class Operator:
+    """The operator at the console while a sequence or a converge runs: a boot that hangs (no
+    sshd: a kernel on the no-boot list, a hung trial) gets the reset button after `wait_s`, as the
+    kernel stage's docs ask of an operator; each hung boot once. A context manager (a thread)."""
+
+    def __init__(self, name: str, wait_s: float = 2.0):
+        self.name, self.wait_s = name, wait_s
+        self.resets = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> Operator:
+        self._handled = len(boots(self.name))
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.2):
+            lines = boots(self.name)
+            if len(lines) > self._handled and lines[-1].endswith(" hung"):
+                self._handled = len(lines)
+                if self._stop.wait(self.wait_s):
+                    return
+                if len(boots(self.name)) == self._handled:
+                    runtime.reset(self.name)
+                    self.resets += 1
+
+
 def run_steps(name: str, command: list[str], env: dict | None = None,
               cut_at: tuple[str, int, float] | None = None, timeout: float = 900.0) -> Run:
     """Run `command` (here: pyinfra, or ssh into the twin) while watching its output and the twin's
@@ -123,12 +157,14 @@ def run_steps(name: str, command: list[str], env: dict | None = None,
     fd = proc.stdout.fileno()
     os.set_blocking(fd, False)
     run, seen = Run(), Counter()
+    operator = Operator(name).__enter__()
     out: list[str] = []
     pending, dpkg_pending = b"", b""
     deadline = t0 + timeout
     cut_time: float | None = None
 
     def cut() -> Run:
+        operator.__exit__()
         os.kill(proc.pid, signal.SIGSTOP)  # the operator's side stops with the host
         run.cut = f"{cut_at[0]} #{cut_at[1]} +{cut_at[2]} s" if cut_at else None
         power_cut(name)
@@ -184,6 +220,7 @@ def run_steps(name: str, command: list[str], env: dict | None = None,
             return cut()
         run.rc = proc.wait()
     finally:
+        operator.__exit__()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -311,8 +348,8 @@ class Case:
 def record(case: Case, name: str, tmp: Path, stop: bool = True) -> tuple[Run, Outcome]:
     """The sequence run once without a cut: its steps and times, then the same recovery and
     checks as after a cut (a sweep is only as good as its baseline: that must end green)."""
-    twin = case.setup(name, tmp)
     try:
+        twin = case.setup(name, tmp)
         command, env = case.action(twin, tmp)
         run = run_steps(name, command, env)
         outcome = Outcome(point="(no cut)", after_cut=[])
@@ -326,8 +363,8 @@ def record(case: Case, name: str, tmp: Path, stop: bool = True) -> tuple[Run, Ou
 def cut_once(case: Case, name: str, tmp: Path, point: tuple[str, int, float]) -> Outcome:
     """A fresh twin, the sequence cut at `point`, what boots, the next converge, the checks."""
     t0 = time.monotonic()
-    twin = case.setup(name, tmp)
     try:
+        twin = case.setup(name, tmp)
         root = Path(twin.root)
         command, env = case.action(twin, tmp)
         since = len(attempts(root))
@@ -347,7 +384,7 @@ def cut_once(case: Case, name: str, tmp: Path, point: tuple[str, int, float]) ->
         runtime.stop(name)
 
 
-def finish(name: str, outcome: Outcome, want_driver: str) -> None:
+def finish(name: str, outcome: Outcome, want_driver: str, same_kernel: bool = True) -> None:
     """The end state every case asks for: a reboot as the operator types it comes up (no hang,
     3 resets allowed as after the cut) on a kernel that loads `want_driver`."""
     outcome.final = ssh(name, "uname -r").stdout.strip()
@@ -369,7 +406,7 @@ def finish(name: str, outcome: Outcome, want_driver: str) -> None:
         outcome.no_gpus = True
         outcome.problems.append(f"the reboot after the converge came up on {after} with nvidia "
                                 f"{driver or 'not loaded'}, not {want_driver}")
-    if after != outcome.final:
+    if same_kernel and after != outcome.final:
         outcome.problems.append(f"the reboot after the converge came up on {after}, not {outcome.final}")
     if len(tried) > 1:
         outcome.problems.append(f"the reboot after the converge needed resets: {'; '.join(tried)}")
@@ -388,13 +425,14 @@ def host_checks(inventory: str, env: dict, select: str) -> str | None:
     return "host checks: " + ("; ".join(failed) or done.stdout[-800:])
 
 
-def converge_until_done(inventory: str, deploy: str, env: dict, outcome: Outcome, runs: int = 3) -> bool:
+def converge_until_done(name: str, inventory: str, deploy: str, env: dict, outcome: Outcome, runs: int = 3) -> bool:
     """The next converge, as an operator runs it after a power cut: run it; a run with changes is
     run again (a kernel trial's reboot ends one run, the next finishes it), at most `runs` times.
     True when the last run changed nothing and succeeded."""
     from tests.e2e.harness import run_pyinfra
     for i in range(runs):
-        done = run_pyinfra(inventory, deploy, env=env, timeout=900)
+        with Operator(name):
+            done = run_pyinfra(inventory, deploy, env=env, timeout=900)
         if done.rc == 0 and done.changed == 0:
             return True
         if i == runs - 1:
@@ -446,7 +484,7 @@ class KernelTrial(Case):
         from plan import kernel as plan
         from tests.e2e import test_kernel_trial_e2e as kt
         root = Path(twin.root)
-        if not converge_until_done("inventories/twin.py", "tests/e2e/stage_deploy.py", self.env(twin), outcome):
+        if not converge_until_done(twin.name, "inventories/twin.py", "tests/e2e/stage_deploy.py", self.env(twin), outcome):
             outcome.unbootable = outcome.unbootable or "hung" in boots(twin.name)[-1]
             if outcome.unbootable:
                 return
@@ -468,7 +506,126 @@ class KernelTrial(Case):
         finish(twin.name, outcome, driver)
 
 
+# systemd-boot-efi at a higher version, built from the installed package's files (as
+# tests/twin/test_boot_programs.py BOOT_EFI_UPGRADE does), placed in the twin's local repository so
+# that apt upgrades it in the same transaction as the kernel
+BOOT_EFI_DEB = r"""set -e
+v=$(dpkg-query -W -f '${Version}' systemd-boot-efi)
+for p in systemd-boot-efi systemd-boot; do
+  d=$(mktemp -d /root/efideb.XXXXXX)
+  mkdir -p "$d/DEBIAN"
+  dpkg-query -L "$p" | while read -r f; do
+    if [ -L "$f" ] && [ ! -d "$f" ]; then mkdir -p "$d$(dirname "$f")"; cp -P "$f" "$d$f"
+    elif [ -f "$f" ]; then install -D "$f" "$d$f"; fi
+  done
+  for s in preinst postinst prerm postrm triggers conffiles; do
+    for f in "/var/lib/dpkg/info/$p:amd64.$s" "/var/lib/dpkg/info/$p.$s"; do
+      if [ -f "$f" ]; then cp "$f" "$d/DEBIAN/$s"; fi
+    done
+  done
+  dpkg-query -s "$p" | grep -v '^Status:' | sed "s/^Version: .*/Version: $v+twin1/; s/systemd-boot-efi (= $v)/systemd-boot-efi (= $v+twin1)/" > "$d/DEBIAN/control"
+  dpkg-deb -Zgzip -b "$d" "/opt/repo/${p}_${v}+twin1_amd64.deb" >/dev/null
+  rm -rf "$d"
+done
+cd /opt/repo && dpkg-scanpackages -m . > Packages 2>/dev/null && apt-get -q update >/dev/null
+"""
+# kpro6's profile kernels (6.14.8-2-pve, 6.8.12-11-pve: packages without files, files seeded by the
+# profile, with nvidia 595.71.05, another driver than the spec's): gone, so that the host is one
+# that runs 6.1 and gets 6.12 (the newest) from the upgrade, as on a host that ran only these
+DROP_PROFILE_KERNELS = r"""set -e
+for r in 6.14.8-2-pve 6.8.12-11-pve; do
+  dpkg --purge "proxmox-kernel-$r-signed" >/dev/null 2>&1 || true
+  rm -rf "/boot/vmlinuz-$r" "/boot/initrd.img-$r" "/boot/config-$r" "/boot/System.map-$r" "/lib/modules/$r"
+done
+proxmox-boot-tool refresh >/dev/null
+"""
+
+
+class FullUpgrade(Case):
+    """(b) `apt-get full-upgrade` on the kpro6 twin (systemd-boot on an ESP, proxmox-kernel-helper's
+    real proxmox-boot-tool, trigger and hooks) running 6.1 with nvidia from the NVIDIA stage and
+    pvegpu's kernel hook installed (tests/e2e/test_kernel_upgrade_e2e.py host_on_6_1): one
+    transaction brings proxmox-kernel-6.12.118+deb12-amd64-signed, proxmox-headers-<rel> (the
+    metas proxmox-default-kernel/-headers 2 -> proxmox-kernel-6.12) and a systemd-boot-efi upgrade
+    (its files under /usr/lib/systemd/boot fire proxmox-kernel-helper's trigger: `reinit`). The
+    hook builds nvidia for 6.12 in the kernel's postinst. apt's own order, dpkg's own states.
+    The next converge: the NVIDIA and kernel-hook stages and the reboot policy, reboot allowed."""
+
+    name = "full-upgrade"
+    STAGES = "operations.nvidia,operations.kernel_hook,operations.reboot"
+
+    def __init__(self) -> None:
+        self.saved: Path | None = None  # the twin's upper dir in the state before the upgrade
+        self.address: str | None = None
+        self.inventory = ""
+
+    def setup(self, name: str, tmp: Path) -> runtime.Twin:
+        """The host before the upgrade, made once (~45 s: apt, a reboot, the NVIDIA stage's
+        build) and saved (runtime.save_upper); each cut starts a copy of it."""
+        if self.saved is None or not self.saved.exists():
+            self._make(name, tmp)
+        return runtime.start(name, "kpro6", address=self.address, owner=os.getpid(), saved_upper=self.saved)
+
+    def _make(self, name: str, tmp: Path) -> None:
+        import hashlib
+        import shutil
+
+        from tests.e2e import test_kernel_upgrade_e2e as up
+        from tests.e2e.harness import run_pyinfra, spec_inventory
+        from tests.e2e.test_kernel_trial_e2e import quiet_address
+        shutil.rmtree(tmp / "debs-1", ignore_errors=True)
+        shutil.rmtree(tmp / "debs-2", ignore_errors=True)
+        twin = runtime.start(name, "kpro6", address=quiet_address(), owner=os.getpid())
+        try:
+            root = Path(twin.root)
+            archive = up.mini_tree(tmp, False)
+            (root / "opt/src").mkdir(parents=True, exist_ok=True)
+            (root / up.ARCHIVE.lstrip("/")).write_bytes(archive.read_bytes())
+            up.twin_sh(twin, "rm -f /usr/lib/x86_64-linux-gnu/libnvidia-ml.so*")
+            up.twin_sh(twin, f"rm -f /lib/modules/{up.NEW}/build")
+            up.publish(twin, tmp, upgrade=False)
+            up.twin_sh(twin, "DEBIAN_FRONTEND=noninteractive apt-get -q install -y proxmox-default-kernel")
+            up.twin_sh(twin, f"proxmox-boot-tool kernel pin {up.OLD} --next-boot && proxmox-boot-tool refresh")
+            up.reboot(twin)
+            up.twin_sh(twin, DROP_PROFILE_KERNELS)
+            nvidia = {"version": up.VERSION, "open": True, "firmware": False, "persistenced": False,
+                      "modules_source": {"url": f"file://{up.ARCHIVE}",
+                                         "sha256": hashlib.sha256(archive.read_bytes()).hexdigest()}}
+            self.inventory = spec_inventory(tmp, twin, {"node": "kpro6", "kernel_updates": "follow", "nvidia": nvidia,
+                                                        "reboot": {"allowed": True}}, "upgrade")
+            with Operator(name):
+                first = run_pyinfra(self.inventory, up.STAGE_DEPLOY, env={"PVEGPU_STAGES": self.STAGES})
+            assert first.rc == 0, first.output[-3000:]
+            reboot_plain(name)  # the stage loads the module it built with modprobe; the twin loads modules at boot
+            assert up.nvidia_version(twin, up.OLD) == up.VERSION and gpu_driver(name) == up.VERSION, first.output[-3000:]
+            shutil.rmtree(tmp / "debs-2", ignore_errors=True)
+            up.publish(twin, tmp, upgrade=True)
+            up.twin_sh(twin, BOOT_EFI_DEB)
+            self.address = twin.address
+        except BaseException:
+            runtime.stop(name)
+            raise
+        self.saved = tmp / "saved-upper"
+        runtime.save_upper(name, self.saved)
+
+    def action(self, twin: runtime.Twin, tmp: Path) -> tuple[list[str], dict]:
+        return runtime.ssh_command(twin.name, ["DEBIAN_FRONTEND=noninteractive apt-get -q full-upgrade -y 2>&1"]), {}
+
+    def recover(self, twin: runtime.Twin, tmp: Path, outcome: Outcome) -> None:
+        from tests.e2e import test_kernel_upgrade_e2e as up
+        if not converge_until_done(twin.name, self.inventory, up.STAGE_DEPLOY, {"PVEGPU_STAGES": self.STAGES}, outcome):
+            pass
+        audit = ssh(twin.name, "dpkg --audit").stdout.strip()
+        if audit:
+            outcome.problems.append(f"dpkg --audit: {audit[:300]}")
+        checks = host_checks(self.inventory, {}, "nvidia_driver or no_installed_kernel_was_left")
+        if checks:
+            outcome.problems.append(checks)
+        finish(twin.name, outcome, up.VERSION, same_kernel=False)
+
+
 CASES: dict[str, type[Case] | Callable[[], Case]] = {
     "kernel-trial": KernelTrial,
     "kernel-trial-hangs": lambda: KernelTrial(hangs=True),
+    "full-upgrade": FullUpgrade,
 }
