@@ -238,15 +238,22 @@ def cut_points(steps: list[str]) -> list[tuple[str, int]]:
     return points
 
 
-def timed_points(steps: list[str], times: list[float], min_s: float = 0.4) -> list[tuple[str, int, float]]:
+def timed_points(steps: list[str], times: list[float], min_s: float = 0.4,
+                 min_gap: float = 0.0) -> list[tuple[str, int, float]]:
     """The cut points of a recorded run: each step's start (delay 0) and, where the step took
     at least `min_s` until the next one began, its middle too (a cut inside a long step: a
-    maintainer script, a proxmox-boot-tool refresh, a module build)."""
-    points = []
+    maintainer script, a proxmox-boot-tool refresh, a module build). min_gap: a step that began
+    less than this after the last cut point is not one of its own (dpkg writes several status
+    lines of one package within milliseconds; the first of such a burst is cut)."""
+    points: list[tuple[str, int, float]] = []
+    last = float("-inf")
     for i, (key, n) in enumerate(cut_points(steps)):
-        points.append((key, n, 0.0))
+        if times[i] - last >= min_gap:
+            points.append((key, n, 0.0))
+            last = times[i]
         if i + 1 < len(times) and times[i + 1] - times[i] >= min_s:
             points.append((key, n, round((times[i + 1] - times[i]) / 2, 2)))
+            last = times[i] + (times[i + 1] - times[i]) / 2
     return points
 
 
@@ -318,6 +325,7 @@ class Outcome:
     no_gpus: bool = False  # came up without the NVIDIA driver after the converge
     problems: list[str] = field(default_factory=list)  # anything else: converge failed, checks red
     seconds: float = 0.0
+    log: list[str] = field(default_factory=list)  # the converges' output and the checks', for the record
 
     @property
     def bad(self) -> bool:
@@ -388,10 +396,13 @@ def finish(name: str, outcome: Outcome, want_driver: str, same_kernel: bool = Tr
     """The end state every case asks for: a reboot as the operator types it comes up (no hang,
     3 resets allowed as after the cut) on a kernel that loads `want_driver`."""
     outcome.final = ssh(name, "uname -r").stdout.strip()
-    driver = gpu_driver(name)
-    if driver != want_driver:
+    # the running kernel has the driver's modules (the twin loads modules at boot only; a real
+    # host's NVIDIA stage loads what it installed with modprobe, the reboot below checks loading)
+    modules = ssh(name, f"modinfo -k {outcome.final} -F version nvidia 2>/dev/null").stdout.strip()
+    if modules != want_driver:
         outcome.no_gpus = True
-        outcome.problems.append(f"runs {outcome.final} with nvidia {driver or 'not loaded'}, not {want_driver}")
+        outcome.problems.append(f"runs {outcome.final}, whose nvidia modules are {modules or 'missing'}, "
+                                f"not {want_driver}")
     root = Path(runtime.spec_of(name)["root"])
     since = len(attempts(root))
     reboot_plain(name)
@@ -412,7 +423,7 @@ def finish(name: str, outcome: Outcome, want_driver: str, same_kernel: bool = Tr
         outcome.problems.append(f"the reboot after the converge needed resets: {'; '.join(tried)}")
 
 
-def host_checks(inventory: str, env: dict, select: str) -> str | None:
+def host_checks(inventory: str, env: dict, select: str, log: list[str] | None = None) -> str | None:
     """The host checks `select` picks (pytest -k) against the inventory; None when green, else
     the failures."""
     from tests.e2e.harness import PYTEST
@@ -421,6 +432,8 @@ def host_checks(inventory: str, env: dict, select: str) -> str | None:
                           env={**os.environ, **env})
     if done.returncode == 0:
         return None
+    if log is not None:
+        log.append(f"== host checks\n{done.stdout}")
     failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED")]
     return "host checks: " + ("; ".join(failed) or done.stdout[-800:])
 
@@ -433,6 +446,7 @@ def converge_until_done(name: str, inventory: str, deploy: str, env: dict, outco
     for i in range(runs):
         with Operator(name):
             done = run_pyinfra(inventory, deploy, env=env, timeout=900)
+        outcome.log.append(f"== converge {i + 1}: rc {done.rc}, changed {done.changed}\n{done.output}")
         if done.rc == 0 and done.changed == 0:
             return True
         if i == runs - 1:
@@ -499,7 +513,7 @@ class KernelTrial(Case):
         if failed.exists() and not self.hangs:
             outcome.problems.append(f"a trial failure is recorded for a kernel that boots: {failed.read_text()[:300]}")
         checks = host_checks("inventories/twin.py", {"PVEGPU_TWINS": twin.name},
-                             "loader_boots_next or no_installed_kernel_was_left")
+                             "loader_boots_next or no_installed_kernel_was_left", outcome.log)
         if checks:
             outcome.problems.append(checks)
         driver = json.loads((root / "var/lib/twin/profile.json").read_text())["nvidia"]["version"]
@@ -618,7 +632,8 @@ class FullUpgrade(Case):
         audit = ssh(twin.name, "dpkg --audit").stdout.strip()
         if audit:
             outcome.problems.append(f"dpkg --audit: {audit[:300]}")
-        checks = host_checks(self.inventory, {}, "nvidia_driver or no_installed_kernel_was_left")
+        checks = host_checks(self.inventory, {}, "nvidia_driver or no_installed_kernel_was_left",
+                             outcome.log)
         if checks:
             outcome.problems.append(checks)
         finish(twin.name, outcome, up.VERSION, same_kernel=False)
