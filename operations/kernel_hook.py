@@ -110,6 +110,14 @@ def forget_failures(releases: list[str], last: bool):
 
 
 @operation()
+def finish_packages():
+    """Finish what dpkg left midway: configure every unpacked or half-configured package and run
+    the pending triggers (dpkg --configure -a; a kernel's postinst then runs its
+    /etc/kernel/postinst.d hooks, this hook among them, and proxmox-boot-tool's refresh)."""
+    yield StringCommand("DEBIAN_FRONTEND=noninteractive dpkg --configure -a")
+
+
+@operation()
 def remove_hook():
     yield StringCommand(f"rm -f {operands(HOOK, HEADERS_CONF)}")
 
@@ -117,6 +125,19 @@ def remove_hook():
 @deploy("Kernel updates")
 def apply(spec) -> None:
     state = fact_once(KernelHookState)
+    _hook_and_holds(spec, state)
+    # last, with the hook as the spec wants it: a kernel package a power cut (or a killed apt) left
+    # unpacked or half-configured never ran its hooks to the end (tests/e2e/test_power_cut_e2e.py)
+    unfinished = khplan.unfinished_packages(state)
+    broken = khplan.half_installed(state)
+    if broken:
+        logger.warning(f"{host.name}: kernel packages dpkg left half-installed (an interrupted apt run): "
+                       f"{', '.join(broken)}; run that apt command again (or apt-get install --reinstall them)")
+    elif unfinished:
+        finish_packages(name=f"Finish the kernel packages dpkg left midway: {unfinished} (dpkg --configure -a)")
+
+
+def _hook_and_holds(spec, state: dict) -> None:
     for line in khplan.failure_lines(state):
         logger.warning(f"{host.name}: kernel hook: {visible(line)}")  # a build log's first error in it
     stale = khplan.stale_failures(state)

@@ -423,11 +423,12 @@ def finish(name: str, outcome: Outcome, want_driver: str, same_kernel: bool = Tr
         outcome.problems.append(f"the reboot after the converge needed resets: {'; '.join(tried)}")
 
 
-def host_checks(inventory: str, env: dict, select: str, log: list[str] | None = None) -> str | None:
+def host_checks(inventory: str, env: dict, select: str, log: list[str] | None = None,
+                files: tuple[str, ...] = ("tests/host/test_boot.py",)) -> str | None:
     """The host checks `select` picks (pytest -k) against the inventory; None when green, else
     the failures."""
     from tests.e2e.harness import PYTEST
-    done = subprocess.run([PYTEST, "-q", "-rf", "-p", "no:cacheprovider", "tests/host/test_boot.py", "-k", select,
+    done = subprocess.run([PYTEST, "-q", "-rf", "-p", "no:cacheprovider", *files, "-k", select,
                            "--inventory", inventory], cwd=runtime.REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, **env})
     if done.returncode == 0:
@@ -639,8 +640,67 @@ class FullUpgrade(Case):
         finish(twin.name, outcome, up.VERSION, same_kernel=False)
 
 
+
+class DriverUpgrade(Case):
+    """(c) A driver upgrade on the kpro6 twin (tests/e2e/test_driver_upgrade_e2e.py): nvidia
+    595.71.05 loaded, 595.82.01's module built and installed for the running kernel (as the
+    stage's build leaves it), its .run given; the NVIDIA stage installs the new user space over
+    the loaded module and the reboot policy reboots once (reboot.allowed). The next converge: the
+    same stages; the host must end running 595.82.01."""
+
+    name = "driver-upgrade"
+    STAGES = "operations.nvidia,operations.reboot"
+
+    def setup(self, name: str, tmp: Path) -> runtime.Twin:
+        import hashlib
+
+        from tests.e2e import test_driver_upgrade_e2e as du
+        from tests.e2e.test_kernel_trial_e2e import quiet_address
+        from tests.twin import installer
+        twin = runtime.start(name, "kpro6", address=quiet_address(), owner=os.getpid())
+        root = Path(twin.root)
+        release = du.twin_sh(twin, "uname -r").strip()
+        (root / "root/new-nvidia.c").write_text(du.modinfo_c({
+            "version": du.NEW, "license": "Dual MIT/GPL", "name": "nvidia",
+            "vermagic": f"{release} SMP preempt mod_unload modversions "}))
+        moddir = f"/lib/modules/{release}/updates/pvegpu-nvidia"
+        du.twin_sh(twin, f"gcc -c /root/new-nvidia.c -o {moddir}/nvidia.ko && depmod {release}")
+        run = installer.build(du.NEW, root / "opt/nvidia")
+        spec = {"hosts": {twin.name: {
+            "ssh": {"hostname": twin.address, "port": twin.port, "user": "root", "key": twin.key},
+            "node": "kpro6", "reboot": {"allowed": True},
+            "nvidia": {"version": du.NEW, "persistenced": False,
+                       "installer": {"url": f"/opt/nvidia/{run.name}",
+                                     "sha256": hashlib.sha256(run.read_bytes()).hexdigest()}}}}}
+        (tmp / "upgrade.yml").write_text(json.dumps(spec))
+        self.inventory = str(tmp / "inventory.py")
+        overrides = {twin.name: {"ssh_known_hosts_file": "/dev/null", "ssh_strict_host_key_checking": "off"}}
+        Path(self.inventory).write_text("from spec.load import inventory_hosts\n"
+                                        f"hosts = inventory_hosts({str(tmp / 'upgrade.yml')!r}, overrides={overrides!r})\n")
+        return twin
+
+    def action(self, twin: runtime.Twin, tmp: Path) -> tuple[list[str], dict]:
+        from tests.e2e.harness import PYINFRA
+        return ([PYINFRA, "-y", "--debug", self.inventory, "tests/e2e/stage_deploy.py"],
+                {"PVEGPU_STAGES": self.STAGES, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"})
+
+    def recover(self, twin: runtime.Twin, tmp: Path, outcome: Outcome) -> None:
+        from tests.e2e import test_driver_upgrade_e2e as du
+        converge_until_done(twin.name, self.inventory, "tests/e2e/stage_deploy.py", {"PVEGPU_STAGES": self.STAGES},
+                            outcome)
+        driver = gpu_driver(twin.name)
+        if driver != du.NEW:
+            outcome.no_gpus = True
+            outcome.problems.append(f"after the converge nvidia {driver or 'not loaded'} runs, not {du.NEW}")
+        checks = host_checks(self.inventory, {}, "versions_are_equal", outcome.log, ("tests/host/test_nvidia.py",))
+        if checks:
+            outcome.problems.append(checks)
+        finish(twin.name, outcome, du.NEW)
+
+
 CASES: dict[str, type[Case] | Callable[[], Case]] = {
     "kernel-trial": KernelTrial,
     "kernel-trial-hangs": lambda: KernelTrial(hangs=True),
     "full-upgrade": FullUpgrade,
+    "driver-upgrade": DriverUpgrade,
 }
