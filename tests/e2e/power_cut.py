@@ -326,6 +326,7 @@ class Outcome:
     problems: list[str] = field(default_factory=list)  # anything else: converge failed, checks red
     seconds: float = 0.0
     log: list[str] = field(default_factory=list)  # the converges' output and the checks', for the record
+    notes: list[str] = field(default_factory=list)  # what the operator had to do besides the converge
 
     @property
     def bad(self) -> bool:
@@ -334,7 +335,8 @@ class Outcome:
     def line(self) -> str:
         tag = "UNBOOTABLE" if self.unbootable else "NO GPUS" if self.no_gpus else "problem" if self.problems else "ok"
         return (f"{tag:10} {self.point[:110]} | after cut: {'; '.join(self.after_cut)[-160:]} | final {self.final}"
-                + (f" | {' / '.join(self.problems)[:600]}" if self.problems else ""))
+                + (f" | {' / '.join(self.problems)[:600]}" if self.problems else "")
+                + (f" | note: {' / '.join(self.notes)[:300]}" if self.notes else ""))
 
 
 class Case:
@@ -628,16 +630,35 @@ class FullUpgrade(Case):
 
     def recover(self, twin: runtime.Twin, tmp: Path, outcome: Outcome) -> None:
         from tests.e2e import test_kernel_upgrade_e2e as up
-        if not converge_until_done(twin.name, self.inventory, up.STAGE_DEPLOY, {"PVEGPU_STAGES": self.STAGES}, outcome):
-            pass
-        audit = ssh(twin.name, "dpkg --audit").stdout.strip()
-        if audit:
-            outcome.problems.append(f"dpkg --audit: {audit[:300]}")
+        converge_until_done(twin.name, self.inventory, up.STAGE_DEPLOY, {"PVEGPU_STAGES": self.STAGES}, outcome)
+        # a kernel package dpkg left midway never ran its hooks to the end (the NVIDIA build, the ESP
+        # refresh): the converge finishes those (operations/kernel_hook.py finish_packages)
+        midway = ssh(twin.name, "dpkg-query -W -f '${db:Status-Abbrev} ${Package}\\n' 'proxmox-kernel-*' "
+                                "'proxmox-headers-*' 'proxmox-default-*' 2>/dev/null").stdout.split("\n")
+        midway = [line.split()[1] for line in midway if len(line.split()) == 2 and line[1:2] in "UFWt"]
+        if midway:
+            outcome.problems.append(f"kernel packages dpkg left midway after the converge: {', '.join(midway)}")
         checks = host_checks(self.inventory, {}, "nvidia_driver or no_installed_kernel_was_left",
                              outcome.log)
         if checks:
             outcome.problems.append(checks)
         finish(twin.name, outcome, up.VERSION, same_kernel=False)
+        if outcome.bad:
+            return
+        # what dpkg still has midway is the interrupted apt run's (pvegpu finishes kernel packages
+        # only): the operator runs it again, as apt asks ("dpkg was interrupted"); the host must
+        # still boot a kernel with its driver after that (a systemd-boot-efi trigger's reinit, a
+        # kernel configured now: the loader's choice can move)
+        audit = ssh(twin.name, "dpkg --audit").stdout.strip()
+        if audit:
+            outcome.notes.append("dpkg left midway after the converge: " + " ".join(audit.split())[-200:])
+            again = ssh(twin.name, "dpkg --configure -a >/dev/null 2>&1; DEBIAN_FRONTEND=noninteractive "
+                                   "apt-get -q -y full-upgrade 2>&1", timeout=900)
+            outcome.log.append(f"== the operator's apt run again: rc {again.returncode}\n{again.stdout}")
+            if ssh(twin.name, "dpkg --audit").stdout.strip():
+                outcome.problems.append("dpkg --audit still reports packages after the operator's apt run")
+            converge_until_done(twin.name, self.inventory, up.STAGE_DEPLOY, {"PVEGPU_STAGES": self.STAGES}, outcome)
+            finish(twin.name, outcome, up.VERSION, same_kernel=False)
 
 
 
