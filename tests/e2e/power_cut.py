@@ -689,14 +689,15 @@ class FullUpgrade(Case):
         if outcome.bad:
             return
         # what dpkg still has midway is the interrupted apt run's (pvegpu finishes kernel packages
-        # only): the operator runs it again, as apt asks ("dpkg was interrupted"); the host must
+        # only): the operator mends it as apt asks ("dpkg was interrupted, you must manually run
+        # 'dpkg --configure -a'", then "Try 'apt --fix-broken install'") and runs it again; the host must
         # still boot a kernel with its driver after that (a systemd-boot-efi trigger's reinit, a
         # kernel configured now: the loader's choice can move)
         audit = ssh(twin.name, "dpkg --audit").stdout.strip()
         if audit:
             outcome.notes.append("dpkg left midway after the converge: " + " ".join(audit.split())[-200:])
-            again = ssh(twin.name, "dpkg --configure -a >/dev/null 2>&1; DEBIAN_FRONTEND=noninteractive "
-                                   "apt-get -q -y full-upgrade 2>&1", timeout=900)
+            again = ssh(twin.name, "export DEBIAN_FRONTEND=noninteractive; dpkg --configure -a 2>&1; "
+                                   "apt-get -q -y --fix-broken install 2>&1; apt-get -q -y full-upgrade 2>&1", timeout=900)
             outcome.log.append(f"== the operator's apt run again: rc {again.returncode}\n{again.stdout}")
             if ssh(twin.name, "dpkg --audit").stdout.strip():
                 outcome.problems.append("dpkg --audit still reports packages after the operator's apt run")
