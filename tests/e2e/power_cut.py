@@ -156,7 +156,7 @@ def run_steps(name: str, command: list[str], env: dict | None = None,
     assert proc.stdout is not None
     fd = proc.stdout.fileno()
     os.set_blocking(fd, False)
-    run, seen = Run(), Counter()
+    run, seen = Run(), Counter[str]()
     operator = Operator(name).__enter__()
     out: list[str] = []
     pending, dpkg_pending = b"", b""
