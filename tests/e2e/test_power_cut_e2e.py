@@ -24,25 +24,42 @@ def cut(case: pc.Case, tmp_path, point: tuple[str, int, float]) -> pc.Outcome:
     return outcome
 
 
-def test_kernel_trial_cut_in_the_kernel_postinst_then_at_the_trial_reboot(twin_root_cache, tmp_path):
-    """The trial kernel hangs. A cut inside the kernel package's postinst (zz-proxmox-boot's
-    refresh) and one as the reboot into the trial is asked for: neither leaves the hanging
-    kernel where the loader boots it twice; the converge ends on the old kernel with its driver."""
+def test_kernel_trial_cut_in_the_kernel_postinst(twin_root_cache, tmp_path):
+    """The trial kernel hangs. A cut inside the kernel package's postinst (its hooks, the real
+    zz-proxmox-boot's refresh) does not leave the hanging kernel where the loader boots it; the
+    converge ends on the old kernel with its driver, the trial recorded as failed."""
     case = pc.KernelTrial(hangs=True)
-    for point in [(f"dpkg: status half-configured proxmox-kernel-{RELEASE}:amd64 6.14.11-9~bpo12+1", 1, 1.5),
-                  ("Running command on {twin}: (pty=False) sh -c '( sleep 1 && reboot ) </dev/null >/dev/null 2>&1 &'",
-                   1, 0.5)]:
-        outcome = cut(case, tmp_path, _named(case, point))
-        assert not outcome.bad and not outcome.problems, outcome.line()
+    outcome = cut(case, tmp_path, (f"dpkg: status half-configured proxmox-kernel-{RELEASE}:amd64 6.14.11-9~bpo12+1",
+                                   1, 1.5))
+    assert not outcome.bad and not outcome.problems, outcome.line()
+
+
+HOOK_STEP = ("run-parts: executing /etc/kernel/postinst.d/pvegpu-nvidia 6.12.118+deb12-amd64 "
+             "/boot/vmlinuz-6.12.118+deb12-amd64", 1, 2.0)
 
 
 def test_full_upgrade_cut_while_the_kernel_hook_builds(twin_root_cache, tmp_path):
     """`apt full-upgrade` with a Proxmox kernel, its headers and a systemd-boot-efi upgrade in one
-    transaction, cut while pvegpu's kernel hook builds nvidia for the new kernel (after
-    initramfs-tools' post-update hook already put that kernel on the ESP)."""
-    case = pc.FullUpgrade()
-    outcome = cut(case, tmp_path, ("run-parts: executing /etc/kernel/postinst.d/pvegpu-nvidia 6.12.118+deb12-amd64 "
-                                   "/boot/vmlinuz-6.12.118+deb12-amd64", 1, 2.0))
+    transaction, cut while pvegpu's kernel hook builds nvidia for the new kernel. Before that
+    hook, initramfs-tools' hook ran update-initramfs, whose post-update proxmox-boot-sync already
+    put the new kernel on the ESP under `default proxmox-*`: it boots, without NVIDIA modules.
+    The converge builds them for the running kernel and finishes the kernel packages dpkg left
+    half-configured (before: left so, their hooks never run to the end)."""
+    outcome = cut(pc.FullUpgrade(), tmp_path, HOOK_STEP)
+    assert outcome.after_cut[-1].startswith("6.12.118+deb12-amd64 "), outcome.line()
+    assert not outcome.bad and not outcome.problems, outcome.line()
+
+
+@pytest.mark.xfail(strict=True, reason="issue 38 §3, open: the kernel is on the ESP (proxmox-boot-sync from "
+                   "update-initramfs, before the hook) while the hook builds; a cut there boots it without modules, "
+                   "and where nvidia cannot be built for it the converge fails at the NVIDIA stage every time")
+def test_full_upgrade_cut_while_the_hook_builds_a_driver_that_cannot_build_for_the_new_kernel(twin_root_cache,
+                                                                                              tmp_path):
+    """The same cut where nvidia cannot be built for 6.12 (the hook would pin 6.1): the twin
+    boots 6.12 without modules; the converge's NVIDIA stage fails building for the running kernel
+    before the kernel-updates stage could finish the package (whose hook pins 6.1); every reboot
+    boots 6.12 again: no GPUs."""
+    outcome = cut(pc.FullUpgrade(fails=True), tmp_path, HOOK_STEP)
     assert not outcome.bad and not outcome.problems, outcome.line()
 
 
@@ -51,8 +68,3 @@ def test_driver_upgrade_cut_while_the_user_space_is_installed(twin_root_cache, t
     outcome = cut(case, tmp_path, ("--> Starting operation: NVIDIA driver | NVIDIA user space and GSP firmware 595.82.01",
                                    1, 0.0))
     assert not outcome.bad and not outcome.problems, outcome.line()
-
-
-def _named(case: pc.Case, point: tuple[str, int, float]) -> tuple[str, int, float]:
-    """`{twin}` in a step's key is the twin's name (pyinfra prints the host's name)."""
-    return (point[0].replace("{twin}", f"pcut-{id(case) % 100000}"), point[1], point[2])
