@@ -6,7 +6,10 @@ kernel a package installs, offline, from the sha256-checked archive the NVIDIA s
 that stage's own build and install scripts (templates/nvidia-build.sh.j2, nvidia-install.sh.j2
 with the release from the hook's argument), its toolchain rule and its signing key. It runs
 before zz-proxmox-boot and zz-update-grub (run-parts order), so when the build cannot be done it
-pins the last kernel with working modules before the loader is refreshed; the reason is kept in
+pins the last kernel with working modules before the loader is refreshed (not before the first
+refresh on ESP hosts: initramfs-tools' hook, earlier in that order, runs update-initramfs, whose
+post-update proxmox-boot-sync refreshes the ESPs; a power cut while this hook builds boots the
+new kernel: docs/DESIGN.md, bench/power_cut.py); the reason is kept in
 /var/lib/pvegpu/kernel-hook/<release>.failed, shown at login (/etc/motd.d/pvegpu-kernel), by
 this stage (--dry too) and by the host checks. The hook always exits 0: pve-kernel's postinst
 runs the hooks with `run-parts --exit-on-error` and dies on a failure (debian/proxmox-kernel.
@@ -18,6 +21,9 @@ of headers.
 
 hold: the installed kernel meta-packages of the series are held (`apt-mark hold`), so
 `apt full-upgrade` installs no new release; `follow` releases exactly the holds pvegpu set.
+
+A kernel package dpkg left midway (a power cut or a killed apt run) is finished last:
+`dpkg --configure -a`, which runs its hooks to the end (one left half-installed is named).
 """
 
 from __future__ import annotations
