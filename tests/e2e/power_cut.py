@@ -672,9 +672,10 @@ class FullUpgrade(Case):
         from tests.e2e import test_kernel_upgrade_e2e as up
         converge_until_done(twin.name, self.inventory, up.STAGE_DEPLOY, {"PVEGPU_STAGES": self.STAGES}, outcome)
         # a kernel package dpkg left midway never ran its hooks to the end (the NVIDIA build, the ESP
-        # refresh): the converge finishes those (operations/kernel_hook.py finish_packages)
-        midway = ssh(twin.name, "dpkg-query -W -f '${db:Status-Abbrev} ${Package}\\n' 'proxmox-kernel-*' "
-                                "'proxmox-headers-*' 'proxmox-default-*' 2>/dev/null").stdout.split("\n")
+        # refresh): the converge finishes those (operations/kernel_hook.py finish_packages; its
+        # patterns, facts/kernel_hook.py: proxmox-kernel-helper's pending trigger is apt's to run)
+        midway = ssh(twin.name, "dpkg-query -W -f '${db:Status-Abbrev} ${Package}\\n' 'proxmox-kernel-[0-9]*' "
+                                "'proxmox-headers-[0-9]*' 'proxmox-default-*' 2>/dev/null").stdout.split("\n")
         midway = [line.split()[1] for line in midway if len(line.split()) == 2 and line[1:2] in "UFWt"]
         if midway:
             outcome.problems.append(f"kernel packages dpkg left midway after the converge: {', '.join(midway)}")
