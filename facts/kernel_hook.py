@@ -57,12 +57,14 @@ UNFINISHED = {"H": "half-installed", "U": "unpacked", "F": "half-configured", "W
 
 
 def parse_unfinished(lines: list[str]) -> dict[str, str]:
-    """The same lines: {package: its state} of the packages dpkg left between two states."""
+    """The same lines: {package: its state} of the packages dpkg left between two states. The
+    third letter R (reinst-required, dpkg's error flag: a cut while it unpacked) makes any state
+    "half-installed": dpkg refuses to configure such a package ("very bad inconsistent state")."""
     out: dict[str, str] = {}
     for line in lines:
         words = line.split()
         if len(words) >= 3 and len(words[0]) >= 2 and words[0][1] in UNFINISHED:
-            out[words[1]] = UNFINISHED[words[0][1]]
+            out[words[1]] = "half-installed" if words[0][2:3] == "R" else UNFINISHED[words[0][1]]
     return out
 
 

@@ -24,13 +24,15 @@ def cut(case: pc.Case, tmp_path, point: tuple[str, int, float]) -> pc.Outcome:
     return outcome
 
 
-def test_kernel_trial_cut_in_the_kernel_postinst(twin_root_cache, tmp_path):
-    """The trial kernel hangs. A cut inside the kernel package's postinst (its hooks, the real
-    zz-proxmox-boot's refresh) does not leave the hanging kernel where the loader boots it; the
-    converge ends on the old kernel with its driver, the trial recorded as failed."""
+def test_kernel_trial_cut_right_after_dpkg_installed_the_kernel(twin_root_cache, tmp_path):
+    """The trial kernel hangs. A cut as dpkg marks our kernel package installed (its postinst, the
+    real zz-proxmox-boot's refresh, ran) and before the stage recorded the build's manifest: the
+    loader boots the old kernel (pinned before the install); the next converge takes the package
+    for ours and sets up the trial (before: refused it as "not built by pvegpu" on every run), the
+    trial kernel hangs once, the host ends on the old kernel with its driver."""
     case = pc.KernelTrial(hangs=True)
-    outcome = cut(case, tmp_path, (f"dpkg: status half-configured proxmox-kernel-{RELEASE}:amd64 6.14.11-9~bpo12+1",
-                                   1, 1.5))
+    outcome = cut(case, tmp_path, (f"dpkg: status installed proxmox-kernel-{RELEASE}:amd64 6.14.11-9~bpo12+1", 1, 0.0))
+    assert outcome.after_cut[-1] == "6.14.8-2-pve proxmox-6.14.8-2-pve.conf up", outcome.line()
     assert not outcome.bad and not outcome.problems, outcome.line()
 
 

@@ -151,3 +151,6 @@ def test_packages_dpkg_left_midway_are_named_for_dpkg_configure_a():
     cut_in_unpack = state(packages=[*PACKAGES, "iH proxmox-kernel-6.12.118+deb12-amd64-signed 1"])
     assert plan.half_installed(cut_in_unpack) == ["proxmox-kernel-6.12.118+deb12-amd64-signed"]
     assert plan.unfinished_packages(cut_in_unpack) is None  # dpkg --configure -a refuses it
+    # dpkg's reinst-required flag (a cut while it unpacked, the state already "unpacked"): the same
+    flagged = state(packages=[*PACKAGES, "iUR proxmox-headers-6.12.118+deb12-amd64 1", "iF proxmox-kernel-6.12 2"])
+    assert plan.half_installed(flagged) == ["proxmox-headers-6.12.118+deb12-amd64"]
