@@ -46,22 +46,11 @@ def test_full_upgrade_cut_while_the_kernel_hook_builds(twin_root_cache, tmp_path
     hook, initramfs-tools' hook ran update-initramfs, whose post-update proxmox-boot-sync already
     put the new kernel on the ESP under `default proxmox-*`: it boots, without NVIDIA modules.
     The converge builds them for the running kernel and finishes the kernel packages dpkg left
-    half-configured (before: left so, their hooks never run to the end)."""
+    half-configured (before: left so, their hooks never run to the end). Where nvidia cannot be
+    built for the new kernel the same cut leaves the host without GPUs (open; not here, it would
+    fail: `bench/power_cut.py --case full-upgrade-fails`)."""
     outcome = cut(pc.FullUpgrade(), tmp_path, HOOK_STEP)
     assert outcome.after_cut[-1].startswith("6.12.118+deb12-amd64 "), outcome.line()
-    assert not outcome.bad and not outcome.problems, outcome.line()
-
-
-@pytest.mark.xfail(strict=True, reason="issue 38 §3, open: the kernel is on the ESP (proxmox-boot-sync from "
-                   "update-initramfs, before the hook) while the hook builds; a cut there boots it without modules, "
-                   "and where nvidia cannot be built for it the converge fails at the NVIDIA stage every time")
-def test_full_upgrade_cut_while_the_hook_builds_a_driver_that_cannot_build_for_the_new_kernel(twin_root_cache,
-                                                                                              tmp_path):
-    """The same cut where nvidia cannot be built for 6.12 (the hook would pin 6.1): the twin
-    boots 6.12 without modules; the converge's NVIDIA stage fails building for the running kernel
-    before the kernel-updates stage could finish the package (whose hook pins 6.1); every reboot
-    boots 6.12 again: no GPUs."""
-    outcome = cut(pc.FullUpgrade(fails=True), tmp_path, HOOK_STEP)
     assert not outcome.bad and not outcome.problems, outcome.line()
 
 
