@@ -22,8 +22,9 @@ of headers.
 hold: the installed kernel meta-packages of the series are held (`apt-mark hold`), so
 `apt full-upgrade` installs no new release; `follow` releases exactly the holds pvegpu set.
 
-A kernel package dpkg left midway (a power cut or a killed apt run) is finished last:
-`dpkg --configure -a`, which runs its hooks to the end (one left half-installed is named).
+A kernel package dpkg left midway (a power cut or a killed apt run) is finished first:
+`dpkg --configure -a`, which runs its hooks to the end (one left half-installed is named, and the
+stage's own apt run waits for it).
 """
 
 from __future__ import annotations
@@ -131,9 +132,9 @@ def remove_hook():
 @deploy("Kernel updates")
 def apply(spec) -> None:
     state = fact_once(KernelHookState)
-    _hook_and_holds(spec, state)
-    # last, with the hook as the spec wants it: a kernel package a power cut (or a killed apt) left
-    # unpacked or half-configured never ran its hooks to the end (tests/e2e/test_power_cut_e2e.py)
+    # first: apt refuses to run while dpkg is interrupted ("dpkg was interrupted, you must manually
+    # run 'dpkg --configure -a'"), and a kernel package a power cut (or a killed apt) left unpacked
+    # or half-configured never ran its hooks to the end (tests/e2e/test_power_cut_e2e.py)
     unfinished = khplan.unfinished_packages(state)
     broken = khplan.half_installed(state)
     if broken:
@@ -141,9 +142,10 @@ def apply(spec) -> None:
                        f"{', '.join(broken)}; run that apt command again (or apt-get install --reinstall them)")
     elif unfinished:
         finish_packages(name=f"Finish the kernel packages dpkg left midway: {unfinished} (dpkg --configure -a)")
+    _hook_and_holds(spec, state, apt=not broken)
 
 
-def _hook_and_holds(spec, state: dict) -> None:
+def _hook_and_holds(spec, state: dict, apt: bool = True) -> None:
     for line in khplan.failure_lines(state):
         logger.warning(f"{host.name}: kernel hook: {visible(line)}")  # a build log's first error in it
     stale = khplan.stale_failures(state)
@@ -172,7 +174,7 @@ def _hook_and_holds(spec, state: dict) -> None:
     headers, note = khplan.headers_step(state) if spec.kernel_updates == "follow" else (False, None)
     if note:
         logger.warning(f"{host.name}: kernel hook: {note}")
-    if headers:
+    if headers and apt:  # (not while dpkg has a package half-installed: apt would refuse)
         install_default_headers(name="Install proxmox-default-headers (headers follow the kernels)")
     nv_state, releases, steps = nvidia._state_and_steps(spec)
     # the hook builds from the verified archive on the host: fetched even when the NVIDIA stage builds nothing

@@ -49,8 +49,15 @@ def test_full_upgrade_cut_while_the_kernel_hook_builds(twin_root_cache, tmp_path
     half-configured (before: left so, their hooks never run to the end). Where nvidia cannot be
     built for the new kernel the same cut leaves the host without GPUs (open; not here, it would
     fail: `bench/power_cut.py --case full-upgrade-fails`)."""
-    outcome = cut(pc.FullUpgrade(), tmp_path, HOOK_STEP)
+    case = pc.FullUpgrade()
+    outcome = cut(case, tmp_path, HOOK_STEP)
     assert outcome.after_cut[-1].startswith("6.12.118+deb12-amd64 "), outcome.line()
+    assert not outcome.bad and not outcome.problems, outcome.line()
+    # the same host (saved before the upgrade) cut as dpkg has unpacked the kernel: the metas and
+    # proxmox-default-headers unpacked, not configured; the stage's `apt-get install
+    # proxmox-default-headers` met "dpkg was interrupted" on every run before it finished them first
+    outcome = cut(case, tmp_path, ("dpkg: status unpacked proxmox-kernel-6.12.118+deb12-amd64-signed:amd64 1", 1, 0.0))
+    assert outcome.after_cut[-1].startswith("6.1.0-57-amd64 "), outcome.line()
     assert not outcome.bad and not outcome.problems, outcome.line()
 
 
