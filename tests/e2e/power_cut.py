@@ -676,7 +676,9 @@ class FullUpgrade(Case):
         # patterns, facts/kernel_hook.py: proxmox-kernel-helper's pending trigger is apt's to run)
         midway = ssh(twin.name, "dpkg-query -W -f '${db:Status-Abbrev} ${Package}\\n' 'proxmox-kernel-[0-9]*' "
                                 "'proxmox-headers-[0-9]*' 'proxmox-default-*' 2>/dev/null").stdout.split("\n")
-        midway = [line.split()[1] for line in midway if len(line.split()) == 2 and line[1:2] in "UFWt"]
+        # (reinst-required, the third letter R: apt's to unpack again, as half-installed ones)
+        midway = [line.split()[1] for line in midway if len(line.split()) == 2 and line[1:2] in "UFWt"
+                  and line[2:3] != "R"]
         if midway:
             outcome.problems.append(f"kernel packages dpkg left midway after the converge: {', '.join(midway)}")
         # with fails, the hook's record of 6.12 stays (the check of it is red by design)
