@@ -37,6 +37,10 @@ Figures (issue 9):
                          each command runs beside pyinfra instead of taking turns with it on
                          the same cores (a real node does its side on its own CPU):
                          BENCHES=converge bench/device_fleet.sh, then --import-many-cores
+  power_cut              issue 38 §3: hosts left unbootable or without GPUs after a power   target <= 0
+                         cut at each step of a kernel install + trial, an apt full-upgrade
+                         (kernel + systemd-boot-efi in one transaction) and a driver upgrade,
+                         then the next converge (bench/power_cut.py; of N cut points)
 Each figure is measured, never assumed; one that could not be measured is printed as such.
 --only NAME measures those benches and keeps the other figures of bench/results.json (each
 figure carries its measured_at). fleet8_vs_1 also records the CPU seconds of the runner and of
@@ -75,6 +79,7 @@ TARGETS = {
     "pve_calls_nochange": ("<=", 0),
     "pve_delay_vs_fact": ("<=", 1.3),
     "pve_delay_vs_fact_many_cores": ("<=", 1.3),
+    "power_cut": ("<=", 0),
 }
 PVE_DELAY_S = 0.4  # a real node's pct/qm/pvesh start: 0.3-0.6 s (issue 19)
 PVE_DELAY_RUNS = 9  # pve_delay_vs_fact: converge/fact pairs, alternating; the medians make the figure
@@ -325,12 +330,13 @@ def bench_cluster(results: dict) -> None:
             runtime.stop(n)
 
 
-def bench_script(results: dict, key: str, script: str) -> None:
+def bench_script(results: dict, key: str, script: str, timeout: int = 1800) -> None:
     path = REPO / "bench" / script
     if not path.exists():
         results[key] = {"value": None, "note": f"bench/{script} not present"}
         return
-    proc = subprocess.run([sys.executable, str(path), "--json"], cwd=REPO, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run([sys.executable, str(path), "--json"], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
     try:
         results[key] = json.loads(proc.stdout.strip().splitlines()[-1])
     except Exception:
@@ -392,6 +398,8 @@ BENCHES = {
     "ccache": lambda r: bench_driver(r),
     "kernel": lambda r: bench_script(r, "kernel_second_ref_vs_first", "kernel_ccache.py"),
     "pve": bench_pve_calls,
+    # every cut point of every case: hours on a 2-core machine (bench/power_cut.py --case/--points for less)
+    "powercut": lambda r: bench_script(r, "power_cut", "power_cut.py", timeout=6 * 3600),
 }
 
 

@@ -49,6 +49,25 @@ def parse_packages(lines: list[str]) -> dict[str, dict]:
     return out
 
 
+# dpkg-query's db:Status-Abbrev, second letter (dpkg lib/dpkg/pkg-show.c pkg_status_abbrev): the
+# package's state; these are the ones a dpkg run stopped in (a power cut, a killed apt) leaves and
+# `dpkg --configure -a` finishes: half-installed, unpacked, half-configured, triggers-awaited/-pending
+UNFINISHED = {"H": "half-installed", "U": "unpacked", "F": "half-configured", "W": "triggers-awaited",
+              "t": "triggers-pending"}
+
+
+def parse_unfinished(lines: list[str]) -> dict[str, str]:
+    """The same lines: {package: its state} of the packages dpkg left between two states. The
+    third letter R (reinst-required, dpkg's error flag: a cut while it unpacked) makes any state
+    "half-installed": dpkg refuses to configure such a package ("very bad inconsistent state")."""
+    out: dict[str, str] = {}
+    for line in lines:
+        words = line.split()
+        if len(words) >= 3 and len(words[0]) >= 2 and words[0][1] in UNFINISHED:
+            out[words[1]] = "half-installed" if words[0][2:3] == "R" else UNFINISHED[words[0][1]]
+    return out
+
+
 def parse_owners(lines: list[str]) -> dict[str, str]:
     """``dpkg-query -S /boot/vmlinuz-*`` lines (``<package>[, <package>]: <path>``; dpkg's
     diversion lines skipped): {release: the package that installed its image}."""
@@ -66,6 +85,11 @@ def _first(lines: list[str]) -> str | None:
 
 
 def parse_kernel_hook(lines: list[str]) -> dict:
+    lines = list(lines)
+    return {**_parse_kernel_hook(lines), "unfinished": parse_sections(lines, {"packages": parse_unfinished})["packages"]}
+
+
+def _parse_kernel_hook(lines: list[str]) -> dict:
     return parse_sections(lines, {
         "failed": parse_failed,
         "pinned": _first,
@@ -92,7 +116,8 @@ class KernelHookState(ShellFact):
          "packages": {"proxmox-default-kernel": {"version": "1.1.0", "held": False}, …},
          "headers_candidate": "1.1.0" | None, "hook": True, "running": "6.14.8-2-pve",
          "installed": ["6.14.11-1-pve", "6.14.8-2-pve"],   # /boot/vmlinuz-*
-         "owners": {"6.14.11-1-pve": "proxmox-kernel-6.14.11-1-pve-signed"}}   # dpkg's owner of each image
+         "owners": {"6.14.11-1-pve": "proxmox-kernel-6.14.11-1-pve-signed"},   # dpkg's owner of each image
+         "unfinished": {"proxmox-kernel-6.12.118+deb12-amd64-signed": "half-configured"}}  # dpkg stopped midway
     """
 
     command = "; ".join([

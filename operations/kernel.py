@@ -278,7 +278,11 @@ def preflight(spec: HostSpec) -> list[str]:
     decision = decide(k, facts, base_config_of(k))
     if decision["action"] == "wrong-debs":
         refusals.append(decision["why"])
-    theirs = [p for p in facts["build"].get("kernel_packages", []) if plan.package_release(p) == k.version]
+    # a package of the release that our finished build holds under the same name is ours: its
+    # install was cut (a power cut) after dpkg -i and before the record below (install_kernel)
+    built = {d.split("_", 1)[0] for d in facts["build"].get("debs", [])} if facts["build"].get("rc") == 0 else set()
+    theirs = [p for p in facts["build"].get("kernel_packages", [])
+              if plan.package_release(p) == k.version and p not in built]
     if theirs and not facts["build"]["installed_manifest"] and decision["action"] in ("build", "attach", "install"):
         # a package of the same release not built here (Proxmox's -signed one, Debian's image):
         # same /boot and /lib/modules files; dpkg -i fails on its Conflicts or apt replaces ours later

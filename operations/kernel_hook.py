@@ -6,7 +6,10 @@ kernel a package installs, offline, from the sha256-checked archive the NVIDIA s
 that stage's own build and install scripts (templates/nvidia-build.sh.j2, nvidia-install.sh.j2
 with the release from the hook's argument), its toolchain rule and its signing key. It runs
 before zz-proxmox-boot and zz-update-grub (run-parts order), so when the build cannot be done it
-pins the last kernel with working modules before the loader is refreshed; the reason is kept in
+pins the last kernel with working modules before the loader is refreshed (not before the first
+refresh on ESP hosts: initramfs-tools' hook, earlier in that order, runs update-initramfs, whose
+post-update proxmox-boot-sync refreshes the ESPs; a power cut while this hook builds boots the
+new kernel: docs/DESIGN.md, bench/power_cut.py); the reason is kept in
 /var/lib/pvegpu/kernel-hook/<release>.failed, shown at login (/etc/motd.d/pvegpu-kernel), by
 this stage (--dry too) and by the host checks. The hook always exits 0: pve-kernel's postinst
 runs the hooks with `run-parts --exit-on-error` and dies on a failure (debian/proxmox-kernel.
@@ -18,6 +21,10 @@ of headers.
 
 hold: the installed kernel meta-packages of the series are held (`apt-mark hold`), so
 `apt full-upgrade` installs no new release; `follow` releases exactly the holds pvegpu set.
+
+A kernel package dpkg left midway (a power cut or a killed apt run) is finished first:
+`dpkg --configure -a`, which runs its hooks to the end (one left half-installed is named, and the
+stage's own apt run waits for it).
 """
 
 from __future__ import annotations
@@ -116,6 +123,14 @@ def forget_failures(releases: list[str], last: bool):
 
 
 @operation()
+def finish_packages():
+    """Finish what dpkg left midway: configure every unpacked or half-configured package and run
+    the pending triggers (dpkg --configure -a; a kernel's postinst then runs its
+    /etc/kernel/postinst.d hooks, this hook among them, and proxmox-boot-tool's refresh)."""
+    yield StringCommand("DEBIAN_FRONTEND=noninteractive dpkg --configure -a")
+
+
+@operation()
 def remove_hook():
     yield StringCommand(f"rm -f {operands(HOOK, HEADERS_CONF)}")
 
@@ -123,6 +138,20 @@ def remove_hook():
 @deploy("Kernel updates")
 def apply(spec) -> None:
     state = fact_once(KernelHookState)
+    # first: apt refuses to run while dpkg is interrupted ("dpkg was interrupted, you must manually
+    # run 'dpkg --configure -a'"), and a kernel package a power cut (or a killed apt) left unpacked
+    # or half-configured never ran its hooks to the end (tests/e2e/test_power_cut_e2e.py)
+    unfinished = khplan.unfinished_packages(state)
+    broken = khplan.half_installed(state)
+    if broken:
+        logger.warning(f"{host.name}: kernel packages dpkg left half-installed (an interrupted apt run): "
+                       f"{', '.join(broken)}; run that apt command again (or apt-get install --reinstall them)")
+    elif unfinished:
+        finish_packages(name=f"Finish the kernel packages dpkg left midway: {unfinished} (dpkg --configure -a)")
+    _hook_and_holds(spec, state, apt=not broken)
+
+
+def _hook_and_holds(spec, state: dict, apt: bool = True) -> None:
     for line in khplan.failure_lines(state):
         logger.warning(f"{host.name}: kernel hook: {visible(line)}")  # a build log's first error in it
     stale = khplan.stale_failures(state)
@@ -151,7 +180,7 @@ def apply(spec) -> None:
     headers, note = khplan.headers_step(state) if spec.kernel_updates == "follow" else (False, None)
     if note:
         logger.warning(f"{host.name}: kernel hook: {note}")
-    if headers:
+    if headers and apt:  # (not while dpkg has a package half-installed: apt would refuse)
         install_default_headers(name="Install proxmox-default-headers (headers follow the kernels)")
     nv_state, releases, steps = nvidia._state_and_steps(spec)
     # the hook builds from the verified archive on the host: fetched even when the NVIDIA stage builds nothing

@@ -30,6 +30,23 @@ def hold_packages(series: str, installed: dict[str, dict]) -> list[str]:
     return [p for p in wanted if p in installed]
 
 
+def unfinished_packages(state: dict) -> str | None:
+    """The kernel packages a dpkg run left midway (facts.kernel_hook UNFINISHED: a power cut or a
+    killed apt during an install or upgrade) that `dpkg --configure -a` finishes (what apt asks
+    for then: "dpkg was interrupted"), as the converge names them; None: none. A half-installed
+    one is not among them: dpkg refuses to configure it (it must be unpacked again:
+    `half_installed`)."""
+    unfinished = state.get("unfinished") or {}
+    return ", ".join(f"{p} ({s})" for p, s in sorted(unfinished.items()) if s != "half-installed") or None
+
+
+def half_installed(state: dict) -> list[str]:
+    """The kernel packages dpkg left half-installed (a cut while it unpacked them): only apt
+    unpacking them again (`apt-get install --reinstall`, or the interrupted apt run again) mends
+    them; their files are dpkg's temporary names until then, so no loader boots them."""
+    return sorted(p for p, s in (state.get("unfinished") or {}).items() if s == "half-installed")
+
+
 def updates_plan(mode: str, spec_release: str | None, state: dict) -> dict:
     """What the kernel-updates setting does on this host.
 

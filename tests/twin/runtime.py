@@ -715,7 +715,7 @@ def _prepare_root(root: Path, name: str, address: str, key: Path) -> None:
 def start(name: str, profile: str, address: str | None = None,
           hardware: str = DEFAULT_HARDWARE, owner: int | None = None, live_sysfs: bool = False,
           cluster: str | None = None, upgraded_upper: Path | None = None,
-          address_hold: int | None = None) -> Twin:
+          address_hold: int | None = None, saved_upper: Path | None = None) -> Twin:
     """Start twin `name` with hardware `profile`; returns once its sshd answers.
 
     `hardware` is the module providing install(root, profile) and render(root): a dotted
@@ -726,7 +726,9 @@ def start(name: str, profile: str, address: str | None = None,
     twin's upper over the new profile's root and the profile's packages are seeded over it
     (hardware.upgrade_install), not a fresh install. `address_hold`: an fd holding the claim of
     `address` (upgrade_in_place); else start takes the claim itself once the address is chosen.
-    The supervisor inherits it (ADDRESS_CLAIMS).
+    The supervisor inherits it (ADDRESS_CLAIMS). `saved_upper`: an upper dir saved by save_upper
+    (a twin of the same name, profile and address, stopped): a copy of it becomes this twin's
+    upper, nothing is installed (its files are in it): the same host again, booted from its disk.
     Raises TwinError; cleans up after itself.
     """
     require_root()
@@ -770,6 +772,9 @@ def start(name: str, profile: str, address: str | None = None,
             if sub == "upper" and upgraded_upper is not None:
                 tdir.mkdir(parents=True, exist_ok=True)
                 shutil.move(str(upgraded_upper), tdir / "upper")
+            elif sub == "upper" and saved_upper is not None:
+                tdir.mkdir(parents=True, exist_ok=True)
+                _run(["cp", "-a", "--reflink=auto", str(saved_upper), str(tdir / "upper")])
             else:
                 (tdir / sub).mkdir(parents=True)
         spec: dict[str, Any] = {"name": name, "profile": profile, "address": address, "port": SSH_PORT,
@@ -787,6 +792,8 @@ def start(name: str, profile: str, address: str | None = None,
         (tdir / "uptime").write_text("0.00 0.00".ljust(40) + "\n")
         if upgraded_upper is not None:
             load_hardware(hardware).upgrade_install(root, profile)
+        elif saved_upper is not None:
+            pass  # installed before it was saved
         elif cluster is None:
             load_hardware(hardware).install(root, profile)
         else:
@@ -847,6 +854,17 @@ def _owned_paths(lower: Path) -> set[str]:
             top, _, rest = rel.partition("/")
             owned.add(f"{merged[top]}/{rest}" if top in merged and rest else rel)
     return owned
+
+
+def save_upper(name: str, dest: Path) -> None:
+    """Stop twin `name` (as `stop` does: its processes killed, its mounts gone) and keep its upper
+    dir (everything the twin wrote over the root cache) at `dest`, for start(saved_upper=dest)."""
+    stop(name, keep=True)
+    tdir = TWINS_DIR / name
+    if dest.exists():
+        _remove_tree(dest)
+    shutil.move(str(tdir / "upper"), dest)
+    shutil.rmtree(tdir)
 
 
 def upgrade_in_place(name: str, profile: str) -> Twin:

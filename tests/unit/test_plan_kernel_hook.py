@@ -124,3 +124,23 @@ def test_the_spec_kernel_is_refused_when_the_hook_could_not_build_this_driver_fo
     assert refusal and "cannot run nvidia 580.95.05" in refusal and 'error: #error "no 6.12"' in refusal
     assert plan.driver_kernel_refusal("590.1.2", "6.12.118+deb12-amd64", s) is None, "another driver: try again"
     assert plan.driver_kernel_refusal("580.95.05", "6.1.0-57-amd64", s) is None
+
+
+def test_packages_dpkg_left_midway_are_named_for_dpkg_configure_a():
+    """Issue 38 §3 (a power cut during `apt full-upgrade`, tests/e2e/test_power_cut_e2e.py): dpkg's
+    Status-Abbrev second letter H/U/F/W/t is a package between two states; installed (i),
+    not-installed (n) and config-files (c) are not."""
+    s = state(packages=[*PACKAGES, "iF proxmox-kernel-6.12.118+deb12-amd64-signed 1", "iU proxmox-default-kernel 2",
+                        "it proxmox-headers-6.12 2", "rc proxmox-kernel-6.5.13-1-pve-signed 6.5.13-1"])
+    assert s["unfinished"] == {"proxmox-kernel-6.12.118+deb12-amd64-signed": "half-configured",
+                               "proxmox-default-kernel": "unpacked", "proxmox-headers-6.12": "triggers-pending"}
+    assert plan.unfinished_packages(s) == ("proxmox-default-kernel (unpacked), proxmox-headers-6.12 (triggers-pending), "
+                                           "proxmox-kernel-6.12.118+deb12-amd64-signed (half-configured)")
+    assert plan.unfinished_packages(state()) is None and state()["unfinished"] == {}
+    assert plan.half_installed(s) == []
+    cut_in_unpack = state(packages=[*PACKAGES, "iH proxmox-kernel-6.12.118+deb12-amd64-signed 1"])
+    assert plan.half_installed(cut_in_unpack) == ["proxmox-kernel-6.12.118+deb12-amd64-signed"]
+    assert plan.unfinished_packages(cut_in_unpack) is None  # dpkg --configure -a refuses it
+    # dpkg's reinst-required flag (a cut while it unpacked, the state already "unpacked"): the same
+    flagged = state(packages=[*PACKAGES, "iUR proxmox-headers-6.12.118+deb12-amd64 1", "iF proxmox-kernel-6.12 2"])
+    assert plan.half_installed(flagged) == ["proxmox-headers-6.12.118+deb12-amd64"]

@@ -333,6 +333,24 @@ def test_preflight_refuses_a_release_already_installed_from_a_package_not_built_
     assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT})) == []
 
 
+def test_preflight_takes_a_package_its_finished_build_holds_for_ours_when_the_install_was_cut(monkeypatch):
+    """Issue 38 §3 (tests/e2e/test_power_cut_e2e.py): a power cut after `dpkg -i` of our build
+    and before install_kernel recorded its manifest left the package installed and no record:
+    every later run refused it as "not built by pvegpu". The build dir's .deb of that name is
+    ours; Proxmox's -signed package of the release is still refused."""
+    from spec.models import HostSpec
+    deb = "proxmox-kernel-6.14.8-2-pve_6.14.8-2_amd64.deb"
+    build = kernel_facts.parse_build_state(["pbt", "esps", "uefi", "rc 0", f"deb {deb}",
+                                            "kpkg proxmox-kernel-6.14.8-2-pve"])
+    assert build["debs"] == [deb] and build["rc"] == 0
+    monkeypatch.setattr(kernel, "stage_facts", lambda k: {
+        "kernels": {"running": "6.8.12-4-pve", "installed": ["6.8.12-4-pve", "6.14.8-2-pve"]}, "build": build, "source": None})
+    assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT})) == []
+    build["kernel_packages"] = ["proxmox-kernel-6.14.8-2-pve-signed"]
+    refusals = kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT}))
+    assert len(refusals) == 1 and "already installed from proxmox-kernel-6.14.8-2-pve-signed" in refusals[0]
+
+
 def test_preflight_refuses_an_unsigned_kernel_under_secure_boot(monkeypatch):
     from spec.models import HostSpec
     build = kernel_facts.parse_build_state(["pbt", "esps", "uefi", "sb efivar 1"])
