@@ -117,17 +117,20 @@ def test_cluster_builds_once_receivers_verify_and_refuse_a_tampered_copy(twin_fa
     assert sh(b.name, f"ssh -e none -o BatchMode=yes -o HostKeyAlias={a.name} -o UserKnownHostsFile=/etc/pve/nodes/"
                       f"{a.name}/ssh_known_hosts -o GlobalKnownHostsFile=none root@{ip_a} uname -n").strip() == a.name
 
-    # 1. --dry with the third node's gcc-12 of another Debian revision: it builds alone, saying why
+    # 1. --dry with the third node's gcc-12 and g++-12 of another Debian revision (one source package:
+    #    both banners change): it builds alone, saying why
     banner = sh(c.name, "gcc-12 --version | head -n 1").strip()
     other = re.sub(r"\)\s+12\.2\.0$", "+pvegpu1) 12.2.0", banner)
     assert other != banner, banner
-    sh(c.name, "mv /usr/bin/gcc-12 /root/gcc-12.real && printf '%s\\n' '#!/bin/sh' "
-               f"'[ \"$1\" = --version ] && {{ echo \"{other}\"; exit 0; }}' 'exec /root/gcc-12.real \"$@\"' "
-               "> /usr/bin/gcc-12 && chmod 755 /usr/bin/gcc-12")
+    for program in ("gcc-12", "g++-12"):
+        fake = other.replace("gcc-12", program, 1)
+        sh(c.name, f"mv /usr/bin/{program} /root/{program}.real && printf '%s\\n' '#!/bin/sh' "
+                   f"'[ \"$1\" = --version ] && {{ echo \"{fake}\"; exit 0; }}' 'exec /root/{program}.real \"$@\"' "
+                   f"> /usr/bin/{program} && chmod 755 /usr/bin/{program}")
     try:
         dry = run_pyinfra(inventory, STAGE_DEPLOY, "--dry", env=STAGES, timeout=900)
     finally:
-        sh(c.name, "mv -f /root/gcc-12.real /usr/bin/gcc-12")
+        sh(c.name, "mv -f /root/gcc-12.real /usr/bin/gcc-12 && mv -f /root/g++-12.real /usr/bin/g++-12")
     assert dry.rc == 0, dry.output[-4000:]
     assert f"{a.name}: nvidia {VERSION} for {RELEASE}: builds for {b.name} too" in dry.output, dry.output[-4000:]
     assert (f"{b.name}: nvidia {VERSION} for {RELEASE}: receives the build of {a.name} (same inputs" in dry.output

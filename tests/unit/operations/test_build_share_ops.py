@@ -1,0 +1,85 @@
+"""Issue 41: the shared build's scripts run for real (fake make/modinfo/strip, real sha256sum and
+tar): the builder keeps the unsigned modules and a manifest; a receiver verifies a copy before it
+takes it, and refuses one that does not match, saying why (operations/build_share.py,
+templates/nvidia-build.sh.j2, templates/nvidia-receive.sh.j2)."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from operations import build_share
+from operations import nvidia as ops
+from tests.unit.operations.test_nvidia_ops import fake_build_tools
+from tests.unit.test_shell_templates import nvidia_kernel_archive
+
+REL, VER = "6.1.0-57-amd64", "535.309.01"
+KEY = "ab" * 32
+
+
+@pytest.fixture
+def shared(tmp_path, monkeypatch):
+    """A build published under a tmp share root: (env, share dir of KEY, tmp_path)."""
+    archive = nvidia_kernel_archive(tmp_path, monkeypatch)
+    env = fake_build_tools(tmp_path)
+    monkeypatch.setattr(ops, "SHARE_ROOT", str(tmp_path / "share"))
+    monkeypatch.setattr(build_share, "RECV_ROOT", str(tmp_path / "received"))
+    (tmp_path / "tools/make").write_text("#!/bin/sh\ncd \"$2\"\nprintf 'elf %s\\n' nvidia > nvidia.ko\n"
+                                         "printf 'elf %s\\n' uvm > nvidia-uvm.ko\n")
+    command = ops.build_command(str(archive), VER, REL, "gcc-12", 2, ccache=False, conftest_cache=False, share_key=KEY)
+    done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    return env, tmp_path / "share" / KEY, tmp_path
+
+
+def receive(env, tmp_path, local: Path, key: str = KEY) -> subprocess.CompletedProcess:
+    command = build_share.receive_command(VER, REL, key, "kpro5", local=str(local))
+    return subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env)
+
+
+def test_the_builder_keeps_the_unsigned_modules_with_their_manifest(shared):
+    _, share, tmp_path = shared
+    manifest = (share / "manifest").read_text().splitlines()
+    sums = {n: hashlib.sha256((share / n).read_bytes()).hexdigest() for n in ("nvidia.ko", "nvidia-uvm.ko")}
+    assert manifest == [f"key {KEY}", f"version {VER}", f"release {REL}",
+                        f"vermagic {REL} SMP preempt mod_unload modversions ",  # modinfo prints the trailing space
+                        f"{sums['nvidia-uvm.ko']}  nvidia-uvm.ko", f"{sums['nvidia.ko']}  nvidia.ko"]
+    assert oct((share).stat().st_mode & 0o777) == "0o700" and oct((tmp_path / "share").stat().st_mode & 0o777) == "0o700"
+
+
+def test_a_verified_copy_lands_where_the_install_reads_it(shared):
+    env, share, tmp_path = shared
+    subprocess.run(["sh", "-c", ops.cleanup_command(VER)], check=True)
+    done = receive(env, tmp_path, share)
+    assert done.returncode == 0, done.stderr
+    assert f"nvidia {VER} for {REL} received from kpro5 and verified (key {KEY[:12]})" in done.stdout
+    out = tmp_path / "build" / VER / REL / "out"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == {n: (share / n).read_bytes() for n in ("nvidia.ko", "nvidia-uvm.ko")}
+    assert list((tmp_path / "received").iterdir()) == []  # the scratch copy is gone
+
+
+@pytest.mark.parametrize("tamper, why", [
+    (lambda d: (d / "nvidia-uvm.ko").write_bytes(b"elf evil\n"), "sha256 differs from its manifest: nvidia-uvm.ko: FAILED"),
+    (lambda d: (d / "extra.ko").write_bytes(b"x"), "extra.ko is not in its manifest"),
+    (lambda d: (d / "nvidia.ko").unlink(), "sha256 differs from its manifest: sha256sum: nvidia.ko: No such file"),
+    (lambda d: (d / "manifest").write_text((d / "manifest").read_text().replace(f"version {VER}", "version 1.0")),
+     f"its manifest says version '1.0', not {VER}"),
+    (lambda d: (d / "manifest").unlink(), "it has no manifest"),
+])
+def test_a_copy_that_does_not_verify_is_refused(shared, tamper, why):
+    env, share, tmp_path = shared
+    tamper(share)
+    done = receive(env, tmp_path, share)
+    assert done.returncode == 3, (done.stdout, done.stderr)
+    assert f"pvegpu: refused the copy of nvidia {VER} for {REL} from kpro5: {why}" in done.stderr
+
+
+def test_a_copy_of_other_inputs_or_another_kernel_is_refused(shared):
+    env, share, tmp_path = shared
+    done = receive(env, tmp_path, share, key="cd" * 32)
+    assert done.returncode == 3 and f"names the build key '{KEY}', not {'cd' * 32} (other inputs)" in done.stderr
+    done = receive({**env, "REL": "6.12.1"}, tmp_path, share)  # modinfo says another kernel
+    assert done.returncode == 3 and f"has vermagic '6.12.1 SMP preempt mod_unload modversions ', not {REL}" in done.stderr
