@@ -96,7 +96,7 @@ def register(spec, nv_state: dict, share_state: dict, steps: dict, releases: lis
 def step(name: str, release: str, state=None) -> dict | None:
     """The plan's step for `name`'s build of `release`, decided once every host of the run has
     registered (at execution: over the hosts still in the run)."""
-    state = state if state is not None else current_state
+    state = state if state is not None else ctx_state.get()
     run = _run(state)
     if run.steps is None:
         active = {h.name for h in state.active_hosts}

@@ -20,6 +20,9 @@ Host paths:
     /var/cache/pvegpu/nvidia-conftest/<key>.tgz NVIDIA conftest results per (tree, headers, compiler)
     /var/cache/pvegpu/nvidia-build/<ver>/<rel>/  scratch build trees (removed after install), 0700
     /var/cache/pvegpu/nvidia-build/builds.log    the builds' own notes (one line per build)
+    /var/cache/pvegpu/nvidia-share/<key>/        unsigned modules + manifest kept for the run's other
+                                                hosts of the same build inputs (operations/build_share.py)
+    /var/cache/pvegpu/nvidia-received/<tmp>/     a copy of another host's build while it is verified
     /lib/modules/<rel>/updates/pvegpu-nvidia/    installed modules (depmod prefers updates/)
 """
 

@@ -45,7 +45,7 @@ def test_the_key_changes_with_every_input_and_only_with_them():
     assert base is not None
     same, _ = build_inputs("595.45.04", SHA, REL, nv_state(cores=64, mem=1 << 30), share_state(node="z", cluster="x"),
                            ENTRY)
-    assert build_key(same) == build_key(base)  # cores, memory, cluster: no input of the build
+    assert same is not None and build_key(same) == build_key(base)  # cores, memory, cluster: no input of the build
     variants = [
         build_inputs("595.45.05", SHA, REL, nv_state(), share_state(), ENTRY),
         build_inputs("595.45.04", "cd" * 32, REL, nv_state(), share_state(), ENTRY),
@@ -55,13 +55,13 @@ def test_the_key_changes_with_every_input_and_only_with_them():
         build_inputs("595.45.04", SHA, REL, nv_state(), share_state(machine="aarch64"), ENTRY),
         build_inputs("595.45.04", SHA, REL, nv_state(), share_state(), {"cc": "gcc-12", "cxx": None}),
     ]
-    keys = {build_key(v) for v, _ in variants}
+    keys = {build_key(v) for v, _ in variants if v is not None}
     assert len(keys) == len(variants) and build_key(base) not in keys
 
 
 def test_a_build_without_a_known_headers_package_is_not_shared():
     inputs, why = build_inputs("595.45.04", SHA, REL, nv_state(), share_state(headers=None), ENTRY)
-    assert inputs is None and f"no installed headers package (linux-headers-{REL}" in why
+    assert inputs is None and f"no installed headers package (linux-headers-{REL}" in (why or "")
 
 
 def test_one_builder_per_key_most_cores_then_memory_then_name():

@@ -83,3 +83,66 @@ def test_a_copy_of_other_inputs_or_another_kernel_is_refused(shared):
     assert done.returncode == 3 and f"names the build key '{KEY}', not {'cd' * 32} (other inputs)" in done.stderr
     done = receive({**env, "REL": "6.12.1"}, tmp_path, share)  # modinfo says another kernel
     assert done.returncode == 3 and f"has vermagic '6.12.1 SMP preempt mod_unload modversions ', not {REL}" in done.stderr
+
+
+class FakeOutput:
+    def __init__(self, stdout: list[str], stderr: list[str] | None = None):
+        self.stdout_lines, self.stderr_lines = stdout, stderr or []
+
+
+class FakeHost:
+    """A host of the run: its files by path, the shell commands it was sent."""
+
+    def __init__(self, name: str, files: dict[str, bytes] | None = None):
+        self.name, self.files = name, dict(files or {})
+        self.commands: list[str] = []
+
+    def run_shell_command(self, command):
+        self.commands.append(command.get_raw_value())
+        return True, FakeOutput(["/var/cache/pvegpu/nvidia-received/tmp.X"])
+
+    def get_file(self, path, io):
+        if path not in self.files:
+            return False
+        io.write(self.files[path])
+        return True
+
+    def put_file(self, io, path):
+        self.files[path] = io.read()
+        return True
+
+
+def test_through_the_controller_only_the_manifest_and_the_modules_it_names_travel():
+    share = f"/var/cache/pvegpu/nvidia-share/{KEY}"
+    manifest = f"key {KEY}\nversion {VER}\nrelease {REL}\n{'1' * 64}  nvidia.ko\n{'2' * 64}  ../evil\n".encode()
+    source = FakeHost("a", {f"{share}/manifest": manifest, f"{share}/nvidia.ko": b"elf", f"{share}/other": b"x"})
+    target = FakeHost("b")
+    incoming, why = build_share._through_controller(target, source, KEY)
+    assert incoming == "/var/cache/pvegpu/nvidia-received/tmp.X" and why == ""
+    assert target.files == {f"{incoming}/manifest": manifest, f"{incoming}/nvidia.ko": b"elf"}
+    assert "pvegpu_dir /var/cache/pvegpu/nvidia-received 700" in target.commands[0]
+    missing, why = build_share._through_controller(FakeHost("c"), FakeHost("d"), KEY)
+    assert missing is None and why == f"d has no {share}/manifest"
+
+
+def test_the_roles_are_decided_once_every_host_of_the_run_registered(monkeypatch):
+    """`_if` conditions read the plan at execution: the builder builds, the others receive, and a
+    host whose copy was refused builds after all."""
+    from pyinfra.context import ctx_state
+
+    from tests.unit.test_plan_build_share import host as plan_host
+
+    class State:
+        active_hosts = [FakeHost("a"), FakeHost("b")]
+
+    state = State()
+    monkeypatch.setattr(build_share.logger, "info", lambda line: None)
+    with ctx_state.use(state):
+        run = build_share._run()
+        run.hosts = {"a": plan_host("a", cores=8), "b": plan_host("b")}
+        assert build_share.build_if("a", REL)() and not build_share.receive_if("a", REL)()
+        assert not build_share.build_if("b", REL)() and build_share.receive_if("b", REL)()
+        assert not build_share.fallback_if("b", REL)()
+        assert build_share.receive(state, FakeHost("b"), "595.45.04", REL, None, "sha256") is False  # a's build failed
+        build_share._refuse(state, FakeHost("b"), REL, "refused")
+        assert build_share.fallback_if("b", REL)()
