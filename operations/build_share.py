@@ -136,10 +136,10 @@ def mark_built(state, host, key: str) -> bool:
 
 
 def receive_command(version: str, release: str, key: str, source: str, via: dict | None = None,
-                    local: str | None = None, incoming: str | None = None, signing: tuple[str, str] | None = None,
+                    local: str | None = None, incoming: bool = False, signing: tuple[str, str] | None = None,
                     sig_hash: str = "sha256") -> str:
     """templates/nvidia-receive.sh.j2: copy (`via`: {"node", "ip"} node to node; `local`: this
-    host's own kept build; `incoming`: a dir the controller filled), verify, sign, place in $B/out."""
+    host's own kept build; `incoming`: the controller filled RECV_ROOT/<key>), verify, sign, place in $B/out."""
     from operations.nvidia import BUILD_ROOT, SIGN_FILE
 
     return render_template(
@@ -187,7 +187,7 @@ def receive(state, host, version: str, release: str, signing: tuple[str, str] | 
         if incoming is None:
             return _refuse(state, host, release, f"nvidia {version} for {release}: the copy from {source} through "
                                                  f"the controller failed ({why})")
-        command = receive_command(incoming=incoming, **common)
+        command = receive_command(incoming=True, **common)
     ok, said, out = _shell(host, command)
     if not ok:
         return _refuse(state, host, release, said or f"nvidia {version} for {release}: the copy from {source} failed")
@@ -197,14 +197,14 @@ def receive(state, host, version: str, release: str, signing: tuple[str, str] | 
 
 
 def _through_controller(host, source_host, key: str) -> tuple[str | None, str]:
-    """Copy SHARE_ROOT/<key>/ of `source_host` into a new root-only dir on `host` through the
-    controller (pyinfra get_file, put_file; only the manifest and the modules it names): the dir, or
-    None and why."""
+    """Copy SHARE_ROOT/<key>/ of `source_host` into RECV_ROOT/<key>/ (made afresh, root's alone) on
+    `host` through the controller (pyinfra get_file, put_file; only the manifest and the modules it
+    names): the dir, or None and why."""
     from plan.render import root_dirs
 
-    ok, said, out = _shell(host, root_dirs((RECV_ROOT, "700")) + f"mktemp -d -p {operands(RECV_ROOT)}")
-    incoming = out[-1].strip() if ok and out else None
-    if not incoming:
+    incoming = f"{RECV_ROOT}/{key}"
+    ok, said, _ = _shell(host, root_dirs((RECV_ROOT, "700")) + f"rm -rf {operands(incoming)} && mkdir -m 700 {operands(incoming)}")
+    if not ok:
         return None, f"no scratch dir on {host.name}: {said}"
     manifest = BytesIO()
     if not source_host.get_file(f"{SHARE_ROOT}/{key}/{MANIFEST}", manifest):

@@ -99,7 +99,7 @@ class FakeHost:
 
     def run_shell_command(self, command):
         self.commands.append(command.get_raw_value())
-        return True, FakeOutput(["/var/cache/pvegpu/nvidia-received/tmp.X"])
+        return True, FakeOutput([])
 
     def get_file(self, path, io):
         if path not in self.files:
@@ -118,9 +118,10 @@ def test_through_the_controller_only_the_manifest_and_the_modules_it_names_trave
     source = FakeHost("a", {f"{share}/manifest": manifest, f"{share}/nvidia.ko": b"elf", f"{share}/other": b"x"})
     target = FakeHost("b")
     incoming, why = build_share._through_controller(target, source, KEY)
-    assert incoming == "/var/cache/pvegpu/nvidia-received/tmp.X" and why == ""
+    assert incoming == f"/var/cache/pvegpu/nvidia-received/{KEY}" and why == ""
     assert target.files == {f"{incoming}/manifest": manifest, f"{incoming}/nvidia.ko": b"elf"}
     assert "pvegpu_dir /var/cache/pvegpu/nvidia-received 700" in target.commands[0]
+    assert target.commands[0].endswith(f"rm -rf -- {incoming} && mkdir -m 700 -- {incoming}")
     missing, why = build_share._through_controller(FakeHost("c"), FakeHost("d"), KEY)
     assert missing is None and why == f"d has no {share}/manifest"
 
