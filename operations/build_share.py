@@ -85,6 +85,7 @@ def register(spec, nv_state: dict, share_state: dict, steps: dict, releases: lis
                            "key": shplan.build_key(inputs) if inputs else None}
     run = _run()
     run.hosts[host.name] = {"cores": nv_state.get("cores"), "mem_total_kib": nv_state.get("mem_total_kib"),
+                            "preferred": nv.share_builder,
                             "members": share_state.get("members"), "published": share_state.get("published") or {},
                             "builds": builds}
     if not run.printed and {h.name for h in _nvidia_hosts(current_state)} <= set(run.hosts):

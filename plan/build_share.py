@@ -86,8 +86,9 @@ def _differences(mine: dict, theirs: dict) -> list[str]:
 
 
 def _builder(members: list[str], hosts: dict) -> str:
-    """Most cores, then most memory, then the first name."""
-    return min(members, key=lambda h: (-(hosts[h].get("cores") or 0), -(hosts[h].get("mem_total_kib") or 0), h))
+    """The spec's choice (nvidia.share_builder), then most cores, then most memory, then the first name."""
+    return min(members, key=lambda h: (not hosts[h].get("preferred"), -(hosts[h].get("cores") or 0),
+                                       -(hosts[h].get("mem_total_kib") or 0), h))
 
 
 def _same_cluster(a: dict, b: dict) -> dict | None:
@@ -108,7 +109,8 @@ def _same_cluster(a: dict, b: dict) -> dict | None:
 def share_plan(hosts: dict[str, dict]) -> dict[tuple[str, str], dict]:
     """Who builds and who receives each (host, release) of the run.
 
-    `hosts`: {host name: {"cores", "mem_total_kib", "members" (.members, or None), "published":
+    `hosts`: {host name: {"cores", "mem_total_kib", "preferred" (nvidia.share_builder), "members"
+    (.members, or None), "published":
     {key: [release]}, "builds": {release: {"version", "key": str | None, "inputs": dict | None,
     "why": str | None}}}},
     `builds` holding only the releases the host builds this run (`why`: why its build cannot be
@@ -147,8 +149,10 @@ def share_plan(hosts: dict[str, dict]) -> dict[tuple[str, str], dict]:
         others = [m for m in members if m != builder]
         if others:
             steps[(builder, release)] = {"role": "build", "key": key, "for": others,
-                                         "why": f"builds for {', '.join(others)} too (most cores, then memory, "
-                                                f"of the hosts with these inputs; key {key[:12]})"}
+                                         "why": f"builds for {', '.join(others)} too ("
+                                                + ("nvidia.share_builder" if hosts[builder].get("preferred") else
+                                                   "most cores, then memory, of the hosts with these inputs")
+                                                + f"; key {key[:12]})"}
         else:
             steps[(builder, release)] = {"role": "build", "key": key, "for": [],
                                          "why": "builds alone: " + _alone_why(builder, release, key, hosts)}

@@ -72,6 +72,9 @@ def test_one_builder_per_key_most_cores_then_memory_then_name():
         assert steps[(name, REL)]["role"] == "receive" and steps[(name, REL)]["from"] == "c"
         assert steps[(name, REL)]["via"] == {"node": "c", "ip": "10.0.0.3"}
     assert len({s["key"] for s in steps.values()}) == 1
+    hosts["a"]["preferred"] = True  # nvidia.share_builder: the spec's choice first
+    steps = share_plan(hosts)
+    assert steps[("a", REL)]["for"] == ["b", "c", "d"] and "(nvidia.share_builder; key " in steps[("a", REL)]["why"]
 
 
 def test_another_compiler_builds_alone_naming_the_difference():
