@@ -29,7 +29,7 @@ from pyinfra.context import ctx_state
 from pyinfra.context import state as current_state
 
 from facts.build_share import MANIFEST, SHARE_ROOT
-from facts.shell import operands
+from facts.shell import operands, word
 from plan import build_share as shplan
 from plan.render import render_template
 from plan.terminal import visible
@@ -145,7 +145,7 @@ def receive_command(version: str, release: str, key: str, source: str, via: dict
 
     return render_template(
         "nvidia-receive.sh.j2", version=version, release=release, key=key, source=source, via=via, local=local,
-        incoming=incoming, remote=f"tar -C {operands(f'{SHARE_ROOT}/{key}')} -cf - .", recv_root=RECV_ROOT,
+        incoming=incoming, remote=f"tar -C {word(f'{SHARE_ROOT}/{key}')} -cf - .", recv_root=RECV_ROOT,
         build_root=BUILD_ROOT, build_parent=f"{BUILD_ROOT}/{version}", signing=tuple(signing) if signing else None,
         sig_hash=sig_hash, modules_dir="/lib/modules", sign_file=SIGN_FILE)
 

@@ -61,6 +61,23 @@ def test_a_verified_copy_lands_where_the_install_reads_it(shared):
     assert list((tmp_path / "received").iterdir()) == []  # the scratch copy is gone
 
 
+def test_node_to_node_the_copy_is_what_the_builder_keeps(shared, monkeypatch):
+    """The receiver's ssh (a stand-in that runs the remote command here, as sshd would on the
+    builder) gets Proxmox's options and a command that packs the kept build."""
+    env, share, tmp_path = shared
+    monkeypatch.setattr(build_share, "SHARE_ROOT", str(tmp_path / "share"))
+    (tmp_path / "tools/ssh").write_text('#!/bin/sh\necho "$*" > "$LOG.ssh"\nfor a; do last=$a; done\nexec sh -c "$last"\n')
+    (tmp_path / "tools/ssh").chmod(0o755)
+    subprocess.run(["sh", "-c", ops.cleanup_command(VER)], check=True)
+    command = build_share.receive_command(VER, REL, KEY, "kpro5", via={"node": "kpro5", "ip": "10.0.0.5"})
+    done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "conftest.log.ssh").read_text().startswith(
+        f"-e none -o BatchMode=yes -o HostKeyAlias=kpro5 root@10.0.0.5 tar -C {tmp_path}/share/{KEY} -cf - .")
+    out = tmp_path / "build" / VER / REL / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["nvidia-uvm.ko", "nvidia.ko"]
+
+
 @pytest.mark.parametrize("tamper, why", [
     (lambda d: (d / "nvidia-uvm.ko").write_bytes(b"elf evil\n"), "sha256 differs from its manifest: nvidia-uvm.ko: FAILED"),
     (lambda d: (d / "extra.ko").write_bytes(b"x"), "extra.ko is not in its manifest"),
