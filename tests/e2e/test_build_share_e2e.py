@@ -116,7 +116,7 @@ def test_cluster_builds_once_receivers_verify_and_refuse_a_tampered_copy(twin_fa
     seed = os.environ.get("PVEGPU_E2E_NVIDIA_CACHE")
     for cache in ("ccache", "nvidia-conftest") if seed else ():
         (Path(a.root) / "var/cache/pvegpu").mkdir(parents=True, exist_ok=True)
-        subprocess.run(["cp", "-a", str(Path(seed) / cache), str(Path(a.root) / "var/cache/pvegpu" / cache)], check=True)
+        subprocess.run(["cp", "-a", f"{seed}/{cache}", str(Path(a.root) / "var/cache/pvegpu" / cache)], check=True)
     specs = {t.name: {"node": t.name, "nvidia": nvidia(sha, signing=t is c)} for t in twins}
     inventory = write_inventory(tmp_path, twins, specs)
     # the cluster's root SSH trust works as Proxmox's tools use it (PVE::SSHInfo's options)
