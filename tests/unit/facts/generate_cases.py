@@ -156,11 +156,11 @@ TWIN_RECORDINGS_UPGRADE = [
     ("upgrade-state-dkms-sdboot-pins-hold", "upgrade.UpgradeState", None),
     ("os-release-bookworm", "upgrade.OsRelease", None),
 ]
-# A fifth recording (issue 41, `--record-twin NAME share`): the shared build's fact on the second node
-# of tests/e2e/test_build_share_e2e.py's 3-node cluster twin, after its converge (the first node built
-# nvidia 595.45.04 for 6.1.0-57-amd64 and keeps it; this node received it) and while its third step ran.
-TWIN_PREPARED_SHARE = ("on a node of a 3-node cluster twin (tests/e2e/test_build_share_e2e.py) after its converge: "
-                       "/etc/pve/.members of the cluster, the build it received kept by the first node only")
+# A fifth recording (issue 41, `--record-twin NAME share`): the shared build's fact on the first node
+# of tests/e2e/test_build_share_e2e.py's 3-node cluster twin, after its converge (this node built
+# nvidia 595.45.04 for 6.1.0-57-amd64 for the three and keeps it under /var/cache/pvegpu/nvidia-share).
+TWIN_PREPARED_SHARE = ("on the first node of a 3-node cluster twin (tests/e2e/test_build_share_e2e.py) after its "
+                       "converge: /etc/pve/.members of the cluster, the build this node made for the three kept")
 TWIN_RECORDINGS_SHARE = [
     ("build-share-state-cluster-node", "build_share.BuildShareState", [["6.1.0-57-amd64"]]),
 ]
