@@ -37,6 +37,9 @@ Figures (issue 9):
                          each command runs beside pyinfra instead of taking turns with it on
                          the same cores (a real node does its side on its own CPU):
                          BENCHES=converge bench/device_fleet.sh, then --import-many-cores
+  build_share_total_vs_one  issue 41: NVIDIA module build seconds of all nodes of a 3-node     target <= 1.2
+                         cluster twin converged in one run / one node's build (bench/build_share.py;
+                         every node built before: ~3)
 Each figure is measured, never assumed; one that could not be measured is printed as such.
 --only NAME measures those benches and keeps the other figures of bench/results.json (each
 figure carries its measured_at). fleet8_vs_1 also records the CPU seconds of the runner and of
@@ -75,6 +78,7 @@ TARGETS = {
     "pve_calls_nochange": ("<=", 0),
     "pve_delay_vs_fact": ("<=", 1.3),
     "pve_delay_vs_fact_many_cores": ("<=", 1.3),
+    "build_share_total_vs_one": ("<=", 1.2),
 }
 PVE_DELAY_S = 0.4  # a real node's pct/qm/pvesh start: 0.3-0.6 s (issue 19)
 PVE_DELAY_RUNS = 9  # pve_delay_vs_fact: converge/fact pairs, alternating; the medians make the figure
@@ -392,6 +396,7 @@ BENCHES = {
     "ccache": lambda r: bench_driver(r),
     "kernel": lambda r: bench_script(r, "kernel_second_ref_vs_first", "kernel_ccache.py"),
     "pve": bench_pve_calls,
+    "share": lambda r: bench_script(r, "build_share_total_vs_one", "build_share.py"),
 }
 
 
