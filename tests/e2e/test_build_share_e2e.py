@@ -14,6 +14,9 @@ tests/e2e/test_driver_build.py), run once for the cluster:
 3. The second node's modules gone and the first node's kept copy tampered (a byte of one module):
    the second node refuses the copy, saying which file's sha256 differs, and builds for itself
    (its ccache and conftest results warmed from the first node's, so the rebuild is short).
+4. A fourth twin, in no cluster, with the second node in one run: its build has the key the second
+   node keeps (its rebuild of step 3), so it builds nothing and receives that build through the
+   controller (pyinfra get_file from the second node, put_file to it), verified like the others.
 
 PVEGPU_E2E_NVIDIA_CACHE=DIR (a developer's speed-up, unset in CI): DIR's ccache/ and
 nvidia-conftest/ (a node's /var/cache/pvegpu/{ccache,nvidia-conftest} of an earlier run of this
@@ -189,5 +192,18 @@ def test_cluster_builds_once_receivers_verify_and_refuse_a_tampered_copy(twin_fa
     assert "building here instead" in again.output
     assert len(builds_log(Path(b.root))) == 2 and len(builds_log(Path(a.root))) == 2
     assert sh(b.name, f"modinfo -k {RELEASE} -F version nvidia").strip() == VERSION
+
+    # 4. a host outside the cluster receives through the controller
+    d = twin_factory("kpro6", name=f"s41d-{os.getpid()}")
+    (Path(d.root) / "opt/src").mkdir(parents=True, exist_ok=True)
+    shutil.copy(archive, Path(d.root) / ARCHIVE.lstrip("/"))
+    sh(d.name, "rm -f /usr/lib/x86_64-linux-gnu/libnvidia-ml.so*")
+    pair = write_inventory(tmp_path, [b, d], {t.name: {"node": t.name, "nvidia": nvidia(sha)} for t in (b, d)})
+    outside = run_pyinfra(pair, STAGE_DEPLOY, env=STAGES, timeout=1800)
+    assert outside.rc == 0, outside.output[-6000:]
+    assert (f"{d.name}: nvidia {VERSION} for {RELEASE}: receives the build {b.name} already keeps for these inputs "
+            f"(key {key[:12]}), through the controller (not one Proxmox cluster)") in outside.output, outside.output[-4000:]
+    assert f"{d.name}: pvegpu: nvidia {VERSION} for {RELEASE} received from {b.name} and verified" in outside.output
+    assert builds_log(Path(d.root)) == [] and modules(Path(d.root)) == modules(Path(b.root))
     print(f"\nbuild-share e2e: converge of 3 nodes with one build {build_s:.0f} s (cache seeded: {bool(seed)}), "
           f"converge with the refused copy and the local rebuild {rebuild_s:.0f} s, whole test {time.monotonic() - t0:.0f} s")
