@@ -18,6 +18,10 @@ tests/e2e/test_driver_build.py), run once for the cluster:
    node keeps (its rebuild of step 3), so it builds nothing and receives that build through the
    controller (pyinfra get_file from the second node, put_file to it), verified like the others.
 
+Wall time (2026-12-06, this 2-core machine): 288 s cold at a 1-min load near 0 (the one build
+252 s, the refused copy and warm local rebuild 19 s); 78 s with the builder's cache seeded. Under a
+load of ~13 the one cold build took ~25 min.
+
 PVEGPU_E2E_NVIDIA_CACHE=DIR (a developer's speed-up, unset in CI): DIR's ccache/ and
 nvidia-conftest/ (a node's /var/cache/pvegpu/{ccache,nvidia-conftest} of an earlier run of this
 test) are copied into the first node before the converge, so its one build is a warm rebuild.
