@@ -20,6 +20,9 @@ Host paths:
     /var/cache/pvegpu/nvidia-conftest/<key>.tgz NVIDIA conftest results per (tree, headers, compiler)
     /var/cache/pvegpu/nvidia-build/<ver>/<rel>/  scratch build trees (removed after install), 0700
     /var/cache/pvegpu/nvidia-build/builds.log    the builds' own notes (one line per build)
+    /var/cache/pvegpu/nvidia-share/<key>/        unsigned modules + manifest kept for the run's other
+                                                hosts of the same build inputs (operations/build_share.py)
+    /var/cache/pvegpu/nvidia-received/<tmp>/     a copy of another host's build while it is verified
     /lib/modules/<rel>/updates/pvegpu-nvidia/    installed modules (depmod prefers updates/)
 """
 
@@ -28,8 +31,9 @@ from __future__ import annotations
 import re
 
 from pyinfra import host, logger
-from pyinfra.api import StringCommand, deploy, operation
+from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
 
+from facts.build_share import SHARE_ROOT, BuildShareState
 from facts.files import ManagedFiles
 from facts.hardware import HardwareProbe
 from facts.nvidia import (
@@ -45,7 +49,7 @@ from facts.nvidia import (
 from facts.once import fact_once, read_fact
 from facts.run_state import need_reboot
 from facts.shell import operands, word
-from operations import handlers, progress
+from operations import build_share, handlers, progress
 from operations.files import file_current, link_unit, managed_file
 from plan import nvidia as nvplan
 from plan.render import PUBLIC, render_template, root_dirs
@@ -114,7 +118,7 @@ def src_dir(version: str, cc: str, cxx: str | None) -> str:
 
 def build_command(archive: str, version: str, release: str | None, cc: str, jobs: int, ccache: bool,
                   conftest_cache: bool = True, cxx: str | None = None,
-                  signing: tuple[str, str] | None = None, sig_hash: str = "sha256") -> str:
+                  signing: tuple[str, str] | None = None, sig_hash: str = "sha256", share_key: str | None = None) -> str:
     """Build the NVIDIA modules for `release` in a fresh scratch dir; the .ko files land in <scratch>/out
     (templates/nvidia-build.sh.j2, every value quoted there).
 
@@ -147,14 +151,20 @@ def build_command(archive: str, version: str, release: str | None, cc: str, jobs
     build with the same `conftest_key_command` key (mtimes kept, so NVIDIA's Kbuild finds every
     result newer than conftest.sh and reruns only its always-run checks); after a successful
     build, store this build's conftest/ under its key.
+
+    share_key: the build's key (plan.build_share.build_key) in a run that shares builds: after the
+    strip and before signing, the unsigned modules and their manifest are kept under
+    facts.build_share.SHARE_ROOT/<key>/ for the run's other hosts of the same inputs (issue 41).
     """
     return render_template("nvidia-build.sh.j2", **build_context(archive, version, release, cc, jobs, ccache,
-                                                                conftest_cache, cxx, signing, sig_hash))
+                                                                conftest_cache, cxx, signing, sig_hash,
+                                                                share_key=share_key))
 
 
 def build_context(archive: str, version: str, release: str | None, cc: str, jobs: int, ccache: bool,
                   conftest_cache: bool = True, cxx: str | None = None,
-                  signing: tuple[str, str] | None = None, sig_hash: str = "sha256", kernel_dirs: bool = False) -> dict:
+                  signing: tuple[str, str] | None = None, sig_hash: str = "sha256", kernel_dirs: bool = False,
+                  share_key: str | None = None) -> dict:
     """templates/nvidia-build.sh.j2's values (`build_command`; the kernel hook and the kernel stage's
     gate include the same template with these values and release None; the gate with kernel_dirs:
     the kernel trees in $KSRC/$KOUT)."""
@@ -166,7 +176,7 @@ def build_context(archive: str, version: str, release: str | None, cc: str, jobs
         build_root=BUILD_ROOT, build_parent=f"{BUILD_ROOT}/{version}", src_dir=src_dir(version, cc, cxx),
         ccache_dir=CCACHE_DIR, ccache_masquerade=CCACHE_MASQUERADE, ccache_ignore_options=CCACHE_IGNORE_OPTIONS,
         conftest_cache_dir=CONFTEST_CACHE, conftest_cache_keep=CONFTEST_CACHE_KEEP, sign_file=SIGN_FILE,
-        modules_dir="/lib/modules", kernel_dirs=kernel_dirs)
+        modules_dir="/lib/modules", kernel_dirs=kernel_dirs, share_key=share_key, share_root=SHARE_ROOT)
 
 
 def cleanup_command(version: str) -> str:
@@ -242,16 +252,20 @@ def fetch_source(url: str, sha256: str, dest: str):
 
 @operation()
 def build_modules(archive: str, version: str, release: str, cc: str, jobs: int, ccache: bool,
-                  cxx: str | None = None, signing: tuple[str, str] | None = None, sig_hash: str = "sha256"):
+                  cxx: str | None = None, signing: tuple[str, str] | None = None, sig_hash: str = "sha256",
+                  share_key: str | None = None):
     """Build the NVIDIA kernel modules for one kernel release in a scratch dir (not installed yet).
 
     + cxx: the C++ compiler for the open tree's src/ (None: the tree has no C++)
     + signing: (key, cert) paths on the host to sign the modules with, or None
     + sig_hash: the hash sign-file uses (the release's CONFIG_MODULE_SIG_HASH)
+    + share_key: the build's key when the run shares builds (its unsigned modules are kept for others)
     """
     yield progress.reported(build_command(archive, version, release, cc, jobs, ccache, cxx=cxx, signing=signing,
-                                          sig_hash=sig_hash), f"nvidia {version} build for {release}",
+                                          sig_hash=sig_hash, share_key=share_key), f"nvidia {version} build for {release}",
                             key=f"nvidia-{version}-{release}-{archive.rsplit('/', 1)[-1]}", log=f"{build_dir(version, release)}/build.log")
+    if share_key:
+        yield FunctionCommand(build_share.mark_built, (share_key,), {})
 
 
 @operation()
@@ -331,8 +345,9 @@ def prefetch(spec) -> list:
     """The facts this stage reads (deploy.py reads every stage's in one command)."""
     if spec.nvidia is None:
         return []
+    share = [(BuildShareState, {"releases": state_kwargs(spec)["releases"]})] if build_share.sharing() else []
     return [(NvidiaHostState, state_kwargs(spec)), (HardwareProbe, {}), *progress.prefetch(),
-            *handlers.prefetch(spec)]  # the depmod stamp (the stage flushes that handler itself)
+            *handlers.prefetch(spec), *share]  # the depmod stamp (the stage flushes that handler itself)
 
 
 def preflight(spec) -> list[str]:
@@ -368,6 +383,12 @@ def apply(spec) -> None:
         check_installer(name=f"Check the NVIDIA installer is {nv.version}", installer=installer or "",
                         version=nv.version)
     building = [r for r in releases if steps["releases"][r]["build"]]
+    # a run of several hosts: one build per input set (operations/build_share.py decides at execution)
+    share = build_share.sharing()
+    if share:
+        build_share.register(spec, state, fact_once(BuildShareState, releases=state_kwargs(spec)["releases"]),
+                             steps, releases)
+    signing = (nv.signing.key, nv.signing.cert) if nv.signing else None
     for release in releases:
         entry = steps["releases"][release]
         if not entry["build"]:
@@ -375,9 +396,12 @@ def apply(spec) -> None:
             continue
         build_modules(name=f"Build nvidia {nv.version} for {release}", archive=modules_archive or "",
                       version=nv.version, release=release, cc=entry["cc"] or "gcc", jobs=steps["jobs"],
-                      ccache=steps["ccache"], cxx=entry["cxx"],
-                      signing=(nv.signing.key, nv.signing.cert) if nv.signing else None,
-                      sig_hash=entry.get("sig_hash") or "sha256")
+                      ccache=steps["ccache"], cxx=entry["cxx"], signing=signing,
+                      sig_hash=entry.get("sig_hash") or "sha256",
+                      share_key=build_share.key_of(host.name, release) if share else None,
+                      **({"_if": build_share.build_if(host.name, release)} if share else {}))
+    if share:
+        _receive_or_build(nv, building, steps, modules_archive or "", signing)
     for release in building:
         install_modules(name=f"Install nvidia {nv.version} modules for {release}", version=nv.version,
                         release=release)
@@ -403,6 +427,24 @@ def apply(spec) -> None:
                         firmware=nv.firmware, firmware_files=steps["firmware_files"])
     else:
         _skip(f"nvidia {nv.version}: modules, firmware and user space unchanged and equal")
+
+
+def _receive_or_build(nv, building: list[str], steps: dict, archive: str, signing) -> None:
+    """In a run that shares builds: each release another host builds for this one is received
+    (copied, verified, signed here); a copy that is refused or fails is built here after all."""
+    for release in building:
+        entry = steps["releases"][release]
+        build_share.receive_modules(name=f"Receive nvidia {nv.version} for {release} from the run's build",
+                                    version=nv.version, release=release, signing=signing,
+                                    sig_hash=entry.get("sig_hash") or "sha256",
+                                    _if=build_share.receive_if(host.name, release))
+    for release in building:
+        entry = steps["releases"][release]
+        build_modules(name=f"Build nvidia {nv.version} for {release} here (the copy was not taken)", archive=archive,
+                      version=nv.version, release=release, cc=entry["cc"] or "gcc", jobs=steps["jobs"],
+                      ccache=steps["ccache"], cxx=entry["cxx"], signing=signing,
+                      sig_hash=entry.get("sig_hash") or "sha256", share_key=build_share.key_of(host.name, release),
+                      _if=build_share.fallback_if(host.name, release))
 
 
 def declare_depmod(version: str, releases: list[str], steps: dict, state: dict, target=None) -> None:

@@ -102,7 +102,8 @@ _BUILD = dict(archive="/var/cache/pvegpu/sources/" + "a" * 64 + "-595.45.04.tar.
               ccache_dir="/var/cache/pvegpu/ccache", ccache_masquerade="/usr/lib/ccache",
               ccache_ignore_options='-DKBUILD_BASENAME="#conftest* -DKBUILD_MODNAME="#conftest*',
               conftest_cache_dir="/var/cache/pvegpu/nvidia-conftest", conftest_cache_keep=16,
-              sign_file="scripts/sign-file", modules_dir="/lib/modules", kernel_dirs=False)
+              sign_file="scripts/sign-file", modules_dir="/lib/modules", kernel_dirs=False, share_key=None,
+              share_root="/var/cache/pvegpu/nvidia-share")
 _KERNEL = dict(build_dir="/var/lib/pvegpu/kernel-build/6.14.11-4-pve-0123456789ab", version="6.14.11-4-pve",
                kind="proxmox-git", jobs=4, ccache=True, base_config="running",
                fragments=[], url="https://git.proxmox.com/git/pve-kernel.git", sha256="", ref="ad58d1445425ea4742e3470b2edbee35df0657e9",
@@ -124,6 +125,25 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
          "signing": ("/root/mok.key", "/root/mok.der"), "sig_hash": "sha512"},
         {**_BUILD, "release": None},  # the kernel hook's: the release in $R, set from its $1
         {**_BUILD, "release": None, "kernel_dirs": True, "conftest_cache": False},  # the kernel stage's gate
+        {**_BUILD, "cxx": "g++-12", "signing": ("/root/mok.key", "/root/mok.der"), "share_key": "b" * 64},  # issue 41
+    ],
+    "nvidia-receive.sh.j2": [
+        dict(version="595.45.04", release="6.14.11-4-pve", key="b" * 64, source="kpro5",
+             via={"node": "kpro5", "ip": "10.0.0.5"}, local=None, incoming=None,
+             remote="tar -C /var/cache/pvegpu/nvidia-share/" + "b" * 64 + " -cf - .",
+             recv_root="/var/cache/pvegpu/nvidia-received", build_root="/var/cache/pvegpu/nvidia-build",
+             build_parent="/var/cache/pvegpu/nvidia-build/595.45.04", signing=("/root/mok.key", "/root/mok.der"),
+             sig_hash="sha512", modules_dir="/lib/modules", sign_file="scripts/sign-file"),
+        dict(version="595.45.04", release="6.14.11-4-pve", key="b" * 64, source="kpro5", via=None, local=None,
+             incoming=True, remote="tar -C /x -cf - .",
+             recv_root="/var/cache/pvegpu/nvidia-received", build_root="/var/cache/pvegpu/nvidia-build",
+             build_parent="/var/cache/pvegpu/nvidia-build/595.45.04", signing=None, sig_hash="sha256",
+             modules_dir="/lib/modules", sign_file="scripts/sign-file"),
+        dict(version="595.45.04", release="6.14.11-4-pve", key="b" * 64, source="kpro6", via=None,
+             local="/var/cache/pvegpu/nvidia-share/" + "b" * 64, incoming=False, remote="tar -C /x -cf - .",
+             recv_root="/var/cache/pvegpu/nvidia-received", build_root="/var/cache/pvegpu/nvidia-build",
+             build_parent="/var/cache/pvegpu/nvidia-build/595.45.04", signing=None, sig_hash="sha256",
+             modules_dir="/lib/modules", sign_file="scripts/sign-file"),
     ],
     "kernel-postinst-nvidia.sh.j2": [
         {**_BUILD, "release": None, "sha256": "a" * 64, "state_dir": "/var/lib/pvegpu/kernel-hook",

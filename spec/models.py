@@ -227,6 +227,8 @@ class NvidiaSpec(Strict):
     uvm_disable_hmm: Literal["auto"] | bool = "auto"  # auto: on for Blackwell (incident 3)
     nvreg: dict[SafeStr, Annotated[int | SafeStr, AfterValidator(V.nvreg_value)]] = Field(default_factory=dict)
     persistenced: bool = True
+    # in a run of several hosts: this host builds for the others of its build inputs (issue 41)
+    share_builder: bool = False
     signing: SigningSpec | None = None  # sign the modules (Secure Boot); refused unset when Secure Boot is on
     # kernel releases to build for; default: the running one plus the kernel stage's
     releases: list[SafeStr] | None = None

@@ -141,6 +141,10 @@ FIELDS: dict[str, Field] = {
                           "`NVreg_*` keys; values 32-bit numbers or strings without `\"`, `\\` or whitespace (≤ 1024).",
                           "`{NVreg_EnableGpuFirmware: 1}`"),
     "nvidia.persistenced": Field("Enable nvidia-persistenced.", _BOOL, "`true`"),
+    "nvidia.share_builder": Field("In a run of several hosts, this host builds the modules for the others whose build "
+                                  "inputs are the same (before the one with the most cores, then memory, then name; "
+                                  "the first by name where several say so); the others copy, verify and install its "
+                                  "build.", _BOOL, "`false`"),
     "nvidia.signing.key": Field("Key the modules are signed with (the kernel's `scripts/sign-file`); required when "
                                 "signatures are enforced (Secure Boot on); it must be root's with no group/other bits (refused at "
                                 "preflight and by the build, sign and hook scripts).", _HOST_PATH, "`/root/mok/MOK.priv`"),

@@ -806,6 +806,7 @@ def start(name: str, profile: str, address: str | None = None,
                 load_hardware(hardware).install(root, profile, node=name, pve_dir=shared)
                 write_vmlist(shared)
                 write_members(cluster, also=name)
+                join_ssh_trust(root, name, shared)
         log_file = tdir / "supervisor.log"
         with open(log_file, "ab") as out:
             proc = subprocess.Popen(
@@ -1060,6 +1061,38 @@ def stop(name: str, keep: bool = False) -> None:
             write_members(cluster)
         elif not keep:
             shutil.rmtree(cluster_pve(cluster).parent, ignore_errors=True)
+
+
+def join_ssh_trust(root: Path, node: str, shared: Path) -> None:
+    """Root SSH trust between the nodes of a cluster twin, as `pvecm add` leaves it (pve-cluster
+    src/PVE/Cluster/Setup.pm): root's own RSA key (setup_rootsshconfig), the shared
+    /etc/pve/priv/authorized_keys holding every node's key and root's old authorized_keys
+    (setup_ssh_keys, ssh_merge_keys) with /root/.ssh/authorized_keys a link to it, and the node's
+    host key in /etc/pve/nodes/<node>/ssh_known_hosts (ssh_create_node_known_hosts), which
+    PVE::SSHInfo's ssh options name. Only for the twin: root's ~/.ssh/config sends ssh to the twins'
+    sshd port (SSH_PORT), where a real node's sshd listens on 22."""
+    ssh_dir = root / "root/.ssh"
+    key = ssh_dir / "id_rsa"
+    if not key.exists():
+        _run(["ssh-keygen", "-q", "-t", "rsa", "-b", "2048", "-N", "", "-C", f"root@{node}", "-f", str(key)])
+    priv = shared / "priv"
+    priv.mkdir(mode=0o700, exist_ok=True)
+    cluster_keys = priv / "authorized_keys"
+    old = (ssh_dir / "authorized_keys")
+    lines = cluster_keys.read_text().splitlines() if cluster_keys.exists() else []
+    if old.is_file() and not old.is_symlink():
+        lines += old.read_text().splitlines()
+    lines.append(key.with_suffix(".pub").read_text().strip())
+    cluster_keys.write_text("".join(f"{line}\n" for line in dict.fromkeys(line for line in lines if line.strip())))
+    cluster_keys.chmod(0o600)
+    if old.exists() or old.is_symlink():
+        old.unlink()
+    old.symlink_to("/etc/pve/priv/authorized_keys")
+    host_key = (root / "etc/ssh/ssh_host_rsa_key.pub").read_text().split()
+    (shared / "nodes" / node).mkdir(parents=True, exist_ok=True)
+    (shared / "nodes" / node / "ssh_known_hosts").write_text(f"{node} {host_key[0]} {host_key[1]}\n")
+    (ssh_dir / "config").write_text(f"Port {SSH_PORT}\n")
+    (ssh_dir / "config").chmod(0o640)
 
 
 def cluster_pve(cluster: str) -> Path:

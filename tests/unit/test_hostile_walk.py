@@ -880,7 +880,7 @@ def test_walk_nvidia_signing_paths(tmp_path, monkeypatch):
 def test_walk_nvidia_version_and_releases(tmp_path):
     """nvidia.version and nvidia.releases into the build, install, verify and conftest-key
     scripts and the kernel hook: every accepted value is shell-inert and each script parses."""
-    from operations import kernel_hook
+    from operations import build_share, kernel_hook
 
     values = generate(["595.71.05", "550.54"], 600)
     accepted, refused = load_values(tmp_path, "nvidia.version", values, lambda v: {"nvidia": {
@@ -898,6 +898,9 @@ def test_walk_nvidia_version_and_releases(tmp_path):
             assert all(re.fullmatch(r"[0-9A-Za-z.+~-]+", w) and w[0].isdigit() for w in words), words
             for release in nv.releases:
                 for script in (nvidia_ops.build_command("/a.tgz", nv.version, release, "gcc", 2, True),
+                               nvidia_ops.build_command("/a.tgz", nv.version, release, "gcc", 2, True, share_key="a" * 64),
+                               build_share.receive_command(nv.version, release, "a" * 64, "kpro5",
+                                                           via={"node": "kpro5", "ip": "10.0.0.5"}),
                                nvidia_ops.install_command(nv.version, release),
                                nvidia_ops.verify_command(nv.version, nv.releases, True, ["gsp.bin"]),
                                nvidia_ops.conftest_key_command("/a.tgz", release, "gcc", "modules"),
@@ -1019,6 +1022,7 @@ WALKS = {
     "nvidia-fetch-source.sh.j2": ["test_walk_nvidia_source_url"],
     "nvidia-build.sh.j2": ["test_walk_nvidia_signing_paths", "test_walk_nvidia_version_and_releases"],
     "nvidia-install.sh.j2": ["test_walk_nvidia_version_and_releases"],
+    "nvidia-receive.sh.j2": ["test_walk_nvidia_version_and_releases"],
     "nvidia-verify.sh.j2": ["test_walk_nvidia_version_and_releases"],
     "nvidia-conftest-key.sh.j2": ["test_walk_nvidia_version_and_releases"],
     "nvidia-toolchain-check.sh.j2": ["test_walk_nvidia_version_and_releases"],  # included by the hook and the gate

@@ -280,7 +280,9 @@ def test_each_field_rendered_hostile_stays_quoted(name):
 # values of the NVIDIA build context whose branches a caller including nvidia-build.sh.j2 never takes:
 # the driver x kernel gate builds unsigned and without the conftest cache (its key reads the
 # installed headers' tree; the gate's are unpacked elsewhere)
-UNREACHED = {"kernel-nvidia-gate.sh.j2": ("sig_hash", "conftest_cache_dir", "sign_file")}
+# neither shares its build (issue 41: share_root is the converge's, with a share_key)
+UNREACHED = {"kernel-nvidia-gate.sh.j2": ("sig_hash", "conftest_cache_dir", "sign_file", "share_root"),
+             "kernel-postinst-nvidia.sh.j2": ("share_root",)}
 
 
 def test_kernel_base_config_path_stays_quoted():

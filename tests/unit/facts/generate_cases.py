@@ -156,9 +156,18 @@ TWIN_RECORDINGS_UPGRADE = [
     ("upgrade-state-dkms-sdboot-pins-hold", "upgrade.UpgradeState", None),
     ("os-release-bookworm", "upgrade.OsRelease", None),
 ]
+# A fifth recording (issue 41, `--record-twin NAME share`): the shared build's fact on the first node
+# of tests/e2e/test_build_share_e2e.py's 3-node cluster twin, after its converge (this node built
+# nvidia 595.45.04 for 6.1.0-57-amd64 for the three and keeps it under /var/cache/pvegpu/nvidia-share).
+TWIN_PREPARED_SHARE = ("on the first node of a 3-node cluster twin (tests/e2e/test_build_share_e2e.py) after its "
+                       "converge: /etc/pve/.members of the cluster, the build this node made for the three kept")
+TWIN_RECORDINGS_SHARE = [
+    ("build-share-state-cluster-node", "build_share.BuildShareState", [["6.1.0-57-amd64"]]),
+]
 RECORDING_GROUPS: dict[str, tuple[list, str]] = {"stages": (TWIN_RECORDINGS, TWIN_PREPARED), "guests": (TWIN_RECORDINGS_GUESTS, TWIN_PREPARED_GUESTS),
                     "packages": (TWIN_RECORDINGS_PACKAGES, TWIN_PREPARED_PACKAGES),
-                    "upgrade": (TWIN_RECORDINGS_UPGRADE, TWIN_PREPARED_UPGRADE)}
+                    "upgrade": (TWIN_RECORDINGS_UPGRADE, TWIN_PREPARED_UPGRADE),
+                    "share": (TWIN_RECORDINGS_SHARE, TWIN_PREPARED_SHARE)}
 
 
 def fact_command(fact_path: str, args) -> str:
@@ -329,7 +338,7 @@ CASES = [
     *[case(fact_path, f"twin-kpro6-{fixture}", f"{TWIN_DIR}/{fixture}.txt", args=args,
            note="recorded on the kpro6 twin (INDEX.tsv says how it was prepared)")
       for fixture, fact_path, args in TWIN_RECORDINGS + TWIN_RECORDINGS_GUESTS + TWIN_RECORDINGS_PACKAGES
-      + TWIN_RECORDINGS_UPGRADE],
+      + TWIN_RECORDINGS_UPGRADE + TWIN_RECORDINGS_SHARE],
     *[case("boot.GrubFiles", Path(name).stem, f"cmdline/{name}",
            sections=[("@@ /etc/default/grub", f"cmdline/{name}", None)],
            note="/etc/default/grub alone (no grub.d drop-ins in the source)")

@@ -1,0 +1,117 @@
+"""Benchmark (issue 41): one NVIDIA module build per input set in a run of a 3-node cluster twin.
+
+    sudo .venv/bin/python bench/build_share.py [--json]
+
+Three kpro6 twins in one cluster (tests/twin/runtime.py "Clusters", with the cluster's root SSH
+trust), the same NVIDIA spec on each (open-gpu-kernel-modules 595.45.04 for 6.1.0-57-amd64, as
+tests/e2e/test_driver_build.py builds it), converged in one pyinfra run of the driver stage. Each
+node's build records its seconds (operations/progress.py, /var/lib/pvegpu/durations/nvidia-*);
+the figure is the build seconds of all three nodes together / one node's build (before issue 41
+every node built: ≈ 3; target ≤ 1.2), with the converge's wall time / that build.
+
+--json prints one JSON line {"value", "total_build_s", "one_node_build_s", "builds", "converge_s",
+"converge_vs_build", "cache_seeded"} (bench/run.py reads it). PVEGPU_E2E_NVIDIA_CACHE=DIR seeds
+the builder's ccache and conftest cache as in the e2e (then both figures are of a warm build).
+Needs root (twins); stops its twins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.e2e.harness import run_pyinfra  # noqa: E402
+from tests.e2e.test_build_share_e2e import (  # noqa: E402
+    ARCHIVE,
+    RELEASE,
+    SOURCE,
+    STAGE_DEPLOY,
+    STAGES,
+    VERSION,
+    nvidia,
+    sh,
+    write_inventory,
+)
+from tests.twin import runtime  # noqa: E402
+
+RECORDS = "var/lib/pvegpu/durations"
+
+
+def build_seconds(root: Path) -> list[float]:
+    """The seconds of each NVIDIA build of VERSION for RELEASE this node recorded."""
+    records = root / RECORDS
+    out = []
+    for f in sorted(records.glob(f"nvidia-{VERSION}-{RELEASE}-*")) if records.is_dir() else []:
+        for line in f.read_text().splitlines():
+            if line.startswith("seconds "):
+                out.append(float(line.split()[1]))
+    return out
+
+
+def measure() -> dict:
+    fetched = subprocess.run(["bash", str(REPO / "scripts/fetch-upstream.sh"), SOURCE], capture_output=True, text=True,
+                             check=True)
+    archive = Path(fetched.stdout.strip().splitlines()[-1])
+    sha = hashlib.sha256(archive.read_bytes()).hexdigest()
+    cluster = f"bs{os.getpid()}"
+    twins: list[runtime.Twin] = []
+    try:
+        for x in "abc":
+            twins.append(runtime.start(f"bs{x}-{os.getpid()}", "kpro6", cluster=cluster, owner=os.getpid()))
+        seed = os.environ.get("PVEGPU_E2E_NVIDIA_CACHE")
+        for t in twins:
+            root = Path(t.root)
+            (root / "opt/src").mkdir(parents=True, exist_ok=True)
+            shutil.copy(archive, root / ARCHIVE.lstrip("/"))
+            sh(t.name, "rm -f /usr/lib/x86_64-linux-gnu/libnvidia-ml.so*")
+        for cache in ("ccache", "nvidia-conftest") if seed else ():
+            (Path(twins[0].root) / "var/cache/pvegpu").mkdir(parents=True, exist_ok=True)
+            subprocess.run(["cp", "-a", f"{seed}/{cache}", str(Path(twins[0].root) / "var/cache/pvegpu" / cache)],
+                           check=True)
+        with tempfile.TemporaryDirectory(dir=REPO / ".cache") as tmp:
+            inventory = write_inventory(Path(tmp), twins, {t.name: {"node": t.name, "nvidia": nvidia(sha)} for t in twins})
+            t0 = time.monotonic()
+            run = run_pyinfra(inventory, STAGE_DEPLOY, env=STAGES, timeout=5400)
+            converge_s = time.monotonic() - t0
+        if run.rc != 0:
+            raise RuntimeError(run.output[-3000:])
+        builds = [s for t in twins for s in build_seconds(Path(t.root))]
+    finally:
+        for t in twins:
+            runtime.stop(t.name)
+    if not builds:
+        raise RuntimeError("no node recorded a build")
+    one = max(builds)
+    return {"value": round(sum(builds) / one, 2), "total_build_s": sum(builds), "one_node_build_s": one,
+            "builds": len(builds), "converge_s": round(converge_s, 1), "converge_vs_build": round(converge_s / one, 2),
+            "cache_seeded": bool(seed), "source": SOURCE, "release": RELEASE}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    result = measure()
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"build seconds of the 3-node run / one node's build: {result['value']} "
+              f"({result['total_build_s']:.0f} s over {result['builds']} build(s) / {result['one_node_build_s']:.0f} s; "
+              f"target <= 1.2); converge {result['converge_s']} s = {result['converge_vs_build']} x the build"
+              + (" (builder's cache seeded)" if result["cache_seeded"] else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

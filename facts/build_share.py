@@ -1,0 +1,91 @@
+"""What the NVIDIA stage shares a module build by (issue 41): the inputs of a build that the driver
+stage's own fact (`facts.nvidia.NvidiaHostState`) does not read (the machine, each release's headers
+package), the builds this host keeps for others (`SHARE_ROOT`), and its view of its Proxmox cluster
+(pmxcfs's /etc/pve/.members: the nodes and their addresses the copy goes to). plan/build_share.py
+decides from it."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from pyinfra.api import FactBase
+
+from facts.sections import SECTION, split_sections
+from facts.shared import DPKG_ALL, UNAME, read_file, take
+from facts.shell import word
+
+# unsigned, stripped modules of one build with their manifest, one directory per build key
+# (operations/nvidia.py publishes them there after a build; a receiver copies one whole)
+SHARE_ROOT = "/var/cache/pvegpu/nvidia-share"
+MANIFEST = "manifest"
+MEMBERS = "/etc/pve/.members"  # pmxcfs status.c: this node's view of its cluster
+# the headers packages that ship /lib/modules/<release>/build: Debian's linux-headers-<rel>, Proxmox's
+# proxmox-headers-<rel> (pve-headers-<rel> before Proxmox VE 8)
+HEADERS_PACKAGES = ("linux-headers-{}", "proxmox-headers-{}", "pve-headers-{}")
+
+
+class BuildShareState(FactBase):
+    """The inputs of a module build beyond the driver stage's fact, the builds this host keeps for
+    others and its cluster view, in one command.
+
+    + releases: the kernel releases whose headers package is asked
+
+    .. code:: python
+
+        {"machine": "x86_64",
+         "headers": {"6.1.0-57-amd64": "linux-headers-6.1.0-57-amd64 6.1.158-1"},   # None: no package
+         "published": {"<key>": ["6.1.0-57-amd64"]},     # SHARE_ROOT/<key>/manifest's release
+         "members": {"nodename": "kpro6", "cluster": {"name": "c1", …}, "nodelist": {…}}}  # None: no cluster
+
+    """
+
+    def command(self, releases: list[str]) -> str:
+        # the running release (named at run time) and the targets; each headers package name of each
+        names = '"$k"' + (word(" " + " ".join(releases)) if releases else "")
+        wanted = "; ".join(f'w["{p.format("")}" a[i]]' for p in HEADERS_PACKAGES)
+        awk = (f"BEGIN {{ n = split(rels, a, \" \"); for (i = 1; i <= n; i++) {{ {wanted} }} }} "
+               "substr($1, 2, 1) == \"i\" && ($2 in w) { print $2, $3 }")
+        parts = [
+            f"echo '{SECTION}machine'; {take(UNAME['m'])}; echo \"${UNAME['m']}\"",
+            # installed (second letter of the abbreviation `i`) packages of those names, with versions
+            (f"echo '{SECTION}headers'; {take(UNAME['r'])}; k=${UNAME['r']}; {take(DPKG_ALL)}; "
+             f"printf '%s\\n' \"${DPKG_ALL}\" | awk -v rels={names} {word(awk)}"),
+            # each published build's manifest says its release (`release <rel>` line)
+            (f"echo '{SECTION}published'; for m in {word(SHARE_ROOT)}/*/{MANIFEST}; do [ -f \"$m\" ] || continue; "
+             "d=${m%/*}; while IFS= read -r l; do case \"$l\" in 'release '*) echo \"${d##*/} ${l#release }\";; esac; "
+             "done < \"$m\"; done"),
+            f"echo '{SECTION}members'; {read_file(MEMBERS)}",
+        ]
+        return "; ".join(f"{{ {p}; }} 2>/dev/null" for p in parts) + "; true"
+
+    def process(self, output):
+        return parse_share_state(output)
+
+
+def parse_share_state(lines: list[str]) -> dict:
+    """Pure parser of `BuildShareState.command` output (shape: see the fact)."""
+    sections = split_sections(lines, SECTION)
+    machine = next((line.strip() for line in sections.get("machine", []) if line.strip()), None)
+    headers: dict[str, str] = {}
+    for line in sections.get("headers", []):
+        words = line.split()
+        if len(words) == 2:
+            for pattern in HEADERS_PACKAGES:
+                prefix = pattern.format("")
+                if words[0].startswith(prefix):
+                    headers[words[0][len(prefix):]] = f"{words[0]} {words[1]}"
+    published: dict[str, list[str]] = {}
+    for line in sections.get("published", []):
+        words = line.split()
+        if len(words) == 2 and re.fullmatch(r"[0-9a-f]{64}", words[0]):
+            published.setdefault(words[0], []).append(words[1])
+    members = None
+    text = "\n".join(sections.get("members", [])).strip()
+    if text:
+        try:
+            members = json.loads(text)
+        except ValueError:
+            members = None
+    return {"machine": machine, "headers": headers, "published": published,
+            "members": members if isinstance(members, dict) else None}

@@ -1,0 +1,200 @@
+"""One NVIDIA module build per input set in a run (issue 41), from spec + facts (no I/O).
+
+A module build is a function of its inputs: the NVIDIA source archive (its sha256), the kernel
+release and the headers package it is built against (name and version), the compiler that builds it
+as the toolchain check reads it (templates/nvidia-toolchain-check.sh.j2: the `--version` banner less
+the program name, for $(CC) and the open tree's $(CXX)), the kernel's own compiler
+(CONFIG_CC_VERSION_TEXT), the make variables and the strip the build uses, the machine and
+`nvidia.version`. `build_inputs` collects them per host and release; `build_key` is their sha256.
+`share_plan` groups the run's (host, release) builds by key: one host of each group builds (the one
+with the most cores, then memory, then the first name), the others receive its unsigned modules,
+verify them against the key and install them (each signs with its own key). A host whose inputs
+nobody else has builds alone, and the plan says which input differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+# What a difference in each input is called where the plan says why a host builds alone
+INPUT_WORDS = {
+    "version": "nvidia.version", "source_sha256": "NVIDIA source archive (sha256)",
+    "headers_package": "kernel headers package", "kernel_compiler": "kernel's compiler (CONFIG_CC_VERSION_TEXT)",
+    "cc": "compiler", "cxx": "C++ compiler", "flags": "build flags", "machine": "machine",
+}
+STRIP = "strip --strip-debug"  # templates/nvidia-build.sh.j2, before signing
+
+
+def _banner_tail(banner: str | None) -> str | None:
+    """A `--version` first line less the program name, as the toolchain check compares it."""
+    text = (banner or "").strip()
+    return text.split(" ", 1)[1] if " " in text else None
+
+
+def build_inputs(version: str, source_sha256: str | None, release: str, nv_state: dict, share_state: dict,
+                 entry: dict) -> tuple[dict | None, str | None]:
+    """(inputs, None) of one release's build on one host, or (None, why it cannot be shared).
+
+    `nv_state`: the `NvidiaHostState` fact; `share_state`: the `BuildShareState` fact; `entry`: the
+    release's `plan.nvidia.driver_steps` entry (its `cc`, `cxx`).
+
+    >>> inputs, _ = build_inputs("595.45.04", "ab" * 32, "6.1.0-57-amd64",
+    ...     {"compilers": {"gcc-12": "gcc-12 (Debian 12.2.0-14) 12.2.0"},
+    ...      "releases": {"6.1.0-57-amd64": {"cc_version_text": "gcc-12 (Debian 12.2.0-14) 12.2.0"}}},
+    ...     {"machine": "x86_64", "headers": {"6.1.0-57-amd64": "linux-headers-6.1.0-57-amd64 6.1.158-1"}},
+    ...     {"cc": "gcc-12", "cxx": None})
+    >>> inputs["cc"], inputs["flags"]
+    (['gcc-12', '(Debian 12.2.0-14) 12.2.0'], 'CC=gcc-12 KERNEL_UNAME=6.1.0-57-amd64; strip --strip-debug')
+    """
+    compilers = nv_state.get("compilers") or {}
+    cc, cxx = entry.get("cc"), entry.get("cxx")
+    headers = (share_state.get("headers") or {}).get(release)
+    if not source_sha256:
+        return None, "no nvidia.modules_source to name the source by"
+    if not headers:
+        return None, (f"no installed headers package (linux-headers-{release} or proxmox-headers-{release}) "
+                      f"says which headers /lib/modules/{release}/build holds")
+    if not share_state.get("machine"):
+        return None, "the machine (uname -m) is unknown"
+    if not cc or not _banner_tail(compilers.get(cc)) or (cxx and not _banner_tail(compilers.get(cxx))):
+        return None, "the compiler's banner is unknown"
+    flags = f"CC={cc}{f' CXX={cxx}' if cxx else ''} KERNEL_UNAME={release}; {STRIP}"
+    inputs = {
+        "version": version, "source_sha256": source_sha256, "release": release, "headers_package": headers,
+        "kernel_compiler": ((nv_state.get("releases") or {}).get(release) or {}).get("cc_version_text"),
+        "cc": [cc, _banner_tail(compilers.get(cc))],
+        "cxx": [cxx, _banner_tail(compilers.get(cxx))] if cxx else None,
+        "flags": flags, "machine": share_state.get("machine"),
+    }
+    return inputs, None
+
+
+def build_key(inputs: dict) -> str:
+    """The sha256 (hex) naming a build by its inputs: equal inputs, equal key."""
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _describe(field: str, value) -> str:
+    if field in ("cc", "cxx") and value:
+        return f"{value[0]} {value[1]!r}"
+    return repr(value)
+
+
+def _differences(mine: dict, theirs: dict) -> list[str]:
+    return [f for f in INPUT_WORDS if mine.get(f) != theirs.get(f)]
+
+
+def _builder(members: list[str], hosts: dict) -> str:
+    """The spec's choice (nvidia.share_builder), then most cores, then most memory, then the first name."""
+    return min(members, key=lambda h: (not hosts[h].get("preferred"), -(hosts[h].get("cores") or 0),
+                                       -(hosts[h].get("mem_total_kib") or 0), h))
+
+
+def _same_cluster(a: dict, b: dict) -> dict | None:
+    """`b`'s node entry in `a`'s view of its cluster when both hosts are nodes of one Proxmox
+    cluster (their .members name the same cluster, and `a`'s nodelist has `b`'s node with an
+    address): {"node", "ip"}; else None."""
+    ma, mb = a.get("members") or {}, b.get("members") or {}
+    name = (ma.get("cluster") or {}).get("name")
+    if not name or name != (mb.get("cluster") or {}).get("name"):
+        return None
+    node = mb.get("nodename")
+    entry = (ma.get("nodelist") or {}).get(node) if node else None
+    if not entry or not entry.get("ip"):
+        return None
+    return {"node": node, "ip": entry["ip"]}
+
+
+def share_plan(hosts: dict[str, dict]) -> dict[tuple[str, str], dict]:
+    """Who builds and who receives each (host, release) of the run.
+
+    `hosts`: {host name: {"cores", "mem_total_kib", "preferred" (nvidia.share_builder), "members"
+    (.members, or None), "published":
+    {key: [release]}, "builds": {release: {"version", "key": str | None, "inputs": dict | None,
+    "why": str | None}}}},
+    `builds` holding only the releases the host builds this run (`why`: why its build cannot be
+    shared). Returns {(host, release): step} (each with the build's "version"), step one of
+
+    - ``{"role": "build", "key", "for": [receivers], "why": str}``: builds here (and publishes the
+      unsigned modules when `key` is set);
+    - ``{"role": "receive", "key", "from": host, "via": {"node", "ip"} | None, "why": str}``: copies
+      the build of `from` (node to node over the cluster's root SSH trust where `via`, else
+      through the controller), verifies and installs it.
+
+    A key some host of the run already published (a build of an earlier run, kept under
+    facts.build_share.SHARE_ROOT) is received from that host and built nowhere.
+    """
+    steps: dict[tuple[str, str], dict] = {}
+    groups: dict[str, list[str]] = {}
+    for name in sorted(hosts):
+        for release, build in sorted((hosts[name].get("builds") or {}).items()):
+            if build.get("key"):
+                groups.setdefault(build["key"], []).append(name)
+            else:
+                steps[(name, release)] = {"role": "build", "key": None, "for": [],
+                                          "why": f"builds alone: {build.get('why') or 'its inputs are unknown'}"}
+    for key, members in groups.items():
+        release = next(r for r, b in hosts[members[0]]["builds"].items() if b.get("key") == key)
+        publishers = [h for h in sorted(hosts) if release in (hosts[h].get("published") or {}).get(key, [])]
+        if publishers:
+            source = _builder(publishers, hosts)
+            for member in members:
+                steps[(member, release)] = {
+                    "role": "receive", "key": key, "from": source,
+                    "via": None if member == source else _same_cluster(hosts[member], hosts[source]),
+                    "why": f"receives the build {source} already keeps for these inputs (key {key[:12]})"}
+            continue
+        builder = _builder(members, hosts)
+        others = [m for m in members if m != builder]
+        if others:
+            steps[(builder, release)] = {"role": "build", "key": key, "for": others,
+                                         "why": f"builds for {', '.join(others)} too ("
+                                                + ("nvidia.share_builder" if hosts[builder].get("preferred") else
+                                                   "most cores, then memory, of the hosts with these inputs")
+                                                + f"; key {key[:12]})"}
+        else:
+            steps[(builder, release)] = {"role": "build", "key": key, "for": [],
+                                         "why": "builds alone: " + _alone_why(builder, release, key, hosts)}
+        for member in others:
+            steps[(member, release)] = {"role": "receive", "key": key, "from": builder,
+                                        "via": _same_cluster(hosts[member], hosts[builder]),
+                                        "why": f"receives the build of {builder} (same inputs, key {key[:12]})"}
+    for (name, release), step in steps.items():
+        step["version"] = hosts[name]["builds"][release].get("version")
+    return steps
+
+
+def _alone_why(name: str, release: str, key: str, hosts: dict) -> str:
+    """Why no other host of the run shares `name`'s build for `release`: the inputs that differ from
+    those of the other hosts building that release, or that none does."""
+    mine = hosts[name]["builds"][release]["inputs"] or {}
+    others: dict[str, tuple[dict, list[str]]] = {}
+    for other in sorted(hosts):
+        build = (hosts[other].get("builds") or {}).get(release)
+        if other == name or not build or not build.get("inputs") or build.get("key") == key:
+            continue
+        inputs = build["inputs"]
+        others.setdefault(build["key"], (inputs, []))[1].append(other)
+    if not others:
+        return f"no other host of this run builds nvidia {hosts[name]['builds'][release].get('version')} for {release}"
+    parts = []
+    for inputs, names in others.values():
+        diff = _differences(mine, inputs)
+        parts.append("; ".join(f"its {INPUT_WORDS[f]} {_describe(f, mine.get(f))} is not "
+                               f"{', '.join(names)}'s {_describe(f, inputs.get(f))}" for f in diff))
+    return " / ".join(parts)
+
+
+def share_lines(steps: dict[tuple[str, str], dict]) -> list[str]:
+    """What `--dry` (and a converge) prints about the run's builds, one line per (host, release)."""
+    lines = []
+    for (name, release), step in sorted(steps.items()):
+        if step["role"] == "receive":
+            how = ("from its own copy" if step["from"] == name else
+                   f"node to node over the cluster's root SSH trust ({step['via']['node']}, {step['via']['ip']})"
+                   if step.get("via") else "through the controller (not one Proxmox cluster)")
+            lines.append(f"{name}: nvidia {step['version']} for {release}: {step['why']}, {how}")
+        else:
+            lines.append(f"{name}: nvidia {step['version']} for {release}: {step['why']}")
+    return lines

@@ -1,0 +1,213 @@
+"""One NVIDIA module build per input set in a run (issue 41), end to end on a 3-node cluster twin
+(tests/twin/runtime.py "Clusters": three kpro6 twins sharing one /etc/pve, with the root SSH trust
+`pvecm add` leaves: tests/twin/runtime.py join_ssh_trust).
+
+The real build of open-gpu-kernel-modules 595.45.04 for Debian's 6.1.0-57-amd64 (as
+tests/e2e/test_driver_build.py), run once for the cluster:
+1. `--dry` with the third node's gcc-12 of another Debian revision (its banner; the same GCC 12.2.0,
+   which the toolchain check accepts): the first node builds for the second, which receives node to
+   node; the third builds alone, the line naming its compiler and the others'.
+2. The converge, compilers equal: one build (the builds' own log, builds.log, on the first node
+   only), the others receive it node to node; the installed modules are the same bytes on every node
+   before signing (the third node signs with its own key: its signature cut off, the rest is the
+   builder's file), `modinfo` vermagic equal.
+3. The second node's modules gone and the first node's kept copy tampered (a byte of one module):
+   the second node refuses the copy, saying which file's sha256 differs, and builds for itself
+   (its ccache and conftest results warmed from the first node's, so the rebuild is short).
+4. A fourth twin, in no cluster, with the second node in one run: its build has the key the second
+   node keeps (its rebuild of step 3), so it builds nothing and receives that build through the
+   controller (pyinfra get_file from the second node, put_file to it), verified like the others.
+
+Wall time (2026-12-06, this 2-core machine): 288 s cold at a 1-min load near 0 (the one build
+252 s, the refused copy and warm local rebuild 19 s); 78 s with the builder's cache seeded. Under a
+load of ~13 the one cold build took ~25 min.
+
+PVEGPU_E2E_NVIDIA_CACHE=DIR (a developer's speed-up, unset in CI): DIR's ccache/ and
+nvidia-conftest/ (a node's /var/cache/pvegpu/{ccache,nvidia-conftest} of an earlier run of this
+test) are copied into the first node before the converge, so its one build is a warm rebuild.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import REPO, run_pyinfra
+from tests.twin import runtime
+
+pytestmark = [pytest.mark.twin, pytest.mark.slow]
+
+SOURCE = "open-gpu-kernel-modules-595.45.04"
+VERSION = "595.45.04"
+RELEASE = "6.1.0-57-amd64"
+ARCHIVE = f"/opt/src/{SOURCE}.tar.xz"
+STAGES = {"PVEGPU_STAGES": "operations.nvidia,operations.module_options"}
+STAGE_DEPLOY = str(REPO / "tests/e2e/stage_deploy.py")
+MODDIR = f"/lib/modules/{RELEASE}/updates/pvegpu-nvidia"
+SHARE = "/var/cache/pvegpu/nvidia-share"
+SIG_MAGIC = b"~Module signature appended~\n"
+KEY, CERT = "/root/pvegpu-mok/mok.key", "/root/pvegpu-mok/mok.der"
+
+
+def sh(name: str, command: str, check: bool = True) -> str:
+    done = subprocess.run(runtime.ssh_command(name, [command]), capture_output=True, text=True, timeout=600)
+    if check and done.returncode != 0:
+        raise AssertionError(f"in {name}: {command}\n{done.stdout}{done.stderr}")
+    return done.stdout
+
+
+def unsigned(data: bytes) -> bytes:
+    """A module without its appended signature (the kernel's struct module_signature, 12 bytes with
+    the signature's length big-endian last, then the magic; include/linux/module_signature.h)."""
+    if not data.endswith(SIG_MAGIC):
+        return data
+    sig_len = struct.unpack(">I", data[-len(SIG_MAGIC) - 4:-len(SIG_MAGIC)])[0]
+    return data[:-len(SIG_MAGIC) - 12 - sig_len]
+
+
+def modules(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((root / MODDIR.lstrip("/")).glob("*.ko"))}
+
+
+def builds_log(root: Path) -> list[str]:
+    log = root / "var/cache/pvegpu/nvidia-build/builds.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def write_inventory(tmp: Path, twins, specs: dict[str, dict]) -> str:
+    hosts = {t.name: {"ssh": {"hostname": t.address, "port": t.port, "user": "root", "key": t.key}, **specs[t.name]}
+             for t in twins}
+    (tmp / "share.yml").write_text(json.dumps({"hosts": hosts}))
+    overrides = {t.name: {"ssh_known_hosts_file": "/dev/null", "ssh_strict_host_key_checking": "off"} for t in twins}
+    inv = tmp / "share_inventory.py"
+    inv.write_text("from spec.load import inventory_hosts\n"
+                   f"hosts = inventory_hosts({str(tmp / 'share.yml')!r}, overrides={overrides!r})\n")
+    return str(inv)
+
+
+def nvidia(sha: str, signing: bool = False) -> dict:
+    spec = {"version": VERSION, "open": True, "releases": [RELEASE],
+            "modules_source": {"url": f"file://{ARCHIVE}", "sha256": sha}, "firmware": False,
+            "uvm_disable_hmm": True, "persistenced": False}
+    if signing:
+        spec["signing"] = {"key": KEY, "cert": CERT}
+    return spec
+
+
+def test_cluster_builds_once_receivers_verify_and_refuse_a_tampered_copy(twin_factory, tmp_path):
+    t0 = time.monotonic()
+    fetched = subprocess.run(["bash", str(REPO / "scripts/fetch-upstream.sh"), SOURCE], capture_output=True, text=True)
+    assert fetched.returncode == 0, fetched.stderr
+    archive = Path(fetched.stdout.strip().splitlines()[-1])
+    sha = hashlib.sha256(archive.read_bytes()).hexdigest()
+    cluster = f"b{os.getpid()}"
+    twins = [twin_factory("kpro6", name=f"s41{x}-{os.getpid()}", cluster=cluster) for x in "abc"]
+    a, b, c = twins
+    for t in twins:
+        root = Path(t.root)
+        (root / "opt/src").mkdir(parents=True, exist_ok=True)
+        shutil.copy(archive, root / ARCHIVE.lstrip("/"))
+        sh(t.name, "rm -f /usr/lib/x86_64-linux-gnu/libnvidia-ml.so*")
+    # the third node signs with its own machine owner key (no Secure Boot: signed all the same)
+    sh(c.name, f"mkdir -p /root/pvegpu-mok && openssl req -new -x509 -newkey rsa:2048 -nodes -days 3650 "
+               f"-subj '/CN=node c/' -outform DER -keyout {KEY} -out {CERT} 2>/dev/null && chmod 600 {KEY}")
+    seed = os.environ.get("PVEGPU_E2E_NVIDIA_CACHE")
+    for cache in ("ccache", "nvidia-conftest") if seed else ():
+        (Path(a.root) / "var/cache/pvegpu").mkdir(parents=True, exist_ok=True)
+        subprocess.run(["cp", "-a", f"{seed}/{cache}", str(Path(a.root) / "var/cache/pvegpu" / cache)], check=True)
+    specs = {t.name: {"node": t.name, "nvidia": nvidia(sha, signing=t is c)} for t in twins}
+    inventory = write_inventory(tmp_path, twins, specs)
+    # the cluster's root SSH trust works as Proxmox's tools use it (PVE::SSHInfo's options)
+    members = json.loads(sh(b.name, "cat /etc/pve/.members"))
+    ip_a = members["nodelist"][a.name]["ip"]
+    assert sh(b.name, f"ssh -e none -o BatchMode=yes -o HostKeyAlias={a.name} -o UserKnownHostsFile=/etc/pve/nodes/"
+                      f"{a.name}/ssh_known_hosts -o GlobalKnownHostsFile=none root@{ip_a} uname -n").strip() == a.name
+
+    # 1. --dry with the third node's gcc-12 and g++-12 of another Debian revision (one source package:
+    #    both banners change): it builds alone, saying why
+    banner = sh(c.name, "gcc-12 --version | head -n 1").strip()
+    other = re.sub(r"\)\s+12\.2\.0$", "+pvegpu1) 12.2.0", banner)
+    assert other != banner, banner
+    for program in ("gcc-12", "g++-12"):
+        fake = other.replace("gcc-12", program, 1)
+        sh(c.name, f"mv /usr/bin/{program} /root/{program}.real && printf '%s\\n' '#!/bin/sh' "
+                   f"'[ \"$1\" = --version ] && {{ echo \"{fake}\"; exit 0; }}' 'exec /root/{program}.real \"$@\"' "
+                   f"> /usr/bin/{program} && chmod 755 /usr/bin/{program}")
+    try:
+        dry = run_pyinfra(inventory, STAGE_DEPLOY, "--dry", env=STAGES, timeout=900)
+    finally:
+        sh(c.name, "mv -f /root/gcc-12.real /usr/bin/gcc-12 && mv -f /root/g++-12.real /usr/bin/g++-12")
+    assert dry.rc == 0, dry.output[-4000:]
+    assert f"{a.name}: nvidia {VERSION} for {RELEASE}: builds for {b.name} too" in dry.output, dry.output[-4000:]
+    assert (f"{b.name}: nvidia {VERSION} for {RELEASE}: receives the build of {a.name} (same inputs" in dry.output
+            and f"node to node over the cluster's root SSH trust ({a.name}, {ip_a})" in dry.output), dry.output[-4000:]
+    assert (f"{c.name}: nvidia {VERSION} for {RELEASE}: builds alone: its compiler gcc-12 {other.split(' ', 1)[1]!r} "
+            f"is not {a.name}, {b.name}'s gcc-12 {banner.split(' ', 1)[1]!r}") in dry.output, dry.output[-4000:]
+    assert not any(modules(Path(t.root)) for t in twins)
+
+    # 2. the converge: one build, received by the two others node to node
+    t1 = time.monotonic()
+    run = run_pyinfra(inventory, STAGE_DEPLOY, env=STAGES, timeout=3600)
+    build_s = time.monotonic() - t1
+    assert run.rc == 0, run.output[-6000:]
+    assert f"{a.name}: nvidia {VERSION} for {RELEASE}: builds for {b.name}, {c.name} too" in run.output
+    logs = {t.name: builds_log(Path(t.root)) for t in twins}
+    assert len(logs[a.name]) == 2 and logs[b.name] == [] and logs[c.name] == [], logs  # src/, then kernel-open/
+    for t in (b, c):
+        assert f"{t.name}: pvegpu: nvidia {VERSION} for {RELEASE} received from {a.name} and verified" in run.output
+    built = modules(Path(a.root))
+    assert len(built) == 5, built.keys()
+    assert modules(Path(b.root)) == built  # the same bytes
+    signed = modules(Path(c.root))
+    assert signed.keys() == built.keys() and all(signed[n] != built[n] for n in built)
+    assert {n: unsigned(d) for n, d in signed.items()} == built  # the same bytes before signing
+    vermagic = {t.name: sh(t.name, f"modinfo -F vermagic {MODDIR}/nvidia.ko").strip() for t in twins}
+    assert len(set(vermagic.values())) == 1 and vermagic[a.name].startswith(RELEASE + " "), vermagic
+    assert sh(c.name, f"modinfo -F signer {MODDIR}/nvidia.ko").strip() == "node c"
+    assert sh(b.name, f"modinfo -k {RELEASE} -F version nvidia").strip() == VERSION
+    assert not list((Path(b.root) / "var/cache/pvegpu/nvidia-received").iterdir())  # scratch copies removed
+
+    # 3. a tampered copy is refused and the node builds for itself
+    (key,) = [p.name for p in (Path(a.root) / SHARE.lstrip("/")).iterdir()]
+    target = Path(a.root) / SHARE.lstrip("/") / key / "nvidia-uvm.ko"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+    sh(b.name, f"rm -rf {MODDIR} && depmod {RELEASE}")
+    for cache in ("var/cache/pvegpu/ccache", "var/cache/pvegpu/nvidia-conftest"):
+        subprocess.run(["cp", "-a", str(Path(a.root) / cache), str(Path(b.root) / cache)], check=True)
+    t2 = time.monotonic()
+    again = run_pyinfra(inventory, STAGE_DEPLOY, env=STAGES, timeout=3600)
+    rebuild_s = time.monotonic() - t2
+    assert again.rc == 0, again.output[-6000:]
+    assert (f"{b.name}: nvidia {VERSION} for {RELEASE}: receives the build {a.name} already keeps for these inputs"
+            in again.output), again.output[-4000:]
+    assert (f"pvegpu: refused the copy of nvidia {VERSION} for {RELEASE} from {a.name}: sha256 differs from its "
+            f"manifest: nvidia-uvm.ko: FAILED" in again.output), again.output[-4000:]
+    assert "building here instead" in again.output
+    assert len(builds_log(Path(b.root))) == 2 and len(builds_log(Path(a.root))) == 2
+    assert sh(b.name, f"modinfo -k {RELEASE} -F version nvidia").strip() == VERSION
+
+    # 4. a host outside the cluster receives through the controller
+    d = twin_factory("kpro6", name=f"s41d-{os.getpid()}")
+    (Path(d.root) / "opt/src").mkdir(parents=True, exist_ok=True)
+    shutil.copy(archive, Path(d.root) / ARCHIVE.lstrip("/"))
+    sh(d.name, "rm -f /usr/lib/x86_64-linux-gnu/libnvidia-ml.so*")
+    pair = write_inventory(tmp_path, [b, d], {t.name: {"node": t.name, "nvidia": nvidia(sha)} for t in (b, d)})
+    outside = run_pyinfra(pair, STAGE_DEPLOY, env=STAGES, timeout=1800)
+    assert outside.rc == 0, outside.output[-6000:]
+    assert (f"{d.name}: nvidia {VERSION} for {RELEASE}: receives the build {b.name} already keeps for these inputs "
+            f"(key {key[:12]}), through the controller (not one Proxmox cluster)") in outside.output, outside.output[-4000:]
+    assert f"{d.name}: pvegpu: nvidia {VERSION} for {RELEASE} received from {b.name} and verified" in outside.output
+    assert builds_log(Path(d.root)) == [] and modules(Path(d.root)) == modules(Path(b.root))
+    print(f"\nbuild-share e2e: converge of 3 nodes with one build {build_s:.0f} s (cache seeded: {bool(seed)}), "
+          f"converge with the refused copy and the local rebuild {rebuild_s:.0f} s, whole test {time.monotonic() - t0:.0f} s")
