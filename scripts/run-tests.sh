@@ -19,9 +19,10 @@ JOBS=${PVEGPU_TEST_JOBS:-3}
 # longest first. An entry of several files (space-separated) is one run: the two NVIDIA builds run
 # one after the other, as two at once on 2 cores would only slow each other and the rest (2026-12-05
 # CI: both ~970 s, tests/unit ~500 s, the kernel build ~280 s, the cluster ~100 s, the rest under a
-# minute or two each)
+# minute or two each; the build-sharing e2e ~290 s with its own NVIDIA build, the power-cut subset ~300 s)
 SLOW_FIRST=("tests/e2e/test_driver_build.py tests/e2e/test_driver_build_trixie.py" tests/unit
-            tests/e2e/test_kernel_build.py tests/e2e/test_kernel_upgrade_e2e.py tests/e2e/test_pve9_e2e.py
+            tests/e2e/test_kernel_build.py tests/e2e/test_build_share_e2e.py tests/e2e/test_power_cut_e2e.py
+            tests/e2e/test_kernel_upgrade_e2e.py tests/e2e/test_pve9_e2e.py
             tests/e2e/test_kernel_trial_e2e.py tests/e2e/test_cluster_e2e.py tests/e2e/test_rebind_faults_e2e.py
             tests/e2e/test_host_checks_e2e.py tests/e2e/test_boot_reinit_e2e.py tests/e2e/test_whole_run.py
             tests/e2e/test_faults.py tests/e2e/test_kernel_gate_e2e.py tests/e2e/test_docs_run.py)
