@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from plan import kernel as kplan
 from tests.e2e.harness import PYTEST, REPO, manifest_diff, root_manifest, run_pyinfra, spec_inventory, write_tarball
 from tests.twin import kernel_packages as kp
 from tests.twin import runtime
@@ -263,12 +264,20 @@ def test_follow_keeps_the_old_default_when_the_new_kernel_cannot_build(host_on_6
     assert "PASSED tests/host/test_boot.py::test_kernels_the_loader_boots_next_have_the_nvidia_driver" in checks.stdout, \
         checks.stdout[-3000:]
 
-    # a one-shot entry for 6.12 (`kernel pin --next-boot`): the next-boot check names it
-    twin_sh(twin, f"proxmox-boot-tool kernel pin {NEW} --next-boot && proxmox-boot-tool refresh")
+    # a one-shot entry for 6.12: the next-boot check names it. GRUB: `kernel pin --next-boot`; systemd-boot:
+    # `bootctl set-oneshot`, as pvegpu's EFI default (LoaderEntryDefault, set with the hook's pin) wins over
+    # a --next-boot pin's loader.conf line (systemd-boot boot.c; docs/howto/kernel-update.md)
+    if profile == "kpro6":
+        twin_sh(twin, f"bootctl set-oneshot {kplan.LOADER_ENTRY_PREFIX}{NEW}.conf")
+    else:
+        twin_sh(twin, f"proxmox-boot-tool kernel pin {NEW} --next-boot && proxmox-boot-tool refresh")
     checks = host_checks(inventory)
-    assert f"the next boot ({NEW}, {OLD}) would come up without its GPU driver: kernel {NEW} has nvidia missing, " \
-        f"not {VERSION}" in checks.stdout, checks.stdout[-3000:]
-    twin_sh(twin, "proxmox-boot-tool kernel unpin --next-boot && proxmox-boot-tool refresh")
+    # (the check reads the loader: where it looked, the kernel it picks and why, plan.loader.next_boot)
+    assert f"would come up without its GPU driver: kernel {NEW} has nvidia missing, not {VERSION}" in checks.stdout, \
+        checks.stdout[-3000:]
+    assert f"): {NEW} by " in checks.stdout, checks.stdout[-3000:]
+    twin_sh(twin, "bootctl set-oneshot ''" if profile == "kpro6"
+            else "proxmox-boot-tool kernel unpin --next-boot && proxmox-boot-tool refresh")
 
     # the cause fixed (a tree that builds for 6.12, through the spec): the converge fetches it for the
     # hook, `dpkg-reconfigure` reruns the kernel's postinst and so the hook, which builds and drops its pin
