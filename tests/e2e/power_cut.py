@@ -289,12 +289,7 @@ def come_up(name: str, since: int, resets: int = 3) -> tuple[bool, list[str]]:
 
 
 def ssh(name: str, command: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    deadline = time.monotonic() + 20
-    while True:
-        r = subprocess.run(runtime.ssh_command(name, [command]), capture_output=True, text=True, timeout=timeout)
-        if r.returncode != 255 or time.monotonic() > deadline:
-            return r
-        time.sleep(0.3)
+    return runtime.ssh_run(name, [command], timeout=timeout, pause_s=0.3)
 
 
 def gpu_driver(name: str) -> str | None:

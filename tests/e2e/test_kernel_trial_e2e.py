@@ -45,12 +45,7 @@ GCC = "gcc (Debian 12.2.0-14+deb12u1) 12.2.0"
 
 def twin_run(name: str, *command: str) -> str:
     """Run a command on the twin; an SSH connection refused right after a reboot is retried."""
-    deadline = time.monotonic() + 20
-    while True:
-        r = subprocess.run(runtime.ssh_command(name, list(command)), capture_output=True, text=True, timeout=60)
-        if r.returncode != 255 or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    r = runtime.ssh_run(name, list(command), timeout=60)
     if r.returncode != 0:
         log = runtime.twin_dir(name) / "supervisor.log"
         raise AssertionError(f"{command} on twin {name}: exit {r.returncode}: {r.stderr[-1500:]}\n"

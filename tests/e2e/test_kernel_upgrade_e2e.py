@@ -98,13 +98,7 @@ def repo_debs(out: Path, root: Path, upgrade: bool) -> list[Path]:
 # -- the twin --------------------------------------------------------------------------------------
 
 def twin_sh(twin, command: str, check: bool = True, timeout: int = 600) -> str:
-    deadline = time.monotonic() + 20
-    while True:
-        done = subprocess.run(runtime.ssh_command(twin.name, [command]), capture_output=True, text=True,
-                              timeout=timeout)
-        if done.returncode != 255 or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    done = runtime.ssh_run(twin.name, [command], timeout=timeout)
     if check and done.returncode != 0:
         raise AssertionError(f"in twin: {command}: exit {done.returncode}\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return done.stdout + (done.stderr if not check else "")

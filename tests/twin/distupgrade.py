@@ -42,7 +42,6 @@ import hashlib
 import json
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 from tests.twin import kernel_packages as kp
@@ -75,13 +74,7 @@ def cache_dir(source: str = "bookworm", target: str = "trixie") -> Path:
 
 def sh(twin, command: str, check: bool = True, timeout: int = 1200) -> subprocess.CompletedProcess:
     """`command` in the twin over its ssh (retried while sshd restarts)."""
-    deadline = time.monotonic() + 20
-    while True:
-        done = subprocess.run(runtime.ssh_command(twin.name, [command]), capture_output=True, text=True,
-                              timeout=timeout)
-        if done.returncode != 255 or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    done = runtime.ssh_run(twin.name, [command], timeout=timeout)
     if check and done.returncode != 0:
         raise AssertionError(f"in twin: {command}: exit {done.returncode}\n{done.stdout[-6000:]}{done.stderr[-3000:]}")
     return done

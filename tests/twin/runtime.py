@@ -1176,6 +1176,18 @@ _SSH_OPTIONS = ["-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
                 "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
 
 
+def ssh_run(name: str, command: list[str], timeout: float = 120, retry_s: float = 20,
+            pause_s: float = 0.5) -> subprocess.CompletedProcess:
+    """`command` on twin `name` over SSH, captured; ssh's own failure (exit 255: sshd not yet up
+    after a reboot or a restart) is retried for `retry_s` seconds."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        done = subprocess.run(ssh_command(name, command), capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 255 or time.monotonic() > deadline:
+            return done
+        time.sleep(pause_s)
+
+
 def ssh_command(name: str, command: list[str]) -> list[str]:
     """The ssh command line that runs `command` as root in running twin `name`."""
     spec = spec_of(name)

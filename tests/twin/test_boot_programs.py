@@ -17,12 +17,7 @@ NEW = "6.14.11-1-pve"
 
 
 def sh(name: str, cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    deadline = time.monotonic() + 20
-    while True:
-        r = subprocess.run(runtime.ssh_command(name, [cmd]), capture_output=True, text=True, timeout=120)
-        if r.returncode != 255 or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
+    r = runtime.ssh_run(name, [cmd], pause_s=0.3)
     if check:
         assert r.returncode == 0, (cmd, r.stdout, r.stderr)
     return r
