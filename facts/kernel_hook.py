@@ -80,13 +80,22 @@ def parse_owners(lines: list[str]) -> dict[str, str]:
     return out
 
 
+def parse_reinstall(lines: list[str]) -> dict[str, str]:
+    """The same lines: {package: version} of the half-installed ones (state H, or dpkg's
+    reinst-required flag R: a cut while dpkg unpacked them): dpkg refuses to configure them, only
+    unpacking them again mends them (`apt-get install --reinstall`)."""
+    return {w[1]: w[2] for w in (line.split() for line in lines)
+            if len(w) >= 3 and len(w[0]) >= 2 and w[0][1] in UNFINISHED and (w[0][1] == "H" or w[0][2:3] == "R")}
+
+
 def _first(lines: list[str]) -> str | None:
     return next((line.strip() for line in lines if line.strip()), None)
 
 
 def parse_kernel_hook(lines: list[str]) -> dict:
     lines = list(lines)
-    return {**_parse_kernel_hook(lines), "unfinished": parse_sections(lines, {"packages": parse_unfinished})["packages"]}
+    return {**_parse_kernel_hook(lines), "unfinished": parse_sections(lines, {"packages": parse_unfinished})["packages"],
+            "reinstall": parse_sections(lines, {"packages": parse_reinstall})["packages"]}
 
 
 def _parse_kernel_hook(lines: list[str]) -> dict:
@@ -117,7 +126,8 @@ class KernelHookState(ShellFact):
          "headers_candidate": "1.1.0" | None, "hook": True, "running": "6.14.8-2-pve",
          "installed": ["6.14.11-1-pve", "6.14.8-2-pve"],   # /boot/vmlinuz-*
          "owners": {"6.14.11-1-pve": "proxmox-kernel-6.14.11-1-pve-signed"},   # dpkg's owner of each image
-         "unfinished": {"proxmox-kernel-6.12.118+deb12-amd64-signed": "half-configured"}}  # dpkg stopped midway
+         "unfinished": {"proxmox-kernel-6.12.118+deb12-amd64-signed": "half-configured"},  # dpkg stopped midway
+         "reinstall": {"proxmox-headers-6.12.118+deb12-amd64": "1"}}  # reinst-required: package -> version
     """
 
     command = "; ".join([

@@ -23,8 +23,8 @@ hold: the installed kernel meta-packages of the series are held (`apt-mark hold`
 `apt full-upgrade` installs no new release; `follow` releases exactly the holds pvegpu set.
 
 A kernel package dpkg left midway (a power cut or a killed apt run) is finished first:
-`dpkg --configure -a`, which runs its hooks to the end (one left half-installed is named, and the
-stage's own apt run waits for it).
+`dpkg --configure -a`, which runs its hooks to the end; one left half-installed (cut while dpkg
+unpacked it) is unpacked again first (`apt-get install --reinstall` of the version dpkg had).
 """
 
 from __future__ import annotations
@@ -123,10 +123,17 @@ def forget_failures(releases: list[str], last: bool):
 
 
 @operation()
-def finish_packages():
+def finish_packages(reinstall: list[str] | None = None):
     """Finish what dpkg left midway: configure every unpacked or half-configured package and run
     the pending triggers (dpkg --configure -a; a kernel's postinst then runs its
-    /etc/kernel/postinst.d hooks, this hook among them, and proxmox-boot-tool's refresh)."""
+    /etc/kernel/postinst.d hooks, this hook among them, and proxmox-boot-tool's refresh).
+    `reinstall` (`pkg=version`, half-installed): unpacked again first, the version dpkg was
+    unpacking (apt's archive cache or the repository); the first configure pass only clears
+    dpkg's journal, without which apt refuses to run ("dpkg was interrupted"), and fails on them."""
+    if reinstall:
+        yield StringCommand("DEBIAN_FRONTEND=noninteractive dpkg --configure -a >/dev/null 2>&1 || :")
+        yield StringCommand("DEBIAN_FRONTEND=noninteractive apt-get install -y --reinstall --no-install-recommends "
+                            + " ".join(word(p) for p in reinstall))
     yield StringCommand("DEBIAN_FRONTEND=noninteractive dpkg --configure -a")
 
 
@@ -144,14 +151,15 @@ def apply(spec) -> None:
     unfinished = khplan.unfinished_packages(state)
     broken = khplan.half_installed(state)
     if broken:
-        logger.warning(f"{host.name}: kernel packages dpkg left half-installed (an interrupted apt run): "
-                       f"{', '.join(broken)}; run that apt command again (or apt-get install --reinstall them)")
+        finish_packages(name=f"Unpack again the kernel packages dpkg left half-installed: {', '.join(broken)}, "
+                             f"then finish the rest (apt-get install --reinstall; dpkg --configure -a)",
+                        reinstall=broken)
     elif unfinished:
         finish_packages(name=f"Finish the kernel packages dpkg left midway: {unfinished} (dpkg --configure -a)")
-    _hook_and_holds(spec, state, apt=not broken)
+    _hook_and_holds(spec, state)
 
 
-def _hook_and_holds(spec, state: dict, apt: bool = True) -> None:
+def _hook_and_holds(spec, state: dict) -> None:
     for line in khplan.failure_lines(state):
         logger.warning(f"{host.name}: kernel hook: {visible(line)}")  # a build log's first error in it
     stale = khplan.stale_failures(state)
@@ -180,7 +188,7 @@ def _hook_and_holds(spec, state: dict, apt: bool = True) -> None:
     headers, note = khplan.headers_step(state) if spec.kernel_updates == "follow" else (False, None)
     if note:
         logger.warning(f"{host.name}: kernel hook: {note}")
-    if headers and apt:  # (not while dpkg has a package half-installed: apt would refuse)
+    if headers:
         install_default_headers(name="Install proxmox-default-headers (headers follow the kernels)")
     nv_state, releases, steps = nvidia._state_and_steps(spec)
     # the hook builds from the verified archive on the host: fetched even when the NVIDIA stage builds nothing

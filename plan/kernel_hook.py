@@ -41,10 +41,12 @@ def unfinished_packages(state: dict) -> str | None:
 
 
 def half_installed(state: dict) -> list[str]:
-    """The kernel packages dpkg left half-installed (a cut while it unpacked them): only apt
-    unpacking them again (`apt-get install --reinstall`, or the interrupted apt run again) mends
-    them; their files are dpkg's temporary names until then, so no loader boots them."""
-    return sorted(p for p, s in (state.get("unfinished") or {}).items() if s == "half-installed")
+    """The kernel packages dpkg left half-installed (a cut while it unpacked them), as
+    `pkg=version` for `apt-get install --reinstall`: only unpacking them again mends them (dpkg
+    refuses to configure them: "very bad inconsistent state"; neither `dpkg --configure -a` nor
+    `apt --fix-broken install` nor the interrupted apt run again unpacks them); their files are
+    dpkg's temporary names until then, so no loader boots them."""
+    return [f"{p}={v}" for p, v in sorted((state.get("reinstall") or {}).items())]
 
 
 def updates_plan(mode: str, spec_release: str | None, state: dict) -> dict:

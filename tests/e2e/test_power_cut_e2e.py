@@ -56,8 +56,26 @@ def test_full_upgrade_cut_while_the_kernel_hook_builds(twin_root_cache, tmp_path
     # the same host (saved before the upgrade) cut as dpkg has unpacked the kernel: the metas and
     # proxmox-default-headers unpacked, not configured; the stage's `apt-get install
     # proxmox-default-headers` met "dpkg was interrupted" on every run before it finished them first
+    # (a cut a moment sooner, as dpkg logs the state but has not yet cleared its reinst-required
+    # flag, is the next test's)
     outcome = cut(case, tmp_path, ("dpkg: status unpacked proxmox-kernel-6.12.118+deb12-amd64-signed:amd64 1", 1, 0.0))
     assert outcome.after_cut[-1].startswith("6.1.0-57-amd64 "), outcome.line()
+    assert not outcome.bad and not outcome.problems, outcome.line()
+
+
+def test_full_upgrade_cut_while_dpkg_unpacks_the_kernel(twin_root_cache, tmp_path):
+    """The same upgrade cut as dpkg begins unpacking the kernel image: dpkg leaves it
+    half-installed (reinst-required), the old kernel boots. `dpkg --configure -a` refuses such a
+    package, and neither `apt --fix-broken install` nor the interrupted `apt full-upgrade` unpacks
+    it again (before: the converge only named it, and after the operator's apt run dpkg still had
+    it, the kernel metas unconfigured behind it). The converge unpacks it again
+    (`apt-get install --reinstall` of dpkg's version), its hooks build nvidia for it."""
+    case = pc.FullUpgrade()
+    outcome = cut(case, tmp_path, ("dpkg: status half-installed proxmox-kernel-6.12.118+deb12-amd64-signed:amd64 1",
+                                   1, 0.0))
+    assert outcome.after_cut[-1].startswith("6.1.0-57-amd64 "), outcome.line()
+    assert any("Unpack again the kernel packages dpkg left half-installed: proxmox-kernel-6.12.118+deb12-amd64-signed=1"
+               in entry for entry in outcome.log), outcome.line()
     assert not outcome.bad and not outcome.problems, outcome.line()
 
 

@@ -139,8 +139,8 @@ def test_packages_dpkg_left_midway_are_named_for_dpkg_configure_a():
     assert plan.unfinished_packages(state()) is None and state()["unfinished"] == {}
     assert plan.half_installed(s) == []
     cut_in_unpack = state(packages=[*PACKAGES, "iH proxmox-kernel-6.12.118+deb12-amd64-signed 1"])
-    assert plan.half_installed(cut_in_unpack) == ["proxmox-kernel-6.12.118+deb12-amd64-signed"]
+    assert plan.half_installed(cut_in_unpack) == ["proxmox-kernel-6.12.118+deb12-amd64-signed=1"]
     assert plan.unfinished_packages(cut_in_unpack) is None  # dpkg --configure -a refuses it
     # dpkg's reinst-required flag (a cut while it unpacked, the state already "unpacked"): the same
     flagged = state(packages=[*PACKAGES, "iUR proxmox-headers-6.12.118+deb12-amd64 1", "iF proxmox-kernel-6.12 2"])
-    assert plan.half_installed(flagged) == ["proxmox-headers-6.12.118+deb12-amd64"]
+    assert plan.half_installed(flagged) == ["proxmox-headers-6.12.118+deb12-amd64=1"]

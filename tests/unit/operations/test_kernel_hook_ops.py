@@ -308,3 +308,20 @@ def test_the_hooks_release_of_a_kernel_is_plan_releases_rule():
     out = subprocess.run(["sh", "-c", func + 'for n in "$@"; do echo "$n=$(kernel_rel "$n")"; done', "sh", *names],
                          capture_output=True, text=True, timeout=30).stdout.splitlines()
     assert out == [f"{n}={PVE_CODENAME.get(kernel_pve_major(n) or 0, '')}" for n in names]
+
+
+def test_half_installed_kernel_packages_are_unpacked_again_before_dpkg_configures_the_rest():
+    """A power cut while dpkg unpacked the kernel (tests/e2e/test_power_cut_e2e.py, dpkg's
+    reinst-required flag): `dpkg --configure -a` refuses such a package and neither
+    `apt --fix-broken install` nor the interrupted `apt full-upgrade` unpacks it again; only
+    `apt-get install --reinstall` of the version dpkg had does. The first configure pass clears
+    dpkg's journal (apt refuses to run before) and may fail; the last one's status counts."""
+    from tests.unit.operations.oprun import run_op
+
+    commands, _ = run_op(kernel_hook.finish_packages, reinstall=["proxmox-kernel-6.12.118+deb12-amd64-signed=1"])
+    assert commands == [
+        "DEBIAN_FRONTEND=noninteractive dpkg --configure -a >/dev/null 2>&1 || :",
+        "DEBIAN_FRONTEND=noninteractive apt-get install -y --reinstall --no-install-recommends "
+        "proxmox-kernel-6.12.118+deb12-amd64-signed=1",
+        "DEBIAN_FRONTEND=noninteractive dpkg --configure -a"]
+    assert run_op(kernel_hook.finish_packages)[0] == ["DEBIAN_FRONTEND=noninteractive dpkg --configure -a"]
