@@ -294,69 +294,16 @@ def _utf16z(text: str) -> bytes:
     return text.encode("utf-16-le") + b"\x00\x00"
 
 
-def strverscmp_improved(a: str, b: str) -> int:
-    """systemd src/fundamental/string-util-fundamental.c strverscmp_improved(): version order with
-    '~' (older), '-' (version/release), '^' and '.' as separators, digit runs compared as numbers,
-    more segments newer. <0, 0, >0 as a < b, a == b, a > b."""
-    def cmp(x, y):
-        return (x > y) - (x < y)
-
-    def valid(c):
-        return c.isascii() and (c.isalnum() or c in "~-^.")
-
-    if not a or not b:
-        return cmp(a or "", b or "")
-    i = j = 0
-    while True:
-        while i < len(a) and not valid(a[i]):
-            i += 1
-        while j < len(b) and not valid(b[j]):
-            j += 1
-        ca, cb = a[i:i + 1], b[j:j + 1]
-        if ca == "~" or cb == "~":
-            r = cmp(ca != "~", cb != "~")
-            if r:
-                return r
-            i, j = i + 1, j + 1
-            ca, cb = a[i:i + 1], b[j:j + 1]
-        if not ca or not cb:
-            return cmp(a[i:], b[j:])
-        for sep, newer in (("-", False), ("^", False), (".", True)):
-            if ca == sep or cb == sep:
-                r = cmp(ca == sep, cb == sep) if newer else cmp(ca != sep, cb != sep)
-                if r:
-                    return r
-                i, j = i + 1, j + 1
-                ca, cb = a[i:i + 1], b[j:j + 1]
-        if (ca.isascii() and ca.isdigit()) or (cb.isascii() and cb.isdigit()):
-            ea = i
-            while ea < len(a) and a[ea].isascii() and a[ea].isdigit():
-                ea += 1
-            eb = j
-            while eb < len(b) and b[eb].isascii() and b[eb].isdigit():
-                eb += 1
-            r = cmp(ea != i, eb != j)
-            if r:
-                return r
-            while i < ea and a[i] == "0":
-                i += 1
-            while j < eb and b[j] == "0":
-                j += 1
-            r = cmp(ea - i, eb - j) or cmp(a[i:ea], b[j:eb])
-            if r:
-                return r
-        else:
-            ea = i
-            while ea < len(a) and a[ea].isascii() and a[ea].isalpha():
-                ea += 1
-            eb = j
-            while eb < len(b) and b[eb].isascii() and b[eb].isalpha():
-                eb += 1
-            n = min(ea - i, eb - j)
-            r = cmp(a[i:i + n], b[j:j + n]) or cmp(ea - i, eb - j)
-            if r:
-                return r
-        i, j = ea, eb
+def strverscmp_improved(root: Path, a: str, b: str) -> int:
+    """systemd's own strverscmp_improved() (src/fundamental/string-util-fundamental.c), the order
+    systemd-boot sorts its entries in, answered by the twin root's systemd: `systemd-analyze
+    compare-versions` (src/analyze/analyze-compare-versions.c, systemd >= 252: exit 0 equal, 11
+    newer, 12 older). <0, 0, >0 as a is older, the same, newer."""
+    done = subprocess.run(["chroot", str(root), "/usr/bin/systemd-analyze", "compare-versions", a, b],
+                          capture_output=True, text=True, timeout=30)
+    if done.returncode not in (0, 11, 12):
+        raise RuntimeError(f"systemd-analyze compare-versions {a} {b} in {root}: rc {done.returncode} {done.stderr}")
+    return {0: 0, 11: 1, 12: -1}[done.returncode]
 
 
 def _esp_entries(root: Path) -> tuple[list[dict], str | None] | None:
@@ -380,7 +327,7 @@ def _esp_entries(root: Path) -> tuple[list[dict], str | None] | None:
                 continue
             entries.append({"file": p.name, "id": p.name.lower(), "version": fields.get("version", p.stem),
                             "options": fields.get("options", ""), "linux": linux})
-        entries.sort(key=functools.cmp_to_key(lambda x, y: -strverscmp_improved(x["id"], y["id"])))
+        entries.sort(key=functools.cmp_to_key(lambda x, y: -strverscmp_improved(root, x["id"], y["id"])))
         default = None
         for line in conf.splitlines():
             words = line.split(None, 1)

@@ -201,3 +201,21 @@ def test_a_systemd_boot_efi_upgrade_fires_the_real_trigger_and_reinit_drops_the_
     assert "Processing triggers for proxmox-kernel-helper" in out and "Installing systemd-boot.." in out
     assert loader_default(root) == "proxmox-*"
     assert reboot(name) == "6.14.8-2-pve"
+
+
+def test_the_firmware_orders_entries_as_systemd_does(kpro6):
+    """systemd-boot sorts entries without a sort-key by id, newest first, with systemd's
+    strverscmp_improved, in which "1a" is newer than "1.a" (a '.'-prefixed segment is older than
+    one without); the twin's firmware model asks the root's own systemd (before: a Python copy
+    that had '.' newer, so the twin booted the other entry than systemd-boot would)."""
+    root = Path(kpro6.root)
+    entries = root / ESP / "loader/entries"
+    template = (entries / "proxmox-6.14.8-2-pve.conf").read_text()
+    for entry_id in ("zz-1.a", "zz-1a"):
+        (entries / f"{entry_id}.conf").write_text(template.replace("title ", f"title {entry_id} ", 1))
+    conf = root / ESP / "loader/loader.conf"
+    conf.write_text("".join(line + "\n" for line in conf.read_text().splitlines()
+                            if not line.startswith("default ")) + "default zz-*\n")
+    assert hardware.strverscmp_improved(root, "zz-1a", "zz-1.a") > 0 > hardware.strverscmp_improved(root, "zz-1.a", "zz-1a")
+    entry = hardware.esp_boot_entry(root)
+    assert entry is not None and entry["file"] == "zz-1a.conf", entry

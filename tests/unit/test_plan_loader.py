@@ -4,6 +4,8 @@ recorded on the twins: the real bootctl and proxmox-boot-tool, Debian's grub-edi
 from __future__ import annotations
 
 import copy
+import itertools
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,32 @@ def test_versions_sort_as_systemd_documents_them():
     assert plan.strverscmp_improved("proxmox-6.14.8-2-pve.conf", "proxmox-6.8.12-11-pve.conf") > 0
     assert plan.strverscmp_improved("proxmox-6.8.12-10-pve.conf", "proxmox-6.8.12-9-pve.conf") > 0
     assert plan.strverscmp_improved("00123", "123") == 0
+
+
+# entry ids and versions as ESPs hold them, and the corners of the order (separators, '~', leading
+# zeros, letter against digit runs, characters outside the version alphabet)
+VERSIONS = ["proxmox-6.14.8-2-pve.conf", "proxmox-6.14.11-9-bpo12-pve.conf", "proxmox-6.8.12-11-pve.conf",
+            "proxmox-6.8.12-9-pve.conf", "proxmox-6.1.0-57-amd64.conf", "proxmox-6.12.118+deb12-amd64.conf",
+            "proxmox-7.0.14-14-pve.conf", "proxmox-6.14.11-1-pvegpu-pve.conf", "proxmox-6.14.0-1-pve.conf",
+            "123a", "123.a", "123-a", "123^a", "123~a", "123", "00123", "0", "a", "1.0", "1.a", "1_a", "1a",
+            "6.8", "6.8.0", "6.8-0", "6.8~rc1", "abc", "abcde", "A", "Z9", "1.2.3.4", "1..2", "1-.2", "~", "-"]
+
+
+def test_version_order_is_systemds_own():
+    """plan.loader's comparison against systemd's: `systemd-analyze compare-versions` (systemd >= 252,
+    src/analyze/analyze-compare-versions.c, strverscmp_improved; exit 0 equal, 11 newer, 12 older)
+    on every pair above. The twin's firmware model asks its root's systemd the same way
+    (tests/twin/hardware.py strverscmp_improved), so neither is a copy of the other."""
+    wrong = []
+    for a, b in itertools.combinations_with_replacement(VERSIONS, 2):
+        done = subprocess.run(["systemd-analyze", "compare-versions", "--", a, b], capture_output=True,
+                              text=True, timeout=30)
+        assert done.returncode in (0, 11, 12), (a, b, done.returncode, done.stderr)
+        real = {0: 0, 11: 1, 12: -1}[done.returncode]
+        ours, back = plan.strverscmp_improved(a, b), plan.strverscmp_improved(b, a)
+        if (ours > 0) - (ours < 0) != real or (back > 0) - (back < 0) != -real:
+            wrong.append(f"{a} vs {b}: systemd {real}, plan.loader {ours} (and {back} the other way)")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_systemd_boot_takes_the_one_shot_first():
