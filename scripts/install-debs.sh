@@ -3,6 +3,7 @@
 set -euo pipefail
 need=(debootstrap openssh-client graphviz librsvg2-bin ccache zstd
       git make dpkg-dev xz-utils  # the pve-kernel tree tests: git, make and dpkg-buildpackage on it
+      systemd  # systemd-analyze compare-versions: systemd-boot's version order (tests/unit/test_plan_loader.py)
       shellcheck)  # scripts/lint.sh
 missing=()
 for p in "${need[@]}"; do

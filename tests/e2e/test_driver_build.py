@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -120,6 +121,21 @@ def headers_releases(root: Path) -> list[str]:
     assert len(releases) == 2 and releases[0].startswith("6.1.") and releases[1].startswith("6.12."), \
         f"the twin root should have Debian's 6.1 and 6.12 headers, has {releases}"
     return releases
+
+
+def export_build_caches(twin) -> None:
+    """PVEGPU_E2E_NVIDIA_CACHE_OUT=DIR (scripts/run-tests.sh sets it): this build's ccache and
+    conftest results are copied to DIR, for tests/e2e/test_build_share_e2e.py's
+    PVEGPU_E2E_NVIDIA_CACHE (the same inputs: its one build answered from them; the cold build is
+    this file's)."""
+    out = os.environ.get("PVEGPU_E2E_NVIDIA_CACHE_OUT")
+    if not out:
+        return
+    dest = Path(out)
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for cache in ("ccache", "nvidia-conftest"):
+        subprocess.run(["cp", "-a", str(Path(twin.root) / "var/cache/pvegpu" / cache), str(dest / cache)], check=True)
 
 
 @pytest.fixture
@@ -228,6 +244,7 @@ def test_driver_builds_installs_refuses_and_skips(driver_twin, tmp_path):
         assert ".debug_info" not in sections, "installed modules keep their debug info"
     first_build = twin_sh(twin, CCACHE_STATS)
     assert ccache_counters(first_build)["cache_miss"] > 0, f"the build did not go through ccache:\n{first_build}"
+    export_build_caches(twin)
     assert twin_sh(twin, "ls /var/cache/pvegpu/nvidia-build/*/ 2>/dev/null || true").strip() == ""
     # progress while it built (issue 20): at least one report between its start and its end
     what = f"nvidia {VERSION} build for {first}"
