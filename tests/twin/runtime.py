@@ -1148,9 +1148,10 @@ def write_members(cluster: str, also: str | None = None) -> None:
                                    and not (TWINS_DIR / n / "offline").exists())) for n in nodes}
     nodelist = {n: {"id": i + 1, "online": online[n], "ip": nodes[n]} for i, n in enumerate(sorted(nodes))}
     quorate = int(sum(online.values()) * 2 > len(nodes))  # one vote each (votequorum's default)
-    # the cluster's corosync.conf nodelist (pve-cluster writes it to /etc/pve at `pvecm add`)
+    # the cluster's corosync.conf (pve-cluster writes it to /etc/pve at `pvecm add`; PVE/Corosync.pm
+    # create_conf: secauth on, config_version counted up at each node's join by atomic_write_conf)
     (cluster_pve(cluster) / "corosync.conf").write_text(
-        f"totem {{\n  cluster_name: {cluster}\n  version: 2\n}}\n\nnodelist {{\n"
+        f"totem {{\n  cluster_name: {cluster}\n  config_version: {len(nodes)}\n  secauth: on\n  version: 2\n}}\n\nnodelist {{\n"
         + "".join(f"  node {{\n    name: {n}\n    nodeid: {i + 1}\n    quorum_votes: 1\n    ring0_addr: {nodes[n]}\n  }}\n"
                   for i, n in enumerate(sorted(nodes)))
         + "}\n\nquorum {\n  provider: corosync_votequorum\n}\n")
