@@ -70,7 +70,7 @@ TWIN_DIR = "var/lib/twin"
 STANDIN_PATHS = {
     "nvidia_smi.py": ["usr/local/bin/nvidia-smi"],
     "proxmox.py": ["usr/local/sbin/pct", "usr/local/sbin/qm", "usr/local/sbin/pvesh",
-                   "usr/local/bin/pveversion", "usr/local/sbin/ha-manager",
+                   "usr/local/bin/pveversion", "usr/local/sbin/ha-manager", "usr/local/bin/pvecm",
                    "usr/local/bin/lxc-ls", "usr/local/bin/lxc-info"],
     # (proxmox-boot-tool, zz-proxmox-boot and bootctl are the real programs: the root's boot layer,
     # tests/twin/runtime.py KERNEL_HELPER; what they cannot have in a chroot is standins/esp.sh)
