@@ -29,6 +29,14 @@ TRIAL_ARMED = "/run/pvegpu/kernel-trial"  # the same, on a tmpfs: present = the 
 TRIAL_FAILED = f"{STATE_DIR}/trial-failed"  # {"release", "build_id", "came_up_on", "checks", "journal"} of a failed trial
 TRIAL_CHECKS = f"{STATE_DIR}/trial-checks"  # what held on the known-good kernel: `nvidia <ver>`, `gpu <bdf> <driver>`
 TRIAL_LOG = f"{STATE_DIR}/trial-failed.log"  # the failed trial boot's last journal lines, where the journal kept them
+# at the trial kernel's boot, pvegpu-kernel-trial.service writes "<release> ok" or "<release> failed <checks>"
+# (templates/kernel-trial-up.sh.j2): the trial came up even where a reset cut the run before its check
+TRIAL_UP = f"{STATE_DIR}/trial-up"
+TRIAL_RETRIED = f"{STATE_DIR}/trial-retried"  # release set up again after such a reset (once)
+TRIAL_UP_SCRIPT = f"{STATE_DIR}/trial-up.sh"
+TRIAL_UNIT_NAME = "pvegpu-kernel-trial.service"
+TRIAL_UNIT = f"/etc/systemd/system/{TRIAL_UNIT_NAME}"
+TRIAL_WANTS = f"/etc/systemd/system/multi-user.target.wants/{TRIAL_UNIT_NAME}"
 
 
 def kernel_version_key(release: str) -> list:
@@ -561,6 +569,7 @@ def parse_build_state(lines: list[str]) -> dict:
     state: dict = {"running": False, "rc": None, "debs": [], "manifest": None, "installed_manifest": None,
                    "trial": None, "cores": None, "mem_total_kib": None, "systemd": False, "pbt": False, "esps": False, "headers_installed": False,
                    "log_objects": 0, "log_last": None, "armed": None, "failed": None, "uefi": False,
+                   "trial_up": None, "trial_retried": None,
                    "grubenv_abstraction": None, "grubenv_fs": None, "grub_advanced_id": None, "grub_default": None,
                    "grub_saved": None, "grub_next": None, "kernel_packages": [], "secure_boot": None,
                    "secure_boot_state": None, "mok": None, "sbsign": False, "signing_key_mode": None}
@@ -580,7 +589,7 @@ def parse_build_state(lines: list[str]) -> dict:
                 state[key.replace("-", "_")] = json.loads(value)
             except ValueError:
                 pass  # a half-written manifest counts as none
-        elif key in ("trial", "armed", "grub_advanced_id", "grub_saved", "grub_next"):
+        elif key in ("trial", "armed", "grub_advanced_id", "grub_saved", "grub_next", "trial_up", "trial_retried"):
             state[key] = value or None
         elif key == "grub_default":
             state[key] = value
@@ -637,6 +646,8 @@ def build_state_command(build_dir: str, release: str, signing_cert: str | None =
         f'[ -f {trial} ] && echo "trial $(cat {trial})"; '
         f'[ -f {word(TRIAL_ARMED)} ] && echo "armed $(cat {word(TRIAL_ARMED)})"; '
         f'[ -f {word(TRIAL_FAILED)} ] && echo "failed $(tr -d \'\\n\' < {word(TRIAL_FAILED)})"; '
+        f'[ -f {word(TRIAL_UP)} ] && echo "trial_up $(head -c 400 {word(TRIAL_UP)} | tr -d \'\\n\')"; '
+        f'[ -f {word(TRIAL_RETRIED)} ] && echo "trial_retried $(cat {word(TRIAL_RETRIED)})"; '
         "[ -d /sys/firmware/efi ] && echo uefi; "
         # Secure Boot as the NVIDIA stage reads it (facts.nvidia: mokutil, else the EFI variable)
         f"{{ command -v mokutil >/dev/null 2>&1 && mokutil --sb-state 2>&1; {secure_boot_efivars()}; }} | sed 's/^/sb /'; "

@@ -25,7 +25,7 @@ from facts.loader import LoaderState
 from facts.nvidia import SHIM_VALIDATION_OFF, NvidiaHostState
 from facts.once import fact_once
 from facts.run_state import need_reboot, record_trial_boot
-from facts.shell import word
+from facts.shell import operands, word
 from operations import nvidia, progress
 from operations.files import write_file_command
 from plan import kernel as plan
@@ -178,7 +178,8 @@ def install_kernel(build_dir: str, release: str, kind: str, keep_default: str | 
 
 @operation()
 def trial_boot(release: str, loader: str, panic_s: int, advanced_id: str | None = None,
-               known_good: str | None = None, sign: str | None = None, expect: dict | None = None):
+               known_good: str | None = None, sign: str | None = None, expect: dict | None = None,
+               retry: bool = False):
     """Choose `release` for the next boot only (the loader's one-shot; the default stays on the
     known-good kernel) and mark the trial (written last: a failed one-shot leaves no marker).
 
@@ -190,6 +191,8 @@ def trial_boot(release: str, loader: str, panic_s: int, advanced_id: str | None 
       grubenv as the one-shot is set; nothing is armed if it is not (issue 38 2.2)
     + sign: a command signing the kernel image for Secure Boot first (plan.kernel.sign_command)
     + expect: the host checks the trial kernel must pass too (plan.kernel.host_expectations)
+    + retry: set up again after a reset cut the last trial's run after its kernel came up
+      (plan.kernel.kernel_decision); recorded (TRIAL_RETRIED) so that happens once
     """
     yield StringCommand(plan.trial_pending_command(release))
     if known_good:
@@ -198,6 +201,13 @@ def trial_boot(release: str, loader: str, panic_s: int, advanced_id: str | None 
     if sign:
         yield StringCommand(sign)
     yield StringCommand(plan.oneshot_command(release, loader, panic_s, advanced_id, keep=known_good))
+    # the boot unit that records the trial kernel's boot (a reset before this run's check is then
+    # not a failed trial), enabled as `systemctl enable` does; the marker it reads comes last
+    for path, (content, mode) in plan.trial_up_files().items():
+        yield StringCommand(write_file_command(path, content, mode, keep_previous=False))
+    yield StringCommand(f"ln -sfn {operands([plan.TRIAL_UNIT, plan.TRIAL_WANTS])}")
+    if retry:
+        yield StringCommand(f"printf '%s\\n' {word(release)} > {word(plan.TRIAL_RETRIED)}")
     yield StringCommand(plan.arm_trial_command(release, expect))
 
 
@@ -211,7 +221,8 @@ def finish_trial(release: str, loader: str, build_id: str, advanced_id: str | No
 def pin_kernel(release: str, loader: str, advanced_id: str | None = None):
     """Make `release` (it is running) the loader default for good."""
     yield StringCommand(plan.zfs_guard_command(release))
-    yield StringCommand(plan.set_default_command(release, loader, advanced_id) + f" && rm -f {word(plan.TRIAL_PENDING)}")
+    yield StringCommand(plan.set_default_command(release, loader, advanced_id)
+                        + f" && rm -f {word(plan.TRIAL_PENDING)} {plan.DISARM}")
 
 
 @operation()
@@ -414,7 +425,7 @@ def apply(spec: HostSpec) -> None:
                    known_good=running if running and running != k.version else None,
                    sign=plan.sign_command(k.version, k.signing.key, k.signing.cert)
                    if k.signing and build.get("secure_boot") else None,
-                   expect=plan.host_expectations(spec))
+                   expect=plan.host_expectations(spec), retry=bool(decision.get("retry")))
         action = "await-reboot"
     if action == "await-reboot":
         record_trial_boot(k.version, loader or "", bool(build["esps"]), build_id=bid, advanced_id=adv)

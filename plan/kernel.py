@@ -43,6 +43,12 @@ from facts.kernel import (  # noqa: F401
     TRIAL_LOG,
     TRIAL_MARKER,
     TRIAL_PENDING,
+    TRIAL_RETRIED,
+    TRIAL_UNIT,
+    TRIAL_UNIT_NAME,
+    TRIAL_UP,
+    TRIAL_UP_SCRIPT,
+    TRIAL_WANTS,
     built_release_from_makefile,
     makefile_variables,
     release_from_makefile,
@@ -54,6 +60,7 @@ from facts.shell import operands, word
 from plan import loader as loader_plan
 from plan.nvidia import signing_key_refusal
 from plan.render import PRIVATE, PUBLIC, root_dirs
+from plan.render import render_template as _render_raw
 from spec.models import KernelSpec
 
 GIB_KIB = 1024 * 1024
@@ -304,6 +311,13 @@ def kernel_decision(kernel: KernelSpec, facts: dict, base_config: str = "running
             # the boot the trial was set up for happened (TRIAL_ARMED lives on a tmpfs)
             if running == release:
                 return {"action": "finish", "why": f"the trial boot of {release} came up; make it the default for good"}
+            if facts.get("trial_up") == f"{release} ok" and facts.get("trial_retried") != release:
+                # pvegpu-kernel-trial.service recorded it at that boot: a reset (a power cut) came
+                # between that boot and the run's check, not a hang or panic of the kernel
+                return {"action": "trial",
+                        "why": f"the trial boot of {release} came up and its host checks held at that boot "
+                               f"({TRIAL_UNIT_NAME}), but the host was reset before a run made it the default and "
+                               f"{running} runs now: setting the trial up again (once)", "retry": True}
             return {"action": "finish",
                     "why": f"the trial boot of {release} came up on {running}: the loader's one-shot was used and "
                            f"{default or running} stays the default; recording it (not tried again until the spec changes)"}
@@ -616,25 +630,32 @@ def arm_trial_command(release: str, expect: dict | None = None) -> str:
         lines.append(f'[ "$(basename "$(readlink /sys/bus/pci/devices/{b}/driver)")" = {d} ] && echo gpu {b} {d}')
     record = "{ " + "; ".join([*lines, "true"]) + "; }"
     return (root_dirs((STATE_DIR, PRIVATE), (TRIAL_ARMED.rsplit('/', 1)[0], PUBLIC))
-            + f"{record} > {word(TRIAL_CHECKS)} && "
+            + f"rm -f {word(TRIAL_UP)} && {record} > {word(TRIAL_CHECKS)} && "
             f"printf %s {r} > {word(TRIAL_MARKER)} && printf %s {r} > {word(TRIAL_ARMED)}")
+
+
+# What only a trial needs on the host, removed once it is decided (finish_trial_command, pin):
+# the boot unit that records the trial kernel's boot, its script, its record, the retry marker
+DISARM = " ".join(word(p) for p in (TRIAL_UNIT, TRIAL_WANTS, TRIAL_UP_SCRIPT, TRIAL_UP, TRIAL_RETRIED))
+
+
+def trial_up_files() -> dict[str, tuple[str, str]]:
+    """The boot unit a trial arms ({path: (content, mode)}): pvegpu-kernel-trial.service, which at
+    the trial kernel's boot records that it came up and whether the host checks hold
+    (templates/kernel-trial-up.sh.j2), so a reset before the run's own check is told from a kernel
+    that hung or panicked."""
+    from plan.render import render_template
+
+    script = render_template("kernel-trial-up.sh.j2", marker=TRIAL_MARKER, up=TRIAL_UP, checks_file=TRIAL_CHECKS)
+    unit = render_template("kernel-trial-up.service.j2", marker=TRIAL_MARKER, script=TRIAL_UP_SCRIPT)
+    return {TRIAL_UP_SCRIPT: (script, "700"), TRIAL_UNIT: (unit, "644")}
 
 
 # The host checks after a boot, one loop for both users: the trial kernel (TRIAL_CHECKS: what held
 # on the known-good kernel) and each node of a rolling reboot (plan.reboot.roll_check_lines: what
 # the reboot was for). Reads lines from stdin: `nvidia <ver>`, `gpu <bdf> <driver>`, `kernel
 # <release>`, `cmdline <word>`, `nocmdline <word>`; prints what does not hold and fails.
-HOST_CHECKS_LOOP = (
-    "bad=; while read -r what a b; do case $what in "
-    "nvidia) grep -qwF -- \"$a\" /proc/driver/nvidia/version 2>/dev/null || "
-    "bad=\"$bad nvidia $a is not loaded ($(head -n 1 /proc/driver/nvidia/version 2>/dev/null || echo no NVIDIA module));\" ;; "
-    "gpu) d=$(basename \"$(readlink /sys/bus/pci/devices/$a/driver)\"); [ \"$d\" = \"$b\" ] || "
-    "bad=\"$bad GPU $a is on ${d:-no driver}, not $b;\" ;; "
-    "kernel) [ \"$(uname -r)\" = \"$a\" ] || bad=\"$bad the running kernel is $(uname -r), not $a;\" ;; "
-    "cmdline) case \" $(cat /proc/cmdline) \" in *\" $a \"*) ;; *) bad=\"$bad the booted command line lacks $a;\" ;; esac ;; "
-    "nocmdline) case \" $(cat /proc/cmdline) \" in *\" $a \"*) bad=\"$bad the booted command line still has $a;\" ;; esac ;; "
-    "esac; done; [ -z \"$bad\" ] || { echo \"$bad\"; false; }"
-)
+HOST_CHECKS_LOOP = _render_raw("host-checks-loop.sh.j2").strip()
 
 # The host checks of the trial kernel: each line of TRIAL_CHECKS must hold again (prints what does not)
 TRIAL_CHECKS_COMMAND = f"if [ -f {TRIAL_CHECKS} ]; then {{ {HOST_CHECKS_LOOP}; }} < {TRIAL_CHECKS}; fi"
@@ -680,10 +701,10 @@ def finish_trial_command(release: str, loader: str, wanted_build_id: str, advanc
         f"rel={q}; checks=; journal=; "
         f'if [ "$(uname -r)" = {q} ] && checks=$({TRIAL_CHECKS_COMMAND}); then {zfs_guard_command(release)} && '
         f"{set_default_command(release, loader, advanced_id)} && {clear} && "
-        f"rm -f {word(TRIAL_MARKER)} {word(TRIAL_PENDING)} {word(TRIAL_FAILED)} {word(TRIAL_CHECKS)}; "
+        f"rm -f {word(TRIAL_MARKER)} {word(TRIAL_PENDING)} {word(TRIAL_FAILED)} {word(TRIAL_CHECKS)} {DISARM}; "
         f'else if [ "$(uname -r)" != {q} ]; then checks=; {_JOURNAL_EVIDENCE}; '
         "else journal='the trial kernel is running'; fi; "
-        f"{record} && {clear} && rm -f {word(TRIAL_MARKER)} {word(TRIAL_PENDING)} {word(TRIAL_CHECKS)} && "
+        f"{record} && {clear} && rm -f {word(TRIAL_MARKER)} {word(TRIAL_PENDING)} {word(TRIAL_CHECKS)} {DISARM} && "
         f'echo {message}"$(uname -r)"${{checks:+", but the host checks failed:$checks"}}{tail} >&2'
         f'{"; exit 1" if fail else ""}; fi'
     )

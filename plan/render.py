@@ -234,6 +234,11 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
         dict(release="6.14.11-9-bpo12-pve", mode="clear", entry="pvegpu-trial-6.14.11-9-bpo12-pve.conf", panic_s=0,
              keep=None, loader_entry_prefix="proxmox-"),
     ],
+    "host-checks-loop.sh.j2": [dict()],
+    "kernel-trial-up.sh.j2": [
+        dict(marker="/var/lib/pvegpu/kernel/trial-boot", up="/var/lib/pvegpu/kernel/trial-up",
+             checks_file="/var/lib/pvegpu/kernel/trial-checks"),
+    ],
     "kernel-build-start.sh.j2": [
         dict(build_dir=_KERNEL["build_dir"], systemd=True, unit="pvegpu-kernel-build", memory_max_kib=66 * 1024 * 1024),
         dict(build_dir=_KERNEL["build_dir"], systemd=True, unit="pvegpu-kernel-build", memory_max_kib=None),

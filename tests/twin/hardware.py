@@ -1038,18 +1038,33 @@ def esp_devices(root: Path, profile: dict) -> list[dict]:
 BOOT_CLEANUP_UNIT = "etc/systemd/system/multi-user.target.wants/proxmox-boot-cleanup.service"
 
 
-def boot_units(root: Path) -> list[list[str]]:
-    """Commands the twin's boot runs in the root once its mounts are up, before sshd (as
-    systemd's units of multi-user.target would; tests/twin/runtime.py Supervisor.boot runs them
-    in order, stopping at the first that fails, as a Type=oneshot unit's ExecStart lines).
-    Follows proxmox-kernel-helper proxmox-boot-cleanup.service: enabled, with
-    /etc/kernel/next-boot-pin there, the real proxmox-boot-tool unpins and refreshes."""
+# pvegpu's trial unit (templates/kernel-trial-up.service.j2, armed by the kernel stage): enabled and
+# its ConditionPathExists there, systemd runs its ExecStart once multi-user.target is reached
+TRIAL_UNIT = "etc/systemd/system/multi-user.target.wants/pvegpu-kernel-trial.service"
+
+
+def boot_units(root: Path) -> list[list[list[str]]]:
+    """The units the twin's boot runs in the root once its mounts are up, before sshd (as systemd
+    would run these units of multi-user.target; tests/twin/runtime.py Supervisor.boot runs each
+    unit's commands in order, stopping at its first that fails, as a Type=oneshot unit's ExecStart
+    lines). Follows proxmox-kernel-helper proxmox-boot-cleanup.service (enabled, with
+    /etc/kernel/next-boot-pin there: the real proxmox-boot-tool unpins and refreshes) and pvegpu's
+    own pvegpu-kernel-trial.service (enabled, with the trial marker there: its ExecStart lines as
+    written; the host checks it runs read the twin's hardware like any program)."""
     root = Path(root)
+    units: list[list[list[str]]] = []
     # (the unit link is absolute: it names a path inside the root, so only the link itself is looked at)
-    if not os.path.lexists(root / BOOT_CLEANUP_UNIT) or not (root / "etc/kernel/next-boot-pin").exists():
-        return []
-    return [["/usr/sbin/proxmox-boot-tool", "kernel", "unpin", "--next-boot"],
-            ["/usr/sbin/proxmox-boot-tool", "refresh"]]
+    if os.path.lexists(root / BOOT_CLEANUP_UNIT) and (root / "etc/kernel/next-boot-pin").exists():
+        units.append([["/usr/sbin/proxmox-boot-tool", "kernel", "unpin", "--next-boot"],
+                      ["/usr/sbin/proxmox-boot-tool", "refresh"]])
+    if os.path.lexists(root / TRIAL_UNIT):
+        target = os.readlink(root / TRIAL_UNIT)
+        text = _read(root, target.lstrip("/")) if target.startswith("/") else None
+        lines = (text or "").splitlines()
+        conditions = [line.split("=", 1)[1].strip() for line in lines if line.startswith("ConditionPathExists=")]
+        if text is not None and all((root / c.lstrip("/")).exists() for c in conditions):
+            units.append([line.split("=", 1)[1].split() for line in lines if line.startswith("ExecStart=")])
+    return units
 
 
 def _resource_lines(dev: dict, profile: dict) -> str:

@@ -1557,15 +1557,16 @@ class Supervisor:
 
     def run_boot_units(self, hardware: ModuleType) -> None:
         """The hardware module's boot units (tests/twin/hardware.py boot_units), in the root, in
-        order, each command after the one before succeeded; their output goes to the log."""
-        for argv in getattr(hardware, "boot_units", lambda root: [])(self.root):
-            done = subprocess.run(["chroot", str(self.root), *argv], stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                                       "LANG": "C.UTF-8"})
-            log(f"{self.spec['name']}: boot unit {' '.join(argv)}: exit {done.returncode}\n{done.stdout.rstrip()}")
-            if done.returncode != 0:
-                break
+        order; within a unit each command after the one before succeeded; their output goes to the log."""
+        for unit in getattr(hardware, "boot_units", lambda root: [])(self.root):
+            for argv in unit:
+                done = subprocess.run(["chroot", str(self.root), *argv], stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                                           "LANG": "C.UTF-8"})
+                log(f"{self.spec['name']}: boot unit {' '.join(argv)}: exit {done.returncode}\n{done.stdout.rstrip()}")
+                if done.returncode != 0:
+                    break
 
     def unmount_all(self) -> None:
         _unmount_tree(self.root)

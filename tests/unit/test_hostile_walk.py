@@ -994,6 +994,10 @@ NO_SPEC_VALUE = {
     "nvidia-first-error.sh.j2": set(),  # reads a build log named at run time (the gate's and the hook's)
     "root-dir.sh.j2": set(),  # a shell function; its directories come from its callers, each walked
     "kernel-headers-apt.conf.j2": {"path", "hook"},  # operations/kernel_hook.py HEADERS_CONF, HOOK
+    "host-checks-loop.sh.j2": set(),  # plan.kernel HOST_CHECKS_LOOP: reads its lines from stdin
+    # plan.kernel trial_up_files: facts.kernel's fixed paths only
+    "kernel-trial-up.sh.j2": {"marker", "up", "checks_file"},
+    "kernel-trial-up.service.j2": {"marker", "script"},
 }
 
 

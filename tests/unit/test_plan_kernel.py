@@ -656,3 +656,22 @@ def test_the_efi_default_is_set_only_where_systemd_boot_booted(tmp_path, booted_
         assert called == "set-default proxmox-6.14.8-2-pve.conf\n"
     else:
         assert done.returncode == 0 and called == ""
+
+
+def test_a_trial_that_came_up_before_a_reset_is_set_up_again_once():
+    """Issue 38 §3 (bug 4 of bench/power_cut.py): the trial kernel came up and its host checks held
+    at that boot (pvegpu-kernel-trial.service wrote "<release> ok"), then a reset (a power cut) before
+    the run's own check: the old kernel runs. That is no failed trial: set it up again, once; the
+    same again, or a record of failed checks, is recorded as a failure."""
+    k = kernel()
+    bid = build_id(k)
+    inst = ["6.8.12-4-pve", "6.14.8-2-pve"]
+    rel = "6.14.8-2-pve"
+    base = facts(inst, manifest_id=bid, trial=rel)
+    again = kernel_decision(k, {**base, "trial_up": f"{rel} ok"})
+    assert again["action"] == "trial" and again.get("retry") is True
+    assert "came up and its host checks held at that boot" in again["why"] and "6.8.12-4-pve runs now" in again["why"]
+    assert kernel_decision(k, {**base, "trial_up": f"{rel} ok", "trial_retried": rel})["action"] == "finish"
+    assert kernel_decision(k, {**base, "trial_up": f"{rel} failed  nvidia 1 is not loaded;"})["action"] == "finish"
+    assert kernel_decision(k, {**base, "trial_up": "6.14.9-1-pve ok"})["action"] == "finish"
+    assert kernel_decision(k, base)["action"] == "finish"  # no record: it hung or panicked

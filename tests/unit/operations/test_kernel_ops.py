@@ -15,6 +15,7 @@ from pyinfra_testing.util import get_command_string
 
 from facts import kernel as kernel_facts
 from operations import kernel, nvidia, reboot
+from operations.files import write_file_command
 from plan import kernel as plan
 from plan.render import render_template, root_dirs
 from spec.models import KernelSpec
@@ -232,8 +233,19 @@ def test_trial_boot_sets_the_loaders_one_shot_and_marks_it_last():
     assert cmds[1] == plan.zfs_guard_command("6.14.8-2-pve")  # a kernel that cannot import the root pool is not tried
     assert cmds[2] == plan.oneshot_command("6.14.8-2-pve", "systemd-boot", 10)
     assert "bootctl set-oneshot" in cmds[2] and "--next-boot" not in cmds[2]
-    assert cmds[3] == plan.arm_trial_command("6.14.8-2-pve") and len(cmds) == 4
-    assert "/var/lib/pvegpu/kernel/trial-boot" in cmds[3] and "/run/pvegpu/kernel-trial" in cmds[3]
+    # the boot unit that records the trial kernel's boot, then its wants link, the marker last
+    units = plan.trial_up_files()
+    assert cmds[3:5] == [write_file_command(path, content, mode, keep_previous=False)
+                         for path, (content, mode) in units.items()]
+    assert list(units) == ["/var/lib/pvegpu/kernel/trial-up.sh", "/etc/systemd/system/pvegpu-kernel-trial.service"]
+    assert cmds[5] == ("ln -sfn -- /etc/systemd/system/pvegpu-kernel-trial.service "
+                       "/etc/systemd/system/multi-user.target.wants/pvegpu-kernel-trial.service")
+    assert cmds[6] == plan.arm_trial_command("6.14.8-2-pve") and len(cmds) == 7
+    assert "/var/lib/pvegpu/kernel/trial-boot" in cmds[6] and "/run/pvegpu/kernel-trial" in cmds[6]
+    assert "rm -f /var/lib/pvegpu/kernel/trial-up &&" in cmds[6]  # the last trial's record goes
+    # set up again after a reset cut the last trial's run (once): recorded before the marker
+    again, _ = run_op(kernel.trial_boot, "6.14.8-2-pve", "systemd-boot", 10, retry=True)
+    assert again[6] == "printf '%s\\n' 6.14.8-2-pve > /var/lib/pvegpu/kernel/trial-retried" and again[7] == cmds[6]
     cmds, _ = run_op(kernel.trial_boot, "6.1.0-x", "grub", 10, "ab")
     assert cmds[2].endswith("grub-reboot pvegpu-trial-6.1.0-x") and "panic=" in cmds[2]
 
@@ -524,6 +536,51 @@ def test_a_kernel_is_made_the_default_for_good_only_past_the_zfs_guard():
     against the root pool first, as the trial does (issue 27 part 5)."""
     cmds, _ = run_op(kernel.pin_kernel, "6.14.8-2-pve", "systemd-boot")
     assert cmds == [plan.zfs_guard_command("6.14.8-2-pve"), plan.set_default_command("6.14.8-2-pve", "systemd-boot")
-                    + f" && rm -f {plan.TRIAL_PENDING}"]
+                    + f" && rm -f {plan.TRIAL_PENDING} {plan.DISARM}"]
     finish = plan.finish_trial_command("6.14.8-2-pve", "grub", "b1d", "ab")
     assert finish.index(plan.zfs_guard_command("6.14.8-2-pve")) < finish.index("grub-set-default")
+
+
+def trial_up_script(tmp_path: Path, release: str, running: str, checks: str) -> subprocess.CompletedProcess:
+    """templates/kernel-trial-up.sh.j2 run for real with its paths under `tmp_path`, `uname -r`
+    printing `running`, the checks file holding `checks` (lines the host checks loop reads)."""
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    (tmp_path / "bin/uname").write_text(f"#!/bin/sh\necho {running}\n")
+    (tmp_path / "bin/uname").chmod(0o755)
+    (tmp_path / "trial-boot").write_text(release + "\n")
+    (tmp_path / "trial-checks").write_text(checks)
+    script = render_template("kernel-trial-up.sh.j2", marker=str(tmp_path / "trial-boot"),
+                             up=str(tmp_path / "trial-up"), checks_file=str(tmp_path / "trial-checks"))
+    return subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"})
+
+
+def test_the_trial_unit_records_at_the_trial_kernels_boot_whether_it_came_up_with_its_checks(tmp_path):
+    """pvegpu-kernel-trial.service's script: on the kernel under trial, "<release> ok" when the host
+    checks that held on the known-good kernel hold, "<release> failed <what>" when not; on any
+    other kernel nothing."""
+    rel = "6.14.11-9-bpo12-pve"
+    done = trial_up_script(tmp_path, rel, rel, f"kernel {rel}\n")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "trial-up").read_text() == f"{rel} ok\n"
+    done = trial_up_script(tmp_path, rel, rel, f"kernel {rel}\nkernel 6.14.8-2-pve\n")
+    assert (tmp_path / "trial-up").read_text() == f"{rel} failed  the running kernel is {rel}, not 6.14.8-2-pve;\n"
+    (tmp_path / "trial-up").unlink()
+    done = trial_up_script(tmp_path, rel, "6.14.8-2-pve", "")
+    assert done.returncode == 0 and not (tmp_path / "trial-up").exists()
+    unit = plan.trial_up_files()["/etc/systemd/system/pvegpu-kernel-trial.service"][0]
+    assert "ExecStart=/bin/sh /var/lib/pvegpu/kernel/trial-up.sh" in unit and "WantedBy=multi-user.target" in unit
+    assert "ConditionPathExists=/var/lib/pvegpu/kernel/trial-boot" in unit
+    assert plan.HOST_CHECKS_LOOP in plan.trial_up_files()["/var/lib/pvegpu/kernel/trial-up.sh"][0]
+
+
+def test_a_decided_trial_removes_its_boot_unit():
+    """finish (made the default, or the failure recorded) and pin take the unit, its script, its
+    record and the retry marker away: a later boot runs nothing of the trial."""
+    gone = ("/etc/systemd/system/pvegpu-kernel-trial.service "
+            "/etc/systemd/system/multi-user.target.wants/pvegpu-kernel-trial.service /var/lib/pvegpu/kernel/trial-up.sh "
+            "/var/lib/pvegpu/kernel/trial-up /var/lib/pvegpu/kernel/trial-retried")
+    command = plan.finish_trial_command("6.14.8-2-pve", "systemd-boot", "b1")
+    assert command.count(gone) == 2  # made the default; the failure recorded
+    cmds, _ = run_op(kernel.pin_kernel, "6.14.8-2-pve", "systemd-boot")
+    assert cmds[-1].endswith(f"rm -f /var/lib/pvegpu/kernel/trial-pending {gone}")
