@@ -268,7 +268,8 @@ def decide(k: KernelSpec, facts: dict, base: str) -> dict:
     default = plan.default_release(facts["kernels"], build, loader, facts.get("loader_state"))
     decision = plan.kernel_decision(
         k, {"kernels": facts["kernels"], "installed_manifest": build["installed_manifest"], "build": build,
-            "trial": build["trial"], "armed": build["armed"], "failed": build["failed"], "default": default}, base)
+            "trial": build["trial"], "armed": build["armed"], "failed": build["failed"], "default": default,
+            "trial_up": build.get("trial_up"), "trial_retried": build.get("trial_retried")}, base)
     return {**decision, "default": default}
 
 

@@ -584,3 +584,19 @@ def test_a_decided_trial_removes_its_boot_unit():
     assert command.count(gone) == 2  # made the default; the failure recorded
     cmds, _ = run_op(kernel.pin_kernel, "6.14.8-2-pve", "systemd-boot")
     assert cmds[-1].endswith(f"rm -f /var/lib/pvegpu/kernel/trial-pending {gone}")
+
+
+def test_the_stage_reads_the_trial_units_record_into_its_decision():
+    """The build facts' `trial_up` (facts.kernel parse_build_state, the line the stage's fact
+    prints) reaches plan.kernel_decision through operations.kernel.decide."""
+    k = KernelSpec(version="6.14.8-2-pve", source=GIT)
+    base = kernel.base_config_of(k)
+    bid = plan.build_id(k, base)
+    lines = [f"installed-manifest {json.dumps({'build_id': bid})}", "trial 6.14.8-2-pve", "trial_up 6.14.8-2-pve ok",
+             "pbt", "esps", "uefi"]
+    build = kernel_facts.parse_build_state(lines)
+    kernels = {"running": "6.8.12-4-pve", "installed": ["6.8.12-4-pve", "6.14.8-2-pve"], "pinned": "6.8.12-4-pve"}
+    decision = kernel.decide(k, {"build": build, "kernels": kernels}, base)
+    assert decision["action"] == "trial" and decision["retry"] is True, decision
+    build = kernel_facts.parse_build_state([*lines, "trial_retried 6.14.8-2-pve"])
+    assert kernel.decide(k, {"build": build, "kernels": kernels}, base)["action"] == "finish"
