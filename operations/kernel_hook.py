@@ -59,35 +59,24 @@ AUTO_REMOVAL = "/etc/kernel/postinst.d/proxmox-auto-removal"
 GRUB_CFG = "/boot/grub/grub.cfg"  # grub-mkconfig's output: whether GRUB boots saved_entry, and the entries' ids
 
 
-def hook_context(spec, cc: str, cxx: str | None, jobs: int, ccache: bool, sig_hash: str = "sha256") -> dict:
+def hook_context(spec, jobs: int, ccache: bool, sig_hash: str = "sha256") -> dict:
+    """The hook's values; no compiler: the hook picks each kernel's own when it runs
+    (templates/nvidia-toolchain-pick.sh.j2, plan/nvidia.py toolchain_for's candidates)."""
     nv = spec.nvidia
-    build = nvidia.build_context(nvidia.cached_source(nv.modules_source), nv.version, None, cc, jobs, ccache,
-                                 cxx=cxx, signing=(nv.signing.key, nv.signing.cert) if nv.signing else None,
+    build = nvidia.build_context(nvidia.cached_source(nv.modules_source), nv.version, None, None, jobs, ccache,
+                                 signing=(nv.signing.key, nv.signing.cert) if nv.signing else None,
                                  sig_hash=sig_hash)
     return {**build, "sha256": nv.modules_source.sha256, "state_dir": HOOK_STATE, "pin_file": PIN_FILE,
             "motd_dir": MOTD_DIR, "motd_file": MOTD, "module_subdir": nvidia.MODULE_SUBDIR,
             "boot_dir": "/boot", "grub_cfg": GRUB_CFG, "loader_entry_prefix": kplan.LOADER_ENTRY_PREFIX,
             "grubenv": kplan.GRUBENV, "trial_pending": kplan.TRIAL_PENDING, "auto_removal": AUTO_REMOVAL,
-            "esp_list": ESP_LIST}
+            "esp_list": ESP_LIST, "need_cxx": nv.open, "cc_candidates": nvplan.CC_CANDIDATES,
+            "cxx_candidates": nvplan.CXX_CANDIDATES}
 
 
-def hook_script(spec, cc: str, cxx: str | None, jobs: int, ccache: bool, sig_hash: str = "sha256") -> str:
+def hook_script(spec, jobs: int, ccache: bool, sig_hash: str = "sha256") -> str:
     """The hook's text (templates/kernel-postinst-nvidia.sh.j2)."""
-    return render_template("kernel-postinst-nvidia.sh.j2", **hook_context(spec, cc, cxx, jobs, ccache, sig_hash))
-
-
-def hook_toolchain(spec, state: dict, releases: list[str]) -> tuple[str, str | None]:
-    """The compilers the stage's toolchain rule picks for the first target release it can (the
-    hook checks each new kernel's CONFIG_CC_VERSION_TEXT against them when it runs)."""
-    for release in releases:
-        info = state["releases"].get(release) or {}
-        if not info.get("cc_version_text"):
-            continue
-        chosen = nvplan.toolchain_for(release, info["cc_version_text"], state.get("compilers") or {},
-                                      need_cxx=spec.nvidia.open)
-        if chosen["cc"]:
-            return chosen["cc"], chosen["cxx"]
-    return "gcc", ("g++" if spec.nvidia.open else None)
+    return render_template("kernel-postinst-nvidia.sh.j2", **hook_context(spec, jobs, ccache, sig_hash))
 
 
 def prefetch(spec) -> list:
@@ -196,18 +185,17 @@ def _hook_and_holds(spec, state: dict) -> None:
     if not (nv_state["sources"].get("modules") or {}).get("cached") and not steps["fetch_modules"]:
         nvidia.fetch_source(name=f"Fetch and verify NVIDIA modules source {archive} for the kernel hook",
                             url=nv.modules_source.url, sha256=nv.modules_source.sha256, dest=archive)
-    cc, cxx = hook_toolchain(spec, nv_state, releases)
     # sign-file's hash: the target kernels' CONFIG_MODULE_SIG_HASH (a series keeps its config), else sha256
     sig_hash = next((h for r in releases if (h := ((nv_state["releases"].get(r) or {}).get("config") or {})
                                              .get("CONFIG_MODULE_SIG_HASH"))), "sha256")
-    content = hook_script(spec, cc, cxx, steps["jobs"], steps["ccache"], sig_hash)
+    content = hook_script(spec, steps["jobs"], steps["ccache"], sig_hash)
     conf = render_template("kernel-headers-apt.conf.j2", path=HEADERS_CONF, hook=HOOK)
     if not file_current(files.get(HEADERS_CONF), conf, "644"):
         managed_file(name="Kernel hook: build for headers apt installs after their kernel (DPkg::Post-Invoke)",
                      path=HEADERS_CONF, content=conf, mode="644", state=files.get(HEADERS_CONF), keep_previous=False)
     current = files.get(HOOK)
     if file_current(current, content, "755"):
-        logger.info(f"{host.name}: kernel hook: {HOOK} builds nvidia {nv.version} for new kernels ({cc})")
+        logger.info(f"{host.name}: kernel hook: {HOOK} builds nvidia {nv.version} for new kernels (each with its own GCC)")
         return
     managed_file(name=f"Kernel hook: build nvidia {nv.version} for each kernel apt installs", path=HOOK,
                  content=content, mode="755", state=current, keep_previous=False)

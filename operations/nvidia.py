@@ -161,19 +161,20 @@ def build_command(archive: str, version: str, release: str | None, cc: str, jobs
                                                                 share_key=share_key))
 
 
-def build_context(archive: str, version: str, release: str | None, cc: str, jobs: int, ccache: bool,
+def build_context(archive: str, version: str, release: str | None, cc: str | None, jobs: int, ccache: bool,
                   conftest_cache: bool = True, cxx: str | None = None,
                   signing: tuple[str, str] | None = None, sig_hash: str = "sha256", kernel_dirs: bool = False,
                   share_key: str | None = None) -> dict:
     """templates/nvidia-build.sh.j2's values (`build_command`; the kernel hook and the kernel stage's
     gate include the same template with these values and release None; the gate with kernel_dirs:
-    the kernel trees in $KSRC/$KOUT)."""
+    the kernel trees in $KSRC/$KOUT). cc None: the compilers are the caller's $CC and $CXX (the kernel
+    hook's, picked for each kernel: templates/nvidia-toolchain-pick.sh.j2), the shared tree named from them."""
     # ccache by masquerade (/usr/lib/ccache/<cc> first on PATH): NVIDIA's conftest.sh runs
     # "$CC" quoted, so CC="ccache gcc-12" makes every conftest fail.
     return dict(
         archive=archive, version=version, release=release, cc=cc, cxx=cxx, jobs=int(jobs),
         ccache=ccache, conftest_cache=conftest_cache, signing=tuple(signing) if signing else None, sig_hash=sig_hash,
-        build_root=BUILD_ROOT, build_parent=f"{BUILD_ROOT}/{version}", src_dir=src_dir(version, cc, cxx),
+        build_root=BUILD_ROOT, build_parent=f"{BUILD_ROOT}/{version}", src_dir=src_dir(version, cc, cxx) if cc else None,
         ccache_dir=CCACHE_DIR, ccache_masquerade=CCACHE_MASQUERADE, ccache_ignore_options=CCACHE_IGNORE_OPTIONS,
         conftest_cache_dir=CONFTEST_CACHE, conftest_cache_keep=CONFTEST_CACHE_KEEP, sign_file=SIGN_FILE,
         modules_dir="/lib/modules", kernel_dirs=kernel_dirs, share_key=share_key, share_root=SHARE_ROOT)

@@ -58,6 +58,16 @@ def build_jobs(cores: int, mem_total_kib: int, per_job_gib: int = 2) -> int:
 
 # -- toolchain (incident 1) ----------------------------------------------------------------
 
+# The toolchain rule's candidate programs, in order: the program the kernel names, gcc-<major> of
+# its GCC, gcc; for C++, g++ named like the chosen gcc (suffix "-12" or ""), g++, g++-<major>. Each
+# list is tried by an identical banner (less the program name) first, then by the same GCC x.y.z.
+# toolchain_for fills them in for the converge; the kernel hook renders them into its shell
+# (templates/nvidia-toolchain-pick.sh.j2, the `sh_pattern` filter) and decides the same way for each
+# kernel apt installs, when apt installs it (a test runs both over the same cases).
+CC_CANDIDATES = ("{program}", "gcc-{major}", "gcc")
+CXX_CANDIDATES = ("g++{suffix}", "g++", "g++-{major}")
+
+
 def _banner_tail(banner: str) -> str:
     """A `--version` first line without the program name (`gcc-12 (Debian …) 12.2.0` -> `(Debian …) 12.2.0`)."""
     return banner.strip().split(" ", 1)[1] if " " in banner.strip() else ""
@@ -94,7 +104,8 @@ def toolchain_for(release: str, cc_version_text: str | None, compilers: dict[str
     cc = result["cc"]
     wanted_version = compiler_version(compilers[cc]) or ""  # _cc_for found this gcc by its version
     suffix = cc[len("gcc"):]  # "-12" or ""
-    candidates = [c for c in dict.fromkeys([f"g++{suffix}", "g++", f"g++-{wanted_version.split('.')[0]}"]) if c in compilers]
+    names = (p.format(suffix=suffix, major=wanted_version.split(".")[0]) for p in CXX_CANDIDATES)
+    candidates = [c for c in dict.fromkeys(names) if c in compilers]
     for cxx in candidates:
         if _banner_tail(compilers[cxx]) == _banner_tail(compilers[cc]):
             return {**result, "cxx": cxx}
@@ -125,7 +136,8 @@ def _cc_for(release: str, cc_version_text: str | None, compilers: dict[str, str]
     # the kernel's program (Debian 6.12 names x86_64-linux-gnu-gcc-12), then gcc-<major>, then gcc:
     # every release built by one GCC gets the same program, so they share one src/ build
     major = wanted_version.split(".")[0] if wanted_version else None
-    candidates = [c for c in dict.fromkeys([program, f"gcc-{major}", "gcc"]) if c in compilers and c.startswith("gcc")]
+    names = (p.format(program=program, major=major) for p in CC_CANDIDATES)
+    candidates = [c for c in dict.fromkeys(names) if c in compilers and c.startswith("gcc")]
     for cc in candidates:
         if _banner_tail(compilers[cc]) == _banner_tail(cc_version_text):
             return {"cc": cc, "note": None, "refusal": None}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,6 +42,14 @@ END_OF_OPTIONS = shell.END_OF_OPTIONS
 operands = shell.operands
 
 
+def shell_pattern(pattern: str) -> str:
+    """A name pattern with `{variable}` places (plan/nvidia.py CC_CANDIDATES: `gcc-{major}`) as one
+    shell word: each literal part quoted (`quote`), each place the shell variable's value:
+    `gcc-"${major}"`."""
+    parts = re.split(r"\{([a-z_]+)\}", pattern)
+    return "".join((f'"${{{part}}}"' if i % 2 else quote(part)) for i, part in enumerate(parts) if part)
+
+
 def environment(*search: Path) -> jinja2.Environment:
     """The jinja environment every template renders with; `search`: dirs looked in before templates/."""
     env = jinja2.Environment(
@@ -53,6 +62,7 @@ def environment(*search: Path) -> jinja2.Environment:
     )
     env.filters["q"] = quote
     env.filters["operands"] = operands
+    env.filters["sh_pattern"] = shell_pattern
     return env
 
 
@@ -109,6 +119,9 @@ _KERNEL = dict(build_dir="/var/lib/pvegpu/kernel-build/6.14.11-4-pve-0123456789a
                fragments=[], url="https://git.proxmox.com/git/pve-kernel.git", sha256="", ref="ad58d1445425ea4742e3470b2edbee35df0657e9",
                localversion="-4-pve", pkgversion="1", local_suffix="-pvegpu",
                ccache_dir="/var/cache/pvegpu/ccache-kernel", ccache_max_size="12G")
+# the kernel hook's compilers: none rendered (the caller's $CC/$CXX), the rule's candidates (plan/nvidia.py)
+_HOOK_CC = dict(cc=None, cxx=None, src_dir=None, cc_candidates=("{program}", "gcc-{major}", "gcc"),
+                cxx_candidates=("g++{suffix}", "g++", "g++-{major}"))
 SHELL_EXAMPLES: dict[str, list[dict]] = {
     "nvidia-fetch-source.sh.j2": [
         dict(url="https://github.com/NVIDIA/open-gpu-kernel-modules/archive/refs/tags/595.45.04.tar.gz",
@@ -152,8 +165,8 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
          "loader_entry_prefix": "proxmox-", "grubenv": "/boot/grub/grubenv",
          "trial_pending": "/var/lib/pvegpu/kernel/trial-pending",
          "auto_removal": "/etc/kernel/postinst.d/proxmox-auto-removal",
-         "esp_list": "/etc/kernel/proxmox-boot-uuids"},
-        {**_BUILD, "release": None, "cxx": "g++-12", "signing": ("/root/mok.key", "/root/mok.der"), "sha256": "a" * 64,
+         "esp_list": "/etc/kernel/proxmox-boot-uuids", **_HOOK_CC, "need_cxx": False},
+        {**_BUILD, "release": None, **_HOOK_CC, "need_cxx": True, "signing": ("/root/mok.key", "/root/mok.der"), "sha256": "a" * 64,
          "state_dir": "/var/lib/pvegpu/kernel-hook", "pin_file": "/etc/kernel/proxmox-boot-pin", "motd_dir": "/etc/motd.d",
          "motd_file": "/etc/motd.d/pvegpu-kernel", "module_subdir": "updates/pvegpu-nvidia", "boot_dir": "/boot",
          "grub_cfg": "/boot/grub/grub.cfg", "loader_entry_prefix": "proxmox-", "grubenv": "/boot/grub/grubenv",
@@ -161,6 +174,7 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
          "auto_removal": "/etc/kernel/postinst.d/proxmox-auto-removal",
          "esp_list": "/etc/kernel/proxmox-boot-uuids"},
     ],
+    "nvidia-toolchain-pick.sh.j2": [dict(_HOOK_CC, need_cxx=True), dict(_HOOK_CC, need_cxx=False)],
     "nvidia-install.sh.j2": [
         dict(release="6.14.11-4-pve", build_parent=_BUILD["build_parent"], modules_dir="/lib/modules",
              module_subdir="updates/pvegpu-nvidia"),

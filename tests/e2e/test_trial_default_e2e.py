@@ -66,7 +66,7 @@ def install_hook(root: Path) -> str:
                          modules_source=SimpleNamespace(url="file:///opt/src/nvidia.tar.gz", sha256="0" * 64))
     hook = root / kernel_hook.HOOK.lstrip("/")
     hook.parent.mkdir(parents=True, exist_ok=True)
-    hook.write_text(kernel_hook.hook_script(SimpleNamespace(nvidia=nv), "gcc", "g++", 1, False))
+    hook.write_text(kernel_hook.hook_script(SimpleNamespace(nvidia=nv), 1, False))
     hook.chmod(0o755)
     return version
 

@@ -847,7 +847,7 @@ def test_walk_nvidia_signing_paths(tmp_path, monkeypatch):
                                              signing=(sig.key, sig.cert))
             check(build, [sig.key, sig.cert])
             assert f"{shlex.quote(sig.key)} {shlex.quote(sig.cert)}" in build
-            check(kernel_hook.hook_script(spec, "gcc", "g++", 2, True), [sig.key, sig.cert])
+            check(kernel_hook.hook_script(spec, 2, True), [sig.key, sig.cert])
     # the build runs for a few of them (each is a tar, a fake make and sign-file)
     run = list(to_run(accepted, lambda s: getattr(nvidia_of(s).signing, "key", "")).values())[:6]
     for n, spec in enumerate(run):
@@ -907,7 +907,7 @@ def test_walk_nvidia_version_and_releases(tmp_path):
                                nvidia_ops.cleanup_command(nv.version)):
                     check(script, words)
             if nv.modules_source is not None:
-                check(kernel_hook.hook_script(spec, "gcc", "g++", 2, True), words)
+                check(kernel_hook.hook_script(spec, 2, True), words)
 
 
 def test_walk_rebind_script(tmp_path):
@@ -1030,6 +1030,7 @@ WALKS = {
     "nvidia-verify.sh.j2": ["test_walk_nvidia_version_and_releases"],
     "nvidia-conftest-key.sh.j2": ["test_walk_nvidia_version_and_releases"],
     "nvidia-toolchain-check.sh.j2": ["test_walk_nvidia_version_and_releases"],  # included by the hook and the gate
+    "nvidia-toolchain-pick.sh.j2": ["test_walk_nvidia_version_and_releases"],  # included by the hook (no spec value in it)
     "kernel-postinst-nvidia.sh.j2": ["test_walk_nvidia_signing_paths", "test_walk_nvidia_version_and_releases"],
     "modprobe-nvidia.conf.j2": ["test_walk_nvreg_values"],
     "nccl.conf.j2": ["test_walk_nccl_values"],

@@ -66,7 +66,7 @@ def test_the_kernel_hook_checks_the_key_before_it_builds():
     spec = HostSpec(nvidia={"version": "595.45.04", "signing": {"key": "/root/mok.pem", "cert": "/root/mok.der"},
                             "modules_source": {"url": "https://example.org/595.45.04.tar.gz",
                                                "sha256": "257089c6a8a5623bf34734d59210d322076d3a0cbe69c7c0da6a5348ebb45762"}})
-    text = kernel_hook.hook_script(spec, "gcc-12", "g++-12", 2, False)
+    text = kernel_hook.hook_script(spec, 2, False)
     check = "stat -L -c '%u %a' -- /root/mok.pem"
     assert check in text and text.index(check) < text.index('make -C "$mk"')
     assert "nvidia.signing.key /root/mok.pem'\" is owner uid" in text

@@ -18,12 +18,13 @@ from spec.models import HostSpec
 RELEASE = "6.14.11-1-pve"
 
 
-def hook(tmp: Path, archive: Path, sha: str, cc: str = "gcc-12", codename: str = "trixie") -> str:
-    """The hook with its paths under `tmp`; the user space's /etc/os-release says `codename`."""
+def hook(tmp: Path, archive: Path, sha: str, codename: str = "trixie", open_tree: bool = False) -> str:
+    """The hook with its paths under `tmp`; the user space's /etc/os-release says `codename`;
+    `open_tree`: NVIDIA's open tree, whose src/ needs a G++ beside the GCC."""
     (tmp / "os-release").write_text(f'VERSION_ID="{13 if codename == "trixie" else 12}"\nVERSION_CODENAME={codename}\n')
-    spec = HostSpec(nvidia={"version": "580.95.05", "open": True,
+    spec = HostSpec(nvidia={"version": "580.95.05", "open": open_tree,
                             "modules_source": {"url": f"file://{archive}", "sha256": sha}})
-    context = kernel_hook.hook_context(spec, cc, None, 2, False)
+    context = kernel_hook.hook_context(spec, 2, False)
     context.update(archive=str(archive), state_dir=str(tmp / "state"), pin_file=str(tmp / "pin"),
                    motd_dir=str(tmp / "motd.d"), motd_file=str(tmp / "motd.d/pvegpu-kernel"),
                    modules_dir=str(tmp / "modules"), build_root=str(tmp / "build"),
@@ -34,16 +35,33 @@ def hook(tmp: Path, archive: Path, sha: str, cc: str = "gcc-12", codename: str =
     return render_template("kernel-postinst-nvidia.sh.j2", **context)
 
 
-def kernel_built_with(tmp: Path, cc_text: str) -> None:
+BOOKWORM_GCC12 = "gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0"
+BOOKWORM_GCC = "gcc (Debian 12.2.0-14+deb12u1) 12.2.0"  # /usr/bin/gcc -> gcc-12
+TRIXIE_GCC14 = "gcc-14 (Debian 14.2.0-19) 14.2.0"
+TRIXIE_GXX14 = "g++-14 (Debian 14.2.0-19) 14.2.0"
+
+
+def compilers(tmp: Path, *banners: str) -> None:
+    """Compilers on the hook's PATH, each printing its `--version` line (`gcc-12 (Debian …) 12.2.0`
+    is the program gcc-12) and, as `-v`, GCC's last line; any other use logs its arguments."""
+    (tmp / "bin").mkdir(exist_ok=True)
+    for banner in banners:
+        name = banner.split(" ", 1)[0]
+        version = banner.rsplit(" ", 1)[1]
+        (tmp / "bin" / name).write_text(
+            f'#!/bin/sh\ncase "$1" in --version) echo {banner!r};; -v) echo "gcc version {version} (Debian)";; '
+            f'*) echo "$0 $*" >> {tmp}/compiled;; esac\n')
+        (tmp / "bin" / name).chmod(0o755)
+
+
+def kernel_built_with(tmp: Path, cc_text: str, *banners: str) -> None:
     """The kernel's build dir, its .config naming the compiler it was built with (`cc_text`), and
-    the host's gcc-12 on the hook's PATH printing bookworm's gcc-12 version line."""
+    the host's compilers on the hook's PATH (`banners`; bookworm's gcc-12 unless given)."""
     build = tmp / "modules" / RELEASE / "build"
-    build.mkdir(parents=True)
+    build.mkdir(parents=True, exist_ok=True)
     (build / "Makefile").write_text("")
     (build / ".config").write_text(f'CONFIG_CC_VERSION_TEXT="{cc_text}"\n')
-    (tmp / "bin").mkdir()
-    (tmp / "bin/gcc-12").write_text("#!/bin/sh\necho 'gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0'\n")
-    (tmp / "bin/gcc-12").chmod(0o755)
+    compilers(tmp, *(banners or (BOOKWORM_GCC12, BOOKWORM_GCC)))
 
 
 def run(tmp: Path, script: str) -> subprocess.CompletedProcess:
@@ -64,15 +82,19 @@ def test_a_missing_archive_is_kept_as_the_reason_and_the_hook_exits_0(tmp_path):
     assert RELEASE in (tmp_path / "motd.d/pvegpu-kernel").read_text()
 
 
-def test_another_compiler_than_the_kernel_s_is_refused_before_any_build(tmp_path):
+def test_a_kernel_of_a_gcc_this_host_lacks_is_deferred_before_any_build(tmp_path):
+    """Issue 40: the hook picks the kernel's own GCC; a gcc-14 kernel on a host with gcc-12 alone
+    (gcc-14 not installed yet) builds nothing: the reason says what to install, and the kernel is
+    kept for apt's pass at the end of the dpkg run (its .no-compiler record)."""
     archive = tmp_path / "tree.tar.gz"
     archive.write_bytes(b"tree")
-    kernel_built_with(tmp_path, "gcc-14 (Debian 14.2.0-19) 14.2.0")
+    kernel_built_with(tmp_path, TRIXIE_GCC14)
     done = run(tmp_path, hook(tmp_path, archive, hashlib.sha256(b"tree").hexdigest()))
     assert done.returncode == 0, done.stderr
     reason = (tmp_path / f"state/{RELEASE}.failed").read_text().splitlines()[1]
-    assert reason.endswith("it was built with 'gcc-14 (Debian 14.2.0-19) 14.2.0', this host's gcc-12 is "
-                           "'gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0' (modules of another compiler left a host unbootable)")
+    assert reason.endswith(f"it was built with '{TRIXIE_GCC14}' and no installed GCC 14.2.0 matches it (gcc: "
+                           f"'{BOOKWORM_GCC}'; modules of another compiler left a host unbootable): install gcc-14"), reason
+    assert (tmp_path / f"state/{RELEASE}.no-compiler").exists()
     assert not (tmp_path / "build").exists(), "nothing was built"
 
 
@@ -300,12 +322,12 @@ def test_the_hooks_release_of_a_kernel_is_plan_releases_rule():
 
     text = render_template("kernel-postinst-nvidia.sh.j2", **{**kernel_hook.hook_context(
         HostSpec(nvidia={"version": "580.95.05", "modules_source": {"url": "file:///x.tar.gz", "sha256": hashlib.sha256(b"x").hexdigest()}}),
-        "gcc-12", None, 2, False)})
+        2, False)})
     func = text[text.index("kernel_rel() {"):text.index("of_host() {")]
     names = ["6.8.12-11-pve", "6.14.0-1-pve", "6.14.0-2-pvegpu-pve", "6.14.4-1-pve", "6.14.5-1-bpo12-pve",
              "6.14.11-9-bpo12-pvegpu-pve", "6.14.5-1-pve", "6.14.8-2-pve", "6.17.13-21-pvegpu-pve",
              "7.0.14-14-pve", "6.12.118+deb13-amd64", "6.1.0-57-amd64"]
-    out = subprocess.run(["sh", "-c", func + 'for n in "$@"; do echo "$n=$(kernel_rel "$n")"; done', "sh", *names],
+    out = subprocess.run(["/bin/sh", "-c", func + 'for n in "$@"; do echo "$n=$(kernel_rel "$n")"; done', "sh", *names],
                          capture_output=True, text=True, timeout=30).stdout.splitlines()
     assert out == [f"{n}={PVE_CODENAME.get(kernel_pve_major(n) or 0, '')}" for n in names]
 
@@ -325,3 +347,130 @@ def test_half_installed_kernel_packages_are_unpacked_again_before_dpkg_configure
         "proxmox-kernel-6.12.118+deb12-amd64-signed=1",
         "DEBIAN_FRONTEND=noninteractive dpkg --configure -a"]
     assert run_op(kernel_hook.finish_packages)[0] == ["DEBIAN_FRONTEND=noninteractive dpkg --configure -a"]
+
+
+def recording_tree(tmp: Path) -> Path:
+    """An archive in the open tree's layout (src/nvidia and kernel-open/) whose make records the
+    compilers it is given (CC, CXX) and fails: what the hook builds with, without a real compile."""
+    import tarfile
+    top = tmp / "tree/open-gpu-kernel-modules-580.95.05"
+    (top / "kernel-open").mkdir(parents=True)
+    (top / "src/nvidia").mkdir(parents=True)
+    (top / "version.mk").write_text("NVIDIA_VERSION = 580.95.05\n")
+    (top / "kernel-open/Kbuild").write_text("")
+    (top / "Makefile").write_text(f"%:\n\t@echo 'CC=$(CC) CXX=$(CXX)' > {tmp}/make-compilers; exit 2\n")
+    archive = tmp / "tree.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(top, arcname=top.name)
+    return archive
+
+
+def test_a_gcc_14_kernel_on_a_host_with_gcc_12_and_gcc_14_is_built_with_gcc_14(tmp_path):
+    """Issue 40: the hook was rendered with the converge's compiler (gcc-12 on 8) and refused 9's
+    kernel (GCC 14) inside the dist-upgrade; it now takes each kernel's own: gcc-14 and g++-14
+    (the open tree's src/ is C++), however the hook was installed."""
+    archive = recording_tree(tmp_path)
+    kernel_built_with(tmp_path, TRIXIE_GCC14, BOOKWORM_GCC12, BOOKWORM_GCC, "g++-12 (Debian 12.2.0-14+deb12u1) 12.2.0",
+                      "g++ (Debian 12.2.0-14+deb12u1) 12.2.0", TRIXIE_GCC14, TRIXIE_GXX14)
+    done = run(tmp_path, hook(tmp_path, archive, hashlib.sha256(archive.read_bytes()).hexdigest(), open_tree=True))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "make-compilers").read_text() == "CC=gcc-14 CXX=g++-14\n"
+    log = (tmp_path / f"state/{RELEASE}.log").read_text()
+    assert f"building nvidia 580.95.05 for {RELEASE} with gcc-14 and g++-14 (its CONFIG_CC_VERSION_TEXT: '{TRIXIE_GCC14}')" in log
+    assert not (tmp_path / f"state/{RELEASE}.no-compiler").exists()
+
+
+def dpkg_query(tmp: Path, status: str) -> None:
+    """dpkg-query on the hook's PATH: every compiler under tmp/bin belongs to a package named like
+    it, whose status is `status` ("install ok unpacked": dpkg has not configured it yet)."""
+    (tmp / "bin/dpkg-query").write_text(
+        f'#!/bin/sh\ncase "$1" in -S) echo "${{2##*/}}: $2";; -W) echo "{status}";; esac\n')
+    (tmp / "bin/dpkg-query").chmod(0o755)
+
+
+@pytest.mark.parametrize("case", ["absent", "unpacked"])
+def test_the_apt_pass_builds_a_kernel_deferred_for_its_compiler_and_nothing_is_pinned(tmp_path, case):
+    """Issue 40: inside the dist-upgrade 9's kernel (GCC 14) is configured while gcc-14 is not
+    installed, or unpacked but not configured by dpkg: the hook defers it (no module, no pin: never
+    8's kernel as the default of 9's system) and apt's DPkg::Post-Invoke pass at the end of the dpkg
+    run builds it once gcc-14 and g++-14 are there and configured; while they are not, the pass runs nothing."""
+    upgrade_host(tmp_path, "trixie")
+    archive = recording_tree(tmp_path)
+    gcc12 = (BOOKWORM_GCC12, BOOKWORM_GCC, "g++-12 (Debian 12.2.0-14+deb12u1) 12.2.0", "g++ (Debian 12.2.0-14+deb12u1) 12.2.0")
+    kernel_built_with(tmp_path, TRIXIE_GCC14, *gcc12, *((TRIXIE_GCC14, TRIXIE_GXX14) if case == "unpacked" else ()))
+    if case == "unpacked":
+        dpkg_query(tmp_path, "install ok unpacked")
+    script = hook(tmp_path, archive, hashlib.sha256(archive.read_bytes()).hexdigest(), open_tree=True)
+    done = run(tmp_path, script)
+    assert done.returncode == 0, done.stderr
+    record = (tmp_path / f"state/{RELEASE}.failed").read_text().splitlines()
+    if case == "absent":
+        assert record[1].endswith("install gcc-14 and g++-14"), record
+    else:
+        assert record[1].endswith("gcc-14 (gcc-14) is unpacked but not yet configured; g++-14 (g++-14) is unpacked but "
+                                  "not yet configured (apt's pass after this dpkg run builds it once configured)"), record
+    assert record[2] == ("no installed kernel of trixie has nvidia 580.95.05 modules to keep as the boot default; "
+                         "deferred to the converge")
+    assert not (tmp_path / "pbt").exists() and not (tmp_path / "pin").exists(), done.stderr
+    assert not (tmp_path / "make-compilers").exists() and (tmp_path / f"state/{RELEASE}.no-compiler").exists()
+
+    path = tmp_path / "pvegpu-nvidia"
+    path.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"}
+    again = subprocess.run([str(path), "--headers"], capture_output=True, text=True, env=env, timeout=60)
+    assert again.returncode == 0 and again.stderr == "", again.stderr  # still no gcc-14: nothing runs
+    assert not (tmp_path / "make-compilers").exists()
+
+    compilers(tmp_path, TRIXIE_GCC14, TRIXIE_GXX14)  # the dpkg run ends: installed and configured
+    if case == "unpacked":
+        dpkg_query(tmp_path, "install ok installed")
+    again = subprocess.run([str(path), "--headers"], capture_output=True, text=True, env=env, timeout=60)
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "make-compilers").read_text() == "CC=gcc-14 CXX=g++-14\n"
+    assert not (tmp_path / f"state/{RELEASE}.no-compiler").exists()
+    assert not (tmp_path / "pbt").exists()
+
+
+PICK_CASES = {
+    "bookworm 8 kernel": ("gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0", [BOOKWORM_GCC12, BOOKWORM_GCC,
+                          "g++-12 (Debian 12.2.0-14+deb12u1) 12.2.0", "g++ (Debian 12.2.0-14+deb12u1) 12.2.0"]),
+    "PVE names gcc": ("gcc (Debian 12.2.0-14+deb12u1) 12.2.0", [BOOKWORM_GCC12, BOOKWORM_GCC,
+                      "g++-12 (Debian 12.2.0-14+deb12u1) 12.2.0"]),
+    "9 kernel, 12 and 14": (TRIXIE_GCC14, [BOOKWORM_GCC12, BOOKWORM_GCC, "g++-12 (Debian 12.2.0-14+deb12u1) 12.2.0",
+                            TRIXIE_GCC14, TRIXIE_GXX14]),
+    "other revision": ("gcc-14 (Debian 14.2.0-17) 14.2.0", [TRIXIE_GCC14, "gcc (Debian 14.2.0-19) 14.2.0", TRIXIE_GXX14]),
+    "Debian's triplet program": ("x86_64-linux-gnu-gcc-14 (Debian 14.2.0-19) 14.2.0",
+                                 [TRIXIE_GCC14, "g++ (Debian 14.2.0-19) 14.2.0"]),
+    "no gcc-14": (TRIXIE_GCC14, [BOOKWORM_GCC12, BOOKWORM_GCC, "g++-12 (Debian 12.2.0-14+deb12u1) 12.2.0"]),
+    "no g++-14": (TRIXIE_GCC14, [TRIXIE_GCC14, "g++-12 (Debian 12.2.0-14+deb12u1) 12.2.0"]),
+    "g++ of another revision": (TRIXIE_GCC14, [TRIXIE_GCC14, "g++-14 (Debian 14.2.0-17) 14.2.0"]),
+    "clang": ("Debian clang version 14.0.6", [BOOKWORM_GCC12]),
+    "Ubuntu's 4.8": ("gcc (Ubuntu 4.8.4-2ubuntu1~14.04.3) 4.8.4", ["gcc (Ubuntu 4.8.4-2ubuntu1~14.04.4) 4.8.4",
+                                                                    "g++ (Ubuntu 4.8.4-2ubuntu1~14.04.4) 4.8.4"]),
+}
+
+
+@pytest.mark.parametrize("need_cxx", [True, False])
+@pytest.mark.parametrize("case", sorted(PICK_CASES))
+def test_the_hooks_compiler_is_plan_nvidia_toolchain_for(tmp_path, case, need_cxx):
+    """One rule: the hook's pick_toolchain (sh, at apt time) chooses as the converge's
+    plan.nvidia.toolchain_for does, for the same kernel text and the same installed compilers."""
+    from plan.nvidia import toolchain_for
+
+    cc_text, banners = PICK_CASES[case]
+    spec = HostSpec(nvidia={"version": "580.95.05", "open": need_cxx,
+                            "modules_source": {"url": "file:///x.tar.gz", "sha256": hashlib.sha256(b"x").hexdigest()}})
+    text = kernel_hook.hook_script(spec, 2, False)
+    func = text[text.index("tc_version() {"):text.index('if [ "$R" = --headers ]')]
+    kb = tmp_path / "kb"
+    kb.mkdir()
+    (kb / ".config").write_text(f'CONFIG_CC_VERSION_TEXT="{cc_text}"\n')
+    compilers(tmp_path, *banners)
+    tools = tmp_path / "tools"  # the hook's utilities, and no compiler but the stubs
+    tools.mkdir()
+    for tool in ("sed", "head", "grep", "readlink", "dpkg-query"):
+        (tools / tool).symlink_to(subprocess.run(["sh", "-c", f"command -v {tool}"], capture_output=True, text=True).stdout.strip())
+    out = subprocess.run(["/bin/sh", "-c", func + 'KB=$1; pick_toolchain; echo "$CC,$CXX"', "sh", str(kb)], capture_output=True,
+                         text=True, env={"PATH": f"{tmp_path / 'bin'}:{tools}"}, timeout=30)
+    chosen = toolchain_for("r", cc_text, {b.split(" ", 1)[0]: b for b in banners}, need_cxx=need_cxx)
+    assert out.stdout.strip() == f"{chosen['cc'] or ''},{chosen['cxx'] or ''}", out.stderr
