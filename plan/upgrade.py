@@ -183,11 +183,12 @@ def upgrade_findings(state: dict, lxc_configs: dict[int, str], nvidia_version: s
         findings += legacy_cgroup_keys(ctid, lxc_configs[ctid])
     if nvidia_version and not after:
         findings.append(
-            f"after the upgrade the converge builds nvidia {nvidia_version} for 9's kernel with GCC 14 (Proxmox "
-            "builds its 9.x kernels with trixie's gcc-14; modules of another GCC are refused). The kernel hook "
-            "may leave 9's kernel without them during the dist-upgrade (where it builds with gcc-12, the program "
-            "8's kernel names, it defers 9's kernel and pins no kernel of the other release; a real apt "
-            "full-upgrade on the twin, tests/e2e/test_dist_upgrade_e2e.py). Fix: install gcc-14 and g++-14 with the upgrade (build-essential "
-            "on trixie), keep proxmox-default-headers installed, and do not reboot at the end of the upgrade: "
-            "converge first (it builds for 9's kernel, then reboots into it where reboot.allowed)")
+            f"9's kernel needs nvidia {nvidia_version} built with GCC 14 (Proxmox builds its 9.x kernels with "
+            "trixie's gcc-14; modules of another GCC are refused). pvegpu's kernel hook builds it during the "
+            "dist-upgrade with that kernel's own compiler, in the kernel's postinst where gcc-14 and g++-14 are "
+            "configured by then, else in apt's pass after the dpkg run (a real apt full-upgrade on the twin, "
+            "tests/e2e/test_dist_upgrade_e2e.py); it pins no kernel of the other release. Fix: keep gcc and g++ "
+            "(build-essential) and proxmox-default-headers installed, so the upgrade brings gcc-14, g++-14 and 9's "
+            "headers; before the reboot, if the login notice or a --dry run still names 9's kernel, converge "
+            "first (it builds for 9's kernel, then reboots into it where reboot.allowed)")
     return findings

@@ -100,7 +100,7 @@ def test_8_to_9_in_place(twin_factory, tmp_path, monkeypatch):
     assert manifest_diff(before, root_manifest(upper)) == []
     assert "upgrade check: the spec says Proxmox VE 9 (proxmox_ve: 9) and this host runs 8.4.1" in dry.output, \
         dry.output[-6000:]
-    assert "after the upgrade the converge builds nvidia 595.71.05 for 9's kernel with GCC 14" in dry.output
+    assert "9's kernel needs nvidia 595.71.05 built with GCC 14" in dry.output
 
     # the distribution upgrade and its reboot
     twin = runtime.upgrade_in_place(NAME, str(tmp_path / "p9.yml"))
@@ -128,7 +128,7 @@ def test_8_to_9_in_place(twin_factory, tmp_path, monkeypatch):
     assert "upgrade check: the host runs Proxmox VE 9.2.11 now (proxmox_ve: 9); still due after the upgrade" \
         in conv.output, conv.output[-6000:]
     assert "Fix now (the host runs 9): apt remove systemd-boot" in conv.output
-    assert "after the upgrade the converge builds" not in conv.output  # the before-only note is gone
+    assert "9's kernel needs nvidia" not in conv.output  # the before-only note is gone
     built = root / MODULE.format(NEW_KERNEL)
     assert built.exists(), conv.output[-6000:]  # the rebuild for 9's kernel (a converge that skips it fails here)
     comment = ssh(f"readelf -p .comment /{MODULE.format(NEW_KERNEL)}")

@@ -35,9 +35,11 @@ def test_recorded_state_gives_each_finding_with_its_fix():
     assert grub_pin.startswith("GRUB's saved default (grubenv saved_entry") and "6.14.0-2-pvegpu-pve" in grub_pin
     assert "grub-editenv /boot/grub/grubenv unset saved_entry" in grub_pin
     assert cgroup.startswith("CT 200: `lxc.cgroup.devices.allow: c 195:* rwm` is a cgroup v1 key")
-    assert "nvidia 595.71.05 for 9's kernel with GCC 14" in rebuild
-    # the hook defers 9's kernel inside the dist-upgrade (GCC 12 rendered): the converge comes before the reboot
-    assert "do not reboot at the end of the upgrade: converge first" in rebuild
+    assert "nvidia 595.71.05 built with GCC 14" in rebuild
+    # the hook builds 9's kernel with its own gcc-14 during the dist-upgrade once gcc-14/g++-14 are
+    # configured: they come with the upgrade where gcc and g++ are installed; the converge is the fallback
+    assert "keep gcc and g++ (build-essential) and proxmox-default-headers installed" in rebuild
+    assert "still names 9's kernel, converge first" in rebuild
 
 
 def test_a_clean_host_has_no_findings():
