@@ -410,7 +410,7 @@ def test_the_apt_pass_builds_a_kernel_deferred_for_its_compiler_and_nothing_is_p
         assert record[1].endswith("gcc-14 (gcc-14) is unpacked but not yet configured; g++-14 (g++-14) is unpacked but "
                                   "not yet configured (apt's pass after this dpkg run builds it once configured)"), record
     assert record[2] == ("no installed kernel of trixie has nvidia 580.95.05 modules to keep as the boot default; "
-                         "deferred to the converge")
+                         "deferred to apt's pass after the dpkg run that configures its compiler, else the converge")
     assert not (tmp_path / "pbt").exists() and not (tmp_path / "pin").exists(), done.stderr
     assert not (tmp_path / "make-compilers").exists() and (tmp_path / f"state/{RELEASE}.no-compiler").exists()
 
