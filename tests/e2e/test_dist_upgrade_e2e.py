@@ -15,9 +15,10 @@ gcc-14 was not configured yet, by its pass after the dpkg run; in no case is an 
 (proxmox-boot-tool's pin, the ESP's loader.conf default, the EFI variable LoaderEntryDefault);
 then pvegpu's upgrade check (--dry, `proxmox_ve: 9`) reports what is still due on 9.
 
-The slow lane (`make test-slow`; scripts/run-tests.sh leaves it out): ~8-10 min warm on 2
-busy cores (2026-12-06: 558 s and 462 s; the full-upgrade alone 412-483 s), the first run also
-downloads ~300 .debs (~400 MB) into .cache/distup/.
+The slow lane (`make test-slow`; scripts/run-tests.sh leaves it out): ~3-10 min warm on 2
+busy cores (2026-12-06: 558 s and 462 s for two cases, the full-upgrade alone 412-483 s; later
+that day 150 s, the full-upgrade 108 s, on a quieter machine), the first run also downloads ~300
+.debs (~400 MB) into .cache/distup/.
 """
 
 from __future__ import annotations
