@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.twin]
 
 
 def cut(case: pc.Case, tmp_path, point: tuple[str, int, float]) -> pc.Outcome:
-    outcome = pc.cut_once(case, f"pcut-{id(case) % 100000}", tmp_path, (pc._key(point[0]), point[1], point[2]))
+    name = f"pcut-{id(case) % 100000}"  # a step that names the twin says "{name}"
+    outcome = pc.cut_once(case, name, tmp_path, (pc._key(point[0].replace("{name}", name)), point[1], point[2]))
     assert "was not reached" not in " ".join(outcome.problems), outcome.line()
     return outcome
 
@@ -34,6 +35,22 @@ def test_kernel_trial_cut_right_after_dpkg_installed_the_kernel(twin_root_cache,
     outcome = cut(case, tmp_path, (f"dpkg: status installed proxmox-kernel-{RELEASE}:amd64 6.14.11-9~bpo12+1", 1, 0.0))
     assert outcome.after_cut[-1] == "6.14.8-2-pve proxmox-6.14.8-2-pve.conf up", outcome.line()
     assert not outcome.bad and not outcome.problems, outcome.line()
+
+
+def test_kernel_trial_cut_after_the_trial_kernel_came_up_before_the_run_checked_it(twin_root_cache, tmp_path):
+    """The trial kernel boots fine; the power goes as the run reconnects to check it (its second
+    `uname -s`, after the reboot), before it makes the kernel the default: the loader boots the
+    old default. Before: the next converge recorded a failed trial ("came up on 6.14.8-2-pve") and
+    never tried the kernel again (bench/power_cut.py bug 4). pvegpu-kernel-trial.service recorded at
+    the trial boot that the kernel came up with its host checks, so the converge sets the trial up
+    again, the kernel passes it and becomes the default."""
+    case = pc.KernelTrial()
+    outcome = cut(case, tmp_path, ("Running command on {name}: (pty=False) sh -c 'uname -s'", 2, 0.0))
+    assert outcome.after_cut[0].startswith(f"{RELEASE} ") and outcome.after_cut[-1].startswith("6.14.8-2-pve "), \
+        outcome.line()
+    assert any("setting the trial up again (once)" in entry for entry in outcome.log), outcome.line()
+    assert not outcome.bad and not outcome.problems, outcome.line()
+    assert outcome.final == RELEASE, outcome.line()
 
 
 HOOK_STEP = ("run-parts: executing /etc/kernel/postinst.d/pvegpu-nvidia 6.12.118+deb12-amd64 "
