@@ -102,8 +102,10 @@ def parse_share_state(lines: list[str]) -> dict:
             members = json.loads(text)
         except ValueError:
             members = None
-    gcc = next((line.strip() for line in sections.get("gcc", []) if line.strip()), None)
-    config = next((line.split()[0] for line in sections.get("base_config", []) if re.match(r"^[0-9a-f]{64}\b", line)),
-                  None)
-    return {"machine": machine, "headers": headers, "published": published,
-            "members": members if isinstance(members, dict) else None, "gcc": gcc, "base_config_sha256": config}
+    state = {"machine": machine, "headers": headers, "published": published,
+             "members": members if isinstance(members, dict) else None}
+    if "gcc" in sections:  # read with kernel_base
+        state["gcc"] = next((line.strip() for line in sections["gcc"] if line.strip()), None)
+        state["base_config_sha256"] = next(
+            (line.split()[0] for line in sections.get("base_config", []) if re.match(r"^[0-9a-f]{64}\b", line)), None)
+    return state

@@ -176,3 +176,24 @@ def test_the_kernel_and_nvidia_sharing_of_one_run_are_kept_apart():
     state = object()
     assert build_share._run(state, "kernel") is not build_share._run(state, "nvidia")
     assert build_share._run(state, "kernel") is build_share._run(state, "kernel")
+
+
+def test_the_share_fact_reads_the_kernel_builds_compiler_and_base_config(tmp_path):
+    """BuildShareState with kernel_base, run here: gcc's first --version line (what the build's
+    manifest records) and the base config file's sha256; a make target has none; without
+    kernel_base neither is read (the NVIDIA stage's fact as before)."""
+    from facts.build_share import BuildShareState, parse_share_state
+
+    config = tmp_path / "kconfig"
+    config.write_text("CONFIG_64BIT=y\n")
+    gcc = subprocess.run(["sh", "-c", "gcc --version | head -n 1"], capture_output=True, text=True).stdout.strip()
+
+    def read(*args) -> dict:
+        out = subprocess.run(["sh", "-c", BuildShareState().command(*args)], capture_output=True, text=True).stdout
+        return parse_share_state(out.splitlines())
+
+    state = read([], str(config))
+    assert state["gcc"] == (gcc or None)
+    assert state["base_config_sha256"] == hashlib.sha256(config.read_bytes()).hexdigest()
+    assert read([], "tinyconfig")["base_config_sha256"] is None
+    assert "gcc" not in read(["6.1.0-57-amd64"]) and "base_config_sha256" not in read(["6.1.0-57-amd64"])
