@@ -21,19 +21,23 @@ import re
 # The version is the word after "gcc version", or after the program and its parenthesised pkgversion:
 # never the last x.y.z of the line (14.04.3 in Ubuntu's pkgversion above).
 _GCC_DASH_V = re.compile(r"\bgcc version ([0-9]+(?:\.[0-9]+)+)\b")
+# the GCC drivers' program names as --version prints them (argv[0]'s base name; Debian's gcc-N,
+# g++-N, their target-prefixed names, and the cc/c++ alternatives): gcc, g++, c++, cc
+_GCC_DRIVER = re.compile(r"(?:^|[-/])(?:gcc|g\+\+|c\+\+|cc)(?:-[0-9]+(?:\.[0-9]+)*)?$", re.I)
 _GCC_BANNER = re.compile(r"^\s*(\S+)\s+(?:\((?:[^()]|\([^()]*\))*\)\s+)?([0-9]+(?:\.[0-9]+)+)(?![0-9A-Za-z.])")
 
 
 def compiler_version(text: str | None) -> str | None:
     """GCC's version in what GCC prints about itself (`_GCC_BANNER`'s forms): `gcc-12 (Debian
-    12.2.0-14) 12.2.0` → `12.2.0`, `gcc version 4.8.4 (Ubuntu 4.8.4-2ubuntu1~14.04.3)` → `4.8.4`;
-    None for another compiler (`Debian clang version 14.0.6`) or no version."""
+    12.2.0-14) 12.2.0` → `12.2.0` (g++, c++ and cc print the same under their names), `gcc version
+    4.8.4 (Ubuntu 4.8.4-2ubuntu1~14.04.3)` → `4.8.4`; None for another compiler (`Debian clang
+    version 14.0.6`) or no version."""
     if not text:
         return None
     match = _GCC_DASH_V.search(text)
     if match:
         return match.group(1)
     match = _GCC_BANNER.match(text)
-    if match and ("gcc" in match.group(1).lower() or match.group(1) == "GCC:"):
+    if match and ("gcc" in match.group(1).lower() or _GCC_DRIVER.search(match.group(1))):
         return match.group(2)
     return None

@@ -70,7 +70,7 @@ TWIN_DIR = "var/lib/twin"
 STANDIN_PATHS = {
     "nvidia_smi.py": ["usr/local/bin/nvidia-smi"],
     "proxmox.py": ["usr/local/sbin/pct", "usr/local/sbin/qm", "usr/local/sbin/pvesh",
-                   "usr/local/bin/pveversion", "usr/local/sbin/ha-manager",
+                   "usr/local/bin/pveversion", "usr/local/sbin/ha-manager", "usr/local/bin/pvecm",
                    "usr/local/bin/lxc-ls", "usr/local/bin/lxc-info"],
     # (proxmox-boot-tool, zz-proxmox-boot and bootctl are the real programs: the root's boot layer,
     # tests/twin/runtime.py KERNEL_HELPER; what they cannot have in a chroot is standins/esp.sh)
@@ -298,9 +298,12 @@ def strverscmp_improved(root: Path, a: str, b: str) -> int:
     """systemd's own strverscmp_improved() (src/fundamental/string-util-fundamental.c), the order
     systemd-boot sorts its entries in, answered by the twin root's systemd: `systemd-analyze
     compare-versions` (src/analyze/analyze-compare-versions.c, systemd >= 252: exit 0 equal, 11
-    newer, 12 older). <0, 0, >0 as a is older, the same, newer."""
-    done = subprocess.run(["chroot", str(root), "/usr/bin/systemd-analyze", "compare-versions", a, b],
-                          capture_output=True, text=True, timeout=30)
+    newer, 12 older); a root without systemd (a bare root of the unit tests) asks this machine's.
+    <0, 0, >0 as a is older, the same, newer."""
+    command = ["systemd-analyze", "compare-versions", "--", a, b]
+    if (root / "usr/bin/systemd-analyze").is_file():
+        command = ["chroot", str(root), "/usr/bin/systemd-analyze", *command[1:]]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30)
     if done.returncode not in (0, 11, 12):
         raise RuntimeError(f"systemd-analyze compare-versions {a} {b} in {root}: rc {done.returncode} {done.stderr}")
     return {0: 0, 11: 1, 12: -1}[done.returncode]

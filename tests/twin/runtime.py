@@ -967,6 +967,27 @@ def reset(name: str) -> None:
     (Path(spec["root"]) / REBOOT_REQUEST).write_text("reset button\n")
 
 
+def reboot(name: str, timeout: float = 180.0) -> str:
+    """Reboot running twin `name` as an operator does, `reboot` over SSH (the twin's reboot
+    stand-in asks the supervisor), and wait until it has booted again (its .twin/<name>/boots
+    grew) and, a cluster twin, is online in its cluster again (no .twin/<name>/offline: the
+    supervisor's cluster_presence, corosync seeing the node come back). The boot's line."""
+    boots, offline = twin_dir(name) / "boots", twin_dir(name) / "offline"
+    before = len(_read_text(boots).splitlines())
+    done = ssh_run(name, ["reboot"], retry_s=0)
+    if done.returncode != 0:
+        raise TwinError(f"twin {name}: reboot exited {done.returncode}: {done.stderr.strip()}")
+    in_cluster = bool(spec_of(name).get("cluster"))
+    if not _wait_until(lambda: len(_read_text(boots).splitlines()) > before
+                       and not (in_cluster and offline.exists()), timeout):
+        raise TwinError(f"twin {name} did not boot again {timeout:.0f} s after its reboot (log: "
+                        f"{twin_dir(name) / 'supervisor.log'})")
+    line = _read_text(boots).splitlines()[-1]
+    if line.endswith(" hung"):
+        raise TwinError(f"twin {name}: its boot hung (tests/twin/hardware.py no-boot; `reset` it)")
+    return line
+
+
 def kill_sshd(name: str) -> list[int]:
     """SIGKILL every sshd process of running twin `name` (the listener and every session: each
     SSH connection drops); its supervisor starts the listener again within ~1 s, as systemd
@@ -1127,9 +1148,10 @@ def write_members(cluster: str, also: str | None = None) -> None:
                                    and not (TWINS_DIR / n / "offline").exists())) for n in nodes}
     nodelist = {n: {"id": i + 1, "online": online[n], "ip": nodes[n]} for i, n in enumerate(sorted(nodes))}
     quorate = int(sum(online.values()) * 2 > len(nodes))  # one vote each (votequorum's default)
-    # the cluster's corosync.conf nodelist (pve-cluster writes it to /etc/pve at `pvecm add`)
+    # the cluster's corosync.conf (pve-cluster writes it to /etc/pve at `pvecm add`; PVE/Corosync.pm
+    # create_conf: secauth on, config_version counted up at each node's join by atomic_write_conf)
     (cluster_pve(cluster) / "corosync.conf").write_text(
-        f"totem {{\n  cluster_name: {cluster}\n  version: 2\n}}\n\nnodelist {{\n"
+        f"totem {{\n  cluster_name: {cluster}\n  config_version: {len(nodes)}\n  secauth: on\n  version: 2\n}}\n\nnodelist {{\n"
         + "".join(f"  node {{\n    name: {n}\n    nodeid: {i + 1}\n    quorum_votes: 1\n    ring0_addr: {nodes[n]}\n  }}\n"
                   for i, n in enumerate(sorted(nodes)))
         + "}\n\nquorum {\n  provider: corosync_votequorum\n}\n")
@@ -1572,6 +1594,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="a cluster twin stays offline in its cluster after its next boots")
     p.add_argument("--probe-fails", action="append", default=[], metavar="BDF",
                    help="the driver's probe of this PCI device fails at the next boots (repeatable)")
+    p = sub.add_parser("reboot", help="reboot a twin (`reboot` on it) and wait until it is booted and back in its cluster")
+    p.add_argument("name")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for the boot (default 180)")
     p = sub.add_parser("kill-sshd", help="SIGKILL every sshd of a twin (it starts again in ~1 s)")
     p.add_argument("name")
     p = sub.add_parser("stop", help="stop a twin and remove its files")
@@ -1607,6 +1632,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "fault":
             set_fault(args.name, unbind_delay_s=args.unbind_delay, no_cluster_rejoin=args.no_cluster_rejoin,
                       probe_fails=tuple(args.probe_fails))
+        elif args.command == "reboot":
+            reboot(args.name, args.timeout)
+            print(f"{args.name}: rebooted")
         elif args.command == "kill-sshd":
             print(" ".join(map(str, kill_sshd(args.name))))
         elif args.command == "cache":

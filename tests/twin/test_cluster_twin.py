@@ -50,3 +50,30 @@ def test_two_nodes_share_etc_pve_and_each_lists_its_own_guests(twin_factory):
     ssh(a, "touch /var/lib/twin/reboot-request")
     assert runtime._wait_until(lambda: len(boots.read_text().splitlines()) > before, 60)
     assert "301" in ssh(a, "cat /etc/pve/.vmlist").stdout and "300" in ssh(a, "qm list").stdout
+
+
+def test_a_two_node_cluster_has_no_quorum_while_a_node_is_down_and_has_it_again_when_it_is_back(twin_factory):
+    # corosync votequorum without two_node or a QDevice: 2 nodes, quorum 2; the operator's way on
+    # such a cluster (docs/howto/add-node.md): reboot one node, then `pvecm status` on the other
+    cluster = f"q{os.getpid()}"
+    a = twin_factory("kpro6", name=f"s18a-{os.getpid()}", cluster=cluster)
+    b = twin_factory("kpro6", name=f"s18b-{os.getpid()}", cluster=cluster)
+    r = ssh(a, "pvecm status")
+    assert r.returncode == 0 and "Quorate:          Yes" in r.stdout and "Total votes:      2" in r.stdout, r
+    # b boots but its corosync does not come back: a is alone, 1 of 2 votes, no quorum
+    runtime.set_fault(b.name, no_cluster_rejoin=True)
+    try:
+        runtime.reboot(b.name, timeout=5)
+        raise AssertionError("twinctl reboot waited for a node that stays out of its cluster")
+    except runtime.TwinError as e:
+        assert "did not boot again" in str(e)
+    r = ssh(a, "pvecm status")
+    assert r.returncode == 2 and "Quorate:          No" in r.stdout and "Activity blocked" in r.stdout, r
+    assert f"{a.address} (local)\n" in r.stdout and b.address not in r.stdout.split("Membership information")[1]
+    # b rejoins at its next boot: quorate again, both members
+    runtime.set_fault(b.name)
+    assert runtime.reboot(b.name)
+    r = ssh(a, "pvecm status")
+    assert r.returncode == 0 and "Quorate:          Yes" in r.stdout, r
+    # node ids follow the names (runtime.write_members): a is 1, b is 2
+    assert r.stdout.endswith(f"0x00000001          1 {a.address} (local)\n0x00000002          1 {b.address}\n")

@@ -310,6 +310,35 @@ def test_migration_without_quorum_is_refused_and_ha_relocates_through_the_crm(ro
     assert not (root / "etc/pve/nodes/kpro6/qemu-server/300.conf").exists()
 
 
+def test_pvecm_status_says_quorate_only_while_more_than_half_the_votes_are_online(root):
+    # pve-cluster PVE/CLI/pvecm.pm status -> corosync-quorumtool -siH (show_status): a two-node
+    # cluster without two_node/QDevice has quorum 2 of 2; with one node down the other is not
+    # quorate (exit 2, "Activity blocked") and its membership is itself; both back: quorate again
+    r = run(root, "pvecm", "status")
+    assert r.returncode == 255 and "does not exist - is this node part of a cluster?" in r.stderr
+    (root / "etc/pve/corosync.conf").write_text(
+        "totem {\n  cluster_name: c\n  config_version: 3\n}\n\nnodelist {\n"
+        "  node {\n    name: kpro6\n    nodeid: 1\n    quorum_votes: 1\n    ring0_addr: 10.0.0.1\n  }\n"
+        "  node {\n    name: kpro7\n    nodeid: 2\n    quorum_votes: 1\n    ring0_addr: 10.0.0.2\n  }\n}\n")
+
+    def members(up: int) -> str:
+        return json.dumps({"nodename": "kpro6", "cluster": {"name": "c", "quorate": up},
+                           "nodelist": {"kpro6": {"online": 1}, "kpro7": {"online": up}}})
+    (root / "etc/pve/.members").write_text(members(0))
+    r = run(root, "pvecm", "status")
+    assert r.returncode == 2, r.stderr
+    assert "Name:             c\nConfig Version:   3\n" in r.stdout
+    assert "Quorate:          No\n" in r.stdout and "Quorum:           2 Activity blocked\n" in r.stdout
+    assert "Total votes:      1\n" in r.stdout and "Expected votes:   2\n" in r.stdout
+    assert r.stdout.endswith("    Nodeid      Votes Name\n0x00000001          1 10.0.0.1 (local)\n")
+    (root / "etc/pve/.members").write_text(members(1))
+    r = run(root, "pvecm", "status")
+    assert r.returncode == 0 and "Quorate:          Yes\n" in r.stdout and "Flags:            Quorate \n" in r.stdout
+    assert r.stdout.endswith("0x00000001          1 10.0.0.1 (local)\n0x00000002          1 10.0.0.2\n")
+    r = run(root, "pvecm", "nodes", check=True)
+    assert r.stdout.endswith("         1          1 kpro6 (local)\n         2          1 kpro7\n")
+
+
 def test_qm_shutdown_of_a_stopped_vm_succeeds_pct_refuses(root):
     # qemu-server PVE/QemuServer.pm _do_vm_stop: no process, nothing to do; pve-container Status.pm: "not running"
     assert run(root, "qm", "shutdown", "300").returncode == 0

@@ -67,8 +67,17 @@ def test_one_run_per_program_file_and_the_lines_every_run_prints(tmp_path):
     ("GCC: (Debian 12.2.0-14+deb12u1) 12.2.0", "12.2.0"),
     # NVIDIA's "GCC version:" line (the driver's NV_COMPILER: `$(CC) -v | tail -n 1`)
     (" gcc version 12.2.0 (Debian 12.2.0-14)", "12.2.0"),
+    # GCC's C++ and cc drivers print the same first line under their own program name (the G++
+    # banner the NVIDIA stage compares with its gcc's: plan.nvidia toolchain_for)
+    ("g++-12 (Debian 12.2.0-14+deb12u1) 12.2.0", "12.2.0"),
+    ("x86_64-linux-gnu-g++-14 (Debian 14.2.0-19) 14.2.0", "14.2.0"),
+    ("g++ (GCC) 15.3.0", "15.3.0"),
+    ("c++ (Debian 12.2.0-14) 12.2.0", "12.2.0"),
+    ("cc (Debian 12.2.0-14) 12.2.0", "12.2.0"),
     # not GCC
     ("Debian clang version 14.0.6", None),
+    ("clang++ 14.0.6", None),
+    ("rustc 1.63.0", None),
     ("", None),
 ])
 def test_gcc_version_is_the_word_gcc_prints_as_its_version(text, version):

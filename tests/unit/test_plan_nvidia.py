@@ -526,3 +526,14 @@ def test_pve9_kernel_on_a_host_that_still_has_only_gcc_12_is_refused():
     # and the other way round: an 8.x kernel on a trixie toolchain
     result = nv.toolchain_for("6.14.8-2-pve", PVE_CC_TEXT, TRIXIE)
     assert result["cc"] is None and "Install GCC 12.2.0 (apt install gcc-12)" in result["refusal"]
+
+
+def test_a_gxx_of_the_same_gcc_with_another_revision_is_taken():
+    """G++ names itself `g++-12` in its banner: its GCC version is read like gcc's (facts.compilers
+    compiler_version; before: None for any g++ banner, so a g++-12 of another Debian revision than the
+    gcc-12 was refused as "not G++ 12.2.0")."""
+    compilers = {"gcc-12": BOOKWORM_GCC12, "g++-12": "g++-12 (Debian 12.2.0-14) 12.2.0"}
+    result = nv.toolchain_for("6.1.0-57-amd64", DEBIAN_61_CC_TEXT, compilers, need_cxx=True)
+    assert (result["cc"], result["cxx"], result["refusal"]) == ("gcc-12", "g++-12", None)
+    other = {"gcc-12": BOOKWORM_GCC12, "g++-12": "g++-12 (Debian 12.3.0-1) 12.3.0"}
+    assert nv.toolchain_for("6.1.0-57-amd64", DEBIAN_61_CC_TEXT, other, need_cxx=True)["refusal"]

@@ -1,5 +1,6 @@
 #!/usr/bin/python3 -IS
-"""Twin stand-ins for the Proxmox CLIs, dispatched on the program name: pveversion, pct, qm, pvesh.
+"""Twin stand-ins for the Proxmox CLIs, dispatched on the program name: pveversion, pct, qm, pvesh,
+ha-manager, pvecm.
 
 State lives where Proxmox keeps it: /etc/pve/nodes/<node>/{lxc,qemu-server}/<id>.conf (pct.conf(5),
 qm.conf(5); [snapshot] sections preserved) and /etc/pve/mapping/pci.cfg. Guest run state is
@@ -537,6 +538,69 @@ def check_lock(kind, conf):
     lock = ts.conf_get(conf, "lock")
     if lock:
         raise ApiError(f"{KINDS[kind][1]} is locked ({lock})")
+
+
+# ---------------------------------------------------------------- pvecm (pve-cluster)
+
+COROSYNC_CONF = "/etc/pve/corosync.conf"
+
+
+def corosync_nodelist(text):
+    """[(nodeid, name, votes, ring0_addr)] of corosync.conf's nodelist, by node id."""
+    nodes = []
+    for block in re.findall(r"node\s*\{([^{}]*)\}", text):
+        kv = dict(re.findall(r"^\s*(\w+):\s*(\S+)", block, re.M))
+        nodes.append((int(kv.get("nodeid", 0)), kv.get("name", ""), int(kv.get("quorum_votes", 1)),
+                      kv.get("ring0_addr", "")))
+    return sorted(nodes)
+
+
+def pvecm(argv):
+    """`pvecm status` and `pvecm nodes`: this node's view of its cluster, from /etc/pve/corosync.conf
+    (its nodelist) and /etc/pve/.members (who is online now: the twin's corosync membership).
+    pve-cluster src/PVE/CLI/pvecm.pm status/nodes (the totem lines, then exec corosync-quorumtool
+    -siH / -l) and corosync tools/corosync-quorumtool.c show_status/display_quorum_data/
+    display_nodes_data: the layout, votequorum's numbers (expected = the nodelist's votes, quorum =
+    more than half of them) and the exit status, 2 while not quorate."""
+    cmd = argv[0] if argv else ""
+    if cmd not in ("status", "nodes"):
+        ts.die(f"ERROR: unknown command 'pvecm {' '.join(argv)}'", 255)
+    conf = ts.read(COROSYNC_CONF)
+    if conf is None:  # PVE::Corosync::check_conf_exists
+        ts.die(f"Error: Corosync config '{COROSYNC_CONF}' does not exist - is this node part of a cluster?", 255)
+    members = json.loads(ts.read("/etc/pve/.members") or "{}")
+    me = members.get("nodename") or os.uname().nodename
+    online = {n for n, v in (members.get("nodelist") or {}).items() if v.get("online")}
+    nodes = corosync_nodelist(conf)
+    # the membership corosync sees from this node: the nodes online now (a node alone sees itself)
+    seen = [n for n in nodes if n[1] in online] or [n for n in nodes if n[1] == me]
+    mine = next((n for n in nodes if n[1] == me), (0, me, 1, ""))
+    expected = sum(n[2] for n in nodes)
+    total = sum(n[2] for n in seen)
+    quorum = expected // 2 + 1
+    quorate = total >= quorum
+    out = []
+    if cmd == "status":
+        totem = dict(re.findall(r"^\s*(\w+):\s*(\S+)", (re.search(r"totem\s*\{([^{}]*)\}", conf) or ["", ""])[1], re.M))
+        out += ["Cluster information", "-------------------"]
+        for label, key, default in (("Name", "cluster_name", "UNKOWN?"), ("Config Version", "config_version", "-1"),
+                                    ("Transport", "transport", "knet"), ("Secure auth", "secauth", "off")):
+            out.append(f"{label + ':':<17} {totem.get(key, default)}")
+        # the twin keeps no totem ring sequence: the ring's number is its members' count
+        out += ["", "Quorum information", "------------------", f"Date:             {time.ctime()}",
+                "Quorum provider:  corosync_votequorum", f"Nodes:            {len(seen)}",
+                f"Node ID:          0x{mine[0]:08x}", f"Ring ID:          {seen[0][0]:x}.{len(seen):x}",
+                f"Quorate:          {'Yes' if quorate else 'No'}", "",
+                "Votequorum information", "----------------------",
+                f"Expected votes:   {expected}", f"Highest expected: {expected}", f"Total votes:      {total}",
+                f"Quorum:           {quorum} {' ' if quorate else 'Activity blocked'}",
+                f"Flags:            {'Quorate ' if quorate else ''}"]
+    out += ["", "Membership information", "----------------------", f"{'Nodeid':>10} {'Votes':>10} Name"]
+    for nodeid, name, votes, addr in seen:
+        shown = (f"0x{nodeid:08x}" if cmd == "status" else f"{nodeid:>10}") + f" {votes:>10} "
+        out.append(shown + (addr if cmd == "status" else name) + (" (local)" if name == me else ""))
+    print("\n".join(out))
+    return 0 if quorate or cmd == "nodes" else 2
 
 
 # ---------------------------------------------------------------- HA (pve-ha-manager)
@@ -1690,7 +1754,7 @@ def pveversion(argv):
 
 
 HANDLERS = {"pct": lambda a: guest_cli("lxc", a), "qm": lambda a: guest_cli("qemu", a),
-            "pvesh": pvesh, "pveversion": pveversion, "ha-manager": ha_manager,
+            "pvesh": pvesh, "pveversion": pveversion, "ha-manager": ha_manager, "pvecm": pvecm,
             "lxc-ls": lxc_ls, "lxc-info": lxc_info}
 PROGRAMS, main = ts.standin(HANDLERS, "proxmox")
 

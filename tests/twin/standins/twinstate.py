@@ -77,7 +77,7 @@ def die(msg, code=255):
 # per start on a real node (issue 19), a few ms here. With var/lib/twin/pve-delay (seconds;
 # tests/twin/runtime.set_pve_delay, PVEGPU_TWIN_PVE_DELAY) each waits that long first; with
 # var/lib/twin/pve-count each pct/qm/pvesh call is logged to var/lib/twin/pve-calls.log.
-PVE_PERL = ("pct", "qm", "pvesh", "pveversion")
+PVE_PERL = ("pct", "qm", "pvesh", "pveversion", "pvecm")
 PVE_COUNTED = PVE_PERL  # every Perl CLI start is counted (what a real node pays 0.3-0.6 s for)
 
 
