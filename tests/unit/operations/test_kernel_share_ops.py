@@ -197,3 +197,49 @@ def test_the_share_fact_reads_the_kernel_builds_compiler_and_base_config(tmp_pat
     assert state["base_config_sha256"] == hashlib.sha256(config.read_bytes()).hexdigest()
     assert read([], "tinyconfig")["base_config_sha256"] is None
     assert "gcc" not in read(["6.1.0-57-amd64"]) and "base_config_sha256" not in read(["6.1.0-57-amd64"])
+
+
+def test_through_the_controller_the_manifest_and_the_debs_it_names_travel():
+    from tests.unit.operations.test_build_share_ops import FakeHost
+
+    share = f"/var/cache/pvegpu/kernel-share/{KEY}"
+    manifest = (f"key {KEY}\nrelease {REL}\n{'1' * 64}  {IMAGE}\n{'2' * 64}  manifest.json\n{'3' * 64}  ../evil.deb\n"
+                f"{'4' * 64}  nvidia.ko\n").encode()
+    source = FakeHost("a", {f"{share}/manifest": manifest, f"{share}/{IMAGE}": b"deb", f"{share}/manifest.json": b"{}",
+                            f"{share}/other.deb": b"x"})
+    target = FakeHost("b")
+    incoming, why = build_share._through_controller(target, source, KEY, "kernel")
+    assert incoming == f"/var/cache/pvegpu/kernel-received/{KEY}" and why == ""
+    assert target.files == {f"{incoming}/manifest": manifest, f"{incoming}/{IMAGE}": b"deb",
+                            f"{incoming}/manifest.json": b"{}"}
+    assert "pvegpu_dir /var/cache/pvegpu/kernel-received 700" in target.commands[0]
+
+
+def test_the_kernel_roles_are_decided_at_execution_and_a_refusal_builds_here(monkeypatch):
+    """The kernel stage's `_if` conditions: the builder builds, the other receives (the NVIDIA
+    registry of the same run untouched); a failed build fails its receiver; a refused copy builds."""
+    from pyinfra.context import ctx_state
+
+    from tests.unit.operations.test_build_share_ops import FakeHost
+    from tests.unit.test_plan_build_share import KREL, k_host
+
+    class State:
+        active_hosts = [FakeHost("a"), FakeHost("b")]
+
+    state = State()
+    monkeypatch.setattr(build_share.logger, "info", lambda line: None)
+    monkeypatch.setattr(build_share.logger, "error", lambda line: None)
+    with ctx_state.use(state):
+        run = build_share._run(kind="kernel")
+        run.hosts = {"a": k_host("a", cores=8), "b": k_host("b")}
+        assert build_share.build_if("a", KREL, "kernel")() and not build_share.receive_if("a", KREL, "kernel")()
+        assert not build_share.build_if("b", KREL, "kernel")() and build_share.receive_if("b", KREL, "kernel")()
+        assert build_share.build_if("b", KREL)()  # no NVIDIA step for it: the NVIDIA stage builds as alone
+        assert ops.receive(state, FakeHost("b"), "tarball", KREL, "/x") is False  # a's build did not succeed
+        build_share.mark_built(state, FakeHost("a"), run.hosts["a"]["builds"][KREL]["key"], "kernel")
+        target = FakeHost("b")
+        assert ops.receive(state, target, "tarball", KREL, "/x") is True  # the copy ran (the fake host says ok)
+        assert f"root@10.0.0.1 'tar -C /var/cache/pvegpu/kernel-share/{run.hosts['a']['builds'][KREL]['key']}" \
+            in target.commands[0]
+        build_share._refuse(state, FakeHost("b"), KREL, "refused", "kernel")
+        assert build_share.fallback_if("b", KREL, "kernel")() and not build_share.fallback_if("b", KREL)()
