@@ -44,6 +44,8 @@ Figures (issue 9):
   build_share_total_vs_one  issue 41: NVIDIA module build seconds of all nodes of a 3-node     target <= 1.2
                          cluster twin converged in one run / one node's build (bench/build_share.py;
                          every node built before: ~3)
+  kernel_share_total_vs_one  issue 41: the same for the kernel stage's tinyconfig build      target <= 1.2
+                         (bench/build_share_kernel.py)
 Each figure is measured, never assumed; one that could not be measured is printed as such.
 --only NAME measures those benches and keeps the other figures of bench/results.json (each
 figure carries its measured_at). fleet8_vs_1 also records the CPU seconds of the runner and of
@@ -84,6 +86,7 @@ TARGETS = {
     "pve_delay_vs_fact_many_cores": ("<=", 1.3),
     "power_cut": ("<=", 0),
     "build_share_total_vs_one": ("<=", 1.2),
+    "kernel_share_total_vs_one": ("<=", 1.2),
 }
 PVE_DELAY_S = 0.4  # a real node's pct/qm/pvesh start: 0.3-0.6 s (issue 19)
 PVE_DELAY_RUNS = 9  # pve_delay_vs_fact: converge/fact pairs, alternating; the medians make the figure
@@ -405,6 +408,7 @@ BENCHES = {
     # every cut point of every case: hours on a 2-core machine (bench/power_cut.py --case/--points for less)
     "powercut": lambda r: bench_script(r, "power_cut", "power_cut.py", timeout=6 * 3600),
     "share": lambda r: bench_script(r, "build_share_total_vs_one", "build_share.py"),
+    "share-kernel": lambda r: bench_script(r, "kernel_share_total_vs_one", "build_share_kernel.py", timeout=5400),
 }
 
 

@@ -1,8 +1,8 @@
-"""What the NVIDIA stage shares a module build by (issue 41): the inputs of a build that the driver
-stage's own fact (`facts.nvidia.NvidiaHostState`) does not read (the machine, each release's headers
-package), the builds this host keeps for others (`SHARE_ROOT`), and its view of its Proxmox cluster
-(pmxcfs's /etc/pve/.members: the nodes and their addresses the copy goes to). plan/build_share.py
-decides from it."""
+"""What the NVIDIA and kernel stages share a build by (issue 41): the inputs of a build that the
+stages' own facts do not read (the machine, each release's headers package; for the kernel, `gcc`'s
+banner and the sha256 of the base config file), the builds this host keeps for others (`SHARE_ROOT`,
+`KERNEL_SHARE_ROOT`), and its view of its Proxmox cluster (pmxcfs's /etc/pve/.members: the nodes
+and their addresses the copy goes to). plan/build_share.py decides from it."""
 
 from __future__ import annotations
 
@@ -12,12 +12,15 @@ import re
 from pyinfra.api import FactBase
 
 from facts.sections import SECTION, split_sections
-from facts.shared import DPKG_ALL, UNAME, read_file, take
+from facts.shared import DPKG_ALL, UNAME, first_line, read_file, take
 from facts.shell import word
 
 # unsigned, stripped modules of one build with their manifest, one directory per build key
 # (operations/nvidia.py publishes them there after a build; a receiver copies one whole)
 SHARE_ROOT = "/var/cache/pvegpu/nvidia-share"
+# the kernel stage's .debs of one build with their manifest, one directory per build key
+# (operations/kernel.py publishes them there after a build)
+KERNEL_SHARE_ROOT = "/var/cache/pvegpu/kernel-share"
 MANIFEST = "manifest"
 MEMBERS = "/etc/pve/.members"  # pmxcfs status.c: this node's view of its cluster
 # the headers packages that ship /lib/modules/<release>/build: Debian's linux-headers-<rel>, Proxmox's
@@ -30,17 +33,22 @@ class BuildShareState(FactBase):
     others and its cluster view, in one command.
 
     + releases: the kernel releases whose headers package is asked
+    + kernel_base: the kernel stage's base config (`running`, a make target or a path): then `gcc`'s
+      banner and the base config file's sha256 are read too
 
     .. code:: python
 
         {"machine": "x86_64",
          "headers": {"6.1.0-57-amd64": "linux-headers-6.1.0-57-amd64 6.1.158-1"},   # None: no package
          "published": {"<key>": ["6.1.0-57-amd64"]},     # SHARE_ROOT/<key>/manifest's release
-         "members": {"nodename": "kpro6", "cluster": {"name": "c1", …}, "nodelist": {…}}}  # None: no cluster
+         "members": {"nodename": "kpro6", "cluster": {"name": "c1", …}, "nodelist": {…}},  # None: no cluster
+         # with kernel_base only:
+         "gcc": "gcc (Debian 12.2.0-14) 12.2.0",   # None: no gcc
+         "base_config_sha256": "<sha256>"}          # None: a make target, or the file is unreadable
 
     """
 
-    def command(self, releases: list[str]) -> str:
+    def command(self, releases: list[str], kernel_base: str | None = None) -> str:
         # the running release (named at run time) and the targets; each headers package name of each
         names = '"$k"' + (word(" " + " ".join(releases)) if releases else "")
         wanted = "; ".join(f'w["{p.format("")}" a[i]]' for p in HEADERS_PACKAGES)
@@ -52,11 +60,18 @@ class BuildShareState(FactBase):
             (f"echo '{SECTION}headers'; {take(UNAME['r'])}; k=${UNAME['r']}; {take(DPKG_ALL)}; "
              f"printf '%s\\n' \"${DPKG_ALL}\" | awk -v rels={names} {word(awk)}"),
             # each published build's manifest says its release (`release <rel>` line)
-            (f"echo '{SECTION}published'; for m in {word(SHARE_ROOT)}/*/{MANIFEST}; do [ -f \"$m\" ] || continue; "
+            (f"echo '{SECTION}published'; for m in {word(SHARE_ROOT)}/*/{MANIFEST}"
+             + (f" {word(KERNEL_SHARE_ROOT)}/*/{MANIFEST}" if kernel_base else "") + "; do [ -f \"$m\" ] || continue; "
              "d=${m%/*}; while IFS= read -r l; do case \"$l\" in 'release '*) echo \"${d##*/} ${l#release }\";; esac; "
              "done < \"$m\"; done"),
             f"echo '{SECTION}members'; {read_file(MEMBERS)}",
         ]
+        if kernel_base:
+            # the compiler Kbuild runs (templates/kernel-build.sh.j2 records the same first line)
+            parts.append(f"echo '{SECTION}gcc'; gcc --version | {first_line()}")
+            if kernel_base not in ("tinyconfig", "defconfig", "allnoconfig"):
+                path = f'"/boot/config-${UNAME["r"]}"' if kernel_base == "running" else word(kernel_base)
+                parts.append(f"echo '{SECTION}base_config'; {take(UNAME['r'])}; sha256sum < {path}")
         return "; ".join(f"{{ {p}; }} 2>/dev/null" for p in parts) + "; true"
 
     def process(self, output):
@@ -87,5 +102,10 @@ def parse_share_state(lines: list[str]) -> dict:
             members = json.loads(text)
         except ValueError:
             members = None
-    return {"machine": machine, "headers": headers, "published": published,
-            "members": members if isinstance(members, dict) else None}
+    state = {"machine": machine, "headers": headers, "published": published,
+             "members": members if isinstance(members, dict) else None}
+    if "gcc" in sections:  # read with kernel_base
+        state["gcc"] = next((line.strip() for line in sections["gcc"] if line.strip()), None)
+        state["base_config_sha256"] = next(
+            (line.split()[0] for line in sections.get("base_config", []) if re.match(r"^[0-9a-f]{64}\b", line)), None)
+    return state

@@ -12,6 +12,13 @@ build.sh, build.log, build.pid, build.rc (exit status), the .debs and manifest.j
 (compiler, source ref/sha, config hash); the manifest of an installed build is kept in
 /var/lib/pvegpu/kernel/<release>.json so a re-run skips what is already there.
 
+In a run of several hosts with a kernel spec, one host of each set of equal build inputs builds
+(issue 41: plan/build_share.py decides, operations/build_share.py runs the sharing): it keeps the
+.debs under facts.build_share.KERNEL_SHARE_ROOT/<key>/ (templates/kernel-publish.sh.j2); the others
+copy them (node to node in a cluster, else through the controller), verify them
+(templates/kernel-receive.sh.j2) into their own build dir and install and trial-boot them as their
+own build; a refused copy is built here.
+
 Facts: one batched remote command (`facts.kernel.KernelStageFacts`).
 """
 
@@ -20,14 +27,16 @@ from __future__ import annotations
 from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
 
+from facts.build_share import KERNEL_SHARE_ROOT, BuildShareState
 from facts.kernel import KernelStageFacts, NvidiaGateRecords
 from facts.loader import LoaderState
 from facts.nvidia import SHIM_VALIDATION_OFF, NvidiaHostState
 from facts.once import fact_once
 from facts.run_state import need_reboot, record_trial_boot
 from facts.shell import operands, word
-from operations import nvidia, progress
+from operations import build_share, nvidia, progress
 from operations.files import write_file_command
+from plan import build_share as shplan
 from plan import kernel as plan
 from plan import nvidia as nvplan
 from plan.render import PRIVATE, render_template, root_dirs
@@ -69,9 +78,52 @@ def wait_for_build(state, host, build_dir: str, total: int | None, poll_s: float
                                     total=total, poll_s=poll_s, timeout_s=timeout_s)
 
 
+def publish_command(build_dir: str, kind: str, release: str, key: str) -> str:
+    """templates/kernel-publish.sh.j2: keep a finished build's .debs and manifest.json for the run's
+    other hosts of the same inputs, under KERNEL_SHARE_ROOT/<key>/ with their sha256."""
+    return render_template("kernel-publish.sh.j2", build_dir=build_dir, release=release, key=key,
+                           share_root=KERNEL_SHARE_ROOT, packages=_packages(kind, release))
+
+
+def _packages(kind: str, release: str) -> list[str]:
+    """The package names of the .debs the stage installs (plan.kernel.package_globs, less `_*.deb`)."""
+    return [g.removesuffix("_*.deb") for g in plan.package_globs(kind, release)]
+
+
+def receive_command(kind: str, release: str, build_dir: str, key: str, source: str, via: dict | None = None,
+                    local: str | None = None, incoming: bool = False) -> str:
+    """templates/kernel-receive.sh.j2: copy (`via`: {"node", "ip"} node to node; `local`: this
+    host's own kept build; `incoming`: the controller filled the scratch dir), verify, and put the
+    .debs with the build's manifest.json in `build_dir`, as this host's own build leaves them."""
+    return render_template(
+        "kernel-receive.sh.j2", release=release, build_root=plan.BUILD_ROOT, build_dir=build_dir,
+        packages=_packages(kind, release), pkg_version=shplan.KERNEL_PKGVERSION if kind == "tarball" else None,
+        **build_share.copy_context("kernel", shplan.what("kernel", None, release), key, source, via, local, incoming))
+
+
+def receive(state, host, kind: str, release: str, build_dir: str) -> bool:
+    """FunctionCommand body of `receive_kernel`: the copy and its verification (build_share.take_build)."""
+    this = build_share.step(host.name, release, state, "kernel") or {}
+
+    def render(**transport) -> str:
+        return receive_command(kind, release, build_dir, this.get("key") or "", this.get("from") or "", **transport)
+    return build_share.take_build(state, host, "kernel", release, render)
+
+
+@operation()
+def receive_kernel(kind: str, release: str, build_dir: str):
+    """Take the .debs another host of the run built with this host's inputs: copy, verify, put them
+    in this host's build dir for the install; refused: this host builds itself.
+
+    + kind: kernel.source.kind (which packages, which version the key implies)
+    + build_dir: plan.kernel.build_dir of this build
+    """
+    yield FunctionCommand(receive, (kind, release, build_dir), {})
+
+
 @operation()
 def build_kernel(build_dir: str, script: str, manifest_in: str, systemd: bool, total: int | None, start: bool = True,
-                 memory_max_kib: int | None = None, record: str | None = None):
+                 memory_max_kib: int | None = None, record: str | None = None, share: tuple[str, str, str] | None = None):
     """Write build.sh + manifest template, start the build detached (unless it runs), wait for it.
 
     + build_dir: scratch dir of this build (plan.kernel.build_dir)
@@ -82,6 +134,8 @@ def build_kernel(build_dir: str, script: str, manifest_in: str, systemd: bool, t
     + start: False to attach to a build that already runs
     + memory_max_kib: MemoryMax= of the systemd unit (plan.kernel.build_memory_max_kib)
     + record: key under which the build's time is kept (operations.progress)
+    + share: (kind, release, key) in a run that shares builds: the finished build is kept for the
+      run's other hosts of the same inputs (`publish_command`)
     """
     if start:
         # root's alone, 0700: the build's tree holds its module-signing key while it runs (issue 39)
@@ -90,6 +144,28 @@ def build_kernel(build_dir: str, script: str, manifest_in: str, systemd: bool, t
         yield StringCommand(write_file_command(f"{build_dir}/manifest.json.in", manifest_in, "644", keep_previous=False))
         yield StringCommand(start_build_command(build_dir, systemd, memory_max_kib))
     yield FunctionCommand(wait_for_build, (build_dir, total), {"key": record} if record else {})
+    if share:
+        kind, release, key = share
+        yield StringCommand(publish_command(build_dir, kind, release, key))
+        yield FunctionCommand(build_share.mark_built, (key, "kernel"), {})
+
+
+def register_share(k: KernelSpec, base: str, build: dict, action: str) -> str | None:
+    """Record this host in the run's kernel sharing (operations/build_share.py): its build inputs
+    when it would build (plan.build_share.kernel_build_inputs), its cores, memory, cluster view and
+    kept builds; the build key, or None (it builds nothing this run, or alone)."""
+    share_state = fact_once(BuildShareState, releases=[], kernel_base=base)
+    builds: dict[str, dict] = {}
+    if action == "build":
+        source = k.source.sha256 if k.source.kind == "tarball" else k.source.ref
+        inputs, why = shplan.kernel_build_inputs(
+            k.version, k.source.kind, source, base, list(k.config_fragments), share_state,
+            krel_suffix=plan.LOCAL_KREL_SUFFIX if k.source.kind == "proxmox-git" else None)
+        builds[k.version] = {"version": k.version, "inputs": inputs, "why": why,
+                             "key": shplan.build_key(inputs) if inputs else None}
+    build_share.register_host("kernel", build.get("cores"), build.get("mem_total_kib"), k.share_builder, share_state,
+                              builds)
+    return (builds.get(k.version) or {}).get("key")
 
 
 def gate_toolchain(spec: HostSpec, state: dict, manifest: dict | None) -> tuple[str, str | None]:
@@ -352,7 +428,8 @@ def prefetch(spec: HostSpec) -> list:
     k = spec.kernel
     if k is None:
         return []
-    return [(KernelStageFacts, fact_args(k, base_config_of(k))), (LoaderState, {}),
+    share = [(BuildShareState, {"releases": [], "kernel_base": base_config_of(k)})] if build_share.sharing("kernel") else []
+    return [(KernelStageFacts, fact_args(k, base_config_of(k))), (LoaderState, {}), *share,
             *([(NvidiaGateRecords, {}), (NvidiaHostState, nvidia.state_kwargs(spec))] if gated(spec) else []),
             *progress.prefetch()]
 
@@ -376,25 +453,38 @@ def apply(spec: HostSpec) -> None:
         logger.info(f"{host.name}: kernel: Secure Boot is enabled in the firmware but validation disabled in shim "
                     "(MokSBState): shim boots unsigned kernels and the kernel does not lock down")
 
+    # a run of several hosts: one build per input set (operations/build_share.py decides at execution)
+    shared = action == "build" and build_share.sharing("kernel")
+    key = register_share(k, base, build, action) if build_share.sharing("kernel") else None
     if action in ("build", "attach"):
         jobs = plan.resolve_jobs(k.jobs, build["cores"], build["mem_total_kib"])
         manifest_in = render_template(
             "kernel-build-manifest.json.j2", build_id=plan.build_id(k, base), version=k.version, kind=k.source.kind,
             url=k.source.url, ref=k.source.ref or k.source.sha256, base_config=base,
             fragments=list(k.config_fragments), jobs=jobs)
-        if action == "build":
-            to_install, _ = plan.missing_tools(k, facts.get("needs") or {})
-            if to_install:
-                install_build_tools(name=f"Install the kernel build's packages: {' '.join(to_install)}",
-                                    packages=to_install)
+        to_install = plan.missing_tools(k, facts.get("needs") or {})[0] if action == "build" else []
+        when = {"_if": build_share.build_if(host.name, k.version, "kernel")} if shared else {}
+        if to_install:
+            install_build_tools(name=f"Install the kernel build's packages: {' '.join(to_install)}",
+                                packages=to_install, **when)
         last = progress.announce(f"kernel {k.version} build", f"kernel-{plan.build_id(k, base)}")
         total = (build["manifest"] or {}).get("objects") or (last or {}).get("objects") or None
-        build_kernel(
-            name=f"Build kernel {k.version} ({k.source.kind}, -j{jobs}, detached)",
-            build_dir=build_dir, script=build_script(k, base, jobs, build_dir), manifest_in=manifest_in,
-            systemd=build["systemd"], total=total, start=action == "build", record=f"kernel-{plan.build_id(k, base)}",
-            memory_max_kib=plan.build_memory_max_kib(build["mem_total_kib"], jobs),
-        )
+        args = dict(build_dir=build_dir, script=build_script(k, base, jobs, build_dir), manifest_in=manifest_in,
+                    systemd=build["systemd"], total=total, start=action == "build",
+                    record=f"kernel-{plan.build_id(k, base)}",
+                    memory_max_kib=plan.build_memory_max_kib(build["mem_total_kib"], jobs),
+                    share=(k.source.kind, k.version, key) if key else None)
+        build_kernel(name=f"Build kernel {k.version} ({k.source.kind}, -j{jobs}, detached)", **args, **when)
+        if shared:
+            receive_kernel(name=f"Receive kernel {k.version} from the run's build", kind=k.source.kind,
+                           release=k.version, build_dir=build_dir,
+                           _if=build_share.receive_if(host.name, k.version, "kernel"))
+            fallback = build_share.fallback_if(host.name, k.version, "kernel")
+            if to_install:
+                install_build_tools(name=f"Install the kernel build's packages: {' '.join(to_install)} (the copy was "
+                                         "not taken)", packages=to_install, _if=fallback)
+            build_kernel(name=f"Build kernel {k.version} here (the copy was not taken; -j{jobs}, detached)", **args,
+                         _if=fallback)
     running = facts["kernels"].get("running")
     bid = plan.build_id(k, base)
     # the known-good kernel (the running one) is made the default before the install where it is

@@ -1,4 +1,5 @@
-"""One NVIDIA module build per input set in a run (issue 41), from spec + facts (no I/O).
+"""One build per input set in a run (issue 41), from spec + facts (no I/O): the NVIDIA modules and the
+custom kernel's .debs, by one code path (`share_plan`, `share_lines`), each kind with its own inputs.
 
 A module build is a function of its inputs: the NVIDIA source archive (its sha256), the kernel
 release and the headers package it is built against (name and version), the compiler that builds it
@@ -10,6 +11,16 @@ the program name, for $(CC) and the open tree's $(CXX)), the kernel's own compil
 with the most cores, then memory, then the first name), the others receive its unsigned modules,
 verify them against the key and install them (each signs with its own key). A host whose inputs
 nobody else has builds alone, and the plan says which input differs.
+
+The kernel stage's build (`kernel_build_inputs`): the release it produces (kernel.version, which
+carries the LOCALVERSION of a tarball build and, for pve-kernel, its Makefile's KVNAME with
+KREL_EXTRA + facts.kernel.LOCAL_KREL_SUFFIX), the source (tarball sha256, or the pinned commit),
+the base config (a make target, or the sha256 of the config file it copies: the running kernel's or
+a path), the config fragments, the compiler Kbuild runs (`gcc`, its `--version` banner less the
+program name, as the build's manifest records it), the machine and the packaging
+(templates/kernel-build.sh.j2). One host of each group builds the .debs; the others copy them,
+verify them (sha256 of each against the builder's manifest, the package names and versions the key
+implies) and install them through the stage's own install and trial (operations/kernel.py).
 """
 
 from __future__ import annotations
@@ -24,6 +35,22 @@ INPUT_WORDS = {
     "cc": "compiler", "cxx": "C++ compiler", "flags": "build flags", "machine": "machine",
 }
 STRIP = "strip --strip-debug"  # templates/nvidia-build.sh.j2, before signing
+KERNEL_INPUT_WORDS = {
+    "release": "kernel release", "kind": "source kind", "source": "source (sha256 or commit)",
+    "base_config": "base config", "base_config_sha256": "base config file (sha256)",
+    "fragments": "config fragments", "krel_suffix": "KREL_EXTRA suffix", "cc": "compiler",
+    "packaging": "packaging", "machine": "machine",
+}
+# per kind: what a difference in each input is called, and the spec field that picks the builder
+KINDS: dict[str, dict[str, dict[str, str]]] = {
+    "nvidia": {"words": INPUT_WORDS, "preferred": {"field": "nvidia.share_builder"}},
+    "kernel": {"words": KERNEL_INPUT_WORDS, "preferred": {"field": "kernel.share_builder"}},
+}
+# the packaging each kind of kernel build runs (templates/kernel-build.sh.j2), with the .debs' version
+# where the key implies it (bindeb-pkg's KDEB_PKGVERSION; pve-kernel's comes from its changelog at the ref)
+KERNEL_PKGVERSION = "1"
+KERNEL_PACKAGING = {"tarball": f"make bindeb-pkg KDEB_PKGVERSION={KERNEL_PKGVERSION} KDEB_COMPRESS=gzip",
+                    "proxmox-git": "dpkg-buildpackage -b -uc -us"}
 
 
 def _banner_tail(banner: str | None) -> str | None:
@@ -70,6 +97,38 @@ def build_inputs(version: str, source_sha256: str | None, release: str, nv_state
     return inputs, None
 
 
+def kernel_build_inputs(version: str, kind: str, source: str | None, base_config: str, fragments: list[str],
+                        share_state: dict, krel_suffix: str | None = None) -> tuple[dict | None, str | None]:
+    """(inputs, None) of the kernel stage's build of `version` on one host, or (None, why it cannot
+    be shared). `source`: the tarball's sha256 or the pinned commit; `base_config`: the spec's
+    (`running`, a make target or a path: then the file's sha256 is an input, `share_state`
+    "base_config_sha256"); `share_state`: the `BuildShareState` fact read with `kernel_base`.
+
+    >>> inputs, _ = kernel_build_inputs("6.1.192-pvegpu", "tarball", "ab" * 32, "tinyconfig", ["CONFIG_64BIT=y"],
+    ...     {"machine": "x86_64", "gcc": "gcc (Debian 12.2.0-14) 12.2.0"})
+    >>> inputs["cc"], inputs["base_config_sha256"]
+    (['gcc', '(Debian 12.2.0-14) 12.2.0'], None)
+    """
+    if not source:
+        return None, "its source has no sha256 or commit to name it by"
+    file_based = base_config not in ("tinyconfig", "defconfig", "allnoconfig")
+    config_sha = share_state.get("base_config_sha256") if file_based else None
+    if file_based and not config_sha:
+        where = "the running kernel's /boot/config-<release>" if base_config == "running" else base_config
+        return None, f"its base config ({where}) could not be read"
+    if not share_state.get("machine"):
+        return None, "the machine (uname -m) is unknown"
+    cc = _banner_tail(share_state.get("gcc"))
+    if not cc:
+        return None, "the compiler's banner (gcc --version) is unknown"
+    inputs = {
+        "release": version, "kind": kind, "source": source, "base_config": base_config,
+        "base_config_sha256": config_sha, "fragments": list(fragments), "krel_suffix": krel_suffix,
+        "cc": ["gcc", cc], "packaging": KERNEL_PACKAGING.get(kind), "machine": share_state.get("machine"),
+    }
+    return inputs, None
+
+
 def build_key(inputs: dict) -> str:
     """The sha256 (hex) naming a build by its inputs: equal inputs, equal key."""
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
@@ -81,12 +140,12 @@ def _describe(field: str, value) -> str:
     return repr(value)
 
 
-def _differences(mine: dict, theirs: dict) -> list[str]:
-    return [f for f in INPUT_WORDS if mine.get(f) != theirs.get(f)]
+def _differences(mine: dict, theirs: dict, words: dict) -> list[str]:
+    return [f for f in words if mine.get(f) != theirs.get(f)]
 
 
 def _builder(members: list[str], hosts: dict) -> str:
-    """The spec's choice (nvidia.share_builder), then most cores, then most memory, then the first name."""
+    """The spec's choice (nvidia.share_builder, kernel.share_builder), then most cores, then most memory, then the first name."""
     return min(members, key=lambda h: (not hosts[h].get("preferred"), -(hosts[h].get("cores") or 0),
                                        -(hosts[h].get("mem_total_kib") or 0), h))
 
@@ -106,15 +165,22 @@ def _same_cluster(a: dict, b: dict) -> dict | None:
     return {"node": node, "ip": entry["ip"]}
 
 
-def share_plan(hosts: dict[str, dict]) -> dict[tuple[str, str], dict]:
-    """Who builds and who receives each (host, release) of the run.
+def what(kind: str, version: str | None, release: str) -> str:
+    """How the plan's lines name one build: `nvidia <version> for <release>`, `kernel <release>`."""
+    return f"kernel {release}" if kind == "kernel" else f"nvidia {version} for {release}"
 
-    `hosts`: {host name: {"cores", "mem_total_kib", "preferred" (nvidia.share_builder), "members"
+
+def share_plan(hosts: dict[str, dict], kind: str = "nvidia") -> dict[tuple[str, str], dict]:
+    """Who builds and who receives each (host, release) of the run, for one `kind` of build
+    ("nvidia": the modules of each release; "kernel": the kernel stage's .debs of its release).
+
+    `hosts`: {host name: {"cores", "mem_total_kib", "preferred" (KINDS' spec field), "members"
     (.members, or None), "published":
     {key: [release]}, "builds": {release: {"version", "key": str | None, "inputs": dict | None,
     "why": str | None}}}},
     `builds` holding only the releases the host builds this run (`why`: why its build cannot be
-    shared). Returns {(host, release): step} (each with the build's "version"), step one of
+    shared). Returns {(host, release): step} (each with the build's "version" and "what" it is
+    called), step one of
 
     - ``{"role": "build", "key", "for": [receivers], "why": str}``: builds here (and publishes the
       unsigned modules when `key` is set);
@@ -150,22 +216,23 @@ def share_plan(hosts: dict[str, dict]) -> dict[tuple[str, str], dict]:
         if others:
             steps[(builder, release)] = {"role": "build", "key": key, "for": others,
                                          "why": f"builds for {', '.join(others)} too ("
-                                                + ("nvidia.share_builder" if hosts[builder].get("preferred") else
+                                                + (KINDS[kind]["preferred"]["field"] if hosts[builder].get("preferred") else
                                                    "most cores, then memory, of the hosts with these inputs")
                                                 + f"; key {key[:12]})"}
         else:
             steps[(builder, release)] = {"role": "build", "key": key, "for": [],
-                                         "why": "builds alone: " + _alone_why(builder, release, key, hosts)}
+                                         "why": "builds alone: " + _alone_why(builder, release, key, hosts, kind)}
         for member in others:
             steps[(member, release)] = {"role": "receive", "key": key, "from": builder,
                                         "via": _same_cluster(hosts[member], hosts[builder]),
                                         "why": f"receives the build of {builder} (same inputs, key {key[:12]})"}
     for (name, release), step in steps.items():
         step["version"] = hosts[name]["builds"][release].get("version")
+        step["what"] = what(kind, step["version"], release)
     return steps
 
 
-def _alone_why(name: str, release: str, key: str, hosts: dict) -> str:
+def _alone_why(name: str, release: str, key: str, hosts: dict, kind: str = "nvidia") -> str:
     """Why no other host of the run shares `name`'s build for `release`: the inputs that differ from
     those of the other hosts building that release, or that none does."""
     mine = hosts[name]["builds"][release]["inputs"] or {}
@@ -177,11 +244,12 @@ def _alone_why(name: str, release: str, key: str, hosts: dict) -> str:
         inputs = build["inputs"]
         others.setdefault(build["key"], (inputs, []))[1].append(other)
     if not others:
-        return f"no other host of this run builds nvidia {hosts[name]['builds'][release].get('version')} for {release}"
+        return f"no other host of this run builds {what(kind, hosts[name]['builds'][release].get('version'), release)}"
+    words = KINDS[kind]["words"]
     parts = []
     for inputs, names in others.values():
-        diff = _differences(mine, inputs)
-        parts.append("; ".join(f"its {INPUT_WORDS[f]} {_describe(f, mine.get(f))} is not "
+        diff = _differences(mine, inputs, words)
+        parts.append("; ".join(f"its {words[f]} {_describe(f, mine.get(f))} is not "
                                f"{', '.join(names)}'s {_describe(f, inputs.get(f))}" for f in diff))
     return " / ".join(parts)
 
@@ -189,12 +257,12 @@ def _alone_why(name: str, release: str, key: str, hosts: dict) -> str:
 def share_lines(steps: dict[tuple[str, str], dict]) -> list[str]:
     """What `--dry` (and a converge) prints about the run's builds, one line per (host, release)."""
     lines = []
-    for (name, release), step in sorted(steps.items()):
+    for (name, _release), step in sorted(steps.items()):
         if step["role"] == "receive":
             how = ("from its own copy" if step["from"] == name else
                    f"node to node over the cluster's root SSH trust ({step['via']['node']}, {step['via']['ip']})"
                    if step.get("via") else "through the controller (not one Proxmox cluster)")
-            lines.append(f"{name}: nvidia {step['version']} for {release}: {step['why']}, {how}")
+            lines.append(f"{name}: {step['what']}: {step['why']}, {how}")
         else:
-            lines.append(f"{name}: nvidia {step['version']} for {release}: {step['why']}")
+            lines.append(f"{name}: {step['what']}: {step['why']}")
     return lines

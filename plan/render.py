@@ -122,7 +122,28 @@ _KERNEL = dict(build_dir="/var/lib/pvegpu/kernel-build/6.14.11-4-pve-0123456789a
 # the kernel hook's compilers: none rendered (the caller's $CC/$CXX), the rule's candidates (plan/nvidia.py)
 _HOOK_CC = dict(cc=None, cxx=None, src_dir=None, cc_candidates=("{program}", "gcc-{major}", "gcc"),
                 cxx_candidates=("g++{suffix}", "g++", "g++-{major}"))
+_NV_WHAT = "nvidia 595.45.04 for 6.14.11-4-pve"
+_COPY = dict(key="b" * 64, source="kpro5", via={"node": "kpro5", "ip": "10.0.0.5"}, local=None, incoming=False,
+             remote="tar -C /var/cache/pvegpu/kernel-share/" + "b" * 64 + " -cf - .",
+             recv_root="/var/cache/pvegpu/kernel-received", what="kernel 6.14.11-4-pvegpu-pve")
+_KERNEL_RECEIVE = dict(release="6.14.11-4-pvegpu-pve", build_root="/var/lib/pvegpu/kernel-build",
+                       build_dir=_KERNEL["build_dir"], packages=["proxmox-kernel-6.14.11-4-pvegpu-pve",
+                                                                 "proxmox-headers-6.14.11-4-pvegpu-pve"],
+                       pkg_version=None, **_COPY)
 SHELL_EXAMPLES: dict[str, list[dict]] = {
+    # issue 41: the kernel's kept build and its copies (node to node, through the controller, its own)
+    "kernel-publish.sh.j2": [
+        dict(build_dir=_KERNEL["build_dir"], release="6.1.192-pvegpu", key="b" * 64,
+             share_root="/var/cache/pvegpu/kernel-share",
+             packages=["linux-image-6.1.192-pvegpu", "linux-headers-6.1.192-pvegpu"]),
+    ],
+    "kernel-receive.sh.j2": [
+        _KERNEL_RECEIVE,
+        {**_KERNEL_RECEIVE, "via": None, "incoming": True, "pkg_version": "1", "release": "6.1.192-pvegpu",
+         "packages": ["linux-image-6.1.192-pvegpu", "linux-headers-6.1.192-pvegpu"]},
+        {**_KERNEL_RECEIVE, "via": None, "local": "/var/cache/pvegpu/kernel-share/" + "b" * 64},
+    ],
+    "share-copy.sh.j2": [_COPY, {**_COPY, "via": None, "incoming": True}],
     "nvidia-fetch-source.sh.j2": [
         dict(url="https://github.com/NVIDIA/open-gpu-kernel-modules/archive/refs/tags/595.45.04.tar.gz",
              local=None, sha256="a" * 64, dest="/var/cache/pvegpu/sources/" + "a" * 64 + "-595.45.04.tar.gz"),
@@ -141,18 +162,19 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
         {**_BUILD, "cxx": "g++-12", "signing": ("/root/mok.key", "/root/mok.der"), "share_key": "b" * 64},  # issue 41
     ],
     "nvidia-receive.sh.j2": [
-        dict(version="595.45.04", release="6.14.11-4-pve", key="b" * 64, source="kpro5",
+        dict(version="595.45.04", release="6.14.11-4-pve", key="b" * 64, source="kpro5", what=_NV_WHAT,
              via={"node": "kpro5", "ip": "10.0.0.5"}, local=None, incoming=None,
              remote="tar -C /var/cache/pvegpu/nvidia-share/" + "b" * 64 + " -cf - .",
              recv_root="/var/cache/pvegpu/nvidia-received", build_root="/var/cache/pvegpu/nvidia-build",
              build_parent="/var/cache/pvegpu/nvidia-build/595.45.04", signing=("/root/mok.key", "/root/mok.der"),
              sig_hash="sha512", modules_dir="/lib/modules", sign_file="scripts/sign-file"),
-        dict(version="595.45.04", release="6.14.11-4-pve", key="b" * 64, source="kpro5", via=None, local=None,
+        dict(version="595.45.04", release="6.14.11-4-pve", key="b" * 64, source="kpro5", what=_NV_WHAT, via=None,
+             local=None,
              incoming=True, remote="tar -C /x -cf - .",
              recv_root="/var/cache/pvegpu/nvidia-received", build_root="/var/cache/pvegpu/nvidia-build",
              build_parent="/var/cache/pvegpu/nvidia-build/595.45.04", signing=None, sig_hash="sha256",
              modules_dir="/lib/modules", sign_file="scripts/sign-file"),
-        dict(version="595.45.04", release="6.14.11-4-pve", key="b" * 64, source="kpro6", via=None,
+        dict(version="595.45.04", release="6.14.11-4-pve", key="b" * 64, source="kpro6", what=_NV_WHAT, via=None,
              local="/var/cache/pvegpu/nvidia-share/" + "b" * 64, incoming=False, remote="tar -C /x -cf - .",
              recv_root="/var/cache/pvegpu/nvidia-received", build_root="/var/cache/pvegpu/nvidia-build",
              build_parent="/var/cache/pvegpu/nvidia-build/595.45.04", signing=None, sig_hash="sha256",

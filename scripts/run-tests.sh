@@ -22,9 +22,10 @@ JOBS=${PVEGPU_TEST_JOBS:-3}
 # test_driver_build.py's, the sharing is the other's to prove), beside trixie's NVIDIA build
 # (2026-12-05 CI: both builds ~970 s, tests/unit ~500 s, the kernel build ~280 s, the cluster
 # ~100 s, the rest under a minute or two each; the build-sharing e2e ~290 s cold alone, ~80 s
-# seeded; the power-cut subset ~300 s)
+# seeded; the power-cut subset ~300 s); likewise the kernel's build-sharing e2e after the kernel
+# build, whose kernel ccache (.cache/kernel-ccache) seeds its builder (~270 s seeded, 2026-12-06)
 SLOW_FIRST=("tests/e2e/test_driver_build.py tests/e2e/test_build_share_e2e.py" tests/e2e/test_driver_build_trixie.py
-            tests/unit tests/e2e/test_kernel_build.py tests/e2e/test_power_cut_e2e.py
+            tests/unit "tests/e2e/test_kernel_build.py tests/e2e/test_kernel_share_e2e.py" tests/e2e/test_power_cut_e2e.py
             tests/e2e/test_kernel_upgrade_e2e.py tests/e2e/test_pve9_e2e.py
             tests/e2e/test_kernel_trial_e2e.py tests/e2e/test_cluster_e2e.py tests/e2e/test_rebind_faults_e2e.py
             tests/e2e/test_host_checks_e2e.py tests/e2e/test_boot_reinit_e2e.py tests/e2e/test_whole_run.py

@@ -197,6 +197,8 @@ class KernelSpec(Strict):
     # seconds a trial kernel waits after a panic before it resets (panic= on the trial entry only)
     trial_panic_s: Annotated[int, NoBool, Field(ge=1, le=3600)] = 10
     remove_old: bool = False
+    # in a run of several hosts: this host builds the .debs for the others of its build inputs (issue 41)
+    share_builder: bool = False
     # with Secure Boot on: the MOK the kernel image is signed with (sbsign), as nvidia.signing
     # (key: PEM private key, cert: the DER certificate enrolled with mokutil --import)
     signing: SigningSpec | None = None

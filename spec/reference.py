@@ -112,6 +112,10 @@ FIELDS: dict[str, Field] = {
                                   _SECONDS, "`10`"),
     "kernel.remove_old": Field("Purge other releases' kernel packages (never the running or default kernel).",
                                _BOOL, "`false`"),
+    "kernel.share_builder": Field("In a run of several hosts, this host builds the kernel's .debs for the others whose "
+                                  "build inputs are the same (before the one with the most cores, then memory, then "
+                                  "name; the first by name where several say so); the others copy, verify and install "
+                                  "its build (each trial-boots it itself).", _BOOL, "`false`"),
     "kernel.signing.key": Field("With Secure Boot on: the PEM key the kernel image is signed with (`sbsign`); "
                                 "unset or not enrolled is refused; the key must be root's with no group/other bits (refused at preflight "
                                 "and by the sign script).", _HOST_PATH, "`/root/mok/MOK.priv`"),

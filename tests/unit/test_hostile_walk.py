@@ -799,7 +799,11 @@ def test_walk_kernel_release_files(tmp_path):
             k = kernel_of(spec)
             assert re.fullmatch(r"[0-9A-Za-z.+~-]+", k.version) and k.version[0].isdigit(), k.version
             for script in (kernel_plan.trial_entry_command(k.version, "arm", 10), kernel_plan.zfs_guard_command(k.version),
-                           kernel_ops.start_build_command(kernel_plan.build_dir(k, "tinyconfig"), True, 1024)):
+                           kernel_ops.start_build_command(kernel_plan.build_dir(k, "tinyconfig"), True, 1024),
+                           # issue 41: the kept build and its verified copy (node to node)
+                           kernel_ops.publish_command(kernel_plan.build_dir(k, "tinyconfig"), "tarball", k.version, "a" * 64),
+                           kernel_ops.receive_command("tarball", k.version, kernel_plan.build_dir(k, "tinyconfig"), "a" * 64,
+                                                      "kpro5", via={"node": "kpro5", "ip": "10.0.0.5"})):
                 check(script, [k.version])
             manifest = render_template("kernel-build-manifest.json.j2", build_id=kernel_plan.build_id(k, "tinyconfig"),
                                        version=k.version, kind=k.source.kind, url=k.source.url, ref=k.source.sha256,
@@ -1019,6 +1023,10 @@ WALKS = {
                            "test_walk_kernel_tarball_url_and_base_config", "test_walk_kernel_config_fragments"],
     "kernel-build-start.sh.j2": ["test_walk_kernel_release_files"],
     "kernel-build-manifest.json.j2": ["test_walk_kernel_release_files"],
+    "kernel-publish.sh.j2": ["test_walk_kernel_release_files"],
+    "kernel-receive.sh.j2": ["test_walk_kernel_release_files"],
+    # included by nvidia-receive.sh.j2 and kernel-receive.sh.j2
+    "share-copy.sh.j2": ["test_walk_nvidia_version_and_releases", "test_walk_kernel_release_files"],
     "kernel-trial-entry.sh.j2": ["test_walk_kernel_release_files"],
     "kernel-zfs-guard.sh.j2": ["test_walk_kernel_release_files"],
     "kernel-cmdline.j2": ["test_walk_kernel_cmdline_words"],

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from plan.build_share import build_inputs, build_key, share_lines, share_plan
+from plan.build_share import build_inputs, build_key, kernel_build_inputs, share_lines, share_plan
 
 REL = "6.1.0-57-amd64"
 GCC = "gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0"
@@ -110,3 +110,87 @@ def test_a_lone_build_and_an_unshareable_one_say_why():
     assert steps[("b", REL)]["role"] == "build" and steps[("b", REL)]["key"] is None
     assert "builds alone: no installed headers package" in steps[("b", REL)]["why"]
     assert ("c", REL) not in steps
+
+
+# -- the kernel stage's build (the same plan, kind "kernel") ----------------------------------------
+
+KREL = "6.1.192-pvegpu-ci"
+KGCC = "gcc (Debian 12.2.0-14+deb12u1) 12.2.0"
+FRAGS = ["CONFIG_64BIT=y", "CONFIG_MODULES=y"]
+
+
+def k_state(gcc: str | None = KGCC, machine: str = "x86_64", config_sha: str | None = None, cluster: str | None = "c1",
+            node: str = "a", published: dict | None = None) -> dict:
+    return {**share_state(machine=machine, cluster=cluster, node=node, published=published), "gcc": gcc,
+            "base_config_sha256": config_sha}
+
+
+def k_inputs(version: str = KREL, kind: str = "tarball", source: str = SHA, base: str = "tinyconfig",
+             fragments: list[str] = FRAGS, state: dict | None = None, suffix: str | None = None):
+    return kernel_build_inputs(version, kind, source, base, fragments, state or k_state(), krel_suffix=suffix)
+
+
+def k_host(node: str, cores: int = 2, mem: int = 8 << 20, build: bool = True, preferred: bool = False,
+           **state) -> dict:
+    sh = k_state(node=node, **state)
+    builds = {}
+    if build:
+        inputs, why = k_inputs(state=sh)
+        builds[KREL] = {"version": KREL, "inputs": inputs, "why": why, "key": build_key(inputs) if inputs else None}
+    return {"cores": cores, "mem_total_kib": mem, "preferred": preferred, "members": sh["members"],
+            "published": sh["published"], "builds": builds}
+
+
+def test_the_kernel_key_changes_with_every_build_input_and_only_with_them():
+    base, _ = k_inputs()
+    assert base is not None and base["cc"] == ["gcc", "(Debian 12.2.0-14+deb12u1) 12.2.0"]
+    same, _ = k_inputs(state=k_state(node="z", cluster="x"))
+    assert same is not None and build_key(same) == build_key(base)
+    running = [k_inputs(base="running", state=k_state(config_sha=c)) for c in ("aa" * 32, "bb" * 32)]
+    variants = [
+        k_inputs(version="6.1.192-pvegpu-ci2"), k_inputs(source="cd" * 32), k_inputs(base="defconfig"),
+        k_inputs(fragments=[*FRAGS, "CONFIG_X=y"]), k_inputs(state=k_state(gcc="gcc (Debian 12.2.0-14+deb12u2) 12.2.0")),
+        k_inputs(state=k_state(machine="aarch64")), k_inputs(kind="proxmox-git", source="ab" * 20, suffix="-pvegpu"),
+        k_inputs(kind="proxmox-git", source="ab" * 20, suffix="-other"), *running,
+    ]
+    keys = {build_key(v) for v, _ in variants if v is not None}
+    assert len(keys) == len(variants) and build_key(base) not in keys
+
+
+def test_a_kernel_build_whose_inputs_cannot_be_read_is_not_shared():
+    inputs, why = k_inputs(base="running")
+    assert inputs is None and why == "its base config (the running kernel's /boot/config-<release>) could not be read"
+    inputs, why = k_inputs(state=k_state(gcc=None))
+    assert inputs is None and why == "the compiler's banner (gcc --version) is unknown"
+
+
+def test_one_kernel_build_for_the_group_and_another_compiler_builds_alone():
+    other = "gcc (Debian 12.2.0-14+deb12u9) 12.2.0"
+    hosts = {"a": k_host("a"), "b": k_host("b", cores=8), "c": k_host("c", gcc=other), "d": k_host("d", build=False)}
+    steps = share_plan(hosts, "kernel")
+    assert steps[("b", KREL)]["role"] == "build" and steps[("b", KREL)]["for"] == ["a"]
+    assert steps[("a", KREL)]["role"] == "receive" and steps[("a", KREL)]["from"] == "b"
+    assert steps[("a", KREL)]["via"] == {"node": "b", "ip": "10.0.0.2"}
+    assert steps[("c", KREL)]["role"] == "build" and steps[("c", KREL)]["for"] == []
+    assert ("d", KREL) not in steps
+    lines = share_lines(steps)
+    assert lines[0].startswith(f"a: kernel {KREL}: receives the build of b (same inputs, key ")
+    assert lines[0].endswith("node to node over the cluster's root SSH trust (b, 10.0.0.2)")
+    assert lines[1].startswith(f"b: kernel {KREL}: builds for a too (most cores, then memory, of the hosts with these "
+                               "inputs; key ")
+    assert lines[2] == (f"c: kernel {KREL}: builds alone: its compiler gcc '(Debian 12.2.0-14+deb12u9) 12.2.0' is not "
+                        "a, b's gcc '(Debian 12.2.0-14+deb12u1) 12.2.0'")
+    hosts["a"]["preferred"] = True  # kernel.share_builder
+    steps = share_plan(hosts, "kernel")
+    assert steps[("a", KREL)]["for"] == ["b"] and "(kernel.share_builder; key " in steps[("a", KREL)]["why"]
+
+
+def test_a_kept_kernel_build_is_received_and_a_lone_one_says_why():
+    key = k_host("x")["builds"][KREL]["key"]
+    steps = share_plan({"a": k_host("a", build=False, published={key: [KREL]}), "b": k_host("b", cluster=None)},
+                       "kernel")
+    assert steps[("b", KREL)]["role"] == "receive" and steps[("b", KREL)]["from"] == "a"
+    assert share_lines(steps) == [f"b: kernel {KREL}: receives the build a already keeps for these inputs (key "
+                                  f"{key[:12]}), through the controller (not one Proxmox cluster)"]
+    steps = share_plan({"a": k_host("a"), "b": k_host("b", build=False)}, "kernel")
+    assert steps[("a", KREL)]["why"] == f"builds alone: no other host of this run builds kernel {KREL}"

@@ -1,0 +1,93 @@
+"""Benchmark (issue 41, the kernel half): one kernel build per input set in a run of a 3-node cluster twin.
+
+    sudo .venv/bin/python bench/build_share_kernel.py [--json]
+
+Three kpro6 twins in one cluster (tests/twin/runtime.py "Clusters", with the cluster's root SSH
+trust), the same kernel spec on each (the tinyconfig build of Debian's 6.1 source that
+tests/e2e/test_kernel_build.py runs), converged in one pyinfra run of the kernel stage (no reboot:
+each node installs the kernel and arms its own trial). Each node's build records its seconds
+(operations/progress.py, /var/lib/pvegpu/durations/kernel-<build id>); the figure is the build
+seconds of all three nodes together / one node's build (before issue 41 every node built: ≈ 3;
+target ≤ 1.2), with the converge's wall time / that build.
+
+--json prints one JSON line {"value", "total_build_s", "one_node_build_s", "builds", "converge_s",
+"converge_vs_build", "ccache_seeded"} (bench/run.py reads it). The builder's kernel ccache is
+seeded from .cache/kernel-ccache (or PVEGPU_E2E_KERNEL_CCACHE) when there is one, as the e2e does.
+Needs root (twins); stops its twins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from plan import kernel as plan  # noqa: E402
+from spec.models import KernelSpec  # noqa: E402
+from tests.e2e.harness import run_pyinfra  # noqa: E402
+from tests.e2e.test_build_share_e2e import write_inventory  # noqa: E402
+from tests.e2e.test_kernel_build import CCACHE  # noqa: E402
+from tests.e2e.test_kernel_share_e2e import STAGE_DEPLOY, STAGES, build_seconds, kernel_spec, prepare  # noqa: E402
+from tests.twin import runtime  # noqa: E402
+
+
+def measure() -> dict:
+    fetched = subprocess.run([str(REPO / "scripts" / "fetch-linux-source.sh")], capture_output=True, text=True,
+                             check=True, timeout=900)
+    path, sha256, upstream = fetched.stdout.split()
+    kernel = kernel_spec(sha256, f"{upstream}-pvegpu-ci")
+    build_id = plan.build_id(KernelSpec(**kernel), "tinyconfig")
+    cluster = f"bk{os.getpid()}"
+    twins: list[runtime.Twin] = []
+    seeded = Path(os.environ.get("PVEGPU_E2E_KERNEL_CCACHE") or CCACHE).is_dir()
+    try:
+        for x in "abc":
+            twins.append(runtime.start(f"bk{x}-{os.getpid()}", "kpro6", cluster=cluster, owner=os.getpid()))
+        prepare(twins, Path(path))
+        with tempfile.TemporaryDirectory(dir=REPO / ".cache") as tmp:
+            inventory = write_inventory(Path(tmp), twins, {t.name: {"node": t.name, "kernel": kernel} for t in twins})
+            t0 = time.monotonic()
+            run = run_pyinfra(inventory, STAGE_DEPLOY, env=STAGES, timeout=5400)
+            converge_s = time.monotonic() - t0
+        if run.rc != 0:
+            raise RuntimeError(run.output[-3000:])
+        builds = [s for t in twins for s in build_seconds(Path(t.root), build_id)]
+        installed = [(Path(t.root) / f"boot/vmlinuz-{kernel['version']}").is_file() for t in twins]
+    finally:
+        for t in twins:
+            runtime.stop(t.name)
+    if not builds:
+        raise RuntimeError("no node recorded a kernel build")
+    if not all(installed):
+        raise RuntimeError(f"the kernel is not installed on every node: {installed}")
+    one = max(builds)
+    return {"value": round(sum(builds) / one, 2), "total_build_s": sum(builds), "one_node_build_s": one,
+            "builds": len(builds), "converge_s": round(converge_s, 1), "converge_vs_build": round(converge_s / one, 2),
+            "ccache_seeded": seeded, "release": kernel["version"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    result = measure()
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"kernel build seconds of the 3-node run / one node's build: {result['value']} "
+              f"({result['total_build_s']:.0f} s over {result['builds']} build(s) / {result['one_node_build_s']:.0f} s; "
+              f"target <= 1.2); converge {result['converge_s']} s = {result['converge_vs_build']} x the build"
+              + (" (builder's kernel ccache seeded)" if result["ccache_seeded"] else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
