@@ -13,6 +13,11 @@ HOOK_STATE = "/var/lib/pvegpu/kernel-hook"  # <release>.failed / .ok / .log, `pi
 HOLD_RECORD = "/var/lib/pvegpu/kernel-hold"  # the packages pvegpu put on hold, one a line
 PIN_FILE = "/etc/kernel/proxmox-boot-pin"  # proxmox-kernel-helper's pin (proxmox-boot-tool kernel pin)
 NEXT_PIN_FILE = "/etc/kernel/next-boot-pin"
+# pvegpu's kernel hook (operations/kernel_hook.py). run-parts (debianutils run-parts.c: never calls
+# setlocale, so its strcoll sort is the C locale's byte order) runs 00… before initramfs-tools, whose
+# update-initramfs copies the new kernel onto the ESPs (proxmox-kernel-helper proxmox-boot-sync), as dkms does
+HOOK = "/etc/kernel/postinst.d/00pvegpu-nvidia"
+OLD_HOOK = "/etc/kernel/postinst.d/pvegpu-nvidia"  # its name before (after initramfs-tools): removed
 # proxmox-kernel-meta debian/control: proxmox-default-kernel / -headers depend on proxmox-kernel-X.Y /
 # proxmox-headers-X.Y; pve-kernel debian/control.in: those depend on proxmox-kernel-<rel>(-signed) /
 # proxmox-headers-<rel>, and a new ABI moves them to the new release
@@ -147,7 +152,7 @@ class KernelHookState(ShellFact):
         section_echo("headers_candidate"),
         f"if {dpkg_installed('proxmox-default-kernel')} && ! {dpkg_installed('proxmox-default-headers')}; then "
         f"apt-cache {NO_CACHE} policy proxmox-default-headers 2>/dev/null | sed -n 's/^ *Candidate: //p'; fi",
-        section_echo("hook"), "[ -e /etc/kernel/postinst.d/pvegpu-nvidia ] && echo yes",
+        section_echo("hook"), f"{{ [ -e {HOOK} ] || [ -e {OLD_HOOK} ]; }} && echo yes",
         section_echo("running"), uname("r"),
         section_echo("installed"), 'for f in /boot/vmlinuz-*; do [ -e "$f" ] && echo "${f#/boot/vmlinuz-}"; done',
         # the package each image came in (Proxmox VE >= 8.1 installs proxmox-kernel-<rel>-signed, which

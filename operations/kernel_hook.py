@@ -1,15 +1,16 @@
 """Stage after the NVIDIA driver — kernels that apt installs between runs (issue 25).
 
-follow (spec `kernel_updates`, the default): `/etc/kernel/postinst.d/pvegpu-nvidia`
+follow (spec `kernel_updates`, the default): `/etc/kernel/postinst.d/00pvegpu-nvidia`
 (templates/kernel-postinst-nvidia.sh.j2) builds and installs nvidia `nvidia.version` for each
 kernel a package installs, offline, from the sha256-checked archive the NVIDIA stage keeps, with
 that stage's own build and install scripts (templates/nvidia-build.sh.j2, nvidia-install.sh.j2
 with the release from the hook's argument), its toolchain rule and its signing key. It runs
-before zz-proxmox-boot and zz-update-grub (run-parts order), so when the build cannot be done it
-pins the last kernel with working modules before the loader is refreshed (not before the first
-refresh on ESP hosts: initramfs-tools' hook, earlier in that order, runs update-initramfs, whose
-post-update proxmox-boot-sync refreshes the ESPs; a power cut while this hook builds boots the
-new kernel: docs/DESIGN.md, bench/power_cut.py); the reason is kept in
+first in run-parts' order, before initramfs-tools (whose update-initramfs runs
+proxmox-kernel-helper's post-update proxmox-boot-sync: the new kernel's first copy onto the ESPs),
+proxmox-auto-removal, zz-proxmox-boot and zz-update-grub, so the new kernel reaches the loader only
+once its modules are installed or the last kernel with working modules is pinned (a power cut
+while this hook builds boots the old kernel: docs/DESIGN.md, bench/power_cut.py). Its name before,
+`pvegpu-nvidia`, ran after initramfs-tools: the stage removes it. The reason is kept in
 /var/lib/pvegpu/kernel-hook/<release>.failed, shown at login (/etc/motd.d/pvegpu-kernel), by
 this stage (--dry too) and by the host checks. The hook always exits 0: pve-kernel's postinst
 runs the hooks with `run-parts --exit-on-error` and dies on a failure (debian/proxmox-kernel.
@@ -33,7 +34,7 @@ from pyinfra import host, logger
 from pyinfra.api import StringCommand, deploy, operation
 
 from facts.files import ManagedFiles
-from facts.kernel_hook import HOLD_RECORD, HOOK_STATE, PIN_FILE, KernelHookState
+from facts.kernel_hook import HOLD_RECORD, HOOK, HOOK_STATE, OLD_HOOK, PIN_FILE, KernelHookState
 from facts.loader import ESP_LIST
 from facts.once import fact_once
 from facts.shell import operands, word
@@ -45,7 +46,6 @@ from plan import nvidia as nvplan
 from plan.render import render_template
 from plan.terminal import visible
 
-HOOK = "/etc/kernel/postinst.d/pvegpu-nvidia"  # before zz-proxmox-boot and zz-update-grub in run-parts' order
 # apt's DPkg::Post-Invoke runs the hook's --headers pass after each dpkg run: headers installed after
 # their kernel (pve-kernel debian/proxmox-headers.postinst.in runs no kernel hook) get it built then
 HEADERS_CONF = "/etc/apt/apt.conf.d/80pvegpu-kernel-headers"
@@ -54,7 +54,7 @@ MOTD_DIR = "/etc/motd.d"
 # motd= nor motd_dir= is given, as on Debian's second pam_motd line (/etc/pam.d/sshd, login)
 MOTD = f"{MOTD_DIR}/pvegpu-kernel"
 # proxmox-kernel-helper's hook that writes apt's NeverAutoRemove list (/etc/apt/apt.conf.d/76pveconf)
-# from kernel_keep_versions (the pin among them); run-parts runs it before ours
+# from kernel_keep_versions (the pin among them); run-parts runs it after ours, apt's Post-Invoke not at all
 AUTO_REMOVAL = "/etc/kernel/postinst.d/proxmox-auto-removal"
 GRUB_CFG = "/boot/grub/grub.cfg"  # grub-mkconfig's output: whether GRUB boots saved_entry, and the entries' ids
 
@@ -80,7 +80,7 @@ def hook_script(spec, jobs: int, ccache: bool, sig_hash: str = "sha256") -> str:
 
 
 def prefetch(spec) -> list:
-    return [(KernelHookState, {}), (ManagedFiles, {"paths": [HOOK, HEADERS_CONF, HOLD_RECORD]})]
+    return [(KernelHookState, {}), (ManagedFiles, {"paths": [HOOK, OLD_HOOK, HEADERS_CONF, HOLD_RECORD]})]
 
 
 def preflight(spec) -> list[str]:
@@ -127,8 +127,8 @@ def finish_packages(reinstall: list[str] | None = None):
 
 
 @operation()
-def remove_hook():
-    yield StringCommand(f"rm -f {operands(HOOK, HEADERS_CONF)}")
+def remove_hook(paths: list[str]):
+    yield StringCommand(f"rm -f {operands(paths)}")
 
 
 @deploy("Kernel updates")
@@ -164,14 +164,15 @@ def _hook_and_holds(spec, state: dict) -> None:
         apt_mark(name=f"Hold the kernel series {updates['series']}: {', '.join(updates['hold'])}", action="hold",
                  packages=updates["hold"])
     record = "".join(f"{p}\n" for p in updates["record"])
-    files = fact_once(ManagedFiles, paths=[HOOK, HEADERS_CONF, HOLD_RECORD])
+    files = fact_once(ManagedFiles, paths=[HOOK, OLD_HOOK, HEADERS_CONF, HOLD_RECORD])
     if record or files.get(HOLD_RECORD):
         managed_file(name="Record the kernel holds pvegpu set", path=HOLD_RECORD, content=record, mode="644",
                      state=files.get(HOLD_RECORD), keep_previous=False)
     nv = spec.nvidia
     if nv is None or nv.modules_source is None:
         if state.get("hook") or files.get(HEADERS_CONF):
-            remove_hook(name="Remove the kernel hook (no nvidia.modules_source to build from)")
+            remove_hook(name="Remove the kernel hook (no nvidia.modules_source to build from)",
+                        paths=[HOOK, OLD_HOOK, HEADERS_CONF])
         return
     # follow only: held kernels need no new headers (and proxmox-default-headers may name a newer series)
     headers, note = khplan.headers_step(state) if spec.kernel_updates == "follow" else (False, None)
@@ -196,6 +197,9 @@ def _hook_and_holds(spec, state: dict) -> None:
     current = files.get(HOOK)
     if file_current(current, content, "755"):
         logger.info(f"{host.name}: kernel hook: {HOOK} builds nvidia {nv.version} for new kernels (each with its own GCC)")
-        return
-    managed_file(name=f"Kernel hook: build nvidia {nv.version} for each kernel apt installs", path=HOOK,
-                 content=content, mode="755", state=current, keep_previous=False)
+    else:
+        managed_file(name=f"Kernel hook: build nvidia {nv.version} for each kernel apt installs", path=HOOK,
+                     content=content, mode="755", state=current, keep_previous=False)
+    if files.get(OLD_HOOK):  # after the new one is in place: no run-parts between finds neither
+        remove_hook(name=f"Kernel hook: remove its old name {OLD_HOOK} (ran after initramfs-tools' ESP refresh)",
+                    paths=[OLD_HOOK])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from facts.compilers import compiler_version
-from facts.kernel_hook import DEFAULT_METAS
+from facts.kernel_hook import DEFAULT_METAS, HOOK
 
 SERIES_RE = re.compile(r"^(\d+\.\d+)\.")
 
@@ -101,7 +101,7 @@ def rerun_command(release: str, state: dict) -> str:
     owner = (state.get("owners") or {}).get(release)
     if owner:
         return f"dpkg-reconfigure {owner}"
-    return f"/etc/kernel/postinst.d/pvegpu-nvidia {release} /boot/vmlinuz-{release}"
+    return f"{HOOK} {release} /boot/vmlinuz-{release}"
 
 
 def failure_lines(state: dict) -> list[str]:

@@ -1,7 +1,7 @@
 """A real `apt full-upgrade` from Proxmox VE 8 (bookworm) to 9 (trixie) on a kpro6 twin (issue 40 item 4).
 
 The twin runs 8 on 6.8.12-11-pve with nvidia 595.71.05; the NVIDIA stage and the kernel hook stage
-converge it (the hook /etc/kernel/postinst.d/pvegpu-nvidia and apt's DPkg::Post-Invoke are
+converge it (the hook /etc/kernel/postinst.d/00pvegpu-nvidia and apt's DPkg::Post-Invoke are
 installed, proxmox-default-headers with them). Then the upgrade guide's steps, for real: the apt
 sources move from bookworm to trixie in their own formats, `apt full-upgrade` runs unattended with
 Debian's packages from Debian's archive (cached: tests/twin/distupgrade.py) and Proxmox's from a
@@ -96,7 +96,7 @@ def test_real_dist_upgrade_8_to_9(twin_factory, tmp_path, monkeypatch):
     inv8 = write_inventory(tmp_path, twin, sha, None)
     first = run_pyinfra(inv8, STAGE_DEPLOY, env=STAGES, timeout=900)
     assert first.rc == 0, first.output[-6000:]
-    hook_script = (root / "etc/kernel/postinst.d/pvegpu-nvidia").read_text()
+    hook_script = (root / "etc/kernel/postinst.d/00pvegpu-nvidia").read_text()
     assert "pick_toolchain" in hook_script and "gcc-12" not in hook_script  # no compiler of 8's in it
     assert "proxmox-default-headers install ok installed" in du.sh(
         twin, "dpkg-query -W -f '${Package} ${Status}\\n' proxmox-default-headers").stdout
@@ -146,7 +146,7 @@ def test_real_dist_upgrade_8_to_9(twin_factory, tmp_path, monkeypatch):
     print("order:", [p for p in order if p.startswith(("base-files", "gcc-14", "gcc ", "linux-headers", "proxmox-"))])
     # it ran from the image's postinst (run-parts of /etc/kernel/postinst.d), not only after dpkg
     assert re.search(rf"^Setting up proxmox-kernel-{re.escape(new)}-signed .*?^run-parts: executing "
-                     rf"/etc/kernel/postinst.d/pvegpu-nvidia {re.escape(new)}", out, re.M | re.S), out[-8000:]
+                     rf"/etc/kernel/postinst.d/00pvegpu-nvidia {re.escape(new)}", out, re.M | re.S), out[-8000:]
     # built with trixie's gcc-14 and g++-14 before apt returned, no converge in between: by the
     # kernel's postinst (gcc-14 configured by then) or by apt's pass after the dpkg run
     deferred = "is unpacked but not yet configured" in out

@@ -162,8 +162,8 @@ def test_595_builds_for_trixie_6_12_and_is_refused_for_7_x(trixie_twin, tmp_path
         compilers = {line.split("]", 1)[1].strip() for line in comment.splitlines() if line.strip().startswith("[")}
         assert compilers and all(c.startswith("GCC: (Debian 14.2.0-") and c.endswith(") 14.2.0") for c in compilers), \
             (module, compilers)
-    assert ku.twin_sh(twin, "test -x /etc/kernel/postinst.d/pvegpu-nvidia && echo yes").strip() == "yes"
-    assert "gcc-14" in ku.twin_sh(twin, "cat /etc/kernel/postinst.d/pvegpu-nvidia")
+    assert ku.twin_sh(twin, "test -x /etc/kernel/postinst.d/00pvegpu-nvidia && echo yes").strip() == "yes"
+    assert "gcc-14" in ku.twin_sh(twin, "cat /etc/kernel/postinst.d/00pvegpu-nvidia")
     modules_before = modules_state(twin, old)
     stats_before = ku.twin_sh(twin, CCACHE_STATS)
 

@@ -189,7 +189,7 @@ def host_on_6_1(twin_factory, tmp_path):
             assert "proxmox-default-headers install ok installed" in installed, installed
         else:
             assert "proxmox-default-headers install ok installed" not in installed, installed
-        assert twin_sh(twin, "test -x /etc/kernel/postinst.d/pvegpu-nvidia && echo yes").strip() == "yes"
+        assert twin_sh(twin, "test -x /etc/kernel/postinst.d/00pvegpu-nvidia && echo yes").strip() == "yes"
         again = converge(inventory)
         assert again.rc == 0 and again.changed == 0, again.output[-4000:]
         return twin, inventory

@@ -53,7 +53,7 @@ def test_kernel_trial_cut_after_the_trial_kernel_came_up_before_the_run_checked_
     assert outcome.final == RELEASE, outcome.line()
 
 
-HOOK_STEP = ("run-parts: executing /etc/kernel/postinst.d/pvegpu-nvidia 6.12.118+deb12-amd64 "
+HOOK_STEP = ("run-parts: executing /etc/kernel/postinst.d/00pvegpu-nvidia 6.12.118+deb12-amd64 "
              "/boot/vmlinuz-6.12.118+deb12-amd64", 1, 2.0)
 
 

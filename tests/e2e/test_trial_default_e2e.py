@@ -5,7 +5,7 @@ bootctl and the firmware's choice at a reset) and on intel2 with /boot on a plai
 grubenv written by GRUB's own tools). The trial kernel hangs in each test that reboots, so a
 wrong default shows as the refused kernel booting again after the reset.
 
-- 2.2: the kernel hook (/etc/kernel/postinst.d/pvegpu-nvidia, run by the trial kernel's postinst)
+- 2.2: the kernel hook (/etc/kernel/postinst.d/00pvegpu-nvidia, run by the trial kernel's postinst)
   moved its own earlier pin onto the trial kernel; the stage checks the default before arming.
 - 2.9: a `kernel pin --next-boot` left over wins over the pin in loader.conf; the hook's
   grub-set-default in the trial window unset GRUB's next_entry (grub util/grub-set-default.in);

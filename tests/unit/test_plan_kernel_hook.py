@@ -98,7 +98,7 @@ def test_records_of_removed_kernels_are_stale_not_failures():
     assert plan.stale_failures(s) == ["6.11.1-1-pve"]
     [line] = plan.failure_lines(s)  # no package owns its image (dpkg-query -S finds none): the hook itself
     assert line.startswith("kernel 6.12.1-1-pve:") and \
-        "`/etc/kernel/postinst.d/pvegpu-nvidia 6.12.1-1-pve /boot/vmlinuz-6.12.1-1-pve` runs the hook again" in line
+        "`/etc/kernel/postinst.d/00pvegpu-nvidia 6.12.1-1-pve /boot/vmlinuz-6.12.1-1-pve` runs the hook again" in line
 
 
 def test_the_rerun_command_names_the_package_dpkg_says_installed_the_image():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -253,8 +254,35 @@ def test_headers_installed_after_the_kernel_rerun_the_hook_through_the_apt_post_
 
 def test_the_apt_conf_runs_the_hook_s_headers_pass():
     conf = render_template("kernel-headers-apt.conf.j2", path=kernel_hook.HEADERS_CONF, hook=kernel_hook.HOOK)
-    assert ('DPkg::Post-Invoke { "if [ -x /etc/kernel/postinst.d/pvegpu-nvidia ]; then '
-            '/etc/kernel/postinst.d/pvegpu-nvidia --headers || true; fi"; };') in conf
+    assert ('DPkg::Post-Invoke { "if [ -x /etc/kernel/postinst.d/00pvegpu-nvidia ]; then '
+            '/etc/kernel/postinst.d/00pvegpu-nvidia --headers || true; fi"; };') in conf
+
+
+# /etc/kernel/postinst.d of a Proxmox VE host (the twin roots, from the real packages): dkms,
+# initramfs-tools, proxmox-kernel-helper's proxmox-auto-removal and zz-proxmox-boot, systemd-boot's
+# zz-systemd-boot, grub's zz-update-grub
+POSTINST_D = ["dkms", "initramfs-tools", "proxmox-auto-removal", "zz-proxmox-boot", "zz-systemd-boot", "zz-update-grub"]
+
+
+@pytest.mark.skipif(shutil.which("run-parts") is None, reason="debianutils' run-parts is not installed")
+@pytest.mark.parametrize("locale", ["C", "C.UTF-8", "en_US.UTF-8", "de_DE.UTF-8"])
+def test_run_parts_runs_the_hook_before_initramfs_tools(tmp_path, locale):
+    """Issue 38 §3 (bench/power_cut.py full-upgrade-fails): initramfs-tools' hook runs update-initramfs,
+    whose post-update proxmox-boot-sync copies the new kernel onto the ESPs; the hook must have
+    installed its modules or pinned the last good kernel before that. run-parts as pve-kernel's
+    postinst calls it (debian/proxmox-kernel.postinst.in: no --lsbsysinit, so the name must be
+    [A-Za-z0-9_-]), in whatever locale apt was started: ours first (before: after initramfs-tools)."""
+    d = tmp_path / "postinst.d"
+    d.mkdir()
+    for name in [*POSTINST_D, Path(kernel_hook.HOOK).name]:
+        (d / name).write_text("#!/bin/sh\n")
+        (d / name).chmod(0o755)
+    done = subprocess.run(["run-parts", "--test", f"--arg={RELEASE}", f"--arg=/boot/vmlinuz-{RELEASE}", str(d)],
+                          capture_output=True, text=True, env={**os.environ, "LC_ALL": locale}, check=True)
+    order = [Path(line).name for line in done.stdout.split()]
+    assert order[0] == Path(kernel_hook.HOOK).name, order
+    assert order[1:] == POSTINST_D, order
+    assert Path(kernel_hook.HOOK).parent == Path("/etc/kernel/postinst.d")
 
 
 BOOKWORM_GOOD = "6.8.12-11-pve"
