@@ -24,12 +24,14 @@ hold: the metas are held, `apt full-upgrade` installs nothing new.
 from __future__ import annotations
 
 import hashlib
+import re
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from facts.kernel_hook import OLD_HOOK
 from plan import kernel as kplan
 from tests.e2e.harness import PYTEST, REPO, manifest_diff, root_manifest, run_pyinfra, spec_inventory, write_tarball
 from tests.twin import kernel_packages as kp
@@ -180,8 +182,13 @@ def host_on_6_1(twin_factory, tmp_path):
         reboot(twin)
         assert twin_sh(twin, "uname -r").strip() == OLD
         inventory = write_inventory(tmp_path, twin, hashlib.sha256(archive.read_bytes()).hexdigest(), updates, profile)
+        # converged by an older pvegpu: its hook under the old name, which ran after initramfs-tools
+        # (whose update-initramfs copied the new kernel onto the ESPs before the build; issue 38 §3)
+        twin_sh(twin, f"printf '#!/bin/sh\\necho older-pvegpu-hook >>/root/old-hook-ran\\n' >{OLD_HOOK} && chmod 755 {OLD_HOOK}")
         first = converge(inventory)
         assert first.rc == 0, first.output[-6000:]
+        assert "remove its old name" in first.output, first.output[-3000:]
+        assert twin_sh(twin, f"test -e {OLD_HOOK} || echo gone").strip() == "gone"
         assert nvidia_version(twin, OLD) == VERSION
         installed = twin_sh(twin, "dpkg-query -W -f '${Package} ${Status}\\n' 'proxmox-*headers*' 2>/dev/null || true")
         if updates == "follow":  # the headers follow the kernels from now on
@@ -207,6 +214,11 @@ def test_follow_builds_the_new_kernel_s_modules_and_it_becomes_the_default(host_
     assert f"proxmox-kernel-{NEW}" in upgrade, upgrade[-3000:]
     assert f"pvegpu: nvidia {VERSION} installed for {NEW}" in upgrade, upgrade[-4000:]
     assert f"proxmox-headers-{NEW}" in upgrade, upgrade[-3000:]  # came with proxmox-default-headers 2
+    # the kernel's postinst (run-parts --verbose): our hook first, before initramfs-tools' ESP refresh;
+    # the old name is gone
+    hooks = re.findall(rf"^run-parts: executing /etc/kernel/postinst.d/(\S+) {re.escape(NEW)} ", upgrade, re.M)
+    assert hooks[0] == "00pvegpu-nvidia" and "initramfs-tools" in hooks and "pvegpu-nvidia" not in hooks, hooks
+    assert "older-pvegpu-hook" not in twin_sh(twin, "cat /root/old-hook-ran 2>/dev/null || true")
     assert twin_sh(twin, "dpkg --audit").strip() == ""
     for module in MODULES:
         info = twin_sh(twin, f"modinfo -k {NEW} -F filename {module}; modinfo -k {NEW} -F vermagic {module}").split("\n")
