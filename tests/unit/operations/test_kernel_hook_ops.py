@@ -502,3 +502,51 @@ def test_the_hooks_compiler_is_plan_nvidia_toolchain_for(tmp_path, case, need_cx
                          text=True, env={"PATH": f"{tmp_path / 'bin'}:{tools}"}, timeout=30)
     chosen = toolchain_for("r", cc_text, {b.split(" ", 1)[0]: b for b in banners}, need_cxx=need_cxx)
     assert out.stdout.strip() == f"{chosen['cc'] or ''},{chosen['cxx'] or ''}", out.stderr
+
+
+def test_the_stage_installs_the_hook_under_its_new_name_and_then_removes_the_old_one(tmp_path, monkeypatch):
+    """Issue 38 §3: a host converged by an older pvegpu has the hook as
+    /etc/kernel/postinst.d/pvegpu-nvidia (after initramfs-tools in run-parts' order). The stage
+    writes 00pvegpu-nvidia, then removes the old name (in that order: no moment without a hook);
+    the next run, both as they should be, changes nothing. The stage's own plan (operations
+    recorded, not run; the facts as given)."""
+    from types import SimpleNamespace
+
+    from facts.kernel_hook import KernelHookState
+    from operations.files import sha256_text
+
+    archive = tmp_path / "tree.tar.gz"
+    spec = HostSpec(kernel_updates="follow", nvidia={"version": "580.95.05", "open": True,
+                    "modules_source": {"url": f"file://{archive}", "sha256": hashlib.sha256(b"tree").hexdigest()}})
+    calls: list[tuple[str, str]] = []
+
+    def record(kind):
+        return lambda name, **kwargs: calls.append((kind, kwargs.get("path") or " ".join(kwargs.get("paths") or [])))
+
+    nv_state = {"sources": {"modules": {"cached": True}}, "releases": {}, "compilers": {}}
+    fake_nvidia = SimpleNamespace(_state_and_steps=lambda spec: (nv_state, [], {"fetch_modules": False, "jobs": 2,
+                                                                               "ccache": False}),
+                                  cached_source=lambda source: str(archive))
+    content = "#!/bin/sh\n# the hook\n"
+    monkeypatch.setattr(kernel_hook, "host", SimpleNamespace(name="h"))
+    monkeypatch.setattr(kernel_hook, "nvidia", fake_nvidia)
+    monkeypatch.setattr(kernel_hook, "hook_script", lambda *a, **k: content)
+    for name in ("managed_file", "remove_hook", "install_default_headers", "apt_mark", "forget_failures"):
+        monkeypatch.setattr(kernel_hook, name, record(name))
+    state = {**KernelHookState.default(), "hook": True, "packages": {"proxmox-default-headers": {"version": "1"}}}
+    conf = render_template("kernel-headers-apt.conf.j2", path=kernel_hook.HEADERS_CONF, hook=kernel_hook.HOOK)
+    old = {"mode": "755", "sha256": sha256_text("#!/bin/sh\n# an older pvegpu's hook\n")}
+
+    def plan(files: dict) -> list[tuple[str, str]]:
+        calls.clear()
+        monkeypatch.setattr(kernel_hook, "fact_once", lambda fact, **kwargs: files)
+        kernel_hook._hook_and_holds(spec, state)
+        return list(calls)
+
+    older = plan({kernel_hook.HOOK: None, kernel_hook.OLD_HOOK: old, kernel_hook.HEADERS_CONF: None,
+                  kernel_hook.HOLD_RECORD: None})
+    assert older == [("managed_file", kernel_hook.HEADERS_CONF), ("managed_file", "/etc/kernel/postinst.d/00pvegpu-nvidia"),
+                     ("remove_hook", "/etc/kernel/postinst.d/pvegpu-nvidia")], older
+    again = plan({kernel_hook.HOOK: {"mode": "755", "sha256": sha256_text(content)}, kernel_hook.OLD_HOOK: None,
+                  kernel_hook.HEADERS_CONF: {"mode": "644", "sha256": sha256_text(conf)}, kernel_hook.HOLD_RECORD: None})
+    assert again == [], again
