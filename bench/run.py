@@ -44,8 +44,12 @@ Figures (issue 9):
   build_share_total_vs_one  issue 41: NVIDIA module build seconds of all nodes of a 3-node     target <= 1.2
                          cluster twin converged in one run / one node's build (bench/build_share.py;
                          every node built before: ~3)
+  build_share_wall_vs_single  issue 41: that 3-node converge's wall / one node's converge      target <= 1.2
+                         alone (one more kpro6 twin, in no cluster, the same spec and seeded caches as
+                         the cluster's builder, converged right after by the same script)
   kernel_share_total_vs_one  issue 41: the same for the kernel stage's tinyconfig build      target <= 1.2
                          (bench/build_share_kernel.py)
+  kernel_share_wall_vs_single  issue 41: its 3-node converge's wall / one node's alone       target <= 1.2
 Each figure is measured, never assumed; one that could not be measured is printed as such.
 --only NAME measures those benches and keeps the other figures of bench/results.json (each
 figure carries its measured_at). fleet8_vs_1 also records the CPU seconds of the runner and of
@@ -87,6 +91,8 @@ TARGETS = {
     "power_cut": ("<=", 0),
     "build_share_total_vs_one": ("<=", 1.2),
     "kernel_share_total_vs_one": ("<=", 1.2),
+    "build_share_wall_vs_single": ("<=", 1.2),
+    "kernel_share_wall_vs_single": ("<=", 1.2),
 }
 PVE_DELAY_S = 0.4  # a real node's pct/qm/pvesh start: 0.3-0.6 s (issue 19)
 PVE_DELAY_RUNS = 9  # pve_delay_vs_fact: converge/fact pairs, alternating; the medians make the figure
@@ -350,6 +356,16 @@ def bench_script(results: dict, key: str, script: str, timeout: int = 1800) -> N
         results[key] = {"value": None, "note": (proc.stdout + proc.stderr)[-500:]}
 
 
+def bench_share(results: dict, key: str, wall_key: str, script: str, timeout: int = 1800) -> None:
+    """Issue 41's two figures from one run of a build-share bench: its build seconds figure under
+    `key`, its 3-node converge wall / the single node's converge wall under `wall_key`."""
+    bench_script(results, key, script, timeout=timeout)
+    got = results[key]
+    if got.get("wall_vs_single") is not None:
+        results[wall_key] = {"value": got["wall_vs_single"], "converge_s": got["converge_s"],
+                             "single_converge_s": got["single_converge_s"], "load_1min": got.get("load_1min")}
+
+
 def bench_pve_calls(results: dict) -> None:
     """Proxmox CLI calls of a no-change converge and of a two-GPU move on a kpro6 twin (the
     stand-ins log each call: tests/twin/runtime.count_pve_calls), then the no-change converge's
@@ -407,8 +423,9 @@ BENCHES = {
     "pve": bench_pve_calls,
     # every cut point of every case: hours on a 2-core machine (bench/power_cut.py --case/--points for less)
     "powercut": lambda r: bench_script(r, "power_cut", "power_cut.py", timeout=6 * 3600),
-    "share": lambda r: bench_script(r, "build_share_total_vs_one", "build_share.py"),
-    "share-kernel": lambda r: bench_script(r, "kernel_share_total_vs_one", "build_share_kernel.py", timeout=5400),
+    "share": lambda r: bench_share(r, "build_share_total_vs_one", "build_share_wall_vs_single", "build_share.py"),
+    "share-kernel": lambda r: bench_share(r, "kernel_share_total_vs_one", "kernel_share_wall_vs_single",
+                                          "build_share_kernel.py", timeout=5400),
 }
 
 
@@ -474,6 +491,11 @@ def main() -> int:
         print(f"pve_delay_vs_fact: no-change converge {delay['converge_s']} s (CT 200 running, Proxmox CLIs taking "
               f"{delay['delay_s']} s to start, {len(delay['pve_calls'])} started) / bare fact {delay['fact_s']} s; "
               f"walls {delay['walls_s']}; pyinfra CPU {delay.get('runner_cpu_s')}")
+    for key in ("build_share_wall_vs_single", "kernel_share_wall_vs_single"):
+        if key in results:
+            val = results[key]
+            print(f"{key}: 3-node converge {val['converge_s']} s / one node's converge alone "
+                  f"{val['single_converge_s']} s (1-min load at the two starts {val['load_1min']})")
     for key, val in results.items():
         if key.endswith("_error"):
             print(f"{key}: {val['note']}")

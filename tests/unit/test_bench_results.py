@@ -4,6 +4,7 @@ many-core machine can take on every run; --import-many-cores takes that figure f
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 from bench import run as bench
@@ -83,3 +84,22 @@ def test_pve_delay_vs_fact_is_printed_against_its_target_with_both_walls(monkeyp
     assert got["pve_delay_vs_fact"]["value"] == 1.9 and bench.TARGETS["pve_delay_vs_fact"] == ("<=", 1.3)
     assert "pve_delay_vs_fact               1.9  <=   1.3  NO" in out
     assert "no-change converge 1.52 s (CT 200 running, Proxmox CLIs taking 0.4 s to start, 0 started) / bare fact 0.8 s" in out
+
+
+def test_a_build_share_run_gives_both_issue_41_figures(monkeypatch, tmp_path, capsys):
+    """Issue 41's Measure: the build seconds figure and the wall figure (the 3-node converge / one
+    node's converge alone), each against its target of 1.2, from one run of the share script."""
+    share = {"value": 1.0, "total_build_s": 28.0, "one_node_build_s": 28.0, "builds": 1, "converge_s": 40.0,
+             "converge_vs_build": 1.43, "single_converge_s": 25.0, "single_build_s": 20.0, "wall_vs_single": 1.6,
+             "load_1min": [0.5, 1.1]}
+    monkeypatch.setattr(bench.subprocess, "run",
+                        lambda *a, **k: bench.subprocess.CompletedProcess(a, 0, json.dumps(share) + "\n", ""))
+    _write(tmp_path / "results.json", {"facts_commands": {"value": 2}})
+    got = _main(monkeypatch, tmp_path, ["--only", "share"],
+                {"share": bench.BENCHES["share"], "facts": bench.BENCHES["facts"]})
+    assert got["build_share_total_vs_one"]["value"] == 1.0 and got["facts_commands"]["value"] == 2
+    assert got["build_share_wall_vs_single"]["value"] == 1.6
+    assert bench.TARGETS["build_share_wall_vs_single"] == bench.TARGETS["kernel_share_wall_vs_single"] == ("<=", 1.2)
+    out = capsys.readouterr().out
+    assert re.search(r"^build_share_wall_vs_single +1\.6  <= +1\.2  NO$", out, re.M), out
+    assert "build_share_wall_vs_single: 3-node converge 40.0 s / one node's converge alone 25.0 s" in out
