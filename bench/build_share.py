@@ -113,30 +113,41 @@ def measure() -> dict:
     single_s, single_builds, single_load = converge([f"bss-{pid}"], None, archive, sha, seed)
     if not single_builds:
         raise RuntimeError("the single node recorded no build")
+    return figures(converge_s, builds, load, single_s, single_builds, single_load,
+                   cache_seeded=bool(seed), source=SOURCE, release=RELEASE)
+
+
+def figures(converge_s: float, builds: list, load: float, single_s: float, single_builds: list, single_load: float,
+            **extra) -> dict:
+    """Issue 41's figures of a 3-node run and a lone node's (this bench and bench/build_share_kernel.py)."""
     one = max(builds)
     return {"value": round(sum(builds) / one, 2), "total_build_s": sum(builds), "one_node_build_s": one,
             "builds": len(builds), "converge_s": round(converge_s, 1), "converge_vs_build": round(converge_s / one, 2),
             "single_converge_s": round(single_s, 1), "single_build_s": max(single_builds),
             "wall_vs_single": round(converge_s / single_s, 2), "load_1min": [round(load, 2), round(single_load, 2)],
-            "cache_seeded": bool(seed), "source": SOURCE, "release": RELEASE}
+            **extra}
 
 
-def main() -> int:
+def run(measure_fn, what: str, seeded_key: str, seeded_text: str) -> int:
+    """The command line of both benches: --json prints `measure_fn()`'s figures, else one line."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    result = measure()
+    result = measure_fn()
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"build seconds of the 3-node run / one node's build: {result['value']} "
+        print(f"{what} of the 3-node run / one node's build: {result['value']} "
               f"({result['total_build_s']:.0f} s over {result['builds']} build(s) / {result['one_node_build_s']:.0f} s; "
               f"target <= 1.2); wall: the 3-node converge {result['converge_s']} s / one node's converge alone "
               f"{result['single_converge_s']} s = {result['wall_vs_single']} (target <= 1.2; the 3-node converge = "
               f"{result['converge_vs_build']} x the build; 1-min load at the two starts {result['load_1min']})"
-              + (" (builder's cache seeded)" if result["cache_seeded"] else ""))
+              + (f" ({seeded_text})" if result[seeded_key] else ""))
     return 0
 
+
+def main() -> int:
+    return run(measure, "build seconds", "cache_seeded", "builder's cache seeded")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,8 +22,6 @@ Needs root (twins); stops its twins.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import subprocess
 import sys
@@ -34,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.build_share import figures, run  # noqa: E402
 from plan import kernel as plan  # noqa: E402
 from spec.models import KernelSpec  # noqa: E402
 from tests.e2e.harness import run_pyinfra  # noqa: E402
@@ -87,30 +86,12 @@ def measure() -> dict:
     single_s, single_builds, single_load = converge([f"bks-{pid}"], None, Path(path), kernel, build_id)
     if not single_builds:
         raise RuntimeError("the single node recorded no kernel build")
-    one = max(builds)
-    return {"value": round(sum(builds) / one, 2), "total_build_s": sum(builds), "one_node_build_s": one,
-            "builds": len(builds), "converge_s": round(converge_s, 1), "converge_vs_build": round(converge_s / one, 2),
-            "single_converge_s": round(single_s, 1), "single_build_s": max(single_builds),
-            "wall_vs_single": round(converge_s / single_s, 2), "load_1min": [round(load, 2), round(single_load, 2)],
-            "ccache_seeded": seeded, "release": kernel["version"]}
+    return figures(converge_s, builds, load, single_s, single_builds, single_load, ccache_seeded=seeded,
+                   release=kernel["version"])
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
-    result = measure()
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"kernel build seconds of the 3-node run / one node's build: {result['value']} "
-              f"({result['total_build_s']:.0f} s over {result['builds']} build(s) / {result['one_node_build_s']:.0f} s; "
-              f"target <= 1.2); wall: the 3-node converge {result['converge_s']} s / one node's converge alone "
-              f"{result['single_converge_s']} s = {result['wall_vs_single']} (target <= 1.2; the 3-node converge = "
-              f"{result['converge_vs_build']} x the build; 1-min load at the two starts {result['load_1min']})"
-              + (" (builder's kernel ccache seeded)" if result["ccache_seeded"] else ""))
-    return 0
-
+    return run(measure, "kernel build seconds", "ccache_seeded", "builder's kernel ccache seeded")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -119,6 +119,8 @@ def finish_packages(reinstall: list[str] | None = None):
     `reinstall` (`pkg=version`, half-installed): unpacked again first, the version dpkg was
     unpacking (apt's archive cache or the repository); the first configure pass only clears
     dpkg's journal, without which apt refuses to run ("dpkg was interrupted"), and fails on them."""
+    # dpkg src/main/configure.c deferred_configure: PKG_EFLAG_REINSTREQ refuses the configure;
+    # apt-pkg/deb/debsystem.cc CheckUpdates: a non-empty /var/lib/dpkg/updates stops apt
     if reinstall:
         yield StringCommand("DEBIAN_FRONTEND=noninteractive dpkg --configure -a >/dev/null 2>&1 || :")
         yield StringCommand("DEBIAN_FRONTEND=noninteractive apt-get install -y --reinstall --no-install-recommends "
