@@ -44,21 +44,24 @@ start=$(date +%s)
 cache() {  # a twin root cache is shared by the runs: built once (under its lock), before the tests that use it
   tests/twin/twinctl cache --suite "$1" >/dev/null || { echo "pvegpu: could not build the twin root cache ($1)" >&2; return 1; }
 }
-# lint (CPU) beside the bookworm root's build (debootstrap: mostly network and disk); still no test
-# starts before lint is clean
+# lint (CPU) beside the two twin roots' builds (debootstrap: mostly network and disk, each root under
+# its own lock, so both build at once while the CPU is still idle); still no test starts before lint
+# is clean. Trixie's root (kpro6-pve9) may still be building when the tests start: a run that needs
+# it waits on its lock (before 2026-12-06 it started only after bookworm's, and trixie's NVIDIA build
+# waited ~300 s for it beside the three builds)
 lint_log=.cache/lint.log
 bash scripts/lint.sh >"$lint_log" 2>&1 &
 lint_pid=$!
+cache trixie &
+trixie_pid=$!
 cache bookworm  # Proxmox VE 8 profiles
 bookworm_rc=$?
 wait "$lint_pid"
 lint_rc=$?
 cat "$lint_log"
-[ "$lint_rc" = 0 ] || { echo "pvegpu: lint failed (scripts/lint.sh); no test ran" >&2; exit 1; }
-[ "$bookworm_rc" = 0 ] || exit 1
-# trixie's root (kpro6-pve9) is built beside the first runs; a run that needs it waits on its lock
-cache trixie &
-trixie_pid=$!
+# a failed start leaves nothing running: trixie's root build is waited for (it ends by itself)
+[ "$lint_rc" = 0 ] || { echo "pvegpu: lint failed (scripts/lint.sh); no test ran" >&2; wait "$trixie_pid"; exit 1; }
+[ "$bookworm_rc" = 0 ] || { wait "$trixie_pid"; exit 1; }
 
 queue=()
 declare -A queued=()
@@ -88,8 +91,15 @@ run_one() {
 }
 export -f run_one
 export PYTEST LOGS
+# how busy the machine's CPUs were while the runs went (from /proc/stat: every process, twins and
+# their builds included): near all cores busy means only less work makes `make test` shorter
+cpu_ticks() { awk '/^cpu /{busy=$2+$3+$4+$7+$8+$9; print busy, busy+$5+$6}' /proc/stat; }
+read -r busy0 total0 < <(cpu_ticks)
+queue_t0=$(date +%s)
 printf '%s\0' "${queue[@]}" | xargs -0 -P "$JOBS" -I{} bash -c 'run_one "$@"' _ {} "$@"
 
+read -r busy1 total1 < <(cpu_ticks)
+queue_secs=$(( $(date +%s) - queue_t0 ))
 wait "$trixie_pid"
 trixie_rc=$?
 failed=()
@@ -108,5 +118,8 @@ for f in "${failed[@]}"; do
   cat "$(logof "$f")"
 done
 [ "$trixie_rc" = 0 ] || echo "pvegpu: could not build trixie's twin root (see above)" >&2
+cores=$(nproc)
+echo "pvegpu tests: the runs took $queue_secs s after $(( queue_t0 - start )) s of lint and twin roots;" \
+     "CPUs busy $(( (busy1 - busy0) * 100 / (total1 - total0 > 0 ? total1 - total0 : 1) ))% of $cores over the runs"
 echo "pvegpu tests: ${#queue[@]} runs, ${#failed[@]} failed, trixie root rc=$trixie_rc, $(( $(date +%s) - start )) s"
 [ "${#failed[@]}" = 0 ] && [ "$trixie_rc" = 0 ]

@@ -2,14 +2,16 @@
 twin (tests/twin/runtime.py "Clusters", with the root SSH trust `pvecm add` leaves).
 
 The real tinyconfig build of Debian's 6.1 source that tests/e2e/test_kernel_build.py runs (its
-fragments, ccache seeded from .cache/kernel-ccache when an earlier run left one), for two nodes of
-one cluster with the same kernel spec:
+fragments, ccache seeded from .cache/kernel-ccache when an earlier run left one), of another release
+(another build dir), for two nodes of one cluster with the same kernel spec:
 1. `--dry`: the first node builds for the second, which receives node to node; with the second
    node's gcc banner of another Debian revision, it builds alone, the line naming both compilers.
 2. The converge (no reboot: the trial stays armed): one build (build.log and the build's time record
    on the first node only); the second node receives the .debs node to node, verifies them and
    installs them through the stage's own install and trial: the same .deb bytes in both nodes'
-   build dirs, the same /boot/vmlinuz-<release> installed, the trial armed on each.
+   build dirs, the same /boot/vmlinuz-<release> installed, the trial armed on each. Seeded (make
+   test runs test_kernel_build.py first), the build's compiles are ccache hits though the seed was
+   compiled in test_kernel_build's build dir (CCACHE_BASEDIR, hash_dir off: issue 27 part 4).
 3. The second node's kernel purged and the first node's kept copy tampered (a byte of the image
    .deb): the second node refuses the copy, saying which file's sha256 differs, and builds the kernel
    itself (its kernel ccache warmed from the first node's), then installs its own build.
@@ -33,6 +35,7 @@ from plan import kernel as plan
 from spec.models import KernelSpec
 from tests.e2e.harness import REPO, run_pyinfra
 from tests.e2e.test_build_share_e2e import sh, write_inventory
+from tests.e2e.test_driver_build import ccache_counters
 from tests.e2e.test_kernel_build import CCACHE, FRAGMENTS, TWIN_CCACHE, TWIN_SOURCE, linux_source  # noqa: F401
 
 pytestmark = [pytest.mark.twin, pytest.mark.slow]
@@ -66,20 +69,22 @@ def seed_ccache(root: Path, source: Path) -> None:
         shutil.copytree(source, root / TWIN_CCACHE, dirs_exist_ok=True)
 
 
-def prepare(twins, tarball: Path) -> None:
+def prepare(twins, tarball: Path) -> bool:
+    """The source in each twin, the first node's kernel ccache seeded; whether there was a seed."""
     seed = Path(os.environ.get("PVEGPU_E2E_KERNEL_CCACHE") or CCACHE)
     for t in twins:
         root = Path(t.root)
         (root / TWIN_SOURCE.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(tarball, root / TWIN_SOURCE.lstrip("/"))
     seed_ccache(Path(twins[0].root), seed)
+    return seed.is_dir()
 
 
 def test_cluster_builds_the_kernel_once_receivers_verify_and_refuse_a_tampered_copy(twin_factory, tmp_path,
                                                                                     linux_source):  # noqa: F811
     t0 = time.monotonic()
     tarball, sha256, upstream = linux_source
-    release = f"{upstream}-pvegpu-ci"
+    release = f"{upstream}-pvegpu-share"  # not test_kernel_build's release: another build dir than the seed's
     kernel = kernel_spec(sha256, release)
     build_dir = plan.build_dir(KernelSpec(**kernel), "tinyconfig")
     build_id = plan.build_id(KernelSpec(**kernel), "tinyconfig")
@@ -87,7 +92,7 @@ def test_cluster_builds_the_kernel_once_receivers_verify_and_refuse_a_tampered_c
     twins = [twin_factory("kpro6", name=f"s41k{x}-{os.getpid()}", cluster=cluster) for x in "ab"]
     a, b = twins
     ra, rb = Path(a.root), Path(b.root)
-    prepare(twins, tarball)
+    seeded = prepare(twins, tarball)
     inventory = write_inventory(tmp_path, twins, {t.name: {"node": t.name, "kernel": kernel} for t in twins})
     ip_a = json.loads(sh(b.name, "cat /etc/pve/.members"))["nodelist"][a.name]["ip"]
 
@@ -114,6 +119,8 @@ def test_cluster_builds_the_kernel_once_receivers_verify_and_refuse_a_tampered_c
     assert not debs(ra, build_dir) and not debs(rb, build_dir)
 
     # 2. the converge: one build, received by the other node node to node, installed on both
+    stats = f"CCACHE_DIR={plan.CCACHE_DIR} ccache"
+    sh(a.name, f"{stats} -z")
     t1 = time.monotonic()
     run = run_pyinfra(inventory, STAGE_DEPLOY, env=STAGES, timeout=3600)
     converge_s = time.monotonic() - t1
@@ -127,6 +134,12 @@ def test_cluster_builds_the_kernel_once_receivers_verify_and_refuse_a_tampered_c
     assert (ra / build_dir.lstrip("/") / "build.log").exists() and not (rb / build_dir.lstrip("/") / "build.log").exists()
     seconds = {t.name: build_seconds(Path(t.root), build_id) for t in twins}
     assert len(seconds[a.name]) == 1 and seconds[b.name] == [], seconds
+    counters = ccache_counters(sh(a.name, f"{stats} --print-stats"))
+    hits = counters["direct_cache_hit"] + counters["preprocessed_cache_hit"]
+    print(f"\nbuilder's kernel build: ccache {hits} hits, {counters['cache_miss']} misses (seeded: {seeded})")
+    if seeded:  # compiled in test_kernel_build's build dir, answered in this one's
+        assert build_dir != plan.build_dir(KernelSpec(**{**kernel, "version": f"{upstream}-pvegpu-ci"}), "tinyconfig")
+        assert hits > 0 and counters["cache_miss"] * 10 <= hits, counters
     built = debs(ra, build_dir)
     assert sorted(n.split("_")[0] for n in built) == [f"linux-headers-{release}", f"linux-image-{release}"], built.keys()
     assert debs(rb, build_dir) == built  # the same bytes

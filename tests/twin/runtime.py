@@ -392,8 +392,10 @@ def ensure_root_cache(suite: str | None = None) -> Path:
     if (lower / ".twin-complete").exists():
         return lower
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    with open(CACHE_DIR / "build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent start waits for one build
+    # one lock per root: a concurrent start of the same root waits for its one build, while another
+    # suite's root builds beside it (scripts/run-tests.sh builds bookworm's and trixie's at once)
+    with open(CACHE_DIR / f"build-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if (lower / ".twin-complete").exists():
             return lower
         building = CACHE_DIR / f"root-{key}.building"

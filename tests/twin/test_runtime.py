@@ -428,6 +428,48 @@ def test_unknown_suite_is_refused(monkeypatch):
         runtime.ensure_root_cache("sid")
 
 
+def test_two_suites_roots_build_at_once_and_one_root_builds_once(monkeypatch, tmp_path):
+    """scripts/run-tests.sh builds bookworm's and trixie's roots side by side: each root has its own
+    build lock, so trixie's debootstrap does not wait for bookworm's (both builds must be inside
+    _build_root together), while two starts of the same root still build it once."""
+    import threading
+    monkeypatch.setattr(runtime, "require_root", lambda: None)
+    monkeypatch.setattr(runtime, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(runtime, "boot_layer", lambda suite: None)
+    both_in = threading.Barrier(2, timeout=10)
+    built: list[str] = []
+
+    def build_root(target: Path, suite: str) -> None:
+        built.append(suite)
+        both_in.wait()  # the two suites' builds meet here, or the barrier breaks after 10 s
+        (target / "etc").mkdir(parents=True)
+
+    def tar(cmd, **kw):  # the tarball step: an empty file where tar would write
+        if "-cpf" in cmd:
+            Path(cmd[cmd.index("-cpf") + 1]).write_bytes(b"")
+    monkeypatch.setattr(runtime, "_build_root", build_root)
+    monkeypatch.setattr(runtime, "_run", tar)
+    roots: dict[str, Path] = {}
+    errors: list[BaseException] = []
+
+    def start(suite: str) -> None:
+        try:
+            roots[suite] = runtime.ensure_root_cache(suite)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=start, args=(s,)) for s in ("bookworm", "trixie")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert sorted(built) == ["bookworm", "trixie"]
+    assert roots["bookworm"].name == f"root-{runtime.cache_key('bookworm')}"
+    assert (roots["trixie"] / ".twin-complete").read_text() == f"{runtime.cache_key('trixie')}\n"
+    # the same root again: no second build (its lock, then .twin-complete)
+    assert runtime.ensure_root_cache("bookworm") == roots["bookworm"] and len(built) == 2
+
+
 def test_twin_processes_ignores_a_recycled_namespace_number():
     """After a twin's supervisor died, its namespace numbers may be reused by the kernel: processes
     in a namespace with that number are not the twin's (a stop then saw another twin's processes
