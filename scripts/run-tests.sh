@@ -86,8 +86,13 @@ run_one() {
   "$PYTEST" -p no:cacheprovider --durations=5 "${files[@]}" "$@" >"$log" 2>&1
   rc=$?
   [ "$rc" = 5 ] && rc=0  # no test collected (extra arguments deselected the file's tests)
-  echo "$rc $(( $(date +%s) - t0 ))" >"$log.rc"
-  echo "pvegpu tests: $f rc=$rc $(( $(date +%s) - t0 )) s"
+  # CPU seconds of the run's processes (bash's `times`, children's user and system: pytest and what
+  # it waited for, the twins it started and their builds included); `times` in this shell, not a pipe's
+  local cpu
+  times >"$log.times"
+  cpu=$(awk 'NR==2 {for (i = 1; i <= 2; i++) {split($i, t, /[ms]/); s += t[1] * 60 + t[2]}; printf "%d", s}' "$log.times")
+  echo "$rc $(( $(date +%s) - t0 )) $cpu" >"$log.rc"
+  echo "pvegpu tests: $f rc=$rc $(( $(date +%s) - t0 )) s, CPU $cpu s"
 }
 export -f run_one
 export PYTEST LOGS
@@ -108,8 +113,8 @@ echo "===== ${#queue[@]} pytest runs, $JOBS at a time (logs: $LOGS/) ====="
 logof() { local l="${1%% *}"; echo "$LOGS/${l//\//_}.log"; }
 for f in "${queue[@]}"; do
   log=$(logof "$f")
-  read -r rc secs <"$log.rc" 2>/dev/null || { rc=missing; secs=-; }
-  printf '%-60s rc=%-7s %5s s  %s\n' "$f" "$rc" "$secs" "$(tail -n 1 "$log" 2>/dev/null)"
+  read -r rc secs cpu <"$log.rc" 2>/dev/null || { rc=missing; secs=-; cpu=-; }
+  printf '%-60s rc=%-7s %5s s  CPU %5s s  %s\n' "$f" "$rc" "$secs" "$cpu" "$(tail -n 1 "$log" 2>/dev/null)"
   [ "$rc" = 0 ] || failed+=("$f")
 done
 for f in "${failed[@]}"; do
