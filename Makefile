@@ -33,10 +33,12 @@ lint: venv debs
 test-unit: venv
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
 
-# The slow lane, not in `make test` (scripts/run-tests.sh SLOW_LANE): the real 8 -> 9 apt
-# full-upgrade on a twin, ~10 min a case warm (Debian's packages cached in .cache/distup/)
+# The slow lane, not in `make test` (scripts/run-tests.sh SLOW_LANE): trixie's cold NVIDIA build
+# with GCC 14 (~20 min on 2 cores, its twin root built first) and the real 8 -> 9 apt full-upgrade
+# on a twin, ~10 min a case warm (Debian's packages cached in .cache/distup/)
 test-slow: venv debs
-	$(VENV)/bin/pytest -p no:cacheprovider tests/e2e/test_dist_upgrade_e2e.py $(PYTEST_ARGS)
+	tests/twin/twinctl cache --suite trixie >/dev/null
+	$(VENV)/bin/pytest -p no:cacheprovider tests/e2e/test_driver_build_trixie.py tests/e2e/test_dist_upgrade_e2e.py $(PYTEST_ARGS)
 
 # Generated doc pages: the spec reference from spec/models.py, the stage diagram from operations.STAGES,
 # the host checks page from the docstrings of tests/host

@@ -101,31 +101,169 @@ def run_host_checks(inventory: str, env: dict | None = None, timeout: int = 600)
 
 def root_manifest(root: str | Path, volatile: tuple[str, ...] = VOLATILE) -> dict[str, tuple]:
     """{relative path: (type, mode, sha256 or link target)} for every entry under root,
-    not crossing into proc/sys/dev (the twin's rendered hardware mounts) and skipping VOLATILE."""
+    not crossing into proc/sys/dev (the twin's rendered hardware mounts) and skipping VOLATILE.
+
+    A twin's root is an overlay over its read-only cached root: there the same manifest is the
+    cached root's (walked once, kept beside it in .cache/twin) with the overlay's upper dir laid
+    over it as overlayfs lays it (whiteouts delete, opaque dirs hide what is below) and the mounts
+    under root walked whole; anything that merge cannot follow (redirected or metacopy entries,
+    several lower dirs) is walked whole. PVEGPU_E2E_MANIFEST_CHECK=1 walks whole as well and
+    fails on any difference."""
     root = Path(root)
-    out: dict[str, tuple] = {}
     hashes = _HASHES.pop(str(root), {})
     _HASHES[str(root)] = hashes  # the newest last; the oldest roots' hashes go
     while len(_HASHES) > 4:
         del _HASHES[next(iter(_HASHES))]
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel_dir = os.path.relpath(dirpath, root)
-        if rel_dir == ".":
+    merged = _overlay_manifest(root, hashes)
+    if merged is None or os.environ.get("PVEGPU_E2E_MANIFEST_CHECK") == "1":
+        whole = _walk_manifest(root, root, hashes, top=True)
+        if merged is not None and merged != whole:
+            raise AssertionError(f"overlay manifest of {root} differs from the whole walk: "
+                                 f"{manifest_diff(whole, merged)[:20]}")
+        merged = whole
+    return {rel: entry for rel, entry in merged.items()
+            if not (rel.startswith(volatile) or rel + "/" in volatile)}
+
+
+def _entry(path: str, st: os.stat_result, hashes: dict) -> tuple:
+    if stat.S_ISLNK(st.st_mode):
+        return ("l", os.readlink(path))
+    if stat.S_ISREG(st.st_mode):
+        return ("f", stat.S_IMODE(st.st_mode), _sha256(path, st, hashes))
+    if stat.S_ISDIR(st.st_mode):
+        return ("d", stat.S_IMODE(st.st_mode))
+    return ("o", st.st_mode)
+
+
+def _walk_manifest(top_dir: Path, root: Path, hashes: dict, top: bool = False) -> dict[str, tuple]:
+    """Every entry under top_dir keyed relative to root (os.walk: into mounts, not into symlinked
+    dirs); at root's own top, not into proc/sys/dev."""
+    out: dict[str, tuple] = {}
+    for dirpath, dirnames, filenames in os.walk(top_dir):
+        if top and dirpath == str(top_dir):
             dirnames[:] = [d for d in dirnames if d not in ("proc", "sys", "dev")]
         for name in dirnames + filenames:
             path = os.path.join(dirpath, name)
-            rel = os.path.relpath(path, root)
-            if rel.startswith(volatile) or rel + "/" in volatile:
-                continue
+            out[os.path.relpath(path, root)] = _entry(path, os.lstat(path), hashes)
+    return out
+
+
+def _unescape(field: str) -> str:  # /proc/self/mountinfo writes space, tab, newline, backslash as \ooo
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _mounts() -> list[tuple[str, str, str]]:
+    """(mount point, fs type, super options) of this process's mounts, in mount order."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            out.append((_unescape(fields[4]), fields[sep + 1], fields[sep + 3] if len(fields) > sep + 3 else ""))
+    return out
+
+
+# The cached roots' manifests: {(lower dir, its .twin-complete's inode and mtime): manifest}
+_LOWER: dict[tuple, dict[str, tuple]] = {}
+_OVERLAY_XATTRS = ("trusted.overlay.", "user.overlay.")
+
+
+def _xattr(path: str, name: str) -> bytes | None:
+    for prefix in _OVERLAY_XATTRS:
+        try:
+            return os.getxattr(path, prefix + name, follow_symlinks=False)
+        except OSError:
+            continue
+    return None
+
+
+def _lower_manifest(lower: Path, hashes: dict) -> dict[str, tuple] | None:
+    """The manifest of a complete cached twin root (tests/twin/runtime.py never writes one again),
+    from memory, from its file beside it, or walked and written there."""
+    import json
+    import pickle
+
+    try:
+        st = os.stat(lower / ".twin-complete")
+    except OSError:
+        return None  # not a cached twin root: nothing says it stays as it is
+    key = (str(lower), st.st_ino, st.st_mtime_ns)
+    if key in _LOWER:
+        return _LOWER[key]
+    kept = lower.with_name(lower.name + ".manifest")
+    try:
+        with open(kept, "rb") as f:
+            stored_key, manifest = pickle.load(f)
+        if stored_key != json.dumps(key):
+            raise ValueError("another root")
+    except (OSError, ValueError, EOFError, pickle.UnpicklingError):
+        manifest = _walk_manifest(lower, lower, {}, top=True)
+        part = kept.with_name(f"{kept.name}.{os.getpid()}")
+        with open(part, "wb") as f:
+            pickle.dump((json.dumps(key), manifest), f)
+        os.replace(part, kept)
+    _LOWER[key] = manifest
+    return manifest
+
+
+def _overlay_manifest(root: Path, hashes: dict) -> dict[str, tuple] | None:
+    """root's manifest from its overlay's layers (None: not an overlay this can merge)."""
+    real = os.path.realpath(root)
+    mounts = _mounts()
+    here = [(fstype, opts) for point, fstype, opts in mounts if point == real]
+    if not here or here[-1][0] != "overlay":
+        return None
+    opts = dict(o.split("=", 1) for o in here[-1][1].split(",") if "=" in o)
+    lower, upper = opts.get("lowerdir", ""), opts.get("upperdir")
+    if not upper or not lower or ":" in lower or "\\" in lower + upper:
+        return None
+    base = _lower_manifest(Path(lower), hashes)
+    if base is None:
+        return None
+    out = dict(base)
+    # the mounts under root but outside proc/sys/dev: walked whole (the outermost of each nest)
+    skip = tuple(os.path.join(real, d) for d in ("proc", "sys", "dev"))
+    subs: list[str] = []
+    for point, _fstype, _opts in mounts:
+        if point.startswith(real + "/") and not any(point == d or point.startswith(d + "/") for d in skip):
+            if not any(point == s or point.startswith(s + "/") for s in subs):
+                subs.append(point)
+
+    def drop(rel: str) -> None:  # rel and everything below it (only a dir has anything below)
+        if out.pop(rel, ("",))[0] == "d":
+            below = rel + "/"
+            for k in [k for k in out if k.startswith(below)]:
+                del out[k]
+
+    top_skip = {"proc", "sys", "dev"}
+    sub_rels = {os.path.relpath(s, real) for s in subs}
+    for dirpath, dirnames, filenames in os.walk(upper):
+        rel_dir = os.path.relpath(dirpath, upper)
+        if rel_dir == ".":
+            dirnames[:] = [d for d in dirnames if d not in top_skip]
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            rel = name if rel_dir == "." else f"{rel_dir}/{name}"
             st = os.lstat(path)
-            if stat.S_ISLNK(st.st_mode):
-                out[rel] = ("l", os.readlink(path))
-            elif stat.S_ISREG(st.st_mode):
-                out[rel] = ("f", stat.S_IMODE(st.st_mode), _sha256(path, st, hashes))
-            elif stat.S_ISDIR(st.st_mode):
-                out[rel] = ("d", stat.S_IMODE(st.st_mode))
+            if _xattr(path, "redirect") is not None or _xattr(path, "metacopy") is not None:
+                return None  # content that lives elsewhere in the lower: walk whole
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:  # a whiteout: gone from the merged view
+                drop(rel)
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                if _xattr(path, "opaque") == b"y" or out.get(rel, ("d",))[0] != "d":
+                    drop(rel)  # an opaque dir (or one over a lower non-dir) hides what is below it
             else:
-                out[rel] = ("o", st.st_mode)
+                drop(rel)
+            out[rel] = _entry(path, st, hashes)
+        # a mount point's own dir is walked with its mount below
+        dirnames[:] = [d for d in dirnames if (d if rel_dir == "." else f"{rel_dir}/{d}") not in sub_rels]
+    for sub in subs:
+        rel = os.path.relpath(sub, real)
+        drop(rel)
+        out[rel] = _entry(sub, os.lstat(sub), hashes)
+        if os.path.isdir(sub) and not os.path.islink(sub):
+            out.update(_walk_manifest(Path(sub), Path(real), hashes))
     return out
 
 

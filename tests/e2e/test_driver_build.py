@@ -22,7 +22,7 @@ elsewhere:
   (test_recorded_state_of_two_releases_builds_both_with_one_gcc_and_gxx) and
   tests/unit/operations/test_nvidia_ops.py (test_one_depmod_for_every_release_installed_before_the_version_check);
 - 595.45.04's kernel-open/ against a 6.12 kernel with real kbuild: tests/e2e/test_driver_build_trixie.py
-  (trixie's 6.12, GCC 14);
+  (trixie's 6.12, GCC 14; the slow lane, `make test-slow`, since 2026-12-06: CI time);
 - a rebuild answered by ccache: test_driver_build_trixie.py again, the kernel hook's build for a 7.x
   kernel compiles src/ again from the cache the converge's build left (over 1000 hits, misses under
   a fifth; tests/unit/test_ccache_stats.py shows the hit counting failing on a cold cache's stats).

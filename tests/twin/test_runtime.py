@@ -486,3 +486,46 @@ def test_twin_processes_ignores_a_recycled_namespace_number():
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.twin
+def test_a_twin_root_s_manifest_from_its_overlay_layers_is_the_whole_walk(twin_factory, monkeypatch):
+    """tests/e2e/harness.py root_manifest reads a twin's root as its cached root's kept manifest with
+    the overlay's upper dir laid over it: after every kind of change a deploy makes (a new file, a
+    lower file rewritten with other or the same bytes, renamed, chmod-ed, deleted; a lower dir
+    deleted, re-made empty (overlayfs marks it opaque), chmod-ed; a symlink; a file in a mount under
+    root) it equals the whole walk of the merged root (PVEGPU_E2E_MANIFEST_CHECK=1 compares them)
+    and the diffs it gives are the whole walk's."""
+    from tests.e2e import harness
+
+    twin = twin_factory("kpro6")
+    root = Path(twin.root)
+    assert harness._overlay_manifest(root, {}) is not None  # a twin's root is merged from its layers
+    monkeypatch.setenv("PVEGPU_E2E_MANIFEST_CHECK", "1")
+    before = harness.root_manifest(root)
+    monkeypatch.delenv("PVEGPU_E2E_MANIFEST_CHECK")
+    assert harness.root_manifest(root) == before
+    (root / "etc/pvegpu-new").write_text("x\n")
+    (root / "etc/hostname").write_text("other\n")
+    (root / "etc/issue").write_bytes((root / "etc/issue").read_bytes())  # copied up, same bytes
+    (root / "etc/issue.net").rename(root / "etc/issue.moved")
+    os.chmod(root / "etc/motd", 0o600)
+    (root / "etc/debian_version").unlink()
+    shutil.rmtree(root / "etc/cron.daily")
+    shutil.rmtree(root / "etc/logrotate.d")
+    (root / "etc/logrotate.d").mkdir()
+    os.chmod(root / "etc/default", 0o700)
+    (root / "etc/pvegpu-link").symlink_to("hostname")
+    mounted = [p for p, _t, _o in harness._mounts() if p.startswith(str(root.resolve()) + "/")
+               and not p.startswith(tuple(str(root.resolve() / d) for d in ("proc", "sys", "dev")))]
+    for point in mounted:
+        if Path(point).is_dir() and os.access(point, os.W_OK):
+            (Path(point) / "pvegpu-manifest-probe").write_text("y\n")
+            break
+    monkeypatch.setenv("PVEGPU_E2E_MANIFEST_CHECK", "1")
+    after = harness.root_manifest(root)  # raises where the merge and the whole walk differ
+    changed = {line.split(":", 1)[0] for line in harness.manifest_diff(before, after)}
+    assert {"etc/pvegpu-new", "etc/hostname", "etc/issue.net", "etc/issue.moved", "etc/motd", "etc/debian_version",
+            "etc/cron.daily", "etc/default", "etc/pvegpu-link"} <= changed, changed
+    assert "etc/issue" not in changed and "etc/logrotate.d" not in changed
+    assert any(c.startswith("etc/logrotate.d/") for c in changed)  # the files of the re-made dir are gone
