@@ -67,14 +67,13 @@ def receive(conn: socket.socket) -> tuple[list[int], list[str]]:
 def enter_callers_root(pid: int | None) -> None:
     """See the files as the caller sees them: a caller in a mount namespace of its own (e.g.
     proxmox-boot-tool's, functions reexec_in_mountns, which binds an ESP on /boot before
-    update-grub: zz-proxmox-boot update_esp_func) has mounts the server's namespace lacks. The
-    kernel resolves /proc/<pid>/root to the caller's root in the caller's namespace (proc(5)),
-    so chrooting there makes every path walk cross the caller's mounts."""
-    if not pid:
+    update-grub: zz-proxmox-boot update_esp_func), or a program such a caller started, has mounts
+    the server's namespace lacks. The kernel resolves /proc/<pid>/root to the caller's root with
+    the caller's mounts (proc(5)), so chrooting there makes every path walk cross them (the
+    caller's own root, mount and directory alike: a child of a worker is such a caller too)."""
+    if not pid or pid == os.getpid():
         return
     try:
-        if os.readlink(f"/proc/{pid}/ns/mnt") == os.readlink("/proc/self/ns/mnt"):
-            return
         os.chroot(f"/proc/{pid}/root")
     except OSError as err:
         sys.stderr.write(f"twin stand-in server: cannot enter the mount namespace of pid {pid}: {err}\n")
