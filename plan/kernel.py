@@ -757,6 +757,7 @@ def reassert_default_command(known_good: str, loader: str, advanced_id: str | No
     """Right before a trial is armed: make the known-good kernel the default again by name,
     whatever moved it since the install (issue 38 2.2: a kernel hook's pin moved onto the trial
     kernel) and drop a stale `kernel pin --next-boot` (2.9): zz-proxmox-boot set_systemd_boot_default
+    (in grub mode set_grub_default, as GRUB_DEFAULT on each ESP)
     writes the next-boot pin, not the pin, as loader.conf's default until proxmox-boot-cleanup.service
     removes it at a boot that reached user space. The refresh also rewrites every ESP's entries from
     /etc/kernel/cmdline (zz-proxmox-boot copy_and_config_kernels), so the trial entry, a copy of the

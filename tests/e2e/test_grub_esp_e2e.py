@@ -5,7 +5,8 @@ GRUB (tests/twin/hardware.py grub_boot_entry: next_entry once, cleared with save
 ESP). The kernel stage's one-boot trial there: the known-good re-asserted by the pin (refresh ->
 GRUB_DEFAULT on each ESP), the trial entry written into each ESP's grub.cfg by refresh's
 update-grub, next_entry set in each ESP's grubenv after checking that ESP's default. A trial kernel
-that hangs is left after one reset and recorded refused; a good one becomes the default by the pin.
+that hangs is left after one reset and recorded refused, and stays refused across a grub package
+upgrade (proxmox-kernel-helper's trigger: reinit); a good one becomes the default by the pin.
 Before, the stage refused the trial on these hosts."""
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tests.e2e.test_kernel_trial_e2e import (
     twin_run,
 )
 from tests.twin import runtime
+from tests.twin.test_boot_programs import grub_upgrade
 
 pytestmark = [pytest.mark.twin]
 TRIAL_ID = f"pvegpu-trial-{RELEASE}"
@@ -85,6 +87,10 @@ def test_a_grub_esp_trial_that_hangs_is_left_after_one_reset_and_a_good_one_beco
     assert f">gnulinux-{OLD}-advanced-" in esp_default(root)
     third = converge(twin.name)  # reported, not tried again
     assert third.rc == 0 and third.changed == 0, third.output[-6000:]
+    # a grub upgrade (the real trigger, the real reinit: grub-install on the ESP) keeps the pin's
+    # default: the refused kernel, the newest, does not boot
+    out = grub_upgrade(twin.name, tmp_path)
+    assert "Processing triggers for proxmox-kernel-helper" in out and "Installing grub x86_64 target.." in out, out
     reboot(twin.name)
     assert twin_run(twin.name, "uname", "-r").strip() == OLD
 

@@ -703,3 +703,66 @@ def test_the_grub_esp_trial_sets_next_entry_on_every_esp_after_checking_the_know
     finish = plan.finish_trial_command("6.14.11-1-pve", plan.GRUB_ESP, "bid", adv)
     assert "proxmox-boot-tool kernel pin 6.14.11-1-pve && proxmox-boot-tool refresh" in finish
     assert "grub-set-default" not in finish and "bootctl" not in finish
+
+
+GRUB_EDITENV_STUB = r'''f=$1 cmd=$2; shift 2
+case $cmd in
+list) grep -v '^#' "$f" ;;
+set) for kv; do grep -v "^${kv%%=*}=" "$f" > "$f.t" || true; echo "$kv" >> "$f.t"; mv "$f.t" "$f"; done ;;
+unset) for n; do grep -v "^$n=" "$f" > "$f.t" || true; mv "$f.t" "$f"; done ;;
+esac'''
+
+
+def _grub_esps(tmp_path: Path, defaults: dict[str, str], no_env: str = "") -> tuple[Path, dict]:
+    """ESP dirs in grub mode: grub/grub.cfg with the trial entry and `set default=` the given id,
+    grub/grubenv a 1024-byte block (none on the ESP `no_env`)."""
+    esps = tmp_path / "esps"
+    for uuid, default in defaults.items():
+        (esps / uuid / "grub").mkdir(parents=True)
+        (esps / uuid / "grub/grub.cfg").write_text(
+            'if [ "${next_entry}" ] ; then\n   set default="${next_entry}"\n   set next_entry=\n   save_env next_entry\n'
+            f'else\n   set default="{default}"\nfi\n'
+            "menuentry 'pvegpu trial' --class proxmox $menuentry_id_option 'pvegpu-trial-6.14.11-1-pve' {\n}\n")
+        if uuid != no_env:
+            body = "# GRUB Environment Block\n"
+            (esps / uuid / "grub/grubenv").write_text(body + "#" * (1024 - len(body)))
+    (tmp_path / "uuids").write_text("\n".join(defaults) + "\n")
+    env = _stubs(tmp_path, unshare='shift 3; exec "$@"', mountpoint='[ -L "$2" ]',
+                 mount=f'rmdir "$2" && ln -s {esps}/"${{1##*/}}" "$2"', umount='rm "$1" && mkdir "$1"',
+                 **{"grub-editenv": GRUB_EDITENV_STUB})
+    return esps, env
+
+
+def test_grub_esp_one_shot_is_set_on_every_esp_only_when_each_boots_the_known_good(tmp_path):
+    """Issue 38 2.2 on GRUB on ESPs: templates/grub-esp-oneshot.sh.j2 sets next_entry in every
+    ESP's grubenv after checking that ESP's grub.cfg default is the known-good; an ESP that boots
+    another default, or has no grubenv GRUB could clear next_entry in, arms nothing (an ESP armed
+    before it is disarmed again); clear unsets it everywhere."""
+    keep = plan.grub_entry_id("6.8.12-4-pve", "7f3c")
+    arm = plan.grub_esp_oneshot_command("arm", "6.14.11-1-pve", keep)
+    clear = plan.grub_esp_oneshot_command("clear", "6.14.11-1-pve")
+
+    def run(command, env):
+        command = command.replace("/etc/kernel/proxmox-boot-uuids", str(tmp_path / "uuids"))
+        return subprocess.run(["sh", "-c", command], env=env, capture_output=True, text=True)
+
+    def next_entry(esps, uuid):
+        return [line for line in (esps / uuid / "grub/grubenv").read_text().splitlines() if line.startswith("next_entry=")]
+
+    esps, env = _grub_esps(tmp_path, {"AAAA-0001": keep, "BBBB-0002": keep})
+    r = run(arm, env)
+    assert r.returncode == 0, r.stderr
+    assert next_entry(esps, "AAAA-0001") == next_entry(esps, "BBBB-0002") == ["next_entry=pvegpu-trial-6.14.11-1-pve"]
+    r = run(clear, env)
+    assert r.returncode == 0, r.stderr
+    assert next_entry(esps, "AAAA-0001") == next_entry(esps, "BBBB-0002") == []
+
+    for second, no_env, why in ((plan.grub_entry_id("6.14.11-1-pve", "7f3c"), "", "by default, not the known-good"),
+                                (keep, "BBBB-0002", "no 1024-byte grub/grubenv")):
+        other = tmp_path / ("case-" + ("env" if no_env else "default"))
+        other.mkdir()
+        esps, env = _grub_esps(other, {"AAAA-0001": keep, "BBBB-0002": second}, no_env)
+        r = subprocess.run(["sh", "-c", arm.replace("/etc/kernel/proxmox-boot-uuids", str(other / "uuids"))],
+                           env=env, capture_output=True, text=True)
+        assert r.returncode == 1 and why in r.stderr and "no trial is armed" in r.stderr, r.stderr
+        assert next_entry(esps, "AAAA-0001") == []  # the first ESP was disarmed again
