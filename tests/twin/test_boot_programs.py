@@ -258,7 +258,9 @@ def test_grub_esp_twin_boots_what_the_esps_grub_cfg_says(grubesp):
     assert sh(name, "uname -r").stdout.strip() == "6.14.8-2-pve"  # no pin: 10_linux's first entry, the newest
     sh(name, "proxmox-boot-tool kernel pin 6.8.12-11-pve && proxmox-boot-tool refresh")
     cfg = (root / ESP / "grub/grub.cfg").read_text()
-    dev = re.search(r"gnulinux-advanced-(\S+)'", cfg).group(1)
+    found = re.search(r"gnulinux-advanced-(\S+)'", cfg)
+    assert found, cfg
+    dev = found.group(1)
     assert f'set default="gnulinux-advanced-{dev}>gnulinux-6.8.12-11-pve-advanced-{dev}"' in cfg
     assert 'set default="0"' in (root / "boot/grub/grub.cfg").read_text()  # the root's: not what boots
     assert reboot(name) == "6.8.12-11-pve"
