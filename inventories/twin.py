@@ -51,7 +51,8 @@ def _parent_profile(profile: str | None) -> str | None:
 def _twin_hosts():
     """One inventory host per running twin; its spec is twin.yml's host of the same name, else
     the host named like the twin's profile (so a fleet of kpro6 twins shares the kpro6 spec), else
-    like the profile that one extends (kpro6-grubesp: kpro6's hardware and spec, another boot loader)."""
+    like the profile that one extends, and so on (kpro6-grubesp: kpro6's hardware and spec, another
+    boot loader)."""
     wanted = [n for n in os.environ.get("PVEGPU_TWINS", "").split(",") if n]
     specs = dict(inventory_hosts(Path(__file__).with_suffix(".yml")))
     hosts = []
@@ -61,7 +62,9 @@ def _twin_hosts():
         if conn is None or (wanted and name not in wanted):
             continue
         profile = conn["pvegpu_twin"].get("profile")
-        base = specs.get(name) or specs.get(profile) or specs.get(_parent_profile(profile) or "")
+        base = specs.get(name)
+        while base is None and profile:
+            base, profile = specs.get(profile), _parent_profile(profile)
         if base is None:
             continue
         data = dict(base)

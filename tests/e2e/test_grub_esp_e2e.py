@@ -2,7 +2,8 @@
 (as a UEFI ZFS install made with Secure Boot leaves them: tests/twin/profiles/kpro6-grubesp.yml),
 where GRUB reads grub.cfg and grubenv from each ESP's grub/ and the twin's firmware boots that
 GRUB (tests/twin/hardware.py grub_boot_entry: next_entry once, cleared with save_env on the vfat
-ESP). The kernel stage's one-boot trial there: the known-good re-asserted by the pin (refresh ->
+ESP); with UEFI (EFI/proxmox/grubx64.efi) and with legacy BIOS (kpro6-grubesp-bios: GRUB's i386-pc
+boot code, its prefix on the ESP). The kernel stage's one-boot trial there: the known-good re-asserted by the pin (refresh ->
 GRUB_DEFAULT on each ESP), the trial entry written into each ESP's grub.cfg by refresh's
 update-grub, next_entry set in each ESP's grubenv after checking that ESP's default. A trial kernel
 that hangs is left after one reset and recorded refused, and stays refused across a grub package
@@ -32,7 +33,7 @@ from tests.e2e.test_kernel_trial_e2e import (
     seed_finished_build,
     twin_run,
 )
-from tests.twin import runtime
+from tests.twin import boot_packages, runtime
 from tests.twin.test_boot_programs import grub_upgrade
 
 pytestmark = [pytest.mark.twin]
@@ -50,8 +51,21 @@ def esp_default(root: Path) -> str:
             if line.strip().startswith('set default="') and "next_entry" not in line][-1]
 
 
-def test_a_grub_esp_trial_that_hangs_is_left_after_one_reset_and_a_good_one_becomes_the_default(twin_factory, tmp_path):
-    twin = twin_factory("kpro6-grubesp", address=quiet_address())
+def grub_package_upgrade(name: str, out: Path, uefi: bool) -> str:
+    """UEFI: grub-efi-amd64-bin/-signed (tests/twin/test_boot_programs.py grub_upgrade); legacy BIOS:
+    the root's real grub-pc-bin again at a higher version. dpkg's output."""
+    if uefi:
+        return grub_upgrade(name, out)
+    r = runtime.ssh_run(name, [boot_packages.repack_command("grub-pc-bin")], pause_s=0.3)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("profile", ["kpro6-grubesp", "kpro6-grubesp-bios"])
+def test_a_grub_esp_trial_that_hangs_is_left_after_one_reset_and_a_good_one_becomes_the_default(twin_factory, tmp_path,
+                                                                                               profile):
+    uefi = profile == "kpro6-grubesp"
+    twin = twin_factory(profile, address=quiet_address())
     root = Path(twin.root)
     seed_finished_build(root, tmp_path)
     (root / "var/lib/twin/boot").mkdir(parents=True, exist_ok=True)
@@ -89,8 +103,9 @@ def test_a_grub_esp_trial_that_hangs_is_left_after_one_reset_and_a_good_one_beco
     assert third.rc == 0 and third.changed == 0, third.output[-6000:]
     # a grub upgrade (the real trigger, the real reinit: grub-install on the ESP) keeps the pin's
     # default: the refused kernel, the newest, does not boot
-    out = grub_upgrade(twin.name, tmp_path)
-    assert "Processing triggers for proxmox-kernel-helper" in out and "Installing grub x86_64 target.." in out, out
+    out = grub_package_upgrade(twin.name, tmp_path, uefi)
+    target = "x86_64" if uefi else "i386-pc"
+    assert "Processing triggers for proxmox-kernel-helper" in out and f"Installing grub {target} target.." in out, out
     reboot(twin.name)
     assert twin_run(twin.name, "uname", "-r").strip() == OLD
 

@@ -63,7 +63,7 @@ def repack_command(package: str) -> str:
             f"d=$(mktemp -d /root/{package}.XXXXXX)\n"
             f"v=$(dpkg-query -W -f '${{Version}}' {package})\n"
             'mkdir -p "$d/DEBIAN"\n'
-            f'dpkg-query -L {package} | while read -r f; do [ -f "$f" ] && [ ! -L "$f" ] && install -D "$f" "$d$f"; done\n'
+            f'dpkg-query -L {package} | while read -r f; do if [ -f "$f" ] && [ ! -L "$f" ]; then install -D "$f" "$d$f"; fi; done\n'
             f"printf 'Package: {package}\\nVersion: %s+twin1\\nArchitecture: amd64\\nMaintainer: t <t@example.invalid>\\n"
             f"Description: {package} (upgrade)\\n' \"$v\" > \"$d/DEBIAN/control\"\n"
             'dpkg-deb -Zgzip -b "$d" "$d.deb" >/dev/null\n'
