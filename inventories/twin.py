@@ -38,9 +38,21 @@ def _twin_connection(name: str) -> dict | None:
     }
 
 
+def _parent_profile(profile: str | None) -> str | None:
+    """The profile a twin profile `extends` (tests/twin/profiles/<profile>.yml), if any."""
+    import yaml
+
+    path = _REPO / "tests" / "twin" / "profiles" / f"{profile}.yml"
+    if not profile or not path.is_file():
+        return None
+    return (yaml.safe_load(path.read_text()) or {}).get("extends")
+
+
 def _twin_hosts():
     """One inventory host per running twin; its spec is twin.yml's host of the same name, else
-    the host named like the twin's profile (so a fleet of kpro6 twins shares the kpro6 spec)."""
+    the host named like the twin's profile (so a fleet of kpro6 twins shares the kpro6 spec), else
+    like the profile that one extends, and so on (kpro6-grubesp: kpro6's hardware and spec, another
+    boot loader)."""
     wanted = [n for n in os.environ.get("PVEGPU_TWINS", "").split(",") if n]
     specs = dict(inventory_hosts(Path(__file__).with_suffix(".yml")))
     hosts = []
@@ -49,7 +61,10 @@ def _twin_hosts():
         conn = _twin_connection(name)
         if conn is None or (wanted and name not in wanted):
             continue
-        base = specs.get(name) or specs.get(conn["pvegpu_twin"].get("profile"))
+        profile = conn["pvegpu_twin"].get("profile")
+        base = specs.get(name)
+        while base is None and profile:
+            base, profile = specs.get(profile), _parent_profile(profile)
         if base is None:
             continue
         data = dict(base)

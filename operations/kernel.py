@@ -259,7 +259,7 @@ def trial_boot(release: str, loader: str, panic_s: int, advanced_id: str | None 
     """Choose `release` for the next boot only (the loader's one-shot; the default stays on the
     known-good kernel) and mark the trial (written last: a failed one-shot leaves no marker).
 
-    + loader: plan.kernel.SYSTEMD_BOOT or GRUB (plan.kernel.trial_loader)
+    + loader: plan.kernel.SYSTEMD_BOOT, GRUB or GRUB_ESP (plan.kernel.trial_loader)
     + panic_s: panic=<s> on the trial entry's command line (either loader)
     + advanced_id: GRUB's "Advanced options" submenu id (plan.kernel.grub_entry_id)
     + known_good: the kernel that stays the default (the running one): made the default again

@@ -14,7 +14,7 @@
     package_globs(kind, release)                   -> ["linux-image-6.1.0-pvegpu_*.deb", …]
     boot loader interface (one trial = one boot; see the section below):
     host_loader(build_facts, loader_state)         -> "systemd-boot"|"grub"|"grub-esp"  # plan.loader's one decision
-    trial_loader(build_facts, loader)              -> ("systemd-boot"|"grub", None) or (None, why not)
+    trial_loader(build_facts, loader)              -> ("systemd-boot"|"grub"|"grub-esp", None) or (None, why not)
     set_default_command(release, loader, adv_id)   # the default for good
     oneshot_command(release, loader, panic_s, adv_id)  # the next boot only, with panic=
     clear_oneshot_command(release, loader)
@@ -487,6 +487,11 @@ def oneshot_command(release: str, loader: str, panic_s: int, advanced_id: str | 
     script = render_template("grub-trial-entry.sh.j2", release=release, panic_s=int(panic_s))
     ident = grub_trial_id(release)
     tmp = word(GRUB_TRIAL_SCRIPT + ".tmp")
+    if loader == GRUB_ESP:
+        # grub mode: refresh runs update-grub with each ESP on /boot (zz-proxmox-boot update_esp_func),
+        # which puts the trial entry in each ESP's grub.cfg; then next_entry in each ESP's grubenv
+        return (f"printf '%s\\n' {word(script)} > {tmp} && chmod 755 {tmp} && mv {tmp} {word(GRUB_TRIAL_SCRIPT)} && "
+                f"{REFRESH} && {grub_esp_oneshot_command('arm', release, grub_entry_id(keep, advanced_id) if keep else None)}")
     line = word(f"$menuentry_id_option '{ident}'")
     missing = word(f"pvegpu: update-grub wrote no trial entry {ident} in {GRUB_CFG} "
                           f"(10_linux lists no entry for {release}): no trial")
@@ -502,12 +507,25 @@ def oneshot_command(release: str, loader: str, panic_s: int, advanced_id: str | 
             f"{verify}grub-reboot {word(ident)}")
 
 
+def grub_esp_oneshot_command(mode: str, release: str, keep_id: str | None = None) -> str:
+    """GRUB's one-shot on every ESP in proxmox-boot-tool's grub mode (templates/grub-esp-oneshot.sh.j2):
+    `arm` checks each ESP's grub.cfg (the trial entry, the known-good `keep_id` as its default) and
+    grubenv, then sets next_entry there; `clear` unsets next_entry on each."""
+    from plan.render import render_template
+    script = render_template("grub-esp-oneshot.sh.j2", mode=mode, entry=grub_trial_id(release), keep_id=keep_id)
+    return f"unshare --mount --propagation private /bin/sh -c {word(script)}"
+
+
 def clear_oneshot_command(release: str, loader: str) -> str:
-    """Forget a trial: its systemd-boot entries, or GRUB's next_entry (grub-editenv unset) and
-    its trial entry (the script goes, update-grub writes grub.cfg without it)."""
+    """Forget a trial: its systemd-boot entries, or GRUB's next_entry (grub-editenv unset; on every
+    ESP in grub mode) and its trial entry (the script goes, update-grub, or in grub mode refresh,
+    writes grub.cfg without it)."""
     if loader == SYSTEMD_BOOT:
         return trial_entry_command(release, "clear", 0)
     script = word(GRUB_TRIAL_SCRIPT)
+    if loader == GRUB_ESP:
+        return (f"{grub_esp_oneshot_command('clear', release)} && "
+                f"if [ -e {script} ]; then rm -f {script} && {REFRESH}; fi")
     return (f"grub-editenv {GRUBENV} unset next_entry && "
             f"if [ -e {script} ]; then rm -f {script} && update-grub; fi")
 
@@ -542,13 +560,16 @@ def trial_loader(build: dict, loader: str | None = None) -> tuple[str | None, st
     plain file system: GRUB cannot write its environment block on LVM or RAID (diskfilter) nor on
     btrfs, ZFS and the read-only file systems (GRUB_UNWRITABLE_FS), so next_entry would stay set and
     the trial kernel would boot at every reset (Debian's grub-reboot warns of exactly this). Not
-    GRUB on ESPs (proxmox-boot-tool's grub mode, issue 38 2.4): it reads grub.cfg and grubenv from
-    the ESPs, where no one-shot is set up."""
+    GRUB on ESPs (proxmox-boot-tool's grub mode, GRUB_ESP): it reads grub.cfg and grubenv from each
+    ESP's grub/ (grub-install --boot-directory there), a vfat file system where GRUB's save_env
+    clears next_entry; the one-shot goes in every ESP's grubenv (grub_esp_oneshot_command, which
+    arms nothing on an ESP whose grubenv GRUB could not rewrite)."""
     loader = loader or host_loader(build)
     if loader == GRUB_ESP:
-        return None, ("proxmox-boot-tool keeps GRUB on the ESPs here (its grub mode: legacy BIOS, or EFI/proxmox/"
-                      "grubx64.efi on the ESP): that GRUB reads grub.cfg and grubenv from the ESPs, not /boot/grub, "
-                      "and no one-shot is set up for it")
+        if not build.get("grub_advanced_id"):
+            return None, ("proxmox-boot-tool keeps GRUB on the ESPs here, and /boot/grub/grub.cfg has no 'Advanced "
+                          "options' submenu id (gnulinux-advanced-…), from which its pin names the known-good entry")
+        return GRUB_ESP, None
     if loader == SYSTEMD_BOOT:
         return SYSTEMD_BOOT, None
     abstraction = build.get("grubenv_abstraction")
@@ -736,12 +757,13 @@ def reassert_default_command(known_good: str, loader: str, advanced_id: str | No
     """Right before a trial is armed: make the known-good kernel the default again by name,
     whatever moved it since the install (issue 38 2.2: a kernel hook's pin moved onto the trial
     kernel) and drop a stale `kernel pin --next-boot` (2.9): zz-proxmox-boot set_systemd_boot_default
+    (in grub mode set_grub_default, as GRUB_DEFAULT on each ESP)
     writes the next-boot pin, not the pin, as loader.conf's default until proxmox-boot-cleanup.service
     removes it at a boot that reached user space. The refresh also rewrites every ESP's entries from
     /etc/kernel/cmdline (zz-proxmox-boot copy_and_config_kernels), so the trial entry, a copy of the
     release's entry, carries today's options (2.9). oneshot_command(keep=) then verifies it."""
     command = keep_default_command(known_good, loader, advanced_id)
-    if loader != SYSTEMD_BOOT:
+    if loader == GRUB:
         return command
     # proxmox-boot-tool unpin_kernel: --next-boot removes only NEXT_BOOT_PIN (the pin stays)
     return f"{{ [ ! -e {NEXT_BOOT_PIN} ] || proxmox-boot-tool kernel unpin --next-boot; }} && {command}"

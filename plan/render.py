@@ -256,6 +256,11 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
     ],  # a function of its log alone (included by the hook and the gate)
     "kernel-sign.sh.j2": [dict(release="6.14.11-9-bpo12-pvegpu-pve", key="/root/mok.pem", cert="/root/mok.der")],
     "grub-trial-entry.sh.j2": [dict(release="6.14.11-9-bpo12-pvegpu-pve", panic_s=10)],
+    "grub-esp-oneshot.sh.j2": [
+        dict(mode="arm", entry="pvegpu-trial-6.14.11-9-bpo12-pve",
+             keep_id="gnulinux-advanced-7f3c>gnulinux-6.14.8-2-pve-advanced-7f3c"),
+        dict(mode="clear", entry="pvegpu-trial-6.14.11-9-bpo12-pve", keep_id=None),
+    ],
     "mapping-merge.sh.j2": [
         dict(cfg="/etc/pve/mapping/pci.cfg", id="rtx6000", node="kpro6", tries=10, description="pvegpu-gpu-pool",
              maps=["id=10de:2bb5,iommugroup=3,node=kpro6,path=0000:81:00,subsystem-id=10de:204e"]),

@@ -29,12 +29,13 @@ from tests.e2e.test_kernel_trial_e2e import (
 )
 from tests.e2e.test_kernel_upgrade_e2e import host_on_6_1  # noqa: F401  (a fixture)
 from tests.twin import runtime
-from tests.twin.test_boot_programs import upgrade_systemd_boot_efi
+from tests.twin.test_boot_programs import grub_upgrade, upgrade_systemd_boot_efi
 
 pytestmark = [pytest.mark.twin]
 
 
-def test_a_boot_loader_upgrade_after_a_failed_trial_does_not_boot_the_refused_kernel(twin_factory, tmp_path):
+@pytest.mark.parametrize("upgrade", ["systemd-boot-efi", "grub-efi-amd64-bin"])
+def test_a_boot_loader_upgrade_after_a_failed_trial_does_not_boot_the_refused_kernel(twin_factory, tmp_path, upgrade):
     twin = twin_factory("kpro6", address=quiet_address())
     root = Path(twin.root)
     seed_finished_build(root, tmp_path)
@@ -51,7 +52,8 @@ def test_a_boot_loader_upgrade_after_a_failed_trial_does_not_boot_the_refused_ke
     second = converge(twin.name)
     assert second.rc == 0 and f"the trial boot of {RELEASE} came up on {OLD}" in second.output, second.output[-6000:]
 
-    out = upgrade_systemd_boot_efi(twin.name)  # the real trigger, the real reinit
+    # the real trigger, the real reinit (grub's files land in /usr/lib/grub, the trigger's other path)
+    out = upgrade_systemd_boot_efi(twin.name) if upgrade == "systemd-boot-efi" else grub_upgrade(twin.name, tmp_path)
     assert "Processing triggers for proxmox-kernel-helper" in out and "Installing systemd-boot.." in out
     assert loader_default(root) == "proxmox-*"  # what reinit writes, whatever was pinned
     subprocess.run(runtime.ssh_command(twin.name, ["reboot"]), capture_output=True, timeout=60)

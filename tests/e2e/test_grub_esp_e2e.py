@@ -1,36 +1,124 @@
-"""Issue 38 item 2.4 on the kpro6 twin: an ESP in proxmox-boot-tool's grub mode (EFI/proxmox/
-grubx64.efi on it, as `proxmox-boot-tool init <part> grub` leaves it on a UEFI host installed with
-Secure Boot; zz-proxmox-boot update_esp_func then keeps GRUB there, whose grub.cfg and grubenv are
-the ESP's). The kernel stage takes the loader from the ESP's mode (plan.loader), not from "UEFI and
-ESPs": a one-boot trial is refused at preflight naming kernel.trial_boot, and nothing on the host
-changes. Before, the stage armed a systemd-boot one-shot that this GRUB never reads."""
+"""Issue 38 items 2.2 and 2.4 on the kpro6-grubesp twin: ESPs in proxmox-boot-tool's grub mode
+(as a UEFI ZFS install made with Secure Boot leaves them: tests/twin/profiles/kpro6-grubesp.yml),
+where GRUB reads grub.cfg and grubenv from each ESP's grub/ and the twin's firmware boots that
+GRUB (tests/twin/hardware.py grub_boot_entry: next_entry once, cleared with save_env on the vfat
+ESP); with UEFI (EFI/proxmox/grubx64.efi) and with legacy BIOS (kpro6-grubesp-bios: GRUB's i386-pc
+boot code, its prefix on the ESP). The kernel stage's one-boot trial there: the known-good re-asserted by the pin (refresh ->
+GRUB_DEFAULT on each ESP), the trial entry written into each ESP's grub.cfg by refresh's
+update-grub, next_entry set in each ESP's grubenv after checking that ESP's default. A trial kernel
+that hangs is left after one reset and recorded refused, and stays refused across a grub package
+upgrade (proxmox-kernel-helper's trigger: reinit); a good one becomes the default by the pin.
+Before, the stage refused the trial on these hosts."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import root_manifest
-from tests.e2e.test_kernel_trial_e2e import ESP, RELEASE, converge, seed_finished_build, twin_run
+from plan import kernel as plan
+from tests.e2e.test_kernel_trial_e2e import (
+    ESP,
+    OLD,
+    RELEASE,
+    attempts,
+    boots,
+    converge,
+    press_reset,
+    quiet_address,
+    reboot,
+    seed_finished_build,
+    twin_run,
+)
+from tests.twin import boot_packages, runtime
+from tests.twin.test_boot_programs import grub_upgrade
 
 pytestmark = [pytest.mark.twin]
+TRIAL_ID = f"pvegpu-trial-{RELEASE}"
 
 
-def test_a_trial_on_grub_esps_is_refused_before_any_change(twin_factory, tmp_path):
-    twin = twin_factory("kpro6", name="grubesp-kpro6")
+def esp_grubenv(root: Path) -> dict:
+    text = (root / ESP / "grub/grubenv").read_text()
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#"))
+
+
+def esp_default(root: Path) -> str:
+    cfg = (root / ESP / "grub/grub.cfg").read_text()
+    return [line.strip() for line in cfg.splitlines()
+            if line.strip().startswith('set default="') and "next_entry" not in line][-1]
+
+
+def grub_package_upgrade(name: str, out: Path, uefi: bool) -> str:
+    """UEFI: grub-efi-amd64-bin/-signed (tests/twin/test_boot_programs.py grub_upgrade); legacy BIOS:
+    the root's real grub-pc-bin again at a higher version. dpkg's output."""
+    if uefi:
+        return grub_upgrade(name, out)
+    r = runtime.ssh_run(name, [boot_packages.repack_command("grub-pc-bin")], pause_s=0.3)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("profile", ["kpro6-grubesp", "kpro6-grubesp-bios"])
+def test_a_grub_esp_trial_that_hangs_is_left_after_one_reset_and_a_good_one_becomes_the_default(twin_factory, tmp_path,
+                                                                                               profile):
+    uefi = profile == "kpro6-grubesp"
+    twin = twin_factory(profile, address=quiet_address())
     root = Path(twin.root)
     seed_finished_build(root, tmp_path)
-    grub_efi = root / ESP / "EFI/proxmox/grubx64.efi"
-    grub_efi.parent.mkdir(parents=True, exist_ok=True)
-    grub_efi.write_bytes(b"MZ")  # GRUB's EFI binary as grub-install puts it there (its content is not read)
-    before = root_manifest(root)
-    run = converge(twin.name, stages="operations.kernel,operations.reboot")
-    assert run.rc != 0, run.output[-4000:]
-    assert "kernel.trial_boot is on, but a trial that is one boot cannot be set up on this host" in run.output, \
-        run.output[-4000:]
-    assert "GRUB on the ESPs" in run.output and "kernel.trial_boot: false" in run.output, run.output[-4000:]
-    assert f"vmlinuz-{RELEASE}" not in twin_run(twin.name, "ls", "/boot").split()
-    after = root_manifest(root)
-    changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
-    assert changed == [], changed[:20]
+    (root / "var/lib/twin/boot").mkdir(parents=True, exist_ok=True)
+    (root / "var/lib/twin/boot/no-boot").write_text(f"{RELEASE} hangs\n")
+    assert twin_run(twin.name, "uname", "-r").strip() == OLD
+
+    first = converge(twin.name)
+    assert first.rc == 0, first.output[-6000:]
+    assert (root / "etc/kernel/proxmox-boot-pin").read_text().strip() == OLD
+    assert f">gnulinux-{OLD}-advanced-" in esp_default(root)  # the known-good, by the pin
+    assert esp_grubenv(root)["next_entry"] == TRIAL_ID
+    cfg = (root / ESP / "grub/grub.cfg").read_text()
+    trial = cfg.split(f"$menuentry_id_option '{TRIAL_ID}' {{", 1)[1].split("\n}", 1)[0]
+    assert f"vmlinuz-{RELEASE} root=ZFS=rpool/ROOT/pve-1" in trial and trial.split("\n")[1].rstrip().endswith("panic=10")
+    assert (root / ESP / f"vmlinuz-{RELEASE}").exists()  # refresh copied the trial kernel onto the ESP
+
+    subprocess.run(runtime.ssh_command(twin.name, ["reboot"]), capture_output=True, timeout=60)
+    deadline = time.monotonic() + 60
+    while not boots(twin.name)[-1].endswith(" hung") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert boots(twin.name)[-1].endswith(" hung"), boots(twin.name)
+    assert attempts(root)[-1].startswith(f"{RELEASE} {TRIAL_ID} hung")
+    press_reset(twin.name)  # one reset: GRUB cleared next_entry as it booted the trial, the default boots
+    assert twin_run(twin.name, "uname", "-r").strip() == OLD
+    assert not esp_grubenv(root).get("next_entry")
+
+    second = converge(twin.name)
+    assert second.rc == 0, second.output[-6000:]
+    assert f"the trial boot of {RELEASE} came up on {OLD}" in second.output, second.output[-4000:]
+    failed = json.loads((root / plan.TRIAL_FAILED.lstrip("/")).read_text())
+    assert failed["release"] == RELEASE and failed["came_up_on"] == OLD
+    assert TRIAL_ID not in (root / ESP / "grub/grub.cfg").read_text()  # the trial entry is gone
+    assert f">gnulinux-{OLD}-advanced-" in esp_default(root)
+    third = converge(twin.name)  # reported, not tried again
+    assert third.rc == 0 and third.changed == 0, third.output[-6000:]
+    # a grub upgrade (the real trigger, the real reinit: grub-install on the ESP) keeps the pin's
+    # default: the refused kernel, the newest, does not boot
+    out = grub_package_upgrade(twin.name, tmp_path, uefi)
+    target = "x86_64" if uefi else "i386-pc"
+    assert "Processing triggers for proxmox-kernel-helper" in out and f"Installing grub {target} target.." in out, out
+    reboot(twin.name)
+    assert twin_run(twin.name, "uname", "-r").strip() == OLD
+
+    # the same kernel, now one that comes up: a retry needs the record gone
+    (root / "var/lib/twin/boot/no-boot").write_text("")
+    (root / plan.TRIAL_FAILED.lstrip("/")).unlink()
+    fourth = converge(twin.name, reboot_allowed=True)
+    assert fourth.rc == 0, fourth.output[-6000:]
+    assert twin_run(twin.name, "uname", "-r").strip() == RELEASE
+    assert (root / "etc/kernel/proxmox-boot-pin").read_text().strip() == RELEASE
+    assert f">gnulinux-{RELEASE}-advanced-" in esp_default(root)  # the default for good
+    assert TRIAL_ID not in (root / ESP / "grub/grub.cfg").read_text()
+    assert not esp_grubenv(root).get("next_entry")
+    reboot(twin.name)
+    assert twin_run(twin.name, "uname", "-r").strip() == RELEASE
+    assert "panic=" not in twin_run(twin.name, "cat", "/proc/cmdline")

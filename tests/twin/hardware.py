@@ -89,7 +89,8 @@ STANDIN_PATHS = {
 }
 # Stand-ins that are shell scripts run in the caller's process (standins/<name> -> paths)
 SHELL_STANDIN_PATHS = {"esp.sh": ["usr/local/bin/mount", "usr/local/bin/umount", "usr/local/bin/lsblk",
-                                 "usr/local/sbin/blkid", "usr/local/bin/bootctl", "usr/local/bin/systemd-detect-virt"]}
+                                 "usr/local/sbin/blkid", "usr/local/bin/bootctl", "usr/local/bin/systemd-detect-virt",
+                                 "usr/local/sbin/grub-install.real"]}
 # The Python stand-ins as modules (the stand-in server imports them) and as programs (run
 # directly where the server is not reachable); each program path gets the small client
 # (standins/client.c) when it can be built, else the Python program itself.
@@ -396,20 +397,20 @@ def _entry_release(entry: dict) -> str:
     return m.group(1) if m else entry["version"]
 
 
-def _grubenv(root: Path) -> dict:
+def _grubenv(root: Path, rel: str = GRUBENV) -> dict:
     """grubenv's variables (GRUB's environment block: `# GRUB Environment Block`, name=value
     lines, padded with '#' to 1024 bytes)."""
     env = {}
-    for line in (_read(root, GRUBENV) or "").splitlines():
+    for line in (_read(root, rel) or "").splitlines():
         if line and not line.startswith("#") and "=" in line:
             name, _, value = line.partition("=")
             env[name] = value
     return env
 
 
-def _write_grubenv(root: Path, env: dict) -> None:
+def _write_grubenv(root: Path, env: dict, rel: str = GRUBENV) -> None:
     body = "# GRUB Environment Block\n" + "".join(f"{k}={v}\n" for k, v in env.items())
-    _write(root / GRUBENV, body + "#" * max(0, 1024 - len(body.encode())))
+    _write(root / rel, body + "#" * max(0, 1024 - len(body.encode())))
 
 
 def _grub_menu(cfg: str) -> list[dict]:
@@ -466,27 +467,49 @@ def grubenv_writable(profile: dict) -> bool:
             and (boot.get("grubenv_fs") or "ext2") not in GRUB_UNWRITABLE_FS)
 
 
+def grub_esp_prefix(root: Path, profile: dict) -> str | None:
+    """GRUB's $prefix on a host in proxmox-boot-tool's grub mode (profile boot.loader grub-esp), as
+    a path in the twin root: grub/ of the ESP the firmware starts GRUB from. grub-install (run by
+    proxmox-kernel-helper bin/proxmox-boot-tool init_bootloader with --boot-directory on the ESP)
+    puts GRUB's image on each ESP with its prefix there; the twin's firmware starts the first
+    listed ESP's (UEFI: EFI/proxmox/grubx64.efi, the NVRAM entry grub-install adds; legacy BIOS:
+    the first disk's boot code). None where no listed ESP has GRUB."""
+    mark = "EFI/proxmox/grubx64.efi" if is_efi(profile) else "grub"
+    for uuid in [u.strip() for u in (_read(root, ESP_LIST) or "").splitlines() if u.strip()]:
+        if (root / ESP_ROOT / uuid / mark).exists():
+            return f"{ESP_ROOT}/{uuid}/grub"
+    return None
+
+
 def grub_boot_entry(root: Path, profile: dict, consume: bool = False) -> dict | None:
     """The entry GRUB boots, as the grub.cfg update-grub wrote runs (util/grub.d/00_header.in):
     grubenv next_entry when set, cleared by save_env (`consume`; GRUB cannot write its
     environment on LVM, RAID, btrfs or ZFS: `grubenv_writable`, then it stays set), else the
-    header's `set default=`, ${saved_entry} expanded; an unknown default boots entry 0.
+    header's `set default=`, ${saved_entry} expanded; an unknown default boots entry 0. GRUB on
+    an ESP (grub-esp) reads both from its $prefix there (`grub_esp_prefix`), a vfat file system
+    whose blocks save_env writes in place (grub-core/commands/loadenv.c).
     {"release", "args", "id"} or None without a grub.cfg menu."""
-    cfg = _read(root, "boot/grub/grub.cfg") or ""
+    prefix = "boot/grub"
+    if profile["boot"]["loader"] == "grub-esp":
+        found = grub_esp_prefix(root, profile)
+        if found is None:
+            return None
+        prefix = found
+    cfg = _read(root, f"{prefix}/grub.cfg") or ""
     menu = _grub_menu(cfg)
     if not menu:
         return None
-    env = _grubenv(root)
+    env = _grubenv(root, f"{prefix}/grubenv")
     m = re.search(r'^\s*else\s*\n\s*set default="([^"]*)"', cfg, re.M)
     default = m.group(1) if m else "0"
     default = default.replace("${saved_entry}", env.get("saved_entry", ""))
     chosen = None
     if env.get("next_entry"):
         chosen = _grub_resolve(menu, env["next_entry"])
-        writable = grubenv_writable(profile)
+        writable = prefix != "boot/grub" or grubenv_writable(profile)
         if consume and writable:
             env["next_entry"] = ""
-            _write_grubenv(root, env)
+            _write_grubenv(root, env, f"{prefix}/grubenv")
     if chosen is None:
         chosen = _grub_resolve(menu, default) or _grub_resolve(menu, "0")
     if chosen is None:
@@ -545,7 +568,7 @@ def _loader_choice(root: Path, profile: dict, installed: list[str], consume: boo
         if entry is not None:
             rel = _entry_release(entry)
             return rel, f"initrd=\\EFI\\proxmox\\{rel}\\initrd.img-{rel} {entry['options'].strip()}", entry["file"]
-    elif boot["loader"] == "grub":
+    elif boot["loader"] in ("grub", "grub-esp"):
         entry = grub_boot_entry(root, profile, consume)
         if entry is not None:
             return entry["release"], f"BOOT_IMAGE={entry['image']} {entry['args']}".strip(), entry["id"]
@@ -1533,17 +1556,42 @@ def _seed_boot(root: Path, data: dict) -> None:
                 _write(esp / "loader/entries" / f"proxmox-{rel}.conf",
                        f"title    Proxmox Virtual Environment\nversion  {rel}\noptions  {boot['cmdline']}\n"
                        f"linux    /EFI/proxmox/{rel}/vmlinuz-{rel}\ninitrd   /EFI/proxmox/{rel}/initrd.img-{rel}\n")
+    elif boot["loader"] == "grub-esp":
+        # what the installer leaves in proxmox-boot-tool's grub mode (profiles/kpro6-grubesp.yml):
+        # the ESP listed, /etc/kernel/cmdline (zz-proxmox-boot update_esps needs its root=), GRUB's
+        # configuration on the root as on a GRUB install, and on the ESP what `init <part> grub`
+        # (grub-install: the EFI image, the removable copy, grub/grubenv) and refresh
+        # (copy_and_config_kernels: the kernels at the ESP's top; update-grub with the ESP on /boot) wrote
+        if not (root / "etc/kernel/cmdline").exists():
+            _write(root / "etc/kernel/cmdline", boot["cmdline"] + "\n")
+        uuid = boot.get("esp_uuid", "0E4E-3C5A")
+        _write(root / ESP_LIST, uuid + "\n")
+        _seed_grub(root, boot)
+        esp = root / ESP_ROOT / uuid
+        if not (esp / "grub/grub.cfg").exists():
+            for dest in (("EFI/proxmox/grubx64.efi", "EFI/BOOT/BOOTX64.EFI") if is_efi(data) else ()):
+                _write(esp / dest, "twin placeholder: GRUB's EFI image (grub-install)\n")
+            _write_grubenv(root, {}, f"{ESP_ROOT}/{uuid}/grub/grubenv")
+            for rel in data["kernel"].get("installed") or [data["kernel"]["release"]]:
+                _write(esp / f"vmlinuz-{rel}", "")
+                _write(esp / f"initrd.img-{rel}", "")
+            shutil.copyfile(root / "boot/grub/grub.cfg", esp / "grub/grub.cfg")
     elif boot["loader"] == "grub":
-        default = root / "etc/default/grub"
-        if not default.exists():
-            _write(default, 'GRUB_DEFAULT=0\nGRUB_TIMEOUT=5\n'
-                   'GRUB_DISTRIBUTOR="Proxmox VE"\n'
-                   f'GRUB_CMDLINE_LINUX_DEFAULT="{boot.get("cmdline_default", "quiet")}"\n'
-                   f'GRUB_CMDLINE_LINUX="{boot.get("cmdline_linux", "")}"\n')
-        if not (root / "boot/grub/grub.cfg").exists():  # what the installer's update-grub left
-            env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "TWIN_ROOT": str(root)}
-            subprocess.run([str(root / STANDIN_LIB_DIR / "bin/update-grub")], env=env, check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _seed_grub(root, boot)
+
+
+def _seed_grub(root: Path, boot: dict) -> None:
+    """/etc/default/grub and /boot/grub/grub.cfg as a Proxmox install with GRUB leaves them."""
+    default = root / "etc/default/grub"
+    if not default.exists():
+        _write(default, 'GRUB_DEFAULT=0\nGRUB_TIMEOUT=5\n'
+               'GRUB_DISTRIBUTOR="Proxmox VE"\n'
+               f'GRUB_CMDLINE_LINUX_DEFAULT="{boot.get("cmdline_default", "quiet")}"\n'
+               f'GRUB_CMDLINE_LINUX="{boot.get("cmdline_linux", "")}"\n')
+    if not (root / "boot/grub/grub.cfg").exists():  # what the installer's update-grub left
+        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "TWIN_ROOT": str(root)}
+        subprocess.run([str(root / STANDIN_LIB_DIR / "bin/update-grub")], env=env, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _seed_pve(root: Path, data: dict, pve_dir: Path | None = None) -> None:

@@ -4,13 +4,15 @@ cannot have (tests/twin/standins/esp.sh: the ESPs' block devices and mounts; the
 files) and the firmware's choice at a reset (tests/twin/hardware.py esp_boot_entry, boot.c's rules)."""
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.twin import hardware, runtime
+from tests.twin import boot_packages, hardware, runtime
 
 ESP = "var/lib/twin/esp/5A1C-9E27"
 NEW = "6.14.11-1-pve"
@@ -219,3 +221,92 @@ def test_the_firmware_orders_entries_as_systemd_does(kpro6):
     assert hardware.strverscmp_improved(root, "zz-1a", "zz-1.a") > 0 > hardware.strverscmp_improved(root, "zz-1.a", "zz-1a")
     entry = hardware.esp_boot_entry(root)
     assert entry is not None and entry["file"] == "zz-1a.conf", entry
+
+
+def install_debs(name: str, debs: list[Path]) -> str:
+    """`dpkg -i` of packages built on this machine (copied into the twin's /root first)."""
+    root = Path(runtime.spec_of(name)["root"])
+    for deb in debs:
+        shutil.copyfile(deb, root / "root" / deb.name)
+    r = sh(name, "dpkg -i " + " ".join(f"/root/{d.name}" for d in debs) + " && rm -f "
+           + " ".join(f"/root/{d.name}" for d in debs))
+    return r.stdout + r.stderr
+
+
+def grub_upgrade(name: str, out: Path) -> str:
+    """grub-efi-amd64-bin and -signed installed at an earlier build of the root's grub2, then
+    upgraded to it (bookworm: 2.06-13+deb12u2, the version Debian ships): dpkg's output of the upgrade."""
+    version = sh(name, "dpkg-query -W -f '${Version}' grub-common").stdout
+    install_debs(name, [boot_packages.grub_efi_amd64_bin(out, f"{version}~twin0"),
+                        boot_packages.grub_efi_amd64_signed(out, f"{version}~twin0")])
+    return install_debs(name, [boot_packages.grub_efi_amd64_bin(out, version),
+                               boot_packages.grub_efi_amd64_signed(out, version)])
+
+
+@pytest.fixture
+def grubesp(twin_factory):
+    return twin_factory("kpro6-grubesp")
+
+
+def test_grub_esp_twin_boots_what_the_esps_grub_cfg_says(grubesp):
+    """proxmox-boot-tool's grub mode, run by the real program: refresh copies the kernels to the
+    ESP and writes its grub/grub.cfg (update-grub with the ESP bound on /boot in its own mount
+    namespace), the pin as GRUB_DEFAULT; the firmware model boots from that grub.cfg, not /boot/grub's."""
+    name, root = grubesp.name, Path(grubesp.root)
+    assert "5A1C-9E27 is configured with: grub (versions: 6.14.8-2-pve, 6.8.12-11-pve)" in \
+        sh(name, "proxmox-boot-tool status").stdout
+    assert sh(name, "uname -r").stdout.strip() == "6.14.8-2-pve"  # no pin: 10_linux's first entry, the newest
+    sh(name, "proxmox-boot-tool kernel pin 6.8.12-11-pve && proxmox-boot-tool refresh")
+    cfg = (root / ESP / "grub/grub.cfg").read_text()
+    found = re.search(r"gnulinux-advanced-(\S+)'", cfg)
+    assert found, cfg
+    dev = found.group(1)
+    assert f'set default="gnulinux-advanced-{dev}>gnulinux-6.8.12-11-pve-advanced-{dev}"' in cfg
+    assert 'set default="0"' in (root / "boot/grub/grub.cfg").read_text()  # the root's: not what boots
+    assert reboot(name) == "6.8.12-11-pve"
+    # next_entry in the ESP's grubenv boots once and GRUB clears it (save_env on the vfat ESP)
+    sh(name, f"grub-editenv /{ESP}/grub/grubenv set "
+             f"'next_entry=gnulinux-advanced-{dev}>gnulinux-6.14.8-2-pve-advanced-{dev}'")
+    assert reboot(name) == "6.14.8-2-pve"
+    assert "next_entry=\n" in (root / ESP / "grub/grubenv").read_text()
+    assert reboot(name) == "6.8.12-11-pve"
+
+
+def test_a_grub_upgrade_on_grub_esps_runs_the_real_reinit_and_the_pin_still_boots(grubesp, tmp_path):
+    """A grub-efi-amd64-bin/-signed upgrade unpacks files below /usr/lib/grub: dpkg runs
+    proxmox-kernel-helper's trigger, whose postinst runs the real `proxmox-boot-tool reinit`: in
+    grub mode grub-install again on each ESP (a new EFI image, the modules), grub.cfg and grubenv
+    left as they were, so the pinned kernel still boots and the newest (one that hangs) does not."""
+    name, root = grubesp.name, Path(grubesp.root)
+    install_kernel(name, NEW)
+    sh(name, "proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool refresh")
+    (root / "var/lib/twin/boot").mkdir(parents=True, exist_ok=True)
+    (root / "var/lib/twin/boot/no-boot").write_text(f"{NEW} hangs\n")
+    before = (root / ESP / "grub/grub.cfg").read_text()
+    out = grub_upgrade(name, tmp_path)
+    version = sh(name, "dpkg-query -W -f '${Version}' grub-common").stdout
+    assert "Processing triggers for proxmox-kernel-helper" in out and "Installing grub x86_64 target.." in out, out
+    assert (root / ESP / "EFI/proxmox/grubx64.efi").read_text() == f"twin GRUB image: grub-efi-amd64-bin {version}\n"
+    assert (root / ESP / "EFI/BOOT/BOOTX64.EFI").read_text() == f"twin GRUB image: grub-efi-amd64-bin {version}\n"
+    assert (root / ESP / "grub/grub.cfg").read_text() == before
+    assert reboot(name) == "6.14.8-2-pve"
+    out = install_debs(name, [boot_packages.shim_signed(tmp_path, boot_packages.SHIM_SIGNED["bookworm"] + "~twin0")])
+    out = install_debs(name, [boot_packages.shim_signed(tmp_path, boot_packages.SHIM_SIGNED["bookworm"])])
+    assert "Processing triggers for proxmox-kernel-helper" in out and "Installing grub x86_64 target.." in out, out
+    assert reboot(name) == "6.14.8-2-pve"
+
+
+def test_a_grub_upgrade_on_systemd_boot_esps_reinits_and_the_efi_default_still_boots(kpro6, tmp_path):
+    """The same trigger on a systemd-boot host: reinit reinstalls systemd-boot and rewrites
+    loader.conf to `default proxmox-*`; the EFI default (LoaderEntryDefault, what pvegpu keeps
+    beside the pin) survives it, so the newest kernel (one that hangs) does not boot."""
+    name, root = kpro6.name, Path(kpro6.root)
+    install_kernel(name, NEW)
+    sh(name, "proxmox-boot-tool kernel pin 6.14.8-2-pve && proxmox-boot-tool refresh "
+             "&& bootctl set-default proxmox-6.14.8-2-pve.conf")
+    (root / "var/lib/twin/boot").mkdir(parents=True, exist_ok=True)
+    (root / "var/lib/twin/boot/no-boot").write_text(f"{NEW} hangs\n")
+    out = grub_upgrade(name, tmp_path)
+    assert "Processing triggers for proxmox-kernel-helper" in out and "Installing systemd-boot.." in out, out
+    assert loader_default(root) == "proxmox-*"
+    assert reboot(name) == "6.14.8-2-pve"

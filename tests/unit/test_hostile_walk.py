@@ -964,6 +964,9 @@ def test_walk_kernel_release_into_the_grub_trial_and_the_driver_gate(tmp_path):
         for spec in accepted.values():
             k = kernel_of(spec)
             check(render_template("grub-trial-entry.sh.j2", release=k.version, panic_s=10), [k.version])
+            check(render_template("grub-esp-oneshot.sh.j2", mode="arm", entry=f"pvegpu-trial-{k.version}",
+                                  keep_id=f"gnulinux-advanced-7f3c>gnulinux-{k.version}-advanced-7f3c"),
+                  [f"pvegpu-trial-{k.version}", f"gnulinux-advanced-7f3c>gnulinux-{k.version}-advanced-7f3c"])
             check(kernel_stage.gate_script(spec, "/var/lib/pvegpu/kernel-build/b", 2, "gcc-12", "g++-12"), [k.version])
 
 
@@ -1050,6 +1053,7 @@ WALKS = {
     # included by nvidia-build.sh.j2 (its key) and kernel-sign.sh.j2 (kernel.signing.key)
     "signing-key-check.sh.j2": ["test_walk_nvidia_signing_paths", "test_walk_kernel_signing_paths"],
     "grub-trial-entry.sh.j2": ["test_walk_kernel_release_into_the_grub_trial_and_the_driver_gate"],
+    "grub-esp-oneshot.sh.j2": ["test_walk_kernel_release_into_the_grub_trial_and_the_driver_gate"],
     "kernel-nvidia-gate.sh.j2": ["test_walk_kernel_release_into_the_grub_trial_and_the_driver_gate"],
     "mapping-merge.sh.j2": ["test_walk_gpu_pool_into_the_mapping_merge"],
     **{name: ["test_templates_without_spec_values_take_none"] for name in NO_SPEC_VALUE},

@@ -16,6 +16,7 @@ from plan.kernel import (
     package_globs,
     resolve_jobs,
 )
+from plan.render import render_template
 from spec.models import KernelSpec
 
 H200_MEMINFO = Path(__file__).resolve().parents[1] / "fixtures" / "h200-vm" / "meminfo.txt"
@@ -133,7 +134,8 @@ GRUB_OK = {"esps": False, "grubenv_abstraction": "", "grubenv_fs": "ext2", "grub
 
 @pytest.mark.parametrize("build,loader,why", [
     ({"esps": True, "uefi": True}, "systemd-boot", None),
-    ({"esps": True, "uefi": False}, None, "legacy BIOS"),
+    ({"esps": True, "uefi": False}, None, "Advanced options"),  # GRUB on the ESPs (grub mode), no entry id
+    ({"esps": True, "uefi": False, "grub_advanced_id": "7f3c", "grubenv_abstraction": "lvm"}, "grub-esp", None),
     (GRUB_OK, "grub", None),
     ({**GRUB_OK, "grubenv_abstraction": "lvm"}, None, "GRUB cannot write its environment there"),
     ({**GRUB_OK, "grubenv_abstraction": "diskfilter"}, None, "never cleared"),
@@ -606,16 +608,19 @@ def grub_esp_state(firmware: str) -> dict:
 
 
 @pytest.mark.parametrize("firmware", ["uefi", "bios"])
-def test_grub_on_esps_is_one_loader_decision_trial_refused_default_by_the_pin(firmware):
+def test_grub_on_esps_is_one_loader_decision_trial_on_the_esps_default_by_the_pin(firmware):
     """Issue 38 2.4: GRUB on proxmox-boot-tool's ESPs reads grub.cfg and grubenv there, never the
-    root's /boot/grub/grubenv: no one-shot (refused, naming why), the default by the pin that
-    refresh turns into GRUB_DEFAULT on the ESP (zz-proxmox-boot set_grub_default), no bootctl."""
-    build = {"esps": True, "uefi": firmware == "uefi", "grub_advanced_id": "7f3c", "grubenv_abstraction": "",
+    root's /boot/grub/grubenv: the one-shot goes in every ESP's grubenv (a vfat file GRUB's
+    save_env rewrites: whatever holds /boot/grub does not matter, LVM here), the default by the pin
+    that refresh turns into GRUB_DEFAULT on the ESP (zz-proxmox-boot set_grub_default), no bootctl.
+    Refused only without the Advanced-options id the pin names entries by."""
+    build = {"esps": True, "uefi": firmware == "uefi", "grub_advanced_id": "7f3c", "grubenv_abstraction": "lvm",
              "grubenv_fs": "ext2"}
     mode = plan.host_loader(build, grub_esp_state(firmware))
     assert mode == plan.GRUB_ESP
-    loader, why = plan.trial_loader(build, mode)
-    assert loader is None and why is not None and "GRUB on the ESPs" in why
+    assert plan.trial_loader(build, mode) == (plan.GRUB_ESP, None)
+    loader, why = plan.trial_loader({**build, "grub_advanced_id": None}, mode)
+    assert loader is None and why is not None and "GRUB on the ESPs" in why and "Advanced options" in why
     assert plan.default_loader(build, mode) == (plan.GRUB_ESP, None)
     keep = plan.keep_default_command("6.8.12-11-pve", plan.GRUB_ESP)
     assert keep == "proxmox-boot-tool kernel pin 6.8.12-11-pve && proxmox-boot-tool refresh"
@@ -675,3 +680,89 @@ def test_a_trial_that_came_up_before_a_reset_is_set_up_again_once():
     assert kernel_decision(k, {**base, "trial_up": f"{rel} failed  nvidia 1 is not loaded;"})["action"] == "finish"
     assert kernel_decision(k, {**base, "trial_up": "6.14.9-1-pve ok"})["action"] == "finish"
     assert kernel_decision(k, base)["action"] == "finish"  # no record: it hung or panicked
+
+
+def test_the_grub_esp_trial_sets_next_entry_on_every_esp_after_checking_the_known_good():
+    """Issue 38 2.2 on GRUB on ESPs: the known-good re-asserted by the pin (a stale next-boot pin
+    dropped: set_grub_default writes it over the pin), the trial entry through refresh's
+    update-grub on each ESP, next_entry in each ESP's grubenv only after its default is checked;
+    the pass pins, the clear unsets next_entry on each ESP and refreshes without the entry."""
+    adv = "7f3c"
+    reassert = plan.reassert_default_command("6.8.12-11-pve", plan.GRUB_ESP, adv)
+    assert reassert.startswith("{ [ ! -e /etc/kernel/next-boot-pin ] || proxmox-boot-tool kernel unpin --next-boot; }")
+    assert reassert.endswith("proxmox-boot-tool kernel pin 6.8.12-11-pve && proxmox-boot-tool refresh")
+    arm = plan.oneshot_command("6.14.11-1-pve", plan.GRUB_ESP, 10, adv, keep="6.8.12-11-pve")
+    assert "42_pvegpu_trial" in arm and "&& grub-reboot" not in arm and "update-grub &&" not in arm
+    assert arm.index("proxmox-boot-tool refresh") < arm.index("unshare --mount")
+    script = render_template("grub-esp-oneshot.sh.j2", mode="arm", entry="pvegpu-trial-6.14.11-1-pve",
+                                  keep_id=plan.grub_entry_id("6.8.12-11-pve", adv))
+    assert script.index('[ "$have" = "$keep_id" ]') < script.index('grub-editenv "$env" set "next_entry=$entry"')
+    assert "keep_id='gnulinux-advanced-7f3c>gnulinux-6.8.12-11-pve-advanced-7f3c'" in script
+    clear = plan.clear_oneshot_command("6.14.11-1-pve", plan.GRUB_ESP)
+    assert "grub-editenv /boot/grub/grubenv" not in clear and "proxmox-boot-tool refresh" in clear
+    finish = plan.finish_trial_command("6.14.11-1-pve", plan.GRUB_ESP, "bid", adv)
+    assert "proxmox-boot-tool kernel pin 6.14.11-1-pve && proxmox-boot-tool refresh" in finish
+    assert "grub-set-default" not in finish and "bootctl" not in finish
+
+
+GRUB_EDITENV_STUB = r'''f=$1 cmd=$2; shift 2
+case $cmd in
+list) grep -v '^#' "$f" ;;
+set) for kv; do grep -v "^${kv%%=*}=" "$f" > "$f.t" || true; echo "$kv" >> "$f.t"; mv "$f.t" "$f"; done ;;
+unset) for n; do grep -v "^$n=" "$f" > "$f.t" || true; mv "$f.t" "$f"; done ;;
+esac'''
+
+
+def _grub_esps(tmp_path: Path, defaults: dict[str, str], no_env: str = "") -> tuple[Path, dict]:
+    """ESP dirs in grub mode: grub/grub.cfg with the trial entry and `set default=` the given id,
+    grub/grubenv a 1024-byte block (none on the ESP `no_env`)."""
+    esps = tmp_path / "esps"
+    for uuid, default in defaults.items():
+        (esps / uuid / "grub").mkdir(parents=True)
+        (esps / uuid / "grub/grub.cfg").write_text(
+            'if [ "${next_entry}" ] ; then\n   set default="${next_entry}"\n   set next_entry=\n   save_env next_entry\n'
+            f'else\n   set default="{default}"\nfi\n'
+            "menuentry 'pvegpu trial' --class proxmox $menuentry_id_option 'pvegpu-trial-6.14.11-1-pve' {\n}\n")
+        if uuid != no_env:
+            body = "# GRUB Environment Block\n"
+            (esps / uuid / "grub/grubenv").write_text(body + "#" * (1024 - len(body)))
+    (tmp_path / "uuids").write_text("\n".join(defaults) + "\n")
+    env = _stubs(tmp_path, unshare='shift 3; exec "$@"', mountpoint='[ -L "$2" ]',
+                 mount=f'rmdir "$2" && ln -s {esps}/"${{1##*/}}" "$2"', umount='rm "$1" && mkdir "$1"',
+                 **{"grub-editenv": GRUB_EDITENV_STUB})
+    return esps, env
+
+
+def test_grub_esp_one_shot_is_set_on_every_esp_only_when_each_boots_the_known_good(tmp_path):
+    """Issue 38 2.2 on GRUB on ESPs: templates/grub-esp-oneshot.sh.j2 sets next_entry in every
+    ESP's grubenv after checking that ESP's grub.cfg default is the known-good; an ESP that boots
+    another default, or has no grubenv GRUB could clear next_entry in, arms nothing (an ESP armed
+    before it is disarmed again); clear unsets it everywhere."""
+    keep = plan.grub_entry_id("6.8.12-4-pve", "7f3c")
+    arm = plan.grub_esp_oneshot_command("arm", "6.14.11-1-pve", keep)
+    clear = plan.grub_esp_oneshot_command("clear", "6.14.11-1-pve")
+
+    def run(command, env):
+        command = command.replace("/etc/kernel/proxmox-boot-uuids", str(tmp_path / "uuids"))
+        return subprocess.run(["sh", "-c", command], env=env, capture_output=True, text=True)
+
+    def next_entry(esps, uuid):
+        return [line for line in (esps / uuid / "grub/grubenv").read_text().splitlines() if line.startswith("next_entry=")]
+
+    esps, env = _grub_esps(tmp_path, {"AAAA-0001": keep, "BBBB-0002": keep})
+    r = run(arm, env)
+    assert r.returncode == 0, r.stderr
+    assert next_entry(esps, "AAAA-0001") == next_entry(esps, "BBBB-0002") == ["next_entry=pvegpu-trial-6.14.11-1-pve"]
+    r = run(clear, env)
+    assert r.returncode == 0, r.stderr
+    assert next_entry(esps, "AAAA-0001") == next_entry(esps, "BBBB-0002") == []
+
+    for second, no_env, why in ((plan.grub_entry_id("6.14.11-1-pve", "7f3c"), "", "by default, not the known-good"),
+                                (keep, "BBBB-0002", "no 1024-byte grub/grubenv")):
+        other = tmp_path / ("case-" + ("env" if no_env else "default"))
+        other.mkdir()
+        esps, env = _grub_esps(other, {"AAAA-0001": keep, "BBBB-0002": second}, no_env)
+        r = subprocess.run(["sh", "-c", arm.replace("/etc/kernel/proxmox-boot-uuids", str(other / "uuids"))],
+                           env=env, capture_output=True, text=True)
+        assert r.returncode == 1 and why in r.stderr and "no trial is armed" in r.stderr, r.stderr
+        assert next_entry(esps, "AAAA-0001") == []  # the first ESP was disarmed again

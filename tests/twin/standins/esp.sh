@@ -185,6 +185,64 @@ bootctl)
 	printf '%s\n' "$out" >&2
 	exit "$rc"
 	;;
+grub-install.real)
+	# GRUB's grub-install (proxmox-kernel-helper diverts it to grub-install.real) as proxmox-boot-tool
+	# init_bootloader runs it on an ESP: --boot-directory and --efi-directory the ESP's mount. The
+	# twin cannot give it what it probes (the ESP's disk and vfat file system through grub-probe), so
+	# this does what grub util/grub-install.c then does there: the platform's files from
+	# /usr/lib/grub/<target> (grub-install fails as here where its modinfo.sh is missing) copied to
+	# <boot-directory>/grub/<target>, grubenv created where there is none (never rewritten), and
+	# for x86_64-efi the image at EFI/<bootloader-id>/grubx64.efi of the EFI directory (--removable:
+	# EFI/BOOT/BOOTX64.EFI), here a text naming the package version it came from. Any other use:
+	# the real program.
+	target="" bootdir="" efidir="" id="" removable="" want="" n=0
+	for a do
+		case "$want" in
+		t) target=$a want=""; continue ;;
+		b) bootdir=$a want=""; continue ;;
+		e) efidir=$a want=""; continue ;;
+		i) id=$a want=""; continue ;;
+		esac
+		case "$a" in
+		--target) want=t ;;
+		--target=*) target=${a#--target=} ;;
+		--boot-directory) want=b ;;
+		--boot-directory=*) bootdir=${a#--boot-directory=} ;;
+		--efi-directory) want=e ;;
+		--efi-directory=*) efidir=${a#--efi-directory=} ;;
+		--bootloader-id) want=i ;;
+		--bootloader-id=*) id=${a#--bootloader-id=} ;;
+		--removable) removable=1 ;;
+		--no-floppy) ;;
+		-*) n=99 ;;
+		*) n=$((n + 1)) ;;
+		esac
+	done
+	mp=$(awk -v d="$bootdir" -v r="$ESP_ROOT/" '$5 == d && index($4, r) == 1 { print $5 }' /proc/self/mountinfo)
+	if [ "$n" -gt 1 ] || [ -z "$target" ] || [ -z "$mp" ]; then real "$@"; fi
+	src=/usr/lib/grub/$target
+	if [ ! -f "$src/modinfo.sh" ]; then
+		echo "grub-install.real: error: $src/modinfo.sh doesn't exist. Please specify --target or --directory." >&2
+		exit 1
+	fi
+	echo "Installing for $target platform."
+	mkdir -p "$bootdir/grub/$target"
+	cp -r "$src/." "$bootdir/grub/$target/"
+	if [ ! -f "$bootdir/grub/grubenv" ]; then # grub_util_create_envblk_file: 1024 bytes
+		{ printf '# GRUB Environment Block\n'; head -c 999 /dev/zero | tr '\0' '#'; } > "$bootdir/grub/grubenv"
+	fi
+	case "$target" in
+	x86_64-efi)
+		[ -n "$efidir" ] || { echo "grub-install.real: error: cannot find EFI directory." >&2; exit 1; }
+		dest="$efidir/EFI/${id:-debian}/grubx64.efi"
+		[ -z "$removable" ] || dest="$efidir/EFI/BOOT/BOOTX64.EFI"
+		mkdir -p "${dest%/*}"
+		pkg=$(dpkg-query -S "$src/modinfo.sh" 2>/dev/null | cut -d: -f1)
+		printf 'twin GRUB image: %s %s\n' "$pkg" "$(dpkg-query -W -f '${Version}' "$pkg" 2>/dev/null)" > "$dest"
+		;;
+	esac
+	echo "Installation finished. No error reported."
+	;;
 systemd-detect-virt)
 	# systemd's own, except for the one reason a twin is not a host: its PID namespace is not the
 	# initial one, which systemd (virt.c detect_container, v254+) takes for an unknown container

@@ -64,7 +64,22 @@ def receive(conn: socket.socket) -> tuple[list[int], list[str]]:
     return fds, [s.decode("utf-8", "surrogateescape") for s in strings]
 
 
-def run_worker(programs: dict, fds: list[int], strings: list[str]) -> int:
+def enter_callers_root(pid: int | None) -> None:
+    """See the files as the caller sees them: a caller in a mount namespace of its own (e.g.
+    proxmox-boot-tool's, functions reexec_in_mountns, which binds an ESP on /boot before
+    update-grub: zz-proxmox-boot update_esp_func), or a program such a caller started, has mounts
+    the server's namespace lacks. The kernel resolves /proc/<pid>/root to the caller's root with
+    the caller's mounts (proc(5)), so chrooting there makes every path walk cross them (the
+    caller's own root, mount and directory alike: a child of a worker is such a caller too)."""
+    if not pid or pid == os.getpid():
+        return
+    try:
+        os.chroot(f"/proc/{pid}/root")
+    except OSError as err:
+        sys.stderr.write(f"twin stand-in server: cannot enter the mount namespace of pid {pid}: {err}\n")
+
+
+def run_worker(programs: dict, fds: list[int], strings: list[str], pid: int | None = None) -> int:
     """In the forked worker: become the caller's process and run the stand-in."""
     exe, argv0, cwd, argc = strings[0], strings[1], strings[2], int(strings[3])
     args = strings[4:4 + argc]
@@ -75,6 +90,7 @@ def run_worker(programs: dict, fds: list[int], strings: list[str]) -> int:
     for fd in fds:
         if fd > 2:
             os.close(fd)
+    enter_callers_root(pid)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(dict(e.split("=", 1) for e in env if "=" in e))
@@ -131,6 +147,9 @@ def main() -> int:
                 try:
                     conn.settimeout(10)
                     fds, strings = receive(conn)
+                    # the caller's pid (SO_PEERCRED: struct ucred pid, uid, gid), this pid namespace's
+                    peer = struct.unpack("=3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                struct.calcsize("=3i")))[0]
                 except (OSError, ValueError, IndexError):
                     for fd in fds:
                         os.close(fd)
@@ -150,7 +169,7 @@ def main() -> int:
                             other.close()
                         os.close(wake_r)
                         os.close(wake_w)
-                        code = run_worker(programs, fds, strings)
+                        code = run_worker(programs, fds, strings, peer)
                     finally:
                         for stream in (sys.stdout, sys.stderr):
                             try:
