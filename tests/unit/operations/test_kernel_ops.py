@@ -315,7 +315,8 @@ def test_preflight_refuses_fragments_on_proxmox_git(monkeypatch):
     (["grub_default saved", "grub_advanced_id ab", "grubenv_abstraction ok ", "grubenv_fs ok btrfs"], "is on btrfs"),
     (["grub_default saved", "grub_advanced_id ab", "grubenv_abstraction ok ", "grubenv_fs ok zfs"], "is on zfs"),
     (["grub_default saved", "grub_advanced_id ab"], "grub-probe could not tell"),
-    (["pbt", "esps"], "legacy BIOS"),
+    # proxmox-boot-tool's grub mode (legacy BIOS, or GRUB on the ESPs): its trial names entries by the id too
+    (["pbt", "esps"], "keeps GRUB on the ESPs here, and /boot/grub/grub.cfg has no 'Advanced options' submenu id"),
 ])
 def test_preflight_refuses_a_trial_that_would_not_be_one_boot(monkeypatch, lines, why):
     from spec.models import HostSpec
@@ -331,6 +332,16 @@ def test_preflight_refuses_a_trial_that_would_not_be_one_boot(monkeypatch, lines
         assert len(off) == 1 and off[0].startswith("kernel.trial_boot is off") and why in off[0]
 
 
+
+
+def test_preflight_takes_a_trial_on_grub_esps_with_an_entry_id(monkeypatch):
+    """GRUB on proxmox-boot-tool's ESPs (its grub mode) gets a one-boot trial (next_entry in each
+    ESP's grubenv) where grub.cfg names entries by id; before 2026-12-06 it was refused."""
+    from spec.models import HostSpec
+    monkeypatch.setattr(kernel, "stage_facts", lambda k: {
+        "kernels": {"running": "6.8.12-4-pve", "installed": []},
+        "build": kernel_facts.parse_build_state(["pbt", "esps", "grub_advanced_id ab"]), "source": None})
+    assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT})) == []
 
 
 def test_preflight_refuses_a_release_already_installed_from_a_package_not_built_here(monkeypatch):
