@@ -42,3 +42,164 @@ def test_perform_needs_proxmox_ve_9(tmp_path, major):
 def test_perform_is_no_free_word(tmp_path):
     with pytest.raises(SpecError, match="proxmox_ve_upgrade"):
         load_spec_file(spec_file(tmp_path, proxmox_ve_upgrade="yes"))
+
+
+# -- the preflight (plan/upgrade_perform.py) ------------------------------------------------------
+
+from plan.render import render_template  # noqa: E402
+from plan.upgrade_perform import (  # noqa: E402
+    MIN_FREE_BYTES,
+    PerformView,
+    job_reading,
+    job_refusal,
+    job_running,
+    parse_sources,
+    perform_refusals,
+    pve8to9_fails,
+    stale_pins,
+)
+
+# pve8to9's output as pve-manager PVE/CLI/pve8to9.pm (stable-8) prints it: print_header "= NAME =",
+# $log_line "LEVEL: text" (uc of the level), the SUMMARY's counters; Term::ANSIColor codes around
+# coloured lines (printed without a terminal too)
+PVE8TO9_OK = """= CHECKING VERSION INFORMATION FOR PVE PACKAGES =
+
+Checking for package updates..
+PASS: all packages up-to-date
+
+Checking proxmox-ve package version..
+PASS: already upgraded to Proxmox VE 8.4 (or newer)
+
+= MISCELLANEOUS CHECKS =
+
+INFO: Checking common daemon services..
+PASS: systemd unit 'pveproxy.service' is in state 'active'
+\x1b[33mWARN: 1 running guest(s) detected - consider migrating or stopping them.\x1b[0m
+SKIP: No containers on node detected.
+
+= SUMMARY =
+
+TOTAL:    7
+\x1b[32mPASSED:   4\x1b[0m
+SKIPPED:  1
+\x1b[33mWARNINGS: 1\x1b[0m
+FAILURES: 0
+""".splitlines()
+PVE8TO9_FAIL = [line.replace("FAILURES: 0", "\x1b[1;31mFAILURES: 1\x1b[0m") for line in PVE8TO9_OK]
+PVE8TO9_FAIL.insert(5, "\x1b[1;31mFAIL: proxmox-ve package is too old, please upgrade to >= 8.4-0!\x1b[0m")
+
+DEBIAN_SOURCES = ["Types: deb", "URIs: http://deb.debian.org/debian/", "Suites: bookworm bookworm-updates",
+                  "Components: main contrib non-free-firmware", "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg",
+                  "", "Types: deb", "URIs: http://security.debian.org/debian-security/", "Suites: bookworm-security",
+                  "Components: main"]
+PVE_LIST = ["deb http://download.proxmox.com/debian/pve bookworm pve-no-subscription"]
+
+
+def good(**changes) -> PerformView:
+    view = PerformView(pve8to9=PVE8TO9_OK, proxmox_ve="8.4.0", free_bytes=50 * 10**9,
+                       sources=parse_sources({"/etc/apt/sources.list.d/debian.sources": DEBIAN_SOURCES,
+                                              "/etc/apt/sources.list.d/pve-install-repo.list": PVE_LIST}))
+    for key, value in changes.items():
+        setattr(view, key, value)
+    return view
+
+
+def test_pve8to9_output_is_the_verdict():
+    assert pve8to9_fails(PVE8TO9_OK) == ([], 0)
+    assert pve8to9_fails(PVE8TO9_FAIL) == (["proxmox-ve package is too old, please upgrade to >= 8.4-0!"], 1)
+    assert pve8to9_fails(PVE8TO9_OK[:10]) == ([], None)  # cut short: no summary
+
+
+def test_a_host_ready_for_9_passes():
+    assert perform_refusals(good()) == []
+
+
+@pytest.mark.parametrize("changes,words", [
+    (dict(pve8to9=PVE8TO9_FAIL), "pve8to9 --full reports 1 FAILURE(S): proxmox-ve package is too old"),
+    (dict(pve8to9=PVE8TO9_OK[:10]), "pve8to9 --full did not finish"),
+    (dict(pve8to9=None), "pve8to9 is not installed"),
+    (dict(proxmox_ve="8.3.0"), "proxmox-ve is 8.3.0: the upgrade to 9 starts from the latest 8.4"),
+    (dict(proxmox_ve=None), "proxmox-ve is not installed"),
+    (dict(free_bytes=MIN_FREE_BYTES - 1), "/ has 10.0 GB free, the upgrade wants 10 GB"),
+    (dict(running_gpu_guests=["CT 200"], allow_stop=False), "GPU guests run (CT 200) and guests.allow_stop is false"),
+    (dict(running_gpu_guests=["VM 300"], reboot_guests="migrate"), "GPU guests run (VM 300) and reboot.guests is migrate"),
+    (dict(holds=["proxmox-default-kernel", "proxmox-default-headers", "htop"]),
+     "proxmox-default-kernel, proxmox-default-headers on hold (apt-mark showhold)"),
+    (dict(sources=parse_sources({"/etc/apt/sources.list": PVE_LIST,
+                                 "/etc/apt/sources.list.d/ceph.list":
+                                 ["deb http://download.proxmox.com/debian/ceph-reef bookworm no-subscription"]})),
+     "a Ceph repository before Squid is configured: ceph-reef (/etc/apt/sources.list.d/ceph.list:1)"),
+    (dict(sources=parse_sources({"/etc/apt/sources.list": ["deb http://deb.debian.org/debian trixie main"]})),
+     "no apt source names bookworm"),
+    (dict(job=job_reading(["status=failed", "step=full-upgrade"], "free", ["E: Sub-process /usr/bin/dpkg returned"])),
+     "the 8 -> 9 upgrade pvegpu started failed at step full-upgrade"),
+])
+def test_each_refusal_names_its_reason(changes, words):
+    found = perform_refusals(good(**changes))
+    assert len(found) == 1 and words in found[0], found
+
+
+def test_running_guests_are_stopped_when_allowed():
+    assert perform_refusals(good(running_gpu_guests=["CT 200", "VM 300"])) == []
+
+
+def test_squid_and_disabled_stanzas_pass():
+    sources = parse_sources({
+        "/etc/apt/sources.list.d/debian.sources": DEBIAN_SOURCES,
+        "/etc/apt/sources.list.d/ceph.sources": ["Types: deb", "URIs: http://download.proxmox.com/debian/ceph-squid",
+                                                 "Suites: bookworm", "Components: no-subscription"],
+        "/etc/apt/sources.list.d/old.sources": ["Types: deb", "URIs: http://download.proxmox.com/debian/ceph-quincy",
+                                                "Suites: bookworm", "Enabled: no"],
+        "/etc/apt/sources.list": ["# deb http://download.proxmox.com/debian/ceph-reef bookworm no-subscription"]})
+    assert [(e.file.rsplit("/", 1)[1], e.suites) for e in sources] == [
+        ("debian.sources", ("bookworm", "bookworm-updates")), ("debian.sources", ("bookworm-security",)),
+        ("ceph.sources", ("bookworm",))]
+    assert perform_refusals(good(sources=sources)) == []
+
+
+def test_one_line_sources_with_options():
+    entries = parse_sources({"/etc/apt/sources.list": [
+        "deb [arch=amd64 signed-by=/usr/share/keyrings/x.gpg] http://download.proxmox.com/debian/pve bookworm "
+        "pve-no-subscription", "deb-src http://deb.debian.org/debian bookworm main", "deb cdrom:[Debian]/ bookworm"]})
+    assert [(e.uris, e.suites, e.line) for e in entries][:2] == [
+        (("http://download.proxmox.com/debian/pve",), ("bookworm",), 1),
+        (("http://deb.debian.org/debian",), ("bookworm",), 2)]
+
+
+def test_the_job_as_its_files_say():
+    assert job_reading([], None, [])["status"] is None
+    assert job_reading(["status=running", "step=update"], "held", [])["status"] == "running"
+    # the state says running and nothing holds the lock: killed, or a power cut
+    interrupted = job_reading(["status=running", "step=full-upgrade", "since=2026-12-06T19:00:00Z"], "free", ["x"])
+    assert interrupted["status"] == "interrupted"
+    assert "was interrupted" in job_refusal(interrupted) and "step full-upgrade" in job_refusal(interrupted)
+    assert job_reading(["status=done", "step=reboot-into-9"], "free", [])["status"] == "done"
+    failed = job_reading(["status=failed", "step=configure-pending"], "free",
+                         [f"line {i}" for i in range(30)] + ["\x1b[31mred\x1b[0m"])
+    text = job_refusal(failed)
+    assert "line 10" not in text and "line 29" in text and "\\x1b[31mred" in text  # the tail, escaped
+    assert "rm /var/lib/pvegpu/upgrade/state and run again" in text
+    assert "journalctl -u pvegpu-upgrade" in job_running(job_reading(["status=running"], "held", []))
+
+
+def test_pins_of_8_are_undone_after_the_upgrade():
+    assert stale_pins({"pin": "6.8.12-11-pve", "grub_saved": None}) == {"unpin": True, "unset_saved": False}
+    assert stale_pins({"pin": "6.17.2-1-pve"}) == {"unpin": False, "unset_saved": False}
+
+
+def test_the_job_script_follows_the_upgrade_guide():
+    script = render_template("pve-upgrade.sh.j2", state_dir="/var/lib/pvegpu/upgrade",
+                             unpin=True, efi_default=False, unset_saved=False)
+    assert "export DEBIAN_FRONTEND=noninteractive" in script
+    assert "-o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold" in script
+    order = ["step running sources", "dpkg --force-confdef --force-confold --configure -a", "update ||",
+             "-f install", "full-upgrade ||", "remove systemd-boot", "proxmox-boot-tool kernel unpin",
+             'step "done"']
+    places = [script.index(s) for s in order]
+    assert places == sorted(places), places
+    assert "bootctl" not in script and "grub-editenv" not in script
+    start = render_template("pve-upgrade-start.sh.j2", state_dir="/var/lib/pvegpu/upgrade",
+                            lock="/var/lib/pvegpu/upgrade/lock", script="/var/lib/pvegpu/upgrade/upgrade.sh",
+                            unit="pvegpu-upgrade")
+    assert "systemd-run --unit pvegpu-upgrade" in start and "setsid nohup /bin/sh /var/lib/pvegpu/upgrade/upgrade.sh" in start
+    assert "dir=/var/lib/pvegpu/upgrade" in start and 'pvegpu_dir "$dir" 700' in start and "etc-pve-$stamp.tar.gz" in start
