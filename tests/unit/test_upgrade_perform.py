@@ -203,3 +203,23 @@ def test_the_job_script_follows_the_upgrade_guide():
                             unit="pvegpu-upgrade")
     assert "systemd-run --unit pvegpu-upgrade" in start and "setsid nohup /bin/sh /var/lib/pvegpu/upgrade/upgrade.sh" in start
     assert "dir=/var/lib/pvegpu/upgrade" in start and 'pvegpu_dir "$dir" 700' in start and "etc-pve-$stamp.tar.gz" in start
+
+
+def _recorded(fact: str, name: str) -> dict:
+    return yaml.safe_load((REPO / f"tests/unit/facts/upgrade.{fact}/twin-kpro6-{name}.yaml").read_text())["fact"]
+
+
+def test_recorded_twin_facts_drive_the_preflight():
+    """The facts as recorded on the kpro6 twin (tests/fixtures/twin-kpro6/upgrade-*.txt)."""
+    pre = _recorded("UpgradePreflight", "upgrade-preflight-fail-ceph-reef")
+    found = perform_refusals(PerformView(pve8to9=pre["pve8to9"], proxmox_ve="8.4.0", free_bytes=pre["free_bytes"],
+                                         sources=parse_sources(pre["sources"])))
+    assert [r.split(":")[0] for r in found] == ["pve8to9 --full reports 1 FAILURE(S)",
+                                                "a Ceph repository before Squid is configured"], found
+    moved = _recorded("UpgradePreflight", "upgrade-preflight-trixie-sources")
+    assert "no apt source names bookworm" in perform_refusals(PerformView(
+        pve8to9=moved["pve8to9"], proxmox_ve="8.4.0", sources=parse_sources(moved["sources"])))[0]
+    job = _recorded("UpgradeJob", "upgrade-job-failed-configure")
+    reading = job_reading(job["state"], job["lock"], job["log"])
+    assert reading["status"] == "failed" and reading["step"] == "configure-pending"
+    assert "pvegpu-test-broken: postinst fails" in job_refusal(reading)
