@@ -100,8 +100,12 @@ if upgrade_running:
 if upgrade.starts(spec):
     # the preflight passed: back up, start the upgrade detached; the converge waits for the next run
     upgrade.start(spec)
-    logger.warning(f"{host.name}: the Proxmox VE 8 -> 9 upgrade starts detached on the host; run again to follow "
-                   "it, and once it is done the run converges the host on 9")
+    if is_dry():
+        logger.warning(f"{host.name}: the preflight of the Proxmox VE 8 -> 9 upgrade passed; a run without --dry "
+                       "starts it (proxmox_ve_upgrade: perform)")
+    else:
+        logger.warning(f"{host.name}: the Proxmox VE 8 -> 9 upgrade starts detached on the host; run again to "
+                       "follow it, and once it is done the run converges the host on 9")
 else:
     upgrade.after_upgrade(spec)  # a finished upgrade: the reboot into 9's kernel is due
 
