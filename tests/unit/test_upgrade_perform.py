@@ -223,3 +223,69 @@ def test_recorded_twin_facts_drive_the_preflight():
     reading = job_reading(job["state"], job["lock"], job["log"])
     assert reading["status"] == "failed" and reading["step"] == "configure-pending"
     assert "pvegpu-test-broken: postinst fails" in job_refusal(reading)
+
+
+# -- what a run does with the job (operations/upgrade.py), the facts given ------------------------
+
+def _readings(pve_major: int, state: list[str], lock: str | None, kernel: str = "6.8.12-11-pve") -> dict:
+    from facts.proxmox import PvePackages, PveVersion
+    from facts.upgrade import UpgradeJob, UpgradePreflight, UpgradeState
+
+    return {PveVersion: {"version": f"{pve_major}.4.1", "major": pve_major, "minor": 4, "running_kernel": kernel},
+            UpgradeJob: {"state": state, "lock": lock, "log": ["E: Sub-process /usr/bin/dpkg returned an error code (1)"]},
+            PvePackages: {"proxmox-ve": "8.4.0"}, UpgradeState: {"holds": []},
+            UpgradePreflight: {"pve8to9": PVE8TO9_OK, "free_bytes": 50 * 10**9,
+                               "sources": {"/etc/apt/sources.list.d/pve-install-repo.list": PVE_LIST}}}
+
+
+@pytest.fixture
+def perform_spec(tmp_path):
+    return load_spec_file(spec_file(tmp_path, proxmox_ve_upgrade="perform", kernel=None))["kpro6"]
+
+
+def _with(monkeypatch, readings: dict, reasons: list | None = None):
+    from operations import upgrade
+
+    monkeypatch.setattr(upgrade, "fact_once", lambda cls, **kw: readings.get(cls))
+    monkeypatch.setattr(upgrade, "guest_state", lambda: {"lxc": {200: "running"}, "qemu": {}})
+    if reasons is not None:
+        import facts.run_state
+
+        monkeypatch.setattr(facts.run_state, "need_reboot", lambda kind, detail, host=None: reasons.append((kind, detail)))
+    return upgrade
+
+
+def test_a_host_on_8_without_a_job_starts_it(monkeypatch, perform_spec):
+    upgrade = _with(monkeypatch, _readings(8, [], None))
+    assert upgrade.starts(perform_spec) and upgrade.running(perform_spec) is None
+    assert upgrade.perform_preflight(perform_spec) == []
+
+
+def test_check_never_starts_it(monkeypatch, tmp_path):
+    spec = load_spec_file(spec_file(tmp_path, kernel=None))["kpro6"]
+    upgrade = _with(monkeypatch, _readings(8, ["status=failed"], "free"))
+    assert not upgrade.starts(spec) and upgrade.perform_preflight(spec) == [] and upgrade.running(spec) is None
+
+
+def test_a_running_job_is_reported_and_starts_nothing(monkeypatch, perform_spec):
+    upgrade = _with(monkeypatch, _readings(8, ["status=running", "step=full-upgrade"], "held"))
+    assert not upgrade.starts(perform_spec) and upgrade.perform_preflight(perform_spec) == []
+    assert "step full-upgrade" in (upgrade.running(perform_spec) or "")
+
+
+def test_a_failed_job_refuses_even_once_pve_manager_is_9(monkeypatch, perform_spec):
+    upgrade = _with(monkeypatch, _readings(9, ["status=failed", "step=full-upgrade"], "free"))
+    found = upgrade.perform_preflight(perform_spec)
+    assert len(found) == 1 and "failed at step full-upgrade" in found[0] and "returned an error code" in found[0]
+
+
+def test_a_done_job_asks_for_the_reboot_into_9s_kernel(monkeypatch, perform_spec):
+    reasons: list = []
+    upgrade = _with(monkeypatch, _readings(9, ["status=done", "step=reboot-into-9"], "free"), reasons)
+    assert not upgrade.starts(perform_spec) and upgrade.perform_preflight(perform_spec) == []
+    upgrade.after_upgrade(perform_spec)
+    assert reasons == [("upgrade", "the 8 -> 9 upgrade is done and the host runs 8's kernel 6.8.12-11-pve: boot 9's")]
+    reasons.clear()
+    upgrade = _with(monkeypatch, _readings(9, ["status=done"], "free", kernel="6.17.2-1-pve"), reasons)
+    upgrade.after_upgrade(perform_spec)
+    assert reasons == []  # booted into 9's kernel: nothing due
