@@ -1,4 +1,5 @@
-"""What the 8 -> 9 upgrade check reads that no other fact does (read-only; operations/upgrade.py).
+"""What the 8 -> 9 upgrade check and the performed upgrade read that no other fact does (read-only;
+operations/upgrade.py).
 
 The checks follow pve-manager PVE/CLI/pve8to9.pm for what pvegpu causes or can fix:
 check_dkms_modules (`dkms status`), check_bootloader (the systemd-boot meta-package, seen by its

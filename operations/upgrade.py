@@ -16,8 +16,8 @@ reboot into 9's kernel where the host still runs 8's (per reboot.allowed).
 report: when the spec says `proxmox_ve: 9`, the run (and --dry) lists what pve8to9 would warn
 about that pvegpu causes or can fix, each with its fix: before the upgrade (the host runs 8) and
 after it (the host runs 9, while anything is still due: systemd-boot to remove, 8's kernel to
-unpin before the reboot, kernel packages on hold, a reboot into 9's kernel). Read-only: it yields
-no operation, and it does not run the upgrade. The converge after the distribution upgrade
+unpin before the reboot, kernel packages on hold, a reboot into 9's kernel). Read-only: the report
+yields no operation (only `perform` above runs the upgrade). The converge after the distribution upgrade
 rebuilds what the new kernel needs (the NVIDIA stage's toolchain guard takes 9's GCC 14 from the
 kernel's CONFIG_CC_VERSION_TEXT) and the host checks prove it.
 """
@@ -107,8 +107,8 @@ def start_commands(spec: HostSpec) -> tuple[str, str]:
     boot = (fact_once(BootStageFacts) or {}).get("boot_loader") or {}
     pins = perform.stale_pins(state)
     sd_boot_pin = pins["unpin"] and any(e.get("mode") == "uefi" for e in boot.get("esps") or [])
-    script = render_template("pve-upgrade.sh.j2", state_dir=perform.STATE_DIR, unpin=pins["unpin"], efi_default=sd_boot_pin,
-                             unset_saved=pins["unset_saved"])
+    script = render_template("pve-upgrade.sh.j2", state_dir=perform.STATE_DIR, unpin=pins["unpin"],
+                             efi_default=sd_boot_pin, unset_saved=pins["unset_saved"])
     start = render_template("pve-upgrade-start.sh.j2", state_dir=perform.STATE_DIR, lock=perform.LOCK_FILE,
                             script=perform.SCRIPT, unit=perform.UNIT)
     return script, start
