@@ -85,21 +85,40 @@ for name, module in stages:
 for line in upgrade.report(spec):
     logger.warning(f"{host.name}: {line}")
 
+# proxmox_ve_upgrade: perform (operations/upgrade.py): a failed earlier upgrade, or the upgrade's
+# preflight on a host still on 8, refuses here like any stage
+refusals += [f"[upgrade] {r}" for r in upgrade.perform_preflight(spec)]
 if refusals:
     raise DeployError(
         f"pvegpu preflight refused host {host.name}; nothing was changed:\n  - " + "\n  - ".join(refusals)
     )
+# an upgrade job that runs: reported, and nothing else is changed while it runs
+upgrade_running = upgrade.running(spec)
+if upgrade_running:
+    raise DeployError(f"pvegpu: host {host.name}: {upgrade_running}")
 
-# What the applies read once the run's state is known (e.g. which CTs run): one more command.
-prefetch([request for _, module in stages if hasattr(module, "prefetch_apply")
-          for request in module.prefetch_apply(spec)])
+if upgrade.starts(spec):
+    # the preflight passed: back up, start the upgrade detached; the converge waits for the next run
+    upgrade.start(spec)
+    if is_dry():
+        logger.warning(f"{host.name}: the preflight of the Proxmox VE 8 -> 9 upgrade passed; a run without --dry "
+                       "starts it (proxmox_ve_upgrade: perform)")
+    else:
+        logger.warning(f"{host.name}: the Proxmox VE 8 -> 9 upgrade starts detached on the host; run again to "
+                       "follow it, and once it is done the run converges the host on 9")
+else:
+    upgrade.after_upgrade(spec)  # a finished upgrade: the reboot into 9's kernel is due
 
-run_stages(host, stages, "apply", spec)  # each stage's operations apart from the others' (operations.run_stages)
+    # What the applies read once the run's state is known (e.g. which CTs run): one more command.
+    prefetch([request for _, module in stages if hasattr(module, "prefetch_apply")
+              for request in module.prefetch_apply(spec)])
 
-# The reboot stage reboots the host this run: a stage whose plan reads what a boot changes (the GPUs
-# on their driver, the topology nvidia-smi reports) plans again once the host is back.
-if run_state().rebooting:
-    run_stages(host, stages, "after_reboot", spec)
+    run_stages(host, stages, "apply", spec)  # each stage's operations apart from the others' (operations.run_stages)
+
+    # The reboot stage reboots the host this run: a stage whose plan reads what a boot changes (the GPUs
+    # on their driver, the topology nvidia-smi reports) plans again once the host is back.
+    if run_state().rebooting:
+        run_stages(host, stages, "after_reboot", spec)
 
 # --dry: every file and Proxmox config that would change, as a unified diff (operations/backup.py)
 if is_dry():

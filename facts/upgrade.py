@@ -1,4 +1,5 @@
-"""What the 8 -> 9 upgrade check reads that no other fact does (read-only; operations/upgrade.py).
+"""What the 8 -> 9 upgrade check and the performed upgrade read that no other fact does (read-only;
+operations/upgrade.py).
 
 The checks follow pve-manager PVE/CLI/pve8to9.pm for what pvegpu causes or can fix:
 check_dkms_modules (`dkms status`), check_bootloader (the systemd-boot meta-package, seen by its
@@ -112,3 +113,85 @@ class OsRelease(ShellFact):
 
     def process(self, output):
         return parse_os_release(list(output))
+
+
+# the 8 -> 9 upgrade pvegpu performs (plan/upgrade_perform.py; its state dir is root's, 0700)
+UPGRADE_DIR = "/var/lib/pvegpu/upgrade"
+
+
+def parse_upgrade_job(output_lines: list[str]) -> dict:
+    """{"state": [key=value lines], "lock": "held"|"free"|None, "log": [the log's last lines]}"""
+    parts = parse_sections(output_lines, {"state": _lines, "lock": _first, "log": lambda lines: list(lines)})
+    return {"state": parts.get("state", []), "lock": parts.get("lock"), "log": parts.get("log", [])}
+
+
+class UpgradeJob(ShellFact):
+    """The upgrade job pvegpu started, as its files say (templates/pve-upgrade.sh.j2): its state
+    file, whether a process holds its lock (flock(1) -n: held while the job runs), the log's
+    last 20 lines.
+
+    .. code:: python
+
+        {"state": ["status=running", "step=full-upgrade", "since=2026-12-06T19:40:00Z"],
+         "lock": "held",                 # held | free | None (no lock file: never started)
+         "log": ["Unpacking ...", ...]}
+    """
+
+    command = (f"echo '@@ state'; cat {UPGRADE_DIR}/state 2>/dev/null; "
+               f"echo '@@ lock'; [ -f {UPGRADE_DIR}/lock ] && "
+               f"{{ flock -n {UPGRADE_DIR}/lock true && echo free || echo held; }}; "
+               f"echo '@@ log'; tail -n 20 {UPGRADE_DIR}/upgrade.log 2>/dev/null; true")
+
+    @staticmethod
+    def default() -> dict:
+        return {"state": [], "lock": None, "log": []}
+
+    def process(self, output):
+        return parse_upgrade_job(list(output))
+
+
+def parse_upgrade_preflight(output_lines: list[str]) -> dict:
+    """pve8to9's output (None: not installed), the bytes free on /, apt's sources file by file."""
+    pve8to9: list[str] | None = None
+    free: int | None = None
+    sources: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in output_lines:
+        line = line.rstrip("\n")
+        if line == "@@ pve8to9":
+            current = pve8to9 = []
+        elif line == "@@ no-pve8to9":
+            current, pve8to9 = None, None
+        elif line == "@@ free":
+            current = None
+            free = -1
+        elif line.startswith("@@ source "):
+            current = sources.setdefault(line[len("@@ source "):], [])
+        elif free == -1 and current is None:
+            free = int(line) if line.strip().isdigit() else None
+        elif current is not None:
+            current.append(line)
+    return {"pve8to9": pve8to9, "free_bytes": free if free != -1 else None, "sources": sources}
+
+
+class UpgradePreflight(ShellFact):
+    """What the preflight of a performed upgrade reads: `pve8to9 --full` (pve-manager
+    PVE/CLI/pve8to9.pm; colours off: Term::ANSIColor honours NO_COLOR), the bytes available on /
+    (df), and apt's sources (sources.list, sources.list.d/*.list one-line, *.sources deb822).
+
+    .. code:: python
+
+        {"pve8to9": ["= CHECKING VERSION INFORMATION FOR PVE PACKAGES =", ..., "FAILURES: 0"] | None,
+         "free_bytes": 52613349376,
+         "sources": {"/etc/apt/sources.list": ["deb http://deb.debian.org/debian bookworm main"], ...}}
+    """
+
+    command = ("if command -v pve8to9 >/dev/null 2>&1; then echo '@@ pve8to9'; "
+               "NO_COLOR=1 ANSI_COLORS_DISABLED=1 pve8to9 --full 2>&1 | sed 's/^@@/ @@/'; "
+               "else echo '@@ no-pve8to9'; fi; "
+               "echo '@@ free'; df -P -B1 / 2>/dev/null | awk 'NR == 2 {print $4}'; "
+               "for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; do "
+               "[ -f \"$f\" ] || continue; echo \"@@ source $f\"; sed 's/^@@/ @@/' \"$f\"; echo; done; true")
+
+    def process(self, output):
+        return parse_upgrade_preflight(list(output))

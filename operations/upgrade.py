@@ -5,23 +5,38 @@ version) are read every run that names a kernel or `proxmox_ve`; what belongs to
 release is refused before any change, --dry included (a pve-kernel branch of 9 on a bookworm host
 would be cloned and built with GCC 12; `proxmox_ve: 8` on a trixie host).
 
+perform (`proxmox_ve_upgrade: perform`, plan/upgrade_perform.py): on a host still on 8 the run
+refuses before any change unless the upgrade's preflight passes, then stops the spec's running
+GPU guests, backs up their configs (operations/backup.py) and /etc/pve (a tarball in
+/var/lib/pvegpu/upgrade, 0700), and starts the upgrade job detached (templates/pve-upgrade.sh.j2);
+nothing else is converged in that run. The next runs read the job: running -> reported, the run
+stops; failed -> refused with its log's tail; done -> the converge goes on (on 9 now), with a
+reboot into 9's kernel where the host still runs 8's (per reboot.allowed).
+
 report: when the spec says `proxmox_ve: 9`, the run (and --dry) lists what pve8to9 would warn
 about that pvegpu causes or can fix, each with its fix: before the upgrade (the host runs 8) and
 after it (the host runs 9, while anything is still due: systemd-boot to remove, 8's kernel to
-unpin before the reboot, kernel packages on hold, a reboot into 9's kernel). Read-only: it yields
-no operation, and it does not run the upgrade. The converge after the distribution upgrade
+unpin before the reboot, kernel packages on hold, a reboot into 9's kernel). Read-only: the report
+yields no operation (only `perform` above runs the upgrade). The converge after the distribution upgrade
 rebuilds what the new kernel needs (the NVIDIA stage's toolchain guard takes 9's GCC 14 from the
 kernel's CONFIG_CC_VERSION_TEXT) and the host checks prove it.
 """
 
 from __future__ import annotations
 
+from pyinfra.api import StringCommand, operation
+
 from facts.boot import BootStageFacts
 from facts.guest_state import guest_state
 from facts.once import fact_once
 from facts.proxmox import LxcConfigs, PvePackages, PveVersion
-from facts.upgrade import OsRelease, UpgradeState
-from plan.releases import host_release_refusals
+from facts.upgrade import OsRelease, UpgradeJob, UpgradePreflight, UpgradeState
+from operations.backup import backup_command
+from operations.files import write_file_command
+from operations.proxmox import guest_stop_commands
+from plan import upgrade_perform as perform
+from plan.releases import host_release_refusals, kernel_pve_major
+from plan.render import PRIVATE, render_template, root_dirs
 from plan.upgrade import HostView, upgrade_findings
 from spec.models import HostSpec
 
@@ -35,7 +50,112 @@ def prefetch(spec: HostSpec) -> list:
     release: list = [(OsRelease, {}), (PveVersion, {})] if _asks(spec) else []
     check: list = ([(UpgradeState, {}), (LxcConfigs, {}), (PvePackages, {}), (BootStageFacts, {})]
              if spec.proxmox_ve == 9 else [])
-    return release + check
+    job: list = [(UpgradeJob, {})] if _performs(spec) else []
+    return release + check + job
+
+
+def _performs(spec: HostSpec) -> bool:
+    return spec.proxmox_ve == 9 and spec.proxmox_ve_upgrade == "perform"
+
+
+def job(spec: HostSpec) -> dict:
+    """The upgrade job's reading (plan.upgrade_perform.job_reading); status None: none started."""
+    if not _performs(spec):
+        return {"status": None}
+    found = fact_once(UpgradeJob) or UpgradeJob.default()
+    return perform.job_reading(found["state"], found["lock"], found["log"])
+
+
+def _on_8() -> bool:
+    pve = fact_once(PveVersion)
+    return bool(pve) and pve["major"] == 8
+
+
+def running(spec: HostSpec) -> str | None:
+    """The report of an upgrade job that runs (the run stops after it), or None."""
+    current = job(spec)
+    return perform.job_running(current) if current["status"] == "running" else None
+
+
+def starts(spec: HostSpec) -> bool:
+    """This run starts the upgrade (perform, the host on 8, no job yet; the preflight passed)."""
+    return _performs(spec) and _on_8() and job(spec)["status"] is None
+
+
+def perform_preflight(spec: HostSpec) -> list[str]:
+    """Refusals of `perform`: a failed or interrupted job, else (the host on 8, no job) the upgrade's
+    preflight (plan.upgrade_perform.perform_refusals)."""
+    current = job(spec)
+    if current["status"] in ("failed", "interrupted"):
+        return [perform.job_refusal(current)]
+    if not starts(spec):
+        return []
+    pre = fact_once(UpgradePreflight)
+    view = perform.PerformView(
+        pve8to9=pre["pve8to9"], proxmox_ve=(fact_once(PvePackages) or {}).get("proxmox-ve"),
+        free_bytes=pre["free_bytes"], running_gpu_guests=_running_gpu_guests(spec),
+        allow_stop=spec.guests.allow_stop, reboot_guests=spec.reboot.guests,
+        holds=(fact_once(UpgradeState) or {}).get("holds") or [],
+        sources=perform.parse_sources(pre["sources"]), job=current)
+    return perform.perform_refusals(view)
+
+
+def start_commands(spec: HostSpec) -> tuple[str, str]:
+    """The job script (templates/pve-upgrade.sh.j2) and the command that backs up /etc/pve and
+    starts it (templates/pve-upgrade-start.sh.j2)."""
+    state = fact_once(UpgradeState) or {}
+    boot = (fact_once(BootStageFacts) or {}).get("boot_loader") or {}
+    pins = perform.stale_pins(state)
+    sd_boot_pin = pins["unpin"] and any(e.get("mode") == "uefi" for e in boot.get("esps") or [])
+    script = render_template("pve-upgrade.sh.j2", state_dir=perform.STATE_DIR, unpin=pins["unpin"],
+                             efi_default=sd_boot_pin, unset_saved=pins["unset_saved"])
+    start = render_template("pve-upgrade-start.sh.j2", state_dir=perform.STATE_DIR, lock=perform.LOCK_FILE,
+                            script=perform.SCRIPT, unit=perform.UNIT)
+    return script, start
+
+
+@operation()
+def start_upgrade(script: str, start: str, stop: list[tuple[str, int]], configs: list[str], timeout: int):
+    """Stop the running GPU guests, back up their configs, write the job and start it detached.
+
+    + script: rendered templates/pve-upgrade.sh.j2
+    + start: rendered templates/pve-upgrade-start.sh.j2 (backs up /etc/pve, starts the job)
+    + stop: the running GPU guests [(kind, id)] (the preflight refused unless guests.allow_stop)
+    + configs: the guest config files backed up first (operations/backup.py)
+    + timeout: guests.shutdown_timeout
+    """
+    for path in configs:
+        yield StringCommand(backup_command(path))
+    for kind, gid in stop:
+        yield from guest_stop_commands(None, kind, gid, timeout)  # over SSH, as the job itself
+    yield StringCommand(root_dirs(("/var/lib/pvegpu", PRIVATE), (perform.STATE_DIR, PRIVATE))
+                        + write_file_command(perform.SCRIPT, script, "700", keep_previous=False))
+    yield StringCommand(start)
+
+
+def start(spec: HostSpec) -> None:
+    """Yield the start of the upgrade (after `perform_preflight` passed)."""
+    state = guest_state()
+    stop = ([("lxc", c) for c, ct in sorted(spec.containers.items()) if ct.gpus and state["lxc"].get(c) == "running"]
+            + [("qemu", v) for v, vm in sorted(spec.vms.items()) if vm.gpus and state["qemu"].get(v) == "running"])
+    configs = ([f"/etc/pve/lxc/{c}.conf" for c in sorted(spec.containers)]
+               + [f"/etc/pve/qemu-server/{v}.conf" for v in sorted(spec.vms)])
+    script, command = start_commands(spec)
+    start_upgrade(name="Start the Proxmox VE 8 -> 9 upgrade (detached; backup of /etc/pve and the guest configs "
+                       f"first{', GPU guests stopped' if stop else ''})",
+                  script=script, start=command, stop=stop, configs=configs, timeout=spec.guests.shutdown_timeout)
+
+
+def after_upgrade(spec: HostSpec) -> None:
+    """A finished job and the host still on 8's kernel: the reboot into 9's is due (per
+    reboot.allowed, the reboot stage's business)."""
+    if job(spec)["status"] != "done":
+        return
+    kernel = (fact_once(PveVersion) or {}).get("running_kernel")
+    if kernel and kernel_pve_major(kernel) in (7, 8):
+        from facts.run_state import need_reboot
+
+        need_reboot("upgrade", f"the 8 -> 9 upgrade is done and the host runs 8's kernel {kernel}: boot 9's")
 
 
 def preflight(spec: HostSpec) -> list[str]:

@@ -285,6 +285,17 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
         dict(build_dir=_KERNEL["build_dir"], systemd=True, unit="pvegpu-kernel-build", memory_max_kib=None),
         dict(build_dir=_KERNEL["build_dir"], systemd=False, unit="pvegpu-kernel-build", memory_max_kib=None),
     ],
+    # issue 40 item 1: the 8 -> 9 upgrade job and its start (operations/upgrade.py)
+    "pve-upgrade.sh.j2": [
+        dict(state_dir="/var/lib/pvegpu/upgrade", unpin=True, efi_default=True,
+             unset_saved=True),
+        dict(state_dir="/var/lib/pvegpu/upgrade", unpin=False, efi_default=False,
+             unset_saved=False),
+    ],
+    "pve-upgrade-start.sh.j2": [
+        dict(state_dir="/var/lib/pvegpu/upgrade", lock="/var/lib/pvegpu/upgrade/lock",
+             script="/var/lib/pvegpu/upgrade/upgrade.sh", unit="pvegpu-upgrade"),
+    ],
 }
 
 

@@ -467,6 +467,9 @@ class HostSpec(Strict):
     # the 8 -> 9 upgrade and, after it, what is still due (operations/upgrade.py); a pve-kernel build
     # must be of this major (plan/releases.py); None: not checked
     proxmox_ve: Literal[8, 9] | None = None
+    # what a run does while the host is on 8 and proxmox_ve is 9: `check` lists the upgrade's to-dos
+    # (read-only), `perform` runs the 8 -> 9 upgrade itself after its preflight (operations/upgrade.py)
+    proxmox_ve_upgrade: Literal["check", "perform"] = "check"
 
     @field_validator("gpus", mode="before")
     @classmethod
@@ -523,6 +526,10 @@ class HostSpec(Strict):
             wrong = spec_kernel_refusal(self.proxmox_ve, self.kernel.version, self.kernel.source.kind == "proxmox-git")
             if wrong:
                 errors.append(f"@kernel.version: {wrong}")
+        if self.proxmox_ve_upgrade == "perform" and self.proxmox_ve != 9:
+            errors.append("@proxmox_ve_upgrade: 'perform' runs the upgrade to Proxmox VE 9 and needs proxmox_ve: 9 "
+                          f"(it is {self.proxmox_ve if self.proxmox_ve is not None else 'unset'}); set proxmox_ve: 9, "
+                          "or leave proxmox_ve_upgrade out (check: the read-only list of the upgrade's to-dos)")
         if self.proxmox_ve == 9:
             from plan.releases import legacy_cgroup_param
 

@@ -233,6 +233,13 @@ FIELDS: dict[str, Field] = {
                         "each run list the upgrade's to-dos ([upgrade 8 → 9](../howto/upgrade-8-to-9.md)).",
                         "`8`, `9` or unset; a `proxmox-git` `kernel.version` of the other major is refused, and at preflight "
                         "`8` on a host whose Debian release is trixie (9).", "`9`"),
+    "proxmox_ve_upgrade": Field("With `proxmox_ve: 9` on a host still on 8: `check` lists the upgrade's to-dos "
+                                "(read-only); `perform` runs the 8 → 9 upgrade after its preflight (pve8to9 `--full` "
+                                "without FAIL, proxmox-ve ≥ 8.4-0, 10 GB free on `/`, GPU guests stoppable, no kernel "
+                                "meta-package on hold, no pre-Squid Ceph repository, a bookworm source, no failed "
+                                "earlier try): a backup of `/etc/pve`, the apt sources moved to trixie and the "
+                                "dist-upgrade detached on the host ([upgrade 8 → 9](../howto/upgrade-8-to-9.md)).",
+                                "`check` or `perform`; `perform` needs `proxmox_ve: 9`.", "`perform`"),
 }
 
 # rules of the file as a whole (spec/load.py, spec/models.py)

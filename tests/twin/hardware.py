@@ -71,7 +71,9 @@ STANDIN_PATHS = {
     "nvidia_smi.py": ["usr/local/bin/nvidia-smi"],
     "proxmox.py": ["usr/local/sbin/pct", "usr/local/sbin/qm", "usr/local/sbin/pvesh",
                    "usr/local/bin/pveversion", "usr/local/sbin/ha-manager", "usr/local/bin/pvecm",
-                   "usr/local/bin/lxc-ls", "usr/local/bin/lxc-info"],
+                   "usr/local/bin/lxc-ls", "usr/local/bin/lxc-info",
+                   # pve-manager's upgrade checklist (its format; standins/proxmox.py pve8to9)
+                   "usr/local/bin/pve8to9"],
     # (proxmox-boot-tool, zz-proxmox-boot and bootctl are the real programs: the root's boot layer,
     # tests/twin/runtime.py KERNEL_HELPER; what they cannot have in a chroot is standins/esp.sh)
     "boot.py": ["usr/local/sbin/update-grub",

@@ -942,19 +942,22 @@ def set_pve_delay(root: Path | str, seconds: str | float | None) -> None:
 
 
 def set_fault(name: str, unbind_delay_s: float = 0.0, no_cluster_rejoin: bool = False,
-              probe_fails: tuple[str, ...] = ()) -> None:
+              probe_fails: tuple[str, ...] = (), pve8to9_fails: tuple[str, ...] = ()) -> None:
     """Fault knobs of running twin `name`, read by its kernel model (tests/twin/livesys.py) at each
     write: `unbind_delay_s` makes every driver unbind take that long; read by its supervisor at each
     boot: `no_cluster_rejoin` keeps a cluster twin offline in its cluster after it booted (corosync
     does not come up); read by its kernel model at each boot (tests/twin/hardware.py compute):
-    `probe_fails` (PCI addresses) makes the driver's probe of those devices fail. 0/False/() turns a
-    knob off."""
+    `probe_fails` (PCI addresses) makes the driver's probe of those devices fail; read by the
+    pve8to9 stand-in (standins/proxmox.py): `pve8to9_fails`, FAIL lines it reports. 0/False/() turns
+    a knob off."""
     root = Path(spec_of(name)["root"])
     faults: dict[str, Any] = {"unbind_delay_s": float(unbind_delay_s)} if unbind_delay_s else {}
     if no_cluster_rejoin:
         faults["no_cluster_rejoin"] = True
     if probe_fails:
         faults["probe_fails"] = list(probe_fails)
+    if pve8to9_fails:
+        faults["pve8to9_fails"] = list(pve8to9_fails)
     target = root / "var/lib/twin/faults.json"
     tmp = target.with_name("faults.json.tmp")
     tmp.write_text(json.dumps(faults) + "\n")

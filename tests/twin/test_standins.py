@@ -709,3 +709,22 @@ def test_is_system_running_says_starting_while_the_boot_jobs_run(root):
     assert (r.returncode, r.stdout) == (0, "running\n") and time.monotonic() - t0 >= 0.5
     r = run(root, "systemctl", "is-system-running")
     assert (r.returncode, r.stdout) == (0, "running\n")
+
+
+# ---------------------------------------------------------------- pve8to9
+
+def test_pve8to9_in_its_format(root):
+    """pve-manager PVE/CLI/pve8to9.pm's format, read by pvegpu's preflight (plan/upgrade_perform.py)."""
+    from plan.upgrade_perform import pve8to9_fails
+
+    r = run(root, "pve8to9", "--full", check=True)
+    assert r.stdout.startswith("= CHECKING VERSION INFORMATION FOR PVE PACKAGES =\n\n"), r.stdout
+    assert "\n= SUMMARY =\n\nTOTAL:    " in r.stdout and "NOTE: Expensive checks" not in r.stdout
+    before = pve8to9_fails(r.stdout.splitlines())
+    assert before[1] is not None, r.stdout
+    (root / "var/lib/twin/faults.json").write_text(json.dumps({"pve8to9_fails": ["corosync is not healthy"]}))
+    r = run(root, "pve8to9", check=True)  # exit 0 whatever it finds
+    fails, count = pve8to9_fails(r.stdout.splitlines())
+    assert fails == [*before[0], "corosync is not healthy"] and count == (before[1] or 0) + 1, r.stdout
+    assert "Try to solve the problems one at a time" in r.stdout
+    assert "SKIP: NOTE: Expensive checks, like CT cgroupv2 compat, not performed without '--full' parameter" in r.stdout

@@ -1005,6 +1005,9 @@ NO_SPEC_VALUE = {
     # plan.kernel trial_up_files: facts.kernel's fixed paths only
     "kernel-trial-up.sh.j2": {"marker", "up", "checks_file"},
     "kernel-trial-up.service.j2": {"marker", "script"},
+    # issue 40 item 1, plan/upgrade_perform.py: its constants and what the facts read (pins)
+    "pve-upgrade.sh.j2": {"state_dir", "unpin", "efi_default", "unset_saved"},
+    "pve-upgrade-start.sh.j2": {"state_dir", "lock", "script", "unit"},
 }
 
 

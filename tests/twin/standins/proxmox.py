@@ -1753,9 +1753,66 @@ def pveversion(argv):
     return 0
 
 
+def pve8to9(argv):
+    """pve-manager's upgrade checklist (PVE/CLI/pve8to9.pm, stable-8), in its output format:
+    print_header `= NAME =` sections, `$log_line`'s `LEVEL: text` lines (uc of pass, info, skip,
+    notice, warn, fail), the SUMMARY's counters; exit status 0 whatever it finds (its checklist
+    code returns undef). Of its checks the twin can answer: check_pve_packages' proxmox-ve
+    version against 8.4-0 (dpkg's version, as $get_pkg reads it), check_virtual_guests' running
+    guests; plus each FAIL the test asked for (var/lib/twin/faults.json "pve8to9_fails", set by
+    tests/twin/runtime.py set_fault). Term::ANSIColor's colours are left out (NO_COLOR)."""
+    import subprocess  # here, not at the top (see `pct list`)
+
+    counters = {"pass": 0, "skip": 0, "notice": 0, "warn": 0, "fail": 0}
+
+    def log(level, line):
+        counters[level] += 1
+        print(f"{level.upper()}: {line}")
+
+    print("= CHECKING VERSION INFORMATION FOR PVE PACKAGES =\n")
+    print("Checking proxmox-ve package version..")
+    done = subprocess.run(["dpkg-query", f"--admindir={ts.path('/var/lib/dpkg')}", "-W", "-f", "${Version}",
+                           "proxmox-ve"], capture_output=True, text=True)
+    m = re.match(r"^(\d+)\.(\d+)[.-](\d+)", done.stdout.strip())
+    if not m:
+        log("fail", "proxmox-ve package not found!")
+    elif int(m.group(1)) > 8:
+        log("pass", "already upgraded to Proxmox VE 9")
+    elif tuple(int(g) for g in m.groups()) >= (8, 4, 0):  # pve8to9.pm: $maj >= 8 && $min >= 4 && $pkgrel >= 0
+        log("pass", "proxmox-ve package has version >= 8.4-0")
+    else:
+        log("fail", "proxmox-ve package is too old, please upgrade to >= 8.4-0!")
+    print("\n= VIRTUAL GUEST CHECKS =\n")
+    print("INFO: Checking for running guests..")
+    running = sum(1 for kind in ("lxc", "qemu") for status in (run_state().get(kind) or {}).values()
+                  if status == "running")
+    if running:
+        log("warn", f"{running} running guest(s) detected - consider migrating or stopping them.")
+    else:
+        log("pass", "no running guest detected.")
+    faults = json.loads(ts.read("/var/lib/twin/faults.json", "{}") or "{}")
+    if faults.get("pve8to9_fails"):
+        print("\n= MISCELLANEOUS CHECKS =\n")
+        for line in faults["pve8to9_fails"]:
+            log("fail", line)
+    if "--full" not in argv:
+        log("skip", "NOTE: Expensive checks, like CT cgroupv2 compat, not performed without '--full' parameter")
+    print("\n= SUMMARY =\n")
+    print(f"TOTAL:    {sum(counters.values())}")
+    print(f"PASSED:   {counters['pass']}")
+    print(f"SKIPPED:  {counters['skip']}")
+    print(f"WARNINGS: {counters['warn']}")
+    print(f"FAILURES: {counters['fail']}")
+    if counters["warn"] or counters["fail"]:
+        print("\nATTENTION: Please check the output for detailed information!")
+        if counters["fail"]:
+            print("Try to solve the problems one at a time and then run this checklist tool again.")
+    return 0
+
+
 HANDLERS = {"pct": lambda a: guest_cli("lxc", a), "qm": lambda a: guest_cli("qemu", a),
             "pvesh": pvesh, "pveversion": pveversion, "ha-manager": ha_manager, "pvecm": pvecm,
-            "lxc-ls": lxc_ls, "lxc-info": lxc_info}
+            "lxc-ls": lxc_ls, "lxc-info": lxc_info, "pve8to9": pve8to9}
 PROGRAMS, main = ts.standin(HANDLERS, "proxmox")
 
 if __name__ == "__main__":

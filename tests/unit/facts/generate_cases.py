@@ -164,10 +164,31 @@ TWIN_PREPARED_SHARE = ("on the first node of a 3-node cluster twin (tests/e2e/te
 TWIN_RECORDINGS_SHARE = [
     ("build-share-state-cluster-node", "build_share.BuildShareState", [["6.1.0-57-amd64"]]),
 ]
+# A sixth and a seventh recording (issue 40 item 1, `--record-twin NAME perform-preflight`, then
+# `perform-job`): the facts of a performed upgrade on a kpro6 twin. perform-preflight: a one-line
+# /etc/apt/sources.list.d/pve-install-repo.list (bookworm pve-no-subscription) and ceph.list (ceph-reef
+# bookworm no-subscription) written beside the root's deb822 debian.sources, and the pve8to9 stand-in
+# told to report one FAIL (tests/twin/runtime.py set_fault(pve8to9_fails=...)). perform-job: then
+# ceph.list removed, the fault cleared, a package whose postinst fails dpkg -i'd (half-configured), and
+# one converge with proxmox_ve: 9, proxmox_ve_upgrade: perform (the e2e's spec) started the job, which
+# failed at dpkg --configure -a (tests/e2e/test_upgrade_perform_e2e.py, without the held dpkg lock).
+TWIN_PREPARED_PERFORM_PREFLIGHT = ("after: a one-line pve-install-repo.list and a ceph-reef ceph.list beside the "
+                                   "root's debian.sources, the pve8to9 stand-in set to report one FAIL")
+TWIN_RECORDINGS_PERFORM_PREFLIGHT = [
+    ("upgrade-preflight-fail-ceph-reef", "upgrade.UpgradePreflight", None),
+]
+TWIN_PREPARED_PERFORM_JOB = ("after: the upgrade job started by a converge with proxmox_ve_upgrade: perform failed at "
+                             "dpkg --configure -a on a package whose postinst fails")
+TWIN_RECORDINGS_PERFORM_JOB = [
+    ("upgrade-job-failed-configure", "upgrade.UpgradeJob", None),
+    ("upgrade-preflight-trixie-sources", "upgrade.UpgradePreflight", None),
+]
 RECORDING_GROUPS: dict[str, tuple[list, str]] = {"stages": (TWIN_RECORDINGS, TWIN_PREPARED), "guests": (TWIN_RECORDINGS_GUESTS, TWIN_PREPARED_GUESTS),
                     "packages": (TWIN_RECORDINGS_PACKAGES, TWIN_PREPARED_PACKAGES),
                     "upgrade": (TWIN_RECORDINGS_UPGRADE, TWIN_PREPARED_UPGRADE),
-                    "share": (TWIN_RECORDINGS_SHARE, TWIN_PREPARED_SHARE)}
+                    "share": (TWIN_RECORDINGS_SHARE, TWIN_PREPARED_SHARE),
+                    "perform-preflight": (TWIN_RECORDINGS_PERFORM_PREFLIGHT, TWIN_PREPARED_PERFORM_PREFLIGHT),
+                    "perform-job": (TWIN_RECORDINGS_PERFORM_JOB, TWIN_PREPARED_PERFORM_JOB)}
 
 
 def fact_command(fact_path: str, args) -> str:
@@ -338,7 +359,8 @@ CASES = [
     *[case(fact_path, f"twin-kpro6-{fixture}", f"{TWIN_DIR}/{fixture}.txt", args=args,
            note="recorded on the kpro6 twin (INDEX.tsv says how it was prepared)")
       for fixture, fact_path, args in TWIN_RECORDINGS + TWIN_RECORDINGS_GUESTS + TWIN_RECORDINGS_PACKAGES
-      + TWIN_RECORDINGS_UPGRADE + TWIN_RECORDINGS_SHARE],
+      + TWIN_RECORDINGS_UPGRADE + TWIN_RECORDINGS_SHARE + TWIN_RECORDINGS_PERFORM_PREFLIGHT
+      + TWIN_RECORDINGS_PERFORM_JOB],
     *[case("boot.GrubFiles", Path(name).stem, f"cmdline/{name}",
            sections=[("@@ /etc/default/grub", f"cmdline/{name}", None)],
            note="/etc/default/grub alone (no grub.d drop-ins in the source)")
