@@ -132,6 +132,12 @@ def key_of(name: str, release: str, kind: str = "nvidia") -> str | None:
     return build.get("key")
 
 
+def inputs_of(name: str, release: str, kind: str = "nvidia") -> str | None:
+    """The inputs `key_of`'s key hashes, as a kept build's manifest records them (None: not shared)."""
+    build = (_run(kind=kind).hosts.get(name, {}).get("builds") or {}).get(release) or {}
+    return shplan.inputs_text(build["inputs"]) if build.get("key") and build.get("inputs") else None
+
+
 def build_if(name: str, release: str, kind: str = "nvidia"):
     """`_if` of the build: this host builds `release` (its step is a build)."""
     return lambda: (step(name, release, kind=kind) or {"role": "build"})["role"] == "build"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 # What a difference in each input is called where the plan says why a host builds alone
 INPUT_WORDS = {
@@ -129,9 +130,47 @@ def kernel_build_inputs(version: str, kind: str, source: str | None, base_config
     return inputs, None
 
 
+def inputs_text(inputs: dict) -> str:
+    """The inputs as the key hashes them and a kept build's manifest records them (its `inputs`
+    line): JSON, keys sorted, no spaces, ASCII only (each other character a \\u escape)."""
+    return json.dumps(inputs, sort_keys=True, separators=(",", ":"))
+
+
 def build_key(inputs: dict) -> str:
     """The sha256 (hex) naming a build by its inputs: equal inputs, equal key."""
-    return hashlib.sha256(json.dumps(inputs, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return hashlib.sha256(inputs_text(inputs).encode()).hexdigest()
+
+
+# what the kernel hook reads on the host for the key (templates/nvidia-share-key.sh.j2), each where
+# this module's facts read it: the release (its $1), the headers package (BuildShareState), the
+# kernel's CONFIG_CC_VERSION_TEXT (NvidiaHostState), the compilers it picked and their banners' tails
+# (NvidiaHostState's COMPILER_BANNERS), the machine (uname -m)
+HOOK_KEY_VARS = ("release", "headers", "kernel_compiler", "cc", "cc_tail", "cxx", "cxx_tail", "machine")
+_MARK = "\x7f"  # json.dumps writes it as \u007f: no spec value holds it
+
+
+def hook_key_parts(version: str, source_sha256: str, cxx: bool) -> list[tuple[str, str]]:
+    """The kernel hook's build inputs as `build_inputs` shapes them, in pieces: ("text", JSON text as
+    `inputs_text` writes it) and ("var", one of HOOK_KEY_VARS, which the hook reads on the host and
+    writes JSON-escaped in its place). The static parts (nvidia.version, the source's sha256, the
+    flags' form, the field names and order) come from `build_inputs` itself, so the hook's key is
+    this module's key of the same inputs. `cxx`: the open tree's (the hook picks a C++ compiler)."""
+    mark = {v: f"{_MARK}{v}{_MARK}" for v in HOOK_KEY_VARS}
+    compilers = {mark["cc"]: f"{mark['cc']} {mark['cc_tail']}"}
+    if cxx:
+        compilers[mark["cxx"]] = f"{mark['cxx']} {mark['cxx_tail']}"
+    inputs, why = build_inputs(
+        version, source_sha256, mark["release"],
+        {"compilers": compilers, "releases": {mark["release"]: {"cc_version_text": mark["kernel_compiler"]}}},
+        {"machine": mark["machine"], "headers": {mark["release"]: mark["headers"]}},
+        {"cc": mark["cc"], "cxx": mark["cxx"] if cxx else None})
+    assert inputs is not None, why
+    escaped = re.escape(json.dumps(_MARK)[1:-1])
+    parts: list[tuple[str, str]] = []
+    for n, piece in enumerate(re.split(f"{escaped}([a-z_]+){escaped}", inputs_text(inputs))):
+        if piece:
+            parts.append(("var" if n % 2 else "text", piece))
+    return parts
 
 
 def _describe(field: str, value) -> str:

@@ -18,6 +18,7 @@ from tests.unit.test_shell_templates import nvidia_kernel_archive
 
 REL, VER = "6.1.0-57-amd64", "535.309.01"
 KEY = "ab" * 32
+INPUTS = '{"release":"6.1.0-57-amd64","version":"535.309.01"}'  # what the key hashes (here: a stand-in key)
 
 
 @pytest.fixture
@@ -29,7 +30,8 @@ def shared(tmp_path, monkeypatch):
     monkeypatch.setattr(build_share, "RECV_ROOT", str(tmp_path / "received"))
     (tmp_path / "tools/make").write_text("#!/bin/sh\ncd \"$2\"\nprintf 'elf %s\\n' nvidia > nvidia.ko\n"
                                          "printf 'elf %s\\n' uvm > nvidia-uvm.ko\n")
-    command = ops.build_command(str(archive), VER, REL, "gcc-12", 2, ccache=False, conftest_cache=False, share_key=KEY)
+    command = ops.build_command(str(archive), VER, REL, "gcc-12", 2, ccache=False, conftest_cache=False, share_key=KEY,
+                              share_inputs=INPUTS)
     done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     return env, tmp_path / "share" / KEY, tmp_path
@@ -44,8 +46,9 @@ def test_the_builder_keeps_the_unsigned_modules_with_their_manifest(shared):
     _, share, tmp_path = shared
     manifest = (share / "manifest").read_text().splitlines()
     sums = {n: hashlib.sha256((share / n).read_bytes()).hexdigest() for n in ("nvidia.ko", "nvidia-uvm.ko")}
-    assert manifest == [f"key {KEY}", f"version {VER}", f"release {REL}",
+    assert manifest == [f"key {KEY}", "built-by converge", f"version {VER}", f"release {REL}",
                         f"vermagic {REL} SMP preempt mod_unload modversions ",  # modinfo prints the trailing space
+                        f"inputs {INPUTS}",
                         f"{sums['nvidia-uvm.ko']}  nvidia-uvm.ko", f"{sums['nvidia.ko']}  nvidia.ko"]
     assert oct((share).stat().st_mode & 0o777) == "0o700" and oct((tmp_path / "share").stat().st_mode & 0o777) == "0o700"
 
