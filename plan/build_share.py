@@ -227,8 +227,10 @@ def share_plan(hosts: dict[str, dict], kind: str = "nvidia") -> dict[tuple[str, 
       the build of `from` (node to node over the cluster's root SSH trust where `via`, else
       through the controller), verifies and installs it.
 
-    A key some host of the run already published (a build of an earlier run, kept under
-    facts.build_share.SHARE_ROOT) is received from that host and built nowhere.
+    A key some host of the run already published (a build of an earlier run or of its kernel hook,
+    kept under facts.build_share.SHARE_ROOT and checked by that fact) is received from that host
+    and built nowhere; a keeper that builds nothing itself gets ``{"role": "keep", "key", "for":
+    [receivers], "why"}`` (its line says who made the build: `kept` {key: {"built_by"}}).
     """
     steps: dict[tuple[str, str], dict] = {}
     groups: dict[str, list[str]] = {}
@@ -244,6 +246,16 @@ def share_plan(hosts: dict[str, dict], kind: str = "nvidia") -> dict[tuple[str, 
         publishers = [h for h in sorted(hosts) if release in (hosts[h].get("published") or {}).get(key, [])]
         if publishers:
             source = _builder(publishers, hosts)
+            if source not in members:
+                # the keeper builds nothing this run (it has the modules already): say who made its
+                # build (the converge, or its kernel hook when apt installed the kernel) and who takes it
+                by = ((hosts[source].get("kept") or {}).get(key) or {}).get("built_by")
+                made = "built by its kernel hook" if by == "kernel-hook" else "kept from an earlier converge's build"
+                steps[(source, release)] = {
+                    "role": "keep", "key": key, "for": list(members),
+                    "version": hosts[members[0]]["builds"][release].get("version"),
+                    "why": f"already has it ({made}; key {key[:12]}): nobody builds; {', '.join(members)} "
+                           f"receive{'s' if len(members) == 1 else ''} it"}
             for member in members:
                 steps[(member, release)] = {
                     "role": "receive", "key": key, "from": source,
@@ -266,7 +278,8 @@ def share_plan(hosts: dict[str, dict], kind: str = "nvidia") -> dict[tuple[str, 
                                         "via": _same_cluster(hosts[member], hosts[builder]),
                                         "why": f"receives the build of {builder} (same inputs, key {key[:12]})"}
     for (name, release), step in steps.items():
-        step["version"] = hosts[name]["builds"][release].get("version")
+        if step["role"] != "keep":
+            step["version"] = hosts[name]["builds"][release].get("version")
         step["what"] = what(kind, step["version"], release)
     return steps
 
@@ -291,6 +304,21 @@ def _alone_why(name: str, release: str, key: str, hosts: dict, kind: str = "nvid
         parts.append("; ".join(f"its {words[f]} {_describe(f, mine.get(f))} is not "
                                f"{', '.join(names)}'s {_describe(f, inputs.get(f))}" for f in diff))
     return " / ".join(parts)
+
+
+def distrust_lines(hosts: dict[str, dict], kind: str = "nvidia") -> list[str]:
+    """One line per kept build of the run's hosts that is not trusted (facts.build_share parse_kept:
+    a changed module or manifest): it is shared with nobody, and the plan goes on without it."""
+    lines = []
+    for name in sorted(hosts):
+        for key, kept in sorted((hosts[name].get("kept") or {}).items()):
+            if kept.get("trusted", True) or kept.get("kind", kind) != kind:
+                continue
+            by = "its kernel hook's" if kept.get("built_by") == "kernel-hook" else "a converge's"
+            lines.append(f"{name}: {what(kind, kept.get('version'), kept.get('release') or '?')}: "
+                         f"its kept build ({by}, key {key[:12]}) is not trusted: {kept.get('why')}; "
+                         f"nobody receives it")
+    return lines
 
 
 def share_lines(steps: dict[tuple[str, str], dict]) -> list[str]:
