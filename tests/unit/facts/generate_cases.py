@@ -159,9 +159,6 @@ TWIN_RECORDINGS_UPGRADE = [
 # A fifth recording (issue 41, `--record-twin NAME share`): the shared build's fact on the first node
 # of tests/e2e/test_build_share_e2e.py's 3-node cluster twin, after its converge (this node built
 # nvidia 595.45.04 for 6.1.0-57-amd64 for the three and keeps it under /var/cache/pvegpu/nvidia-share).
-# Recorded before the kept builds' manifests carried `built-by` and `inputs` and the fact printed
-# `<kind> <key> <field> <value>` lines: its old `<key> <release>` line is no kept build to the parser
-# now (re-record with `--record-twin NAME share` to see one the fact checks).
 TWIN_PREPARED_SHARE = ("on the first node of a 3-node cluster twin (tests/e2e/test_build_share_e2e.py) after its "
                        "converge: /etc/pve/.members of the cluster, the build this node made for the three kept")
 TWIN_RECORDINGS_SHARE = [
