@@ -25,7 +25,6 @@ from pathlib import Path
 import jinja2
 
 from facts import shell
-from plan.build_share import hook_key_parts
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
@@ -123,9 +122,16 @@ _KERNEL = dict(build_dir="/var/lib/pvegpu/kernel-build/6.14.11-4-pve-0123456789a
 # the kernel hook's compilers: none rendered (the caller's $CC/$CXX), the rule's candidates (plan/nvidia.py)
 _HOOK_CC = dict(cc=None, cxx=None, src_dir=None, cc_candidates=("{program}", "gcc-{major}", "gcc"),
                 cxx_candidates=("g++{suffix}", "g++", "g++-{major}"))
-# the kernel hook's build key (issue 41): plan.build_share.hook_key_parts, read on the host
+# the kernel hook's build key (issue 41): plan.build_share.hook_key_parts("595.45.04", "a" * 64, False)
+# (tests/unit/test_hook_share_key.py checks it is), the values read on the host
 _HOOK_KEY = dict(share_by="kernel-hook", compiler_dir="/usr/bin",
-                 key_parts=hook_key_parts("595.45.04", "a" * 64, False))
+                 key_parts=[("text", '{"cc":["'), ("var", "cc"), ("text", '","'), ("var", "cc_tail"),
+                            ("text", '"],"cxx":null,"flags":"CC='), ("var", "cc"), ("text", " KERNEL_UNAME="),
+                            ("var", "release"), ("text", '; strip --strip-debug","headers_package":"'),
+                            ("var", "headers"), ("text", '","kernel_compiler":"'), ("var", "kernel_compiler"),
+                            ("text", '","machine":"'), ("var", "machine"), ("text", '","release":"'),
+                            ("var", "release"),
+                            ("text", '","source_sha256":"' + "a" * 64 + '","version":"595.45.04"}')])
 _NV_WHAT = "nvidia 595.45.04 for 6.14.11-4-pve"
 _COPY = dict(key="b" * 64, source="kpro5", via={"node": "kpro5", "ip": "10.0.0.5"}, local=None, incoming=False,
              remote="tar -C /var/cache/pvegpu/kernel-share/" + "b" * 64 + " -cf - .",

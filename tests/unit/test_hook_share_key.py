@@ -135,3 +135,10 @@ def test_the_key_s_parts_are_build_inputs_own():
     assert f'"source_sha256":"{SHA}","version":"{VERSION}"}}' in text and '; strip --strip-debug"' in text
     assert {p for kind, p in parts if kind == "var"} == set(shplan.HOOK_KEY_VARS)
     assert not any(kind == "var" and p.startswith("cxx") for kind, p in shplan.hook_key_parts(VERSION, SHA, False))
+
+
+def test_the_shell_examples_key_parts_are_plan_s():
+    """plan/render.py spells the hook's example key_parts out (it imports no plan module): they are
+    hook_key_parts' own."""
+    example = render.SHELL_EXAMPLES["nvidia-share-key.sh.j2"][0]["key_parts"]
+    assert example == shplan.hook_key_parts("595.45.04", "a" * 64, False)
