@@ -6,6 +6,7 @@ and their addresses the copy goes to). plan/build_share.py decides from it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 
@@ -22,6 +23,7 @@ SHARE_ROOT = "/var/cache/pvegpu/nvidia-share"
 # (operations/kernel.py publishes them there after a build)
 KERNEL_SHARE_ROOT = "/var/cache/pvegpu/kernel-share"
 MANIFEST = "manifest"
+MODULE_SUM = r"^[0-9a-f]{64}  [A-Za-z0-9_-]+\.ko$"  # a module's line in a kept NVIDIA build's manifest
 MEMBERS = "/etc/pve/.members"  # pmxcfs status.c: this node's view of its cluster
 # the headers packages that ship /lib/modules/<release>/build: Debian's linux-headers-<rel>, Proxmox's
 # proxmox-headers-<rel> (pve-headers-<rel> before Proxmox VE 8)
@@ -40,7 +42,9 @@ class BuildShareState(FactBase):
 
         {"machine": "x86_64",
          "headers": {"6.1.0-57-amd64": "linux-headers-6.1.0-57-amd64 6.1.158-1"},   # None: no package
-         "published": {"<key>": ["6.1.0-57-amd64"]},     # SHARE_ROOT/<key>/manifest's release
+         "published": {"<key>": ["6.1.0-57-amd64"]},     # the trusted kept builds: SHARE_ROOT/<key>/manifest's release
+         "kept": {"<key>": {"kind": "nvidia", "version": "595.45.04", "release": "6.1.0-57-amd64", "built_by": "kernel-hook",
+                            "trusted": True, "why": None}},  # every kept build, and why one is not trusted
          "members": {"nodename": "kpro6", "cluster": {"name": "c1", …}, "nodelist": {…}},  # None: no cluster
          # with kernel_base only:
          "gcc": "gcc (Debian 12.2.0-14) 12.2.0",   # None: no gcc
@@ -59,11 +63,17 @@ class BuildShareState(FactBase):
             # installed (second letter of the abbreviation `i`) packages of those names, with versions
             (f"echo '{SECTION}headers'; {take(UNAME['r'])}; k=${UNAME['r']}; {take(DPKG_ALL)}; "
              f"printf '%s\\n' \"${DPKG_ALL}\" | awk -v rels={names} {word(awk)}"),
-            # each published build's manifest says its release (`release <rel>` line)
+            # each kept build: its manifest's fields, then (NVIDIA's) sha256sum -c of the modules it lists,
+            # each line as `<kind> <dir> <field> <value>`; the parser trusts only a build whose key is its
+            # recorded inputs' sha256 and whose modules match (`kept_verdict`)
             (f"echo '{SECTION}published'; for m in {word(SHARE_ROOT)}/*/{MANIFEST}"
              + (f" {word(KERNEL_SHARE_ROOT)}/*/{MANIFEST}" if kernel_base else "") + "; do [ -f \"$m\" ] || continue; "
-             "d=${m%/*}; while IFS= read -r l; do case \"$l\" in 'release '*) echo \"${d##*/} ${l#release }\";; esac; "
-             "done < \"$m\"; done"),
+             f"d=${{m%/*}}; case \"$d\" in {word(SHARE_ROOT)}/*) t=nvidia;; *) t=kernel;; esac; "
+             "while IFS= read -r l; do case \"$l\" in 'key '*|'version '*|'release '*|'built-by '*|'inputs '*) "
+             "echo \"$t ${d##*/} $l\";; esac; done < \"$m\"; "
+             "[ \"$t\" = nvidia ] || continue; "
+             f"grep -E '{MODULE_SUM}' \"$m\" | (cd \"$d\" && LC_ALL=C sha256sum -c --strict 2>&1) | "
+             "while IFS= read -r l; do echo \"$t ${d##*/} check $l\"; done; done"),
             f"echo '{SECTION}members'; {read_file(MEMBERS)}",
         ]
         if kernel_base:
@@ -90,11 +100,11 @@ def parse_share_state(lines: list[str]) -> dict:
                 prefix = pattern.format("")
                 if words[0].startswith(prefix):
                     headers[words[0][len(prefix):]] = f"{words[0]} {words[1]}"
+    kept = parse_kept(sections.get("published", []))
     published: dict[str, list[str]] = {}
-    for line in sections.get("published", []):
-        words = line.split()
-        if len(words) == 2 and re.fullmatch(r"[0-9a-f]{64}", words[0]):
-            published.setdefault(words[0], []).append(words[1])
+    for key, entry in kept.items():
+        if entry["trusted"]:
+            published.setdefault(key, []).append(entry["release"])
     members = None
     text = "\n".join(sections.get("members", [])).strip()
     if text:
@@ -102,10 +112,72 @@ def parse_share_state(lines: list[str]) -> dict:
             members = json.loads(text)
         except ValueError:
             members = None
-    state = {"machine": machine, "headers": headers, "published": published,
+    state = {"machine": machine, "headers": headers, "published": published, "kept": kept,
              "members": members if isinstance(members, dict) else None}
     if "gcc" in sections:  # read with kernel_base
         state["gcc"] = next((line.strip() for line in sections["gcc"] if line.strip()), None)
         state["base_config_sha256"] = next(
             (line.split()[0] for line in sections.get("base_config", []) if re.match(r"^[0-9a-f]{64}\b", line)), None)
     return state
+
+
+def parse_kept(lines: list[str]) -> dict[str, dict]:
+    """The kept builds of the `published` section: {key: {"kind", "version", "release", "built_by", "trusted",
+    "why"}}.
+
+    A kept NVIDIA build is trusted when its directory, its manifest's key and the sha256 of the inputs
+    its manifest records (plan.build_share.inputs_text: what the key hashes, the converge's or the
+    kernel hook's) are one key, the inputs name the manifest's release, and every module it lists
+    has the sha256 it records (sha256sum -c, run by the command). A kernel build (its .debs are
+    checked by the receiver) is taken by its release as before."""
+    raw: dict[str, dict] = {}
+    for line in lines:
+        words = line.rstrip("\n").split(" ", 3)
+        if len(words) < 4 or words[0] not in ("nvidia", "kernel") or not re.fullmatch(r"[0-9a-f]{64}", words[1]):
+            continue
+        kind, key, field, value = words
+        entry = raw.setdefault(key, {"kind": kind, "fields": {}, "checks": []})
+        if field == "check":
+            entry["checks"].append(value)
+        else:
+            entry["fields"].setdefault(field, value)
+    kept: dict[str, dict] = {}
+    for key, entry in raw.items():
+        fields = entry["fields"]
+        release = fields.get("release")
+        if not release:
+            continue
+        why = kept_verdict(key, entry["kind"], fields, entry["checks"])
+        kept[key] = {"kind": entry["kind"], "version": fields.get("version"), "release": release,
+                     "built_by": fields.get("built-by") or "converge",
+                     "trusted": why is None, "why": why}
+    return kept
+
+
+def kept_verdict(key: str, kind: str, fields: dict[str, str], checks: list[str]) -> str | None:
+    """Why a kept build is not trusted (None: it is); see `parse_kept`."""
+    if kind != "nvidia":
+        return None
+    if fields.get("key") != key:
+        return f"its manifest names the key {fields.get('key')!r}, not its directory's"
+    text = fields.get("inputs")
+    if not text:
+        return "its manifest records no inputs to check its key against (kept by an older pvegpu)"
+    if hashlib.sha256(text.encode()).hexdigest() != key:
+        return "its key is not the sha256 of the inputs its manifest records (the manifest was changed)"
+    try:
+        inputs = json.loads(text)
+    except ValueError:
+        return "the inputs its manifest records are not JSON"
+    if not isinstance(inputs, dict) or inputs.get("release") != fields.get("release"):
+        return f"its recorded inputs are not of release {fields.get('release')}"
+    failed = [line.split(": ", 1)[0] for line in checks if re.match(r"^[A-Za-z0-9_-]+\.ko: FAILED", line)]
+    if failed:
+        return f"the sha256 of {', '.join(failed)} differs from its manifest (a module was changed)"
+    ok = [line for line in checks if line.endswith(": OK")]
+    if not ok or len(ok) != len(checks):
+        bad = next((line for line in checks if not line.endswith(": OK")), "no module listed")
+        return f"its modules do not check against its manifest ({bad})"
+    if "nvidia.ko: OK" not in ok:
+        return "its manifest lists no nvidia.ko"
+    return None

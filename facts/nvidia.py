@@ -263,8 +263,9 @@ def local_path(url: str) -> str | None:
 # (gcc/gcc.cc driver::set_progname, driver::maybe_print_and_exit): a program that is the same file
 # as the one asked just before it (`-ef`: gcc -> gcc-12, g++ -> g++-12, Debian's links) is not run
 # again; its line is that banner under its own name (only where the banner starts with that name).
+COMPILER_DIR = "/usr/bin"
 COMPILER_BANNERS = (
-    "p=; q=; for c in /usr/bin/gcc /usr/bin/gcc-[0-9]* /usr/bin/g++ /usr/bin/g++-[0-9]*; do "
+    f"p=; q=; for c in {COMPILER_DIR}/gcc {COMPILER_DIR}/gcc-[0-9]* {COMPILER_DIR}/g++ {COMPILER_DIR}/g++-[0-9]*; do "
     '[ -x "$c" ] || continue; '
     'if [ -n "$p" ] && [ "$c" -ef "$p" ] && case "$q" in "${p##*/} "*) true;; *) false;; esac; '
     'then v="${c##*/}${q#"${p##*/}"}"; '

@@ -104,11 +104,17 @@ def register_host(kind: str, cores: int | None, mem_total_kib: int | None, prefe
     run = _run(kind=kind)
     run.hosts[host.name] = {"cores": cores, "mem_total_kib": mem_total_kib, "preferred": preferred,
                             "members": share_state.get("members"), "published": share_state.get("published") or {},
-                            "builds": builds}
+                            "kept": share_state.get("kept") or {}, "builds": builds}
     if not run.printed and {h.name for h in _stage_hosts(current_state, kind)} <= set(run.hosts):
         run.printed = True
-        for line in shplan.share_lines(shplan.share_plan(run.hosts, kind)):
-            logger.info(line)
+        _print_plan(run.hosts, shplan.share_plan(run.hosts, kind), kind)
+
+
+def _print_plan(hosts: dict, steps: dict, kind: str) -> None:
+    for line in shplan.distrust_lines(hosts, kind):
+        logger.warning(line)
+    for line in shplan.share_lines(steps):
+        logger.info(line)
 
 
 def step(name: str, release: str, state=None, kind: str = "nvidia") -> dict | None:
@@ -121,8 +127,7 @@ def step(name: str, release: str, state=None, kind: str = "nvidia") -> dict | No
         run.steps = shplan.share_plan({n: v for n, v in run.hosts.items() if n in active}, kind)
         if not run.printed:
             run.printed = True
-            for line in shplan.share_lines(run.steps):
-                logger.info(line)
+            _print_plan(run.hosts, run.steps, kind)
     return run.steps.get((name, release))
 
 
@@ -130,6 +135,12 @@ def key_of(name: str, release: str, kind: str = "nvidia") -> str | None:
     """The build key of `name`'s build of `release` (None: not shared)."""
     build = (_run(kind=kind).hosts.get(name, {}).get("builds") or {}).get(release) or {}
     return build.get("key")
+
+
+def inputs_of(name: str, release: str, kind: str = "nvidia") -> str | None:
+    """The inputs `key_of`'s key hashes, as a kept build's manifest records them (None: not shared)."""
+    build = (_run(kind=kind).hosts.get(name, {}).get("builds") or {}).get(release) or {}
+    return shplan.inputs_text(build["inputs"]) if build.get("key") and build.get("inputs") else None
 
 
 def build_if(name: str, release: str, kind: str = "nvidia"):

@@ -36,10 +36,12 @@ from pyinfra.api import StringCommand, deploy, operation
 from facts.files import ManagedFiles
 from facts.kernel_hook import HOLD_RECORD, HOOK, HOOK_STATE, OLD_HOOK, PIN_FILE, KernelHookState
 from facts.loader import ESP_LIST
+from facts.nvidia import COMPILER_DIR
 from facts.once import fact_once
 from facts.shell import operands, word
 from operations import nvidia
 from operations.files import file_current, managed_file
+from plan import build_share as shplan
 from plan import kernel as kplan
 from plan import kernel_hook as khplan
 from plan import nvidia as nvplan
@@ -65,8 +67,10 @@ def hook_context(spec, jobs: int, ccache: bool, sig_hash: str = "sha256") -> dic
     nv = spec.nvidia
     build = nvidia.build_context(nvidia.cached_source(nv.modules_source), nv.version, None, None, jobs, ccache,
                                  signing=(nv.signing.key, nv.signing.cert) if nv.signing else None,
-                                 sig_hash=sig_hash)
-    return {**build, "sha256": nv.modules_source.sha256, "state_dir": HOOK_STATE, "pin_file": PIN_FILE,
+                                 sig_hash=sig_hash, share_by="kernel-hook")
+    return {**build, "sha256": nv.modules_source.sha256,
+            "key_parts": shplan.hook_key_parts(nv.version, nv.modules_source.sha256, nv.open),
+            "compiler_dir": COMPILER_DIR, "state_dir": HOOK_STATE, "pin_file": PIN_FILE,
             "motd_dir": MOTD_DIR, "motd_file": MOTD, "module_subdir": nvidia.MODULE_SUBDIR,
             "boot_dir": "/boot", "grub_cfg": GRUB_CFG, "loader_entry_prefix": kplan.LOADER_ENTRY_PREFIX,
             "grubenv": kplan.GRUBENV, "trial_pending": kplan.TRIAL_PENDING, "auto_removal": AUTO_REMOVAL,

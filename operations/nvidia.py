@@ -118,7 +118,8 @@ def src_dir(version: str, cc: str, cxx: str | None) -> str:
 
 def build_command(archive: str, version: str, release: str | None, cc: str, jobs: int, ccache: bool,
                   conftest_cache: bool = True, cxx: str | None = None,
-                  signing: tuple[str, str] | None = None, sig_hash: str = "sha256", share_key: str | None = None) -> str:
+                  signing: tuple[str, str] | None = None, sig_hash: str = "sha256", share_key: str | None = None,
+                  share_inputs: str | None = None) -> str:
     """Build the NVIDIA modules for `release` in a fresh scratch dir; the .ko files land in <scratch>/out
     (templates/nvidia-build.sh.j2, every value quoted there).
 
@@ -154,21 +155,24 @@ def build_command(archive: str, version: str, release: str | None, cc: str, jobs
 
     share_key: the build's key (plan.build_share.build_key) in a run that shares builds: after the
     strip and before signing, the unsigned modules and their manifest are kept under
-    facts.build_share.SHARE_ROOT/<key>/ for the run's other hosts of the same inputs (issue 41).
+    facts.build_share.SHARE_ROOT/<key>/ for the run's other hosts of the same inputs (issue 41), the
+    manifest recording `share_inputs` (plan.build_share.inputs_text: what the key hashes).
     """
     return render_template("nvidia-build.sh.j2", **build_context(archive, version, release, cc, jobs, ccache,
                                                                 conftest_cache, cxx, signing, sig_hash,
-                                                                share_key=share_key))
+                                                                share_key=share_key, share_inputs=share_inputs))
 
 
 def build_context(archive: str, version: str, release: str | None, cc: str | None, jobs: int, ccache: bool,
                   conftest_cache: bool = True, cxx: str | None = None,
                   signing: tuple[str, str] | None = None, sig_hash: str = "sha256", kernel_dirs: bool = False,
-                  share_key: str | None = None) -> dict:
+                  share_key: str | None = None, share_inputs: str | None = None, share_by: str = "converge") -> dict:
     """templates/nvidia-build.sh.j2's values (`build_command`; the kernel hook and the kernel stage's
     gate include the same template with these values and release None; the gate with kernel_dirs:
     the kernel trees in $KSRC/$KOUT). cc None: the compilers are the caller's $CC and $CXX (the kernel
-    hook's, picked for each kernel: templates/nvidia-toolchain-pick.sh.j2), the shared tree named from them."""
+    hook's, picked for each kernel: templates/nvidia-toolchain-pick.sh.j2), the shared tree named from them.
+    share_by: who keeps the build for sharing ("converge": with `share_key`; "kernel-hook": under the
+    key the hook computes, templates/nvidia-share-key.sh.j2)."""
     # ccache by masquerade (/usr/lib/ccache/<cc> first on PATH): NVIDIA's conftest.sh runs
     # "$CC" quoted, so CC="ccache gcc-12" makes every conftest fail.
     return dict(
@@ -177,7 +181,8 @@ def build_context(archive: str, version: str, release: str | None, cc: str | Non
         build_root=BUILD_ROOT, build_parent=f"{BUILD_ROOT}/{version}", src_dir=src_dir(version, cc, cxx) if cc else None,
         ccache_dir=CCACHE_DIR, ccache_masquerade=CCACHE_MASQUERADE, ccache_ignore_options=CCACHE_IGNORE_OPTIONS,
         conftest_cache_dir=CONFTEST_CACHE, conftest_cache_keep=CONFTEST_CACHE_KEEP, sign_file=SIGN_FILE,
-        modules_dir="/lib/modules", kernel_dirs=kernel_dirs, share_key=share_key, share_root=SHARE_ROOT)
+        modules_dir="/lib/modules", kernel_dirs=kernel_dirs, share_key=share_key,
+        share_inputs=share_inputs if share_key else None, share_by=share_by, share_root=SHARE_ROOT)
 
 
 def cleanup_command(version: str) -> str:
@@ -254,16 +259,17 @@ def fetch_source(url: str, sha256: str, dest: str):
 @operation()
 def build_modules(archive: str, version: str, release: str, cc: str, jobs: int, ccache: bool,
                   cxx: str | None = None, signing: tuple[str, str] | None = None, sig_hash: str = "sha256",
-                  share_key: str | None = None):
+                  share_key: str | None = None, share_inputs: str | None = None):
     """Build the NVIDIA kernel modules for one kernel release in a scratch dir (not installed yet).
 
     + cxx: the C++ compiler for the open tree's src/ (None: the tree has no C++)
     + signing: (key, cert) paths on the host to sign the modules with, or None
     + sig_hash: the hash sign-file uses (the release's CONFIG_MODULE_SIG_HASH)
     + share_key: the build's key when the run shares builds (its unsigned modules are kept for others)
+    + share_inputs: the inputs the key hashes (plan.build_share.inputs_text), recorded in the kept manifest
     """
     yield progress.reported(build_command(archive, version, release, cc, jobs, ccache, cxx=cxx, signing=signing,
-                                          sig_hash=sig_hash, share_key=share_key), f"nvidia {version} build for {release}",
+                                          sig_hash=sig_hash, share_key=share_key, share_inputs=share_inputs), f"nvidia {version} build for {release}",
                             key=f"nvidia-{version}-{release}-{archive.rsplit('/', 1)[-1]}", log=f"{build_dir(version, release)}/build.log")
     if share_key:
         yield FunctionCommand(build_share.mark_built, (share_key,), {})
@@ -400,6 +406,7 @@ def apply(spec) -> None:
                       ccache=steps["ccache"], cxx=entry["cxx"], signing=signing,
                       sig_hash=entry.get("sig_hash") or "sha256",
                       share_key=build_share.key_of(host.name, release) if share else None,
+                      share_inputs=build_share.inputs_of(host.name, release) if share else None,
                       **({"_if": build_share.build_if(host.name, release)} if share else {}))
     if share:
         _receive_or_build(nv, building, steps, modules_archive or "", signing)
@@ -445,6 +452,7 @@ def _receive_or_build(nv, building: list[str], steps: dict, archive: str, signin
                       version=nv.version, release=release, cc=entry["cc"] or "gcc", jobs=steps["jobs"],
                       ccache=steps["ccache"], cxx=entry["cxx"], signing=signing,
                       sig_hash=entry.get("sig_hash") or "sha256", share_key=build_share.key_of(host.name, release),
+                      share_inputs=build_share.inputs_of(host.name, release),
                       _if=build_share.fallback_if(host.name, release))
 
 

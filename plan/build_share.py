@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 # What a difference in each input is called where the plan says why a host builds alone
 INPUT_WORDS = {
@@ -129,9 +130,47 @@ def kernel_build_inputs(version: str, kind: str, source: str | None, base_config
     return inputs, None
 
 
+def inputs_text(inputs: dict) -> str:
+    """The inputs as the key hashes them and a kept build's manifest records them (its `inputs`
+    line): JSON, keys sorted, no spaces, ASCII only (each other character a \\u escape)."""
+    return json.dumps(inputs, sort_keys=True, separators=(",", ":"))
+
+
 def build_key(inputs: dict) -> str:
     """The sha256 (hex) naming a build by its inputs: equal inputs, equal key."""
-    return hashlib.sha256(json.dumps(inputs, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return hashlib.sha256(inputs_text(inputs).encode()).hexdigest()
+
+
+# what the kernel hook reads on the host for the key (templates/nvidia-share-key.sh.j2), each where
+# this module's facts read it: the release (its $1), the headers package (BuildShareState), the
+# kernel's CONFIG_CC_VERSION_TEXT (NvidiaHostState), the compilers it picked and their banners' tails
+# (NvidiaHostState's COMPILER_BANNERS), the machine (uname -m)
+HOOK_KEY_VARS = ("release", "headers", "kernel_compiler", "cc", "cc_tail", "cxx", "cxx_tail", "machine")
+_MARK = "\x7f"  # json.dumps writes it as \u007f: no spec value holds it
+
+
+def hook_key_parts(version: str, source_sha256: str, cxx: bool) -> list[tuple[str, str]]:
+    """The kernel hook's build inputs as `build_inputs` shapes them, in pieces: ("text", JSON text as
+    `inputs_text` writes it) and ("var", one of HOOK_KEY_VARS, which the hook reads on the host and
+    writes JSON-escaped in its place). The static parts (nvidia.version, the source's sha256, the
+    flags' form, the field names and order) come from `build_inputs` itself, so the hook's key is
+    this module's key of the same inputs. `cxx`: the open tree's (the hook picks a C++ compiler)."""
+    mark = {v: f"{_MARK}{v}{_MARK}" for v in HOOK_KEY_VARS}
+    compilers = {mark["cc"]: f"{mark['cc']} {mark['cc_tail']}"}
+    if cxx:
+        compilers[mark["cxx"]] = f"{mark['cxx']} {mark['cxx_tail']}"
+    inputs, why = build_inputs(
+        version, source_sha256, mark["release"],
+        {"compilers": compilers, "releases": {mark["release"]: {"cc_version_text": mark["kernel_compiler"]}}},
+        {"machine": mark["machine"], "headers": {mark["release"]: mark["headers"]}},
+        {"cc": mark["cc"], "cxx": mark["cxx"] if cxx else None})
+    assert inputs is not None, why
+    escaped = re.escape(json.dumps(_MARK)[1:-1])
+    parts: list[tuple[str, str]] = []
+    for n, piece in enumerate(re.split(f"{escaped}([a-z_]+){escaped}", inputs_text(inputs))):
+        if piece:
+            parts.append(("var" if n % 2 else "text", piece))
+    return parts
 
 
 def _describe(field: str, value) -> str:
@@ -188,8 +227,10 @@ def share_plan(hosts: dict[str, dict], kind: str = "nvidia") -> dict[tuple[str, 
       the build of `from` (node to node over the cluster's root SSH trust where `via`, else
       through the controller), verifies and installs it.
 
-    A key some host of the run already published (a build of an earlier run, kept under
-    facts.build_share.SHARE_ROOT) is received from that host and built nowhere.
+    A key some host of the run already published (a build of an earlier run or of its kernel hook,
+    kept under facts.build_share.SHARE_ROOT and checked by that fact) is received from that host
+    and built nowhere; a keeper that builds nothing itself gets ``{"role": "keep", "key", "for":
+    [receivers], "why"}`` (its line says who made the build: `kept` {key: {"built_by"}}).
     """
     steps: dict[tuple[str, str], dict] = {}
     groups: dict[str, list[str]] = {}
@@ -205,6 +246,16 @@ def share_plan(hosts: dict[str, dict], kind: str = "nvidia") -> dict[tuple[str, 
         publishers = [h for h in sorted(hosts) if release in (hosts[h].get("published") or {}).get(key, [])]
         if publishers:
             source = _builder(publishers, hosts)
+            if source not in members:
+                # the keeper builds nothing this run (it has the modules already): say who made its
+                # build (the converge, or its kernel hook when apt installed the kernel) and who takes it
+                by = ((hosts[source].get("kept") or {}).get(key) or {}).get("built_by")
+                made = "built by its kernel hook" if by == "kernel-hook" else "kept from an earlier converge's build"
+                steps[(source, release)] = {
+                    "role": "keep", "key": key, "for": list(members),
+                    "version": hosts[members[0]]["builds"][release].get("version"),
+                    "why": f"already has it ({made}; key {key[:12]}): nobody builds; {', '.join(members)} "
+                           f"receive{'s' if len(members) == 1 else ''} it"}
             for member in members:
                 steps[(member, release)] = {
                     "role": "receive", "key": key, "from": source,
@@ -227,7 +278,8 @@ def share_plan(hosts: dict[str, dict], kind: str = "nvidia") -> dict[tuple[str, 
                                         "via": _same_cluster(hosts[member], hosts[builder]),
                                         "why": f"receives the build of {builder} (same inputs, key {key[:12]})"}
     for (name, release), step in steps.items():
-        step["version"] = hosts[name]["builds"][release].get("version")
+        if step["role"] != "keep":
+            step["version"] = hosts[name]["builds"][release].get("version")
         step["what"] = what(kind, step["version"], release)
     return steps
 
@@ -252,6 +304,21 @@ def _alone_why(name: str, release: str, key: str, hosts: dict, kind: str = "nvid
         parts.append("; ".join(f"its {words[f]} {_describe(f, mine.get(f))} is not "
                                f"{', '.join(names)}'s {_describe(f, inputs.get(f))}" for f in diff))
     return " / ".join(parts)
+
+
+def distrust_lines(hosts: dict[str, dict], kind: str = "nvidia") -> list[str]:
+    """One line per kept build of the run's hosts that is not trusted (facts.build_share parse_kept:
+    a changed module or manifest): it is shared with nobody, and the plan goes on without it."""
+    lines = []
+    for name in sorted(hosts):
+        for key, kept in sorted((hosts[name].get("kept") or {}).items()):
+            if kept.get("trusted", True) or kept.get("kind", kind) != kind:
+                continue
+            by = "its kernel hook's" if kept.get("built_by") == "kernel-hook" else "a converge's"
+            lines.append(f"{name}: {what(kind, kept.get('version'), kept.get('release') or '?')}: "
+                         f"its kept build ({by}, key {key[:12]}) is not trusted: {kept.get('why')}; "
+                         f"nobody receives it")
+    return lines
 
 
 def share_lines(steps: dict[tuple[str, str], dict]) -> list[str]:

@@ -113,7 +113,7 @@ _BUILD = dict(archive="/var/cache/pvegpu/sources/" + "a" * 64 + "-595.45.04.tar.
               ccache_ignore_options='-DKBUILD_BASENAME="#conftest* -DKBUILD_MODNAME="#conftest*',
               conftest_cache_dir="/var/cache/pvegpu/nvidia-conftest", conftest_cache_keep=16,
               sign_file="scripts/sign-file", modules_dir="/lib/modules", kernel_dirs=False, share_key=None,
-              share_root="/var/cache/pvegpu/nvidia-share")
+              share_inputs=None, share_by="converge", share_root="/var/cache/pvegpu/nvidia-share")
 _KERNEL = dict(build_dir="/var/lib/pvegpu/kernel-build/6.14.11-4-pve-0123456789ab", version="6.14.11-4-pve",
                kind="proxmox-git", jobs=4, ccache=True, base_config="running",
                fragments=[], url="https://git.proxmox.com/git/pve-kernel.git", sha256="", ref="ad58d1445425ea4742e3470b2edbee35df0657e9",
@@ -122,6 +122,16 @@ _KERNEL = dict(build_dir="/var/lib/pvegpu/kernel-build/6.14.11-4-pve-0123456789a
 # the kernel hook's compilers: none rendered (the caller's $CC/$CXX), the rule's candidates (plan/nvidia.py)
 _HOOK_CC = dict(cc=None, cxx=None, src_dir=None, cc_candidates=("{program}", "gcc-{major}", "gcc"),
                 cxx_candidates=("g++{suffix}", "g++", "g++-{major}"))
+# the kernel hook's build key (issue 41): plan.build_share.hook_key_parts("595.45.04", "a" * 64, False)
+# (tests/unit/test_hook_share_key.py checks it is), the values read on the host
+_HOOK_KEY = dict(share_by="kernel-hook", compiler_dir="/usr/bin",
+                 key_parts=[("text", '{"cc":["'), ("var", "cc"), ("text", '","'), ("var", "cc_tail"),
+                            ("text", '"],"cxx":null,"flags":"CC='), ("var", "cc"), ("text", " KERNEL_UNAME="),
+                            ("var", "release"), ("text", '; strip --strip-debug","headers_package":"'),
+                            ("var", "headers"), ("text", '","kernel_compiler":"'), ("var", "kernel_compiler"),
+                            ("text", '","machine":"'), ("var", "machine"), ("text", '","release":"'),
+                            ("var", "release"),
+                            ("text", '","source_sha256":"' + "a" * 64 + '","version":"595.45.04"}')])
 _NV_WHAT = "nvidia 595.45.04 for 6.14.11-4-pve"
 _COPY = dict(key="b" * 64, source="kpro5", via={"node": "kpro5", "ip": "10.0.0.5"}, local=None, incoming=False,
              remote="tar -C /var/cache/pvegpu/kernel-share/" + "b" * 64 + " -cf - .",
@@ -159,7 +169,8 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
          "signing": ("/root/mok.key", "/root/mok.der"), "sig_hash": "sha512"},
         {**_BUILD, "release": None},  # the kernel hook's: the release in $R, set from its $1
         {**_BUILD, "release": None, "kernel_dirs": True, "conftest_cache": False},  # the kernel stage's gate
-        {**_BUILD, "cxx": "g++-12", "signing": ("/root/mok.key", "/root/mok.der"), "share_key": "b" * 64},  # issue 41
+        {**_BUILD, "cxx": "g++-12", "signing": ("/root/mok.key", "/root/mok.der"), "share_key": "b" * 64,
+         "share_inputs": '{"version":"595.45.04"}'},  # issue 41
     ],
     "nvidia-receive.sh.j2": [
         dict(version="595.45.04", release="6.14.11-4-pve", key="b" * 64, source="kpro5", what=_NV_WHAT,
@@ -187,15 +198,16 @@ SHELL_EXAMPLES: dict[str, list[dict]] = {
          "loader_entry_prefix": "proxmox-", "grubenv": "/boot/grub/grubenv",
          "trial_pending": "/var/lib/pvegpu/kernel/trial-pending",
          "auto_removal": "/etc/kernel/postinst.d/proxmox-auto-removal",
-         "esp_list": "/etc/kernel/proxmox-boot-uuids", **_HOOK_CC, "need_cxx": False},
+         "esp_list": "/etc/kernel/proxmox-boot-uuids", **_HOOK_CC, "need_cxx": False, **_HOOK_KEY},
         {**_BUILD, "release": None, **_HOOK_CC, "need_cxx": True, "signing": ("/root/mok.key", "/root/mok.der"), "sha256": "a" * 64,
          "state_dir": "/var/lib/pvegpu/kernel-hook", "pin_file": "/etc/kernel/proxmox-boot-pin", "motd_dir": "/etc/motd.d",
          "motd_file": "/etc/motd.d/pvegpu-kernel", "module_subdir": "updates/pvegpu-nvidia", "boot_dir": "/boot",
          "grub_cfg": "/boot/grub/grub.cfg", "loader_entry_prefix": "proxmox-", "grubenv": "/boot/grub/grubenv",
          "trial_pending": "/var/lib/pvegpu/kernel/trial-pending",
          "auto_removal": "/etc/kernel/postinst.d/proxmox-auto-removal",
-         "esp_list": "/etc/kernel/proxmox-boot-uuids"},
+         "esp_list": "/etc/kernel/proxmox-boot-uuids", **_HOOK_KEY},
     ],
+    "nvidia-share-key.sh.j2": [dict(key_parts=_HOOK_KEY["key_parts"], compiler_dir="/usr/bin", modules_dir="/lib/modules")],
     "nvidia-toolchain-pick.sh.j2": [dict(_HOOK_CC, need_cxx=True), dict(_HOOK_CC, need_cxx=False)],
     "nvidia-install.sh.j2": [
         dict(release="6.14.11-4-pve", build_parent=_BUILD["build_parent"], modules_dir="/lib/modules",

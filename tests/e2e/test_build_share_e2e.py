@@ -11,16 +11,26 @@ tests/e2e/test_driver_build.py), run once for the cluster:
    only), the others receive it node to node; the installed modules are the same bytes on every node
    before signing (the third node signs with its own key: its signature cut off, the rest is the
    builder's file), `modinfo` vermagic equal.
-3. The second node's modules gone and the first node's kept copy tampered (a byte of one module):
-   the second node refuses the copy, saying which file's sha256 differs, and builds for itself
-   (its ccache and conftest results warmed from the first node's, so the rebuild is short).
+3. The second node's modules gone and its copy of the first node's kept build changed in transit
+   (two bytes of one module, by a `tar` first on the first node's PATH that packs the copy; the kept
+   build itself is whole, so the first node's fact trusts it): the second node refuses the copy,
+   saying which file's sha256 differs, and builds for itself (its ccache and conftest results warmed
+   from the first node's, so the rebuild is short).
+5. apt installs a kernel package of 6.1.0-57-amd64 on the first node (pve-kernel's postinst shape,
+   tests/twin/kernel_packages.py: run-parts of /etc/kernel/postinst.d), whose kernel hook
+   (templates/kernel-postinst-nvidia.sh.j2) builds nvidia for it and keeps the build under the key it
+   computes itself: the converge's key of step 2. The next converge of the three (every node's
+   modules gone) builds nothing: the plan says the first node already has it (built by its kernel
+   hook), the two others receive it, the same bytes (before the third node's signature).
 4. A fourth twin, in no cluster, with the second node in one run: its build has the key the second
    node keeps (its rebuild of step 3), so it builds nothing and receives that build through the
    controller (pyinfra get_file from the second node, put_file to it), verified like the others.
 
 Wall time (2026-12-06, this 2-core machine): 288 s cold at a 1-min load near 0 (the one build
 252 s, the refused copy and warm local rebuild 19 s); 78 s with the builder's cache seeded. Under a
-load of ~13 the one cold build took ~25 min.
+load of ~13 the one cold build took ~25 min. Step 5 (the apt install with the hook's warm build,
+initramfs-tools' hook included, then the converge that builds nothing) added 94 s at a load of ~4:
+202 s for the whole test with the builder's cache seeded (657 s cold at that load).
 
 PVEGPU_E2E_NVIDIA_CACHE=DIR: DIR's ccache/ and nvidia-conftest/ (a node's
 /var/cache/pvegpu/{ccache,nvidia-conftest} of an earlier run of this test, or of
@@ -42,10 +52,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from facts.kernel_hook import HOOK
+from operations import kernel_hook
 from tests.e2e.harness import REPO, run_pyinfra
+from tests.twin import kernel_packages as kp
 from tests.twin import runtime
 
 pytestmark = [pytest.mark.twin, pytest.mark.slow]
@@ -184,12 +198,13 @@ def test_cluster_builds_once_receivers_verify_and_refuse_a_tampered_copy(twin_fa
     assert sh(b.name, f"modinfo -k {RELEASE} -F version nvidia").strip() == VERSION
     assert not list((Path(b.root) / "var/cache/pvegpu/nvidia-received").iterdir())  # scratch copies removed
 
-    # 3. a tampered copy is refused and the node builds for itself
+    # 3. a copy changed in transit is refused and the node builds for itself (a's kept build is
+    #    whole, so its fact trusts it; the tar that packs it for b's ssh flips bytes of one module)
     (key,) = [p.name for p in (Path(a.root) / SHARE.lstrip("/")).iterdir()]
-    target = Path(a.root) / SHARE.lstrip("/") / key / "nvidia-uvm.ko"
-    data = bytearray(target.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    target.write_bytes(bytes(data))
+    wrapper = Path(a.root) / TAMPER_TAR.lstrip("/")
+    wrapper.parent.mkdir(parents=True, exist_ok=True)
+    wrapper.write_text(tamper_tar())
+    wrapper.chmod(0o755)
     sh(b.name, f"rm -rf {MODDIR} && depmod {RELEASE}")
     for cache in ("var/cache/pvegpu/ccache", "var/cache/pvegpu/nvidia-conftest"):
         subprocess.run(["cp", "-a", str(Path(a.root) / cache), str(Path(b.root) / cache)], check=True)
@@ -204,6 +219,7 @@ def test_cluster_builds_once_receivers_verify_and_refuse_a_tampered_copy(twin_fa
     assert "building here instead" in again.output
     assert len(builds_log(Path(b.root))) == 2 and len(builds_log(Path(a.root))) == 2
     assert sh(b.name, f"modinfo -k {RELEASE} -F version nvidia").strip() == VERSION
+    wrapper.unlink()
 
     # 4. a host outside the cluster receives through the controller
     d = twin_factory("kpro6", name=f"s41d-{os.getpid()}")
@@ -217,5 +233,72 @@ def test_cluster_builds_once_receivers_verify_and_refuse_a_tampered_copy(twin_fa
             f"(key {key[:12]}), through the controller (not one Proxmox cluster)") in outside.output, outside.output[-4000:]
     assert f"{d.name}: pvegpu: nvidia {VERSION} for {RELEASE} received from {b.name} and verified" in outside.output
     assert builds_log(Path(d.root)) == [] and modules(Path(d.root)) == modules(Path(b.root))
+
+    # 5. apt installs a kernel package on a (its postinst runs /etc/kernel/postinst.d): the kernel
+    #    hook builds nvidia for it and keeps the build under the converge's key; the next converge of
+    #    the three builds nothing, b and c take a's build
+    t3 = time.monotonic()
+    inventory = write_inventory(tmp_path, twins, specs)  # the three again (step 4's pair wrote over it)
+    install_hook(a, sha)
+    for t in (a, b, c):
+        sh(t.name, f"rm -rf {SHARE}/*")
+    sh(a.name, f"rm -rf {MODDIR} && depmod {RELEASE}")
+    out = tmp_path / "kernel-deb"
+    out.mkdir()
+    # the image package's files as tests/e2e/test_kernel_upgrade_e2e.py makes them (the config from the
+    # release's headers: initramfs-tools' hook reads it)
+    config = (Path(a.root) / f"usr/src/linux-headers-{RELEASE}/.config").read_text()
+    deb = kp.image(out, RELEASE, "1", {f"boot/vmlinuz-{RELEASE}": "twin stand-in kernel image\n",
+                                       f"boot/config-{RELEASE}": config, f"boot/System.map-{RELEASE}": "",
+                                       f"lib/modules/{RELEASE}/modules.order": "",
+                                       f"lib/modules/{RELEASE}/modules.builtin": ""}, depends="")
+    shutil.copy(deb, Path(a.root) / "root" / deb.name)
+    installed = sh(a.name, f"DEBIAN_FRONTEND=noninteractive apt-get -q install -y /root/{deb.name} 2>&1")
+    assert "nvidia " + VERSION + " installed for " + RELEASE in installed, installed[-4000:]
+    (kept,) = [p.name for p in (Path(a.root) / SHARE.lstrip("/")).iterdir()]
+    manifest = (Path(a.root) / SHARE.lstrip("/") / kept / "manifest").read_text().splitlines()
+    assert kept == key and f"key {key}" in manifest and "built-by kernel-hook" in manifest, manifest  # the converge's key
+    assert len(builds_log(Path(a.root))) > 2 and sh(a.name, f"modinfo -k {RELEASE} -F version nvidia").strip() == VERSION
+    hooked = modules(Path(a.root))
+    for t in (b, c):
+        sh(t.name, f"rm -rf {MODDIR} && depmod {RELEASE}")
+    logs = {t.name: builds_log(Path(t.root)) for t in twins}
+    hook_s = time.monotonic() - t3
+    shared = run_pyinfra(inventory, STAGE_DEPLOY, env=STAGES, timeout=1800)
+    assert shared.rc == 0, shared.output[-6000:]
+    assert (f"{a.name}: nvidia {VERSION} for {RELEASE}: already has it (built by its kernel hook; key {key[:12]}): "
+            f"nobody builds; {b.name}, {c.name} receive it") in shared.output, shared.output[-4000:]
+    for t in (b, c):
+        assert f"{t.name}: pvegpu: nvidia {VERSION} for {RELEASE} received from {a.name} and verified" in shared.output
+    assert {t.name: builds_log(Path(t.root)) for t in twins} == logs  # nobody built
+    assert modules(Path(b.root)) == hooked and {n: unsigned(d) for n, d in modules(Path(c.root)).items()} == hooked
     print(f"\nbuild-share e2e: converge of 3 nodes with one build {build_s:.0f} s (cache seeded: {bool(seed)}), "
-          f"converge with the refused copy and the local rebuild {rebuild_s:.0f} s, whole test {time.monotonic() - t0:.0f} s")
+          f"converge with the refused copy and the local rebuild {rebuild_s:.0f} s, the kernel hook's build and the "
+          f"converge that took it {hook_s:.0f} s + {time.monotonic() - t3 - hook_s:.0f} s, "
+          f"whole test {time.monotonic() - t0:.0f} s")
+
+
+TAMPER_TAR = "/usr/local/bin/tar"
+
+
+def tamper_tar() -> str:
+    """A tar first on PATH for the ssh command of the node-to-node copy (share-copy.sh.j2's `tar -C
+    <kept build> -cf - .`): it packs a copy with two bytes of nvidia-uvm.ko changed; anything else
+    is the real tar."""
+    return ("#!/bin/sh\n"
+            f'case "$*" in "-C {SHARE}/"*" -cf - .")\n'
+            '  t=$(mktemp -d) && cp -a "$2"/. "$t"/ && n=$(($(stat -c %s "$t/nvidia-uvm.ko") / 2)) &&\n'
+            "  printf '\\377\\376' | dd of=\"$t/nvidia-uvm.ko\" bs=1 seek=\"$n\" conv=notrunc 2>/dev/null &&\n"
+            '  exec /bin/tar -C "$t" -cf - . ;;\n'
+            "esac\n"
+            'exec /bin/tar "$@"\n')
+
+
+def install_hook(twin, sha: str) -> None:
+    """Put the kernel hook on `twin` as the kernel-updates stage renders it (operations/kernel_hook.py)."""
+    source = SimpleNamespace(url=f"file://{ARCHIVE}", sha256=sha)
+    spec = SimpleNamespace(nvidia=SimpleNamespace(version=VERSION, open=True, modules_source=source, signing=None))
+    hook = Path(twin.root) / HOOK.lstrip("/")
+    hook.parent.mkdir(parents=True, exist_ok=True)
+    hook.write_text(kernel_hook.hook_script(spec, 2, True))
+    hook.chmod(0o755)

@@ -902,7 +902,8 @@ def test_walk_nvidia_version_and_releases(tmp_path):
             assert all(re.fullmatch(r"[0-9A-Za-z.+~-]+", w) and w[0].isdigit() for w in words), words
             for release in nv.releases:
                 for script in (nvidia_ops.build_command("/a.tgz", nv.version, release, "gcc", 2, True),
-                               nvidia_ops.build_command("/a.tgz", nv.version, release, "gcc", 2, True, share_key="a" * 64),
+                               nvidia_ops.build_command("/a.tgz", nv.version, release, "gcc", 2, True, share_key="a" * 64,
+                                                       share_inputs=f'{{"version":"{nv.version}"}}'),
                                build_share.receive_command(nv.version, release, "a" * 64, "kpro5",
                                                            via={"node": "kpro5", "ip": "10.0.0.5"}),
                                nvidia_ops.install_command(nv.version, release),
@@ -1046,6 +1047,7 @@ WALKS = {
     "nvidia-toolchain-check.sh.j2": ["test_walk_nvidia_version_and_releases"],  # included by the hook and the gate
     "nvidia-toolchain-pick.sh.j2": ["test_walk_nvidia_version_and_releases"],  # included by the hook (no spec value in it)
     "kernel-postinst-nvidia.sh.j2": ["test_walk_nvidia_signing_paths", "test_walk_nvidia_version_and_releases"],
+    "nvidia-share-key.sh.j2": ["test_walk_nvidia_version_and_releases"],  # included by the hook (its key)
     "modprobe-nvidia.conf.j2": ["test_walk_nvreg_values"],
     "nccl.conf.j2": ["test_walk_nccl_values"],
     "nccl-service-dropin.conf.j2": ["test_walk_nccl_values", "test_walk_nccl_services"],

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from plan.build_share import build_inputs, build_key, kernel_build_inputs, share_lines, share_plan
+from plan.build_share import build_inputs, build_key, distrust_lines, kernel_build_inputs, share_lines, share_plan
 
 REL = "6.1.0-57-amd64"
 GCC = "gcc-12 (Debian 12.2.0-14+deb12u1) 12.2.0"
@@ -100,8 +100,44 @@ def test_hosts_of_no_common_cluster_go_through_the_controller():
 def test_a_kept_build_of_the_key_is_received_and_built_nowhere():
     key = host("x")["builds"][REL]["key"]
     steps = share_plan({"a": host("a", build=False, published={key: [REL]}), "b": host("b"), "c": host("c")})
-    assert {n: (s["role"], s["from"]) for (n, _), s in steps.items()} == {"b": ("receive", "a"), "c": ("receive", "a")}
+    assert {n: (s["role"], s.get("from")) for (n, _), s in steps.items()} == {
+        "a": ("keep", None), "b": ("receive", "a"), "c": ("receive", "a")}
     assert steps[("b", REL)]["why"].startswith("receives the build a already keeps for these inputs")
+    assert share_lines(steps)[0] == (f"a: nvidia 595.45.04 for {REL}: already has it (kept from an earlier converge's "
+                                     f"build; key {key[:12]}): nobody builds; b, c receive it")
+
+
+def test_a_build_its_kernel_hook_kept_is_received_and_the_plan_says_who_made_it():
+    """Issue 41: the hook built nvidia for the kernel apt installed on a, under the converge's key;
+    the next converge builds it nowhere, b and c take a's."""
+    key = host("x")["builds"][REL]["key"]
+    keeper = {**host("a", build=False, published={key: [REL]}),
+              "kept": {key: {"kind": "nvidia", "version": "595.45.04", "release": REL, "built_by": "kernel-hook",
+                             "trusted": True, "why": None}}}
+    steps = share_plan({"a": keeper, "b": host("b"), "c": host("c")})
+    assert not any(s["role"] == "build" for s in steps.values())
+    assert share_lines(steps) == [
+        f"a: nvidia 595.45.04 for {REL}: already has it (built by its kernel hook; key {key[:12]}): nobody builds; "
+        "b, c receive it",
+        f"b: nvidia 595.45.04 for {REL}: receives the build a already keeps for these inputs (key {key[:12]}), "
+        "node to node over the cluster's root SSH trust (a, 10.0.0.1)",
+        f"c: nvidia 595.45.04 for {REL}: receives the build a already keeps for these inputs (key {key[:12]}), "
+        "node to node over the cluster's root SSH trust (a, 10.0.0.1)"]
+
+
+def test_a_tampered_kept_build_is_not_trusted_and_the_plan_says_so():
+    """The fact found a's kept build changed (facts.build_share parse_kept): not published, so b and
+    c build (one for both), and a line says why a's was not used."""
+    key = host("x")["builds"][REL]["key"]
+    why = "the sha256 of nvidia-uvm.ko differs from its manifest (a module was changed)"
+    keeper = {**host("a", build=False),
+              "kept": {key: {"kind": "nvidia", "version": "595.45.04", "release": REL, "built_by": "kernel-hook",
+                             "trusted": False, "why": why}}}
+    hosts = {"a": keeper, "b": host("b"), "c": host("c")}
+    steps = share_plan(hosts)
+    assert {n: s["role"] for (n, _), s in steps.items()} == {"b": "build", "c": "receive"}
+    assert distrust_lines(hosts) == [f"a: nvidia 595.45.04 for {REL}: its kept build (its kernel hook's, key "
+                                     f"{key[:12]}) is not trusted: {why}; nobody receives it"]
 
 
 def test_a_lone_build_and_an_unshareable_one_say_why():
@@ -190,7 +226,9 @@ def test_a_kept_kernel_build_is_received_and_a_lone_one_says_why():
     steps = share_plan({"a": k_host("a", build=False, published={key: [KREL]}), "b": k_host("b", cluster=None)},
                        "kernel")
     assert steps[("b", KREL)]["role"] == "receive" and steps[("b", KREL)]["from"] == "a"
-    assert share_lines(steps) == [f"b: kernel {KREL}: receives the build a already keeps for these inputs (key "
+    assert share_lines(steps) == [f"a: kernel {KREL}: already has it (kept from an earlier converge's build; key "
+                                  f"{key[:12]}): nobody builds; b receives it",
+                                  f"b: kernel {KREL}: receives the build a already keeps for these inputs (key "
                                   f"{key[:12]}), through the controller (not one Proxmox cluster)"]
     steps = share_plan({"a": k_host("a"), "b": k_host("b", build=False)}, "kernel")
     assert steps[("a", KREL)]["why"] == f"builds alone: no other host of this run builds kernel {KREL}"

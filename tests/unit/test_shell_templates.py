@@ -238,9 +238,9 @@ def test_the_q_filter_is_shlex_quote_and_refuses_none():
 
 # -- every field of every template, rendered hostile, is quoted ----------------------------------
 
-# Fields that are not values: a branch selector, or shell code built (and quoted) by the caller
+# Fields that are not values: a branch selector (share_by: who keeps a build), or shell code built (and quoted) by the caller
 # (rebind.sh.j2's guest shutdown commands from operations.proxmox.shutdown_shell).
-NOT_VALUES = ("kind", "base_config", "shell")
+NOT_VALUES = ("kind", "base_config", "shell", "share_by")
 
 
 def fields(name: str) -> list[tuple[int, str, object]]:
@@ -280,9 +280,8 @@ def test_each_field_rendered_hostile_stays_quoted(name):
 # values of the NVIDIA build context whose branches a caller including nvidia-build.sh.j2 never takes:
 # the driver x kernel gate builds unsigned and without the conftest cache (its key reads the
 # installed headers' tree; the gate's are unpacked elsewhere)
-# neither shares its build (issue 41: share_root is the converge's, with a share_key)
-UNREACHED = {"kernel-nvidia-gate.sh.j2": ("sig_hash", "conftest_cache_dir", "sign_file", "share_root"),
-             "kernel-postinst-nvidia.sh.j2": ("share_root",)}
+# it shares no build (issue 41: the converge keeps its build with a share_key, the kernel hook with its own key)
+UNREACHED = {"kernel-nvidia-gate.sh.j2": ("sig_hash", "conftest_cache_dir", "sign_file", "share_root")}
 
 
 def test_kernel_base_config_path_stays_quoted():

@@ -17,7 +17,8 @@ from tests.unit.operations.test_nvidia_ops import fake_build_tools
 from tests.unit.test_shell_templates import nvidia_kernel_archive
 
 REL, VER = "6.1.0-57-amd64", "535.309.01"
-KEY = "ab" * 32
+INPUTS = '{"release":"6.1.0-57-amd64","version":"535.309.01"}'  # what the key hashes (plan.build_share.inputs_text)
+KEY = hashlib.sha256(INPUTS.encode()).hexdigest()
 
 
 @pytest.fixture
@@ -29,7 +30,8 @@ def shared(tmp_path, monkeypatch):
     monkeypatch.setattr(build_share, "RECV_ROOT", str(tmp_path / "received"))
     (tmp_path / "tools/make").write_text("#!/bin/sh\ncd \"$2\"\nprintf 'elf %s\\n' nvidia > nvidia.ko\n"
                                          "printf 'elf %s\\n' uvm > nvidia-uvm.ko\n")
-    command = ops.build_command(str(archive), VER, REL, "gcc-12", 2, ccache=False, conftest_cache=False, share_key=KEY)
+    command = ops.build_command(str(archive), VER, REL, "gcc-12", 2, ccache=False, conftest_cache=False, share_key=KEY,
+                              share_inputs=INPUTS)
     done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     return env, tmp_path / "share" / KEY, tmp_path
@@ -44,8 +46,9 @@ def test_the_builder_keeps_the_unsigned_modules_with_their_manifest(shared):
     _, share, tmp_path = shared
     manifest = (share / "manifest").read_text().splitlines()
     sums = {n: hashlib.sha256((share / n).read_bytes()).hexdigest() for n in ("nvidia.ko", "nvidia-uvm.ko")}
-    assert manifest == [f"key {KEY}", f"version {VER}", f"release {REL}",
+    assert manifest == [f"key {KEY}", "built-by converge", f"version {VER}", f"release {REL}",
                         f"vermagic {REL} SMP preempt mod_unload modversions ",  # modinfo prints the trailing space
+                        f"inputs {INPUTS}",
                         f"{sums['nvidia-uvm.ko']}  nvidia-uvm.ko", f"{sums['nvidia.ko']}  nvidia.ko"]
     assert oct((share).stat().st_mode & 0o777) == "0o700" and oct((tmp_path / "share").stat().st_mode & 0o777) == "0o700"
 
@@ -164,3 +167,38 @@ def test_the_roles_are_decided_once_every_host_of_the_run_registered(monkeypatch
         assert build_share.receive(state, FakeHost("b"), "595.45.04", REL, None, "sha256") is False  # a's build failed
         build_share._refuse(state, FakeHost("b"), REL, "refused")
         assert build_share.fallback_if("b", REL)()
+
+
+def kept_fact(tmp_path, monkeypatch) -> dict:
+    """BuildShareState's command run here over the tmp share root, parsed as the converge parses it."""
+    from facts import build_share as facts_share
+
+    monkeypatch.setattr(facts_share, "SHARE_ROOT", str(tmp_path / "share"))
+    out = subprocess.run(["sh", "-c", facts_share.BuildShareState().command([REL])], capture_output=True, text=True)
+    return facts_share.parse_share_state(out.stdout.splitlines())
+
+
+def test_the_fact_trusts_a_kept_build_whose_key_and_modules_check(shared, monkeypatch):
+    _, _, tmp_path = shared
+    state = kept_fact(tmp_path, monkeypatch)
+    assert state["published"] == {KEY: [REL]}
+    assert state["kept"] == {KEY: {"kind": "nvidia", "version": VER, "release": REL, "built_by": "converge",
+                                   "trusted": True, "why": None}}
+
+
+@pytest.mark.parametrize("tamper, why", [
+    (lambda d: (d / "nvidia-uvm.ko").write_bytes(b"elf evil\n"),
+     "the sha256 of nvidia-uvm.ko differs from its manifest (a module was changed)"),
+    (lambda d: (d / "nvidia.ko").unlink(), "the sha256 of nvidia.ko differs from its manifest (a module was changed)"),
+    (lambda d: (d / "manifest").write_text((d / "manifest").read_text().replace('"535.309.01"', '"535.309.02"')),
+     "its key is not the sha256 of the inputs its manifest records (the manifest was changed)"),
+    (lambda d: (d / "manifest").write_text("".join(line + "\n" for line in (d / "manifest").read_text().splitlines()
+                                                   if not line.startswith("inputs "))),
+     "its manifest records no inputs to check its key against (kept by an older pvegpu)"),
+])
+def test_the_fact_does_not_trust_a_changed_kept_build(shared, monkeypatch, tamper, why):
+    _, share, tmp_path = shared
+    tamper(share)
+    state = kept_fact(tmp_path, monkeypatch)
+    assert state["published"] == {}
+    assert state["kept"][KEY]["trusted"] is False and state["kept"][KEY]["why"] == why
