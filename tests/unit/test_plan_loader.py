@@ -269,3 +269,22 @@ def test_the_recorded_readings_of_one_mode_are_not_refused():
         fact = yaml.safe_load(case.read_text())["fact"]
         if "mixed" not in case.stem:
             assert plan.mixed_esps_refusal(fact) is None, case.stem
+
+
+def test_recorded_esps_of_both_loaders_follow_the_real_refresh_and_are_refused():
+    """Readings of the kpro6-grubesp twin with a second ESP set up by the real `proxmox-boot-tool
+    init` (systemd-boot): GRUB's ESP first, the real refresh skipped the other ("contains no grub
+    directory": no entries there); systemd-boot's first, it wrote each in its own mode."""
+    grub_first = reading("kpro6-grubesp-mixed-grub-esp-first")
+    assert [(r["uuid"], r["refreshed"]) for r in plan.refresh_modes(grub_first["esps"], "uefi")] == [
+        ("5A1C-9E27", plan.GRUB_ESP), ("7B2D-1F30", None)]
+    assert grub_first["esps"][1]["entries"] == []  # what the real refresh left: nothing
+    sd_first = reading("kpro6-grubesp-mixed-systemd-boot-esp-first")
+    assert [(r["uuid"], r["refreshed"]) for r in plan.refresh_modes(sd_first["esps"], "uefi")] == [
+        ("7B2D-1F30", plan.SYSTEMD_BOOT), ("5A1C-9E27", plan.GRUB_ESP)]
+    assert {e["file"] for e in sd_first["esps"][0]["entries"]} == {"proxmox-6.14.8-2-pve.conf",
+                                                                   "proxmox-6.8.12-11-pve.conf"}
+    for state in (grub_first, sd_first):
+        why = plan.mixed_esps_refusal(state) or ""
+        assert "5A1C-9E27 (grub)" in why and "7B2D-1F30 (systemd-boot)" in why, why
+        assert "proxmox-boot-tool init /dev/disk/by-uuid/7B2D-1F30 grub" in why
