@@ -8,7 +8,10 @@ GRUB_DEFAULT on each ESP), the trial entry written into each ESP's grub.cfg by r
 update-grub, next_entry set in each ESP's grubenv after checking that ESP's default. A trial kernel
 that hangs is left after one reset and recorded refused, and stays refused across a grub package
 upgrade (proxmox-kernel-helper's trigger: reinit); a good one becomes the default by the pin.
-Before, the stage refused the trial on these hosts."""
+Before, the stage refused the trial on these hosts.
+
+With a second ESP set up for systemd-boot beside the GRUB one (either order in
+/etc/kernel/proxmox-boot-uuids) the deploy refuses before any change (plan.loader.mixed_esps_refusal)."""
 
 from __future__ import annotations
 
