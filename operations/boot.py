@@ -35,17 +35,17 @@ from spec.models import HostSpec
 
 def stage_facts() -> dict:
     """The stage's facts, read once per host per run (preflight and apply share them); on hosts
-    with proxmox-boot-tool ESPs also what their loader reads (facts.loader.LoaderState: each
-    ESP's mode, for the mixed-mode refusal)."""
+    with more than one proxmox-boot-tool ESP also what their loader reads (facts.loader.LoaderState:
+    each ESP's mode, for the mixed-mode refusal; one ESP has one mode, and costs no extra read)."""
     facts = fact_once(BootStageFacts)
-    if (facts.get("boot_loader") or {}).get("esps"):
+    if len((facts.get("boot_loader") or {}).get("esps") or []) > 1:
         facts = {**facts, "loader_state": fact_once(LoaderState)}
     return facts
 
 
 def prefetch(spec: HostSpec) -> list:
     """The facts this stage reads (deploy.py reads every stage's in one command)."""
-    return [(BootStageFacts, {}), (LoaderState, {})]
+    return [(BootStageFacts, {})]
 
 
 def boot_plan(spec: HostSpec, facts: dict) -> dict:
