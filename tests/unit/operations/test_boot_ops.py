@@ -255,3 +255,16 @@ def test_esps_of_both_loaders_are_refused_before_the_cmdline_is_written(monkeypa
     one_mode = {**MIXED_ESPS, "esps": [MIXED_ESPS["esps"][0], {**MIXED_ESPS["esps"][0], "uuid": "7B2D-1F30"}]}
     monkeypatch.setattr(boot, "stage_facts", lambda: {**facts, "loader_state": one_mode})
     assert boot.preflight(HostSpec()) == []
+
+
+def test_the_loader_state_is_read_only_with_more_than_one_esp(monkeypatch):
+    """One ESP has one mode: no extra remote read (test_boot_e2e counts a no-change stage's)."""
+    from facts.loader import LoaderState
+    one = systemd_boot_facts("root=/dev/sda", "root=/dev/sda")
+    two = {**one, "boot_loader": {**one["boot_loader"], "esps": one["boot_loader"]["esps"] * 2}}
+    for facts, reads in ((one, False), (two, True)):
+        read: list = []
+        monkeypatch.setattr(boot, "fact_once", lambda cls, facts=facts, read=read:
+                            read.append(cls) or (MIXED_ESPS if cls is LoaderState else facts))
+        got = boot.stage_facts()
+        assert (LoaderState in read) == reads and ("loader_state" in got) == reads
