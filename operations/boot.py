@@ -21,6 +21,7 @@ from pyinfra import host
 from pyinfra.api import StringCommand, deploy, operation
 
 from facts.boot import KERNEL_CMDLINE, NOUVEAU_CONF, VFIO_CONF, BootStageFacts
+from facts.loader import LoaderState
 from facts.once import fact_once
 from facts.run_state import need_reboot
 from facts.shell import word
@@ -33,8 +34,13 @@ from spec.models import HostSpec
 
 
 def stage_facts() -> dict:
-    """The stage's facts, read once per host per run (preflight and apply share them)."""
-    return fact_once(BootStageFacts)
+    """The stage's facts, read once per host per run (preflight and apply share them); on hosts
+    with more than one proxmox-boot-tool ESP also what their loader reads (facts.loader.LoaderState:
+    each ESP's mode, for the mixed-mode refusal; one ESP has one mode, and costs no extra read)."""
+    facts = fact_once(BootStageFacts)
+    if len((facts.get("boot_loader") or {}).get("esps") or []) > 1:
+        facts = {**facts, "loader_state": fact_once(LoaderState)}
+    return facts
 
 
 def prefetch(spec: HostSpec) -> list:
@@ -155,7 +161,13 @@ def early_modules(files: dict[str, str], states: dict[str, dict | None]):
 
 def preflight(spec: HostSpec) -> list[str]:
     facts = stage_facts()
-    return plan.preflight_refusals(spec, facts["boot_loader"], facts["cpu"], facts["sev_snp"])
+    refusals = plan.preflight_refusals(spec, facts["boot_loader"], facts["cpu"], facts["sev_snp"])
+    # ESPs of both loaders (issue 38): what refresh writes to each depends on their order in
+    # /etc/kernel/proxmox-boot-uuids (plan.loader.refresh_modes); refused before any change
+    mixed = loader_plan.mixed_esps_refusal(facts.get("loader_state"))
+    if mixed:
+        refusals.append(mixed)
+    return refusals
 
 
 @deploy("pvegpu: host kernel & IOMMU")

@@ -38,6 +38,7 @@ from operations import build_share, nvidia, progress
 from operations.files import write_file_command
 from plan import build_share as shplan
 from plan import kernel as plan
+from plan import loader as loader_plan
 from plan import nvidia as nvplan
 from plan.render import PRIVATE, render_template, root_dirs
 from spec.models import HostSpec, KernelSpec
@@ -358,6 +359,10 @@ def preflight(spec: HostSpec) -> list[str]:
                 "kernel's own config (patch the repository or build from a tarball instead)"]
     facts = stage_facts(k)
     refusals = []
+    # ESPs of both loaders: refresh's result depends on their order (issue 38; plan.loader.refresh_modes)
+    mixed = loader_plan.mixed_esps_refusal(facts.get("loader_state"))
+    if mixed:
+        return [f"kernel: {mixed}"]
     source = facts.get("source")
     if source:
         refusal = plan.release_refusal(k, source["release"], f"{host.name}:{source['from']}")

@@ -3,6 +3,8 @@
 
     host_loader(firmware, esp_modes)  -> SYSTEMD_BOOT | GRUB | GRUB_ESP   # the one loader decision
     esp_loader(esp, firmware)         -> SYSTEMD_BOOT | GRUB_ESP | None   # one ESP's, as refresh set it up
+    refresh_modes(esps, firmware)     -> [{"uuid", "own", "refreshed", "skipped"}]  # what one refresh does to each
+    mixed_esps_refusal(loader_state)  -> str | None   # ESPs of both loaders: no one decision (refused)
     next_boot(loader_state)           -> [{"where", "loader", "release", "why"}, …]   # one per place it boots from
     systemd_boot_order(entries)       -> the entries in systemd-boot's menu order
     strverscmp_improved(a, b)         -> <0 | 0 | >0
@@ -38,6 +40,80 @@ def esp_loader(esp: dict, firmware: str | None) -> str | None:
     if firmware == "uefi":
         return SYSTEMD_BOOT if "loader/loader.conf" in has else None
     return GRUB_ESP if "grub" in has else None
+
+
+def refresh_modes(esps: list[dict], firmware: str | None) -> list[dict]:
+    """What one `proxmox-boot-tool refresh` does to each ESP, in /etc/kernel/proxmox-boot-uuids
+    order (`esps`: `facts.loader.LoaderState` "esps", which keeps that order). Follows
+    proxmox-kernel-helper src/proxmox-boot/zz-proxmox-boot update_esp_func as run by functions
+    loop_esp_list (one `while read` subshell for the whole list, so its `grub=1`, set where
+    EFI/proxmox/grubx64.efi is, is never reset and holds for every ESP after the first GRUB one):
+    under UEFI without the flag an ESP needs loader/loader.conf (systemd-boot), else it needs grub/
+    ("contains no grub directory - skipping"). The EFI/proxmox directory check of that function is
+    left out (LoaderState does not read it).
+
+    [{"uuid", "own": esp_loader (the ESP's mode on its own), "refreshed": SYSTEMD_BOOT | GRUB_ESP
+    | None, "skipped": None | why}]"""
+    out = []
+    grub = False
+    for esp in esps:
+        has = set(esp.get("has") or [])
+        row = {"uuid": esp.get("uuid"), "own": esp_loader(esp, firmware), "refreshed": None, "skipped": None}
+        out.append(row)
+        if not esp.get("mounted", True):
+            row["skipped"] = "mount failed"
+            continue
+        if "EFI/proxmox/grubx64.efi" in has:
+            grub = True
+        if firmware == "uefi" and not grub:
+            if "loader/loader.conf" in has:
+                row["refreshed"] = SYSTEMD_BOOT
+            else:
+                row["skipped"] = "contains no loader.conf"
+        elif "grub" in has:
+            row["refreshed"] = GRUB_ESP
+        else:
+            row["skipped"] = ("contains no grub directory (the GRUB mode of an ESP before it holds)"
+                              if grub and "EFI/proxmox/grubx64.efi" not in has else "contains no grub directory")
+    return out
+
+
+_MODE_WORD = {SYSTEMD_BOOT: "systemd-boot", GRUB_ESP: "grub"}
+
+
+def mixed_esps_refusal(state: dict | None) -> str | None:
+    """Refusal (words) where the listed ESPs are set up for both loaders (`esp_loader`: one with
+    systemd-boot, another with GRUB): what refresh writes to each then depends on their order in
+    /etc/kernel/proxmox-boot-uuids (`refresh_modes`), and which loader starts depends on the
+    firmware's boot order, so no one loader decision (`host_loader`) holds for the host. Names
+    each ESP with its mode and the fix: proxmox-kernel-helper bin/proxmox-boot-tool
+    init_bootloader (`init <partition> [grub]`; without `grub` an ESP with EFI/proxmox/grubx64.efi
+    stays in grub mode, so going to systemd-boot needs `format <partition> --force` first, which
+    gives the ESP a new UUID: `clean` drops the old one). None: one mode (or no ESPs)."""
+    state = state or {}
+    if not state.get("esp_list"):
+        return None
+    firmware = state.get("firmware")
+    rows = refresh_modes(state.get("esps") or [], firmware)
+    own = {r["own"] for r in rows if r["own"]}
+    if not {SYSTEMD_BOOT, GRUB_ESP} <= own:
+        return None
+    sd = [r["uuid"] for r in rows if r["own"] == SYSTEMD_BOOT]
+    grub = [r["uuid"] for r in rows if r["own"] == GRUB_ESP]
+    listing = ", ".join(f"{r['uuid']} ({_MODE_WORD.get(r['own'] or '', 'neither loader')})" for r in rows)
+    refresh = "; ".join(f"{r['uuid']} " + (f"in {_MODE_WORD[r['refreshed']]} mode" if r["refreshed"]
+                                           else f"skipped: {r['skipped']}") for r in rows)
+    to_grub = ("to GRUB (EFI/proxmox/grubx64.efi on each): "
+               + "; ".join(f"proxmox-boot-tool init /dev/disk/by-uuid/{u} grub" for u in sd))
+    to_sd = ("to systemd-boot: for " + ", ".join(grub) + " each: proxmox-boot-tool format <its partition> --force; "
+             "proxmox-boot-tool init <its partition>; then proxmox-boot-tool clean (format gives it a new UUID; "
+             "init without grub keeps an ESP holding EFI/proxmox/grubx64.efi in grub mode)")
+    fixes = [to_grub, to_sd] if len(sd) <= len(grub) else [to_sd, to_grub]
+    return ("the ESPs in /etc/kernel/proxmox-boot-uuids are set up for different boot loaders: " + listing
+            + ". proxmox-boot-tool refresh (zz-proxmox-boot update_esp_func) keeps GRUB's mode for every ESP after "
+            "the first GRUB one in that file, so a refresh now writes " + refresh + "; and which loader starts "
+            "depends on the firmware's boot order: no kernel default or trial can be set for this host. Nothing "
+            "was changed. Put every ESP in one mode first, either " + fixes[0] + ", or " + fixes[1])
 
 
 def host_loader(firmware: str | None, esp_modes: list[str | None], esp_listed: bool = False) -> str:

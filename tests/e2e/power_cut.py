@@ -500,17 +500,20 @@ class KernelTrial(Case):
     """(a) The kernel stage on the kpro6 twin (systemd-boot, ESP, the real proxmox-boot-tool):
     dpkg -i of a finished build (tests/e2e/test_kernel_trial_e2e.py seed_finished_build), the
     trial one-shot, the reboot, the pin after it came up: one converge with reboot.allowed.
-    hangs: the new kernel hangs at boot (hardware.py no-boot): the host must end on the old one."""
+    hangs: the new kernel hangs at boot (hardware.py no-boot): the host must end on the old one.
+    profile kpro6-grubesp: GRUB from the ESP (proxmox-boot-tool's grub mode, UEFI): the trial is
+    `next_entry` in the ESP's grubenv (tests/e2e/test_grub_esp_e2e.py), which GRUB clears as it
+    boots it (the twin's firmware model: hardware.py grub_boot_entry)."""
 
-    def __init__(self, hangs: bool = False):
-        self.hangs = hangs
-        self.name = "kernel-trial" + ("-hangs" if hangs else "")
+    def __init__(self, hangs: bool = False, profile: str = "kpro6"):
+        self.hangs, self.profile = hangs, profile
+        self.name = "kernel-trial" + ("-grubesp" if profile == "kpro6-grubesp" else "") + ("-hangs" if hangs else "")
 
     def setup(self, name: str, tmp: Path) -> runtime.Twin:
         import shutil
 
         from tests.e2e import test_kernel_trial_e2e as kt
-        twin = start_twin(name, "kpro6")
+        twin = start_twin(name, self.profile)
         root = Path(twin.root)
         debs = tmp / "debs"
         shutil.rmtree(debs, ignore_errors=True)
@@ -764,6 +767,8 @@ class DriverUpgrade(Case):
 CASES: dict[str, type[Case] | Callable[[], Case]] = {
     "kernel-trial": KernelTrial,
     "kernel-trial-hangs": lambda: KernelTrial(hangs=True),
+    "kernel-trial-grubesp": lambda: KernelTrial(profile="kpro6-grubesp"),
+    "kernel-trial-grubesp-hangs": lambda: KernelTrial(hangs=True, profile="kpro6-grubesp"),
     "full-upgrade": FullUpgrade,
     "full-upgrade-fails": lambda: FullUpgrade(fails=True),
     "driver-upgrade": DriverUpgrade,

@@ -8,11 +8,16 @@ GRUB_DEFAULT on each ESP), the trial entry written into each ESP's grub.cfg by r
 update-grub, next_entry set in each ESP's grubenv after checking that ESP's default. A trial kernel
 that hangs is left after one reset and recorded refused, and stays refused across a grub package
 upgrade (proxmox-kernel-helper's trigger: reinit); a good one becomes the default by the pin.
-Before, the stage refused the trial on these hosts."""
+Before, the stage refused the trial on these hosts.
+
+With a second ESP set up for systemd-boot beside the GRUB one (either order in
+/etc/kernel/proxmox-boot-uuids) the deploy refuses before any change (plan.loader.mixed_esps_refusal)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -33,6 +38,7 @@ from tests.e2e.test_kernel_trial_e2e import (
     seed_finished_build,
     twin_run,
 )
+from tests.e2e.test_kernel_trial_e2e import STAGES as KERNEL_STAGES
 from tests.twin import boot_packages, runtime
 from tests.twin.test_boot_programs import grub_upgrade
 
@@ -122,3 +128,58 @@ def test_a_grub_esp_trial_that_hangs_is_left_after_one_reset_and_a_good_one_beco
     reboot(twin.name)
     assert twin_run(twin.name, "uname", "-r").strip() == RELEASE
     assert "panic=" not in twin_run(twin.name, "cat", "/proc/cmdline")
+
+
+SECOND_ESP = "7B2D-1F30"
+
+
+def tree_digest(root: Path, *parts: str) -> dict[str, str]:
+    """path -> what it is (a file's sha256, a link's target, "dir") for everything under the given
+    directories of the twin root: the host's state the deploy may change."""
+    out: dict[str, str] = {}
+    for part in parts:
+        base = root / part
+        for dirpath, dirnames, filenames in os.walk(base):
+            d = Path(dirpath)
+            out[str(d.relative_to(root))] = "dir"
+            for name in dirnames + filenames:
+                p = d / name
+                rel = str(p.relative_to(root))
+                if p.is_symlink():
+                    out[rel] = "-> " + os.readlink(p)
+                elif p.is_file():
+                    out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+@pytest.mark.parametrize("order", ["grub-esp-first", "systemd-boot-esp-first"])
+def test_esps_of_both_loaders_are_refused_before_any_change(twin_factory, tmp_path, order):
+    """Issue 38: a second ESP set up by the real `proxmox-boot-tool init` for systemd-boot next to
+    the GRUB-mode one. proxmox-kernel-helper zz-proxmox-boot update_esp_func keeps GRUB's mode for
+    the ESPs after a GRUB one in /etc/kernel/proxmox-boot-uuids (the real refresh skips the
+    systemd-boot ESP: "contains no grub directory"), so what each ESP holds depends on the order,
+    and which loader starts on the firmware's: the deploy refuses, naming each ESP and the fix, and
+    nothing under /boot, the ESPs or /etc changed. Before, the stages went on (a trial armed on
+    the GRUB ESP only)."""
+    twin = twin_factory("kpro6-grubesp", address=quiet_address())
+    root = Path(twin.root)
+    seed_finished_build(root, tmp_path)
+    (root / "var/lib/twin/esp" / SECOND_ESP).mkdir(parents=True)  # a second disk's ESP (hardware.esp_devices)
+    reboot(twin.name)
+    init = twin_run(twin.name, f"proxmox-boot-tool init /dev/disk/by-uuid/{SECOND_ESP} 2>&1")
+    assert "Installing systemd-boot.." in init and f"{SECOND_ESP} contains no grub directory - skipping" in init, init
+    if order == "systemd-boot-esp-first":
+        (root / "etc/kernel/proxmox-boot-uuids").write_text(f"{SECOND_ESP}\n5A1C-9E27\n")
+        out = twin_run(twin.name, "proxmox-boot-tool refresh 2>&1")
+        assert f"Copying and configuring kernels on /dev/disk/by-uuid/{SECOND_ESP}" in out, out
+    before = tree_digest(root, "boot", "var/lib/twin/esp", "etc")
+
+    done = converge(twin.name, stages="operations.boot," + KERNEL_STAGES)
+    assert done.rc != 0 and "preflight refused" in done.output, done.output[-6000:]
+    assert "different boot loaders: " in done.output and f"{SECOND_ESP} (systemd-boot)" in done.output
+    assert "5A1C-9E27 (grub)" in done.output
+    assert f"proxmox-boot-tool init /dev/disk/by-uuid/{SECOND_ESP} grub" in done.output
+    after = tree_digest(root, "boot", "var/lib/twin/esp", "etc")
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, changed
+    assert not esp_grubenv(root).get("next_entry")

@@ -53,6 +53,24 @@ def test_kernel_trial_cut_after_the_trial_kernel_came_up_before_the_run_checked_
     assert outcome.final == RELEASE, outcome.line()
 
 
+def test_grub_esp_kernel_trial_cut_right_after_next_entry_was_armed(twin_root_cache, tmp_path):
+    """GRUB from the ESP (kpro6-grubesp: proxmox-boot-tool's grub mode, UEFI); the trial kernel
+    hangs. The power goes as the stage writes the trial's boot unit, right after it set
+    `next_entry` in the ESP's grubenv (templates/grub-esp-oneshot.sh.j2): GRUB boots the trial
+    entry once and clears next_entry (save_env on the vfat ESP), the kernel hangs, one reset boots
+    the pinned known-good entry; the next converge records the failed trial and leaves the host on
+    the old kernel with its NVIDIA modules, converged, and a reboot comes up there again."""
+    case = pc.KernelTrial(hangs=True, profile="kpro6-grubesp")
+    outcome = cut(case, tmp_path, ("Running command on {name}: (pty=False) sh -c 'umask 022 && mkdir -p -- "
+                                   "/var/lib/pvegpu/kernel && printf %s IyEvYmluL3NoCiMgcHZlZ3B1IGtlcm5lbCBzdGFnZSAo"
+                                   "cHZlZ3B1LWtlcm5lbC10cmlhbC5zZXJ2aWNlIHJ1bnMgd", 1, 0.0))
+    assert outcome.after_cut[0] == f"{RELEASE} pvegpu-trial-{RELEASE} hung", outcome.line()
+    assert outcome.after_cut[-1].startswith("6.14.8-2-pve gnulinux-6.14.8-2-pve-advanced-"), outcome.line()
+    assert len(outcome.after_cut) == 2, outcome.line()  # next_entry boots once: one reset is enough
+    assert not outcome.bad and not outcome.problems, outcome.line()
+    assert outcome.final == "6.14.8-2-pve", outcome.line()
+
+
 HOOK_STEP = ("run-parts: executing /etc/kernel/postinst.d/00pvegpu-nvidia 6.12.118+deb12-amd64 "
              "/boot/vmlinuz-6.12.118+deb12-amd64", 1, 2.0)
 

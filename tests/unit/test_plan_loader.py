@@ -194,3 +194,97 @@ def test_the_kernel_stages_default_is_the_pin_only_where_the_loader_boots_it():
     assert kplan.default_release(kernels, {}, kplan.SYSTEMD_BOOT) == "6.14.8-2-pve"  # no reading: the pin
     grub = reading("intel2-grub-saved-and-next-entry")
     assert plan.next_boot_releases(grub, once=False) == ["6.8.12-11-pve"]  # next_entry left out
+
+
+# -- ESPs of both loaders (issue 38): proxmox-kernel-helper zz-proxmox-boot update_esp_func's grub
+# flag is set by the first ESP holding EFI/proxmox/grubx64.efi and holds for every ESP after it
+
+SD_ESP = {"uuid": "7B2D-1F30", "mounted": True, "has": ["loader/loader.conf"]}
+GRUB_ESP_UEFI = {"uuid": "5A1C-9E27", "mounted": True, "has": ["EFI/proxmox/grubx64.efi", "grub"]}
+
+
+def test_refresh_keeps_grub_mode_for_the_esps_after_a_grub_one():
+    rows = plan.refresh_modes([GRUB_ESP_UEFI, SD_ESP], "uefi")
+    assert [(r["uuid"], r["own"], r["refreshed"]) for r in rows] == [
+        ("5A1C-9E27", plan.GRUB_ESP, plan.GRUB_ESP), ("7B2D-1F30", plan.SYSTEMD_BOOT, None)]
+    assert rows[1]["skipped"].startswith("contains no grub directory")
+    # a systemd-boot ESP that also holds grub/ is refreshed as GRUB's (kernels at its top, update-grub)
+    both = {**SD_ESP, "has": ["loader/loader.conf", "grub"]}
+    assert [r["refreshed"] for r in plan.refresh_modes([GRUB_ESP_UEFI, both], "uefi")] == [plan.GRUB_ESP, plan.GRUB_ESP]
+
+
+def test_refresh_takes_each_esp_in_its_own_mode_up_to_the_first_grub_one():
+    rows = plan.refresh_modes([SD_ESP, GRUB_ESP_UEFI, SD_ESP], "uefi")
+    assert [r["refreshed"] for r in rows] == [plan.SYSTEMD_BOOT, plan.GRUB_ESP, None]
+    assert [r["refreshed"] for r in plan.refresh_modes([SD_ESP, SD_ESP], "uefi")] == [plan.SYSTEMD_BOOT] * 2
+    bios = plan.refresh_modes([{"uuid": "A", "has": ["grub"]}, {"uuid": "B", "has": ["loader/loader.conf"]},
+                               {"uuid": "C", "mounted": False}], "bios")
+    assert [(r["refreshed"], r["skipped"]) for r in bios] == [
+        (plan.GRUB_ESP, None), (None, "contains no grub directory"), (None, "mount failed")]
+    assert plan.refresh_modes([{"uuid": "A", "mounted": True, "has": ["grub"]}], "uefi")[0]["skipped"] \
+        == "contains no loader.conf"
+
+
+def _state(*esps, firmware="uefi"):
+    return {"firmware": firmware, "efivars": {}, "esp_list": [e["uuid"] for e in esps], "esps": list(esps),
+            "grub_cfg": None, "grubenv": None}
+
+
+@pytest.mark.parametrize("order", [(GRUB_ESP_UEFI, SD_ESP), (SD_ESP, GRUB_ESP_UEFI)])
+def test_esps_of_both_loaders_are_refused_in_either_order(order):
+    why = plan.mixed_esps_refusal(_state(*order))
+    assert why is not None
+    assert "5A1C-9E27 (grub)" in why and "7B2D-1F30 (systemd-boot)" in why
+    assert "proxmox-boot-tool init /dev/disk/by-uuid/7B2D-1F30 grub" in why
+    assert "proxmox-boot-tool format <its partition> --force" in why and "Nothing was changed" in why
+    if order[0] is GRUB_ESP_UEFI:
+        assert "7B2D-1F30 skipped: contains no grub directory" in why
+    else:
+        assert "7B2D-1F30 in systemd-boot mode; 5A1C-9E27 in grub mode" in why
+
+
+def test_the_fix_with_fewer_esps_to_redo_comes_first():
+    other = {**SD_ESP, "uuid": "8C3E-2041"}
+    why = plan.mixed_esps_refusal(_state(GRUB_ESP_UEFI, SD_ESP, other)) or ""
+    assert why.index("to systemd-boot: for 5A1C-9E27") < why.index("to GRUB")
+    why = plan.mixed_esps_refusal(_state(GRUB_ESP_UEFI, {**GRUB_ESP_UEFI, "uuid": "9D4F-3152"}, SD_ESP)) or ""
+    assert why.index("to GRUB") < why.index("to systemd-boot")
+
+
+@pytest.mark.parametrize("state", [
+    _state(SD_ESP, {**SD_ESP, "uuid": "8C3E-2041"}),
+    _state(GRUB_ESP_UEFI, {**GRUB_ESP_UEFI, "uuid": "9D4F-3152"}),
+    _state({"uuid": "A", "mounted": True, "has": ["grub"]}, {"uuid": "B", "mounted": True, "has": ["loader/loader.conf", "grub"]},
+           firmware="bios"),  # legacy BIOS: GRUB on every ESP
+    _state(GRUB_ESP_UEFI, {"uuid": "C", "mounted": False}),
+    _state(),
+    None,
+])
+def test_esps_of_one_loader_are_not_refused(state):
+    assert plan.mixed_esps_refusal(state) is None
+
+
+def test_the_recorded_readings_of_one_mode_are_not_refused():
+    for case in sorted(CASES.glob("*.yaml")):
+        fact = yaml.safe_load(case.read_text())["fact"]
+        if "mixed" not in case.stem:
+            assert plan.mixed_esps_refusal(fact) is None, case.stem
+
+
+def test_recorded_esps_of_both_loaders_follow_the_real_refresh_and_are_refused():
+    """Readings of the kpro6-grubesp twin with a second ESP set up by the real `proxmox-boot-tool
+    init` (systemd-boot): GRUB's ESP first, the real refresh skipped the other ("contains no grub
+    directory": no entries there); systemd-boot's first, it wrote each in its own mode."""
+    grub_first = reading("kpro6-grubesp-mixed-grub-esp-first")
+    assert [(r["uuid"], r["refreshed"]) for r in plan.refresh_modes(grub_first["esps"], "uefi")] == [
+        ("5A1C-9E27", plan.GRUB_ESP), ("7B2D-1F30", None)]
+    assert grub_first["esps"][1]["entries"] == []  # what the real refresh left: nothing
+    sd_first = reading("kpro6-grubesp-mixed-systemd-boot-esp-first")
+    assert [(r["uuid"], r["refreshed"]) for r in plan.refresh_modes(sd_first["esps"], "uefi")] == [
+        ("7B2D-1F30", plan.SYSTEMD_BOOT), ("5A1C-9E27", plan.GRUB_ESP)]
+    assert {e["file"] for e in sd_first["esps"][0]["entries"]} == {"proxmox-6.14.8-2-pve.conf",
+                                                                   "proxmox-6.8.12-11-pve.conf"}
+    for state in (grub_first, sd_first):
+        why = plan.mixed_esps_refusal(state) or ""
+        assert "5A1C-9E27 (grub)" in why and "7B2D-1F30 (systemd-boot)" in why, why
+        assert "proxmox-boot-tool init /dev/disk/by-uuid/7B2D-1F30 grub" in why

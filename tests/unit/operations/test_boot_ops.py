@@ -236,3 +236,35 @@ def test_sev_snp_host_refuses_passthrough_in_preflight(loader, monkeypatch):
     refusals = boot.preflight(HostSpec(iommu={"passthrough": True}))
     assert len(refusals) == 1 and "SEV-SNP" in refusals[0]
     assert boot.preflight(HostSpec()) == []
+
+
+MIXED_ESPS: dict = {"firmware": "uefi", "efivars": {}, "esp_list": ["5A1C-9E27", "7B2D-1F30"], "grub_cfg": None,
+              "grubenv": None, "esps": [
+                  {"uuid": "5A1C-9E27", "mounted": True, "has": ["EFI/proxmox/grubx64.efi", "grub"]},
+                  {"uuid": "7B2D-1F30", "mounted": True, "has": ["loader/loader.conf"]}]}
+
+
+def test_esps_of_both_loaders_are_refused_before_the_cmdline_is_written(monkeypatch):
+    """Issue 38: proxmox-boot-tool refresh keeps GRUB's mode for the ESPs after a GRUB one
+    (zz-proxmox-boot update_esp_func), so with ESPs of both loaders the stage refuses."""
+    facts = systemd_boot_facts("root=/dev/sda", "root=/dev/sda")
+    monkeypatch.setattr(boot, "stage_facts", lambda: {**facts, "loader_state": MIXED_ESPS})
+    refusals = boot.preflight(HostSpec())
+    assert len(refusals) == 1 and "5A1C-9E27 (grub), 7B2D-1F30 (systemd-boot)" in refusals[0]
+    assert "proxmox-boot-tool init /dev/disk/by-uuid/7B2D-1F30 grub" in refusals[0]
+    one_mode = {**MIXED_ESPS, "esps": [MIXED_ESPS["esps"][0], {**MIXED_ESPS["esps"][0], "uuid": "7B2D-1F30"}]}
+    monkeypatch.setattr(boot, "stage_facts", lambda: {**facts, "loader_state": one_mode})
+    assert boot.preflight(HostSpec()) == []
+
+
+def test_the_loader_state_is_read_only_with_more_than_one_esp(monkeypatch):
+    """One ESP has one mode: no extra remote read (test_boot_e2e counts a no-change stage's)."""
+    from facts.loader import LoaderState
+    one = systemd_boot_facts("root=/dev/sda", "root=/dev/sda")
+    two = {**one, "boot_loader": {**one["boot_loader"], "esps": one["boot_loader"]["esps"] * 2}}
+    for facts, reads in ((one, False), (two, True)):
+        read: list = []
+        monkeypatch.setattr(boot, "fact_once", lambda cls, facts=facts, read=read:
+                            read.append(cls) or (MIXED_ESPS if cls is LoaderState else facts))
+        got = boot.stage_facts()
+        assert (LoaderState in read) == reads and ("loader_state" in got) == reads

@@ -344,6 +344,22 @@ def test_preflight_takes_a_trial_on_grub_esps_with_an_entry_id(monkeypatch):
     assert kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT})) == []
 
 
+def test_preflight_refuses_esps_of_both_loaders_before_anything_else(monkeypatch):
+    """Issue 38: with one ESP in GRUB's mode and one in systemd-boot's, what refresh writes depends
+    on their order (zz-proxmox-boot update_esp_func) and no one loader decision holds: refused."""
+    from spec.models import HostSpec
+    from tests.unit.operations.test_boot_ops import MIXED_ESPS
+    for esps in (MIXED_ESPS["esps"], MIXED_ESPS["esps"][::-1]):
+        state = {**MIXED_ESPS, "esps": esps, "esp_list": [e["uuid"] for e in esps]}
+        monkeypatch.setattr(kernel, "stage_facts", lambda k, state=state: {
+            "kernels": {"running": "6.8.12-4-pve", "installed": []},
+            "build": kernel_facts.parse_build_state(["pbt", "esps", "uefi", "grub_advanced_id ab"]), "source": None,
+            "loader_state": state})
+        refusals = kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT}))
+        assert len(refusals) == 1 and "different boot loaders" in refusals[0], refusals
+        assert "5A1C-9E27 (grub)" in refusals[0] and "7B2D-1F30 (systemd-boot)" in refusals[0]
+
+
 def test_preflight_refuses_a_release_already_installed_from_a_package_not_built_here(monkeypatch):
     from spec.models import HostSpec
     build = kernel_facts.parse_build_state(["pbt", "esps", "uefi", "kpkg proxmox-kernel-6.14.8-2-pve-signed"])
