@@ -248,6 +248,7 @@ def _with(monkeypatch, readings: dict, reasons: list | None = None):
 
     monkeypatch.setattr(upgrade, "fact_once", lambda cls, **kw: readings.get(cls))
     monkeypatch.setattr(upgrade, "guest_state", lambda: {"lxc": {200: "running"}, "qemu": {}})
+    monkeypatch.setattr(upgrade, "_rebooted_for_upgrade", lambda: False)
     if reasons is not None:
         import facts.run_state
 
@@ -289,3 +290,81 @@ def test_a_done_job_asks_for_the_reboot_into_9s_kernel(monkeypatch, perform_spec
     upgrade = _with(monkeypatch, _readings(9, ["status=done"], "free", kernel="6.17.2-1-pve"), reasons)
     upgrade.after_upgrade(perform_spec)
     assert reasons == []  # booted into 9's kernel: nothing due
+
+
+# -- the guests the start stopped, started again on 9 (issue 40: "guests back") -------------------
+
+def test_the_record_of_stopped_guests():
+    from facts.upgrade import parse_upgrade_job
+    from plan.upgrade_perform import parse_stopped_guests
+
+    found = parse_upgrade_job(["@@ state", "status=done", "@@ lock", "free", "@@ guests", "lxc 200", "qemu 300",
+                               "@@ log", "Setting up pve-manager (9.2.11) ..."])
+    assert found["guests"] == ["lxc 200", "qemu 300"] and found["log"] == ["Setting up pve-manager (9.2.11) ..."]
+    assert parse_stopped_guests(["lxc 200", "qemu 300", "lxc 200", "rm -rf /", "qemu x", ""]) == [
+        ("lxc", 200), ("qemu", 300)]
+    assert render_template("pve-upgrade-guests.j2", guests=[("lxc", 200), ("qemu", 300)]) == "lxc 200\nqemu 300\n"
+
+
+@pytest.mark.parametrize("status, kernel, rebooted, expected", [
+    ("done", "6.17.2-1-pve", False, [("lxc", 200)]),      # the run after the reboot into 9's kernel
+    ("done", "6.8.12-11-pve", True, [("lxc", 200)]),      # this run rebooted into 9 for the upgrade
+    ("done", "6.8.12-11-pve", False, []),                 # still 8's kernel (no reboot allowed): they wait
+    ("done", "6.14.11-4-bpo12-pve", False, []),           # 8's 6.14 is no 9 kernel
+    ("running", "6.17.2-1-pve", False, []),
+    ("failed", "6.17.2-1-pve", True, []),
+])
+def test_guests_start_again_only_on_9s_kernel_after_a_done_job(status, kernel, rebooted, expected):
+    from plan.upgrade_perform import guests_to_start
+
+    assert guests_to_start({"status": status}, kernel, rebooted, [("lxc", 200)]) == expected
+
+
+def test_the_start_records_the_guests_before_stopping_them(monkeypatch, perform_spec):
+    readings = _readings(8, [], None)
+    readings[next(k for k in readings if k.__name__ == "UpgradeJob")]["guests"] = ["qemu 300"]  # an earlier start's
+    upgrade = _with(monkeypatch, readings)
+    calls: list = []
+    monkeypatch.setattr(upgrade, "start_upgrade", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(upgrade, "start_commands", lambda spec: ("script", "start"))
+    upgrade.start(perform_spec)
+    assert calls[0]["stop"] == [("lxc", 200)]
+    assert calls[0]["record"] == "qemu 300\nlxc 200\n"
+
+
+def test_the_start_operation_writes_the_record_first(monkeypatch):
+    import base64
+
+    from operations import upgrade
+
+    monkeypatch.setattr(upgrade, "guest_stop_commands", lambda api, kind, gid, timeout: [f"STOP {kind} {gid}"])
+    text = [str(c) for c in upgrade.start_upgrade._inner(
+        script="s", start="START", stop=[("lxc", 200)], configs=[], timeout=60, record="lxc 200\n")]
+    record = next(i for i, c in enumerate(text) if "/var/lib/pvegpu/upgrade/guests-stopped" in c)
+    assert base64.b64encode(b"lxc 200\n").decode() in text[record]
+    assert "pvegpu_dir /var/lib/pvegpu/upgrade 700" in text[record]
+    assert record < text.index("STOP lxc 200") < text.index("START")
+
+
+def test_guests_started_again_once_then_forgotten(monkeypatch, perform_spec):
+    readings = _readings(9, ["status=done", "step=reboot-into-9"], "free", kernel="6.17.2-1-pve")
+    readings[next(k for k in readings if k.__name__ == "UpgradeJob")]["guests"] = ["lxc 200", "qemu 300"]
+    upgrade = _with(monkeypatch, readings)
+    operation = upgrade.start_stopped_guests
+    calls: list = []
+    monkeypatch.setattr(upgrade, "start_stopped_guests", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(upgrade, "guest_state_changes", lambda: None)
+    upgrade.restart_guests(perform_spec)
+    assert calls and calls[0]["guests"] == [("lxc", 200), ("qemu", 300)]
+    assert "CT 200, VM 300" in calls[0]["name"]
+    ops = list(operation._inner(guests=[("lxc", 200), ("qemu", 300)]))
+    assert [getattr(op, "args", None) for op in ops[:2]] == [("lxc", 200), ("qemu", 300)]
+    assert str(ops[-1]) == "rm -f -- /var/lib/pvegpu/upgrade/guests-stopped"
+    # on 8's kernel still, or without a record: nothing
+    calls.clear()
+    readings[next(k for k in readings if k.__name__ == "PveVersion")]["running_kernel"] = "6.8.12-11-pve"
+    upgrade.restart_guests(perform_spec)
+    readings[next(k for k in readings if k.__name__ == "PveVersion")]["running_kernel"] = "6.17.2-1-pve"
+    readings[next(k for k in readings if k.__name__ == "UpgradeJob")]["guests"] = []
+    upgrade.restart_guests(perform_spec)
+    assert calls == []
