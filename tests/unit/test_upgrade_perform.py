@@ -368,3 +368,93 @@ def test_guests_started_again_once_then_forgotten(monkeypatch, perform_spec):
     readings[next(k for k in readings if k.__name__ == "UpgradeJob")]["guests"] = []
     upgrade.restart_guests(perform_spec)
     assert calls == []
+
+
+# -- the Proxmox repository as 9 expects it (pve8to9.pm check_apt_repos, pve-manager master configs/) --
+
+def _run_job(tmp_path: Path, files: dict[str, str], keyring: bool, ships_enterprise: bool) -> dict[str, str]:
+    """The job script as rendered, run with its apt/dpkg stubbed and /etc/apt, the keyring, its state dir
+    under tmp_path: the files it leaves."""
+    import subprocess
+
+    apt = tmp_path / "etc/apt"
+    (apt / "sources.list.d").mkdir(parents=True)
+    for name, text in files.items():
+        (apt / name).write_text(text)
+    ring = tmp_path / "proxmox-archive-keyring.gpg"
+    if keyring:
+        ring.write_bytes(b"key")
+    state = tmp_path / "state"
+    state.mkdir()
+    script = render_template("pve-upgrade.sh.j2", state_dir=str(state), unpin=False, efi_default=False,
+                             unset_saved=False)
+    script = script.replace("/etc/apt/", f"{apt}/").replace("/usr/share/keyrings/proxmox-archive-keyring.gpg",
+                                                             str(ring))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # apt-get full-upgrade installs 9's pve-manager: its enterprise .sources (configs/pve-sources.sources)
+    shipped = ("Types: deb\nURIs: https://enterprise.proxmox.com/debian/pve\nSuites: trixie\n"
+               "Components: pve-enterprise\nSigned-By: /usr/share/keyrings/proxmox-archive-keyring.gpg\n")
+    (bin_dir / "apt-get").write_text("#!/bin/sh\n" + (
+        f"case \"$*\" in *full-upgrade*) printf '%s' '{shipped}' > {apt}/sources.list.d/pve-enterprise.sources;; esac\n"
+        if ships_enterprise else ""))
+    (bin_dir / "dpkg").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "dpkg-query").write_text("#!/bin/sh\nexit 1\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    (tmp_path / "job.sh").write_text(script)
+    import os
+
+    done = subprocess.run(["sh", str(tmp_path / "job.sh")], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert "status=done" in (state / "state").read_text(), done.stdout + done.stderr
+    return {str(p.relative_to(apt)): p.read_text() for p in apt.rglob("*") if p.is_file()}
+
+
+def test_one_line_proxmox_repos_get_what_9_expects(tmp_path):
+    out = _run_job(tmp_path, {
+        "sources.list": "deb http://deb.debian.org/debian bookworm main contrib\n",
+        "sources.list.d/pve-install-repo.list": "deb http://download.proxmox.com/debian/pve bookworm pvetest\n",
+        "sources.list.d/pve-enterprise.list": "# deb https://enterprise.proxmox.com/debian/pve bookworm pve-enterprise\n",
+        "sources.list.d/mine.list": "deb [signed-by=/etc/apt/k.gpg] http://download.proxmox.com/debian/pve bookworm "
+                                    "pve-no-subscription\n",
+    }, keyring=True, ships_enterprise=True)
+    ring = tmp_path / "proxmox-archive-keyring.gpg"
+    assert out["sources.list"] == "deb http://deb.debian.org/debian trixie main contrib\n"  # not Proxmox's: suite only
+    assert out["sources.list.d/pve-install-repo.list"] == \
+        f"deb [signed-by={ring}] http://download.proxmox.com/debian/pve trixie pve-test\n"
+    # the admin's key is kept; a disabled line stays disabled
+    assert out["sources.list.d/mine.list"] == ("deb [signed-by=/etc/apt/k.gpg] http://download.proxmox.com/debian/pve "
+                                               "trixie pve-no-subscription\n")
+    assert out["sources.list.d/pve-enterprise.list"].startswith("# deb")
+    # the host had no enterprise .sources: the one 9's pve-manager ships is kept, disabled
+    shipped = out["sources.list.d/pve-enterprise.sources"]
+    assert shipped.splitlines()[:2] == ["Types: deb", "Enabled: no"], shipped
+    from plan.upgrade_perform import parse_sources
+
+    assert parse_sources({"x.sources": shipped.splitlines()}) == []
+
+
+def test_deb822_proxmox_repos_get_what_9_expects(tmp_path):
+    debian = ("Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm bookworm-updates\nComponents: main\n"
+              "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n")
+    pve = ("Types: deb\nURIs: http://download.proxmox.com/debian/pve\nSuites: bookworm\nComponents: pvetest\n\n"
+           "Types: deb\nURIs: https://enterprise.proxmox.com/debian/pve\nSuites: bookworm\nComponents: pve-enterprise\n"
+           "Signed-By: /etc/apt/mine.gpg\n")
+    out = _run_job(tmp_path, {"sources.list.d/debian.sources": debian, "sources.list.d/pve-enterprise.sources": pve},
+                   keyring=True, ships_enterprise=False)
+    ring = tmp_path / "proxmox-archive-keyring.gpg"
+    assert out["sources.list.d/debian.sources"] == debian.replace("bookworm", "trixie")
+    assert out["sources.list.d/pve-enterprise.sources"] == (
+        "Types: deb\nURIs: http://download.proxmox.com/debian/pve\nSuites: trixie\nComponents: pve-test\n"
+        f"Signed-By: {ring}\n\n"
+        "Types: deb\nURIs: https://enterprise.proxmox.com/debian/pve\nSuites: trixie\nComponents: pve-enterprise\n"
+        "Signed-By: /etc/apt/mine.gpg\n")  # the host's own enterprise .sources: enabled as it was
+
+
+def test_without_the_keyring_no_signed_by_is_invented(tmp_path):
+    out = _run_job(tmp_path, {"sources.list.d/pve-install-repo.list":
+                              "deb http://download.proxmox.com/debian/pve bookworm pve-no-subscription\n"},
+                   keyring=False, ships_enterprise=False)
+    assert out["sources.list.d/pve-install-repo.list"] == \
+        "deb http://download.proxmox.com/debian/pve trixie pve-no-subscription\n"
