@@ -17,8 +17,9 @@ then pvegpu's upgrade check (--dry, `proxmox_ve: 9`) reports what is still due o
 
 test_one_deploy_performs_the_upgrade: the same upgrade done by pvegpu itself, one full deploy with
 `proxmox_ve_upgrade: perform` starting the job (the setsid path: the twin runs no systemd), then the
-reboot into 9's kernel, a converge, the host checks and a run without changes (356 s on
-2026-12-06 at a 1-min load of 4-5, 186 s on a quieter one).
+reboot into 9's kernel, a converge, the host checks and a run without changes, with a GPU CT
+stopped for the upgrade and started again on 9 (235 s on 2026-12-06; 186-356 s without the CT,
+by the machine's load).
 
 The slow lane (`make test-slow`; scripts/run-tests.sh leaves it out): ~3-10 min warm on 2
 busy cores (2026-12-06: 558 s and 462 s for two cases, the full-upgrade alone 412-483 s; later
@@ -207,14 +208,20 @@ def test_one_deploy_performs_the_upgrade(twin_factory, tmp_path, monkeypatch):
     templates/pve-upgrade-start.sh.j2, not a `systemd-run` unit), which moves the sources and runs the
     real `apt-get full-upgrade`; a run meanwhile reports it running and changes nothing; the next run
     (reboot.allowed) converges on 9 and reboots into 9's kernel, which comes up with nvidia.version's
-    modules built by GCC 14 (by the hook inside the job's transaction); a converge, the host checks
+    modules built by GCC 14 (by the hook inside the job's transaction) and starts again the GPU CT the
+    start stopped (its record, guests-stopped, then removed); a converge, the host checks
     (nvidia_driver), and a last run without changes. The resolver is this machine's while the job
     runs (its `apt-get update`)."""
     p = prepare(twin_factory, tmp_path, monkeypatch, name=PERFORM_NAME)
     t0, twin, root, sha, new = p["t0"], p["twin"], p["root"], p["sha"], p["new"]
     du.move_sources(twin, "trixie", "bookworm")  # the host as it is before the upgrade: the job moves them
     assert (root / du.PVE_LIST).read_text().split()[-2:] == ["bookworm", du.COMPONENT]
-    inv = write_inventory(tmp_path, twin, sha, 9, proxmox_ve_upgrade="perform", reboot={"allowed": True})
+    # a running CT with a GPU: the start stops it and records it; the run on 9's kernel starts it again
+    inv = write_inventory(tmp_path, twin, sha, 9, proxmox_ve_upgrade="perform", reboot={"allowed": True},
+                          gpus={"0000:01:00.0": "lxc"}, containers={200: {"gpus": ["0000:01:00.0"]}},
+                          guests={"allow_stop": True})
+    du.sh(twin, "pct start 200")
+    record = root / STATE / "guests-stopped"
     state = root / STATE / "state"
 
     def status() -> str:
@@ -226,6 +233,7 @@ def test_one_deploy_performs_the_upgrade(twin_factory, tmp_path, monkeypatch):
         assert started.rc == 0, started.output[-6000:]
         assert "the Proxmox VE 8 -> 9 upgrade starts detached on the host" in started.output, started.output[-4000:]
         assert "status=running" in status() or "status=done" in status(), status()
+        assert record.read_text() == "lxc 200\n" and "status: stopped" in du.sh(twin, "pct status 200").stdout
         # a run while the job runs: reported, the run stops
         running = run_pyinfra(inv, "deploy.py", timeout=900)
         assert running.rc != 0 and "the 8 -> 9 upgrade runs on the host" in running.output, running.output[-4000:]
@@ -256,6 +264,9 @@ def test_one_deploy_performs_the_upgrade(twin_factory, tmp_path, monkeypatch):
     comment = du.sh(twin, f"readelf -p .comment {ko}").stdout
     assert "14.2.0" in comment and "12.2.0" not in comment, comment
     assert pc.gpu_driver(PERFORM_NAME) == VERSION, rebooted.output[-4000:]
+    # the CT pvegpu stopped for the upgrade runs again, once: the record is gone
+    assert "status: running" in du.sh(twin, "pct status 200").stdout, rebooted.output[-4000:]
+    assert not record.exists()
 
     # a converge, the host checks, a run without changes
     with pc.Operator(PERFORM_NAME):
