@@ -120,6 +120,9 @@ else:
     if run_state().rebooting:
         run_stages(host, stages, "after_reboot", spec)
 
+    # the GPU guests the 8 -> 9 upgrade's start stopped: started again once the host runs 9's kernel
+    upgrade.restart_guests(spec)
+
 # --dry: every file and Proxmox config that would change, as a unified diff (operations/backup.py)
 if is_dry():
     show_dry_diffs()

@@ -24,19 +24,22 @@ kernel's CONFIG_CC_VERSION_TEXT) and the host checks prove it.
 
 from __future__ import annotations
 
-from pyinfra.api import StringCommand, operation
+from pyinfra import logger
+from pyinfra.api import FunctionCommand, StringCommand, operation
 
 from facts.boot import BootStageFacts
-from facts.guest_state import guest_state
+from facts.guest_state import guest_state, guest_state_changes
 from facts.once import fact_once
 from facts.proxmox import LxcConfigs, PvePackages, PveVersion
+from facts.shell import word
 from facts.upgrade import OsRelease, UpgradeJob, UpgradePreflight, UpgradeState
 from operations.backup import backup_command
 from operations.files import write_file_command
-from operations.proxmox import guest_stop_commands
+from operations.proxmox import KIND_LABEL, KIND_TOOL, guest_stop_commands
 from plan import upgrade_perform as perform
 from plan.releases import host_release_refusals, kernel_pve_major
 from plan.render import PRIVATE, render_template, root_dirs
+from plan.terminal import visible
 from plan.upgrade import HostView, upgrade_findings
 from spec.models import HostSpec
 
@@ -62,7 +65,7 @@ def job(spec: HostSpec) -> dict:
     """The upgrade job's reading (plan.upgrade_perform.job_reading); status None: none started."""
     if not _performs(spec):
         return {"status": None}
-    found = fact_once(UpgradeJob) or UpgradeJob.default()
+    found = _job_fact()
     return perform.job_reading(found["state"], found["lock"], found["log"])
 
 
@@ -115,7 +118,8 @@ def start_commands(spec: HostSpec) -> tuple[str, str]:
 
 
 @operation()
-def start_upgrade(script: str, start: str, stop: list[tuple[str, int]], configs: list[str], timeout: int):
+def start_upgrade(script: str, start: str, stop: list[tuple[str, int]], configs: list[str], timeout: int,
+                  record: str = ""):
     """Stop the running GPU guests, back up their configs, write the job and start it detached.
 
     + script: rendered templates/pve-upgrade.sh.j2
@@ -123,13 +127,17 @@ def start_upgrade(script: str, start: str, stop: list[tuple[str, int]], configs:
     + stop: the running GPU guests [(kind, id)] (the preflight refused unless guests.allow_stop)
     + configs: the guest config files backed up first (operations/backup.py)
     + timeout: guests.shutdown_timeout
+    + record: rendered templates/pve-upgrade-guests.j2, the guests to start again after the upgrade
+      (written before any is stopped; empty: none)
     """
     for path in configs:
         yield StringCommand(backup_command(path))
+    dirs = root_dirs(("/var/lib/pvegpu", PRIVATE), (perform.STATE_DIR, PRIVATE))
+    if record:
+        yield StringCommand(dirs + write_file_command(perform.GUESTS_FILE, record, "600", keep_previous=False))
     for kind, gid in stop:
         yield from guest_stop_commands(None, kind, gid, timeout)  # over SSH, as the job itself
-    yield StringCommand(root_dirs(("/var/lib/pvegpu", PRIVATE), (perform.STATE_DIR, PRIVATE))
-                        + write_file_command(perform.SCRIPT, script, "700", keep_previous=False))
+    yield StringCommand(dirs + write_file_command(perform.SCRIPT, script, "700", keep_previous=False))
     yield StringCommand(start)
 
 
@@ -141,9 +149,65 @@ def start(spec: HostSpec) -> None:
     configs = ([f"/etc/pve/lxc/{c}.conf" for c in sorted(spec.containers)]
                + [f"/etc/pve/qemu-server/{v}.conf" for v in sorted(spec.vms)])
     script, command = start_commands(spec)
+    # the guests stopped now, and those an earlier start stopped (a failed job started again): started
+    # again once the host runs 9's kernel (restart_guests)
+    guests = perform.parse_stopped_guests([*_job_fact()["guests"], *(f"{k} {g}" for k, g in stop)])
+    record = render_template("pve-upgrade-guests.j2", guests=guests) if guests else ""
     start_upgrade(name="Start the Proxmox VE 8 -> 9 upgrade (detached; backup of /etc/pve and the guest configs "
                        f"first{', GPU guests stopped' if stop else ''})",
-                  script=script, start=command, stop=stop, configs=configs, timeout=spec.guests.shutdown_timeout)
+                  script=script, start=command, stop=stop, configs=configs, timeout=spec.guests.shutdown_timeout,
+                  record=record)
+
+
+def restart_guests(spec: HostSpec) -> None:
+    """After the converge: the guests the upgrade's start stopped are started again once the job is
+    done and the host runs 9's kernel (plan.upgrade_perform.guests_to_start), those still stopped
+    then, once; the record is removed after (a start that fails is a warning, not kept for later)."""
+    if not _performs(spec):
+        return
+    found = _job_fact()
+    recorded = perform.parse_stopped_guests(found["guests"])
+    kernel = (fact_once(PveVersion) or {}).get("running_kernel")
+    guests = perform.guests_to_start(job(spec), kernel, _rebooted_for_upgrade(), recorded)
+    if not guests:
+        return
+    start_stopped_guests(name="Start the GPU guests stopped for the Proxmox VE 8 -> 9 upgrade ("
+                              + ", ".join(f"{KIND_LABEL[k]} {g}" for k, g in guests) + ")", guests=guests)
+
+
+def _rebooted_for_upgrade() -> bool:
+    """This run rebooted the host (the reboot stage) with the upgrade's reason among its reasons."""
+    from facts.run_state import reboot_reasons, run_state
+
+    return run_state().rebooting and any(kind == "upgrade" for kind, _ in reboot_reasons())
+
+
+@operation(is_idempotent=False)
+def start_stopped_guests(guests: list[tuple[str, int]]):
+    """Start each guest of `guests` that is stopped now (one the converge started runs already),
+    then forget the record (perform.GUESTS_FILE).
+
+    + guests: [(kind, id)] from the record
+    """
+    guest_state_changes()
+    for kind, gid in guests:
+        yield FunctionCommand(_start_if_stopped, (kind, gid), {})
+    yield StringCommand(f"rm -f -- {word(perform.GUESTS_FILE)}")
+
+
+def _start_if_stopped(state, host, kind: str, gid: int) -> bool:
+    tool, vmid = KIND_TOOL[kind], word(str(gid))
+    ok, output = host.run_shell_command(StringCommand(
+        f"if {tool} status {vmid} | grep -qx 'status: stopped'; then {tool} start {vmid}; fi"))
+    if not ok:
+        said = visible(" ".join(" ".join(output.stdout_lines + output.stderr_lines).split()))
+        logger.warning(f"{host.name}: {KIND_LABEL[kind]} {gid} was stopped for the 8 -> 9 upgrade and did not start "
+                       f"again: {said}")
+    return True
+
+
+def _job_fact() -> dict:
+    return fact_once(UpgradeJob) or UpgradeJob.default()
 
 
 def after_upgrade(spec: HostSpec) -> None:

@@ -12,6 +12,11 @@ a transient systemd unit or a setsid'd process) and keeps its state in STATE_DIR
 runs: flock(1)). The next run reads them: running -> reported, the run stops; failed (or the job
 gone while its state says running: killed, a power cut) -> refused with the log's tail and how
 to start again; done -> the converge goes on, and reboots into 9's kernel per `reboot.allowed`.
+
+The guests (`guests_to_start`): the GPU guests the start stopped are recorded in GUESTS_FILE
+(`lxc 200`, `qemu 300`, one a line; kept across a failed job and a new start) before they are
+stopped; once the job is done and the host runs 9's kernel, the run after the converge starts
+those of them still stopped, once, and removes the record.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ STATE_FILE = f"{STATE_DIR}/state"
 LOG_FILE = f"{STATE_DIR}/upgrade.log"
 LOCK_FILE = f"{STATE_DIR}/lock"
 SCRIPT = f"{STATE_DIR}/upgrade.sh"
+GUESTS_FILE = f"{STATE_DIR}/guests-stopped"  # the GPU guests the start stopped: `lxc 200`, `qemu 300`
 UNIT = "pvegpu-upgrade"
 # Proxmox's upgrade guide (Upgrade from 8 to 9, "Continuously use the pve8to9 checklist script"):
 # at least 5 GB free on /, 10 GB recommended; pvegpu's kernel build dirs and .debs live there too
@@ -232,3 +238,28 @@ def stale_pins(state: dict) -> dict:
         return bool(release) and kernel_pve_major(str(release)) in (7, 8)
 
     return {"unpin": of_8(state.get("pin")), "unset_saved": of_8(grub_release_of(state.get("grub_saved")))}
+
+
+def parse_stopped_guests(lines: list[str]) -> list[tuple[str, int]]:
+    """GUESTS_FILE's lines -> [(kind, id)] in file order, each once (a line not `lxc|qemu <id>` is
+    skipped: the file is pvegpu's own)."""
+    found: list[tuple[str, int]] = []
+    for line in lines:
+        words = line.split()
+        if len(words) == 2 and words[0] in ("lxc", "qemu") and words[1].isdigit():
+            guest = (words[0], int(words[1]))
+            if guest not in found:
+                found.append(guest)
+    return found
+
+
+def guests_to_start(job: dict, running_kernel: str | None, rebooted_for_upgrade: bool,
+                    recorded: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The guests to start again after the upgrade: those pvegpu stopped for it (GUESTS_FILE), once
+    the job is done and the host runs 9's kernel (read at the run's start, or this run rebooted it
+    for the upgrade: the reboot's host checks passed). Empty while the job runs or failed, or the
+    host still runs 8's kernel (no reboot allowed): the record waits."""
+    if job.get("status") != "done" or not recorded:
+        return []
+    on_9 = bool(running_kernel) and kernel_pve_major(str(running_kernel)) == 9
+    return list(recorded) if on_9 or rebooted_for_upgrade else []

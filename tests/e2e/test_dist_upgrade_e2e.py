@@ -15,6 +15,12 @@ gcc-14 was not configured yet, by its pass after the dpkg run; in no case is an 
 (proxmox-boot-tool's pin, the ESP's loader.conf default, the EFI variable LoaderEntryDefault);
 then pvegpu's upgrade check (--dry, `proxmox_ve: 9`) reports what is still due on 9.
 
+test_one_deploy_performs_the_upgrade: the same upgrade done by pvegpu itself, one full deploy with
+`proxmox_ve_upgrade: perform` starting the job (the setsid path: the twin runs no systemd), then the
+reboot into 9's kernel, a converge, the host checks and a run without changes, with a GPU CT
+stopped for the upgrade and started again on 9 (235 s on 2026-12-06; 186-356 s without the CT,
+by the machine's load).
+
 The slow lane (`make test-slow`; scripts/run-tests.sh leaves it out): ~3-10 min warm on 2
 busy cores (2026-12-06: 558 s and 462 s for two cases, the full-upgrade alone 412-483 s; later
 that day 150 s, the full-upgrade 108 s, on a quieter machine), the first run also downloads ~300
@@ -50,11 +56,12 @@ STAGES = {"PVEGPU_STAGES": "operations.nvidia,operations.kernel_hook"}
 HOOK_DIR = "var/lib/pvegpu/kernel-hook"
 
 
-def write_inventory(tmp: Path, twin, sha: str, pve: int | None) -> str:
+def write_inventory(tmp: Path, twin, sha: str, pve: int | None, **more) -> str:
     nvidia = {"version": VERSION, "open": True, "modules_source": {"url": f"file://{ARCHIVE}", "sha256": sha},
               "firmware": False, "persistenced": False}
-    spec = {"node": "kpro6", "kernel_updates": "follow", "nvidia": nvidia, **({"proxmox_ve": pve} if pve else {})}
-    return spec_inventory(tmp, twin, spec, f"distup-{pve or 8}")
+    spec = {"node": "kpro6", "kernel_updates": "follow", "nvidia": nvidia, **({"proxmox_ve": pve} if pve else {}),
+            **more}
+    return spec_inventory(tmp, twin, spec, f"distup-{pve or 8}{'-perform' if more else ''}")
 
 
 def loader_defaults(root: Path) -> dict:
@@ -74,10 +81,13 @@ def loader_defaults(root: Path) -> dict:
 # for 9's kernel it takes that kernel's own (trixie's gcc-14/g++-14, templates/nvidia-toolchain-pick.sh.j2),
 # inside the transaction where dpkg has configured them by then, else in apt's DPkg::Post-Invoke pass
 # after the dpkg run (issue 40: a hook rendered with gcc-12 left 9's kernel without modules).
-def test_real_dist_upgrade_8_to_9(twin_factory, tmp_path, monkeypatch):
+def prepare(twin_factory, tmp_path, monkeypatch, name: str = NAME) -> dict:
+    """The twin on 8 converged (the NVIDIA and kernel hook stages), Proxmox's 8 and 9 packages in the
+    local repository, Debian's trixie indexes and .debs in the twin's apt cache; the sources named
+    trixie (the upgrade guide's step: test_real_dist_upgrade_8_to_9 runs apt itself next)."""
     t0 = time.monotonic()
     (tmp_path / "p8.yml").write_text(PROFILE_8)
-    twin = twin_factory(str(tmp_path / "p8.yml"), name=NAME)
+    twin = twin_factory(str(tmp_path / "p8.yml"), name=name)
     root = Path(twin.root)
     du.sh(twin, f"ln -sfn /usr/src/linux-headers-6.1.0-57-amd64 /lib/modules/{OLD_KERNEL}/build")
     monkeypatch.setattr(ku, "VERSION", VERSION)
@@ -122,7 +132,15 @@ def test_real_dist_upgrade_8_to_9(twin_factory, tmp_path, monkeypatch):
     du.publish(twin, debs, "trixie")
     du.update_local(twin)
     t_fetch = time.monotonic() - t0 - t_8
+    return {"t0": t0, "t_8": t_8, "t_fetch": t_fetch, "twin": twin, "root": root, "sha": sha, "new": new,
+            "lists": lists, "downloaded": downloaded}
 
+
+def test_real_dist_upgrade_8_to_9(twin_factory, tmp_path, monkeypatch):
+    p = prepare(twin_factory, tmp_path, monkeypatch)
+    t0, t_8, t_fetch, twin, root, sha, new = (p["t0"], p["t_8"], p["t_fetch"], p["twin"], p["root"], p["sha"],
+                                              p["new"])
+    lists, downloaded = p["lists"], p["downloaded"]
     log = tmp_path / "full-upgrade.log"
     done = du.full_upgrade(twin, log)
     t_upgrade = time.monotonic() - t0 - t_8 - t_fetch
@@ -176,3 +194,86 @@ def test_real_dist_upgrade_8_to_9(twin_factory, tmp_path, monkeypatch):
         in dry.output, dry.output[-6000:]
     assert "Fix now (the host runs 9): apt remove systemd-boot" in dry.output
     print(f"total {time.monotonic() - t0:.0f} s")
+
+
+PERFORM_NAME = "s21-distup"
+STATE = "var/lib/pvegpu/upgrade"
+
+
+def test_one_deploy_performs_the_upgrade(twin_factory, tmp_path, monkeypatch):
+    """The whole 8 -> 9 upgrade by pvegpu (issue 40: `proxmox_ve: 9` + `proxmox_ve_upgrade: perform`):
+    the twin prepared as above (8 converged; the local repository and the apt cache hold 8's and 9's
+    packages), its sources back on bookworm; then ONE full `pyinfra <inventory> deploy.py` starts the
+    detached job (the twin runs no systemd: the job is the setsid'd process of
+    templates/pve-upgrade-start.sh.j2, not a `systemd-run` unit), which moves the sources and runs the
+    real `apt-get full-upgrade`; a run meanwhile reports it running and changes nothing; the next run
+    (reboot.allowed) converges on 9 and reboots into 9's kernel, which comes up with nvidia.version's
+    modules built by GCC 14 (by the hook inside the job's transaction) and starts again the GPU CT the
+    start stopped (its record, guests-stopped, then removed); a converge, the host checks
+    (nvidia_driver), and a last run without changes. The resolver is this machine's while the job
+    runs (its `apt-get update`)."""
+    p = prepare(twin_factory, tmp_path, monkeypatch, name=PERFORM_NAME)
+    t0, twin, root, sha, new = p["t0"], p["twin"], p["root"], p["sha"], p["new"]
+    du.move_sources(twin, "trixie", "bookworm")  # the host as it is before the upgrade: the job moves them
+    assert (root / du.PVE_LIST).read_text().split()[-2:] == ["bookworm", du.COMPONENT]
+    # a running CT with a GPU: the start stops it and records it; the run on 9's kernel starts it again
+    inv = write_inventory(tmp_path, twin, sha, 9, proxmox_ve_upgrade="perform", reboot={"allowed": True},
+                          gpus={"0000:01:00.0": "lxc"}, containers={200: {"gpus": ["0000:01:00.0"]}},
+                          guests={"allow_stop": True})
+    du.sh(twin, "pct start 200")
+    record = root / STATE / "guests-stopped"
+    state = root / STATE / "state"
+
+    def status() -> str:
+        return state.read_text() if state.exists() else ""
+
+    t_start = time.monotonic()
+    with du.Network(twin):
+        started = run_pyinfra(inv, "deploy.py", timeout=900)
+        assert started.rc == 0, started.output[-6000:]
+        assert "the Proxmox VE 8 -> 9 upgrade starts detached on the host" in started.output, started.output[-4000:]
+        assert "status=running" in status() or "status=done" in status(), status()
+        assert record.read_text() == "lxc 200\n" and "status: stopped" in du.sh(twin, "pct status 200").stdout
+        # a run while the job runs: reported, the run stops
+        running = run_pyinfra(inv, "deploy.py", timeout=900)
+        assert running.rc != 0 and "the 8 -> 9 upgrade runs on the host" in running.output, running.output[-4000:]
+        assert "status=running" in status(), status()  # still running after that run (minutes of apt)
+        deadline = time.monotonic() + 2400
+        while "status=running" in status() and time.monotonic() < deadline:
+            time.sleep(2)
+    t_job = time.monotonic() - t_start
+    log = (root / STATE / "upgrade.log").read_text()
+    (REPO / ".cache" / "distup" / "last-perform.log").write_text(log)
+    assert "status=done" in status(), status() + log[-8000:]
+    runtime.kill_sshd(PERFORM_NAME)  # 8's sshd listener cannot serve 9's sshd-session (as in the test above)
+    assert du.sh(twin, "dpkg --audit").stdout.strip() == ""
+    assert du.sh(twin, ". /etc/os-release && echo $VERSION_CODENAME").stdout.strip() == "trixie"
+    assert du.sh(twin, "dpkg-query -W -f '${Version}' pve-manager").stdout == du.PVE["trixie"]["pve-manager"]
+    assert (root / du.PVE_LIST).read_text().split()[-2:] == ["trixie", du.COMPONENT]  # moved by the job
+    hook = root / HOOK_DIR
+    assert (hook / f"{new}.ok").exists(), log[-8000:]
+
+    # the next run: converged on 9, rebooted into 9's kernel (reboot.allowed)
+    from tests.e2e import power_cut as pc
+
+    with pc.Operator(PERFORM_NAME):
+        rebooted = run_pyinfra(inv, "deploy.py", timeout=1200)
+    assert rebooted.rc == 0, rebooted.output[-6000:]
+    assert du.sh(twin, "uname -r").stdout.strip() == new, rebooted.output[-4000:]
+    ko = f"/lib/modules/{new}/updates/pvegpu-nvidia/nvidia.ko"
+    comment = du.sh(twin, f"readelf -p .comment {ko}").stdout
+    assert "14.2.0" in comment and "12.2.0" not in comment, comment
+    assert pc.gpu_driver(PERFORM_NAME) == VERSION, rebooted.output[-4000:]
+    # the CT pvegpu stopped for the upgrade runs again, once: the record is gone
+    assert "status: running" in du.sh(twin, "pct status 200").stdout, rebooted.output[-4000:]
+    assert not record.exists()
+
+    # a converge, the host checks, a run without changes
+    with pc.Operator(PERFORM_NAME):
+        converge = run_pyinfra(inv, "deploy.py", timeout=1200)
+    assert converge.rc == 0, converge.output[-6000:]
+    checks = pc.host_checks(inv, {}, "nvidia_driver")
+    assert checks is None, checks
+    again = run_pyinfra(inv, "deploy.py", timeout=1200)
+    assert again.rc == 0 and again.changed == 0, again.output[-6000:]
+    print(f"timings: prepare {p['t_8'] + p['t_fetch']:.0f} s, job {t_job:.0f} s, total {time.monotonic() - t0:.0f} s")

@@ -3,8 +3,8 @@ Proxmox VE 8 (fast lane: no real dist-upgrade; the job stops where apt would fet
 
 - preflight: with pve8to9 reporting a FAIL (the twin's pve8to9 stand-in, set_fault) and a Ceph
   Reef repository, the run refuses, names both, and changes nothing;
-- the start: the preflight passes; the run backs up /etc/pve (a tarball) and the guest configs
-  into root-only dirs and starts the job detached (the twin runs no systemd: a setsid'd process);
+- the start: the preflight passes; the run records the GPU guests it stops (guests-stopped), backs
+  up /etc/pve (a tarball) and the guest configs into root-only dirs and starts the job detached (the twin runs no systemd: a setsid'd process);
   the job waits for dpkg's lock, which the test holds as another apt run would;
 - a second run while the job runs reports it (its step, its log) and changes nothing;
 - the lock released, the job moves the sources to trixie in each file's own format (one-line
@@ -108,6 +108,7 @@ def test_perform_preflight_start_running_failed(twin_factory, tmp_path):
     ssh(HOLD_LOCK)
     assert wait_for(lambda: (root / "root/locked").exists())
 
+    ssh("pct start 200")  # a running GPU CT: the start stops it and records it
     # the start: backups, the job detached (no systemd in the twin: setsid), waiting for dpkg's lock
     started = run_pyinfra(inv, "deploy.py")
     assert started.rc == 0, started.output[-4000:]
@@ -120,6 +121,11 @@ def test_perform_preflight_start_running_failed(twin_factory, tmp_path):
     assert "etc/pve/nodes/kpro6/lxc/200.conf" in names and "etc/pve/nodes/kpro6/qemu-server/300.conf" in names, names
     assert list((root / "var/lib/pvegpu/backup/etc/pve/lxc/200.conf").iterdir())
     assert wait_for(lambda: "step=wait-for-dpkg" in (state_dir / "state").read_text())
+    # the GPU guests it stopped are recorded (root's, 0600) to be started again once the host runs 9's kernel
+    stopped = [line for line in ssh("pct list; qm list").splitlines() if "stopped" in line]
+    record = state_dir / "guests-stopped"
+    assert "GPU guests stopped" in started.output and any(line.split()[:2] == ["200", "stopped"] for line in stopped)
+    assert oct(record.stat().st_mode & 0o777) == "0o600" and record.read_text() == "lxc 200\n"
 
     # a second run while it runs: reported, nothing changed, the run stops
     before = root_manifest(upper)

@@ -1009,6 +1009,8 @@ NO_SPEC_VALUE = {
     # issue 40 item 1, plan/upgrade_perform.py: its constants and what the facts read (pins)
     "pve-upgrade.sh.j2": {"state_dir", "unpin", "efi_default", "unset_saved"},
     "pve-upgrade-start.sh.j2": {"state_dir", "lock", "script", "unit"},
+    # (lxc|qemu, int id) pairs: the spec's guest ids are ints (plan.upgrade_perform.parse_stopped_guests)
+    "pve-upgrade-guests.j2": {"guests"},
 }
 
 

@@ -248,6 +248,7 @@ def _with(monkeypatch, readings: dict, reasons: list | None = None):
 
     monkeypatch.setattr(upgrade, "fact_once", lambda cls, **kw: readings.get(cls))
     monkeypatch.setattr(upgrade, "guest_state", lambda: {"lxc": {200: "running"}, "qemu": {}})
+    monkeypatch.setattr(upgrade, "_rebooted_for_upgrade", lambda: False)
     if reasons is not None:
         import facts.run_state
 
@@ -289,3 +290,171 @@ def test_a_done_job_asks_for_the_reboot_into_9s_kernel(monkeypatch, perform_spec
     upgrade = _with(monkeypatch, _readings(9, ["status=done"], "free", kernel="6.17.2-1-pve"), reasons)
     upgrade.after_upgrade(perform_spec)
     assert reasons == []  # booted into 9's kernel: nothing due
+
+
+# -- the guests the start stopped, started again on 9 (issue 40: "guests back") -------------------
+
+def test_the_record_of_stopped_guests():
+    from facts.upgrade import parse_upgrade_job
+    from plan.upgrade_perform import parse_stopped_guests
+
+    found = parse_upgrade_job(["@@ state", "status=done", "@@ lock", "free", "@@ guests", "lxc 200", "qemu 300",
+                               "@@ log", "Setting up pve-manager (9.2.11) ..."])
+    assert found["guests"] == ["lxc 200", "qemu 300"] and found["log"] == ["Setting up pve-manager (9.2.11) ..."]
+    assert parse_stopped_guests(["lxc 200", "qemu 300", "lxc 200", "rm -rf /", "qemu x", ""]) == [
+        ("lxc", 200), ("qemu", 300)]
+    assert render_template("pve-upgrade-guests.j2", guests=[("lxc", 200), ("qemu", 300)]) == "lxc 200\nqemu 300\n"
+
+
+@pytest.mark.parametrize("status, kernel, rebooted, expected", [
+    ("done", "6.17.2-1-pve", False, [("lxc", 200)]),      # the run after the reboot into 9's kernel
+    ("done", "6.8.12-11-pve", True, [("lxc", 200)]),      # this run rebooted into 9 for the upgrade
+    ("done", "6.8.12-11-pve", False, []),                 # still 8's kernel (no reboot allowed): they wait
+    ("done", "6.14.11-4-bpo12-pve", False, []),           # 8's 6.14 is no 9 kernel
+    ("running", "6.17.2-1-pve", False, []),
+    ("failed", "6.17.2-1-pve", True, []),
+])
+def test_guests_start_again_only_on_9s_kernel_after_a_done_job(status, kernel, rebooted, expected):
+    from plan.upgrade_perform import guests_to_start
+
+    assert guests_to_start({"status": status}, kernel, rebooted, [("lxc", 200)]) == expected
+
+
+def test_the_start_records_the_guests_before_stopping_them(monkeypatch, perform_spec):
+    readings = _readings(8, [], None)
+    readings[next(k for k in readings if k.__name__ == "UpgradeJob")]["guests"] = ["qemu 300"]  # an earlier start's
+    upgrade = _with(monkeypatch, readings)
+    calls: list = []
+    monkeypatch.setattr(upgrade, "start_upgrade", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(upgrade, "start_commands", lambda spec: ("script", "start"))
+    upgrade.start(perform_spec)
+    assert calls[0]["stop"] == [("lxc", 200)]
+    assert calls[0]["record"] == "qemu 300\nlxc 200\n"
+
+
+def test_the_start_operation_writes_the_record_first(monkeypatch):
+    import base64
+
+    from operations import upgrade
+
+    monkeypatch.setattr(upgrade, "guest_stop_commands", lambda api, kind, gid, timeout: [f"STOP {kind} {gid}"])
+    text = [str(c) for c in upgrade.start_upgrade._inner(
+        script="s", start="START", stop=[("lxc", 200)], configs=[], timeout=60, record="lxc 200\n")]
+    record = next(i for i, c in enumerate(text) if "/var/lib/pvegpu/upgrade/guests-stopped" in c)
+    assert base64.b64encode(b"lxc 200\n").decode() in text[record]
+    assert "pvegpu_dir /var/lib/pvegpu/upgrade 700" in text[record]
+    assert record < text.index("STOP lxc 200") < text.index("START")
+
+
+def test_guests_started_again_once_then_forgotten(monkeypatch, perform_spec):
+    readings = _readings(9, ["status=done", "step=reboot-into-9"], "free", kernel="6.17.2-1-pve")
+    readings[next(k for k in readings if k.__name__ == "UpgradeJob")]["guests"] = ["lxc 200", "qemu 300"]
+    upgrade = _with(monkeypatch, readings)
+    operation = upgrade.start_stopped_guests
+    calls: list = []
+    monkeypatch.setattr(upgrade, "start_stopped_guests", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(upgrade, "guest_state_changes", lambda: None)
+    upgrade.restart_guests(perform_spec)
+    assert calls and calls[0]["guests"] == [("lxc", 200), ("qemu", 300)]
+    assert "CT 200, VM 300" in calls[0]["name"]
+    ops = list(operation._inner(guests=[("lxc", 200), ("qemu", 300)]))
+    assert [getattr(op, "args", None) for op in ops[:2]] == [("lxc", 200), ("qemu", 300)]
+    assert str(ops[-1]) == "rm -f -- /var/lib/pvegpu/upgrade/guests-stopped"
+    # on 8's kernel still, or without a record: nothing
+    calls.clear()
+    readings[next(k for k in readings if k.__name__ == "PveVersion")]["running_kernel"] = "6.8.12-11-pve"
+    upgrade.restart_guests(perform_spec)
+    readings[next(k for k in readings if k.__name__ == "PveVersion")]["running_kernel"] = "6.17.2-1-pve"
+    readings[next(k for k in readings if k.__name__ == "UpgradeJob")]["guests"] = []
+    upgrade.restart_guests(perform_spec)
+    assert calls == []
+
+
+# -- the Proxmox repository as 9 expects it (pve8to9.pm check_apt_repos, pve-manager master configs/) --
+
+def _run_job(tmp_path: Path, files: dict[str, str], keyring: bool, ships_enterprise: bool) -> dict[str, str]:
+    """The job script as rendered, run with its apt/dpkg stubbed and /etc/apt, the keyring, its state dir
+    under tmp_path: the files it leaves."""
+    import subprocess
+
+    apt = tmp_path / "etc/apt"
+    (apt / "sources.list.d").mkdir(parents=True)
+    for name, text in files.items():
+        (apt / name).write_text(text)
+    ring = tmp_path / "proxmox-archive-keyring.gpg"
+    if keyring:
+        ring.write_bytes(b"key")
+    state = tmp_path / "state"
+    state.mkdir()
+    script = render_template("pve-upgrade.sh.j2", state_dir=str(state), unpin=False, efi_default=False,
+                             unset_saved=False)
+    script = script.replace("/etc/apt/", f"{apt}/").replace("/usr/share/keyrings/proxmox-archive-keyring.gpg",
+                                                             str(ring))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # apt-get full-upgrade installs 9's pve-manager: its enterprise .sources (configs/pve-sources.sources)
+    shipped = ("Types: deb\nURIs: https://enterprise.proxmox.com/debian/pve\nSuites: trixie\n"
+               "Components: pve-enterprise\nSigned-By: /usr/share/keyrings/proxmox-archive-keyring.gpg\n")
+    (bin_dir / "apt-get").write_text("#!/bin/sh\n" + (
+        f"case \"$*\" in *full-upgrade*) printf '%s' '{shipped}' > {apt}/sources.list.d/pve-enterprise.sources;; esac\n"
+        if ships_enterprise else ""))
+    (bin_dir / "dpkg").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "dpkg-query").write_text("#!/bin/sh\nexit 1\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    (tmp_path / "job.sh").write_text(script)
+    import os
+
+    done = subprocess.run(["sh", str(tmp_path / "job.sh")], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert "status=done" in (state / "state").read_text(), done.stdout + done.stderr
+    return {str(p.relative_to(apt)): p.read_text() for p in apt.rglob("*") if p.is_file()}
+
+
+def test_one_line_proxmox_repos_get_what_9_expects(tmp_path):
+    out = _run_job(tmp_path, {
+        "sources.list": "deb http://deb.debian.org/debian bookworm main contrib\n",
+        "sources.list.d/pve-install-repo.list": "deb http://download.proxmox.com/debian/pve bookworm pvetest\n",
+        "sources.list.d/pve-enterprise.list": "# deb https://enterprise.proxmox.com/debian/pve bookworm pve-enterprise\n",
+        "sources.list.d/mine.list": "deb [signed-by=/etc/apt/k.gpg] http://download.proxmox.com/debian/pve bookworm "
+                                    "pve-no-subscription\n",
+    }, keyring=True, ships_enterprise=True)
+    ring = tmp_path / "proxmox-archive-keyring.gpg"
+    assert out["sources.list"] == "deb http://deb.debian.org/debian trixie main contrib\n"  # not Proxmox's: suite only
+    assert out["sources.list.d/pve-install-repo.list"] == \
+        f"deb [signed-by={ring}] http://download.proxmox.com/debian/pve trixie pve-test\n"
+    # the admin's key is kept; a disabled line stays disabled
+    assert out["sources.list.d/mine.list"] == ("deb [signed-by=/etc/apt/k.gpg] http://download.proxmox.com/debian/pve "
+                                               "trixie pve-no-subscription\n")
+    assert out["sources.list.d/pve-enterprise.list"].startswith("# deb")
+    # the host had no enterprise .sources: the one 9's pve-manager ships is kept, disabled
+    shipped = out["sources.list.d/pve-enterprise.sources"]
+    assert shipped.splitlines()[:2] == ["Types: deb", "Enabled: no"], shipped
+    from plan.upgrade_perform import parse_sources
+
+    assert parse_sources({"x.sources": shipped.splitlines()}) == []
+
+
+def test_deb822_proxmox_repos_get_what_9_expects(tmp_path):
+    debian = ("Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm bookworm-updates\nComponents: main\n"
+              "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n")
+    pve = ("Types: deb\nURIs: http://download.proxmox.com/debian/pve\nSuites: bookworm\nComponents: pvetest\n\n"
+           "Types: deb\nURIs: https://enterprise.proxmox.com/debian/pve\nSuites: bookworm\nComponents: pve-enterprise\n"
+           "Signed-By: /etc/apt/mine.gpg\n")
+    out = _run_job(tmp_path, {"sources.list.d/debian.sources": debian, "sources.list.d/pve-enterprise.sources": pve},
+                   keyring=True, ships_enterprise=False)
+    ring = tmp_path / "proxmox-archive-keyring.gpg"
+    assert out["sources.list.d/debian.sources"] == debian.replace("bookworm", "trixie")
+    assert out["sources.list.d/pve-enterprise.sources"] == (
+        "Types: deb\nURIs: http://download.proxmox.com/debian/pve\nSuites: trixie\nComponents: pve-test\n"
+        f"Signed-By: {ring}\n\n"
+        "Types: deb\nURIs: https://enterprise.proxmox.com/debian/pve\nSuites: trixie\nComponents: pve-enterprise\n"
+        "Signed-By: /etc/apt/mine.gpg\n")  # the host's own enterprise .sources: enabled as it was
+
+
+def test_without_the_keyring_no_signed_by_is_invented(tmp_path):
+    out = _run_job(tmp_path, {"sources.list.d/pve-install-repo.list":
+                              "deb http://download.proxmox.com/debian/pve bookworm pve-no-subscription\n"},
+                   keyring=False, ships_enterprise=False)
+    assert out["sources.list.d/pve-install-repo.list"] == \
+        "deb http://download.proxmox.com/debian/pve trixie pve-no-subscription\n"
