@@ -155,7 +155,9 @@ def test_grub_on_esps_reads_the_esps_grub_cfg_and_grubenv_not_the_roots():
 
 @pytest.mark.parametrize("firmware, has, mode", [
     ("uefi", ["loader/loader.conf"], plan.SYSTEMD_BOOT),
-    ("uefi", ["EFI/proxmox/grubx64.efi", "loader/loader.conf", "grub"], plan.GRUB_ESP),  # installed with Secure Boot
+    # `init <part> grub` over a systemd-boot ESP (loader.conf left; the installer formats first:
+    # pve-installer Proxmox/Install.pm prepare_proxmox_boot_esp): refresh's mode is GRUB's
+    ("uefi", ["EFI/proxmox/grubx64.efi", "loader/loader.conf", "grub"], plan.GRUB_ESP),
     ("bios", ["grub"], plan.GRUB_ESP),
     ("bios", ["loader/loader.conf", "grub"], plan.GRUB_ESP),
     ("bios", ["loader/loader.conf"], None),
