@@ -359,10 +359,12 @@ def preflight(spec: HostSpec) -> list[str]:
                 "kernel's own config (patch the repository or build from a tarball instead)"]
     facts = stage_facts(k)
     refusals = []
-    # ESPs of both loaders: refresh's result depends on their order (issue 38; plan.loader.refresh_modes)
-    mixed = loader_plan.mixed_esps_refusal(facts.get("loader_state"))
+    # ESPs of both loaders: refresh's result depends on their order (issue 38; plan.loader.refresh_modes);
+    # one ESP holding both, or systemd-boot started on GRUB's ESPs: a trial armed in one loader while
+    # the firmware may start the other (plan.loader.both_loaders_on_one_esp)
+    mixed = loader_plan.esp_mode_problems(facts.get("loader_state"))
     if mixed:
-        return [f"kernel: {mixed}"]
+        return [f"kernel: {mixed[0]}"]
     source = facts.get("source")
     if source:
         refusal = plan.release_refusal(k, source["release"], f"{host.name}:{source['from']}")

@@ -5,6 +5,8 @@
     esp_loader(esp, firmware)         -> SYSTEMD_BOOT | GRUB_ESP | None   # one ESP's, as refresh set it up
     refresh_modes(esps, firmware)     -> [{"uuid", "own", "refreshed", "skipped"}]  # what one refresh does to each
     mixed_esps_refusal(loader_state)  -> str | None   # ESPs of both loaders: no one decision (refused)
+    both_loaders_on_one_esp(state)    -> str | None   # one ESP holding both, or systemd-boot started on GRUB's ESPs
+    esp_mode_problems(loader_state)   -> [str]        # both of the above (the host check, the kernel hook)
     next_boot(loader_state)           -> [{"where", "loader", "release", "why"}, …]   # one per place it boots from
     systemd_boot_order(entries)       -> the entries in systemd-boot's menu order
     strverscmp_improved(a, b)         -> <0 | 0 | >0
@@ -114,6 +116,50 @@ def mixed_esps_refusal(state: dict | None) -> str | None:
             "the first GRUB one in that file, so a refresh now writes " + refresh + "; and which loader starts "
             "depends on the firmware's boot order: no kernel default or trial can be set for this host. Nothing "
             "was changed. Put every ESP in one mode first, either " + fixes[0] + ", or " + fixes[1])
+
+
+def both_loaders_on_one_esp(state: dict | None) -> str | None:
+    """Words where a UEFI host's ESP in proxmox-boot-tool's grub mode (EFI/proxmox/grubx64.efi)
+    also holds systemd-boot's loader/loader.conf, or where systemd-boot started this boot
+    (its LoaderInfo EFI variable) on a host whose ESPs are all GRUB's: an ESP's mode changed.
+
+    proxmox-kernel-helper after 9.2.0 (master b4954f3, bin/proxmox-boot-tool init_bootloader)
+    tests `[ -e "$esp_mp/EFI/proxmox/grub*.efi" ]` with the glob inside the quotes, a name no
+    ESP holds, so its `reinit` (run by the dpkg trigger on any grub/shim/systemd-boot-efi
+    upgrade) installs systemd-boot (`bootctl install`, loader.conf, its NVRAM entry first) over
+    a GRUB ESP, while zz-proxmox-boot update_esp_func still tests EFI/proxmox/grubx64.efi and
+    keeps refreshing GRUB's grub.cfg there: the firmware then starts systemd-boot, whose entries
+    no refresh writes. None: no such ESP (or not UEFI)."""
+    state = state or {}
+    if state.get("firmware") != "uefi" or not state.get("esp_list"):
+        return None
+    esps = [e for e in state.get("esps") or [] if e.get("mounted")]
+    both = [e["uuid"] for e in esps if {"EFI/proxmox/grubx64.efi", "loader/loader.conf"} <= set(e.get("has") or [])]
+    info = (state.get("efivars") or {}).get("LoaderInfo") or ""
+    changed = bool(esps) and info.startswith("systemd-boot") and all(
+        esp_loader(e, "uefi") == GRUB_ESP for e in esps)
+    if not both and not changed:
+        return None
+    fix = ("Put each ESP in one mode: for GRUB, proxmox-boot-tool format <its partition> --force; "
+           "proxmox-boot-tool init <its partition> grub; then proxmox-boot-tool clean (format gives it a new UUID); "
+           "for systemd-boot the same without grub")
+    said = []
+    if both:
+        said.append("ESP " + ", ".join(both) + " holds both GRUB (EFI/proxmox/grubx64.efi) and systemd-boot "
+                    "(loader/loader.conf): proxmox-boot-tool refresh (zz-proxmox-boot update_esp_func) writes only "
+                    "GRUB's grub.cfg there, and which loader starts is the firmware's boot order (a reinit that "
+                    "installed systemd-boot put its entry first)")
+    if changed:
+        said.append(f"systemd-boot started this boot (EFI variable LoaderInfo: {info}) but every ESP is in GRUB's "
+                    "mode: the loader mode changed under the host (e.g. a boot-loader package upgrade's "
+                    "proxmox-boot-tool reinit)")
+    return "; ".join(said) + ". No kernel default or trial can be trusted on this host. " + fix
+
+
+def esp_mode_problems(state: dict | None) -> list[str]:
+    """What keeps one loader decision from holding on a host's ESPs: ESPs of both loaders
+    (`mixed_esps_refusal`), an ESP that holds both or a mode that changed (`both_loaders_on_one_esp`)."""
+    return [w for w in (mixed_esps_refusal(state), both_loaders_on_one_esp(state)) if w]
 
 
 def host_loader(firmware: str | None, esp_modes: list[str | None], esp_listed: bool = False) -> str:

@@ -24,7 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from operations import kernel_hook
 from plan import kernel as plan
+from spec.models import HostSpec
 from tests.e2e.test_kernel_trial_e2e import (
     ESP,
     OLD,
@@ -32,6 +34,7 @@ from tests.e2e.test_kernel_trial_e2e import (
     attempts,
     boots,
     converge,
+    nvidia_module,
     press_reset,
     quiet_address,
     reboot,
@@ -40,7 +43,7 @@ from tests.e2e.test_kernel_trial_e2e import (
 )
 from tests.e2e.test_kernel_trial_e2e import STAGES as KERNEL_STAGES
 from tests.twin import boot_packages, runtime
-from tests.twin.test_boot_programs import grub_upgrade
+from tests.twin.test_boot_programs import grub_upgrade, install_kernel
 
 pytestmark = [pytest.mark.twin]
 TRIAL_ID = f"pvegpu-trial-{RELEASE}"
@@ -183,3 +186,39 @@ def test_esps_of_both_loaders_are_refused_before_any_change(twin_factory, tmp_pa
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     assert not changed, changed
     assert not esp_grubenv(root).get("next_entry")
+
+
+OLD_8 = "6.8.12-11-pve"  # kpro6's other installed kernel, of bookworm by its name
+
+
+def test_the_kernel_hook_pins_nothing_on_esps_of_both_loaders(twin_factory, tmp_path):
+    """Issue 38: the kernel hook runs inside apt, without pvegpu's preflight. On the same two ESPs
+    (GRUB's, then one the real `proxmox-boot-tool init` set up for systemd-boot) a kernel whose
+    NVIDIA build fails leaves the loader alone: no pin (refresh would write it as GRUB's default on
+    one ESP and nothing on the other), the ESPs' modes said in its record. Before, it pinned."""
+    twin = twin_factory("kpro6-grubesp", address=quiet_address())
+    root = Path(twin.root)
+    (root / "var/lib/twin/esp" / SECOND_ESP).mkdir(parents=True)
+    reboot(twin.name)
+    init = twin_run(twin.name, f"proxmox-boot-tool init /dev/disk/by-uuid/{SECOND_ESP} 2>&1")
+    assert "Installing systemd-boot.." in init, init
+    version = json.loads((root / "var/lib/twin/profile.json").read_text())["nvidia"]["version"]
+    spec = HostSpec(nvidia={"version": version, "open": True, "modules_source": {
+        "url": "file:///nonexistent/nvidia.tar.gz", "sha256": hashlib.sha256(b"none").hexdigest()}})
+    # 6.8.12-11-pve has the driver's modules: the kernel the hook would keep as the default (pin)
+    (root / f"lib/modules/{OLD_8}/updates/pvegpu-nvidia").mkdir(parents=True, exist_ok=True)
+    nvidia_module(root / f"lib/modules/{OLD_8}/updates/pvegpu-nvidia/nvidia.ko", version)
+    twin_run(twin.name, f"depmod {OLD_8}")
+    hook = root / kernel_hook.HOOK.lstrip("/")
+    hook.write_text(kernel_hook.hook_script(spec, 2, False))
+    hook.chmod(0o755)
+    bad = "6.8.12-12-pve"  # a bookworm kernel (the hook's kernel_rel), its archive missing: the build fails
+    out = install_kernel(twin.name, bad)
+    record = (root / f"var/lib/pvegpu/kernel-hook/{bad}.failed").read_text().splitlines()
+    assert record[2].startswith("the ESPs in /etc/kernel/proxmox-boot-uuids are not in one boot-loader mode: "
+                                f"5A1C-9E27 (grub), {SECOND_ESP} (systemd-boot); "), (record, out[-3000:])
+    assert not (root / "etc/kernel/proxmox-boot-pin").exists()
+    # the same on one mode (the second ESP's UUID off the list): the hook pins the kernel with modules
+    (root / "etc/kernel/proxmox-boot-uuids").write_text("5A1C-9E27\n")
+    install_kernel(twin.name, "6.8.12-13-pve")
+    assert (root / "etc/kernel/proxmox-boot-pin").read_text().strip() == OLD_8

@@ -235,12 +235,11 @@ def install_debs(name: str, debs: list[Path]) -> str:
 
 def grub_upgrade(name: str, out: Path) -> str:
     """grub-efi-amd64-bin and -signed installed at an earlier build of the root's grub2, then
-    upgraded to it (bookworm: 2.06-13+deb12u2, the version Debian ships): dpkg's output of the upgrade."""
+    upgraded to it (bookworm: 2.06-13+deb12u2, trixie: 2.12-9+deb13u4 with -unsigned, the versions
+    Debian ships: boot_packages.GRUB2): dpkg's output of the upgrade."""
     version = sh(name, "dpkg-query -W -f '${Version}' grub-common").stdout
-    install_debs(name, [boot_packages.grub_efi_amd64_bin(out, f"{version}~twin0"),
-                        boot_packages.grub_efi_amd64_signed(out, f"{version}~twin0")])
-    return install_debs(name, [boot_packages.grub_efi_amd64_bin(out, version),
-                               boot_packages.grub_efi_amd64_signed(out, version)])
+    install_debs(name, boot_packages.grub_efi_debs(out, f"{version}~twin0"))
+    return install_debs(name, boot_packages.grub_efi_debs(out, version))
 
 
 @pytest.fixture

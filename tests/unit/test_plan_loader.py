@@ -155,7 +155,9 @@ def test_grub_on_esps_reads_the_esps_grub_cfg_and_grubenv_not_the_roots():
 
 @pytest.mark.parametrize("firmware, has, mode", [
     ("uefi", ["loader/loader.conf"], plan.SYSTEMD_BOOT),
-    ("uefi", ["EFI/proxmox/grubx64.efi", "loader/loader.conf", "grub"], plan.GRUB_ESP),  # installed with Secure Boot
+    # `init <part> grub` over a systemd-boot ESP (loader.conf left; the installer formats first:
+    # pve-installer Proxmox/Install.pm prepare_proxmox_boot_esp): refresh's mode is GRUB's
+    ("uefi", ["EFI/proxmox/grubx64.efi", "loader/loader.conf", "grub"], plan.GRUB_ESP),
     ("bios", ["grub"], plan.GRUB_ESP),
     ("bios", ["loader/loader.conf", "grub"], plan.GRUB_ESP),
     ("bios", ["loader/loader.conf"], None),
@@ -288,3 +290,49 @@ def test_recorded_esps_of_both_loaders_follow_the_real_refresh_and_are_refused()
         why = plan.mixed_esps_refusal(state) or ""
         assert "5A1C-9E27 (grub)" in why and "7B2D-1F30 (systemd-boot)" in why, why
         assert "proxmox-boot-tool init /dev/disk/by-uuid/7B2D-1F30 grub" in why
+
+
+# -- a loader mode that changed under the host (issue 38): proxmox-kernel-helper master after 9.2.0
+# (b4954f3, bin/proxmox-boot-tool init_bootloader) tests `[ -e "$esp_mp/EFI/proxmox/grub*.efi" ]`,
+# the glob quoted (never expanded), so its reinit installs systemd-boot over a GRUB ESP while
+# zz-proxmox-boot update_esp_func keeps refreshing it as GRUB's
+
+def reinit_over_grub_esp() -> dict:
+    """The recorded GRUB ESP of the kpro6-grubesp twin after such a reinit: loader/loader.conf as
+    init_bootloader writes it (timeout 3, default proxmox-*), no entries (refresh writes GRUB's)."""
+    state = reading("kpro6-grubesp-mixed-grub-esp-first")
+    state["esp_list"] = state["esp_list"][:1]
+    esp = state["esps"][0]
+    state["esps"] = [{**esp, "has": ["EFI/proxmox/grubx64.efi", "loader/loader.conf", "grub"],
+                      "loader_conf": ["timeout 3", "default proxmox-*"], "entries": []}]
+    return state
+
+
+def test_an_esp_that_holds_both_loaders_is_named_with_the_fix():
+    state = reinit_over_grub_esp()
+    assert plan.mixed_esps_refusal(state) is None  # one ESP, one mode by refresh's test: main saw nothing
+    (why,) = plan.esp_mode_problems(state)
+    assert why.startswith("ESP 5A1C-9E27 holds both GRUB (EFI/proxmox/grubx64.efi) and systemd-boot"), why
+    assert "proxmox-boot-tool init <its partition> grub" in why and "firmware's boot order" in why
+
+
+def test_systemd_boot_started_on_grub_esps_is_a_changed_mode():
+    state = reading("kpro6-grubesp-mixed-grub-esp-first")
+    state["esp_list"] = state["esp_list"][:1]
+    state["esps"] = state["esps"][:1]
+    assert plan.esp_mode_problems(state) == []
+    state["efivars"] = {"LoaderInfo": "systemd-boot 257.13-1~deb13u1"}
+    (why,) = plan.esp_mode_problems(state)
+    assert "systemd-boot started this boot (EFI variable LoaderInfo: systemd-boot 257.13-1~deb13u1)" in why
+
+
+def test_legacy_bios_and_one_mode_readings_have_no_mode_problem():
+    bios = reinit_over_grub_esp()
+    bios["firmware"] = "bios"
+    assert plan.both_loaders_on_one_esp(bios) is None
+    for case in sorted(CASES.glob("*.yaml")):
+        fact = yaml.safe_load(case.read_text())["fact"]
+        if "mixed" not in case.stem:
+            assert plan.esp_mode_problems(fact) == [], case.stem
+        else:
+            assert len(plan.esp_mode_problems(fact)) == 1, case.stem  # the mixed refusal alone

@@ -19,7 +19,7 @@ from spec.models import HostSpec
 RELEASE = "6.14.11-1-pve"
 
 
-def hook(tmp: Path, archive: Path, sha: str, codename: str = "trixie", open_tree: bool = False) -> str:
+def hook(tmp: Path, archive: Path, sha: str, codename: str = "trixie", open_tree: bool = False, **extra) -> str:
     """The hook with its paths under `tmp`; the user space's /etc/os-release says `codename`;
     `open_tree`: NVIDIA's open tree, whose src/ needs a G++ beside the GCC."""
     (tmp / "os-release").write_text(f'VERSION_ID="{13 if codename == "trixie" else 12}"\nVERSION_CODENAME={codename}\n')
@@ -32,7 +32,7 @@ def hook(tmp: Path, archive: Path, sha: str, codename: str = "trixie", open_tree
                    build_parent=str(tmp / "build/580.95.05"), boot_dir=str(tmp / "boot"),
                    grub_cfg=str(tmp / "grub.cfg"), os_release=str(tmp / "os-release"),
                    auto_removal=str(tmp / "bin/proxmox-auto-removal"), trial_pending=str(tmp / "trial-pending"),
-                   esp_list=str(tmp / "proxmox-boot-uuids"))
+                   esp_list=str(tmp / "proxmox-boot-uuids"), **extra)
     return render_template("kernel-postinst-nvidia.sh.j2", **context)
 
 
@@ -550,3 +550,79 @@ def test_the_stage_installs_the_hook_under_its_new_name_and_then_removes_the_old
     again = plan({kernel_hook.HOOK: {"mode": "755", "sha256": sha256_text(content)}, kernel_hook.OLD_HOOK: None,
                   kernel_hook.HEADERS_CONF: {"mode": "644", "sha256": sha256_text(conf)}, kernel_hook.HOLD_RECORD: None})
     assert again == [], again
+
+
+# -- ESPs not in one loader mode (issue 38; plan.loader esp_mode_problems): the hook, run inside apt
+# without pvegpu, pins, unpins and arms nothing there
+
+def esp_host(tmp: Path, esps: dict[str, list[str]], uefi: bool = True) -> None:
+    """An ESP host (grub_host's kernels and modinfo): proxmox-boot-tool logs what it is asked; each
+    ESP of `esps` a directory holding those files/dirs; `unshare` runs the hook's inner script with
+    /mnt under `tmp`, whose `mount` links the ESP there (the hook's own reading, minus the kernel)."""
+    grub_host(tmp, [GOOD, RELEASE])
+    (tmp / "proxmox-boot-uuids").write_text("".join(f"{u}\n" for u in esps))
+    if uefi:
+        (tmp / "efi").mkdir()
+    for uuid, marks in esps.items():
+        for mark in marks:
+            target = tmp / "esps" / uuid / mark
+            if mark == "grub":
+                target.mkdir(parents=True, exist_ok=True)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text("")
+    stubs = {"proxmox-boot-tool": f'echo "$*" >> {tmp}/pbt',
+             "bootctl": f'echo "$*" >> {tmp}/bootctl',
+             "unshare": f'shift 5; script=$(printf "%s" "$1" | sed "s|/mnt|{tmp}/mnt|g"); shift; exec /bin/sh -c "$script" "$@"',
+             "mount": f'ln -sfn {tmp}/esps/"${{3##*/}}" {tmp}/mnt',
+             "umount": f"rm -f {tmp}/mnt"}
+    for name, body in stubs.items():
+        (tmp / "bin" / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp / "bin" / name).chmod(0o755)
+
+
+MIXED = {"5A1C-9E27": ["EFI/proxmox/grubx64.efi", "grub"], "7B2D-1F30": ["loader/loader.conf"]}
+REINIT_OVER_GRUB = {"5A1C-9E27": ["EFI/proxmox/grubx64.efi", "grub", "loader/loader.conf"]}
+
+
+@pytest.mark.parametrize("esps, words", [
+    (MIXED, "5A1C-9E27 (grub), 7B2D-1F30 (systemd-boot)"),
+    (REINIT_OVER_GRUB, "5A1C-9E27 (holding both GRUB and systemd-boot)"),
+])
+def test_a_failed_kernel_pins_nothing_on_esps_not_in_one_mode(tmp_path, esps, words):
+    esp_host(tmp_path, esps)
+    (tmp_path / "bin/modinfo").write_text(f'#!/bin/sh\ncase " $* " in *" {GOOD} "*) echo 580.95.05 ;; esac\n')
+    done = run(tmp_path, hook(tmp_path, tmp_path / "none.tar.gz", hashlib.sha256(b"none").hexdigest(),
+                              efi_dir=str(tmp_path / "efi")))
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "pbt").exists() and not (tmp_path / "bootctl").exists(), done.stderr
+    kept = (tmp_path / f"state/{RELEASE}.failed").read_text().splitlines()[2]
+    assert kept.startswith(f"the ESPs in {tmp_path}/proxmox-boot-uuids are not in one boot-loader mode: {words}; "), kept
+    assert "pvegpu leaves the boot loader alone" in kept and kept.endswith(f"{RELEASE} may become the boot default")
+
+
+def test_a_kernel_that_builds_moves_no_pin_on_esps_not_in_one_mode(tmp_path):
+    esp_host(tmp_path, MIXED)
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state/pinned").write_text(f"{GOOD}\n")  # the hook's pin for an earlier failure
+    (tmp_path / "pin").write_text(f"{GOOD}\n")
+    (tmp_path / "modules" / RELEASE / "updates/pvegpu-nvidia").mkdir(parents=True)
+    done = run(tmp_path, hook(tmp_path, tmp_path / "none.tar.gz", hashlib.sha256(b"none").hexdigest(),
+                              efi_dir=str(tmp_path / "efi")))
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "pbt").exists(), done.stderr  # neither unpinned nor pinned on
+    assert "are not in one boot-loader mode: 5A1C-9E27 (grub), 7B2D-1F30 (systemd-boot)" in done.stderr
+
+
+@pytest.mark.parametrize("esps, uefi", [
+    ({"5A1C-9E27": ["loader/loader.conf"], "7B2D-1F30": ["loader/loader.conf"]}, True),
+    ({"5A1C-9E27": ["EFI/proxmox/grubx64.efi", "grub"]}, True),
+    ({"5A1C-9E27": ["grub", "loader/loader.conf"], "7B2D-1F30": ["grub"]}, False),  # legacy BIOS: GRUB on each
+])
+def test_esps_in_one_mode_are_pinned_as_before(tmp_path, esps, uefi):
+    esp_host(tmp_path, esps, uefi=uefi)
+    (tmp_path / "bin/modinfo").write_text(f'#!/bin/sh\ncase " $* " in *" {GOOD} "*) echo 580.95.05 ;; esac\n')
+    done = run(tmp_path, hook(tmp_path, tmp_path / "none.tar.gz", hashlib.sha256(b"none").hexdigest(),
+                              efi_dir=str(tmp_path / "efi")))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "pbt").read_text().splitlines() == [f"kernel pin {GOOD}"], done.stderr

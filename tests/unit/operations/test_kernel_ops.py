@@ -360,6 +360,19 @@ def test_preflight_refuses_esps_of_both_loaders_before_anything_else(monkeypatch
         assert "5A1C-9E27 (grub)" in refusals[0] and "7B2D-1F30 (systemd-boot)" in refusals[0]
 
 
+def test_preflight_refuses_a_grub_esp_that_a_reinit_gave_systemd_boot(monkeypatch):
+    """Issue 38: proxmox-kernel-helper after 9.2.0 (b4954f3's quoted grub*.efi glob) would reinit a
+    GRUB ESP with systemd-boot; a GRUB trial armed there may never be the loader that starts: refused."""
+    from spec.models import HostSpec
+    from tests.unit.test_plan_loader import reinit_over_grub_esp
+    monkeypatch.setattr(kernel, "stage_facts", lambda k: {
+        "kernels": {"running": "6.8.12-4-pve", "installed": []},
+        "build": kernel_facts.parse_build_state(["pbt", "esps", "uefi", "grub_advanced_id ab"]), "source": None,
+        "loader_state": reinit_over_grub_esp()})
+    refusals = kernel.preflight(HostSpec(kernel={"version": "6.14.8-2-pve", "source": GIT}))
+    assert len(refusals) == 1 and refusals[0].startswith("kernel: ESP 5A1C-9E27 holds both GRUB"), refusals
+
+
 def test_preflight_refuses_a_release_already_installed_from_a_package_not_built_here(monkeypatch):
     from spec.models import HostSpec
     build = kernel_facts.parse_build_state(["pbt", "esps", "uefi", "kpkg proxmox-kernel-6.14.8-2-pve-signed"])
