@@ -5,15 +5,16 @@
 The real build of open-gpu-kernel-modules 595.45.04 for Debian's 6.1.0-57-amd64 (as
 tests/e2e/test_driver_build.py), run once for the cluster. Steps 1, 2 and 5 run the whole deploy
 (deploy.py: every stage, the run lock, the boot command line and its handlers, the kernel hook stage,
-the reboot policy; the nodes' specs as tests/e2e/test_cluster_e2e.py gives them: the IOMMU on the
-command line, reboots allowed, rolled one node at a time), not a subset of stages; steps 3 and 4
-run the NVIDIA stages alone (tests/e2e/stage_deploy.py) on what the whole runs left:
+the reboot policy; the IOMMU on the nodes' command line as tests/e2e/test_cluster_e2e.py gives it),
+not a subset of stages; steps 3 and 4 run the NVIDIA stages alone (tests/e2e/stage_deploy.py) on
+what the whole runs left:
 1. `--dry` with the third node's gcc-12 of another Debian revision (its banner; the same GCC 12.2.0,
    which the toolchain check accepts): the first node builds for the second, which receives node to
    node; the third builds alone, the line naming its compiler and the others'.
 2. The converge, compilers equal, the whole deploy on the three at once: it succeeds on every node
-   (the first converge's command line rolls a reboot through the cluster) with one build (the builds' own log, builds.log, on the first node
-   only), the others receive it node to node; the installed modules are the same bytes on every node
+   (their reboot for the command line pending: reboot.allowed is the spec's default, false; see
+   WHOLE) with one build (the builds' own log, builds.log, on the first node only), the others
+   receive it node to node; the installed modules are the same bytes on every node
    before signing (the third node signs with its own key: its signature cut off, the rest is the
    builder's file), `modinfo` vermagic equal. A second whole run changes nothing on any node.
 3. The second node's modules gone and its copy of the first node's kept build changed in transit
@@ -38,6 +39,10 @@ Wall time (2026-12-06, this 2-core machine): 288 s cold at a 1-min load near 0 (
 load of ~13 the one cold build took ~25 min. Step 5 (the apt install with the hook's warm build,
 initramfs-tools' hook included, then the converge that builds nothing) added 94 s at a load of ~4:
 202 s for the whole test with the builder's cache seeded (657 s cold at that load).
+The whole deploy in steps 1, 2 and 5 and the two no-change whole runs (2026-12-06, this 2-core
+machine, 1-min load ~4.6, builder's cache seeded, one run after the other): 232 s for the test as
+it was (the NVIDIA stages alone), 249 s and 264 s with the whole deploy (each no-change whole run of
+the three 1-2 s); the first try of the whole deploy, cold at that load, 564 s.
 
 PVEGPU_E2E_NVIDIA_CACHE=DIR: DIR's ccache/ and nvidia-conftest/ (a node's
 /var/cache/pvegpu/{ccache,nvidia-conftest} of an earlier run of this test, or of
@@ -193,6 +198,9 @@ def test_cluster_builds_once_receivers_verify_and_refuse_a_tampered_copy(twin_fa
     run = run_pyinfra(inventory, "deploy.py", timeout=3600)
     build_s = time.monotonic() - t1
     whole_run_succeeded(run, twins)
+    for t in twins:  # the boot stage's command line and the NVIDIA stages' initramfs and options: pending
+        assert (f"{t.name}: reboot pending (" in run.output
+                and f"{t.name}: reboot.allowed is false in the spec; reboot the host to apply" in run.output), t.name
     assert f"{a.name}: nvidia {VERSION} for {RELEASE}: builds for {b.name}, {c.name} too" in run.output
     logs = {t.name: builds_log(Path(t.root)) for t in twins}
     assert len(logs[a.name]) == 2 and logs[b.name] == [] and logs[c.name] == [], logs  # src/, then kernel-open/
