@@ -42,7 +42,8 @@ initramfs-tools' hook included, then the converge that builds nothing) added 94 
 The whole deploy in steps 1, 2 and 5 and the two no-change whole runs (2026-12-06, this 2-core
 machine, 1-min load ~4.6, builder's cache seeded, one run after the other): 232 s for the test as
 it was (the NVIDIA stages alone), 249 s and 264 s with the whole deploy (each no-change whole run of
-the three 1-2 s); the first try of the whole deploy, cold at that load, 564 s.
+the three 1-2 s). With reboot.allowed true (the first try, cold) the roll stopped at the first node
+after 564 s (see WHOLE).
 
 PVEGPU_E2E_NVIDIA_CACHE=DIR: DIR's ccache/ and nvidia-conftest/ (a node's
 /var/cache/pvegpu/{ccache,nvidia-conftest} of an earlier run of this test, or of
