@@ -277,7 +277,7 @@ COMPILER_BANNERS = (
 class NvidiaHostState(FactBase):
     """Everything the driver stage decides from, in one command.
 
-    + releases: target kernel releases
+    + releases: target kernel releases (read with the running one and each installed under /lib/modules)
     + sources: ``{"modules": (url, sha256), "installer": (url, sha256)}`` (configured ones)
     + signing: ``[key, cert]`` host paths (nvidia.signing) or empty
 
