@@ -348,6 +348,13 @@ def _state_and_steps(spec) -> tuple[dict, list[str], dict]:
     return state, releases, steps
 
 
+def build_targets(spec) -> tuple[dict, list[str]]:
+    """The `NvidiaHostState` reading and the releases this run builds the modules for, as this
+    stage decides them (its own fact memo and `_releases`): the reboot stage weighs the next boot with them."""
+    state = fact_once(NvidiaHostState, **state_kwargs(spec))
+    return state, _releases(spec, state["running"])[0]
+
+
 def prefetch(spec) -> list:
     """The facts this stage reads (deploy.py reads every stage's in one command)."""
     if spec.nvidia is None:

@@ -45,6 +45,7 @@ from pyinfra.operations import server
 
 from facts.files import FileTexts
 from facts.guest_state import guest_state, guest_state_changes
+from facts.loader import LoaderState
 from facts.once import fact_once, read_fact
 from facts.once import prefetch as read_facts_now  # not `prefetch`: deploy.py takes that name as the stage protocol
 from facts.proxmox import HaResources, LxcConfigs, QemuConfigs
@@ -54,6 +55,7 @@ from facts.shell import word
 from operations.boot import boot_plan
 from operations.boot import stage_facts as boot_facts
 from operations.gpus import node_of
+from operations.nvidia import build_targets
 from operations.proxmox import KIND_LABEL, KIND_TOOL, PveApiError, api_guest_start, api_of, shutdown_shell
 from plan.kernel import finish_trial_command, host_checks_command, host_expectations
 from plan.reboot import (
@@ -61,6 +63,8 @@ from plan.reboot import (
     boot_wait_command,
     boot_wait_problem,
     member_back,
+    next_boot_without_modules,
+    no_modules_warning,
     not_started_at_boot,
     parse_cluster,
     pending_summary,
@@ -372,6 +376,24 @@ def cluster_reboot(cluster: str, node: str, rejoin_timeout: int, checks: list[st
         yield FunctionCommand(restore_guests, (cluster, node, shutdown_timeout), {})
 
 
+def prefetch(spec: HostSpec) -> list:
+    """The facts this stage reads (deploy.py reads every stage's in one command): what the loader
+    boots next, weighed against the NVIDIA modules before a reboot (`next_boot_problem`)."""
+    return [(LoaderState, {})] if spec.nvidia is not None and spec.reboot.allowed else []
+
+
+def next_boot_problem(spec: HostSpec) -> str | None:
+    """The warning when the next boot may come up on a kernel without nvidia.version's modules
+    (plan.reboot.next_boot_without_modules), else None: such a reboot strands the host's GPUs."""
+    if spec.nvidia is None:
+        return None
+    state, releases = build_targets(spec)
+    trial = trial_boot_of()
+    missing = next_boot_without_modules(spec.nvidia.version, releases, state, fact_once(LoaderState),
+                                        trial["release"] if trial else None)
+    return no_modules_warning(host.name, spec.nvidia.version, spec.nvidia.releases, missing) if missing else None
+
+
 @deploy("pvegpu: reboot policy")
 def apply(spec: HostSpec) -> None:
     reasons = reboot_reasons()
@@ -381,6 +403,11 @@ def apply(spec: HostSpec) -> None:
         return
     if not spec.reboot.allowed:
         for line in summary + [f"{host.name}: reboot.allowed is false in the spec; reboot the host to apply"]:
+            logger.warning(line)
+        return
+    stranded = next_boot_problem(spec)
+    if stranded:  # before a single host's reboot and before a roll: the node is left as it is
+        for line in summary + [stranded]:
             logger.warning(line)
         return
     # the reasons themselves are logged below; the name stays one readable line

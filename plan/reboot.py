@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 from facts.shell import word
 from plan.guest_control import KIND_LABEL, config_lock, ha_resource, lock_refusal
+from plan.loader import next_boot
+from plan.nvidia import module_current
 
 
 def pending_summary(name: str, reasons: list[tuple[str, str]]) -> list[str]:
@@ -275,3 +277,37 @@ def plan_guest_moves(node: str, mine: dict, targets: dict[str, dict], fallback: 
                 + (f"; not in the run, so not known: {', '.join(absent)}" if absent else "")
                 + "); set reboot.migrate_fallback: stop to stop it for the reboot instead, or free a device")
     return out
+
+
+# -- the next boot and the NVIDIA modules ---------------------------------------------------
+
+def next_boot_without_modules(version: str, releases: list[str], nvidia_state: dict, loader_state: dict | None,
+                              trial_release: str | None = None) -> list[tuple[str, str]]:
+    """[(where, release)] the next boot may come up on without nvidia `version`'s modules: a
+    reboot there leaves the host without its GPUs (a roll's check then fails on a node already down).
+
+    What boots next: the kernel stage's trial release when this run armed one (a one-shot entry the
+    loader takes first), else the loader's own answer (plan.loader.next_boot over the
+    facts.loader.LoaderState reading, one-shots included). A release has the modules when this run
+    builds for it (`releases`: plan.nvidia.target_releases as the NVIDIA stage computed them) or the
+    module `modinfo -k <release>` finds is `version` built for it (`nvidia_state`: the
+    facts.nvidia.NvidiaHostState reading; plan.nvidia.module_current). Places whose release is
+    unknown are left out (tests/host/test_boot.py reports them)."""
+    if trial_release:
+        choices = [("the kernel trial's one-shot entry", trial_release)]
+    else:
+        choices = [(c["where"], c["release"]) for c in next_boot(loader_state or {}) if c["release"]]
+    installed = nvidia_state.get("releases") or {}
+    return [(where, release) for where, release in choices
+            if release not in releases and not module_current(release, version, (installed.get(release) or {}).get("module"))[0]]
+
+
+def no_modules_warning(host: str, version: str, explicit: list[str] | None, missing: list[tuple[str, str]]) -> str:
+    """The reboot stage's warning for `next_boot_without_modules`' answer (the reboot stays pending)."""
+    where = "; ".join(f"{w}: {r}" for w, r in missing)
+    add = ", ".join(dict.fromkeys(r for _, r in missing))
+    if explicit:
+        return (f"{host}: not rebooted: the next boot ({where}) has no nvidia {version} modules "
+                f"(nvidia.releases: [{', '.join(explicit)}]); add {add} to nvidia.releases or leave it out")
+    return (f"{host}: not rebooted: the next boot ({where}) has no nvidia {version} modules (nvidia.releases not "
+            f"set: built for the running kernel and the kernel stage's); add {add} to nvidia.releases")

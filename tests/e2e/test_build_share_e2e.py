@@ -85,7 +85,8 @@ STAGE_DEPLOY = str(REPO / "tests/e2e/stage_deploy.py")
 # on the command line, whose first converge needs a reboot. The reboot policy is the spec's default,
 # reboot.allowed false (the reboot pending, reported): a roll would reboot into 6.14.8-2-pve, which is
 # not in nvidia.releases (the twin has no headers for it), so the roll's host check "nvidia 595.45.04
-# loaded" fails on the first node and the roll stops (2026-12-06, this test with reboot allowed)
+# loaded" fails on the first node and the roll stops (2026-12-06, this test with reboot allowed; the
+# reboot stage now refuses that reboot first: plan.reboot.next_boot_without_modules)
 WHOLE = {"iommu": {"vendor": "amd", "params": ["pci=realloc"]},
          "guests": {"allow_stop": True, "shutdown_timeout": 5}}
 MODDIR = f"/lib/modules/{RELEASE}/updates/pvegpu-nvidia"

@@ -60,6 +60,15 @@ def test_module_firmware_and_userspace_versions_are_equal(target):
                 f"installed there", pytrace=False)
         assert module == nv.version, (
             f"{target.name}: kernel {release} has nvidia module {module or 'none'}, but the spec wants {nv.version}")
+    if not match or match.group(1) != nv.version:
+        # a reboot loads the installed modules only if the kernel the loader boots next has them
+        # (plan.reboot.next_boot_without_modules, the reboot stage's own guard)
+        gap = next_boot_gap(target, nv)
+        loaded = f"the loaded NVIDIA driver is {match.group(1)}" if match else "no NVIDIA module is loaded"
+        assert not (gap and (match or needs_nvidia_driver(target))), (
+            f"{target.name}: {loaded}, and the next boot ({'; '.join(f'{w}: {r}' for w, r in gap)}) has no nvidia "
+            f"{nv.version} modules (built for {', '.join(nv.releases or [running.strip()])}), so a reboot does not load "
+            f"them either; add {', '.join(dict.fromkeys(r for _, r in gap))} to nvidia.releases (or leave it out) and re-run")
     if match:
         assert match.group(1) == nv.version, (
             f"{target.name}: the loaded NVIDIA driver is {match.group(1)}, the installed modules are {nv.version}; "
@@ -155,6 +164,15 @@ def driver_state(target, nv):
     _, running = target.run("uname -r")
     releases = list(nv.releases or [running.strip()])
     return releases, target.fact(NvidiaHostState, tuple(releases))  # the cache key must hash
+
+
+def next_boot_gap(target, nv) -> list[tuple[str, str]]:
+    """[(where, release)] the loader boots next without nvidia `nv.version`'s modules (plan.reboot)."""
+    from facts.loader import LoaderState
+    from plan.reboot import next_boot_without_modules
+
+    releases, state = driver_state(target, nv)
+    return next_boot_without_modules(nv.version, releases, state, target.fact(LoaderState))
 
 
 def test_toolchain_matches_each_kernel(target):

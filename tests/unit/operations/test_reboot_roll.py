@@ -111,3 +111,55 @@ def test_a_roll_waits_for_the_boot_once_the_node_is_back_and_before_its_checks_a
         reboot.wait_rejoined, reboot.boot_done_or_warn, reboot.roll_checks, reboot.restore_guests)]
     assert steps == [reboot.wait_rejoined, reboot.boot_done_or_warn, reboot.roll_checks, reboot.restore_guests]
     assert next(c.args for c in cmds if getattr(c, "function", None) is reboot.boot_done_or_warn) == (240,)
+
+
+def _apply_with(monkeypatch, spec, loader_state, trial=None, members=None):
+    """Run the reboot stage's apply on a fake host: which reboot it asks for (none, single, roll)."""
+    from pathlib import Path
+
+    import yaml
+    from pyinfra.context import ctx_host, ctx_state
+    from pyinfra_testing.util import FakeState, create_host
+
+    asked: list[str] = []
+    monkeypatch.setattr(reboot, "reboot_reasons", lambda host=None: [("cmdline", "lacks intel_iommu=on")])
+    monkeypatch.setattr(reboot, "build_targets", lambda spec: (
+        {"running": "6.1.0-57-amd64", "releases": {"6.1.0-57-amd64": {"module": None}}},
+        list(spec.nvidia.releases or ["6.1.0-57-amd64"])))
+    cases = Path(__file__).resolve().parents[1] / "facts" / "loader.LoaderState"
+    loader = yaml.safe_load((cases / f"{loader_state}.yaml").read_text())["fact"]
+    monkeypatch.setattr(reboot, "fact_once", lambda cls, **kw: loader)
+    monkeypatch.setattr(reboot, "trial_boot_of", lambda host=None: trial)
+    monkeypatch.setattr(reboot, "read_fact", lambda cls, **kw: members or {})
+    monkeypatch.setattr(reboot, "warn_not_started_at_boot", lambda: [])
+    monkeypatch.setattr(reboot, "reboot_until_booted", lambda **kw: asked.append("single"))
+    monkeypatch.setattr(reboot, "cluster_reboot", lambda **kw: asked.append("roll"))
+    monkeypatch.setattr(reboot, "pin_trial_kernel", lambda **kw: asked.append("pin"))
+    state = FakeState()
+    with ctx_state.use(state), ctx_host.use(create_host(state, name="kpro6")):
+        reboot.apply._inner(spec)
+    return asked
+
+
+def test_no_reboot_into_a_kernel_without_the_nvidia_modules(monkeypatch, caplog):
+    """spec nvidia.releases [6.1.0-57-amd64] while GRUB boots 6.8.12-11-pve next: the reboot stays
+    pending with the fix named (a cluster twin's roll rebooted such a node and its check then failed)."""
+    from spec.models import HostSpec
+
+    spec = HostSpec(nvidia={"version": "595.45.04", "releases": ["6.1.0-57-amd64"]}, reboot={"allowed": True})
+    assert _apply_with(monkeypatch, spec, "intel2-grub-first-entry") == []
+    assert ("kpro6: not rebooted: the next boot (/boot/grub: 6.8.12-11-pve) has no nvidia 595.45.04 modules "
+            "(nvidia.releases: [6.1.0-57-amd64]); add 6.8.12-11-pve to nvidia.releases or leave it out") in caplog.text
+    assert "kpro6: reboot pending (1 reason(s)):" in caplog.text
+    # a trial of a kernel the run builds for: the trial is what boots next, so the reboot goes on
+    assert _apply_with(monkeypatch, spec, "intel2-grub-first-entry",
+                       trial={"release": "6.1.0-57-amd64", "pin_tool": "grub"}) == ["single", "pin"]
+
+
+def test_a_next_boot_with_the_modules_reboots(monkeypatch):
+    from spec.models import HostSpec
+
+    spec = HostSpec(nvidia={"version": "595.45.04", "releases": ["6.1.0-57-amd64", "6.8.12-11-pve"]},
+                    reboot={"allowed": True})
+    assert _apply_with(monkeypatch, spec, "intel2-grub-first-entry") == ["single"]
+    assert _apply_with(monkeypatch, HostSpec(reboot={"allowed": True}), "intel2-grub-first-entry") == ["single"]
