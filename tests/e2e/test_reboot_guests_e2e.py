@@ -13,8 +13,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.e2e.harness import run_pyinfra
+from tests.e2e.harness import REPO, run_pyinfra, spec_inventory
 from tests.twin import runtime
 
 pytestmark = [pytest.mark.twin]
@@ -84,3 +85,26 @@ def test_the_steps_after_the_reboot_see_an_onboot_ct_the_boot_starts_late(twin_f
 
     again = converge(twin.name, stages)
     assert again.rc == 0 and again.changed == 0, again.output[-6000:]
+
+
+def test_no_reboot_into_a_kernel_without_nvidia_modules(twin_factory, tmp_path):
+    """nvidia.releases lists only 6.1.0-57-amd64 while the loader boots the twin's own kernel next,
+    whose nvidia.ko is gone (removed here, as a kernel reinstall or a purge leaves it): a reboot there
+    would bring the node up without its GPU driver (the twin's kmod: "Module nvidia not found").
+    The boot stage's command line wants a reboot and reboot.allowed is true, yet the reboot stage
+    (plan.reboot.next_boot_without_modules) leaves it pending and says which release to add; the code
+    before rebooted the twin."""
+    twin = twin_factory("kpro6", name="s21-nomods")
+    release = ssh(twin.name, "uname -r").stdout.strip()
+    gone = ssh(twin.name, f"find /lib/modules/{release} -name 'nvidia*.ko*' -print -delete")
+    assert gone.returncode == 0 and "nvidia.ko" in gone.stdout, gone.stdout + gone.stderr
+    host = yaml.safe_load((REPO / "inventories/twin.yml").read_text())["hosts"]["kpro6"]
+    host["nvidia"]["releases"] = ["6.1.0-57-amd64"]
+    inventory = spec_inventory(tmp_path, twin, host, "nomods")
+    boots = len((twin.dir / "boots").read_text().splitlines())
+
+    run = run_pyinfra(inventory, "tests/e2e/stage_deploy.py", env={"PVEGPU_STAGES": STAGES}, timeout=600)
+    assert run.rc == 0, run.output[-6000:]
+    assert len((twin.dir / "boots").read_text().splitlines()) == boots, "the twin was rebooted"
+    assert ("not rebooted: the next boot" in run.output and f"{release}) has no nvidia 595.71.05 modules" in run.output
+            and f"add {release} to nvidia.releases" in run.output), run.output[-6000:]
