@@ -277,7 +277,7 @@ COMPILER_BANNERS = (
 class NvidiaHostState(FactBase):
     """Everything the driver stage decides from, in one command.
 
-    + releases: target kernel releases (read with the running one and each installed under /lib/modules)
+    + releases: target kernel releases
     + sources: ``{"modules": (url, sha256), "installer": (url, sha256)}`` (configured ones)
     + signing: ``[key, cert]`` host paths (nvidia.signing) or empty
 
@@ -315,15 +315,12 @@ class NvidiaHostState(FactBase):
             f"echo '{SECTION}ccache'; command -v ccache >/dev/null && [ -d {CCACHE_MASQUERADE} ] && echo {CCACHE_MASQUERADE}",
             f"echo '{SECTION}compilers'; {COMPILER_BANNERS}",
         ]
-        # the running release ($k, named at run time), then each target, then each installed kernel
-        # (/lib/modules/*/: whether the one the loader boots next has the modules, plan.reboot
-        # next_boot_without_modules); each release once, one modinfo per release (its
-        # version/vermagic/filename lines)
-        targets = " ".join(['"$k"', *[word(r) for r in releases], "/lib/modules/*/"])
+        # the running release ($k, named at run time), then each target; each release once,
+        # one modinfo per release (its version/vermagic/filename lines)
+        targets = " ".join(['"$k"', *[word(r) for r in releases]])
         parts.append(
             f"seen=; for r in {targets}; do "
-            'r=${r%/}; r=${r##*/}; [ -n "$r" ] && [ "$r" != "*" ] || continue; '
-            'case " $seen " in *" $r "*) continue;; esac; seen="$seen $r"; '
+            '[ -n "$r" ] || continue; case " $seen " in *" $r "*) continue;; esac; seen="$seen $r"; '
             f"b=/lib/modules/$r/build; echo \"{SECTION}release $r\"; "
             "[ -f \"$b/Makefile\" ] && echo 'headers: yes' || echo 'headers: no'; "
             f"grep -h -m 1 '^CONFIG_CC_VERSION_TEXT=' \"$b/include/config/auto.conf\" \"$b/.config\" 2>/dev/null | {first_line()}; "

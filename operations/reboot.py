@@ -46,6 +46,7 @@ from pyinfra.operations import server
 from facts.files import FileTexts
 from facts.guest_state import guest_state, guest_state_changes
 from facts.loader import LoaderState
+from facts.nvidia import NvidiaHostState
 from facts.once import fact_once, read_fact
 from facts.once import prefetch as read_facts_now  # not `prefetch`: deploy.py takes that name as the stage protocol
 from facts.proxmox import HaResources, LxcConfigs, QemuConfigs
@@ -55,7 +56,7 @@ from facts.shell import word
 from operations.boot import boot_plan
 from operations.boot import stage_facts as boot_facts
 from operations.gpus import node_of
-from operations.nvidia import build_targets
+from operations.nvidia import build_targets, state_kwargs
 from operations.proxmox import KIND_LABEL, KIND_TOOL, PveApiError, api_guest_start, api_of, shutdown_shell
 from plan.kernel import finish_trial_command, host_checks_command, host_expectations
 from plan.reboot import (
@@ -376,21 +377,24 @@ def cluster_reboot(cluster: str, node: str, rejoin_timeout: int, checks: list[st
         yield FunctionCommand(restore_guests, (cluster, node, shutdown_timeout), {})
 
 
-def prefetch(spec: HostSpec) -> list:
-    """The facts this stage reads (deploy.py reads every stage's in one command): what the loader
-    boots next, weighed against the NVIDIA modules before a reboot (`next_boot_problem`)."""
-    return [(LoaderState, {})] if spec.nvidia is not None and spec.reboot.allowed else []
-
-
 def next_boot_problem(spec: HostSpec) -> str | None:
     """The warning when the next boot may come up on a kernel without nvidia.version's modules
     (plan.reboot.next_boot_without_modules), else None: such a reboot strands the host's GPUs."""
     if spec.nvidia is None:
         return None
+    # read only here, in a run that is about to reboot (not in deploy.py's one up-front probe: the
+    # loader's state and every installed kernel's modinfo would cost each converge ~20 program starts,
+    # tests/twin/test_probe_programs.py); one more round trip where a reboot costs minutes anyway
     state, releases = build_targets(spec)
     trial = trial_boot_of()
-    missing = next_boot_without_modules(spec.nvidia.version, releases, state, fact_once(LoaderState),
-                                        trial["release"] if trial else None)
+    loader = fact_once(LoaderState)
+    trial_release = trial["release"] if trial else None
+    missing = next_boot_without_modules(spec.nvidia.version, releases, state, loader, trial_release)
+    unread = [r for _, r in missing if r not in (state.get("releases") or {})]
+    if unread:  # a kernel the NVIDIA stage does not target: its installed module, if any, read now
+        kwargs = state_kwargs(spec)
+        state = fact_once(NvidiaHostState, **{**kwargs, "releases": list(dict.fromkeys([*kwargs["releases"], *unread]))})
+        missing = next_boot_without_modules(spec.nvidia.version, releases, state, loader, trial_release)
     return no_modules_warning(host.name, spec.nvidia.version, spec.nvidia.releases, missing) if missing else None
 
 
