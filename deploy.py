@@ -96,6 +96,11 @@ if refusals:
 upgrade_running = upgrade.running(spec)
 if upgrade_running:
     raise DeployError(f"pvegpu: host {host.name}: {upgrade_running}")
+# a node of a cluster whose upgrade would start now waits while another node is in its upgrade, or
+# one before it in the run's order starts its own (one node at a time): left as it is
+upgrade_waits = upgrade.turn_wait(spec)
+if upgrade_waits:
+    raise DeployError(f"pvegpu: host {host.name}: {upgrade_waits}; nothing was changed on {host.name}")
 
 if upgrade.starts(spec):
     # the preflight passed: back up, start the upgrade detached; the converge waits for the next run
@@ -122,6 +127,8 @@ else:
 
     # the GPU guests the 8 -> 9 upgrade's start stopped: started again once the host runs 9's kernel
     upgrade.restart_guests(spec)
+    # on 9's kernel after the upgrade: its host checks, once; passed, the next node of its cluster may start
+    upgrade.confirm(spec)
 
 # --dry: every file and Proxmox config that would change, as a unified diff (operations/backup.py)
 if is_dry():

@@ -24,12 +24,17 @@ kernel's CONFIG_CC_VERSION_TEXT) and the host checks prove it.
 
 from __future__ import annotations
 
-from pyinfra import logger
+from typing import Any
+
+from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, StringCommand, operation
+from pyinfra.context import ctx_host, ctx_state
+from pyinfra.context import state as current_state
 
 from facts.boot import BootStageFacts
+from facts.files import FileTexts
 from facts.guest_state import guest_state, guest_state_changes
-from facts.once import fact_once
+from facts.once import fact_once, read_fact
 from facts.proxmox import LxcConfigs, PvePackages, PveVersion
 from facts.shell import word
 from facts.upgrade import OsRelease, UpgradeJob, UpgradePreflight, UpgradeState
@@ -37,11 +42,19 @@ from operations.backup import backup_command
 from operations.files import write_file_command
 from operations.proxmox import KIND_LABEL, KIND_TOOL, guest_stop_commands
 from plan import upgrade_perform as perform
+from plan.kernel import host_checks_command, host_expectations
+from plan.reboot import ClusterView, parse_cluster, roll_check_lines
 from plan.releases import host_release_refusals, kernel_pve_major
 from plan.render import PRIVATE, render_template, root_dirs
 from plan.terminal import visible
 from plan.upgrade import HostView, upgrade_findings
 from spec.models import HostSpec
+
+# pmxcfs's view of the node's cluster and its nodelist's votes (as the reboot stage's roll reads them)
+CLUSTER_FILES = ["/etc/pve/.members", "/etc/pve/corosync.conf"]
+# per run (pyinfra plans every host in one process, in the inventory's order), kept on its state:
+# each node's upgrade phase read so far, and the nodes that start their upgrade in this run, per cluster
+_TURNS = "_pvegpu_upgrade_turns"
 
 
 def _asks(spec: HostSpec) -> bool:
@@ -53,7 +66,7 @@ def prefetch(spec: HostSpec) -> list:
     release: list = [(OsRelease, {}), (PveVersion, {})] if _asks(spec) else []
     check: list = ([(UpgradeState, {}), (LxcConfigs, {}), (PvePackages, {}), (BootStageFacts, {})]
              if spec.proxmox_ve == 9 else [])
-    job: list = [(UpgradeJob, {})] if _performs(spec) else []
+    job: list = [(UpgradeJob, {}), (FileTexts, {"paths": CLUSTER_FILES})] if _performs(spec) else []
     return release + check + job
 
 
@@ -89,6 +102,9 @@ def perform_preflight(spec: HostSpec) -> list[str]:
     """Refusals of `perform`: a failed or interrupted job, else (the host on 8, no job) the upgrade's
     preflight (plan.upgrade_perform.perform_refusals)."""
     current = job(spec)
+    cluster = _cluster() if _performs(spec) else ClusterView(None, None, True)
+    if cluster.name is not None:  # the other nodes of its cluster read this node's phase from here (turn_wait)
+        _turns()["phases"][cluster.node or host.name] = perform.node_phase(current, fact_once(PveVersion))
     if current["status"] in ("failed", "interrupted"):
         return [perform.job_refusal(current)]
     if not starts(spec):
@@ -100,7 +116,62 @@ def perform_preflight(spec: HostSpec) -> list[str]:
         allow_stop=spec.guests.allow_stop, reboot_guests=spec.reboot.guests,
         holds=(fact_once(UpgradeState) or {}).get("holds") or [],
         sources=perform.parse_sources(pre["sources"]), job=current)
-    return perform.perform_refusals(view)
+    in_cluster = perform.cluster_refusals(cluster, set(_run_nodes())) if cluster.name is not None else []
+    return perform.perform_refusals(view) + in_cluster
+
+
+def _cluster() -> ClusterView:
+    texts = fact_once(FileTexts, paths=CLUSTER_FILES) or {}
+    return parse_cluster(texts.get(CLUSTER_FILES[0]), texts.get(CLUSTER_FILES[1]))
+
+
+def _turns() -> dict[str, Any]:
+    state = ctx_state.get()
+    if getattr(state, _TURNS, None) is None:
+        setattr(state, _TURNS, {"phases": {}, "starting": {}})
+    return getattr(state, _TURNS)
+
+
+def _run_nodes() -> dict[str, Any]:
+    """{Proxmox node name: pyinfra host} of the hosts this run connected (within --limit)."""
+    state = current_state
+    return {h.data.get("pvegpu_node") or h.name: h for h in state.inventory
+            if state.is_host_in_limit(h) and h in state.activated_hosts}
+
+
+def _phase_of(node: str, other) -> perform.NodePhase:
+    """Another node's upgrade phase: as its own planning registered it, else read from it now (its
+    job and Proxmox VE version in one command, without touching its run's readings)."""
+    turns = _turns()
+    if node not in turns["phases"]:
+        from facts.hardware import combined_probe
+
+        with ctx_host.use(other):
+            found, pve = read_fact(combined_probe([(UpgradeJob, {}), (PveVersion, {})]))
+        found = found or UpgradeJob.default()
+        turns["phases"][node] = perform.node_phase(
+            perform.job_reading(found["state"], found["lock"], found["log"]), pve)
+    return turns["phases"][node]
+
+
+def turn_wait(spec: HostSpec) -> str | None:
+    """Why this host, which would start its upgrade now, waits for another node of its cluster
+    (plan.upgrade_perform.turn_wait); None: not in a cluster, or its turn."""
+    if not starts(spec):
+        return None
+    view = _cluster()
+    me = view.node or host.name
+    if view.name is None or len(view.online) <= 1:
+        return None
+    nodes = _run_nodes()
+    phases = {n: _phase_of(n, nodes[n]) for n in sorted(view.online) if n != me and n in nodes}
+    return perform.turn_wait(me, view.name, phases, _turns()["starting"].get(view.name, []))
+
+
+def _register_start() -> None:
+    view = _cluster()
+    if view.name is not None:
+        _turns()["starting"].setdefault(view.name, []).append(view.node or host.name)
 
 
 def start_commands(spec: HostSpec) -> tuple[str, str]:
@@ -149,6 +220,7 @@ def start(spec: HostSpec) -> None:
     configs = ([f"/etc/pve/lxc/{c}.conf" for c in sorted(spec.containers)]
                + [f"/etc/pve/qemu-server/{v}.conf" for v in sorted(spec.vms)])
     script, command = start_commands(spec)
+    _register_start()  # the other nodes of its cluster wait (turn_wait)
     # the guests stopped now, and those an earlier start stopped (a failed job started again): started
     # again once the host runs 9's kernel (restart_guests)
     guests = perform.parse_stopped_guests([*_job_fact()["guests"], *(f"{k} {g}" for k, g in stop)])
@@ -204,6 +276,52 @@ def _start_if_stopped(state, host, kind: str, gid: int) -> bool:
         logger.warning(f"{host.name}: {KIND_LABEL[kind]} {gid} was stopped for the 8 -> 9 upgrade and did not start "
                        f"again: {said}")
     return True
+
+
+def confirm(spec: HostSpec) -> None:
+    """After the converge of a run where the job is done and unchecked, and the host runs 9's
+    kernel (or this run rebooted it for the upgrade): the host checks (the roll's:
+    plan.reboot.roll_check_lines) and 9's kernel running; passed -> `checked=` in the job's state,
+    and the other nodes of its cluster may take their turn (plan.upgrade_perform.node_phase)."""
+    if not _performs(spec):
+        return
+    current = job(spec)
+    if current["status"] != "done" or current.get("checked"):
+        return
+    kernel = (fact_once(PveVersion) or {}).get("running_kernel")
+    if not (kernel and kernel_pve_major(str(kernel)) == 9) and not _rebooted_for_upgrade():
+        return
+    checks = roll_check_lines(host_expectations(spec), [])
+    confirm_upgrade(name=f"Host checks after the Proxmox VE 8 -> 9 upgrade ({len(checks)} check(s) and 9's kernel)",
+                    checks=checks)
+
+
+@operation(is_idempotent=False)
+def confirm_upgrade(checks: list[str]):
+    """Run the host checks on 9's kernel; when they pass, record it in the job's state (`checked=`).
+
+    + checks: plan.reboot.roll_check_lines of the host
+    """
+    yield FunctionCommand(_confirm, (checks,), {})
+
+
+def _confirm(state, host, checks: list[str]) -> bool:
+    ok, output = host.run_shell_command(StringCommand(f'echo "kernel=$(uname -r)"; {host_checks_command(checks)}'))
+    lines = list(output.stdout_lines)
+    kernel = lines[0][len("kernel="):].strip() if lines and lines[0].startswith("kernel=") else ""
+    said = visible(" ".join(" ".join(lines[1:] + list(output.stderr_lines)).split()))
+    if ok and kernel_pve_major(kernel) != 9:
+        ok, said = False, f"it runs kernel {kernel or '?'}, not one of 9's"
+    if not ok:
+        logger.error(f"{host.name}: the host checks after the 8 -> 9 upgrade failed: {said}; the other nodes of its "
+                     "cluster do not start their upgrade until a run finds them passing")
+        return False
+    done, _ = host.run_shell_command(StringCommand(
+        f"printf 'checked=%s\\n' \"$(date -u +%Y-%m-%dT%H:%M:%SZ)\" >> {word(perform.STATE_FILE)}"))
+    if done:
+        logger.info(f"{host.name}: host checks passed on 9's kernel {kernel} after the 8 -> 9 upgrade "
+                    f"({len(checks)} check(s))")
+    return bool(done)
 
 
 def _job_fact() -> dict:

@@ -13,6 +13,13 @@ runs: flock(1)). The next run reads them: running -> reported, the run stops; fa
 gone while its state says running: killed, a power cut) -> refused with the log's tail and how
 to start again; done -> the converge goes on, and reboots into 9's kernel per `reboot.allowed`.
 
+The cluster (`node_phase`, `cluster_refusals`, `turn_wait`): the nodes of one Proxmox cluster
+are upgraded one at a time. A node starts its upgrade only when every node of its cluster is in
+the run (each one's upgrade is read), online and quorate, none of the others is still in its
+upgrade (its job runs, failed, or is done while the node runs 8's kernel or has not passed its
+host checks on 9's: `checked=` in its state, written by the run after them), and no node before
+it in the run's order starts its own in this run. A node that is waiting is left as it is.
+
 The guests (`guests_to_start`): the GPU guests the start stopped are recorded in GUESTS_FILE
 (`lxc 200`, `qemu 300`, one a line; kept across a failed job and a new start) before they are
 stopped; once the job is done and the host runs 9's kernel, the run after the converge starts
@@ -24,6 +31,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from plan.reboot import ClusterView
 from plan.releases import kernel_pve_major
 from plan.terminal import visible
 from plan.upgrade import _KERNEL_META, proxmox_ve_too_old
@@ -204,6 +212,7 @@ def job_reading(state_lines: list[str], lock: str | None, log_tail: list[str]) -
     elif status not in (None, "running", "failed", "done"):
         status = "failed"
     return {"status": status, "step": values.get("step"), "since": values.get("since"),
+            "checked": values.get("checked") if status == "done" else None,
             "log": [visible(line.rstrip("\n")) for line in log_tail][-LOG_TAIL:]}
 
 
@@ -263,3 +272,81 @@ def guests_to_start(job: dict, running_kernel: str | None, rebooted_for_upgrade:
         return []
     on_9 = bool(running_kernel) and kernel_pve_major(str(running_kernel)) == 9
     return list(recorded) if on_9 or rebooted_for_upgrade else []
+
+
+# ---------------------------------------------------------------- a cluster, one node at a time
+
+ON_8, UPGRADING, UPGRADED, UNKNOWN = "on-8", "upgrading", "upgraded", "unknown"
+
+
+@dataclass(frozen=True)
+class NodePhase:
+    """Where a node stands in the cluster's upgrade: ON_8 (no job, Proxmox VE 8), UPGRADING (its
+    job runs, failed or was interrupted, or is done and the node has not yet passed its host checks
+    on 9's kernel), UPGRADED (on 9: its job done and checked, or upgraded without pvegpu), UNKNOWN
+    (no Proxmox VE version read). `why`: in words, for the lines of the nodes that wait."""
+
+    phase: str
+    why: str
+
+
+def node_phase(job: dict, pve: dict | None) -> NodePhase:
+    """The node's phase from its job's reading (`job_reading`) and its PveVersion fact."""
+    status, step = job.get("status"), job.get("step") or "?"
+    major = (pve or {}).get("major")
+    kernel = (pve or {}).get("running_kernel")
+    if status == "running":
+        return NodePhase(UPGRADING, f"its upgrade job runs (step {step} since {job.get('since') or '?'})")
+    if status in ("failed", "interrupted"):
+        return NodePhase(UPGRADING, f"its upgrade job {status} at step {step}: fix that node first (its run "
+                                    "shows the log)")
+    if status == "done":
+        if not kernel or kernel_pve_major(str(kernel)) != 9:
+            return NodePhase(UPGRADING, f"its upgrade is done and it still runs 8's kernel {kernel or '?'}: its "
+                                        "reboot into 9's kernel is due")
+        if not job.get("checked"):
+            return NodePhase(UPGRADING, f"it runs 9's kernel {kernel} and has not passed its host checks since the "
+                                        "upgrade (a run on it checks them)")
+        return NodePhase(UPGRADED, f"upgraded (host checks passed {job['checked']})")
+    if major == 8:
+        return NodePhase(ON_8, "on Proxmox VE 8")
+    if major == 9:
+        return NodePhase(UPGRADED, "on Proxmox VE 9")
+    return NodePhase(UNKNOWN, "its Proxmox VE version could not be read")
+
+
+def cluster_refusals(view: ClusterView, run_nodes: set[str]) -> list[str]:
+    """Why no node of `view`'s cluster may start its upgrade in this run (empty: the turn decides):
+    a node of the cluster outside the run (its upgrade cannot be read), no quorum, a node offline
+    (pve8to9.pm check_cluster_corosync fails on both too)."""
+    if view.name is None or len(view.online) <= 1:
+        return []
+    refusals = []
+    outside = sorted(set(view.online) - run_nodes)
+    if outside:
+        refusals.append(f"node(s) {', '.join(outside)} of cluster {view.name} are not in this run: pvegpu upgrades "
+                        "the nodes of a cluster one at a time and reads each one's upgrade first. Fix: run with "
+                        "every node of the cluster (inventory, --limit)")
+    if not view.quorate:
+        refusals.append(f"cluster {view.name} has no quorum now: no node of it starts the upgrade")
+    offline = sorted(n for n, up in view.online.items() if not up)
+    if offline:
+        refusals.append(f"node(s) {', '.join(offline)} of cluster {view.name} are offline: bring them back before "
+                        "a node starts the upgrade")
+    return refusals
+
+
+def turn_wait(node: str, cluster: str, phases: dict[str, NodePhase], starting: list[str]) -> str | None:
+    """Why `node` (on 8, its preflight passed) does not start its upgrade in this run: another node
+    of `cluster` is in its upgrade (`phases`, every other node's), or one before it in the run's
+    order starts its own in this run (`starting`). None: its turn."""
+    busy = [(n, p) for n, p in sorted(phases.items()) if n != node and p.phase in (UPGRADING, UNKNOWN)]
+    if busy:
+        said = "; ".join(f"{n}: {p.why}" for n, p in busy)
+        return (f"the 8 -> 9 upgrade waits: the nodes of cluster {cluster} are upgraded one at a time, and {said}. "
+                "Run again once that node is done")
+    first = [n for n in starting if n != node]
+    if first:
+        return (f"the 8 -> 9 upgrade waits: the nodes of cluster {cluster} are upgraded one at a time, and "
+                f"{first[0]} starts its upgrade in this run. Run again once it is done")
+    return None
