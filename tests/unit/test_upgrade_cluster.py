@@ -86,9 +86,9 @@ def test_one_node_at_a_time():
 
 # -- operations/upgrade.py over a run of several hosts (pyinfra's state and hosts, the facts given) --
 
-class _Host(SimpleNamespace):
-    def __hash__(self):
-        return hash(self.name)
+class _Host:
+    def __init__(self, name: str, data: dict):
+        self.name, self.data = name, data
 
 
 class _State(SimpleNamespace):
@@ -100,8 +100,6 @@ def _cluster_run(monkeypatch, jobs: dict[str, tuple[list[str], str | None, dict]
                  offline: tuple[str, ...] = ()):
     """A run over nodes a, b, c of cluster gpu; each node's (state lines, lock, PveVersion)."""
     from facts.files import FileTexts
-    from facts.proxmox import PveVersion
-    from facts.upgrade import UpgradeJob
     from operations import upgrade
 
     hosts = {n: _Host(name=n, data={}) for n in jobs}
@@ -128,7 +126,6 @@ def _cluster_run(monkeypatch, jobs: dict[str, tuple[list[str], str | None, dict]
     monkeypatch.setattr(upgrade, "fact_once", fact_once)
     monkeypatch.setattr(upgrade, "read_fact", read_fact)
     monkeypatch.setattr(upgrade, "guest_state", lambda: {"lxc": {}, "qemu": {}})
-    assert UpgradeJob and PveVersion
     return upgrade, hosts, state, reads
 
 
@@ -193,7 +190,8 @@ def test_a_node_outside_the_run_or_offline_refuses_the_start(monkeypatch, perfor
 
 class _Shell:
     def __init__(self, answers: list[tuple[bool, list[str]]]):
-        self.answers, self.commands, self.name = answers, [], "a"
+        self.answers, self.name = answers, "a"
+        self.commands: list[str] = []
 
     def run_shell_command(self, command):
         self.commands.append(str(command))
