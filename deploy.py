@@ -92,17 +92,17 @@ if refusals:
     raise DeployError(
         f"pvegpu preflight refused host {host.name}; nothing was changed:\n  - " + "\n  - ".join(refusals)
     )
-# an upgrade job that runs: reported, and nothing else is changed while it runs
-upgrade_running = upgrade.running(spec)
-if upgrade_running:
-    raise DeployError(f"pvegpu: host {host.name}: {upgrade_running}")
-# a node of a cluster whose upgrade would start now waits while another node is in its upgrade, or
-# one before it in the run's order starts its own (one node at a time): left as it is
-upgrade_waits = upgrade.turn_wait(spec)
-if upgrade_waits:
-    raise DeployError(f"pvegpu: host {host.name}: {upgrade_waits}; nothing was changed on {host.name}")
-
-if upgrade.starts(spec):
+# an upgrade job that runs: reported, and nothing else is changed on this host while it runs; a
+# node of a cluster whose upgrade would start now waits while another node is in its upgrade, or
+# another starts its own in this run (one node at a time; turn_wait claims the turn). Either
+# stops this host only: the other hosts of the run go on (upgrade.stop_host)
+upgrade_stops = upgrade.running(spec)
+if not upgrade_stops:
+    upgrade_waits = upgrade.turn_wait(spec)
+    upgrade_stops = upgrade_waits and f"{upgrade_waits}; nothing was changed on {host.name}"
+if upgrade_stops:
+    upgrade.stop_host(f"pvegpu: host {host.name}: {upgrade_stops}")
+elif upgrade.starts(spec):
     # the preflight passed: back up, start the upgrade detached; the converge waits for the next run
     upgrade.start(spec)
     if is_dry():

@@ -165,13 +165,13 @@ def turn_wait(spec: HostSpec) -> str | None:
         return None
     nodes = _run_nodes()
     phases = {n: _phase_of(n, nodes[n]) for n in sorted(view.online) if n != me and n in nodes}
-    return perform.turn_wait(me, view.name, phases, _turns()["starting"].get(view.name, []))
-
-
-def _register_start() -> None:
-    view = _cluster()
-    if view.name is not None:
-        _turns()["starting"].setdefault(view.name, []).append(view.node or host.name)
+    # pyinfra plans the hosts side by side (each waits on its own commands in turn): the decision and
+    # the claim of the turn are one step, with no remote command between them
+    starting = _turns()["starting"].setdefault(view.name, [])
+    wait = perform.turn_wait(me, view.name, phases, starting)
+    if wait is None:
+        starting.append(me)
+    return wait
 
 
 def start_commands(spec: HostSpec) -> tuple[str, str]:
@@ -220,7 +220,6 @@ def start(spec: HostSpec) -> None:
     configs = ([f"/etc/pve/lxc/{c}.conf" for c in sorted(spec.containers)]
                + [f"/etc/pve/qemu-server/{v}.conf" for v in sorted(spec.vms)])
     script, command = start_commands(spec)
-    _register_start()  # the other nodes of its cluster wait (turn_wait)
     # the guests stopped now, and those an earlier start stopped (a failed job started again): started
     # again once the host runs 9's kernel (restart_guests)
     guests = perform.parse_stopped_guests([*_job_fact()["guests"], *(f"{k} {g}" for k, g in stop)])
@@ -276,6 +275,19 @@ def _start_if_stopped(state, host, kind: str, gid: int) -> bool:
         logger.warning(f"{host.name}: {KIND_LABEL[kind]} {gid} was stopped for the 8 -> 9 upgrade and did not start "
                        f"again: {said}")
     return True
+
+
+def stop_host(message: str) -> None:
+    """Stop this host's run here, the others' going on: logged, and the host failed (the run exits
+    1). Not an exception: pyinfra's CLI ends every host's run on one raised while the deploy file
+    loads (pyinfra_cli/util.py load_deploy_file: greenlet.get()); the last active host raises it all
+    the same (pyinfra's fail_hosts ends a run with no host left with "No hosts remaining")."""
+    if len(current_state.active_hosts) <= 1:
+        from pyinfra.api.exceptions import DeployError
+
+        raise DeployError(message)
+    logger.error(message)
+    current_state.fail_hosts({ctx_host.get()})
 
 
 def confirm(spec: HostSpec) -> None:

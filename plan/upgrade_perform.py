@@ -17,8 +17,9 @@ The cluster (`node_phase`, `cluster_refusals`, `turn_wait`): the nodes of one Pr
 are upgraded one at a time. A node starts its upgrade only when every node of its cluster is in
 the run (each one's upgrade is read), online and quorate, none of the others is still in its
 upgrade (its job runs, failed, or is done while the node runs 8's kernel or has not passed its
-host checks on 9's: `checked=` in its state, written by the run after them), and no node before
-it in the run's order starts its own in this run. A node that is waiting is left as it is.
+host checks on 9's: `checked=` in its state, written by the run after them), and no other node
+claimed the run's turn (the first whose plan gets there: pyinfra plans the hosts side by side). A
+node that is waiting is left as it is.
 
 The guests (`guests_to_start`): the GPU guests the start stopped are recorded in GUESTS_FILE
 (`lxc 200`, `qemu 300`, one a line; kept across a failed job and a new start) before they are
@@ -338,8 +339,8 @@ def cluster_refusals(view: ClusterView, run_nodes: set[str]) -> list[str]:
 
 def turn_wait(node: str, cluster: str, phases: dict[str, NodePhase], starting: list[str]) -> str | None:
     """Why `node` (on 8, its preflight passed) does not start its upgrade in this run: another node
-    of `cluster` is in its upgrade (`phases`, every other node's), or one before it in the run's
-    order starts its own in this run (`starting`). None: its turn."""
+    of `cluster` is in its upgrade (`phases`, every other node's), or another claimed this run's
+    turn (`starting`). None: its turn."""
     busy = [(n, p) for n, p in sorted(phases.items()) if n != node and p.phase in (UPGRADING, UNKNOWN)]
     if busy:
         said = "; ".join(f"{n}: {p.why}" for n, p in busy)

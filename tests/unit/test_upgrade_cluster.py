@@ -1,7 +1,7 @@
 """Issue 40 item 2: the nodes of a Proxmox cluster are upgraded from 8 to 9 one at a time
 (plan/upgrade_perform.py node_phase, cluster_refusals, turn_wait; operations/upgrade.py turn_wait,
 confirm). A node starts only when every node of its cluster is in the run, online and quorate,
-no other node is still in its upgrade, and no node before it in the run starts its own; a node
+no other node is still in its upgrade, and no other node claimed the run's turn; a node
 counts as done once a run found its host checks passing on 9's kernel (`checked=` in its state)."""
 
 from __future__ import annotations
@@ -138,8 +138,6 @@ def _plan(upgrade, hosts, state, spec, order: list[str]) -> dict[str, tuple[list
                 refusals = upgrade.perform_preflight(spec)
                 wait = None if refusals else upgrade.turn_wait(spec)
                 starting = not refusals and not wait and upgrade.starts(spec)
-                if starting:
-                    upgrade._register_start()
                 out[name] = (refusals, wait, starting)
     return out
 
@@ -234,3 +232,21 @@ def test_confirm_runs_once_on_9s_kernel(monkeypatch, perform_spec, state, pve, r
     assert bool(calls) is called
     if calls:
         assert calls[0]["checks"][0].startswith("nvidia ")
+
+
+def test_a_waiting_node_stops_only_itself():
+    """pyinfra's CLI ends every host's run on an exception raised while a deploy file loads: the
+    waiting (or reporting) node fails itself instead, unless it is the run's last host."""
+    from pyinfra.api.exceptions import DeployError
+
+    from operations import upgrade
+
+    a, b = _Host("a", {}), _Host("b", {})
+    failed: list = []
+    state = _State(active_hosts={a, b}, fail_hosts=lambda hosts: failed.extend(hosts))
+    with ctx_state.use(state), ctx_host.use(b):
+        upgrade.stop_host("pvegpu: host b: waits")
+    assert failed == [b]
+    state.active_hosts = {b}
+    with ctx_state.use(state), ctx_host.use(b), pytest.raises(DeployError, match="waits"):
+        upgrade.stop_host("pvegpu: host b: waits")

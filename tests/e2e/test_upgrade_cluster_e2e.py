@@ -1,0 +1,114 @@
+"""The 8 -> 9 upgrade of a cluster, one node at a time (issue 40 item 2), on a two-node cluster
+twin of kpro6 nodes on Proxmox VE 8 (fast lane: no real dist-upgrade; the job waits for dpkg's lock,
+which the test holds as another apt run would, then fails on a broken package for real).
+
+- one run over both nodes with `proxmox_ve_upgrade: perform`: one node starts its upgrade (the
+  first whose plan claims the run's turn: pyinfra plans hosts side by side); the other waits,
+  saying for whom, and nothing changes on it;
+- a run while the first node's job runs: the first is reported, the second still waits, naming that
+  node's job and step;
+- the first node's job fails (`dpkg --configure -a` on a package whose postinst fails): the next run
+  refuses it with its log's tail (a preflight refusal stops the whole run), and the second node
+  still does not start: the upgrades stop at the first node that is not back healthy.
+
+Fails on e8e8434^ (before the cluster turn): the second node starts its own upgrade in the first run."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.e2e.harness import REPO, manifest_diff, root_manifest, run_pyinfra
+from tests.e2e.test_upgrade_perform_e2e import BROKEN_DEB, HOLD_LOCK, PVE_LIST, STATE
+from tests.twin import runtime
+
+pytestmark = [pytest.mark.twin]
+
+INVENTORY = textwrap.dedent("""\
+    import json
+    from pathlib import Path
+    from spec.load import inventory_hosts
+    specs = dict(inventory_hosts(Path(__file__).with_suffix(".yml")))
+    nodes = []
+    for name in {names!r}:
+        twin = json.loads((Path({twins!r}) / name / "twin.json").read_text())
+        nodes.append((name, dict(specs[name], ssh_hostname=twin["address"], ssh_port=twin["port"],
+                                 ssh_user="root", ssh_key=twin["key"], ssh_known_hosts_file="/dev/null",
+                                 ssh_strict_host_key_checking="no", pvegpu_node=name)))
+""")
+
+
+def ssh(name: str, command: str) -> str:
+    done = runtime.ssh_run(name, [command])
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def wait_for(predicate, timeout: float = 60) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return predicate()
+
+
+def text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def test_one_node_at_a_time(twin_factory, tmp_path):
+    cluster = f"u{os.getpid()}"
+    twins = [twin_factory("kpro6", name=f"s22u{x}-{os.getpid()}", cluster=cluster) for x in "ab"]
+    roots = {t.name: Path(t.root) for t in twins}
+    spec = {"proxmox_ve": 9, "proxmox_ve_upgrade": "perform",
+            "reboot": {"allowed": False}, "guests": {"allow_stop": True, "shutdown_timeout": 5}}
+    (tmp_path / "inv.yml").write_text(yaml.safe_dump({"hosts": {n: dict(spec, node=n) for n in roots}}))
+    (tmp_path / "inv.py").write_text(INVENTORY.format(names=list(roots), twins=str(runtime.TWINS_DIR)))
+    inv = str(tmp_path / "inv.py")
+    for name, root in roots.items():
+        assert "half-configured" in ssh(name, BROKEN_DEB)  # before the lock below: dpkg takes it
+        (root / PVE_LIST).write_text("deb http://download.proxmox.com/debian/pve bookworm pve-no-subscription\n")
+        ssh(name, HOLD_LOCK)
+        assert wait_for(lambda root=root: (root / "root/locked").exists())
+    uppers = {n: root_manifest(roots[n].parent / "upper") for n in roots}
+
+    # one node starts; the other waits for it and is left as it is
+    one = run_pyinfra(inv, "deploy.py", env={"PYTHONPATH": str(REPO)}, timeout=600)
+    assert one.rc != 0, one.output[-4000:]  # the waiting node stops the run for itself
+    started = [n for n in roots if f"{n}: the Proxmox VE 8 -> 9 upgrade starts detached" in one.output]
+    assert len(started) == 1, one.output[-4000:]
+    first, second = started[0], next(n for n in roots if n != started[0])
+    upper = roots[second].parent / "upper"
+    before = uppers[second]
+    assert f"{first}: the Proxmox VE 8 -> 9 upgrade starts detached on the host" in one.output, one.output[-4000:]
+    assert (f"pvegpu: host {second}: the 8 -> 9 upgrade waits: the nodes of cluster {cluster} are upgraded one at "
+            f"a time, and {first} starts its upgrade in this run") in one.output, one.output[-4000:]
+    assert f"nothing was changed on {second}" in one.output
+    assert manifest_diff(before, root_manifest(upper)) == []
+    assert not (roots[second] / STATE).exists()
+    assert wait_for(lambda: "step=wait-for-dpkg" in text(roots[first] / STATE / "state"))
+
+    # while the first node's job runs: reported there, the second still waits, naming it
+    running = run_pyinfra(inv, "deploy.py", env={"PYTHONPATH": str(REPO)}, timeout=600)
+    assert "the 8 -> 9 upgrade runs on the host" in running.output, running.output[-4000:]
+    assert f"{first}: its upgrade job runs (step wait-for-dpkg since " in running.output, running.output[-4000:]
+    assert manifest_diff(before, root_manifest(upper)) == []
+
+    # the first node's job fails for real: it is refused with its log, and the second does not start
+    (roots[first] / "root/release").touch()
+    assert wait_for(lambda: "status=failed" in text(roots[first] / STATE / "state"), 120)
+    failed = run_pyinfra(inv, "deploy.py", env={"PYTHONPATH": str(REPO)}, timeout=600)
+    assert failed.rc != 0
+    assert "pvegpu-test-broken: postinst fails" in failed.output, failed.output[-4000:]
+    assert f"pvegpu preflight refused host {first}; nothing was changed" in failed.output  # the run stops there
+    assert manifest_diff(before, root_manifest(upper)) == []
+    assert not (roots[second] / STATE).exists()
+    assert json.loads(ssh(second, "cat /etc/pve/.members"))["cluster"]["name"] == cluster
+    (roots[second] / "root/release").touch()
