@@ -37,6 +37,7 @@ from facts.pci import PciDevices, parse_pci_devices
 from facts.proxmox import parse_guest_config
 from operations.guests import mapping_merge_command, vm_config_write
 from plan.guests import (
+    EXTRA_NODES,
     KEY_RE,
     is_unprivileged,
     map_string,
@@ -230,13 +231,13 @@ def guest_hosts() -> list[tuple[str, str, HostSpec]]:
 
 
 def ct_lines(where: str, ctid: int, ct, text: str, pci: dict, majors: dict[str, int],
-             dev_entries: bool) -> list[Line]:
+             dev_entries: bool, loaded_majors: dict[str, int]) -> list[Line]:
     """pvegpu's lines of CT `ctid`'s config after the merge (devN or raw lxc.* syntax)."""
     # minors as the loaded nvidia driver numbers the GPUs (bus order); the twin's empty root
-    # loads no nvidia.ko, so its majors are added as /proc/devices lists them then
+    # loads no nvidia.ko, so its majors are added as its profile gives them to a boot that does
     gpus = sorted(b for b, d in pci.items() if d["vendor"] == "10de" and (d["class"] or "").startswith("03"))
     minors = {b: i for i, b in enumerate(gpus)}
-    majors = {"nvidia": 195, "nvidiactl": 195, "nvidia-uvm": 511, "nvidia-caps": 510, **majors}
+    majors = {"nvidia": 195, "nvidiactl": 195, **loaded_majors, **majors}
     devices = render_container_devices(ctid, list(ct.gpus), minors, majors, dev_entries, ct.gid,
                                        used_dev_indices(text, nvidia_majors(majors)), extra=list(ct.extra_devices),
                                        unprivileged=is_unprivileged(text))
@@ -298,10 +299,14 @@ def written() -> tuple[Line, ...]:
         for ctid, ct in sorted(spec.containers.items()):
             text = profile["guests"]["lxc"][ctid]
             for dev_entries in (True, False):
+                facts = (pci, majors, dev_entries, profile["char_majors"])
                 syntax = "devN" if dev_entries else "raw lxc.*"
-                lines += ct_lines(f"{case} CT {ctid} {syntax}", ctid, ct, text, pci, majors, dev_entries)
+                lines += ct_lines(f"{case} CT {ctid} {syntax}", ctid, ct, text, *facts)
                 lines += ct_lines(f"{case} CT {ctid} {syntax}, with a cgroup v1 allow", ctid, ct,
-                                  text.rstrip("\n") + "\n" + V1_ALLOW + "\n", pci, majors, dev_entries)
+                                  text.rstrip("\n") + "\n" + V1_ALLOW + "\n", *facts)
+                privileged = "".join(f"{l}\n" for l in text.splitlines() if not l.startswith("unprivileged:"))
+                lines += ct_lines(f"{case} CT {ctid} {syntax}, privileged with every extra device", ctid,
+                                  ct.model_copy(update={"extra_devices": list(EXTRA_NODES)}), privileged, *facts)
         for vmid, vm in sorted(spec.vms.items()):
             profiled = parse_guest_config(profile["guests"]["qemu"][vmid].splitlines(), "qemu")
             fresh = parse_guest_config([f"{k}: {v}" for k, v in FRESH_VM.items()], "qemu")
