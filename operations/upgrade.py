@@ -376,7 +376,7 @@ def _restore_one(state, host, cluster: str, node: str, entry: tuple[str, str, in
 def confirm(spec: HostSpec) -> bool:
     """After the converge of a run where the job is done and unchecked, and the host runs 9's
     kernel (or this run rebooted it for the upgrade): the host checks (the roll's:
-    plan.reboot.roll_check_lines) and 9's kernel running; passed -> `checked=` in the job's state,
+    plan.reboot.roll_check_lines), 8's kernel no longer running; passed -> `checked=` in the job's state,
     and the other nodes of its cluster may take their turn (plan.upgrade_perform.node_phase).
     Returns whether the run checks now."""
     if not _performs(spec):
@@ -385,17 +385,17 @@ def confirm(spec: HostSpec) -> bool:
     if current["status"] != "done" or current.get("checked"):
         return False
     kernel = (fact_once(PveVersion) or {}).get("running_kernel")
-    if not (kernel and kernel_pve_major(str(kernel)) == 9) and not _rebooted_for_upgrade():
+    if (not kernel or perform.runs_8_kernel(str(kernel))) and not _rebooted_for_upgrade():
         return False
     checks = roll_check_lines(host_expectations(spec), [])
-    confirm_upgrade(name=f"Host checks after the Proxmox VE 8 -> 9 upgrade ({len(checks)} check(s) and 9's kernel)",
+    confirm_upgrade(name=f"Host checks after the Proxmox VE 8 -> 9 upgrade ({len(checks)} check(s), 8's kernel gone)",
                     checks=checks)
     return True
 
 
 @operation(is_idempotent=False)
 def confirm_upgrade(checks: list[str]):
-    """Run the host checks on 9's kernel; when they pass, record it in the job's state (`checked=`).
+    """Run the host checks, 8's kernel gone; when they pass, record it in the job's state (`checked=`).
 
     + checks: plan.reboot.roll_check_lines of the host
     """
@@ -407,8 +407,8 @@ def _confirm(state, host, checks: list[str]) -> bool:
     lines = list(output.stdout_lines)
     kernel = lines[0][len("kernel="):].strip() if lines and lines[0].startswith("kernel=") else ""
     said = visible(" ".join(" ".join(lines[1:] + list(output.stderr_lines)).split()))
-    if ok and kernel_pve_major(kernel) != 9:
-        ok, said = False, f"it runs kernel {kernel or '?'}, not one of 9's"
+    if ok and (not kernel or perform.runs_8_kernel(kernel)):
+        ok, said = False, f"it still runs kernel {kernel or '?'}, one of Proxmox VE 8's"
     if not ok:
         logger.error(f"{host.name}: the host checks after the 8 -> 9 upgrade failed: {said}; the other nodes of its "
                      "cluster do not start their upgrade until a run finds them passing")
@@ -416,7 +416,7 @@ def _confirm(state, host, checks: list[str]) -> bool:
     done, _ = host.run_shell_command(StringCommand(
         f"printf 'checked=%s\\n' \"$(date -u +%Y-%m-%dT%H:%M:%SZ)\" >> {word(perform.STATE_FILE)}"))
     if done:
-        logger.info(f"{host.name}: host checks passed on 9's kernel {kernel} after the 8 -> 9 upgrade "
+        logger.info(f"{host.name}: host checks passed on kernel {kernel} after the 8 -> 9 upgrade "
                     f"({len(checks)} check(s))")
     return bool(done)
 

@@ -327,11 +327,11 @@ def node_phase(job: dict, pve: dict | None) -> NodePhase:
         return NodePhase(UPGRADING, f"its upgrade job {status} at step {step}: fix that node first (its run "
                                     "shows the log)")
     if status == "done":
-        if not kernel or kernel_pve_major(str(kernel)) != 9:
+        if not kernel or runs_8_kernel(str(kernel)):
             return NodePhase(UPGRADING, f"its upgrade is done and it still runs 8's kernel {kernel or '?'}: its "
                                         "reboot into 9's kernel is due")
         if not job.get("checked"):
-            return NodePhase(UPGRADING, f"it runs 9's kernel {kernel} and has not passed its host checks since the "
+            return NodePhase(UPGRADING, f"it runs kernel {kernel} and has not passed its host checks since the "
                                         "upgrade (a run on it checks them)")
         return NodePhase(UPGRADED, f"upgraded (host checks passed {job['checked']})")
     if major == 8:
@@ -339,6 +339,12 @@ def node_phase(job: dict, pve: dict | None) -> NodePhase:
     if major == 9:
         return NodePhase(UPGRADED, "on Proxmox VE 9")
     return NodePhase(UNKNOWN, "its Proxmox VE version could not be read")
+
+
+def runs_8_kernel(kernel: str) -> bool:
+    """A kernel of Proxmox VE 8 (or 7): what the upgrade leaves behind until the reboot
+    (plan.releases.kernel_pve_major; a kernel that is not a Proxmox kernel's name is not one)."""
+    return kernel_pve_major(kernel) in (7, 8)
 
 
 def cluster_refusals(view: ClusterView, run_nodes: set[str]) -> list[str]:
