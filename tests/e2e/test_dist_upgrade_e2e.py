@@ -267,6 +267,10 @@ def test_one_deploy_performs_the_upgrade(twin_factory, tmp_path, monkeypatch):
     # the CT pvegpu stopped for the upgrade runs again, once: the record is gone
     assert "status: running" in du.sh(twin, "pct status 200").stdout, rebooted.output[-4000:]
     assert not record.exists()
+    # the host checks ran once 8's kernel was gone, and passed: the job's state says so (a cluster's
+    # next node may start: plan.upgrade_perform.node_phase)
+    assert f"host checks passed on kernel {new} after the 8 -> 9 upgrade" in rebooted.output, rebooted.output[-4000:]
+    assert re.search(r"^checked=\d{4}-\d\d-\d\dT", status(), re.M), status()
 
     # a converge, the host checks, a run without changes
     with pc.Operator(PERFORM_NAME):
