@@ -104,7 +104,8 @@ def perform_preflight(spec: HostSpec) -> list[str]:
     current = job(spec)
     cluster = _cluster() if _performs(spec) else ClusterView(None, None, True)
     if cluster.name is not None:  # the other nodes of its cluster read this node's phase from here (turn_wait)
-        _turns()["phases"][cluster.node or host.name] = perform.node_phase(current, fact_once(PveVersion))
+        _turns()["phases"][cluster.node or host.name] = perform.node_phase(current, fact_once(PveVersion),
+                                                                           _job_fact().get("moved"))
     if current["status"] in ("failed", "interrupted"):
         return [perform.job_refusal(current)]
     if not starts(spec):
@@ -151,7 +152,7 @@ def _phase_of(node: str, other) -> perform.NodePhase:
             found, pve = read_fact(combined_probe([(UpgradeJob, {}), (PveVersion, {})]))
         found = found or UpgradeJob.default()
         turns["phases"][node] = perform.node_phase(
-            perform.job_reading(found["state"], found["lock"], found["log"]), pve)
+            perform.job_reading(found["state"], found["lock"], found["log"]), pve, found.get("moved"))
     return turns["phases"][node]
 
 
@@ -345,6 +346,12 @@ def restore_moved(spec: HostSpec, checked_now: bool) -> None:
     if not moved or current["status"] != "done" or not (current.get("checked") or checked_now):
         return
     cluster = _cluster()
+    # the other node's connection (a node that waits, failed by stop_host, keeps it to the run's end)
+    away = sorted({n for _, _, _, n in moved if n != (cluster.node or host.name)} - set(_run_nodes()))
+    if away:  # restore_guests works through the other node's own connection
+        logger.warning(f"{host.name}: the GPU guests moved away for the 8 -> 9 upgrade stay on node(s) "
+                       f"{', '.join(away)}, which are not in this run: run with them to bring the guests back")
+        return
     restore_moved_guests(name="Bring back the GPU guests moved for the Proxmox VE 8 -> 9 upgrade ("
                               + ", ".join(f"{'VM' if k in ('qemu',) or k.startswith('vm:') else 'CT'} {i}"
                                           for _, k, i, _ in moved) + ")",

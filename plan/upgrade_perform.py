@@ -17,7 +17,8 @@ The cluster (`node_phase`, `cluster_refusals`, `turn_wait`): the nodes of one Pr
 are upgraded one at a time. A node starts its upgrade only when every node of its cluster is in
 the run (each one's upgrade is read), online and quorate, none of the others is still in its
 upgrade (its job runs, failed, or is done while the node runs 8's kernel or has not passed its
-host checks on 9's: `checked=` in its state, written by the run after them), and no other node
+host checks on 9's: `checked=` in its state, written by the run after them; or the GPU guests it
+moved away for it are not back yet), and no other node
 claimed the run's turn (the first whose plan gets there: pyinfra plans the hosts side by side). A
 node that is waiting is left as it is.
 
@@ -316,8 +317,9 @@ class NodePhase:
     why: str
 
 
-def node_phase(job: dict, pve: dict | None) -> NodePhase:
-    """The node's phase from its job's reading (`job_reading`) and its PveVersion fact."""
+def node_phase(job: dict, pve: dict | None, moved: list[str] | None = None) -> NodePhase:
+    """The node's phase from its job's reading (`job_reading`), its PveVersion fact and its record of
+    guests moved for the upgrade (MOVED_FILE's lines: while any is left it is still in its upgrade)."""
     status, step = job.get("status"), job.get("step") or "?"
     major = (pve or {}).get("major")
     kernel = (pve or {}).get("running_kernel")
@@ -333,6 +335,10 @@ def node_phase(job: dict, pve: dict | None) -> NodePhase:
         if not job.get("checked"):
             return NodePhase(UPGRADING, f"it runs kernel {kernel} and has not passed its host checks since the "
                                         "upgrade (a run on it checks them)")
+        back = parse_moved(moved or [])
+        if back:
+            return NodePhase(UPGRADING, "its GPU guests moved away for its upgrade are not back yet ("
+                                        + ", ".join(f"{k} {i} on {n}" for _, k, i, n in back) + ")")
         return NodePhase(UPGRADED, f"upgraded (host checks passed {job['checked']})")
     if major == 8:
         return NodePhase(ON_8, "on Proxmox VE 8")

@@ -218,9 +218,13 @@ def test_one_deploy_performs_the_upgrade(twin_factory, tmp_path, monkeypatch):
     assert (root / du.PVE_LIST).read_text().split()[-2:] == ["bookworm", du.COMPONENT]
     # a running CT with a GPU: the start stops it and records it; the run on 9's kernel starts it again
     inv = write_inventory(tmp_path, twin, sha, 9, proxmox_ve_upgrade="perform", reboot={"allowed": True},
-                          gpus={"0000:01:00.0": "lxc"}, containers={200: {"gpus": ["0000:01:00.0"]}},
+                          gpus={"0000:01:00.0": "lxc", "0000:81:00.0": "vm:300"},
+                          containers={200: {"gpus": ["0000:01:00.0"]}},
+                          vms={300: {"gpus": ["0000:81:00.0"], "machine": "q35"}},
+                          iommu={"vendor": "amd", "passthrough": False, "params": ["pci=realloc"]},
                           guests={"allow_stop": True})
     du.sh(twin, "pct start 200")
+    du.sh(twin, "qm start 300")
     record = root / STATE / "guests-stopped"
     state = root / STATE / "state"
 
@@ -233,7 +237,8 @@ def test_one_deploy_performs_the_upgrade(twin_factory, tmp_path, monkeypatch):
         assert started.rc == 0, started.output[-6000:]
         assert "the Proxmox VE 8 -> 9 upgrade starts detached on the host" in started.output, started.output[-4000:]
         assert "status=running" in status() or "status=done" in status(), status()
-        assert record.read_text() == "lxc 200\n" and "status: stopped" in du.sh(twin, "pct status 200").stdout
+        assert record.read_text() == "lxc 200\nqemu 300\n" and "status: stopped" in du.sh(twin, "pct status 200").stdout
+        assert "status: stopped" in du.sh(twin, "qm status 300").stdout
         # a run while the job runs: reported, the run stops
         running = run_pyinfra(inv, "deploy.py", timeout=900)
         assert running.rc != 0 and "the 8 -> 9 upgrade runs on the host" in running.output, running.output[-4000:]
@@ -266,6 +271,8 @@ def test_one_deploy_performs_the_upgrade(twin_factory, tmp_path, monkeypatch):
     assert pc.gpu_driver(PERFORM_NAME) == VERSION, rebooted.output[-4000:]
     # the CT pvegpu stopped for the upgrade runs again, once: the record is gone
     assert "status: running" in du.sh(twin, "pct status 200").stdout, rebooted.output[-4000:]
+    assert "status: running" in du.sh(twin, "qm status 300").stdout, rebooted.output[-4000:]
+    assert re.search(r"^hostpci0: ", du.sh(twin, "cat /etc/pve/qemu-server/300.conf").stdout, re.M)  # its GPU, by the converge on 9
     assert not record.exists()
     # the host checks ran once 8's kernel was gone, and passed: the job's state says so (a cluster's
     # next node may start: plan.upgrade_perform.node_phase)

@@ -112,3 +112,81 @@ def test_one_node_at_a_time(twin_factory, tmp_path):
     assert not (roots[second] / STATE).exists()
     assert json.loads(ssh(second, "cat /etc/pve/.members"))["cluster"]["name"] == cluster
     (roots[second] / "root/release").touch()
+
+
+POOL = ["0000:81:00.0", "0000:a1:00.0"]
+
+
+def pool_entry(root: Path, node: str, bdf: str) -> str:
+    """A map entry of the pool as Proxmox keeps it (pve-guest-common PVE/Mapping/PCI.pm: id,
+    subsystem-id, iommugroup, node, path), from the twin's sysfs."""
+    dev = root / "var/lib/twin/hw/sys/bus/pci/devices" / bdf
+    sub = f"{(dev / 'subsystem_vendor').read_text().strip()[2:]}:{(dev / 'subsystem_device').read_text().strip()[2:]}"
+    group = Path(os.readlink(dev / "iommu_group")).name
+    return f"\tmap id=10de:2bb5,iommugroup={group},node={node},path={bdf[:-2]},subsystem-id={sub}\n"
+
+
+def qm_list(name: str) -> dict[int, str]:
+    return {int(w[0]): w[-4] for w in (line.split() for line in ssh(name, "qm list").splitlines()[1:]) if w}
+
+
+def test_the_starting_node_moves_its_pooled_vm_and_gets_it_back(twin_factory, tmp_path):
+    """`reboot.guests: migrate`: each node runs a VM of a GPU pool (one of the pool's two GPUs of
+    each node). The node that starts its upgrade moves its VM (offline) to the other node, which
+    has a free entry of the pool, and records it (guests-moved, 0600); once its job is done and its
+    host checks have passed (the state written so here: the fast lane has no trixie to upgrade to),
+    its run brings the VM back (migrated back, started here) and removes the record, while the
+    other node waits for that (a node is done with its upgrade once its guests are back)."""
+    cluster = f"v{os.getpid()}"
+    twins = [twin_factory("kpro6", name=f"s22v{x}-{os.getpid()}", cluster=cluster) for x in "ab"]
+    roots = {t.name: Path(t.root) for t in twins}
+    a, b = roots
+    pve = runtime.cluster_pve(cluster)
+    (pve / "mapping").mkdir(exist_ok=True)
+    (pve / "mapping/pci.cfg").write_text("rtx6000\n\tdescription pvegpu-gpu-pool\n" + "".join(
+        pool_entry(roots[n], n, bdf) for n in roots for bdf in POOL))
+    vms = {a: 300, b: 301}  # VM 300 is the profile's, on the first node
+    ssh(b, "qm create 301 --machine q35 --bios ovmf")
+    for name, vmid in vms.items():
+        ssh(name, f"qm set {vmid} --hostpci0 mapping=rtx6000,pcie=1 && qm start {vmid}")
+        (roots[name] / PVE_LIST).write_text("deb http://download.proxmox.com/debian/pve bookworm pve-no-subscription\n")
+        ssh(name, HOLD_LOCK)
+        assert wait_for(lambda name=name: (roots[name] / "root/locked").exists())
+    spec = {"proxmox_ve": 9, "proxmox_ve_upgrade": "perform",
+            "reboot": {"allowed": False, "guests": "migrate"}, "guests": {"allow_stop": True, "shutdown_timeout": 5}}
+    (tmp_path / "inv.yml").write_text(yaml.safe_dump({"hosts": {n: dict(spec, node=n) for n in roots}}))
+    (tmp_path / "inv.py").write_text(INVENTORY.format(names=list(roots), twins=str(runtime.TWINS_DIR)))
+    inv = str(tmp_path / "inv.py")
+
+    one = run_pyinfra(inv, "deploy.py", env={"PYTHONPATH": str(REPO)}, timeout=600)
+    started = [n for n in roots if f"{n}: the Proxmox VE 8 -> 9 upgrade starts detached" in one.output]
+    assert len(started) == 1, one.output[-4000:]
+    first = started[0]
+    other = b if first == a else a
+    moved = vms[first]
+    assert f"{first}: VM {moved} moved to node {other} before the reboot" in one.output, one.output[-4000:]
+    assert qm_list(other) == {300: "running", 301: "running"}
+    assert moved not in qm_list(first)
+    record = roots[first] / STATE / "guests-moved"
+    assert record.read_text() == f"back qemu {moved} {other}\n"
+    assert oct(record.stat().st_mode & 0o777) == "0o600"
+
+    # the job's end, as a finished upgrade leaves it (the fast lane has no trixie): done, checked on
+    # a kernel that is not 8's (kpro6 runs 6.14.8-2-pve, 9.0's kernel); the next run on that node
+    # brings its VM back
+    (roots[first] / "root/release").touch()
+    assert wait_for(lambda: "status=" in text(roots[first] / STATE / "state") and
+                    "status=running" not in text(roots[first] / STATE / "state"), 120)
+    (roots[first] / STATE / "state").write_text("status=done\nstep=reboot-into-9\nsince=2026-12-07T00:00:00Z\n"
+                                                "checked=2026-12-07T00:10:00Z\n")
+    # the other node (lock still held: it would wait for dpkg) waits while the first's guests are away
+    back = run_pyinfra(inv, "deploy.py", env={"PYTHONPATH": str(REPO)}, timeout=600)
+    assert f"{first}: VM {moved} back from node {other}, running here again" in back.output, back.output[-4000:]
+    assert (f"{first}: its GPU guests moved away for its upgrade are not back yet (qemu {moved} on {other})"
+            in back.output), back.output[-4000:]
+    assert not (roots[other] / STATE).exists()
+    assert qm_list(first) == {moved: "running"} and moved not in qm_list(other)
+    assert not record.exists()
+    again = run_pyinfra(inv, "deploy.py", "--limit", first, env={"PYTHONPATH": str(REPO)}, timeout=600)
+    assert again.rc == 0 and "Bring back the GPU guests" not in again.output, again.output[-4000:]
+    (roots[other] / "root/release").touch()

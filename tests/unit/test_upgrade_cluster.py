@@ -53,6 +53,13 @@ def test_a_nodes_phase(job, pve, phase, words):
     assert found.phase == phase and words in found.why
 
 
+def test_a_node_is_done_once_its_moved_guests_are_back():
+    checked = _job("status=done", "checked=x")
+    found = node_phase(checked, PVE9, ["back qemu 301 b"])
+    assert found.phase == UPGRADING and "guests moved away for its upgrade are not back yet (qemu 301 on b)" in found.why
+    assert node_phase(checked, PVE9, []).phase == UPGRADED
+
+
 def test_checked_counts_only_for_a_done_job():
     assert _job("status=running", "checked=x", lock="held")["checked"] is None
     assert _job("status=done", "checked=x")["checked"] == "x"
@@ -106,6 +113,7 @@ def _cluster_run(monkeypatch, jobs: dict[str, tuple[list[str], str | None, dict]
 
     hosts = {n: _Host(name=n, data={}) for n in jobs}
     state = _State(inventory=list(hosts.values()), activated_hosts=set(hosts.values()),
+                   active_hosts={h for n, h in hosts.items() if not limit or n in limit},
                    limit=[hosts[n] for n in limit] if limit else None)
     reads: list[str] = []
 
@@ -344,6 +352,23 @@ def test_moved_guests_come_back_once_checked(monkeypatch, perform_spec, state, c
     if calls:
         assert calls[0]["moved"] == [("back", "qemu", 301, "b")] and calls[0]["node"] == "a"
         assert "VM 301" in calls[0]["name"]
+
+
+def test_moved_guests_wait_for_their_node_in_the_run(monkeypatch, perform_spec):  # noqa: F811
+    from operations import upgrade
+
+    state_lines = ["status=done", "checked=x"]
+    upgrade_, hosts, st, _ = _cluster_run(monkeypatch, {"a": (state_lines, "free", PVE9), "b": ([], None, PVE8)},
+                                          limit=["a"])
+    monkeypatch.setattr(upgrade, "_job_fact", lambda: {"moved": ["back qemu 301 b"]})
+    monkeypatch.setattr(upgrade, "job", lambda spec: job_reading(state_lines, "free", []))
+    calls: list = []
+    warned: list = []
+    monkeypatch.setattr(upgrade, "restore_moved_guests", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(upgrade.logger, "warning", warned.append)
+    with ctx_state.use(st), ctx_host.use(hosts["a"]):
+        upgrade.restore_moved(perform_spec, False)
+    assert calls == [] and "stay on node(s) b, which are not in this run" in warned[0]
 
 
 def test_each_guest_back_then_the_record_shrinks(monkeypatch):
