@@ -224,12 +224,22 @@ def _read_guests(host) -> dict | None:
     return parse_node_guests(list(output.stdout_lines)) if ok else None
 
 
-def clear_guests(state, host, cluster: str, node: str, fallback: str, timeout: int) -> bool:
+def clear_guests(state, host, cluster: str, node: str, fallback: str, timeout: int, occasion: str = "") -> bool:
     """Before `node` reboots (`reboot.guests: migrate`): its running GPU guests moved or stopped as
-    plan.reboot.plan_guest_moves says; a refusal stops the roll here, the node not rebooted."""
+    plan.reboot.plan_guest_moves says; a refusal stops the roll here, the node not rebooted.
+    `occasion`: what they leave for, when not the roll's reboot (the 8 -> 9 upgrade's start,
+    operations/upgrade.py): named in the lines, and a refusal stops only that (no roll is stopped)."""
+    before, after = (f"for {occasion}", f"after {occasion}") if occasion else ("before the reboot", "after the reboot")
+
+    def refused(why: str) -> bool:
+        if not occasion:
+            return _stop_roll(host, cluster, node, why)
+        logger.error(f"{host.name}: {why}; {occasion} does not start")
+        return False
+
     mine = _read_guests(host)
     if mine is None:
-        return _stop_roll(host, cluster, node, f"its guests could not be read on {node}")
+        return refused(f"its guests could not be read on {node}")
     online = sorted(n for n, v in ((mine["members"] or {}).get("nodelist") or {}).items()
                     if v.get("online") and n != node)
     hosts = run_nodes(state)
@@ -241,35 +251,35 @@ def clear_guests(state, host, cluster: str, node: str, fallback: str, timeout: i
                 targets[n] = reading
     moves = plan_guest_moves(node, mine, targets, fallback, tuple(n for n in online if n not in hosts))
     if moves["refusals"]:
-        return _stop_roll(host, cluster, node, "its GPU guests cannot leave it: " + " ".join(moves["refusals"]))
+        return refused("its GPU guests cannot leave it: " + " ".join(moves["refusals"]))
     if not (moves["stop"] or moves["migrate"] or moves["relocate"]):
-        logger.info(f"{host.name}: no running GPU guest to move or stop before the reboot")
+        logger.info(f"{host.name}: no running GPU guest to move or stop {before}")
     done = ROLL_MOVED.setdefault(host.name, [])
     for kind, vmid in moves["stop"]:
         ok, said = _run(host, shutdown_shell(kind, vmid, timeout))
         if not ok:
-            return _stop_roll(host, cluster, node, f"{'VM' if kind == 'qemu' else 'CT'} {vmid} did not stop ({said})")
+            return refused(f"{'VM' if kind == 'qemu' else 'CT'} {vmid} did not stop ({said})")
         done.append(("start", kind, vmid, node))
-        logger.info(f"{host.name}: {'VM' if kind == 'qemu' else 'CT'} {vmid} stopped for the reboot; started again after it")
+        logger.info(f"{host.name}: {'VM' if kind == 'qemu' else 'CT'} {vmid} stopped {before}; started again {after}")
     for vmid, target in moves["migrate"]:
         # offline: qemu-server PVE/API2/Qemu.pm migrate_vm refuses a running VM without --online
         ok, said = _run(host, f"{shutdown_shell('qemu', vmid, timeout)} && qm migrate {word(str(vmid))} {word(target)}")
         if not ok:
-            return _stop_roll(host, cluster, node, f"VM {vmid} could not be migrated to {target} ({said})")
+            return refused(f"VM {vmid} could not be migrated to {target} ({said})")
         # the VM is the target's now (its config under /etc/pve/nodes/<target>/): started there
         ok, said = _run(hosts[target], f"qm start {word(str(vmid))}")
         if not ok:
-            return _stop_roll(host, cluster, node, f"VM {vmid} was migrated to {target} but did not start there ({said}); "
+            return refused(f"VM {vmid} was migrated to {target} but did not start there ({said}); "
                               f"it is stopped on {target}")
         done.append(("back", "qemu", vmid, target))
-        logger.info(f"{host.name}: VM {vmid} moved to node {target} before the reboot (shut down, migrated offline, "
-                    f"started there); it comes back after the reboot")
+        logger.info(f"{host.name}: VM {vmid} moved to node {target} {before} (shut down, migrated offline, "
+                    f"started there); it comes back {after}")
     for vmid, sid, target in moves["relocate"]:
         ok, said = _ha_relocate(host, hosts[target], sid, vmid, target, timeout)
         if not ok:
-            return _stop_roll(host, cluster, node, said)
+            return refused(said)
         done.append(("ha-back", sid, vmid, target))
-        logger.info(f"{host.name}: VM {vmid} (HA resource {sid}) relocated by HA to node {target} before the reboot; "
+        logger.info(f"{host.name}: VM {vmid} (HA resource {sid}) relocated by HA to node {target} {before}; "
                     "relocated back after it")
     return True
 

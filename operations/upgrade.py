@@ -185,9 +185,14 @@ def start_commands(spec: HostSpec) -> tuple[str, str]:
     sd_boot_pin = pins["unpin"] and any(e.get("mode") == "uefi" for e in boot.get("esps") or [])
     script = render_template("pve-upgrade.sh.j2", state_dir=perform.STATE_DIR, unpin=pins["unpin"],
                              efi_default=sd_boot_pin, unset_saved=pins["unset_saved"])
-    start = render_template("pve-upgrade-start.sh.j2", state_dir=perform.STATE_DIR, lock=perform.LOCK_FILE,
-                            script=perform.SCRIPT, unit=perform.UNIT)
-    return script, start
+    return script, start_command()
+
+
+def start_command() -> str:
+    """templates/pve-upgrade-start.sh.j2: back up /etc/pve, start the job (perform.SCRIPT) detached:
+    a transient unit perform.UNIT where systemd runs, else a process of its own session."""
+    return render_template("pve-upgrade-start.sh.j2", state_dir=perform.STATE_DIR, lock=perform.LOCK_FILE,
+                           script=perform.SCRIPT, unit=perform.UNIT)
 
 
 @operation()
@@ -241,7 +246,7 @@ def _clear_for_upgrade(state, host, cluster: str, node: str, fallback: str, time
     start then, and the next start adds to the record)."""
     from operations.reboot import ROLL_MOVED, clear_guests
 
-    ok = clear_guests(state, host, cluster, node, fallback, timeout)
+    ok = clear_guests(state, host, cluster, node, fallback, timeout, occasion="the 8 -> 9 upgrade")
     moved = [*moved_before, *ROLL_MOVED.pop(host.name, [])]
     return _write_moved(host, moved) and ok
 

@@ -164,7 +164,7 @@ def test_the_starting_node_moves_its_pooled_vm_and_gets_it_back(twin_factory, tm
     first = started[0]
     other = b if first == a else a
     moved = vms[first]
-    assert f"{first}: VM {moved} moved to node {other} before the reboot" in one.output, one.output[-4000:]
+    assert f"{first}: VM {moved} moved to node {other} for the 8 -> 9 upgrade" in one.output, one.output[-4000:]
     assert qm_list(other) == {300: "running", 301: "running"}
     assert moved not in qm_list(first)
     record = roots[first] / STATE / "guests-moved"

@@ -318,7 +318,8 @@ def test_clearing_records_what_moved_even_when_a_guest_cannot_leave(monkeypatch)
     import operations.reboot as reboot
     from operations import upgrade
 
-    def clear(state, host, cluster, node, fallback, timeout):
+    def clear(state, host, cluster, node, fallback, timeout, occasion=""):
+        assert occasion == "the 8 -> 9 upgrade"
         reboot.ROLL_MOVED.setdefault(host.name, []).append(("back", "qemu", 301, "b"))
         return False  # then VM 302 had nowhere to go
 
