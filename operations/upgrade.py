@@ -11,7 +11,14 @@ GPU guests, backs up their configs (operations/backup.py) and /etc/pve (a tarbal
 /var/lib/pvegpu/upgrade, 0700), and starts the upgrade job detached (templates/pve-upgrade.sh.j2);
 nothing else is converged in that run. The next runs read the job: running -> reported, the run
 stops; failed -> refused with its log's tail; done -> the converge goes on (on 9 now), with a
-reboot into 9's kernel where the host still runs 8's (per reboot.allowed).
+reboot into 9's kernel where the host still runs 8's (per reboot.allowed); once 8's kernel is gone
+the host checks run once (`confirm`: `checked=` in the job's state).
+
+cluster (plan/upgrade_perform.py node_phase, cluster_refusals, turn_wait): the nodes of a cluster
+are upgraded one at a time; a node whose upgrade would start waits (`stop_host`: only it stops)
+while another is in its upgrade or claimed this run's turn. With `reboot.guests: migrate` the start
+moves the node's GPU guests away as the rolling reboot does and `restore_moved` brings them back
+after `checked=`.
 
 report: when the spec says `proxmox_ve: 9`, the run (and --dry) lists what pve8to9 would warn
 about that pvegpu causes or can fix, each with its fix: before the upgrade (the host runs 8) and
@@ -52,8 +59,8 @@ from spec.models import HostSpec
 
 # pmxcfs's view of the node's cluster and its nodelist's votes (as the reboot stage's roll reads them)
 CLUSTER_FILES = ["/etc/pve/.members", "/etc/pve/corosync.conf"]
-# per run (pyinfra plans every host in one process, in the inventory's order), kept on its state:
-# each node's upgrade phase read so far, and the nodes that start their upgrade in this run, per cluster
+# per run (pyinfra plans every host in one process, side by side), kept on its state: each node's
+# upgrade phase read so far, and the nodes that claimed this run's turn to start, per cluster
 _TURNS = "_pvegpu_upgrade_turns"
 
 
@@ -358,7 +365,7 @@ def restore_moved(spec: HostSpec, checked_now: bool) -> None:
                        f"{', '.join(away)}, which are not in this run: run with them to bring the guests back")
         return
     restore_moved_guests(name="Bring back the GPU guests moved for the Proxmox VE 8 -> 9 upgrade ("
-                              + ", ".join(f"{'VM' if k in ('qemu',) or k.startswith('vm:') else 'CT'} {i}"
+                              + ", ".join(f"{'VM' if k == 'qemu' or k.startswith('vm:') else 'CT'} {i}"
                                           for _, k, i, _ in moved) + ")",
                          cluster=str(cluster.name), node=cluster.node or host.name, moved=moved,
                          timeout=spec.guests.shutdown_timeout)
@@ -386,8 +393,8 @@ def _restore_one(state, host, cluster: str, node: str, entry: tuple[str, str, in
 
 
 def confirm(spec: HostSpec) -> bool:
-    """After the converge of a run where the job is done and unchecked, and the host runs 9's
-    kernel (or this run rebooted it for the upgrade): the host checks (the roll's:
+    """After the converge of a run where the job is done and unchecked, and 8's kernel no longer
+    runs (or this run rebooted the host for the upgrade): the host checks (the roll's:
     plan.reboot.roll_check_lines), 8's kernel no longer running; passed -> `checked=` in the job's state,
     and the other nodes of its cluster may take their turn (plan.upgrade_perform.node_phase).
     Returns whether the run checks now."""
