@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,35 @@ KERNEL: dict[str, Any] = {"version": RELEASE, "source": {"kind": "proxmox-git", 
           "jobs": 1, "ccache": False}
 ESP = "var/lib/twin/esp/5A1C-9E27"
 GCC = "gcc (Debian 12.2.0-14+deb12u1) 12.2.0"
+
+
+@dataclass(frozen=True)
+class Case:
+    """The constants of one Proxmox VE release's trial: the twin profile, the release our build
+    produces (its .deb version, compiler banner and pve-kernel ref) and the kernel it replaces."""
+    id: str
+    profile: str
+    release: str
+    deb_version: str
+    old: str
+    kernel: dict[str, Any]
+    gcc: str
+
+    @property
+    def trial_entry(self) -> str:
+        return f"pvegpu-trial-{self.release}.conf"
+
+
+BOOKWORM = Case("bookworm", "kpro6", RELEASE, DEB_VERSION, OLD, KERNEL, GCC)
+# Proxmox VE 9 (tests/twin/profiles/kpro6-pve9.yml: trixie, proxmox-kernel-helper 9.2.0 from its
+# source, running 7.0.14-14-pve, gcc-14; the ESP is kpro6's). Our build of pve-kernel master at
+# 6e44995: its Makefile's KVNAME 7.0.14-14 with an empty KREL_EXTRA (no -bpo on trixie branches)
+# plus -pvegpu; debian/changelog's version 7.0.14-14 (no ~bpo12+1); inventories/kpro6-pve9.yml's kernel
+TRIXIE_RELEASE = "7.0.14-14-pvegpu-pve"
+TRIXIE = Case("trixie", "kpro6-pve9", TRIXIE_RELEASE, "7.0.14-14", "7.0.14-14-pve",
+              {**KERNEL, "version": TRIXIE_RELEASE,
+               "source": {**KERNEL["source"], "ref": "6e44995b70ade6101b876137b35f48a28216559d"}},
+              "gcc (Debian 14.2.0-19) 14.2.0")
 
 
 def twin_run(name: str, *command: str) -> str:
@@ -93,13 +123,13 @@ def pe_image(payload: bytes) -> bytes:
     return head + b"\0" * (size_headers - len(head)) + text
 
 
-def zfs_module(path: Path, guids: list[str]) -> None:
+def zfs_module(path: Path, guids: list[str], release: str = RELEASE) -> None:
     """A zfs.ko as depmod/modinfo read it (an ELF object with .modinfo) whose read-only data holds
     the feature table's GUID strings, as the real module's does (zfeature_common.c literals)."""
     source = path.with_suffix(".c")
     table = ", ".join(f'"{g}"' for g in guids)
     source.write_text('static const char modinfo[] __attribute__((section(".modinfo"), used, aligned(1))) = '
-                      f'"license=CDDL\\0name=zfs\\0vermagic={RELEASE} SMP preempt mod_unload modversions \\0";\n'
+                      f'"license=CDDL\\0name=zfs\\0vermagic={release} SMP preempt mod_unload modversions \\0";\n'
                       f"const char *const zfeature_guids[] = {{{table}}};\n")
     subprocess.run(["gcc", "-c", "-O2", "-o", str(path), str(source)], check=True)
     source.unlink()
@@ -113,37 +143,38 @@ def zfs_root(root: Path, features: dict[str, str]) -> None:
     (root / "var/lib/twin/profile.json").write_text(json.dumps(data))
 
 
-def nvidia_module(path: Path, version: str) -> None:
+def nvidia_module(path: Path, version: str, release: str = RELEASE) -> None:
     """An nvidia.ko whose .modinfo says `version` (what modinfo and the twin's boot read from it)."""
     source = path.with_suffix(".c")
     source.write_text('static const char modinfo[] __attribute__((section(".modinfo"), used, aligned(1))) = '
-                      f'"license=Dual MIT/GPL\\0version={version}\\0name=nvidia\\0vermagic={RELEASE} SMP mod_unload \\0";\n')
+                      f'"license=Dual MIT/GPL\\0version={version}\\0name=nvidia\\0vermagic={release} SMP mod_unload \\0";\n')
     subprocess.run(["gcc", "-c", "-O2", "-o", str(path), str(source)], check=True)
     source.unlink()
 
 
 def stand_in_debs(out: Path, zfs_guids: list[str] | None = None, nvidia: str | None = None,
-                  nvidia_dir: str = "updates/dkms") -> list[Path]:
+                  nvidia_dir: str = "updates/dkms", case: Case = BOOKWORM) -> list[Path]:
     """What our pve-kernel build leaves (tests/twin/kernel_packages.py): the unsigned
     proxmox-kernel-<rel> with the files the stages read (and a zfs.ko carrying `zfs_guids`, as
     pve-kernel's image carries its own ZFS module) and proxmox-headers-<rel> with a .config."""
     out.mkdir(parents=True, exist_ok=True)
+    release, gcc = case.release, case.gcc
     files: dict[str, bytes | str] = {
-        f"boot/vmlinuz-{RELEASE}": pe_image(b"twin stand-in kernel image\n"), f"boot/System.map-{RELEASE}": "",
-        f"boot/config-{RELEASE}": (f'CONFIG_CC_VERSION_TEXT="{GCC}"\nCONFIG_BLK_DEV_INITRD=y\nCONFIG_RD_GZIP=y\n'
+        f"boot/vmlinuz-{release}": pe_image(b"twin stand-in kernel image\n"), f"boot/System.map-{release}": "",
+        f"boot/config-{release}": (f'CONFIG_CC_VERSION_TEXT="{gcc}"\nCONFIG_BLK_DEV_INITRD=y\nCONFIG_RD_GZIP=y\n'
                                    "CONFIG_RD_ZSTD=y\nCONFIG_MODULES=y\nCONFIG_VFIO=m\nCONFIG_VFIO_PCI=m\n"
                                    "CONFIG_VFIO_IOMMU_TYPE1=m\n"),
-        f"lib/modules/{RELEASE}/modules.order": "", f"lib/modules/{RELEASE}/modules.builtin": ""}
+        f"lib/modules/{release}/modules.order": "", f"lib/modules/{release}/modules.builtin": ""}
     scratch = out / "modules"
     scratch.mkdir(exist_ok=True)
     if nvidia is not None:
-        nvidia_module(scratch / "nvidia.ko", nvidia)
-        files[f"lib/modules/{RELEASE}/{nvidia_dir}/nvidia.ko"] = (scratch / "nvidia.ko").read_bytes()
+        nvidia_module(scratch / "nvidia.ko", nvidia, release)
+        files[f"lib/modules/{release}/{nvidia_dir}/nvidia.ko"] = (scratch / "nvidia.ko").read_bytes()
     if zfs_guids is not None:
-        zfs_module(scratch / "zfs.ko", zfs_guids)
-        files[f"lib/modules/{RELEASE}/zfs/zfs.ko"] = (scratch / "zfs.ko").read_bytes()
-    return [kp.image(out, RELEASE, DEB_VERSION, files, signed=False),
-            kp.headers(out, RELEASE, DEB_VERSION, files={".config": f'CONFIG_CC_VERSION_TEXT="{GCC}"\n'})]
+        zfs_module(scratch / "zfs.ko", zfs_guids, release)
+        files[f"lib/modules/{release}/zfs/zfs.ko"] = (scratch / "zfs.ko").read_bytes()
+    return [kp.image(out, release, case.deb_version, files, signed=False),
+            kp.headers(out, release, case.deb_version, files={".config": f'CONFIG_CC_VERSION_TEXT="{gcc}"\n'})]
 
 
 # `nvidia` of seed_finished_build: the driver the twin's profile runs. On a real host the kernel hook
@@ -154,18 +185,18 @@ HOST_DRIVER = "host"
 
 
 def seed_finished_build(root: Path, tmp: Path, zfs_guids: list[str] | None = None,
-                        nvidia: str | None = HOST_DRIVER, nvidia_dir: str = "updates/dkms") -> None:
+                        nvidia: str | None = HOST_DRIVER, nvidia_dir: str = "updates/dkms", case: Case = BOOKWORM) -> None:
     if nvidia == HOST_DRIVER:
         nvidia = json.loads((root / "var/lib/twin/profile.json").read_text())["nvidia"]["version"]
-    k = KernelSpec(**KERNEL)
+    k = KernelSpec(**case.kernel)
     build = root / plan.build_dir(k, "running").lstrip("/")
     build.mkdir(parents=True)
-    for deb in stand_in_debs(tmp, zfs_guids, nvidia, nvidia_dir):
+    for deb in stand_in_debs(tmp, zfs_guids, nvidia, nvidia_dir, case):
         (build / deb.name).write_bytes(deb.read_bytes())
     (build / "build.rc").write_text("0\n")
     (build / "manifest.json").write_text(json.dumps({
-        "build_id": plan.build_id(k, "running"), "version": RELEASE, "kind": "proxmox-git", "compiler": GCC,
-        "source_sha": KERNEL["source"]["ref"], "config_sha256": "0" * 64, "objects": 0}))
+        "build_id": plan.build_id(k, "running"), "version": case.release, "kind": "proxmox-git", "compiler": case.gcc,
+        "source_sha": case.kernel["source"]["ref"], "config_sha256": "0" * 64, "objects": 0}))
 
 
 def quiet_address() -> str | None:
@@ -199,8 +230,9 @@ def reboot(name: str) -> None:
     assert len(boots.read_text().splitlines()) > before, "the twin did not reboot"
 
 
-def converge(name: str, reboot_allowed: bool = False, stages: str = STAGES, kernel: dict | None = None):
-    env = {"PVEGPU_TWINS": name, "PVEGPU_STAGES": stages, "PVEGPU_E2E_KERNEL": json.dumps(kernel or KERNEL)}
+def converge(name: str, reboot_allowed: bool = False, stages: str = STAGES, kernel: dict | None = None,
+             case: Case = BOOKWORM):
+    env = {"PVEGPU_TWINS": name, "PVEGPU_STAGES": stages, "PVEGPU_E2E_KERNEL": json.dumps(kernel or case.kernel)}
     if not reboot_allowed:
         env["PVEGPU_E2E_NO_REBOOT"] = "1"
     return run_pyinfra("inventories/twin.py", "tests/e2e/stage_deploy.py", env=env, timeout=600)
@@ -230,31 +262,39 @@ def oneshot(root: Path) -> str | None:
 
 
 TRIAL_ENTRY = f"pvegpu-trial-{RELEASE}.conf"
+# the systemd-boot trial on Proxmox VE 8 (kpro6) and 9 (kpro6-pve9). proxmox-kernel-helper 9.2.0
+# changes nothing the trial uses: proxmox-boot-tool's `kernel pin [--next-boot]`, `refresh` and
+# the loader.conf that zz-proxmox-boot's refresh writes (src/proxmox-boot/functions) are 8.1.4's;
+# it adds a memtest86+ entry in init_bootloader (src/bin/proxmox-boot-tool, run by reinit) and
+# mask_sd_gpt_generator in zz-proxmox-boot's postinst.d case (run at each kernel install)
+CASES = pytest.mark.parametrize("case", [BOOKWORM, TRIXIE], ids=lambda c: c.id)
 
 
-def assert_systemd_boot_trial_set_up(root: Path) -> None:
+def assert_systemd_boot_trial_set_up(root: Path, case: Case = BOOKWORM) -> None:
     """The default stays on the old kernel; the trial is a one-shot of an entry with panic=."""
-    assert (root / "etc/kernel/proxmox-boot-pin").read_text().strip() == OLD
+    assert (root / "etc/kernel/proxmox-boot-pin").read_text().strip() == case.old
     assert not (root / "etc/kernel/next-boot-pin").exists()
-    assert loader_default(root) == f"proxmox-{OLD}.conf"
-    options = [line for line in (root / ESP / "loader/entries" / TRIAL_ENTRY).read_text().splitlines()
+    assert loader_default(root) == f"proxmox-{case.old}.conf"
+    options = [line for line in (root / ESP / "loader/entries" / case.trial_entry).read_text().splitlines()
                if line.startswith("options ")][0]
     assert options.endswith(" panic=10") and "root=ZFS=rpool/ROOT/pve-1" in options
-    assert "panic=" not in (root / ESP / f"loader/entries/proxmox-{OLD}.conf").read_text()
-    assert "panic=" not in (root / ESP / f"loader/entries/proxmox-{RELEASE}.conf").read_text()
-    assert oneshot(root) == TRIAL_ENTRY
+    assert "panic=" not in (root / ESP / f"loader/entries/proxmox-{case.old}.conf").read_text()
+    assert "panic=" not in (root / ESP / f"loader/entries/proxmox-{case.release}.conf").read_text()
+    assert oneshot(root) == case.trial_entry
 
 
-def test_systemd_boot_trial_is_one_boot_and_made_the_default_once_it_came_up(twin_factory, tmp_path):
-    twin = twin_factory("kpro6", address=quiet_address())
+@CASES
+def test_systemd_boot_trial_is_one_boot_and_made_the_default_once_it_came_up(twin_factory, tmp_path, case):
+    RELEASE, OLD, TRIAL_ENTRY = case.release, case.old, case.trial_entry
+    twin = twin_factory(case.profile, address=quiet_address())
     root = Path(twin.root)
-    seed_finished_build(root, tmp_path)
+    seed_finished_build(root, tmp_path, case=case)
     assert twin_run(twin.name, "uname", "-r").strip() == OLD
 
-    first = converge(twin.name)
+    first = converge(twin.name, case=case)
     assert first.rc == 0, first.output[-6000:]
     assert f"kernel: {RELEASE} is installed and chosen for the next boot only" in first.output
-    assert_systemd_boot_trial_set_up(root)
+    assert_systemd_boot_trial_set_up(root, case)
     assert twin_run(twin.name, "uname", "-r").strip() == OLD
 
     reboot(twin.name)
@@ -262,7 +302,7 @@ def test_systemd_boot_trial_is_one_boot_and_made_the_default_once_it_came_up(twi
     assert "panic=10" in twin_run(twin.name, "cat", "/proc/cmdline")
     assert oneshot(root) is None and loader_default(root) == f"proxmox-{OLD}.conf"
 
-    second = converge(twin.name)
+    second = converge(twin.name, case=case)
     assert second.rc == 0, second.output[-6000:]
     assert f"the trial boot of {RELEASE} came up; make it the default for good" in second.output
     assert (root / "etc/kernel/proxmox-boot-pin").read_text().strip() == RELEASE
@@ -270,7 +310,7 @@ def test_systemd_boot_trial_is_one_boot_and_made_the_default_once_it_came_up(twi
     assert not (root / ESP / "loader/entries" / TRIAL_ENTRY).exists()
     assert not (root / plan.TRIAL_MARKER.lstrip("/")).exists()
 
-    third = converge(twin.name)
+    third = converge(twin.name, case=case)
     assert third.rc == 0 and third.changed == 0, third.output[-4000:]
 
     reboot(twin.name)
@@ -279,16 +319,18 @@ def test_systemd_boot_trial_is_one_boot_and_made_the_default_once_it_came_up(twi
     assert f"vmlinuz-{OLD}" in twin_run(twin.name, "ls", "/boot").split()
 
 
-def test_systemd_boot_trial_that_hangs_is_left_after_one_reset_and_not_retried(twin_factory, tmp_path):
-    twin = twin_factory("kpro6", address=quiet_address())
+@CASES
+def test_systemd_boot_trial_that_hangs_is_left_after_one_reset_and_not_retried(twin_factory, tmp_path, case):
+    RELEASE, OLD, TRIAL_ENTRY = case.release, case.old, case.trial_entry
+    twin = twin_factory(case.profile, address=quiet_address())
     root = Path(twin.root)
-    seed_finished_build(root, tmp_path)
+    seed_finished_build(root, tmp_path, case=case)
     (root / "var/lib/twin/boot").mkdir(parents=True, exist_ok=True)
     (root / "var/lib/twin/boot/no-boot").write_text(f"{RELEASE} hangs\n")  # stops in the initramfs, no panic
 
-    first = converge(twin.name)
+    first = converge(twin.name, case=case)
     assert first.rc == 0, first.output[-6000:]
-    assert_systemd_boot_trial_set_up(root)
+    assert_systemd_boot_trial_set_up(root, case)
     subprocess.run(runtime.ssh_command(twin.name, ["reboot"]), capture_output=True, timeout=60)
     deadline = time.monotonic() + 60
     while not boots(twin.name)[-1].endswith(" hung") and time.monotonic() < deadline:
@@ -299,18 +341,18 @@ def test_systemd_boot_trial_that_hangs_is_left_after_one_reset_and_not_retried(t
     assert twin_run(twin.name, "uname", "-r").strip() == OLD
     assert attempts(root)[-1] == f"{OLD} proxmox-{OLD}.conf up"
 
-    second = converge(twin.name)
+    second = converge(twin.name, case=case)
     assert second.rc == 0, second.output[-6000:]
     assert f"the trial boot of {RELEASE} came up on {OLD}" in second.output
     assert loader_default(root) == f"proxmox-{OLD}.conf"
     assert (root / "etc/kernel/proxmox-boot-pin").read_text().strip() == OLD
     assert not (root / ESP / "loader/entries" / TRIAL_ENTRY).exists()
     failed = json.loads((root / plan.TRIAL_FAILED.lstrip("/")).read_text())
-    assert failed == {"release": RELEASE, "build_id": plan.build_id(KernelSpec(**KERNEL), "running"), "came_up_on": OLD,
+    assert failed == {"release": RELEASE, "build_id": plan.build_id(KernelSpec(**case.kernel), "running"), "came_up_on": OLD,
                       "checks": "", "journal": f"persistent, but no boot of {RELEASE} in it (journalctl --list-boots): it "
                                                "stopped before journald wrote to /var/log/journal (initramfs)"}
 
-    third = converge(twin.name)  # reported, not tried again
+    third = converge(twin.name, case=case)  # reported, not tried again
     assert third.rc == 0 and third.changed == 0, third.output[-6000:]
     assert f"the trial boot of {RELEASE} came up on {OLD}" in third.output and "not tried again" in third.output
     assert oneshot(root) is None
