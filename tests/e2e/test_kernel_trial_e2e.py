@@ -55,13 +55,14 @@ class Case:
     old: str
     kernel: dict[str, Any]
     gcc: str
+    helper: str  # proxmox-kernel-helper's version in the profile (built from its source in the twin root)
 
     @property
     def trial_entry(self) -> str:
         return f"pvegpu-trial-{self.release}.conf"
 
 
-BOOKWORM = Case("bookworm", "kpro6", RELEASE, DEB_VERSION, OLD, KERNEL, GCC)
+BOOKWORM = Case("bookworm", "kpro6", RELEASE, DEB_VERSION, OLD, KERNEL, GCC, "8.1.4")
 # Proxmox VE 9 (tests/twin/profiles/kpro6-pve9.yml: trixie, proxmox-kernel-helper 9.2.0 from its
 # source, running 7.0.14-14-pve, gcc-14; the ESP is kpro6's). Our build of pve-kernel master at
 # 6e44995: its Makefile's KVNAME 7.0.14-14 with an empty KREL_EXTRA (no -bpo on trixie branches)
@@ -70,7 +71,20 @@ TRIXIE_RELEASE = "7.0.14-14-pvegpu-pve"
 TRIXIE = Case("trixie", "kpro6-pve9", TRIXIE_RELEASE, "7.0.14-14", "7.0.14-14-pve",
               {**KERNEL, "version": TRIXIE_RELEASE,
                "source": {**KERNEL["source"], "ref": "6e44995b70ade6101b876137b35f48a28216559d"}},
-              "gcc (Debian 14.2.0-19) 14.2.0")
+              "gcc (Debian 14.2.0-19) 14.2.0", "9.2.0")
+
+
+def case_twin(twin_factory, case: Case):
+    """The case's twin, its spec (inventories/twin.yml's host of the profile) with the case's kernel
+    as a spec file would carry it: the release rule (plan/releases.py spec_kernel_refusal) holds."""
+    from spec.load import load_spec_file
+    from spec.models import HostSpec
+    spec = load_spec_file(Path(__file__).resolve().parents[2] / "inventories/twin.yml")[case.profile]
+    HostSpec.model_validate({**spec.model_dump(exclude_unset=True), "kernel": case.kernel})
+    twin = twin_factory(case.profile, address=quiet_address())
+    helper = twin_run(twin.name, "dpkg-query -W -f '${Version}' proxmox-kernel-helper")
+    assert helper == case.helper, helper
+    return twin
 
 
 def twin_run(name: str, *command: str) -> str:
@@ -286,7 +300,7 @@ def assert_systemd_boot_trial_set_up(root: Path, case: Case = BOOKWORM) -> None:
 @CASES
 def test_systemd_boot_trial_is_one_boot_and_made_the_default_once_it_came_up(twin_factory, tmp_path, case):
     RELEASE, OLD, TRIAL_ENTRY = case.release, case.old, case.trial_entry
-    twin = twin_factory(case.profile, address=quiet_address())
+    twin = case_twin(twin_factory, case)
     root = Path(twin.root)
     seed_finished_build(root, tmp_path, case=case)
     assert twin_run(twin.name, "uname", "-r").strip() == OLD
@@ -295,6 +309,10 @@ def test_systemd_boot_trial_is_one_boot_and_made_the_default_once_it_came_up(twi
     assert first.rc == 0, first.output[-6000:]
     assert f"kernel: {RELEASE} is installed and chosen for the next boot only" in first.output
     assert_systemd_boot_trial_set_up(root, case)
+    # the install ran the helper's own zz-proxmox-boot: 9.2.0's postinst.d case masks systemd's GPT
+    # generator (src/proxmox-boot/zz-proxmox-boot mask_sd_gpt_generator; 8.1.4 has none)
+    generator = root / "etc/systemd/system-generators/systemd-gpt-auto-generator"
+    assert (generator.is_symlink() and str(generator.readlink()) == "/dev/null") == (case.helper == "9.2.0")
     assert twin_run(twin.name, "uname", "-r").strip() == OLD
 
     reboot(twin.name)
@@ -322,7 +340,7 @@ def test_systemd_boot_trial_is_one_boot_and_made_the_default_once_it_came_up(twi
 @CASES
 def test_systemd_boot_trial_that_hangs_is_left_after_one_reset_and_not_retried(twin_factory, tmp_path, case):
     RELEASE, OLD, TRIAL_ENTRY = case.release, case.old, case.trial_entry
-    twin = twin_factory(case.profile, address=quiet_address())
+    twin = case_twin(twin_factory, case)
     root = Path(twin.root)
     seed_finished_build(root, tmp_path, case=case)
     (root / "var/lib/twin/boot").mkdir(parents=True, exist_ok=True)
