@@ -3,7 +3,9 @@
 6.14.11-9-bpo12-pvegpu-pve (pve-kernel bookworm-6.14 at ad58d14, KREL_EXTRA + -pvegpu) whose .debs are stand-ins made here
 (an image, config and modules dir in proxmox-kernel-<rel>, a .config in proxmox-headers-<rel>;
 the kernel package's postinst runs /etc/kernel/postinst.d as pve-kernel's does, so the twin's
-zz-proxmox-boot hook syncs the ESP at install).
+zz-proxmox-boot hook syncs the ESP at install). The systemd-boot trial's two cases run on
+Proxmox VE 9 too (TRIXIE: the kpro6-pve9 twin, proxmox-kernel-helper 9.2.0, a build of
+7.0.14-14-pvegpu-pve from pve-kernel master at 6e44995 replacing 7.0.14-14-pve).
 
 The twin's boot follows the real loaders (tests/twin/hardware.py choose_boot): systemd-boot
 takes the EFI one-shot (cleared as read), then loader.conf's default that `proxmox-boot-tool
