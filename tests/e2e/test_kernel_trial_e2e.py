@@ -30,8 +30,8 @@ import pytest
 from plan import kernel as plan
 from spec.models import KernelSpec
 from tests.e2e.harness import run_pyinfra
+from tests.twin import hardware, runtime
 from tests.twin import kernel_packages as kp
-from tests.twin import runtime
 
 pytestmark = [pytest.mark.twin]
 
@@ -376,6 +376,8 @@ def test_systemd_boot_trial_that_hangs_is_left_after_one_reset_and_not_retried(t
     assert third.rc == 0 and third.changed == 0, third.output[-6000:]
     assert f"the trial boot of {RELEASE} came up on {OLD}" in third.output and "not tried again" in third.output
     assert oneshot(root) is None
+    # the refused kernel is the newest entry in systemd-boot's order: only the kept default holds it off
+    assert hardware.strverscmp_improved(root, f"proxmox-{RELEASE}.conf", f"proxmox-{OLD}.conf") > 0
     reboot(twin.name)
     assert twin_run(twin.name, "uname", "-r").strip() == OLD
 
