@@ -127,8 +127,9 @@ else:
 
     # the GPU guests the 8 -> 9 upgrade's start stopped: started again once the host runs 9's kernel
     upgrade.restart_guests(spec)
-    # on 9's kernel after the upgrade: its host checks, once; passed, the next node of its cluster may start
-    upgrade.confirm(spec)
+    # on 9's kernel after the upgrade: its host checks, once; passed, the next node of its cluster may
+    # start, and the GPU guests moved away for it (reboot.guests: migrate) come back
+    upgrade.restore_moved(spec, upgrade.confirm(spec))
 
 # --dry: every file and Proxmox config that would change, as a unified diff (operations/backup.py)
 if is_dry():

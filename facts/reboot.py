@@ -25,6 +25,8 @@ NODE_GUESTS_COMMAND = "; ".join([
     section_echo("mappings"), "cat /etc/pve/mapping/pci.cfg 2>/dev/null",
     section_echo("ha"), "cat /etc/pve/ha/resources.cfg 2>/dev/null",
     section_echo("members"), "cat /etc/pve/.members 2>/dev/null",
+    # the node's Proxmox VE release: pve-manager's version, read from dpkg (as facts.proxmox.PveVersion)
+    section_echo("pve"), "dpkg-query -W -f='${Version}\\n' pve-manager 2>/dev/null",
     'for f in /etc/pve/qemu-server/*.conf; do [ -r "$f" ] && { echo "@@ qemu $f"; cat "$f"; }; done',
     'for f in /etc/pve/lxc/*.conf; do [ -r "$f" ] && { echo "@@ lxc $f"; cat "$f"; }; done',
     "true",
@@ -52,7 +54,8 @@ def parse_node_guests(output_lines: list[str]) -> dict:
         {"status": {"qemu": {300: "running"}, "lxc": {200: "stopped"}},
          "configs": {"qemu": {300: <facts.proxmox.parse_guest_config>}, "lxc": {...}},
          "reserved": {"0000:81:00.0": 300}, "mappings": <parse_pci_mappings>,
-         "ha": <parse_ha_resources>, "members": {...} or {}}
+         "ha": <parse_ha_resources>, "members": {...} or {},
+         "pve_major": 8}                      # pve-manager's major; None: not read
     """
     sections = split_sections(output_lines)
     reserved: dict[str, int] = {}
@@ -73,4 +76,6 @@ def parse_node_guests(output_lines: list[str]) -> dict:
                        "lxc": parse_guest_list(sections.get("pct list", []), "lxc")},
             "configs": configs, "reserved": reserved,
             "mappings": parse_pci_mappings(sections.get("mappings", [])),
-            "ha": parse_ha_resources(sections.get("ha", [])), "members": members}
+            "ha": parse_ha_resources(sections.get("ha", [])), "members": members,
+            "pve_major": next((int(m.group(1)) for line in sections.get("pve", [])
+                               if (m := re.match(r"^(\d+)\.", line.strip()))), None)}

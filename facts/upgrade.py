@@ -121,35 +121,39 @@ UPGRADE_DIR = "/var/lib/pvegpu/upgrade"
 
 def parse_upgrade_job(output_lines: list[str]) -> dict:
     """{"state": [key=value lines], "lock": "held"|"free"|None, "log": [the log's last lines],
-    "guests": [the lines of the record of the guests the start stopped]}"""
+    "guests": [the lines of the record of the guests the start stopped],
+    "moved": [the lines of the record of the guests the start moved or stopped for `reboot.guests: migrate`]}"""
     parts = parse_sections(output_lines, {"state": _lines, "lock": _first, "log": lambda lines: list(lines),
-                                          "guests": _lines})
+                                          "guests": _lines, "moved": _lines})
     return {"state": parts.get("state", []), "lock": parts.get("lock"), "log": parts.get("log", []),
-            "guests": parts.get("guests", [])}
+            "guests": parts.get("guests", []), "moved": parts.get("moved", [])}
 
 
 class UpgradeJob(ShellFact):
     """The upgrade job pvegpu started, as its files say (templates/pve-upgrade.sh.j2): its state
     file, whether a process holds its lock (flock(1) -n: held while the job runs), the log's
-    last 20 lines, the record of the GPU guests the start stopped (guests-stopped).
+    last 20 lines, the record of the GPU guests the start stopped (guests-stopped), and of those it
+    moved to other nodes or stopped with `reboot.guests: migrate` (guests-moved).
 
     .. code:: python
 
         {"state": ["status=running", "step=full-upgrade", "since=2026-12-06T19:40:00Z"],
          "lock": "held",                 # held | free | None (no lock file: never started)
          "log": ["Unpacking ...", ...],
-         "guests": ["lxc 200", "qemu 300"]}
+         "guests": ["lxc 200", "qemu 300"],
+         "moved": ["back qemu 301 pve2", "start lxc 200 pve1"]}
     """
 
     command = (f"echo '@@ state'; cat {UPGRADE_DIR}/state 2>/dev/null; "
                f"echo '@@ lock'; [ -f {UPGRADE_DIR}/lock ] && "
                f"{{ flock -n {UPGRADE_DIR}/lock true && echo free || echo held; }}; "
                f"echo '@@ guests'; cat {UPGRADE_DIR}/guests-stopped 2>/dev/null; "
+               f"echo '@@ moved'; cat {UPGRADE_DIR}/guests-moved 2>/dev/null; "
                f"echo '@@ log'; tail -n 20 {UPGRADE_DIR}/upgrade.log 2>/dev/null; true")
 
     @staticmethod
     def default() -> dict:
-        return {"state": [], "lock": None, "log": [], "guests": []}
+        return {"state": [], "lock": None, "log": [], "guests": [], "moved": []}
 
     def process(self, output):
         return parse_upgrade_job(list(output))

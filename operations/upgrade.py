@@ -114,6 +114,7 @@ def perform_preflight(spec: HostSpec) -> list[str]:
         pve8to9=pre["pve8to9"], proxmox_ve=(fact_once(PvePackages) or {}).get("proxmox-ve"),
         free_bytes=pre["free_bytes"], running_gpu_guests=_running_gpu_guests(spec),
         allow_stop=spec.guests.allow_stop, reboot_guests=spec.reboot.guests,
+        in_cluster=cluster.name is not None and len(cluster.online) > 1,
         holds=(fact_once(UpgradeState) or {}).get("holds") or [],
         sources=perform.parse_sources(pre["sources"]), job=current)
     in_cluster = perform.cluster_refusals(cluster, set(_run_nodes())) if cluster.name is not None else []
@@ -190,7 +191,8 @@ def start_commands(spec: HostSpec) -> tuple[str, str]:
 
 @operation()
 def start_upgrade(script: str, start: str, stop: list[tuple[str, int]], configs: list[str], timeout: int,
-                  record: str = ""):
+                  record: str = "", migrate: tuple[str, str, str] | None = None,
+                  moved_before: list[tuple[str, str, int, str]] | None = None):
     """Stop the running GPU guests, back up their configs, write the job and start it detached.
 
     + script: rendered templates/pve-upgrade.sh.j2
@@ -200,6 +202,10 @@ def start_upgrade(script: str, start: str, stop: list[tuple[str, int]], configs:
     + timeout: guests.shutdown_timeout
     + record: rendered templates/pve-upgrade-guests.j2, the guests to start again after the upgrade
       (written before any is stopped; empty: none)
+    + migrate: (cluster, node, reboot.migrate_fallback) with `reboot.guests: migrate` in a cluster: the
+      node's running GPU guests moved or stopped as before a rolling reboot (operations/reboot.py
+      clear_guests) and recorded (perform.MOVED_FILE, with `moved_before`: an earlier start's) to be
+      undone once the node passed its host checks on 9 (restore_moved)
     """
     for path in configs:
         yield StringCommand(backup_command(path))
@@ -208,8 +214,40 @@ def start_upgrade(script: str, start: str, stop: list[tuple[str, int]], configs:
         yield StringCommand(dirs + write_file_command(perform.GUESTS_FILE, record, "600", keep_previous=False))
     for kind, gid in stop:
         yield from guest_stop_commands(None, kind, gid, timeout)  # over SSH, as the job itself
+    if migrate:
+        yield FunctionCommand(_clear_for_upgrade, (*migrate, timeout, list(moved_before or [])), {})
     yield StringCommand(dirs + write_file_command(perform.SCRIPT, script, "700", keep_previous=False))
     yield StringCommand(start)
+
+
+def _write_moved(host, moved: list[tuple[str, str, int, str]]) -> bool:
+    """Keep (or, empty, remove) the record of what the start did to the guests (perform.MOVED_FILE)."""
+    if not moved:
+        command = f"rm -f -- {word(perform.MOVED_FILE)}"
+    else:
+        text = render_template("pve-upgrade-moved.j2", moved=moved)
+        command = root_dirs(("/var/lib/pvegpu", PRIVATE), (perform.STATE_DIR, PRIVATE)) + write_file_command(
+            perform.MOVED_FILE, text, "600", keep_previous=False)
+    ok, _ = host.run_shell_command(StringCommand(command))
+    return bool(ok)
+
+
+def _clear_for_upgrade(state, host, cluster: str, node: str, fallback: str, timeout: int,
+                       moved_before: list[tuple[str, str, int, str]]) -> bool:
+    """`reboot.guests: migrate`: the node's running GPU guests leave it as before a rolling reboot's
+    (operations/reboot.py clear_guests: pooled VMs migrated offline to a node with free entries, the
+    others shut down); what was done is recorded even when a guest could not leave (the job does not
+    start then, and the next start adds to the record)."""
+    from operations.reboot import ROLL_MOVED, clear_guests
+
+    ok = clear_guests(state, host, cluster, node, fallback, timeout)
+    moved = [*moved_before, *ROLL_MOVED.pop(host.name, [])]
+    return _write_moved(host, moved) and ok
+
+
+def _migrates(spec: HostSpec) -> bool:
+    cluster = _cluster()
+    return spec.reboot.guests == "migrate" and cluster.name is not None and len(cluster.online) > 1
 
 
 def start(spec: HostSpec) -> None:
@@ -217,6 +255,10 @@ def start(spec: HostSpec) -> None:
     state = guest_state()
     stop = ([("lxc", c) for c, ct in sorted(spec.containers.items()) if ct.gpus and state["lxc"].get(c) == "running"]
             + [("qemu", v) for v, vm in sorted(spec.vms.items()) if vm.gpus and state["qemu"].get(v) == "running"])
+    migrate = None
+    if _migrates(spec):  # the guests leave the node as before its rolling reboot; none is stopped here
+        cluster = _cluster()
+        migrate, stop = (str(cluster.name), cluster.node or host.name, spec.reboot.migrate_fallback), []
     configs = ([f"/etc/pve/lxc/{c}.conf" for c in sorted(spec.containers)]
                + [f"/etc/pve/qemu-server/{v}.conf" for v in sorted(spec.vms)])
     script, command = start_commands(spec)
@@ -225,9 +267,9 @@ def start(spec: HostSpec) -> None:
     guests = perform.parse_stopped_guests([*_job_fact()["guests"], *(f"{k} {g}" for k, g in stop)])
     record = render_template("pve-upgrade-guests.j2", guests=guests) if guests else ""
     start_upgrade(name="Start the Proxmox VE 8 -> 9 upgrade (detached; backup of /etc/pve and the guest configs "
-                       f"first{', GPU guests stopped' if stop else ''})",
+                       f"first{', GPU guests stopped' if stop else ''}{', GPU guests moved' if migrate else ''})",
                   script=script, start=command, stop=stop, configs=configs, timeout=spec.guests.shutdown_timeout,
-                  record=record)
+                  record=record, migrate=migrate, moved_before=perform.parse_moved(_job_fact().get("moved") or []))
 
 
 def restart_guests(spec: HostSpec) -> None:
@@ -290,27 +332,70 @@ def stop_host(message: str) -> None:
     current_state.fail_hosts({ctx_host.get()})
 
 
-def confirm(spec: HostSpec) -> None:
-    """After the converge of a run where the job is done and unchecked, and the host runs 9's
-    kernel (or this run rebooted it for the upgrade): the host checks (the roll's:
-    plan.reboot.roll_check_lines) and 9's kernel running; passed -> `checked=` in the job's state,
-    and the other nodes of its cluster may take their turn (plan.upgrade_perform.node_phase)."""
+def restore_moved(spec: HostSpec, checked_now: bool) -> None:
+    """After `confirm`: what the start did to the node's GPU guests with `reboot.guests: migrate`
+    (perform.MOVED_FILE) is undone once its host checks passed on 9 (`checked=` read at the run's
+    start, or the confirm of this run, which fails the host before this if they fail): the VMs moved
+    come back, the guests stopped start (operations/reboot.py restore_guests), one at a time, the
+    record rewritten after each."""
     if not _performs(spec):
         return
+    moved = perform.parse_moved(_job_fact().get("moved") or [])
+    current = job(spec)
+    if not moved or current["status"] != "done" or not (current.get("checked") or checked_now):
+        return
+    cluster = _cluster()
+    restore_moved_guests(name="Bring back the GPU guests moved for the Proxmox VE 8 -> 9 upgrade ("
+                              + ", ".join(f"{'VM' if k in ('qemu',) or k.startswith('vm:') else 'CT'} {i}"
+                                          for _, k, i, _ in moved) + ")",
+                         cluster=str(cluster.name), node=cluster.node or host.name, moved=moved,
+                         timeout=spec.guests.shutdown_timeout)
+
+
+@operation(is_idempotent=False)
+def restore_moved_guests(cluster: str, node: str, moved: list[tuple[str, str, int, str]], timeout: int):
+    """Undo the moves of the upgrade's start, last first, each followed by the record's rewrite.
+
+    + cluster, node: the node's cluster and node name (/etc/pve/.members)
+    + moved: plan.upgrade_perform.parse_moved of the record
+    + timeout: guests.shutdown_timeout
+    """
+    guest_state_changes()
+    for index in reversed(range(len(moved))):
+        yield FunctionCommand(_restore_one, (cluster, node, moved[index], moved[:index], timeout), {})
+
+
+def _restore_one(state, host, cluster: str, node: str, entry: tuple[str, str, int, str],
+                 left: list[tuple[str, str, int, str]], timeout: int) -> bool:
+    from operations.reboot import ROLL_MOVED, restore_guests
+
+    ROLL_MOVED[host.name] = [entry]
+    return restore_guests(state, host, cluster, node, timeout) and _write_moved(host, left)
+
+
+def confirm(spec: HostSpec) -> bool:
+    """After the converge of a run where the job is done and unchecked, and the host runs 9's
+    kernel (or this run rebooted it for the upgrade): the host checks (the roll's:
+    plan.reboot.roll_check_lines), 8's kernel no longer running; passed -> `checked=` in the job's state,
+    and the other nodes of its cluster may take their turn (plan.upgrade_perform.node_phase).
+    Returns whether the run checks now."""
+    if not _performs(spec):
+        return False
     current = job(spec)
     if current["status"] != "done" or current.get("checked"):
-        return
+        return False
     kernel = (fact_once(PveVersion) or {}).get("running_kernel")
-    if not (kernel and kernel_pve_major(str(kernel)) == 9) and not _rebooted_for_upgrade():
-        return
+    if (not kernel or perform.runs_8_kernel(str(kernel))) and not _rebooted_for_upgrade():
+        return False
     checks = roll_check_lines(host_expectations(spec), [])
-    confirm_upgrade(name=f"Host checks after the Proxmox VE 8 -> 9 upgrade ({len(checks)} check(s) and 9's kernel)",
+    confirm_upgrade(name=f"Host checks after the Proxmox VE 8 -> 9 upgrade ({len(checks)} check(s), 8's kernel gone)",
                     checks=checks)
+    return True
 
 
 @operation(is_idempotent=False)
 def confirm_upgrade(checks: list[str]):
-    """Run the host checks on 9's kernel; when they pass, record it in the job's state (`checked=`).
+    """Run the host checks, 8's kernel gone; when they pass, record it in the job's state (`checked=`).
 
     + checks: plan.reboot.roll_check_lines of the host
     """
@@ -322,8 +407,8 @@ def _confirm(state, host, checks: list[str]) -> bool:
     lines = list(output.stdout_lines)
     kernel = lines[0][len("kernel="):].strip() if lines and lines[0].startswith("kernel=") else ""
     said = visible(" ".join(" ".join(lines[1:] + list(output.stderr_lines)).split()))
-    if ok and kernel_pve_major(kernel) != 9:
-        ok, said = False, f"it runs kernel {kernel or '?'}, not one of 9's"
+    if ok and (not kernel or perform.runs_8_kernel(kernel)):
+        ok, said = False, f"it still runs kernel {kernel or '?'}, one of Proxmox VE 8's"
     if not ok:
         logger.error(f"{host.name}: the host checks after the 8 -> 9 upgrade failed: {said}; the other nodes of its "
                      "cluster do not start their upgrade until a run finds them passing")
@@ -331,7 +416,7 @@ def _confirm(state, host, checks: list[str]) -> bool:
     done, _ = host.run_shell_command(StringCommand(
         f"printf 'checked=%s\\n' \"$(date -u +%Y-%m-%dT%H:%M:%SZ)\" >> {word(perform.STATE_FILE)}"))
     if done:
-        logger.info(f"{host.name}: host checks passed on 9's kernel {kernel} after the 8 -> 9 upgrade "
+        logger.info(f"{host.name}: host checks passed on kernel {kernel} after the 8 -> 9 upgrade "
                     f"({len(checks)} check(s))")
     return bool(done)
 

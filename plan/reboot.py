@@ -224,7 +224,13 @@ def plan_guest_moves(node: str, mine: dict, targets: dict[str, dict], fallback: 
     by HA to the target instead. Refused: a locked guest, any other HA resource (HA owns its
     placement, a shutdown only asks HA), and a pooled VM no target has room for, unless `fallback`
     is "stop" (not for an HA resource)."""
-    free = {n: free_devices(n, g) for n, g in sorted(targets.items())}
+    # a mixed cluster (the 8 -> 9 upgrade, node by node): a guest moves to a node of its own release or a
+    # newer one only (Proxmox's upgrade guide: migration from a newer release to an older one is not
+    # supported; 9's configs may carry what 8's parsers refuse)
+    mine_major = mine.get("pve_major")
+    older = sorted(n for n, g in targets.items()
+                   if mine_major is not None and g.get("pve_major") is not None and g["pve_major"] < mine_major)
+    free = {n: free_devices(n, g) for n, g in sorted(targets.items()) if n not in older}
     out: dict[str, list] = {"migrate": [], "relocate": [], "stop": [], "refusals": []}
     for kind in ("qemu", "lxc"):
         for vmid, status in sorted(mine["status"][kind].items()):
@@ -275,6 +281,7 @@ def plan_guest_moves(node: str, mine: dict, targets: dict[str, dict], fallback: 
                 f"VM {vmid} needs {wanted} free on another node, and no online node of the run has them"
                 f" ({seen or 'no other online node in the run'}"
                 + (f"; not in the run, so not known: {', '.join(absent)}" if absent else "")
+                + (f"; on an older Proxmox VE than this node, so not a target: {', '.join(older)}" if older else "")
                 + "); set reboot.migrate_fallback: stop to stop it for the reboot instead, or free a device")
     return out
 

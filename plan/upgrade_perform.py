@@ -43,6 +43,10 @@ LOG_FILE = f"{STATE_DIR}/upgrade.log"
 LOCK_FILE = f"{STATE_DIR}/lock"
 SCRIPT = f"{STATE_DIR}/upgrade.sh"
 GUESTS_FILE = f"{STATE_DIR}/guests-stopped"  # the GPU guests the start stopped: `lxc 200`, `qemu 300`
+# `reboot.guests: migrate` in a cluster: what the start did to the node's GPU guests (operations/reboot.py
+# clear_guests), undone once the node passed its host checks on 9: `back qemu 301 pve2` (migrated to
+# pve2), `ha-back vm:301 301 pve2` (relocated by HA), `start lxc 200 pve1` (stopped here)
+MOVED_FILE = f"{STATE_DIR}/guests-moved"
 UNIT = "pvegpu-upgrade"
 # Proxmox's upgrade guide (Upgrade from 8 to 9, "Continuously use the pve8to9 checklist script"):
 # at least 5 GB free on /, 10 GB recommended; pvegpu's kernel build dirs and .debs live there too
@@ -139,6 +143,7 @@ class PerformView:
     running_gpu_guests: list[str] = field(default_factory=list)  # ["CT 200", "VM 300"]
     allow_stop: bool = True                      # guests.allow_stop
     reboot_guests: str = "stop"                  # reboot.guests
+    in_cluster: bool = False                     # the node is in a cluster of more than one node
     holds: list[str] = field(default_factory=list)  # packages on hold (apt-mark showhold)
     sources: list[AptEntry] = field(default_factory=list)
     job: dict = field(default_factory=dict)      # `job_reading` of the job's state
@@ -173,10 +178,10 @@ def perform_refusals(view: PerformView) -> list[str]:
             refusals.append(f"GPU guests run ({names}) and guests.allow_stop is false: the upgrade stops them (its "
                             "new kernel and NVIDIA modules, a reboot). Fix: stop or migrate them yourself, or allow "
                             "guests.allow_stop")
-        elif view.reboot_guests == "migrate":
-            refusals.append(f"GPU guests run ({names}) and reboot.guests is migrate: pvegpu does not yet move them "
-                            "for the upgrade (node by node in a cluster is still to come). Fix: migrate them "
-                            "yourself, or set reboot.guests: stop to have them stopped")
+        elif view.reboot_guests == "migrate" and not view.in_cluster:
+            refusals.append(f"GPU guests run ({names}) and reboot.guests is migrate, but this node is in no cluster: "
+                            "there is no other node to move them to. Fix: set reboot.guests: stop to have them "
+                            "stopped (and started again on 9), or migrate them yourself")
     held = [p for p in view.holds if _KERNEL_META.match(p)]
     if held:
         refusals.append(f"{', '.join(held)} on hold (apt-mark showhold): the dist-upgrade would keep 9's kernel "
@@ -263,6 +268,26 @@ def parse_stopped_guests(lines: list[str]) -> list[tuple[str, int]]:
     return found
 
 
+_NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*")
+_HA_SID = re.compile(r"(?:vm|ct):\d+")
+
+
+def parse_moved(lines: list[str]) -> list[tuple[str, str, int, str]]:
+    """MOVED_FILE's lines -> [(what, kind or HA sid, vmid, node)] as operations/reboot.py's
+    restore_guests takes them (ROLL_MOVED), in file order; a line not of that shape is skipped (the
+    file is pvegpu's own)."""
+    found: list[tuple[str, str, int, str]] = []
+    for line in lines:
+        words = line.split()
+        if len(words) != 4 or not words[2].isdigit() or not _NODE.fullmatch(words[3]):
+            continue
+        what, kind = words[0], words[1]
+        if (what in ("back", "start") and kind in ("lxc", "qemu")) or (what == "ha-back" and _HA_SID.fullmatch(kind)):
+            if what != "back" or kind == "qemu":
+                found.append((what, kind, int(words[2]), words[3]))
+    return found
+
+
 def guests_to_start(job: dict, running_kernel: str | None, rebooted_for_upgrade: bool,
                     recorded: list[tuple[str, int]]) -> list[tuple[str, int]]:
     """The guests to start again after the upgrade: those pvegpu stopped for it (GUESTS_FILE), once
@@ -302,11 +327,11 @@ def node_phase(job: dict, pve: dict | None) -> NodePhase:
         return NodePhase(UPGRADING, f"its upgrade job {status} at step {step}: fix that node first (its run "
                                     "shows the log)")
     if status == "done":
-        if not kernel or kernel_pve_major(str(kernel)) != 9:
+        if not kernel or runs_8_kernel(str(kernel)):
             return NodePhase(UPGRADING, f"its upgrade is done and it still runs 8's kernel {kernel or '?'}: its "
                                         "reboot into 9's kernel is due")
         if not job.get("checked"):
-            return NodePhase(UPGRADING, f"it runs 9's kernel {kernel} and has not passed its host checks since the "
+            return NodePhase(UPGRADING, f"it runs kernel {kernel} and has not passed its host checks since the "
                                         "upgrade (a run on it checks them)")
         return NodePhase(UPGRADED, f"upgraded (host checks passed {job['checked']})")
     if major == 8:
@@ -314,6 +339,12 @@ def node_phase(job: dict, pve: dict | None) -> NodePhase:
     if major == 9:
         return NodePhase(UPGRADED, "on Proxmox VE 9")
     return NodePhase(UNKNOWN, "its Proxmox VE version could not be read")
+
+
+def runs_8_kernel(kernel: str) -> bool:
+    """A kernel of Proxmox VE 8 (or 7): what the upgrade leaves behind until the reboot
+    (plan.releases.kernel_pve_major; a kernel that is not a Proxmox kernel's name is not one)."""
+    return kernel_pve_major(kernel) in (7, 8)
 
 
 def cluster_refusals(view: ClusterView, run_nodes: set[str]) -> list[str]:

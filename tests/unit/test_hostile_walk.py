@@ -1011,6 +1011,9 @@ NO_SPEC_VALUE = {
     "pve-upgrade-start.sh.j2": {"state_dir", "lock", "script", "unit"},
     # (lxc|qemu, int id) pairs: the spec's guest ids are ints (plan.upgrade_perform.parse_stopped_guests)
     "pve-upgrade-guests.j2": {"guests"},
+    # (what, kind or HA sid, int id, node) from operations/reboot.py clear_guests' moves: node names read
+    # from pmxcfs's .members, HA sids from ha-manager; read back through plan.upgrade_perform.parse_moved
+    "pve-upgrade-moved.j2": {"moved"},
 }
 
 

@@ -127,7 +127,7 @@ def test_the_roll_checks_run_through_the_trial_checks_loop_and_name_what_failed(
 
 
 def _reading(node: str, running: dict[int, list[str]] | None = None, reserved: dict[str, int] | None = None,
-             ha: str = "", cts: dict[int, str] | None = None) -> dict:
+             ha: str = "", cts: dict[int, str] | None = None, pve: str | None = None) -> dict:
     """A facts.reboot.parse_node_guests reading built from the command's output: `running`
     {vmid: hostpci values} of VMs running on `node`; `cts` {ctid: devN path} of running CTs."""
     from facts.reboot import parse_node_guests
@@ -142,6 +142,7 @@ def _reading(node: str, running: dict[int, list[str]] | None = None, reserved: d
     lines += ["@@ mappings", *pool.splitlines(), "@@ ha", *ha.splitlines(), "@@ members",
               json.dumps({"nodename": node, "cluster": {"name": "c1", "quorate": 1},
                           "nodelist": {n: {"online": 1} for n in "abc"}})]
+    lines += ["@@ pve", pve] if pve else []
     for v, hostpci in (running or {}).items():
         lines += [f"@@ qemu /etc/pve/qemu-server/{v}.conf", "machine: q35",
                   *[f"hostpci{i}: {h}" for i, h in enumerate(hostpci)]]
@@ -168,6 +169,21 @@ def test_a_pooled_vm_goes_to_the_first_node_with_free_devices_of_its_pool():
     mine = _reading("a", {300: POOLED, 310: ["0000:c1:00.0,pcie=1"], 320: []}, cts={200: "/dev/nvidia0"})
     assert plan_guest_moves("a", mine, {"b": b, "c": c}) == {
         "migrate": [(300, "c")], "relocate": [], "stop": [("qemu", 310), ("lxc", 200)], "refusals": []}
+
+
+def test_a_guest_never_moves_to_an_older_release():
+    """A mixed cluster during the 8 -> 9 upgrade: from a node on 9 a pooled VM goes to another node
+    on 9, never to one still on 8 (migration from newer to older is not supported); from 8, either."""
+    from plan.reboot import plan_guest_moves
+    assert _reading("a", pve="9.1.1")["pve_major"] == 9 and _reading("a")["pve_major"] is None
+    mine = _reading("a", {300: POOLED}, pve="9.1.1")
+    b8, c9 = _reading("b", pve="8.4.14"), _reading("c", pve="9.0.3")
+    assert plan_guest_moves("a", mine, {"b": b8, "c": c9})["migrate"] == [(300, "c")]
+    (why,) = plan_guest_moves("a", mine, {"b": b8})["refusals"]
+    assert "on an older Proxmox VE than this node, so not a target: b" in why, why
+    on_8 = _reading("a", {300: POOLED}, pve="8.4.14")
+    assert plan_guest_moves("a", on_8, {"b": b8})["migrate"] == [(300, "b")]
+    assert plan_guest_moves("a", on_8, {"c": c9})["migrate"] == [(300, "c")]
 
 
 def test_no_node_with_free_devices_refuses_or_stops_as_the_spec_says():

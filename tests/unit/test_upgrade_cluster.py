@@ -42,6 +42,7 @@ def _job(*state: str, lock: str | None = "free") -> dict:
     (_job("status=failed", "step=dpkg-configure"), PVE9_ON_8_KERNEL, UPGRADING, "failed at step dpkg-configure"),
     (_job("status=done"), PVE9_ON_8_KERNEL, UPGRADING, "still runs 8's kernel 6.8.12-15-pve"),
     (_job("status=done"), PVE9, UPGRADING, "has not passed its host checks"),
+    (_job("status=done", "checked=x"), dict(PVE9, running_kernel="6.12.118+deb13-amd64"), UPGRADED, "passed x"),
     (_job("status=done", "checked=2026-12-07T00:01:02Z"), PVE9, UPGRADED, "host checks passed 2026-12-07T00:01:02Z"),
     # a check recorded while 8's kernel runs again (the loader fell back): not done
     (_job("status=done", "checked=2026-12-07T00:01:02Z"), PVE9_ON_8_KERNEL, UPGRADING, "still runs 8's kernel"),
@@ -100,6 +101,7 @@ def _cluster_run(monkeypatch, jobs: dict[str, tuple[list[str], str | None, dict]
                  offline: tuple[str, ...] = ()):
     """A run over nodes a, b, c of cluster gpu; each node's (state lines, lock, PveVersion)."""
     from facts.files import FileTexts
+    from facts.upgrade import UpgradeJob
     from operations import upgrade
 
     hosts = {n: _Host(name=n, data={}) for n in jobs}
@@ -115,6 +117,7 @@ def _cluster_run(monkeypatch, jobs: dict[str, tuple[list[str], str | None, dict]
         lines, lock, pve = jobs[ctx_host.get().name]
         readings = _readings(pve["major"], lines, lock, kernel=pve["running_kernel"])
         readings[FileTexts] = {upgrade.CLUSTER_FILES[0]: members(ctx_host.get().name)}
+        readings[UpgradeJob] = {**UpgradeJob.default(), **readings[UpgradeJob]}
         return readings.get(cls)
 
     def read_fact(probe):  # the cross-host read: one command on the other node
@@ -172,7 +175,7 @@ def test_the_next_node_starts_once_the_last_one_is_checked(monkeypatch, perform_
     upgrade, hosts, state, _ = _cluster_run(monkeypatch, {"a": (["status=done"], "free", PVE9),
                                                           "b": ([], None, PVE8), "c": ([], None, PVE8)})
     out = _plan(upgrade, hosts, state, perform_spec, ["b", "c", "a"])
-    assert "a: it runs 9's kernel 6.17.2-1-pve and has not passed its host checks" in (out["b"][1] or "")
+    assert "a: it runs kernel 6.17.2-1-pve and has not passed its host checks" in (out["b"][1] or "")
 
 
 def test_a_node_outside_the_run_or_offline_refuses_the_start(monkeypatch, perform_spec):  # noqa: F811
@@ -200,6 +203,8 @@ class _Shell:
 @pytest.mark.parametrize("answer, passed", [
     ((True, ["kernel=6.17.2-1-pve"]), True),
     ((True, ["kernel=6.8.12-15-pve"]), False),  # the checks hold, but on 8's kernel
+    ((True, ["kernel=6.14.8-2-bpo12-pve"]), False),
+    ((True, ["kernel=6.12.118+deb13-amd64"]), True),  # not a Proxmox kernel's name (the twin's 9 kernel): not 8's
     ((False, ["kernel=6.17.2-1-pve", "nvidia 580.95.05 not loaded"]), False),
 ])
 def test_confirm_records_checked_only_on_9s_kernel_with_the_checks_passing(answer, passed):
@@ -250,3 +255,116 @@ def test_a_waiting_node_stops_only_itself():
     state.active_hosts = {b}
     with ctx_state.use(state), ctx_host.use(b), pytest.raises(DeployError, match="waits"):
         upgrade.stop_host("pvegpu: host b: waits")
+
+
+# -- reboot.guests: migrate, for the upgrade of a cluster's node -----------------------------------
+
+def test_the_record_of_moved_guests():
+    from plan.render import render_template
+    from plan.upgrade_perform import parse_moved
+
+    moved = [("back", "qemu", 301, "pve2"), ("ha-back", "vm:302", 302, "pve3"), ("start", "lxc", 200, "pve1")]
+    text = render_template("pve-upgrade-moved.j2", moved=moved)
+    assert text == "back qemu 301 pve2\nha-back vm:302 302 pve3\nstart lxc 200 pve1\n"
+    assert parse_moved(text.splitlines()) == moved
+    # not pvegpu's shapes: skipped
+    assert parse_moved(["back lxc 200 pve2", "start qemu x pve1", "ha-back 302 302 pve3", "back qemu 1 -x",
+                        "start qemu 5 pve1 extra"]) == []
+
+
+def test_migrate_is_refused_only_outside_a_cluster(monkeypatch, perform_spec):  # noqa: F811
+    from plan.upgrade_perform import PerformView, perform_refusals
+
+    view = PerformView(pve8to9=["FAILURES: 0"], proxmox_ve="8.4.1", free_bytes=50 * 10**9,
+                       running_gpu_guests=["VM 301"], reboot_guests="migrate")
+    from plan.upgrade_perform import parse_sources
+    view.sources = parse_sources({"/etc/apt/sources.list": ["deb http://deb.debian.org/debian bookworm main"]})
+    assert any("this node is in no cluster" in r for r in perform_refusals(view))
+    view.in_cluster = True
+    assert perform_refusals(view) == []
+
+
+def test_the_start_moves_the_guests_in_a_cluster(monkeypatch, perform_spec):  # noqa: F811
+    from operations import upgrade
+
+    spec = perform_spec.model_copy(update={"reboot": perform_spec.reboot.model_copy(update={"guests": "migrate"})})
+    upgrade_, hosts, state, _ = _cluster_run(monkeypatch, {n: ([], None, PVE8) for n in "ab"})
+    assert upgrade_ is upgrade
+    operation = upgrade.start_upgrade
+    calls: list = []
+    monkeypatch.setattr(upgrade, "start_upgrade", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(upgrade, "start_commands", lambda spec: ("SCRIPT", "START"))
+    monkeypatch.setattr(upgrade, "guest_state", lambda: {"lxc": {200: "running"}, "qemu": {}})
+    with ctx_state.use(state), ctx_host.use(hosts["a"]):
+        upgrade.start(spec)
+    assert calls[0]["migrate"] == ("gpu", "a", spec.reboot.migrate_fallback) and calls[0]["stop"] == []
+    assert "GPU guests moved" in calls[0]["name"]
+    ops = list(operation._inner(script="s", start="START", stop=[], configs=[], timeout=9,
+                                migrate=("gpu", "a", "refuse"), moved_before=[("start", "lxc", 200, "a")]))
+    fn = next(op for op in ops if getattr(op, "function", None) is upgrade._clear_for_upgrade)
+    assert fn.args == ("gpu", "a", "refuse", 9, [("start", "lxc", 200, "a")])
+    assert str(ops[-1]) == "START" and ops.index(fn) < len(ops) - 2  # before the script and the start
+
+
+def test_clearing_records_what_moved_even_when_a_guest_cannot_leave(monkeypatch):
+    import operations.reboot as reboot
+    from operations import upgrade
+
+    def clear(state, host, cluster, node, fallback, timeout):
+        reboot.ROLL_MOVED.setdefault(host.name, []).append(("back", "qemu", 301, "b"))
+        return False  # then VM 302 had nowhere to go
+
+    monkeypatch.setattr(reboot, "clear_guests", clear)
+    shell = _Shell([(True, [])])
+    assert upgrade._clear_for_upgrade(None, shell, "gpu", "a", "refuse", 9, [("start", "lxc", 200, "a")]) is False
+    assert "/var/lib/pvegpu/upgrade/guests-moved" in shell.commands[0]
+    import base64
+    assert base64.b64encode(b"start lxc 200 a\nback qemu 301 b\n").decode() in shell.commands[0]
+    assert "a" not in reboot.ROLL_MOVED
+
+
+@pytest.mark.parametrize("state, checked_now, called", [
+    (["status=done", "checked=x"], False, True),
+    (["status=done"], True, True),  # this run's confirm (it fails the host first when the checks fail)
+    (["status=done"], False, False),
+    (["status=running"], False, False),
+])
+def test_moved_guests_come_back_once_checked(monkeypatch, perform_spec, state, checked_now, called):  # noqa: F811
+    from operations import upgrade
+
+    upgrade_, hosts, st, _ = _cluster_run(monkeypatch, {"a": (state, "free", PVE9), "b": ([], None, PVE8)})
+    job_fact = {"state": state, "lock": "free", "log": [], "guests": [], "moved": ["back qemu 301 b"]}
+    monkeypatch.setattr(upgrade, "_job_fact", lambda: job_fact)
+    monkeypatch.setattr(upgrade, "job", lambda spec: job_reading(state, "free", []))
+    calls: list = []
+    monkeypatch.setattr(upgrade, "restore_moved_guests", lambda **kw: calls.append(kw))
+    with ctx_state.use(st), ctx_host.use(hosts["a"]):
+        upgrade.restore_moved(perform_spec, checked_now)
+    assert bool(calls) is called
+    if calls:
+        assert calls[0]["moved"] == [("back", "qemu", 301, "b")] and calls[0]["node"] == "a"
+        assert "VM 301" in calls[0]["name"]
+
+
+def test_each_guest_back_then_the_record_shrinks(monkeypatch):
+    import operations.reboot as reboot
+    from operations import upgrade
+
+    monkeypatch.setattr(upgrade, "guest_state_changes", lambda: None)
+    moved = [("start", "lxc", 200, "a"), ("back", "qemu", 301, "b")]
+    ops = list(upgrade.restore_moved_guests._inner(cluster="gpu", node="a", moved=moved, timeout=9))
+    assert [op.args[2] for op in ops] == [moved[1], moved[0]]  # last first, as restore_guests
+    assert [op.args[3] for op in ops] == [moved[:1], []]
+    seen: list = []
+
+    def restore(state, host, cluster, node, timeout) -> bool:
+        seen.append(reboot.ROLL_MOVED[host.name])
+        return True
+
+    monkeypatch.setattr(reboot, "restore_guests", restore)
+    shell = _Shell([(True, [])])
+    assert upgrade._restore_one(None, shell, "gpu", "a", moved[1], moved[:1], 9)
+    assert seen == [[moved[1]]] and "guests-moved" in shell.commands[0]
+    shell = _Shell([(True, [])])
+    assert upgrade._restore_one(None, shell, "gpu", "a", moved[0], [], 9)
+    assert shell.commands[0] == "rm -f -- /var/lib/pvegpu/upgrade/guests-moved"
