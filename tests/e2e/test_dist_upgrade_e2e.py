@@ -371,7 +371,8 @@ def test_two_cluster_nodes_in_turn(twin_factory, tmp_path, monkeypatch):
         with pc.Operator(NODES[0]), pc.Operator(NODES[1]):
             done = run_pyinfra(inv, "deploy.py", timeout=1500)
         runs.append(f"{label}: rc {done.rc}, changed {done.changed}, {time.monotonic() - start:.0f} s")
-        print(runs[-1])
+        (tmp_path / f"run-{len(runs)}.log").write_text(done.output)  # for the reader of a failure
+        print(runs[-1], tmp_path / f"run-{len(runs)}.log")
         return done
 
     def wait_line(waiting: str, cluster_reason: str) -> str:
@@ -387,6 +388,7 @@ def test_two_cluster_nodes_in_turn(twin_factory, tmp_path, monkeypatch):
         (REPO / ".cache" / "distup" / f"last-perform-{n}.log").write_text(log)
         assert "status=done" in status(n), status(n) + log[-8000:]
         runtime.kill_sshd(n)  # 8's sshd listener cannot serve 9's sshd-session (as in the tests above)
+        du.sh(twins[n], "true")  # its sshd answers again (restarted by the supervisor, as systemd would)
         return time.monotonic() - start
 
     runs: list[str] = []
