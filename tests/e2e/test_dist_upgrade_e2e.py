@@ -25,8 +25,8 @@ test_two_cluster_nodes_in_turn: the same for two nodes of a three-node cluster t
 40 item 2): each run one full deploy over the three nodes (the third a member that does not
 upgrade: quorum lets one node of three reboot); one node starts, the other waits naming it, then
 waits for its reboot into 9's kernel and its host checks there (`checked=`), starts, and is taken
-to 9 the same way; the two jobs never overlap, a converge and a run without changes end it (193 s
-of runs and jobs, 201 s pytest's total, the jobs 63 s and 69 s, on 2026-12-06 22:53 UTC).
+to 9 the same way; the two jobs never overlap, a converge and a run without changes end it (201 s
+and 191 s, pytest's totals, the jobs 57-69 s each, on 2026-12-06 22:53 and 23:01 UTC).
 
 The slow lane (`make test-slow`; scripts/run-tests.sh leaves it out): ~3-10 min warm on 2
 busy cores (2026-12-06: 558 s and 462 s for two cases, the full-upgrade alone 412-483 s; later
