@@ -297,7 +297,9 @@ def guests_to_start(job: dict, running_kernel: str | None, rebooted_for_upgrade:
     host still runs 8's kernel (no reboot allowed): the record waits."""
     if job.get("status") != "done" or not recorded:
         return []
-    on_9 = bool(running_kernel) and kernel_pve_major(str(running_kernel)) == 9
+    # 8's kernel gone, as node_phase and operations/upgrade.py confirm read it: a tarball build's or a
+    # distribution's kernel has no Proxmox major in its name
+    on_9 = bool(running_kernel) and not runs_8_kernel(str(running_kernel))
     return list(recorded) if on_9 or rebooted_for_upgrade else []
 
 

@@ -21,6 +21,13 @@ reboot into 9's kernel, a converge, the host checks and a run without changes, w
 stopped for the upgrade and started again on 9 (235 s on 2026-12-06; 186-356 s without the CT,
 by the machine's load).
 
+test_two_cluster_nodes_in_turn: the same for two nodes of a three-node cluster twin, in turn (issue
+40 item 2): each run one full deploy over the three nodes (the third a member that does not
+upgrade: quorum lets one node of three reboot); one node starts, the other waits naming it, then
+waits for its reboot into 9's kernel and its host checks there (`checked=`), starts, and is taken
+to 9 the same way; the two jobs never overlap, a converge and a run without changes end it (201 s
+and 191 s, pytest's totals, the jobs 57-69 s each, on 2026-12-06 22:53 and 23:01 UTC).
+
 The slow lane (`make test-slow`; scripts/run-tests.sh leaves it out): ~3-10 min warm on 2
 busy cores (2026-12-06: 558 s and 462 s for two cases, the full-upgrade alone 412-483 s; later
 that day 150 s, the full-upgrade 108 s, on a quieter machine), the first run also downloads ~300
@@ -30,12 +37,14 @@ that day 150 s, the full-upgrade 108 s, on a quieter machine), the first run als
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.e2e import power_cut as pc
 from tests.e2e import test_kernel_upgrade_e2e as ku
 from tests.e2e.harness import REPO, run_pyinfra, spec_inventory
 from tests.twin import distupgrade as du
@@ -56,12 +65,15 @@ STAGES = {"PVEGPU_STAGES": "operations.nvidia,operations.kernel_hook"}
 HOOK_DIR = "var/lib/pvegpu/kernel-hook"
 
 
-def write_inventory(tmp: Path, twin, sha: str, pve: int | None, **more) -> str:
+def host_spec(sha: str, pve: int | None, node: str = "kpro6", **more) -> dict:
     nvidia = {"version": VERSION, "open": True, "modules_source": {"url": f"file://{ARCHIVE}", "sha256": sha},
               "firmware": False, "persistenced": False}
-    spec = {"node": "kpro6", "kernel_updates": "follow", "nvidia": nvidia, **({"proxmox_ve": pve} if pve else {}),
+    return {"node": node, "kernel_updates": "follow", "nvidia": nvidia, **({"proxmox_ve": pve} if pve else {}),
             **more}
-    return spec_inventory(tmp, twin, spec, f"distup-{pve or 8}{'-perform' if more else ''}")
+
+
+def write_inventory(tmp: Path, twin, sha: str, pve: int | None, node: str = "kpro6", **more) -> str:
+    return spec_inventory(tmp, twin, host_spec(sha, pve, node, **more), f"distup-{pve or 8}{'-perform' if more else ''}")
 
 
 def loader_defaults(root: Path) -> dict:
@@ -81,13 +93,17 @@ def loader_defaults(root: Path) -> dict:
 # for 9's kernel it takes that kernel's own (trixie's gcc-14/g++-14, templates/nvidia-toolchain-pick.sh.j2),
 # inside the transaction where dpkg has configured them by then, else in apt's DPkg::Post-Invoke pass
 # after the dpkg run (issue 40: a hook rendered with gcc-12 left 9's kernel without modules).
-def prepare(twin_factory, tmp_path, monkeypatch, name: str = NAME) -> dict:
+def prepare(twin_factory, tmp_path, monkeypatch, name: str = NAME, cluster: str | None = None,
+            profile: str = PROFILE_8) -> dict:
     """The twin on 8 converged (the NVIDIA and kernel hook stages), Proxmox's 8 and 9 packages in the
     local repository, Debian's trixie indexes and .debs in the twin's apt cache; the sources named
-    trixie (the upgrade guide's step: test_real_dist_upgrade_8_to_9 runs apt itself next)."""
+    trixie (the upgrade guide's step: test_real_dist_upgrade_8_to_9 runs apt itself next).
+    `cluster`: the twin is a node of that cluster twin, its Proxmox node name (and host name) its
+    twin's name; one `tmp_path` per twin (the profile, inventories and .debs are written there)."""
     t0 = time.monotonic()
-    (tmp_path / "p8.yml").write_text(PROFILE_8)
-    twin = twin_factory(str(tmp_path / "p8.yml"), name=name)
+    (tmp_path / "p8.yml").write_text(profile)
+    twin = twin_factory(str(tmp_path / "p8.yml"), name=name, cluster=cluster)
+    node = name if cluster else "kpro6"
     root = Path(twin.root)
     du.sh(twin, f"ln -sfn /usr/src/linux-headers-6.1.0-57-amd64 /lib/modules/{OLD_KERNEL}/build")
     monkeypatch.setattr(ku, "VERSION", VERSION)
@@ -103,7 +119,7 @@ def prepare(twin_factory, tmp_path, monkeypatch, name: str = NAME) -> dict:
     du.update_local(twin)
     du.sh(twin, f"{du.APT_ENV} apt-get -q -y install --reinstall proxmox-ve pve-manager")
     du.sh(twin, f"{du.APT_ENV} apt-get -q -y install proxmox-default-kernel")
-    inv8 = write_inventory(tmp_path, twin, sha, None)
+    inv8 = write_inventory(tmp_path, twin, sha, None, node)
     first = run_pyinfra(inv8, STAGE_DEPLOY, env=STAGES, timeout=900)
     assert first.rc == 0, first.output[-6000:]
     hook_script = (root / "etc/kernel/postinst.d/00pvegpu-nvidia").read_text()
@@ -133,7 +149,7 @@ def prepare(twin_factory, tmp_path, monkeypatch, name: str = NAME) -> dict:
     du.update_local(twin)
     t_fetch = time.monotonic() - t0 - t_8
     return {"t0": t0, "t_8": t_8, "t_fetch": t_fetch, "twin": twin, "root": root, "sha": sha, "new": new,
-            "lists": lists, "downloaded": downloaded}
+            "lists": lists, "downloaded": downloaded, "node": node}
 
 
 def test_real_dist_upgrade_8_to_9(twin_factory, tmp_path, monkeypatch):
@@ -259,8 +275,6 @@ def test_one_deploy_performs_the_upgrade(twin_factory, tmp_path, monkeypatch):
     assert (hook / f"{new}.ok").exists(), log[-8000:]
 
     # the next run: converged on 9, rebooted into 9's kernel (reboot.allowed)
-    from tests.e2e import power_cut as pc
-
     with pc.Operator(PERFORM_NAME):
         rebooted = run_pyinfra(inv, "deploy.py", timeout=1200)
     assert rebooted.rc == 0, rebooted.output[-6000:]
@@ -288,3 +302,181 @@ def test_one_deploy_performs_the_upgrade(twin_factory, tmp_path, monkeypatch):
     again = run_pyinfra(inv, "deploy.py", timeout=1200)
     assert again.rc == 0 and again.changed == 0, again.output[-6000:]
     print(f"timings: prepare {p['t_8'] + p['t_fetch']:.0f} s, job {t_job:.0f} s, total {time.monotonic() - t0:.0f} s")
+
+
+CLUSTER = "s22dist"
+NODES = ("s22-cla", "s22-clb")  # the two nodes upgraded (both perform)
+PLAIN = "s22-clc"  # the third node: in the run, not upgraded (quorum: 3 votes, 2 needed, one node may reboot)
+# node B's GPU CT: guest ids are cluster-wide, A (started first) has the profile's CT 200 and VM 300
+GUESTS_B = """guests:
+  lxc:
+    201: |
+      arch: amd64
+      cores: 8
+      hostname: llm-b
+      memory: 65536
+      net0: name=eth0,bridge=vmbr0,hwaddr=BC:24:11:5E:20:01,ip=dhcp,type=veth
+      ostype: debian
+      rootfs: local-zfs:subvol-201-disk-0,size=50G
+      swap: 0
+      unprivileged: 1
+"""
+CT = {NODES[0]: 200, NODES[1]: 201}
+# the job's own log lines (templates/pve-upgrade.sh.j2 step): `pvegpu: <UTC time> <status>: <step>`
+JOB_LINE = re.compile(r"^pvegpu: (\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ) (running|done|failed): ", re.M)
+
+
+def cluster_inventory(tmp: Path, hosts: dict) -> str:
+    """One pyinfra inventory of several twins ({twin: spec}), as spec_inventory writes one: each
+    host named by its twin, which is its Proxmox node name in the cluster twin."""
+    spec = {"hosts": {t.name: {"ssh": {"hostname": t.address, "port": t.port, "user": "root", "key": t.key},
+                               **host} for t, host in hosts.items()}}
+    (tmp / "cluster.yml").write_text(json.dumps(spec))
+    overrides = {t.name: {"ssh_known_hosts_file": "/dev/null", "ssh_strict_host_key_checking": "off"} for t in hosts}
+    inv = tmp / "cluster_inventory.py"
+    inv.write_text("from spec.load import inventory_hosts\n"
+                   f"hosts = inventory_hosts({str(tmp / 'cluster.yml')!r}, overrides={overrides!r})\n")
+    return str(inv)
+
+
+def job_span(log: str) -> tuple[str, str]:
+    """The first and last time the job's log names (its steps' lines): when it ran."""
+    times = [m.group(1) for m in JOB_LINE.finditer(log)]
+    assert times, log[-4000:]
+    return times[0], times[-1]
+
+
+def test_two_cluster_nodes_in_turn(twin_factory, tmp_path, monkeypatch):
+    """Two nodes of a three-node cluster twin taken from 8 to 9 in turn by pvegpu (issue 40 items 2
+    and 4): nodes A and B prepared as above (8 converged, a running GPU CT each, the local
+    repository and apt cache ready, sources on bookworm) with `proxmox_ve: 9`, `proxmox_ve_upgrade:
+    perform` and reboot.allowed; node C a plain member of the run that does not upgrade (a rolling
+    reboot in a two-node cluster is refused by quorum). Every run is one full `pyinfra <inventory>
+    deploy.py` over the three nodes. Run 1: exactly one of A and B starts its job, the other waits
+    naming it; once the job is done, a run reboots that node into 9's kernel (the roll, its checks)
+    and its confirm writes `checked=`; the other waits until then, and starts in a later run; the
+    same for it. Asserted: both on trixie and pve-manager 9, both running 9's kernel with nvidia
+    built by GCC 14 and their CT back, the two jobs never overlapped (their logs' first and last
+    step times), the host checks, and a last run over the three nodes without changes."""
+    t0 = time.monotonic()
+    prepared = {}
+    for name, profile in ((NODES[0], PROFILE_8), (NODES[1], PROFILE_8 + GUESTS_B)):
+        sub = tmp_path / name
+        sub.mkdir()
+        p = prepare(twin_factory, sub, monkeypatch, name=name, cluster=CLUSTER, profile=profile)
+        du.move_sources(p["twin"], "trixie", "bookworm")  # the host as it is before the upgrade: the job moves them
+        du.sh(p["twin"], f"pct start {CT[name]}")
+        prepared[name] = p
+    plain = twin_factory("kpro6", name=PLAIN, cluster=CLUSTER)
+    t_prepare = time.monotonic() - t0
+    twins = {n: prepared[n]["twin"] for n in NODES}
+    roots = {n: prepared[n]["root"] for n in NODES}
+    new = prepared[NODES[0]]["new"]
+    specs = {n: host_spec(prepared[n]["sha"], 9, n, proxmox_ve_upgrade="perform",
+                          reboot={"allowed": True, "rejoin_timeout": 120},
+                          gpus={"0000:01:00.0": "lxc"}, containers={CT[n]: {"gpus": ["0000:01:00.0"]}},
+                          guests={"allow_stop": True}) for n in NODES}
+    inv = cluster_inventory(tmp_path, {**{twins[n]: specs[n] for n in NODES}, plain: {"node": PLAIN}})
+    members = json.loads(du.sh(plain, "cat /etc/pve/.members").stdout)
+    assert sorted(members["nodelist"]) == sorted([*NODES, PLAIN]), members
+
+    def status(n: str) -> str:
+        state = roots[n] / STATE / "state"
+        return state.read_text() if state.exists() else ""
+
+    def run(label: str):
+        start = time.monotonic()
+        with pc.Operator(NODES[0]), pc.Operator(NODES[1]):
+            done = run_pyinfra(inv, "deploy.py", timeout=1500)
+        runs.append(f"{label}: rc {done.rc}, changed {done.changed}, {time.monotonic() - start:.0f} s")
+        (tmp_path / f"run-{len(runs)}.log").write_text(done.output)  # for the reader of a failure
+        print(runs[-1], tmp_path / f"run-{len(runs)}.log")
+        return done
+
+    def wait_line(waiting: str, cluster_reason: str) -> str:
+        return (f"pvegpu: host {waiting}: the 8 -> 9 upgrade waits: the nodes of cluster {CLUSTER} are upgraded "
+                f"one at a time, and {cluster_reason}")
+
+    def job_done(n: str) -> float:
+        start = time.monotonic()
+        deadline = start + 2400
+        while "status=running" in status(n) and time.monotonic() < deadline:
+            time.sleep(2)
+        log = (roots[n] / STATE / "upgrade.log").read_text()
+        (REPO / ".cache" / "distup" / f"last-perform-{n}.log").write_text(log)
+        assert "status=done" in status(n), status(n) + log[-8000:]
+        assert (roots[n] / HOOK_DIR / f"{new}.ok").exists(), log[-8000:]  # the hook built for 9's kernel in the job
+        runtime.kill_sshd(n)  # 8's sshd listener cannot serve 9's sshd-session (as in the tests above)
+        du.sh(twins[n], "true")  # its sshd answers again (restarted by the supervisor, as systemd would)
+        return time.monotonic() - start
+
+    runs: list[str] = []
+    t_jobs = {}
+    with du.Network(twins[NODES[0]]), du.Network(twins[NODES[1]]):
+        # run 1: one of A and B starts (the first to claim the run's turn), the other waits naming it
+        one = run("run 1 (one node starts)")
+        assert one.rc != 0, one.output[-6000:]  # the waiting node fails alone
+        started = [n for n in NODES if f"{n}: the Proxmox VE 8 -> 9 upgrade starts detached on the host" in one.output]
+        assert len(started) == 1, one.output[-6000:]
+        first, second = started[0], next(n for n in NODES if n != started[0])
+        assert wait_line(second, f"{first} starts its upgrade in this run") in one.output, one.output[-6000:]
+        assert status(second) == "" and "status: running" in du.sh(twins[second], f"pct status {CT[second]}").stdout
+        assert "status: stopped" in du.sh(twins[first], f"pct status {CT[first]}").stdout
+        t_jobs[first] = job_done(first)
+
+        # run 2: the first node converges on 9 and reboots into 9's kernel (the roll: back in its quorate
+        # cluster, the reboot's checks), its CT starts again, its confirm writes checked=; the second
+        # still waits, for the reason the first node's phase had when the run read it
+        two = run(f"run 2 ({first} reboots into 9, {second} waits)")
+        assert two.rc != 0 and f"{first}: back in cluster {CLUSTER} (quorate, 3 of 3 votes online)" in two.output, \
+            two.output[-6000:]
+        assert f"{first}: host checks passed on kernel {new} after the 8 -> 9 upgrade" in two.output, two.output[-6000:]
+        assert "checked=" in status(first), status(first) + two.output[-6000:]
+        assert du.sh(twins[first], "uname -r").stdout.strip() == new
+        assert "status: running" in du.sh(twins[first], f"pct status {CT[first]}").stdout, two.output[-6000:]
+        assert wait_line(second, f"{first}: its upgrade is done and it still runs 8's kernel {OLD_KERNEL}: its reboot "
+                                 "into 9's kernel is due") in two.output, two.output[-6000:]
+        assert status(second) == ""
+
+        # run 3: the first is done: the second starts (the first converges what its reboot run left)
+        three = run(f"run 3 ({second} starts)")
+        assert three.rc == 0, three.output[-6000:]
+        assert f"{second}: the Proxmox VE 8 -> 9 upgrade starts detached on the host" in three.output, \
+            three.output[-6000:]
+        assert "status: stopped" in du.sh(twins[second], f"pct status {CT[second]}").stdout
+        t_jobs[second] = job_done(second)
+
+        # run 4: the second reboots into 9's kernel and is checked
+        four = run(f"run 4 ({second} reboots into 9)")
+        assert four.rc == 0 and f"{second}: back in cluster {CLUSTER} (quorate, 3 of 3 votes online)" in four.output, \
+            four.output[-6000:]
+        assert "checked=" in status(second), status(second) + four.output[-6000:]
+    # run 5: a converge (what the reboot run leaves: the depmod stamp of 9's kernel whose modules the
+    # job's hook built, the NCCL file of the CT started after the NCCL stage ran)
+    converge = run("run 5 (converge)")
+    assert converge.rc == 0, converge.output[-6000:]
+
+    for n in NODES:
+        twin = twins[n]
+        assert du.sh(twin, "dpkg --audit").stdout.strip() == ""
+        assert du.sh(twin, ". /etc/os-release && echo $VERSION_CODENAME").stdout.strip() == "trixie"
+        assert du.sh(twin, "dpkg-query -W -f '${Version}' pve-manager").stdout == du.PVE["trixie"]["pve-manager"]
+        assert du.sh(twin, "uname -r").stdout.strip() == new
+        comment = du.sh(twin, f"readelf -p .comment /lib/modules/{new}/updates/pvegpu-nvidia/nvidia.ko").stdout
+        assert "14.2.0" in comment and "12.2.0" not in comment, comment
+        assert pc.gpu_driver(n) == VERSION
+        assert "status: running" in du.sh(twin, f"pct status {CT[n]}").stdout
+        assert not (roots[n] / STATE / "guests-stopped").exists()
+        checks = pc.host_checks(spec_inventory(tmp_path / n, twin, specs[n], "checks"), {}, "nvidia_driver")
+        assert checks is None, checks
+    # the two upgrade jobs never overlapped
+    spans = {n: job_span((roots[n] / STATE / "upgrade.log").read_text()) for n in NODES}
+    print("jobs:", spans)
+    assert spans[first][1] <= spans[second][0], spans
+    assert du.sh(plain, ". /etc/os-release && echo $VERSION_CODENAME").stdout.strip() == "bookworm"
+
+    again = run("run 6 (no changes)")
+    assert again.rc == 0 and again.changed == 0, again.output[-6000:]
+    print(f"timings: prepare (two nodes, C started) {t_prepare:.0f} s, jobs {t_jobs[first]:.0f} s + "
+          f"{t_jobs[second]:.0f} s (waited after their start), runs: {'; '.join(runs)}; "
+          f"total {time.monotonic() - t0:.0f} s")

@@ -311,6 +311,7 @@ def test_the_record_of_stopped_guests():
     ("done", "6.8.12-11-pve", True, [("lxc", 200)]),      # this run rebooted into 9 for the upgrade
     ("done", "6.8.12-11-pve", False, []),                 # still 8's kernel (no reboot allowed): they wait
     ("done", "6.14.11-4-bpo12-pve", False, []),           # 8's 6.14 is no 9 kernel
+    ("done", "6.12.57", False, [("lxc", 200)]),           # rebooted by hand into a tarball build's kernel
     ("running", "6.17.2-1-pve", False, []),
     ("failed", "6.17.2-1-pve", True, []),
 ])
