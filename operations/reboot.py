@@ -310,29 +310,39 @@ def _restore_failed(host, cluster: str, node: str, why: str) -> bool:
     return False
 
 
-def restore_guests(state, host, cluster: str, node: str, timeout: int) -> bool:
+def restore_guests(state, host, cluster: str, node: str, timeout: int, occasion: str = "") -> bool:
     """After `node` is back and passed its checks: the VMs clear_guests moved come back (an HA
-    resource relocated back by HA) and the guests it stopped start again (in the reverse order)."""
+    resource relocated back by HA) and the guests it stopped start again (in the reverse order).
+    `occasion`: as clear_guests' (the 8 -> 9 upgrade): named in the lines; a guest that does not come
+    back fails only this (the next run tries it again), no roll is stopped."""
+    after = f"after {occasion}" if occasion else "after the reboot"
+
+    def failed(why: str) -> bool:
+        if not occasion:
+            return _restore_failed(host, cluster, node, why)
+        logger.error(f"{host.name}: {why}; a later run tries again")
+        return False
+
     hosts = run_nodes(state)
     for what, kind, vmid, target in reversed(ROLL_MOVED.pop(host.name, [])):
         label = "VM" if kind == "qemu" else "CT"
         if what == "ha-back":
             ok, said = _ha_relocate(hosts[target], host, kind, vmid, node, timeout)
             if not ok:
-                return _restore_failed(host, cluster, node, f"VM {vmid} did not come back from node {target}: {said}")
+                return failed(f"VM {vmid} did not come back from node {target}: {said}")
             logger.info(f"{host.name}: VM {vmid} (HA resource {kind}) relocated back from node {target}, running here again")
         elif what == "back":
             ok, said = _run(hosts[target], f"{shutdown_shell('qemu', vmid, timeout)} && qm migrate {word(str(vmid))} {word(node)}")
             if ok:
                 ok, said = _run(host, f"qm start {word(str(vmid))}")
             if not ok:
-                return _restore_failed(host, cluster, node, f"VM {vmid} did not come back from node {target}: {said}")
+                return failed(f"VM {vmid} did not come back from node {target}: {said}")
             logger.info(f"{host.name}: VM {vmid} back from node {target}, running here again")
         else:
             ok, said = _run(host, f"{'qm' if kind == 'qemu' else 'pct'} start {word(str(vmid))}")
             if not ok:
-                return _restore_failed(host, cluster, node, f"{label} {vmid} did not start again after the reboot: {said}")
-            logger.info(f"{host.name}: {label} {vmid} started again after the reboot")
+                return failed(f"{label} {vmid} did not start again {after}: {said}")
+            logger.info(f"{host.name}: {label} {vmid} started again {after}")
     return True
 
 

@@ -389,7 +389,7 @@ def _restore_one(state, host, cluster: str, node: str, entry: tuple[str, str, in
     from operations.reboot import ROLL_MOVED, restore_guests
 
     ROLL_MOVED[host.name] = [entry]
-    return restore_guests(state, host, cluster, node, timeout) and _write_moved(host, left)
+    return restore_guests(state, host, cluster, node, timeout, occasion="the 8 -> 9 upgrade") and _write_moved(host, left)
 
 
 def confirm(spec: HostSpec) -> bool:

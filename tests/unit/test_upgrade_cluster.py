@@ -383,7 +383,8 @@ def test_each_guest_back_then_the_record_shrinks(monkeypatch):
     assert [op.args[3] for op in ops] == [moved[:1], []]
     seen: list = []
 
-    def restore(state, host, cluster, node, timeout) -> bool:
+    def restore(state, host, cluster, node, timeout, occasion="") -> bool:
+        assert occasion == "the 8 -> 9 upgrade"
         seen.append(reboot.ROLL_MOVED[host.name])
         return True
 
@@ -394,3 +395,23 @@ def test_each_guest_back_then_the_record_shrinks(monkeypatch):
     shell = _Shell([(True, [])])
     assert upgrade._restore_one(None, shell, "gpu", "a", moved[0], [], 9)
     assert shell.commands[0] == "rm -f -- /var/lib/pvegpu/upgrade/guests-moved"
+
+
+def test_a_guest_that_does_not_come_back_after_the_upgrade_stops_no_roll(monkeypatch):
+    """restore_guests for the upgrade: its line names the upgrade, and no rolling reboot is marked
+    stopped (ROLL_STOPPED is the roll's, in the same run)."""
+    import operations.reboot as reboot
+
+    monkeypatch.setattr(reboot, "run_nodes", lambda state: {})
+    errors: list[str] = []
+    monkeypatch.setattr(reboot.logger, "error", errors.append)
+    shell = _Shell([(False, ["CT 200 is locked (backup)"])])
+    reboot.ROLL_MOVED["a"] = [("start", "lxc", 200, "a")]
+    assert reboot.restore_guests(None, shell, "gpu", "a", 9, occasion="the 8 -> 9 upgrade") is False
+    assert "gpu" not in reboot.ROLL_STOPPED
+    assert errors == ["a: CT 200 did not start again after the 8 -> 9 upgrade: CT 200 is locked (backup); a later run "
+                      "tries again"]
+    reboot.ROLL_MOVED["a"] = [("start", "lxc", 200, "a")]
+    shell = _Shell([(False, ["CT 200 is locked (backup)"])])
+    assert reboot.restore_guests(None, shell, "gpu", "a", 9) is False  # the roll's: it stops
+    assert reboot.ROLL_STOPPED.pop("gpu")[0] == "a"
