@@ -336,7 +336,7 @@ def node_phase(job: dict, pve: dict | None, moved: list[str] | None = None) -> N
                                         "reboot into 9's kernel is due")
         if not job.get("checked"):
             return NodePhase(UPGRADING, f"it runs kernel {kernel} and has not passed its host checks since the "
-                                        "upgrade (a run on it checks them)")
+                                        "upgrade (a run on it with proxmox_ve_upgrade: perform checks them)")
         back = parse_moved(moved or [])
         if back:
             return NodePhase(UPGRADING, "its GPU guests moved away for its upgrade are not back yet ("
