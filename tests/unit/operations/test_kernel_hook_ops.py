@@ -42,6 +42,13 @@ TRIXIE_GCC14 = "gcc-14 (Debian 14.2.0-19) 14.2.0"
 TRIXIE_GXX14 = "g++-14 (Debian 14.2.0-19) 14.2.0"
 
 
+def stubs_on_path(tmp: Path, stubs: dict[str, str]) -> None:
+    """Shell stand-ins on the hook's PATH (tmp/bin): {program: its script's body}."""
+    for name, body in stubs.items():
+        (tmp / "bin" / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp / "bin" / name).chmod(0o755)
+
+
 def compilers(tmp: Path, *banners: str) -> None:
     """Compilers on the hook's PATH, each printing its `--version` line (`gcc-12 (Debian …) 12.2.0`
     is the program gcc-12) and, as `-v`, GCC's last line; any other use logs its arguments."""
@@ -143,9 +150,7 @@ def grub_host(tmp: Path, releases: list[str]) -> None:
              "modinfo": 'case " $* " in ' + "".join(f'*" {r} "*) echo 580.95.05 ;; ' for r in releases) + "esac",
              "grub-editenv": (f'case "$2 $3" in "set saved_entry="*) echo "${{3#saved_entry=}}" >> {tmp}/saved_entry ;; '
                               f'"unset prev_saved_entry") ;; *) echo "$*" >> {tmp}/grubenv-other ;; esac')}
-    for name, body in stubs.items():
-        (tmp / "bin" / name).write_text(f"#!/bin/sh\n{body}\n")
-        (tmp / "bin" / name).chmod(0o755)
+    stubs_on_path(tmp, stubs)
 
 
 def test_on_grub_with_a_saved_default_a_failed_kernel_leaves_saved_entry_on_the_good_one(tmp_path):
@@ -300,9 +305,7 @@ def upgrade_host(tmp: Path, codename: str) -> None:
              "proxmox-boot-tool": f'echo "$*" >> {tmp}/pbt; [ "$2" ] && echo "$3" > {tmp}/pin',
              # proxmox-kernel-helper's hook: apt's NeverAutoRemove list from the pin file as it is now
              "proxmox-auto-removal": f'echo "$1 pin=$(cat {tmp}/pin 2>/dev/null)" >> {tmp}/auto-removal'}
-    for name, body in stubs.items():
-        (tmp / "bin" / name).write_text(f"#!/bin/sh\n{body}\n")
-        (tmp / "bin" / name).chmod(0o755)
+    stubs_on_path(tmp, stubs)
 
 
 @pytest.mark.parametrize("codename", ["trixie", "bookworm"])
@@ -576,9 +579,7 @@ def esp_host(tmp: Path, esps: dict[str, list[str]], uefi: bool = True) -> None:
              "unshare": f'shift 5; script=$(printf "%s" "$1" | sed "s|/mnt|{tmp}/mnt|g"); shift; exec /bin/sh -c "$script" "$@"',
              "mount": f'ln -sfn {tmp}/esps/"${{3##*/}}" {tmp}/mnt',
              "umount": f"rm -f {tmp}/mnt"}
-    for name, body in stubs.items():
-        (tmp / "bin" / name).write_text(f"#!/bin/sh\n{body}\n")
-        (tmp / "bin" / name).chmod(0o755)
+    stubs_on_path(tmp, stubs)
 
 
 MIXED = {"5A1C-9E27": ["EFI/proxmox/grubx64.efi", "grub"], "7B2D-1F30": ["loader/loader.conf"]}
