@@ -142,10 +142,12 @@ def _turns() -> dict[str, Any]:
 
 
 def _run_nodes() -> dict[str, Any]:
-    """{Proxmox node name: pyinfra host} of the hosts this run connected (within --limit)."""
+    """{Proxmox node name: pyinfra host} of the hosts this run connected (within --limit): the roll's
+    node map (operations/reboot.py run_nodes) less the inventory's hosts the run did not connect."""
+    from operations.reboot import run_nodes
+
     state = current_state
-    return {h.data.get("pvegpu_node") or h.name: h for h in state.inventory
-            if state.is_host_in_limit(h) and h in state.activated_hosts}
+    return {n: h for n, h in run_nodes(state).items() if state.is_host_in_limit(h) and h in state.activated_hosts}
 
 
 def _phase_of(node: str, other) -> perform.NodePhase:
@@ -365,7 +367,7 @@ def restore_moved(spec: HostSpec, checked_now: bool) -> None:
                        f"{', '.join(away)}, which are not in this run: run with them to bring the guests back")
         return
     restore_moved_guests(name="Bring back the GPU guests moved for the Proxmox VE 8 -> 9 upgrade ("
-                              + ", ".join(f"{'VM' if k == 'qemu' or k.startswith('vm:') else 'CT'} {i}"
+                              + ", ".join(f"{KIND_LABEL.get(k, 'VM' if k.startswith('vm:') else 'CT')} {i}"
                                           for _, k, i, _ in moved) + ")",
                          cluster=str(cluster.name), node=cluster.node or host.name, moved=moved,
                          timeout=spec.guests.shutdown_timeout)

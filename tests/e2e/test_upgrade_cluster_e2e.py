@@ -17,46 +17,22 @@ from __future__ import annotations
 
 import json
 import os
-import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.e2e.harness import REPO, manifest_diff, root_manifest, run_pyinfra
-from tests.e2e.test_upgrade_perform_e2e import BROKEN_DEB, HOLD_LOCK, PVE_LIST, STATE
+from tests.e2e.test_cluster_e2e import INVENTORY
+from tests.e2e.test_upgrade_perform_e2e import BROKEN_DEB, HOLD_LOCK, PVE_LIST, STATE, wait_for
 from tests.twin import runtime
 
 pytestmark = [pytest.mark.twin]
-
-INVENTORY = textwrap.dedent("""\
-    import json
-    from pathlib import Path
-    from spec.load import inventory_hosts
-    specs = dict(inventory_hosts(Path(__file__).with_suffix(".yml")))
-    nodes = []
-    for name in {names!r}:
-        twin = json.loads((Path({twins!r}) / name / "twin.json").read_text())
-        nodes.append((name, dict(specs[name], ssh_hostname=twin["address"], ssh_port=twin["port"],
-                                 ssh_user="root", ssh_key=twin["key"], ssh_known_hosts_file="/dev/null",
-                                 ssh_strict_host_key_checking="no", pvegpu_node=name)))
-""")
-
 
 def ssh(name: str, command: str) -> str:
     done = runtime.ssh_run(name, [command])
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
-
-
-def wait_for(predicate, timeout: float = 60) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return predicate()
 
 
 def text(path: Path) -> str:
@@ -76,7 +52,7 @@ def test_one_node_at_a_time(twin_factory, tmp_path):
         assert "half-configured" in ssh(name, BROKEN_DEB)  # before the lock below: dpkg takes it
         (root / PVE_LIST).write_text("deb http://download.proxmox.com/debian/pve bookworm pve-no-subscription\n")
         ssh(name, HOLD_LOCK)
-        assert wait_for(lambda root=root: (root / "root/locked").exists())
+        assert wait_for(lambda root=root: (root / "root/locked").exists(), 60)
     uppers = {n: root_manifest(roots[n].parent / "upper") for n in roots}
 
     # one node starts; the other waits for it and is left as it is
@@ -93,7 +69,7 @@ def test_one_node_at_a_time(twin_factory, tmp_path):
     assert f"nothing was changed on {second}" in one.output
     assert manifest_diff(before, root_manifest(upper)) == []
     assert not (roots[second] / STATE).exists()
-    assert wait_for(lambda: "step=wait-for-dpkg" in text(roots[first] / STATE / "state"))
+    assert wait_for(lambda: "step=wait-for-dpkg" in text(roots[first] / STATE / "state"), 60)
 
     # while the first node's job runs: reported there, the second still waits, naming it
     running = run_pyinfra(inv, "deploy.py", env={"PYTHONPATH": str(REPO)}, timeout=600)
@@ -151,7 +127,7 @@ def test_the_starting_node_moves_its_pooled_vm_and_gets_it_back(twin_factory, tm
         ssh(name, f"qm set {vmid} --hostpci0 mapping=rtx6000,pcie=1 && qm start {vmid}")
         (roots[name] / PVE_LIST).write_text("deb http://download.proxmox.com/debian/pve bookworm pve-no-subscription\n")
         ssh(name, HOLD_LOCK)
-        assert wait_for(lambda name=name: (roots[name] / "root/locked").exists())
+        assert wait_for(lambda name=name: (roots[name] / "root/locked").exists(), 60)
     spec = {"proxmox_ve": 9, "proxmox_ve_upgrade": "perform",
             "reboot": {"allowed": False, "guests": "migrate"}, "guests": {"allow_stop": True, "shutdown_timeout": 5}}
     (tmp_path / "inv.yml").write_text(yaml.safe_dump({"hosts": {n: dict(spec, node=n) for n in roots}}))
