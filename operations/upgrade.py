@@ -434,8 +434,13 @@ def _confirm(state, host, checks: list[str]) -> bool:
         logger.error(f"{host.name}: the host checks after the 8 -> 9 upgrade failed: {said}; the other nodes of its "
                      "cluster do not start their upgrade until a run finds them passing")
         return False
+    # the job's dir checked as every root-written path is (root's, 0700, no symlink on the way), the
+    # state a regular file of it (not a link) before the line is added
+    state_file = word(perform.STATE_FILE)
     done, _ = host.run_shell_command(StringCommand(
-        f"printf 'checked=%s\\n' \"$(date -u +%Y-%m-%dT%H:%M:%SZ)\" >> {word(perform.STATE_FILE)}"))
+        root_dirs(("/var/lib/pvegpu", PRIVATE), (perform.STATE_DIR, PRIVATE))
+        + f"[ -f {state_file} ] && [ ! -L {state_file} ] || exit 1\n"
+        + f"printf 'checked=%s\\n' \"$(date -u +%Y-%m-%dT%H:%M:%SZ)\" >> {state_file}"))
     if done:
         logger.info(f"{host.name}: host checks passed on kernel {kernel} after the 8 -> 9 upgrade "
                     f"({len(checks)} check(s))")

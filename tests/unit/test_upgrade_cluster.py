@@ -223,6 +223,8 @@ def test_confirm_records_checked_only_on_9s_kernel_with_the_checks_passing(answe
     assert "printf '%s\\n' 'nvidia 580.95.05'" in shell.commands[0]
     wrote = [c for c in shell.commands if "checked=" in c]
     assert bool(wrote) is passed and (not wrote or wrote[0].endswith(">> /var/lib/pvegpu/upgrade/state"))
+    if wrote:  # under the checked root-only dir, into a regular file that is no link
+        assert wrote[0].index("pvegpu_dir /var/lib/pvegpu/upgrade 700") < wrote[0].index("[ ! -L /var/lib/pvegpu/upgrade/state ]")
 
 
 @pytest.mark.parametrize("state, pve, rebooted, called", [
